@@ -1,0 +1,50 @@
+"""Entry point of the ``domino`` command: builds one sub-command per verb module and dispatches.
+
+Each verb module in :data:`VERB_MODULES` exposes ``register(subparsers)``, which adds its
+sub-command(s) and sets ``func`` (a callable taking the parsed namespace and returning an exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import List, Optional, Sequence
+
+from domino import __version__
+from domino.config import ConfigError
+
+#: Modules under ``domino.cli`` that register sub-commands, in ``--help`` order.
+VERB_MODULES: List[str] = [
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``domino`` argument parser with every registered sub-command."""
+    parser = argparse.ArgumentParser(
+        prog="domino",
+        description="GPT pretraining with Domino tensor parallelism, DeepSpeed and Kubeflow Pipelines.",
+    )
+    parser.add_argument("--version", action="version", version=f"domino {__version__}")
+    parser.add_argument("--log-level", default="INFO", help="Python logging level (default: INFO).")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in VERB_MODULES:
+        importlib.import_module(f"domino.cli.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Runs ``domino`` with ``argv`` (default: ``sys.argv[1:]``) and exits with the verb's status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from domino.logging_utils import setup_logging
+
+    setup_logging(args.log_level)
+    try:
+        code = args.func(args)
+    except ConfigError as error:
+        logging.getLogger("domino").error("%s", error)
+        print(f"domino {args.command}: error: {error}", file=sys.stderr)
+        code = 2
+    sys.exit(code or 0)

@@ -1,0 +1,158 @@
+"""Megatron-style command-line flags generated from the config dataclasses.
+
+Every dataclass field becomes one flag (``micro_batch_size`` -> ``--micro-batch-size``) whose help is
+the field's docstring. Values resolve in three layers: dataclass defaults, then ``--preset NAME``,
+then flags given explicitly on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import typing
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+from domino.config import preset_store
+from domino.config.schema import DominoConfig
+from domino.config.validate import ConfigError, validate
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> Dict[str, str]:
+    """Returns ``{field name: docstring}`` read from the string literal below each field of ``cls``."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = following.value.value.strip()
+    return docs
+
+
+def flag_name(field_name: str) -> str:
+    """``micro_batch_size`` -> ``--micro-batch-size``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def _group_classes() -> Dict[str, type]:
+    hints = typing.get_type_hints(DominoConfig)
+    return {group: hints[group] for group in DominoConfig.GROUPS}
+
+
+def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, doc: str) -> None:
+    dest = f.name
+    origin = typing.get_origin(hint)
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if origin is typing.Union and args else hint
+    if base is bool:
+        group.add_argument(flag_name(f.name), dest=dest, action=argparse.BooleanOptionalAction, help=doc)
+    elif typing.get_origin(base) in (list, List):
+        group.add_argument(flag_name(f.name), dest=dest, nargs="+", metavar="VALUE", help=doc)
+    else:
+        group.add_argument(flag_name(f.name), dest=dest, type=base, metavar=base.__name__.upper(), help=doc)
+
+
+def add_config_flags(parser: argparse.ArgumentParser, groups: Iterable[str] = DominoConfig.GROUPS) -> None:
+    """Adds ``--preset`` and one flag per field of the named config groups to ``parser``.
+
+    Flags are added with ``default=argparse.SUPPRESS`` so that :func:`config_from_args` can tell an
+    explicit flag from a default and apply presets underneath explicit flags.
+    """
+    parser.add_argument(
+        "--preset",
+        default=argparse.SUPPRESS,
+        metavar="NAME",
+        help=f"Start from a named preset ({', '.join(preset_store.available())}); explicit flags override it.",
+    )
+    classes = _group_classes()
+    for name in groups:
+        cls = classes[name]
+        hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
+        group = parser.add_argument_group(f"{name} ({cls.__doc__.strip()})", argument_default=argparse.SUPPRESS)
+        for f in dataclasses.fields(cls):
+            _add_field(group, f, hints[f.name], docs.get(f.name, ""))
+
+
+def _owner_of_fields() -> Dict[str, str]:
+    owners = {}
+    for group, cls in _group_classes().items():
+        for f in dataclasses.fields(cls):
+            owners[f.name] = group
+    return owners
+
+
+def apply_overrides(config: DominoConfig, overrides: Dict[str, Any], source: str) -> None:
+    """Sets flat ``{field: value}`` overrides on ``config``; an unknown key is a :class:`ConfigError`."""
+    owners = _owner_of_fields()
+    for key, value in overrides.items():
+        key = key.replace("-", "_")
+        if key not in owners:
+            raise ConfigError(f"{source}: unknown setting '{key}' (no flag {flag_name(key)})")
+        setattr(getattr(config, owners[key]), key, value)
+
+
+def config_from_args(
+    args: argparse.Namespace, world_size: Optional[int] = None, check: bool = True
+) -> DominoConfig:
+    """Resolves defaults, the preset and explicit flags into a validated :class:`DominoConfig`."""
+    config = DominoConfig()
+    values = vars(args)
+    preset = values.get("preset")
+    if preset is not None:
+        apply_overrides(config, preset_store.load(preset), f"preset '{preset}'")
+        config.preset = preset
+    owners = _owner_of_fields()
+    apply_overrides(config, {k: v for k, v in values.items() if k in owners}, "command line")
+    if check:
+        validate(config, world_size=world_size)
+    return config
+
+
+def parse_config(
+    argv: Sequence[str], world_size: Optional[int] = None, prog: str = "domino"
+) -> DominoConfig:
+    """Parses Megatron-style flags into a validated config (for scripts and tests)."""
+    parser = argparse.ArgumentParser(prog=prog)
+    add_config_flags(parser)
+    return config_from_args(parser.parse_args(list(argv)), world_size=world_size)
+
+
+def config_to_dict(config: DominoConfig) -> Dict[str, Any]:
+    """The config as nested plain data (for checkpoints, metrics and reports)."""
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(data: Dict[str, Any]) -> DominoConfig:
+    """Inverse of :func:`config_to_dict`; unknown keys are rejected with a clear error."""
+    config = DominoConfig(preset=data.get("preset"))
+    for group in DominoConfig.GROUPS:
+        apply_overrides(config, data.get(group, {}), f"config group '{group}'")
+    return config
+
+
+def config_to_argv(config: DominoConfig, groups: Iterable[str] = DominoConfig.GROUPS) -> List[str]:
+    """Flags that reproduce ``config`` when parsed (fields equal to their defaults are left out)."""
+    argv: List[str] = []
+    defaults = DominoConfig()
+    for group in groups:
+        for f in dataclasses.fields(getattr(config, group)):
+            value = getattr(getattr(config, group), f.name)
+            if value == getattr(getattr(defaults, group), f.name):
+                continue
+            if isinstance(value, bool):
+                argv.append(flag_name(f.name) if value else "--no-" + f.name.replace("_", "-"))
+            elif isinstance(value, list):
+                argv += [flag_name(f.name), *map(str, value)]
+            elif value is not None:
+                argv += [flag_name(f.name), str(value)]
+    return argv

@@ -1,0 +1,158 @@
+"""Process groups for a tensor-parallel x data-parallel grid.
+
+Ranks are laid out as in Megatron-LM: the ``tp`` consecutive ranks ``[k*tp, (k+1)*tp)`` form one
+tensor-parallel group (they share one copy of the model, each holding a slice of every layer), and ranks
+with the same position inside their TP group form a data-parallel group (ZeRO shards across them).
+
+When nothing is initialised every getter answers as a single process (rank 0, size 1, group ``None``),
+so the model runs on one device without ``torch.distributed``. This module also serves as the ``mpu``
+object DeepSpeed expects (``get_model_parallel_*`` / ``get_data_parallel_*``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from domino.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Groups:
+    tp_group: Optional[dist.ProcessGroup]
+    tp_ranks: List[int]
+    dp_group: Optional[dist.ProcessGroup]
+    dp_ranks: List[int]
+
+
+_STATE: Optional[_Groups] = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA is available, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def initialize_distributed(backend: Optional[str] = None, timeout_minutes: int = 30) -> None:
+    """Initialises ``torch.distributed`` from the torchrun environment (or as a lone process).
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` as set by torchrun
+    (or by the training operator through torchrun). Without them, starts a world of one on a free port.
+    Does nothing when already initialised.
+    """
+    if dist.is_initialized():
+        return
+    backend = backend or default_backend()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ConfigError(f"torch.distributed needs {', '.join(missing)} in the environment (run under torchrun)")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    logger.info("torch.distributed initialised: backend=%s world_size=%d", backend, dist.get_world_size())
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
+    """Creates the TP and DP groups over the current world.
+
+    Raises:
+        ConfigError: when the world size is not divisible by ``tensor_model_parallel_size``.
+    """
+    global _STATE
+    tp = tensor_model_parallel_size
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if tp < 1 or world % tp != 0:
+        raise ConfigError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp}")
+    if not dist.is_initialized():
+        _STATE = _Groups(None, [0], None, [0])
+        return
+    rank = dist.get_rank()
+    mine = None
+    # Every rank must create every group, in the same order (new_group is collective).
+    for start in range(0, world, tp):
+        ranks = list(range(start, start + tp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = _Groups(group, ranks, None, [])
+    for offset in range(tp):
+        ranks = list(range(offset, world, tp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine.dp_group, mine.dp_ranks = group, ranks
+    _STATE = mine
+
+
+def model_parallel_is_initialized() -> bool:
+    """Whether :func:`initialize_model_parallel` has run."""
+    return _STATE is not None
+
+
+def destroy_model_parallel() -> None:
+    """Forgets the groups (tests call this between configurations)."""
+    global _STATE
+    _STATE = None
+
+
+def get_tensor_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    """This rank's TP group (``None`` for a single process)."""
+    return _STATE.tp_group if _STATE else None
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    """Number of ranks in this rank's TP group."""
+    return len(_STATE.tp_ranks) if _STATE else 1
+
+
+def get_tensor_model_parallel_rank() -> int:
+    """Position of this rank inside its TP group."""
+    if not _STATE or not dist.is_initialized():
+        return 0
+    return _STATE.tp_ranks.index(dist.get_rank())
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of TP rank 0 of this rank's group (the rank that reads data and broadcasts it)."""
+    return _STATE.tp_ranks[0] if _STATE else 0
+
+
+def get_data_parallel_group() -> Optional[dist.ProcessGroup]:
+    """This rank's data-parallel group (``None`` for a single process)."""
+    return _STATE.dp_group if _STATE else None
+
+
+def get_data_parallel_world_size() -> int:
+    """Number of data-parallel replicas."""
+    return len(_STATE.dp_ranks) if _STATE else 1
+
+
+def get_data_parallel_rank() -> int:
+    """Index of this rank's replica among the data-parallel replicas."""
+    if not _STATE or not dist.is_initialized():
+        return 0
+    return _STATE.dp_ranks.index(dist.get_rank())
+
+
+# DeepSpeed's ``mpu`` interface uses "model parallel" for what we call tensor parallel.
+get_model_parallel_group = get_tensor_model_parallel_group
+get_model_parallel_world_size = get_tensor_model_parallel_world_size
+get_model_parallel_rank = get_tensor_model_parallel_rank
+get_model_parallel_src_rank = get_tensor_model_parallel_src_rank
