@@ -102,7 +102,7 @@ def apply_overrides(config: DominoConfig, overrides: Dict[str, Any], source: str
 
 
 def config_from_args(
-    args: argparse.Namespace, world_size: Optional[int] = None, check: bool = True
+    args: argparse.Namespace, world_size: Optional[int] = None, check: bool = True, for_training: bool = False
 ) -> DominoConfig:
     """Resolves defaults, the preset and explicit flags into a validated :class:`DominoConfig`."""
     config = DominoConfig()
@@ -114,7 +114,7 @@ def config_from_args(
     owners = _owner_of_fields()
     apply_overrides(config, {k: v for k, v in values.items() if k in owners}, "command line")
     if check:
-        validate(config, world_size=world_size)
+        validate(config, world_size=world_size, for_training=for_training)
     return config
 
 

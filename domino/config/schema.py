@@ -164,6 +164,12 @@ class CheckpointConfig:
     """Directory to resume from (its latest checkpoint); starts fresh when it holds none."""
     keep_last: Optional[int] = None
     """Keep only this many most recent checkpoints."""
+    finetune: bool = False
+    """With --load: take the model weights only and start at iteration 0 (warm start)."""
+    no_load_optim: bool = False
+    """With --load: skip the optimizer state (fresh optimizer)."""
+    no_load_rng: bool = False
+    """With --load: skip the random-number-generator states."""
 
 
 @dataclass

@@ -21,13 +21,14 @@ def data_parallel_size(config: DominoConfig, world_size: int) -> int:
     return world_size // config.parallel.tensor_model_parallel_size
 
 
-def validate(config: DominoConfig, world_size: Optional[int] = None) -> None:
+def validate(config: DominoConfig, world_size: Optional[int] = None, for_training: bool = False) -> None:
     """Raises :class:`ConfigError` listing every problem in ``config``.
 
     Args:
         config: the resolved configuration.
         world_size: number of processes of the run, when known; enables the checks that involve the
             data-parallel size (divisibility of the world and of the global batch).
+        for_training: also require what ``domino pretrain`` needs (a length, a data source).
     """
     m, p, t, d, c, lg = config.model, config.parallel, config.train, config.data, config.checkpoint, config.logging
     problems: List[str] = []
@@ -96,6 +97,16 @@ def validate(config: DominoConfig, world_size: Optional[int] = None) -> None:
     _check(problems, lg.log_interval >= 1, f"--log-interval must be >= 1, got {lg.log_interval}")
     _check(problems, lg.timing_log_level in (0, 1, 2), f"--timing-log-level must be 0, 1 or 2, got {lg.timing_log_level}")
     _check(problems, d.num_workers >= 0, f"--num-workers must be >= 0, got {d.num_workers}")
+
+    if for_training:
+        _check(problems, t.train_iters is not None or t.train_samples is not None,
+               "one of --train-iters or --train-samples is required")
+        _check(problems, bool(d.data_path or d.train_data_path or d.mock_data),
+               "no training data: give --data-path (or --train-data-path), or --mock-data")
+        _check(problems, not (d.data_path and d.train_data_path),
+               "--data-path and --train-data-path are mutually exclusive")
+        _check(problems, c.save_interval is None or c.save is not None, "--save-interval needs --save")
+        _check(problems, not (c.finetune and c.load is None), "--finetune needs --load")
 
     if problems:
         raise ConfigError("; ".join(problems))
