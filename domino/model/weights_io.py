@@ -1,0 +1,376 @@
+"""The model-weights part of the domino checkpoint format.
+
+A save root ``DIR`` holds ``DIR/latest`` (a text file naming the newest checkpoint, e.g. ``iter_0000100``,
+replaced last by an atomic rename) and one directory per checkpoint::
+
+    DIR/iter_0000100/
+        checkpoint.json              format version, iteration, TP size, padded vocab, tokenizer, config
+        model/tp_rank_00.safetensors each tensor-parallel rank's ``model.state_dict()``
+        model/tp_rank_01.safetensors ...
+        tokenizer/                   optional: the tokenizer, so the checkpoint is self-contained
+        optim/, rng/                 training state (owned by ``domino.train``; not read here)
+
+Weights are stored with safetensors, so loading never unpickles anything. Every file is written to a
+temporary name, fsynced and renamed, so an interrupted save never leaves a half-written file under the
+final name. Loading reshards: a checkpoint saved with any TP size loads on any other TP size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from domino.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+LATEST_FILE = "latest"
+META_FILE = "checkpoint.json"
+MODEL_DIR = "model"
+TOKENIZER_DIR = "tokenizer"
+REQUIRED_META_KEYS = ("format_version", "iteration", "consumed_samples", "tensor_model_parallel_size",
+                      "padded_vocab_size", "tokenizer", "config")
+_TAG_PATTERN = re.compile(r"^iter_\d{7,}$")
+_SHARD_PATTERN = re.compile(r"^tp_rank_(\d{2,})\.safetensors$")
+
+PathLike = Union[str, os.PathLike]
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint path or file that cannot be used; the message names the path and what is wrong."""
+
+
+def checkpoint_tag(iteration: int) -> str:
+    """The directory name of the checkpoint of ``iteration``: ``iter_0000100``."""
+    return f"iter_{iteration:07d}"
+
+
+def shard_file_name(tp_rank: int) -> str:
+    """``tp_rank_00.safetensors`` for rank 0."""
+    return f"tp_rank_{tp_rank:02d}.safetensors"
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable; not every platform lets a directory be opened.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_replace(tmp: Path, final: Path) -> None:
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def _temp_path(final: Path) -> Path:
+    fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    return Path(name)
+
+
+def atomic_write_text(path: PathLike, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary file, fsync and rename."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_path(final)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        _atomic_replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_latest(save_root: PathLike, tag: str) -> None:
+    """Points ``save_root/latest`` at checkpoint ``tag`` (atomically; call after the checkpoint is complete)."""
+    if not _TAG_PATTERN.match(tag):
+        raise CheckpointError(f"checkpoint tag {tag!r} is not of the form iter_NNNNNNN")
+    atomic_write_text(Path(save_root) / LATEST_FILE, tag + "\n")
+
+
+def find_latest_checkpoint(save_root: PathLike) -> Optional[Path]:
+    """The checkpoint ``save_root/latest`` points at, or ``None`` when the root holds no ``latest`` file.
+
+    Raises:
+        CheckpointError: when ``latest`` exists but is garbage or points at no checkpoint.
+    """
+    root = Path(save_root)
+    latest = root / LATEST_FILE
+    if not latest.is_file():
+        return None
+    tag = latest.read_text(encoding="utf-8", errors="replace").strip()
+    if not _TAG_PATTERN.match(tag):
+        raise CheckpointError(f"{latest} should name a checkpoint like iter_0000100, but holds {tag[:60]!r}")
+    target = root / tag
+    if not (target / META_FILE).is_file():
+        raise CheckpointError(f"{latest} points at {tag}, but {target / META_FILE} does not exist")
+    return target
+
+
+def resolve_checkpoint_dir(path: PathLike) -> Path:
+    """The checkpoint directory that ``path`` designates.
+
+    Args:
+        path: a save root holding ``latest``, or one checkpoint directory (``.../iter_0000100``).
+
+    Raises:
+        CheckpointError: when ``path`` is missing, is a file, is neither kind of directory, or its
+            ``latest`` is garbage or points nowhere.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint path {p} does not exist")
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint path {p} is a file; expected a save root or an iter_* directory")
+    if (p / META_FILE).is_file():
+        return p
+    found = find_latest_checkpoint(p)
+    if found is None:
+        raise CheckpointError(
+            f"{p} is not a checkpoint: it has neither {META_FILE} (a checkpoint directory) "
+            f"nor a '{LATEST_FILE}' file (a save root)")
+    return found
+
+
+def _check_meta(meta: Dict[str, Any], source: str) -> None:
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{source}: expected a JSON object, got {type(meta).__name__}")
+    missing = [k for k in REQUIRED_META_KEYS if k not in meta]
+    if missing:
+        raise CheckpointError(f"{source}: missing field(s) {', '.join(missing)}")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(f"{source}: format_version {meta['format_version']!r} is not supported "
+                              f"(this domino reads version {FORMAT_VERSION})")
+    for key in ("iteration", "consumed_samples", "tensor_model_parallel_size", "padded_vocab_size"):
+        if not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 0:
+            raise CheckpointError(f"{source}: field {key} must be a non-negative integer, got {meta[key]!r}")
+    if meta["tensor_model_parallel_size"] < 1:
+        raise CheckpointError(f"{source}: tensor_model_parallel_size must be >= 1")
+    if not isinstance(meta["config"], dict):
+        raise CheckpointError(f"{source}: field config must be an object")
+
+
+def read_checkpoint_meta(ckpt_dir: PathLike) -> Dict[str, Any]:
+    """Reads and checks ``ckpt_dir/checkpoint.json``.
+
+    Raises:
+        CheckpointError: when the file is missing, is not JSON, or lacks a required field.
+    """
+    path = Path(ckpt_dir) / META_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist (is {ckpt_dir} a checkpoint directory?)")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+    _check_meta(meta, str(path))
+    return meta
+
+
+def write_checkpoint_meta(ckpt_dir: PathLike, meta: Dict[str, Any]) -> None:
+    """Checks ``meta`` and writes it as ``ckpt_dir/checkpoint.json`` (atomically)."""
+    meta = {"format_version": FORMAT_VERSION, **meta}
+    _check_meta(meta, f"checkpoint metadata for {ckpt_dir}")
+    atomic_write_text(Path(ckpt_dir) / META_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+def save_model_shard(ckpt_dir: PathLike, state_dict: Dict[str, torch.Tensor], tp_rank: int) -> Path:
+    """Writes one TP rank's ``model.state_dict()`` to ``ckpt_dir/model/tp_rank_NN.safetensors`` atomically.
+
+    Tensors are copied to CPU first (safetensors refuses tensors that share memory, e.g. tied weights).
+
+    Returns:
+        The path of the written file.
+    """
+    not_tensors = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+    if not_tensors:
+        raise CheckpointError(f"state dict entries {not_tensors[:5]} are not tensors; only tensors can be saved")
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
+    final = Path(ckpt_dir) / MODEL_DIR / shard_file_name(tp_rank)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_path(final)
+    try:
+        save_file(tensors, str(tmp), metadata={"format_version": str(FORMAT_VERSION), "tp_rank": str(tp_rank)})
+        _atomic_replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
+
+
+def _read_safetensors(path: Path) -> Dict[str, torch.Tensor]:
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            return {key: handle.get_tensor(key) for key in handle.keys()}
+    except Exception as error:  # safetensors raises several types for truncated or foreign files
+        raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from None
+
+
+def shard_paths(ckpt_dir: PathLike, meta: Optional[Dict[str, Any]] = None) -> List[Path]:
+    """The shard files of a checkpoint in TP-rank order, checked against its metadata."""
+    ckpt_dir = Path(ckpt_dir)
+    meta = meta if meta is not None else read_checkpoint_meta(ckpt_dir)
+    tp = meta["tensor_model_parallel_size"]
+    expected = [ckpt_dir / MODEL_DIR / shard_file_name(r) for r in range(tp)]
+    missing = [str(p) for p in expected if not p.is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt_dir} was saved with tensor_model_parallel_size={tp} "
+                              f"but lacks {', '.join(missing)}")
+    return expected
+
+
+def load_tp_shards(ckpt_dir: PathLike) -> Tuple[List[Dict[str, torch.Tensor]], Dict[str, Any]]:
+    """All TP shards of a checkpoint (as saved) and its metadata."""
+    meta = read_checkpoint_meta(ckpt_dir)
+    return [_read_safetensors(p) for p in shard_paths(ckpt_dir, meta)], meta
+
+
+def load_full_state_dict(ckpt_dir: PathLike) -> Dict[str, torch.Tensor]:
+    """The unsharded state dict of a checkpoint (TP shards merged)."""
+    from domino.model.sharding import merge_tp_shards
+
+    shards, _ = load_tp_shards(ckpt_dir)
+    return shards[0] if len(shards) == 1 else merge_tp_shards(shards)
+
+
+def load_model_shard(ckpt_dir: PathLike, tp_rank: int, tp_size: int) -> Dict[str, torch.Tensor]:
+    """The state dict for TP rank ``tp_rank`` of ``tp_size``, resharded if the checkpoint used another TP size.
+
+    Raises:
+        CheckpointError: when the checkpoint's padded vocabulary cannot be split ``tp_size`` ways.
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise CheckpointError(f"tp_rank {tp_rank} is outside [0, {tp_size})")
+    meta = read_checkpoint_meta(ckpt_dir)
+    if meta["tensor_model_parallel_size"] == tp_size:
+        return _read_safetensors(shard_paths(ckpt_dir, meta)[tp_rank])
+    if meta["padded_vocab_size"] % tp_size:
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir}: padded vocabulary {meta['padded_vocab_size']} cannot be split over "
+            f"tensor_model_parallel_size={tp_size}")
+    from domino.model.sharding import shard_state_dict
+
+    logger.info("resharding %s from TP=%d to TP=%d", ckpt_dir, meta["tensor_model_parallel_size"], tp_size)
+    return shard_state_dict(load_full_state_dict(ckpt_dir), tp_rank, tp_size)
+
+
+def load_checkpoint_tokenizer(ckpt_dir: PathLike, meta: Dict[str, Any], tokenizer_spec: Optional[str] = None):
+    """The tokenizer of a checkpoint: ``tokenizer_spec`` if given, else its ``tokenizer/`` copy, else its spec."""
+    from domino.data.tokenizer import build_tokenizer
+
+    saved = Path(ckpt_dir) / TOKENIZER_DIR
+    spec = tokenizer_spec or (str(saved) if saved.is_dir() else meta["tokenizer"])
+    try:
+        return build_tokenizer(spec)
+    except ConfigError:
+        raise
+    except Exception as error:  # a spec recorded on another machine may not resolve here
+        raise CheckpointError(f"checkpoint {ckpt_dir}: cannot build tokenizer {spec!r} ({error}); "
+                              "pass the tokenizer explicitly") from None
+
+
+def build_model_from_checkpoint(
+    path: PathLike,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    *,
+    domino_chunks: int = 1,
+    parallel_output: bool = True,
+    device: Union[str, torch.device] = "cpu",
+    dtype: torch.dtype = torch.float32,
+    load_tokenizer: bool = True,
+    tokenizer_spec: Optional[str] = None,
+):
+    """Builds a ``GPTModel`` in eval mode holding TP rank ``tp_rank``'s slice of a checkpoint.
+
+    With ``tp_size > 1`` the TP process groups must already exist (``initialize_model_parallel``).
+
+    Args:
+        path: a save root (its ``latest`` checkpoint is used) or an ``iter_*`` directory.
+        tp_rank: this process's tensor-parallel rank.
+        tp_size: the tensor-parallel size to load at (any; the checkpoint is resharded if needed).
+        domino_chunks: Domino micro-chunks of the built model.
+        parallel_output: keep logits vocab-parallel (False gathers the full vocabulary on every rank).
+        device: where the model lives.
+        dtype: parameter dtype.
+        load_tokenizer: also build the checkpoint's tokenizer (``None`` is returned otherwise).
+        tokenizer_spec: a tokenizer spec that overrides the checkpoint's own.
+
+    Returns:
+        ``(model, meta, tokenizer)``: the model, the checkpoint metadata (plus ``"checkpoint_dir"``),
+        and the tokenizer or ``None``.
+    """
+    from domino.config import config_from_dict
+    from domino.model import GPTModel
+
+    ckpt_dir = resolve_checkpoint_dir(path)
+    meta = read_checkpoint_meta(ckpt_dir)
+    config = config_from_dict(meta["config"])
+    config.parallel.tensor_model_parallel_size = tp_size
+    state_dict = load_model_shard(ckpt_dir, tp_rank, tp_size)
+    model = GPTModel(config.model, meta["padded_vocab_size"], domino_chunks=domino_chunks,
+                     parallel_output=parallel_output)
+    try:
+        model.load_state_dict(state_dict, strict=True)
+    except RuntimeError as error:
+        raise CheckpointError(f"checkpoint {ckpt_dir} does not fit the model its config describes: {error}") from None
+    model.to(device=device, dtype=dtype).eval()
+    tokenizer = load_checkpoint_tokenizer(ckpt_dir, meta, tokenizer_spec) if load_tokenizer else None
+    return model, {**meta, "checkpoint_dir": str(ckpt_dir)}, tokenizer
+
+
+def write_weights_only_checkpoint(
+    save_root: PathLike,
+    config,
+    full_state_dict: Dict[str, torch.Tensor],
+    padded_vocab_size: int,
+    tokenizer=None,
+    iteration: int = 0,
+) -> Path:
+    """Writes a TP=1 checkpoint holding only model weights, then points ``save_root/latest`` at it.
+
+    Used by ``domino import-hf``; training warm-starts from it with ``--load DIR --finetune``.
+
+    Args:
+        save_root: the save root to write into (created if needed).
+        config: the ``DominoConfig`` describing the model.
+        full_state_dict: the unsharded ``GPTModel`` state dict.
+        padded_vocab_size: rows of the (padded) embedding in ``full_state_dict``.
+        tokenizer: a tokenizer to store under ``tokenizer/`` (its spec goes to the metadata).
+        iteration: the iteration number to record.
+
+    Returns:
+        The checkpoint directory.
+    """
+    import copy
+
+    from domino.config import config_to_dict
+
+    config = copy.deepcopy(config)
+    config.parallel.tensor_model_parallel_size = 1
+    ckpt_dir = Path(save_root) / checkpoint_tag(iteration)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    save_model_shard(ckpt_dir, full_state_dict, 0)
+    if tokenizer is not None:
+        tokenizer.save(str(ckpt_dir / TOKENIZER_DIR))
+    write_checkpoint_meta(ckpt_dir, {
+        "iteration": iteration, "consumed_samples": 0, "tensor_model_parallel_size": 1,
+        "padded_vocab_size": padded_vocab_size, "tokenizer": config.data.tokenizer,
+        "config": config_to_dict(config)})
+    write_latest(save_root, checkpoint_tag(iteration))
+    return ckpt_dir
