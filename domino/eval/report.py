@@ -1,0 +1,182 @@
+"""A self-contained HTML report of a run: loss and throughput plots, evaluation table, config, samples.
+
+The report is one file with no external assets (plots are base64 PNGs, the style sheet is inline), so it
+can be published as a Kubeflow ``Output[HTML]`` artifact or mailed around as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+
+from domino.config import ConfigError, DominoConfig, config_to_dict
+from domino.eval.report_plots import (
+    figure_to_data_uri,
+    loss_figure,
+    read_metrics,
+    schedule_figure,
+    throughput_figure,
+)
+from domino.model.weights_io import atomic_write_text
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 60em; color: #222; }
+h1 { border-bottom: 2px solid #ccc; } h2 { margin-top: 1.6em; }
+table { border-collapse: collapse; margin: 0.5em 0; } td, th { border: 1px solid #ccc; padding: 0.25em 0.6em; }
+th { background: #f3f3f3; text-align: left; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+img { max-width: 100%; } pre { background: #f7f7f7; padding: 0.6em; white-space: pre-wrap; }
+.prompt { color: #555; } .completion { color: #0a5; font-weight: 600; }
+"""
+
+EVAL_COLUMNS = ("loss", "ppl", "accuracy", "tokens")
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return html.escape(str(value))
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    if isinstance(value, (list, tuple)):
+        return html.escape(" ".join(str(v) for v in value)) or "&mdash;"
+    return html.escape(str(value))
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[Any]], table_id: str) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = []
+    for row in rows:
+        cells = "".join(
+            f'<td class="num">{_fmt(v)}</td>' if isinstance(v, (int, float)) and not isinstance(v, bool)
+            else f"<td>{_fmt(v)}</td>" for v in row)
+        body.append(f"<tr>{cells}</tr>")
+    return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def _normalise_eval_results(eval_results: Any) -> List[Dict[str, Any]]:
+    """Accepts one result dict, a list of them, or ``{name: result}``; returns named rows."""
+    if eval_results is None:
+        return []
+    if isinstance(eval_results, Mapping) and any(k in eval_results for k in EVAL_COLUMNS):
+        return [{"name": eval_results.get("name", "evaluation"), **eval_results}]
+    if isinstance(eval_results, Mapping):
+        return [{"name": str(name), **dict(result)} for name, result in eval_results.items()]
+    if isinstance(eval_results, (list, tuple)):
+        return [{"name": r.get("name", f"evaluation {i + 1}"), **r} for i, r in enumerate(eval_results)]
+    raise ConfigError(f"evaluation results must be a dict or a list of dicts, got {type(eval_results).__name__}")
+
+
+def _eval_section(eval_results: Any, metric_evals: Sequence[Dict[str, Any]]) -> str:
+    rows = [[r["name"], *(r.get(c) for c in EVAL_COLUMNS)] for r in _normalise_eval_results(eval_results)]
+    # The last evaluation of each split logged during training complements the explicit results.
+    last: Dict[str, Dict[str, Any]] = {}
+    for record in metric_evals:
+        last[record["eval"]] = record
+    for split, record in last.items():
+        rows.append([f"{split} (training, iteration {record.get('iteration')})",
+                     record.get("lm_loss"), record.get("ppl"), record.get("accuracy"), record.get("tokens")])
+    if not rows:
+        return "<p>No evaluation results.</p>"
+    return _table(["evaluation", "loss", "perplexity", "accuracy", "tokens"], rows, "evaluation")
+
+
+def _config_section(config: Union[DominoConfig, Mapping[str, Any], None]) -> str:
+    if config is None:
+        return "<p>No configuration given.</p>"
+    data = config_to_dict(config) if dataclasses.is_dataclass(config) else dict(config)
+    rows = []
+    for group, values in data.items():
+        if isinstance(values, Mapping):
+            rows.extend([f"{group}.{key}", value] for key, value in values.items())
+        else:
+            rows.append([group, values])
+    return _table(["setting", "value"], rows, "config")
+
+
+def _samples_section(samples: Optional[Sequence[Mapping[str, Any]]]) -> str:
+    if not samples:
+        return "<p>No sample generations.</p>"
+    items = []
+    for sample in samples:
+        prompt = html.escape(str(sample.get("prompt", "")))
+        completion = html.escape(str(sample.get("completion", sample.get("text", ""))))
+        items.append(f'<pre class="sample"><span class="prompt">{prompt}</span>'
+                     f'<span class="completion">{completion}</span></pre>')
+    return "\n".join(items)
+
+
+def _summary_section(train: Sequence[Dict[str, Any]]) -> str:
+    if not train:
+        return "<p>No training iterations were logged.</p>"
+    last = train[-1]
+    keys = ("iteration", "consumed_samples", "lm_loss", "tokens_per_s", "tflops_per_device", "mfu", "memory_gb")
+    return _table(["metric", "last logged value"], ([k, last.get(k)] for k in keys if k in last), "summary")
+
+
+def write_report(
+    output_html: Union[str, Path],
+    metrics_file: Union[str, Path, None],
+    eval_results: Any = None,
+    config: Union[DominoConfig, Mapping[str, Any], None] = None,
+    samples: Optional[Sequence[Mapping[str, Any]]] = None,
+    title: str = "domino run report",
+) -> Path:
+    """Writes the run report as one self-contained HTML file.
+
+    Args:
+        output_html: the file to write (parent directories are created; written atomically).
+        metrics_file: the run's ``--metrics-file`` JSONL (``None``: no plots).
+        eval_results: one result of :func:`domino.eval.evaluate_checkpoint`, a list of them, or
+            ``{name: result}``.
+        config: the run's ``DominoConfig`` or its ``config_to_dict`` form.
+        samples: generations as ``{"prompt": str, "completion": str}`` dicts.
+        title: the page title.
+
+    Returns:
+        The path of the written report.
+    """
+    train, evals = read_metrics(Path(metrics_file)) if metrics_file is not None else ([], [])
+    plots = []
+    for name, figure in (("loss", loss_figure(train, evals)), ("throughput", throughput_figure(train)),
+                         ("schedule", schedule_figure(train))):
+        if figure is not None:
+            plots.append(f'<figure><img id="plot-{name}" alt="{name} plot" src="{figure_to_data_uri(figure)}">'
+                         "</figure>")
+    created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    source = f" from {html.escape(str(metrics_file))}" if metrics_file is not None else ""
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>{_STYLE}</style></head>
+<body>
+<h1>{html.escape(title)}</h1>
+<p>Generated {created}{source}.</p>
+<h2>Training</h2>
+{_summary_section(train)}
+{"".join(plots) or "<p>No training metrics to plot.</p>"}
+<h2>Evaluation</h2>
+{_eval_section(eval_results, evals)}
+<h2>Sample generations</h2>
+{_samples_section(samples)}
+<h2>Configuration</h2>
+{_config_section(config)}
+</body></html>
+"""
+    output = Path(output_html)
+    atomic_write_text(output, page)
+    return output
+
+
+def load_eval_json(path: Union[str, Path]) -> Any:
+    """Reads an ``--eval-json`` file (the output of ``domino evaluate --json``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--eval-json {path} does not exist")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--eval-json {path} is not valid JSON: {error}") from None

@@ -1,0 +1,138 @@
+"""The report's plots: training metrics drawn with matplotlib and embedded as base64 PNG data URIs."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from matplotlib.figure import Figure
+
+from domino.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+Record = Dict[str, Any]
+
+
+def read_metrics(path: Path) -> Tuple[List[Record], List[Record]]:
+    """Reads a ``--metrics-file`` JSONL into (training records, evaluation records).
+
+    A truncated last line (a run still writing) is skipped with a warning; any other unreadable line is
+    an error naming the file and line.
+
+    Raises:
+        ConfigError: when the file is missing or a line in the middle is not a JSON object.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--metrics-file {path} does not exist")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    train: List[Record] = []
+    evals: List[Record] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines):
+                logger.warning("%s: skipping unfinished last line %d", path, number)
+                continue
+            raise ConfigError(f"--metrics-file {path}, line {number}: not JSON ({error})") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"--metrics-file {path}, line {number}: expected a JSON object")
+        if "eval" in record:
+            evals.append(record)
+        elif "iteration" in record:
+            train.append(record)
+    return train, evals
+
+
+def _series(records: Sequence[Record], key: str) -> Tuple[List[float], List[float]]:
+    xs, ys = [], []
+    for record in records:
+        value = record.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value) and "iteration" in record:
+            xs.append(record["iteration"])
+            ys.append(value)
+    return xs, ys
+
+
+def figure_to_data_uri(figure: Figure) -> str:
+    """The figure as a ``data:image/png;base64,...`` URI (self-contained; no file beside the report)."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def loss_figure(train: Sequence[Record], evals: Sequence[Record]) -> Optional[Figure]:
+    """Training loss per logged iteration with validation and test losses; ``None`` with nothing to draw."""
+    figure = Figure(figsize=(7, 3.6))
+    axes = figure.add_subplot()
+    drawn = False
+    xs, ys = _series(train, "lm_loss")
+    if xs:
+        axes.plot(xs, ys, label="training", color="tab:blue")
+        drawn = True
+    for split, color in (("valid", "tab:orange"), ("test", "tab:green")):
+        xs, ys = _series([r for r in evals if r.get("eval") == split], "lm_loss")
+        if xs:
+            axes.plot(xs, ys, marker="o", label="validation" if split == "valid" else "test", color=color)
+            drawn = True
+    if not drawn:
+        return None
+    axes.set_xlabel("iteration")
+    axes.set_ylabel("LM loss")
+    axes.set_title("Loss")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    return figure
+
+
+def throughput_figure(train: Sequence[Record]) -> Optional[Figure]:
+    """Tokens/s (and TFLOP/s per device when logged) over iterations; ``None`` with nothing to draw."""
+    xs, ys = _series(train, "tokens_per_s")
+    if not xs:
+        return None
+    figure = Figure(figsize=(7, 3.6))
+    axes = figure.add_subplot()
+    axes.plot(xs, ys, color="tab:purple", label="tokens/s")
+    axes.set_xlabel("iteration")
+    axes.set_ylabel("tokens / s")
+    axes.set_title("Throughput")
+    axes.grid(alpha=0.3)
+    fx, fy = _series(train, "tflops_per_device")
+    if fx:
+        twin = axes.twinx()
+        twin.plot(fx, fy, color="tab:gray", linestyle="--", label="TFLOP/s per device")
+        twin.set_ylabel("TFLOP/s per device")
+        handles = axes.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        axes.legend(handles=handles, loc="lower right")
+    return figure
+
+
+def schedule_figure(train: Sequence[Record]) -> Optional[Figure]:
+    """Learning rate and gradient norm over iterations; ``None`` when neither was logged."""
+    lx, ly = _series(train, "lr")
+    gx, gy = _series(train, "grad_norm")
+    if not lx and not gx:
+        return None
+    figure = Figure(figsize=(7, 3.6))
+    axes = figure.add_subplot()
+    axes.set_xlabel("iteration")
+    axes.set_title("Learning rate and gradient norm")
+    if lx:
+        axes.plot(lx, ly, color="tab:red", label="learning rate")
+        axes.set_ylabel("learning rate")
+    if gx:
+        twin = axes.twinx() if lx else axes
+        twin.plot(gx, gy, color="tab:cyan", label="gradient norm")
+        twin.set_ylabel("gradient norm")
+    axes.grid(alpha=0.3)
+    return figure
+

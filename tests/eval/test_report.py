@@ -1,0 +1,95 @@
+"""The HTML report: self-contained, with embedded plots, the evaluation table, config and samples."""
+
+import base64
+import json
+from html.parser import HTMLParser
+
+import pytest
+
+from domino.config import ConfigError, DominoConfig
+from domino.eval.report import write_report
+
+
+class _Page(HTMLParser):
+    """Collects images, table cells by table id, and every external reference."""
+
+    def __init__(self):
+        super().__init__()
+        self.images, self.tables, self.external, self.text = {}, {}, [], []
+        self._table = None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "img":
+            self.images[attrs.get("id")] = attrs["src"]
+        if tag == "table":
+            self._table = attrs.get("id")
+            self.tables[self._table] = []
+        for key in ("src", "href"):
+            if key in attrs and not attrs[key].startswith("data:"):
+                self.external.append(attrs[key])
+        if tag in ("script", "link"):
+            self.external.append(tag)
+
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self._table = None
+
+    def handle_data(self, data):
+        self.text.append(data)
+        if self._table and data.strip():
+            self.tables[self._table].append(data.strip())
+
+
+def _metrics(path, iterations=20, truncated_tail=False):
+    lines = []
+    for it in range(1, iterations + 1):
+        lines.append(json.dumps({"iteration": it, "consumed_samples": 8 * it, "lm_loss": 10.0 / it, "lr": 1e-3,
+                                 "grad_norm": 1.0 / it, "loss_scale": 1.0, "iteration_time_s": 0.5,
+                                 "tokens_per_s": 1000.0 + it, "tflops_per_device": 0.1, "mfu": 0.01,
+                                 "memory_gb": 0.2}))
+        if it % 10 == 0:
+            lines.append(json.dumps({"eval": "valid", "iteration": it, "lm_loss": 11.0 / it, "ppl": 2.0}))
+    text = "\n".join(lines) + "\n"
+    if truncated_tail:
+        text += '{"iteration": 21, "lm_lo'
+    path.write_text(text)
+    return path
+
+
+def test_report_renders_everything(tmp_path):
+    config = DominoConfig()
+    config.model.hidden_size = 96
+    out = write_report(tmp_path / "sub" / "report.html", _metrics(tmp_path / "m.jsonl", truncated_tail=True),
+                       eval_results={"loss": 3.25, "ppl": 25.79, "accuracy": 0.31, "tokens": 4096},
+                       config=config, samples=[{"prompt": "To be <or>", "completion": " not to be"}])
+    page = _Page()
+    page.feed(out.read_text())
+    assert page.external == []  # self-contained: nothing to fetch
+    for name in ("loss", "throughput", "schedule"):
+        src = page.images[f"plot-{name}"]
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+    evaluation = page.tables["evaluation"]
+    assert "3.25" in evaluation and "4,096" in evaluation and "25.79" in evaluation
+    assert any(cell.startswith("valid (training, iteration 20)") for cell in evaluation)
+    assert "model.hidden_size" in page.tables["config"] and "96" in page.tables["config"]
+    text = "".join(page.text)
+    assert "To be <or>" in text and "not to be" in text  # escaped in the HTML, intact once parsed
+
+
+def test_report_without_metrics_or_extras(tmp_path):
+    out = write_report(tmp_path / "r.html", None)
+    page = _Page()
+    page.feed(out.read_text())
+    assert page.images == {} and "No training metrics to plot." in "".join(page.text)
+
+
+def test_report_bad_metrics_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        write_report(tmp_path / "r.html", tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"iteration": 1}\nnot json\n{"iteration": 2}\n')
+    with pytest.raises(ConfigError, match="line 2"):
+        write_report(tmp_path / "r.html", bad)
+    assert not (tmp_path / "r.html").exists()
