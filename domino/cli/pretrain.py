@@ -1,0 +1,36 @@
+"""``domino pretrain``: GPT pretraining from Megatron-style flags (run under torchrun or alone)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from domino.config import add_config_flags, config_from_args
+
+
+def _run(args: argparse.Namespace) -> int:
+    from domino.train.gpt_recipe import GPTRecipe
+    from domino.train.pretrain import pretrain
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    config = config_from_args(args, world_size=world_size, for_training=True)
+    recipe = GPTRecipe(config)
+    result = pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step,
+                      recipe.padded_vocab_size, recipe.tokenizer)
+    if int(os.environ.get("RANK", "0")) == 0 and args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(vars(result), f, indent=2)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Adds ``domino pretrain``."""
+    parser = subparsers.add_parser(
+        "pretrain", help="Pretrain a GPT (DeepSpeed ZeRO, tensor parallel + Domino, checkpoints, evaluation).",
+        description="Pretrain a GPT. Run alone for one process, or under torchrun for many: "
+                    "`torchrun --nproc-per-node 2 -m domino pretrain --preset tiny --tensor-model-parallel-size 2 ...`.")
+    add_config_flags(parser)
+    parser.add_argument("--result-json", metavar="FILE", default=None,
+                        help="Write the run's final numbers (iteration, losses, tokens/s, checkpoint) here.")
+    parser.set_defaults(func=_run)

@@ -1,0 +1,1 @@
+"""Pretraining: the DeepSpeed loop, LR schedules, checkpoints, evaluation and metrics."""

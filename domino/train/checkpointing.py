@@ -1,0 +1,242 @@
+"""Atomic training checkpoints: model shards, ZeRO optimizer state, RNG states, position in the data.
+
+Layout of a save root (model weights and ``checkpoint.json`` are ``domino.model.weights_io``'s format)::
+
+    DIR/latest                         tag of the newest complete checkpoint, replaced last, atomically
+    DIR/iter_0000100/checkpoint.json   iteration, consumed samples, TP size, padded vocab, resolved config
+    DIR/iter_0000100/model/            one safetensors file per TP rank
+    DIR/iter_0000100/optim/rank_00003.pt   this rank's optimizer (ZeRO partition) state
+    DIR/iter_0000100/rng/rank_00003.pt     this rank's RNG states
+    DIR/iter_0000100/tokenizer/        the tokenizer, so the checkpoint is self-contained
+
+Every rank writes into ``DIR/.tmp-iter_0000100``; after a barrier rank 0 renames it into place and only
+then moves ``latest``. A kill at any moment therefore leaves the previous checkpoint intact and pointed to.
+Loading uses ``torch.load(weights_only=True)``: optimizer states are saved as plain tensors and numbers.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from domino.config import ConfigError, DominoConfig, config_to_dict
+from domino.model import weights_io
+from domino.parallel import random as tp_random
+from domino.parallel import state
+
+logger = logging.getLogger(__name__)
+
+#: Model fields that must match between a checkpoint and the run loading it.
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_size", "num_positions")
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _plain_rng_state() -> Dict[str, Any]:
+    """All RNG states with numpy's array turned into a tensor (loadable with ``weights_only=True``)."""
+    snapshot = dict(tp_random.get_rng_state())
+    kind, keys, pos, has_gauss, cached = snapshot.pop("numpy")
+    snapshot["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
+    return snapshot
+
+
+def _restore_rng_state(snapshot: Dict[str, Any]) -> None:
+    kind, keys, pos, has_gauss, cached = snapshot["numpy"]
+    snapshot["numpy"] = (kind, keys.numpy().astype("uint32"), pos, has_gauss, cached)
+    tp_random.set_rng_state(snapshot)
+
+
+def _plain_optimizer_state(engine) -> Dict[str, Any]:
+    """The optimizer's state dict reduced to tensors, numbers, strings and containers of them.
+
+    DeepSpeed's ZeRO state holds a loss-scaler object, an enum and slice-mapping objects; keeping them
+    out lets loading use ``weights_only=True`` (no arbitrary unpickling).
+    """
+    sd = dict(engine.optimizer.state_dict())
+    scaler = sd.pop("loss_scaler", None)
+    if scaler is not None:
+        sd["loss_scaler_fields"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
+    sd.pop("param_slice_mappings", None)
+    for key, value in list(sd.items()):
+        if isinstance(value, enum.Enum):
+            sd[key] = value.value
+    return sd
+
+
+def _restore_optimizer_state(engine, sd: Dict[str, Any]) -> None:
+    optimizer = engine.optimizer
+    live_scaler = getattr(optimizer, "loss_scaler", None)
+    fields = sd.pop("loss_scaler_fields", None)
+    if live_scaler is not None:
+        for key, value in (fields or {}).items():
+            setattr(live_scaler, key, value)
+        sd["loss_scaler"] = live_scaler
+    if "zero_stage" in sd:
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        sd["zero_stage"] = ZeroStageEnum(sd["zero_stage"])
+        sd["param_slice_mappings"] = getattr(optimizer, "_param_slice_mappings", None)
+        state_list = [None] * state.get_data_parallel_world_size()
+        state_list[state.get_data_parallel_rank()] = sd
+        optimizer.load_state_dict(state_list, load_optimizer_states=True, load_from_fp32_weights=True)
+    else:
+        optimizer.load_state_dict(sd)
+
+
+def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_samples: int,
+                    padded_vocab_size: int, tokenizer=None) -> Path:
+    """Writes checkpoint ``iter_{iteration:07d}`` under ``--save`` from every rank (collective).
+
+    Returns:
+        The final checkpoint directory.
+    """
+    root = Path(config.checkpoint.save)
+    tag = weights_io.checkpoint_tag(iteration)
+    tmp, final = root / f".tmp-{tag}", root / tag
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a run killed mid-save
+        (tmp / "optim").mkdir(parents=True)
+        (tmp / "rng").mkdir()
+    _barrier()
+    if state.get_data_parallel_rank() == 0:
+        weights_io.save_model_shard(tmp, engine.module.state_dict(), state.get_tensor_model_parallel_rank())
+    _atomic_torch_save(_plain_optimizer_state(engine), tmp / "optim" / f"rank_{rank:05d}.pt")
+    _atomic_torch_save(_plain_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+    if rank == 0:
+        meta = {
+            "format_version": 1, "iteration": iteration, "consumed_samples": consumed_samples,
+            "tensor_model_parallel_size": state.get_tensor_model_parallel_world_size(),
+            "data_parallel_size": state.get_data_parallel_world_size(),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "padded_vocab_size": padded_vocab_size, "tokenizer": config.data.tokenizer,
+            "config": config_to_dict(config),
+        }
+        weights_io.write_checkpoint_meta(tmp, meta)
+        if tokenizer is not None:
+            tokenizer.save(str(tmp / "tokenizer"))
+    _barrier()
+    if rank == 0:
+        for sub in ("", "optim", "rng", "model"):
+            if (tmp / sub).exists():
+                _fsync_dir(tmp / sub)
+        if final.exists():  # the same iteration saved again after a resume: replace it whole
+            trash = root / f".trash-{tag}"
+            shutil.rmtree(trash, ignore_errors=True)
+            os.replace(final, trash)
+            shutil.rmtree(trash)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        weights_io.write_latest(root, tag)
+        _prune(root, config.checkpoint.keep_last, keep=tag)
+        logger.info("saved checkpoint %s", final)
+    _barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: Optional[int], keep: str) -> None:
+    if not keep_last:
+        return
+    tags = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_"))
+    for tag in tags[:-keep_last]:
+        if tag != keep:
+            shutil.rmtree(root / tag, ignore_errors=True)
+
+
+def find_checkpoint(config: DominoConfig) -> Optional[Path]:
+    """The checkpoint ``--load`` resumes from, or ``None`` to start fresh.
+
+    An absent or empty directory means a fresh start. Anything else that is not a readable checkpoint
+    (a file, a ``latest`` pointing nowhere, a directory of unrelated files) is a :class:`ConfigError`,
+    raised before any training work.
+    """
+    load = config.checkpoint.load
+    if load is None:
+        return None
+    path = Path(load)
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return None
+    if path.is_dir() and not (path / "latest").exists() and not (path / "checkpoint.json").exists():
+        leftovers = [p.name for p in path.iterdir() if not p.name.startswith(".")]
+        if not leftovers:
+            return None  # only temporaries of a save that never completed
+        raise ConfigError(f"--load {load}: not a domino checkpoint directory (no 'latest' file; found "
+                          f"{', '.join(sorted(leftovers)[:5])})")
+    try:
+        return weights_io.resolve_checkpoint_dir(path)
+    except (ValueError, OSError) as error:
+        raise ConfigError(f"--load {load}: {error}") from error
+
+
+def check_compatible(meta: Dict[str, Any], config: DominoConfig, padded_vocab_size: int, where: Path) -> None:
+    """Raises :class:`ConfigError` when the checkpoint's model cannot be loaded into this run's model."""
+    from domino.config import config_from_dict
+
+    saved = config_from_dict(meta["config"]).model
+    diffs = [f"{name}: checkpoint {getattr(saved, name)} vs run {getattr(config.model, name)}"
+             for name in SHAPE_FIELDS if getattr(saved, name) != getattr(config.model, name)]
+    if meta["padded_vocab_size"] != padded_vocab_size:
+        diffs.append(f"padded vocabulary: checkpoint {meta['padded_vocab_size']} vs run {padded_vocab_size}")
+    if diffs:
+        raise ConfigError(f"--load {where}: the checkpoint's model has a different shape ({'; '.join(diffs)})")
+
+
+def load_checkpoint(engine, config: DominoConfig, ckpt: Path) -> Tuple[int, int]:
+    """Restores model, optimizer and RNG state from ``ckpt`` into this rank.
+
+    Returns:
+        ``(iteration, consumed_samples)`` to continue from; ``(0, 0)`` with ``--finetune``.
+    """
+    meta = weights_io.read_checkpoint_meta(ckpt)
+    tp, dp = state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size()
+    shard = weights_io.load_model_shard(ckpt, state.get_tensor_model_parallel_rank(), tp)
+    engine.module.load_state_dict(shard, strict=True)
+    if hasattr(engine.optimizer, "refresh_fp32_params"):
+        engine.optimizer.refresh_fp32_params()  # ZeRO keeps its own fp32 master copy of the weights
+    c = config.checkpoint
+    if c.finetune:
+        logger.info("warm start from %s (weights only, iteration 0)", ckpt)
+        return 0, 0
+    same_layout = meta["tensor_model_parallel_size"] == tp and meta.get("data_parallel_size") == dp
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if not c.no_load_optim:
+        if not same_layout:
+            raise ConfigError(
+                f"--load {ckpt}: saved with TP={meta['tensor_model_parallel_size']} x DP={meta.get('data_parallel_size')}"
+                f", this run is TP={tp} x DP={dp}; the optimizer state cannot be resharded. Use --finetune or "
+                "--no-load-optim to take the weights only.")
+        sd = torch.load(ckpt / "optim" / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)
+        _restore_optimizer_state(engine, sd)
+    if not c.no_load_rng and same_layout:
+        _restore_rng_state(torch.load(ckpt / "rng" / f"rank_{rank:05d}.pt", weights_only=True))
+    logger.info("resumed from %s at iteration %d (%d samples consumed)", ckpt, meta["iteration"],
+                meta["consumed_samples"])
+    return meta["iteration"], meta["consumed_samples"]

@@ -1,0 +1,120 @@
+"""DeepSpeed set-up: the engine config derived from our flags, optimizer groups, and CPU workarounds."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any, Dict, List
+
+import torch
+
+from domino.config import ConfigError, DominoConfig
+from domino.parallel import state
+
+logger = logging.getLogger(__name__)
+
+
+def _skip_shared_memory_op() -> None:
+    """Keeps DeepSpeed on plain gloo on CPU.
+
+    On CPU ``deepspeed.init_distributed`` JIT-compiles a shared-memory communication op (minutes on the
+    first run) whose all-reduce crashed in our runs; without it DeepSpeed falls back to torch.distributed.
+    """
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed.comm.torch  # noqa: F401  (make sure the module object exists)
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *args, **kwargs: None
+
+
+def initialize_runtime(config: DominoConfig) -> None:
+    """Initialises torch.distributed, DeepSpeed's comm layer and the TP x DP groups for ``config``."""
+    _skip_shared_memory_op()
+    import deepspeed
+
+    state.initialize_distributed(config.parallel.distributed_backend)
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
+    state.initialize_model_parallel(config.parallel.tensor_model_parallel_size)
+
+
+def gradient_accumulation_steps(config: DominoConfig) -> int:
+    """Micro-batches per optimizer step on each data-parallel rank."""
+    dp = state.get_data_parallel_world_size()
+    global_batch = config.train.global_batch_size or config.train.micro_batch_size * dp
+    return global_batch // (config.train.micro_batch_size * dp)
+
+
+def global_batch_size(config: DominoConfig) -> int:
+    """Samples per optimizer step over all data-parallel ranks (default: micro-batch x DP)."""
+    return config.train.global_batch_size or config.train.micro_batch_size * state.get_data_parallel_world_size()
+
+
+def deepspeed_config(config: DominoConfig) -> Dict[str, Any]:
+    """The DeepSpeed config for ``config``; keys from ``--deepspeed-config FILE`` override ours."""
+    t = config.train
+    ds: Dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps(config),
+        "train_batch_size": global_batch_size(config),
+        "gradient_clipping": t.clip_grad,
+        "zero_optimization": {"stage": config.parallel.zero_stage, "reduce_bucket_size": 5e7,
+                              "allgather_bucket_size": 5e7},
+        "steps_per_print": 10**9,  # domino logs its own lines
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    if t.fp16:
+        ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": int(round(torch.log2(
+            torch.tensor(t.initial_loss_scale)).item())), "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+    if t.bf16:
+        ds["bf16"] = {"enabled": True}
+    if t.deepspeed_config:
+        try:
+            with open(t.deepspeed_config) as f:
+                overrides = json.load(f)
+        except (OSError, json.JSONDecodeError) as error:
+            raise ConfigError(f"--deepspeed-config {t.deepspeed_config}: cannot read JSON: {error}") from error
+        if not isinstance(overrides, dict):
+            raise ConfigError(f"--deepspeed-config {t.deepspeed_config}: must hold a JSON object")
+        _deep_update(ds, overrides)
+    return ds
+
+
+def _deep_update(base: Dict[str, Any], overrides: Dict[str, Any]) -> None:
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = value
+
+
+def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
+    """Two AdamW groups: weights with decay; biases and LayerNorm parameters (all 1-D) without."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_engine(model: torch.nn.Module, config: DominoConfig):
+    """Wraps ``model`` in a DeepSpeed engine with torch AdamW, our parallel state as ``mpu``.
+
+    A torch AdamW (``foreach`` kernels) is used rather than DeepSpeed's fused Adam so CPU runs need no
+    JIT build; on GPUs the fused torch kernel is chosen.
+    """
+    import deepspeed
+
+    t = config.train
+    fused = torch.cuda.is_available()
+    optimizer = torch.optim.AdamW(
+        optimizer_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_eps, fused=fused or None, foreach=None if fused else True)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(config),
+                                           mpu=state)
+    return engine

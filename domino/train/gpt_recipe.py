@@ -1,0 +1,125 @@
+"""The GPT builders ``pretrain`` runs by default: model, datasets and the forward step with its loss.
+
+Users with their own model or data swap in their own three callables; these are the reference ones and
+follow Megatron-LM's ``pretrain_gpt.py`` contracts.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from domino.config import DominoConfig, padded_vocab_size
+from domino.parallel import state
+
+logger = logging.getLogger(__name__)
+
+
+def average_across_data_parallel_group(value: torch.Tensor) -> torch.Tensor:
+    """Mean of a scalar over the data-parallel replicas (a detached copy, for logging)."""
+    averaged = value.detach().clone().float().reshape(1)
+    if state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(averaged, group=state.get_data_parallel_group())
+        averaged /= state.get_data_parallel_world_size()
+    return averaged[0]
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Masked mean of the per-token losses; also returns it averaged over data-parallel ranks for logging.
+
+    Args:
+        loss_mask: ``[b, s]`` with 1 where a token counts.
+        output_tensor: per-token losses ``[b, s]`` from the model.
+    """
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": average_across_data_parallel_group(loss)}
+
+
+def _prefixes(values) -> list:
+    """The dataset prefixes of a possibly weighted list (``['0.3', 'a', '0.7', 'b']`` -> ``['a', 'b']``)."""
+    def is_number(text: str) -> bool:
+        try:
+            float(text)
+            return True
+        except ValueError:
+            return False
+
+    if len(values) > 1 and len(values) % 2 == 0 and all(is_number(v) for v in values[0::2]):
+        return list(values[1::2])
+    return list(values)
+
+
+def check_data_prefixes(config: DominoConfig) -> None:
+    """Fails before any work when a ``--*data-path`` prefix lacks its ``.bin`` or ``.idx`` file."""
+    import os
+
+    from domino.config import ConfigError
+
+    d = config.data
+    for flag, values in (("--data-path", d.data_path), ("--train-data-path", d.train_data_path),
+                         ("--valid-data-path", d.valid_data_path), ("--test-data-path", d.test_data_path)):
+        for prefix in _prefixes(values):
+            missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if missing:
+                raise ConfigError(f"{flag}: dataset prefix '{prefix}' has no {' or '.join(missing)} "
+                                  "(create it with `domino preprocess`)")
+
+
+class GPTRecipe:
+    """Tokenizer-aware builders for a GPT run of ``config``.
+
+    Attributes:
+        tokenizer: the run's tokenizer (``None`` with ``--mock-data`` and an explicit ``--vocab-size``).
+        padded_vocab_size: the vocabulary padded as Megatron's ``--make-vocab-size-divisible-by`` does.
+        eod: the end-of-document token id.
+    """
+
+    def __init__(self, config: DominoConfig) -> None:
+        self.config = config
+        check_data_prefixes(config)
+        self.tokenizer = None
+        if not (config.data.mock_data and config.model.vocab_size):
+            from domino.data.tokenizer import build_tokenizer
+
+            self.tokenizer = build_tokenizer(config.data.tokenizer)
+        vocab = config.model.vocab_size or self.tokenizer.vocab_size
+        self.padded_vocab_size = padded_vocab_size(vocab, config)
+        self.eod = self.tokenizer.eod if self.tokenizer is not None else vocab - 1
+
+    def model_builder(self, config: DominoConfig) -> torch.nn.Module:
+        """A ``GPTModel`` of ``config``'s shape with the Domino chunk count of ``config``."""
+        from domino.model import GPTModel
+
+        return GPTModel(config.model, self.padded_vocab_size, domino_chunks=config.parallel.domino_chunks)
+
+    def dataset_builder(self, num_samples: Tuple[int, int, int]) -> Tuple[Any, Optional[Any], Optional[Any]]:
+        """Train/valid/test datasets holding at least ``num_samples`` samples each."""
+        d, seq = self.config.data, self.config.model.seq_length
+        if d.mock_data:
+            from domino.data.gpt_dataset import MockGPTDataset
+
+            return tuple(  # type: ignore[return-value]
+                MockGPTDataset(n, seq, self.padded_vocab_size if self.tokenizer is None else self.tokenizer.vocab_size,
+                               self.config.train.seed + i) if n else None
+                for i, n in enumerate(num_samples))
+        from domino.data.gpt_dataset import build_train_valid_test_datasets
+
+        return build_train_valid_test_datasets(
+            data_prefix=d.data_path or None, splits_string=d.split, train_valid_test_num_samples=list(num_samples),
+            seq_length=seq, seed=self.config.train.seed, skip_warmup=not d.mmap_warmup,
+            train_data_prefix=d.train_data_path or None, valid_data_prefix=d.valid_data_path or None,
+            test_data_prefix=d.test_data_path or None, data_cache_path=d.data_cache_path)
+
+    def forward_step(self, data_iterator, model):
+        """One micro-batch forward: ``(per-token losses, partial(loss_func, loss_mask))``."""
+        from domino.data.batch import get_batch
+
+        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, self.config.data, self.eod)
+        output = model(tokens, position_ids, attention_mask, labels=labels)
+        return output, partial(loss_func, loss_mask)

@@ -1,0 +1,100 @@
+"""Where training numbers go: one log line per interval, a JSONL metrics file, TensorBoard events.
+
+Only global rank 0 writes; every other rank holds a disabled writer so call sites need no rank checks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Any, Dict, Optional
+
+logger = logging.getLogger(__name__)
+
+
+def _format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def format_iteration_line(r: Dict[str, Any], train_iters: int) -> str:
+    """The one-line summary of a logging interval (Megatron's layout, plus MFU, memory and ETA)."""
+    parts = [
+        f"iteration {r['iteration']:>6d}/{train_iters}",
+        f"consumed samples {r['consumed_samples']}",
+        f"lm loss {r['lm_loss']:.4E}",
+        f"lr {r['lr']:.3E}",
+        f"grad norm {r['grad_norm']:.3f}" if r.get("grad_norm") is not None else "grad norm n/a",
+    ]
+    if r.get("loss_scale") is not None:
+        parts.append(f"loss scale {r['loss_scale']:.1f}")
+    parts += [
+        f"skipped {r['skipped_iterations']}",
+        f"iter time {1000 * r['iteration_time_s']:.1f} ms",
+        f"tokens/s {r['tokens_per_s']:,.0f}",
+        f"TFLOP/s/device {r['tflops_per_device']:.2f}",
+    ]
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    parts += [f"mem {r['memory_gb']:.2f} GB", f"ETA {_format_duration(r['eta_s'])}"]
+    return " | ".join(parts)
+
+
+class MetricsWriter:
+    """Appends metrics records to ``--metrics-file`` and TensorBoard (rank 0 only)."""
+
+    def __init__(self, metrics_file: Optional[str], tensorboard_dir: Optional[str], enabled: bool) -> None:
+        self.enabled = enabled
+        self.metrics_file = metrics_file if enabled else None
+        self._tb = None
+        if enabled and tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=tensorboard_dir)
+        if self.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(self.metrics_file)), exist_ok=True)
+
+    def drop_after(self, iteration: int) -> None:
+        """Removes records past ``iteration`` (a resumed run re-logs what the killed run logged after its
+        last checkpoint); the file is rewritten atomically so a kill here loses nothing."""
+        if not self.metrics_file or not os.path.exists(self.metrics_file):
+            return
+        kept = []
+        with open(self.metrics_file) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a kill mid-write
+                if record.get("iteration", 0) <= iteration:
+                    kept.append(json.dumps(record))
+        tmp = f"{self.metrics_file}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.metrics_file)
+
+    def write(self, record: Dict[str, Any]) -> None:
+        """Appends one JSON record and mirrors its numeric fields to TensorBoard."""
+        if not self.enabled:
+            return
+        if self.metrics_file:
+            with open(self.metrics_file, "a") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+        if self._tb is not None:
+            step = record.get("iteration", 0)
+            prefix = f"{record['eval']}/" if "eval" in record else "train/"
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "iteration" and math.isfinite(value):
+                    self._tb.add_scalar(prefix + key, value, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Flushes and closes TensorBoard."""
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,45 @@
+"""Model FLOPs, device peak and memory: the numbers behind tokens/s, TFLOP/s and MFU."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from typing import Optional
+
+import torch
+
+from domino.config import ModelConfig
+
+#: Dense bf16/fp16 peak TFLOP/s per device for GPUs we recognise by name (vendor data sheets, SXM parts).
+KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "V100": 125.0}
+
+
+def training_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
+    """FLOPs to train on one token: forward x 3 (Megatron's count; no activation recomputation).
+
+    Per layer the matmuls cost ``2 * (4h^2 + 2 h ffn)`` per token and attention scores plus values
+    ``4 s h`` (full square, as Megatron counts); the logits ``2 h V``. With ffn = 4h this is the familiar
+    ``72 L h^2 (1 + s/6h + V/12Lh)`` per token divided by s.
+    """
+    h, s, L, f = model.hidden_size, model.seq_length, model.num_layers, model.ffn_size
+    forward = L * (2 * (4 * h * h + 2 * h * f) + 4 * s * h) + 2 * h * vocab_size
+    return 3.0 * forward
+
+
+def detect_peak_tflops() -> Optional[float]:
+    """Peak TFLOP/s of the current CUDA device when known, else ``None`` (CPU, unknown GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, peak in KNOWN_PEAK_TFLOPS.items():
+        if key in name:
+            return peak
+    return None
+
+
+def memory_gb() -> float:
+    """Peak memory of this process: CUDA allocations on GPU, else resident set size (GB)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)

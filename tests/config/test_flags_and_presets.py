@@ -1,0 +1,106 @@
+"""Megatron-style flags, presets as data, and validation messages that name the flags."""
+
+import dataclasses
+
+import pytest
+
+from domino.config import ConfigError, DominoConfig, config_from_dict, config_to_dict, padded_vocab_size, parse_config
+from domino.config import preset_store
+from domino.config.flags import config_to_argv, field_docs
+from domino.config.schema import CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainConfig
+
+SEED_FLAGS = ["--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
+              "--max-position-embeddings", "--vocab-size", "--hidden-dropout", "--attention-dropout",
+              "--init-method-std", "--tensor-model-parallel-size", "--micro-batch-size", "--global-batch-size",
+              "--seed", "--fp16", "--bf16", "--domino-chunks"]
+
+
+@pytest.mark.parametrize("cls", [ModelConfig, ParallelConfig, TrainConfig, DataConfig, CheckpointConfig, LoggingConfig])
+def test_every_field_has_a_docstring(cls):
+    docs = field_docs(cls)
+    missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+    assert not missing
+
+
+def test_seed_flags_exist_and_parse():
+    import argparse
+
+    from domino.config import add_config_flags
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    assert set(SEED_FLAGS) <= known
+    config = parse_config(["--num-layers", "3", "--hidden-size", "96", "--num-attention-heads", "6", "--seq-length",
+                           "32", "--vocab-size", "1000", "--hidden-dropout", "0.2", "--bf16", "--domino-chunks", "2"])
+    assert (config.model.num_layers, config.model.hidden_size, config.model.num_attention_heads) == (3, 96, 6)
+    assert config.model.hidden_dropout == 0.2 and config.train.bf16 and config.parallel.domino_chunks == 2
+    assert config.model.ffn_size == 384 and config.model.num_positions == 32
+
+
+def test_preset_then_explicit_flag_overrides():
+    config = parse_config(["--preset", "gpt3-6.7b", "--num-layers", "4", "--no-bf16", "--tensor-model-parallel-size", "2"])
+    assert config.preset == "gpt3-6.7b"
+    assert (config.model.hidden_size, config.model.num_attention_heads, config.model.num_layers) == (4096, 32, 4)
+    assert config.train.bf16 is False and config.parallel.tensor_model_parallel_size == 2
+
+
+@pytest.mark.parametrize("name", preset_store.available())
+def test_every_preset_is_valid(name):
+    config = parse_config(["--preset", name])
+    assert config.model.hidden_size % config.model.num_attention_heads == 0
+
+
+def test_required_presets_ship():
+    assert {"tiny", "gpt2-125m", "gpt3-350m", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b"} <= set(
+        preset_store.available())
+    big = parse_config(["--preset", "gpt3-13b"]).model
+    assert (big.num_layers, big.hidden_size, big.num_attention_heads, big.seq_length) == (40, 5120, 64, 1024)
+
+
+def test_unknown_preset_names_the_choices():
+    with pytest.raises(ConfigError, match="unknown preset 'gpt9'.*tiny"):
+        parse_config(["--preset", "gpt9"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-attention-heads", "10", "--hidden-size", "80", "--tensor-model-parallel-size", "4"],
+     "--num-attention-heads 10 is not divisible by --tensor-model-parallel-size 4"),
+    (["--hidden-size", "100", "--num-attention-heads", "3"], "--hidden-size 100 is not divisible by --num-attention-heads 3"),
+    (["--domino-chunks", "0"], "--domino-chunks must be >= 1"),
+    (["--micro-batch-size", "3", "--domino-chunks", "2"], "--micro-batch-size 3 is not divisible by --domino-chunks 2"),
+    (["--fp16", "--bf16"], "--fp16 and --bf16 are mutually exclusive"),
+    (["--zero-stage", "3"], "--zero-stage must be 0, 1 or 2"),
+    (["--seq-length", "128", "--max-position-embeddings", "64"], "--max-position-embeddings 64 is smaller"),
+    (["--lr-decay-style", "exp"], "--lr-decay-style must be constant, linear or cosine"),
+])
+def test_invalid_configs_fail_with_flag_names(argv, message):
+    with pytest.raises(ConfigError, match=message.replace("+", r"\+")):
+        parse_config(argv)
+
+
+def test_world_size_checks():
+    with pytest.raises(ConfigError, match="world size 3 is not divisible by --tensor-model-parallel-size 2"):
+        parse_config(["--tensor-model-parallel-size", "2"], world_size=3)
+    with pytest.raises(ConfigError, match="--global-batch-size 10 is not divisible by --micro-batch-size 4 x data-parallel size 2"):
+        parse_config(["--global-batch-size", "10", "--micro-batch-size", "4"], world_size=2)
+    parse_config(["--global-batch-size", "16", "--micro-batch-size", "4"], world_size=2)
+
+
+def test_round_trips():
+    config = parse_config(["--preset", "tiny", "--data-path", "0.3", "a", "0.7", "b", "--mmap-warmup", "--zero-stage", "2"])
+    assert config_from_dict(config_to_dict(config)) == config
+    again = parse_config(["--preset", "tiny", *config_to_argv(config)])
+    assert dataclasses.replace(again, preset=config.preset) == config
+
+
+def test_unknown_key_in_saved_config_is_named():
+    with pytest.raises(ConfigError, match="unknown setting 'num_layerz'"):
+        config_from_dict({"model": {"num_layerz": 2}})
+
+
+def test_padded_vocab_follows_megatron():
+    config = DominoConfig()
+    assert padded_vocab_size(50257, config) == 50304
+    config.parallel.tensor_model_parallel_size = 2
+    assert padded_vocab_size(50257, config) == 50432
