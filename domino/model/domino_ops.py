@@ -1,0 +1,87 @@
+"""Autograd pieces of Domino's backward overlap for column-parallel linears.
+
+A column-parallel linear's input gradient must be summed over the TP ranks. Synchronous TP does that inside
+the linear's backward; Domino instead *launches* the all-reduce there, computes the weight and bias gradients
+while it runs, and returns the still-in-flight gradient. A no-op node placed between the LayerNorm and the
+linear (so it runs right after the linear's backward, just before LayerNorm's backward consumes the gradient)
+waits for it. Between launch and wait, autograd is free to run nodes of the other chunk(s).
+
+    LN -> wait_for_input_grad(x, slot) -> linear_with_async_input_grad(x, W, b, slot)
+
+The two share a :class:`GradAllReduceSlot`, which carries the handle from launch to wait.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from domino.parallel.collectives import all_reduce_async
+
+
+class GradAllReduceSlot:
+    """Holds the handle of one in-flight input-gradient all-reduce."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self) -> None:
+        self.handle = None
+
+    def wait(self) -> None:
+        """Blocks until the launched all-reduce (if any) finished."""
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+
+
+class _LinearAsyncInputGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, slot):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.slot = slot
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_input = grad_out.matmul(weight)
+        # Async launch: the input-gradient all-reduce runs during the weight-gradient GEMM below and
+        # whatever autograd schedules next; _WaitInputGrad waits for it before LayerNorm's backward reads it.
+        ctx.slot.handle = all_reduce_async(grad_input)
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = g2.t().matmul(x.reshape(-1, x.shape[-1]))
+        grad_bias = g2.sum(dim=0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias, None
+
+
+class _WaitInputGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, slot):
+        ctx.slot = slot
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Wait for the all-reduce launched in _LinearAsyncInputGrad.backward: the summed gradient is needed now.
+        ctx.slot.wait()
+        return grad, None
+
+
+def wait_for_input_grad(x: torch.Tensor, slot: GradAllReduceSlot) -> torch.Tensor:
+    """Identity forward; in backward, waits for the gradient all-reduce registered in ``slot``."""
+    return _WaitInputGrad.apply(x, slot)
+
+
+def linear_with_async_input_grad(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                                 slot: GradAllReduceSlot) -> torch.Tensor:
+    """``F.linear`` whose backward launches the input-gradient all-reduce asynchronously into ``slot``."""
+    return _LinearAsyncInputGrad.apply(x, weight, bias, slot)
+
+
+def column_parallel_async(x: torch.Tensor, layer) -> torch.Tensor:
+    """Runs a :class:`~domino.parallel.layers.ColumnParallelLinear` with Domino's overlapped backward."""
+    slot = GradAllReduceSlot()
+    return linear_with_async_input_grad(wait_for_input_grad(x, slot), layer.weight, layer.bias, slot)

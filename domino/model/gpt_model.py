@@ -1,0 +1,138 @@
+"""GPT: learned token + position embeddings, pre-LN transformer layers, final LayerNorm, tied output layer.
+
+On one device this is a plain GPT-2-style model. Tensor parallelism happens inside the layer classes of
+:mod:`domino.parallel.layers`; with ``domino_chunks > 1`` the layer stack runs on the overlapped schedule of
+:mod:`domino.model.domino_stack` (same parameters, same results).
+
+Parameter names (stable; checkpoints and :mod:`domino.model.sharding` rely on them)::
+
+    embedding.word_embeddings.weight            [V/tp, h]   split on dim 0
+    embedding.position_embeddings.weight        [P, h]
+    layers.{i}.input_layernorm.{weight,bias}
+    layers.{i}.attention.query_key_value.weight [3h/tp, h]  split on dim 0, rows [head, q|k|v, head_dim]
+    layers.{i}.attention.query_key_value.bias   [3h/tp]
+    layers.{i}.attention.dense.weight           [h, h/tp]   split on dim 1
+    layers.{i}.attention.dense.bias             [h]
+    layers.{i}.post_attention_layernorm.{weight,bias}
+    layers.{i}.mlp.dense_h_to_4h.{weight,bias}  [f/tp, h], [f/tp]
+    layers.{i}.mlp.dense_4h_to_h.weight         [h, f/tp]   split on dim 1
+    layers.{i}.mlp.dense_4h_to_h.bias           [h]
+    final_layernorm.{weight,bias}
+    output_layer.weight                         [V/tp, h]   only when post_process and not pre_process
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from domino.config import ModelConfig
+from domino.model.domino_stack import DominoLayerStack
+from domino.model.kv_cache import KVCache
+from domino.model.transformer import TransformerLayer
+from domino.parallel.collectives import copy_to_tp_region, gather_from_tp_region
+from domino.parallel.cross_entropy import vocab_parallel_cross_entropy
+from domino.parallel.layers import VocabParallelEmbedding
+
+
+class Embedding(nn.Module):
+    """Word (vocab-parallel) plus learned position embeddings, then dropout."""
+
+    def __init__(self, config: ModelConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(vocab_size, config.hidden_size, config.init_method_std)
+        self.position_embeddings = nn.Embedding(config.num_positions, config.hidden_size)
+        nn.init.normal_(self.position_embeddings.weight, mean=0.0, std=config.init_method_std)
+        self.dropout = config.hidden_dropout
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` tokens and positions -> ``[b, s, h]``."""
+        hidden = self.word_embeddings(tokens) + self.position_embeddings(position_ids)
+        return F.dropout(hidden, p=self.dropout, training=self.training) if self.dropout > 0 else hidden
+
+
+class GPTModel(nn.Module):
+    """GPT language model with tensor parallelism and optional Domino overlap.
+
+    Args:
+        config: model shape and regularisation.
+        vocab_size: the *padded* vocabulary size (``domino.config.padded_vocab_size``), divisible by TP.
+        domino_chunks: batch chunks of the overlapped schedule; 1 = plain synchronous TP.
+        pre_process: owns the embeddings (``forward`` takes token ids); else ``tokens`` are hidden states.
+        post_process: owns the final LayerNorm and output layer; else ``forward`` returns hidden states.
+        parallel_output: keep logits split along the vocabulary (``[b, s, V/tp]``); False gathers them.
+    """
+
+    def __init__(self, config: ModelConfig, vocab_size: int, domino_chunks: int = 1, pre_process: bool = True,
+                 post_process: bool = True, parallel_output: bool = True) -> None:
+        super().__init__()
+        self.config = config
+        self.vocab_size = vocab_size
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.parallel_output = parallel_output
+        if pre_process:
+            self.embedding = Embedding(config, vocab_size)
+        self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
+        if post_process:
+            self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+            if not pre_process:  # no embedding here to tie to: hold our own copy of the vocab projection
+                self.output_layer = VocabParallelEmbedding(vocab_size, config.hidden_size, config.init_method_std)
+        self.domino_chunks = domino_chunks
+        self.domino = DominoLayerStack(self.layers, domino_chunks) if domino_chunks > 1 else None
+
+    def output_weight(self) -> torch.Tensor:
+        """The ``[V/tp, h]`` matrix of the output layer (the word embeddings when tied)."""
+        return self.embedding.word_embeddings.weight if self.pre_process else self.output_layer.weight
+
+    def new_kv_cache(self) -> KVCache:
+        """An empty cache sized for this model."""
+        return KVCache(self.config.num_layers, max_length=self.config.num_positions)
+
+    def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        """Runs the model.
+
+        Args:
+            tokens: ``[b, s]`` int64 token ids (``[b, s, h]`` hidden states when ``pre_process=False``).
+            position_ids: ``[b or 1, s]``; default ``arange`` (continuing after the cached tokens).
+            attention_mask: None for causal attention; else bool ``[b or 1, 1, s, s_total]``, True = masked.
+            labels: ``[b, s]`` int64 targets; when given, per-token losses are returned instead of logits.
+            kv_cache: cache of past keys/values (generation); grows by ``s`` tokens. Runs synchronously.
+
+        Returns:
+            ``[b, s]`` fp32 losses with ``labels``; else logits ``[b, s, V/tp]`` (``[b, s, V]`` when
+            ``parallel_output=False``); ``[b, s, h]`` hidden states when ``post_process=False``.
+        """
+        if self.pre_process:
+            b, s = tokens.shape
+            past = 0
+            if kv_cache is not None:
+                kv_cache.check_room(s)
+                past = kv_cache.length
+            if position_ids is None:
+                position_ids = torch.arange(past, past + s, device=tokens.device).unsqueeze(0)
+            elif position_ids.max() >= self.config.num_positions:
+                raise ValueError(f"position id {int(position_ids.max())} exceeds --max-position-embeddings "
+                                 f"{self.config.num_positions}")
+            hidden = self.embedding(tokens, position_ids)
+        else:
+            hidden = tokens
+        final_ln = self.final_layernorm if self.post_process else None
+        if self.domino is not None and kv_cache is None:
+            hidden = self.domino(hidden, attention_mask, final_ln)
+        else:
+            for layer in self.layers:
+                hidden = layer(hidden, attention_mask, kv_cache)
+            if final_ln is not None:
+                hidden = final_ln(hidden)
+        if not self.post_process:
+            return hidden
+        logits = F.linear(copy_to_tp_region(hidden), self.output_weight())
+        if labels is not None:
+            return vocab_parallel_cross_entropy(logits, labels)
+        return logits if self.parallel_output else gather_from_tp_region(logits)

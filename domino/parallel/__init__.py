@@ -1,0 +1,1 @@
+"""Tensor parallelism: process groups, collectives as autograd functions, TP layers, vocab-parallel CE, RNG."""

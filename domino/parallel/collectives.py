@@ -1,0 +1,182 @@
+"""Tensor-parallel collectives as small autograd functions (Megatron's "regions").
+
+Each function names what happens in the forward pass; the backward pass is its adjoint:
+
+==========================  ==========================  ==========================
+function                    forward                     backward
+==========================  ==========================  ==========================
+copy_to_tp_region           identity                    all-reduce (sum)
+reduce_from_tp_region       all-reduce (sum)            identity
+scatter_to_tp_region        keep this rank's last-dim   all-gather along last dim
+                            slice
+gather_from_tp_region       all-gather along last dim   keep this rank's slice
+==========================  ==========================  ==========================
+
+All of them are identities when the tensor-parallel group has one rank, so a single process needs no
+``torch.distributed`` at all. ``all_reduce_async`` is the building block of the Domino schedule: it launches
+an in-place all-reduce and hands back a handle to wait on later.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from domino.parallel import state
+
+
+class _DoneHandle:
+    """Stands in for a ``dist.Work`` when nothing was launched (one rank): ``wait()`` returns at once."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+DONE = _DoneHandle()
+
+
+def _tp_size() -> int:
+    return state.get_tensor_model_parallel_world_size()
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sums ``x`` in place over the TP group (contiguous first, since collectives need dense memory)."""
+    if _tp_size() == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=state.get_tensor_model_parallel_group())
+    return x
+
+
+def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
+    world = _tp_size()
+    if world == 1:
+        return x
+    if x.shape[-1] % world:
+        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by the TP size {world}")
+    return x.chunk(world, dim=-1)[state.get_tensor_model_parallel_rank()].contiguous()
+
+
+def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    world = _tp_size()
+    if world == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=state.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone())
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _split_last_dim(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last_dim(grad)
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _gather_last_dim(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last_dim(grad)
+
+
+def copy_to_tp_region(x: torch.Tensor) -> torch.Tensor:
+    """Identity forward; all-reduces the gradient (the input of a column-parallel layer)."""
+    return x if _tp_size() == 1 else _CopyToRegion.apply(x)
+
+
+def reduce_from_tp_region(x: torch.Tensor) -> torch.Tensor:
+    """All-reduces forward; identity backward (the output of a row-parallel layer)."""
+    return x if _tp_size() == 1 else _ReduceFromRegion.apply(x)
+
+
+def scatter_to_tp_region(x: torch.Tensor) -> torch.Tensor:
+    """Keeps this rank's slice of the last dimension; gathers the gradient."""
+    return x if _tp_size() == 1 else _ScatterToRegion.apply(x)
+
+
+def gather_from_tp_region(x: torch.Tensor) -> torch.Tensor:
+    """Concatenates the ranks' slices along the last dimension; splits the gradient."""
+    return x if _tp_size() == 1 else _GatherFromRegion.apply(x)
+
+
+def all_reduce_async(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM):
+    """Launches an in-place all-reduce of ``x`` over the TP group and returns its handle.
+
+    Outside autograd on purpose: Domino uses it on a row-parallel partial sum, whose gradient with respect
+    to each rank's partial is the incoming gradient itself, so autograd must see an identity. The caller must
+    not read or write ``x`` until ``handle.wait()`` returned. With one rank nothing is launched.
+
+    Args:
+        x: a contiguous tensor, reduced in place.
+        op: the reduction.
+
+    Returns:
+        An object with ``wait()``: a ``torch.distributed.Work`` or a completed stand-in.
+    """
+    if _tp_size() == 1:
+        return DONE
+    if not x.is_contiguous():
+        raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
+    # Async launch: the caller computes another chunk meanwhile and waits right before it reads x.
+    return dist.all_reduce(x.detach(), op=op, group=state.get_tensor_model_parallel_group(), async_op=True)
+
+
+def all_reduce_max_(x: torch.Tensor) -> torch.Tensor:
+    """In-place max over the TP group, outside autograd (used by the vocab-parallel cross-entropy)."""
+    if _tp_size() > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=state.get_tensor_model_parallel_group())
+    return x
+
+
+def all_reduce_sum_(x: torch.Tensor) -> torch.Tensor:
+    """In-place sum over the TP group, outside autograd."""
+    if _tp_size() > 1:
+        dist.all_reduce(x, group=state.get_tensor_model_parallel_group())
+    return x
+
+
+def tp_rank_and_size() -> tuple:
+    """``(rank, world_size)`` of this process inside its tensor-parallel group."""
+    return state.get_tensor_model_parallel_rank(), _tp_size()
+
+
+def split_along_dim(x: torch.Tensor, dim: int, rank: Optional[int] = None, world: Optional[int] = None):
+    """This rank's contiguous slice of ``x`` along ``dim`` (used to shard full weights at init)."""
+    if rank is None or world is None:
+        rank, world = tp_rank_and_size()
+    if x.shape[dim] % world:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the TP size {world}")
+    return x.chunk(world, dim=dim)[rank].contiguous()

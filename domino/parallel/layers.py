@@ -1,0 +1,166 @@
+"""Tensor-parallel layers with Megatron-LM semantics.
+
+* :class:`VocabParallelEmbedding` - each rank holds a contiguous block of vocabulary rows.
+* :class:`ColumnParallelLinear` - ``Y = X A^T``, ``A`` split by output rows: each rank computes its slice of
+  ``Y``; the input's gradient is all-reduced.
+* :class:`RowParallelLinear` - ``A`` split by input columns: each rank computes a partial sum of ``Y``,
+  which is all-reduced; the bias is added once, after the reduction, and is replicated.
+
+Sharded parameters carry ``tensor_model_parallel=True``, ``partition_dim`` and ``partition_stride`` (what
+DeepSpeed's gradient norm and our checkpoint code look at); replicated parameters carry none of them.
+
+Initialisation is TP-invariant: each layer draws the *full* weight from the default generator (identically
+seeded on all TP ranks) and keeps its own slice, so the weights at TP=2 are exactly the slices of the TP=1
+weights for the same seed, and the generator ends in the same state whatever the TP size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from domino.parallel.collectives import (
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    scatter_to_tp_region,
+    split_along_dim,
+    tp_rank_and_size,
+)
+
+
+def set_tensor_model_parallel_attributes(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
+    """Marks ``param`` as split across TP ranks along ``partition_dim``."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = stride
+
+
+def is_tensor_model_parallel(param: torch.Tensor) -> bool:
+    """Whether ``param`` is split across TP ranks (False for replicated parameters)."""
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-model-parallel size ({denominator})")
+    return numerator // denominator
+
+
+def _sharded_normal(shape: Tuple[int, int], std: float, dim: int) -> nn.Parameter:
+    """Draws the full ``shape`` from N(0, std^2) with the default generator and keeps this rank's slice."""
+    full = torch.empty(shape)
+    nn.init.normal_(full, mean=0.0, std=std)
+    param = nn.Parameter(split_along_dim(full, dim))
+    set_tensor_model_parallel_attributes(param, dim)
+    return param
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the vocabulary (rows) across TP ranks.
+
+    Args:
+        num_embeddings: the (padded) vocabulary size, divisible by the TP size.
+        embedding_dim: the hidden size.
+        init_std: standard deviation of the normal initialisation.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float = 0.02) -> None:
+        super().__init__()
+        rank, world = tp_rank_and_size()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        per_rank = _divide(num_embeddings, world, "the padded vocabulary size")
+        self.vocab_start = rank * per_rank
+        self.vocab_end = self.vocab_start + per_rank
+        self.weight = _sharded_normal((num_embeddings, embedding_dim), init_std, dim=0)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Looks up ``tokens`` (any shape of int64) and returns ``[..., embedding_dim]``, full on every rank."""
+        if self.vocab_end - self.vocab_start == self.num_embeddings:
+            return F.embedding(tokens, self.weight)
+        # Tokens owned by other ranks look up row 0 and are zeroed; the all-reduce fills them in.
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+        local = (tokens - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A`` and ``b`` split along the output dimension.
+
+    Args:
+        input_size: width of ``X`` (full on every rank).
+        output_size: full width of ``Y``; each rank produces ``output_size / tp`` of it.
+        bias: whether to add a (sharded) bias.
+        gather_output: all-gather ``Y`` so every rank returns the full width.
+        init_std: standard deviation of the weight's normal initialisation (biases start at zero).
+        skip_bias_add: return ``(Y_without_bias, bias)`` so the caller can fuse the bias add.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False,
+                 init_std: float = 0.02, skip_bias_add: bool = False) -> None:
+        super().__init__()
+        _, world = tp_rank_and_size()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_partition = _divide(output_size, world, f"output size of a column-parallel linear")
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.weight = _sharded_normal((output_size, input_size), init_std, dim=0)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition))
+            set_tensor_model_parallel_attributes(self.bias, 0)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """Synchronous TP: the input gradient is all-reduced inside backward."""
+        x = copy_to_tp_region(x)
+        bias = None if self.skip_bias_add else self.bias
+        y = F.linear(x, self.weight, bias)
+        if self.gather_output:
+            y = gather_from_tp_region(y)
+        return (y, self.bias) if self.skip_bias_add else y
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A`` split along the input dimension; ``Y`` is all-reduced, ``b`` replicated.
+
+    Args:
+        input_size: full width of ``X``; each rank holds ``input_size / tp`` of it.
+        output_size: width of ``Y``.
+        bias: whether to add a (replicated) bias after the reduction.
+        input_is_parallel: ``X`` is already this rank's slice (else it is split here).
+        init_std: standard deviation of the weight's normal initialisation.
+        skip_bias_add: return ``(Y_without_bias, bias)`` so the caller can fuse the bias add.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = True,
+                 init_std: float = 0.02, skip_bias_add: bool = False) -> None:
+        super().__init__()
+        _, world = tp_rank_and_size()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_per_partition = _divide(input_size, world, "input size of a row-parallel linear")
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.weight = _sharded_normal((output_size, input_size), init_std, dim=1)
+        # Replicated: deliberately no tensor_model_parallel attribute (grad-norm must count it once).
+        self.bias = nn.Parameter(torch.zeros(output_size)) if bias else None
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's un-reduced partial sum ``X_r A_r^T`` (Domino reduces it asynchronously)."""
+        return F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """Synchronous TP: the partial sums are all-reduced before the bias is added."""
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x)
+        y = reduce_from_tp_region(self.partial(x))
+        if self.skip_bias_add:
+            return y, self.bias
+        return y if self.bias is None else y + self.bias

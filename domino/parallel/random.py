@@ -1,0 +1,148 @@
+"""Tensor-parallel-aware random numbers (Megatron's RNG tracker, on CPU or CUDA).
+
+Dropout on tensors that every TP rank holds in full (embeddings, the residual stream) must draw the same
+mask on every rank, or the replicas drift apart; dropout on tensors split across ranks (attention
+probabilities of this rank's heads) must draw *different* masks, or the ranks repeat one mask over all heads.
+So the default generator is seeded identically on all TP ranks, and a second, named state seeded per TP rank
+is swapped in with ``get_rng_tracker().fork()`` around the split regions.
+
+``get_rng_state()`` / ``set_rng_state()`` capture everything random (python, numpy, torch CPU, CUDA, and the
+tracker's named states) for checkpoints, so a resumed run draws the same numbers as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Any, Dict, Iterator
+
+import numpy as np
+import torch
+
+from domino.parallel import state
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+"""Name of the tracker state used inside tensor-parallel regions."""
+
+_TP_SEED_OFFSET = 2718  # Megatron's offset, so the TP stream never coincides with the default stream
+
+
+def _device_get_state() -> torch.Tensor:
+    return torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state()
+
+
+def _device_set_state(new_state: torch.Tensor) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(new_state)
+    else:
+        torch.set_rng_state(new_state)
+
+
+class RNGStatesTracker:
+    """Named generator states that can be swapped in for the device's default generator."""
+
+    def __init__(self) -> None:
+        self._states: Dict[str, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        """Forgets every named state."""
+        self._states = {}
+
+    def add(self, name: str, seed: int) -> None:
+        """Creates the state ``name`` seeded with ``seed``.
+
+        Raises:
+            ValueError: when ``name`` already exists.
+        """
+        if name in self._states:
+            raise ValueError(f"RNG state {name!r} already exists")
+        saved = _device_get_state()
+        if torch.cuda.is_available():
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        self._states[name] = _device_get_state()
+        _device_set_state(saved)
+
+    def get_states(self) -> Dict[str, torch.Tensor]:
+        """A copy of all named states."""
+        return {name: s.clone() for name, s in self._states.items()}
+
+    def set_states(self, states: Dict[str, torch.Tensor]) -> None:
+        """Replaces all named states (e.g. from a checkpoint)."""
+        self._states = {name: s.clone() for name, s in states.items()}
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Runs the block with the named state as the device's default generator, then restores it.
+
+        Raises:
+            KeyError: when ``name`` was never added (call :func:`model_parallel_seed` first).
+        """
+        if name not in self._states:
+            raise KeyError(f"RNG state {name!r} is not set; call domino.parallel.random.model_parallel_seed(seed)")
+        saved = _device_get_state()
+        _device_set_state(self._states[name])
+        try:
+            yield
+        finally:
+            self._states[name] = _device_get_state()
+            _device_set_state(saved)
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    """The process-wide tracker."""
+    return _TRACKER
+
+
+def model_parallel_seed(seed: int) -> None:
+    """Seeds every generator for training.
+
+    The default generators (python, numpy, torch, CUDA) get ``seed`` on every TP rank, so replicated tensors
+    see identical randomness; the tracker's TP state gets ``seed + 2718 + tp_rank``. Callers that want
+    different data-parallel replicas to differ add their DP rank to ``seed`` themselves.
+    """
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    _TRACKER.reset()
+    _TRACKER.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + state.get_tensor_model_parallel_rank())
+
+
+@contextlib.contextmanager
+def tp_region_rng(active: bool = True) -> Iterator[None]:
+    """``fork()`` of the TP state when it exists and ``active``; otherwise a no-op context.
+
+    Lets modules without dropout (or processes that never seeded the tracker, e.g. inference) run unchanged.
+    """
+    if active and MODEL_PARALLEL_RNG in _TRACKER._states:
+        with _TRACKER.fork():
+            yield
+    else:
+        yield
+
+
+def get_rng_state() -> Dict[str, Any]:
+    """Every random state of this process, for a checkpoint."""
+    snapshot: Dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": _TRACKER.get_states(),
+    }
+    if torch.cuda.is_available():
+        snapshot["cuda"] = torch.cuda.get_rng_state_all()
+    return snapshot
+
+
+def set_rng_state(snapshot: Dict[str, Any]) -> None:
+    """Restores what :func:`get_rng_state` captured (CUDA states only when both sides have CUDA)."""
+    random.setstate(snapshot["python"])
+    np.random.set_state(snapshot["numpy"])
+    torch.set_rng_state(snapshot["torch"])
+    if torch.cuda.is_available() and "cuda" in snapshot:
+        torch.cuda.set_rng_state_all(snapshot["cuda"])
+    _TRACKER.set_states(snapshot.get("tracker", {}))

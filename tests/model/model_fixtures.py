@@ -1,0 +1,46 @@
+"""Tiny GPT configurations, inputs and comparison helpers shared by the model tests."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from domino.config import ModelConfig
+
+VOCAB = 64  # already "padded": divisible by TP 2
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """Two layers, width 32, 4 heads, no dropout: fast and exact enough for 1e-5 comparisons."""
+    fields = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, max_position_embeddings=16,
+                  hidden_dropout=0.0, attention_dropout=0.0)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def random_batch(seed: int, batch: int = 4, seq: int = 8) -> Dict[str, torch.Tensor]:
+    """Tokens, labels, per-token loss weights and a reset-attention-mask style mask with position ids."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    labels = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    weights = torch.rand(batch, seq, generator=g)
+    # Documents end at random places; a token attends only to earlier tokens of its own document.
+    doc = torch.cumsum((torch.rand(batch, seq, generator=g) < 0.3).long(), dim=1)
+    same_doc = doc.unsqueeze(2) == doc.unsqueeze(1)
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    mask = ~(same_doc & causal).unsqueeze(1)  # True = masked
+    starts = torch.zeros_like(doc)
+    for b in range(batch):
+        for s in range(seq):
+            starts[b, s] = s if s == 0 or doc[b, s] != doc[b, s - 1] else starts[b, s - 1]
+    positions = torch.arange(seq).unsqueeze(0) - starts
+    return dict(tokens=tokens, labels=labels, weights=weights, attention_mask=mask, position_ids=positions)
+
+
+def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str) -> None:
+    """max |a - e| <= rel * max |e| (a relative tolerance robust to near-zero entries)."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    scale = expected.abs().max().clamp_min(1e-12)
+    err = (actual - expected).abs().max()
+    assert err <= rel * scale, f"{what}: max error {err:.3e} exceeds {rel:g} x {scale:.3e}"
