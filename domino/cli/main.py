@@ -18,6 +18,7 @@ from domino.config import ConfigError
 #: Modules under ``domino.cli`` that register sub-commands, in ``--help`` order.
 VERB_MODULES: List[str] = [
     "pretrain",
+    "generate",
 ]
 
 

@@ -1,0 +1,74 @@
+"""``domino generate``: continue a prompt with a checkpoint (KV cache; greedy or sampled)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from domino.config import ConfigError
+
+
+def _prompt_ids(text: str):
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ConfigError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from domino.eval.generate import generate
+    from domino.eval.runtime import default_device, is_output_rank, parse_dtype, setup_tensor_parallel, teardown
+    from domino.eval.sampling import SamplingConfig
+    from domino.model.weights_io import build_model_from_checkpoint
+
+    sampled = any(v is not None for v in (args.temperature, args.top_k, args.top_p))
+    if args.greedy and sampled:
+        raise ConfigError("--greedy cannot be combined with --temperature, --top-k or --top-p")
+    sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature or 1.0, top_k=args.top_k or 0,
+                              top_p=1.0 if args.top_p is None else args.top_p)
+    sampling.check()
+    prompt_ids = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    dtype = parse_dtype(args.dtype)
+    tp_rank, tp_size = setup_tensor_parallel(args.tensor_model_parallel_size)
+    try:
+        model, _, tokenizer = build_model_from_checkpoint(
+            args.load, tp_rank, tp_size, device=default_device(), dtype=dtype, tokenizer_spec=args.tokenizer)
+        if prompt_ids is None:
+            prompt_ids = tokenizer.encode(args.prompt)
+        result = generate(model, tokenizer, prompt_ids, args.max_new_tokens, sampling, seed=args.seed,
+                          use_cache=not args.no_cache, stop_at_eod=not args.no_stop_at_eod)
+    finally:
+        teardown()
+    if is_output_rank():
+        if args.json:
+            print(json.dumps({"token_ids": result.token_ids, "text": result.text}))
+        else:
+            print(result.text)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Adds ``domino generate``."""
+    parser = subparsers.add_parser(
+        "generate", help="Continue a prompt with a checkpoint.",
+        description="Generates tokens after a prompt with a domino checkpoint (any TP size; run under torchrun "
+                    "for tensor parallelism). Each new token costs one position thanks to the KV cache; "
+                    "generation stops at the end-of-document token.")
+    parser.add_argument("--load", required=True, metavar="DIR", help="Save root (its latest) or iter_* directory.")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="Prompt text (encoded with the checkpoint's tokenizer).")
+    prompt.add_argument("--prompt-ids", metavar="IDS", help="Prompt token ids, comma-separated: 1,2,3.")
+    parser.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="Tokens to generate at most.")
+    parser.add_argument("--greedy", action="store_true", help="Always take the most likely token.")
+    parser.add_argument("--temperature", type=float, metavar="T", help="Sampling temperature (default 1.0).")
+    parser.add_argument("--top-k", type=int, metavar="K", help="Sample among the K most likely tokens (0: all).")
+    parser.add_argument("--top-p", type=float, metavar="P", help="Nucleus sampling probability mass (1.0: all).")
+    parser.add_argument("--seed", type=int, default=0, help="Sampling seed (same seed, same tokens).")
+    parser.add_argument("--json", action="store_true", help='Print {"token_ids": [...], "text": "..."}.')
+    parser.add_argument("--tokenizer", metavar="SPEC", help="Override the checkpoint's tokenizer.")
+    parser.add_argument("--tensor-model-parallel-size", type=int, metavar="TP",
+                        help="TP size to load at (default: the number of processes).")
+    parser.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32).")
+    parser.add_argument("--no-cache", action="store_true", help="Recompute the whole sequence every step (slow).")
+    parser.add_argument("--no-stop-at-eod", action="store_true", help="Keep going past end-of-document.")
+    parser.set_defaults(func=run)

@@ -1,0 +1,99 @@
+"""Tiny models, tokenizers, datasets and checkpoints for the evaluation tests (no training needed)."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from domino.config import DominoConfig, config_to_dict, padded_vocab_size
+from domino.data.tokenizer import Tokenizer
+from domino.model import GPTModel
+from domino.model import weights_io as wio
+
+TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
+        "arrows of outrageous fortune, or to take arms against a sea of troubles and by opposing end them. ") * 4
+
+
+def tiny_tokenizer(directory: Path) -> Tokenizer:
+    """A byte-level BPE with ~300 ids and ``<|endoftext|>``, trained in a few milliseconds, saved in ``directory``."""
+    backend = HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator([TEXT], trainer=trainer)
+    tokenizer = Tokenizer(backend, name=str(directory))
+    tokenizer.save(str(directory))
+    return tokenizer
+
+
+def tiny_config(tokenizer_spec: str = "gpt2", **model) -> DominoConfig:
+    """Two layers, hidden 32, 4 heads, 32 positions, no dropout, vocab padded to a multiple of 8 x TP."""
+    config = DominoConfig()
+    config.model.num_layers = 2
+    config.model.hidden_size = 32
+    config.model.num_attention_heads = 4
+    config.model.seq_length = 16
+    config.model.max_position_embeddings = 32
+    config.model.hidden_dropout = 0.0
+    config.model.attention_dropout = 0.0
+    config.model.make_vocab_size_divisible_by = 8
+    config.data.tokenizer = tokenizer_spec
+    for key, value in model.items():
+        setattr(config.model, key, value)
+    return config
+
+
+def tiny_model(config: DominoConfig, vocab_size: int, seed: int = 0, std: float = 0.3) -> GPTModel:
+    """A TP=1 model with large random weights (so greedy choices are well separated), in eval mode."""
+    torch.manual_seed(seed)
+    padded = padded_vocab_size(vocab_size, config)
+    model = GPTModel(config.model, padded)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, std)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.05)
+    return model.eval()
+
+
+def save_checkpoint(root: Path, model: GPTModel, config: DominoConfig, tp: int = 1, iteration: int = 1,
+                    tokenizer: Optional[Tokenizer] = None) -> Path:
+    """Saves ``model`` (TP=1 in memory) as a checkpoint sharded ``tp`` ways, the way training would."""
+    from domino.model.sharding import shard_state_dict
+
+    ckpt = root / wio.checkpoint_tag(iteration)
+    full = model.state_dict()
+    for rank in range(tp):
+        wio.save_model_shard(ckpt, full if tp == 1 else shard_state_dict(full, rank, tp), rank)
+    if tokenizer is not None:
+        tokenizer.save(str(ckpt / wio.TOKENIZER_DIR))
+    saved = copy.deepcopy(config)
+    saved.parallel.tensor_model_parallel_size = tp
+    wio.write_checkpoint_meta(ckpt, {
+        "iteration": iteration, "consumed_samples": 0, "tensor_model_parallel_size": tp,
+        "padded_vocab_size": model.vocab_size, "tokenizer": config.data.tokenizer, "config": config_to_dict(saved)})
+    wio.write_latest(root, wio.checkpoint_tag(iteration))
+    return ckpt
+
+
+def write_token_dataset(prefix: Path, vocab_size: int, documents: int = 12, seed: int = 0, eod: int = 0) -> str:
+    """A ``.bin``/``.idx`` pair of random documents, each ending with ``eod``; returns the prefix."""
+    from domino.data.indexed_dataset import IndexedDatasetWriter, token_dtype
+
+    rng = np.random.default_rng(seed)
+    os.makedirs(prefix.parent, exist_ok=True)
+    with IndexedDatasetWriter(str(prefix), token_dtype(vocab_size)) as writer:
+        for _ in range(documents):
+            length = int(rng.integers(8, 40))
+            tokens = np.append(rng.integers(1, vocab_size, size=length), eod)
+            writer.add_document(tokens.astype(token_dtype(vocab_size)))
+    return str(prefix)

@@ -1,0 +1,52 @@
+"""The evaluation verbs driven through the real ``domino`` entry point."""
+
+import json
+
+import pytest
+import torch
+
+from domino.cli.main import main
+from domino.eval.generate import generate_ids
+from eval_checkpoints import save_checkpoint, tiny_config, tiny_model, tiny_tokenizer
+
+
+def run_cli(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    out = capsys.readouterr()
+    return exit_info.value.code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("cli")
+    tokenizer = tiny_tokenizer(root / "tok")
+    config = tiny_config(str(root / "tok"))
+    model = tiny_model(config, tokenizer.vocab_size, seed=4)
+    save_checkpoint(root / "ckpt", model, config, tokenizer=tokenizer)
+    return root, model, tokenizer
+
+
+def test_generate_cli_json(checkpoint, capsys):
+    root, model, tokenizer = checkpoint
+    code, out, _ = run_cli(["generate", "--load", str(root / "ckpt"), "--prompt-ids", "3,4,5",
+                            "--max-new-tokens", "6", "--greedy", "--json", "--no-stop-at-eod"], capsys)
+    assert code == 0
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["token_ids"] == generate_ids(model, [3, 4, 5], 6)
+    assert result["text"] == tokenizer.decode(result["token_ids"])
+    code, out, _ = run_cli(["generate", "--load", str(root / "ckpt"), "--prompt", "To be", "--max-new-tokens", "4",
+                            "--top-k", "5", "--temperature", "0.8", "--seed", "3", "--json"], capsys)
+    assert code == 0 and len(json.loads(out)["token_ids"]) <= 4
+
+
+def test_generate_cli_errors(checkpoint, tmp_path, capsys):
+    root, _, _ = checkpoint
+    code, _, err = run_cli(["generate", "--load", str(tmp_path / "nowhere"), "--prompt", "x"], capsys)
+    assert code == 2 and "does not exist" in err
+    code, _, err = run_cli(["generate", "--load", str(root / "ckpt"), "--prompt", "x", "--greedy",
+                            "--top-k", "3"], capsys)
+    assert code == 2 and "--greedy cannot be combined" in err
+    code, _, err = run_cli(["generate", "--load", str(root / "ckpt"), "--prompt-ids", "1,a"], capsys)
+    assert code == 2 and "--prompt-ids" in err
