@@ -1,0 +1,146 @@
+"""The launch API used by ``domino launch submit`` and the pipeline's pretrain component.
+
+``run_job(spec)`` runs a :class:`~domino.launch.spec.JobSpec` to completion on a backend and returns a
+:class:`JobResult`; it fails (``succeeded=False``) on a failed job, on a scheduling timeout, on the
+overall timeout and when interrupted, and succeeds only when the job Succeeded.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional
+
+from domino.launch.spec import JobSpec
+
+BACKENDS = ("pytorchjob", "local")
+CLEANUP_MODES = ("always", "on-success", "never")
+
+
+@dataclass
+class JobResult:
+    """How a job ended.
+
+    Attributes:
+        name: the job's (per-run) name.
+        succeeded: True only when the job reached Succeeded.
+        phase: the last phase seen: Succeeded, Failed, Running, Pending, Restarting, Created, Suspended.
+        reason: a readable explanation starting with a reason code (``BackoffLimitExceeded: ...``,
+            ``SchedulingTimeout: ...``, ``Timeout: ...``, ``Interrupted: ...``); empty on success.
+        log_tail: the Master's last log lines.
+        exit_code: the Master container's exit code when known.
+    """
+
+    name: str
+    succeeded: bool
+    phase: str
+    reason: str
+    log_tail: List[str] = field(default_factory=list)
+    exit_code: Optional[int] = None
+
+    def describe(self, lines: int = 20) -> str:
+        """A multi-line summary for humans: outcome, reason and the last ``lines`` log lines."""
+        head = f"job {self.name}: {self.phase}" + (f" (exit code {self.exit_code})" if self.exit_code is not None else "")
+        out = [head]
+        if self.reason:
+            out.append(f"reason: {self.reason}")
+        if not self.succeeded and self.log_tail:
+            out.append(f"last {min(lines, len(self.log_tail))} log lines of the master:")
+            out += ["  " + line for line in self.log_tail[-lines:]]
+        return "\n".join(out)
+
+
+class LaunchInterrupted(Exception):
+    """Raised inside the launcher when SIGTERM/SIGINT arrives, so that cleanup runs before exiting."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"received signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextmanager
+def interrupt_on_signals() -> Iterator[Callable[[], None]]:
+    """Turns SIGTERM and SIGINT into :class:`LaunchInterrupted` while the block runs (main thread only).
+
+    Yields a ``shield()`` callable: after calling it, further signals are recorded but no longer raise,
+    so that cleanup (deleting the job, killing processes) runs to its end.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    shielded = []
+
+    def handler(signum, frame):  # noqa: ARG001 - signal handler signature
+        if not shielded:
+            raise LaunchInterrupted(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield lambda: shielded.append(True)
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def check_cleanup(cleanup: str) -> None:
+    """Raises ValueError unless ``cleanup`` is one of :data:`CLEANUP_MODES`."""
+    if cleanup not in CLEANUP_MODES:
+        raise ValueError(f"--cleanup: {cleanup!r} is not one of {', '.join(CLEANUP_MODES)}")
+
+
+def should_delete(cleanup: str, succeeded: bool, interrupted: bool) -> bool:
+    """Whether to delete the job: ``always``; ``on-success`` after success or interruption; ``never``.
+
+    An interrupted launcher (a cancelled pipeline run) deletes its job unless told ``never``: nobody
+    would otherwise stop the pods holding the GPUs. A failed job is kept by ``on-success`` for debugging.
+    """
+    if cleanup == "always":
+        return True
+    if cleanup == "on-success":
+        return succeeded or interrupted
+    return False
+
+
+def run_job(
+    spec: JobSpec,
+    backend: str = "pytorchjob",
+    *,
+    timeout_s: Optional[float] = None,
+    scheduling_timeout_s: float = 600,
+    cleanup: str = "on-success",
+    run_id: Optional[str] = None,
+    log: Callable[[str], None] = print,
+    workdir: Optional[str] = None,
+) -> JobResult:
+    """Runs ``spec`` to completion and returns how it ended.
+
+    Args:
+        spec: the job.
+        backend: ``pytorchjob`` (a Kubeflow PyTorchJob via the kubernetes client, in-cluster config or
+            kubeconfig) or ``local`` (each replica a process on this machine, see local_backend).
+        timeout_s: wall-clock limit for the whole job (None: no limit).
+        scheduling_timeout_s: fail when the job has not started Running after this many seconds.
+        cleanup: ``always``, ``on-success`` or ``never`` (see :func:`should_delete`).
+        run_id: identifies the run (same id -> same job name -> a retry adopts its own job);
+            default: a fresh random id.
+        log: receives the Master's log lines and status messages.
+        workdir: local backend only: the directory standing in for the shared volume.
+
+    Raises:
+        LaunchSpecError: invalid ``spec`` (before anything is created).
+        ValueError: unknown ``backend`` or ``cleanup``.
+    """
+    check_cleanup(cleanup)
+    spec.validate()
+    if backend == "pytorchjob":
+        from domino.launch.kube_backend import PyTorchJobLauncher
+
+        return PyTorchJobLauncher(log=log).run(
+            spec, run_id=run_id, timeout_s=timeout_s, scheduling_timeout_s=scheduling_timeout_s, cleanup=cleanup)
+    if backend == "local":
+        from domino.launch.local_backend import LocalLauncher
+
+        return LocalLauncher(log=log).run(spec, run_id=run_id, timeout_s=timeout_s, workdir=workdir)
+    raise ValueError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")

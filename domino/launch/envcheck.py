@@ -1,0 +1,68 @@
+"""``python -m domino.launch.envcheck --out DIR``: checks a multi-node launch end to end.
+
+Run as the job's command (directly, or under torchrun), each process records the launch environment
+it saw, initialises ``torch.distributed`` from it (``env://``: RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT), all-reduces ``rank + 1`` over gloo and writes ``DIR/envcheck-rank<RANK>.json``. A correct
+launch gives every rank the sum ``world_size * (world_size + 1) / 2``. Useful on a real cluster as
+a smoke job (``--command 'torchrun -m domino.launch.envcheck --out /mnt/domino/envcheck'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import tempfile
+from typing import Dict, List, Optional
+
+#: Variables the training operator injects, and the ones torchrun adds for its workers.
+RECORDED = (
+    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
+    "PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
+    "PYTHONUNBUFFERED", "DOMINO_JOB_NAME", "TORCHELASTIC_RUN_ID",
+)
+
+
+def write_json_atomic(path: str, data: Dict) -> None:
+    """Writes ``data`` to ``path`` via a temp file, fsync and rename."""
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".envcheck-")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Records the env, all-reduces across the job, writes the report; returns 0 when the sum is right."""
+    parser = argparse.ArgumentParser(prog="python -m domino.launch.envcheck", description=__doc__)
+    parser.add_argument("--out", required=True, help="Directory for envcheck-rank<RANK>.json.")
+    parser.add_argument("--extra-env", nargs="*", default=[], help="More variable names to record.")
+    args = parser.parse_args(argv)
+    seen = {k: os.environ[k] for k in (*RECORDED, *args.extra_env) if k in os.environ}
+    print(f"envcheck on {socket.gethostname()}: " + " ".join(f"{k}={v}" for k, v in sorted(seen.items())),
+          flush=True)
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    value = torch.tensor([float(rank + 1)])
+    dist.all_reduce(value)
+    expected = world * (world + 1) / 2
+    dist.barrier()
+    dist.destroy_process_group()
+    os.makedirs(args.out, exist_ok=True)
+    write_json_atomic(os.path.join(args.out, f"envcheck-rank{rank}.json"),
+                      {"rank": rank, "world_size": world, "all_reduce": value.item(), "expected": expected,
+                       "env": seen})
+    print(f"envcheck rank {rank}/{world}: all_reduce={value.item():g} expected={expected:g}", flush=True)
+    return 0 if value.item() == expected else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

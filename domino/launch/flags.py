@@ -1,0 +1,107 @@
+"""Command-line flags for a :class:`~domino.launch.spec.JobSpec` (shared by ``render`` and ``submit``)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from typing import List, Optional, Sequence
+
+from domino.launch.spec import (
+    CLEAN_POD_POLICIES,
+    DEFAULT_MOUNT_PATH,
+    PULL_POLICIES,
+    RESTART_POLICIES,
+    JobSpec,
+    LaunchSpecError,
+    Toleration,
+    parse_key_values,
+)
+
+
+def _nproc(text: str):
+    return int(text) if text.isdigit() else text
+
+
+def add_spec_flags(parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per :class:`JobSpec` field; ``-- ARGS`` after them are the ``domino pretrain`` flags."""
+    job = parser.add_argument_group("job")
+    job.add_argument("--name", required=True, help="Base job name (DNS-1035, <= 40 chars); a run suffix is added.")
+    job.add_argument("--image", required=True, help="Container image with the domino package.")
+    job.add_argument("--namespace", default="domino", help="Namespace of the job and the PVC (default: domino).")
+    job.add_argument("--run-id", default=None,
+                     help="Run identifier (default: random); the same id yields the same job name, so a retry "
+                          "adopts its own job.")
+    job.add_argument("--owner", default=None, help="Value of the domino/owner label (default: $DOMINO_OWNER/$USER).")
+    job.add_argument("--command", default=None, metavar="'CMD ARG...'",
+                     help="Container command (one shell-quoted string) replacing 'torchrun -m domino pretrain ARGS'.")
+    res = parser.add_argument_group("resources")
+    res.add_argument("--nodes", type=int, default=1, help="Pods: 1 Master + NODES-1 Workers (default: 1).")
+    res.add_argument("--nproc-per-node", type=_nproc, default=1, help="Processes per pod: N, auto, cpu or gpu.")
+    res.add_argument("--gpus-per-node", type=int, default=0, help="nvidia.com/gpu per pod (default: 0).")
+    for what in ("cpu", "memory"):
+        for kind in ("request", "limit"):
+            res.add_argument(f"--{what}-{kind}", default=None, help=f"{what.upper()} {kind} per pod (quantity).")
+    res.add_argument("--shm-size", default="16Gi", help="Size limit of /dev/shm (memory emptyDir; default 16Gi).")
+    storage = parser.add_argument_group("storage")
+    storage.add_argument("--pvc", default="domino-data", help="RWX PersistentVolumeClaim for data and checkpoints.")
+    storage.add_argument("--mount-path", default=DEFAULT_MOUNT_PATH, help="Where the PVC is mounted.")
+    storage.add_argument("--checkpoint-dir", default=None,
+                         help="--save/--load directory (default: MOUNT_PATH/checkpoints/JOB_NAME).")
+    sched = parser.add_argument_group("scheduling")
+    sched.add_argument("--node-selector", action="append", default=[], metavar="KEY=VALUE")
+    sched.add_argument("--toleration", action="append", default=[], metavar="KEY[=VALUE][:EFFECT]")
+    sched.add_argument("--priority-class", default=None)
+    sched.add_argument("--image-pull-secret", action="append", default=[], metavar="SECRET")
+    sched.add_argument("--image-pull-policy", default="IfNotPresent", choices=PULL_POLICIES)
+    sched.add_argument("--service-account", default=None, help="ServiceAccount of the training pods.")
+    meta = parser.add_argument_group("metadata")
+    meta.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="Extra container env.")
+    meta.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    meta.add_argument("--annotation", action="append", default=[], metavar="KEY=VALUE")
+    policy = parser.add_argument_group("failure policy")
+    policy.add_argument("--restart-policy", default="OnFailure", choices=RESTART_POLICIES)
+    policy.add_argument("--backoff-limit", type=int, default=3)
+    policy.add_argument("--active-deadline-seconds", type=int, default=None)
+    policy.add_argument("--ttl-seconds-after-finished", type=int, default=86400)
+    policy.add_argument("--clean-pod-policy", default="Running", choices=CLEAN_POD_POLICIES)
+    parser.add_argument("pretrain_args", nargs=argparse.REMAINDER,
+                        help="'--' then the domino pretrain flags, e.g. -- --preset tiny --train-iters 100")
+
+
+def split_pretrain_args(argv: Sequence[str]) -> "tuple[List[str], List[str]]":
+    """Splits ``argv`` at the first ``--`` into (launch flags, pretrain flags)."""
+    argv = list(argv)
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def spec_from_args(args: argparse.Namespace, pretrain_args: Optional[List[str]] = None) -> JobSpec:
+    """Builds (and validates) the :class:`JobSpec` from parsed flags."""
+    extra = list(pretrain_args if pretrain_args is not None else (args.pretrain_args or []))
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    tolerations = []
+    for text in args.toleration:
+        tolerations.append(Toleration.parse(text))
+    spec = JobSpec(
+        name=args.name, image=args.image, pretrain_args=extra, command=shlex.split(args.command) if args.command else None, namespace=args.namespace,
+        nodes=args.nodes, nproc_per_node=args.nproc_per_node, gpus_per_node=args.gpus_per_node,
+        cpu_request=args.cpu_request, cpu_limit=args.cpu_limit, memory_request=args.memory_request,
+        memory_limit=args.memory_limit, shm_size=args.shm_size or None, pvc=args.pvc, mount_path=args.mount_path,
+        checkpoint_dir=args.checkpoint_dir,
+        node_selector=parse_key_values(args.node_selector, "--node-selector"), tolerations=tolerations,
+        priority_class=args.priority_class, image_pull_secrets=list(args.image_pull_secret),
+        image_pull_policy=args.image_pull_policy, service_account=args.service_account,
+        env=parse_key_values(args.env, "--env"), labels=parse_key_values(args.label, "--label"),
+        annotations=parse_key_values(args.annotation, "--annotation"), owner=args.owner,
+        restart_policy=args.restart_policy, backoff_limit=args.backoff_limit,
+        active_deadline_seconds=args.active_deadline_seconds,
+        ttl_seconds_after_finished=args.ttl_seconds_after_finished, clean_pod_policy=args.clean_pod_policy,
+    )
+    spec.validate()
+    return spec
+
+
+__all__ = ["LaunchSpecError", "add_spec_flags", "spec_from_args", "split_pretrain_args"]

@@ -1,0 +1,281 @@
+"""Runs a JobSpec as a Kubeflow PyTorchJob with the ``kubernetes`` client and follows it to the end.
+
+What it does, in order:
+
+1. Renders the job for the run id (the same run id gives the same name) with an owner reference to
+   the launching pod when ``POD_NAME``/``POD_UID`` are set (downward API).
+2. Creates it; on 409 adopts the existing job only if its ``domino/run-id`` annotation is this run's,
+   and refuses (never touches) a job of another run.
+3. Watches the job (field selector on its name) with resourceVersion bookkeeping: a dropped connection
+   resumes from the last version, a 410 Gone relists. Condition changes are reported as they happen;
+   the Master's log is streamed by :class:`~domino.launch.kube_pods.MasterLogStreamer`.
+4. Ends on Succeeded (success) or Failed, on the scheduling timeout (job not Running yet; the pods'
+   events say why), on the overall wall-clock timeout, or on SIGTERM/SIGINT; then deletes the job per
+   the cleanup mode.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from domino.launch import naming
+from domino.launch.api import JobResult, LaunchInterrupted, interrupt_on_signals, should_delete
+from domino.launch.kube_pods import MasterLogStreamer, exit_code, explain_pending, list_job_pods, master_pod
+from domino.launch.render import GROUP, PLURAL, VERSION, render_job
+from domino.launch.spec import JobSpec
+
+#: Condition types in order of precedence when several are True at once.
+PHASE_ORDER = ("Succeeded", "Failed", "Suspended", "Restarting", "Running", "Created")
+
+
+class JobTracker:
+    """Follows a job's status conditions, reporting each change once."""
+
+    def __init__(self, name: str, log: Callable[[str], None]) -> None:
+        self.name, self.log = name, log
+        self.phase = "Pending"
+        self.started = False
+        self.conditions: Dict[str, Dict[str, Any]] = {}
+        self._reported: Dict[str, Tuple[str, str]] = {}
+
+    def update(self, job: Dict[str, Any]) -> None:
+        """Takes the job's latest status."""
+        conditions = (job.get("status") or {}).get("conditions") or []
+        for cond in conditions:
+            ctype, status = cond.get("type", ""), cond.get("status", "")
+            self.conditions[ctype] = cond
+            if status == "True" and self._reported.get(ctype) != (status, cond.get("reason", "")):
+                self.log(f"[{self.name}] {ctype}: {cond.get('reason', '')} {cond.get('message', '')}".rstrip())
+            self._reported[ctype] = (status, cond.get("reason", ""))
+        true = {c.get("type") for c in conditions if c.get("status") == "True"}
+        self.phase = next((p for p in PHASE_ORDER if p in true), self.phase)
+        self.started = self.started or bool(true & {"Running", "Restarting", "Succeeded", "Failed"})
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+    def failure_reason(self) -> str:
+        cond = self.conditions.get("Failed") or {}
+        return f"{cond.get('reason') or 'Failed'}: {cond.get('message', 'the job failed')}"
+
+
+def owner_reference(namespace: str, log: Callable[[str], None]) -> Optional[Dict[str, Any]]:
+    """An ownerReference to the launching pod (``POD_NAME``, ``POD_UID``), if in the job's namespace."""
+    name, uid = os.environ.get("POD_NAME"), os.environ.get("POD_UID")
+    if not (name and uid):
+        return None
+    pod_namespace = os.environ.get("POD_NAMESPACE")
+    if pod_namespace and pod_namespace != namespace:
+        log(f"not setting an owner reference: launcher pod is in namespace {pod_namespace}, job in {namespace}")
+        return None
+    # blockOwnerDeletion needs delete rights on the owner's finalizers; garbage collection works without it.
+    return {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid, "controller": False,
+            "blockOwnerDeletion": False}
+
+
+def load_api_client():
+    """An ApiClient from the in-cluster service account, else from the kubeconfig ($KUBECONFIG)."""
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+class JobConflict(Exception):
+    """A job with our name exists and belongs to another run."""
+
+
+class PyTorchJobLauncher:
+    """Creates or adopts a PyTorchJob and follows it to the end.
+
+    Args:
+        api_client: a ``kubernetes.client.ApiClient``; default: in-cluster config, else kubeconfig.
+        log: receives status messages and the Master's log lines.
+        poll_s: how often pods are polled for the log stream, and the shortest watch read timeout.
+        watch_timeout_s: server-side length of one watch request (reconnected with the last version).
+        request_timeout_s: timeout of each non-streaming API request.
+        log_tail_lines: log lines kept for the result.
+        log_grace_s: how long the log stream may drain after the job ended.
+    """
+
+    def __init__(self, api_client=None, log: Callable[[str], None] = print, poll_s: float = 2.0,
+                 watch_timeout_s: float = 60.0, request_timeout_s: float = 30.0, log_tail_lines: int = 50,
+                 log_grace_s: float = 10.0) -> None:
+        self.log = log
+        self.poll_s, self.watch_timeout_s, self.request_timeout_s = poll_s, watch_timeout_s, request_timeout_s
+        self.log_tail_lines, self.log_grace_s = log_tail_lines, log_grace_s
+        from kubernetes import client
+
+        self.api_client = api_client or load_api_client()
+        self.custom = client.CustomObjectsApi(self.api_client)
+        self.core = client.CoreV1Api(self.api_client)
+
+    # -- API calls -------------------------------------------------------------------------------------
+    def create_or_adopt(self, body: Dict[str, Any], run_id: str) -> Dict[str, Any]:
+        """Creates the job; on 409 returns the existing job if it is this run's, else raises JobConflict."""
+        from kubernetes.client.rest import ApiException
+
+        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        try:
+            job = self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body,
+                                                              _request_timeout=self.request_timeout_s)
+            self.log(f"created PyTorchJob {ns}/{name} (run {run_id})")
+            return job
+        except ApiException as error:
+            if error.status != 409:
+                raise
+        existing = self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name,
+                                                            _request_timeout=self.request_timeout_s)
+        meta = existing.get("metadata") or {}
+        theirs = (meta.get("annotations") or {}).get(naming.RUN_ID_ANNOTATION)
+        if theirs == run_id and (meta.get("labels") or {}).get(naming.RUN_ID_LABEL) == naming.label_value(run_id):
+            self.log(f"adopting existing PyTorchJob {ns}/{name} of this run ({run_id}): a retry resumes it")
+            return existing
+        raise JobConflict(f"a PyTorchJob named {name} already exists in namespace {ns} and belongs to run "
+                          f"{theirs!r}, not to this run {run_id!r}; refusing to reuse it (delete it, or use "
+                          f"another --name or --run-id)")
+
+    def delete(self, namespace: str, name: str) -> None:
+        """Deletes the job and (background propagation) its pods; a missing job is fine."""
+        from kubernetes.client.rest import ApiException
+
+        try:
+            self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                                        propagation_policy="Background",
+                                                        _request_timeout=self.request_timeout_s)
+            self.log(f"deleted PyTorchJob {namespace}/{name}")
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+    def relist(self, namespace: str, name: str) -> Tuple[Optional[Dict[str, Any]], str]:
+        """The job (None when gone) and the list's resourceVersion to watch from."""
+        listing = self.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                            field_selector=f"metadata.name={name}",
+                                                            _request_timeout=self.request_timeout_s)
+        items = listing.get("items") or []
+        return (items[0] if items else None), listing["metadata"]["resourceVersion"]
+
+    # -- the run ---------------------------------------------------------------------------------------
+    def run(self, spec: JobSpec, run_id: Optional[str] = None, timeout_s: Optional[float] = None,
+            scheduling_timeout_s: float = 600, cleanup: str = "on-success") -> JobResult:
+        """Runs ``spec`` as a PyTorchJob to completion (see the module docstring)."""
+        run_id = run_id or naming.new_run_id()
+        start = time.monotonic()
+        body = render_job(spec, run_id, owner_reference(spec.namespace, self.log))
+        ns, name = spec.namespace, body["metadata"]["name"]
+        tracker = JobTracker(name, self.log)
+        streamer = MasterLogStreamer(self.core, ns, name, self.log, self.log_tail_lines, self.poll_s,
+                                     self.request_timeout_s)
+        owned, interrupted, result = False, False, None
+        with interrupt_on_signals() as shield:
+            try:
+                try:
+                    job = self.create_or_adopt(body, run_id)
+                except JobConflict as error:
+                    return JobResult(name, False, "Conflict", f"Conflict: {error}", [], None)
+                owned = True
+                tracker.update(job)
+                streamer.start()
+                result = self._follow(job, tracker, start, timeout_s, scheduling_timeout_s)
+            except LaunchInterrupted as error:
+                interrupted = True
+                self.log(f"launcher interrupted ({error}); stopping job {name}")
+                result = JobResult(name, False, tracker.phase, f"Interrupted: the launcher {error}", [], None)
+            finally:
+                shield()  # further signals must not abort the cleanup
+                if streamer.is_alive():
+                    streamer.finish(self.log_grace_s if result is not None and tracker.terminal else 0.0)
+                if result is not None:
+                    self._complete(result, streamer, ns, name)
+                if owned and should_delete(cleanup, bool(result and result.succeeded), interrupted):
+                    self.delete(ns, name)
+                elif owned:
+                    self.log(f"keeping PyTorchJob {ns}/{name} (--cleanup {cleanup})")
+        return result
+
+    def _follow(self, job: Dict[str, Any], tracker: JobTracker, start: float, timeout_s: Optional[float],
+                scheduling_timeout_s: float) -> JobResult:
+        from kubernetes import watch
+        from kubernetes.client.rest import ApiException
+        from urllib3.exceptions import HTTPError, ReadTimeoutError
+
+        meta = job["metadata"]
+        ns, name, version = meta["namespace"], meta["name"], meta.get("resourceVersion", "")
+        deadline = start + timeout_s if timeout_s is not None else None
+        scheduling_deadline = start + scheduling_timeout_s
+        while not tracker.terminal:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return JobResult(name, False, tracker.phase,
+                                 f"Timeout: the job did not finish within {timeout_s:g} s (phase {tracker.phase})",
+                                 [], None)
+            if not tracker.started and now >= scheduling_deadline:
+                why = explain_pending(self.core, ns, name, self.request_timeout_s)
+                return JobResult(name, False, tracker.phase,
+                                 f"SchedulingTimeout: the job was still {tracker.phase} (not Running) after "
+                                 f"{scheduling_timeout_s:g} s: " + ("; ".join(why) or "no events explain it"),
+                                 [], None)
+            upcoming = [d for d in (deadline, None if tracker.started else scheduling_deadline) if d is not None]
+            read_timeout = min([self.watch_timeout_s] + [max(self.poll_s, d - now) for d in upcoming])
+            try:
+                stream = watch.Watch().stream(
+                    self.custom.list_namespaced_custom_object, GROUP, VERSION, ns, PLURAL,
+                    field_selector=f"metadata.name={name}", resource_version=version,
+                    timeout_seconds=max(1, int(self.watch_timeout_s)),
+                    _request_timeout=(self.request_timeout_s, read_timeout))
+                for event in stream:
+                    obj = event["object"]
+                    if not isinstance(obj, dict):
+                        obj = self.api_client.sanitize_for_serialization(obj)
+                    version = obj.get("metadata", {}).get("resourceVersion") or version
+                    if event["type"] == "DELETED":
+                        return JobResult(name, False, tracker.phase,
+                                         "Deleted: the PyTorchJob was deleted while running", [], None)
+                    tracker.update(obj)
+                    if tracker.terminal or (deadline is not None and time.monotonic() >= deadline):
+                        break
+            except ApiException as error:
+                if error.status != 410:
+                    raise
+                self.log(f"[{name}] watch expired (410 Gone); relisting")
+                current, version = self.relist(ns, name)
+                if current is None:
+                    return JobResult(name, False, tracker.phase,
+                                     "Deleted: the PyTorchJob was deleted while running", [], None)
+                tracker.update(current)
+            except (HTTPError, OSError) as error:
+                if not isinstance(error, ReadTimeoutError) and "Read timed out" not in str(error):
+                    self.log(f"[{name}] watch connection lost ({type(error).__name__}); reconnecting")
+                    time.sleep(min(self.poll_s, 1.0))
+        if tracker.phase == "Succeeded":
+            return JobResult(name, True, "Succeeded", "", [], None)
+        return JobResult(name, False, "Failed", tracker.failure_reason(), [], None)
+
+    def _complete(self, result: JobResult, streamer: MasterLogStreamer, ns: str, name: str) -> None:
+        """Fills the log tail and the Master's exit code into ``result`` (best effort)."""
+        result.log_tail = list(streamer.tail)
+        pod = streamer.pod
+        try:
+            pod = master_pod(list_job_pods(self.core, ns, name, self.request_timeout_s), name) or pod
+        except Exception:  # the job may be gone already; keep what the streamer saw
+            pass
+        result.exit_code = exit_code(pod)
+        if not result.log_tail and pod is not None and not result.succeeded:
+            try:
+                text = self.core.read_namespaced_pod_log(
+                    pod["metadata"]["name"], ns, container="pytorch", tail_lines=self.log_tail_lines,
+                    _request_timeout=self.request_timeout_s)
+                result.log_tail = text.splitlines()[-self.log_tail_lines:]
+            except Exception:
+                pass
+
+
+__all__ = ["JobConflict", "JobTracker", "PyTorchJobLauncher", "load_api_client", "owner_reference"]
+

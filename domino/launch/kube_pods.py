@@ -1,0 +1,192 @@
+"""The pods of a PyTorchJob: following the Master's log, explaining a stuck job, reading exit codes.
+
+Everything here works on plain dicts (the API's JSON), read with ``_preload_content=False``, so it
+does not depend on the client's model classes accepting every field a cluster returns.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from domino.launch import naming
+from domino.launch.spec import CONTAINER_NAME
+
+
+def _json(response) -> Dict[str, Any]:
+    try:
+        return json.loads(response.data)
+    finally:
+        response.release_conn()
+
+
+def list_job_pods(core, namespace: str, job: str, timeout_s: float) -> List[Dict[str, Any]]:
+    """The pods of ``job`` (selected by the operator's job-name label)."""
+    resp = core.list_namespaced_pod(namespace, label_selector=f"{naming.OPERATOR_JOB_LABEL}={job}",
+                                    _preload_content=False, _request_timeout=timeout_s)
+    return _json(resp).get("items", [])
+
+
+def master_pod(pods: List[Dict[str, Any]], job: str) -> Optional[Dict[str, Any]]:
+    """The Master's pod among ``pods`` (by the replica-type label, else by its name)."""
+    for pod in pods:
+        meta = pod.get("metadata", {})
+        if (meta.get("labels") or {}).get(naming.OPERATOR_REPLICA_TYPE_LABEL, "").lower() == "master":
+            return pod
+    for pod in pods:
+        if pod.get("metadata", {}).get("name") == f"{job}-master-0":
+            return pod
+    return None
+
+
+def container_status(pod: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``pytorch`` container's status (empty when not reported yet)."""
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if status.get("name") == CONTAINER_NAME:
+            return status
+    return {}
+
+
+def exit_code(pod: Optional[Dict[str, Any]]) -> Optional[int]:
+    """The ``pytorch`` container's exit code (current or last termination), if it has ended."""
+    if pod is None:
+        return None
+    status = container_status(pod)
+    for key in ("state", "lastState"):
+        terminated = (status.get(key) or {}).get("terminated")
+        if terminated and terminated.get("exitCode") is not None:
+            return int(terminated["exitCode"])
+    return None
+
+
+def explain_pending(core, namespace: str, job: str, timeout_s: float) -> List[str]:
+    """Why the job's pods don't run: unschedulable conditions, waiting containers, Warning events."""
+    lines: List[str] = []
+    pods = list_job_pods(core, namespace, job, timeout_s)
+    if not pods:
+        lines.append("no pods were created (is the training operator running, and did it accept the job?)")
+    for pod in pods:
+        pod_name = pod["metadata"]["name"]
+        status = pod.get("status") or {}
+        for cond in status.get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+                lines.append(f"pod {pod_name} not scheduled: {cond.get('reason')}: {cond.get('message', '')}")
+        for cs in status.get("containerStatuses") or []:
+            waiting = (cs.get("state") or {}).get("waiting")
+            if waiting and waiting.get("reason") not in (None, "ContainerCreating", "PodInitializing"):
+                lines.append(f"pod {pod_name} container {cs.get('name')} waiting: {waiting.get('reason')}: "
+                             f"{waiting.get('message', '')}")
+    seen = set()
+    for obj in [job] + [p["metadata"]["name"] for p in pods]:
+        resp = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={obj}",
+                                          _preload_content=False, _request_timeout=timeout_s)
+        for event in _json(resp).get("items", []):
+            if event.get("type") != "Warning":
+                continue
+            key = (obj, event.get("reason"), event.get("message"))
+            if key not in seen:
+                seen.add(key)
+                lines.append(f"event on {obj}: {event.get('reason')}: {event.get('message', '')}")
+    return lines
+
+
+def _ts_key(stamp: str) -> Tuple[str, str]:
+    """Orders RFC3339Nano stamps (Go trims trailing zeros of the fraction, so pad it)."""
+    head, _, frac = stamp.rstrip("Z").partition(".")
+    return head, frac.ljust(9, "0")
+
+
+class MasterLogStreamer(threading.Thread):
+    """Follows the Master's ``pytorch`` container log into ``log``, across container restarts.
+
+    Lines carry server timestamps (``timestamps=true``); after a disconnect or a restart the stream is
+    reopened and lines already shown are skipped by timestamp, so nothing is printed twice.
+    """
+
+    def __init__(self, core, namespace: str, job: str, log: Callable[[str], None], tail_lines: int = 50,
+                 poll_s: float = 2.0, request_timeout_s: float = 30.0) -> None:
+        super().__init__(name=f"logs-{job}", daemon=True)
+        self.core, self.namespace, self.job, self.log = core, namespace, job, log
+        self.poll_s, self.request_timeout_s = poll_s, request_timeout_s
+        self.tail: Deque[str] = collections.deque(maxlen=tail_lines)
+        self.pod: Optional[Dict[str, Any]] = None
+        self._stop_event = threading.Event()
+        self._finishing = threading.Event()
+        self._last_key: Optional[Tuple[str, str]] = None
+        self._response = None
+
+    def run(self) -> None:
+        followed: Optional[Tuple[str, int]] = None  # container (pod uid, restart count) last followed
+        done: Optional[Tuple[str, int]] = None  # container whose log was followed to its termination
+        while not self._stop_event.is_set():
+            try:
+                pod = master_pod(list_job_pods(self.core, self.namespace, self.job, self.request_timeout_s), self.job)
+            except Exception:  # API hiccup: the launcher's main loop reports real failures
+                pod = None
+            state = (container_status(pod).get("state") or {}) if pod is not None else {}
+            if pod is not None and ("running" in state or "terminated" in state):
+                self.pod = pod
+                key = (pod["metadata"].get("uid", ""), int(container_status(pod).get("restartCount", 0)))
+                if key != done:
+                    if followed is not None and key[0] == followed[0] and key[1] > followed[1]:
+                        self.log(f"--- {pod['metadata']['name']}: container restarted (restart {key[1]}) ---")
+                    followed = key
+                    if self._follow(pod["metadata"]["name"]) and "terminated" in state:
+                        done = key
+                        continue
+            if self._finishing.is_set():
+                return
+            self._stop_event.wait(self.poll_s)
+
+    def _follow(self, pod_name: str) -> bool:
+        """Streams one container's log to its end; False when the connection broke."""
+        buffer = b""
+        try:
+            self._response = self.core.read_namespaced_pod_log(
+                pod_name, self.namespace, container=CONTAINER_NAME, follow=True, timestamps=True,
+                _preload_content=False, _request_timeout=(self.request_timeout_s, None))
+            for chunk in self._response.stream(4096):
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for raw in lines:
+                    self._emit(raw.decode("utf-8", "replace"))
+            if buffer:
+                self._emit(buffer.decode("utf-8", "replace"))
+            return True
+        except Exception:  # disconnect or container not ready: retried by run()
+            return False
+        finally:
+            if self._response is not None:
+                self._response.release_conn()
+                self._response = None
+
+    def _emit(self, line: str) -> None:
+        stamp, _, text = line.partition(" ")
+        if not stamp[:4].isdigit():  # no timestamp (older servers): show as is
+            stamp, text = "", line
+        if stamp:
+            key = _ts_key(stamp)
+            if self._last_key is not None and key <= self._last_key:
+                return
+            self._last_key = key
+        self.tail.append(text)
+        self.log(text)
+
+    def finish(self, grace_s: float) -> None:
+        """Lets the current stream drain (up to ``grace_s``), then stops the thread."""
+        self._finishing.set()
+        self.join(grace_s)
+        self.stop()
+
+    def stop(self) -> None:
+        """Stops following now (closes an open stream)."""
+        self._stop_event.set()
+        response = self._response
+        if response is not None:
+            try:
+                response.close()
+            except Exception:
+                pass
+        self.join(1.0)

@@ -1,0 +1,170 @@
+"""Renders a :class:`~domino.launch.spec.JobSpec` as a Kubeflow PyTorchJob (kubeflow.org/v1).
+
+The job has one Master and ``nodes - 1`` Workers sharing one pod template. The container named
+``pytorch`` runs ``torchrun -m domino pretrain ...``; torchrun reads the ``PET_*`` variables the
+training operator injects (nodes, node rank, master address), so the command carries no rendezvous
+flags. ``--save`` and ``--load`` point at the same directory on the shared volume, so a restarted pod
+(or a retried run that adopts its job) resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Optional
+
+import yaml
+
+from domino.launch import naming
+from domino.launch.spec import CONTAINER_NAME, MASTER_PORT, JobSpec
+
+API_VERSION = "kubeflow.org/v1"
+KIND = "PyTorchJob"
+GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
+
+
+def checkpoint_dir(spec: JobSpec, name: str) -> str:
+    """The --save/--load directory of job ``name`` on the shared volume."""
+    return spec.checkpoint_dir or f"{spec.mount_path.rstrip('/')}/checkpoints/{name}"
+
+
+def _has_flag(args: List[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def container_command(spec: JobSpec, name: str) -> List[str]:
+    """The training container's command: the override verbatim, else torchrun + pretrain + resume flags."""
+    if spec.command is not None:
+        return list(spec.command)
+    args = list(spec.pretrain_args)
+    ckpt = checkpoint_dir(spec, name)
+    for flag in ("--save", "--load"):
+        if not _has_flag(args, flag):
+            args += [flag, ckpt]
+    return ["torchrun", "-m", "domino", "pretrain", *args]
+
+
+def _resources(spec: JobSpec) -> Dict[str, Dict[str, str]]:
+    requests: Dict[str, str] = {}
+    limits: Dict[str, str] = {}
+    for key, req, lim in (("cpu", spec.cpu_request, spec.cpu_limit), ("memory", spec.memory_request,
+                                                                       spec.memory_limit)):
+        if req is not None:
+            requests[key] = str(req)
+        if lim is not None:
+            limits[key] = str(lim)
+    if spec.gpus_per_node:
+        # Extended resources must have request == limit.
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(spec.gpus_per_node)
+    out = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, Any]:
+    """The pod template shared by Master and Workers (PSS restricted, shared volume, /dev/shm)."""
+    env = [{"name": "DOMINO_JOB_NAME", "value": name}]
+    env += [{"name": k, "value": str(v)} for k, v in spec.env.items()]
+    container: Dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": container_command(spec, name),
+        "env": env,
+        "ports": [{"name": "pytorchjob-port", "containerPort": MASTER_PORT, "protocol": "TCP"}],
+        "resources": _resources(spec),
+        "volumeMounts": [
+            {"name": "domino-data", "mountPath": spec.mount_path},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "runAsUser": spec.run_as_user,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    shm: Dict[str, Any] = {"medium": "Memory"}
+    if spec.shm_size:
+        shm["sizeLimit"] = spec.shm_size
+    pod_spec: Dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": spec.run_as_user,
+            "runAsGroup": spec.run_as_user,
+            "fsGroup": spec.run_as_user,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [
+            {"name": "domino-data", "persistentVolumeClaim": {"claimName": spec.pvc}},
+            {"name": "dshm", "emptyDir": shm},
+        ],
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [t.to_dict() for t in spec.tolerations]
+    if spec.priority_class:
+        pod_spec["priorityClassName"] = spec.priority_class
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    if spec.service_account:
+        pod_spec["serviceAccountName"] = spec.service_account
+    metadata: Dict[str, Any] = {"labels": dict(labels)}
+    if spec.annotations:
+        metadata["annotations"] = dict(spec.annotations)
+    return {"metadata": metadata, "spec": pod_spec}
+
+
+def render_job(spec: JobSpec, run_id: str, owner_reference: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The PyTorchJob object for ``spec`` in run ``run_id`` (validated first).
+
+    Args:
+        spec: the job description.
+        run_id: identifies the run; determines the job name and the ``domino/run-id`` label.
+        owner_reference: an ``ownerReferences`` entry (the launching pod), if any.
+
+    Raises:
+        LaunchSpecError: when ``spec`` is invalid.
+    """
+    spec.validate()
+    name = naming.job_name(spec.name, run_id, spec.nodes)
+    labels = {**spec.labels, **naming.run_labels(run_id, spec.owner, name)}
+    template = pod_template(spec, name, labels)
+    replica = {"replicas": 1, "restartPolicy": spec.restart_policy, "template": template}
+    replicas = {"Master": replica}
+    if spec.nodes > 1:
+        replicas["Worker"] = {**copy.deepcopy(replica), "replicas": spec.nodes - 1}
+    run_policy: Dict[str, Any] = {"cleanPodPolicy": spec.clean_pod_policy}
+    for key, value in (("backoffLimit", spec.backoff_limit), ("activeDeadlineSeconds", spec.active_deadline_seconds),
+                       ("ttlSecondsAfterFinished", spec.ttl_seconds_after_finished)):
+        if value is not None:
+            run_policy[key] = value
+    metadata: Dict[str, Any] = {
+        "name": name,
+        "namespace": spec.namespace,
+        "labels": labels,
+        "annotations": {**spec.annotations, naming.RUN_ID_ANNOTATION: run_id},
+    }
+    if owner_reference:
+        metadata["ownerReferences"] = [owner_reference]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": metadata,
+        "spec": {
+            "nprocPerNode": str(spec.nproc_per_node),
+            "runPolicy": run_policy,
+            "pytorchReplicaSpecs": replicas,
+        },
+    }
+
+
+def to_yaml(job: Dict[str, Any]) -> str:
+    """The job as a YAML document (keys in rendering order)."""
+    return yaml.safe_dump(job, sort_keys=False, default_flow_style=False)

@@ -1,0 +1,237 @@
+"""The typed description of one distributed ``domino pretrain`` job, validated in one place.
+
+A :class:`JobSpec` says what to run (image, ``domino pretrain`` arguments or a command override), on how
+many nodes and processes, with which resources and scheduling constraints, and how failures are handled.
+The same spec is rendered into a Kubeflow PyTorchJob (:mod:`domino.launch.render`) and executed on this
+machine by the local backend (:mod:`domino.launch.local_backend`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Union
+
+#: Where the shared ReadWriteMany volume (data, checkpoints) is mounted in every pod.
+DEFAULT_MOUNT_PATH = "/mnt/domino"
+#: The Master's rendezvous port (the operator's ``pytorchjob-port``).
+MASTER_PORT = 23456
+#: The container name the training operator's webhook requires.
+CONTAINER_NAME = "pytorch"
+
+RESTART_POLICIES = ("OnFailure", "ExitCode")
+CLEAN_POD_POLICIES = ("All", "Running", "None")
+TOLERATION_OPERATORS = ("Equal", "Exists")
+TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
+_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+
+
+class LaunchSpecError(ValueError):
+    """A job setting that cannot work; the message names the field (and its flag) and the problem."""
+
+
+@dataclass
+class Toleration:
+    """One pod toleration (``key=value:effect`` on the command line; ``key:effect`` means Exists)."""
+
+    key: str
+    """Taint key to tolerate."""
+    value: str = ""
+    """Taint value (empty with operator Exists)."""
+    effect: str = ""
+    """NoSchedule, PreferNoSchedule, NoExecute, or empty for all effects."""
+    operator: str = "Equal"
+    """Equal or Exists."""
+
+    @classmethod
+    def parse(cls, text: str) -> "Toleration":
+        """Parses ``key[=value][:effect]``; without ``=value`` the operator is Exists."""
+        body, _, effect = text.partition(":")
+        key, eq, value = body.partition("=")
+        return cls(key=key, value=value, effect=effect, operator="Equal" if eq else "Exists")
+
+    def to_dict(self) -> Dict[str, str]:
+        """The Kubernetes ``Toleration`` object."""
+        out = {"key": self.key, "operator": self.operator}
+        if self.operator == "Equal":
+            out["value"] = self.value
+        if self.effect:
+            out["effect"] = self.effect
+        return out
+
+
+@dataclass
+class JobSpec:
+    """Everything needed to run ``domino pretrain`` as one multi-node job.
+
+    Kubernetes quantities (``cpu_request``, ``memory_limit``, ``shm_size``) are strings in Kubernetes
+    notation (``"8"``, ``"500m"``, ``"64Gi"``). ``None`` leaves a setting to the cluster's defaults.
+    """
+
+    name: str
+    """Base job name (DNS-1035); the per-run job name appends a run suffix (see domino.launch.naming)."""
+    image: str
+    """Container image holding the domino package (see the Dockerfile)."""
+    pretrain_args: List[str] = field(default_factory=list)
+    """Arguments for ``domino pretrain`` (the config flags)."""
+    command: Optional[List[str]] = None
+    """Full container command overriding ``torchrun -m domino pretrain ARGS``; used verbatim."""
+    namespace: str = "domino"
+    """Namespace of the job (and of the PVC)."""
+    nodes: int = 1
+    """Pods: 1 Master plus nodes-1 Workers."""
+    nproc_per_node: Union[int, str] = 1
+    """Processes per pod (torchrun's --nproc-per-node): an integer, or auto, cpu, gpu."""
+    gpus_per_node: int = 0
+    """``nvidia.com/gpu`` requested (and limited) per pod."""
+    cpu_request: Optional[str] = None
+    """CPU request per pod."""
+    cpu_limit: Optional[str] = None
+    """CPU limit per pod."""
+    memory_request: Optional[str] = None
+    """Memory request per pod."""
+    memory_limit: Optional[str] = None
+    """Memory limit per pod."""
+    shm_size: Optional[str] = "16Gi"
+    """Size limit of the memory-backed emptyDir at /dev/shm (NCCL and data-loader workers need more than 64Mi)."""
+    pvc: str = "domino-data"
+    """Name of the ReadWriteMany PersistentVolumeClaim holding data and checkpoints."""
+    mount_path: str = DEFAULT_MOUNT_PATH
+    """Where the PVC is mounted in every pod."""
+    checkpoint_dir: Optional[str] = None
+    """--save/--load directory; default ``<mount_path>/checkpoints/<job name>`` (a restarted pod resumes)."""
+    node_selector: Dict[str, str] = field(default_factory=dict)
+    """Pod node selector."""
+    tolerations: List[Toleration] = field(default_factory=list)
+    """Pod tolerations."""
+    priority_class: Optional[str] = None
+    """PriorityClass name of the pods."""
+    image_pull_secrets: List[str] = field(default_factory=list)
+    """Secrets for pulling the image from a private registry."""
+    image_pull_policy: str = "IfNotPresent"
+    """Always, IfNotPresent or Never."""
+    service_account: Optional[str] = None
+    """ServiceAccount of the training pods (they need no API access; the token is not mounted)."""
+    env: Dict[str, str] = field(default_factory=dict)
+    """Extra environment variables of the training container."""
+    labels: Dict[str, str] = field(default_factory=dict)
+    """Extra labels on the job and its pods."""
+    annotations: Dict[str, str] = field(default_factory=dict)
+    """Extra annotations on the job and its pods."""
+    owner: Optional[str] = None
+    """Who launched the job (the ``domino/owner`` label); default: $USER or ``domino``."""
+    restart_policy: str = "OnFailure"
+    """OnFailure (restart any failed pod) or ExitCode (retry exit codes 128-255 only; 1-127 are permanent)."""
+    backoff_limit: Optional[int] = 3
+    """Restarts allowed before the job is marked Failed."""
+    active_deadline_seconds: Optional[int] = None
+    """Cluster-side time limit of the job."""
+    ttl_seconds_after_finished: Optional[int] = 86400
+    """The operator deletes the finished job after this many seconds."""
+    clean_pod_policy: str = "Running"
+    """Pods deleted when the job finishes: All, Running (still-running ones) or None."""
+    run_as_user: int = 1000
+    """Non-root UID of the training container (matches the image's user)."""
+
+    def validate(self) -> None:
+        """Raises :class:`LaunchSpecError` listing every problem, each naming its field and flag."""
+        problems: List[str] = []
+
+        def check(ok: bool, flag: str, message: str) -> None:
+            if not ok:
+                problems.append(f"{flag}: {message}")
+
+        check(bool(_DNS1035_LABEL.match(self.name or "")), "--name",
+              f"{self.name!r} must be a DNS-1035 label (lowercase letters, digits, '-', starting with a letter)")
+        check(len(self.name or "") <= 40, "--name", f"{self.name!r} is longer than 40 characters "
+              "(the run suffix and the operator's -worker-N pod suffix must still fit in 63)")
+        check(bool(self.image and not any(c.isspace() for c in self.image)), "--image",
+              f"{self.image!r} is not an image reference")
+        check(bool(_DNS1123_LABEL.match(self.namespace or "")) and len(self.namespace) <= 63, "--namespace",
+              f"{self.namespace!r} is not a valid namespace name")
+        check(isinstance(self.nodes, int) and self.nodes >= 1, "--nodes", f"must be >= 1, got {self.nodes}")
+        nproc = self.nproc_per_node
+        check((isinstance(nproc, int) and nproc >= 1) or nproc in ("auto", "cpu", "gpu"), "--nproc-per-node",
+              f"must be a positive integer or auto/cpu/gpu, got {nproc!r}")
+        check(isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 0, "--gpus-per-node",
+              f"must be >= 0, got {self.gpus_per_node}")
+        if isinstance(nproc, int) and self.gpus_per_node > 0:
+            check(nproc <= self.gpus_per_node, "--nproc-per-node",
+                  f"{nproc} processes per node but only {self.gpus_per_node} GPUs per node")
+        for attr in ("cpu_request", "cpu_limit", "memory_request", "memory_limit", "shm_size"):
+            value = getattr(self, attr)
+            check(value is None or bool(_QUANTITY.match(str(value))), "--" + attr.replace("_", "-"),
+                  f"{value!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)")
+        check(bool(_DNS1123_SUBDOMAIN.match(self.pvc or "")), "--pvc", f"{self.pvc!r} is not a valid claim name")
+        check(self.mount_path.startswith("/") and self.mount_path not in ("/", "/dev/shm"), "--mount-path",
+              f"{self.mount_path!r} must be an absolute path other than / and /dev/shm")
+        check(self.restart_policy in RESTART_POLICIES, "--restart-policy",
+              f"{self.restart_policy!r} is not one of {', '.join(RESTART_POLICIES)}")
+        check(self.clean_pod_policy in CLEAN_POD_POLICIES, "--clean-pod-policy",
+              f"{self.clean_pod_policy!r} is not one of {', '.join(CLEAN_POD_POLICIES)}")
+        check(self.image_pull_policy in PULL_POLICIES, "--image-pull-policy",
+              f"{self.image_pull_policy!r} is not one of {', '.join(PULL_POLICIES)}")
+        for attr in ("backoff_limit", "active_deadline_seconds", "ttl_seconds_after_finished"):
+            value = getattr(self, attr)
+            minimum = 1 if attr == "active_deadline_seconds" else 0
+            check(value is None or (isinstance(value, int) and value >= minimum), "--" + attr.replace("_", "-"),
+                  f"must be an integer >= {minimum}, got {value!r}")
+        check(isinstance(self.run_as_user, int) and self.run_as_user > 0, "run_as_user",
+              f"must be a non-root UID (> 0), got {self.run_as_user!r}")
+        for attr in ("priority_class", "service_account"):
+            value = getattr(self, attr)
+            check(value is None or bool(_DNS1123_SUBDOMAIN.match(value)), "--" + attr.replace("_", "-"),
+                  f"{value!r} is not a valid object name")
+        for secret in self.image_pull_secrets:
+            check(bool(_DNS1123_SUBDOMAIN.match(secret)), "--image-pull-secret", f"{secret!r} is not a valid name")
+        for key in self.env:
+            check(bool(_ENV_NAME.match(key)), "--env", f"{key!r} is not a valid environment variable name")
+        for attr, flag in (("labels", "--label"), ("node_selector", "--node-selector")):
+            for key, value in getattr(self, attr).items():
+                check(_valid_label_key(key), flag, f"{key!r} is not a valid label key")
+                check(len(value) <= 63 and bool(_LABEL_VALUE.match(value)), flag,
+                      f"{value!r} (for {key!r}) is not a valid label value")
+        for key in self.annotations:
+            check(_valid_label_key(key), "--annotation", f"{key!r} is not a valid annotation key")
+        for tol in self.tolerations:
+            check(tol.operator in TOLERATION_OPERATORS, "--toleration", f"operator {tol.operator!r} is invalid")
+            check(tol.effect in TOLERATION_EFFECTS, "--toleration", f"effect {tol.effect!r} is invalid")
+            check(tol.operator == "Equal" or not tol.value, "--toleration",
+                  f"{tol.key!r}: operator Exists takes no value")
+            check(not tol.key or _valid_label_key(tol.key), "--toleration", f"{tol.key!r} is not a valid taint key")
+        check(self.command is None or (len(self.command) > 0 and all(isinstance(a, str) for a in self.command)),
+              "--command", "must be a non-empty list of strings")
+        check(all(isinstance(a, str) for a in self.pretrain_args), "pretrain_args", "must be strings")
+        if problems:
+            raise LaunchSpecError("invalid job spec: " + "; ".join(problems))
+
+    @property
+    def world_size(self) -> Optional[int]:
+        """Processes in the whole job, when ``nproc_per_node`` is an integer."""
+        return self.nodes * self.nproc_per_node if isinstance(self.nproc_per_node, int) else None
+
+
+def _valid_label_key(key: str) -> bool:
+    prefix, slash, name = key.rpartition("/")
+    if slash and not (len(prefix) <= 253 and _DNS1123_SUBDOMAIN.match(prefix)):
+        return False
+    return len(name) <= 63 and bool(_LABEL_NAME.match(name))
+
+
+def parse_key_values(items: List[str], flag: str) -> Dict[str, str]:
+    """``["a=1", "b=2"]`` -> ``{"a": "1", "b": "2"}``; raises :class:`LaunchSpecError` naming ``flag``."""
+    out: Dict[str, str] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise LaunchSpecError(f"{flag}: expected KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
