@@ -13,8 +13,9 @@ import argparse
 import json
 import os
 import socket
-import tempfile
-from typing import Dict, List, Optional
+from typing import List, Optional
+
+from domino.data.atomic import atomic_write
 
 #: Variables the training operator injects, and the ones torchrun adds for its workers.
 RECORDED = (
@@ -22,17 +23,6 @@ RECORDED = (
     "PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
     "PYTHONUNBUFFERED", "DOMINO_JOB_NAME", "TORCHELASTIC_RUN_ID",
 )
-
-
-def write_json_atomic(path: str, data: Dict) -> None:
-    """Writes ``data`` to ``path`` via a temp file, fsync and rename."""
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".envcheck-")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -57,9 +47,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     os.makedirs(args.out, exist_ok=True)
-    write_json_atomic(os.path.join(args.out, f"envcheck-rank{rank}.json"),
-                      {"rank": rank, "world_size": world, "all_reduce": value.item(), "expected": expected,
-                       "env": seen})
+    with atomic_write(os.path.join(args.out, f"envcheck-rank{rank}.json"), "w") as handle:
+        json.dump({"rank": rank, "world_size": world, "all_reduce": value.item(), "expected": expected,
+                   "env": seen}, handle, indent=2, sort_keys=True)
     print(f"envcheck rank {rank}/{world}: all_reduce={value.item():g} expected={expected:g}", flush=True)
     return 0 if value.item() == expected else 1
 

@@ -1,0 +1,79 @@
+"""``domino launch render|submit``: run ``domino pretrain`` as a Kubeflow PyTorchJob (or locally).
+
+The logic lives in :mod:`domino.launch`; this module only maps flags to calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from domino.launch.api import BACKENDS, CLEANUP_MODES
+from domino.launch.flags import add_spec_flags, spec_from_args
+from domino.launch.spec import LaunchSpecError
+
+
+def _render(args: argparse.Namespace) -> int:
+    from domino.launch import naming
+    from domino.launch.render import render_job, to_yaml
+
+    try:
+        spec = spec_from_args(args)
+    except LaunchSpecError as error:
+        print(f"domino launch render: error: {error}", file=sys.stderr)
+        return 2
+    text = to_yaml(render_job(spec, args.run_id or naming.new_run_id()))
+    if args.output:
+        from domino.data.atomic import atomic_write
+
+        with atomic_write(args.output, "w") as handle:
+            handle.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from domino.launch.api import run_job
+
+    try:
+        spec = spec_from_args(args)
+    except LaunchSpecError as error:
+        print(f"domino launch submit: error: {error}", file=sys.stderr)
+        return 2
+    result = run_job(spec, args.backend, timeout_s=args.timeout, scheduling_timeout_s=args.scheduling_timeout,
+                     cleanup=args.cleanup, run_id=args.run_id, log=lambda line: print(line, flush=True),
+                     workdir=args.workdir)
+    summary = result.describe(args.tail_lines)
+    print(summary, file=sys.stdout if result.succeeded else sys.stderr, flush=True)
+    if result.reason.startswith("Interrupted"):
+        return 143
+    return 0 if result.succeeded else 1
+
+
+def register(subparsers) -> None:
+    """Adds ``domino launch render`` and ``domino launch submit``."""
+    launch = subparsers.add_parser("launch", help="Run domino pretrain as a Kubeflow PyTorchJob (or locally).",
+                                   description=__doc__)
+    verbs = launch.add_subparsers(dest="launch_command", metavar="{render,submit}", required=True)
+
+    render = verbs.add_parser("render", help="Print the PyTorchJob YAML.",
+                              usage="domino launch render --name NAME --image IMAGE [flags] -- [pretrain flags]")
+    add_spec_flags(render)
+    render.add_argument("--output", "-o", default=None, help="Write the YAML to this file instead of stdout.")
+    render.set_defaults(func=_render)
+
+    submit = verbs.add_parser("submit", help="Create the job, stream the master's log, wait for the end.",
+                              usage="domino launch submit --name NAME --image IMAGE [flags] -- [pretrain flags]")
+    add_spec_flags(submit)
+    run = submit.add_argument_group("run")
+    run.add_argument("--backend", choices=BACKENDS, default="pytorchjob",
+                     help="pytorchjob (cluster, default) or local (replicas as local processes).")
+    run.add_argument("--timeout", type=float, default=None, help="Wall-clock limit of the whole job, seconds.")
+    run.add_argument("--scheduling-timeout", type=float, default=600.0,
+                     help="Fail when the job is not Running after this many seconds (default 600).")
+    run.add_argument("--cleanup", choices=CLEANUP_MODES, default="on-success",
+                     help="Delete the job: always, on-success (also when interrupted; default), never.")
+    run.add_argument("--workdir", default=None, help="local backend: directory standing in for the PVC.")
+    run.add_argument("--tail-lines", type=int, default=20, help="Log lines shown with a failure (default 20).")
+    submit.set_defaults(func=_submit)
