@@ -17,8 +17,10 @@ from domino.config import ConfigError
 
 #: Modules under ``domino.cli`` that register sub-commands, in ``--help`` order.
 VERB_MODULES: List[str] = [
+    "data",
     "pretrain",
     "generate",
+    "hf",
     "launch",
 ]
 

@@ -34,7 +34,7 @@ def test_generate_cli_json(checkpoint, capsys):
                             "--max-new-tokens", "6", "--greedy", "--json", "--no-stop-at-eod"], capsys)
     assert code == 0
     result = json.loads(out.strip().splitlines()[-1])
-    assert result["token_ids"] == generate_ids(model, [3, 4, 5], 6)
+    assert result["token_ids"] == generate_ids(model, [3, 4, 5], 6, vocab_size=tokenizer.vocab_size)
     assert result["text"] == tokenizer.decode(result["token_ids"])
     code, out, _ = run_cli(["generate", "--load", str(root / "ckpt"), "--prompt", "To be", "--max-new-tokens", "4",
                             "--top-k", "5", "--temperature", "0.8", "--seed", "3", "--json"], capsys)
@@ -50,3 +50,17 @@ def test_generate_cli_errors(checkpoint, tmp_path, capsys):
     assert code == 2 and "--greedy cannot be combined" in err
     code, _, err = run_cli(["generate", "--load", str(root / "ckpt"), "--prompt-ids", "1,a"], capsys)
     assert code == 2 and "--prompt-ids" in err
+
+
+def test_export_import_cli(checkpoint, tmp_path, capsys):
+    root, model, _ = checkpoint
+    code, out, _ = run_cli(["export-hf", "--load", str(root / "ckpt"), "--output", str(tmp_path / "hf")], capsys)
+    assert code == 0 and (tmp_path / "hf" / "model.safetensors").is_file()
+    code, _, err = run_cli(["export-hf", "--load", str(root / "ckpt"), "--output", str(tmp_path / "hf")], capsys)
+    assert code == 2 and "--overwrite" in err
+    code, out, _ = run_cli(["import-hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "back"),
+                            "--make-vocab-size-divisible-by", "8"], capsys)
+    assert code == 0 and out.strip().endswith("iter_0000000")
+    code, out, _ = run_cli(["generate", "--load", str(tmp_path / "back"), "--prompt-ids", "3,4,5",
+                            "--max-new-tokens", "5", "--greedy", "--json", "--no-stop-at-eod"], capsys)
+    assert json.loads(out)["token_ids"] == generate_ids(model, [3, 4, 5], 5, vocab_size=checkpoint[2].vocab_size)
