@@ -21,6 +21,7 @@ VERB_MODULES: List[str] = [
     "pretrain",
     "generate",
     "hf",
+    "report",
     "launch",
 ]
 

@@ -9,8 +9,9 @@ always feed the same token.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -158,12 +159,37 @@ def generate(
 
 
 def generate_samples(
-    model: torch.nn.Module, tokenizer, prompts: Sequence[str], max_new_tokens: int, seed: int = 0
+    model_or_load: Union[torch.nn.Module, str, os.PathLike],
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    tokenizer=None,
 ) -> List[Dict[str, str]]:
-    """Greedy continuations of text prompts, as ``{"prompt", "completion"}`` dicts (for the report)."""
+    """Greedy continuations of text prompts, as ``{"prompt", "completion"}`` dicts (for the report).
+
+    Args:
+        model_or_load: a ``GPTModel`` (then ``tokenizer`` is required) or a checkpoint path, loaded on
+            this process alone (TP=1) with its own tokenizer.
+        prompts: prompt texts; an empty prompt starts from the end-of-document token.
+        max_new_tokens: tokens per continuation (fewer if the model ends the document, or if the
+            model's positions run out).
+        tokenizer: the tokenizer, when ``model_or_load`` is a model.
+    """
+    if isinstance(model_or_load, torch.nn.Module):
+        model = model_or_load
+        if tokenizer is None:
+            raise ConfigError("generate_samples needs the tokenizer along with a model")
+    else:
+        from domino.model.weights_io import build_model_from_checkpoint
+
+        model, _, checkpoint_tokenizer = build_model_from_checkpoint(model_or_load)
+        tokenizer = tokenizer or checkpoint_tokenizer
+    limit = _num_positions(model)
     samples = []
     for prompt in prompts:
         ids = tokenizer.encode(prompt) or [tokenizer.eod]
-        result = generate(model, tokenizer, ids, max_new_tokens, SamplingConfig(greedy=True), seed=seed)
+        if limit is not None:
+            ids = ids[-(limit - 1):]
+        budget = max_new_tokens if limit is None else max(0, min(max_new_tokens, limit - len(ids)))
+        result = generate(model, tokenizer, ids, budget, SamplingConfig(greedy=True))
         samples.append({"prompt": prompt, "completion": result.text})
     return samples

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from domino.cli.main import main
-from domino.eval.generate import generate_ids
+from domino.eval.generate import generate, generate_ids
 from eval_checkpoints import save_checkpoint, tiny_config, tiny_model, tiny_tokenizer
 
 
@@ -64,3 +64,22 @@ def test_export_import_cli(checkpoint, tmp_path, capsys):
     code, out, _ = run_cli(["generate", "--load", str(tmp_path / "back"), "--prompt-ids", "3,4,5",
                             "--max-new-tokens", "5", "--greedy", "--json", "--no-stop-at-eod"], capsys)
     assert json.loads(out)["token_ids"] == generate_ids(model, [3, 4, 5], 5, vocab_size=checkpoint[2].vocab_size)
+
+
+def test_report_cli(checkpoint, tmp_path, capsys):
+    root, model, tokenizer = checkpoint
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"iteration": i, "lm_loss": 5.0 - i / 10, "tokens_per_s": 100.0 + i}) + "\n"
+                               for i in range(1, 6)))
+    (tmp_path / "eval.json").write_text(json.dumps({"loss": 4.5, "ppl": 90.0, "accuracy": 0.1, "tokens": 512}))
+    code, out, _ = run_cli(["report", "--metrics-file", str(metrics), "--eval-json", str(tmp_path / "eval.json"),
+                            "--load", str(root / "ckpt"), "--sample-prompt", "To be", "--sample-tokens", "5",
+                            "--output", str(tmp_path / "report.html")], capsys)
+    assert code == 0
+    page = (tmp_path / "report.html").read_text()
+    expected = generate(model, tokenizer, tokenizer.encode("To be"), 5).text
+    import html
+    assert html.escape(expected) in page and "model.hidden_size" in page and "data:image/png;base64," in page
+    code, _, err = run_cli(["report", "--metrics-file", str(tmp_path / "nope.jsonl"), "--output",
+                            str(tmp_path / "r.html")], capsys)
+    assert code == 2 and "--metrics-file" in err

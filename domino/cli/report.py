@@ -1,0 +1,43 @@
+"""``domino report``: one self-contained HTML page about a run (plots, evaluation, config, samples)."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_PROMPTS = ["To be, or not to be", "In the beginning"]
+
+
+def run(args: argparse.Namespace) -> int:
+    from domino.eval.report import load_eval_json, write_report
+
+    eval_results = load_eval_json(args.eval_json) if args.eval_json else None
+    config, samples = None, None
+    if args.load:
+        from domino.eval.generate import generate_samples
+        from domino.model.weights_io import read_checkpoint_meta, resolve_checkpoint_dir
+
+        config = read_checkpoint_meta(resolve_checkpoint_dir(args.load))["config"]
+        if args.sample_tokens > 0:
+            samples = generate_samples(args.load, args.sample_prompt or DEFAULT_PROMPTS, args.sample_tokens)
+    out = write_report(args.output, args.metrics_file, eval_results=eval_results, config=config, samples=samples,
+                       title=args.title)
+    print(out)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Adds ``domino report``."""
+    parser = subparsers.add_parser(
+        "report", help="Write a self-contained HTML report of a run.",
+        description="Plots training/validation loss and throughput from a --metrics-file, and adds the "
+                    "evaluation table, the checkpoint's config and a few greedy generations; no external assets.")
+    parser.add_argument("--metrics-file", metavar="FILE", help="The run's metrics JSONL (from domino pretrain).")
+    parser.add_argument("--eval-json", metavar="FILE", help="Output of `domino evaluate --json`.")
+    parser.add_argument("--load", metavar="DIR", help="Checkpoint for the config and sample generations.")
+    parser.add_argument("--sample-prompt", action="append", metavar="TEXT",
+                        help="Prompt for a sample generation (repeatable; default: two stock prompts).")
+    parser.add_argument("--sample-tokens", type=int, default=24, metavar="N",
+                        help="Tokens per sample generation (0: no samples).")
+    parser.add_argument("--title", default="domino run report", help="Page title.")
+    parser.add_argument("--output", required=True, metavar="FILE", help="The HTML file to write.")
+    parser.set_defaults(func=run)
