@@ -1,0 +1,241 @@
+"""``domino preprocess``: text files (or a built-in corpus) -> Megatron ``.bin``/``.idx`` datasets.
+
+For every ``--json-keys`` key the output is ``{output_prefix}_{key}_document.bin/.idx``, exactly as
+Megatron-LM's ``tools/preprocess_data.py`` writes it (one sequence per document, uint16 tokens when the
+vocabulary has fewer than 65500 entries, else int32; with ``append_eod`` the end-of-document id closes
+every document). Documents whose text encodes to no tokens are skipped (Megatron writes nothing for
+them either) and counted.
+
+Tokenisation runs in the Rust ``tokenizers`` library on batches of documents; ``workers`` threads each
+encode whole batches (the library releases the GIL), so the work spreads over ``workers`` cores.
+Output goes to temporary files that are fsynced and renamed only when everything succeeded: an
+interrupted or failed run leaves no dataset under the final names.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import itertools
+import logging
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Deque, Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from domino.data.builtin_corpora import builtin_corpus_bytes, builtin_documents
+from domino.data.errors import DataError
+from domino.data.indexed_dataset import IndexedDatasetWriter, index_file_path, token_dtype
+from domino.data.text_inputs import BadLineCounter, Document, expand_inputs, input_bytes, read_documents
+from domino.data.tokenizer import Tokenizer, build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+#: A batch handed to the tokenizer closes once it holds this many characters (or BATCH_DOCUMENTS documents).
+BATCH_CHARS = 1 << 20
+BATCH_DOCUMENTS = 2048
+
+
+@dataclass
+class PreprocessResult:
+    """What a preprocess run wrote.
+
+    Attributes:
+        documents: documents written (per key; empty ones excluded).
+        tokens: tokens written over all keys (end-of-document ids included).
+        seconds: wall-clock time of the whole run, tokenizer loading included.
+        prefixes: json key -> dataset prefix (path without ``.bin``/``.idx``), usable as ``--data-path``.
+        vocab_size: the tokenizer's vocabulary size.
+        tokenizer: the tokenizer's name (``gpt2`` or its path).
+        idx_sha256: json key -> SHA-256 of the written ``.idx`` file.
+        skipped_lines: bad input lines dropped under ``skip_bad_lines``.
+        empty_documents: documents skipped because they encode to no tokens.
+    """
+
+    documents: int
+    tokens: int
+    seconds: float
+    prefixes: Dict[str, str]
+    vocab_size: int
+    tokenizer: str
+    idx_sha256: Dict[str, str]
+    skipped_lines: int = 0
+    empty_documents: int = 0
+    eod: Optional[int] = field(default=None)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    def summary(self) -> str:
+        """One line: documents, tokens, seconds, tokens/s (and what was skipped)."""
+        line = (f"{self.documents} documents, {self.tokens} tokens in {self.seconds:.2f} s "
+                f"({self.tokens_per_second:,.0f} tokens/s)")
+        if self.skipped_lines:
+            line += f", {self.skipped_lines} bad lines skipped"
+        if self.empty_documents:
+            line += f", {self.empty_documents} empty documents skipped"
+        return line
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    """Megatron's dataset name for ``key``: ``{output_prefix}_{key}_document``."""
+    return f"{output_prefix}_{key}_document"
+
+
+def _batches(documents: Iterator[Document]) -> Iterator[List[Document]]:
+    batch: List[Document] = []
+    chars = 0
+    for document in documents:
+        batch.append(document)
+        chars += sum(len(t) for t in document.texts)
+        if chars >= BATCH_CHARS or len(batch) >= BATCH_DOCUMENTS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def _encode_batch(tokenizer: Tokenizer, batch: List[Document], key_count: int, append_eod: bool, dtype: np.dtype):
+    """Encodes one batch; per key returns (concatenated tokens, per-document lengths)."""
+    out = []
+    for k in range(key_count):
+        ids = tokenizer.encode_batch([d.texts[k] for d in batch])
+        ids = [doc for doc in ids if doc]  # empty documents are skipped (counted by the caller)
+        if append_eod:
+            for doc in ids:
+                doc.append(tokenizer.eod)
+        lengths = np.fromiter((len(doc) for doc in ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
+        out.append((flat, lengths, len(batch) - len(ids)))
+    return out
+
+
+@contextlib.contextmanager
+def _serial_tokenizer() -> Iterator[None]:
+    """Each call encodes on the calling thread; the worker threads provide the parallelism."""
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _progress_bar(total: int, progress: Optional[bool]):
+    from tqdm import tqdm
+
+    enabled = sys.stderr.isatty() if progress is None else progress
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled,
+                desc="preprocess", dynamic_ncols=True)
+
+
+def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: str = "gpt2",
+               json_keys: Sequence[str] = ("text",), append_eod: bool = True, workers: int = 1,
+               skip_bad_lines: bool = False, builtin_corpus: Optional[str] = None,
+               progress: Optional[bool] = None, txt_document_per_file: bool = False) -> PreprocessResult:
+    """Tokenises documents into Megatron-compatible indexed datasets.
+
+    Args:
+        inputs: ``.jsonl``/``.json``/``.txt`` files or glob patterns (None or empty with ``builtin_corpus``).
+        output_prefix: output path prefix; files are ``{output_prefix}_{key}_document.{bin,idx}``.
+        tokenizer: ``gpt2``, a ``tokenizer.json`` path or a tokenizer directory (see :func:`build_tokenizer`).
+        json_keys: JSON keys holding the text; one dataset per key (``.txt`` inputs: exactly one key).
+        append_eod: append the end-of-document id to every document.
+        workers: threads that tokenise concurrently (each on its own core).
+        skip_bad_lines: drop and count bad input lines instead of failing on the first one.
+        builtin_corpus: name of a built-in corpus (see ``list_builtin_corpora()``) to use instead of inputs.
+        progress: show a progress bar (default: only when stderr is a terminal).
+        txt_document_per_file: a whole ``.txt`` file is one document (default: blank-line-separated blocks).
+
+    Returns:
+        a :class:`PreprocessResult`.
+
+    Raises:
+        DataError: for bad arguments (before any work) or bad input (``file:line: reason``); nothing is
+            left under the output names then.
+    """
+    start = time.perf_counter()
+    json_keys = tuple(json_keys)
+    if bool(inputs) == bool(builtin_corpus):
+        raise DataError("give either input files or --builtin-corpus (exactly one of them)")
+    if not json_keys or len(set(json_keys)) != len(json_keys):
+        raise DataError(f"--json-keys must name distinct keys, got {list(json_keys)}")
+    if workers < 1:
+        raise DataError(f"--workers must be >= 1, got {workers}")
+    if not output_prefix or output_prefix.endswith(os.sep):
+        raise DataError(f"--output-prefix must name a file prefix, got {output_prefix!r}")
+    bad = BadLineCounter()
+    if builtin_corpus:
+        if json_keys != ("text",):
+            raise DataError("--builtin-corpus documents have a single key; leave --json-keys at its default 'text'")
+        total_bytes = builtin_corpus_bytes(builtin_corpus)
+        documents = builtin_documents(builtin_corpus)
+    else:
+        files = expand_inputs(inputs)
+        total_bytes = input_bytes(files)
+        documents = read_documents(files, json_keys, txt_document_per_file, skip_bad_lines, bad)
+    tok = build_tokenizer(tokenizer)
+    dtype = token_dtype(tok.vocab_size)
+    prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
+    writers = {key: IndexedDatasetWriter(prefix, dtype) for key, prefix in prefixes.items()}
+    written, empty, tokens = 0, 0, 0
+    try:
+        with _serial_tokenizer(), ThreadPoolExecutor(max_workers=workers) as pool, \
+                _progress_bar(total_bytes, progress) as bar:
+            pending: Deque = collections.deque()
+
+            def drain_one() -> None:
+                nonlocal written, empty, tokens
+                future, nbytes = pending.popleft()
+                for key, (flat, lengths, skipped) in zip(json_keys, future.result()):
+                    writers[key].add_documents(flat, lengths)
+                    tokens += len(flat)
+                    if key == json_keys[0]:
+                        written += len(lengths)
+                        empty += skipped
+                bar.update(nbytes)
+                rate = tokens / max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix(docs=written, tok_s=f"{rate:,.0f}", refresh=False)
+
+            for batch in _batches(documents):
+                pending.append((pool.submit(_encode_batch, tok, batch, len(json_keys), append_eod, dtype),
+                                sum(d.nbytes for d in batch)))
+                while len(pending) > 2 * workers:  # keep every worker busy, bound memory
+                    drain_one()
+            while pending:
+                drain_one()
+        if written == 0:
+            raise DataError("the input holds no non-empty documents; nothing to write")
+        for writer in writers.values():
+            writer.finalize()
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    if bad.count:
+        logger.warning("skipped %d bad input lines, e.g. %s", bad.count, "; ".join(bad.examples[:3]))
+    result = PreprocessResult(
+        documents=written, tokens=tokens, seconds=time.perf_counter() - start, prefixes=prefixes,
+        vocab_size=tok.vocab_size, tokenizer=tok.name,
+        idx_sha256={key: _sha256(index_file_path(prefix)) for key, prefix in prefixes.items()},
+        skipped_lines=bad.count, empty_documents=empty, eod=tok.eod,
+    )
+    logger.info("preprocess: %s -> %s", result.summary(), ", ".join(f"{p}.bin/.idx" for p in prefixes.values()))
+    return result
