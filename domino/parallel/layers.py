@@ -107,7 +107,7 @@ class ColumnParallelLinear(nn.Module):
         _, world = tp_rank_and_size()
         self.input_size = input_size
         self.output_size = output_size
-        self.output_size_per_partition = _divide(output_size, world, f"output size of a column-parallel linear")
+        self.output_size_per_partition = _divide(output_size, world, "output size of a column-parallel linear")
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
         self.weight = _sharded_normal((output_size, input_size), init_std, dim=0)

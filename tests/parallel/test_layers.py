@@ -1,0 +1,99 @@
+"""TP layers: parameter attributes, agreement with dense layers on 2 ranks, TP-invariant initialisation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distributed_helpers import run_distributed
+from domino.model import GPTModel
+from domino.model.sharding import partition_dim, shard_state_dict
+from domino.parallel import state
+from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+from domino.config import ModelConfig
+
+VOCAB = 64
+
+
+def tiny_config() -> ModelConfig:
+    return ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8,
+                       hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def test_sharded_and_replicated_attributes():
+    col, row, emb = ColumnParallelLinear(4, 6), RowParallelLinear(6, 4), VocabParallelEmbedding(8, 4)
+    for p, dim in ((col.weight, 0), (col.bias, 0), (row.weight, 1), (emb.weight, 0)):
+        assert p.tensor_model_parallel is True and p.partition_dim == dim and p.partition_stride == 1
+    assert not hasattr(row.bias, "tensor_model_parallel")  # replicated: counted once by the grad norm
+    model = GPTModel(tiny_config(), VOCAB)
+    for name, p in model.named_parameters():
+        sharded = getattr(p, "tensor_model_parallel", False)
+        assert sharded == (partition_dim(name) is not None), name
+        if sharded:
+            assert p.partition_dim == partition_dim(name), name
+
+
+def test_indivisible_sizes_are_rejected_with_a_clear_message(monkeypatch):
+    import domino.model.transformer as transformer
+    import domino.parallel.layers as layers
+
+    for module in (transformer, layers):  # pretend to be rank 0 of a TP group of 3
+        monkeypatch.setattr(module, "tp_rank_and_size", lambda: (0, 3))
+    with pytest.raises(ValueError, match="--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"):
+        transformer.ParallelSelfAttention(tiny_config(), 0)
+    with pytest.raises(ValueError, match="output size of a column-parallel linear"):
+        ColumnParallelLinear(4, 8)
+
+
+def _body(rank, world_size, x, tokens, dense):
+    state.initialize_model_parallel(2)
+    out = {}
+    torch.manual_seed(11)
+    col = ColumnParallelLinear(4, 6, gather_output=True)
+    row = RowParallelLinear(6, 4, input_is_parallel=False)
+    emb = VocabParallelEmbedding(8, 4)
+    out["init"] = {"col": col.weight.detach().clone(), "row": row.weight.detach().clone(),
+                   "emb": emb.weight.detach().clone()}
+    with torch.no_grad():
+        col.weight.copy_(dense["col_w"].chunk(2, 0)[rank]); col.bias.copy_(dense["col_b"].chunk(2)[rank])
+        row.weight.copy_(dense["row_w"].chunk(2, 1)[rank]); row.bias.copy_(dense["row_b"])
+        emb.weight.copy_(dense["emb"].chunk(2, 0)[rank])
+    xi = x.clone().requires_grad_(True)
+    y = row(col(xi))
+    y.sum().backward()
+    out["y"], out["x_grad"] = y.detach(), xi.grad
+    out["emb"] = emb(tokens)
+    torch.manual_seed(5)
+    out["gpt"] = GPTModel(tiny_config(), VOCAB).state_dict()
+    return out
+
+
+def test_two_ranks_match_dense_layers_and_init_is_tp_invariant():
+    g = torch.Generator().manual_seed(1)
+    dense = {"col_w": torch.randn(6, 4, generator=g), "col_b": torch.randn(6, generator=g),
+             "row_w": torch.randn(4, 6, generator=g), "row_b": torch.randn(4, generator=g),
+             "emb": torch.randn(8, 4, generator=g)}
+    x = torch.randn(3, 4, generator=g)
+    tokens = torch.randint(0, 8, (2, 5), generator=g)
+    results = run_distributed(_body, 2, x, tokens, dense)
+
+    xr = x.clone().requires_grad_(True)
+    ref = F.linear(F.linear(xr, dense["col_w"], dense["col_b"]), dense["row_w"], dense["row_b"])
+    ref.sum().backward()
+    torch.manual_seed(11)
+    col1, row1, emb1 = ColumnParallelLinear(4, 6), RowParallelLinear(6, 4), VocabParallelEmbedding(8, 4)
+    torch.manual_seed(5)
+    gpt1 = GPTModel(tiny_config(), VOCAB).state_dict()
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["y"], ref.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(r["x_grad"], xr.grad, rtol=1e-6, atol=1e-6)
+        assert torch.equal(r["emb"], F.embedding(tokens, dense["emb"]))
+        assert torch.equal(r["init"]["col"], col1.weight.detach().chunk(2, 0)[rank])
+        assert torch.equal(r["init"]["row"], row1.weight.detach().chunk(2, 1)[rank])
+        assert torch.equal(r["init"]["emb"], emb1.weight.detach().chunk(2, 0)[rank])
+        expected = shard_state_dict(gpt1, rank, 2)
+        assert r["gpt"].keys() == expected.keys()
+        for name in expected:
+            assert torch.equal(r["gpt"][name], expected[name]), name
