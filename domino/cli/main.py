@@ -23,6 +23,7 @@ VERB_MODULES: List[str] = [
     "hf",
     "report",
     "launch",
+    "pipeline",
 ]
 
 

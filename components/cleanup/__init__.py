@@ -1,0 +1,1 @@
+"""Cleanup component: the pipeline's exit handler; deletes training jobs a run left behind."""

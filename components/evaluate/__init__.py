@@ -1,0 +1,1 @@
+"""Evaluate component: test metrics, HTML report and the promotion gate."""

@@ -1,0 +1,134 @@
+"""Logic of the evaluate step: test metrics, the HTML report, and the promotion decision.
+
+Plain Python, no kfp. The gate compares the new model with the currently promoted one *on the same test
+documents*: when the promoted checkpoint is still on the shared volume it is re-evaluated here, so a change
+of corpus or split cannot make an old number look better or worse; otherwise the perplexity recorded at
+its promotion is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+from components.layout import RunLayout
+from components.manifest import read_manifest
+from components.registry import PromotedModel, current_model
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROMPTS = "To be, or not to be|In the beginning"
+
+
+@dataclass
+class EvaluateSettings:
+    """Parameters of the evaluate step (one field per component parameter)."""
+
+    shared_root: str
+    run_id: str
+    eval_batches: int = 8
+    sample_prompts: str = DEFAULT_PROMPTS
+    sample_tokens: int = 24
+    min_improvement: float = 0.0
+
+
+@dataclass
+class GateDecision:
+    """Whether the new model replaces the promoted one, and why."""
+
+    promote: bool
+    incumbent_ppl: Optional[float]
+    reason: str
+
+
+def decide(new_ppl: float, incumbent: Optional[PromotedModel], incumbent_ppl: Optional[float],
+           min_improvement: float = 0.0) -> GateDecision:
+    """The promotion rule: promote when nothing is promoted, or when the new test perplexity is lower
+    than the incumbent's by more than ``min_improvement`` (a fraction, 0.01 = 1 %).
+
+    A non-finite new perplexity never promotes.
+    """
+    if not math.isfinite(new_ppl):
+        return GateDecision(False, incumbent_ppl, f"new perplexity {new_ppl} is not finite")
+    if incumbent is None or incumbent_ppl is None:
+        return GateDecision(True, None, "no model promoted yet")
+    threshold = incumbent_ppl * (1.0 - min_improvement)
+    if new_ppl < threshold:
+        return GateDecision(True, incumbent_ppl,
+                            f"perplexity {new_ppl:.4f} beats the promoted model's {incumbent_ppl:.4f} "
+                            f"(run {incumbent.run_id})")
+    return GateDecision(False, incumbent_ppl,
+                        f"perplexity {new_ppl:.4f} does not beat the promoted model's {incumbent_ppl:.4f} "
+                        f"(run {incumbent.run_id}) by more than {min_improvement:.1%}")
+
+
+def _evaluate(load: str, data_prefix: str, settings: EvaluateSettings, split_config: Dict[str, Any]) -> Dict[str, Any]:
+    from domino.eval.evaluate import evaluate_checkpoint
+
+    return dict(evaluate_checkpoint(load, data_prefix, max_batches=settings.eval_batches, **split_config))
+
+
+def _samples(load: str, settings: EvaluateSettings) -> List[Dict[str, str]]:
+    from domino.eval.generate import generate_samples
+
+    prompts = [p for p in settings.sample_prompts.split("|") if p.strip()]
+    if not prompts or settings.sample_tokens <= 0:
+        return []
+    return generate_samples(load, prompts, max_new_tokens=settings.sample_tokens)
+
+
+def run_evaluate(
+    settings: EvaluateSettings, model_manifest: str, dataset_manifest: str, report_path: str,
+    log: Callable[[str], None] = print,
+) -> Dict[str, Any]:
+    """Evaluates the new model, decides promotion, and writes the HTML report.
+
+    Args:
+        settings: The step's parameters.
+        model_manifest: Path of the pretrain step's ``Model`` artifact.
+        dataset_manifest: Path of the preprocess step's ``Dataset`` artifact.
+        report_path: Where to write the HTML report.
+        log: Receives progress lines.
+
+    Returns:
+        ``test_loss``, ``test_ppl``, ``token_accuracy``, ``test_tokens``, ``promote``, ``incumbent_ppl``
+        (None when nothing was promoted), ``incumbent_run``, ``reason``.
+    """
+    from domino.eval.report import write_report
+
+    if settings.eval_batches < 1:
+        raise ValueError(f"eval_batches: {settings.eval_batches} must be at least 1")
+    layout = RunLayout(settings.shared_root, settings.run_id)
+    model = read_manifest(model_manifest, "model")
+    data_prefix = read_manifest(dataset_manifest, "dataset")["prefix"]
+    split_config = {"split": model["config"]["data"]["split"]} if "config" in model else {}
+    new = _evaluate(model["checkpoint_dir"], data_prefix, settings, split_config)
+    log(f"evaluate: new model test loss {new['loss']:.4f}, perplexity {new['ppl']:.4f}")
+
+    incumbent = current_model(layout.registry_path)
+    incumbent_ppl: Optional[float] = None
+    results: Dict[str, Dict[str, Any]] = {f"test (run {settings.run_id})": new}
+    if incumbent is not None:
+        if os.path.isdir(incumbent.checkpoint_dir):
+            previous = _evaluate(incumbent.checkpoint_dir, data_prefix, settings, split_config)
+            incumbent_ppl = float(previous["ppl"])
+            results[f"test (promoted run {incumbent.run_id})"] = previous
+        else:
+            logger.warning("promoted checkpoint %s is gone; comparing with its recorded perplexity",
+                           incumbent.checkpoint_dir)
+            incumbent_ppl = incumbent.test_ppl
+    decision = decide(float(new["ppl"]), incumbent, incumbent_ppl, settings.min_improvement)
+    log(f"evaluate: promote={decision.promote}: {decision.reason}")
+
+    samples = _samples(model["checkpoint_dir"], settings)
+    write_report(report_path, model.get("metrics_file"), eval_results=results, config=model.get("config"),
+                 samples=samples, title=f"domino run {settings.run_id}")
+    return {
+        "test_loss": float(new["loss"]), "test_ppl": float(new["ppl"]),
+        "token_accuracy": float(new["accuracy"]), "test_tokens": int(new.get("tokens", 0)),
+        "promote": decision.promote, "incumbent_ppl": decision.incumbent_ppl,
+        "incumbent_run": incumbent.run_id if incumbent else "", "reason": decision.reason,
+    }

@@ -1,0 +1,279 @@
+"""Logic of the pretrain step: settings -> validated ``domino pretrain`` flags -> a job -> artifacts.
+
+Plain Python, no kfp. The step validates the whole training config before it creates anything, launches
+the job through :func:`domino.launch.run_job` (a PyTorchJob in a cluster, local processes otherwise),
+fails when the job fails, and summarises the final checkpoint and the metrics file for the artifacts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List
+
+from components.layout import RunLayout
+from components.manifest import read_manifest, write_manifest
+from components.registry import current_model
+
+#: Settings the pipeline sets through parameters of their own; ``config_overrides`` may not repeat them.
+OWN_PARAMETERS = {
+    "tensor_model_parallel_size": "tensor_parallel", "domino_chunks": "domino_chunks", "zero_stage": "zero_stage",
+    "train_iters": "train_iters", "micro_batch_size": "micro_batch_size", "data_path": "dataset",
+    "save": "(run layout)", "load": "warm_start", "finetune": "warm_start", "metrics_file": "(run layout)",
+    "split": "split", "tokenizer": "tokenizer",
+}
+
+
+class PretrainFailed(RuntimeError):
+    """The training job did not succeed; the message holds the job's outcome and last log lines."""
+
+
+@dataclass
+class PretrainSettings:
+    """Everything the pretrain step needs besides the dataset (one field per component parameter)."""
+
+    shared_root: str
+    run_id: str
+    preset: str = "tiny"
+    config_overrides: str = "{}"
+    train_iters: int = 20
+    micro_batch_size: int = 4
+    global_batch_size: int = 0
+    lr: float = 0.0
+    split: str = "949,50,1"
+    tokenizer: str = "gpt2"
+    save_interval: int = 0
+    eval_interval: int = 10
+    eval_iters: int = 2
+    log_interval: int = 5
+    nodes: int = 1
+    nproc_per_node: int = 2
+    gpus_per_node: int = 0
+    tensor_parallel: int = 2
+    domino_chunks: int = 2
+    zero_stage: int = 1
+    warm_start: bool = False
+    backend: str = "pytorchjob"
+    image: str = ""
+    namespace: str = "domino"
+    job_name: str = "gpt-pretrain"
+    pvc_name: str = "domino-data"
+    cpu_request: str = ""
+    memory_request: str = ""
+    memory_limit: str = ""
+    node_selector: str = "{}"
+    tolerations: str = "[]"
+    job_timeout_s: int = 0
+    scheduling_timeout_s: int = 600
+
+
+def parse_overrides(text: str) -> Dict[str, Any]:
+    """``config_overrides`` (a JSON object of config fields) as a dict; rejects the pipeline's own settings."""
+    try:
+        overrides = json.loads(text or "{}")
+    except json.JSONDecodeError as error:
+        raise ValueError(f"config_overrides: not JSON ({error}); expected e.g. {{\"num_layers\": 4}}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"config_overrides: expected a JSON object, got {type(overrides).__name__}")
+    for key in overrides:
+        own = OWN_PARAMETERS.get(key.replace("-", "_"))
+        if own:
+            raise ValueError(f"config_overrides: '{key}' is set by the pipeline parameter '{own}', not here")
+    return overrides
+
+
+def overrides_to_argv(overrides: Dict[str, Any]) -> List[str]:
+    """``{"num_layers": 4, "bf16": True}`` -> ``["--num-layers", "4", "--bf16"]``."""
+    from domino.config.flags import flag_name
+
+    argv: List[str] = []
+    for key, value in overrides.items():
+        flag = flag_name(key.replace("-", "_"))
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def pretrain_argv(settings: PretrainSettings, data_prefix: str, layout: RunLayout) -> List[str]:
+    """The ``domino pretrain`` flags of this run (warm start resolved against the registry)."""
+    s = settings
+    argv = ["--preset", s.preset, *overrides_to_argv(parse_overrides(s.config_overrides))]
+    argv += [
+        "--tensor-model-parallel-size", str(s.tensor_parallel), "--domino-chunks", str(s.domino_chunks),
+        "--zero-stage", str(s.zero_stage), "--train-iters", str(s.train_iters),
+        "--micro-batch-size", str(s.micro_batch_size),
+    ]
+    if s.global_batch_size > 0:
+        argv += ["--global-batch-size", str(s.global_batch_size)]
+    if s.lr > 0:
+        argv += ["--lr", str(s.lr)]
+    argv += ["--data-path", data_prefix, "--split", s.split, "--tokenizer", s.tokenizer]
+    argv += ["--eval-interval", str(s.eval_interval), "--eval-iters", str(s.eval_iters),
+             "--log-interval", str(s.log_interval), "--metrics-file", layout.metrics_file]
+    argv += ["--save", layout.checkpoint_dir]
+    if s.save_interval > 0:
+        argv += ["--save-interval", str(s.save_interval)]
+    argv += load_argv(s.warm_start, layout)
+    return argv
+
+
+def load_argv(warm_start: bool, layout: RunLayout) -> List[str]:
+    """``--load`` flags: this run's own checkpoints when a retried job left some (resume), else the promoted
+    model's weights with ``--finetune`` when warm-starting and one exists, else this run's (empty) save dir."""
+    from domino.model.weights_io import find_latest_checkpoint
+
+    if find_latest_checkpoint(layout.checkpoint_dir) is None and warm_start:
+        promoted = current_model(layout.registry_path)
+        if promoted is not None:
+            return ["--load", promoted.checkpoint_dir, "--finetune"]
+    return ["--load", layout.checkpoint_dir]
+
+
+def check_config(argv: List[str], world_size: int):
+    """Parses and validates ``argv`` as ``domino pretrain`` would; raises ``ConfigError`` naming the flag."""
+    from domino.config import add_config_flags, config_from_args
+
+    parser = argparse.ArgumentParser(prog="domino pretrain", exit_on_error=False)
+    add_config_flags(parser)
+    try:
+        args = parser.parse_args(argv)
+    except (argparse.ArgumentError, SystemExit) as error:
+        raise ValueError(f"config_overrides/pipeline parameters give bad pretrain flags {argv}: {error}") from None
+    return config_from_args(args, world_size=world_size, for_training=True)
+
+
+def _json_param(text: str, name: str, kind: type) -> Any:
+    try:
+        value = json.loads(text or ("{}" if kind is dict else "[]"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{name}: not JSON ({error})") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{name}: expected a JSON {'object' if kind is dict else 'array'}, got {text!r}")
+    return value
+
+
+def job_spec(settings: PretrainSettings, argv: List[str]):
+    """The :class:`domino.launch.JobSpec` of this run's training job (validated)."""
+    from components import default_image
+    from domino.launch.spec import JobSpec, Toleration
+
+    s = settings
+    tolerations = []
+    for item in _json_param(s.tolerations, "tolerations", list):
+        if isinstance(item, str):
+            tolerations.append(Toleration.parse(item))
+        elif isinstance(item, dict):
+            tolerations.append(Toleration(**item))
+        else:
+            raise ValueError(f"tolerations: {item!r} is neither 'key=value:effect' nor an object")
+    spec = JobSpec(
+        name=s.job_name, image=s.image or default_image(), pretrain_args=argv, namespace=s.namespace,
+        nodes=s.nodes, nproc_per_node=s.nproc_per_node, gpus_per_node=s.gpus_per_node,
+        cpu_request=s.cpu_request or None, memory_request=s.memory_request or None,
+        memory_limit=s.memory_limit or None, pvc=s.pvc_name, mount_path=s.shared_root,
+        checkpoint_dir=RunLayout(s.shared_root, s.run_id).checkpoint_dir,
+        node_selector={str(k): str(v) for k, v in _json_param(s.node_selector, "node_selector", dict).items()},
+        tolerations=tolerations, labels={"pipelines.kubeflow.org/run-id": _label(s.run_id)},
+    )
+    spec.validate()
+    return spec
+
+
+def _label(text: str) -> str:
+    from domino.launch.naming import label_value
+
+    return label_value(text)
+
+
+def summarize(layout: RunLayout, seq_length: int) -> Dict[str, Any]:
+    """Facts about the finished run: final checkpoint, iterations, tokens, final losses, throughput."""
+    from domino.eval.report_plots import read_metrics
+    from domino.model.weights_io import find_latest_checkpoint, read_checkpoint_meta
+
+    ckpt = find_latest_checkpoint(layout.checkpoint_dir)
+    if ckpt is None:
+        raise PretrainFailed(f"the job succeeded but left no checkpoint in {layout.checkpoint_dir}")
+    meta = read_checkpoint_meta(ckpt)
+    train, evals = read_metrics(layout.metrics_file) if os.path.exists(layout.metrics_file) else ([], [])
+    # The first logged interval includes start-up and compilation; leave it out of throughput when possible.
+    steady = train[1:] or train
+    summary: Dict[str, Any] = {
+        "checkpoint_dir": layout.checkpoint_dir, "checkpoint": str(ckpt), "iterations": int(meta["iteration"]),
+        "consumed_samples": int(meta["consumed_samples"]),
+        "tokens_seen": int(meta["consumed_samples"]) * seq_length, "metrics_file": layout.metrics_file,
+        "config": meta["config"],
+    }
+    if train:
+        summary["final_train_loss"] = float(train[-1]["lm_loss"])
+    valid = [e for e in evals if e.get("eval") == "valid"]
+    if valid:
+        summary["final_valid_loss"] = float(valid[-1]["lm_loss"])
+    for key, out in (("tokens_per_s", "tokens_per_s"), ("mfu", "mfu"), ("tflops_per_device", "tflops_per_device")):
+        values = [float(r[key]) for r in steady if isinstance(r.get(key), (int, float))]
+        if values:
+            summary[out] = sum(values) / len(values)
+    return summary
+
+
+def run_pretrain(
+    settings: PretrainSettings, dataset_manifest: str, model_path: str, log: Callable[[str], None] = print
+) -> Dict[str, Any]:
+    """Runs the training job for ``settings`` on the dataset and writes the model manifest.
+
+    Args:
+        settings: The step's parameters.
+        dataset_manifest: Path of the preprocess step's ``Dataset`` artifact.
+        model_path: Where to write the ``Model`` artifact (a manifest naming the checkpoint).
+        log: Receives job status and log lines.
+
+    Returns:
+        The summary written to the model manifest (see :func:`summarize`) plus ``job`` and ``warm_start_from``.
+
+    Raises:
+        ValueError / ConfigError / LaunchSpecError: bad settings, before any job exists.
+        PretrainFailed: the job failed, timed out or was interrupted.
+    """
+    from domino.launch import run_job
+
+    layout = RunLayout(settings.shared_root, settings.run_id)
+    if settings.backend not in ("pytorchjob", "local"):
+        raise ValueError(f"backend: {settings.backend!r} is not one of pytorchjob, local")
+    data_prefix = read_manifest(dataset_manifest, "dataset")["prefix"]
+    argv = pretrain_argv(settings, data_prefix, layout)
+    config = check_config(argv, world_size=settings.nodes * settings.nproc_per_node)
+    spec = job_spec(settings, argv)
+    os.makedirs(layout.run_dir, exist_ok=True)
+    warm_from = argv[argv.index("--load") + 1] if "--finetune" in argv else ""
+    log(f"pretrain: job {settings.job_name} ({settings.backend}), warm start from: {warm_from or 'none'}")
+    result = run_job(
+        spec, backend=settings.backend, timeout_s=settings.job_timeout_s or None,
+        scheduling_timeout_s=settings.scheduling_timeout_s, cleanup="on-success", run_id=settings.run_id,
+        log=log, workdir=settings.shared_root if settings.backend == "local" else None,
+    )
+    if not result.succeeded:
+        raise PretrainFailed(result.describe())
+    summary = summarize(layout, config.model.seq_length)
+    summary.update(job=result.name, warm_start_from=warm_from, run_id=settings.run_id)
+    write_manifest(model_path, summary)
+    return summary
+
+
+def settings_from_kwargs(values: Dict[str, Any]) -> PretrainSettings:
+    """Builds settings from the component's keyword arguments (unknown keys are a programming error)."""
+    names = {f.name for f in dataclasses.fields(PretrainSettings)}
+    return PretrainSettings(**{k: v for k, v in values.items() if k in names})
+
+
+def metric_values(summary: Dict[str, Any]) -> Dict[str, float]:
+    """The numbers logged to the ``Metrics`` artifact."""
+    keys = ("final_train_loss", "final_valid_loss", "tokens_per_s", "mfu", "tflops_per_device", "iterations",
+            "tokens_seen")
+    return {k: float(summary[k]) for k in keys if k in summary}
+

@@ -1,0 +1,1 @@
+"""Promote component: records a model that passed the evaluation gate in the promotion registry."""

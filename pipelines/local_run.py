@@ -1,0 +1,136 @@
+"""Running the whole pipeline on this machine with ``kfp.local`` (what ``make demo`` does).
+
+Every step runs as a local subprocess (``SubprocessRunner(use_venv=False)``: this environment's Python
+with domino installed), the training "job" runs through the launcher's local backend (one process per
+replica, with the operator's environment), and the shared volume is a folder. Everything lands under one
+output folder::
+
+    DIR/shared/runs/<run id>/{data,checkpoints,metrics.jsonl}   what the steps and the job wrote
+    DIR/shared/promoted.json                                   the promotion registry
+    DIR/artifacts/gpt-pretrain-<time>/<step>/...               kfp artifacts (manifests, report)
+    DIR/report.html, DIR/summary.json                          the latest run's report and outcome
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+from pipelines.gpt_pretrain import PIPELINE_NAME, build_pipeline
+
+
+@dataclass
+class LocalRunResult:
+    """Where a local run's outputs landed, and its final numbers.
+
+    Attributes:
+        output_dir: The run's output folder.
+        run_id: The pipeline run id (its folder under ``shared/runs``).
+        checkpoint_dir: The trained model's checkpoint save root.
+        model_manifest: The ``Model`` artifact (JSON manifest).
+        report: The HTML report (copied to ``output_dir/report.html``).
+        metrics_file: The training metrics (JSON lines).
+        summary_file: ``summary.json`` with everything below.
+        train: Pretrain summary: iterations, tokens_seen, final losses, tokens_per_s, mfu.
+        test: Evaluation: test_loss, test_ppl, token_accuracy, incumbent_ppl, promote, reason.
+        promoted: Whether the registry now names this run's model.
+        seconds: Wall-clock time of the run.
+    """
+
+    output_dir: str
+    run_id: str
+    checkpoint_dir: str
+    model_manifest: str
+    report: str
+    metrics_file: str
+    summary_file: str
+    train: Dict[str, Any]
+    test: Dict[str, Any]
+    promoted: bool
+    seconds: float
+
+    def describe(self) -> str:
+        """A short human summary with the paths and the final metrics."""
+        t, e = self.train, self.test
+        lines = [
+            f"pipeline run {self.run_id} finished in {self.seconds:.0f} s; outputs under {self.output_dir}",
+            f"  model (checkpoint): {self.checkpoint_dir}",
+            f"  model artifact:     {self.model_manifest}",
+            f"  training metrics:   {self.metrics_file}",
+            f"  HTML report:        {self.report}",
+            f"  summary:            {self.summary_file}",
+            f"  trained {t.get('iterations')} iterations, {t.get('tokens_seen')} tokens; final train loss "
+            f"{_num(t.get('final_train_loss'))}, valid loss {_num(t.get('final_valid_loss'))}, "
+            f"{_num(t.get('tokens_per_s'), '.0f')} tokens/s",
+            f"  test loss {_num(e.get('test_loss'))}, perplexity {_num(e.get('test_ppl'), '.2f')}, "
+            f"token accuracy {_num(e.get('token_accuracy'))}",
+            f"  promotion: {'PROMOTED' if self.promoted else 'not promoted'} ({e.get('reason')})",
+        ]
+        return "\n".join(lines)
+
+
+def _num(value: Any, spec: str = ".4f") -> str:
+    return "-" if value is None else format(float(value), spec)
+
+
+def _read_json(path: str) -> Dict[str, Any]:
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _new_run_folder(artifacts: str, before: List[str]) -> str:
+    fresh = sorted(d for d in os.listdir(artifacts) if d.startswith(PIPELINE_NAME) and d not in before)
+    if len(fresh) != 1:
+        raise RuntimeError(f"expected one new pipeline run folder in {artifacts}, found {fresh}")
+    return os.path.join(artifacts, fresh[0])
+
+
+def run_local(output_dir: str, params: Optional[Dict[str, Any]] = None,
+              log: Callable[[str], None] = print) -> LocalRunResult:
+    """Runs the pipeline locally; the training job uses the launcher's local backend.
+
+    Args:
+        output_dir: Folder for everything the run writes (created; earlier runs' registry is reused, so a
+            second run with ``warm_start=True`` continues from the first run's promoted model).
+        params: Pipeline parameters overriding the defaults (``shared_root`` defaults to
+            ``output_dir/shared`` and ``backend`` to ``local``).
+        log: Receives the summary line.
+
+    Raises:
+        RuntimeError: a step failed (kfp.local names the task; its log is above).
+    """
+    from kfp import local
+
+    started = time.time()
+    output_dir = os.path.abspath(output_dir)
+    artifacts = os.path.join(output_dir, "artifacts")
+    os.makedirs(artifacts, exist_ok=True)
+    values = {"shared_root": os.path.join(output_dir, "shared"), "backend": "local", **(params or {})}
+    before = os.listdir(artifacts)
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=artifacts, raise_on_error=True)
+    build_pipeline()(**values)
+    run_folder = _new_run_folder(artifacts, before)
+
+    model_manifest = os.path.join(run_folder, "pretrain", "model")
+    train = _read_json(model_manifest)
+    test = _read_json(os.path.join(run_folder, "evaluate", "decision"))
+    registry_file = os.path.join(values["shared_root"], "promoted.json")
+    current = (_read_json(registry_file).get("current") or {}) if os.path.exists(registry_file) else {}
+    result = LocalRunResult(
+        output_dir=output_dir, run_id=train["run_id"], checkpoint_dir=train["checkpoint_dir"],
+        model_manifest=model_manifest, report=os.path.join(output_dir, "report.html"),
+        metrics_file=train["metrics_file"], summary_file=os.path.join(output_dir, "summary.json"),
+        train={k: v for k, v in train.items() if k != "config"}, test=test,
+        promoted=current.get("run_id") == train["run_id"], seconds=time.time() - started,
+    )
+    shutil.copyfile(os.path.join(run_folder, "evaluate", "report"), result.report)
+    with open(result.summary_file, "w", encoding="utf-8") as handle:
+        json.dump(dataclasses.asdict(result), handle, indent=2, sort_keys=True)
+        handle.write("\n")
+    log(result.describe())
+    return result

@@ -1,0 +1,128 @@
+"""The compiled pipeline: golden file, determinism, structure, platform (PVC, node) settings."""
+
+import os
+
+import pytest
+import yaml
+
+from components import DEFAULT_IMAGE
+from pipelines import COMPILED_PATH, MOUNT_PATH, StepPlacement, build_pipeline, compile_pipeline
+
+STEPS = ("exec-preprocess", "exec-pretrain", "exec-evaluate", "exec-promote-model", "exec-cleanup-job")
+
+
+def _compile(tmp_path, **kwargs):
+    path = compile_pipeline(str(tmp_path / "p.yaml"), **kwargs)
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    docs = list(yaml.safe_load_all(text))
+    return text, docs[0], (docs[1] if len(docs) > 1 else {})
+
+
+def test_committed_yaml_matches_a_fresh_compile(tmp_path, monkeypatch):
+    monkeypatch.delenv("DOMINO_IMAGE", raising=False)
+    text, _, _ = _compile(tmp_path)
+    with open(COMPILED_PATH, encoding="utf-8") as handle:
+        committed = handle.read()
+    assert text == committed, (
+        "pipelines/gpt_pretrain.yaml is stale: run `domino pipeline compile` and commit the result")
+
+
+def test_compilation_is_deterministic_across_processes(tmp_path):
+    """Two fresh interpreters (different hash seeds) compile byte-identical files."""
+    import subprocess
+    import sys
+
+    outputs = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"p{seed}.yaml"
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        env.pop("DOMINO_IMAGE", None)
+        subprocess.run([sys.executable, "-c", f"import pipelines; pipelines.compile_pipeline({str(out)!r})"],
+                       check=True, env=env)
+        outputs.append(out.read_text())
+    assert outputs[0] == outputs[1]
+
+
+def test_every_step_runs_the_image_without_installing_anything(tmp_path):
+    _, spec, _ = _compile(tmp_path, image="registry.example/domino:test")
+    executors = spec["deploymentSpec"]["executors"]
+    assert sorted(executors) == sorted(STEPS)
+    for name, executor in executors.items():
+        container = executor["container"]
+        assert container["image"] == "registry.example/domino:test", name
+        script = " ".join(container["command"])
+        assert "pip install" not in script, name
+        assert "from components." in script, name  # the body delegates to the installed package
+
+
+def test_image_defaults_to_env_then_release(monkeypatch, tmp_path):
+    monkeypatch.delenv("DOMINO_IMAGE", raising=False)
+    _, spec, _ = _compile(tmp_path)
+    assert {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()} == {DEFAULT_IMAGE}
+    monkeypatch.setenv("DOMINO_IMAGE", "other/domino:dev")
+    _, spec, _ = _compile(tmp_path)
+    assert {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()} == {"other/domino:dev"}
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert params["image"]["defaultValue"] == "other/domino:dev"
+
+
+def test_structure_exit_handler_gate_and_no_caching(tmp_path):
+    _, spec, _ = _compile(tmp_path)
+    root_tasks = spec["root"]["dag"]["tasks"]
+    assert root_tasks["cleanup-job"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
+    status_input = root_tasks["cleanup-job"]["inputs"]["parameters"]["status"]
+    assert status_input["taskFinalStatus"]["producerTask"] == "exit-handler-1"
+    inner = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
+    assert set(inner) == {"preprocess", "pretrain", "evaluate", "condition-2"}
+    assert "evaluate" in inner["condition-2"]["dependentTasks"]
+    condition = inner["condition-2"]["triggerPolicy"]["condition"]
+    assert "pipelinechannel--evaluate-Output" in condition and "true" in condition
+    promote = spec["components"]["comp-condition-2"]["dag"]["tasks"]["promote-model"]
+    artifacts = promote["inputs"]["artifacts"]
+    assert artifacts["decision"]["componentInputArtifact"] == "pipelinechannel--evaluate-decision"
+    assert artifacts["model"]["componentInputArtifact"] == "pipelinechannel--pretrain-model"
+    assert promote["cachingOptions"] == {}
+    for name in ("preprocess", "pretrain", "evaluate"):
+        assert inner[name]["cachingOptions"] == {}, name  # {} = enableCache false
+    # Every step gets the per-run id from the placeholder.
+    for name in ("preprocess", "pretrain", "evaluate"):
+        assert inner[name]["inputs"]["parameters"]["run_id"]["runtimeValue"]["constant"] == "{{$.pipeline_job_uuid}}"
+
+
+def test_platform_spec_mounts_the_pvc_everywhere_and_places_steps(tmp_path):
+    placement = StepPlacement(node_selector={"pool": "cpu"},
+                              tolerations=[{"key": "dedicated", "operator": "Equal", "value": "ml",
+                                            "effect": "NoSchedule"}])
+    _, _, platform = _compile(tmp_path, placement=placement)
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert sorted(executors) == sorted(STEPS)
+    for name, settings in executors.items():
+        (mount,) = settings["pvcMount"]
+        assert mount["mountPath"] == MOUNT_PATH, name
+        assert mount["pvcNameParameter"]["componentInputParameter"].endswith("pvc_name"), name
+        assert settings["nodeSelector"] == {"labels": {"pool": "cpu"}}, name
+        assert settings["tolerations"] == [{"key": "dedicated", "operator": "Equal", "value": "ml",
+                                            "effect": "NoSchedule"}], name
+
+
+def test_default_parameters_are_the_local_tiny_run():
+    inputs = build_pipeline().component_spec.inputs
+    assert inputs["preset"].default == "tiny"
+    assert inputs["tensor_parallel"].default == 2 and inputs["domino_chunks"].default == 2
+    assert inputs["shared_root"].default == MOUNT_PATH
+    assert inputs["warm_start"].default is False
+
+
+@pytest.mark.parametrize("module", ["preprocess", "pretrain", "evaluate", "promote", "cleanup"])
+def test_every_component_compiles_on_its_own(module, tmp_path):
+    import importlib
+
+    from kfp import compiler
+
+    component = importlib.import_module(f"components.{module}.component").build("img:1")
+    out = tmp_path / f"{module}.yaml"
+    compiler.Compiler().compile(component, str(out))
+    spec = yaml.safe_load(out.read_text())
+    (executor,) = spec["deploymentSpec"]["executors"].values()
+    assert executor["container"]["image"] == "img:1"
