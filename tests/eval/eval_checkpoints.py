@@ -97,3 +97,15 @@ def write_token_dataset(prefix: Path, vocab_size: int, documents: int = 12, seed
             tokens = np.append(rng.integers(1, vocab_size, size=length), eod)
             writer.add_document(tokens.astype(token_dtype(vocab_size)))
     return str(prefix)
+
+
+def run_cli(argv, capsys):
+    """Runs ``domino ARGV`` in-process; returns ``(exit code, stdout, stderr)``."""
+    import pytest
+
+    from domino.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    out = capsys.readouterr()
+    return exit_info.value.code, out.out, out.err

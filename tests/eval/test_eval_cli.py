@@ -5,16 +5,8 @@ import json
 import pytest
 import torch
 
-from domino.cli.main import main
 from domino.eval.generate import generate, generate_ids
-from eval_checkpoints import save_checkpoint, tiny_config, tiny_model, tiny_tokenizer
-
-
-def run_cli(argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    out = capsys.readouterr()
-    return exit_info.value.code, out.out, out.err
+from eval_checkpoints import run_cli, save_checkpoint, tiny_config, tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
