@@ -90,7 +90,7 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
         micro_batch_size: int = 4,
         global_batch_size: int = 0,
         lr: float = 0.0,
-        split: str = "949,50,1",
+        split: str = "90,5,5",
         save_interval: int = 0,
         eval_interval: int = 10,
         eval_iters: int = 2,
@@ -181,6 +181,10 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
                 memory_limit=memory_limit, node_selector=node_selector, tolerations=tolerations,
                 job_timeout_s=job_timeout_s, scheduling_timeout_s=scheduling_timeout_s,
             ), pvc_name)
+            # The launcher sets its pod as the job's owner, so deleting the run's pods removes the job too.
+            for env, path in (("POD_NAME", "metadata.name"), ("POD_UID", "metadata.uid"),
+                              ("POD_NAMESPACE", "metadata.namespace")):
+                kubernetes.use_field_path_as_env(train, env_name=env, field_path=path)
             evaluation = on_shared_volume(evaluate_op(
                 model=train.outputs["model"], dataset=prep.outputs["dataset"], shared_root=shared_root,
                 run_id=run_id, eval_batches=eval_batches, sample_tokens=sample_tokens,

@@ -20,17 +20,6 @@ def _job_state(job: Dict[str, Any]) -> str:
     return state
 
 
-def _api():
-    """A CustomObjectsApi from the in-cluster config, else the kubeconfig."""
-    from kubernetes import client, config
-
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.CustomObjectsApi()
-
-
 def cleanup_jobs(
     run_id: str,
     namespace: str,
@@ -57,7 +46,12 @@ def cleanup_jobs(
     from domino.launch.naming import RUN_ID_LABEL, label_value
     from domino.launch.render import GROUP, PLURAL, VERSION
 
-    api = api or _api()
+    if api is None:
+        from kubernetes import client
+
+        from domino.launch.kube_backend import load_api_client
+
+        api = client.CustomObjectsApi(load_api_client())
     selector = f"{RUN_ID_LABEL}={label_value(run_id)}"
     jobs = api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, label_selector=selector)
     deleted = []
@@ -69,7 +63,7 @@ def cleanup_jobs(
             continue
         try:
             api.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
-                                                propagation_policy="Foreground")
+                                                propagation_policy="Background")
         except ApiException as error:
             if error.status != 404:
                 raise

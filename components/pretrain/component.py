@@ -20,7 +20,7 @@ def pretrain(
     micro_batch_size: int = 4,
     global_batch_size: int = 0,
     lr: float = 0.0,
-    split: str = "949,50,1",
+    split: str = "90,5,5",
     tokenizer: str = "gpt2",
     save_interval: int = 0,
     eval_interval: int = 10,

@@ -43,7 +43,7 @@ class PretrainSettings:
     micro_batch_size: int = 4
     global_batch_size: int = 0
     lr: float = 0.0
-    split: str = "949,50,1"
+    split: str = "90,5,5"
     tokenizer: str = "gpt2"
     save_interval: int = 0
     eval_interval: int = 10
@@ -181,6 +181,8 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
         checkpoint_dir=RunLayout(s.shared_root, s.run_id).checkpoint_dir,
         node_selector={str(k): str(v) for k, v in _json_param(s.node_selector, "node_selector", dict).items()},
         tolerations=tolerations, labels={"pipelines.kubeflow.org/run-id": _label(s.run_id)},
+        # Without GPUs DeepSpeed must be told to use its CPU accelerator.
+        env={"DS_ACCELERATOR": "cpu"} if s.gpus_per_node == 0 else {},
     )
     spec.validate()
     return spec

@@ -1,0 +1,123 @@
+"""The pretrain step's plan: flags, warm start, validation, and the job spec the settings produce."""
+
+import json
+import os
+
+import pytest
+
+from components.layout import RunLayout
+from components.pretrain.step import (
+    PretrainSettings,
+    check_config,
+    job_spec,
+    load_argv,
+    parse_overrides,
+    pretrain_argv,
+)
+from components.registry import PromotedModel, promote
+from domino.config import ConfigError
+from domino.launch.render import render_job
+
+
+def _flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_argv_carries_parallelism_training_and_run_paths(tmp_path):
+    settings = PretrainSettings(shared_root=str(tmp_path), run_id="run-1", preset="tiny", train_iters=7,
+                                tensor_parallel=2, domino_chunks=2, zero_stage=1, global_batch_size=8, lr=0.01,
+                                config_overrides=json.dumps({"num_layers": 3, "bf16": False, "seed": 5}))
+    layout = RunLayout(str(tmp_path), "run-1")
+    argv = pretrain_argv(settings, "/data/corpus_text_document", layout)
+    assert _flag(argv, "--preset") == "tiny"
+    assert _flag(argv, "--num-layers") == "3" and "--no-bf16" in argv and _flag(argv, "--seed") == "5"
+    assert _flag(argv, "--tensor-model-parallel-size") == "2" and _flag(argv, "--domino-chunks") == "2"
+    assert _flag(argv, "--train-iters") == "7" and _flag(argv, "--global-batch-size") == "8"
+    assert _flag(argv, "--lr") == "0.01"
+    assert _flag(argv, "--data-path") == "/data/corpus_text_document"
+    assert _flag(argv, "--save") == layout.checkpoint_dir == os.path.join(str(tmp_path), "runs", "run-1", "checkpoints")
+    assert _flag(argv, "--metrics-file") == layout.metrics_file
+    assert _flag(argv, "--load") == layout.checkpoint_dir and "--finetune" not in argv
+    config = check_config(argv, world_size=2)
+    assert config.model.num_layers == 3 and config.parallel.tensor_model_parallel_size == 2
+
+
+def test_zero_means_preset_value():
+    settings = PretrainSettings(shared_root="/mnt/domino", run_id="r")
+    argv = pretrain_argv(settings, "p", RunLayout("/mnt/domino", "r"))
+    assert "--lr" not in argv and "--global-batch-size" not in argv and "--save-interval" not in argv
+
+
+def test_overrides_may_not_shadow_pipeline_parameters():
+    with pytest.raises(ValueError, match="'tensor_model_parallel_size' is set by the pipeline parameter 'tensor_parallel'"):
+        parse_overrides('{"tensor_model_parallel_size": 4}')
+    with pytest.raises(ValueError, match="config_overrides: not JSON"):
+        parse_overrides("{num_layers: 4}")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        parse_overrides("[1]")
+
+
+def test_invalid_combinations_fail_before_launch(tmp_path):
+    layout = RunLayout(str(tmp_path), "r")
+    bad_tp = pretrain_argv(PretrainSettings(shared_root=str(tmp_path), run_id="r", tensor_parallel=3), "p", layout)
+    with pytest.raises(ConfigError, match="world size 2 is not divisible by --tensor-model-parallel-size 3"):
+        check_config(bad_tp, world_size=2)
+    unknown = pretrain_argv(PretrainSettings(shared_root=str(tmp_path), run_id="r",
+                                             config_overrides='{"num_layerz": 2}'), "p", layout)
+    with pytest.raises(ValueError, match="num-layerz"):
+        check_config(unknown, world_size=2)
+
+
+def test_warm_start_uses_the_promoted_model_then_resumes_its_own(tmp_path):
+    layout = RunLayout(str(tmp_path), "new")
+    assert load_argv(True, layout) == ["--load", layout.checkpoint_dir]  # nothing promoted: fresh start
+    promote(layout.registry_path, PromotedModel(run_id="old", checkpoint_dir="/ckpt/old", test_ppl=9.0, test_loss=2.2))
+    assert load_argv(True, layout) == ["--load", "/ckpt/old", "--finetune"]
+    assert load_argv(False, layout) == ["--load", layout.checkpoint_dir]
+    # A retried step whose job already saved resumes its own checkpoint, not the promoted weights.
+    os.makedirs(os.path.join(layout.checkpoint_dir, "iter_0000004"))
+    with open(os.path.join(layout.checkpoint_dir, "iter_0000004", "checkpoint.json"), "w") as handle:
+        handle.write("{}")
+    with open(os.path.join(layout.checkpoint_dir, "latest"), "w") as handle:
+        handle.write("iter_0000004\n")
+    assert load_argv(True, layout) == ["--load", layout.checkpoint_dir]
+
+
+def test_gpu_tolerations_node_selector_and_pvc_reach_the_pytorchjob():
+    settings = PretrainSettings(
+        shared_root="/mnt/domino", run_id="3f1c2b7e-aaaa-bbbb-cccc-0123456789ab", nodes=2, nproc_per_node=8,
+        gpus_per_node=8, tensor_parallel=8, image="registry.example/domino:1", namespace="team-a",
+        pvc_name="shared-rwx", memory_limit="512Gi", node_selector='{"nvidia.com/gpu.product": "H100"}',
+        tolerations='["nvidia.com/gpu:NoSchedule", {"key": "dedicated", "value": "ml", "effect": "NoExecute"}]',
+    )
+    argv = pretrain_argv(settings, "/mnt/domino/runs/x/data/corpus_text_document",
+                         RunLayout(settings.shared_root, settings.run_id))
+    spec = job_spec(settings, argv)
+    job = render_job(spec, settings.run_id)
+    assert job["metadata"]["namespace"] == "team-a"
+    assert job["spec"]["nprocPerNode"] == "8"
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == "registry.example/domino:1"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] in (8, "8")
+    assert container["resources"]["limits"]["memory"] == "512Gi"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoExecute"} in pod["tolerations"]
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == ["shared-rwx"]
+    assert any(m["mountPath"] == "/mnt/domino" for m in container["volumeMounts"])
+    command = " ".join(container["command"] + container.get("args", []))
+    assert "--tensor-model-parallel-size 8" in command and "--data-path /mnt/domino/runs/x/data" in command
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    assert "DS_ACCELERATOR" not in env  # GPUs: DeepSpeed picks CUDA itself
+
+
+def test_cpu_job_tells_deepspeed_to_use_the_cpu_and_bad_json_is_named():
+    settings = PretrainSettings(shared_root="/mnt/domino", run_id="r")
+    assert job_spec(settings, []).env == {"DS_ACCELERATOR": "cpu"}
+    with pytest.raises(ValueError, match="tolerations: not JSON"):
+        job_spec(PretrainSettings(shared_root="/mnt/domino", run_id="r", tolerations="[oops"), [])
+    with pytest.raises(ValueError, match="node_selector: expected a JSON object"):
+        job_spec(PretrainSettings(shared_root="/mnt/domino", run_id="r", node_selector="[]"), [])

@@ -1,0 +1,66 @@
+"""``--param`` parsing and checks, and cron validation."""
+
+import pytest
+
+from pipelines.cron import CronError, validate_cron
+from pipelines.params import ParamError, check_training_config, parse_param_args, pipeline_parameters
+
+
+def test_values_get_the_parameter_types():
+    values = parse_param_args(["train_iters=5", "lr=0.01", "warm_start=yes", "corpus=kjv", "keep-failed-jobs=0",
+                               "tolerations=[\"a:NoSchedule\"]"])
+    assert values == {"train_iters": 5, "lr": 0.01, "warm_start": True, "corpus": "kjv", "keep_failed_jobs": False,
+                      "tolerations": "[\"a:NoSchedule\"]"}
+
+
+@pytest.mark.parametrize("item, message", [
+    ("train_iters", "--param 'train_iters': expected NAME=VALUE"),
+    ("train_iters=2.5", "--param train_iters=2.5: expected integer"),
+    ("lr=fast", "--param lr=fast: expected float"),
+    ("bogus=1", "--param bogus: the pipeline has no such parameter; known: shared_root"),
+    ("backend=slurm", "--param backend=slurm: expected one of pytorchjob, local"),
+    ("zero_stage=3", "--param zero_stage=3: expected one of 0, 1, 2"),
+    ("config_overrides={bad", "--param config_overrides: not JSON"),
+    ("node_selector=[]", "--param node_selector: expected a JSON object"),
+    ("nodes=0", "--param nodes=0: must be at least 1"),
+    ("min_improvement=1.5", "--param min_improvement=1.5: must be in [0, 1)"),
+])
+def test_bad_params_name_the_parameter(item, message):
+    with pytest.raises(ParamError) as error:
+        parse_param_args([item])
+    assert message in str(error.value)
+
+
+def test_training_config_is_checked_as_the_pretrain_step_will():
+    check_training_config({})  # the defaults are a valid tiny TP=2 run
+    with pytest.raises(ParamError, match="--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8"):
+        check_training_config({"tensor_parallel": 8, "nproc_per_node": 8})
+    with pytest.raises(ParamError, match="'data_path' is set by the pipeline parameter 'dataset'"):
+        check_training_config({"config_overrides": '{"data_path": ["x"]}'})
+
+
+def test_parameter_table_covers_the_documented_names():
+    names = set(pipeline_parameters())
+    assert {"corpus", "preset", "tensor_parallel", "domino_chunks", "zero_stage", "gpus_per_node", "warm_start",
+            "pvc_name", "node_selector", "tolerations", "min_improvement"} <= names
+
+
+@pytest.mark.parametrize("cron", ["0 0 3 * * 0", "0 */15 * * * *", "30 0 2 ? * MON-FRI", "0 0 0 1 JAN,JUL ?",
+                                  "0  0 3 * *  SUN", "@weekly", "@every 6h"])
+def test_valid_crons(cron):
+    assert validate_cron(cron) == " ".join(cron.split())
+
+
+@pytest.mark.parametrize("cron, message", [
+    ("", "has 0 fields"),
+    ("60 0 3 * * 0", "second value '60' is outside 0-59"),
+    ("0 0 3 32 * 0", "day of month value '32' is outside 1-31"),
+    ("0 0 5-3 * * 0", "hour range '5-3' runs backwards"),
+    ("0 ? 3 * * 0", "'?' is only allowed in the day fields"),
+    ("0 0 3 * * 0/0", "step must be at least 1"),
+    ("0 0 3 * * %", "day of week field '%' is not a cron field"),
+])
+def test_invalid_crons(cron, message):
+    with pytest.raises(CronError) as error:
+        validate_cron(cron)
+    assert message in str(error.value)
