@@ -122,7 +122,7 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
 
         Args:
             shared_root: Where the shared volume is mounted (keep the default in a cluster; a local
-                folder for local runs). Runs write under <shared_root>/runs/<run id>.
+                folder for local runs). Runs write under shared_root/runs/RUN_ID.
             pvc_name: ReadWriteMany PersistentVolumeClaim mounted by every step and the training job.
             corpus: Built-in corpus to train on when input_uri is empty (shakespeare, kjv).
             input_uri: Comma-separated text/JSON-lines files on the shared volume (overrides corpus).

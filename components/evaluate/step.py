@@ -65,10 +65,10 @@ def decide(new_ppl: float, incumbent: Optional[PromotedModel], incumbent_ppl: Op
                         f"(run {incumbent.run_id}) by more than {min_improvement:.1%}")
 
 
-def _evaluate(load: str, data_prefix: str, settings: EvaluateSettings, split_config: Dict[str, Any]) -> Dict[str, Any]:
+def _evaluate(load: str, data_prefix: str, settings: EvaluateSettings, eval_options: Dict[str, Any]) -> Dict[str, Any]:
     from domino.eval.evaluate import evaluate_checkpoint
 
-    return dict(evaluate_checkpoint(load, data_prefix, max_batches=settings.eval_batches, **split_config))
+    return dict(evaluate_checkpoint(load, data_prefix, max_batches=settings.eval_batches, **eval_options))
 
 
 def _samples(load: str, settings: EvaluateSettings) -> List[Dict[str, str]]:
@@ -104,8 +104,12 @@ def run_evaluate(
     layout = RunLayout(settings.shared_root, settings.run_id)
     model = read_manifest(model_manifest, "model")
     data_prefix = read_manifest(dataset_manifest, "dataset")["prefix"]
-    split_config = {"split": model["config"]["data"]["split"]} if "config" in model else {}
-    new = _evaluate(model["checkpoint_dir"], data_prefix, settings, split_config)
+    # Both models read the same test documents and samples: the new run's split and sample-order seed.
+    config = model.get("config") or {}
+    eval_options = {}
+    if config:
+        eval_options = {"split": config["data"]["split"], "seed": config["train"]["seed"]}
+    new = _evaluate(model["checkpoint_dir"], data_prefix, settings, eval_options)
     log(f"evaluate: new model test loss {new['loss']:.4f}, perplexity {new['ppl']:.4f}")
 
     incumbent = current_model(layout.registry_path)
@@ -113,7 +117,7 @@ def run_evaluate(
     results: Dict[str, Dict[str, Any]] = {f"test (run {settings.run_id})": new}
     if incumbent is not None:
         if os.path.isdir(incumbent.checkpoint_dir):
-            previous = _evaluate(incumbent.checkpoint_dir, data_prefix, settings, split_config)
+            previous = _evaluate(incumbent.checkpoint_dir, data_prefix, settings, eval_options)
             incumbent_ppl = float(previous["ppl"])
             results[f"test (promoted run {incumbent.run_id})"] = previous
         else:

@@ -64,3 +64,15 @@ def test_invalid_crons(cron, message):
     with pytest.raises(CronError) as error:
         validate_cron(cron)
     assert message in str(error.value)
+
+
+def test_docs_parameter_table_lists_exactly_the_pipeline_parameters():
+    import os
+    import re
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "pipeline.md"), encoding="utf-8").read()
+    documented = re.findall(r"^\| `(\w+)` \| (\w+) \| `([^`]*)` \|", doc, flags=re.M)
+    import json
+
+    assert [(n, t, json.loads(d)) for n, t, d in documented] == [
+        (p.name, p.type.lower(), p.default) for p in pipeline_parameters().values()]

@@ -1,0 +1,60 @@
+"""End to end: the whole pipeline under kfp.local, twice, on a small built-in corpus.
+
+Run 1 trains the tiny preset with TP=2 and Domino chunks=2 across two local replicas (the launcher's
+local backend, one process per replica) and is promoted (nothing was promoted before). Run 2 warm-starts
+from the promoted checkpoint, and the gate decides by re-evaluating the promoted model on the same test
+samples. Everything goes through the real components, the real launcher and the real training loop.
+"""
+
+import json
+import math
+import os
+
+import pytest
+
+pytest.importorskip("domino.eval.evaluate")
+pytest.importorskip("domino.train.pretrain")
+
+from pipelines.local_run import run_local  # noqa: E402
+
+PARAMS = {
+    "corpus": "shakespeare-small", "train_iters": 6, "micro_batch_size": 4, "eval_interval": 3, "eval_iters": 1,
+    "log_interval": 2, "eval_batches": 2, "sample_tokens": 4, "tensor_parallel": 2, "nproc_per_node": 2,
+    "domino_chunks": 2,
+}
+
+
+@pytest.mark.timeout(420)
+def test_two_local_runs_promote_then_warm_start_and_gate(tmp_path):
+    out = tmp_path / "demo"
+    first = run_local(str(out), PARAMS, log=lambda _: None)
+
+    # Run 1: trained, evaluated, reported, promoted.
+    assert first.promoted and first.test["promote"] and first.test["incumbent_ppl"] is None
+    assert first.train["iterations"] == 6 and first.train["tokens_seen"] > 0
+    assert math.isfinite(first.train["final_train_loss"]) and first.test["test_ppl"] > 1.0
+    assert 0.0 <= first.test["token_accuracy"] <= 1.0
+    checkpoint = os.path.join(first.checkpoint_dir, open(os.path.join(first.checkpoint_dir, "latest")).read().strip())
+    meta = json.load(open(os.path.join(checkpoint, "checkpoint.json")))
+    assert meta["tensor_model_parallel_size"] == 2 and meta["iteration"] == 6
+    report = open(first.report, encoding="utf-8").read()
+    assert "<img" in report and "perplexity" in report and first.run_id in report
+    assert first.checkpoint_dir.startswith(str(out)) and first.report.startswith(str(out))
+    registry = json.load(open(out / "shared" / "promoted.json"))
+    assert registry["current"]["run_id"] == first.run_id
+    assert registry["current"]["test_ppl"] == pytest.approx(first.test["test_ppl"])
+
+    # Run 2: warm start from the promoted model, then the gate compares on the same test samples.
+    second = run_local(str(out), {**PARAMS, "warm_start": True}, log=lambda _: None)
+    assert second.run_id != first.run_id
+    assert second.train["warm_start_from"] == first.checkpoint_dir
+    assert second.test["incumbent_run"] == first.run_id
+    # The promoted checkpoint, re-evaluated on the same data and samples, gives its recorded perplexity.
+    assert second.test["incumbent_ppl"] == pytest.approx(first.test["test_ppl"], rel=1e-5)
+    better = second.test["test_ppl"] < second.test["incumbent_ppl"]
+    assert second.test["promote"] is better and second.promoted is better
+    registry = json.load(open(out / "shared" / "promoted.json"))
+    assert registry["current"]["run_id"] == (second.run_id if better else first.run_id)
+    assert len(registry["history"]) == (2 if better else 1)
+    summary = json.load(open(out / "summary.json"))
+    assert summary["run_id"] == second.run_id
