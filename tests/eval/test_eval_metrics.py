@@ -1,4 +1,4 @@
-"""Masked loss / accuracy: single-process reference, and TP=2 on real gloo ranks (resharded loads)."""
+"""Masked loss / accuracy and generation: single-process reference, and TP=2 on real gloo ranks (resharded loads)."""
 
 import math
 
@@ -7,12 +7,15 @@ import torch
 import torch.nn.functional as F
 
 from distributed_helpers import run_distributed
+from domino.eval.generate import generate_ids
 from domino.eval.metrics import MetricTotals, evaluate_batches, vocab_parallel_argmax
 from domino.eval.runtime import setup_tensor_parallel
+from domino.eval.sampling import SamplingConfig
 from domino.model import weights_io as wio
 from eval_checkpoints import save_checkpoint, tiny_config, tiny_model
 
 VOCAB = 100
+PROMPT = [3, 14, 15, 92]
 
 
 def _batch(seed=0, b=3, s=12):
@@ -49,7 +52,9 @@ def _tp_body(rank, world, ckpt_dirs, batch):
         model, _, _ = wio.build_model_from_checkpoint(ckpt, tp_rank, tp_size, load_tokenizer=False)
         with torch.no_grad():
             logits = model(batch[0])
-        out[name] = {"metrics": evaluate_batches(model, [batch]), "argmax": vocab_parallel_argmax(logits)}
+        out[name] = {"metrics": evaluate_batches(model, [batch]), "argmax": vocab_parallel_argmax(logits),
+                     "greedy": generate_ids(model, PROMPT, 10),
+                     "sampled": generate_ids(model, PROMPT, 10, SamplingConfig(temperature=1.5, top_p=0.9), seed=4)}
     return out
 
 
@@ -71,3 +76,6 @@ def test_tp2_matches_single_process(tmp_path):
             assert got["metrics"]["loss"] == pytest.approx(reference["loss"], rel=1e-5), name
             assert got["metrics"]["accuracy"] == pytest.approx(reference["accuracy"]), name
             assert torch.equal(got["argmax"], ref_argmax), name
+            assert got["greedy"] == generate_ids(model, PROMPT, 10), name  # TP generation = one process
+            assert got["sampled"] == generate_ids(model, PROMPT, 10, SamplingConfig(temperature=1.5, top_p=0.9),
+                                                  seed=4), name
