@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
@@ -113,7 +114,10 @@ def run_local(output_dir: str, params: Optional[Dict[str, Any]] = None,
     values = {"shared_root": os.path.join(output_dir, "shared"), "backend": "local", **(params or {})}
     before = os.listdir(artifacts)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=artifacts, raise_on_error=True)
-    build_pipeline()(**values)
+    with warnings.catch_warnings():
+        # The steps name the domino image; here this environment, which has domino installed, stands in.
+        warnings.filterwarnings("ignore", message=".*custom or non-Python base image", category=RuntimeWarning)
+        build_pipeline()(**values)
     run_folder = _new_run_folder(artifacts, before)
 
     model_manifest = os.path.join(run_folder, "pretrain", "model")

@@ -181,6 +181,9 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
         checkpoint_dir=RunLayout(s.shared_root, s.run_id).checkpoint_dir,
         node_selector={str(k): str(v) for k, v in _json_param(s.node_selector, "node_selector", dict).items()},
         tolerations=tolerations, labels={"pipelines.kubeflow.org/run-id": _label(s.run_id)},
+        # Retry only what a retry can fix (signals, OOM kills, lost nodes: exit codes 128-255); a Python
+        # error (exit code 1) fails the job at once instead of being repeated backoff_limit times.
+        restart_policy="ExitCode",
         # Without GPUs DeepSpeed must be told to use its CPU accelerator.
         env={"DS_ACCELERATOR": "cpu"} if s.gpus_per_node == 0 else {},
     )
