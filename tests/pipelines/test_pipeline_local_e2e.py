@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("domino.eval.evaluate")
 pytest.importorskip("domino.train.pretrain")
+pytest.importorskip("domino.data.batch")
+pytest.importorskip("domino.data.loader")
 
 from pipelines.local_run import run_local  # noqa: E402
 
