@@ -6,14 +6,14 @@ while it runs, and returns the still-in-flight gradient. A no-op node placed bet
 linear (so it runs right after the linear's backward, just before LayerNorm's backward consumes the gradient)
 waits for it. Between launch and wait, autograd is free to run nodes of the other chunk(s).
 
-    LN -> wait_for_input_grad(x, slot) -> linear_with_async_input_grad(x, W, b, slot)
+    LN -> wait_for_input_grad(x, slot) -> ... other chunks' work ... -> linear_with_async_input_grad(x, W, b, slot)
 
 The two share a :class:`GradAllReduceSlot`, which carries the handle from launch to wait.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,7 @@ class GradAllReduceSlot:
     def wait(self) -> None:
         """Blocks until the launched all-reduce (if any) finished."""
         if self.handle is not None:
+            # Wait for the input-gradient all-reduce launched in _LinearAsyncInputGrad.backward.
             self.handle.wait()
             self.handle = None
 
@@ -65,8 +66,7 @@ class _WaitInputGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # Wait for the all-reduce launched in _LinearAsyncInputGrad.backward: the summed gradient is needed now.
-        ctx.slot.wait()
+        ctx.slot.wait()  # the summed gradient is needed now, by LayerNorm's backward
         return grad, None
 
 
@@ -81,7 +81,18 @@ def linear_with_async_input_grad(x: torch.Tensor, weight: torch.Tensor, bias: Op
     return _LinearAsyncInputGrad.apply(x, weight, bias, slot)
 
 
-def column_parallel_async(x: torch.Tensor, layer) -> torch.Tensor:
-    """Runs a :class:`~domino.parallel.layers.ColumnParallelLinear` with Domino's overlapped backward."""
+def guard_input_grad(x: torch.Tensor) -> Tuple[torch.Tensor, GradAllReduceSlot]:
+    """Places the wait node on ``x`` (a LayerNorm output) and returns it with the slot a linear will fill.
+
+    Create the guard as soon as ``x`` exists and run the consuming linear later: autograd runs nodes in
+    reverse creation order, so whatever is created in between (the other chunks' work) runs in backward
+    between the linear's all-reduce launch and this wait.
+    """
     slot = GradAllReduceSlot()
-    return linear_with_async_input_grad(wait_for_input_grad(x, slot), layer.weight, layer.bias, slot)
+    return wait_for_input_grad(x, slot), slot
+
+
+def column_parallel_async(guarded: Tuple[torch.Tensor, GradAllReduceSlot], layer) -> torch.Tensor:
+    """Runs a :class:`~domino.parallel.layers.ColumnParallelLinear` on a guarded input (Domino backward)."""
+    x, slot = guarded
+    return linear_with_async_input_grad(x, layer.weight, layer.bias, slot)

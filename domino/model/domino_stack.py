@@ -1,28 +1,32 @@
 """The Domino layer stack: the same transformer layers, run on batch chunks so communication overlaps.
 
-The micro-batch is split along the batch dimension into N chunks. Per layer, each chunk runs two stages:
+The micro-batch is split along the batch dimension into N chunks. Each chunk runs the layers as a
+sequence of six steps per layer (the names follow the reference schedule in the project notes)::
 
-* attention stage: finish the chunk's pending MLP all-reduce (residual add), LN1, QKV, attention, output
-  projection (partial sum), *launch* its all-reduce;
-* MLP stage: wait for that all-reduce, residual add, LN2, fc1, GeLU, fc2 (partial sum), *launch* its
-  all-reduce (which stays in flight into the next layer's attention stage).
+    A  QKV (column-parallel) + attention          D  fc1 (column-parallel) + GeLU
+    B  output projection; launch its all-reduce   E  fc2; launch its all-reduce
+    C  wait; residual add; LN2 (+ grad guard)     F  wait; residual add; next LN1 (+ grad guard) or final LN
 
-Stages run as ``attn(0..N-1), mlp(0..N-1)`` per layer, so each all-reduce of chunk ``c`` is hidden behind
-the computation of the other chunks (for N=2 this is the reference schedule: AR(a0) behind chunk 1's
-attention, AR(a1) behind chunk 0's MLP, AR(m0) behind chunk 1's MLP, AR(m1) behind the next layer's chunk-0
-attention). Every rank runs the same Python, so collectives are issued (and waited) in the same order on
-all ranks. In backward, the forward all-reduces are identities and the column-parallel input gradients are
-all-reduced asynchronously (:mod:`domino.model.domino_ops`).
+and the chunks advance as a wavefront: chunk ``c`` runs ``c`` steps behind chunk 0, and at every tick each
+chunk does one step, chunk 0 first. For N=2 this is exactly the reference order (A0 F1 B0 A1 C0 B1 D0 C1
+E0 D1 F0 E1 per layer): every all-reduce launched by one chunk is hidden behind a step of each other chunk
+before it is waited on. Every rank runs the same Python, so collectives are issued (and waited) in the same
+order on all ranks.
+
+Backward: the forward all-reduces are identities for autograd. The LayerNorm outputs get their gradient
+guard (step C/F) one tick before the column-parallel linear consumes them (step D/A); autograd runs nodes
+in reverse creation order, so the other chunks' steps created in between run in backward between the
+linear's asynchronous input-gradient all-reduce and the guard's wait (:mod:`domino.model.domino_ops`).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Generator, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from domino.model.domino_ops import column_parallel_async
+from domino.model.domino_ops import column_parallel_async, guard_input_grad
 from domino.model.transformer import TransformerLayer, bias_dropout_add
 from domino.parallel.collectives import all_reduce_async
 
@@ -35,13 +39,12 @@ class _Pending:
     def __init__(self, partial: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
         self.partial = partial
         self.bias = bias
-        # Async launch: waited in finish(), after the other chunks' next stage has been computed.
+        # Async launch: waited in finish(), one step of every other chunk later.
         self.handle = all_reduce_async(partial)
 
-    def finish(self, residual: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-        # Wait for the all-reduce launched in __init__: its sum is read right here.
-        self.handle.wait()
-        return bias_dropout_add(self.partial, self.bias, residual, p, training)
+    def finish(self, residual: torch.Tensor, layer: TransformerLayer) -> torch.Tensor:
+        self.handle.wait()  # wait for the all-reduce launched in __init__: its sum is read right here
+        return bias_dropout_add(self.partial, self.bias, residual, layer.hidden_dropout, layer.training)
 
 
 def _split_mask(mask: Optional[torch.Tensor], sizes: List[int]) -> List[Optional[torch.Tensor]]:
@@ -57,15 +60,41 @@ class DominoLayerStack:
     and checkpoints are the same with and without Domino.
 
     Args:
-        layers: the model's transformer layers.
-        chunks: number of batch chunks (>= 1; 1 still runs the async code path, with nothing to overlap).
+        layers: the model's transformer layers (at least one).
+        chunks: number of batch chunks (>= 1; 1 runs the asynchronous code path with nothing to overlap).
     """
 
     def __init__(self, layers: Sequence[TransformerLayer], chunks: int) -> None:
         if chunks < 1:
             raise ValueError(f"--domino-chunks must be >= 1, got {chunks}")
+        if len(layers) == 0:
+            raise ValueError("the Domino schedule needs at least one transformer layer")
         self.layers = layers
         self.chunks = chunks
+
+    def _chunk_steps(self, h: torch.Tensor, mask: Optional[torch.Tensor],
+                     final_layernorm: Optional[torch.nn.Module]) -> Generator[None, None, torch.Tensor]:
+        """One chunk's steps; yields between steps, returns the chunk's output."""
+        guarded = guard_input_grad(self.layers[0].input_layernorm(h))
+        yield
+        for i, layer in enumerate(self.layers):
+            attention, mlp = layer.attention, layer.mlp
+            ctx = attention.context(column_parallel_async(guarded, attention.query_key_value), mask)  # A
+            yield
+            pending = _Pending(attention.dense.partial(ctx), attention.dense.bias)  # B
+            yield
+            h = pending.finish(h, layer)  # C
+            guarded = guard_input_grad(layer.post_attention_layernorm(h))
+            yield
+            inner = F.gelu(column_parallel_async(guarded, mlp.dense_h_to_4h))  # D
+            yield
+            pending = _Pending(mlp.dense_4h_to_h.partial(inner), mlp.dense_4h_to_h.bias)  # E
+            yield
+            h = pending.finish(h, layer)  # F
+            if i + 1 < len(self.layers):
+                guarded = guard_input_grad(self.layers[i + 1].input_layernorm(h))
+                yield
+        return final_layernorm(h) if final_layernorm is not None else h
 
     def __call__(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
                  final_layernorm: Optional[torch.nn.Module]) -> torch.Tensor:
@@ -74,25 +103,20 @@ class DominoLayerStack:
         if b < self.chunks:
             raise ValueError(f"micro-batch size {b} is smaller than --domino-chunks {self.chunks}")
         sizes = [len(idx) for idx in torch.arange(b).tensor_split(self.chunks)]
-        h = list(torch.split(hidden, sizes, dim=0))
         masks = _split_mask(attention_mask, sizes)
-        pending: List[Optional[_Pending]] = [None] * self.chunks
-        for layer in self.layers:
-            p, training = layer.hidden_dropout, layer.training
-            attention, mlp = layer.attention, layer.mlp
-            for c in range(self.chunks):  # attention stage of every chunk
-                if pending[c] is not None:
-                    h[c] = pending[c].finish(h[c], p, training)
-                mixed = column_parallel_async(layer.input_layernorm(h[c]), attention.query_key_value)
-                ctx = attention.context(mixed, masks[c])
-                pending[c] = _Pending(attention.dense.partial(ctx), attention.dense.bias)
-            for c in range(self.chunks):  # MLP stage of every chunk
-                h[c] = pending[c].finish(h[c], p, training)
-                inner = F.gelu(column_parallel_async(layer.post_attention_layernorm(h[c]), mlp.dense_h_to_4h))
-                pending[c] = _Pending(mlp.dense_4h_to_h.partial(inner), mlp.dense_4h_to_h.bias)
-        out = []
-        for c in range(self.chunks):
-            if pending[c] is not None:
-                h[c] = pending[c].finish(h[c], self.layers[-1].hidden_dropout, self.layers[-1].training)
-            out.append(final_layernorm(h[c]) if final_layernorm is not None else h[c])
-        return torch.cat(out, dim=0)
+        programs = [self._chunk_steps(h, m, final_layernorm)
+                    for h, m in zip(torch.split(hidden, sizes, dim=0), masks)]
+        outputs: List[Optional[torch.Tensor]] = [None] * self.chunks
+        running = self.chunks
+        tick = 0
+        while running:
+            for c, program in enumerate(programs):
+                if tick < c or outputs[c] is not None:  # chunk c starts c ticks late (the wavefront)
+                    continue
+                try:
+                    next(program)
+                except StopIteration as done:
+                    outputs[c] = done.value
+                    running -= 1
+            tick += 1
+        return torch.cat(outputs, dim=0)
