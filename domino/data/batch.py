@@ -1,0 +1,111 @@
+"""Turning a batch of samples into model inputs: tokens, labels, loss mask, attention mask, positions.
+
+``get_batch`` follows Megatron's ``pretrain_gpt.get_batch``: the first rank of each tensor-parallel
+group reads the next batch and broadcasts it to the rest of its group (the others may pass a ``None``
+iterator), then every rank derives the same masks. Without ``torch.distributed`` it simply reads.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from domino.config import DataConfig
+from domino.parallel import state
+
+
+def get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int, reset_position_ids: bool,
+                                    reset_attention_mask: bool, eod_mask_loss: bool
+                                    ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Left-to-right masks and positions for ``data`` ``[batch, seq]`` (Megatron semantics, vectorised).
+
+    Args:
+        data: token ids.
+        eod_token: the end-of-document id.
+        reset_position_ids: positions restart at 0 after every end-of-document token.
+        reset_attention_mask: tokens do not attend across an end-of-document token (to earlier documents).
+        eod_mask_loss: no loss on end-of-document tokens.
+
+    Returns:
+        ``(attention_mask, loss_mask, position_ids)``: ``attention_mask`` is bool ``[batch, 1, seq, seq]``
+        with True = masked when ``reset_attention_mask``, else None meaning plain causal (the model takes
+        its fast causal path); ``loss_mask`` float ``[batch, seq]``; ``position_ids`` int64 ``[batch, seq]``.
+    """
+    batch, length = data.shape
+    is_eod = data == eod_token
+    loss_mask = torch.ones(data.shape, dtype=torch.float, device=data.device)
+    if eod_mask_loss:
+        loss_mask[is_eod] = 0.0
+    steps = torch.arange(length, dtype=torch.long, device=data.device)
+    position_ids = steps.unsqueeze(0).expand(batch, length)
+    attention_mask = None
+    if reset_position_ids or reset_attention_mask:
+        # A document starts after each end-of-document token: segment[t] = number of eods before t.
+        after_eod = torch.zeros_like(is_eod)
+        after_eod[:, 1:] = is_eod[:, :-1]
+        if reset_position_ids:
+            starts = torch.where(after_eod, steps, torch.zeros_like(steps))
+            position_ids = steps - torch.cummax(starts, dim=1).values
+        if reset_attention_mask:
+            segment = torch.cumsum(after_eod.long(), dim=1)
+            future = steps.view(1, length) > steps.view(length, 1)  # key after query
+            other_document = segment.unsqueeze(2) != segment.unsqueeze(1)
+            attention_mask = (future.unsqueeze(0) | other_document).unsqueeze(1)
+    else:
+        position_ids = position_ids.clone()
+    return attention_mask, loss_mask, position_ids
+
+
+def _broadcast_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_text(text: Optional[torch.Tensor]) -> torch.Tensor:
+    """``text`` from the tensor-parallel source rank on every rank of its group (int64, 2-D)."""
+    group = state.get_tensor_model_parallel_group()
+    if not dist.is_initialized() or state.get_tensor_model_parallel_world_size() == 1:
+        if text is None:
+            raise ValueError("get_batch needs a data iterator on this rank")
+        return text.long()
+    device = _broadcast_device()
+    source = state.get_tensor_model_parallel_src_rank()
+    shape = torch.zeros(2, dtype=torch.long, device=device)
+    if dist.get_rank() == source:
+        if text is None:
+            raise ValueError("the first rank of each tensor-parallel group needs a data iterator")
+        text = text.to(device=device, dtype=torch.long).contiguous()
+        shape.copy_(torch.tensor(text.shape, dtype=torch.long))
+    dist.broadcast(shape, source, group=group)
+    if dist.get_rank() != source:
+        text = torch.empty(tuple(shape.tolist()), dtype=torch.long, device=device)
+    dist.broadcast(text, source, group=group)
+    return text
+
+
+def get_batch(data_iterator: Optional[Iterator], data_config: DataConfig, eod_token: int):
+    """The next batch as ``(tokens, labels, loss_mask, attention_mask, position_ids)``.
+
+    Tensor-parallel rank 0 reads ``next(data_iterator)`` (a dict with ``"text"`` ``[b, s + 1]``) and
+    broadcasts it to its group; other TP ranks may pass ``None``. ``tokens = text[:, :-1]``,
+    ``labels = text[:, 1:]``. Tensors are on the current CUDA device when CUDA is available, else CPU.
+    Mask flags come from ``data_config`` (``reset_position_ids``, ``reset_attention_mask``, ``eod_mask_loss``).
+    """
+    reads = not dist.is_initialized() or state.get_tensor_model_parallel_rank() == 0
+    text = None
+    if reads:
+        if data_iterator is None:
+            raise ValueError("tensor-parallel rank 0 needs a data iterator")
+        text = torch.as_tensor(next(data_iterator)["text"])
+    text = broadcast_text(text)
+    if torch.cuda.is_available():
+        text = text.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
+    tokens = text[:, :-1].contiguous()
+    labels = text[:, 1:].contiguous()
+    attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+        tokens, eod_token, data_config.reset_position_ids, data_config.reset_attention_mask,
+        data_config.eod_mask_loss)
+    return tokens, labels, loss_mask, attention_mask, position_ids
