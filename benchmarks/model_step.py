@@ -14,11 +14,12 @@ one fused QKV GEMM instead of three, the fused AdamW kernel instead of the per-p
 cross-entropy that reuses one logits-sized buffer for softmax and gradient instead of allocating
 log-softmax, its gradient and the one-hot difference.
 
-The machine may be shared: every figure is the median of several repeats after warm-up steps.
+The machine may be shared: configurations alternate step by step after warm-up steps; tokens/s are medians
+(and bests) over repeats, and ratios are medians of back-to-back pairs, which cancels slow load drift.
 
 Usage::
 
-    python benchmarks/model_step.py [--repeats 5] [--steps 2] [--threads N] [--tp-threads N] [--json]
+    python benchmarks/model_step.py [--repeats 8] [--steps 1] [--threads N] [--tp-threads N] [--json]
 """
 
 from __future__ import annotations
@@ -166,12 +167,21 @@ def tensor_parallel(threads: int, repeats: int, steps: int, warmup: int) -> dict
     return {"tp2_sync": times[1], "tp2_domino": times[2]}
 
 
+def _paired_ratio(reference: list, candidate: list) -> float:
+    """Median over repeats of reference_time / candidate_time, each pair measured back to back.
+
+    On a shared machine the background load drifts between repeats; comparing neighbours cancels most of it.
+    """
+    return statistics.median(r / c for r, c in zip(reference, candidate))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per configuration (median taken)")
-    parser.add_argument("--steps", type=int, default=2, help="training steps per timed repeat")
+    parser.add_argument("--repeats", type=int, default=8, help="timed repeats per configuration (median taken)")
+    parser.add_argument("--steps", type=int, default=1, help="training steps per timed repeat")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before measuring")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, single process")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the single-process runs (same for ours and plain)")
     parser.add_argument("--tp-threads", type=int, default=1, help="torch threads per process at TP=2")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
@@ -181,10 +191,13 @@ def main(argv=None) -> int:
     times.update(tensor_parallel(args.tp_threads, args.repeats, args.steps, args.warmup))
     tokens = BATCH * SEQ
     tps = {name: tokens / statistics.median(t) for name, t in times.items()}
-    ratios = {"domino_over_plain": tps["domino"] / tps["plain"],
-              "tp2_domino_over_tp2_sync": tps["tp2_domino"] / tps["tp2_sync"]}
-    result = {"tokens_per_s": tps, "ratios": ratios,
-              "seconds_per_step": {name: sorted(t) for name, t in times.items()},
+    best_tps = {name: tokens / min(t) for name, t in times.items()}
+    ratios = {"domino_over_plain": _paired_ratio(times["plain"], times["domino"]),
+              "tp2_domino_over_tp2_sync": _paired_ratio(times["tp2_sync"], times["tp2_domino"])}
+    result = {"tokens_per_s": tps, "ratios": ratios, "best_tokens_per_s": best_tps,
+              "ratios_of_medians": {"domino_over_plain": tps["domino"] / tps["plain"],
+                                    "tp2_domino_over_tp2_sync": tps["tp2_domino"] / tps["tp2_sync"]},
+              "seconds_per_step": times,
               "shape": dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq=SEQ, micro_batch=BATCH, vocab=VOCAB),
               "threads": {"single_process": args.threads, "per_tp_rank": args.tp_threads},
               "repeats": args.repeats, "steps_per_repeat": args.steps, "torch": torch.__version__}
@@ -198,11 +211,12 @@ def main(argv=None) -> int:
             ("domino", f"domino GPTModel TP=1 (fused QKV, fused AdamW, lean vocab CE), {args.threads} thr"),
             ("tp2_sync", f"domino TP=2 synchronous, 2 procs x {args.tp_threads} thr"),
             ("tp2_domino", f"domino TP=2 Domino 2 chunks, 2 procs x {args.tp_threads} thr")]
-    print(f"{'config':<12} {'tokens/s':>10}  description")
+    print(f"{'config':<12} {'tokens/s':>10} {'best':>8}  description")
     for name, text in rows:
-        print(f"{name:<12} {tps[name]:>10.0f}  {text}")
-    print(f"ratio domino / plain            {ratios['domino_over_plain']:.3f}")
-    print(f"ratio tp2_domino / tp2_sync     {ratios['tp2_domino_over_tp2_sync']:.3f}")
+        print(f"{name:<12} {tps[name]:>10.0f} {best_tps[name]:>8.0f}  {text}")
+    print("ratios (median of back-to-back pairs):")
+    print(f"  domino / plain            {ratios['domino_over_plain']:.3f}")
+    print(f"  tp2_domino / tp2_sync     {ratios['tp2_domino_over_tp2_sync']:.3f}")
     return 0
 
 
