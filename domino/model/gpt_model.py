@@ -115,10 +115,9 @@ class GPTModel(nn.Module):
                 kv_cache.check_room(s)
                 past = kv_cache.length
             if position_ids is None:
+                if past + s > self.config.num_positions:  # explicit ids are not checked: that would sync a GPU
+                    raise ValueError(f"{past + s} tokens exceed --max-position-embeddings {self.config.num_positions}")
                 position_ids = torch.arange(past, past + s, device=tokens.device).unsqueeze(0)
-            elif position_ids.max() >= self.config.num_positions:
-                raise ValueError(f"position id {int(position_ids.max())} exceeds --max-position-embeddings "
-                                 f"{self.config.num_positions}")
             hidden = self.embedding(tokens, position_ids)
         else:
             hidden = tokens

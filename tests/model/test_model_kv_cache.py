@@ -43,3 +43,8 @@ def test_cache_past_the_position_table_is_rejected(model):
         model(torch.zeros(1, 16, dtype=torch.long), kv_cache=cache)
         with pytest.raises(ValueError, match="exceed the model's 16 positions"):
             model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
+
+
+def test_sequence_longer_than_the_position_table_is_rejected(model):
+    with pytest.raises(ValueError, match="17 tokens exceed --max-position-embeddings 16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
