@@ -261,6 +261,13 @@ class IndexedDataset:
         self._tokens = (np.memmap(bin_path, mode="r", dtype=self.dtype) if bin_size
                         else np.zeros(0, dtype=self.dtype))
 
+    def __getstate__(self) -> dict:
+        # Pickled (e.g. for spawned DataLoader workers) by path, never by copying the mapped files.
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["prefix"])
+
     def __len__(self) -> int:
         return len(self.sizes)
 

@@ -181,3 +181,13 @@ def test_fuzz_arbitrary_index_bytes(tmp_path_factory, header):
         read_index(str(directory / "g.idx"), 8)
     except DataError:
         pass
+
+
+def test_pickles_by_path_not_by_content(tmp_path):
+    import pickle
+
+    prefix = write_dataset(str(tmp_path / "p"), [list(range(1000))] * 20, np.uint16)
+    ds = IndexedDataset(prefix)
+    blob = pickle.dumps(ds)
+    assert len(blob) < 1000  # 40 KB of tokens are not in the pickle
+    np.testing.assert_array_equal(pickle.loads(blob)[3], ds[3])
