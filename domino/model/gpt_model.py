@@ -34,7 +34,7 @@ from domino.model.domino_stack import DominoLayerStack
 from domino.model.kv_cache import KVCache
 from domino.model.transformer import TransformerLayer
 from domino.parallel.collectives import copy_to_tp_region, gather_from_tp_region
-from domino.parallel.cross_entropy import vocab_parallel_cross_entropy
+from domino.parallel.cross_entropy import vocab_parallel_linear_cross_entropy
 from domino.parallel.layers import VocabParallelEmbedding
 
 
@@ -131,7 +131,8 @@ class GPTModel(nn.Module):
                 hidden = final_ln(hidden)
         if not self.post_process:
             return hidden
-        logits = F.linear(copy_to_tp_region(hidden), self.output_weight())
-        if labels is not None:
-            return vocab_parallel_cross_entropy(logits, labels)
+        hidden = copy_to_tp_region(hidden)
+        if labels is not None:  # the logits are computed inside, so their buffer is reused for the softmax
+            return vocab_parallel_linear_cross_entropy(hidden, self.output_weight(), labels)
+        logits = F.linear(hidden, self.output_weight())
         return logits if self.parallel_output else gather_from_tp_region(logits)

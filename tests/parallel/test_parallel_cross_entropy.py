@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from distributed_helpers import run_distributed
 from domino.parallel import state
-from domino.parallel.cross_entropy import vocab_parallel_cross_entropy
+from domino.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 
 
 def _inputs(scale: float = 1.0):
@@ -52,19 +53,59 @@ def test_bf16_logits_give_fp32_loss_and_bf16_grad():
     assert loss.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
 
 
+def _linear_inputs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(3, 5, 8, generator=g), torch.randn(16, 8, generator=g)
+
+
+def _linear_reference(hidden, weight, target, upstream):
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logits = F.linear(h, w)
+    loss = F.cross_entropy(logits.reshape(-1, 16), target.reshape(-1), reduction="none").reshape(target.shape)
+    loss.backward(upstream)
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_linear_matches_linear_then_f_cross_entropy(dtype):
+    _, target, upstream = _inputs()
+    hidden, weight = (t.to(dtype) for t in _linear_inputs())
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss = vocab_parallel_linear_cross_entropy(h, w, target)
+    loss.backward(upstream.to(loss.dtype))
+    ref_loss, ref_h, ref_w = _linear_reference(hidden, weight, target, upstream.to(dtype))
+    torch.testing.assert_close(loss.to(dtype), ref_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h.grad, ref_h, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w.grad, ref_w, rtol=1e-6, atol=1e-6)
+
+
+def test_shape_mismatch_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"logits \(3, 5, 16\) and target \(3, 4\) do not match"):
+        vocab_parallel_cross_entropy(torch.zeros(3, 5, 16), torch.zeros(3, 4, dtype=torch.long))
+
+
 def _body(rank, world_size):
     state.initialize_model_parallel(2)
     logits, target, upstream = _inputs()
     x = logits[..., 8 * rank:8 * rank + 8].clone().requires_grad_(True)
     loss = vocab_parallel_cross_entropy(x, target)
     loss.backward(upstream)
-    return loss.detach(), x.grad
+    hidden, weight = _linear_inputs()
+    h, w = hidden.clone().requires_grad_(True), weight[8 * rank:8 * rank + 8].clone().requires_grad_(True)
+    fused = vocab_parallel_linear_cross_entropy(h, w, target)
+    fused.backward(upstream)  # h's gradient is this rank's partial: copy_to_tp_region would sum them
+    return loss.detach(), x.grad, fused.detach(), h.grad, w.grad
 
 
 def test_two_ranks_match_f_cross_entropy():
     logits, target, upstream = _inputs()
     ref_loss, ref_grad = _reference(logits, target, upstream)
     results = run_distributed(_body, 2)
-    for rank, (loss, grad) in enumerate(results):
+    hidden, weight = _linear_inputs()
+    lin_loss, lin_h, lin_w = _linear_reference(hidden, weight, target, upstream)
+    for rank, (loss, grad, fused, _, w_grad) in enumerate(results):
         torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(grad, ref_grad[..., 8 * rank:8 * rank + 8], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fused, lin_loss, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(w_grad, lin_w[8 * rank:8 * rank + 8], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[0][3] + results[1][3], lin_h, rtol=1e-6, atol=1e-6)
