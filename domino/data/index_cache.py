@@ -150,7 +150,13 @@ def _load_or_build_here(cache_dir: str, description: Dict, build: Callable[[], S
         return indices
     start = time.perf_counter()
     indices = build()
-    save(cache_dir, description, indices)
+    seconds = time.perf_counter() - start
+    try:
+        save(cache_dir, description, indices)
+    except OSError as error:  # training can go on with the indices in memory
+        logger.warning("cannot write the sample-index cache in %s (%s); using the indices without caching them",
+                       cache_dir, error)
+        return indices
     logger.info("built sample indices (%d samples) in %.2f s, cached as %s in %s", len(indices.shuffle_index),
-                time.perf_counter() - start, description_key(description), cache_dir)
+                seconds, description_key(description), cache_dir)
     return try_load(cache_dir, description) or indices

@@ -24,6 +24,7 @@ from domino.data.errors import DataError
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = 34  # magic (9) + version (8) + dtype code (1) + sequence count (8) + document-index length (8)
+_VALIDATION_BLOCK = 1 << 22  # sequences checked per step when opening an index
 
 #: dtype code in the ``.idx`` header -> numpy dtype of the tokens in ``.bin``.
 DTYPES: Dict[int, np.dtype] = {
@@ -90,7 +91,7 @@ class IndexedDatasetWriter:
         self._idx_temp = temporary_name(index_file_path(prefix))
         self._bin = open(self._bin_temp, "wb")
         self._sizes: List[np.ndarray] = []
-        self._document_ends: List[int] = [0]
+        self._document_ends: List[np.ndarray] = [np.zeros(1, dtype=np.int64)]
         self._sequences = 0
         self.tokens = 0
 
@@ -121,8 +122,7 @@ class IndexedDatasetWriter:
             raise ValueError(f"token ids do not fit the dataset dtype {self.dtype}")
         self._bin.write(np.ascontiguousarray(converted).tobytes(order="C"))
         self._sizes.append(sequence_lengths.astype(np.int32))
-        ends = self._sequences + np.cumsum(np.asarray(sequences_per_document, dtype=np.int64))
-        self._document_ends.extend(ends.tolist())
+        self._document_ends.append(self._sequences + np.cumsum(np.asarray(sequences_per_document, dtype=np.int64)))
         self._sequences += len(sequence_lengths)
         self.tokens += len(tokens)
 
@@ -132,7 +132,7 @@ class IndexedDatasetWriter:
         os.fsync(self._bin.fileno())
         self._bin.close()
         sizes = np.concatenate(self._sizes) if self._sizes else np.zeros(0, dtype=np.int32)
-        write_index(self._idx_temp, self.dtype, sizes, np.asarray(self._document_ends, dtype=np.int64))
+        write_index(self._idx_temp, self.dtype, sizes, np.concatenate(self._document_ends))
         # Drop an old .idx first: between the two renames there is a new .bin and no .idx, never a
         # new .bin beside a stale .idx that might still look valid.
         remove_quietly(index_file_path(self.prefix))
@@ -202,16 +202,22 @@ def read_index(path: str, bin_size: Optional[int] = None) -> dict:
 def _validate_arrays(path: str, dtype: np.dtype, sizes: np.ndarray, pointers: np.ndarray,
                      document_index: np.ndarray, bin_size: Optional[int]) -> None:
     count = len(sizes)
-    if count and int(sizes.min()) < 0:
-        raise DataError(f"{path}: field sizes holds a negative sequence length at sequence {int(np.argmin(sizes))}")
-    if count:
-        expected = np.zeros(count, dtype=np.int64)
-        np.cumsum(sizes[:-1].astype(np.int64) * dtype.itemsize, out=expected[1:])
-        wrong = np.flatnonzero(pointers != expected)
+    start_byte = 0  # checked in blocks so that opening a huge index needs little memory
+    for first in range(0, count, _VALIDATION_BLOCK):
+        block = np.asarray(sizes[first:first + _VALIDATION_BLOCK], dtype=np.int64)
+        if int(block.min()) < 0:
+            raise DataError(f"{path}: field sizes holds a negative sequence length at sequence "
+                            f"{first + int(np.argmin(block))}")
+        expected = np.empty(len(block), dtype=np.int64)
+        expected[0] = start_byte
+        np.cumsum(block[:-1] * dtype.itemsize, out=expected[1:])
+        expected[1:] += start_byte
+        wrong = np.flatnonzero(pointers[first:first + len(block)] != expected)
         if len(wrong):
-            i = int(wrong[0])
+            i = first + int(wrong[0])
             raise DataError(f"{path}: field pointers[{i}] = {int(pointers[i])} but the sequences before it end at "
-                            f"byte {int(expected[i])}")
+                            f"byte {int(expected[wrong[0]])}")
+        start_byte = int(expected[-1]) + int(block[-1]) * dtype.itemsize
     total = (int(pointers[-1]) + int(sizes[-1]) * dtype.itemsize) if count else 0
     if bin_size is not None and bin_size != total:
         raise DataError(f"{path}: the pointers and sizes describe {total} bytes of tokens, but the .bin file has "
@@ -221,8 +227,9 @@ def _validate_arrays(path: str, dtype: np.dtype, sizes: np.ndarray, pointers: np
     if int(document_index[-1]) != count:
         raise DataError(f"{path}: field document_index ends at {int(document_index[-1])}, expected the sequence "
                         f"count {count}")
-    if len(document_index) > 1 and bool((np.diff(document_index) < 0).any()):
-        raise DataError(f"{path}: field document_index is not non-decreasing")
+    for first in range(0, len(document_index) - 1, _VALIDATION_BLOCK):
+        if bool((np.diff(document_index[first:first + _VALIDATION_BLOCK + 1]) < 0).any()):
+            raise DataError(f"{path}: field document_index is not non-decreasing")
 
 
 class IndexedDataset:

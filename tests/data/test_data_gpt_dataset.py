@@ -185,3 +185,11 @@ def test_mock_dataset():
     assert ds[9]["text"].max() < 100 and ds[9]["text"].min() >= 0
     with pytest.raises(IndexError):
         ds[10]
+
+
+def test_unwritable_cache_still_gives_indices(tmp_path):
+    prefix, _ = _corpus(tmp_path)
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache directory should be")
+    ds = GPTDataset("train", prefix, np.arange(40), IndexedDataset(prefix), "1", 20, 8, 1, str(blocker / "cache"))
+    assert len(ds) >= 20 and ds[0]["text"].shape == (9,)

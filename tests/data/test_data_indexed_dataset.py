@@ -191,3 +191,18 @@ def test_pickles_by_path_not_by_content(tmp_path):
     blob = pickle.dumps(ds)
     assert len(blob) < 1000  # 40 KB of tokens are not in the pickle
     np.testing.assert_array_equal(pickle.loads(blob)[3], ds[3])
+
+
+@pytest.mark.parametrize("block", [1, 2, 3])
+def test_blockwise_validation(tmp_path, monkeypatch, block):
+    from domino.data import indexed_dataset
+
+    monkeypatch.setattr(indexed_dataset, "_VALIDATION_BLOCK", block)
+    docs = [[1] * n for n in (3, 1, 4, 1, 5, 9, 2)]
+    prefix = write_dataset(str(tmp_path / "b"), docs, np.uint16)
+    assert [len(IndexedDataset(prefix)[i]) for i in range(7)] == [3, 1, 4, 1, 5, 9, 2]
+    raw = bytearray((tmp_path / "b.idx").read_bytes())
+    raw[34 + 28 + 8 * 5:34 + 28 + 8 * 6] = struct.pack("<q", 30)  # pointers[5] should be 28
+    (tmp_path / "b.idx").write_bytes(bytes(raw))
+    with pytest.raises(DataError, match="pointers\\[5\\] = 30 but the sequences before it end at byte 28"):
+        IndexedDataset(prefix)

@@ -153,3 +153,27 @@ def test_cli_preprocess_and_errors(tmp_path):
     listed = subprocess.run([sys.executable, "-m", "domino", "preprocess", "--list-builtin-corpora"],
                             capture_output=True, text=True, env=env)
     assert listed.returncode == 0 and "shakespeare-small" in listed.stdout
+
+
+def test_cli_train_tokenizer_then_preprocess_with_it(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    src = tmp_path / "t.txt"
+    src.write_text("\n\n".join(f"line {i} of the tiny training text" for i in range(100)))
+    done = subprocess.run([sys.executable, "-m", "domino", "train-tokenizer", "--input", str(src), "--vocab-size",
+                           "300", "--output", str(tmp_path / "tok")], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "vocab size 300" in done.stdout and "'<|endoftext|>' = 0" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "domino", "preprocess", "--input", str(src), "--tokenizer",
+                           str(tmp_path / "tok"), "--output-prefix", str(tmp_path / "p"), "--json"],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["documents"] == 100 and result["vocab_size"] == 300 and result["eod"] == 0
+    ds = IndexedDataset(result["prefixes"]["text"])
+    assert ds.dtype == np.uint16 and int(ds[0][-1]) == 0 and int(np.asarray(ds.sizes).sum()) == result["tokens"]
+
+
+def test_progress_bar_runs(tmp_path, capsys):
+    result = preprocess(None, str(tmp_path / "p"), builtin_corpus="shakespeare-small", progress=True)
+    assert result.documents == 70
+    assert "preprocess" in capsys.readouterr().err  # tqdm drew on stderr
