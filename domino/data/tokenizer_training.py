@@ -80,6 +80,9 @@ def train_tokenizer(inputs: Optional[Sequence[str]], vocab_size: int, output: st
     tokenizer = train_byte_level_bpe(texts(), vocab_size, min_frequency=min_frequency)
     if count == 0:
         raise DataError("the input holds no documents to train on")
+    if tokenizer.vocab_size < vocab_size:
+        logger.warning("the input supports only %d tokens (asked for %d): too little text, or --min-frequency %d "
+                       "too high", tokenizer.vocab_size, vocab_size, min_frequency)
     tokenizer.save(output)
     tokenizer.name = output
     logger.info("trained a byte-level BPE of %d tokens on %d documents in %.1f s -> %s (eod id %d)",
