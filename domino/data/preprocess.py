@@ -46,7 +46,7 @@ class PreprocessResult:
     """What a preprocess run wrote.
 
     Attributes:
-        documents: documents written (per key; empty ones excluded).
+        documents: documents written (of the first key; documents that encode to no tokens excluded).
         tokens: tokens written over all keys (end-of-document ids included).
         seconds: wall-clock time of the whole run, tokenizer loading included.
         prefixes: json key -> dataset prefix (path without ``.bin``/``.idx``), usable as ``--data-path``.
@@ -172,7 +172,8 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
             left under the output names then.
     """
     start = time.perf_counter()
-    json_keys = tuple(json_keys)
+    json_keys = (json_keys,) if isinstance(json_keys, str) else tuple(json_keys)
+    inputs = [inputs] if isinstance(inputs, str) else inputs
     if bool(inputs) == bool(builtin_corpus):
         raise DataError("give either input files or --builtin-corpus (exactly one of them)")
     if not json_keys or len(set(json_keys)) != len(json_keys):
