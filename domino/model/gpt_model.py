@@ -102,7 +102,8 @@ class GPTModel(nn.Module):
             position_ids: ``[b or 1, s]``; default ``arange`` (continuing after the cached tokens).
             attention_mask: None for causal attention; else bool ``[b or 1, 1, s, s_total]``, True = masked.
             labels: ``[b, s]`` int64 targets; when given, per-token losses are returned instead of logits.
-            kv_cache: cache of past keys/values (generation); grows by ``s`` tokens. Runs synchronously.
+            kv_cache: cache of past keys/values (generation); grows by ``s`` tokens. Runs synchronously
+                (as does a batch smaller than ``domino_chunks``).
 
         Returns:
             ``[b, s]`` fp32 losses with ``labels``; else logits ``[b, s, V/tp]`` (``[b, s, V]`` when
@@ -122,7 +123,8 @@ class GPTModel(nn.Module):
         else:
             hidden = tokens
         final_ln = self.final_layernorm if self.post_process else None
-        if self.domino is not None and kv_cache is None:
+        # Generation (KV cache) and batches too small to split run the synchronous path: same weights, same maths.
+        if self.domino is not None and kv_cache is None and hidden.shape[0] >= self.domino_chunks:
             hidden = self.domino(hidden, attention_mask, final_ln)
         else:
             for layer in self.layers:

@@ -90,7 +90,11 @@ def test_sync_path_issues_no_async_collectives(recorded):
     assert recorded == []
 
 
-def test_batch_smaller_than_chunks_is_rejected():
+def test_batch_smaller_than_chunks_runs_synchronously(recorded):
+    torch.manual_seed(0)
     model = GPTModel(tiny_config(), VOCAB, domino_chunks=4)
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    model(tokens, labels=tokens).sum().backward()
+    assert recorded == []
     with pytest.raises(ValueError, match="micro-batch size 2 is smaller than --domino-chunks 4"):
-        model(torch.zeros(2, 8, dtype=torch.long))
+        model.domino(model.embedding(tokens, torch.arange(8).unsqueeze(0)), None, model.final_layernorm)
