@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from domino.data import index_cache
 from domino.data.errors import DataError
-from domino.data.sample_index import SampleIndices
 
 logger = logging.getLogger(__name__)
 
@@ -140,10 +139,11 @@ class BlendableDataset(torch.utils.data.Dataset):
         self.weights = normalize_weights(weights)
         self.size = int(size)
         if data_cache_path is not None and description is not None:
-            key = {"kind": "BlendableDataset", "weights": self.weights.tolist(), "size": self.size, **description}
-            indices = index_cache.load_or_build(data_cache_path, key, self._build_as_indices)
-            self.dataset_index = np.asarray(indices.document_index, dtype=np.uint8)
-            self.dataset_sample_index = np.asarray(indices.shuffle_index, dtype=np.int64)
+            key = {"kind": "BlendableDataset", "weights": self.weights.tolist(), "size": self.size,
+                   "arrays": ["dataset_index", "dataset_sample_index"], **description}
+            arrays = index_cache.load_or_build(data_cache_path, key, self._build_arrays, self._check_arrays)
+            self.dataset_index = arrays["dataset_index"]
+            self.dataset_sample_index = arrays["dataset_sample_index"]
         else:
             self.dataset_index, self.dataset_sample_index = build_blending_indices(self.weights, self.size)
         for d, dataset in enumerate(self.datasets):
@@ -151,11 +151,14 @@ class BlendableDataset(torch.utils.data.Dataset):
             if len(used) and int(used.max()) >= len(dataset):
                 raise DataError(f"blend needs {int(used.max()) + 1} samples of dataset {d} but it has {len(dataset)}")
 
-    def _build_as_indices(self) -> SampleIndices:
-        # Stored in the generic cache layout: dataset ids as the "document index", sample ids as the "shuffle".
+    def _build_arrays(self) -> Dict[str, np.ndarray]:
         dataset_index, sample_index = build_blending_indices(self.weights, self.size)
-        return SampleIndices(document_index=dataset_index, sample_index=np.zeros((self.size + 1, 2), np.int64),
-                             shuffle_index=sample_index)
+        return {"dataset_index": dataset_index, "dataset_sample_index": sample_index}
+
+    def _check_arrays(self, arrays: Dict[str, np.ndarray]) -> None:
+        for name, dtype in (("dataset_index", np.uint8), ("dataset_sample_index", np.int64)):
+            if arrays[name].shape != (self.size,) or arrays[name].dtype != dtype:
+                raise ValueError(f"{name} has shape {arrays[name].shape} and dtype {arrays[name].dtype}")
 
     def __len__(self) -> int:
         return self.size

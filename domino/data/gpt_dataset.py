@@ -18,9 +18,24 @@ import torch
 from domino.data import index_cache
 from domino.data.errors import DataError
 from domino.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
-from domino.data.sample_index import SampleIndices, build_indices
+from domino.data.sample_index import build_indices
 
 logger = logging.getLogger(__name__)
+
+
+#: Cache file name -> SampleIndices field (Megatron's file names).
+_CACHE_NAMES = {"doc_idx": "document_index", "sample_idx": "sample_index", "shuffle_idx": "shuffle_index"}
+
+
+def _check_arrays(arrays: Dict[str, np.ndarray]) -> None:
+    """Rejects cached arrays whose shapes do not fit together (ValueError)."""
+    sample = arrays["sample_idx"]
+    if sample.ndim != 2 or sample.shape[1] != 2 or sample.shape[0] < 1:
+        raise ValueError(f"sample index has shape {sample.shape}, expected [samples + 1, 2]")
+    if arrays["shuffle_idx"].shape != (sample.shape[0] - 1,):
+        raise ValueError("shuffle index length differs from the sample count")
+    if arrays["doc_idx"].ndim != 1 or len(arrays["doc_idx"]) == 0:
+        raise ValueError("document index is empty")
 
 
 def dataset_fingerprint(prefix: str) -> Dict:
@@ -65,12 +80,17 @@ class GPTDataset(torch.utils.data.Dataset):
             "documents": [len(documents), hashlib.sha256(documents.tobytes()).hexdigest()],
             "num_samples": int(num_samples), "seq_length": int(seq_length), "seed": int(seed),
         }
+        description["arrays"] = list(_CACHE_NAMES)
         cache_dir = data_cache_path or index_cache.default_cache_dir(data_prefix)
-        indices: SampleIndices = index_cache.load_or_build(
-            cache_dir, description, lambda: build_indices(sizes, documents, seq_length, num_samples, seed))
-        self.document_index = indices.document_index
-        self.sample_index = indices.sample_index
-        self.shuffle_index = indices.shuffle_index
+
+        def build() -> Dict[str, np.ndarray]:
+            indices = build_indices(sizes, documents, seq_length, num_samples, seed)
+            return {name: getattr(indices, field) for name, field in _CACHE_NAMES.items()}
+
+        arrays = index_cache.load_or_build(cache_dir, description, build, _check_arrays)
+        self.document_index = arrays["doc_idx"]
+        self.sample_index = arrays["sample_idx"]
+        self.shuffle_index = arrays["shuffle_idx"]
         logger.info("%s dataset %s: %d documents, %d samples of %d tokens (%d asked)", name, data_prefix,
                     len(documents), len(self), seq_length, num_samples)
 

@@ -1,9 +1,10 @@
-"""On-disk cache of sample indices, keyed by a hash of everything that determines them.
+"""On-disk cache of sample and blending indices, keyed by a hash of everything that determines them.
 
-A cache entry is ``{key}_doc_idx.npy``, ``{key}_sample_idx.npy``, ``{key}_shuffle_idx.npy`` and
-``{key}_desc.json``; ``key`` is the SHA-256 (first 32 hex digits) of the JSON description (dataset path,
-``.idx`` size and modification time, split, document range, sample count, sequence length, seed, format
-version). Every file is written atomically and the description, written last, records the SHA-256 of
+A cache entry is one ``{key}_{name}.npy`` per array (a ``GPTDataset``: ``doc_idx``, ``sample_idx``,
+``shuffle_idx``; a blend: ``dataset_index``, ``dataset_sample_index``) plus ``{key}_desc.json``; ``key``
+is the SHA-256 (first 32 hex digits) of the JSON description (for a ``GPTDataset``: dataset path,
+``.idx``/``.bin`` sizes and ``.idx`` modification time, split, the split's documents, sample count,
+sequence length, seed; always the array names and a format version). Every file is written atomically and the description, written last, records the SHA-256 of
 each array file: an entry whose description is missing, different, or whose arrays do not hash to the
 recorded digests is stale or corrupt, and is rebuilt.
 
@@ -19,19 +20,19 @@ import json
 import logging
 import os
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
 from domino.data.atomic import atomic_write
-from domino.data.sample_index import SampleIndices
 
 logger = logging.getLogger(__name__)
 
 #: Bumped whenever the meaning of the cached arrays changes, so old entries are never reused.
-CACHE_FORMAT = "domino-gpt-indices-1"
+CACHE_FORMAT = "domino-indices-2"
 
-_ARRAYS = {"document_index": "doc_idx", "sample_index": "sample_idx", "shuffle_index": "shuffle_idx"}
+Arrays = Dict[str, np.ndarray]
+Validator = Callable[[Arrays], None]
 
 
 def description_key(description: Dict) -> str:
@@ -63,56 +64,54 @@ def _file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def _paths(cache_dir: str, key: str) -> Dict[str, str]:
-    paths = {field: os.path.join(cache_dir, f"{key}_{suffix}.npy") for field, suffix in _ARRAYS.items()}
-    paths["desc"] = os.path.join(cache_dir, f"{key}_desc.json")
-    return paths
+def _array_path(cache_dir: str, key: str, name: str) -> str:
+    return os.path.join(cache_dir, f"{key}_{name}.npy")
 
 
-def try_load(cache_dir: str, description: Dict) -> Optional[SampleIndices]:
-    """The cached indices for ``description``, or None when absent, stale or corrupt (the reason is logged)."""
+def _desc_path(cache_dir: str, key: str) -> str:
+    return os.path.join(cache_dir, f"{key}_desc.json")
+
+
+def try_load(cache_dir: str, description: Dict, names: Sequence[str],
+             validate: Optional[Validator] = None) -> Optional[Arrays]:
+    """The cached arrays ``names`` for ``description`` (memory-mapped), or None when absent, stale or corrupt.
+
+    ``validate`` may raise ``ValueError`` for arrays that are intact but unusable. The reason an entry is
+    rejected is logged.
+    """
     key = description_key(description)
-    paths = _paths(cache_dir, key)
-    if not os.path.isfile(paths["desc"]):
+    if not os.path.isfile(_desc_path(cache_dir, key)):
         return None
     try:
-        with open(paths["desc"]) as handle:
+        with open(_desc_path(cache_dir, key)) as handle:
             recorded = json.load(handle)
         if recorded.get("description") != json.loads(json.dumps(description)):
             raise ValueError("its description differs from this dataset's")
         arrays = {}
-        for field in _ARRAYS:
-            if _file_sha256(paths[field]) != recorded["sha256"][field]:
-                raise ValueError(f"{os.path.basename(paths[field])} does not match its recorded SHA-256")
-            arrays[field] = np.load(paths[field], mmap_mode="r", allow_pickle=False)
-        indices = SampleIndices(**arrays)
-        _check_shapes(indices)
-        return indices
+        for name in names:
+            path = _array_path(cache_dir, key, name)
+            if _file_sha256(path) != recorded["sha256"][name]:
+                raise ValueError(f"{os.path.basename(path)} does not match its recorded SHA-256")
+            arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
+        if validate is not None:
+            validate(arrays)
+        return arrays
     except (OSError, ValueError, KeyError, TypeError) as error:
-        logger.warning("sample-index cache %s in %s is stale or corrupt (%s); rebuilding", key, cache_dir, error)
+        logger.warning("index cache %s in %s is stale or corrupt (%s); rebuilding", key, cache_dir, error)
         return None
 
 
-def _check_shapes(indices: SampleIndices) -> None:
-    sample = indices.sample_index
-    if sample.ndim != 2 or sample.shape[1] != 2 or sample.shape[0] < 1:
-        raise ValueError(f"sample index has shape {sample.shape}, expected [samples + 1, 2]")
-    if indices.shuffle_index.shape != (sample.shape[0] - 1,):
-        raise ValueError("shuffle index length differs from the sample count")
-    if indices.document_index.ndim != 1 or len(indices.document_index) == 0:
-        raise ValueError("document index is empty")
-
-
-def save(cache_dir: str, description: Dict, indices: SampleIndices) -> None:
+def save(cache_dir: str, description: Dict, arrays: Arrays) -> None:
     """Writes a cache entry atomically (arrays first, the description with their digests last)."""
     os.makedirs(cache_dir, exist_ok=True)
-    paths = _paths(cache_dir, description_key(description))
+    key = description_key(description)
     digests = {}
-    for field in _ARRAYS:
-        with atomic_write(paths[field]) as handle:
-            np.save(handle, np.ascontiguousarray(getattr(indices, field)), allow_pickle=False)
-        digests[field] = _file_sha256(paths[field])
-    with atomic_write(paths["desc"], "w") as handle:
+    for name, array in arrays.items():
+        path = _array_path(cache_dir, key, name)
+        with atomic_write(path) as handle:
+            np.save(handle, np.ascontiguousarray(array), allow_pickle=False)
+        digests[name] = _file_sha256(path)
+    with atomic_write(_desc_path(cache_dir, key), "w") as handle:
         json.dump({"format": CACHE_FORMAT, "description": description, "sha256": digests,
                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, handle, indent=2)
 
@@ -125,38 +124,43 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def load_or_build(cache_dir: str, description: Dict, build: Callable[[], SampleIndices]) -> SampleIndices:
-    """Cached indices for ``description``; rank 0 builds and saves them when missing, the others wait.
+def load_or_build(cache_dir: str, description: Dict, build: Callable[[], Arrays],
+                  validate: Optional[Validator] = None) -> Arrays:
+    """Cached arrays for ``description``; rank 0 builds and saves them when missing, the others wait.
 
     Args:
         cache_dir: the cache directory (created when missing).
-        description: JSON-serialisable dict of everything the indices depend on.
-        build: computes the indices (called on rank 0, or on a rank that cannot load rank 0's entry).
+        description: JSON-serialisable dict of everything the arrays depend on.
+        build: computes the arrays as ``{name: array}`` (on rank 0, or on a rank that cannot load rank 0's
+            entry); the names become file names, ``{key}_{name}.npy``.
+        validate: optional check of loaded arrays (raises ``ValueError`` to reject an entry).
     """
     distributed = _distributed()
     if distributed:
         import torch.distributed as dist
 
-        indices = _load_or_build_here(cache_dir, description, build) if dist.get_rank() == 0 else None
+        arrays = _load_or_build_here(cache_dir, description, build, validate) if dist.get_rank() == 0 else None
         dist.barrier()
-        if indices is not None:
-            return indices
-    return _load_or_build_here(cache_dir, description, build)
+        if arrays is not None:
+            return arrays
+    return _load_or_build_here(cache_dir, description, build, validate)
 
 
-def _load_or_build_here(cache_dir: str, description: Dict, build: Callable[[], SampleIndices]) -> SampleIndices:
-    indices = try_load(cache_dir, description)
-    if indices is not None:
-        return indices
+def _load_or_build_here(cache_dir: str, description: Dict, build: Callable[[], Arrays],
+                        validate: Optional[Validator]) -> Arrays:
+    names = description["arrays"]
+    arrays = try_load(cache_dir, description, names, validate)
+    if arrays is not None:
+        return arrays
     start = time.perf_counter()
-    indices = build()
+    arrays = build()
     seconds = time.perf_counter() - start
     try:
-        save(cache_dir, description, indices)
-    except OSError as error:  # training can go on with the indices in memory
-        logger.warning("cannot write the sample-index cache in %s (%s); using the indices without caching them",
+        save(cache_dir, description, arrays)
+    except OSError as error:  # training can go on with the arrays in memory
+        logger.warning("cannot write the index cache in %s (%s); using the indices without caching them",
                        cache_dir, error)
-        return indices
-    logger.info("built sample indices (%d samples) in %.2f s, cached as %s in %s", len(indices.shuffle_index),
-                seconds, description_key(description), cache_dir)
-    return try_load(cache_dir, description) or indices
+        return arrays
+    logger.info("built %s in %.2f s, cached as %s in %s", ", ".join(names), seconds, description_key(description),
+                cache_dir)
+    return try_load(cache_dir, description, names, validate) or arrays

@@ -193,3 +193,21 @@ def test_unwritable_cache_still_gives_indices(tmp_path):
     blocker.write_text("a file where the cache directory should be")
     ds = GPTDataset("train", prefix, np.arange(40), IndexedDataset(prefix), "1", 20, 8, 1, str(blocker / "cache"))
     assert len(ds) >= 20 and ds[0]["text"].shape == (9,)
+
+
+def test_blend_indices_are_cached(tmp_path, monkeypatch):
+    from domino.data import blending
+
+    a, _ = _corpus(tmp_path, "a")
+    b, _ = _corpus(tmp_path, "b", seed=1)
+    calls = []
+    original = blending.build_blending_indices
+    monkeypatch.setattr(blending, "build_blending_indices", lambda *args: calls.append(1) or original(*args))
+    spec = ["1", a, "2", b, "3", a]  # three datasets: the exact greedy loop
+    first, _, _ = build_train_valid_test_datasets(spec, "1", [90, 0, 0], 8, 1, True, data_cache_path=str(tmp_path / "c"))
+    second, _, _ = build_train_valid_test_datasets(spec, "1", [90, 0, 0], 8, 1, True, data_cache_path=str(tmp_path / "c"))
+    assert len(calls) == 1
+    np.testing.assert_array_equal(first.dataset_index, second.dataset_index)
+    assert list(zip(second.dataset_index.tolist(), second.dataset_sample_index.tolist())) == \
+        _reference_blend([1, 2, 3], len(second))
+    assert all(np.array_equal(first[i]["text"], second[i]["text"]) for i in range(len(first)))
