@@ -7,9 +7,11 @@
    document index; the ``ratio`` column is our vectorised numpy sample-index time over the C loop's.
    Both results are compared element by element.
 2. ``reader``: a fresh process memory-maps a ``--reader-gb`` GB ``.bin`` (default 1) through
-   ``IndexedDataset`` and reads every document. Reported: peak RSS (``VmHWM``), which counts the
-   file's pages while they are resident in the page cache, and the peak of the process's private
-   (anonymous) memory ``RssAnon``, sampled while reading, which is what the process itself allocates.
+   ``IndexedDataset`` and reads every token, once with ``get_document`` in a loop (random-access use,
+   as training does) and once with ``iter_documents`` (which drops the pages it has read every 64 MB).
+   Reported: peak RSS (``VmHWM``), which counts the file's pages while they are mapped and resident
+   (page cache the kernel can reclaim, shared by all readers), the peak of the process's private
+   (anonymous) memory ``RssAnon`` sampled while reading, and the file pages still mapped at the end.
 
 Usage::
 
@@ -73,8 +75,10 @@ def status(field):
 ds = IndexedDataset(sys.argv[1])
 start = time.perf_counter()
 total, anon_peak = 0, status("RssAnon")
-for d in range(ds.num_documents):
-    total += int(ds.get_document(d).sum(dtype="int64"))  # touches every token
+documents = ds.iter_documents() if sys.argv[2] == "iter_documents" else (
+    ds.get_document(d) for d in range(ds.num_documents))
+for d, tokens in enumerate(documents):
+    total += int(tokens.sum(dtype="int64"))  # touches every token
     if d % 2000 == 0:
         anon_peak = max(anon_peak, status("RssAnon"))
 seconds = time.perf_counter() - start
@@ -149,11 +153,13 @@ def bench_reader(directory: str, gigabytes: float) -> dict:
             writer.add_documents(rng.integers(0, 50257, size=int(lengths.sum()), dtype=np.uint16), lengths)
             written += int(lengths.sum())
     write_seconds = time.perf_counter() - start
-    done = subprocess.run([sys.executable, "-c", READER, prefix], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": ROOT}, check=True)
-    result = eval(done.stdout.strip(), {})  # the reader prints a dict literal of numbers
-    result.update(bin_bytes=os.path.getsize(prefix + ".bin"), write_seconds=write_seconds)
-    return result
+    results = {}
+    for mode in ("get_document", "iter_documents"):
+        done = subprocess.run([sys.executable, "-c", READER, prefix, mode], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": ROOT}, check=True)
+        results[mode] = eval(done.stdout.strip(), {})  # the reader prints a dict literal of numbers
+        results[mode].update(bin_bytes=os.path.getsize(prefix + ".bin"), write_seconds=write_seconds)
+    return results
 
 
 def main() -> None:
@@ -180,10 +186,12 @@ def main() -> None:
               f"{r.get('ratio_numpy_over_c', float('nan')):6.2f} {str(r.get('identical_to_c', '-')):>5s}")
     if reader:
         mb = 1 << 20
-        print(f"reader: {reader['bin_bytes'] / mb:.0f} MB .bin, {reader['documents']} documents read in "
-              f"{reader['seconds']:.1f} s; peak RSS (VmHWM) {reader['vm_hwm'] / mb:.0f} MB, peak private "
-              f"memory (RssAnon) {reader['rss_anon_peak'] / mb:.0f} MB, file pages resident at the end "
-              f"{reader['rss_file_end'] / mb:.0f} MB")
+        first = reader["get_document"]
+        print(f"reader of a {first['bin_bytes'] / mb:.0f} MB .bin ({first['documents']} documents, every token read):")
+        print(f"{'access':16s} {'seconds':>8s} {'peak RSS MB':>12s} {'peak private MB':>16s} {'file pages MB at end':>21s}")
+        for mode, r in reader.items():
+            print(f"{mode:16s} {r['seconds']:8.1f} {r['vm_hwm'] / mb:12.0f} {r['rss_anon_peak'] / mb:16.0f} "
+                  f"{r['rss_file_end'] / mb:21.0f}")
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@ and its ``MMapIndexedDataset`` reads, so datasets move freely between the two pr
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -264,9 +265,14 @@ class IndexedDataset:
         if mmap_warmup:
             warmup(index_file_path(prefix))
             warmup(bin_path)
-        # np.memmap cannot map an empty file; an empty dataset gets an empty array instead.
-        self._tokens = (np.memmap(bin_path, mode="r", dtype=self.dtype) if bin_size
-                        else np.zeros(0, dtype=self.dtype))
+        # Our own mmap object (not np.memmap) so that release_memory() can madvise it; an empty file
+        # cannot be mapped, so an empty dataset gets an empty array instead.
+        self._mmap: Optional[mmap.mmap] = None
+        self._tokens = np.zeros(0, dtype=self.dtype)
+        if bin_size:
+            with open(bin_path, "rb") as handle:
+                self._mmap = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            self._tokens = np.frombuffer(self._mmap, dtype=self.dtype, count=self.num_tokens)
 
     def __getstate__(self) -> dict:
         # Pickled (e.g. for spawned DataLoader workers) by path, never by copying the mapped files.
@@ -307,6 +313,31 @@ class IndexedDataset:
         start = int(self.pointers[first]) // self.dtype.itemsize
         end = int(self.pointers[last - 1]) // self.dtype.itemsize + int(self.sizes[last - 1])
         return self._tokens[start:end]
+
+
+    def release_memory(self) -> None:
+        """Drops this process's mapped pages of ``.bin`` (they stay in the page cache; reads refault them).
+
+        Resident pages of a file mapping count in a process's RSS although the kernel can reclaim them;
+        a long sequential pass can call this to keep RSS near its working set.
+        """
+        if self._mmap is not None and hasattr(self._mmap, "madvise"):
+            self._mmap.madvise(mmap.MADV_DONTNEED)
+
+    def iter_documents(self, release_bytes: int = 64 << 20) -> Iterator[np.ndarray]:
+        """Every document in order, releasing the pages already read every ``release_bytes`` bytes.
+
+        The RSS of a process that reads a whole dataset this way stays near ``release_bytes`` instead of
+        growing to the file size. The arrays yielded stay valid (released pages are read again on access).
+        """
+        since_release = 0
+        for document in range(self.num_documents):
+            tokens = self.get_document(document)
+            since_release += tokens.nbytes
+            yield tokens
+            if since_release >= release_bytes:
+                self.release_memory()
+                since_release = 0
 
 
 def warmup(path: str, chunk_bytes: int = 100 * 1024 * 1024) -> None:

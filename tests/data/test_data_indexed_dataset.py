@@ -206,3 +206,13 @@ def test_blockwise_validation(tmp_path, monkeypatch, block):
     (tmp_path / "b.idx").write_bytes(bytes(raw))
     with pytest.raises(DataError, match="pointers\\[5\\] = 30 but the sequences before it end at byte 28"):
         IndexedDataset(prefix)
+
+
+def test_iter_documents_with_page_release(tmp_path):
+    docs = [list(range(n, n + 3000)) for n in range(0, 30000, 3000)]
+    prefix = write_dataset(str(tmp_path / "i"), docs, np.uint16)
+    ds = IndexedDataset(prefix)
+    seen = [d.copy() for d in ds.iter_documents(release_bytes=4096)]
+    assert [d.tolist() for d in seen] == docs
+    ds.release_memory()
+    assert ds.get_document(3).tolist() == docs[3]  # still readable after the pages were dropped
