@@ -3,8 +3,8 @@
 For every ``--json-keys`` key the output is ``{output_prefix}_{key}_document.bin/.idx``, exactly as
 Megatron-LM's ``tools/preprocess_data.py`` writes it (one sequence per document, uint16 tokens when the
 vocabulary has fewer than 65500 entries, else int32; with ``append_eod`` the end-of-document id closes
-every document). Documents whose text encodes to no tokens are skipped (Megatron writes nothing for
-them either) and counted.
+every document). A JSON value that is a list of strings gives one sequence per non-empty string, as
+Megatron's sentence lists do; a document without tokens is an empty entry of the document index.
 
 Tokenisation runs in the Rust ``tokenizers`` library on batches of documents; ``workers`` threads each
 encode whole batches (the library releases the GIL), so the work spreads over ``workers`` cores.
@@ -46,7 +46,8 @@ class PreprocessResult:
     """What a preprocess run wrote.
 
     Attributes:
-        documents: documents written (of the first key; documents that encode to no tokens excluded).
+        documents: documents written (per key; as in Megatron, documents without tokens are included as
+            empty entries of the document index).
         tokens: tokens written over all keys (end-of-document ids included).
         seconds: wall-clock time of the whole run, tokenizer loading included.
         prefixes: json key -> dataset prefix (path without ``.bin``/``.idx``), usable as ``--data-path``.
@@ -54,7 +55,7 @@ class PreprocessResult:
         tokenizer: the tokenizer's name (``gpt2`` or its path).
         idx_sha256: json key -> SHA-256 of the written ``.idx`` file.
         skipped_lines: bad input lines dropped under ``skip_bad_lines``.
-        empty_documents: documents skipped because they encode to no tokens.
+        empty_documents: documents (of the first key) that encode to no tokens.
     """
 
     documents: int
@@ -79,7 +80,7 @@ class PreprocessResult:
         if self.skipped_lines:
             line += f", {self.skipped_lines} bad lines skipped"
         if self.empty_documents:
-            line += f", {self.empty_documents} empty documents skipped"
+            line += f" ({self.empty_documents} of the documents are empty)"
         return line
 
 
@@ -93,7 +94,7 @@ def _batches(documents: Iterator[Document]) -> Iterator[List[Document]]:
     chars = 0
     for document in documents:
         batch.append(document)
-        chars += sum(len(t) for t in document.texts)
+        chars += sum(len(t) if isinstance(t, str) else sum(map(len, t)) for t in document.texts)
         if chars >= BATCH_CHARS or len(batch) >= BATCH_DOCUMENTS:
             yield batch
             batch, chars = [], 0
@@ -102,17 +103,35 @@ def _batches(documents: Iterator[Document]) -> Iterator[List[Document]]:
 
 
 def _encode_batch(tokenizer: Tokenizer, batch: List[Document], key_count: int, append_eod: bool, dtype: np.dtype):
-    """Encodes one batch; per key returns (concatenated tokens, per-document lengths)."""
+    """Encodes one batch as Megatron does; per key returns (tokens, sequence lengths, sequences per document).
+
+    A text is one sequence; a list of texts (Megatron's sentences) is one sequence per non-empty item.
+    The end-of-document id goes at the end of a document's last sequence; a document without tokens
+    gets no sequence at all (an empty entry in the document index, as Megatron writes it).
+    """
     out = []
     for k in range(key_count):
-        ids = tokenizer.encode_batch([d.texts[k] for d in batch])
-        ids = [doc for doc in ids if doc]  # empty documents are skipped (counted by the caller)
-        if append_eod:
-            for doc in ids:
-                doc.append(tokenizer.eod)
-        lengths = np.fromiter((len(doc) for doc in ids), dtype=np.int64, count=len(ids))
-        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
-        out.append((flat, lengths, len(batch) - len(ids)))
+        pieces: List[str] = []
+        counts: List[int] = []
+        for document in batch:
+            text = document.texts[k]
+            sentences = [text] if isinstance(text, str) else list(text)
+            pieces.extend(sentences)
+            counts.append(len(sentences))
+        encoded = tokenizer.encode_batch(pieces)
+        sequences: List[List[int]] = []
+        per_document = np.zeros(len(batch), dtype=np.int64)
+        position = 0
+        for index, count in enumerate(counts):
+            kept = [ids for ids in encoded[position:position + count] if ids]
+            position += count
+            if kept and append_eod:
+                kept[-1].append(tokenizer.eod)
+            sequences.extend(kept)
+            per_document[index] = len(kept)
+        lengths = np.fromiter((len(ids) for ids in sequences), dtype=np.int64, count=len(sequences))
+        flat = np.fromiter(itertools.chain.from_iterable(sequences), dtype=dtype, count=int(lengths.sum()))
+        out.append((flat, lengths, per_document))
     return out
 
 
@@ -205,12 +224,12 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
             def drain_one() -> None:
                 nonlocal written, empty, tokens
                 future, nbytes = pending.popleft()
-                for key, (flat, lengths, skipped) in zip(json_keys, future.result()):
-                    writers[key].add_documents(flat, lengths)
+                for key, (flat, lengths, per_document) in zip(json_keys, future.result()):
+                    writers[key].add_documents(flat, lengths, per_document)
                     tokens += len(flat)
                     if key == json_keys[0]:
-                        written += len(lengths)
-                        empty += skipped
+                        written += len(per_document)
+                        empty += int((per_document == 0).sum())
                 bar.update(nbytes)
                 rate = tokens / max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix(docs=written, tok_s=f"{rate:,.0f}", refresh=False)
@@ -222,8 +241,8 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
                     drain_one()
             while pending:
                 drain_one()
-        if written == 0:
-            raise DataError("the input holds no non-empty documents; nothing to write")
+        if tokens == 0:
+            raise DataError("the input's documents hold no tokens; nothing to write")
         for writer in writers.values():
             writer.finalize()
     except BaseException:

@@ -1,7 +1,7 @@
 """Reading documents out of ``.jsonl`` and ``.txt`` files, with errors that name the file and the line.
 
 * ``.jsonl`` / ``.json``: one JSON object per line; each ``--json-keys`` key holds the document's text
-  (a string, or a list of strings that are concatenated, as Megatron accepts). Blank lines are ignored.
+  (a string, or a list of strings: Megatron's sentences, kept apart as a tuple). Blank lines are ignored.
 * ``.txt``: a document is a block of lines separated by one or more blank lines (whitespace-only lines
   count as blank); the block's lines are joined with ``\\n``. With ``document_per_file`` the whole file
   is one document.
@@ -18,7 +18,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Iterator, List, Sequence, Tuple
+from typing import Iterator, List, Sequence, Tuple, Union
 
 from domino.data.errors import DataError
 
@@ -30,9 +30,9 @@ TEXT_SUFFIXES = (".txt", ".text")
 
 @dataclass
 class Document:
-    """One document: its text per key, where it starts, and how many input bytes it consumed."""
+    """One document: its text per key (a string, or a tuple of sentences), where it starts, its input bytes."""
 
-    texts: Tuple[str, ...]
+    texts: Tuple[Union[str, Tuple[str, ...]], ...]
     source: str
     line: int
     nbytes: int
@@ -99,9 +99,10 @@ def _json_texts(line: str, path: str, line_number: int, keys: Sequence[str]) -> 
             raise DataError(f"{path}:{line_number}: missing key {key!r} (keys present: {present})")
         value = record[key]
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            value = "".join(value)  # Megatron's sentence lists, concatenated (no sentence splitting here)
-        if not isinstance(value, str):
-            raise DataError(f"{path}:{line_number}: key {key!r} holds {type(value).__name__}, expected a string")
+            value = tuple(value)  # Megatron's sentence list: one sequence per sentence
+        if not isinstance(value, (str, tuple)):
+            raise DataError(f"{path}:{line_number}: key {key!r} holds {type(value).__name__}, expected a string "
+                           "or a list of strings")
         texts.append(value)
     return tuple(texts)
 

@@ -74,7 +74,8 @@ def train_tokenizer(inputs: Optional[Sequence[str]], vocab_size: int, output: st
         nonlocal count
         for document in documents:
             count += 1
-            yield from document.texts
+            for text in document.texts:
+                yield from ([text] if isinstance(text, str) else text)
 
     start = time.perf_counter()
     tokenizer = train_byte_level_bpe(texts(), vocab_size, min_frequency=min_frequency)

@@ -34,10 +34,25 @@ def test_jsonl_two_keys_with_eod(tmp_path, gpt2):
     assert result.prefixes["text"] == str(tmp_path / "out_text_document")
     text = IndexedDataset(result.prefixes["text"])
     assert text.dtype == np.uint16
-    assert text[0].tolist() == [15496, 995, 50256] and text[1].tolist() == [15496, 995, 50256]
+    # a list value is Megatron's sentence list: one sequence per sentence, eod closing the last one
+    assert text.num_documents == 2 and len(text) == 3
+    assert text[0].tolist() == [15496, 995, 50256] and text[1].tolist() == [15496] and text[2].tolist() == [995, 50256]
+    assert text.get_document(1).tolist() == [15496, 995, 50256]
     title = IndexedDataset(result.prefixes["title"])
     assert title[0].tolist() == gpt2.encode("One") + [50256]
     assert result.documents == 2 and result.tokens == 6 + len(title[0]) + len(title[1])
+
+
+def test_empty_documents_are_empty_index_entries(tmp_path):
+    src = _jsonl(tmp_path / "e.jsonl", [{"text": "a"}, {"text": ""}, {"text": ["", "b"]}, {"text": []}])
+    result = preprocess([src], str(tmp_path / "e"))
+    ds = IndexedDataset(result.prefixes["text"])
+    assert ds.num_documents == 4 and len(ds) == 2 and ds.document_index.tolist() == [0, 1, 1, 2, 2]
+    assert ds.get_document(1).tolist() == [] and ds.get_document(2).tolist() == [65, 50256]
+    assert result.documents == 4 and result.empty_documents == 2 and "2 of the documents are empty" in result.summary()
+    only_empty = _jsonl(tmp_path / "z.jsonl", [{"text": ""}])
+    with pytest.raises(DataError, match="no tokens"):
+        preprocess([only_empty], str(tmp_path / "z"))
     assert len(result.idx_sha256["text"]) == 64 and result.vocab_size == 50257
 
 
