@@ -86,5 +86,7 @@ def build_pretraining_data_loader(dataset: Optional[torch.utils.data.Dataset], c
                                          data_parallel_size)
     pin = torch.cuda.is_available() if pin_memory is None else (pin_memory and torch.cuda.is_available())
     extra = {"prefetch_factor": 2, "persistent_workers": True} if num_workers > 0 else {}
+    # A private generator: starting an iterator draws a worker seed, and drawing it from the global RNG would
+    # shift the dropout stream, so a resumed run would no longer repeat the uninterrupted one bit for bit.
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin,
-                                       **extra)
+                                       generator=torch.Generator().manual_seed(0), **extra)

@@ -20,6 +20,7 @@ import enum
 import logging
 import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -57,6 +58,17 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _maybe_inject_fault(point: str, iteration: int) -> None:
+    """Test hook: ``DOMINO_FAULT_INJECT=kill-in-save@N`` SIGKILLs rank 0 halfway through saving iteration N.
+
+    The kill/resume tests use it to prove that a save cut short never damages the previous checkpoint.
+    """
+    spec = os.environ.get("DOMINO_FAULT_INJECT", "")
+    if spec == f"{point}@{iteration}" and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning("fault injection: killing this process in %s at iteration %d", point, iteration)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _plain_rng_state() -> Dict[str, Any]:
@@ -144,6 +156,7 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
         if tokenizer is not None:
             tokenizer.save(str(tmp / "tokenizer"))
     _barrier()
+    _maybe_inject_fault("kill-in-save", iteration)
     if rank == 0:
         for sub in ("", "optim", "rng", "model"):
             if (tmp / sub).exists():
@@ -171,29 +184,41 @@ def _prune(root: Path, keep_last: Optional[int], keep: str) -> None:
             shutil.rmtree(root / tag, ignore_errors=True)
 
 
-def find_checkpoint(config: DominoConfig) -> Optional[Path]:
-    """The checkpoint ``--load`` resumes from, or ``None`` to start fresh.
+def find_checkpoint(config: DominoConfig) -> Tuple[Optional[Path], bool]:
+    """The checkpoint to start from and whether to take its weights only (a warm start).
 
-    An absent or empty directory means a fresh start. Anything else that is not a readable checkpoint
-    (a file, a ``latest`` pointing nowhere, a directory of unrelated files) is a :class:`ConfigError`,
-    raised before any training work.
+    ``--load DIR`` resumes from ``DIR/latest``; an absent or empty ``DIR`` means a fresh start. With
+    ``--finetune`` the weights of ``--load`` are a warm start, unless ``--save`` already holds a checkpoint
+    of this run (a restarted pod of a warm-started job): then that checkpoint is resumed, so a restart
+    never throws progress away. Anything that is not a readable checkpoint (a file, a ``latest`` pointing
+    nowhere, a directory of unrelated files) is a :class:`ConfigError`, raised before any training work.
     """
-    load = config.checkpoint.load
-    if load is None:
-        return None
-    path = Path(load)
+    c = config.checkpoint
+    if c.load is None:
+        return None, False
+    if c.finetune and c.save and Path(c.save).resolve() != Path(c.load).resolve():
+        own = _resolve(c.save, "--save")
+        if own is not None:
+            logger.info("--save %s already holds this run's checkpoint %s: resuming it instead of warm-starting "
+                        "from --load", c.save, own.name)
+            return own, False
+    return _resolve(c.load, "--load"), c.finetune
+
+
+def _resolve(directory: str, flag: str) -> Optional[Path]:
+    path = Path(directory)
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         return None
     if path.is_dir() and not (path / "latest").exists() and not (path / "checkpoint.json").exists():
         leftovers = [p.name for p in path.iterdir() if not p.name.startswith(".")]
         if not leftovers:
             return None  # only temporaries of a save that never completed
-        raise ConfigError(f"--load {load}: not a domino checkpoint directory (no 'latest' file; found "
+        raise ConfigError(f"{flag} {directory}: not a domino checkpoint directory (no 'latest' file; found "
                           f"{', '.join(sorted(leftovers)[:5])})")
     try:
         return weights_io.resolve_checkpoint_dir(path)
     except (ValueError, OSError) as error:
-        raise ConfigError(f"--load {load}: {error}") from error
+        raise ConfigError(f"{flag} {directory}: {error}") from error
 
 
 def check_compatible(meta: Dict[str, Any], config: DominoConfig, padded_vocab_size: int, where: Path) -> None:
@@ -209,11 +234,14 @@ def check_compatible(meta: Dict[str, Any], config: DominoConfig, padded_vocab_si
         raise ConfigError(f"--load {where}: the checkpoint's model has a different shape ({'; '.join(diffs)})")
 
 
-def load_checkpoint(engine, config: DominoConfig, ckpt: Path) -> Tuple[int, int]:
+def load_checkpoint(engine, config: DominoConfig, ckpt: Path, weights_only: bool = False) -> Tuple[int, int]:
     """Restores model, optimizer and RNG state from ``ckpt`` into this rank.
 
+    Args:
+        weights_only: a warm start (``--finetune``): take the weights, keep the fresh optimizer and RNG.
+
     Returns:
-        ``(iteration, consumed_samples)`` to continue from; ``(0, 0)`` with ``--finetune``.
+        ``(iteration, consumed_samples)`` to continue from; ``(0, 0)`` for a warm start.
     """
     meta = weights_io.read_checkpoint_meta(ckpt)
     tp, dp = state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size()
@@ -222,11 +250,14 @@ def load_checkpoint(engine, config: DominoConfig, ckpt: Path) -> Tuple[int, int]
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO keeps its own fp32 master copy of the weights
     c = config.checkpoint
-    if c.finetune:
+    if weights_only:
         logger.info("warm start from %s (weights only, iteration 0)", ckpt)
         return 0, 0
     same_layout = meta["tensor_model_parallel_size"] == tp and meta.get("data_parallel_size") == dp
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if not (ckpt / "optim").is_dir():
+        logger.info("%s holds weights only (no optimizer or RNG state): continuing with a fresh optimizer", ckpt)
+        return meta["iteration"], meta["consumed_samples"]
     if not c.no_load_optim:
         if not same_layout:
             raise ConfigError(

@@ -52,6 +52,23 @@ def global_batch_size(config: DominoConfig) -> int:
     return config.train.global_batch_size or config.train.micro_batch_size * state.get_data_parallel_world_size()
 
 
+def clips_itself(config: DominoConfig) -> bool:
+    """Whether domino (not DeepSpeed) clips gradients: plain fp32 data parallelism (ZeRO stage 0)."""
+    return config.parallel.zero_stage == 0 and not (config.train.fp16 or config.train.bf16)
+
+
+def clip_gradients(engine, max_norm: float) -> float:
+    """Clips the (already data-parallel-reduced) gradients to ``max_norm``; returns the global norm.
+
+    DeepSpeed's ``clip_grad_norm_`` counts a parameter once across tensor-parallel ranks unless it carries
+    ``tensor_model_parallel=True``, so replicated LayerNorm weights are not double counted.
+    """
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    params = [p for p in engine.module.parameters() if p.grad is not None]
+    return float(clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), mpu=state))
+
+
 def deepspeed_config(config: DominoConfig) -> Dict[str, Any]:
     """The DeepSpeed config for ``config``; keys from ``--deepspeed-config FILE`` override ours."""
     t = config.train
@@ -59,7 +76,8 @@ def deepspeed_config(config: DominoConfig) -> Dict[str, Any]:
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": gradient_accumulation_steps(config),
         "train_batch_size": global_batch_size(config),
-        "gradient_clipping": t.clip_grad,
+        # Without ZeRO or mixed precision DeepSpeed clips but does not report the norm: domino clips then.
+        "gradient_clipping": 0.0 if clips_itself(config) else t.clip_grad,
         "zero_optimization": {"stage": config.parallel.zero_stage, "reduce_bucket_size": 5e7,
                               "allgather_bucket_size": 5e7},
         "steps_per_print": 10**9,  # domino logs its own lines

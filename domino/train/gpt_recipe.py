@@ -41,30 +41,17 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> Tuple[tor
     return loss, {"lm loss": average_across_data_parallel_group(loss)}
 
 
-def _prefixes(values) -> list:
-    """The dataset prefixes of a possibly weighted list (``['0.3', 'a', '0.7', 'b']`` -> ``['a', 'b']``)."""
-    def is_number(text: str) -> bool:
-        try:
-            float(text)
-            return True
-        except ValueError:
-            return False
-
-    if len(values) > 1 and len(values) % 2 == 0 and all(is_number(v) for v in values[0::2]):
-        return list(values[1::2])
-    return list(values)
-
-
 def check_data_prefixes(config: DominoConfig) -> None:
     """Fails before any work when a ``--*data-path`` prefix lacks its ``.bin`` or ``.idx`` file."""
     import os
 
     from domino.config import ConfigError
+    from domino.data.dataset_builder import parse_data_prefix
 
     d = config.data
     for flag, values in (("--data-path", d.data_path), ("--train-data-path", d.train_data_path),
                          ("--valid-data-path", d.valid_data_path), ("--test-data-path", d.test_data_path)):
-        for prefix in _prefixes(values):
+        for prefix in (parse_data_prefix(values)[0] if values else []):
             missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
                 raise ConfigError(f"{flag}: dataset prefix '{prefix}' has no {' or '.join(missing)} "
@@ -102,13 +89,13 @@ class GPTRecipe:
         """Train/valid/test datasets holding at least ``num_samples`` samples each."""
         d, seq = self.config.data, self.config.model.seq_length
         if d.mock_data:
-            from domino.data.gpt_dataset import MockGPTDataset
+            from domino.data.mock import MockGPTDataset
 
             return tuple(  # type: ignore[return-value]
                 MockGPTDataset(n, seq, self.padded_vocab_size if self.tokenizer is None else self.tokenizer.vocab_size,
                                self.config.train.seed + i) if n else None
                 for i, n in enumerate(num_samples))
-        from domino.data.gpt_dataset import build_train_valid_test_datasets
+        from domino.data.dataset_builder import build_train_valid_test_datasets
 
         return build_train_valid_test_datasets(
             data_prefix=d.data_path or None, splits_string=d.split, train_valid_test_num_samples=list(num_samples),

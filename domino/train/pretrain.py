@@ -103,7 +103,8 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     engine_setup.initialize_runtime(config)
     world = dist.get_world_size()
     validate(config, world_size=world, for_training=True)
-    resume_from = checkpointing.find_checkpoint(config)  # fail on a garbage --load before building anything
+    # Fail on a garbage --load before building anything.
+    resume_from, warm_start = checkpointing.find_checkpoint(config)
     tp_random.model_parallel_seed(config.train.seed)
 
     model = model_builder(config)
@@ -112,7 +113,7 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     if resume_from is not None:
         meta = checkpointing.weights_io.read_checkpoint_meta(resume_from)
         checkpointing.check_compatible(meta, config, padded_vocab_size, resume_from)
-        iteration, consumed = checkpointing.load_checkpoint(engine, config, resume_from)
+        iteration, consumed = checkpointing.load_checkpoint(engine, config, resume_from, weights_only=warm_start)
     elif config.checkpoint.load:
         logger.info("--load %s holds no checkpoint yet: starting from scratch", config.checkpoint.load)
 
@@ -123,9 +124,11 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     eval_samples = t.eval_iters * gbs if t.eval_interval or t.eval_iters else 0
     schedule = LearningRateSchedule.from_config(t, train_iters)
 
+    # Every rank builds the datasets (index caches are built once, behind a world-wide barrier); only TP rank 0
+    # reads batches and broadcasts them to its TP group.
     is_data_rank = state.get_tensor_model_parallel_rank() == 0
-    train_ds, valid_ds, test_ds = dataset_builder((train_iters * gbs, eval_samples, eval_samples)) \
-        if is_data_rank else (None, None, None)
+    datasets = dataset_builder((train_iters * gbs, eval_samples, eval_samples))
+    train_ds, valid_ds, test_ds = datasets if is_data_rank else (None, None, None)
     dp_rank, dp = state.get_data_parallel_rank(), state.get_data_parallel_world_size()
     mbs = t.micro_batch_size
 
@@ -144,20 +147,22 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     flops_per_token = training_flops_per_token(config.model, padded_vocab_size)
     tokens_per_iter = gbs * config.model.seq_length
 
+    paused = [0.0]  # seconds spent evaluating or saving, kept out of the throughput numbers
+
     def run_eval(split: str, dataset) -> Optional[float]:
         if t.eval_iters == 0 or (is_data_rank and dataset is None):
             return None
-        timers.start("evaluation")
+        started = time.perf_counter()
         loss = evaluate(forward_step, lambda: loader(dataset, 0, 0), engine, t.eval_iters)
-        timers.stop("evaluation")
+        paused[0] += time.perf_counter() - started
         logger.info("%s loss at iteration %d: lm loss %.4E | ppl %.4E", split, iteration, loss, perplexity(loss))
         writer.write({"eval": split, "iteration": iteration, "lm_loss": loss, "ppl": perplexity(loss)})
         return loss
 
     def save() -> str:
-        timers.start("checkpoint-save")
+        started = time.perf_counter()
         path = checkpointing.save_checkpoint(engine, config, iteration, consumed, padded_vocab_size, tokenizer)
-        timers.stop("checkpoint-save")
+        paused[0] += time.perf_counter() - started
         return str(path)
 
     logger.info("training %d iterations: global batch %d (micro %d x DP %d x accumulation %d), TP %d, "
@@ -166,6 +171,7 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     engine.train()
     interval_loss, interval_iters, interval_start = 0.0, 0, time.perf_counter()
     skipped_total = nan_streak = 0
+    grad_norm = None
     last_train_loss = last_valid = tokens_per_s = None
     checkpoint_path, saved_at = None, None
     run_start, start_iteration = time.perf_counter(), iteration
@@ -193,6 +199,8 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
                 if not finite:
                     _set_lr(engine, 0.0)  # skip the update; only the Adam moments decay once
                 timers.start("optimizer")
+                if engine_setup.clips_itself(config):
+                    grad_norm = engine_setup.clip_gradients(engine, t.clip_grad)
             engine.step()
         timers.stop("optimizer")
         iteration += 1
@@ -213,12 +221,13 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
                     "use --bf16 instead of --fp16, or check the data.")
 
         if iteration % lg.log_interval == 0 or iteration == train_iters:
-            elapsed = time.perf_counter() - interval_start
+            elapsed = time.perf_counter() - interval_start - paused[0]
             n = max(iteration - interval_start_iter, 1)
             iter_time = elapsed / n
             tokens_per_s = tokens_per_iter / iter_time
             tflops = flops_per_token * tokens_per_s / world / 1e12
-            grad_norm = engine.get_global_grad_norm()
+            if not engine_setup.clips_itself(config):
+                grad_norm = engine.get_global_grad_norm()
             scaler = getattr(engine.optimizer, "loss_scaler", None)
             record = {
                 "iteration": iteration, "consumed_samples": consumed,
@@ -230,13 +239,15 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
                 "mfu": tflops / peak if peak else None, "memory_gb": memory_gb(),
                 "eta_s": iter_time * (train_iters - iteration),
             }
+            totals = timers.pop_all()
+            if totals:
+                record["timers_ms_per_iter"] = {k: 1000 * v / n for k, v in totals.items()}
             writer.write(record)
             logger.info("%s", format_iteration_line(record, train_iters))
-            line = Timers.format(timers.pop_all(), n)
-            if line:
-                logger.info("%s", line)
+            if totals:
+                logger.info("%s", Timers.format(totals, n))
             interval_loss, interval_iters, interval_start = 0.0, 0, time.perf_counter()
-            interval_start_iter = iteration
+            interval_start_iter, paused[0] = iteration, 0.0
 
         if t.eval_interval and iteration % t.eval_interval == 0 and iteration < train_iters:
             last_valid = run_eval("valid", valid_ds)

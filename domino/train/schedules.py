@@ -6,10 +6,13 @@ counted in iterations), so resuming needs no schedule state: the checkpoint's it
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
-from domino.config import ConfigError, TrainConfig
+from domino.config import TrainConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,10 @@ class LearningRateSchedule:
         else:
             warmup = train.lr_warmup_iters
         if warmup > decay_iters:
-            raise ConfigError(f"warm-up ({warmup} iterations) is longer than --lr-decay-iters ({decay_iters})")
+            # A preset's warm-up can outlast a short smoke run; warm up over the whole run instead.
+            logger.warning("warm-up of %d iterations is longer than the %d decay iterations: shortened to %d",
+                           warmup, decay_iters, decay_iters)
+            warmup = decay_iters
         return cls(train.lr, train.min_lr, warmup, decay_iters, train.lr_decay_style)
 
     def lr_at(self, iteration: int) -> float:
