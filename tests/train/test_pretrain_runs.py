@@ -6,13 +6,14 @@ from train_helpers import TINY, read_metrics, run_pretrain, train_losses
 
 
 @pytest.mark.parametrize("nproc, layout", [
-    (1, []),
+    (1, ["--tensorboard-dir", "TB"]),
     (2, ["--tensor-model-parallel-size", "2", "--domino-chunks", "2"]),
     (2, ["--zero-stage", "1"]),
     (2, ["--zero-stage", "2"]),
 ], ids=["tp1", "tp2-domino2", "dp2-zero1", "dp2-zero2"])
 def test_loss_decreases_over_30_iterations(tmp_path, corpus_prefix, nproc, layout):
     metrics = tmp_path / "metrics.jsonl"
+    layout = [str(tmp_path / "tb") if arg == "TB" else arg for arg in layout]
     run_pretrain([*TINY, "--data-path", corpus_prefix, "--train-iters", "30", "--eval-interval", "15",
                   "--eval-iters", "1", "--metrics-file", str(metrics), *layout], nproc=nproc)
     losses = train_losses(metrics)
@@ -24,3 +25,5 @@ def test_loss_decreases_over_30_iterations(tmp_path, corpus_prefix, nproc, layou
     record = [r for r in read_metrics(metrics) if r.get("iteration") == 30 and "eval" not in r][0]
     for key in ("lr", "grad_norm", "tokens_per_s", "tflops_per_device", "memory_gb", "consumed_samples"):
         assert record[key] is not None and record[key] > 0, key
+    if "--tensorboard-dir" in layout:
+        assert list((tmp_path / "tb").glob("events.out.tfevents.*"))

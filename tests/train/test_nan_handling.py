@@ -1,0 +1,69 @@
+"""Non-finite losses: the update is skipped and counted; too many in a row stop the run with a message.
+
+These drive ``pretrain()`` in-process with a wrapped ``forward_step`` (the public extension point) that
+poisons chosen micro-batches, inside a real one-rank torch.distributed process.
+"""
+
+import json
+
+import pytest
+
+from distributed_helpers import run_distributed
+
+
+def _train_with_poisoned_steps(rank, world_size, prefix, out_dir, poisoned, max_nan_steps):
+    import torch
+
+    from domino.config import parse_config
+    from domino.train.gpt_recipe import GPTRecipe
+    from domino.train.pretrain import TrainingDivergedError, pretrain
+
+    config = parse_config(["--preset", "tiny", "--data-path", prefix, "--train-iters", "8", "--log-interval", "1",
+                           "--eval-iters", "0", "--eval-interval", "0", "--num-workers", "0", "--save", out_dir,
+                           "--save-interval", "1", "--metrics-file", f"{out_dir}/metrics.jsonl",
+                           "--max-nan-steps", str(max_nan_steps)])
+    recipe = GPTRecipe(config)
+    calls = []
+
+    def forward_step(data_iterator, model):
+        output, loss_fn = recipe.forward_step(data_iterator, model)
+        calls.append(1)
+        if len(calls) in poisoned:
+            output = output * float("nan")
+        return output, loss_fn
+
+    try:
+        pretrain(config, recipe.model_builder, recipe.dataset_builder, forward_step, recipe.padded_vocab_size)
+    except TrainingDivergedError as error:
+        return str(error)
+    return None
+
+
+def _records(out_dir):
+    with open(out_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def _weights(out_dir, iteration):
+    from domino.model import weights_io
+
+    return weights_io.load_full_state_dict(out_dir / f"iter_{iteration:07d}")
+
+
+def test_nan_steps_are_skipped_and_counted(tmp_path, corpus_prefix):
+    import torch
+
+    error, = run_distributed(_train_with_poisoned_steps, 1, corpus_prefix, str(tmp_path), {3, 4}, 3)
+    assert error is None
+    records = _records(tmp_path)
+    assert [r["skipped_iterations"] for r in records] == [0, 0, 1, 2, 2, 2, 2, 2]
+    assert all(r["lm_loss"] == r["lm_loss"] for r in records if r["iteration"] not in (3, 4))
+    before, after = _weights(tmp_path, 2), _weights(tmp_path, 4)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # skipped updates left the weights alone
+    assert not all(torch.equal(after[k], _weights(tmp_path, 5)[k]) for k in after)  # training went on
+
+
+def test_persistent_nan_stops_with_a_clear_message(tmp_path, corpus_prefix):
+    error, = run_distributed(_train_with_poisoned_steps, 1, corpus_prefix, str(tmp_path), set(range(3, 100)), 3)
+    assert error is not None
+    assert "NaN/inf for 3 consecutive iterations" in error and "--max-nan-steps 3" in error
