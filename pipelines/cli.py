@@ -11,8 +11,7 @@ import json
 import sys
 from typing import Any, Callable, Dict, List
 
-from pipelines.cron import CronError
-from pipelines.params import ParamError, check_training_config, parse_param_args, pipeline_parameters
+from pipelines.params import check_training_config, parse_param_args, pipeline_parameters
 
 
 def _params(args: argparse.Namespace) -> Dict[str, Any]:

@@ -76,3 +76,12 @@ def test_docs_parameter_table_lists_exactly_the_pipeline_parameters():
 
     assert [(n, t, json.loads(d)) for n, t, d in documented] == [
         (p.name, p.type.lower(), p.default) for p in pipeline_parameters().values()]
+
+
+def test_the_domino_command_does_not_import_kfp_until_a_pipeline_command_runs():
+    import subprocess
+    import sys
+
+    code = ("import sys; from domino.cli.main import build_parser; build_parser(); "
+            "assert not [m for m in sys.modules if m == 'kfp' or m.startswith(('kfp.', 'pipelines', 'components'))]")
+    subprocess.run([sys.executable, "-c", code], check=True)
