@@ -42,10 +42,12 @@ class StepPlacement:
     Attributes:
         node_selector: Node labels every step pod requires.
         tolerations: Tolerations of every step pod, as Kubernetes ``Toleration`` objects.
+        eval_gpus: GPUs for the evaluate step's pod (0: it evaluates on CPU, fine for small models).
     """
 
     node_selector: Dict[str, str] = field(default_factory=dict)
     tolerations: List[Dict[str, str]] = field(default_factory=list)
+    eval_gpus: int = 0
 
 
 def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacement] = None):
@@ -190,6 +192,8 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
                 run_id=run_id, eval_batches=eval_batches, sample_tokens=sample_tokens,
                 min_improvement=min_improvement,
             ), pvc_name)
+            if placement.eval_gpus > 0:
+                evaluation.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(placement.eval_gpus)
             with dsl.If(evaluation.outputs["Output"] == True, name="beats-promoted-model"):  # noqa: E712
                 on_shared_volume(promote_op(
                     model=train.outputs["model"], decision=evaluation.outputs["decision"],

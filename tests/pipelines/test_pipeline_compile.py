@@ -106,6 +106,15 @@ def test_platform_spec_mounts_the_pvc_everywhere_and_places_steps(tmp_path):
                                             "effect": "NoSchedule"}], name
 
 
+def test_evaluate_step_can_get_gpus(tmp_path):
+    _, spec, _ = _compile(tmp_path, placement=StepPlacement(eval_gpus=2))
+    resources = spec["deploymentSpec"]["executors"]["exec-evaluate"]["container"]["resources"]
+    assert resources["accelerator"]["resourceType"] == "nvidia.com/gpu"
+    assert resources["accelerator"]["resourceCount"] == "2"
+    _, spec, _ = _compile(tmp_path)
+    assert "resources" not in spec["deploymentSpec"]["executors"]["exec-evaluate"]["container"]
+
+
 def test_default_parameters_are_the_local_tiny_run():
     inputs = build_pipeline().component_spec.inputs
     assert inputs["preset"].default == "tiny"
