@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import json
+import socket
 import threading
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
@@ -181,12 +182,23 @@ class MasterLogStreamer(threading.Thread):
         self.stop()
 
     def stop(self) -> None:
-        """Stops following now (closes an open stream)."""
+        """Stops following now: shuts the open stream's socket down (closing the response from this
+        thread would block on the reader's lock), then waits briefly for the thread."""
         self._stop_event.set()
-        response = self._response
-        if response is not None:
-            try:
-                response.close()
-            except Exception:
-                pass
-        self.join(1.0)
+        _shutdown_socket(self._response)
+        self.join(2.0)
+
+
+def _shutdown_socket(response) -> None:
+    """Makes a blocking read on ``response`` (urllib3) return, from another thread."""
+    if response is None:
+        return
+    sock = getattr(getattr(response, "_connection", None), "sock", None)
+    if sock is None:
+        raw = getattr(getattr(getattr(response, "_fp", None), "fp", None), "raw", None)
+        sock = getattr(raw, "_sock", None)
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass

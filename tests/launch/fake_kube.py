@@ -1,0 +1,369 @@
+"""A tiny Kubernetes API server for the launcher tests, driven by the real ``kubernetes`` client.
+
+It implements only what the launcher calls: PyTorchJobs (create, get, list, watch, delete), pods
+(list by label), pod logs (plain, tail and follow, with timestamps) and events (list by involved
+object). Tests script a job's life with :class:`FakeCluster` methods (conditions, pods, log lines,
+watch disconnects, history compaction); every request is recorded as (group, resource, verb) for the
+RBAC check.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Dict, List, Optional, Tuple
+from urllib.parse import parse_qs, urlparse
+
+JOBS_PREFIX = "/apis/kubeflow.org/v1/namespaces/"
+CORE_PREFIX = "/api/v1/namespaces/"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _status(code: int, reason: str, message: str) -> Dict[str, Any]:
+    return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "message": message,
+            "code": code}
+
+
+class FakeCluster:
+    """In-memory API state plus the knobs tests use to script a job."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.jobs: Dict[Tuple[str, str], Dict[str, Any]] = {}
+        self.pods: Dict[Tuple[str, str], Dict[str, Any]] = {}
+        self.events: List[Dict[str, Any]] = []
+        self.logs: Dict[str, List[Tuple[str, str]]] = {}
+        self.log_closed: Dict[str, bool] = {}
+        self.history: List[Tuple[int, str, Dict[str, Any]]] = []
+        self.rv = 100
+        self.compacted_below = 0
+        self.watch_generation = 0  # bumping it cuts every open watch mid-stream
+        self.requests: List[Tuple[str, str, str]] = []
+        self.deleted: List[str] = []
+        self.on_create = None  # callable(cluster, job) run in a thread after a create
+
+    # -- scripting --------------------------------------------------------------------------------------
+    def _bump(self) -> str:
+        self.rv += 1
+        return str(self.rv)
+
+    def _record(self, kind: str, job: Dict[str, Any]) -> None:
+        job["metadata"]["resourceVersion"] = self._bump()
+        self.history.append((self.rv, kind, copy.deepcopy(job)))
+        self.cond.notify_all()
+
+    def add_job(self, job: Dict[str, Any]) -> Dict[str, Any]:
+        """Stores a job as if created (also used to plant a pre-existing job)."""
+        with self.cond:
+            job = copy.deepcopy(job)
+            job["metadata"].update(uid=str(uuid.uuid4()), creationTimestamp=_now())
+            job.setdefault("status", {})
+            self.jobs[(job["metadata"]["namespace"], job["metadata"]["name"])] = job
+            self._record("ADDED", job)
+            return copy.deepcopy(job)
+
+    def set_condition(self, ns: str, name: str, ctype: str, reason: str = "", message: str = "") -> None:
+        """Sets condition ``ctype`` True the way the operator does (Running/Restarting exclusive, etc.)."""
+        with self.cond:
+            job = self.jobs[(ns, name)]
+            conds = job["status"].setdefault("conditions", [])
+            if ctype in ("Succeeded", "Failed", "Restarting"):
+                for c in conds:
+                    if c["type"] == "Running":
+                        c["status"] = "False"
+            if ctype == "Running":
+                for c in conds:
+                    if c["type"] == "Restarting":
+                        c["status"] = "False"
+            conds[:] = [c for c in conds if c["type"] != ctype]
+            conds.append({"type": ctype, "status": "True", "reason": reason, "message": message,
+                          "lastTransitionTime": _now()})
+            self._record("MODIFIED", job)
+
+    def add_pod(self, ns: str, job: str, replica: str, index: int, phase: str = "Pending",
+                state: Optional[Dict[str, Any]] = None, conditions: Optional[List[Dict[str, Any]]] = None,
+                restarts: int = 0) -> str:
+        """Creates or replaces the pod ``<job>-<replica>-<index>``; returns its name."""
+        name = f"{job}-{replica}-{index}"
+        with self.cond:
+            old = self.pods.get((ns, name))
+            self.pods[(ns, name)] = {
+                "metadata": {"name": name, "namespace": ns, "uid": old["metadata"]["uid"] if old else str(uuid.uuid4()),
+                             "labels": {"training.kubeflow.org/job-name": job,
+                                        "training.kubeflow.org/replica-type": replica,
+                                        "training.kubeflow.org/replica-index": str(index)}},
+                "status": {"phase": phase, "conditions": conditions or [],
+                           "containerStatuses": [{"name": "pytorch", "restartCount": restarts,
+                                                  "state": state or {"waiting": {"reason": "ContainerCreating"}}}]},
+            }
+            self.logs.setdefault(name, [])
+            self.cond.notify_all()
+        return name
+
+    def add_event(self, ns: str, obj: str, reason: str, message: str, etype: str = "Warning") -> None:
+        with self.cond:
+            self.events.append({"metadata": {"name": f"{obj}.{uuid.uuid4().hex[:8]}", "namespace": ns},
+                                "involvedObject": {"name": obj, "namespace": ns}, "reason": reason,
+                                "message": message, "type": etype})
+
+    def log(self, pod: str, *lines: str) -> None:
+        with self.cond:
+            for line in lines:
+                self.logs.setdefault(pod, []).append((_now(), line))
+                time.sleep(0.001)  # distinct timestamps
+            self.cond.notify_all()
+
+    def close_log(self, pod: str, closed: bool = True) -> None:
+        """Marks the container's log finished (follow streams end) or reopened (a restart)."""
+        with self.cond:
+            self.log_closed[pod] = closed
+            self.cond.notify_all()
+
+    def cut_watches(self) -> None:
+        """Breaks every open watch connection (no final chunk: the client sees a protocol error)."""
+        with self.cond:
+            self.watch_generation += 1
+            self.cond.notify_all()
+
+    def compact(self) -> None:
+        """Forgets history: watches from any version seen so far get 410 Gone."""
+        with self.cond:
+            self.compacted_below = self.rv + 1
+
+    def wait_for(self, predicate, timeout: float = 10.0) -> None:
+        with self.cond:
+            if not self.cond.wait_for(predicate, timeout):
+                raise AssertionError("fake cluster: condition not reached in time")
+
+    def verbs(self) -> set:
+        return set(self.requests)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    cluster: FakeCluster
+
+    def log_message(self, *args) -> None:  # keep test output quiet
+        pass
+
+    # -- plumbing ---------------------------------------------------------------------------------------
+    def _send(self, code: int, body: Any) -> None:
+        data = (json.dumps(body) if not isinstance(body, str) else body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json" if not isinstance(body, str) else "text/plain")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        self.close_connection = True
+
+    def _start_stream(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
+    def _chunk(self, text: str) -> None:
+        data = text.encode()
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+    def _end_stream(self) -> None:
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    def _route(self) -> Tuple[str, List[str], Dict[str, str]]:
+        url = urlparse(self.path)
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        if url.path.startswith(JOBS_PREFIX):
+            return "kubeflow.org", url.path[len(JOBS_PREFIX):].split("/"), query
+        if url.path.startswith(CORE_PREFIX):
+            return "", url.path[len(CORE_PREFIX):].split("/"), query
+        return "?", url.path.split("/"), query
+
+    # -- verbs ------------------------------------------------------------------------------------------
+    def do_POST(self) -> None:
+        group, parts, _ = self._route()
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        c = self.cluster
+        c.requests.append((group, "pytorchjobs", "create"))
+        ns, name = parts[0], body["metadata"]["name"]
+        with c.cond:
+            exists = (ns, name) in c.jobs
+        if exists:
+            return self._send(409, _status(409, "AlreadyExists", f'pytorchjobs.kubeflow.org "{name}" already exists'))
+        job = c.add_job(body)
+        if c.on_create:
+            threading.Thread(target=c.on_create, args=(c, job), daemon=True).start()
+        self._send(201, job)
+
+    def do_DELETE(self) -> None:
+        group, parts, _ = self._route()
+        c = self.cluster
+        c.requests.append((group, "pytorchjobs", "delete"))
+        ns, name = parts[0], parts[2]
+        with c.cond:
+            job = c.jobs.pop((ns, name), None)
+            if job is not None:
+                c.deleted.append(name)
+                c._record("DELETED", job)
+        if job is None:
+            return self._send(404, _status(404, "NotFound", f'pytorchjobs.kubeflow.org "{name}" not found'))
+        self._send(200, {"kind": "Status", "apiVersion": "v1", "status": "Success"})
+
+    def do_GET(self) -> None:
+        group, parts, query = self._route()
+        c = self.cluster
+        if group == "kubeflow.org":
+            ns = parts[0]
+            if len(parts) == 3:
+                c.requests.append((group, "pytorchjobs", "get"))
+                with c.cond:
+                    job = copy.deepcopy(c.jobs.get((ns, parts[2])))
+                if job is None:
+                    return self._send(404, _status(404, "NotFound", f"{parts[2]} not found"))
+                return self._send(200, job)
+            wanted = query.get("fieldSelector", "").partition("metadata.name=")[2]
+            if query.get("watch", "").lower() in ("true", "1"):
+                c.requests.append((group, "pytorchjobs", "watch"))
+                return self._watch(ns, wanted, int(query.get("resourceVersion") or 0),
+                                   float(query.get("timeoutSeconds") or 30))
+            c.requests.append((group, "pytorchjobs", "list"))
+            with c.cond:
+                items = [copy.deepcopy(j) for (n, name), j in c.jobs.items() if n == ns and wanted in ("", name)]
+                rv = str(c.rv)
+            return self._send(200, {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJobList", "items": items,
+                                    "metadata": {"resourceVersion": rv}})
+        if group == "" and parts[1] == "pods" and len(parts) == 2:
+            c.requests.append(("", "pods", "list"))
+            key, _, value = query.get("labelSelector", "").partition("=")
+            with c.cond:
+                items = [copy.deepcopy(p) for (n, _), p in c.pods.items()
+                         if n == parts[0] and (not key or p["metadata"]["labels"].get(key) == value)]
+            return self._send(200, {"kind": "PodList", "apiVersion": "v1", "items": items,
+                                    "metadata": {"resourceVersion": str(c.rv)}})
+        if group == "" and parts[1] == "pods" and len(parts) == 4 and parts[3] == "log":
+            c.requests.append(("", "pods/log", "get"))
+            return self._logs(parts[2], query)
+        if group == "" and parts[1] == "events":
+            c.requests.append(("", "events", "list"))
+            wanted = query.get("fieldSelector", "").partition("involvedObject.name=")[2]
+            with c.cond:
+                items = [e for e in c.events if not wanted or e["involvedObject"]["name"] == wanted]
+            return self._send(200, {"kind": "EventList", "apiVersion": "v1", "items": items, "metadata": {}})
+        self._send(404, _status(404, "NotFound", self.path))
+
+    def _watch(self, ns: str, name: str, since: int, timeout: float) -> None:
+        c = self.cluster
+        with c.cond:
+            if since and since < c.compacted_below:
+                gone = True
+            else:
+                gone = False
+                generation = c.watch_generation
+        self._start_stream()
+        if gone:
+            self._chunk(json.dumps({"type": "ERROR", "object": _status(410, "Expired", "too old resource version")})
+                        + "\n")
+            return self._end_stream()
+        end = time.monotonic() + timeout
+        sent = since
+        try:
+            while True:
+                with c.cond:
+                    pending = [(rv, kind, obj) for rv, kind, obj in c.history
+                               if rv > sent and obj["metadata"]["name"] == name and obj["metadata"]["namespace"] == ns]
+                    cut = c.watch_generation != generation
+                    if not pending and not cut:
+                        c.cond.wait(min(0.1, max(0.0, end - time.monotonic())))
+                        continue_waiting = time.monotonic() < end
+                    else:
+                        continue_waiting = True
+                if cut:
+                    return  # no terminating chunk: a broken connection
+                for rv, kind, obj in pending:
+                    self._chunk(json.dumps({"type": kind, "object": obj}) + "\n")
+                    sent = rv
+                if not continue_waiting:
+                    return self._end_stream()
+        except (BrokenPipeError, ConnectionResetError):
+            return
+
+    def _logs(self, pod: str, query: Dict[str, str]) -> None:
+        c = self.cluster
+        stamps = query.get("timestamps", "").lower() == "true"
+        fmt = (lambda ts, line: f"{ts} {line}\n") if stamps else (lambda ts, line: line + "\n")
+        with c.cond:
+            if pod not in c.logs:
+                return self._send(404, _status(404, "NotFound", f"pod {pod} not found"))
+            lines = list(c.logs[pod])
+        if query.get("follow", "").lower() != "true":
+            tail = int(query.get("tailLines", 0) or 0)
+            return self._send(200, "".join(fmt(ts, ln) for ts, ln in (lines[-tail:] if tail else lines)))
+        self._start_stream()
+        sent = 0
+        try:
+            while True:
+                with c.cond:
+                    new = c.logs[pod][sent:]
+                    closed = c.log_closed.get(pod, False)
+                    if not new and not closed:
+                        c.cond.wait(0.1)
+                        continue
+                for ts, line in new:
+                    self._chunk(fmt(ts, line))
+                sent += len(new)
+                if closed and not new:
+                    return self._end_stream()
+        except (BrokenPipeError, ConnectionResetError):
+            return
+
+
+class FakeKubeServer:
+    """Runs a :class:`FakeCluster` behind a local HTTP server; use as a context manager."""
+
+    def __init__(self) -> None:
+        self.cluster = FakeCluster()
+        handler = type("Handler", (_Handler,), {"cluster": self.cluster})
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> "FakeKubeServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def api_client(self):
+        from kubernetes import client
+
+        config = client.Configuration()
+        config.host = self.url
+        return client.ApiClient(config)
+
+    def kubeconfig(self, path: str) -> str:
+        """Writes a kubeconfig pointing at this server; returns its path."""
+        import yaml
+
+        with open(path, "w") as handle:
+            yaml.safe_dump({
+                "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+                "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+                "users": [{"name": "fake", "user": {"token": "test"}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": "domino"}}],
+            }, handle)
+        return path

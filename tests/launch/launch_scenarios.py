@@ -1,0 +1,115 @@
+"""Scripted job lives for the fake cluster (each runs in a thread after the job is created)."""
+
+from __future__ import annotations
+
+import time
+
+from domino.launch import JobSpec
+from domino.launch.kube_backend import PyTorchJobLauncher
+
+
+def spec(**overrides) -> JobSpec:
+    base = dict(name="gpt", image="registry.example/domino:1", nodes=2, nproc_per_node=2, gpus_per_node=2,
+                pvc="domino-data", pretrain_args=["--preset", "tiny"])
+    base.update(overrides)
+    return JobSpec(**base)
+
+
+def launcher(server, lines: list, **overrides) -> PyTorchJobLauncher:
+    opts = dict(poll_s=0.05, watch_timeout_s=2.0, request_timeout_s=5.0, log_grace_s=3.0)
+    opts.update(overrides)
+    return PyTorchJobLauncher(api_client=server.api_client(), log=lines.append, **opts)
+
+
+def _ids(job):
+    return job["metadata"]["namespace"], job["metadata"]["name"]
+
+
+def start_running(c, job, log_lines=("step 1 loss 10.8",)):
+    """Created -> pods scheduled -> Running, with some master output; returns the master pod's name."""
+    ns, name = _ids(job)
+    time.sleep(0.05)
+    c.set_condition(ns, name, "Created", "PyTorchJobCreated", f"PyTorchJob {name} is created.")
+    master = c.add_pod(ns, name, "master", 0)
+    c.add_pod(ns, name, "worker", 0)
+    time.sleep(0.1)
+    c.add_pod(ns, name, "master", 0, "Running", {"running": {"startedAt": "now"}})
+    c.add_pod(ns, name, "worker", 0, "Running", {"running": {"startedAt": "now"}})
+    c.set_condition(ns, name, "Running", "PyTorchJobRunning", f"PyTorchJob {name} is running.")
+    c.log(master, *log_lines)
+    return master
+
+
+def succeed(c, job):
+    ns, name = _ids(job)
+    master = start_running(c, job)
+    time.sleep(0.2)
+    c.log(master, "step 2 loss 9.1", "saved checkpoint iteration 2")
+    c.add_pod(ns, name, "master", 0, "Succeeded", {"terminated": {"exitCode": 0, "reason": "Completed"}})
+    c.close_log(master)
+    c.set_condition(ns, name, "Succeeded", "PyTorchJobSucceeded", f"PyTorchJob {name} is successfully completed.")
+
+
+def fail(c, job):
+    ns, name = _ids(job)
+    master = start_running(c, job)
+    time.sleep(0.1)
+    c.log(master, "Traceback (most recent call last):", "RuntimeError: CUDA out of memory")
+    c.add_pod(ns, name, "master", 0, "Failed", {"terminated": {"exitCode": 1, "reason": "Error"}})
+    c.close_log(master)
+    c.set_condition(ns, name, "Failed", "PyTorchJobFailed",
+                    f"PyTorchJob {name} is failed because 1 Master replica(s) failed.")
+
+
+def restart_then_succeed(c, job):
+    """The master container fails once (Restarting), the restarted container resumes and succeeds."""
+    ns, name = _ids(job)
+    master = start_running(c, job, ("attempt 1 step 1",))
+    time.sleep(0.2)
+    c.log(master, "NCCL error: connection reset")
+    c.add_pod(ns, name, "master", 0, "Running", {"terminated": {"exitCode": 137}}, restarts=0)
+    c.close_log(master)
+    c.set_condition(ns, name, "Restarting", "PyTorchJobRestarting", "PyTorchJob master is restarting.")
+    time.sleep(0.3)
+    c.close_log(master, False)
+    c.add_pod(ns, name, "master", 0, "Running", {"running": {"startedAt": "later"}}, restarts=1)
+    c.set_condition(ns, name, "Running", "PyTorchJobRunning", "running again")
+    c.log(master, "resumed from iteration 1", "attempt 2 done")
+    time.sleep(0.2)
+    c.add_pod(ns, name, "master", 0, "Succeeded", {"terminated": {"exitCode": 0}}, restarts=1)
+    c.close_log(master)
+    c.set_condition(ns, name, "Succeeded", "PyTorchJobSucceeded", "done")
+
+
+def stay_pending(c, job):
+    """Pods never schedule: GPUs are short and the worker's image cannot be pulled."""
+    ns, name = _ids(job)
+    time.sleep(0.05)
+    c.set_condition(ns, name, "Created", "PyTorchJobCreated", "created")
+    unsched = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]
+    master = c.add_pod(ns, name, "master", 0, conditions=unsched)
+    worker = c.add_pod(ns, name, "worker", 0, state={"waiting": {
+        "reason": "ImagePullBackOff", "message": 'Back-off pulling image "registry.example/domino:1"'}})
+    c.add_event(ns, master, "FailedScheduling", "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")
+    c.add_event(ns, worker, "Failed", 'Failed to pull image "registry.example/domino:1": not found')
+    c.add_event(ns, worker, "Scheduled", "Successfully assigned", etype="Normal")
+
+
+def run_forever(c, job):
+    start_running(c, job)
+
+
+def disconnect_then_410(c, job):
+    """Running, then the watch breaks and history is compacted while the job finishes."""
+    ns, name = _ids(job)
+    master = start_running(c, job)
+    c.wait_for(lambda: sum(1 for r in c.requests if r[2] == "watch") >= 1)
+    time.sleep(0.2)
+    c.compact()
+    c.cut_watches()
+    time.sleep(0.3)
+    c.log(master, "finished while the watch was down")
+    c.add_pod(ns, name, "master", 0, "Succeeded", {"terminated": {"exitCode": 0}})
+    c.close_log(master)
+    c.set_condition(ns, name, "Succeeded", "PyTorchJobSucceeded", "done")

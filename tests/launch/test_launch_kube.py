@@ -1,0 +1,166 @@
+"""The PyTorchJob launcher against a scripted local API server, through the real kubernetes client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import launch_scenarios as sc
+from domino.launch import naming
+from domino.launch.render import render_job
+from fake_kube import FakeKubeServer
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def server():
+    with FakeKubeServer() as srv:
+        yield srv
+
+
+def test_success_streams_master_log_reports_conditions_and_cleans_up(server):
+    server.cluster.on_create = sc.succeed
+    lines = []
+    result = sc.launcher(server, lines).run(sc.spec(), run_id="run-1", scheduling_timeout_s=10, timeout_s=30)
+    assert result.succeeded and result.phase == "Succeeded" and result.reason == ""
+    assert result.name == "gpt-run-1" and result.exit_code == 0
+    # Every master line arrives exactly once, in order.
+    assert [line for line in lines if line.startswith(("step", "saved"))] == [
+        "step 1 loss 10.8", "step 2 loss 9.1", "saved checkpoint iteration 2"]
+    for cond in ("Created", "Running", "Succeeded"):
+        assert any(line.startswith(f"[gpt-run-1] {cond}:") for line in lines), cond
+    assert server.cluster.deleted == ["gpt-run-1"]  # on-success
+    created = server.cluster.history[0][2]
+    assert created["metadata"]["labels"][naming.RUN_ID_LABEL] == "run-1"
+
+
+def test_failure_gives_reason_exit_code_and_last_log_lines_and_keeps_job(server):
+    server.cluster.on_create = sc.fail
+    lines = []
+    result = sc.launcher(server, lines).run(sc.spec(), run_id="run-2", scheduling_timeout_s=10, timeout_s=30)
+    assert not result.succeeded and result.phase == "Failed"
+    assert result.reason.startswith("PyTorchJobFailed: ") and "1 Master replica(s) failed" in result.reason
+    assert result.exit_code == 1
+    assert result.log_tail[-1] == "RuntimeError: CUDA out of memory"
+    text = result.describe()
+    assert "PyTorchJobFailed" in text and "RuntimeError: CUDA out of memory" in text
+    assert server.cluster.deleted == []  # on-success keeps a failed job for debugging
+
+
+def test_restart_is_reported_and_logs_continue_without_duplicates(server):
+    server.cluster.on_create = sc.restart_then_succeed
+    lines = []
+    result = sc.launcher(server, lines).run(sc.spec(), run_id="run-r", scheduling_timeout_s=10, timeout_s=30)
+    assert result.succeeded
+    assert any("Restarting" in line for line in lines)
+    shown = [line for line in lines if line.startswith(("attempt", "resumed", "NCCL"))]
+    assert shown == ["attempt 1 step 1", "NCCL error: connection reset", "resumed from iteration 1",
+                     "attempt 2 done"]
+
+
+def test_scheduling_timeout_explains_with_pod_conditions_and_events(server):
+    server.cluster.on_create = sc.stay_pending
+    result = sc.launcher(server, []).run(sc.spec(), run_id="run-3", scheduling_timeout_s=0.8, timeout_s=30,
+                                         cleanup="always")
+    assert not result.succeeded and result.reason.startswith("SchedulingTimeout: ")
+    assert "Insufficient nvidia.com/gpu" in result.reason
+    assert "ImagePullBackOff" in result.reason and "Failed to pull image" in result.reason
+    assert "Successfully assigned" not in result.reason  # Normal events are noise
+    assert server.cluster.deleted == ["gpt-run-3"]
+
+
+def test_watch_disconnect_and_410_gone_relist(server):
+    server.cluster.on_create = sc.disconnect_then_410
+    lines = []
+    result = sc.launcher(server, lines).run(sc.spec(), run_id="run-4", scheduling_timeout_s=10, timeout_s=30)
+    assert result.succeeded, result.reason
+    assert any("410 Gone" in line for line in lines)
+    assert ("kubeflow.org", "pytorchjobs", "list") in server.cluster.verbs()
+    assert sum(1 for r in server.cluster.requests if r[2] == "watch") >= 3
+    assert "finished while the watch was down" in lines
+
+
+def _plant(server, run_id, name_of_run):
+    body = render_job(sc.spec(), run_id)
+    body["metadata"]["name"] = naming.job_name("gpt", name_of_run, 2)
+    return server.cluster.add_job(body)
+
+
+def test_409_adopts_the_same_runs_job(server):
+    job = _plant(server, "run-5", "run-5")
+    threading.Thread(target=sc.succeed, args=(server.cluster, job), daemon=True).start()
+    lines = []
+    result = sc.launcher(server, lines).run(sc.spec(), run_id="run-5", scheduling_timeout_s=10, timeout_s=30)
+    assert result.succeeded
+    assert any(line.startswith("adopting existing PyTorchJob domino/gpt-run-5") for line in lines)
+    assert ("kubeflow.org", "pytorchjobs", "get") in server.cluster.verbs()
+
+
+def test_409_refuses_another_runs_job_and_leaves_it_alone(server):
+    _plant(server, "someone-else", "run-6")
+    result = sc.launcher(server, []).run(sc.spec(), run_id="run-6", scheduling_timeout_s=10, timeout_s=30,
+                                         cleanup="always")
+    assert not result.succeeded and result.reason.startswith("Conflict: ")
+    assert "'someone-else'" in result.reason
+    assert server.cluster.deleted == [] and ("default", "gpt-run-6") not in server.cluster.jobs
+    assert ("domino", "gpt-run-6") in server.cluster.jobs
+
+
+def test_overall_timeout_is_a_wall_clock_deadline(server):
+    server.cluster.on_create = sc.run_forever
+    start = time.monotonic()
+    result = sc.launcher(server, [], watch_timeout_s=30.0).run(
+        sc.spec(), run_id="run-7", scheduling_timeout_s=10, timeout_s=1.0, cleanup="always")
+    assert result.reason.startswith("Timeout: ") and not result.succeeded
+    assert time.monotonic() - start < 10  # not the 30 s watch window
+    assert server.cluster.deleted == ["gpt-run-7"]
+
+
+def test_sigterm_deletes_the_job(server):
+    server.cluster.on_create = sc.run_forever
+    timer = threading.Timer(1.0, os.kill, args=(os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        result = sc.launcher(server, []).run(sc.spec(), run_id="run-8", scheduling_timeout_s=10, timeout_s=30)
+    finally:
+        timer.cancel()
+    assert result.reason.startswith("Interrupted: ") and not result.succeeded
+    assert server.cluster.deleted == ["gpt-run-8"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored
+
+
+def test_owner_reference_to_launching_pod(server, monkeypatch):
+    monkeypatch.setenv("POD_NAME", "pipeline-step-abc")
+    monkeypatch.setenv("POD_UID", "1234-uid")
+    server.cluster.on_create = sc.succeed
+    sc.launcher(server, []).run(sc.spec(), run_id="run-9", scheduling_timeout_s=10, timeout_s=30)
+    refs = server.cluster.history[0][2]["metadata"]["ownerReferences"]
+    assert refs == [{"apiVersion": "v1", "kind": "Pod", "name": "pipeline-step-abc", "uid": "1234-uid",
+                     "controller": False, "blockOwnerDeletion": False}]
+
+
+def _cli(server, tmp_path, extra):
+    env = {**os.environ, "KUBECONFIG": server.kubeconfig(str(tmp_path / "kubeconfig")), "PYTHONPATH": REPO}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    cmd = [sys.executable, "-m", "domino", "launch", "submit", "--name", "gpt", "--image", "img:1", "--nodes", "2",
+           "--scheduling-timeout", "10", "--timeout", "60", *extra, "--", "--preset", "tiny"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_submit_success_and_failure_exit_codes(server, tmp_path):
+    server.cluster.on_create = sc.succeed
+    ok = _cli(server, tmp_path, ["--run-id", "cli-ok"])
+    assert ok.returncode == 0, ok.stderr
+    assert "step 2 loss 9.1" in ok.stdout and "job gpt-cli-ok: Succeeded" in ok.stdout
+    server.cluster.on_create = sc.fail
+    bad = _cli(server, tmp_path, ["--run-id", "cli-bad", "--cleanup", "always"])
+    assert bad.returncode == 1
+    assert "PyTorchJobFailed" in bad.stderr and "RuntimeError: CUDA out of memory" in bad.stderr
+    assert server.cluster.deleted == ["gpt-cli-ok", "gpt-cli-bad"]
