@@ -1,0 +1,168 @@
+"""Rendering: every variant passes the real CRD schema, the webhook rules and the Pod schema."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import kubernetes_validate
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from domino.cli.main import main as domino_main
+from domino.launch import JobSpec, LaunchSpecError, Toleration, naming
+from domino.launch.render import container_command, render_job
+from k8s_schemas import crd_validator, validate_job, webhook_problems
+
+BASE = dict(name="gpt", image="registry.example/domino:1.0", pretrain_args=["--preset", "tiny"])
+
+VARIANTS = {
+    "single-node-cpu": dict(),
+    "two-node-gpu": dict(nodes=2, nproc_per_node=8, gpus_per_node=8, cpu_request="32", memory_request="256Gi",
+                         cpu_limit="48", memory_limit="400Gi"),
+    "many-nodes-auto": dict(nodes=64, nproc_per_node="auto", gpus_per_node=8),
+    "gpu-nproc": dict(nodes=3, nproc_per_node="gpu", gpus_per_node=4, shm_size=None),
+    "scheduling": dict(nodes=2, node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+                       tolerations=[Toleration.parse("nvidia.com/gpu:NoSchedule"),
+                                    Toleration.parse("dedicated=training:NoExecute")],
+                       priority_class="training-high", image_pull_secrets=["regcred"],
+                       service_account="domino-trainer", image_pull_policy="Always"),
+    "policies": dict(restart_policy="ExitCode", backoff_limit=0, active_deadline_seconds=7200,
+                     ttl_seconds_after_finished=600, clean_pod_policy="All"),
+    "no-ttl": dict(backoff_limit=None, ttl_seconds_after_finished=None, clean_pod_policy="None"),
+    "meta": dict(env={"NCCL_DEBUG": "INFO", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},
+                 labels={"team": "nlp", "example.com/cost-center": "42"},
+                 annotations={"example.com/note": "anything: goes here"}, owner="alice"),
+    "command": dict(command=["torchrun", "-m", "domino.launch.envcheck", "--out", "/mnt/domino/envcheck"]),
+    "custom-storage": dict(pvc="shared-rwx", mount_path="/data", checkpoint_dir="/data/ckpt/gpt"),
+    "long-name": dict(name="a" * 40, nodes=1000),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_variant_validates_against_crd_webhook_and_pod_schema(variant):
+    spec = JobSpec(**{**BASE, **VARIANTS[variant]})
+    job = render_job(spec, run_id="0f8fad5b-d9cb-469f-a165-70867728950e")
+    validate_job(job)
+
+
+def test_pod_security_and_volumes_follow_the_contract():
+    spec = JobSpec(**{**BASE, "nodes": 2, "gpus_per_node": 2, "nproc_per_node": 2})
+    job = render_job(spec, run_id="r1")
+    for rtype, count in (("Master", 1), ("Worker", 1)):
+        rs = job["spec"]["pytorchReplicaSpecs"][rtype]
+        assert rs["replicas"] == count and rs["restartPolicy"] == "OnFailure"
+        pod = rs["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["name"] == "pytorch"
+        sc = container["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["runAsNonRoot"] is True and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] > 0
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes[mounts["/mnt/domino"]]["persistentVolumeClaim"] == {"claimName": "domino-data"}
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+        assert container["command"][:4] == ["torchrun", "-m", "domino", "pretrain"]
+        assert pod["automountServiceAccountToken"] is False
+    assert job["spec"]["nprocPerNode"] == "2"
+    assert job["metadata"]["labels"][naming.RUN_ID_LABEL] == "r1"
+    assert job["metadata"]["annotations"][naming.RUN_ID_ANNOTATION] == "r1"
+
+
+def test_save_and_load_point_at_one_directory_on_the_pvc_unless_given():
+    spec = JobSpec(**BASE)
+    cmd = container_command(spec, "gpt-r1")
+    assert cmd[cmd.index("--save") + 1] == cmd[cmd.index("--load") + 1] == "/mnt/domino/checkpoints/gpt-r1"
+    spec = JobSpec(**{**BASE, "pretrain_args": ["--preset", "tiny", "--load=/mnt/domino/base"]})
+    cmd = container_command(spec, "gpt-r1")
+    assert "--load" not in cmd and "--load=/mnt/domino/base" in cmd and "--save" in cmd
+
+
+def test_validators_reject_what_the_cluster_would_reject():
+    """The checks themselves can fail: broken objects are caught by each layer."""
+    job = render_job(JobSpec(**BASE), run_id="r1")
+    bad = copy.deepcopy(job)
+    bad["spec"]["runPolicy"]["cleanPodPolicy"] = 3
+    assert list(crd_validator().iter_errors(bad))
+    bad = copy.deepcopy(job)
+    bad["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["name"] = "trainer"
+    assert webhook_problems(bad)
+    bad = copy.deepcopy(job)
+    bad["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = 2
+    assert webhook_problems(bad)
+    bad = copy.deepcopy(job)
+    bad["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["volumeMount"] = []
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_job(bad)
+
+
+@pytest.mark.parametrize("field,value,flag", [
+    ("name", "GPT", "--name"), ("name", "1gpt", "--name"), ("nodes", 0, "--nodes"),
+    ("nproc_per_node", "many", "--nproc-per-node"), ("gpus_per_node", -1, "--gpus-per-node"),
+    ("memory_limit", "lots", "--memory-limit"), ("restart_policy", "Always", "--restart-policy"),
+    ("clean_pod_policy", "Some", "--clean-pod-policy"), ("mount_path", "relative", "--mount-path"),
+    ("env", {"1BAD": "x"}, "--env"), ("labels", {"team": "a b"}, "--label"),
+    ("tolerations", [Toleration("k", "v", "Sometimes")], "--toleration"), ("pvc", "Bad_Name", "--pvc"),
+])
+def test_invalid_specs_name_the_flag(field, value, flag):
+    with pytest.raises(LaunchSpecError, match=flag):
+        JobSpec(**{**BASE, field: value}).validate()
+
+
+def test_more_processes_than_gpus_is_rejected():
+    with pytest.raises(LaunchSpecError, match="--nproc-per-node: 4 processes per node but only 2 GPUs"):
+        JobSpec(**{**BASE, "nproc_per_node": 4, "gpus_per_node": 2}).validate()
+
+
+@settings(max_examples=200, deadline=None)
+@given(base=st.from_regex(r"[a-z][a-z0-9-]{0,39}", fullmatch=True).filter(lambda s: not s.endswith("-")),
+       run_id=st.text(min_size=1, max_size=80), nodes=st.integers(1, 100000))
+def test_job_names_are_dns1035_fit_pod_suffixes_and_are_stable(base, run_id, nodes):
+    name = naming.job_name(base, run_id, nodes)
+    assert naming.job_name(base, run_id, nodes) == name
+    assert len(name) + naming.pod_suffix_length(nodes) <= 63
+    assert webhook_problems({"metadata": {"name": name}, "spec": {"pytorchReplicaSpecs": {
+        "Master": {"replicas": 1, "template": {"spec": {"containers": [{"name": "pytorch"}]}}}}}}) == []
+    value = naming.label_value(run_id)
+    assert len(value) <= 63 and (value == "" or (value[0].isalnum() and value[-1].isalnum()))
+
+
+def test_different_runs_get_different_names():
+    names = {naming.job_name("gpt", f"9f1c2b7e-1234-4abc-9def-{i:012d}", 8) for i in range(1000)}
+    assert len(names) == 1000
+
+
+def test_cli_render_prints_the_job(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        domino_main(["launch", "render", "--name", "gpt", "--image", "img:1", "--nodes", "2", "--nproc-per-node",
+                     "2", "--gpus-per-node", "2", "--pvc", "shared", "--run-id", "abc", "--toleration",
+                     "nvidia.com/gpu:NoSchedule", "--env", "NCCL_DEBUG=WARN", "--", "--preset", "tiny",
+                     "--train-iters", "4"])
+    assert exit_info.value.code == 0
+    job = yaml.safe_load(capsys.readouterr().out)
+    validate_job(job)
+    assert job["metadata"]["name"] == "gpt-abc"
+    master = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert master["containers"][0]["command"][4:8] == ["--preset", "tiny", "--train-iters", "4"]
+    assert master["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def test_cli_render_rejects_bad_flags_before_rendering(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        domino_main(["launch", "render", "--name", "gpt", "--image", "img:1", "--env", "NOEQUALS"])
+    assert exit_info.value.code == 2
+    assert "--env: expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_rendering_imports_neither_torch_nor_kubernetes():
+    code = ("import sys; from domino.cli.main import build_parser; build_parser(); "
+            "from domino.launch.render import render_job; from domino.launch import JobSpec; "
+            "render_job(JobSpec(name='a', image='b'), 'r'); "
+            "bad = [m for m in ('torch', 'kubernetes') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code.replace("from domino.cli.main import build_parser; build_parser(); ",
+                                                       "")], check=True)
