@@ -1,0 +1,139 @@
+"""The local backend: replicas as processes with exactly the operator's environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from domino.launch import JobSpec, run_job
+from domino.launch.local_backend import LocalLauncher, local_command, replica_env, retryable
+
+OPERATOR_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "PET_NNODES", "PET_NPROC_PER_NODE",
+                 "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT", "PYTHONUNBUFFERED", "NCCL_DEBUG")
+
+
+def _py(code: str) -> list:
+    return ["python", "-c", code]
+
+
+def test_replica_env_matches_the_operator_table():
+    spec = JobSpec(name="gpt", image="i", nodes=3, nproc_per_node=4, env={"NCCL_DEBUG": "INFO"})
+    env = replica_env(spec, "gpt-r", 2, 31000)
+    assert env == {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "31000", "WORLD_SIZE": "12", "RANK": "2",
+                   "PET_NNODES": "3", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "2",
+                   "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": "31000", "PYTHONUNBUFFERED": "1",
+                   "DOMINO_JOB_NAME": "gpt-r", "NCCL_DEBUG": "INFO"}
+    # WORLD_SIZE counts pods when nprocPerNode is not an integer.
+    assert replica_env(JobSpec(name="gpt", image="i", nodes=3, nproc_per_node="auto"), "g", 0, 1)["WORLD_SIZE"] == "3"
+
+
+def test_torchrun_resolves_to_this_interpreter_and_mount_path_maps_to_workdir():
+    spec = JobSpec(name="gpt", image="i", pretrain_args=["--data-path", "/mnt/domino/data/x", "--tag=/mnt/dominoX"])
+    cmd = local_command(spec, "gpt-r", "/work/dir")
+    assert cmd[:5] == [sys.executable, "-m", "torch.distributed.run", "-m", "domino"]
+    assert "/work/dir/data/x" in cmd and "--tag=/mnt/dominoX" in cmd  # only whole path prefixes
+    assert cmd[cmd.index("--save") + 1] == "/work/dir/checkpoints/gpt-r"
+
+
+def test_restart_policy_semantics():
+    assert retryable("OnFailure", 1) and retryable("OnFailure", 137)
+    assert not retryable("ExitCode", 1) and not retryable("ExitCode", 127)
+    assert retryable("ExitCode", 128) and retryable("ExitCode", 143)
+
+
+def test_each_replica_gets_the_operator_env_in_its_own_process(tmp_path):
+    code = ("import json, os; json.dump({k: os.environ.get(k) for k in %r}, "
+            "open('/mnt/domino/env-' + os.environ['PET_NODE_RANK'] + '.json', 'w')); print('replica ok')"
+            % (OPERATOR_VARS,))
+    spec = JobSpec(name="envs", image="i", nodes=3, nproc_per_node=4, env={"NCCL_DEBUG": "INFO"}, command=_py(code))
+    lines = []
+    result = run_job(spec, "local", run_id="t", workdir=str(tmp_path), log=lines.append)
+    assert result.succeeded and result.exit_code == 0 and "replica ok" in result.log_tail
+    seen = [json.loads((tmp_path / f"env-{r}.json").read_text()) for r in range(3)]
+    port = seen[0]["MASTER_PORT"]
+    for rank, env in enumerate(seen):
+        assert env == {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "12", "RANK": str(rank),
+                       "PET_NNODES": "3", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": str(rank),
+                       "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port, "PYTHONUNBUFFERED": "1",
+                       "NCCL_DEBUG": "INFO"}
+    assert (tmp_path / "logs" / "envs-t-worker-1.log").exists()
+
+
+def test_two_nodes_under_torchrun_all_reduce(tmp_path):
+    """The multi-node contract for real: 2 replicas x 1 process, torchrun reading PET_*, gloo all-reduce."""
+    spec = JobSpec(name="envcheck", image="i", nodes=2, nproc_per_node=1,
+                   command=["torchrun", "-m", "domino.launch.envcheck", "--out", "/mnt/domino/envcheck"])
+    lines = []
+    result = run_job(spec, "local", run_id="t", workdir=str(tmp_path), log=lines.append, timeout_s=120)
+    assert result.succeeded, result.describe()
+    reports = [json.loads((tmp_path / "envcheck" / f"envcheck-rank{r}.json").read_text()) for r in range(2)]
+    for rank, report in enumerate(reports):
+        assert report["world_size"] == 2 and report["all_reduce"] == 3.0 == report["expected"]
+        env = report["env"]
+        assert env["PET_NNODES"] == "2" and env["PET_NPROC_PER_NODE"] == "1"
+        assert env["PET_NODE_RANK"] == env["GROUP_RANK"] == str(rank)  # torchrun took its node rank from PET_*
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "2" and env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["PET_MASTER_PORT"] == reports[0]["env"]["PET_MASTER_PORT"]
+    assert any("envcheck rank 0/2: all_reduce=3" in line for line in lines)
+
+
+def test_a_failing_replica_fails_the_job_and_stops_the_others(tmp_path):
+    code = ("import os, sys, time; r = int(os.environ['RANK']); print('replica', r, flush=True); "
+            "open('/mnt/domino/pid-%d' % r, 'w').write(str(os.getpid())); "
+            "sys.exit(3) if r == 1 else time.sleep(120)")
+    spec = JobSpec(name="bad", image="i", nodes=2, backoff_limit=0, command=_py(code))
+    start = time.monotonic()
+    result = LocalLauncher(log=lambda _: None, kill_grace_s=2).run(spec, run_id="t", workdir=str(tmp_path))
+    assert time.monotonic() - start < 60
+    assert not result.succeeded and result.phase == "Failed" and result.exit_code == 3
+    assert "replica bad-t-worker-0 exited with code 3" in result.reason
+    assert "replica 0" in result.log_tail
+    _assert_dead(int((tmp_path / "pid-0").read_text()))
+
+
+def _assert_dead(pid: int) -> None:
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("policy,code,restarted", [("OnFailure", 3, True), ("ExitCode", 3, False),
+                                                   ("ExitCode", 137, True)])
+def test_restarts_follow_the_restart_policy(tmp_path, policy, code, restarted):
+    script = ("import os, sys; p = '/mnt/domino/attempted'; first = not os.path.exists(p); "
+              "open(p, 'a').write('x'); sys.exit(%d if first else 0)" % code)
+    spec = JobSpec(name="retry", image="i", nodes=2, restart_policy=policy, backoff_limit=2, command=_py(script))
+    lines = []
+    result = run_job(spec, "local", run_id="t", workdir=str(tmp_path), log=lines.append)
+    assert result.succeeded is restarted
+    assert any("Restarting" in line for line in lines) is restarted
+    if not restarted:
+        assert result.reason.startswith("PermanentFailure") and result.exit_code == code
+
+
+def test_timeout_and_sigterm_kill_every_replica(tmp_path):
+    code = ("import os, time; open('/mnt/domino/pid-' + os.environ['RANK'], 'w').write(str(os.getpid())); "
+            "time.sleep(120)")
+    spec = JobSpec(name="slow", image="i", nodes=2, command=_py(code))
+    result = LocalLauncher(log=lambda _: None, kill_grace_s=2).run(spec, run_id="t", timeout_s=3,
+                                                                   workdir=str(tmp_path / "a"))
+    assert result.reason.startswith("Timeout: ") and not result.succeeded
+    for rank in range(2):
+        _assert_dead(int((tmp_path / "a" / f"pid-{rank}").read_text()))
+
+    timer = threading.Timer(3, os.kill, args=(os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        result = LocalLauncher(log=lambda _: None, kill_grace_s=2).run(spec, run_id="t", workdir=str(tmp_path / "b"))
+    finally:
+        timer.cancel()
+    assert result.reason.startswith("Interrupted: ")
+    for rank in range(2):
+        _assert_dead(int((tmp_path / "b" / f"pid-{rank}").read_text()))
+    assert Path(tmp_path / "b" / "logs").is_dir()
