@@ -1,0 +1,111 @@
+"""k8s/: overlays build offline, every object validates, RBAC grants exactly what the launcher calls."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "launch"))
+
+import launch_scenarios as sc  # noqa: E402
+from domino.launch.spec import JobSpec  # noqa: E402
+from fake_kube import FakeKubeServer  # noqa: E402
+from k8s_schemas import validate_core, validate_job  # noqa: E402
+
+KUSTOMIZATIONS = ["base", "overlays/gpu", "overlays/cpu-smoke"]
+TEMPLATE = REPO / "k8s" / "templates" / "pytorchjob-gpu.yaml"
+needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) not installed")
+
+
+def build(path: str) -> list:
+    out = subprocess.run(["kubectl", "kustomize", str(REPO / "k8s" / path)], check=True, capture_output=True,
+                         text=True, timeout=60).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_kustomization_builds_and_every_object_validates(path):
+    objects = build(path)
+    kinds = {o["kind"] for o in objects}
+    assert {"Namespace", "ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim"} <= kinds
+    for obj in objects:
+        validate_core(obj)
+    (namespace,) = [o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"]
+    assert all(o["metadata"].get("namespace", namespace) == namespace for o in objects)
+    accounts = {o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount"}
+    for binding in (o for o in objects if o["kind"] == "RoleBinding"):
+        for subject in binding["subjects"]:
+            assert subject["name"] in accounts and subject["namespace"] == namespace, subject
+    (pvc,) = [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert pvc["metadata"]["name"] == JobSpec(name="a", image="b").pvc  # the launcher's default claim
+    ns = next(o for o in objects if o["kind"] == "Namespace")
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+@needs_kubectl
+def test_overlays_differ_where_they_should():
+    gpu, smoke = build("overlays/gpu"), build("overlays/cpu-smoke")
+    assert any(o["kind"] == "PriorityClass" and o["metadata"]["name"] == "domino-training" for o in gpu)
+    quota = next(o for o in smoke if o["kind"] == "ResourceQuota")
+    assert quota["spec"]["hard"]["requests.nvidia.com/gpu"] == "0"
+
+
+def test_pytorchjob_template_is_current_and_valid(capsys):
+    from domino.cli.launch import register
+    import argparse
+
+    job = yaml.safe_load(TEMPLATE.read_text())
+    validate_job(job)
+    command_line = next(line for line in TEMPLATE.read_text().splitlines() if "domino launch render" in line)
+    argv = shlex.split(command_line.split("domino launch render", 1)[1])
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["launch", "render", *argv])
+    assert args.func(args) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == job
+
+
+def _launcher_requests() -> set:
+    """(group, resource, verb) of every API call the launcher makes across its code paths."""
+    seen = set()
+    for script, kwargs, plant in ((sc.succeed, {}, False), (sc.fail, {}, False),
+                                  (sc.stay_pending, {"scheduling_timeout_s": 0.5, "cleanup": "always"}, False),
+                                  (sc.disconnect_then_410, {}, False), (sc.succeed, {}, True)):
+        with FakeKubeServer() as server:
+            if plant:  # a retry: the job exists (409), gets adopted
+                from domino.launch.render import render_job
+
+                job = server.cluster.add_job(render_job(sc.spec(), "rbac"))
+                import threading
+
+                threading.Thread(target=script, args=(server.cluster, job), daemon=True).start()
+            else:
+                server.cluster.on_create = script
+            options = {"scheduling_timeout_s": 10, "timeout_s": 30, **kwargs}
+            sc.launcher(server, []).run(sc.spec(), run_id="rbac", **options)
+            seen |= server.cluster.verbs()
+    return seen
+
+
+def test_role_grants_exactly_the_calls_the_launcher_makes():
+    role = next(doc for doc in yaml.safe_load_all((REPO / "k8s/base/launcher-rbac.yaml").read_text())
+                if doc["kind"] == "Role")
+    granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+               for resource in rule["resources"] for verb in rule["verbs"]}
+    used = _launcher_requests()
+    assert used <= granted, f"launcher calls not granted by the Role: {used - granted}"
+    expected_calls = {("kubeflow.org", "pytorchjobs", v) for v in ("create", "get", "list", "watch", "delete")}
+    expected_calls |= {("", "pods", "list"), ("", "pods/log", "get"), ("", "events", "list")}
+    assert expected_calls <= used  # every code path above was exercised
+    # Nothing beyond the documented minimum (read-only pods/log and pods watch are harmless extras).
+    allowed_extra = {("", "pods", "get"), ("", "pods", "watch"), ("", "pods/log", "list"), ("", "pods/log", "watch")}
+    assert granted - used <= allowed_extra, granted - used
