@@ -19,6 +19,7 @@ from domino.config import ConfigError
 VERB_MODULES: List[str] = [
     "data",
     "pretrain",
+    "evaluate",
     "generate",
     "hf",
     "report",

@@ -1,0 +1,63 @@
+"""``domino evaluate``: loss, perplexity and token accuracy of a checkpoint on a dataset (TP under torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def run(args: argparse.Namespace) -> int:
+    from domino.eval.evaluate import evaluate_checkpoint
+    from domino.eval.runtime import is_output_rank, parse_dtype, teardown
+
+    dtype = parse_dtype(args.dtype)
+    try:
+        result = evaluate_checkpoint(
+            args.load, args.data_path, split=args.split, max_batches=args.eval_iters, max_samples=args.max_samples,
+            micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, eod_mask_loss=args.eod_mask_loss,
+            reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+            tensor_model_parallel_size=args.tensor_model_parallel_size, tokenizer_spec=args.tokenizer,
+            seed=args.seed, data_cache_path=args.data_cache_path, dtype=dtype, progress=not args.no_progress)
+        output = is_output_rank()
+    finally:
+        teardown()
+    if output:
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"checkpoint {result['checkpoint']} (iteration {result['iteration']}): loss {result['loss']:.4f}  "
+                  f"ppl {result['ppl']:.3f}  accuracy {result['accuracy']:.4f}  tokens {result['tokens']}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Adds ``domino evaluate``."""
+    parser = subparsers.add_parser(
+        "evaluate", help="Loss, perplexity and token accuracy of a checkpoint.",
+        description="Evaluates a checkpoint (saved with any TP size) on --data-path, or on the test split of the "
+                    "data it was trained on. Under torchrun the model runs tensor-parallel over the processes.")
+    parser.add_argument("--load", required=True, metavar="DIR", help="Save root (its latest) or iter_* directory.")
+    parser.add_argument("--data-path", nargs="+", metavar="PREFIX",
+                        help="Dataset prefix(es), optionally weighted (default: the checkpoint's test split).")
+    parser.add_argument("--split", metavar="SPLIT",
+                        help="Evaluate only the test part of this train,valid,test split of --data-path "
+                             "(default: all documents of --data-path; the checkpoint's split without it).")
+    limit = parser.add_mutually_exclusive_group()
+    limit.add_argument("--eval-iters", type=int, metavar="N", help="Evaluate N micro-batches (default: one pass).")
+    limit.add_argument("--max-samples", type=int, metavar="N", help="Evaluate N samples (default: one pass).")
+    parser.add_argument("--micro-batch-size", type=int, default=4, metavar="B", help="Samples per forward pass.")
+    parser.add_argument("--seq-length", type=int, metavar="S", help="Sample length (default: the checkpoint's).")
+    for flag, what in (("eod-mask-loss", "Exclude end-of-document tokens from the loss"),
+                       ("reset-position-ids", "Restart position ids after end-of-document tokens"),
+                       ("reset-attention-mask", "Stop attention across end-of-document tokens")):
+        parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None,
+                            help=f"{what} (default: the checkpoint's setting).")
+    parser.add_argument("--tensor-model-parallel-size", type=int, metavar="TP",
+                        help="TP size to load at (default: the number of processes).")
+    parser.add_argument("--tokenizer", metavar="SPEC", help="Override the checkpoint's tokenizer.")
+    parser.add_argument("--seed", type=int, help="Sample-order seed (default: the checkpoint's).")
+    parser.add_argument("--data-cache-path", metavar="DIR", help="Where to cache sample indices.")
+    parser.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32).")
+    parser.add_argument("--json", action="store_true", help="Print the result as one JSON object.")
+    parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
+    parser.set_defaults(func=run)

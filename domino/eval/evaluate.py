@@ -1,0 +1,190 @@
+"""Evaluating a checkpoint on a dataset: loss, perplexity, token accuracy, tokens evaluated.
+
+The data path is the training one (GPTDataset samples, the Megatron sampler, ``get_batch`` with its
+loss mask and end-of-document options), so a number here means the same as a validation loss logged
+during training. Only TP rank 0 of each group reads data; ``get_batch`` broadcasts the batch to the
+other TP ranks. With data-parallel replicas each evaluates different batches and the sums are reduced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import torch
+
+from domino.config import ConfigError, DominoConfig, config_from_dict
+from domino.eval.metrics import evaluate_batches
+from domino.eval.runtime import default_device, setup_tensor_parallel
+from domino.parallel import state
+
+logger = logging.getLogger(__name__)
+
+PathLike = Union[str, Path]
+
+
+def _is_blend(selection: Dict[str, Any]) -> bool:
+    from domino.data.dataset_builder import parse_data_prefix
+
+    spec = selection.get("data_prefix") or selection.get("test_data_prefix")
+    return len(parse_data_prefix(spec)[0]) > 1
+
+
+def _data_selection(config: DominoConfig, data_prefix: Union[str, Sequence[str], None],
+                    split: Optional[str]) -> Tuple[Dict[str, Any], str]:
+    """Builder arguments selecting the documents to evaluate, and a description for messages."""
+    if data_prefix:
+        prefixes = [data_prefix] if isinstance(data_prefix, (str, Path)) else [str(p) for p in data_prefix]
+        if split:
+            return {"data_prefix": prefixes, "splits_string": split}, f"test split {split} of {' '.join(prefixes)}"
+        return {"data_prefix": prefixes, "splits_string": "0,0,1"}, f"all documents of {' '.join(prefixes)}"
+    d = config.data
+    if d.test_data_path:
+        return {"data_prefix": None, "splits_string": d.split, "test_data_prefix": list(d.test_data_path)}, \
+            f"--test-data-path {' '.join(d.test_data_path)}"
+    if d.data_path:
+        chosen = split or d.split
+        return {"data_prefix": list(d.data_path), "splits_string": chosen}, \
+            f"test split {chosen} of {' '.join(d.data_path)}"
+    raise ConfigError("the checkpoint records no --data-path or --test-data-path: pass --data-path")
+
+
+def _plan_batches(dataset_len: int, per_step: int, max_batches: Optional[int], max_samples: Optional[int],
+                  what: str) -> int:
+    """Number of micro-batch steps (each ``per_step`` = micro-batch x DP samples) to evaluate."""
+    available = dataset_len // per_step
+    if available == 0:
+        raise ConfigError(f"{what} holds {dataset_len} samples, fewer than one micro-batch x data-parallel size "
+                          f"({per_step}); use a smaller --micro-batch-size or --seq-length")
+    if max_batches is not None:
+        wanted = max_batches
+    elif max_samples is not None:
+        wanted = math.ceil(max_samples / per_step)
+    else:
+        return available
+    if wanted > available:
+        logger.warning("%s holds only %d batches; evaluating those instead of %d", what, available, wanted)
+    return min(wanted, available)
+
+
+def _open_test_data(selection: Dict[str, Any], what: str, seq: int, seed: int, data_cache_path: Optional[str],
+                    micro_batch_size: int, max_batches: Optional[int], max_samples: Optional[int]):
+    """The test dataset and the number of micro-batch steps to take (collective: every rank calls it)."""
+    from domino.data.dataset_builder import build_train_valid_test_datasets
+
+    per_step = micro_batch_size * state.get_data_parallel_world_size()
+    # One pass over a single dataset: ask for one sample, get one whole epoch. An explicit amount larger
+    # than an epoch repeats documents, as training does. A blend is exactly as long as asked for, so it
+    # needs an explicit amount.
+    wanted = max_samples or (max_batches * per_step if max_batches else 1)
+    selection = dict(selection)
+    _, _, test = build_train_valid_test_datasets(
+        splits_string=selection.pop("splits_string"), train_valid_test_num_samples=[0, 0, wanted],
+        seq_length=seq, seed=seed, skip_warmup=True, data_cache_path=data_cache_path, **selection)
+    if test is None or len(test) == 0:
+        raise ConfigError(f"{what} selects no documents to evaluate")
+    return test, _plan_batches(len(test), per_step, max_batches, max_samples, what)
+
+
+def evaluate_checkpoint(
+    load: PathLike,
+    data_prefix: Union[str, Sequence[str], None] = None,
+    *,
+    split: Optional[str] = None,
+    max_batches: Optional[int] = None,
+    max_samples: Optional[int] = None,
+    micro_batch_size: int = 4,
+    seq_length: Optional[int] = None,
+    eod_mask_loss: Optional[bool] = None,
+    reset_position_ids: Optional[bool] = None,
+    reset_attention_mask: Optional[bool] = None,
+    tensor_model_parallel_size: Optional[int] = None,
+    tokenizer_spec: Optional[str] = None,
+    seed: Optional[int] = None,
+    data_cache_path: Optional[str] = None,
+    dtype: torch.dtype = torch.float32,
+    device: Union[str, torch.device, None] = None,
+    progress: bool = False,
+) -> Dict[str, Any]:
+    """Evaluates a checkpoint; works on one process and TP-parallel under torchrun.
+
+    Args:
+        load: a save root (its ``latest``) or an ``iter_*`` checkpoint directory, saved with any TP size.
+        data_prefix: dataset prefix(es) (optionally weighted: ``["0.3", "a", "0.7", "b"]``). ``None``:
+            the test split of the data the checkpoint was trained on.
+        split: with ``data_prefix``, evaluate only the test part of this ``train,valid,test`` split
+            (default: every document of ``data_prefix``). Without it, overrides the checkpoint's split.
+        max_batches: evaluate this many micro-batches per data-parallel rank (default: one pass).
+        max_samples: evaluate about this many samples (rounded up to whole micro-batches x DP).
+        micro_batch_size: samples per forward pass.
+        seq_length: sample length (default: the checkpoint's ``--seq-length``).
+        eod_mask_loss / reset_position_ids / reset_attention_mask: override the checkpoint's setting.
+        tensor_model_parallel_size: TP size (default: the number of processes).
+        tokenizer_spec: override the checkpoint's tokenizer (its end-of-document id matters).
+        seed: sample-order seed (default: the checkpoint's ``--seed``).
+        data_cache_path: where sample indices are cached (default: beside the data).
+        dtype: model dtype.
+        device: where the model runs (default: this process's GPU, else CPU).
+        progress: show a progress bar on rank 0.
+
+    Returns:
+        ``{"loss", "ppl", "accuracy", "tokens", "samples", "batches", "checkpoint", "iteration", "data"}``.
+
+    Raises:
+        ConfigError: for a bad checkpoint or data path, an empty selection, or impossible settings.
+    """
+    from domino.data.batch import get_batch
+    from domino.data.loader import build_pretraining_data_loader
+    from domino.model.weights_io import build_model_from_checkpoint, read_checkpoint_meta, resolve_checkpoint_dir
+
+    if micro_batch_size < 1:
+        raise ConfigError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
+    for name, value in (("--eval-iters", max_batches), ("--max-samples", max_samples)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be >= 1, got {value}")
+    ckpt_dir = resolve_checkpoint_dir(load)
+    config = config_from_dict(read_checkpoint_meta(ckpt_dir)["config"])
+    seq = seq_length or config.model.seq_length
+    if not 1 <= seq <= config.model.num_positions:
+        raise ConfigError(f"--seq-length {seq} must be in [1, {config.model.num_positions}] "
+                          "(the checkpoint's position embeddings)")
+    data_config = dataclasses.replace(config.data)
+    for name, value in (("eod_mask_loss", eod_mask_loss), ("reset_position_ids", reset_position_ids),
+                        ("reset_attention_mask", reset_attention_mask)):
+        if value is not None:
+            setattr(data_config, name, value)
+    selection, what = _data_selection(config, data_prefix, split)
+    if max_batches is None and max_samples is None and _is_blend(selection):
+        raise ConfigError(f"{what} is a blend of datasets: give --eval-iters or --max-samples "
+                          "(a blend has no natural single pass)")
+
+    tp_rank, tp_size = setup_tensor_parallel(tensor_model_parallel_size)
+    model, meta, tokenizer = build_model_from_checkpoint(
+        ckpt_dir, tp_rank, tp_size, device=device or default_device(), dtype=dtype, tokenizer_spec=tokenizer_spec)
+    per_step = micro_batch_size * state.get_data_parallel_world_size()
+
+    # Every rank builds the dataset (the index cache is built by global rank 0 behind a barrier that all
+    # ranks join) and so knows the number of steps; only TP rank 0 reads batches, get_batch broadcasts them.
+    test, steps = _open_test_data(selection, what, seq, config.train.seed if seed is None else seed,
+                                  data_cache_path, micro_batch_size, max_batches, max_samples)
+    iterator = None
+    if tp_rank == 0:
+        iterator = iter(build_pretraining_data_loader(test, 0, micro_batch_size, state.get_data_parallel_rank(),
+                                                      state.get_data_parallel_world_size(), 0))
+    model_device = next(model.parameters()).device
+
+    def batches():
+        for _ in range(steps):
+            tokens, labels, loss_mask, attention_mask, position_ids = get_batch(iterator, data_config, tokenizer.eod)
+            yield tuple(t.to(model_device) if t is not None else None
+                        for t in (tokens, labels, loss_mask, attention_mask, position_ids))
+
+    result = evaluate_batches(model, batches(), total=steps, progress=progress)
+    result.update(samples=steps * per_step, batches=steps, checkpoint=str(ckpt_dir), iteration=meta["iteration"],
+                  data=what)
+    logger.info("evaluated %s on %s: loss %.4f, ppl %.3f, accuracy %.4f over %d tokens", ckpt_dir, what,
+                result["loss"], result["ppl"], result["accuracy"], result["tokens"])
+    return result
