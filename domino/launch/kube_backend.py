@@ -16,6 +16,7 @@ What it does, in order:
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -85,6 +86,16 @@ def load_api_client():
     except config.ConfigException:
         config.load_kube_config()
     return client.ApiClient()
+
+
+def api_error_text(error) -> str:
+    """``403 Forbidden: <the API server's message>`` from a kubernetes ApiException."""
+    message = ""
+    try:
+        message = json.loads(error.body or "{}").get("message", "")
+    except (ValueError, AttributeError):
+        message = str(error.body or "")
+    return f"{error.status} {error.reason}" + (f": {message}" if message else "")
 
 
 class JobConflict(Exception):
@@ -166,6 +177,9 @@ class PyTorchJobLauncher:
     def run(self, spec: JobSpec, run_id: Optional[str] = None, timeout_s: Optional[float] = None,
             scheduling_timeout_s: float = 600, cleanup: str = "on-success") -> JobResult:
         """Runs ``spec`` as a PyTorchJob to completion (see the module docstring)."""
+        from kubernetes.client.rest import ApiException
+        from urllib3.exceptions import HTTPError
+
         run_id = run_id or naming.new_run_id()
         start = time.monotonic()
         body = render_job(spec, run_id, owner_reference(spec.namespace, self.log))
@@ -184,6 +198,11 @@ class PyTorchJobLauncher:
                 tracker.update(job)
                 streamer.start()
                 result = self._follow(job, tracker, start, timeout_s, scheduling_timeout_s)
+            except ApiException as error:
+                result = JobResult(name, False, tracker.phase, f"ApiError: {api_error_text(error)}", [], None)
+            except HTTPError as error:
+                result = JobResult(name, False, tracker.phase,
+                                   f"ApiUnreachable: the Kubernetes API did not answer: {error}", [], None)
             except LaunchInterrupted as error:
                 interrupted = True
                 self.log(f"launcher interrupted ({error}); stopping job {name}")

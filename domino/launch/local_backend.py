@@ -60,6 +60,13 @@ def replica_env(spec: JobSpec, name: str, node_rank: int, master_port: int) -> D
     return env
 
 
+def inherited_env() -> Dict[str, str]:
+    """This process's environment minus launch variables a pod would not have (e.g. when the local
+    backend itself runs under torchrun)."""
+    drop = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
+    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC_")}
+
+
 def map_path(text: str, mount_path: str, workdir: str) -> str:
     """Replaces the mount path (as a whole path prefix) in ``text`` by ``workdir``."""
     return re.sub(re.escape(mount_path.rstrip("/")) + r"(?=/|$|\s|,|:)", workdir.replace("\\", "\\\\"), text)
@@ -171,7 +178,7 @@ class LocalLauncher:
         procs = []
         for rank in range(spec.nodes):
             replica = f"{name}-master-0" if rank == 0 else f"{name}-worker-{rank - 1}"
-            env = {**os.environ, **{k: map_path(v, spec.mount_path, workdir)
+            env = {**inherited_env(), **{k: map_path(v, spec.mount_path, workdir)
                                     for k, v in replica_env(spec, name, rank, port).items()}}
             if rank == 0:
                 out = subprocess.PIPE

@@ -49,6 +49,7 @@ class FakeCluster:
         self.requests: List[Tuple[str, str, str]] = []
         self.deleted: List[str] = []
         self.on_create = None  # callable(cluster, job) run in a thread after a create
+        self.forbid_create = False  # answer creates with 403 (RBAC missing)
 
     # -- scripting --------------------------------------------------------------------------------------
     def _bump(self) -> str:
@@ -198,6 +199,9 @@ class _Handler(BaseHTTPRequestHandler):
         c = self.cluster
         c.requests.append((group, "pytorchjobs", "create"))
         ns, name = parts[0], body["metadata"]["name"]
+        if c.forbid_create:
+            return self._send(403, _status(403, "Forbidden", 'pytorchjobs.kubeflow.org is forbidden: User '
+                                           '"system:serviceaccount:domino:default" cannot create resource'))
         with c.cond:
             exists = (ns, name) in c.jobs
         if exists:

@@ -164,3 +164,22 @@ def test_cli_submit_success_and_failure_exit_codes(server, tmp_path):
     assert bad.returncode == 1
     assert "PyTorchJobFailed" in bad.stderr and "RuntimeError: CUDA out of memory" in bad.stderr
     assert server.cluster.deleted == ["gpt-cli-ok", "gpt-cli-bad"]
+
+
+def test_api_errors_end_with_a_clear_result_not_a_traceback(server):
+    server.cluster.forbid_create = True
+    result = sc.launcher(server, []).run(sc.spec(), run_id="run-f", scheduling_timeout_s=10, timeout_s=30)
+    assert not result.succeeded
+    assert result.reason.startswith("ApiError: 403 Forbidden: pytorchjobs.kubeflow.org is forbidden")
+    assert ("kubeflow.org", "pytorchjobs", "delete") not in server.cluster.verbs()
+
+
+def test_unreachable_api_is_reported():
+    from kubernetes import client
+
+    config = client.Configuration()
+    config.host = "http://127.0.0.1:9"  # discard port: connection refused
+    config.retries = 0
+    launcher = sc.PyTorchJobLauncher(api_client=client.ApiClient(config), log=lambda _: None, request_timeout_s=2)
+    result = launcher.run(sc.spec(), run_id="run-u", scheduling_timeout_s=10, timeout_s=30)
+    assert result.reason.startswith("ApiUnreachable: ") and not result.succeeded
