@@ -64,7 +64,7 @@ def _normalise_eval_results(eval_results: Any) -> List[Dict[str, Any]]:
     if eval_results is None:
         return []
     if isinstance(eval_results, Mapping) and any(k in eval_results for k in EVAL_COLUMNS):
-        return [{"name": eval_results.get("name", "evaluation"), **eval_results}]
+        return [{**eval_results, "name": eval_results.get("name") or eval_results.get("data") or "evaluation"}]
     if isinstance(eval_results, Mapping):
         return [{"name": str(name), **dict(result)} for name, result in eval_results.items()]
     if isinstance(eval_results, (list, tuple)):
