@@ -78,7 +78,7 @@ def _launcher_requests() -> set:
     """(group, resource, verb) of every API call the launcher makes across its code paths."""
     seen = set()
     for script, kwargs, plant in ((sc.succeed, {}, False), (sc.fail, {}, False),
-                                  (sc.stay_pending, {"scheduling_timeout_s": 0.5, "cleanup": "always"}, False),
+                                  (sc.stay_pending, {"scheduling_timeout_s": 1.5, "cleanup": "always"}, False),
                                   (sc.disconnect_then_410, {}, False), (sc.succeed, {}, True)):
         with FakeKubeServer() as server:
             if plant:  # a retry: the job exists (409), gets adopted

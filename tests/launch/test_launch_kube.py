@@ -67,7 +67,7 @@ def test_restart_is_reported_and_logs_continue_without_duplicates(server):
 
 def test_scheduling_timeout_explains_with_pod_conditions_and_events(server):
     server.cluster.on_create = sc.stay_pending
-    result = sc.launcher(server, []).run(sc.spec(), run_id="run-3", scheduling_timeout_s=0.8, timeout_s=30,
+    result = sc.launcher(server, []).run(sc.spec(), run_id="run-3", scheduling_timeout_s=2.0, timeout_s=30,
                                          cleanup="always")
     assert not result.succeeded and result.reason.startswith("SchedulingTimeout: ")
     assert "Insufficient nvidia.com/gpu" in result.reason
@@ -124,13 +124,13 @@ def test_overall_timeout_is_a_wall_clock_deadline(server):
 
 
 def test_sigterm_deletes_the_job(server):
-    server.cluster.on_create = sc.run_forever
-    timer = threading.Timer(1.0, os.kill, args=(os.getpid(), signal.SIGTERM))
-    timer.start()
-    try:
-        result = sc.launcher(server, []).run(sc.spec(), run_id="run-8", scheduling_timeout_s=10, timeout_s=30)
-    finally:
-        timer.cancel()
+    def running_then_cancelled(c, job):  # the pipeline is cancelled while the job runs
+        sc.run_forever(c, job)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    server.cluster.on_create = running_then_cancelled
+    result = sc.launcher(server, []).run(sc.spec(), run_id="run-8", scheduling_timeout_s=10, timeout_s=30)
     assert result.reason.startswith("Interrupted: ") and not result.succeeded
     assert server.cluster.deleted == ["gpt-run-8"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored

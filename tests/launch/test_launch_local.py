@@ -127,12 +127,14 @@ def test_timeout_and_sigterm_kill_every_replica(tmp_path):
     for rank in range(2):
         _assert_dead(int((tmp_path / "a" / f"pid-{rank}").read_text()))
 
-    timer = threading.Timer(3, os.kill, args=(os.getpid(), signal.SIGTERM))
-    timer.start()
-    try:
-        result = LocalLauncher(log=lambda _: None, kill_grace_s=2).run(spec, run_id="t", workdir=str(tmp_path / "b"))
-    finally:
-        timer.cancel()
+    def cancel_once_running():  # like a cancelled pipeline: SIGTERM while the replicas run
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / "b" / f"pid-{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=cancel_once_running, daemon=True).start()
+    result = LocalLauncher(log=lambda _: None, kill_grace_s=2).run(spec, run_id="t", workdir=str(tmp_path / "b"))
     assert result.reason.startswith("Interrupted: ")
     for rank in range(2):
         _assert_dead(int((tmp_path / "b" / f"pid-{rank}").read_text()))
