@@ -47,7 +47,7 @@ def _submit(args: argparse.Namespace) -> int:
     summary = result.describe(args.tail_lines)
     print(summary, file=sys.stdout if result.succeeded else sys.stderr, flush=True)
     if result.reason.startswith("Interrupted"):
-        return 143
+        return 130 if "SIGINT" in result.reason else 143  # 128 + the signal, like a killed process
     return 0 if result.succeeded else 1
 
 

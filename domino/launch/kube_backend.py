@@ -25,7 +25,7 @@ from domino.launch import naming
 from domino.launch.api import JobResult, LaunchInterrupted, interrupt_on_signals, should_delete
 from domino.launch.kube_pods import MasterLogStreamer, exit_code, explain_pending, list_job_pods, master_pod
 from domino.launch.render import GROUP, PLURAL, VERSION, render_job
-from domino.launch.spec import JobSpec
+from domino.launch.spec import CONTAINER_NAME, JobSpec
 
 #: Condition types in order of precedence when several are True at once.
 PHASE_ORDER = ("Succeeded", "Failed", "Suspended", "Restarting", "Running", "Created")
@@ -214,7 +214,13 @@ class PyTorchJobLauncher:
                 if result is not None:
                     self._complete(result, streamer, ns, name)
                 if owned and should_delete(cleanup, bool(result and result.succeeded), interrupted):
-                    self.delete(ns, name)
+                    try:
+                        self.delete(ns, name)
+                    except (ApiException, HTTPError) as error:  # report it; the job outcome stands
+                        text = api_error_text(error) if isinstance(error, ApiException) else str(error)
+                        self.log(f"could not delete PyTorchJob {ns}/{name}: {text}")
+                        if result is not None:
+                            result.reason += f" (and deleting the job failed: {text})"
                 elif owned:
                     self.log(f"keeping PyTorchJob {ns}/{name} (--cleanup {cleanup})")
         return result
@@ -289,7 +295,7 @@ class PyTorchJobLauncher:
         if not result.log_tail and pod is not None and not result.succeeded:
             try:
                 text = self.core.read_namespaced_pod_log(
-                    pod["metadata"]["name"], ns, container="pytorch", tail_lines=self.log_tail_lines,
+                    pod["metadata"]["name"], ns, container=CONTAINER_NAME, tail_lines=self.log_tail_lines,
                     _request_timeout=self.request_timeout_s)
                 result.log_tail = text.splitlines()[-self.log_tail_lines:]
             except Exception:

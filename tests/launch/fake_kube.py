@@ -74,7 +74,9 @@ class FakeCluster:
     def set_condition(self, ns: str, name: str, ctype: str, reason: str = "", message: str = "") -> None:
         """Sets condition ``ctype`` True the way the operator does (Running/Restarting exclusive, etc.)."""
         with self.cond:
-            job = self.jobs[(ns, name)]
+            job = self.jobs.get((ns, name))
+            if job is None:  # deleted meanwhile: the operator has nothing to update
+                return
             conds = job["status"].setdefault("conditions", [])
             if ctype in ("Succeeded", "Failed", "Restarting"):
                 for c in conds:

@@ -183,3 +183,20 @@ def test_unreachable_api_is_reported():
     launcher = sc.PyTorchJobLauncher(api_client=client.ApiClient(config), log=lambda _: None, request_timeout_s=2)
     result = launcher.run(sc.spec(), run_id="run-u", scheduling_timeout_s=10, timeout_s=30)
     assert result.reason.startswith("ApiUnreachable: ") and not result.succeeded
+
+
+def test_cli_submit_sigterm_deletes_job_and_exits_143(server, tmp_path):
+    server.cluster.on_create = sc.run_forever
+    env = {**os.environ, "KUBECONFIG": server.kubeconfig(str(tmp_path / "kubeconfig")), "PYTHONPATH": REPO}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    cmd = [sys.executable, "-m", "domino", "launch", "submit", "--name", "gpt", "--image", "img:1",
+           "--run-id", "cli-term", "--", "--preset", "tiny"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        server.cluster.wait_for(lambda: any(r[2] == "watch" for r in server.cluster.requests), timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert "Interrupted" in err and server.cluster.deleted == ["gpt-cli-term"]
