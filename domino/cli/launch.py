@@ -17,8 +17,11 @@ def _render(args: argparse.Namespace) -> int:
     from domino.launch import naming
     from domino.launch.render import render_job, to_yaml
 
+    from domino.launch.pretrain_args import check_pretrain_args
+
     try:
         spec = spec_from_args(args)
+        check_pretrain_args(spec)
     except LaunchSpecError as error:
         print(f"domino launch render: error: {error}", file=sys.stderr)
         return 2
@@ -41,9 +44,13 @@ def _submit(args: argparse.Namespace) -> int:
     except LaunchSpecError as error:
         print(f"domino launch submit: error: {error}", file=sys.stderr)
         return 2
-    result = run_job(spec, args.backend, timeout_s=args.timeout, scheduling_timeout_s=args.scheduling_timeout,
-                     cleanup=args.cleanup, run_id=args.run_id, log=lambda line: print(line, flush=True),
-                     workdir=args.workdir)
+    try:
+        result = run_job(spec, args.backend, timeout_s=args.timeout, scheduling_timeout_s=args.scheduling_timeout,
+                         cleanup=args.cleanup, run_id=args.run_id, log=lambda line: print(line, flush=True),
+                         workdir=args.workdir)
+    except LaunchSpecError as error:
+        print(f"domino launch submit: error: {error}", file=sys.stderr)
+        return 2
     summary = result.describe(args.tail_lines)
     print(summary, file=sys.stdout if result.succeeded else sys.stderr, flush=True)
     if result.reason.startswith("Interrupted"):

@@ -129,11 +129,14 @@ def run_job(
         workdir: local backend only: the directory standing in for the shared volume.
 
     Raises:
-        LaunchSpecError: invalid ``spec`` (before anything is created).
+        LaunchSpecError: invalid ``spec`` or ``domino pretrain`` arguments (before anything is created).
         ValueError: unknown ``backend`` or ``cleanup``.
     """
+    from domino.launch.pretrain_args import check_pretrain_args
+
     check_cleanup(cleanup)
     spec.validate()
+    check_pretrain_args(spec)
     if backend == "pytorchjob":
         from domino.launch.kube_backend import PyTorchJobLauncher
 

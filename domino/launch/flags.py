@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 from domino.launch.spec import (
     CLEAN_POD_POLICIES,
@@ -68,15 +68,6 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
                         help="'--' then the domino pretrain flags, e.g. -- --preset tiny --train-iters 100")
 
 
-def split_pretrain_args(argv: Sequence[str]) -> "tuple[List[str], List[str]]":
-    """Splits ``argv`` at the first ``--`` into (launch flags, pretrain flags)."""
-    argv = list(argv)
-    if "--" in argv:
-        i = argv.index("--")
-        return argv[:i], argv[i + 1:]
-    return argv, []
-
-
 def spec_from_args(args: argparse.Namespace, pretrain_args: Optional[List[str]] = None) -> JobSpec:
     """Builds (and validates) the :class:`JobSpec` from parsed flags."""
     extra = list(pretrain_args if pretrain_args is not None else (args.pretrain_args or []))
@@ -104,4 +95,4 @@ def spec_from_args(args: argparse.Namespace, pretrain_args: Optional[List[str]] 
     return spec
 
 
-__all__ = ["LaunchSpecError", "add_spec_flags", "spec_from_args", "split_pretrain_args"]
+__all__ = ["LaunchSpecError", "add_spec_flags", "spec_from_args"]

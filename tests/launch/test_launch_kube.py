@@ -150,7 +150,8 @@ def _cli(server, tmp_path, extra):
     env = {**os.environ, "KUBECONFIG": server.kubeconfig(str(tmp_path / "kubeconfig")), "PYTHONPATH": REPO}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     cmd = [sys.executable, "-m", "domino", "launch", "submit", "--name", "gpt", "--image", "img:1", "--nodes", "2",
-           "--scheduling-timeout", "10", "--timeout", "60", *extra, "--", "--preset", "tiny"]
+           "--scheduling-timeout", "10", "--timeout", "60", *extra, "--", "--preset", "tiny", "--train-iters", "2",
+           "--mock-data"]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -190,7 +191,7 @@ def test_cli_submit_sigterm_deletes_job_and_exits_143(server, tmp_path):
     env = {**os.environ, "KUBECONFIG": server.kubeconfig(str(tmp_path / "kubeconfig")), "PYTHONPATH": REPO}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     cmd = [sys.executable, "-m", "domino", "launch", "submit", "--name", "gpt", "--image", "img:1",
-           "--run-id", "cli-term", "--", "--preset", "tiny"]
+           "--run-id", "cli-term", "--", "--preset", "tiny", "--train-iters", "2", "--mock-data"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         server.cluster.wait_for(lambda: any(r[2] == "watch" for r in server.cluster.requests), timeout=60)
@@ -200,3 +201,10 @@ def test_cli_submit_sigterm_deletes_job_and_exits_143(server, tmp_path):
         proc.kill()
     assert proc.returncode == 143, err
     assert "Interrupted" in err and server.cluster.deleted == ["gpt-cli-term"]
+
+
+def test_cli_submit_rejects_bad_pretrain_args_before_creating_anything(server, tmp_path):
+    bad = _cli(server, tmp_path, ["--run-id", "cli-typo", "--", "--tensor-model-parallel-sise", "2"])
+    assert bad.returncode == 2
+    assert "domino pretrain arguments: unrecognized arguments: --tensor-model-parallel-sise" in bad.stderr
+    assert server.cluster.requests == []

@@ -142,13 +142,13 @@ def test_cli_render_prints_the_job(capsys):
         domino_main(["launch", "render", "--name", "gpt", "--image", "img:1", "--nodes", "2", "--nproc-per-node",
                      "2", "--gpus-per-node", "2", "--pvc", "shared", "--run-id", "abc", "--toleration",
                      "nvidia.com/gpu:NoSchedule", "--env", "NCCL_DEBUG=WARN", "--", "--preset", "tiny",
-                     "--train-iters", "4"])
+                     "--train-iters", "4", "--mock-data"])
     assert exit_info.value.code == 0
     job = yaml.safe_load(capsys.readouterr().out)
     validate_job(job)
     assert job["metadata"]["name"] == "gpt-abc"
     master = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
-    assert master["containers"][0]["command"][4:8] == ["--preset", "tiny", "--train-iters", "4"]
+    assert master["containers"][0]["command"][4:9] == ["--preset", "tiny", "--train-iters", "4", "--mock-data"]
     assert master["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
 
@@ -166,3 +166,31 @@ def test_rendering_imports_neither_torch_nor_kubernetes():
             "bad = [m for m in ('torch', 'kubernetes') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code.replace("from domino.cli.main import build_parser; build_parser(); ",
                                                        "")], check=True)
+
+
+def test_pretrain_args_are_checked_for_the_jobs_world_size():
+    from domino.launch.pretrain_args import check_pretrain_args
+
+    ok = JobSpec(name="gpt", image="i", nodes=2, nproc_per_node=2,
+                 pretrain_args=["--preset", "tiny", "--tensor-model-parallel-size", "2", "--train-iters", "4",
+                                "--data-path", "/mnt/domino/data/x_text_document"])
+    check_pretrain_args(ok)
+    with pytest.raises(LaunchSpecError, match="world size 3 is not divisible by --tensor-model-parallel-size 2"):
+        check_pretrain_args(JobSpec(**{**ok.__dict__, "nodes": 3, "nproc_per_node": 1}))
+    with pytest.raises(LaunchSpecError, match="unrecognized arguments: --trian-iters"):
+        check_pretrain_args(JobSpec(**{**ok.__dict__, "pretrain_args": ["--mock-data", "--trian-iters", "4"]}))
+    with pytest.raises(LaunchSpecError, match="no training data"):
+        check_pretrain_args(JobSpec(**{**ok.__dict__, "pretrain_args": ["--train-iters", "4"]}))
+    check_pretrain_args(JobSpec(**{**ok.__dict__, "command": ["sleep", "1"], "pretrain_args": ["--what"]}))
+
+
+def test_run_job_rejects_bad_args_before_any_backend_work(tmp_path):
+    from domino.launch import run_job
+
+    with pytest.raises(LaunchSpecError, match="--train-iters"):
+        run_job(JobSpec(name="gpt", image="i", pretrain_args=["--mock-data"]), "local", workdir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="--cleanup"):
+        run_job(JobSpec(name="gpt", image="i", command=["true"]), "local", cleanup="sometimes")
+    with pytest.raises(ValueError, match="backend"):
+        run_job(JobSpec(name="gpt", image="i", command=["true"]), "slurm")

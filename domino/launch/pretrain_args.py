@@ -1,0 +1,43 @@
+"""Checks a job's ``domino pretrain`` arguments on the launching machine, before any pod exists.
+
+A typo in a flag or a parallel layout that does not divide the job's world size would otherwise
+surface only after the pods were scheduled and the image pulled. The check parses the arguments with
+the same config flags ``domino pretrain`` uses and validates them for training at the job's world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from domino.config import ConfigError, add_config_flags, config_from_args
+from domino.launch.render import container_command
+from domino.launch.spec import JobSpec, LaunchSpecError
+
+#: Flags ``domino pretrain`` takes besides the config flags.
+PRETRAIN_EXTRA_FLAGS = ("--result-json",)
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print and exit; the launcher reports instead
+        raise LaunchSpecError(f"domino pretrain arguments: {message}")
+
+
+def check_pretrain_args(spec: JobSpec) -> None:
+    """Raises :class:`LaunchSpecError` when ``spec.pretrain_args`` would make ``domino pretrain`` fail
+    at start-up (unknown flag, bad value, no data, a layout that does not fit the world size).
+
+    A ``command`` override is the user's own command and is not checked.
+    """
+    if spec.command is not None:
+        return
+    parser = _RaisingParser(prog="domino pretrain", add_help=False)
+    add_config_flags(parser)
+    for flag in PRETRAIN_EXTRA_FLAGS:
+        parser.add_argument(flag)
+    # Check what the container will run: the arguments plus the --save/--load the renderer adds.
+    command = container_command(spec, spec.name)
+    args = parser.parse_args(command[command.index("pretrain") + 1:])
+    try:
+        config_from_args(args, world_size=spec.world_size, for_training=True)
+    except ConfigError as error:
+        raise LaunchSpecError(f"domino pretrain arguments (world size {spec.world_size}): {error}") from None
