@@ -42,7 +42,9 @@ class JobResult:
 
     def describe(self, lines: int = 20) -> str:
         """A multi-line summary for humans: outcome, reason and the last ``lines`` log lines."""
-        head = f"job {self.name}: {self.phase}" + (f" (exit code {self.exit_code})" if self.exit_code is not None else "")
+        head = f"job {self.name}: {self.phase}"
+        if self.exit_code is not None:
+            head += f" (exit code {self.exit_code})"
         out = [head]
         if self.reason:
             out.append(f"reason: {self.reason}")

@@ -48,22 +48,31 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     storage.add_argument("--checkpoint-dir", default=None,
                          help="--save/--load directory (default: MOUNT_PATH/checkpoints/JOB_NAME).")
     sched = parser.add_argument_group("scheduling")
-    sched.add_argument("--node-selector", action="append", default=[], metavar="KEY=VALUE")
-    sched.add_argument("--toleration", action="append", default=[], metavar="KEY[=VALUE][:EFFECT]")
-    sched.add_argument("--priority-class", default=None)
-    sched.add_argument("--image-pull-secret", action="append", default=[], metavar="SECRET")
-    sched.add_argument("--image-pull-policy", default="IfNotPresent", choices=PULL_POLICIES)
+    sched.add_argument("--node-selector", action="append", default=[], metavar="KEY=VALUE",
+                       help="Pod node selector entry (repeatable).")
+    sched.add_argument("--toleration", action="append", default=[], metavar="KEY[=VALUE][:EFFECT]",
+                       help="Pod toleration (repeatable); without =VALUE the operator is Exists.")
+    sched.add_argument("--priority-class", default=None, help="PriorityClass of the training pods.")
+    sched.add_argument("--image-pull-secret", action="append", default=[], metavar="SECRET",
+                       help="Secret for a private registry (repeatable).")
+    sched.add_argument("--image-pull-policy", default="IfNotPresent", choices=PULL_POLICIES,
+                       help="(default: IfNotPresent)")
     sched.add_argument("--service-account", default=None, help="ServiceAccount of the training pods.")
     meta = parser.add_argument_group("metadata")
     meta.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="Extra container env.")
-    meta.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
-    meta.add_argument("--annotation", action="append", default=[], metavar="KEY=VALUE")
+    meta.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                      help="Extra label on the job and its pods (repeatable).")
+    meta.add_argument("--annotation", action="append", default=[], metavar="KEY=VALUE",
+                      help="Extra annotation on the job and its pods (repeatable).")
     policy = parser.add_argument_group("failure policy")
-    policy.add_argument("--restart-policy", default="OnFailure", choices=RESTART_POLICIES)
-    policy.add_argument("--backoff-limit", type=int, default=3)
-    policy.add_argument("--active-deadline-seconds", type=int, default=None)
-    policy.add_argument("--ttl-seconds-after-finished", type=int, default=86400)
-    policy.add_argument("--clean-pod-policy", default="Running", choices=CLEAN_POD_POLICIES)
+    policy.add_argument("--restart-policy", default="OnFailure", choices=RESTART_POLICIES,
+                        help="OnFailure: restart failed pods; ExitCode: only exit codes 128-255 (default: OnFailure).")
+    policy.add_argument("--backoff-limit", type=int, default=3, help="Restarts before the job fails (default: 3).")
+    policy.add_argument("--active-deadline-seconds", type=int, default=None, help="Cluster-side time limit.")
+    policy.add_argument("--ttl-seconds-after-finished", type=int, default=86400,
+                        help="The operator deletes the finished job after this (default: 86400).")
+    policy.add_argument("--clean-pod-policy", default="Running", choices=CLEAN_POD_POLICIES,
+                        help="Pods deleted when the job ends (default: Running).")
     parser.add_argument("pretrain_args", nargs=argparse.REMAINDER,
                         help="'--' then the domino pretrain flags, e.g. -- --preset tiny --train-iters 100")
 
@@ -77,7 +86,8 @@ def spec_from_args(args: argparse.Namespace, pretrain_args: Optional[List[str]] 
     for text in args.toleration:
         tolerations.append(Toleration.parse(text))
     spec = JobSpec(
-        name=args.name, image=args.image, pretrain_args=extra, command=shlex.split(args.command) if args.command else None, namespace=args.namespace,
+        name=args.name, image=args.image, pretrain_args=extra,
+        command=shlex.split(args.command) if args.command else None, namespace=args.namespace,
         nodes=args.nodes, nproc_per_node=args.nproc_per_node, gpus_per_node=args.gpus_per_node,
         cpu_request=args.cpu_request, cpu_limit=args.cpu_limit, memory_request=args.memory_request,
         memory_limit=args.memory_limit, shm_size=args.shm_size or None, pvc=args.pvc, mount_path=args.mount_path,
