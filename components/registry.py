@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from domino.model.weights_io import atomic_write_text
+from domino.atomic_files import atomic_write_text
 
 
 class RegistryError(ValueError):

@@ -27,7 +27,7 @@ def _render(args: argparse.Namespace) -> int:
         return 2
     text = to_yaml(render_job(spec, args.run_id or naming.new_run_id()))
     if args.output:
-        from domino.data.atomic import atomic_write
+        from domino.atomic_files import atomic_write
 
         with atomic_write(args.output, "w") as handle:
             handle.write(text)

@@ -24,7 +24,7 @@ from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
-from domino.data.atomic import atomic_write
+from domino.atomic_files import atomic_write
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
-from domino.data.atomic import commit, fsync_directory, remove_quietly, temporary_name
+from domino.atomic_files import commit, fsync_directory, remove_quietly, temporary_name
 from domino.data.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"

@@ -20,7 +20,7 @@ from typing import Iterable, List, Optional, Sequence
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from domino.data.atomic import atomic_write
+from domino.atomic_files import atomic_write
 from domino.data.errors import DataError
 
 #: Special tokens recognised as "end of document", in order of preference.

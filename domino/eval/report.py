@@ -22,7 +22,7 @@ from domino.eval.report_plots import (
     schedule_figure,
     throughput_figure,
 )
-from domino.model.weights_io import atomic_write_text
+from domino.atomic_files import atomic_write_text
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 60em; color: #222; }

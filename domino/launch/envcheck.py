@@ -15,7 +15,7 @@ import os
 import socket
 from typing import List, Optional
 
-from domino.data.atomic import atomic_write
+from domino.atomic_files import atomic_write
 
 #: Variables the training operator injects, and the ones torchrun adds for its workers.
 RECORDED = (

@@ -21,13 +21,14 @@ import json
 import logging
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from domino.atomic_files import atomic_write_text, commit, remove_quietly, temporary_name
 
 from domino.config import ConfigError
 
@@ -60,48 +61,11 @@ def shard_file_name(tp_rank: int) -> str:
     return f"tp_rank_{tp_rank:02d}.safetensors"
 
 
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; not every platform lets a directory be opened.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_replace(tmp: Path, final: Path) -> None:
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-
-
-def _temp_path(final: Path) -> Path:
-    fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.close(fd)
-    return Path(name)
-
-
-def atomic_write_text(path: PathLike, text: str) -> None:
-    """Writes ``text`` to ``path`` through a temporary file, fsync and rename."""
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_path(final)
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        _atomic_replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_latest(save_root: PathLike, tag: str) -> None:
     """Points ``save_root/latest`` at checkpoint ``tag`` (atomically; call after the checkpoint is complete)."""
     if not _TAG_PATTERN.match(tag):
         raise CheckpointError(f"checkpoint tag {tag!r} is not of the form iter_NNNNNNN")
-    atomic_write_text(Path(save_root) / LATEST_FILE, tag + "\n")
+    atomic_write_text(str(Path(save_root) / LATEST_FILE), tag + "\n")
 
 
 def find_latest_checkpoint(save_root: PathLike) -> Optional[Path]:
@@ -187,7 +151,7 @@ def write_checkpoint_meta(ckpt_dir: PathLike, meta: Dict[str, Any]) -> None:
     """Checks ``meta`` and writes it as ``ckpt_dir/checkpoint.json`` (atomically)."""
     meta = {"format_version": FORMAT_VERSION, **meta}
     _check_meta(meta, f"checkpoint metadata for {ckpt_dir}")
-    atomic_write_text(Path(ckpt_dir) / META_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(str(Path(ckpt_dir) / META_FILE), json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
 def save_model_shard(ckpt_dir: PathLike, state_dict: Dict[str, torch.Tensor], tp_rank: int) -> Path:
@@ -204,12 +168,12 @@ def save_model_shard(ckpt_dir: PathLike, state_dict: Dict[str, torch.Tensor], tp
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
     final = Path(ckpt_dir) / MODEL_DIR / shard_file_name(tp_rank)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_path(final)
+    tmp = temporary_name(str(final))
     try:
-        save_file(tensors, str(tmp), metadata={"format_version": str(FORMAT_VERSION), "tp_rank": str(tp_rank)})
-        _atomic_replace(tmp, final)
+        save_file(tensors, tmp, metadata={"format_version": str(FORMAT_VERSION), "tp_rank": str(tp_rank)})
+        commit(tmp, str(final))
     finally:
-        tmp.unlink(missing_ok=True)
+        remove_quietly(tmp)
     return final
 
 

@@ -27,6 +27,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from domino.atomic_files import atomic_write, fsync_directory
 from domino.config import ConfigError, DominoConfig, config_to_dict
 from domino.model import weights_io
 from domino.parallel import random as tp_random
@@ -43,21 +44,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_write(str(path)) as handle:
+        torch.save(obj, handle)
 
 
 def _maybe_inject_fault(point: str, iteration: int) -> None:
@@ -160,14 +149,14 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
     if rank == 0:
         for sub in ("", "optim", "rng", "model"):
             if (tmp / sub).exists():
-                _fsync_dir(tmp / sub)
+                fsync_directory(tmp / sub)
         if final.exists():  # the same iteration saved again after a resume: replace it whole
             trash = root / f".trash-{tag}"
             shutil.rmtree(trash, ignore_errors=True)
             os.replace(final, trash)
             shutil.rmtree(trash)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_directory(root)
         weights_io.write_latest(root, tag)
         _prune(root, config.checkpoint.keep_last, keep=tag)
         logger.info("saved checkpoint %s", final)

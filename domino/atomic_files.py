@@ -1,7 +1,8 @@
 """Atomic file output: write under a temporary name, fsync, then rename over the final name.
 
 A reader never sees a half-written file under the final name: either the old file, no file, or the
-complete new one. Used for the ``.bin``/``.idx`` pair, the tokenizer files and the sample-index cache.
+complete new one. Every layer writes through here: datasets and their index cache, tokenizer files,
+checkpoint shards and metadata, the promotion registry, reports and rendered manifests.
 """
 
 from __future__ import annotations
@@ -66,3 +67,10 @@ def atomic_write(path: str, mode: str = "wb") -> Iterator[IO]:
     except BaseException:
         remove_quietly(temporary)
         raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Writes ``text`` (UTF-8) to ``path`` atomically, creating the parent directory if needed."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with atomic_write(str(path), "w") as handle:
+        handle.write(text)
