@@ -210,17 +210,45 @@ def _resolve(directory: str, flag: str) -> Optional[Path]:
         raise ConfigError(f"{flag} {directory}: {error}") from error
 
 
-def check_compatible(meta: Dict[str, Any], config: DominoConfig, padded_vocab_size: int, where: Path) -> None:
-    """Raises :class:`ConfigError` when the checkpoint's model cannot be loaded into this run's model."""
+def check_compatible(meta: Dict[str, Any], config: DominoConfig, padded_vocab_size: int, where: Path,
+                     warm_start: bool = False) -> None:
+    """Raises :class:`ConfigError` when the checkpoint's model cannot be loaded into this run's model.
+
+    A warm start may differ in vocabulary padding only (TP=2 pads GPT-2's vocabulary to 50432 rows, TP=1
+    to 50304): the padding rows are dropped or added when the weights are loaded.
+    """
     from domino.config import config_from_dict
 
     saved = config_from_dict(meta["config"]).model
     diffs = [f"{name}: checkpoint {getattr(saved, name)} vs run {getattr(config.model, name)}"
              for name in SHAPE_FIELDS if getattr(saved, name) != getattr(config.model, name)]
-    if meta["padded_vocab_size"] != padded_vocab_size:
+    if meta["padded_vocab_size"] != padded_vocab_size and not warm_start:
         diffs.append(f"padded vocabulary: checkpoint {meta['padded_vocab_size']} vs run {padded_vocab_size}")
     if diffs:
         raise ConfigError(f"--load {where}: the checkpoint's model has a different shape ({'; '.join(diffs)})")
+
+
+#: Parameters with one row per vocabulary entry (the output layer exists only in a last pipeline stage).
+VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _model_weights(ckpt: Path, meta: Dict[str, Any], module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """This TP rank's weights from ``ckpt``, resharded and re-padded to ``module``'s vocabulary if needed."""
+    from domino.model import sharding
+
+    tp_rank, tp = state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
+    local = module.state_dict().get(VOCAB_ROWS[0])
+    rows = local.shape[0] * tp if local is not None else meta["padded_vocab_size"]
+    if meta["padded_vocab_size"] == rows:
+        return weights_io.load_model_shard(ckpt, tp_rank, tp)
+    logger.info("re-padding the vocabulary from %d to %d rows", meta["padded_vocab_size"], rows)
+    full = weights_io.load_full_state_dict(ckpt)
+    for name in VOCAB_ROWS:
+        if name in full:
+            weight = full[name][:rows]
+            padding = weight.new_zeros((rows - weight.shape[0], *weight.shape[1:]))
+            full[name] = torch.cat([weight, padding])
+    return sharding.shard_state_dict(full, tp_rank, tp)
 
 
 def load_checkpoint(engine, config: DominoConfig, ckpt: Path, weights_only: bool = False) -> Tuple[int, int]:
@@ -234,8 +262,7 @@ def load_checkpoint(engine, config: DominoConfig, ckpt: Path, weights_only: bool
     """
     meta = weights_io.read_checkpoint_meta(ckpt)
     tp, dp = state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size()
-    shard = weights_io.load_model_shard(ckpt, state.get_tensor_model_parallel_rank(), tp)
-    engine.module.load_state_dict(shard, strict=True)
+    engine.module.load_state_dict(_model_weights(ckpt, meta, engine.module), strict=True)
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO keeps its own fp32 master copy of the weights
     c = config.checkpoint

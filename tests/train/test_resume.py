@@ -49,3 +49,18 @@ def test_killed_runs_resume_bit_for_bit(tmp_path, corpus_prefix):
     resumed = train_losses(metrics)
     assert sorted(resumed) == list(range(1, 13))
     assert resumed == expected  # exact float equality: bit for bit on CPU
+
+
+def test_warm_start_across_tp_sizes_then_restart_resumes_own_checkpoint(tmp_path, corpus_prefix):
+    """A TP=1 model warm-starts a TP=2 run (vocabulary re-padded 50304 -> 50432 rows); restarting that
+    run's command resumes its own checkpoint in --save instead of warm-starting again."""
+    base = [*TINY, "--data-path", corpus_prefix, "--eval-iters", "0", "--eval-interval", "0"]
+    run_pretrain([*base, "--train-iters", "2", "--save", str(tmp_path / "promoted")])
+    warm = [*base, "--tensor-model-parallel-size", "2", "--domino-chunks", "2", "--load", str(tmp_path / "promoted"),
+            "--finetune", "--save", str(tmp_path / "run")]
+    first = run_pretrain([*warm, "--train-iters", "2"], nproc=2)
+    assert "re-padding the vocabulary from 50304 to 50432 rows" in first.stderr
+    assert "warm start from" in first.stderr
+    again = run_pretrain([*warm, "--train-iters", "3"], nproc=2)
+    assert "resuming it instead of warm-starting" in again.stderr
+    assert "iteration      3/3" in again.stderr and "iteration      1/3" not in again.stderr
