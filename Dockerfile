@@ -17,6 +17,9 @@ FROM ${PYTHON_IMAGE} AS wheel
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY domino ./domino
+# The kfp components run their step code from the image: `components` and `pipelines` ship in the wheel.
+COPY components ./components
+COPY pipelines ./pipelines
 RUN pip install --no-cache-dir "setuptools>=68" wheel \
  && pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

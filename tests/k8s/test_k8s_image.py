@@ -100,6 +100,14 @@ def test_wheel_carries_pyprojects_dependencies_and_the_package_data(tmp_path):
     norm = lambda r: (Requirement(r).name.lower(), frozenset(map(str, Requirement(r).specifier)))  # noqa: E731
     assert {norm(r) for r in requires} == {norm(r) for r in declared}
     assert "domino/launch/envcheck.py" in names and "domino/config/presets/tiny.yaml" in names
+    # The kfp components import their step code inside the image.
+    assert "components/pretrain/step.py" in names and "pipelines/gpt_pretrain.py" in names
+
+
+def test_wheel_stage_copies_every_package_pyproject_installs():
+    includes = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = {line.split()[1] for line in stages()["wheel"] if line.startswith("COPY ")}
+    assert {pattern.rstrip("*") for pattern in includes} <= copied
 
 
 def test_dockerignore_admits_every_copied_path_and_keeps_out_the_venv():
