@@ -64,3 +64,10 @@ def test_warm_start_across_tp_sizes_then_restart_resumes_own_checkpoint(tmp_path
     again = run_pretrain([*warm, "--train-iters", "3"], nproc=2)
     assert "resuming it instead of warm-starting" in again.stderr
     assert "iteration      3/3" in again.stderr and "iteration      1/3" not in again.stderr
+
+
+def test_keep_last_prunes_older_checkpoints(tmp_path, corpus_prefix):
+    save = tmp_path / "ckpt"
+    run_pretrain([*TINY, "--data-path", corpus_prefix, "--train-iters", "4", "--eval-iters", "0", "--eval-interval",
+                  "0", "--save", str(save), "--save-interval", "1", "--keep-last", "2"])
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000003", "iter_0000004", "latest"]
