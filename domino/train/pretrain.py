@@ -126,14 +126,14 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
 
     # Every rank builds the datasets (index caches are built once, behind a world-wide barrier); only TP rank 0
     # reads batches and broadcasts them to its TP group.
+    # Whether a split is empty is thus known on every rank, so all ranks agree on which evaluations run.
     is_data_rank = state.get_tensor_model_parallel_rank() == 0
-    datasets = dataset_builder((train_iters * gbs, eval_samples, eval_samples))
-    train_ds, valid_ds, test_ds = datasets if is_data_rank else (None, None, None)
+    train_ds, valid_ds, test_ds = dataset_builder((train_iters * gbs, eval_samples, eval_samples))
     dp_rank, dp = state.get_data_parallel_rank(), state.get_data_parallel_world_size()
     mbs = t.micro_batch_size
 
     def loader(dataset, consumed_samples: int, workers: int):
-        if dataset is None:
+        if dataset is None or not is_data_rank:
             return None
         return iter(build_pretraining_data_loader(dataset, consumed_samples, mbs, dp_rank, dp, workers))
 
@@ -150,7 +150,7 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     paused = [0.0]  # seconds spent evaluating or saving, kept out of the throughput numbers
 
     def run_eval(split: str, dataset) -> Optional[float]:
-        if t.eval_iters == 0 or (is_data_rank and dataset is None):
+        if t.eval_iters == 0 or dataset is None:
             return None
         started = time.perf_counter()
         loss = evaluate(forward_step, lambda: loader(dataset, 0, 0), engine, t.eval_iters)

@@ -27,3 +27,13 @@ def test_loss_decreases_over_30_iterations(tmp_path, corpus_prefix, nproc, layou
         assert record[key] is not None and record[key] > 0, key
     if "--tensorboard-dir" in layout:
         assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_tp2_with_empty_valid_and_test_splits_skips_evaluation_on_every_rank(tmp_path, corpus_prefix):
+    """Only TP rank 0 reads data, but every rank must agree that there is nothing to evaluate."""
+    metrics = tmp_path / "metrics.jsonl"
+    run_pretrain([*TINY, "--data-path", corpus_prefix, "--split", "100,0,0", "--train-iters", "2", "--eval-interval",
+                  "1", "--eval-iters", "1", "--metrics-file", str(metrics), "--tensor-model-parallel-size", "2"],
+                 nproc=2, timeout=180)
+    assert [r for r in read_metrics(metrics) if "eval" in r] == []
+    assert sorted(train_losses(metrics)) == [1, 2]
