@@ -101,14 +101,12 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
         TrainingDivergedError: after ``--max-nan-steps`` consecutive non-finite losses.
     """
     engine_setup.initialize_runtime(config)
-    world = dist.get_world_size()
-    validate(config, world_size=world, for_training=True)
+    validate(config, world_size=dist.get_world_size(), for_training=True)
     # Fail on a garbage --load before building anything.
     resume_from, warm_start = checkpointing.find_checkpoint(config)
     tp_random.model_parallel_seed(config.train.seed)
 
-    model = model_builder(config)
-    engine = engine_setup.build_engine(model, config)
+    engine = engine_setup.build_engine(model_builder(config), config)
     iteration, consumed = 0, 0
     if resume_from is not None:
         meta = checkpointing.weights_io.read_checkpoint_meta(resume_from)
@@ -116,153 +114,175 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
         iteration, consumed = checkpointing.load_checkpoint(engine, config, resume_from, weights_only=warm_start)
     elif config.checkpoint.load:
         logger.info("--load %s holds no checkpoint yet: starting from scratch", config.checkpoint.load)
+    trainer = _Trainer(config, engine, dataset_builder, forward_step, padded_vocab_size, tokenizer)
+    return trainer.run(iteration, consumed)
 
-    gbs = engine_setup.global_batch_size(config)
-    gas = engine_setup.gradient_accumulation_steps(config)
-    train_iters = _train_iters(config, gbs)
-    t, lg = config.train, config.logging
-    eval_samples = t.eval_iters * gbs if t.eval_interval or t.eval_iters else 0
-    schedule = LearningRateSchedule.from_config(t, train_iters)
 
-    # Every rank builds the datasets (index caches are built once, behind a world-wide barrier); only TP rank 0
-    # reads batches and broadcasts them to its TP group.
-    # Whether a split is empty is thus known on every rank, so all ranks agree on which evaluations run.
-    is_data_rank = state.get_tensor_model_parallel_rank() == 0
-    train_ds, valid_ds, test_ds = dataset_builder((train_iters * gbs, eval_samples, eval_samples))
-    dp_rank, dp = state.get_data_parallel_rank(), state.get_data_parallel_world_size()
-    mbs = t.micro_batch_size
+class _Trainer:
+    """The loop of one run: steps, NaN accounting, interval logging, evaluation and saving."""
 
-    def loader(dataset, consumed_samples: int, workers: int):
-        if dataset is None or not is_data_rank:
+    def __init__(self, config: DominoConfig, engine, dataset_builder: Callable, forward_step: Callable,
+                 padded_vocab_size: int, tokenizer) -> None:
+        self.config, self.engine, self.forward_step = config, engine, forward_step
+        self.padded_vocab_size, self.tokenizer = padded_vocab_size, tokenizer
+        t, lg = config.train, config.logging
+        self.gbs = engine_setup.global_batch_size(config)
+        self.gas = engine_setup.gradient_accumulation_steps(config)
+        self.train_iters = _train_iters(config, self.gbs)
+        self.schedule = LearningRateSchedule.from_config(t, self.train_iters)
+        eval_samples = t.eval_iters * self.gbs if t.eval_interval or t.eval_iters else 0
+        # Every rank builds the datasets (index caches are built once, behind a world-wide barrier), so every
+        # rank knows which splits are empty; only TP rank 0 reads batches and broadcasts them to its TP group.
+        self.is_data_rank = state.get_tensor_model_parallel_rank() == 0
+        self.train_ds, self.valid_ds, self.test_ds = dataset_builder(
+            (self.train_iters * self.gbs, eval_samples, eval_samples))
+        self.timers = Timers(lg.timing_log_level)
+        self.writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, enabled=dist.get_rank() == 0)
+        self.peak = lg.peak_tflops or detect_peak_tflops()
+        self.flops_per_token = training_flops_per_token(config.model, padded_vocab_size)
+        self.paused = 0.0  # seconds spent evaluating or saving, kept out of the throughput numbers
+        self.skipped = self.nan_streak = 0
+        self.grad_norm: Optional[float] = None
+        self.last_train_loss: Optional[float] = None
+
+    def _loader(self, dataset, consumed_samples: int, workers: int):
+        if dataset is None or not self.is_data_rank:
             return None
-        return iter(build_pretraining_data_loader(dataset, consumed_samples, mbs, dp_rank, dp, workers))
+        return iter(build_pretraining_data_loader(
+            dataset, consumed_samples, self.config.train.micro_batch_size, state.get_data_parallel_rank(),
+            state.get_data_parallel_world_size(), workers))
 
-    timers = Timers(lg.timing_log_level)
-    train_iter = loader(train_ds, consumed, config.data.num_workers)
-    train_iter = _TimedIterator(train_iter, timers) if train_iter is not None else None
-    rank0 = dist.get_rank() == 0
-    writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, enabled=rank0)
-    writer.drop_after(iteration)
-    peak = lg.peak_tflops or detect_peak_tflops()
-    flops_per_token = training_flops_per_token(config.model, padded_vocab_size)
-    tokens_per_iter = gbs * config.model.seq_length
-
-    paused = [0.0]  # seconds spent evaluating or saving, kept out of the throughput numbers
-
-    def run_eval(split: str, dataset) -> Optional[float]:
-        if t.eval_iters == 0 or dataset is None:
-            return None
-        started = time.perf_counter()
-        loss = evaluate(forward_step, lambda: loader(dataset, 0, 0), engine, t.eval_iters)
-        paused[0] += time.perf_counter() - started
-        logger.info("%s loss at iteration %d: lm loss %.4E | ppl %.4E", split, iteration, loss, perplexity(loss))
-        writer.write({"eval": split, "iteration": iteration, "lm_loss": loss, "ppl": perplexity(loss)})
-        return loss
-
-    def save() -> str:
-        started = time.perf_counter()
-        path = checkpointing.save_checkpoint(engine, config, iteration, consumed, padded_vocab_size, tokenizer)
-        paused[0] += time.perf_counter() - started
-        return str(path)
-
-    logger.info("training %d iterations: global batch %d (micro %d x DP %d x accumulation %d), TP %d, "
-                "Domino chunks %d, ZeRO %d", train_iters, gbs, mbs, dp, gas,
-                state.get_tensor_model_parallel_world_size(), config.parallel.domino_chunks, config.parallel.zero_stage)
-    engine.train()
-    interval_loss, interval_iters, interval_start = 0.0, 0, time.perf_counter()
-    skipped_total = nan_streak = 0
-    grad_norm = None
-    last_train_loss = last_valid = tokens_per_s = None
-    checkpoint_path, saved_at = None, None
-    run_start, start_iteration = time.perf_counter(), iteration
-    interval_start_iter = iteration
-
-    while iteration < train_iters:
-        lr = schedule.lr_at(iteration)
-        _set_lr(engine, lr)
+    def _step(self, train_iter) -> Tuple[float, bool]:
+        """One optimizer step over ``gas`` micro-batches; returns (mean loss, whether it was finite)."""
+        engine, timers = self.engine, self.timers
         iteration_loss, finite = 0.0, True
         timers.start("forward-backward")
-        for micro in range(gas):
+        for micro in range(self.gas):
             timers.start("forward")
-            output, loss_fn = forward_step(train_iter, engine)
+            output, loss_fn = self.forward_step(train_iter, engine)
             loss, stats = loss_fn(output)
             timers.stop("forward")
             averaged = float(stats["lm loss"])
             finite = finite and math.isfinite(averaged)
-            iteration_loss += averaged / gas
+            iteration_loss += averaged / self.gas
             timers.start("backward")
             # A non-finite loss (agreed by all ranks: it is the DP average) contributes zero gradients.
             engine.backward(loss if finite else _zero_gradient_loss(engine.module))
             timers.stop("backward")
-            if micro == gas - 1:
+            if micro == self.gas - 1:
                 timers.stop("forward-backward")
                 if not finite:
                     _set_lr(engine, 0.0)  # skip the update; only the Adam moments decay once
                 timers.start("optimizer")
-                if engine_setup.clips_itself(config):
-                    grad_norm = engine_setup.clip_gradients(engine, t.clip_grad)
-            engine.step()
+                if engine_setup.clips_itself(self.config):
+                    self.grad_norm = engine_setup.clip_gradients(engine, self.config.train.clip_grad)
+            engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
         timers.stop("optimizer")
-        iteration += 1
-        consumed += gbs
-        if finite:
-            nan_streak = 0
-            interval_loss += iteration_loss
-            interval_iters += 1
-            last_train_loss = iteration_loss
-        else:
-            nan_streak += 1
-            skipped_total += 1
-            logger.warning("iteration %d: non-finite loss, update skipped (%d in a row)", iteration, nan_streak)
-            if nan_streak >= t.max_nan_steps:
-                raise TrainingDivergedError(
-                    f"the loss was NaN/inf for {nan_streak} consecutive iterations (up to iteration {iteration}; "
-                    f"--max-nan-steps {t.max_nan_steps}); last finite loss {last_train_loss}. Lower --lr, "
-                    "use --bf16 instead of --fp16, or check the data.")
+        return iteration_loss, finite
 
-        if iteration % lg.log_interval == 0 or iteration == train_iters:
-            elapsed = time.perf_counter() - interval_start - paused[0]
-            n = max(iteration - interval_start_iter, 1)
-            iter_time = elapsed / n
-            tokens_per_s = tokens_per_iter / iter_time
-            tflops = flops_per_token * tokens_per_s / world / 1e12
-            if not engine_setup.clips_itself(config):
-                grad_norm = engine.get_global_grad_norm()
-            scaler = getattr(engine.optimizer, "loss_scaler", None)
-            record = {
-                "iteration": iteration, "consumed_samples": consumed,
-                "lm_loss": interval_loss / interval_iters if interval_iters else float("nan"),
-                "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "loss_scale": float(scaler.cur_scale) if scaler is not None and t.fp16 else None,
-                "skipped_iterations": skipped_total + (int(engine.skipped_steps) if t.fp16 else 0),
-                "iteration_time_s": iter_time, "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
-                "mfu": tflops / peak if peak else None, "memory_gb": memory_gb(),
-                "eta_s": iter_time * (train_iters - iteration),
-            }
-            totals = timers.pop_all()
-            if totals:
-                record["timers_ms_per_iter"] = {k: 1000 * v / n for k, v in totals.items()}
-            writer.write(record)
-            logger.info("%s", format_iteration_line(record, train_iters))
-            if totals:
-                logger.info("%s", Timers.format(totals, n))
-            interval_loss, interval_iters, interval_start = 0.0, 0, time.perf_counter()
-            interval_start_iter, paused[0] = iteration, 0.0
+    def _count_non_finite(self, iteration: int) -> None:
+        self.nan_streak += 1
+        self.skipped += 1
+        logger.warning("iteration %d: non-finite loss, update skipped (%d in a row)", iteration, self.nan_streak)
+        limit = self.config.train.max_nan_steps
+        if self.nan_streak >= limit:
+            raise TrainingDivergedError(
+                f"the loss was NaN/inf for {self.nan_streak} consecutive iterations (up to iteration {iteration}; "
+                f"--max-nan-steps {limit}); last finite loss {self.last_train_loss}. Lower --lr, "
+                "use --bf16 instead of --fp16, or check the data.")
 
-        if t.eval_interval and iteration % t.eval_interval == 0 and iteration < train_iters:
-            last_valid = run_eval("valid", valid_ds)
-        c = config.checkpoint
-        if c.save and c.save_interval and iteration % c.save_interval == 0:
-            checkpoint_path, saved_at = save(), iteration
-        if t.exit_interval and iteration % t.exit_interval == 0:
-            logger.info("--exit-interval %d reached at iteration %d", t.exit_interval, iteration)
-            break
+    def _log(self, iteration: int, consumed: int, lr: float, losses: list, iterations: int, elapsed: float) -> float:
+        """Writes the interval's record and log line; returns tokens/s."""
+        t, engine = self.config.train, self.engine
+        iter_time = (elapsed - self.paused) / max(iterations, 1)
+        tokens_per_s = self.gbs * self.config.model.seq_length / iter_time
+        tflops = self.flops_per_token * tokens_per_s / dist.get_world_size() / 1e12
+        if not engine_setup.clips_itself(self.config):
+            self.grad_norm = engine.get_global_grad_norm()
+        scaler = getattr(engine.optimizer, "loss_scaler", None)
+        record = {
+            "iteration": iteration, "consumed_samples": consumed,
+            "lm_loss": sum(losses) / len(losses) if losses else float("nan"),
+            "lr": lr, "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
+            "loss_scale": float(scaler.cur_scale) if scaler is not None and t.fp16 else None,
+            "skipped_iterations": self.skipped + (int(engine.skipped_steps) if t.fp16 else 0),
+            "iteration_time_s": iter_time, "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
+            "mfu": tflops / self.peak if self.peak else None, "memory_gb": memory_gb(),
+            "eta_s": iter_time * (self.train_iters - iteration),
+        }
+        totals = self.timers.pop_all()
+        if totals:
+            record["timers_ms_per_iter"] = {k: 1000 * v / max(iterations, 1) for k, v in totals.items()}
+        self.writer.write(record)
+        logger.info("%s", format_iteration_line(record, self.train_iters))
+        if totals:
+            logger.info("%s", Timers.format(totals, iterations))
+        self.paused = 0.0
+        return tokens_per_s
 
-    if config.checkpoint.save and saved_at != iteration:
-        checkpoint_path = save()
-    if t.eval_interval or t.eval_iters:
-        last_valid = run_eval("valid", valid_ds)
-    last_test = run_eval("test", test_ds)
-    writer.close()
-    logger.info("done: %d iterations in %.1f s", iteration - start_iteration, time.perf_counter() - run_start)
-    return TrainingResult(iteration, consumed, last_train_loss, last_valid, last_test, tokens_per_s, checkpoint_path)
+    def _evaluate(self, split: str, dataset, iteration: int) -> Optional[float]:
+        if self.config.train.eval_iters == 0 or dataset is None:
+            return None
+        started = time.perf_counter()
+        loss = evaluate(self.forward_step, lambda: self._loader(dataset, 0, 0), self.engine,
+                        self.config.train.eval_iters)
+        self.paused += time.perf_counter() - started
+        logger.info("%s loss at iteration %d: lm loss %.4E | ppl %.4E", split, iteration, loss, perplexity(loss))
+        self.writer.write({"eval": split, "iteration": iteration, "lm_loss": loss, "ppl": perplexity(loss)})
+        return loss
+
+    def _save(self, iteration: int, consumed: int) -> str:
+        started = time.perf_counter()
+        path = checkpointing.save_checkpoint(self.engine, self.config, iteration, consumed, self.padded_vocab_size,
+                                             self.tokenizer)
+        self.paused += time.perf_counter() - started
+        return str(path)
+
+    def run(self, iteration: int, consumed: int) -> TrainingResult:
+        """Trains from ``iteration`` (``consumed`` samples done) to ``--train-iters``."""
+        config, t, lg, c = self.config, self.config.train, self.config.logging, self.config.checkpoint
+        train_iter = self._loader(self.train_ds, consumed, config.data.num_workers)
+        train_iter = _TimedIterator(train_iter, self.timers) if train_iter is not None else None
+        self.writer.drop_after(iteration)
+        logger.info("training %d iterations: global batch %d (micro %d x DP %d x accumulation %d), TP %d, "
+                    "Domino chunks %d, ZeRO %d", self.train_iters, self.gbs, t.micro_batch_size,
+                    state.get_data_parallel_world_size(), self.gas, state.get_tensor_model_parallel_world_size(),
+                    config.parallel.domino_chunks, config.parallel.zero_stage)
+        self.engine.train()
+        run_start, start_iteration = time.perf_counter(), iteration
+        interval_start, interval_first, interval_losses = time.perf_counter(), iteration, []
+        last_valid = tokens_per_s = checkpoint_path = saved_at = None
+
+        while iteration < self.train_iters:
+            lr = self.schedule.lr_at(iteration)
+            _set_lr(self.engine, lr)
+            loss, finite = self._step(train_iter)
+            iteration += 1
+            consumed += self.gbs
+            if finite:
+                self.nan_streak = 0
+                interval_losses.append(loss)
+                self.last_train_loss = loss
+            else:
+                self._count_non_finite(iteration)
+            if iteration % lg.log_interval == 0 or iteration == self.train_iters:
+                tokens_per_s = self._log(iteration, consumed, lr, interval_losses, iteration - interval_first,
+                                         time.perf_counter() - interval_start)
+                interval_start, interval_first, interval_losses = time.perf_counter(), iteration, []
+            if t.eval_interval and iteration % t.eval_interval == 0 and iteration < self.train_iters:
+                last_valid = self._evaluate("valid", self.valid_ds, iteration)
+            if c.save and c.save_interval and iteration % c.save_interval == 0:
+                checkpoint_path, saved_at = self._save(iteration, consumed), iteration
+            if t.exit_interval and iteration % t.exit_interval == 0:
+                logger.info("--exit-interval %d reached at iteration %d", t.exit_interval, iteration)
+                break
+
+        if c.save and saved_at != iteration:
+            checkpoint_path = self._save(iteration, consumed)
+        if t.eval_interval or t.eval_iters:
+            last_valid = self._evaluate("valid", self.valid_ds, iteration)
+        last_test = self._evaluate("test", self.test_ds, iteration)
+        self.writer.close()
+        logger.info("done: %d iterations in %.1f s", iteration - start_iteration, time.perf_counter() - run_start)
+        return TrainingResult(iteration, consumed, self.last_train_loss, last_valid, last_test, tokens_per_s,
+                              checkpoint_path)
