@@ -29,6 +29,10 @@ class GradAllReduceSlot:
     def __init__(self) -> None:
         self.handle = None
 
+    def launch(self, grad: torch.Tensor) -> None:
+        """Starts the in-place all-reduce of ``grad`` over the TP group; :meth:`wait` waits for it."""
+        self.handle = all_reduce_async(grad)
+
     def wait(self) -> None:
         """Blocks until the launched all-reduce (if any) finished."""
         if self.handle is not None:
@@ -51,7 +55,7 @@ class _LinearAsyncInputGrad(torch.autograd.Function):
         grad_input = grad_out.matmul(weight)
         # Async launch: the input-gradient all-reduce runs during the weight-gradient GEMM below and
         # whatever autograd schedules next; _WaitInputGrad waits for it before LayerNorm's backward reads it.
-        ctx.slot.handle = all_reduce_async(grad_input)
+        ctx.slot.launch(grad_input)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_weight = g2.t().matmul(x.reshape(-1, x.shape[-1]))
         grad_bias = g2.sum(dim=0) if ctx.has_bias else None

@@ -79,7 +79,7 @@ class DominoLayerStack:
         yield
         for i, layer in enumerate(self.layers):
             attention, mlp = layer.attention, layer.mlp
-            ctx = attention.context(column_parallel_async(guarded, attention.query_key_value), mask)  # A
+            ctx = attention.context(*attention.qkv(*guarded), mask)  # A
             yield
             pending = _Pending(attention.dense.partial(ctx), attention.dense.bias)  # B
             yield

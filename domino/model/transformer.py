@@ -5,9 +5,10 @@ Read it as a plain GPT block::
     h = h + dropout(attention(LN1(h)))
     h = h + dropout(mlp(LN2(h)))
 
-Tensor parallelism lives in the layer classes: the fused QKV and the MLP's first linear are column-parallel
+Tensor parallelism lives in the layer classes: the fused QKV (computed as separate q, k, v products by
+:mod:`domino.model.qkv_projection`) and the MLP's first linear are column-parallel
 (each rank computes its own heads / its slice of the inner width), the attention output projection and the
-MLP's second linear are row-parallel (their partial sums are all-reduced). The pieces (``context``,
+MLP's second linear are row-parallel (their partial sums are all-reduced). The pieces (``qkv``, ``context``,
 ``partial`` ...) are exposed so that :mod:`domino.model.domino_stack` can run the same parameters on an
 overlapped schedule.
 
@@ -25,8 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from domino.config import ModelConfig
+from domino.model.domino_ops import GradAllReduceSlot
 from domino.model.kv_cache import KVCache
-from domino.parallel.collectives import tp_rank_and_size
+from domino.model.qkv_projection import qkv_projection
+from domino.parallel.collectives import copy_to_tp_region, tp_rank_and_size
 from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from domino.parallel.random import tp_region_rng
 
@@ -57,17 +60,28 @@ class ParallelSelfAttention(nn.Module):
         self.dense = RowParallelLinear(config.hidden_size, config.hidden_size, input_is_parallel=True,
                                        init_std=output_init_std(config), skip_bias_add=True)
 
-    def context(self, mixed_qkv: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        """Attention of this rank's heads: ``[b, s, 3 h/tp]`` fused QKV -> ``[b, s, h/tp]`` context.
+    def qkv(self, x: torch.Tensor, slot: Optional[GradAllReduceSlot] = None) -> Tuple[torch.Tensor, ...]:
+        """This rank's queries, keys and values, each ``[b, s, h/tp]``, from the fused ``query_key_value``.
+
+        Without ``slot`` (synchronous TP) the input's gradient is all-reduced inside backward; Domino passes
+        the slot of its gradient guard and the all-reduce is launched into it (:mod:`domino.model.domino_ops`).
+        """
+        layer = self.query_key_value
+        if slot is None:
+            x = copy_to_tp_region(x)
+        return qkv_projection(x, layer.weight, layer.bias, self.heads_per_rank, slot)
+
+    def context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        """Attention of this rank's heads: ``[b, s, h/tp]`` queries, keys, values -> ``[b, s, h/tp]`` context.
 
         Args:
-            mixed_qkv: output of ``query_key_value``.
+            q, k, v: outputs of :meth:`qkv`.
             attention_mask: None for plain causal attention, else bool ``[b or 1, 1, s, s_total]``, True = masked.
             kv_cache: when given, the new keys/values are appended and attention spans all cached tokens.
         """
-        b, s, _ = mixed_qkv.shape
-        q, k, v = mixed_qkv.view(b, s, self.heads_per_rank, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        b, s, _ = q.shape
+        q, k, v = (t.view(b, s, self.heads_per_rank, self.head_dim).transpose(1, 2) for t in (q, k, v))
         past = 0
         if kv_cache is not None:
             past = kv_cache.length
@@ -87,7 +101,7 @@ class ParallelSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(output_without_bias, bias)`` (the bias is added with dropout and the residual)."""
-        return self.dense(self.context(self.query_key_value(x), attention_mask, kv_cache))
+        return self.dense(self.context(*self.qkv(x), attention_mask, kv_cache))
 
 
 class ParallelMLP(nn.Module):

@@ -13,10 +13,15 @@ largest activation in the model; instead each rank keeps its ``V / tp`` columns,
 Memory and speed: one fp32 ``[.., V/tp]`` buffer holds the softmax saved for backward, and backward turns it
 into the gradient in place (so re-using the loss with ``retain_graph`` is not supported, as in Megatron-LM).
 :func:`vocab_parallel_linear_cross_entropy` also computes the logits itself, so for fp32 the softmax
-overwrites them and the logits' buffer is the only logits-sized allocation of the whole loss.
+overwrites them and the logits' buffer is the only logits-sized allocation of the whole loss; once backward is
+done with it, that buffer is kept for the next step (:class:`_LogitsBuffer`). Backward applies the upstream
+per-token gradient to the ``[.., h]`` operands of its two GEMMs rather than to the ``[.., V/tp]`` gradient.
 """
 
 from __future__ import annotations
+
+import threading
+from typing import Optional
 
 import torch
 
@@ -57,10 +62,14 @@ def _softmax_and_loss(logits: torch.Tensor, target: torch.Tensor, in_place: bool
     return probs, loss, local_target, outside
 
 
+def _softmax_minus_one_hot_(probs, local_target, outside) -> torch.Tensor:
+    """Turns the saved softmax into ``softmax - one_hot`` (``d loss / d logits`` per unit loss), in place."""
+    return probs.scatter_add_(-1, local_target.unsqueeze(-1), (outside.to(probs.dtype) - 1.0).unsqueeze(-1))
+
+
 def _softmax_to_grad_(probs, local_target, outside, grad_loss) -> torch.Tensor:
     """Turns the saved softmax into ``d loss / d logits = (softmax - one_hot) * grad_loss``, in place."""
-    probs.scatter_add_(-1, local_target.unsqueeze(-1), (outside.to(probs.dtype) - 1.0).unsqueeze(-1))
-    return probs.mul_(grad_loss.unsqueeze(-1))
+    return _softmax_minus_one_hot_(probs, local_target, outside).mul_(grad_loss.unsqueeze(-1))
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -77,23 +86,72 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return _softmax_to_grad_(probs, local_target, outside, grad_loss).to(ctx.input_dtype), None
 
 
+class _LogitsBuffer:
+    """Keeps the last released logits-sized buffer of the fused loss for the next step's forward.
+
+    The fused loss needs one ``[tokens, V/tp]`` buffer per step. On CPU a fresh allocation of that size is
+    mapped from the OS (and zero-filled page by page) every step, which costs about a tenth of the output
+    layer's GEMM; re-using the buffer avoids it (CUDA's caching allocator already does the same). A buffer is
+    lent to one forward at a time and only comes back once its backward has finished with it, so two graphs
+    alive at once (several micro-batches, an evaluation loss with grad enabled) each get their own.
+    """
+
+    def __init__(self) -> None:
+        self._free: Optional[torch.Tensor] = None
+        self._lock = threading.Lock()
+
+    def take(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer of ``shape`` (uninitialised): the kept one when it matches, else a new one."""
+        with self._lock:
+            buf, self._free = self._free, None
+        if buf is not None and buf.shape == shape and buf.dtype == dtype and buf.device == device:
+            return buf
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        """Keeps ``buf`` for the next :meth:`take`; the caller must not read or write it afterwards."""
+        with self._lock:
+            self._free = buf
+
+
+_LOGITS_BUFFER = _LogitsBuffer()
+
+
 class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits = torch.nn.functional.linear(hidden, weight)  # never leaves this function
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                graph: bool) -> torch.Tensor:
+        # F.linear without bias is matmul(hidden, weight.t()); same GEMM, written into a re-used buffer.
+        logits = torch.matmul(hidden, weight.t(),
+                              out=_LOGITS_BUFFER.take((*hidden.shape[:-1], weight.shape[0]), hidden.dtype,
+                                                      hidden.device))
         probs, loss, local_target, outside = _softmax_and_loss(logits, target, in_place=True)
         ctx.save_for_backward(hidden, weight, probs, local_target, outside)
+        ctx.buffer_lent = probs is logits and graph
+        if not ctx.buffer_lent:  # no backward will come, or (lower precision) the softmax has its own buffer
+            _LOGITS_BUFFER.give_back(logits)
+        ctx.backward_done = False
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
+        if ctx.backward_done:  # the softmax was turned into the gradient in place and then released
+            raise RuntimeError("backward through the fused output layer + cross-entropy can only run once "
+                               "(retain_graph is not supported)")
+        ctx.backward_done = True
         hidden, weight, probs, local_target, outside = ctx.saved_tensors
-        grad_logits = _softmax_to_grad_(probs, local_target, outside, grad_loss).to(weight.dtype)
-        grad_hidden = grad_logits.matmul(weight) if ctx.needs_input_grad[0] else None
+        # d loss / d logits = (softmax - one_hot) * grad_loss; the per-token factor grad_loss is applied to the
+        # [tokens, h] operands and results instead of the [tokens, V/tp] gradient (same products, one pass less).
+        grad_logits = _softmax_minus_one_hot_(probs, local_target, outside).to(weight.dtype)
+        scale = grad_loss.unsqueeze(-1).to(weight.dtype)
+        grad_hidden = grad_logits.matmul(weight).mul_(scale) if ctx.needs_input_grad[0] else None
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = grad_logits.reshape(-1, weight.shape[0]).t().matmul(hidden.reshape(-1, weight.shape[1]))
-        return grad_hidden, grad_weight, None
+            scaled_hidden = (hidden * scale).reshape(-1, weight.shape[1])
+            grad_weight = grad_logits.reshape(-1, weight.shape[0]).t().matmul(scaled_hidden)
+        if ctx.buffer_lent:
+            _LOGITS_BUFFER.give_back(probs)
+        return grad_hidden, grad_weight, None, None
 
 
 def _check_shapes(logits_shape, target: torch.Tensor) -> None:
@@ -130,4 +188,5 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
         target: ``[...]`` int64 token ids in ``[0, V)``.
     """
     _check_shapes((*hidden.shape[:-1], weight.shape[0]), target)
-    return _LinearVocabParallelCrossEntropy.apply(hidden, weight, target)
+    graph = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LinearVocabParallelCrossEntropy.apply(hidden, weight, target, graph)
