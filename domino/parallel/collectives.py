@@ -19,6 +19,7 @@ an in-place all-reduce and hands back a handle to wait on later.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -39,6 +40,36 @@ class _DoneHandle:
 
 DONE = _DoneHandle()
 
+# Host seconds this process spent blocked in tensor-parallel all-reduces: inside synchronous ones, and
+# in ``wait()`` of Domino's asynchronous ones. The training loop reports it as the ``comm-wait`` timer.
+# With NCCL a wait only orders CUDA streams, so on GPUs this counts host blocking, not link time.
+_blocked_seconds = [0.0]
+
+
+def pop_comm_wait_seconds() -> float:
+    """Returns the blocked seconds accumulated since the last call, and resets the count."""
+    seconds, _blocked_seconds[0] = _blocked_seconds[0], 0.0
+    return seconds
+
+
+class _TimedWork:
+    """A ``dist.Work`` whose ``wait()`` adds its blocking time to the comm-wait count."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work) -> None:
+        self.work = work
+
+    def wait(self) -> bool:
+        started = time.perf_counter()
+        try:
+            return self.work.wait()
+        finally:
+            _blocked_seconds[0] += time.perf_counter() - started
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
 
 def _tp_size() -> int:
     return state.get_tensor_model_parallel_world_size()
@@ -49,7 +80,9 @@ def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _tp_size() == 1:
         return x
     x = x.contiguous()
+    started = time.perf_counter()
     dist.all_reduce(x, group=state.get_tensor_model_parallel_group())
+    _blocked_seconds[0] += time.perf_counter() - started
     return x
 
 
@@ -151,7 +184,8 @@ def all_reduce_async(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM):
     if not x.is_contiguous():
         raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
     # Async launch: the caller computes another chunk meanwhile and waits right before it reads x.
-    return dist.all_reduce(x.detach(), op=op, group=state.get_tensor_model_parallel_group(), async_op=True)
+    return _TimedWork(dist.all_reduce(x.detach(), op=op, group=state.get_tensor_model_parallel_group(),
+                                      async_op=True))
 
 
 def all_reduce_max_(x: torch.Tensor) -> torch.Tensor:

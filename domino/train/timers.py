@@ -15,7 +15,8 @@ class Timers:
     that costs throughput, which is why timers beyond level 1 are opt-in.
     """
 
-    LEVELS = {"batch-generator": 1, "forward-backward": 1, "optimizer": 1, "forward": 2, "backward": 2}
+    LEVELS = {"batch-generator": 1, "forward-backward": 1, "optimizer": 1, "comm-wait": 1, "forward": 2,
+              "backward": 2}
 
     def __init__(self, log_level: int) -> None:
         self.log_level = log_level
@@ -39,6 +40,11 @@ class Timers:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.elapsed[name] = self.elapsed.get(name, 0.0) + time.perf_counter() - self._started.pop(name)
+
+    def add(self, name: str, seconds: float) -> None:
+        """Adds ``seconds`` measured elsewhere to timer ``name`` (no-op when disabled)."""
+        if self.enabled(name):
+            self.elapsed[name] = self.elapsed.get(name, 0.0) + seconds
 
     def pop_all(self) -> Dict[str, float]:
         """Returns and resets the accumulated totals (seconds)."""

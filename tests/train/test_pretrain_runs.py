@@ -7,7 +7,7 @@ from train_helpers import TINY, read_metrics, run_pretrain, train_losses
 
 @pytest.mark.parametrize("nproc, layout", [
     (1, ["--tensorboard-dir", "TB"]),
-    (2, ["--tensor-model-parallel-size", "2", "--domino-chunks", "2"]),
+    (2, ["--tensor-model-parallel-size", "2", "--domino-chunks", "2", "--timing-log-level", "1"]),
     (2, ["--zero-stage", "1"]),
     (2, ["--zero-stage", "2"]),
 ], ids=["tp1", "tp2-domino2", "dp2-zero1", "dp2-zero2"])
@@ -25,6 +25,10 @@ def test_loss_decreases_over_30_iterations(tmp_path, corpus_prefix, nproc, layou
     record = [r for r in read_metrics(metrics) if r.get("iteration") == 30 and "eval" not in r][0]
     for key in ("lr", "grad_norm", "tokens_per_s", "tflops_per_device", "memory_gb", "consumed_samples"):
         assert record[key] is not None and record[key] > 0, key
+    if "--timing-log-level" in layout:
+        timers = record["timers_ms_per_iter"]
+        assert {"batch-generator", "forward-backward", "optimizer", "comm-wait"} <= set(timers)
+        assert 0 < timers["comm-wait"] < timers["forward-backward"]
     if "--tensorboard-dir" in layout:
         assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
