@@ -1,8 +1,9 @@
 """End-to-end `domino pretrain` throughput: tokens/s, TFLOP/s, MFU and the share of time spent waiting for data.
 
 Reference config: 4 layers / 256 hidden / 4 heads / seq 256 / micro-batch 8, fp32, an 8k BPE trained on the
-built-in Shakespeare corpus. Layouts: 1 process; 2 processes TP=2 with Domino (2 chunks); 2 processes DP=2
-with ZeRO-1. MFU is against this machine's measured fp32 matmul peak (one 2048^3 matmul per process count),
+built-in Shakespeare corpus. Layouts: 1 process; 2 processes TP=2 synchronous and with Domino (2 chunks);
+2 processes DP=2 with ZeRO-1. "TP comm wait" is the share of step time a process sat blocked in
+tensor-parallel all-reduces (the `comm-wait` timer). MFU is against this machine's measured fp32 matmul peak (one 2048^3 matmul per process count),
 measured in the same run, since CPUs have no data-sheet peak we could trust.
 
     python benchmarks/train.py [--iters 30] [--json]
@@ -28,6 +29,7 @@ MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "
          "--eval-iters", "0", "--timing-log-level", "1", "--num-workers", "1"]
 LAYOUTS = {
     "1 process": (1, []),
+    "TP=2 sync": (2, ["--tensor-model-parallel-size", "2"]),
     "TP=2 Domino": (2, ["--tensor-model-parallel-size", "2", "--domino-chunks", "2"]),
     "DP=2 ZeRO-1": (2, ["--zero-stage", "1"]),
 }
@@ -70,10 +72,11 @@ def run_layout(nproc: int, extra: list, data: tuple, iters: int, peak: float, wo
     steady = [r for r in records if "eval" not in r][1:]  # the first interval includes warm-up
     iter_ms = sum(r["iteration_time_s"] for r in steady) / len(steady) * 1000
     data_ms = sum(r.get("timers_ms_per_iter", {}).get("batch-generator", 0.0) for r in steady) / len(steady)
+    comm_ms = sum(r.get("timers_ms_per_iter", {}).get("comm-wait", 0.0) for r in steady) / len(steady)
     return {"tokens_per_s": sum(r["tokens_per_s"] for r in steady) / len(steady),
             "tflops_per_device": sum(r["tflops_per_device"] for r in steady) / len(steady),
             "mfu": sum(r["mfu"] for r in steady) / len(steady), "iteration_ms": iter_ms,
-            "data_wait_share": data_ms / iter_ms}
+            "data_wait_share": data_ms / iter_ms, "comm_wait_share": comm_ms / iter_ms}
 
 
 def main() -> None:
@@ -91,10 +94,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"{'layout':<14} {'tokens/s':>10} {'TFLOP/s/dev':>12} {'MFU':>7} {'iter ms':>9} {'data wait':>10}")
+    print(f"{'layout':<14} {'tokens/s':>10} {'TFLOP/s/dev':>12} {'MFU':>7} {'iter ms':>9} {'data wait':>10} "
+          f"{'TP comm wait':>13}")
     for name, r in results.items():
         print(f"{name:<14} {r['tokens_per_s']:>10,.0f} {r['tflops_per_device']:>12.4f} {100 * r['mfu']:>6.1f}% "
-              f"{r['iteration_ms']:>9.1f} {100 * r['data_wait_share']:>9.2f}%")
+              f"{r['iteration_ms']:>9.1f} {100 * r['data_wait_share']:>9.2f}% {100 * r['comm_wait_share']:>12.2f}%")
 
 
 if __name__ == "__main__":
