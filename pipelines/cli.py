@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from pipelines.params import check_training_config, parse_param_args, pipeline_parameters
 
@@ -132,5 +132,24 @@ def guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
         except RuntimeError as error:
             print(f"domino pipeline: failed: {error}", file=sys.stderr)
             return 1
+        except Exception as error:  # noqa: BLE001 - only the server errors below are turned into messages
+            message = _server_error(error, getattr(args, "host", None))
+            if message is None:
+                raise
+            print(f"domino pipeline: failed: {message}", file=sys.stderr)
+            return 1
 
     return run
+
+
+def _server_error(error: Exception, host: Optional[str]) -> Optional[str]:
+    """One line for an unreachable or refusing Kubeflow Pipelines server, else ``None``."""
+    import urllib3
+    from kfp_server_api.exceptions import ApiException
+
+    if isinstance(error, urllib3.exceptions.HTTPError):
+        reason = getattr(error, "reason", None) or error
+        return f"cannot reach Kubeflow Pipelines at {host}: {reason}"
+    if isinstance(error, ApiException):
+        return f"Kubeflow Pipelines at {host} answered {error.status} {error.reason}: {str(error.body)[:300]}"
+    return None
