@@ -21,7 +21,8 @@ def _run(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0 and args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(vars(result), f, indent=2)
-    return 0
+    # 128 + SIGTERM: a retryable exit for the training operator's ExitCode restart policy.
+    return 143 if result.interrupted else 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -118,6 +118,8 @@ class TrainConfig:
     """Batches per validation or test evaluation."""
     exit_interval: Optional[int] = None
     """Stop (after saving) when the iteration is a multiple of this value."""
+    exit_signal_handler: bool = False
+    """On SIGTERM (pod preemption), save a checkpoint after the current iteration and exit with status 143."""
 
 
 @dataclass

@@ -32,7 +32,8 @@ def _has_flag(args: List[str], flag: str) -> bool:
 
 
 def container_command(spec: JobSpec, name: str) -> List[str]:
-    """The training container's command: the override verbatim, else torchrun + pretrain + resume flags."""
+    """The training container's command: the override verbatim, else torchrun + pretrain + resume flags
+    (``--save``/``--load`` on the volume, ``--exit-signal-handler`` unless the arguments say otherwise)."""
     if spec.command is not None:
         return list(spec.command)
     args = list(spec.pretrain_args)
@@ -40,6 +41,9 @@ def container_command(spec: JobSpec, name: str) -> List[str]:
     for flag in ("--save", "--load"):
         if not _has_flag(args, flag):
             args += [flag, ckpt]
+    # A pod being evicted gets SIGTERM: save where training stands before the grace period ends.
+    if not _has_flag(args, "--exit-signal-handler") and not _has_flag(args, "--no-exit-signal-handler"):
+        args.append("--exit-signal-handler")
     return ["torchrun", "-m", "domino", "pretrain", *args]
 
 

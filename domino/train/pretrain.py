@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
@@ -51,6 +52,8 @@ class TrainingResult:
     final_test_loss: Optional[float]
     tokens_per_s: Optional[float]
     checkpoint: Optional[str]
+    interrupted: bool = False
+    """True when ``--exit-signal-handler`` stopped the run early on SIGTERM (after saving)."""
 
 
 class _TimedIterator:
@@ -243,8 +246,29 @@ class _Trainer:
         self.paused += time.perf_counter() - started
         return str(path)
 
+    def _termination_requested(self) -> bool:
+        """Whether any rank received SIGTERM; every rank must agree, so the flag is max-reduced."""
+        flag = torch.tensor([1.0 if self.sigterm_received else 0.0])
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def run(self, iteration: int, consumed: int) -> TrainingResult:
         """Trains from ``iteration`` (``consumed`` samples done) to ``--train-iters``."""
+        self.sigterm_received = False
+        if not self.config.train.exit_signal_handler:
+            return self._run(iteration, consumed)
+
+        def on_sigterm(signum, frame):
+            self.sigterm_received = True  # acted on at the end of the current iteration
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            return self._run(iteration, consumed)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _run(self, iteration: int, consumed: int) -> TrainingResult:
         config, t, lg, c = self.config, self.config.train, self.config.logging, self.config.checkpoint
         train_iter = self._loader(self.train_ds, consumed, config.data.num_workers)
         train_iter = _TimedIterator(train_iter, self.timers) if train_iter is not None else None
@@ -282,6 +306,13 @@ class _Trainer:
             if t.exit_interval and iteration % t.exit_interval == 0:
                 logger.info("--exit-interval %d reached at iteration %d", t.exit_interval, iteration)
                 break
+            if t.exit_signal_handler and self._termination_requested():
+                logger.warning("SIGTERM: saving at iteration %d and exiting", iteration)
+                if c.save and saved_at != iteration:
+                    checkpoint_path = self._save(iteration, consumed)
+                self.writer.close()
+                return TrainingResult(iteration, consumed, self.last_train_loss, last_valid, None, tokens_per_s,
+                                      checkpoint_path, interrupted=True)
 
         if c.save and saved_at != iteration:
             checkpoint_path = self._save(iteration, consumed)

@@ -1,5 +1,6 @@
 """Kill a run (mid-training and mid-checkpoint-write), restart the same command: identical losses."""
 
+import signal
 import subprocess
 import time
 
@@ -71,3 +72,28 @@ def test_keep_last_prunes_older_checkpoints(tmp_path, corpus_prefix):
     run_pretrain([*TINY, "--data-path", corpus_prefix, "--train-iters", "4", "--eval-iters", "0", "--eval-interval",
                   "0", "--save", str(save), "--save-interval", "1", "--keep-last", "2"])
     assert sorted(p.name for p in save.iterdir()) == ["iter_0000003", "iter_0000004", "latest"]
+
+
+def test_sigterm_saves_and_the_restart_continues_exactly(tmp_path, corpus_prefix):
+    """--exit-signal-handler: SIGTERM (a preempted pod) saves after the current iteration, exits 143, and the
+    same command resumes to the uninterrupted run's losses."""
+    reference = tmp_path / "reference.jsonl"
+    run_pretrain([*_args(corpus_prefix, tmp_path / "ref-ckpt", reference), "--exit-signal-handler"])
+    save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    args = [*_args(corpus_prefix, save, metrics), "--exit-signal-handler"]
+    proc = subprocess.Popen(pretrain_command(args), env=child_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            if metrics.exists() and 5 in train_losses(metrics):
+                proc.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.05)
+        assert proc.wait(timeout=120) == 143
+    finally:
+        proc.kill()
+    stopped_at = int((save / "latest").read_text().strip().split("_")[1])
+    assert 5 <= stopped_at < 12  # the run stopped early, after saving where it stood
+    run_pretrain(args)
+    assert train_losses(metrics) == train_losses(reference)
