@@ -251,16 +251,19 @@ def _model_weights(ckpt: Path, meta: Dict[str, Any], module: torch.nn.Module) ->
     return sharding.shard_state_dict(full, tp_rank, tp)
 
 
-def load_checkpoint(engine, config: DominoConfig, ckpt: Path, weights_only: bool = False) -> Tuple[int, int]:
-    """Restores model, optimizer and RNG state from ``ckpt`` into this rank.
+def load_checkpoint(engine, config: DominoConfig, ckpt: Path, padded_vocab_size: int,
+                    weights_only: bool = False) -> Tuple[int, int]:
+    """Checks that ``ckpt`` fits this run, then restores model, optimizer and RNG state into this rank.
 
     Args:
+        padded_vocab_size: this run's padded vocabulary (see :func:`check_compatible`).
         weights_only: a warm start (``--finetune``): take the weights, keep the fresh optimizer and RNG.
 
     Returns:
         ``(iteration, consumed_samples)`` to continue from; ``(0, 0)`` for a warm start.
     """
     meta = weights_io.read_checkpoint_meta(ckpt)
+    check_compatible(meta, config, padded_vocab_size, ckpt, warm_start=weights_only)
     tp, dp = state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size()
     engine.module.load_state_dict(_model_weights(ckpt, meta, engine.module), strict=True)
     if hasattr(engine.optimizer, "refresh_fp32_params"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import sys
@@ -85,8 +86,8 @@ def deepspeed_config(config: DominoConfig) -> Dict[str, Any]:
         "zero_allow_untested_optimizer": True,
     }
     if t.fp16:
-        ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": int(round(torch.log2(
-            torch.tensor(t.initial_loss_scale)).item())), "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+        ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": round(math.log2(t.initial_loss_scale)),
+                      "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
     if t.bf16:
         ds["bf16"] = {"enabled": True}
     if t.deepspeed_config:

@@ -113,9 +113,8 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     engine = engine_setup.build_engine(model_builder(config), config)
     iteration, consumed = 0, 0
     if resume_from is not None:
-        meta = checkpointing.weights_io.read_checkpoint_meta(resume_from)
-        checkpointing.check_compatible(meta, config, padded_vocab_size, resume_from, warm_start)
-        iteration, consumed = checkpointing.load_checkpoint(engine, config, resume_from, weights_only=warm_start)
+        iteration, consumed = checkpointing.load_checkpoint(engine, config, resume_from, padded_vocab_size,
+                                                            weights_only=warm_start)
     elif config.checkpoint.load:
         logger.info("--load %s holds no checkpoint yet: starting from scratch", config.checkpoint.load)
     trainer = _Trainer(config, engine, dataset_builder, forward_step, padded_vocab_size, tokenizer)
