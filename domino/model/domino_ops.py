@@ -6,19 +6,20 @@ while it runs, and returns the still-in-flight gradient. A no-op node placed bet
 linear (so it runs right after the linear's backward, just before LayerNorm's backward consumes the gradient)
 waits for it. Between launch and wait, autograd is free to run nodes of the other chunk(s).
 
-    LN -> wait_for_input_grad(x, slot) -> ... other chunks' work ... -> linear_with_async_input_grad(x, W, b, slot)
+    LN -> wait_for_input_grad(x, slot) -> ... other chunks' work ... -> linear(x, W, b, grad_slot=slot)
 
-The two share a :class:`GradAllReduceSlot`, which carries the handle from launch to wait.
+The two share a :class:`GradAllReduceSlot`, which carries the handle from launch to wait; the linear is
+:func:`domino.parallel.linear_ops.linear`, whose backward launches into the slot.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
-import torch.nn.functional as F
 
 from domino.parallel.collectives import all_reduce_async
+from domino.parallel.linear_ops import linear
 
 
 class GradAllReduceSlot:
@@ -36,30 +37,9 @@ class GradAllReduceSlot:
     def wait(self) -> None:
         """Blocks until the launched all-reduce (if any) finished."""
         if self.handle is not None:
-            # Wait for the input-gradient all-reduce launched in _LinearAsyncInputGrad.backward.
+            # Wait for the input-gradient all-reduce launched by a linear's backward (linear_ops, qkv_projection).
             self.handle.wait()
             self.handle = None
-
-
-class _LinearAsyncInputGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, slot):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        ctx.slot = slot
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        grad_input = grad_out.matmul(weight)
-        # Async launch: the input-gradient all-reduce runs during the weight-gradient GEMM below and
-        # whatever autograd schedules next; _WaitInputGrad waits for it before LayerNorm's backward reads it.
-        ctx.slot.launch(grad_input)
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_weight = g2.t().matmul(x.reshape(-1, x.shape[-1]))
-        grad_bias = g2.sum(dim=0) if ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias, None
 
 
 class _WaitInputGrad(torch.autograd.Function):
@@ -79,12 +59,6 @@ def wait_for_input_grad(x: torch.Tensor, slot: GradAllReduceSlot) -> torch.Tenso
     return _WaitInputGrad.apply(x, slot)
 
 
-def linear_with_async_input_grad(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                                 slot: GradAllReduceSlot) -> torch.Tensor:
-    """``F.linear`` whose backward launches the input-gradient all-reduce asynchronously into ``slot``."""
-    return _LinearAsyncInputGrad.apply(x, weight, bias, slot)
-
-
 def guard_input_grad(x: torch.Tensor) -> Tuple[torch.Tensor, GradAllReduceSlot]:
     """Places the wait node on ``x`` (a LayerNorm output) and returns it with the slot a linear will fill.
 
@@ -99,4 +73,4 @@ def guard_input_grad(x: torch.Tensor) -> Tuple[torch.Tensor, GradAllReduceSlot]:
 def column_parallel_async(guarded: Tuple[torch.Tensor, GradAllReduceSlot], layer) -> torch.Tensor:
     """Runs a :class:`~domino.parallel.layers.ColumnParallelLinear` on a guarded input (Domino backward)."""
     x, slot = guarded
-    return linear_with_async_input_grad(x, layer.weight, layer.bias, slot)
+    return linear(x, layer.weight, layer.bias, grad_slot=slot)

@@ -3,8 +3,8 @@
 The micro-batch is split along the batch dimension into N chunks. Each chunk runs the layers as a
 sequence of six steps per layer (the names follow the reference schedule in the project notes)::
 
-    A  QKV (column-parallel) + attention          D  fc1 (column-parallel) + GeLU
-    B  output projection; launch its all-reduce   E  fc2; launch its all-reduce
+    A  QKV (column-parallel) + attention          D  fc1 (column-parallel)
+    B  output projection; launch its all-reduce   E  GeLU + fc2; launch its all-reduce
     C  wait; residual add; LN2 (+ grad guard)     F  wait; residual add; next LN1 (+ grad guard) or final LN
 
 and the chunks advance as a wavefront: chunk ``c`` runs ``c`` steps behind chunk 0, and at every tick each
@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Generator, List, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from domino.model.domino_ops import column_parallel_async, guard_input_grad
 from domino.model.transformer import TransformerLayer, bias_dropout_add
@@ -86,9 +85,9 @@ class DominoLayerStack:
             h = pending.finish(h, layer)  # C
             guarded = guard_input_grad(layer.post_attention_layernorm(h))
             yield
-            inner = F.gelu(column_parallel_async(guarded, mlp.dense_h_to_4h))  # D
+            inner = column_parallel_async(guarded, mlp.dense_h_to_4h)  # D
             yield
-            pending = _Pending(mlp.dense_4h_to_h.partial(inner), mlp.dense_4h_to_h.bias)  # E
+            pending = _Pending(mlp.dense_4h_to_h.partial_of_gelu(inner), mlp.dense_4h_to_h.bias)  # E
             yield
             h = pending.finish(h, layer)  # F
             if i + 1 < len(self.layers):

@@ -29,7 +29,7 @@ from domino.config import ModelConfig
 from domino.model.domino_ops import GradAllReduceSlot
 from domino.model.kv_cache import KVCache
 from domino.model.qkv_projection import qkv_projection
-from domino.parallel.collectives import copy_to_tp_region, tp_rank_and_size
+from domino.parallel.collectives import copy_to_tp_region, reduce_from_tp_region, tp_rank_and_size
 from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from domino.parallel.random import tp_region_rng
 
@@ -116,7 +116,8 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(output_without_bias, bias)``."""
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+        fc2 = self.dense_4h_to_h  # GeLU runs inside fc2's product: its backward then needs no extra buffers
+        return reduce_from_tp_region(fc2.partial_of_gelu(self.dense_h_to_4h(x))), fc2.bias
 
 
 def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,

@@ -10,28 +10,41 @@ largest activation in the model; instead each rank keeps its ``V / tp`` columns,
 * ``max`` and the rescaled sums are all-reduced into the global log-sum-exp, and ``p_r`` is rescaled in place
   into this rank's slice of the global softmax.
 
+With a single rank (TP=1) the loss is read from the softmax as ``-log(p_target)``: no pass over the logits
+besides the softmax kernel, with a fallback to ``logsumexp`` for the rare rows where ``p_target`` is too small
+for fp32 to hold exactly.
+
 Memory and speed: one fp32 ``[.., V/tp]`` buffer holds the softmax saved for backward, and backward turns it
 into the gradient in place (so re-using the loss with ``retain_graph`` is not supported, as in Megatron-LM).
 :func:`vocab_parallel_linear_cross_entropy` also computes the logits itself, so for fp32 the softmax
 overwrites them and the logits' buffer is the only logits-sized allocation of the whole loss; once backward is
 done with it, that buffer is kept for the next step (:class:`_LogitsBuffer`). Backward applies the upstream
-per-token gradient to the ``[.., h]`` operands of its two GEMMs rather than to the ``[.., V/tp]`` gradient.
+per-token gradient to the ``[.., h]`` operands of its two GEMMs rather than to the ``[.., V/tp]`` gradient, and
+computes the weight gradient in the orientation BLAS runs fastest (:func:`domino.parallel.linear_ops.weight_grad`).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from domino.parallel.collectives import all_reduce_max_, all_reduce_sum_, tp_rank_and_size
+from domino.parallel.linear_ops import weight_grad
 
 
-def _softmax_and_loss(logits: torch.Tensor, target: torch.Tensor, in_place: bool):
+# A target probability at or above this is a normal fp32 number: -log(p) is then exact to a few ulps.
+_SMALLEST_TRUSTED_PROBABILITY = 1e-30
+
+
+def _softmax_and_loss(logits: torch.Tensor, target: torch.Tensor, in_place: bool,
+                      logits_of_rows: Callable[[torch.Tensor], torch.Tensor]):
     """Global softmax slice (fp32), per-token loss, and what backward needs to subtract the one-hot.
 
     With ``in_place`` (logits already fp32 or wider) the softmax overwrites ``logits``: no second buffer.
+    ``logits_of_rows(mask)`` returns the logits of the rows selected by a boolean ``mask`` over ``target``
+    (needed, rarely, after the softmax has overwritten them).
     """
     rank, world = tp_rank_and_size()
     dtype = torch.promote_types(logits.dtype, torch.float32)
@@ -40,26 +53,46 @@ def _softmax_and_loss(logits: torch.Tensor, target: torch.Tensor, in_place: bool
     start = rank * per_rank
     outside = (target < start) | (target >= start + per_rank)
     local_target = (target - start).masked_fill(outside, 0)
+    if world == 1:
+        probs = _softmax(logits, in_place, dtype)
+        return probs, _loss_from_softmax(probs, target, logits_of_rows, dtype), local_target, outside
     # Read what is needed from the logits before the softmax may overwrite them.
     target_logit = torch.gather(logits, -1, local_target.unsqueeze(-1)).squeeze(-1).to(dtype)
     target_logit.masked_fill_(outside, 0.0)
     local_max = logits.amax(dim=-1).to(dtype)
-    if in_place:
-        # The row-wise softmax kernel reads each element before writing it: aliasing input and output is safe.
-        probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)
-    else:
-        probs = torch.softmax(logits, dim=-1, dtype=dtype)
+    probs = _softmax(logits, in_place, dtype)
     local_sum = probs.amax(dim=-1).reciprocal_()  # sum_j exp(z_j - local_max)
-    if world > 1:
-        global_max = all_reduce_max_(local_max.clone())
-        rescaled = local_sum * torch.exp(local_max - global_max)
-        global_sum = all_reduce_sum_(rescaled.clone())
-        probs.mul_((rescaled / global_sum).unsqueeze(-1))  # local softmax -> slice of the global one
-        log_sum_exp = global_max + torch.log(global_sum)
-    else:
-        log_sum_exp = local_max + torch.log(local_sum)
+    global_max = all_reduce_max_(local_max.clone())
+    rescaled = local_sum * torch.exp(local_max - global_max)
+    global_sum = all_reduce_sum_(rescaled.clone())
+    probs.mul_((rescaled / global_sum).unsqueeze(-1))  # local softmax -> slice of the global one
+    log_sum_exp = global_max + torch.log(global_sum)
     loss = log_sum_exp - all_reduce_sum_(target_logit)
     return probs, loss, local_target, outside
+
+
+def _softmax(logits: torch.Tensor, in_place: bool, dtype: torch.dtype) -> torch.Tensor:
+    if in_place:
+        # The row-wise softmax kernel reads each element before writing it: aliasing input and output is safe.
+        return torch.ops.aten._softmax.out(logits, -1, False, out=logits)
+    return torch.softmax(logits, dim=-1, dtype=dtype)
+
+
+def _loss_from_softmax(probs: torch.Tensor, target: torch.Tensor,
+                       logits_of_rows: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``-log(softmax[target])`` when one rank holds the whole vocabulary.
+
+    This needs no pass over the logits besides the softmax itself (no row max, no log-sum-exp), and it is as
+    exact as ``logsumexp(z) - z_target`` while the target's probability is a normal fp32 number. Rows where it
+    is not (a loss above ~69) get ``logsumexp(z) - z_target`` from their logits instead.
+    """
+    target_prob = torch.gather(probs, -1, target.unsqueeze(-1)).squeeze(-1)
+    loss = target_prob.log().neg_()
+    rare = target_prob < _SMALLEST_TRUSTED_PROBABILITY
+    if rare.any():  # one host sync per loss; only these rows are recomputed
+        logits = logits_of_rows(rare).to(dtype)
+        loss[rare] = torch.logsumexp(logits, dim=-1) - logits.gather(-1, target[rare].unsqueeze(-1)).squeeze(-1)
+    return loss
 
 
 def _softmax_minus_one_hot_(probs, local_target, outside) -> torch.Tensor:
@@ -75,7 +108,8 @@ def _softmax_to_grad_(probs, local_target, outside, grad_loss) -> torch.Tensor:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        probs, loss, local_target, outside = _softmax_and_loss(logits, target, in_place=False)
+        probs, loss, local_target, outside = _softmax_and_loss(logits, target, in_place=False,
+                                                               logits_of_rows=lambda rows: logits[rows])
         ctx.save_for_backward(probs, local_target, outside)
         ctx.input_dtype = logits.dtype
         return loss
@@ -125,7 +159,8 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         logits = torch.matmul(hidden, weight.t(),
                               out=_LOGITS_BUFFER.take((*hidden.shape[:-1], weight.shape[0]), hidden.dtype,
                                                       hidden.device))
-        probs, loss, local_target, outside = _softmax_and_loss(logits, target, in_place=True)
+        probs, loss, local_target, outside = _softmax_and_loss(
+            logits, target, in_place=True, logits_of_rows=lambda rows: torch.matmul(hidden[rows], weight.t()))
         ctx.save_for_backward(hidden, weight, probs, local_target, outside)
         ctx.buffer_lent = probs is logits and graph
         if not ctx.buffer_lent:  # no backward will come, or (lower precision) the softmax has its own buffer
@@ -148,7 +183,7 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         grad_weight = None
         if ctx.needs_input_grad[1]:
             scaled_hidden = (hidden * scale).reshape(-1, weight.shape[1])
-            grad_weight = grad_logits.reshape(-1, weight.shape[0]).t().matmul(scaled_hidden)
+            grad_weight = weight_grad(grad_logits.reshape(-1, weight.shape[0]), scaled_hidden)
         if ctx.buffer_lent:
             _LOGITS_BUFFER.give_back(probs)
         return grad_hidden, grad_weight, None, None

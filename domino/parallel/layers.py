@@ -30,6 +30,7 @@ from domino.parallel.collectives import (
     split_along_dim,
     tp_rank_and_size,
 )
+from domino.parallel.linear_ops import gelu_linear, linear
 
 
 def set_tensor_model_parallel_attributes(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
@@ -121,7 +122,7 @@ class ColumnParallelLinear(nn.Module):
         """Synchronous TP: the input gradient is all-reduced inside backward."""
         x = copy_to_tp_region(x)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)
+        y = linear(x, self.weight, bias)
         if self.gather_output:
             y = gather_from_tp_region(y)
         return (y, self.bias) if self.skip_bias_add else y
@@ -155,6 +156,14 @@ class RowParallelLinear(nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's un-reduced partial sum ``X_r A_r^T`` (Domino reduces it asynchronously)."""
         return F.linear(x, self.weight)
+
+    def partial_of_gelu(self, pre_activation: torch.Tensor) -> torch.Tensor:
+        """``gelu(pre_activation) A_r^T`` un-reduced, GeLU fused into the product's autograd node.
+
+        Same maths as ``partial(F.gelu(pre_activation))``; the fused backward reuses the activation's buffer
+        for its gradients (:func:`domino.parallel.linear_ops.gelu_linear`).
+        """
+        return gelu_linear(pre_activation, self.weight)
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """Synchronous TP: the partial sums are all-reduced before the bias is added."""

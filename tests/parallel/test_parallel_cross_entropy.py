@@ -79,6 +79,21 @@ def test_fused_linear_matches_linear_then_f_cross_entropy(dtype):
     torch.testing.assert_close(w.grad, ref_w, rtol=1e-6, atol=1e-6)
 
 
+def test_fused_loss_of_hopeless_rows_falls_back_to_log_sum_exp():
+    """At TP=1 the loss is -log(p_target); rows whose p_target underflows fp32 are recomputed from logits."""
+    _, target, upstream = _inputs()
+    hidden, weight = _linear_inputs()
+    hidden[0] *= 400.0  # losses of hundreds to thousands: p_target is 0 in fp32
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss = vocab_parallel_linear_cross_entropy(h, w, target)
+    loss.backward(upstream)
+    ref_loss, ref_h, ref_w = _linear_reference(hidden.double(), weight.double(), target, upstream.double())
+    assert loss[0].min() > 100 and loss[1:].max() < 30  # both kinds of rows are present
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(h.grad.double(), ref_h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), ref_w, rtol=1e-5, atol=1e-5)
+
+
 def test_shape_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match=r"logits \(3, 5, 16\) and target \(3, 4\) do not match"):
         vocab_parallel_cross_entropy(torch.zeros(3, 5, 16), torch.zeros(3, 4, dtype=torch.long))

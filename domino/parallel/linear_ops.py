@@ -1,0 +1,116 @@
+"""Autograd functions of the tensor-parallel linears: ``F.linear`` maths with a backward we control.
+
+Two reasons to write the backward ourselves rather than let autograd derive it from ``F.linear``:
+
+* **Asynchronous input-gradient all-reduce.** A column-parallel linear's input gradient must be summed over the
+  TP ranks. :func:`linear` accepts a *slot* (any object with ``launch(tensor)``, e.g. Domino's
+  ``GradAllReduceSlot``); its backward launches the all-reduce into the slot right after computing the input
+  gradient, so it runs while the weight gradient is computed, and the slot's owner waits for it later.
+* **Fewer passes and buffers.** :func:`weight_grad` picks the GEMM orientation BLAS runs fastest for the weight
+  gradient, and :func:`gelu_linear` (GeLU followed by a linear, the MLP's second half) turns the saved
+  activation's buffer into the activation's gradient in place, so its backward allocates no
+  ``[tokens, ffn/tp]`` tensor at all.
+
+Both are exact: every output element is the same dot product autograd would compute (summation order inside a
+GEMM may differ, as between any two BLAS calls).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """``grad_out^T @ inputs`` (the ``[out, in]`` gradient of a linear's weight) from 2-D ``[tokens, .]`` operands.
+
+    When the layer widens (``out > in``, e.g. fc1 or the output layer) the product is computed as
+    ``(inputs^T @ grad_out)^T``: the same sums, but with the GEMM's output rows on the narrow side, which MKL
+    runs 5-12% faster on CPU for these shapes (``benchmarks/RESULTS.md``). The result is then a transposed view;
+    autograd stores a parameter's gradient in the parameter's own layout, so nothing downstream sees it.
+    """
+    if grad_out.shape[1] > inputs.shape[1]:
+        return inputs.t().matmul(grad_out).t()
+    return grad_out.t().matmul(inputs)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``[..., n]`` -> ``[tokens, n]`` (a view when possible)."""
+    return t.reshape(-1, t.shape[-1])
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, slot):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.slot = slot
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_input = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        if ctx.slot is not None and grad_input is not None:
+            # Async launch: the input-gradient all-reduce runs during the weight-gradient GEMM below and
+            # whatever autograd schedules next; the slot's owner waits for it before the gradient is read.
+            ctx.slot.launch(grad_input)
+        g2 = _rows(grad_out)
+        grad_weight = weight_grad(g2, _rows(x)) if ctx.needs_input_grad[1] else None
+        grad_bias = g2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_input, grad_weight, grad_bias, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, grad_slot=None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; backward uses :func:`weight_grad` and may launch the input-gradient all-reduce.
+
+    Args:
+        x: ``[..., in]`` input.
+        weight: ``[out, in]``.
+        bias: ``[out]`` or None.
+        grad_slot: None (the caller handles the input gradient, e.g. with ``copy_to_tp_region``), or an object
+            whose ``launch(grad)`` starts the TP all-reduce of the input gradient (Domino's gradient guard).
+    """
+    return _Linear.apply(x, weight, bias, grad_slot)
+
+
+class _GeLULinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pre_activation, weight):
+        activation = F.gelu(pre_activation)
+        ctx.save_for_backward(pre_activation, activation, weight)
+        ctx.backward_done = False
+        return F.linear(activation, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.backward_done:  # the saved activation was overwritten by the first backward
+            raise RuntimeError("backward through gelu_linear (the MLP) can only run once "
+                               "(retain_graph is not supported)")
+        ctx.backward_done = True
+        pre_activation, activation, weight = ctx.saved_tensors
+        g2, act2 = _rows(grad_out), _rows(activation)
+        grad_weight = weight_grad(g2, act2) if ctx.needs_input_grad[1] else None
+        if not ctx.needs_input_grad[0]:
+            return None, grad_weight
+        # The activation is not needed any more: its buffer receives d loss / d activation, and then, in place,
+        # d loss / d pre_activation (the elementwise GeLU backward reads each element before writing it).
+        grad_act = torch.matmul(g2, weight, out=act2)
+        torch.ops.aten.gelu_backward.grad_input(grad_act, _rows(pre_activation), grad_input=grad_act)
+        return grad_act.view(pre_activation.shape), grad_weight
+
+
+def gelu_linear(pre_activation: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(F.gelu(pre_activation), weight)`` (exact erf GeLU, no bias) as one autograd node.
+
+    Its backward reuses the saved GeLU output's buffer for both gradients it produces, so it allocates nothing
+    ``[tokens, in]``-sized; the price is that backward can run only once (no ``retain_graph``), as for the
+    fused output layer + cross-entropy.
+
+    Args:
+        pre_activation: ``[..., in]`` input of the GeLU (fc1's output, this rank's slice of the inner width).
+        weight: ``[out, in]`` (fc2's weight, this rank's input columns).
+    """
+    return _GeLULinear.apply(pre_activation, weight)

@@ -1,0 +1,88 @@
+"""The linears' own autograd functions compute exactly what autograd derives from F.linear / F.gelu."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from domino.parallel.linear_ops import gelu_linear, linear, weight_grad
+
+
+def _tensors(*shapes, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g, dtype=dtype) for shape in shapes]
+
+
+@pytest.mark.parametrize("out_features,in_features", [(24, 8), (8, 24), (8, 8)])
+def test_weight_grad_is_grad_out_transposed_times_inputs_in_either_orientation(out_features, in_features):
+    grad_out, inputs = _tensors((10, out_features), (10, in_features))
+    result = weight_grad(grad_out, inputs)
+    assert result.shape == (out_features, in_features)
+    torch.testing.assert_close(result, grad_out.t() @ inputs, rtol=1e-12, atol=1e-12)
+
+
+class _RecordingSlot:
+    def __init__(self) -> None:
+        self.launched = []
+
+    def launch(self, grad: torch.Tensor) -> None:
+        self.launched.append(grad.clone())
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("out_features", [6, 20])
+def test_linear_matches_f_linear_and_launches_the_input_grad_into_the_slot(with_bias, out_features):
+    x, weight, bias, upstream = _tensors((2, 3, 8), (out_features, 8), (out_features,), (2, 3, out_features))
+    bias = bias if with_bias else None
+    leaves = [t.clone().requires_grad_(True) for t in (x, weight) + ((bias,) if with_bias else ())]
+    ref_leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+    slot = _RecordingSlot()
+    out = linear(leaves[0], leaves[1], leaves[2] if with_bias else None, grad_slot=slot)
+    ref = F.linear(*ref_leaves)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    out.backward(upstream)
+    ref.backward(upstream)
+    for ours, theirs in zip(leaves, ref_leaves):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-12, atol=1e-12)
+    assert len(slot.launched) == 1  # the input gradient, launched once, before the weight gradient exists
+    torch.testing.assert_close(slot.launched[0], ref_leaves[0].grad, rtol=1e-12, atol=1e-12)
+
+
+def test_linear_without_slot_launches_nothing_and_skips_unneeded_grads():
+    x, weight = _tensors((4, 8), (6, 8))
+    w = weight.clone().requires_grad_(True)
+    linear(x, w).sum().backward()  # x needs no gradient
+    torch.testing.assert_close(w.grad, torch.ones(4, 6, dtype=x.dtype).t() @ x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gelu_linear_matches_gelu_then_linear(dtype):
+    pre, weight, upstream = _tensors((2, 5, 16), (4, 16), (2, 5, 4), dtype=dtype)
+    p, w = pre.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    rp, rw = pre.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out = gelu_linear(p, w)
+    ref = F.linear(F.gelu(rp), rw)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, ref, **tol)
+    out.backward(upstream)
+    ref.backward(upstream)
+    torch.testing.assert_close(p.grad, rp.grad, **tol)
+    torch.testing.assert_close(w.grad, rw.grad, **tol)
+    torch.testing.assert_close(pre, p.detach())  # the caller's input is untouched
+
+
+def test_gelu_linear_second_backward_is_a_clear_error():
+    pre, weight = _tensors((3, 8), (4, 8))
+    loss = gelu_linear(pre.requires_grad_(True), weight).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="can only run once"):
+        loss.backward()
+
+
+def test_gelu_linear_without_grad_is_the_plain_product():
+    pre, weight = _tensors((3, 8), (4, 8))
+    with torch.no_grad():
+        out = gelu_linear(pre, weight.requires_grad_(True))
+    assert out.grad_fn is None
+    torch.testing.assert_close(out, F.linear(F.gelu(pre), weight))
