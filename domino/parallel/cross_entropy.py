@@ -19,8 +19,7 @@ into the gradient in place (so re-using the loss with ``retain_graph`` is not su
 :func:`vocab_parallel_linear_cross_entropy` also computes the logits itself, so for fp32 the softmax
 overwrites them and the logits' buffer is the only logits-sized allocation of the whole loss; once backward is
 done with it, that buffer is kept for the next step (:class:`_LogitsBuffer`). Backward applies the upstream
-per-token gradient to the ``[.., h]`` operands of its two GEMMs rather than to the ``[.., V/tp]`` gradient, and
-computes the weight gradient in the orientation BLAS runs fastest (:func:`domino.parallel.linear_ops.weight_grad`).
+per-token gradient to the ``[.., h]`` operands of its two GEMMs rather than to the ``[.., V/tp]`` gradient.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from typing import Callable, Optional
 import torch
 
 from domino.parallel.collectives import all_reduce_max_, all_reduce_sum_, tp_rank_and_size
-from domino.parallel.linear_ops import weight_grad
 
 
 # A target probability at or above this is a normal fp32 number: -log(p) is then exact to a few ulps.
@@ -183,7 +181,7 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         grad_weight = None
         if ctx.needs_input_grad[1]:
             scaled_hidden = (hidden * scale).reshape(-1, weight.shape[1])
-            grad_weight = weight_grad(grad_logits.reshape(-1, weight.shape[0]), scaled_hidden)
+            grad_weight = grad_logits.reshape(-1, weight.shape[0]).t().matmul(scaled_hidden)
         if ctx.buffer_lent:
             _LOGITS_BUFFER.give_back(probs)
         return grad_hidden, grad_weight, None, None

@@ -30,7 +30,7 @@ from domino.parallel.collectives import (
     split_along_dim,
     tp_rank_and_size,
 )
-from domino.parallel.linear_ops import gelu_linear, linear
+from domino.parallel.linear_ops import gelu_linear
 
 
 def set_tensor_model_parallel_attributes(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
@@ -122,7 +122,7 @@ class ColumnParallelLinear(nn.Module):
         """Synchronous TP: the input gradient is all-reduced inside backward."""
         x = copy_to_tp_region(x)
         bias = None if self.skip_bias_add else self.bias
-        y = linear(x, self.weight, bias)
+        y = F.linear(x, self.weight, bias)
         if self.gather_output:
             y = gather_from_tp_region(y)
         return (y, self.bias) if self.skip_bias_add else y

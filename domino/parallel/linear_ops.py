@@ -6,10 +6,9 @@ Two reasons to write the backward ourselves rather than let autograd derive it f
   TP ranks. :func:`linear` accepts a *slot* (any object with ``launch(tensor)``, e.g. Domino's
   ``GradAllReduceSlot``); its backward launches the all-reduce into the slot right after computing the input
   gradient, so it runs while the weight gradient is computed, and the slot's owner waits for it later.
-* **Fewer passes and buffers.** :func:`weight_grad` picks the GEMM orientation BLAS runs fastest for the weight
-  gradient, and :func:`gelu_linear` (GeLU followed by a linear, the MLP's second half) turns the saved
+* **Fewer buffers.** :func:`gelu_linear` (GeLU followed by a linear, the MLP's second half) turns the saved
   activation's buffer into the activation's gradient in place, so its backward allocates no
-  ``[tokens, ffn/tp]`` tensor at all.
+  ``[tokens, ffn/tp]`` tensor at all (and touches less memory).
 
 Both are exact: every output element is the same dot product autograd would compute (summation order inside a
 GEMM may differ, as between any two BLAS calls).
@@ -21,19 +20,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
-
-def weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-    """``grad_out^T @ inputs`` (the ``[out, in]`` gradient of a linear's weight) from 2-D ``[tokens, .]`` operands.
-
-    When the layer widens (``out > in``, e.g. fc1 or the output layer) the product is computed as
-    ``(inputs^T @ grad_out)^T``: the same sums, but with the GEMM's output rows on the narrow side, which MKL
-    runs 5-12% faster on CPU for these shapes (``benchmarks/RESULTS.md``). The result is then a transposed view;
-    autograd stores a parameter's gradient in the parameter's own layout, so nothing downstream sees it.
-    """
-    if grad_out.shape[1] > inputs.shape[1]:
-        return inputs.t().matmul(grad_out).t()
-    return grad_out.t().matmul(inputs)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -58,13 +44,13 @@ class _Linear(torch.autograd.Function):
             # whatever autograd schedules next; the slot's owner waits for it before the gradient is read.
             ctx.slot.launch(grad_input)
         g2 = _rows(grad_out)
-        grad_weight = weight_grad(g2, _rows(x)) if ctx.needs_input_grad[1] else None
+        grad_weight = g2.t().matmul(_rows(x)) if ctx.needs_input_grad[1] else None
         grad_bias = g2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, grad_slot=None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; backward uses :func:`weight_grad` and may launch the input-gradient all-reduce.
+    """``F.linear(x, weight, bias)`` whose backward may launch the input-gradient all-reduce asynchronously.
 
     Args:
         x: ``[..., in]`` input.
@@ -92,7 +78,7 @@ class _GeLULinear(torch.autograd.Function):
         ctx.backward_done = True
         pre_activation, activation, weight = ctx.saved_tensors
         g2, act2 = _rows(grad_out), _rows(activation)
-        grad_weight = weight_grad(g2, act2) if ctx.needs_input_grad[1] else None
+        grad_weight = g2.t().matmul(act2) if ctx.needs_input_grad[1] else None
         if not ctx.needs_input_grad[0]:
             return None, grad_weight
         # The activation is not needed any more: its buffer receives d loss / d activation, and then, in place,
