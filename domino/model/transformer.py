@@ -29,7 +29,7 @@ from domino.config import ModelConfig
 from domino.model.domino_ops import GradAllReduceSlot
 from domino.model.kv_cache import KVCache
 from domino.model.qkv_projection import qkv_projection
-from domino.parallel.collectives import copy_to_tp_region, reduce_from_tp_region, tp_rank_and_size
+from domino.parallel.collectives import copy_to_tp_region, tp_rank_and_size
 from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from domino.parallel.random import tp_region_rng
 
@@ -99,8 +99,9 @@ class ParallelSelfAttention(nn.Module):
         return ctx.transpose(1, 2).reshape(b, s, self.heads_per_rank * self.head_dim)
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(output_without_bias, bias)`` (the bias is added with dropout and the residual)."""
+                kv_cache: Optional[KVCache] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Returns ``(output, bias)``: the bias is added later with dropout and the residual (None at TP=1, where
+        the GEMM already added it)."""
         return self.dense(self.context(*self.qkv(x), attention_mask, kv_cache))
 
 
@@ -114,10 +115,10 @@ class ParallelMLP(nn.Module):
         self.dense_4h_to_h = RowParallelLinear(config.ffn_size, config.hidden_size, input_is_parallel=True,
                                                init_std=output_init_std(config), skip_bias_add=True)
 
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(output_without_bias, bias)``."""
-        fc2 = self.dense_4h_to_h  # GeLU runs inside fc2's product: its backward then needs no extra buffers
-        return reduce_from_tp_region(fc2.partial_of_gelu(self.dense_h_to_4h(x))), fc2.bias
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Returns ``(output, bias)`` like :meth:`ParallelSelfAttention.forward`."""
+        # GeLU runs inside fc2's product: its backward then needs no extra buffers.
+        return self.dense_4h_to_h.forward_gelu(self.dense_h_to_4h(x))
 
 
 def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,

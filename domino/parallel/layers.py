@@ -137,7 +137,8 @@ class RowParallelLinear(nn.Module):
         bias: whether to add a (replicated) bias after the reduction.
         input_is_parallel: ``X`` is already this rank's slice (else it is split here).
         init_std: standard deviation of the weight's normal initialisation.
-        skip_bias_add: return ``(Y_without_bias, bias)`` so the caller can fuse the bias add.
+        skip_bias_add: return ``(Y_without_bias, bias)`` so the caller can fuse the bias add; with a single TP
+            rank the bias is already in ``Y`` (added by the GEMM) and ``(Y, None)`` is returned.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = True,
@@ -169,7 +170,18 @@ class RowParallelLinear(nn.Module):
         """Synchronous TP: the partial sums are all-reduced before the bias is added."""
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x)
-        y = reduce_from_tp_region(self.partial(x))
+        return self._reduce_then_bias(lambda bias: F.linear(x, self.weight, bias))
+
+    def forward_gelu(self, pre_activation: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """``forward(F.gelu(pre_activation))`` (input already parallel), GeLU fused as in :meth:`partial_of_gelu`."""
+        return self._reduce_then_bias(lambda bias: gelu_linear(pre_activation, self.weight, bias))
+
+    def _reduce_then_bias(self, product) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        # With one TP rank the all-reduce is an identity, so the bias can ride in the GEMM (addmm): one
+        # elementwise pass over the output fewer. Otherwise it is added once, after the reduction.
+        bias_in_product = self.bias is not None and tp_rank_and_size()[1] == 1
+        y = reduce_from_tp_region(product(self.bias if bias_in_product else None))
+        bias = None if bias_in_product else self.bias
         if self.skip_bias_add:
-            return y, self.bias
-        return y if self.bias is None else y + self.bias
+            return y, bias
+        return y if bias is None else y + bias

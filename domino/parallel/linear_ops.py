@@ -64,11 +64,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 class _GeLULinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, pre_activation, weight):
+    def forward(ctx, pre_activation, weight, bias):
         activation = F.gelu(pre_activation)
         ctx.save_for_backward(pre_activation, activation, weight)
+        ctx.has_bias = bias is not None
         ctx.backward_done = False
-        return F.linear(activation, weight)
+        return F.linear(activation, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -79,17 +80,19 @@ class _GeLULinear(torch.autograd.Function):
         pre_activation, activation, weight = ctx.saved_tensors
         g2, act2 = _rows(grad_out), _rows(activation)
         grad_weight = g2.t().matmul(act2) if ctx.needs_input_grad[1] else None
+        grad_bias = g2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if not ctx.needs_input_grad[0]:
-            return None, grad_weight
+            return None, grad_weight, grad_bias
         # The activation is not needed any more: its buffer receives d loss / d activation, and then, in place,
         # d loss / d pre_activation (the elementwise GeLU backward reads each element before writing it).
         grad_act = torch.matmul(g2, weight, out=act2)
         torch.ops.aten.gelu_backward.grad_input(grad_act, _rows(pre_activation), grad_input=grad_act)
-        return grad_act.view(pre_activation.shape), grad_weight
+        return grad_act.view(pre_activation.shape), grad_weight, grad_bias
 
 
-def gelu_linear(pre_activation: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(F.gelu(pre_activation), weight)`` (exact erf GeLU, no bias) as one autograd node.
+def gelu_linear(pre_activation: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(F.gelu(pre_activation), weight, bias)`` (exact erf GeLU) as one autograd node.
 
     Its backward reuses the saved GeLU output's buffer for both gradients it produces, so it allocates nothing
     ``[tokens, in]``-sized; the price is that backward can run only once (no ``retain_graph``), as for the
@@ -98,5 +101,6 @@ def gelu_linear(pre_activation: torch.Tensor, weight: torch.Tensor) -> torch.Ten
     Args:
         pre_activation: ``[..., in]`` input of the GeLU (fc1's output, this rank's slice of the inner width).
         weight: ``[out, in]`` (fc2's weight, this rank's input columns).
+        bias: ``[out]`` or None (a row-parallel bias belongs after the TP reduction, so only at TP=1).
     """
-    return _GeLULinear.apply(pre_activation, weight)
+    return _GeLULinear.apply(pre_activation, weight, bias)

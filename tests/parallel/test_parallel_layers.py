@@ -65,6 +65,14 @@ def _body(rank, world_size, x, tokens, dense):
     y.sum().backward()
     out["y"], out["x_grad"] = y.detach(), xi.grad
     out["emb"] = emb(tokens)
+    # Row-parallel fc2 of the MLP: GeLU fused, the bias handed back to be added after the all-reduce.
+    fc2 = RowParallelLinear(6, 4, skip_bias_add=True)
+    with torch.no_grad():
+        fc2.weight.copy_(dense["row_w"].chunk(2, 1)[rank]); fc2.bias.copy_(dense["row_b"])
+    pre = x.repeat(1, 2)[:, :6].chunk(2, 1)[rank].clone().requires_grad_(True)
+    y_mlp, bias = fc2.forward_gelu(pre)
+    y_mlp.sum().backward()
+    out["mlp"], out["mlp_bias_returned"], out["mlp_pre_grad"] = y_mlp.detach(), bias is fc2.bias, pre.grad
     torch.manual_seed(5)
     out["gpt"] = GPTModel(tiny_config(), VOCAB).state_dict()
     return out
@@ -86,7 +94,13 @@ def test_two_ranks_match_dense_layers_and_init_is_tp_invariant():
     col1, row1, emb1 = ColumnParallelLinear(4, 6), RowParallelLinear(6, 4), VocabParallelEmbedding(8, 4)
     torch.manual_seed(5)
     gpt1 = GPTModel(tiny_config(), VOCAB).state_dict()
+    pre = x.repeat(1, 2)[:, :6].clone().requires_grad_(True)
+    ref_mlp = F.linear(F.gelu(pre), dense["row_w"])
+    ref_mlp.sum().backward()
     for rank, r in enumerate(results):
+        torch.testing.assert_close(r["mlp"], ref_mlp.detach(), rtol=1e-6, atol=1e-6)
+        assert r["mlp_bias_returned"]  # TP=2: the bias is added by the caller, after the reduction
+        torch.testing.assert_close(r["mlp_pre_grad"], pre.grad.chunk(2, 1)[rank], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(r["y"], ref.detach(), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(r["x_grad"], xr.grad, rtol=1e-6, atol=1e-6)
         assert torch.equal(r["emb"], F.embedding(tokens, dense["emb"]))
@@ -97,3 +111,23 @@ def test_two_ranks_match_dense_layers_and_init_is_tp_invariant():
         assert r["gpt"].keys() == expected.keys()
         for name in expected:
             assert torch.equal(r["gpt"][name], expected[name]), name
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_single_rank_row_parallel_adds_its_bias_in_the_gemm(gelu):
+    """At TP=1 the all-reduce is an identity: skip_bias_add hands back (Y with bias, None)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 6, generator=g)
+    row = RowParallelLinear(6, 4, skip_bias_add=True)
+    with torch.no_grad():
+        row.bias.copy_(torch.randn(4, generator=g))
+    w, b = (t.detach().clone().requires_grad_(True) for t in (row.weight, row.bias))
+    xi, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y, bias = row.forward_gelu(xi) if gelu else row(xi)
+    ref = F.linear(F.gelu(xr) if gelu else xr, w, b)
+    assert bias is None
+    torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)
+    y.pow(2).sum().backward()
+    ref.pow(2).sum().backward()
+    for ours, theirs in ((xi.grad, xr.grad), (row.weight.grad, w.grad), (row.bias.grad, b.grad)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)

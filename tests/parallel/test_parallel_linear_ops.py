@@ -48,19 +48,22 @@ def test_linear_without_slot_launches_nothing_and_skips_unneeded_grads():
     torch.testing.assert_close(w.grad, torch.ones(4, 6, dtype=x.dtype).t() @ x)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_gelu_linear_matches_gelu_then_linear(dtype):
-    pre, weight, upstream = _tensors((2, 5, 16), (4, 16), (2, 5, 4), dtype=dtype)
-    p, w = pre.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    rp, rw = pre.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    out = gelu_linear(p, w)
-    ref = F.linear(F.gelu(rp), rw)
+def test_gelu_linear_matches_gelu_then_linear(dtype, with_bias):
+    pre, weight, bias, upstream = _tensors((2, 5, 16), (4, 16), (4,), (2, 5, 4), dtype=dtype)
+    p, w, b = (t.clone().requires_grad_(True) for t in (pre, weight, bias))
+    rp, rw, rb = (t.clone().requires_grad_(True) for t in (pre, weight, bias))
+    out = gelu_linear(p, w, b if with_bias else None)
+    ref = F.linear(F.gelu(rp), rw, rb if with_bias else None)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out, ref, **tol)
     out.backward(upstream)
     ref.backward(upstream)
     torch.testing.assert_close(p.grad, rp.grad, **tol)
     torch.testing.assert_close(w.grad, rw.grad, **tol)
+    if with_bias:
+        torch.testing.assert_close(b.grad, rb.grad, **tol)
     torch.testing.assert_close(pre, p.detach())  # the caller's input is untouched
 
 
