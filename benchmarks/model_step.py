@@ -14,11 +14,14 @@ a one-thread profile puts ~80% of either step in GEMMs, which both models run wi
 
 * the output layer fused with the cross-entropy: the logits buffer becomes the softmax and then the gradient
   in place (plain allocates log-softmax, its gradient and the one-hot difference), it is kept from one step to
-  the next instead of being mapped (and zero-filled) afresh by the OS, and the upstream per-token gradient
-  scales the ``[tokens, h]`` operands of the backward GEMMs instead of the ``[tokens, V]`` gradient;
+  the next instead of being mapped (and zero-filled) afresh by the OS, the upstream per-token gradient
+  scales the ``[tokens, h]`` operands of the backward GEMMs instead of the ``[tokens, V]`` gradient, and at TP=1
+  the loss is read from the softmax (``-log p_target``) with no extra pass over the logits;
 * q, k and v computed from the fused QKV parameter as three dense products, so attention reads and returns
   dense tensors and autograd does not re-interleave their gradients (and three ``h``-wide GEMMs run faster
   than one ``3h``-wide one on CPU);
+* GeLU fused into fc2's autograd node, whose backward reuses the saved activation's buffer for both gradients
+  (no ``[tokens, 4h]`` allocations in the MLP's backward), and at TP=1 the row-parallel biases added by the GEMM;
 * the fused AdamW kernel instead of the per-parameter loop.
 
 The machine may be shared: configurations alternate step by step after warm-up steps; tokens/s are medians
@@ -215,8 +218,8 @@ def main(argv=None) -> int:
           f"steps (fwd+bwd+AdamW); median of {args.repeats} x {args.steps} steps")
     rows = [("plain", f"plain PyTorch (q/k/v nn.Linear, SDPA, F.cross_entropy, AdamW defaults), "
                       f"{args.threads} thr"),
-            ("domino", f"domino GPTModel TP=1 (split QKV GEMMs, fused AdamW, in-place output+CE), "
-                       f"{args.threads} thr"),
+            ("domino", f"domino GPTModel TP=1 (split QKV GEMMs, in-place output+CE, fused GeLU+fc2, "
+                       f"fused AdamW), {args.threads} thr"),
             ("tp2_sync", f"domino TP=2 synchronous, 2 procs x {args.tp_threads} thr"),
             ("tp2_domino", f"domino TP=2 Domino 2 chunks, 2 procs x {args.tp_threads} thr")]
     print(f"{'config':<12} {'tokens/s':>10} {'best':>8}  description")
