@@ -81,3 +81,31 @@ def test_gelu_linear_without_grad_is_the_plain_product():
         out = gelu_linear(pre, weight.requires_grad_(True))
     assert out.grad_fn is None
     torch.testing.assert_close(out, F.linear(F.gelu(pre), weight))
+
+
+def test_gelu_linear_backward_allocates_no_activation_sized_tensor():
+    """Both gradients of the activation are written into the saved activation's buffer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _FreshOutputs(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fresh = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            existing = {t.untyped_storage().data_ptr() for t in inputs}
+            # Views, out= and in-place ops return memory that already existed; count only new storage.
+            self.fresh += [(str(func), t.numel()) for t in torch.utils._pytree.tree_leaves(out)
+                           if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in existing]
+            return out
+
+    pre, weight = _tensors((6, 32), (4, 32))
+    p = pre.requires_grad_(True)
+    out = gelu_linear(p, weight.requires_grad_(True))
+    mode = _FreshOutputs()
+    with mode:
+        out.backward(torch.ones_like(out))
+    assert [name for name, numel in mode.fresh if numel == pre.numel()] == []
+    assert any(numel == weight.numel() for _, numel in mode.fresh)  # the mode did see the weight gradient
