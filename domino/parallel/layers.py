@@ -172,7 +172,8 @@ class RowParallelLinear(nn.Module):
             x = scatter_to_tp_region(x)
         return self._reduce_then_bias(lambda bias: F.linear(x, self.weight, bias))
 
-    def forward_gelu(self, pre_activation: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    def forward_gelu(self, pre_activation: torch.Tensor
+                     ) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """``forward(F.gelu(pre_activation))`` (input already parallel), GeLU fused as in :meth:`partial_of_gelu`."""
         return self._reduce_then_bias(lambda bias: gelu_linear(pre_activation, self.weight, bias))
 
