@@ -9,6 +9,9 @@ hidden 256, 4 heads, sequence 256, micro-batch 8, vocabulary 8192:
   ``torch.optim.AdamW()`` with its defaults), measured in the same run, alternating with ``domino``.
 * ``tp2_sync`` / ``tp2_domino`` - 2 gloo processes, TP=2, synchronous vs Domino with 2 chunks.
 
+It also reports the peak tensor memory of one (first) training step of each single-process model, from the
+profiler's allocation record.
+
 Where our single-process speed comes from (all of it is ordinary engineering, none of it changes the maths;
 a one-thread profile puts ~80% of either step in GEMMs, which both models run with the same shapes):
 
@@ -121,6 +124,35 @@ def _time_steps(step, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def first_step_peak_mib(step) -> float:
+    """Peak tensor memory (MiB) allocated during ``step``, from the profiler's allocation record.
+
+    Run on a fresh model and optimizer, so it counts everything training adds on top of the parameters:
+    activations, gradients, temporaries, the optimizer state created on the first step and, for domino, the
+    logits buffer it keeps for the next step.
+    """
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage  # bytes allocated minus freed inside this op
+        peak = max(peak, live)
+    return peak / 2**20
+
+
+def peak_memory() -> dict:
+    """First-step peak memory of fresh domino and plain models (same shapes, same batch)."""
+    tokens, labels = _batch()
+    torch.manual_seed(0)
+    ours = GPTModel(model_config(), VOCAB)
+    ours_opt = torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True)
+    torch.manual_seed(0)
+    plain = PlainGPT()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+    return {"domino": first_step_peak_mib(lambda: _ours_step(ours, ours_opt, tokens, labels)),
+            "plain": first_step_peak_mib(lambda: _plain_step(plain, plain_opt, tokens, labels))}
+
+
 def single_process(repeats: int, steps: int, warmup: int) -> dict:
     """Alternates ours and plain so both see the same background load; returns seconds per step lists."""
     tokens, labels = _batch()
@@ -197,6 +229,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    memory = peak_memory()
     times = single_process(args.repeats, args.steps, args.warmup)
     times.update(tensor_parallel(args.tp_threads, args.repeats, args.steps, args.warmup))
     tokens = BATCH * SEQ
@@ -204,7 +237,7 @@ def main(argv=None) -> int:
     best_tps = {name: tokens / min(t) for name, t in times.items()}
     ratios = {"domino_over_plain": _paired_ratio(times["plain"], times["domino"]),
               "tp2_domino_over_tp2_sync": _paired_ratio(times["tp2_sync"], times["tp2_domino"])}
-    result = {"tokens_per_s": tps, "ratios": ratios, "best_tokens_per_s": best_tps,
+    result = {"tokens_per_s": tps, "ratios": ratios, "best_tokens_per_s": best_tps, "peak_step_memory_mib": memory,
               "ratios_of_medians": {"domino_over_plain": tps["domino"] / tps["plain"],
                                     "tp2_domino_over_tp2_sync": tps["tp2_domino"] / tps["tp2_sync"]},
               "seconds_per_step": times,
@@ -228,6 +261,9 @@ def main(argv=None) -> int:
     print("ratios (median of back-to-back pairs):")
     print(f"  domino / plain            {ratios['domino_over_plain']:.3f}")
     print(f"  tp2_domino / tp2_sync     {ratios['tp2_domino_over_tp2_sync']:.3f}")
+    print(f"peak memory of a first training step (activations, gradients, temporaries, optimizer state): "
+          f"plain {memory['plain']:.0f} MiB, domino {memory['domino']:.0f} MiB "
+          f"({memory['domino'] / memory['plain']:.2f}x)")
     return 0
 
 
