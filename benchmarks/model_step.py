@@ -140,8 +140,8 @@ def first_step_peak_mib(step) -> float:
     return peak / 2**20
 
 
-def peak_memory() -> dict:
-    """First-step peak memory of fresh domino and plain models (same shapes, same batch)."""
+def _fresh_single_process_steps() -> dict:
+    """``{"domino": step, "plain": step}``: fresh models and optimizers, same seed and batch, one step per call."""
     tokens, labels = _batch()
     torch.manual_seed(0)
     ours = GPTModel(model_config(), VOCAB)
@@ -149,21 +149,18 @@ def peak_memory() -> dict:
     torch.manual_seed(0)
     plain = PlainGPT()
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
-    return {"domino": first_step_peak_mib(lambda: _ours_step(ours, ours_opt, tokens, labels)),
-            "plain": first_step_peak_mib(lambda: _plain_step(plain, plain_opt, tokens, labels))}
+    return {"domino": lambda: _ours_step(ours, ours_opt, tokens, labels),
+            "plain": lambda: _plain_step(plain, plain_opt, tokens, labels)}
+
+
+def peak_memory() -> dict:
+    """First-step peak memory (MiB) of fresh domino and plain models."""
+    return {name: first_step_peak_mib(step) for name, step in _fresh_single_process_steps().items()}
 
 
 def single_process(repeats: int, steps: int, warmup: int) -> dict:
     """Alternates ours and plain so both see the same background load; returns seconds per step lists."""
-    tokens, labels = _batch()
-    torch.manual_seed(0)
-    ours = GPTModel(model_config(), VOCAB)
-    ours_opt = torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True)
-    torch.manual_seed(0)
-    plain = PlainGPT()
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
-    runs = {"domino": lambda: _ours_step(ours, ours_opt, tokens, labels),
-            "plain": lambda: _plain_step(plain, plain_opt, tokens, labels)}
+    runs = _fresh_single_process_steps()
     for step in runs.values():
         _time_steps(step, warmup)
     times = {name: [] for name in runs}
