@@ -14,6 +14,7 @@ from domino.launch.spec import (
     JobSpec,
     LaunchSpecError,
     Toleration,
+    default_namespace,
     parse_key_values,
 )
 
@@ -27,7 +28,8 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     job = parser.add_argument_group("job")
     job.add_argument("--name", required=True, help="Base job name (DNS-1035, <= 40 chars); a run suffix is added.")
     job.add_argument("--image", required=True, help="Container image with the domino package.")
-    job.add_argument("--namespace", default="domino", help="Namespace of the job and the PVC (default: domino).")
+    job.add_argument("--namespace", default=None,
+                     help="Namespace of the job and the PVC (default: $POD_NAMESPACE, else domino).")
     job.add_argument("--run-id", default=None,
                      help="Run identifier (default: random); the same id yields the same job name, so a retry "
                           "adopts its own job.")
@@ -40,7 +42,8 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     res.add_argument("--gpus-per-node", type=int, default=0, help="nvidia.com/gpu per pod (default: 0).")
     for what in ("cpu", "memory"):
         for kind in ("request", "limit"):
-            res.add_argument(f"--{what}-{kind}", default=None, help=f"{what.upper()} {kind} per pod (quantity).")
+            res.add_argument(f"--{what}-{kind}", default=None, help=f"{what.upper()} {kind} per pod (quantity)" + (
+                "; default sized from --nproc-per-node." if kind == "request" else "."))
     res.add_argument("--shm-size", default="16Gi", help="Size limit of /dev/shm (memory emptyDir; default 16Gi).")
     storage = parser.add_argument_group("storage")
     storage.add_argument("--pvc", default="domino-data", help="RWX PersistentVolumeClaim for data and checkpoints.")
@@ -58,6 +61,10 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--image-pull-policy", default="IfNotPresent", choices=PULL_POLICIES,
                        help="(default: IfNotPresent)")
     sched.add_argument("--service-account", default=None, help="ServiceAccount of the training pods.")
+    sched.add_argument("--queue", default=None, metavar="LOCALQUEUE",
+                       help="Kueue LocalQueue: label the job kueue.x-k8s.io/queue-name and create it suspended.")
+    sched.add_argument("--scheduling-policy", action="store_true",
+                       help="Fill runPolicy.schedulingPolicy (minAvailable = all pods) for volcano/scheduler-plugins.")
     meta = parser.add_argument_group("metadata")
     meta.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="Extra container env.")
     meta.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
@@ -67,7 +74,10 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     policy = parser.add_argument_group("failure policy")
     policy.add_argument("--restart-policy", default="OnFailure", choices=RESTART_POLICIES,
                         help="OnFailure: restart failed pods; ExitCode: only exit codes 128-255 (default: OnFailure).")
-    policy.add_argument("--backoff-limit", type=int, default=3, help="Restarts before the job fails (default: 3).")
+    policy.add_argument("--backoff-limit", type=int, default=None,
+                        help="Container restarts summed over all pods before the job fails (default: 3 x nodes).")
+    policy.add_argument("--termination-grace-period", type=int, default=180, metavar="SECONDS",
+                        help="SIGTERM-to-SIGKILL time of a deleted pod; room to save a checkpoint (default: 180).")
     policy.add_argument("--active-deadline-seconds", type=int, default=None, help="Cluster-side time limit.")
     policy.add_argument("--ttl-seconds-after-finished", type=int, default=86400,
                         help="The operator deletes the finished job after this (default: 86400).")
@@ -87,7 +97,8 @@ def spec_from_args(args: argparse.Namespace, pretrain_args: Optional[List[str]] 
         tolerations.append(Toleration.parse(text))
     spec = JobSpec(
         name=args.name, image=args.image, pretrain_args=extra,
-        command=shlex.split(args.command) if args.command else None, namespace=args.namespace,
+        command=shlex.split(args.command) if args.command else None,
+        namespace=args.namespace or default_namespace(),
         nodes=args.nodes, nproc_per_node=args.nproc_per_node, gpus_per_node=args.gpus_per_node,
         cpu_request=args.cpu_request, cpu_limit=args.cpu_limit, memory_request=args.memory_request,
         memory_limit=args.memory_limit, shm_size=args.shm_size or None, pvc=args.pvc, mount_path=args.mount_path,
@@ -100,6 +111,8 @@ def spec_from_args(args: argparse.Namespace, pretrain_args: Optional[List[str]] 
         restart_policy=args.restart_policy, backoff_limit=args.backoff_limit,
         active_deadline_seconds=args.active_deadline_seconds,
         ttl_seconds_after_finished=args.ttl_seconds_after_finished, clean_pod_policy=args.clean_pod_policy,
+        termination_grace_period_s=args.termination_grace_period, queue=args.queue,
+        scheduling_policy=args.scheduling_policy,
     )
     spec.validate()
     return spec

@@ -4,7 +4,14 @@ The job has one Master and ``nodes - 1`` Workers sharing one pod template. The c
 ``pytorch`` runs ``torchrun -m domino pretrain ...``; torchrun reads the ``PET_*`` variables the
 training operator injects (nodes, node rank, master address), so the command carries no rendezvous
 flags. ``--save`` and ``--load`` point at the same directory on the shared volume, so a restarted pod
-(or a retried run that adopts its job) resumes from the latest checkpoint.
+(or a retried run that adopts its job) resumes from the latest checkpoint. Settings the spec leaves
+unset (requests, backoffLimit, GPU environment) come from :mod:`domino.launch.defaults`.
+
+The pods pass the Pod Security "restricted" profile (tests/k8s/pod_security.py checks every container
+of every pod the operator creates, including its ``init-pytorch`` init container as configured by
+``k8s/operator``), run with a read-only root filesystem (writable emptyDirs at /tmp, $HOME and
+/dev/shm), and opt out of Istio sidecar injection: a sidecar keeps a finished pod Running and
+intercepts the rendezvous and NCCL traffic.
 """
 
 from __future__ import annotations
@@ -14,12 +21,18 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from domino.launch import naming
+from domino.launch import defaults, naming
 from domino.launch.spec import CONTAINER_NAME, MASTER_PORT, JobSpec
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "PyTorchJob"
 GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
+#: The label Kueue reads the LocalQueue from (kubernetes-sigs/kueue, ``pkg/controller/constants``).
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+#: Istio's per-pod opt-out of sidecar injection (label and annotation are both honoured).
+ISTIO_INJECT = "sidecar.istio.io/inject"
+#: The image's $HOME (Dockerfile): an emptyDir, since the root filesystem is read-only.
+HOME_DIR = "/home/domino"
 
 
 def checkpoint_dir(spec: JobSpec, name: str) -> str:
@@ -48,20 +61,13 @@ def container_command(spec: JobSpec, name: str) -> List[str]:
 
 
 def _resources(spec: JobSpec) -> Dict[str, Dict[str, str]]:
-    requests: Dict[str, str] = {}
-    limits: Dict[str, str] = {}
-    for key, req, lim in (("cpu", spec.cpu_request, spec.cpu_limit), ("memory", spec.memory_request,
-                                                                       spec.memory_limit)):
-        if req is not None:
-            requests[key] = str(req)
-        if lim is not None:
-            limits[key] = str(lim)
+    requests = defaults.requests(spec)
+    limits = {key: str(value) for key, value in (("cpu", spec.cpu_limit), ("memory", spec.memory_limit))
+              if value is not None}
     if spec.gpus_per_node:
         # Extended resources must have request == limit.
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(spec.gpus_per_node)
-    out = {}
-    if requests:
-        out["requests"] = requests
+    out = {"requests": requests}
     if limits:
         out["limits"] = limits
     return out
@@ -70,7 +76,7 @@ def _resources(spec: JobSpec) -> Dict[str, Dict[str, str]]:
 def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, Any]:
     """The pod template shared by Master and Workers (PSS restricted, shared volume, /dev/shm)."""
     env = [{"name": "DOMINO_JOB_NAME", "value": name}]
-    env += [{"name": k, "value": str(v)} for k, v in spec.env.items()]
+    env += [{"name": k, "value": str(v)} for k, v in defaults.environment(spec).items()]
     container: Dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image,
@@ -82,10 +88,13 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
         "volumeMounts": [
             {"name": "domino-data", "mountPath": spec.mount_path},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "home", "mountPath": HOME_DIR},
         ],
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
             "runAsNonRoot": True,
             "runAsUser": spec.run_as_user,
             "seccompProfile": {"type": "RuntimeDefault"},
@@ -96,6 +105,7 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
         shm["sizeLimit"] = spec.shm_size
     pod_spec: Dict[str, Any] = {
         "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": spec.termination_grace_period_s,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": spec.run_as_user,
@@ -107,6 +117,8 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
         "volumes": [
             {"name": "domino-data", "persistentVolumeClaim": {"claimName": spec.pvc}},
             {"name": "dshm", "emptyDir": shm},
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "home", "emptyDir": {}},
         ],
     }
     if spec.node_selector:
@@ -119,9 +131,8 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
         pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
     if spec.service_account:
         pod_spec["serviceAccountName"] = spec.service_account
-    metadata: Dict[str, Any] = {"labels": dict(labels)}
-    if spec.annotations:
-        metadata["annotations"] = dict(spec.annotations)
+    metadata: Dict[str, Any] = {"labels": {ISTIO_INJECT: "false", **labels},
+                                "annotations": {ISTIO_INJECT: "false", **spec.annotations}}
     return {"metadata": metadata, "spec": pod_spec}
 
 
@@ -144,15 +155,30 @@ def render_job(spec: JobSpec, run_id: str, owner_reference: Optional[Dict[str, A
     replicas = {"Master": replica}
     if spec.nodes > 1:
         replicas["Worker"] = {**copy.deepcopy(replica), "replicas": spec.nodes - 1}
-    run_policy: Dict[str, Any] = {"cleanPodPolicy": spec.clean_pod_policy}
-    for key, value in (("backoffLimit", spec.backoff_limit), ("activeDeadlineSeconds", spec.active_deadline_seconds),
+    run_policy: Dict[str, Any] = {"cleanPodPolicy": spec.clean_pod_policy, "backoffLimit": defaults.backoff_limit(spec)}
+    for key, value in (("activeDeadlineSeconds", spec.active_deadline_seconds),
                        ("ttlSecondsAfterFinished", spec.ttl_seconds_after_finished)):
         if value is not None:
             run_policy[key] = value
+    if spec.scheduling_policy:
+        # Gang scheduling: volcano / scheduler-plugins start no pod until all of them fit.
+        policy: Dict[str, Any] = {"minAvailable": spec.nodes}
+        if spec.queue:
+            policy["queue"] = spec.queue
+        if spec.priority_class:
+            policy["priorityClass"] = spec.priority_class
+        run_policy["schedulingPolicy"] = policy
+    job_labels = dict(labels)
+    if spec.queue:
+        # Kueue admits suspended jobs only: created suspended, the job waits in the queue until Kueue
+        # sets suspend=false (kueue pkg/controller/jobs/kubeflow/kubeflowjob: IsSuspended reads
+        # runPolicy.suspend, RunWithPodSetsInfo clears it).
+        job_labels[KUEUE_QUEUE_LABEL] = spec.queue
+        run_policy["suspend"] = True
     metadata: Dict[str, Any] = {
         "name": name,
         "namespace": spec.namespace,
-        "labels": labels,
+        "labels": job_labels,
         "annotations": {**spec.annotations, naming.RUN_ID_ANNOTATION: run_id},
     }
     if owner_reference:

@@ -8,6 +8,7 @@ machine by the local backend (:mod:`domino.launch.local_backend`).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Union
@@ -32,6 +33,16 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+
+
+def default_namespace() -> str:
+    """The launching pod's namespace (``POD_NAMESPACE``, downward API), else ``domino``.
+
+    A kfp step runs in the namespace its service account may create jobs in (standalone KFP: the
+    KFP namespace as ``pipeline-runner``; multi-user KFP: the profile namespace as ``default-editor``),
+    so its training job belongs there too, beside the volume the step mounts.
+    """
+    return os.environ.get("POD_NAMESPACE") or "domino"
 
 
 class LaunchSpecError(ValueError):
@@ -84,8 +95,8 @@ class JobSpec:
     """Arguments for ``domino pretrain`` (the config flags)."""
     command: Optional[List[str]] = None
     """Full container command overriding ``torchrun -m domino pretrain ARGS``; used verbatim."""
-    namespace: str = "domino"
-    """Namespace of the job (and of the PVC)."""
+    namespace: str = field(default_factory=default_namespace)
+    """Namespace of the job (and of the PVC); default ``$POD_NAMESPACE``, else ``domino``."""
     nodes: int = 1
     """Pods: 1 Master plus nodes-1 Workers."""
     nproc_per_node: Union[int, str] = 1
@@ -93,11 +104,11 @@ class JobSpec:
     gpus_per_node: int = 0
     """``nvidia.com/gpu`` requested (and limited) per pod."""
     cpu_request: Optional[str] = None
-    """CPU request per pod."""
+    """CPU request per pod; default sized from the processes per pod (see domino.launch.defaults)."""
     cpu_limit: Optional[str] = None
     """CPU limit per pod."""
     memory_request: Optional[str] = None
-    """Memory request per pod."""
+    """Memory request per pod; default sized from the processes per pod (see domino.launch.defaults)."""
     memory_limit: Optional[str] = None
     """Memory limit per pod."""
     shm_size: Optional[str] = "16Gi"
@@ -129,17 +140,28 @@ class JobSpec:
     owner: Optional[str] = None
     """Who launched the job (the ``domino/owner`` label); default: $USER or ``domino``."""
     restart_policy: str = "OnFailure"
-    """OnFailure (restart any failed pod) or ExitCode (retry exit codes 128-255 only; 1-127 are permanent)."""
-    backoff_limit: Optional[int] = 3
-    """Restarts allowed before the job is marked Failed."""
+    """OnFailure (restart any failed pod, counted against backoff_limit) or ExitCode (retry exit codes
+    128-255 without counting them; 1-127 are permanent). See docs/cluster.md, "Restarts"."""
+    backoff_limit: Optional[int] = None
+    """Container restarts, summed over all pods, before the job is Failed; default 3 x nodes (one
+    fault restarts every pod of the job, so this tolerates three faults)."""
     active_deadline_seconds: Optional[int] = None
     """Cluster-side time limit of the job."""
     ttl_seconds_after_finished: Optional[int] = 86400
     """The operator deletes the finished job after this many seconds."""
     clean_pod_policy: str = "Running"
     """Pods deleted when the job finishes: All, Running (still-running ones) or None."""
+    termination_grace_period_s: int = 180
+    """Seconds between SIGTERM and SIGKILL for a deleted or evicted pod: ``--exit-signal-handler``
+    finishes the iteration and saves a checkpoint in this time."""
+    queue: Optional[str] = None
+    """Kueue LocalQueue: the job gets the ``kueue.x-k8s.io/queue-name`` label and is created suspended;
+    Kueue resumes it once admitted."""
+    scheduling_policy: bool = False
+    """Fill ``runPolicy.schedulingPolicy`` (minAvailable = all pods, queue, priorityClass) for gang
+    scheduling by volcano or scheduler-plugins (the operator's ``--gang-scheduler-name``)."""
     run_as_user: int = 1000
-    """Non-root UID of the training container (matches the image's user)."""
+    """Non-root UID of the training container (the image works under any UID, see the Dockerfile)."""
 
     def validate(self) -> None:
         """Raises :class:`LaunchSpecError` listing every problem, each naming its field and flag."""
@@ -184,6 +206,10 @@ class JobSpec:
             minimum = 1 if attr == "active_deadline_seconds" else 0
             check(value is None or (isinstance(value, int) and value >= minimum), "--" + attr.replace("_", "-"),
                   f"must be an integer >= {minimum}, got {value!r}")
+        check(isinstance(self.termination_grace_period_s, int) and self.termination_grace_period_s >= 0,
+              "--termination-grace-period", f"must be an integer >= 0, got {self.termination_grace_period_s!r}")
+        check(self.queue is None or (bool(_DNS1123_SUBDOMAIN.match(self.queue)) and len(self.queue) <= 63),
+              "--queue", f"{self.queue!r} is not a valid LocalQueue name")
         check(isinstance(self.run_as_user, int) and self.run_as_user > 0, "run_as_user",
               f"must be a non-root UID (> 0), got {self.run_as_user!r}")
         for attr in ("priority_class", "service_account"):

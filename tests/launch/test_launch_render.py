@@ -194,3 +194,74 @@ def test_run_job_rejects_bad_args_before_any_backend_work(tmp_path):
         run_job(JobSpec(name="gpt", image="i", command=["true"]), "local", cleanup="sometimes")
     with pytest.raises(ValueError, match="backend"):
         run_job(JobSpec(name="gpt", image="i", command=["true"]), "slurm")
+
+
+def _qos_class(pod_spec) -> str:
+    """The pod's QoS class by the Kubernetes rule ("Pod Quality of Service Classes"): BestEffort when no
+    container has a CPU or memory request or limit; Guaranteed when every container's CPU and memory
+    requests equal their limits; Burstable otherwise."""
+    res = [c.get("resources") or {} for c in pod_spec["containers"]]
+    keys = ("cpu", "memory")
+    if not any(k in r.get(kind, {}) for r in res for kind in ("requests", "limits") for k in keys):
+        return "BestEffort"
+    if all(r.get("limits", {}).get(k) and r.get("requests", {}).get(k, r["limits"][k]) == r["limits"][k]
+           for r in res for k in keys):
+        return "Guaranteed"
+    return "Burstable"
+
+
+def test_defaults_pass_the_restart_grace_requests_and_network_rules():
+    """A 4-node x 8-GPU job with no policy flags: restarts scale with nodes, room to save on SIGTERM,
+    GPU pods are not BestEffort, no Istio sidecar, and the GPU environment Domino's overlap needs."""
+    job = render_job(JobSpec(**{**BASE, "nodes": 4, "nproc_per_node": 8, "gpus_per_node": 8}), run_id="r1")
+    validate_job(job)
+    policy = job["spec"]["runPolicy"]
+    assert policy["backoffLimit"] >= 4 and policy["backoffLimit"] == 12  # 3 faults x 4 pods
+    for rtype in ("Master", "Worker"):
+        rs = job["spec"]["pytorchReplicaSpecs"][rtype]
+        assert rs["restartPolicy"] == "OnFailure"
+        pod = rs["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] >= 120
+        (container,) = pod["containers"]
+        assert container["resources"]["requests"] == {"cpu": "32", "memory": "128Gi", "nvidia.com/gpu": "8"}
+        assert _qos_class(pod) == "Burstable"
+        assert rs["template"]["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+        assert rs["template"]["metadata"]["labels"]["sidecar.istio.io/inject"] == "false"
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and env["NCCL_DEBUG"] == "WARN"
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert {"/tmp", "/home/domino", "/dev/shm"} <= mounts
+    # The rule the check enforces can fail: a GPU-only pod is BestEffort.
+    assert _qos_class({"containers": [{"resources": {"limits": {"nvidia.com/gpu": "8"}}}]}) == "BestEffort"
+    # Overrides win; CPU pods get smaller requests and no GPU environment.
+    job = render_job(JobSpec(**{**BASE, "nodes": 2, "nproc_per_node": 2, "cpu_request": "3", "backoff_limit": 1,
+                                "termination_grace_period_s": 600, "env": {"NCCL_DEBUG": "INFO"}}), run_id="r1")
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["requests"] == {"cpu": "3", "memory": "4Gi"}
+    assert job["spec"]["runPolicy"]["backoffLimit"] == 1 and pod["terminationGracePeriodSeconds"] == 600
+    assert {e["name"] for e in pod["containers"][0]["env"]} == {"DOMINO_JOB_NAME", "NCCL_DEBUG"}
+
+
+def test_queue_labels_the_job_for_kueue_and_creates_it_suspended():
+    job = render_job(JobSpec(**{**BASE, "nodes": 2, "queue": "team-gpus"}), run_id="r1")
+    validate_job(job)
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-gpus"
+    assert job["spec"]["runPolicy"]["suspend"] is True
+    assert "schedulingPolicy" not in job["spec"]["runPolicy"]
+    plain = render_job(JobSpec(**BASE), run_id="r1")
+    assert "suspend" not in plain["spec"]["runPolicy"] and "kueue.x-k8s.io/queue-name" not in plain["metadata"]["labels"]
+    gang = render_job(JobSpec(**{**BASE, "nodes": 4, "queue": "q", "priority_class": "high",
+                                 "scheduling_policy": True}), run_id="r1")
+    validate_job(gang)
+    assert gang["spec"]["runPolicy"]["schedulingPolicy"] == {"minAvailable": 4, "queue": "q", "priorityClass": "high"}
+    with pytest.raises(LaunchSpecError, match="--queue"):
+        JobSpec(**{**BASE, "queue": "Not A Queue"}).validate()
+
+
+def test_namespace_defaults_to_the_launching_pods(monkeypatch):
+    monkeypatch.setenv("POD_NAMESPACE", "kubeflow-user-alice")
+    assert JobSpec(**BASE).namespace == "kubeflow-user-alice"
+    assert JobSpec(**{**BASE, "namespace": "other"}).namespace == "other"
+    monkeypatch.delenv("POD_NAMESPACE")
+    assert JobSpec(**BASE).namespace == "domino"

@@ -1,0 +1,64 @@
+"""Settings a :class:`~domino.launch.spec.JobSpec` leaves unset, derived from the job's shape in one place.
+
+Each rule and where it comes from:
+
+* **Requests** (``cpu_request``/``memory_request``): a pod without any CPU or memory request or limit
+  is *BestEffort*, the first to be evicted under node memory pressure (Kubernetes docs, "Pod Quality
+  of Service Classes"); ``nvidia.com/gpu`` does not count toward QoS. So every job requests CPU and
+  memory per training process: :data:`GPU_PROCESS_REQUESTS` on GPU pods (a data-loader worker and
+  pinned host buffers per rank), :data:`CPU_PROCESS_REQUESTS` on CPU-only pods (the cpu-smoke quota).
+* **backoffLimit**: the operator compares it with the sum of container restart counts over all pods
+  (kubeflow/trainer release-1.9, ``pkg/core/job.go`` ``PastBackoffLimit``), and one lost pod makes
+  every other rank fail too, so one fault costs ``nodes`` restarts: the default allows
+  :data:`FAULTS_TOLERATED` faults.
+* **Environment on GPU pods** (:data:`GPU_ENV`, each overridable by ``--env``):
+  ``CUDA_DEVICE_MAX_CONNECTIONS=1`` makes kernels launch in issue order, which tensor-parallel
+  communication/compute overlap relies on (Megatron-LM refuses sequence parallelism and async TP
+  all-reduce without it, ``megatron/training/arguments.py``); ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``
+  tears a rank down when NCCL fails (a dead peer) instead of hanging, so the pod exits and is
+  restarted (PyTorch docs, "PYTORCH ProcessGroupNCCL Environment Variables"; 3 is the default of
+  recent torch, set for older ones); ``NCCL_DEBUG=WARN`` prints NCCL's reason on failure.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+from domino.launch.spec import JobSpec
+
+#: (CPU, memory) requested per training process on GPU pods.
+GPU_PROCESS_REQUESTS: Tuple[int, int] = (4, 16)
+#: (CPU, memory in Gi) requested per training process on CPU-only pods.
+CPU_PROCESS_REQUESTS: Tuple[int, int] = (1, 2)
+#: Faults (each restarting every pod once) the default backoffLimit tolerates.
+FAULTS_TOLERATED = 3
+#: Environment of GPU training pods unless ``--env`` sets the variable.
+GPU_ENV: Dict[str, str] = {
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    "NCCL_DEBUG": "WARN",
+}
+
+
+def processes_per_pod(spec: JobSpec) -> int:
+    """Training processes in one pod: ``nproc_per_node`` when numeric, else the GPUs (or 1)."""
+    if isinstance(spec.nproc_per_node, int):
+        return spec.nproc_per_node
+    return max(1, spec.gpus_per_node)
+
+
+def requests(spec: JobSpec) -> Dict[str, str]:
+    """CPU and memory requests of one pod: the spec's, else sized from the processes per pod."""
+    cpu, mem = GPU_PROCESS_REQUESTS if spec.gpus_per_node > 0 else CPU_PROCESS_REQUESTS
+    procs = processes_per_pod(spec)
+    return {"cpu": str(spec.cpu_request or cpu * procs), "memory": str(spec.memory_request or f"{mem * procs}Gi")}
+
+
+def backoff_limit(spec: JobSpec) -> int:
+    """``runPolicy.backoffLimit``: the spec's, else :data:`FAULTS_TOLERATED` x nodes."""
+    return spec.backoff_limit if spec.backoff_limit is not None else FAULTS_TOLERATED * spec.nodes
+
+
+def environment(spec: JobSpec) -> Dict[str, str]:
+    """The training container's extra environment: :data:`GPU_ENV` on GPU pods, overridden by the spec's."""
+    return {**(GPU_ENV if spec.gpus_per_node > 0 else {}), **spec.env}
