@@ -14,6 +14,7 @@ schedule never collide. Defaults train the tiny preset (the local demo); ``docs/
 settings. Compilation is deterministic: the committed ``gpt_pretrain.yaml`` is checked by a test.
 """
 
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -25,6 +26,7 @@ from components.cleanup import component as cleanup_component
 from components.evaluate import component as evaluate_component
 from components.preprocess import component as preprocess_component
 from components.pretrain import component as pretrain_component
+from components.pretrain import settings as pretrain_settings
 from components.promote import component as promote_component
 
 PIPELINE_NAME = "gpt-pretrain"
@@ -32,6 +34,24 @@ PIPELINE_NAME = "gpt-pretrain"
 MOUNT_PATH = "/mnt/domino"
 #: The compiled pipeline committed beside this module.
 COMPILED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt_pretrain.yaml")
+
+#: The pipeline's own parameters (name, type, default); the pretrain step's come from its settings.
+OWN_PARAMETERS = [
+    ("corpus", str, "shakespeare"),
+    ("input_uri", str, ""),
+    ("eval_batches", int, 8),
+    ("sample_tokens", int, 24),
+    ("min_improvement", float, 0.0),
+    ("keep_failed_jobs", bool, True),
+]
+OWN_DOCS = {
+    "corpus": "Built-in corpus to train on when input_uri is empty (shakespeare, kjv).",
+    "input_uri": "Comma-separated text/JSON-lines files on the shared volume (overrides corpus).",
+    "eval_batches": "Test batches per evaluated model.",
+    "sample_tokens": "Tokens generated per report prompt (0: no samples).",
+    "min_improvement": "Fraction by which the test perplexity must beat the promoted model's.",
+    "keep_failed_jobs": "Keep a failed training job for debugging (its TTL removes it later).",
+}
 
 
 @dataclass
@@ -43,11 +63,17 @@ class StepPlacement:
         node_selector: Node labels every step pod requires.
         tolerations: Tolerations of every step pod, as Kubernetes ``Toleration`` objects.
         eval_gpus: GPUs for the evaluate step's pod (0: it evaluates on CPU, fine for small models).
+        run_as_user: Non-root UID (and GID) of every step's container (the image works under any UID).
+        pretrain_retries: kfp retries of the pretrain step (a retry adopts the run's job and resumes it).
+        pretrain_timeout_s: The pretrain step pod's activeDeadlineSeconds (a bound on the whole training).
     """
 
     node_selector: Dict[str, str] = field(default_factory=dict)
     tolerations: List[Dict[str, str]] = field(default_factory=list)
     eval_gpus: int = 0
+    run_as_user: int = 1000
+    pretrain_retries: int = 2
+    pretrain_timeout_s: int = 7 * 24 * 3600
 
 
 def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacement] = None):
@@ -71,6 +97,10 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
 
     def on_shared_volume(task, pvc_name):
         kubernetes.mount_pvc(task, pvc_name=pvc_name, mount_path=MOUNT_PATH)
+        # kfp-kubernetes 2.17 sets identity only (runAsUser/Group/NonRoot); the KFP backend adds
+        # allowPrivilegeEscalation=false, drop ALL and RuntimeDefault seccomp to every user container.
+        kubernetes.set_security_context(task, run_as_user=placement.run_as_user, run_as_group=placement.run_as_user,
+                                        run_as_non_root=True)
         for key, value in sorted(placement.node_selector.items()):
             kubernetes.add_node_selector(task, label_key=key, label_value=value)
         for toleration in placement.tolerations:
@@ -78,129 +108,60 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
         task.set_caching_options(False)
         return task
 
-    @dsl.pipeline(name=PIPELINE_NAME, description="Pretrain a GPT model with Domino tensor parallelism, "
-                  "evaluate it, and promote it when it beats the promoted model.")
-    def gpt_pretrain(
-        shared_root: str = MOUNT_PATH,
-        pvc_name: str = "domino-data",
-        corpus: str = "shakespeare",
-        input_uri: str = "",
-        tokenizer: str = "gpt2",
-        preset: str = "tiny",
-        config_overrides: str = "{}",
-        train_iters: int = 20,
-        micro_batch_size: int = 4,
-        global_batch_size: int = 0,
-        lr: float = 0.0,
-        split: str = "90,5,5",
-        save_interval: int = 0,
-        eval_interval: int = 10,
-        eval_iters: int = 2,
-        log_interval: int = 5,
-        nodes: int = 1,
-        nproc_per_node: int = 2,
-        gpus_per_node: int = 0,
-        tensor_parallel: int = 2,
-        domino_chunks: int = 2,
-        zero_stage: int = 1,
-        warm_start: bool = False,
-        backend: str = "pytorchjob",
-        image: str = image,
-        namespace: str = "domino",
-        job_name: str = "gpt-pretrain",
-        cpu_request: str = "",
-        memory_request: str = "",
-        memory_limit: str = "",
-        node_selector: str = "{}",
-        tolerations: str = "[]",
-        job_timeout_s: int = 0,
-        scheduling_timeout_s: int = 600,
-        eval_batches: int = 8,
-        sample_tokens: int = 24,
-        min_improvement: float = 0.0,
-        keep_failed_jobs: bool = True,
-    ):
-        """Pretrain, evaluate and conditionally promote a GPT model.
+    # The pipeline's parameters: every pretrain setting (components/pretrain/settings.py, the one
+    # declaration) except what the run supplies, then its own. kfp reads them from the signature and
+    # calls the function with them positionally.
+    names = [param.name for param in pretrain_settings.parameters(skip=pretrain_settings.RUN_SUPPLIED)]
+    names += [name for name, _, _ in OWN_PARAMETERS]
+    pretrain_names = [name for name in names if name in pretrain_settings.PretrainSettings.__dataclass_fields__]
 
-        Args:
-            shared_root: Where the shared volume is mounted (keep the default in a cluster; a local
-                folder for local runs). Runs write under shared_root/runs/RUN_ID.
-            pvc_name: ReadWriteMany PersistentVolumeClaim mounted by every step and the training job.
-            corpus: Built-in corpus to train on when input_uri is empty (shakespeare, kjv).
-            input_uri: Comma-separated text/JSON-lines files on the shared volume (overrides corpus).
-            tokenizer: Tokenizer (gpt2 works offline).
-            preset: Model and training preset (tiny, gpt2-125m, gpt3-350m, gpt3-1.3b, ...).
-            config_overrides: JSON object of further domino config fields, e.g. {"num_layers": 4}.
-            train_iters: Optimizer steps.
-            micro_batch_size: Samples per process per pass (divisible by domino_chunks).
-            global_batch_size: Samples per optimizer step (0: micro batch x data-parallel size).
-            lr: Peak learning rate (0: the preset's).
-            split: Train/valid/test split of the documents.
-            save_interval: Checkpoint every N steps (0: only at the end).
-            eval_interval: Validate every N steps.
-            eval_iters: Batches per validation during training.
-            log_interval: Log a metrics line every N steps.
-            nodes: Pods of the training job.
-            nproc_per_node: Processes per pod.
-            gpus_per_node: GPUs per pod (0 trains on CPU).
-            tensor_parallel: Tensor-parallel size (divides nodes x nproc_per_node).
-            domino_chunks: Domino micro-chunks per layer (1: plain tensor parallelism).
-            zero_stage: DeepSpeed ZeRO stage (0, 1, 2).
-            warm_start: Initialise from the promoted model's weights (fresh start when none).
-            backend: pytorchjob (Kubeflow training operator) or local (processes in the step's pod).
-            image: Image of the training job.
-            namespace: Namespace of the training job.
-            job_name: Base name of the training job (the run id is appended).
-            cpu_request: CPU request per training pod ('' : none).
-            memory_request: Memory request per training pod ('' : none).
-            memory_limit: Memory limit per training pod ('' : none).
-            node_selector: JSON object of node labels for the training pods.
-            tolerations: JSON array of tolerations for the training pods.
-            job_timeout_s: Wall-clock limit of the training job (0: none).
-            scheduling_timeout_s: Fail when the training job is not running after this many seconds.
-            eval_batches: Test batches per evaluated model.
-            sample_tokens: Tokens generated per report prompt (0: no samples).
-            min_improvement: Fraction by which the test perplexity must beat the promoted model's.
-            keep_failed_jobs: Keep a failed training job for debugging (its TTL removes it later).
-        """
+    def gpt_pretrain(*values):
+        p = dict(zip(names, values))
         run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
-        cleanup = on_shared_volume(
-            cleanup_op(run_id=run_id, namespace=namespace, backend=backend, keep_failed=keep_failed_jobs), pvc_name)
+        cleanup = on_shared_volume(cleanup_op(run_id=run_id, namespace=p["namespace"], backend=p["backend"],
+                                              keep_failed=p["keep_failed_jobs"]), p["pvc_name"])
         cleanup.set_display_name("cleanup-job")
+        kubernetes.use_field_path_as_env(cleanup, env_name="POD_NAMESPACE", field_path="metadata.namespace")
         with dsl.ExitHandler(cleanup, name="train-and-gate"):
             prep = on_shared_volume(preprocess_op(
-                shared_root=shared_root, run_id=run_id, corpus=corpus, input_uri=input_uri, tokenizer=tokenizer,
-            ), pvc_name)
+                shared_root=p["shared_root"], run_id=run_id, corpus=p["corpus"], input_uri=p["input_uri"],
+                tokenizer=p["tokenizer"],
+            ), p["pvc_name"])
             train = on_shared_volume(pretrain_op(
-                dataset=prep.outputs["dataset"], shared_root=shared_root, run_id=run_id, preset=preset,
-                config_overrides=config_overrides, train_iters=train_iters, micro_batch_size=micro_batch_size,
-                global_batch_size=global_batch_size, lr=lr, split=split, tokenizer=tokenizer,
-                save_interval=save_interval, eval_interval=eval_interval, eval_iters=eval_iters,
-                log_interval=log_interval, nodes=nodes, nproc_per_node=nproc_per_node,
-                gpus_per_node=gpus_per_node, tensor_parallel=tensor_parallel, domino_chunks=domino_chunks,
-                zero_stage=zero_stage, warm_start=warm_start, backend=backend, image=image, namespace=namespace,
-                job_name=job_name, pvc_name=pvc_name, cpu_request=cpu_request, memory_request=memory_request,
-                memory_limit=memory_limit, node_selector=node_selector, tolerations=tolerations,
-                job_timeout_s=job_timeout_s, scheduling_timeout_s=scheduling_timeout_s,
-            ), pvc_name)
-            # The launcher sets its pod as the job's owner, so deleting the run's pods removes the job too.
+                dataset=prep.outputs["dataset"], run_id=run_id, **{name: p[name] for name in pretrain_names},
+            ), p["pvc_name"])
+            # The launcher sets its pod as the job's owner, so deleting the run's pods removes the job too;
+            # the job goes to the step's namespace unless the namespace parameter says otherwise.
             for env, path in (("POD_NAME", "metadata.name"), ("POD_UID", "metadata.uid"),
                               ("POD_NAMESPACE", "metadata.namespace")):
                 kubernetes.use_field_path_as_env(train, env_name=env, field_path=path)
+            # A retried step adopts its own job (same run id, same name) and resumes from its checkpoints.
+            train.set_retry(num_retries=placement.pretrain_retries, backoff_duration="60s", backoff_factor=2.0)
+            kubernetes.set_timeout(train, placement.pretrain_timeout_s)
             evaluation = on_shared_volume(evaluate_op(
-                model=train.outputs["model"], dataset=prep.outputs["dataset"], shared_root=shared_root,
-                run_id=run_id, eval_batches=eval_batches, sample_tokens=sample_tokens,
-                min_improvement=min_improvement,
-            ), pvc_name)
+                model=train.outputs["model"], dataset=prep.outputs["dataset"], shared_root=p["shared_root"],
+                run_id=run_id, eval_batches=p["eval_batches"], sample_tokens=p["sample_tokens"],
+                min_improvement=p["min_improvement"],
+            ), p["pvc_name"])
             if placement.eval_gpus > 0:
                 evaluation.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(placement.eval_gpus)
             with dsl.If(evaluation.outputs["Output"] == True, name="beats-promoted-model"):  # noqa: E712
                 on_shared_volume(promote_op(
                     model=train.outputs["model"], decision=evaluation.outputs["decision"],
-                    shared_root=shared_root, run_id=run_id,
-                ), pvc_name)
+                    shared_root=p["shared_root"], run_id=run_id,
+                ), p["pvc_name"])
 
-    return gpt_pretrain
+    defaults = {"image": image, "shared_root": MOUNT_PATH}
+    params = [param.replace(default=defaults.get(param.name, param.default))
+              for param in pretrain_settings.parameters(skip=pretrain_settings.RUN_SUPPLIED)]
+    params += [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=kind)
+               for name, kind, default in OWN_PARAMETERS]
+    gpt_pretrain.__signature__ = inspect.Signature(params)
+    docs = {**OWN_DOCS, **pretrain_settings.parameter_docs(), "image": "Image of the training job."}
+    gpt_pretrain.__doc__ = ("Pretrain, evaluate and conditionally promote a GPT model.\n\nArgs:\n"
+                            + "".join(f"    {name}: {docs[name]}\n" for name in names))
+    return dsl.pipeline(name=PIPELINE_NAME, description="Pretrain a GPT model with Domino tensor parallelism, "
+                        "evaluate it, and promote it when it beats the promoted model.")(gpt_pretrain)
 
 
 def compile_pipeline(output: str = COMPILED_PATH, image: Optional[str] = None,

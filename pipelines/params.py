@@ -14,8 +14,10 @@ from typing import Any, Dict, Iterable, List, Optional
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
+from components.pretrain.settings import JSON_SETTINGS
+
 #: Parameters whose values are JSON, with the JSON type they must have.
-JSON_PARAMETERS = {"config_overrides": dict, "node_selector": dict, "tolerations": list}
+JSON_PARAMETERS = JSON_SETTINGS
 #: Parameters with a fixed set of values.
 CHOICES = {"backend": ("pytorchjob", "local"), "zero_stage": (0, 1, 2)}
 
@@ -105,9 +107,11 @@ def check_params(values: Dict[str, Any]) -> None:
         if name in values and values[name] < 1:
             problems.append(f"--param {name}={values[name]}: must be at least 1")
     for name in ("global_batch_size", "gpus_per_node", "save_interval", "eval_interval", "eval_iters",
-                 "job_timeout_s", "sample_tokens", "lr"):
+                 "job_timeout_s", "sample_tokens", "lr", "queue_timeout_s", "termination_grace_period_s"):
         if name in values and values[name] < 0:
             problems.append(f"--param {name}={values[name]}: must not be negative")
+    if "backoff_limit" in values and values["backoff_limit"] < -1:
+        problems.append(f"--param backoff_limit={values['backoff_limit']}: must be -1 (3 x nodes) or more")
     if "min_improvement" in values and not 0.0 <= values["min_improvement"] < 1.0:
         problems.append(f"--param min_improvement={values['min_improvement']}: must be in [0, 1)")
     if problems:

@@ -32,7 +32,7 @@ def cleanup_jobs(
 
     Args:
         run_id: The pipeline run id (the jobs carry it as the ``domino/run-id`` label).
-        namespace: Namespace of the jobs.
+        namespace: Namespace of the jobs ('': this pod's, ``POD_NAMESPACE``, as the pretrain step chose).
         pipeline_state: Final state of the run's tasks (SUCCEEDED, FAILED, CANCELED, ...), for the log.
         keep_failed: Keep jobs whose last condition is Failed.
         api: A ``kubernetes.client.CustomObjectsApi`` (default: from the in-cluster config or kubeconfig).
@@ -45,6 +45,9 @@ def cleanup_jobs(
 
     from domino.launch.naming import RUN_ID_LABEL, label_value
     from domino.launch.render import GROUP, PLURAL, VERSION
+    from domino.launch.spec import default_namespace
+
+    namespace = namespace or default_namespace()
 
     if api is None:
         from kubernetes import client

@@ -1,92 +1,32 @@
-"""kfp wrapper of the pretrain step (see ``step.py`` for the logic and ``README.md`` for usage)."""
+"""kfp wrapper of the pretrain step (see ``step.py`` for the logic and ``README.md`` for usage).
 
+kfp reads a lightweight component's parameters from its function's signature and ships the function's
+*source* to the container, so the signature must exist as source text. It is generated here from the
+one declaration, :class:`components.pretrain.settings.PretrainSettings` (name, type, default and the
+docstring of every field), compiled, and registered in :mod:`linecache` under a pseudo file name, where
+``inspect.getsource`` (and so kfp) finds it.
+"""
+
+import dataclasses
+import linecache
 from typing import Optional
 
 from kfp import dsl
 from kfp.dsl import Dataset, Input, Metrics, Model, Output
 
 from components import default_image
+from components.pretrain.settings import parameter_docs, settings_fields
 
+#: The artifacts of the step, with their descriptions.
+ARTIFACTS = {
+    "dataset": ("Input[Dataset]", "The preprocess step's manifest (its ``prefix`` becomes ``--data-path``)."),
+    "model": ("Output[Model]", "Manifest of the final checkpoint (on the shared volume); metadata: iterations, "
+              "tokens_seen, final losses, checkpoint_dir, job."),
+    "metrics": ("Output[Metrics]", "final_train_loss, final_valid_loss, tokens_per_s, mfu, tflops_per_device, "
+                "iterations."),
+}
 
-def pretrain(
-    dataset: Input[Dataset],
-    model: Output[Model],
-    metrics: Output[Metrics],
-    shared_root: str,
-    run_id: str,
-    preset: str = "tiny",
-    config_overrides: str = "{}",
-    train_iters: int = 20,
-    micro_batch_size: int = 4,
-    global_batch_size: int = 0,
-    lr: float = 0.0,
-    split: str = "90,5,5",
-    tokenizer: str = "gpt2",
-    save_interval: int = 0,
-    eval_interval: int = 10,
-    eval_iters: int = 2,
-    log_interval: int = 5,
-    nodes: int = 1,
-    nproc_per_node: int = 2,
-    gpus_per_node: int = 0,
-    tensor_parallel: int = 2,
-    domino_chunks: int = 2,
-    zero_stage: int = 1,
-    warm_start: bool = False,
-    backend: str = "pytorchjob",
-    image: str = "",
-    namespace: str = "domino",
-    job_name: str = "gpt-pretrain",
-    pvc_name: str = "domino-data",
-    cpu_request: str = "",
-    memory_request: str = "",
-    memory_limit: str = "",
-    node_selector: str = "{}",
-    tolerations: str = "[]",
-    job_timeout_s: int = 0,
-    scheduling_timeout_s: int = 600,
-):
-    """Trains a GPT model with a distributed ``domino pretrain`` job (PyTorchJob, or local processes).
-
-    Args:
-        dataset: The preprocess step's manifest (its ``prefix`` becomes ``--data-path``).
-        model: Manifest of the final checkpoint (on the shared volume); metadata: iterations, tokens_seen,
-            final losses, checkpoint_dir, job.
-        metrics: final_train_loss, final_valid_loss, tokens_per_s, mfu, tflops_per_device, iterations.
-        shared_root: Mount path of the shared volume (or a local folder with backend=local).
-        run_id: Unique run id; the job name and folders derive from it.
-        preset: Model/training preset (tiny, gpt2-125m, gpt3-1.3b, ...).
-        config_overrides: JSON object of further config fields, e.g. {"num_layers": 4, "bf16": true}.
-        train_iters: Optimizer steps.
-        micro_batch_size: Samples per process per pass.
-        global_batch_size: Samples per step (0: micro batch x data-parallel size).
-        lr: Peak learning rate (0: the preset's).
-        split: Train/valid/test split of the documents.
-        tokenizer: Tokenizer used by preprocess.
-        save_interval: Save every N steps (0: only the final save).
-        eval_interval: Validate every N steps.
-        eval_iters: Batches per validation.
-        log_interval: Metrics line every N steps.
-        nodes: Pods of the job.
-        nproc_per_node: Processes per pod.
-        gpus_per_node: GPUs requested per pod (0 on CPU).
-        tensor_parallel: Tensor-parallel size.
-        domino_chunks: Domino micro-chunks per layer (1: plain TP).
-        zero_stage: DeepSpeed ZeRO stage (0, 1, 2).
-        warm_start: Start from the promoted model's weights (registry on the shared volume).
-        backend: pytorchjob (in a cluster) or local (processes where the step runs).
-        image: Training image ('' : the components' image).
-        namespace: Namespace of the job.
-        job_name: Base name of the job; the run id is appended.
-        pvc_name: ReadWriteMany claim mounted at shared_root in the job's pods.
-        cpu_request: CPU request per pod ('' : none).
-        memory_request: Memory request per pod ('' : none).
-        memory_limit: Memory limit per pod ('' : none).
-        node_selector: JSON object of node labels for the job's pods.
-        tolerations: JSON array of tolerations ('key=value:effect' strings or objects).
-        job_timeout_s: Wall-clock limit of the job (0: none).
-        scheduling_timeout_s: Fail when the job is not running after this many seconds.
-    """
+_BODY = '''
     values = dict(locals())
     from components.pretrain.step import metric_values, run_pretrain, settings_from_kwargs
 
@@ -94,6 +34,33 @@ def pretrain(
     model.metadata.update({key: value for key, value in summary.items() if key != "config"})
     for name, value in metric_values(summary).items():
         metrics.log_metric(name, value)
+'''
+
+
+def component_source() -> str:
+    """The source of the ``pretrain`` component function (deterministic: the compiled YAML embeds it)."""
+    params = [f"{name}: {kind}" for name, (kind, _) in ARTIFACTS.items()]
+    docs = [f"        {name}: {doc}" for name, (_, doc) in ARTIFACTS.items()]
+    described = parameter_docs()
+    for f in settings_fields():
+        params.append(f"{f.name}: {f.type}" + ("" if f.default is dataclasses.MISSING else f" = {f.default!r}"))
+        docs.append(f"        {f.name}: {described[f.name]}")
+    doc = ('    """Trains a GPT model with a distributed ``domino pretrain`` job (PyTorchJob, or local processes).'
+           "\n\n    Args:\n" + "\n".join(docs) + '\n    """')
+    return "def pretrain(\n" + "".join(f"    {p},\n" for p in params) + "):\n" + doc + _BODY
+
+
+def _define():
+    source = component_source()
+    filename = "<components/pretrain/component.py: generated from PretrainSettings>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"__name__": __name__, "Input": Input, "Output": Output, "Dataset": Dataset, "Model": Model,
+                 "Metrics": Metrics}
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated definition
+    return namespace["pretrain"]
+
+
+pretrain = _define()
 
 
 def build(image: Optional[str] = None):

@@ -8,15 +8,17 @@ fails when the job fails, and summarises the final checkpoint and the metrics fi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List
 
 from components.layout import RunLayout
 from components.manifest import read_manifest, write_manifest
+from components.pretrain.settings import JSON_SETTINGS, PretrainSettings, settings_from_kwargs
 from components.registry import current_model
+
+__all__ = ["PretrainFailed", "PretrainSettings", "check_config", "job_spec", "load_argv", "metric_values",
+           "parse_overrides", "pretrain_argv", "run_pretrain", "settings_from_kwargs", "summarize"]
 
 #: Settings the pipeline sets through parameters of their own; ``config_overrides`` may not repeat them.
 OWN_PARAMETERS = {
@@ -29,45 +31,6 @@ OWN_PARAMETERS = {
 
 class PretrainFailed(RuntimeError):
     """The training job did not succeed; the message holds the job's outcome and last log lines."""
-
-
-@dataclass
-class PretrainSettings:
-    """Everything the pretrain step needs besides the dataset (one field per component parameter)."""
-
-    shared_root: str
-    run_id: str
-    preset: str = "tiny"
-    config_overrides: str = "{}"
-    train_iters: int = 20
-    micro_batch_size: int = 4
-    global_batch_size: int = 0
-    lr: float = 0.0
-    split: str = "90,5,5"
-    tokenizer: str = "gpt2"
-    save_interval: int = 0
-    eval_interval: int = 10
-    eval_iters: int = 2
-    log_interval: int = 5
-    nodes: int = 1
-    nproc_per_node: int = 2
-    gpus_per_node: int = 0
-    tensor_parallel: int = 2
-    domino_chunks: int = 2
-    zero_stage: int = 1
-    warm_start: bool = False
-    backend: str = "pytorchjob"
-    image: str = ""
-    namespace: str = "domino"
-    job_name: str = "gpt-pretrain"
-    pvc_name: str = "domino-data"
-    cpu_request: str = ""
-    memory_request: str = ""
-    memory_limit: str = ""
-    node_selector: str = "{}"
-    tolerations: str = "[]"
-    job_timeout_s: int = 0
-    scheduling_timeout_s: int = 600
 
 
 def parse_overrides(text: str) -> Dict[str, Any]:
@@ -149,7 +112,10 @@ def check_config(argv: List[str], world_size: int):
     return config_from_args(args, world_size=world_size, for_training=True)
 
 
-def _json_param(text: str, name: str, kind: type) -> Any:
+def _json_param(settings: PretrainSettings, name: str) -> Any:
+    """The JSON setting ``name`` parsed, with its declared JSON type checked."""
+    kind = JSON_SETTINGS[name]
+    text = getattr(settings, name)
     try:
         value = json.loads(text or ("{}" if kind is dict else "[]"))
     except json.JSONDecodeError as error:
@@ -160,32 +126,40 @@ def _json_param(text: str, name: str, kind: type) -> Any:
 
 
 def job_spec(settings: PretrainSettings, argv: List[str]):
-    """The :class:`domino.launch.JobSpec` of this run's training job (validated)."""
+    """The :class:`domino.launch.JobSpec` of this run's training job (validated).
+
+    The restart policy is the launcher's default (OnFailure with a backoffLimit scaled by the node
+    count): a lost pod makes its peers exit 1, which ExitCode would treat as permanent.
+    """
     from components import default_image
-    from domino.launch.spec import JobSpec, Toleration
+    from domino.launch.spec import JobSpec, Toleration, default_namespace
 
     s = settings
     tolerations = []
-    for item in _json_param(s.tolerations, "tolerations", list):
+    for item in _json_param(s, "tolerations"):
         if isinstance(item, str):
             tolerations.append(Toleration.parse(item))
         elif isinstance(item, dict):
             tolerations.append(Toleration(**item))
         else:
             raise ValueError(f"tolerations: {item!r} is neither 'key=value:effect' nor an object")
+    text = lambda d: {str(k): str(v) for k, v in d.items()}  # noqa: E731 - JSON scalars -> strings
+    # Without GPUs DeepSpeed must be told to use its CPU accelerator.
+    env = {"DS_ACCELERATOR": "cpu"} if s.gpus_per_node == 0 else {}
     spec = JobSpec(
-        name=s.job_name, image=s.image or default_image(), pretrain_args=argv, namespace=s.namespace,
-        nodes=s.nodes, nproc_per_node=s.nproc_per_node, gpus_per_node=s.gpus_per_node,
-        cpu_request=s.cpu_request or None, memory_request=s.memory_request or None,
-        memory_limit=s.memory_limit or None, pvc=s.pvc_name, mount_path=s.shared_root,
-        checkpoint_dir=RunLayout(s.shared_root, s.run_id).checkpoint_dir,
-        node_selector={str(k): str(v) for k, v in _json_param(s.node_selector, "node_selector", dict).items()},
-        tolerations=tolerations, labels={"pipelines.kubeflow.org/run-id": _label(s.run_id)},
-        # Retry only what a retry can fix (signals, OOM kills, lost nodes: exit codes 128-255); a Python
-        # error (exit code 1) fails the job at once instead of being repeated backoff_limit times.
-        restart_policy="ExitCode",
-        # Without GPUs DeepSpeed must be told to use its CPU accelerator.
-        env={"DS_ACCELERATOR": "cpu"} if s.gpus_per_node == 0 else {},
+        name=s.job_name, image=s.image or default_image(), pretrain_args=argv,
+        namespace=s.namespace or default_namespace(), nodes=s.nodes, nproc_per_node=s.nproc_per_node,
+        gpus_per_node=s.gpus_per_node, cpu_request=s.cpu_request or None, cpu_limit=s.cpu_limit or None,
+        memory_request=s.memory_request or None, memory_limit=s.memory_limit or None, shm_size=s.shm_size or None,
+        pvc=s.pvc_name, mount_path=s.shared_root, checkpoint_dir=RunLayout(s.shared_root, s.run_id).checkpoint_dir,
+        node_selector=text(_json_param(s, "node_selector")), tolerations=tolerations,
+        priority_class=s.priority_class or None, service_account=s.service_account or None,
+        image_pull_secrets=[str(x) for x in _json_param(s, "image_pull_secrets")],
+        env={**env, **text(_json_param(s, "env"))},
+        labels={**text(_json_param(s, "labels")), "pipelines.kubeflow.org/run-id": _label(s.run_id)},
+        annotations=text(_json_param(s, "annotations")), queue=s.queue or None,
+        backoff_limit=None if s.backoff_limit < 0 else s.backoff_limit,
+        termination_grace_period_s=s.termination_grace_period_s,
     )
     spec.validate()
     return spec
@@ -259,7 +233,8 @@ def run_pretrain(
     log(f"pretrain: job {settings.job_name} ({settings.backend}), warm start from: {warm_from or 'none'}")
     result = run_job(
         spec, backend=settings.backend, timeout_s=settings.job_timeout_s or None,
-        scheduling_timeout_s=settings.scheduling_timeout_s, cleanup="on-success", run_id=settings.run_id,
+        scheduling_timeout_s=settings.scheduling_timeout_s, queue_timeout_s=settings.queue_timeout_s or None,
+        cleanup="on-success", run_id=settings.run_id,
         log=log, workdir=settings.shared_root if settings.backend == "local" else None,
     )
     if not result.succeeded:
@@ -268,12 +243,6 @@ def run_pretrain(
     summary.update(job=result.name, warm_start_from=warm_from, run_id=settings.run_id)
     write_manifest(model_path, summary)
     return summary
-
-
-def settings_from_kwargs(values: Dict[str, Any]) -> PretrainSettings:
-    """Builds settings from the component's keyword arguments (unknown keys are a programming error)."""
-    names = {f.name for f in dataclasses.fields(PretrainSettings)}
-    return PretrainSettings(**{k: v for k, v in values.items() if k in names})
 
 
 def metric_values(summary: Dict[str, Any]) -> Dict[str, float]:

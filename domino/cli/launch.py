@@ -46,7 +46,8 @@ def _submit(args: argparse.Namespace) -> int:
         return 2
     try:
         result = run_job(spec, args.backend, timeout_s=args.timeout, scheduling_timeout_s=args.scheduling_timeout,
-                         cleanup=args.cleanup, run_id=args.run_id, log=lambda line: print(line, flush=True),
+                         queue_timeout_s=args.queue_timeout, cleanup=args.cleanup, run_id=args.run_id,
+                         log=lambda line: print(line, flush=True),
                          workdir=args.workdir)
     except LaunchSpecError as error:
         print(f"domino launch submit: error: {error}", file=sys.stderr)
@@ -78,9 +79,13 @@ def register(subparsers) -> None:
                      help="pytorchjob (cluster, default) or local (replicas as local processes).")
     run.add_argument("--timeout", type=float, default=None, help="Wall-clock limit of the whole job, seconds.")
     run.add_argument("--scheduling-timeout", type=float, default=600.0,
-                     help="Fail when the job is not Running after this many seconds (default 600).")
+                     help="Fail when the admitted job is not Running, or not all its pods run, after this many "
+                          "seconds (default 600).")
+    run.add_argument("--queue-timeout", type=float, default=None,
+                     help="Fail when a --queue job is still waiting in the queue (suspended) after this many "
+                          "seconds (default: no limit but --timeout).")
     run.add_argument("--cleanup", choices=CLEANUP_MODES, default="on-success",
-                     help="Delete the job: always, on-success (also when interrupted; default), never.")
+                     help="Delete the job: always, on-success (also when interrupted or timed out; default), never.")
     run.add_argument("--workdir", default=None, help="local backend: directory standing in for the PVC.")
     run.add_argument("--tail-lines", type=int, default=20, help="Log lines shown with a failure (default 20).")
     submit.set_defaults(func=_submit)

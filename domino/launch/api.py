@@ -7,11 +7,13 @@ overall timeout and when interrupted, and succeeds only when the job Succeeded.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import signal
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 from domino.launch.spec import JobSpec
 
@@ -31,6 +33,7 @@ class JobResult:
             ``SchedulingTimeout: ...``, ``Timeout: ...``, ``Interrupted: ...``); empty on success.
         log_tail: the Master's last log lines.
         exit_code: the Master container's exit code when known.
+        failed_pods: on failure, each failed pod's name -> its ``pytorch`` container's last log lines.
     """
 
     name: str
@@ -39,6 +42,7 @@ class JobResult:
     reason: str
     log_tail: List[str] = field(default_factory=list)
     exit_code: Optional[int] = None
+    failed_pods: Dict[str, List[str]] = field(default_factory=dict)
 
     def describe(self, lines: int = 20) -> str:
         """A multi-line summary for humans: outcome, reason and the last ``lines`` log lines."""
@@ -51,6 +55,9 @@ class JobResult:
         if not self.succeeded and self.log_tail:
             out.append(f"last {min(lines, len(self.log_tail))} log lines of the master:")
             out += ["  " + line for line in self.log_tail[-lines:]]
+        for pod, tail in ([] if self.succeeded else sorted(self.failed_pods.items())):
+            out.append(f"last {min(lines, len(tail))} log lines of failed pod {pod}:")
+            out += ["  " + line for line in tail[-lines:]]
         return "\n".join(out)
 
 
@@ -92,16 +99,17 @@ def check_cleanup(cleanup: str) -> None:
         raise ValueError(f"--cleanup: {cleanup!r} is not one of {', '.join(CLEANUP_MODES)}")
 
 
-def should_delete(cleanup: str, succeeded: bool, interrupted: bool) -> bool:
-    """Whether to delete the job: ``always``; ``on-success`` after success or interruption; ``never``.
+def should_delete(cleanup: str, succeeded: bool, stopped: bool) -> bool:
+    """Whether to delete the job: ``always``; ``on-success`` after success or when the launcher stopped
+    following it (interrupted, timed out, never scheduled); ``never``.
 
-    An interrupted launcher (a cancelled pipeline run) deletes its job unless told ``never``: nobody
-    would otherwise stop the pods holding the GPUs. A failed job is kept by ``on-success`` for debugging.
+    A job the launcher gives up on is deleted unless told ``never``: nobody would otherwise stop the pods
+    holding (or waiting for) the GPUs. A Failed job is kept by ``on-success`` for debugging.
     """
     if cleanup == "always":
         return True
     if cleanup == "on-success":
-        return succeeded or interrupted
+        return succeeded or stopped
     return False
 
 
@@ -111,6 +119,7 @@ def run_job(
     *,
     timeout_s: Optional[float] = None,
     scheduling_timeout_s: float = 600,
+    queue_timeout_s: Optional[float] = None,
     cleanup: str = "on-success",
     run_id: Optional[str] = None,
     log: Callable[[str], None] = print,
@@ -122,8 +131,12 @@ def run_job(
         spec: the job.
         backend: ``pytorchjob`` (a Kubeflow PyTorchJob via the kubernetes client, in-cluster config or
             kubeconfig) or ``local`` (each replica a process on this machine, see local_backend).
-        timeout_s: wall-clock limit for the whole job (None: no limit).
-        scheduling_timeout_s: fail when the job has not started Running after this many seconds.
+        timeout_s: wall-clock limit for the whole job (None: no limit); also the job's
+            ``activeDeadlineSeconds`` unless the spec sets one, so the cluster stops it without us.
+        scheduling_timeout_s: fail when the job (once admitted) has not started Running, or not all of
+            its pods run, after this many seconds.
+        queue_timeout_s: fail when a job queued in Kueue (suspended) is not admitted after this many
+            seconds (None: wait as long as ``timeout_s`` allows).
         cleanup: ``always``, ``on-success`` or ``never`` (see :func:`should_delete`).
         run_id: identifies the run (same id -> same job name -> a retry adopts its own job);
             default: a fresh random id.
@@ -139,11 +152,14 @@ def run_job(
     check_cleanup(cleanup)
     spec.validate()
     check_pretrain_args(spec)
+    if timeout_s is not None and spec.active_deadline_seconds is None:
+        spec = dataclasses.replace(spec, active_deadline_seconds=max(1, math.ceil(timeout_s)))
     if backend == "pytorchjob":
         from domino.launch.kube_backend import PyTorchJobLauncher
 
         return PyTorchJobLauncher(log=log).run(
-            spec, run_id=run_id, timeout_s=timeout_s, scheduling_timeout_s=scheduling_timeout_s, cleanup=cleanup)
+            spec, run_id=run_id, timeout_s=timeout_s, scheduling_timeout_s=scheduling_timeout_s, cleanup=cleanup,
+            queue_timeout_s=queue_timeout_s)
     if backend == "local":
         from domino.launch.local_backend import LocalLauncher
 

@@ -23,12 +23,46 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from domino.launch import naming
 from domino.launch.api import JobResult, LaunchInterrupted, interrupt_on_signals, should_delete
-from domino.launch.kube_pods import MasterLogStreamer, exit_code, explain_pending, list_job_pods, master_pod
+from domino.launch.kube_pods import (
+    MasterLogStreamer,
+    exit_code,
+    explain_pending,
+    failed_pod_logs,
+    list_job_pods,
+    master_pod,
+)
 from domino.launch.render import GROUP, PLURAL, VERSION, render_job
-from domino.launch.spec import CONTAINER_NAME, JobSpec
+from domino.launch.spec import JobSpec
 
 #: Condition types in order of precedence when several are True at once.
 PHASE_ORDER = ("Succeeded", "Failed", "Suspended", "Restarting", "Running", "Created")
+
+
+#: Reasons for which the launcher gives up on a job that may still hold or wait for resources.
+GIVEN_UP = ("Timeout", "SchedulingTimeout", "QueueTimeout", "IncompleteReplicas")
+
+
+class Deadlines:
+    """The launcher's clocks: the overall timeout from the start; the queue timeout while the job is
+    suspended (waiting for Kueue); the scheduling timeout from the moment it is admitted."""
+
+    def __init__(self, start: float, timeout_s: Optional[float], scheduling_timeout_s: float,
+                 queue_timeout_s: Optional[float]) -> None:
+        self.timeout_s, self.scheduling_timeout_s, self.queue_timeout_s = timeout_s, scheduling_timeout_s, queue_timeout_s
+        self.end = start + timeout_s if timeout_s is not None else None
+        self.queue_end = start + queue_timeout_s if queue_timeout_s is not None else None
+        self.scheduling_end: Optional[float] = start + scheduling_timeout_s
+
+    def passed(self) -> bool:
+        """Whether the overall timeout has passed."""
+        return self.end is not None and time.monotonic() >= self.end
+
+    def read_timeout(self, tracker: "JobTracker", all_running: bool, watch_s: float, poll_s: float) -> float:
+        """How long one watch read may block: until the next deadline that applies, at most ``watch_s``."""
+        now = time.monotonic()
+        upcoming = [self.end, self.queue_end if tracker.suspended else None,
+                    None if (tracker.suspended or all_running) else self.scheduling_end]
+        return min([watch_s] + [max(poll_s, d - now) for d in upcoming if d is not None])
 
 
 class JobTracker:
@@ -38,11 +72,13 @@ class JobTracker:
         self.name, self.log = name, log
         self.phase = "Pending"
         self.started = False
+        self.suspended = False
         self.conditions: Dict[str, Dict[str, Any]] = {}
         self._reported: Dict[str, Tuple[str, str]] = {}
 
     def update(self, job: Dict[str, Any]) -> None:
-        """Takes the job's latest status."""
+        """Takes the job's latest status (and ``runPolicy.suspend``: Kueue holds a queued job suspended)."""
+        self.suspended = bool(((job.get("spec") or {}).get("runPolicy") or {}).get("suspend"))
         conditions = (job.get("status") or {}).get("conditions") or []
         for cond in conditions:
             ctype, status = cond.get("type", ""), cond.get("status", "")
@@ -175,7 +211,8 @@ class PyTorchJobLauncher:
 
     # -- the run ---------------------------------------------------------------------------------------
     def run(self, spec: JobSpec, run_id: Optional[str] = None, timeout_s: Optional[float] = None,
-            scheduling_timeout_s: float = 600, cleanup: str = "on-success") -> JobResult:
+            scheduling_timeout_s: float = 600, cleanup: str = "on-success",
+            queue_timeout_s: Optional[float] = None) -> JobResult:
         """Runs ``spec`` as a PyTorchJob to completion (see the module docstring)."""
         from kubernetes.client.rest import ApiException
         from urllib3.exceptions import HTTPError
@@ -197,7 +234,8 @@ class PyTorchJobLauncher:
                 owned = True
                 tracker.update(job)
                 streamer.start()
-                result = self._follow(job, tracker, start, timeout_s, scheduling_timeout_s)
+                result = self._follow(job, tracker, Deadlines(start, timeout_s, scheduling_timeout_s, queue_timeout_s),
+                                      spec.nodes)
             except ApiException as error:
                 result = JobResult(name, False, tracker.phase, f"ApiError: {api_error_text(error)}", [], None)
             except HTTPError as error:
@@ -213,7 +251,9 @@ class PyTorchJobLauncher:
                     streamer.finish(self.log_grace_s if result is not None and tracker.terminal else 0.0)
                 if result is not None:
                     self._complete(result, streamer, ns, name)
-                if owned and should_delete(cleanup, bool(result and result.succeeded), interrupted):
+                # A job given up on (timeout, never scheduled) still holds or waits for GPUs: stop it too.
+                stopped = interrupted or (result is not None and result.reason.partition(":")[0] in GIVEN_UP)
+                if owned and should_delete(cleanup, bool(result and result.succeeded), stopped):
                     try:
                         self.delete(ns, name)
                     except (ApiException, HTTPError) as error:  # report it; the job outcome stands
@@ -225,30 +265,23 @@ class PyTorchJobLauncher:
                     self.log(f"keeping PyTorchJob {ns}/{name} (--cleanup {cleanup})")
         return result
 
-    def _follow(self, job: Dict[str, Any], tracker: JobTracker, start: float, timeout_s: Optional[float],
-                scheduling_timeout_s: float) -> JobResult:
+    def _follow(self, job: Dict[str, Any], tracker: JobTracker, clock: "Deadlines", nodes: int) -> JobResult:
         from kubernetes import watch
         from kubernetes.client.rest import ApiException
         from urllib3.exceptions import HTTPError, ReadTimeoutError
 
         meta = job["metadata"]
         ns, name, version = meta["namespace"], meta["name"], meta.get("resourceVersion", "")
-        deadline = start + timeout_s if timeout_s is not None else None
-        scheduling_deadline = start + scheduling_timeout_s
+        all_running = False  # every pod of the job seen Running once
         while not tracker.terminal:
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return JobResult(name, False, tracker.phase,
-                                 f"Timeout: the job did not finish within {timeout_s:g} s (phase {tracker.phase})",
-                                 [], None)
-            if not tracker.started and now >= scheduling_deadline:
-                why = explain_pending(self.core, ns, name, self.request_timeout_s)
-                return JobResult(name, False, tracker.phase,
-                                 f"SchedulingTimeout: the job was still {tracker.phase} (not Running) after "
-                                 f"{scheduling_timeout_s:g} s: " + ("; ".join(why) or "no events explain it"),
-                                 [], None)
-            upcoming = [d for d in (deadline, None if tracker.started else scheduling_deadline) if d is not None]
-            read_timeout = min([self.watch_timeout_s] + [max(self.poll_s, d - now) for d in upcoming])
+            result = self._check(clock, tracker, ns, name, nodes, all_running)
+            if result is True:
+                all_running = True
+                continue
+            if result is not None:
+                return result
+            was_suspended = tracker.suspended
+            read_timeout = clock.read_timeout(tracker, all_running, self.watch_timeout_s, self.poll_s)
             try:
                 stream = watch.Watch().stream(
                     self.custom.list_namespaced_custom_object, GROUP, VERSION, ns, PLURAL,
@@ -264,7 +297,7 @@ class PyTorchJobLauncher:
                         return JobResult(name, False, tracker.phase,
                                          "Deleted: the PyTorchJob was deleted while running", [], None)
                     tracker.update(obj)
-                    if tracker.terminal or (deadline is not None and time.monotonic() >= deadline):
+                    if tracker.terminal or tracker.suspended != was_suspended or clock.passed():
                         break
             except ApiException as error:
                 if error.status != 410:
@@ -283,23 +316,54 @@ class PyTorchJobLauncher:
             return JobResult(name, True, "Succeeded", "", [], None)
         return JobResult(name, False, "Failed", tracker.failure_reason(), [], None)
 
+    def _check(self, clock: "Deadlines", tracker: JobTracker, ns: str, name: str, nodes: int, all_running: bool):
+        """A result when a deadline has passed, True when every pod is Running (checked once, at the
+        scheduling deadline), else None."""
+        now = time.monotonic()
+        if clock.end is not None and now >= clock.end:
+            return JobResult(name, False, tracker.phase, f"Timeout: the job did not finish within "
+                             f"{clock.timeout_s:g} s (phase {tracker.phase})", [], None)
+        if tracker.suspended:  # waiting in the queue: the scheduling clock starts when admitted
+            clock.scheduling_end = None
+            if clock.queue_end is not None and now >= clock.queue_end:
+                return JobResult(name, False, "Suspended", f"QueueTimeout: the job waited in queue (suspended, "
+                                 f"not admitted) for {clock.queue_timeout_s:g} s", [], None)
+            return None
+        if clock.scheduling_end is None:
+            clock.scheduling_end = now + clock.scheduling_timeout_s
+        if all_running or now < clock.scheduling_end:
+            return None
+        if tracker.started:
+            # The operator marks the job Running as soon as the Master runs; Workers it could not
+            # create appear only as FailedCreatePod events on the job.
+            pods = list_job_pods(self.core, ns, name, self.request_timeout_s)
+            running = [p for p in pods if (p.get("status") or {}).get("phase") in ("Running", "Succeeded")]
+            if len(running) >= nodes:
+                return True
+            why = explain_pending(self.core, ns, name, self.request_timeout_s)
+            return JobResult(name, False, tracker.phase, f"IncompleteReplicas: only {len(running)} of {nodes} pods "
+                             f"were running after {clock.scheduling_timeout_s:g} s: "
+                             + ("; ".join(why) or "no events explain it"), [], None)
+        why = explain_pending(self.core, ns, name, self.request_timeout_s)
+        return JobResult(name, False, tracker.phase,
+                         f"SchedulingTimeout: the job was still {tracker.phase} (not Running) after "
+                         f"{clock.scheduling_timeout_s:g} s: " + ("; ".join(why) or "no events explain it"), [], None)
+
     def _complete(self, result: JobResult, streamer: MasterLogStreamer, ns: str, name: str) -> None:
         """Fills the log tail and the Master's exit code into ``result`` (best effort)."""
         result.log_tail = list(streamer.tail)
-        pod = streamer.pod
+        pod, pods = streamer.pod, []
         try:
-            pod = master_pod(list_job_pods(self.core, ns, name, self.request_timeout_s), name) or pod
+            pods = list_job_pods(self.core, ns, name, self.request_timeout_s)
+            pod = master_pod(pods, name) or pod
         except Exception:  # the job may be gone already; keep what the streamer saw
             pass
         result.exit_code = exit_code(pod)
-        if not result.log_tail and pod is not None and not result.succeeded:
-            try:
-                text = self.core.read_namespaced_pod_log(
-                    pod["metadata"]["name"], ns, container=CONTAINER_NAME, tail_lines=self.log_tail_lines,
-                    _request_timeout=self.request_timeout_s)
-                result.log_tail = text.splitlines()[-self.log_tail_lines:]
-            except Exception:
-                pass
+        if result.succeeded:
+            return
+        result.failed_pods = failed_pod_logs(self.core, ns, pods, self.log_tail_lines, self.request_timeout_s)
+        master_tail = result.failed_pods.pop(pod["metadata"]["name"], []) if pod is not None else []
+        result.log_tail = result.log_tail or master_tail
 
 
 __all__ = ["JobConflict", "JobTracker", "PyTorchJobLauncher", "load_api_client", "owner_reference"]

@@ -62,6 +62,27 @@ def exit_code(pod: Optional[Dict[str, Any]]) -> Optional[int]:
     return None
 
 
+def failed_pod_logs(core, namespace: str, pods: List[Dict[str, Any]], tail_lines: int,
+                    timeout_s: float) -> Dict[str, List[str]]:
+    """The last log lines of every pod whose ``pytorch`` container failed (now, or before a restart:
+    then the previous container's log), by pod name."""
+    out: Dict[str, List[str]] = {}
+    for pod in pods:
+        status = container_status(pod)
+        now_failed = ((status.get("state") or {}).get("terminated") or {}).get("exitCode", 0) != 0
+        before = ((status.get("lastState") or {}).get("terminated") or {}).get("exitCode", 0) != 0
+        if not (now_failed or before or (pod.get("status") or {}).get("phase") == "Failed"):
+            continue
+        name = pod["metadata"]["name"]
+        try:
+            text = core.read_namespaced_pod_log(name, namespace, container=CONTAINER_NAME, tail_lines=tail_lines,
+                                                previous=not now_failed and before, _request_timeout=timeout_s)
+        except Exception as error:  # the pod may be gone; say so instead of failing the report
+            text = f"(log unavailable: {type(error).__name__})"
+        out[name] = text.splitlines()[-tail_lines:]
+    return out
+
+
 def explain_pending(core, namespace: str, job: str, timeout_s: float) -> List[str]:
     """Why the job's pods don't run: unschedulable conditions, waiting containers, Warning events."""
     lines: List[str] = []

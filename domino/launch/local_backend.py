@@ -6,10 +6,21 @@ master from ``PET_*`` as it does in the cluster. The one difference: ``<job>-mas
 resolve here, so the master address is ``127.0.0.1`` and the port a free local one instead of 23456.
 The shared volume's mount path is mapped to ``workdir`` in the command and the env.
 
-Failure semantics follow the operator: a replica that fails ends the attempt (all replicas are
-killed); the whole group is restarted while the restart policy allows it (OnFailure: any non-zero
-exit; ExitCode: exit codes 128-255, 1-127 being permanent) and fewer than ``backoff_limit`` restarts
-happened; otherwise the job Failed. ``active_deadline_seconds`` and ``timeout_s`` stop it too.
+Restarts follow the operator (kubeflow/trainer release-1.9) and the kubelet, replica by replica, as
+pods restart:
+
+* ``OnFailure``: the operator gives the pod ``restartPolicy: OnFailure`` (``pkg/core/pod.go``
+  ``SetRestartPolicy``), so the kubelet restarts a failed container in place, after a back-off
+  (``restart_delay_s``), keeping the pod's address; the surviving replicas are left alone and fail on
+  their own when their collectives lose the peer, and are restarted the same way. Every restart counts:
+  the job Fails once the restarts summed over all replicas reach ``backoffLimit``
+  (``pkg/core/job.go`` ``PastBackoffLimit``: ``sum >= limit``, or any restart when the limit is 0).
+* ``ExitCode``: the pod has ``restartPolicy: Never``; the operator deletes and recreates a pod whose
+  ``pytorch`` container exited with 128-255 (``pkg/controller.v1/common/pod.go``,
+  ``IsRetryableExitCode``), a fresh pod whose restart count starts at 0, so these restarts are never
+  counted; exit codes 1-127 Fail the job at once.
+
+The job Succeeds when every replica has exited 0; ``active_deadline_seconds`` and ``timeout_s`` stop it.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Callable, Deque, Dict, List, Optional
 
-from domino.launch import naming
+from domino.launch import defaults, naming
 from domino.launch.api import JobResult, LaunchInterrupted, interrupt_on_signals
 from domino.launch.render import container_command
 from domino.launch.spec import JobSpec
@@ -93,24 +104,59 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode  # killed by signal N -> 128 + N, like a container
 
 
-def _kill(procs: List[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM every replica's process group, then SIGKILL what is left after ``grace_s``."""
-    for proc in procs:
-        if proc.poll() is None:
+def process_tree(pid: int) -> List[int]:
+    """``pid`` and all its descendants (from /proc; just ``pid`` where there is no /proc).
+
+    A replica is more than its process group: torchrun starts each rank in a session of its own
+    (torch ``elastic/multiprocessing/subprocess_handler``: ``start_new_session``), so the ranks must be
+    found by parentage, and before signalling (an orphan is re-parented to init).
+    """
+    children: Dict[int, List[int]] = collections.defaultdict(list)
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return [pid]
+    for entry in entries:
+        if entry.isdigit():
             try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+                with open(f"/proc/{entry}/stat", "rb") as handle:
+                    ppid = int(handle.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children[ppid].append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo += children.get(current, [])
+    return tree
+
+
+def signal_tree(pids: List[int], sig: int) -> None:
+    """Sends ``sig`` to every process of ``pids`` (gone ones are skipped)."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _kill(procs: List[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM every replica (torchrun forwards it to its ranks), then SIGKILL every process of the
+    replicas' trees that is left after ``grace_s``, like a pod deleted with a grace period."""
+    trees = {proc.pid: process_tree(proc.pid) for proc in procs if proc.poll() is None}
+    for proc in procs:
+        if proc.pid in trees:
+            signal_tree(trees[proc.pid][:1], signal.SIGTERM)
     end = time.monotonic() + grace_s
     for proc in procs:
         try:
             proc.wait(max(0.0, end - time.monotonic()))
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            pass
+        signal_tree(trees.get(proc.pid, [])[1:] if proc.poll() is not None else trees.get(proc.pid, []),
+                    signal.SIGKILL)
+        proc.wait()
 
 
 class LocalLauncher:
@@ -121,11 +167,18 @@ class LocalLauncher:
         poll_s: how often the replicas are checked.
         log_tail_lines: output lines kept for the result.
         kill_grace_s: time between SIGTERM and SIGKILL when stopping replicas.
+        restart_delay_s: wait before a failed replica is restarted (stands for the kubelet's back-off, which
+            starts at 10 s and doubles).
+
+    Attributes:
+        processes: replica name -> its current process (a restart replaces it).
     """
 
     def __init__(self, log: Callable[[str], None] = print, poll_s: float = 0.1, log_tail_lines: int = 50,
-                 kill_grace_s: float = 5.0) -> None:
+                 kill_grace_s: float = 5.0, restart_delay_s: float = 2.0) -> None:
         self.log, self.poll_s, self.log_tail_lines, self.kill_grace_s = log, poll_s, log_tail_lines, kill_grace_s
+        self.restart_delay_s = restart_delay_s
+        self.processes: Dict[str, subprocess.Popen] = {}
 
     def run(self, spec: JobSpec, run_id: Optional[str] = None, timeout_s: Optional[float] = None,
             workdir: Optional[str] = None) -> JobResult:
@@ -140,76 +193,93 @@ class LocalLauncher:
         tail: Deque[str] = collections.deque(maxlen=self.log_tail_lines)
         self.log(f"local job {name}: {spec.nodes} replica(s) x {spec.nproc_per_node} process(es), "
                  f"{spec.mount_path} -> {workdir}")
-        restarts = 0
-        procs: List[subprocess.Popen] = []
+        port = free_port()  # the Master's port stays the same across restarts, as its Service's does
+        replicas = [f"{name}-master-0"] + [f"{name}-worker-{i}" for i in range(spec.nodes - 1)]
+        self.processes = {}
         with interrupt_on_signals() as shield:
             try:
-                while True:
-                    procs = self._start(spec, name, workdir, tail)
-                    code, failed = self._wait(procs, deadline)
-                    _kill(procs, self.kill_grace_s)
-                    procs[0].pump.join(self.kill_grace_s)  # the master's last lines belong in the result
-                    if code is None:
-                        why = "Timeout" if timeout_s is not None and min(limits) == timeout_s else "DeadlineExceeded"
-                        return JobResult(name, False, "Failed", f"{why}: the job did not finish within "
-                                         f"{min(limits):g} s", list(tail), None)
-                    if failed is None:
-                        self.log(f"[{name}] Succeeded")
-                        return JobResult(name, True, "Succeeded", "", list(tail), 0)
-                    limit = spec.backoff_limit if spec.backoff_limit is not None else 6
-                    if retryable(spec.restart_policy, code) and restarts < limit:
-                        restarts += 1
-                        self.log(f"[{name}] Restarting: {failed} exited with code {code} "
-                                 f"(restart {restarts} of {limit})")
-                        continue
-                    why = "BackoffLimitExceeded" if retryable(spec.restart_policy, code) else "PermanentFailure"
-                    self.log(f"[{name}] Failed: {failed} exited with code {code}")
-                    return JobResult(name, False, "Failed", f"{why}: replica {failed} exited with code {code} "
-                                     f"after {restarts} restart(s)", list(tail), code)
+                for rank, replica in enumerate(replicas):
+                    self._start(spec, name, workdir, tail, rank, replica, port)
+                outcome = self._supervise(spec, name, replicas, workdir, tail, port, deadline)
+                if outcome is None:
+                    why = "Timeout" if timeout_s is not None and min(limits) == timeout_s else "DeadlineExceeded"
+                    outcome = JobResult(name, False, "Failed", f"{why}: the job did not finish within "
+                                        f"{min(limits):g} s", [], None)
+                _kill(list(self.processes.values()), self.kill_grace_s)
+                self._drain(replicas[0])
+                outcome.log_tail = list(tail)
+                return outcome
             except LaunchInterrupted as error:
                 return JobResult(name, False, "Failed", f"Interrupted: the launcher {error}", list(tail), None)
             finally:
                 shield()
-                _kill(procs, self.kill_grace_s)
+                _kill(list(self.processes.values()), self.kill_grace_s)
 
-    def _start(self, spec: JobSpec, name: str, workdir: str, tail: Deque[str]) -> List[subprocess.Popen]:
-        port = free_port()
+    def _supervise(self, spec: JobSpec, name: str, replicas: List[str], workdir: str, tail: Deque[str], port: int,
+                   deadline: Optional[float]) -> Optional[JobResult]:
+        """Restarts failed replicas per the restart policy; the result, or None at the deadline."""
+        limit = defaults.backoff_limit(spec)
+        restarts = 0  # container restarts summed over replicas (OnFailure), as PastBackoffLimit counts them
+        due: Dict[str, float] = {}  # replica -> when its restart is due
+        while deadline is None or time.monotonic() < deadline:
+            for rank, replica in enumerate(replicas):
+                if replica in due:
+                    if time.monotonic() >= due[replica]:
+                        del due[replica]
+                        self._start(spec, name, workdir, tail, rank, replica, port)
+                    continue
+                returncode = self.processes[replica].poll()
+                if returncode in (None, 0):
+                    continue
+                code = _exit_code(returncode)
+                if not retryable(spec.restart_policy, code):
+                    self.log(f"[{name}] Failed: {replica} exited with code {code}")
+                    return JobResult(name, False, "Failed", f"PermanentFailure: replica {replica} exited with code "
+                                     f"{code} (exit codes 1-127 are permanent under ExitCode)", [], code)
+                if spec.restart_policy == "OnFailure":
+                    restarts += 1
+                    if restarts >= limit:
+                        self.log(f"[{name}] Failed: {replica} exited with code {code}")
+                        return JobResult(name, False, "Failed", f"BackoffLimitExceeded: replica {replica} exited "
+                                         f"with code {code}; {restarts} restart(s) reached backoffLimit {limit}",
+                                         [], code)
+                self.log(f"[{name}] Restarting: {replica} exited with code {code} "
+                         + (f"(restart {restarts}, backoffLimit {limit})" if spec.restart_policy == "OnFailure"
+                            else "(pod recreated; not counted under ExitCode)"))
+                due[replica] = time.monotonic() + self.restart_delay_s
+            if not due and all(p.poll() == 0 for p in self.processes.values()):
+                self.log(f"[{name}] Succeeded")
+                return JobResult(name, True, "Succeeded", "", [], 0)
+            time.sleep(self.poll_s)
+        return None
+
+    def _start(self, spec: JobSpec, name: str, workdir: str, tail: Deque[str], rank: int, replica: str,
+               port: int) -> None:
         command = local_command(spec, name, workdir)
-        procs = []
-        for rank in range(spec.nodes):
-            replica = f"{name}-master-0" if rank == 0 else f"{name}-worker-{rank - 1}"
-            env = {**inherited_env(), **{k: map_path(v, spec.mount_path, workdir)
-                                    for k, v in replica_env(spec, name, rank, port).items()}}
-            if rank == 0:
-                out = subprocess.PIPE
-            else:
-                out = open(Path(workdir, "logs", f"{replica}.log"), "ab")
-            proc = subprocess.Popen(command, env=env, cwd=workdir, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # own process group: kill torchrun and its workers
-            proc.replica = replica
-            if rank == 0:
-                proc.pump = threading.Thread(target=self._pump, args=(proc, tail), daemon=True)
-                proc.pump.start()
-            else:
-                out.close()
-            procs.append(proc)
-        return procs
+        env = {**inherited_env(), **{k: map_path(v, spec.mount_path, workdir)
+                                for k, v in replica_env(spec, name, rank, port).items()}}
+        out = subprocess.PIPE if rank == 0 else open(Path(workdir, "logs", f"{replica}.log"), "ab")
+        proc = subprocess.Popen(command, env=env, cwd=workdir, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # own process group: kill torchrun and its workers
+        if rank == 0:
+            proc.pump = threading.Thread(target=self._pump, args=(proc, tail), daemon=True)
+            proc.pump.start()
+        else:
+            out.close()
+        self.processes[replica] = proc
+
+    def kill_replica(self, replica: str, sig: int = signal.SIGKILL) -> None:
+        """Sends ``sig`` to every process of ``replica`` at once: what losing its pod (its node) does."""
+        signal_tree(process_tree(self.processes[replica].pid), sig)
+
+    def _drain(self, master: str) -> None:
+        """Lets the Master's output reach the tail (its last lines belong in the result)."""
+        pump = getattr(self.processes.get(master), "pump", None)
+        if pump is not None:
+            pump.join(self.kill_grace_s)
 
     def _pump(self, proc: subprocess.Popen, tail: Deque[str]) -> None:
         for raw in proc.stdout:
             line = raw.decode("utf-8", "replace").rstrip("\n")
             tail.append(line)
             self.log(line)
-
-    def _wait(self, procs: List[subprocess.Popen], deadline: Optional[float]):
-        """Waits until all succeed (code 0, None), one fails (code, replica) or the deadline (None, None)."""
-        while True:
-            codes = [p.poll() for p in procs]
-            for proc, code in zip(procs, codes):
-                if code not in (None, 0):
-                    return _exit_code(code), proc.replica
-            if all(code == 0 for code in codes):
-                return 0, None
-            if deadline is not None and time.monotonic() >= deadline:
-                return None, None
-            time.sleep(self.poll_s)

@@ -91,6 +91,23 @@ class FakeCluster:
                           "lastTransitionTime": _now()})
             self._record("MODIFIED", job)
 
+    def set_suspend(self, ns: str, name: str, suspend: bool) -> None:
+        """Sets ``spec.runPolicy.suspend`` (what Kueue does on admission) and the operator's Suspended
+        condition (kubeflow/trainer release-1.9 ``pkg/controller.v1/common/job.go``: Suspended True while
+        suspended, False with reason Resumed after)."""
+        with self.cond:
+            job = self.jobs.get((ns, name))
+            if job is None:
+                return
+            job["spec"].setdefault("runPolicy", {})["suspend"] = suspend
+            conds = job["status"].setdefault("conditions", [])
+            conds[:] = [c for c in conds if c["type"] != "Suspended"]
+            conds.append({"type": "Suspended", "status": "True" if suspend else "False",
+                          "reason": "PyTorchJobSuspended" if suspend else "PyTorchJobResumed",
+                          "message": f"PyTorchJob {name} is {'suspended' if suspend else 'resumed'}.",
+                          "lastTransitionTime": _now()})
+            self._record("MODIFIED", job)
+
     def add_pod(self, ns: str, job: str, replica: str, index: int, phase: str = "Pending",
                 state: Optional[Dict[str, Any]] = None, conditions: Optional[List[Dict[str, Any]]] = None,
                 restarts: int = 0) -> str:

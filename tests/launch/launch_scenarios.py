@@ -113,3 +113,51 @@ def disconnect_then_410(c, job):
     c.add_pod(ns, name, "master", 0, "Succeeded", {"terminated": {"exitCode": 0}})
     c.close_log(master)
     c.set_condition(ns, name, "Succeeded", "PyTorchJobSucceeded", "done")
+
+
+def workers_refused(c, job):
+    """Pod Security refuses the Worker pods (the operator's init container): only the Master runs, the
+    job shows Running, and the operator records FailedCreatePod events on the job (its pod_control.go:
+    reason FailedCreatePod, message "Error creating: <the API server's error>")."""
+    ns, name = _ids(job)
+    time.sleep(0.05)
+    c.set_condition(ns, name, "Created", "PyTorchJobCreated", "created")
+    master = c.add_pod(ns, name, "master", 0, "Running", {"running": {"startedAt": "now"}})
+    c.set_condition(ns, name, "Running", "PyTorchJobRunning", f"PyTorchJob {name} is running.")
+    c.log(master, "waiting for the rendezvous")
+    c.add_event(ns, name, "FailedCreatePod", f'Error creating: pods "{name}-worker-0" is forbidden: violates '
+                'PodSecurity "restricted:latest": allowPrivilegeEscalation != false (container "init-pytorch" must '
+                'set securityContext.allowPrivilegeEscalation=false), unrestricted capabilities (container '
+                '"init-pytorch" must set securityContext.capabilities.drop=["ALL"])')
+
+
+def queued_then_admitted(c, job, wait_s=1.5):
+    """Kueue holds the job suspended (longer than the scheduling timeout), then admits it."""
+    ns, name = _ids(job)
+    assert job["spec"]["runPolicy"]["suspend"] is True
+    time.sleep(0.05)
+    c.set_condition(ns, name, "Created", "PyTorchJobCreated", "created")
+    c.set_suspend(ns, name, True)
+    time.sleep(wait_s)
+    c.set_suspend(ns, name, False)
+    succeed(c, job)
+
+
+def queued_forever(c, job):
+    ns, name = _ids(job)
+    time.sleep(0.05)
+    c.set_suspend(ns, name, True)
+
+
+def worker_fails(c, job):
+    """The Worker's container fails (the Master only sees the lost peer): both pods' logs matter."""
+    ns, name = _ids(job)
+    master = start_running(c, job)
+    worker = f"{name}-worker-0"
+    c.log(worker, "worker step 1", "RuntimeError: CUDA error: an illegal memory access was encountered")
+    c.add_pod(ns, name, "worker", 0, "Failed", {"terminated": {"exitCode": 1, "reason": "Error"}})
+    c.log(master, "RuntimeError: [gloo] Connection closed by peer")
+    c.add_pod(ns, name, "master", 0, "Failed", {"terminated": {"exitCode": 1, "reason": "Error"}})
+    c.close_log(master)
+    c.set_condition(ns, name, "Failed", "PyTorchJobFailed", f"PyTorchJob {name} is failed because 1 Worker "
+                    "replica(s) failed.")

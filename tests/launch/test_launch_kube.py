@@ -208,3 +208,55 @@ def test_cli_submit_rejects_bad_pretrain_args_before_creating_anything(server, t
     assert bad.returncode == 2
     assert "domino pretrain arguments: unrecognized arguments: --tensor-model-parallel-sise" in bad.stderr
     assert server.cluster.requests == []
+
+
+def test_replicas_refused_by_pod_security_fail_within_the_scheduling_timeout(server):
+    """The job shows Running (the Master runs) but the Workers are never created: the launcher notices
+    at the scheduling deadline, fails with the FailedCreatePod reason, and deletes the job."""
+    server.cluster.on_create = sc.workers_refused
+    start = time.monotonic()
+    result = sc.launcher(server, []).run(sc.spec(), run_id="run-ps", scheduling_timeout_s=1.5, timeout_s=60)
+    assert time.monotonic() - start < 20
+    assert not result.succeeded and result.reason.startswith("IncompleteReplicas: only 1 of 2 pods were running")
+    assert "FailedCreatePod" in result.reason and 'violates PodSecurity "restricted:latest"' in result.reason
+    assert server.cluster.deleted == ["gpt-run-ps"]  # given up on: deleted even under on-success
+
+
+def test_a_queued_job_waits_in_the_queue_not_against_the_scheduling_timeout(server):
+    server.cluster.on_create = sc.queued_then_admitted
+    lines = []
+    result = sc.launcher(server, lines).run(sc.spec(queue="team-a"), run_id="run-q", scheduling_timeout_s=1.0,
+                                            timeout_s=60)
+    assert result.succeeded, result.reason
+    created = server.cluster.history[0][2]
+    assert created["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert created["spec"]["runPolicy"]["suspend"] is True
+    assert any("Suspended: PyTorchJobSuspended" in line for line in lines)
+
+
+def test_queue_timeout_fails_and_deletes_a_job_never_admitted(server):
+    server.cluster.on_create = sc.queued_forever
+    result = sc.launcher(server, []).run(sc.spec(queue="team-a"), run_id="run-qt", scheduling_timeout_s=0.5,
+                                         timeout_s=60, queue_timeout_s=1.5)
+    assert result.reason.startswith("QueueTimeout: ") and result.phase == "Suspended"
+    assert server.cluster.deleted == ["gpt-run-qt"]
+
+
+def test_failure_reports_the_logs_of_every_failed_pod(server):
+    server.cluster.on_create = sc.worker_fails
+    result = sc.launcher(server, []).run(sc.spec(), run_id="run-wf", scheduling_timeout_s=10, timeout_s=30)
+    assert not result.succeeded and "1 Worker replica(s) failed" in result.reason
+    assert result.failed_pods["gpt-run-wf-worker-0"][-1].endswith("an illegal memory access was encountered")
+    assert "gpt-run-wf-master-0" not in result.failed_pods  # the Master's log is the main tail
+    assert result.log_tail[-1] == "RuntimeError: [gloo] Connection closed by peer"
+    assert "last 2 log lines of failed pod gpt-run-wf-worker-0:" in result.describe()
+    assert server.cluster.deleted == []  # a Failed job is kept by on-success
+
+
+def test_timeout_deletes_the_job_unless_cleanup_never(server):
+    server.cluster.on_create = sc.run_forever
+    result = sc.launcher(server, []).run(sc.spec(), run_id="run-t1", scheduling_timeout_s=10, timeout_s=1.0)
+    assert result.reason.startswith("Timeout: ") and server.cluster.deleted == ["gpt-run-t1"]
+    result = sc.launcher(server, []).run(sc.spec(), run_id="run-t2", scheduling_timeout_s=10, timeout_s=1.0,
+                                         cleanup="never")
+    assert result.reason.startswith("Timeout: ") and server.cluster.deleted == ["gpt-run-t1"]

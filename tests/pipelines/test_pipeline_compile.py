@@ -135,3 +135,49 @@ def test_every_component_compiles_on_its_own(module, tmp_path):
     spec = yaml.safe_load(out.read_text())
     (executor,) = spec["deploymentSpec"]["executors"].values()
     assert executor["container"]["image"] == "img:1"
+
+
+def test_every_step_runs_non_root_and_pretrain_retries_with_a_timeout(tmp_path):
+    """kfp-kubernetes 2.17 ``set_security_context`` lands under platforms.kubernetes (runAsUser/Group/
+    NonRoot; the backend adds no-privilege-escalation, drop ALL and RuntimeDefault seccomp itself); the
+    pretrain task has a kfp retry policy (a retry adopts the run's job) and a pod deadline."""
+    _, spec, platform = _compile(tmp_path)
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    for name in STEPS:
+        assert executors[name]["securityContext"] == {"runAsUser": "1000", "runAsGroup": "1000",
+                                                      "runAsNonRoot": True}, name
+    assert executors["exec-pretrain"]["activeDeadlineSeconds"] == str(7 * 24 * 3600)
+    retry = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]["pretrain"]["retryPolicy"]
+    assert retry["maxRetryCount"] == 2 and retry["backoffDuration"] == "60s"
+    envs = {e["name"] for e in executors["exec-pretrain"]["fieldPathAsEnv"]}
+    assert envs == {"POD_NAME", "POD_UID", "POD_NAMESPACE"}  # the job goes to the step's namespace
+    assert {e["name"] for e in executors["exec-cleanup-job"]["fieldPathAsEnv"]} == {"POD_NAMESPACE"}
+
+
+def test_pretrain_parameters_are_derived_from_the_one_declaration():
+    """The component's inputs and the pipeline's pretrain parameters are PretrainSettings' fields, with
+    the same types, defaults and descriptions (only run_id comes from the run; shared_root and image
+    get pipeline defaults)."""
+    import dataclasses
+
+    from components.pretrain import component
+    from components.pretrain.settings import PretrainSettings, parameter_docs
+
+    kinds = {"str": "STRING", "int": "NUMBER_INTEGER", "float": "NUMBER_DOUBLE", "bool": "BOOLEAN"}
+    op = component.build("img:1")
+    pipeline_inputs = build_pipeline().component_spec.inputs
+    docs = parameter_docs()
+    for f in dataclasses.fields(PretrainSettings):
+        spec = op.component_spec.inputs[f.name]
+        assert spec.type == {"STRING": "String", "NUMBER_INTEGER": "Integer", "NUMBER_DOUBLE": "Float",
+                             "BOOLEAN": "Boolean"}[kinds[f.type]], f.name
+        assert spec.description == docs[f.name]
+        if f.default is not dataclasses.MISSING:
+            assert spec.default == f.default, f.name
+        if f.name == "run_id":
+            assert f.name not in pipeline_inputs
+            continue
+        assert pipeline_inputs[f.name].type == spec.type, f.name
+        if f.name not in ("shared_root", "image"):
+            assert pipeline_inputs[f.name].default == f.default, f.name
+    assert {"dataset", "model", "metrics"} <= set(op.component_spec.inputs) | set(op.component_spec.outputs)
