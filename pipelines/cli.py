@@ -52,10 +52,10 @@ def run_command(args: argparse.Namespace) -> int:
 
 def submit_command(args: argparse.Namespace) -> int:
     """``domino pipeline submit``: one run on a Kubeflow Pipelines server."""
-    from pipelines.kfp_client import make_client, submit
+    from pipelines.kfp_client import make_client, submit, token_from
 
     params = _params(args)
-    client = make_client(args.host, args.namespace, args.token)
+    client = make_client(args.host, args.namespace, token_from(args.host, args.token_file))
     done = submit(client, params, namespace=args.namespace, experiment=args.experiment, run_name=args.run_name,
                   package=args.package, service_account=args.service_account)
     print(f"submitted run {done.id} (experiment {done.experiment_id or args.experiment})")
@@ -65,11 +65,11 @@ def submit_command(args: argparse.Namespace) -> int:
 def schedule_command(args: argparse.Namespace) -> int:
     """``domino pipeline schedule``: a recurring run (max_concurrency=1, no catch-up)."""
     from pipelines.cron import validate_cron
-    from pipelines.kfp_client import make_client, schedule
+    from pipelines.kfp_client import make_client, schedule, token_from
 
     cron = validate_cron(args.cron)
     params = _params(args)
-    client = make_client(args.host, args.namespace, args.token)
+    client = make_client(args.host, args.namespace, token_from(args.host, args.token_file))
     done = schedule(client, cron, params, name=args.name, namespace=args.namespace, experiment=args.experiment,
                     package=args.package, service_account=args.service_account, enabled=not args.disabled)
     print(f"created recurring run {done.id} '{done.name}' ({cron}; max_concurrency=1, no catch-up) "
@@ -79,9 +79,9 @@ def schedule_command(args: argparse.Namespace) -> int:
 
 def schedules_list_command(args: argparse.Namespace) -> int:
     """``domino pipeline schedules list``."""
-    from pipelines.kfp_client import list_schedules, make_client
+    from pipelines.kfp_client import list_schedules, make_client, token_from
 
-    rows = list_schedules(make_client(args.host, args.namespace, args.token), args.namespace, args.experiment)
+    rows = list_schedules(make_client(args.host, args.namespace, token_from(args.host, args.token_file)), args.namespace, args.experiment)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -91,9 +91,9 @@ def schedules_list_command(args: argparse.Namespace) -> int:
 
 def schedules_delete_command(args: argparse.Namespace) -> int:
     """``domino pipeline schedules delete ID``."""
-    from pipelines.kfp_client import delete_schedule, make_client
+    from pipelines.kfp_client import delete_schedule, make_client, token_from
 
-    delete_schedule(make_client(args.host, args.namespace, args.token), args.id)
+    delete_schedule(make_client(args.host, args.namespace, token_from(args.host, args.token_file)), args.id)
     print(f"deleted recurring run {args.id}")
     return 0
 

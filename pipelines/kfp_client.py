@@ -27,6 +27,34 @@ class Submitted:
     name: str
 
 
+#: Environment variable holding the KFP API bearer token (a flag would show it in `ps` and shell history).
+TOKEN_ENV = "KFP_TOKEN"
+_LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def token_from(host: str, token_file: Optional[str] = None) -> Optional[str]:
+    """The API bearer token: the file's content, else ``$KFP_TOKEN``, else None.
+
+    Raises:
+        ValueError: the file cannot be read, or a token would go over plain http to a non-local host.
+    """
+    from urllib.parse import urlparse
+
+    token = None
+    if token_file:
+        try:
+            with open(token_file, encoding="utf-8") as handle:
+                token = handle.read().strip()
+        except OSError as error:
+            raise ValueError(f"--token-file {token_file}: cannot read it ({error.strerror})") from None
+    token = token or os.environ.get(TOKEN_ENV) or None
+    url = urlparse(host if "://" in host else "http://" + host)
+    if token and url.scheme != "https" and url.hostname not in _LOCAL_HOSTS:
+        raise ValueError(f"--host {host}: refusing to send the API token over plain http to a non-local host; "
+                         "use https (or a port-forward to localhost)")
+    return token
+
+
 def make_client(host: str, namespace: Optional[str] = None, existing_token: Optional[str] = None):
     """A ``kfp.Client`` for ``host`` (the KFP API endpoint, e.g. http://localhost:8080)."""
     import kfp

@@ -29,7 +29,8 @@ def _add_server_flags(parser: argparse.ArgumentParser, experiment_default: str |
     parser.add_argument("--namespace", help="Kubeflow profile namespace (multi-user deployments); also the "
                         "training job's namespace unless --param namespace=... is given.")
     parser.add_argument("--experiment", default=experiment_default, help="Experiment name.")
-    parser.add_argument("--token", help="Bearer token for the API (default: none).")
+    parser.add_argument("--token-file", help="File holding a bearer token for the API (default: $KFP_TOKEN, else "
+                        "none). Never sent over plain http to a non-local host.")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

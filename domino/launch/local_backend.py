@@ -6,19 +6,23 @@ master from ``PET_*`` as it does in the cluster. The one difference: ``<job>-mas
 resolve here, so the master address is ``127.0.0.1`` and the port a free local one instead of 23456.
 The shared volume's mount path is mapped to ``workdir`` in the command and the env.
 
-Restarts follow the operator (kubeflow/trainer release-1.9) and the kubelet, replica by replica, as
-pods restart:
+Restarts follow the operator (kubeflow/trainer release-1.9) and the kubelet:
 
-* ``OnFailure``: the operator gives the pod ``restartPolicy: OnFailure`` (``pkg/core/pod.go``
-  ``SetRestartPolicy``), so the kubelet restarts a failed container in place, after a back-off
-  (``restart_delay_s``), keeping the pod's address; the surviving replicas are left alone and fail on
-  their own when their collectives lose the peer, and are restarted the same way. Every restart counts:
-  the job Fails once the restarts summed over all replicas reach ``backoffLimit``
-  (``pkg/core/job.go`` ``PastBackoffLimit``: ``sum >= limit``, or any restart when the limit is 0).
-* ``ExitCode``: the pod has ``restartPolicy: Never``; the operator deletes and recreates a pod whose
+* ``OnFailure``: the operator gives the pods ``restartPolicy: OnFailure`` (``pkg/core/pod.go``
+  ``SetRestartPolicy``), so the kubelet restarts a failed container in place, keeping the pod's address.
+  Every restart counts: the job Fails once the restarts summed over all pods reach ``backoffLimit``
+  (``pkg/core/job.go`` ``PastBackoffLimit``: ``sum >= limit``; any restart when the limit is 0).
+* ``ExitCode``: the pods have ``restartPolicy: Never``; the operator deletes and recreates a pod whose
   ``pytorch`` container exited with 128-255 (``pkg/controller.v1/common/pod.go``,
   ``IsRetryableExitCode``), a fresh pod whose restart count starts at 0, so these restarts are never
   counted; exit codes 1-127 Fail the job at once.
+
+When one replica fails, its peers fail too in a real job (their collectives lose the rank; torchrun
+exits non-zero) and each is restarted by its own kubelet, one restart each. Left alone, though, a
+peer may first rejoin the dying incarnation's rendezvous store and hang until a long timeout; this
+backend therefore stops the peers at once and restarts every replica together after
+``restart_delay_s``, counting one restart per replica (under ``OnFailure``), as the cluster would.
+In a cluster with ``ExitCode`` the peers exit 1, which is permanent: prefer ``OnFailure``.
 
 The job Succeeds when every replica has exited 0; ``active_deadline_seconds`` and ``timeout_s`` stop it.
 """
@@ -217,40 +221,40 @@ class LocalLauncher:
 
     def _supervise(self, spec: JobSpec, name: str, replicas: List[str], workdir: str, tail: Deque[str], port: int,
                    deadline: Optional[float]) -> Optional[JobResult]:
-        """Restarts failed replicas per the restart policy; the result, or None at the deadline."""
+        """Restarts the replicas per the restart policy; the result, or None at the deadline."""
         limit = defaults.backoff_limit(spec)
         restarts = 0  # container restarts summed over replicas (OnFailure), as PastBackoffLimit counts them
-        due: Dict[str, float] = {}  # replica -> when its restart is due
         while deadline is None or time.monotonic() < deadline:
-            for rank, replica in enumerate(replicas):
-                if replica in due:
-                    if time.monotonic() >= due[replica]:
-                        del due[replica]
-                        self._start(spec, name, workdir, tail, rank, replica, port)
-                    continue
-                returncode = self.processes[replica].poll()
-                if returncode in (None, 0):
-                    continue
-                code = _exit_code(returncode)
-                if not retryable(spec.restart_policy, code):
+            failed = next(((replica, _exit_code(proc.poll())) for replica, proc in self.processes.items()
+                           if proc.poll() not in (None, 0)), None)
+            if failed is None:
+                if all(p.poll() == 0 for p in self.processes.values()):
+                    self.log(f"[{name}] Succeeded")
+                    return JobResult(name, True, "Succeeded", "", [], 0)
+                time.sleep(self.poll_s)
+                continue
+            replica, code = failed
+            if not retryable(spec.restart_policy, code):
+                self.log(f"[{name}] Failed: {replica} exited with code {code}")
+                return JobResult(name, False, "Failed", f"PermanentFailure: replica {replica} exited with code "
+                                 f"{code} (exit codes 1-127 are permanent under ExitCode)", [], code)
+            # The peers lose the rank and fail too; stop them now instead of waiting (module docstring).
+            peers = [r for r, p in self.processes.items() if r != replica and p.poll() is None]
+            _kill([self.processes[r] for r in peers], self.kill_grace_s)
+            if spec.restart_policy == "OnFailure":
+                restarts += 1 + len(peers)
+                if restarts >= limit:
                     self.log(f"[{name}] Failed: {replica} exited with code {code}")
-                    return JobResult(name, False, "Failed", f"PermanentFailure: replica {replica} exited with code "
-                                     f"{code} (exit codes 1-127 are permanent under ExitCode)", [], code)
-                if spec.restart_policy == "OnFailure":
-                    restarts += 1
-                    if restarts >= limit:
-                        self.log(f"[{name}] Failed: {replica} exited with code {code}")
-                        return JobResult(name, False, "Failed", f"BackoffLimitExceeded: replica {replica} exited "
-                                         f"with code {code}; {restarts} restart(s) reached backoffLimit {limit}",
-                                         [], code)
-                self.log(f"[{name}] Restarting: {replica} exited with code {code} "
-                         + (f"(restart {restarts}, backoffLimit {limit})" if spec.restart_policy == "OnFailure"
-                            else "(pod recreated; not counted under ExitCode)"))
-                due[replica] = time.monotonic() + self.restart_delay_s
-            if not due and all(p.poll() == 0 for p in self.processes.values()):
-                self.log(f"[{name}] Succeeded")
-                return JobResult(name, True, "Succeeded", "", [], 0)
-            time.sleep(self.poll_s)
+                    return JobResult(name, False, "Failed", f"BackoffLimitExceeded: replica {replica} exited with "
+                                     f"code {code}; {restarts} restart(s) reached backoffLimit {limit}", [], code)
+            self.log(f"[{name}] Restarting: {replica} exited with code {code}, its peers fail with it "
+                     + (f"(restarts {restarts}, backoffLimit {limit})" if spec.restart_policy == "OnFailure"
+                        else "(pods recreated; not counted under ExitCode)"))
+            time.sleep(self.restart_delay_s)
+            self._drain(replicas[0])
+            for rank, name_ in enumerate(replicas):
+                if self.processes[name_].poll() != 0:
+                    self._start(spec, name, workdir, tail, rank, name_, port)
         return None
 
     def _start(self, spec: JobSpec, name: str, workdir: str, tail: Deque[str], rank: int, replica: str,

@@ -109,3 +109,49 @@ def test_role_grants_exactly_the_calls_the_launcher_makes():
     # Nothing beyond the documented minimum (read-only pods/log and pods watch are harmless extras).
     allowed_extra = {("", "pods", "get"), ("", "pods", "watch"), ("", "pods/log", "list"), ("", "pods/log", "watch")}
     assert granted - used <= allowed_extra, granted - used
+
+
+KFP_MODES = {  # overlay -> (namespace, the service account KFP runs the steps as)
+    "overlays/kfp-standalone": ("kubeflow", "pipeline-runner"),
+    "overlays/kfp-multi-user": ("kubeflow-user-example-com", "default-editor"),
+}
+
+
+@needs_kubectl
+@pytest.mark.parametrize("path", sorted(KFP_MODES))
+def test_kfp_overlays_give_the_step_service_account_the_launcher_role_in_the_steps_namespace(path):
+    """The job is created in the step's namespace (POD_NAMESPACE) by the step's service account: the
+    overlay puts the claim, the trainer account and the policy there and binds the Role to that account,
+    without creating or relabelling a namespace KFP or the profile controller owns."""
+    namespace, account = KFP_MODES[path]
+    objects = build(path)
+    assert "Namespace" not in {o["kind"] for o in objects}
+    for obj in objects:
+        validate_core(obj)
+        assert obj["metadata"]["namespace"] == namespace, obj["metadata"]["name"]
+    (binding,) = [o for o in objects if o["kind"] == "RoleBinding"]
+    assert binding["roleRef"]["name"] == "domino-launcher"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]
+    (pvc,) = [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
+    from components.pretrain.settings import PretrainSettings
+
+    assert pvc["metadata"]["name"] == PretrainSettings.pvc_name  # the pipeline's default claim
+    assert {o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount"} == {"domino-trainer"}
+    text = (REPO / "docs" / "cluster.md").read_text()
+    assert f"kubectl apply -k k8s/{path}" in text and f"`{account}`" in text and f"`{namespace}`" in text
+
+
+def test_network_policy_selects_the_training_pods_and_allows_only_them_and_dns():
+    from domino.launch.render import render_job
+
+    policy = yaml.safe_load((REPO / "k8s/base/networkpolicy.yaml").read_text())
+    validate_core({**policy, "metadata": {**policy["metadata"], "namespace": "domino"}})
+    job = render_job(JobSpec(name="gpt", image="i", nodes=2), run_id="r")
+    for rspec in job["spec"]["pytorchReplicaSpecs"].values():
+        labels = rspec["template"]["metadata"]["labels"]
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+        assert policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    dns = policy["spec"]["egress"][1]
+    assert {p["port"] for p in dns["ports"]} == {53} and dns["to"][0]["podSelector"]["matchLabels"] == {
+        "k8s-app": "kube-dns"}

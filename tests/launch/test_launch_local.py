@@ -108,7 +108,8 @@ def _assert_dead(pid: int) -> None:
 def test_restarts_follow_the_restart_policy(tmp_path, policy, code, restarted):
     script = ("import os, sys; p = '/mnt/domino/attempted'; first = not os.path.exists(p); "
               "open(p, 'a').write('x'); sys.exit(%d if first else 0)" % code)
-    spec = JobSpec(name="retry", image="i", nodes=2, restart_policy=policy, backoff_limit=2, command=_py(script))
+    # One fault restarts both replicas (the peer fails with it): the default backoffLimit (3 x nodes) allows it.
+    spec = JobSpec(name="retry", image="i", nodes=2, restart_policy=policy, command=_py(script))
     lines = []
     result = run_job(spec, "local", run_id="t", workdir=str(tmp_path), log=lines.append)
     assert result.succeeded is restarted
@@ -139,3 +140,18 @@ def test_timeout_and_sigterm_kill_every_replica(tmp_path):
     for rank in range(2):
         _assert_dead(int((tmp_path / "b" / f"pid-{rank}").read_text()))
     assert Path(tmp_path / "b" / "logs").is_dir()
+
+
+def test_on_failure_counts_every_replicas_restart_and_stops_a_crash_loop(tmp_path):
+    """A replica that always dies (an OOM loop, exit 137) costs one restart per replica per fault under
+    OnFailure, so the default backoffLimit of 3 x nodes ends it; ExitCode would retry it forever."""
+    code = ("import os, sys, time; r = int(os.environ['RANK']); "
+            "open('/mnt/domino/starts-%d' % r, 'a').write('x'); os._exit(137) if r == 1 else time.sleep(60)")
+    spec = JobSpec(name="oom", image="i", nodes=2, command=_py(code))
+    lines = []
+    result = LocalLauncher(log=lines.append, kill_grace_s=1, restart_delay_s=0.2).run(
+        spec, run_id="t", workdir=str(tmp_path), timeout_s=120)
+    assert result.reason.startswith("BackoffLimitExceeded: replica oom-t-worker-0 exited with code 137; "
+                                    "6 restart(s) reached backoffLimit 6")
+    assert [line for line in lines if "Restarting" in line][-1].endswith("(restarts 4, backoffLimit 6)")
+    assert len((tmp_path / "starts-1").read_text()) == 3  # three faults tolerated, the third ends the job

@@ -85,3 +85,23 @@ def test_the_domino_command_does_not_import_kfp_until_a_pipeline_command_runs():
     code = ("import sys; from domino.cli.main import build_parser; build_parser(); "
             "assert not [m for m in sys.modules if m == 'kfp' or m.startswith(('kfp.', 'pipelines', 'components'))]")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_kfp_token_comes_from_a_file_or_the_environment_and_never_over_plain_http(tmp_path, monkeypatch):
+    from pipelines.kfp_client import token_from
+
+    monkeypatch.delenv("KFP_TOKEN", raising=False)
+    assert token_from("http://kfp.example.com") is None  # no token: nothing to protect
+    path = tmp_path / "token"
+    path.write_text("secret\n")
+    assert token_from("https://kfp.example.com", str(path)) == "secret"
+    assert token_from("http://localhost:8080", str(path)) == "secret"
+    assert token_from("http://127.0.0.1:8080", str(path)) == "secret"
+    with pytest.raises(ValueError, match="refusing to send the API token over plain http"):
+        token_from("http://kfp.example.com:80", str(path))
+    monkeypatch.setenv("KFP_TOKEN", "from-env")
+    assert token_from("https://kfp.example.com") == "from-env"
+    with pytest.raises(ValueError, match="plain http"):
+        token_from("kfp.example.com:8888")
+    with pytest.raises(ValueError, match="--token-file .*: cannot read it"):
+        token_from("https://kfp.example.com", str(tmp_path / "missing"))
