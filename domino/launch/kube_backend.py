@@ -9,9 +9,12 @@ What it does, in order:
 3. Watches the job (field selector on its name) with resourceVersion bookkeeping: a dropped connection
    resumes from the last version, a 410 Gone relists. Condition changes are reported as they happen;
    the Master's log is streamed by :class:`~domino.launch.kube_pods.MasterLogStreamer`.
-4. Ends on Succeeded (success) or Failed, on the scheduling timeout (job not Running yet; the pods'
-   events say why), on the overall wall-clock timeout, or on SIGTERM/SIGINT; then deletes the job per
-   the cleanup mode.
+4. Ends on Succeeded (success) or Failed; on the scheduling timeout, counted from admission (job not
+   Running yet, or Running without all its pods: the operator marks a job Running when its Master
+   runs, and Workers it could not create show only as ``FailedCreatePod`` events); on the queue
+   timeout while Kueue holds the job suspended; on the overall wall-clock timeout; or on
+   SIGTERM/SIGINT. Then it collects the failed pods' logs and deletes the job per the cleanup mode (a
+   job given up on is deleted unless ``never``).
 """
 
 from __future__ import annotations
