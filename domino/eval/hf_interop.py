@@ -73,6 +73,7 @@ def export_hf(load: PathLike, output: PathLike, tokenizer_spec: Optional[str] = 
     ckpt_dir = wio.resolve_checkpoint_dir(load)
     meta = wio.read_checkpoint_meta(ckpt_dir)
     config = config_from_dict(meta["config"])
+    wio.check_checkpoint_fits(ckpt_dir, meta, config)
     output = Path(output)
     _prepare_output(output, overwrite)
     tokenizer = wio.load_checkpoint_tokenizer(ckpt_dir, meta, tokenizer_spec)

@@ -54,6 +54,9 @@ def test_checkpoint_metadata_is_checked_against_shard_headers(saved, edit, messa
         with pytest.raises(wio.CheckpointError, match=message):
             wio.build_model_from_checkpoint(saved / "ckpt", load_tokenizer=False)
         assert time.perf_counter() - start < 30  # a bound on the damage, not a speed claim: the old code ran for minutes
+        with pytest.raises(wio.CheckpointError, match=message):
+            export_hf(saved / "ckpt", saved / "never-written")
+        assert not (saved / "never-written").exists()
     finally:
         path.write_text(original)
     model, meta, _ = wio.build_model_from_checkpoint(saved / "ckpt", load_tokenizer=False)
