@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from domino.checkpoint import manifest
 from domino.config import ConfigError, DominoConfig, ModelConfig, config_from_dict, padded_vocab_size
 from domino.model import hf_gpt2
 from domino.model import weights_io as wio
@@ -233,6 +234,7 @@ def import_hf(input_dir: PathLike, output: PathLike, tokenizer_spec: Optional[st
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
         written = wio.write_weights_only_checkpoint(staging, config, full, padded, tokenizer=tokenizer)
+        manifest.seal(written)
         _publish(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
