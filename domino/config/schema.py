@@ -172,6 +172,9 @@ class CheckpointConfig:
     """With --load: skip the optimizer state (fresh optimizer)."""
     no_load_rng: bool = False
     """With --load: skip the random-number-generator states."""
+    strict_load: bool = False
+    """With --load: refuse to start when the latest checkpoint is damaged, instead of falling back (with a
+    warning) to the newest intact one."""
 
 
 @dataclass

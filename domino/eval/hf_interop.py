@@ -15,12 +15,13 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from domino.checkpoint import manifest
 from domino.config import ConfigError, DominoConfig, ModelConfig, config_from_dict, padded_vocab_size
 from domino.model import hf_gpt2
 from domino.model import weights_io as wio
@@ -40,13 +41,16 @@ def _prepare_output(output: Path, overwrite: bool) -> None:
 
 
 def _publish(staging: Path, output: Path) -> None:
-    """Moves a fully written staging directory to ``output`` (replacing it only now, when all is written)."""
+    """Moves a fully written staging directory to ``output`` (replacing it only now, when all is written).
+
+    An existing ``output`` is first moved into a fresh private directory beside it, so no folder of the
+    user's (``output.old``, say) is ever touched, and is deleted only once the new one is in place.
+    """
     if output.exists():
-        backup = output.with_name(output.name + ".old")
-        shutil.rmtree(backup, ignore_errors=True)
-        output.rename(backup)
+        holder = Path(tempfile.mkdtemp(prefix=f".{output.name}.replaced.", dir=output.parent))
+        output.rename(holder / output.name)
         staging.rename(output)
-        shutil.rmtree(backup, ignore_errors=True)
+        shutil.rmtree(holder, ignore_errors=True)
     else:
         staging.rename(output)
 
@@ -70,6 +74,7 @@ def export_hf(load: PathLike, output: PathLike, tokenizer_spec: Optional[str] = 
     ckpt_dir = wio.resolve_checkpoint_dir(load)
     meta = wio.read_checkpoint_meta(ckpt_dir)
     config = config_from_dict(meta["config"])
+    wio.check_checkpoint_fits(ckpt_dir, meta, config)
     output = Path(output)
     _prepare_output(output, overwrite)
     tokenizer = wio.load_checkpoint_tokenizer(ckpt_dir, meta, tokenizer_spec)
@@ -134,16 +139,54 @@ def model_config_from_hf(hf_config: Dict[str, Any], source: str = "config.json")
         raise ConfigError(f"{source}: missing field {error.args[0]}") from None
 
 
-def _read_safetensors_weights(input_dir: Path) -> Dict[str, torch.Tensor]:
+def _weight_files(input_dir: Path) -> List[Path]:
+    """The safetensors files of a Hugging Face directory; an index's entries must stay inside it."""
     files = [input_dir / WEIGHTS_FILE]
     index = input_dir / WEIGHTS_INDEX_FILE
     if not files[0].is_file() and index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [input_dir / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
+            raise ConfigError(f"{index} is not a safetensors index with a weight_map object ({error!r})") from None
+        for name in names:
+            if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+                raise ConfigError(f"{index}: weight_map entry {name!r} is not a file name inside {input_dir}")
+        files = [input_dir / name for name in names]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise ConfigError(f"--input {input_dir}: no safetensors weights ({', '.join(missing)} missing); "
                           "pickled pytorch_model.bin files are not read: convert them to safetensors first")
+    return files
+
+
+def _check_weights_fit(files: List[Path], config: ModelConfig, source: str) -> None:
+    """Checks ``config.json`` against the weight files' headers before any tensor is read or allocated.
+
+    The expected shapes are those of our model described by ``config``, built on the meta device (no memory)
+    and mapped to Hugging Face names, so a config claiming a huge vocabulary or width fails here, cheaply.
+    """
+    from domino.model import GPTModel
+
+    stored: Dict[str, Tuple[int, ...]] = {}
+    for path in files:
+        stored.update(wio.read_header_shapes(path))
+    if not any(k.startswith("transformer.") for k in stored):
+        stored = {"transformer." + k: v for k, v in stored.items()}
+    layers = {int(k.split(".")[2]) for k in stored if k.startswith("transformer.h.") and k.split(".")[2].isdigit()}
+    if config.num_layers != (max(layers) + 1 if layers else 0):
+        raise ConfigError(f"{source}: n_layer is {config.num_layers} but the weights hold "
+                          f"{max(layers) + 1 if layers else 0} layers")
+    with torch.device("meta"):
+        model = GPTModel(config, config.vocab_size)
+        expected = hf_gpt2.to_hf_gpt2_state_dict(model.state_dict(), config)
+    for name, shape in expected.items():
+        if name in stored and tuple(shape.shape) != stored[name]:
+            raise ConfigError(f"{source} describes {name} as {tuple(shape.shape)} but the weights hold "
+                              f"{stored[name]}")
+
+
+def _read_safetensors_weights(files: List[Path]) -> Dict[str, torch.Tensor]:
     tensors: Dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
@@ -181,7 +224,9 @@ def import_hf(input_dir: PathLike, output: PathLike, tokenizer_spec: Optional[st
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError(f"tokenizer {config.data.tokenizer} has {tokenizer.vocab_size} ids but the model "
                           f"only {config.model.vocab_size} embedding rows")
-    full = hf_gpt2.from_hf_gpt2_state_dict(_read_safetensors_weights(input_dir), config.model)
+    files = _weight_files(input_dir)
+    _check_weights_fit(files, config.model, str(config_path))
+    full = hf_gpt2.from_hf_gpt2_state_dict(_read_safetensors_weights(files), config.model)
     padded = padded_vocab_size(config.model.vocab_size, config)
     wte = full["embedding.word_embeddings.weight"]
     full["embedding.word_embeddings.weight"] = torch.cat([wte, wte.new_zeros(padded - wte.shape[0], wte.shape[1])])
@@ -189,6 +234,7 @@ def import_hf(input_dir: PathLike, output: PathLike, tokenizer_spec: Optional[st
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
         written = wio.write_weights_only_checkpoint(staging, config, full, padded, tokenizer=tokenizer)
+        manifest.seal(written)
         _publish(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -43,6 +43,8 @@ REQUIRED_META_KEYS = ("format_version", "iteration", "consumed_samples", "tensor
                       "padded_vocab_size", "tokenizer", "config")
 _TAG_PATTERN = re.compile(r"^iter_\d{7,}$")
 _SHARD_PATTERN = re.compile(r"^tp_rank_(\d{2,})\.safetensors$")
+_LAYER_PATTERN = re.compile(r"^layers\.(\d+)\.")
+_EMBEDDING = "embedding.word_embeddings.weight"
 
 PathLike = Union[str, os.PathLike]
 
@@ -177,6 +179,22 @@ def save_model_shard(ckpt_dir: PathLike, state_dict: Dict[str, torch.Tensor], tp
     return final
 
 
+def read_header_shapes(path: PathLike) -> Dict[str, Tuple[int, ...]]:
+    """The tensor names and shapes of a safetensors file, read from its header alone (no tensor data).
+
+    safetensors checks the header against the file's length when it opens it, so these shapes are backed by
+    bytes on disk: comparing untrusted metadata with them bounds every allocation that follows.
+
+    Raises:
+        CheckpointError: when the file is not a readable safetensors file.
+    """
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    except Exception as error:  # safetensors raises several types for truncated or foreign files
+        raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from None
+
+
 def _read_safetensors(path: Path) -> Dict[str, torch.Tensor]:
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
@@ -190,12 +208,72 @@ def shard_paths(ckpt_dir: PathLike, meta: Optional[Dict[str, Any]] = None) -> Li
     ckpt_dir = Path(ckpt_dir)
     meta = meta if meta is not None else read_checkpoint_meta(ckpt_dir)
     tp = meta["tensor_model_parallel_size"]
-    expected = [ckpt_dir / MODEL_DIR / shard_file_name(r) for r in range(tp)]
-    missing = [str(p) for p in expected if not p.is_file()]
+    model_dir = ckpt_dir / MODEL_DIR
+    # The directory listing bounds the work: a metadata file claiming millions of ranks costs one listing.
+    present = {name for name in (os.listdir(model_dir) if model_dir.is_dir() else ())
+               if _SHARD_PATTERN.match(name)}
+    missing = []
+    for rank in range(tp):
+        if shard_file_name(rank) not in present:
+            missing.append(str(model_dir / shard_file_name(rank)))
+            if len(missing) == 3:
+                break
     if missing:
+        more = f" (and {tp - len(present) - len(missing)} more)" if tp - len(present) > len(missing) else ""
         raise CheckpointError(f"checkpoint {ckpt_dir} was saved with tensor_model_parallel_size={tp} "
-                              f"but lacks {', '.join(missing)}")
-    return expected
+                              f"but lacks {', '.join(missing)}{more}")
+    return [model_dir / shard_file_name(r) for r in range(tp)]
+
+
+def merged_header_shapes(ckpt_dir: PathLike, meta: Dict[str, Any]) -> Dict[str, Tuple[int, ...]]:
+    """The unsharded shape of every tensor of a checkpoint, from its shard headers alone (no tensor data)."""
+    from domino.model.sharding import partition_dim
+
+    merged: Dict[str, Tuple[int, ...]] = {}
+    for rank, path in enumerate(shard_paths(ckpt_dir, meta)):
+        for name, shape in read_header_shapes(path).items():
+            dim = partition_dim(name)
+            if name not in merged or dim is None or dim >= len(shape):
+                merged.setdefault(name, shape)
+            elif rank:
+                merged[name] = merged[name][:dim] + (merged[name][dim] + shape[dim],) + merged[name][dim + 1:]
+    return merged
+
+
+def check_checkpoint_fits(ckpt_dir: PathLike, meta: Dict[str, Any], config, tp_size: int = 1) -> None:
+    """Checks ``checkpoint.json`` against the shard headers before a model is built from it.
+
+    The metadata is untrusted (a hand-edited or foreign file can claim any vocabulary, width or depth);
+    the headers are backed by bytes on disk. The layer count and vocabulary are compared first, then every
+    tensor shape of a skeleton model built on the meta device (no memory) at ``tp_size`` with the shapes the
+    shards would be cut to.
+
+    Raises:
+        CheckpointError: naming the first field or tensor where metadata and shards disagree.
+    """
+    from domino.model import GPTModel
+    from domino.model.sharding import partition_dim
+
+    source = Path(ckpt_dir) / META_FILE
+    stored = merged_header_shapes(ckpt_dir, meta)
+    layer_ids = {int(m.group(1)) for m in map(_LAYER_PATTERN.match, stored) if m}
+    stored_layers = max(layer_ids) + 1 if layer_ids else 0
+    if config.model.num_layers != stored_layers:
+        raise CheckpointError(f"{source}: config.model.num_layers is {config.model.num_layers} but the shards "
+                              f"hold {stored_layers} layers")
+    vocab = meta["padded_vocab_size"]
+    rows = stored.get(_EMBEDDING, (vocab,))[0]
+    if rows != vocab:
+        raise CheckpointError(f"{source}: padded_vocab_size is {vocab} but the shards' {_EMBEDDING} has {rows} rows")
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in GPTModel(config.model, vocab).state_dict().items()}
+    for name in sorted(set(expected) | set(stored)):
+        shape, dim = stored.get(name), partition_dim(name)
+        if shape is not None and dim is not None and dim < len(shape):
+            shape = shape[:dim] + (shape[dim] / tp_size,) + shape[dim + 1:]
+        if expected.get(name) != shape:
+            raise CheckpointError(f"{source}: its config describes {name} as {expected.get(name)} but the shards "
+                                  f"hold {stored.get(name)} (at tensor_model_parallel_size={tp_size})")
 
 
 def load_tp_shards(ckpt_dir: PathLike) -> Tuple[List[Dict[str, torch.Tensor]], Dict[str, Any]]:
@@ -286,6 +364,7 @@ def build_model_from_checkpoint(
     meta = read_checkpoint_meta(ckpt_dir)
     config = config_from_dict(meta["config"])
     config.parallel.tensor_model_parallel_size = tp_size
+    check_checkpoint_fits(ckpt_dir, meta, config, tp_size)
     state_dict = load_model_shard(ckpt_dir, tp_rank, tp_size)
     model = GPTModel(config.model, meta["padded_vocab_size"], domino_chunks=domino_chunks,
                      parallel_output=parallel_output)

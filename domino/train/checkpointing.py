@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from domino.atomic_files import atomic_write, fsync_directory
+from domino.checkpoint import manifest
 from domino.config import ConfigError, DominoConfig, config_to_dict
 from domino.model import weights_io
 from domino.parallel import random as tp_random
@@ -128,10 +129,13 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
         (tmp / "optim").mkdir(parents=True)
         (tmp / "rng").mkdir()
     _barrier()
+    written = [tmp / "optim" / f"rank_{rank:05d}.pt", tmp / "rng" / f"rank_{rank:05d}.pt"]
     if state.get_data_parallel_rank() == 0:
-        weights_io.save_model_shard(tmp, engine.module.state_dict(), state.get_tensor_model_parallel_rank())
-    _atomic_torch_save(_plain_optimizer_state(engine), tmp / "optim" / f"rank_{rank:05d}.pt")
-    _atomic_torch_save(_plain_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+        written.append(weights_io.save_model_shard(tmp, engine.module.state_dict(),
+                                                   state.get_tensor_model_parallel_rank()))
+    _atomic_torch_save(_plain_optimizer_state(engine), written[0])
+    _atomic_torch_save(_plain_rng_state(), written[1])
+    manifest.write_part(tmp, rank, written)  # each rank digests its own files: the work is spread
     if rank == 0:
         meta = {
             "format_version": 1, "iteration": iteration, "consumed_samples": consumed_samples,
@@ -147,6 +151,7 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
     _barrier()
     _maybe_inject_fault("kill-in-save", iteration)
     if rank == 0:
+        manifest.seal(tmp)  # before the rename: a checkpoint under its final name has its manifest
         for sub in ("", "optim", "rng", "model"):
             if (tmp / sub).exists():
                 fsync_directory(tmp / sub)
@@ -190,8 +195,9 @@ def find_checkpoint(config: DominoConfig) -> Tuple[Optional[Path], bool]:
         if own is not None:
             logger.info("--save %s already holds this run's checkpoint %s: resuming it instead of warm-starting "
                         "from --load", c.save, own.name)
-            return own, False
-    return _resolve(c.load, "--load"), c.finetune
+            return choose_intact(own, c.strict_load), False
+    found = _resolve(c.load, "--load")
+    return (choose_intact(found, c.strict_load) if found is not None else None), c.finetune
 
 
 def _resolve(directory: str, flag: str) -> Optional[Path]:
@@ -207,7 +213,49 @@ def _resolve(directory: str, flag: str) -> Optional[Path]:
     try:
         return weights_io.resolve_checkpoint_dir(path)
     except (ValueError, OSError) as error:
+        pointed = path / (path / weights_io.LATEST_FILE).read_text(errors="replace").strip() \
+            if (path / weights_io.LATEST_FILE).is_file() else None
+        if pointed is not None and pointed.parent == path and pointed.is_dir():
+            return pointed  # a torn checkpoint that `latest` names: choose_intact judges it and falls back
         raise ConfigError(f"{flag} {directory}: {error}") from error
+
+
+def _older_checkpoints(ckpt: Path):
+    """The checkpoints beside ``ckpt`` with a lower iteration, newest first."""
+    tags = sorted((p.name for p in ckpt.parent.iterdir() if p.is_dir() and p.name.startswith("iter_")
+                   and p.name < ckpt.name), reverse=True)
+    return [ckpt.parent / tag for tag in tags]
+
+
+def _damage(ckpt: Path) -> Optional[str]:
+    """Why ``ckpt`` cannot be resumed, from its metadata, manifest and file sizes (no data read)."""
+    try:
+        weights_io.read_checkpoint_meta(ckpt)
+    except ValueError as error:
+        return str(error)
+    return manifest.find_damage(ckpt)
+
+
+def _fall_back(ckpt: Path, problem: str, strict: bool) -> Path:
+    """The newest intact checkpoint older than the damaged ``ckpt``, or a ConfigError when there is none.
+
+    Every rank reaches the same answer: the candidates and their sizes come from the same shared volume.
+    """
+    if strict:
+        raise ConfigError(f"--load: checkpoint {ckpt} is damaged: {problem} (--strict-load refuses to fall back)")
+    for older in _older_checkpoints(ckpt):
+        if _damage(older) is None:
+            logger.warning("CHECKPOINT %s IS DAMAGED: %s. Resuming from the newest intact checkpoint, %s "
+                           "(pass --strict-load to refuse instead).", ckpt, problem, older.name)
+            return older
+    raise ConfigError(f"--load: checkpoint {ckpt} is damaged ({problem}) and no older intact checkpoint exists "
+                      f"in {ckpt.parent}")
+
+
+def choose_intact(ckpt: Path, strict: bool) -> Path:
+    """``ckpt`` when its files are all present at their recorded sizes, else the newest intact older one."""
+    problem = _damage(ckpt)
+    return ckpt if problem is None else _fall_back(ckpt, problem, strict)
 
 
 def check_compatible(meta: Dict[str, Any], config: DominoConfig, padded_vocab_size: int, where: Path,
@@ -251,6 +299,40 @@ def _model_weights(ckpt: Path, meta: Dict[str, Any], module: torch.nn.Module) ->
     return sharding.shard_state_dict(full, tp_rank, tp)
 
 
+def _files_to_read(ckpt: Path, config: DominoConfig, weights_only: bool) -> list:
+    """The checkpoint files this rank reads when loading (names relative to ``ckpt``)."""
+    meta = weights_io.read_checkpoint_meta(ckpt)
+    tp, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    saved_tp = meta["tensor_model_parallel_size"]
+    shards = [tp_rank] if saved_tp == tp else range(saved_tp)
+    names = [f"{weights_io.MODEL_DIR}/{weights_io.shard_file_name(r)}" for r in shards]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    c = config.checkpoint
+    if not weights_only and not c.no_load_optim:
+        names.append(f"optim/rank_{rank:05d}.pt")
+    if not weights_only and not c.no_load_rng:
+        names.append(f"rng/rank_{rank:05d}.pt")
+    return names
+
+
+def _verified(ckpt: Path, config: DominoConfig, weights_only: bool) -> Path:
+    """``ckpt`` once every rank has checked the checksums of the files it will read; else an intact older one.
+
+    Each rank verifies only its own files, then all ranks exchange their findings, so they agree on one
+    outcome: all load ``ckpt``, all fall back to the same older checkpoint, or all stop with the same message.
+    """
+    while True:
+        problem = manifest.verify(ckpt, _files_to_read(ckpt, config, weights_only))
+        findings = [problem]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            findings = [None] * dist.get_world_size()
+            dist.all_gather_object(findings, problem)
+        damaged = [f"rank {r}: {text}" for r, text in enumerate(findings) if text]
+        if not damaged:
+            return ckpt
+        ckpt = _fall_back(ckpt, "; ".join(damaged), config.checkpoint.strict_load)
+
+
 def load_checkpoint(engine, config: DominoConfig, ckpt: Path, padded_vocab_size: int,
                     weights_only: bool = False) -> Tuple[int, int]:
     """Checks that ``ckpt`` fits this run, then restores model, optimizer and RNG state into this rank.
@@ -262,6 +344,7 @@ def load_checkpoint(engine, config: DominoConfig, ckpt: Path, padded_vocab_size:
     Returns:
         ``(iteration, consumed_samples)`` to continue from; ``(0, 0)`` for a warm start.
     """
+    ckpt = _verified(ckpt, config, weights_only)
     meta = weights_io.read_checkpoint_meta(ckpt)
     check_compatible(meta, config, padded_vocab_size, ckpt, warm_start=weights_only)
     tp, dp = state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size()
