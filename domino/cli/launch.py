@@ -1,4 +1,5 @@
-"""``domino launch render|submit``: run ``domino pretrain`` as a Kubeflow PyTorchJob (or locally).
+"""``domino launch render|submit``: run ``domino pretrain`` as a Kubeflow PyTorchJob (or locally); ``render``
+also writes a Kubeflow Trainer v2 TrainJob (``--api trainjob``).
 
 The logic lives in :mod:`domino.launch`; this module only maps flags to calls.
 """
@@ -10,22 +11,23 @@ import sys
 
 from domino.launch.api import BACKENDS, CLEANUP_MODES
 from domino.launch.flags import add_spec_flags, spec_from_args
+from domino.launch.job_api import DEFAULT_JOB_API, JOB_APIS
 from domino.launch.spec import LaunchSpecError
 
 
 def _render(args: argparse.Namespace) -> int:
     from domino.launch import naming
-    from domino.launch.render import render_job, to_yaml
-
+    from domino.launch.job_api import job_api
     from domino.launch.pretrain_args import check_pretrain_args
+    from domino.launch.render import to_yaml
 
     try:
         spec = spec_from_args(args)
         check_pretrain_args(spec)
+        text = to_yaml(job_api(args.api).render(spec, args.run_id or naming.new_run_id(), None))
     except LaunchSpecError as error:
         print(f"domino launch render: error: {error}", file=sys.stderr)
         return 2
-    text = to_yaml(render_job(spec, args.run_id or naming.new_run_id()))
     if args.output:
         from domino.atomic_files import atomic_write
 
@@ -65,9 +67,12 @@ def register(subparsers) -> None:
                                    description=__doc__)
     verbs = launch.add_subparsers(dest="launch_command", metavar="{render,submit}", required=True)
 
-    render = verbs.add_parser("render", help="Print the PyTorchJob YAML.",
+    render = verbs.add_parser("render", help="Print the job's YAML (a PyTorchJob or a TrainJob).",
                               usage="domino launch render --name NAME --image IMAGE [flags] -- [pretrain flags]")
     add_spec_flags(render)
+    render.add_argument("--api", choices=sorted(JOB_APIS), default=DEFAULT_JOB_API,
+                        help="pytorchjob (Kubeflow training operator v1, default) or trainjob (Kubeflow Trainer v2; "
+                             "needs the k8s/trainer runtime).")
     render.add_argument("--output", "-o", default=None, help="Write the YAML to this file instead of stdout.")
     render.set_defaults(func=_render)
 

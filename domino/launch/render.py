@@ -60,7 +60,8 @@ def container_command(spec: JobSpec, name: str) -> List[str]:
     return ["torchrun", "-m", "domino", "pretrain", *args]
 
 
-def _resources(spec: JobSpec) -> Dict[str, Dict[str, str]]:
+def resources(spec: JobSpec) -> Dict[str, Dict[str, str]]:
+    """Requests and limits of one pod (one TrainJob node): CPU/memory, and GPUs with request == limit."""
     requests = defaults.requests(spec)
     limits = {key: str(value) for key, value in (("cpu", spec.cpu_limit), ("memory", spec.memory_limit))
               if value is not None}
@@ -84,7 +85,7 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
         "command": container_command(spec, name),
         "env": env,
         "ports": [{"name": "pytorchjob-port", "containerPort": MASTER_PORT, "protocol": "TCP"}],
-        "resources": _resources(spec),
+        "resources": resources(spec),
         "volumeMounts": [
             {"name": "domino-data", "mountPath": spec.mount_path},
             {"name": "dshm", "mountPath": "/dev/shm"},

@@ -14,17 +14,35 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO.parent / "shared/schemas/kubeflow.org_pytorchjobs.yaml"
+#: Kubeflow Trainer v2.3.0's CRDs (TrainJob, TrainingRuntime, ClusterTrainingRuntime).
+TRAINER_CRDS = REPO.parent / "shared/schemas/trainer-v2.3.0"
 K8S_VERSION = "1.30.0"  # oldest Kubernetes the guide supports; kubernetes-validate ships its schema
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
-@functools.lru_cache(maxsize=1)
-def crd_validator() -> jsonschema.protocols.Validator:
-    crd = yaml.safe_load(CRD_PATH.read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+@functools.lru_cache(maxsize=None)
+def schema_validator(path: Path, version_name: str) -> jsonschema.protocols.Validator:
+    """A validator for the ``openAPIV3Schema`` of version ``version_name`` of the CRD in ``path``."""
+    crd = yaml.safe_load(path.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == version_name]
     schema = version["schema"]["openAPIV3Schema"]
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
     return cls(schema)
+
+
+def crd_validator() -> jsonschema.protocols.Validator:
+    return schema_validator(CRD_PATH, "v1")
+
+
+def trainer_validator(plural: str) -> jsonschema.protocols.Validator:
+    """The v2.3.0 schema of ``trainjobs``, ``trainingruntimes`` or ``clustertrainingruntimes``."""
+    return schema_validator(TRAINER_CRDS / f"trainer.kubeflow.org_{plural}.yaml", "v1alpha1")
+
+
+def validate_trainer_object(obj: Dict[str, Any], plural: str) -> None:
+    """Raises AssertionError unless ``obj`` passes its Trainer v2.3.0 CRD schema."""
+    errors = [f"{list(e.absolute_path)}: {e.message}" for e in trainer_validator(plural).iter_errors(obj)]
+    assert not errors, errors
 
 
 def webhook_problems(job: Dict[str, Any]) -> List[str]:
