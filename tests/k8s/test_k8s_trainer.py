@@ -1,0 +1,143 @@
+"""k8s/trainer: the TrainingRuntime behind ``--api trainjob`` is valid against the Trainer v2.3.0 CRD, keeps the
+stock torch-distributed runtime's shape, and its pods (with what a TrainJob adds) are Pod Security "restricted"."""
+
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "launch"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from domino.launch import JobSpec, Toleration  # noqa: E402
+from domino.launch import trainjob  # noqa: E402
+from k8s_schemas import TRAINER_CRDS, trainer_validator, validate_core, validate_trainer_object  # noqa: E402
+from pod_security import restricted_violations  # noqa: E402
+
+RUNTIME_FILE = REPO / "k8s" / "trainer" / "trainingruntime.yaml"
+needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) not installed")
+
+
+def runtime():
+    return yaml.safe_load(RUNTIME_FILE.read_text())
+
+
+def stock_runtime():
+    """The stock torch-distributed runtime with its Helm template lines dropped."""
+    text = (TRAINER_CRDS / "runtime-torch-distributed.yaml").read_text()
+    return yaml.safe_load("\n".join(line for line in text.splitlines() if "{{" not in line))
+
+
+def node_job(rt):
+    (job,) = rt["spec"]["template"]["spec"]["replicatedJobs"]
+    return job
+
+
+def as_pod(template, name="p"):
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {**copy.deepcopy(template.get("metadata", {})), "name": name, "namespace": "domino"},
+            "spec": copy.deepcopy(template["spec"])}
+
+
+def test_runtime_validates_against_its_crd_and_keeps_the_stock_torch_shape():
+    rt = runtime()
+    validate_trainer_object(rt, "trainingruntimes")
+    stock = stock_runtime()
+    validate_trainer_object(stock, "clustertrainingruntimes")
+    assert rt["spec"]["mlPolicy"] == stock["spec"]["mlPolicy"] == {"numNodes": 1, "torch": {}}
+    ours, theirs = node_job(rt), node_job(stock)
+    assert ours["name"] == theirs["name"] == trainjob.NODE
+    assert ours["template"]["metadata"] == theirs["template"]["metadata"]  # the trainer ancestor label
+    (container,) = ours["template"]["spec"]["template"]["spec"]["containers"]
+    assert container["name"] == theirs["template"]["spec"]["template"]["spec"]["containers"][0]["name"]
+    bad = copy.deepcopy(rt)
+    bad["spec"]["mlPolicy"]["numNodes"] = "one"  # the check can fail
+    assert list(trainer_validator("trainingruntimes").iter_errors(bad))
+
+
+def test_runtime_pod_is_restricted_and_mounts_what_the_renderer_assumes():
+    template = node_job(runtime())["template"]["spec"]["template"]
+    pod = as_pod(template)
+    validate_core(pod)
+    assert restricted_violations(pod) == []
+    (container,) = pod["spec"]["containers"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert mounts[trainjob.RUNTIME_MOUNT_PATH] == "domino-data"
+    assert volumes["domino-data"]["persistentVolumeClaim"] == {"claimName": trainjob.RUNTIME_PVC}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"] == {"medium": "Memory", "sizeLimit": trainjob.RUNTIME_SHM_SIZE}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"/tmp", "/home/domino"} <= set(mounts)
+    assert pod["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "domino-launch"  # NetworkPolicy selector
+    assert runtime()["metadata"]["name"] == trainjob.RUNTIME_NAME and runtime()["kind"] == trainjob.RUNTIME_KIND
+    # The checker itself fails on a runtime that lost its security context.
+    bad = copy.deepcopy(pod)
+    del bad["spec"]["containers"][0]["securityContext"]
+    assert restricted_violations(bad)
+
+
+def node_pod(job, rt, index=0):
+    """Our model of node pod ``index`` of ``job``: the runtime's template, the TrainJob's trainer fields on the
+    ``node`` container, the PET_* environment the torch plugin adds (kubeflow/trainer
+    pkg/runtime/framework/plugins/torch/torch.go, EnforceMLPolicy; PET_NODE_RANK comes from the Job completion
+    index) and our runtime patch's pod fields, which the runtime leaves unset."""
+    template = copy.deepcopy(node_job(rt)["template"]["spec"]["template"])
+    trainer = job["spec"]["trainer"]
+    (container,) = template["spec"]["containers"]
+    name = job["metadata"]["name"]
+    container.update(image=trainer["image"], command=trainer["command"], resources=trainer["resourcesPerNode"])
+    container["env"] = trainer["env"] + [
+        {"name": "PET_NNODES", "value": str(trainer["numNodes"])},
+        {"name": "PET_NPROC_PER_NODE", "value": str(trainer.get("numProcPerNode", "auto"))},
+        {"name": "PET_NODE_RANK", "value": str(index)},
+        {"name": "PET_MASTER_ADDR", "value": f"{name}-node-0-0.{name}"},
+    ]
+    patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    patched = patch["template"]["spec"]["template"]
+    assert not set(patched["spec"]) & set(template["spec"]), "a patch field the runtime also sets"
+    template["spec"].update(patched["spec"])
+    for key in ("labels", "annotations"):
+        template["metadata"].setdefault(key, {}).update(patched["metadata"][key])
+    return as_pod(template, f"{name}-node-0-{index}")
+
+
+def test_four_by_eight_gpu_trainjob_pods_are_restricted_and_valid():
+    spec = JobSpec(name="gpt", image="registry.example/domino:1", namespace="domino", nodes=4, nproc_per_node=8,
+                   gpus_per_node=8, service_account="domino-trainer", tolerations=[
+                       Toleration.parse("nvidia.com/gpu:NoSchedule")], pretrain_args=["--preset", "gpt3-1.3b"])
+    job = trainjob.render_trainjob(spec, run_id="r1")
+    rt = runtime()
+    for index in range(4):
+        pod = node_pod(job, rt, index)
+        validate_core(pod)
+        assert restricted_violations(pod) == [], pod["metadata"]["name"]
+        (container,) = pod["spec"]["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        assert pod["spec"]["serviceAccountName"] == "domino-trainer"
+        assert pod["metadata"]["labels"]["domino/run-id"] == "r1"
+
+
+@needs_kubectl
+def test_gpu_trainer_overlay_builds_with_the_runtime_in_the_namespace():
+    out = subprocess.run(["kubectl", "kustomize", str(REPO / "k8s" / "overlays" / "gpu-trainer")], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    objects = [doc for doc in yaml.safe_load_all(out) if doc]
+    (rt,) = [o for o in objects if o["kind"] == "TrainingRuntime"]
+    validate_trainer_object(rt, "trainingruntimes")
+    (ns,) = [o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"]
+    assert rt["metadata"]["namespace"] == ns == "domino"
+    (pvc,) = [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
+    assert pvc["metadata"]["name"] == trainjob.RUNTIME_PVC
+    assert any(o["kind"] == "PriorityClass" for o in objects)  # the gpu overlay underneath
+    for obj in objects:
+        if obj["kind"] != "TrainingRuntime":
+            validate_core(obj)
+    assert re.match(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", rt["metadata"]["name"])
