@@ -74,6 +74,20 @@ def resources(spec: JobSpec) -> Dict[str, Dict[str, str]]:
     return out
 
 
+def pod_placement(spec: JobSpec) -> Dict[str, Any]:
+    """The pod fields the spec sets only when asked: node selector, tolerations, pull secrets, service account."""
+    out: Dict[str, Any] = {}
+    if spec.node_selector:
+        out["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        out["tolerations"] = [t.to_dict() for t in spec.tolerations]
+    if spec.image_pull_secrets:
+        out["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    if spec.service_account:
+        out["serviceAccountName"] = spec.service_account
+    return out
+
+
 def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, Any]:
     """The pod template shared by Master and Workers (PSS restricted, shared volume, /dev/shm)."""
     env = [{"name": "DOMINO_JOB_NAME", "value": name}]
@@ -122,19 +136,30 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
             {"name": "home", "emptyDir": {}},
         ],
     }
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod_spec["tolerations"] = [t.to_dict() for t in spec.tolerations]
+    pod_spec.update(pod_placement(spec))
     if spec.priority_class:
         pod_spec["priorityClassName"] = spec.priority_class
-    if spec.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
-    if spec.service_account:
-        pod_spec["serviceAccountName"] = spec.service_account
     metadata: Dict[str, Any] = {"labels": {ISTIO_INJECT: "false", **labels},
                                 "annotations": {ISTIO_INJECT: "false", **spec.annotations}}
     return {"metadata": metadata, "spec": pod_spec}
+
+
+def job_metadata(spec: JobSpec, name: str, run_id: str, labels: Dict[str, str],
+                 owner_reference: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The job object's metadata (any job API): the run's labels, plus the Kueue queue label with
+    ``--queue``; the run-id annotation that adoption checks; the owner reference, if any."""
+    job_labels = dict(labels)
+    if spec.queue:
+        job_labels[KUEUE_QUEUE_LABEL] = spec.queue
+    metadata: Dict[str, Any] = {
+        "name": name,
+        "namespace": spec.namespace,
+        "labels": job_labels,
+        "annotations": {**spec.annotations, naming.RUN_ID_ANNOTATION: run_id},
+    }
+    if owner_reference:
+        metadata["ownerReferences"] = [owner_reference]
+    return metadata
 
 
 def render_job(spec: JobSpec, run_id: str, owner_reference: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -169,25 +194,15 @@ def render_job(spec: JobSpec, run_id: str, owner_reference: Optional[Dict[str, A
         if spec.priority_class:
             policy["priorityClass"] = spec.priority_class
         run_policy["schedulingPolicy"] = policy
-    job_labels = dict(labels)
     if spec.queue:
         # Kueue admits suspended jobs only: created suspended, the job waits in the queue until Kueue
         # sets suspend=false (kueue pkg/controller/jobs/kubeflow/kubeflowjob: IsSuspended reads
         # runPolicy.suspend, RunWithPodSetsInfo clears it).
-        job_labels[KUEUE_QUEUE_LABEL] = spec.queue
         run_policy["suspend"] = True
-    metadata: Dict[str, Any] = {
-        "name": name,
-        "namespace": spec.namespace,
-        "labels": job_labels,
-        "annotations": {**spec.annotations, naming.RUN_ID_ANNOTATION: run_id},
-    }
-    if owner_reference:
-        metadata["ownerReferences"] = [owner_reference]
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": metadata,
+        "metadata": job_metadata(spec, name, run_id, labels, owner_reference),
         "spec": {
             "nprocPerNode": str(spec.nproc_per_node),
             "runPolicy": run_policy,

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from domino.launch import defaults, naming
-from domino.launch.render import ISTIO_INJECT, KUEUE_QUEUE_LABEL, container_command, resources
+from domino.launch.render import ISTIO_INJECT, container_command, job_metadata, pod_placement, resources
 from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, LaunchSpecError
 
 API_VERSION = "trainer.kubeflow.org/v1alpha1"
@@ -75,15 +75,7 @@ def check_trainjob_spec(spec: JobSpec) -> None:
 
 def _pod_patch(spec: JobSpec, labels: Dict[str, str]) -> Dict[str, Any]:
     """The pod template patch for the ``node`` replicated job: only fields the runtime leaves unset."""
-    pod: Dict[str, Any] = {"terminationGracePeriodSeconds": spec.termination_grace_period_s}
-    if spec.node_selector:
-        pod["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod["tolerations"] = [t.to_dict() for t in spec.tolerations]
-    if spec.image_pull_secrets:
-        pod["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
-    if spec.service_account:
-        pod["serviceAccountName"] = spec.service_account
+    pod = {"terminationGracePeriodSeconds": spec.termination_grace_period_s, **pod_placement(spec)}
     metadata = {"labels": {ISTIO_INJECT: "false", **labels}, "annotations": {ISTIO_INJECT: "false", **spec.annotations}}
     return {"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
         {"name": NODE, "template": {"spec": {"template": {"metadata": metadata, "spec": pod}}}}]}}}}
@@ -121,17 +113,9 @@ def render_trainjob(spec: JobSpec, run_id: str, owner_reference: Optional[Dict[s
     }
     if spec.active_deadline_seconds is not None:
         job_spec["activeDeadlineSeconds"] = spec.active_deadline_seconds
-    job_labels = dict(labels)
     if spec.queue:
-        # As for the PyTorchJob: Kueue admits a suspended job from its queue by clearing spec.suspend.
-        job_labels[KUEUE_QUEUE_LABEL] = spec.queue
+        # As for the PyTorchJob: created suspended (the CRD's spec.suspend), the job waits in its Kueue
+        # queue until admitted and resumed.
         job_spec["suspend"] = True
-    metadata: Dict[str, Any] = {
-        "name": name,
-        "namespace": spec.namespace,
-        "labels": job_labels,
-        "annotations": {**spec.annotations, naming.RUN_ID_ANNOTATION: run_id},
-    }
-    if owner_reference:
-        metadata["ownerReferences"] = [owner_reference]
+    metadata = job_metadata(spec, name, run_id, labels, owner_reference)
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": job_spec}
