@@ -40,7 +40,8 @@ RUNTIME_PVC, RUNTIME_MOUNT_PATH, RUNTIME_SHM_SIZE = "domino-data", DEFAULT_MOUNT
 NODE = "node"
 #: ``manager`` of our runtime patch (the list is keyed by manager; Kueue uses ``kueue.x-k8s.io/manager``).
 PATCH_MANAGER = "domino.launch/renderer"
-#: Environment the torch plugin owns (torch.go ``Validate``: reserved torchrun names).
+#: Environment the torch plugin owns: ``TorchRunReservedEnvNames`` (kubeflow/trainer ``pkg/constants/constants.go``),
+#: which torch.go ``Validate`` refuses in ``trainer.env``.
 RESERVED_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
 
 
