@@ -3,7 +3,8 @@
 ::
 
     exit handler: cleanup-job (deletes a training job the run left behind)
-      preprocess  raw text or a built-in corpus -> .bin/.idx on the shared volume
+      preprocess  plan -> ParallelFor over shard groups -> merge: .bin/.idx on the shared volume, reused
+                  when the inputs and tokenizer are unchanged (pipelines/preprocess_stage.py)
       pretrain    a distributed `domino pretrain` PyTorchJob -> checkpoint on the shared volume
       evaluate    test loss/perplexity/accuracy, HTML report, gate: beats the promoted model?
       if gate:    promote-model writes <shared_root>/promoted.json (atomically)
@@ -23,9 +24,9 @@ from kfp import compiler, dsl, kubernetes
 from components import default_image
 from components.cleanup import component as cleanup_component
 from components.evaluate import component as evaluate_component
-from components.preprocess import component as preprocess_component
 from components.pretrain import component as pretrain_component
 from components.promote import component as promote_component
+from pipelines.preprocess_stage import PreprocessStage
 
 PIPELINE_NAME = "gpt-pretrain"
 #: Where every step (and the training job) mounts the shared volume.
@@ -50,20 +51,23 @@ class StepPlacement:
     eval_gpus: int = 0
 
 
-def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacement] = None):
+def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacement] = None,
+                   preprocess_parallelism: int = 0):
     """Builds the pipeline with every component running in ``image``.
 
     Args:
         image: Image of the steps and default image of the training job (default: ``$DOMINO_IMAGE`` or
             ``components.DEFAULT_IMAGE``).
         placement: Node selector and tolerations for the step pods (default: none).
+        preprocess_parallelism: Most preprocess tasks running at once (0: one per shard group); kfp
+            compiles it into the ParallelFor, so it is a compile-time setting.
 
     Returns:
         The kfp pipeline (a ``GraphComponent``): call it under ``kfp.local`` or compile it.
     """
     image = image or default_image()
     placement = placement or StepPlacement()
-    preprocess_op = preprocess_component.build(image)
+    preprocess_stage = PreprocessStage(image, preprocess_parallelism)
     pretrain_op = pretrain_component.build(image)
     evaluate_op = evaluate_component.build(image)
     promote_op = promote_component.build(image)
@@ -86,6 +90,8 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
         corpus: str = "shakespeare",
         input_uri: str = "",
         tokenizer: str = "gpt2",
+        preprocess_groups: int = 1,
+        reuse_dataset: bool = True,
         preset: str = "tiny",
         config_overrides: str = "{}",
         train_iters: int = 20,
@@ -127,8 +133,11 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
                 folder for local runs). Runs write under shared_root/runs/RUN_ID.
             pvc_name: ReadWriteMany PersistentVolumeClaim mounted by every step and the training job.
             corpus: Built-in corpus to train on when input_uri is empty (shakespeare, kjv).
-            input_uri: Comma-separated text/JSON-lines files on the shared volume (overrides corpus).
+            input_uri: Comma-separated files, directories or globs on the shared volume (overrides
+                corpus): .jsonl/.txt, optionally .gz or .zst, and .parquet.
             tokenizer: Tokenizer (gpt2 works offline).
+            preprocess_groups: Shard groups tokenized in parallel, one task each, then merged.
+            reuse_dataset: Reuse the dataset an earlier run made from the same files and tokenizer.
             preset: Model and training preset (tiny, gpt2-125m, gpt3-350m, gpt3-1.3b, ...).
             config_overrides: JSON object of further domino config fields, e.g. {"num_layers": 4}.
             train_iters: Optimizer steps.
@@ -168,9 +177,9 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
             cleanup_op(run_id=run_id, namespace=namespace, backend=backend, keep_failed=keep_failed_jobs), pvc_name)
         cleanup.set_display_name("cleanup-job")
         with dsl.ExitHandler(cleanup, name="train-and-gate"):
-            prep = on_shared_volume(preprocess_op(
-                shared_root=shared_root, run_id=run_id, corpus=corpus, input_uri=input_uri, tokenizer=tokenizer,
-            ), pvc_name)
+            prep = preprocess_stage(lambda task: on_shared_volume(task, pvc_name), shared_root=shared_root,
+                                    corpus=corpus, input_uri=input_uri, tokenizer=tokenizer,
+                                    groups=preprocess_groups, reuse=reuse_dataset)
             train = on_shared_volume(pretrain_op(
                 dataset=prep.outputs["dataset"], shared_root=shared_root, run_id=run_id, preset=preset,
                 config_overrides=config_overrides, train_iters=train_iters, micro_batch_size=micro_batch_size,
@@ -204,11 +213,11 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
 
 
 def compile_pipeline(output: str = COMPILED_PATH, image: Optional[str] = None,
-                     placement: Optional[StepPlacement] = None) -> str:
+                     placement: Optional[StepPlacement] = None, preprocess_parallelism: int = 0) -> str:
     """Compiles the pipeline to ``output`` (YAML) and returns the path.
 
     The output depends only on the arguments and the installed kfp version (no timestamps), so
     recompiling an unchanged pipeline reproduces the committed file byte for byte.
     """
-    compiler.Compiler().compile(build_pipeline(image, placement), package_path=output)
+    compiler.Compiler().compile(build_pipeline(image, placement, preprocess_parallelism), package_path=output)
     return output

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import itertools
 import logging
 import os
@@ -33,7 +32,7 @@ from domino.atomic_files import remove_quietly
 from domino.data.builtin_corpora import builtin_corpus_bytes, builtin_documents
 from domino.data.errors import DataError
 from domino.data.indexed_dataset import IndexedDatasetWriter, index_file_path, token_dtype
-from domino.data.provenance import DatasetMeta, meta_path, tokenizer_sha256, write_meta
+from domino.data.provenance import DatasetMeta, file_sha256, meta_path, tokenizer_sha256, write_meta
 from domino.data.text_inputs import BadLineCounter, Document, expand_inputs, input_bytes, read_documents
 from domino.data.tokenizer import Tokenizer, build_tokenizer
 
@@ -152,14 +151,6 @@ def _serial_tokenizer() -> Iterator[None]:
             os.environ["TOKENIZERS_PARALLELISM"] = previous
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _progress_bar(total: int, progress: Optional[bool]):
     from tqdm import tqdm
 
@@ -263,7 +254,7 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
     result = PreprocessResult(
         documents=written, tokens=tokens, seconds=time.perf_counter() - start, prefixes=prefixes,
         vocab_size=tok.vocab_size, tokenizer=tok.name,
-        idx_sha256={key: _sha256(index_file_path(prefix)) for key, prefix in prefixes.items()},
+        idx_sha256={key: file_sha256(index_file_path(prefix)) for key, prefix in prefixes.items()},
         skipped_lines=bad.count, empty_documents=empty, eod=tok.eod,
     )
     logger.info("preprocess: %s -> %s", result.summary(), ", ".join(f"{p}.bin/.idx" for p in prefixes.values()))

@@ -65,6 +65,15 @@ def tokenizer_sha256(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(tokenizer.backend.to_str().encode("utf-8")).hexdigest()
 
 
+def file_sha256(path: str) -> str:
+    """SHA-256 of a file's bytes, read in 1 MB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def write_meta(prefix: str, meta: DatasetMeta) -> None:
     """Writes the sidecar atomically."""
     atomic_write_text(meta_path(prefix), json.dumps(asdict(meta), indent=2, sort_keys=True) + "\n")
