@@ -19,7 +19,7 @@ import glob
 import itertools
 import json
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 from urllib.parse import urlparse
 
 from components.layout import DatasetStore

@@ -84,7 +84,8 @@ def write_index(path: str, dtype: np.dtype, sizes: np.ndarray, document_index: n
 class IndexedDatasetWriter:
     """Streams documents into ``{prefix}.bin`` / ``{prefix}.idx``, atomically.
 
-    Nothing appears under the final names until :meth:`finalize`; :meth:`abort` (or an exception inside
+    ``sequences`` and ``tokens`` count what was added so far. Nothing appears under the final names until
+    :meth:`finalize`; :meth:`abort` (or an exception inside
     a ``with`` block) deletes the temporary files.
 
     Example::
@@ -105,7 +106,7 @@ class IndexedDatasetWriter:
         self._bin = open(self._bin_temp, "wb")
         self._sizes: List[np.ndarray] = []
         self._document_ends: List[np.ndarray] = [np.zeros(1, dtype=np.int64)]
-        self._sequences = 0
+        self.sequences = 0
         self.tokens = 0
 
     def add_document(self, tokens: np.ndarray, sequence_lengths: Optional[Sequence[int]] = None) -> None:
@@ -135,14 +136,9 @@ class IndexedDatasetWriter:
             raise ValueError(f"token ids do not fit the dataset dtype {self.dtype}")
         self._bin.write(np.ascontiguousarray(converted).tobytes(order="C"))
         self._sizes.append(sequence_lengths.astype(np.int32))
-        self._document_ends.append(self._sequences + np.cumsum(np.asarray(sequences_per_document, dtype=np.int64)))
-        self._sequences += len(sequence_lengths)
+        self._document_ends.append(self.sequences + np.cumsum(np.asarray(sequences_per_document, dtype=np.int64)))
+        self.sequences += len(sequence_lengths)
         self.tokens += len(tokens)
-
-    @property
-    def sequences(self) -> int:
-        """Sequences written so far."""
-        return self._sequences
 
     def finalize(self) -> None:
         """Writes the ``.idx`` and moves both files to their final names (``.bin`` first, each fsynced)."""
