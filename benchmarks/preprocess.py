@@ -2,7 +2,7 @@
 inputs, and of ``domino merge-datasets``.
 
 The input is the two built-in corpora (Shakespeare and the King James Bible) written as ``.jsonl`` files
-and repeated until at least ``--megabytes`` MB (default 25), and the same files as ``.jsonl.gz`` (gzip
+and repeated until ``--megabytes`` MB (default 25; the last copy cut at a line), and the same files as ``.jsonl.gz`` (gzip
 level 6), ``.jsonl.zst`` (zstd level 3) and ``.parquet`` (pyarrow defaults: snappy). Each configuration
 runs the real command line, ``python -m domino preprocess ...``, in a fresh process, and the wall-clock
 time includes Python start-up, imports, tokenizer loading, reading (decompressing), tokenising and the
@@ -14,8 +14,8 @@ also as a fresh process. The ``ratio`` column is tokens/s over the reference's; 
 over plain ``.jsonl`` with the same 2 workers.
 
 The merge concatenates ``--merge-copies`` copies of the 2-worker output with ``domino merge-datasets``'s
-function in a fresh process and reports MB/s of output and the process's peak RSS (flat memory means it
-stays far below the output size).
+function in a fresh process and reports MB/s of output, and the process's peak RSS for that merge and for
+one of an eighth the size (flat memory: the two are the same).
 
 The machine may be shared: every configuration runs ``--repeats`` times, interleaved, and the table
 shows the median and the best wall-clock time.
@@ -103,13 +103,15 @@ def write_corpus(directory: str, megabytes: float) -> dict:
     texts = [d.texts[0] for name in ("shakespeare", "kjv") for d in builtin_documents(name)]
     lines = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode("utf-8")
     text_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    copies = 0
-    while copies * len(lines) < megabytes * 1e6:
+    copies, written, text_written, documents = 0, 0, 0, 0
+    while written < megabytes * 1e6:
+        part = lines[:lines.index(b"\n", min(int(megabytes * 1e6) - written, len(lines) - 1)) + 1]  # whole lines
         with open(os.path.join(directory, f"corpus-{copies:02d}.jsonl"), "wb") as handle:
-            handle.write(lines)
-        copies += 1
-    return {"files": copies, "jsonl_bytes": copies * len(lines), "text_bytes": copies * text_bytes,
-            "documents": copies * len(texts)}
+            handle.write(part)
+        count = part.count(b"\n")
+        copies, written, documents = copies + 1, written + len(part), documents + count
+        text_written += text_bytes if count == len(texts) else sum(len(t.encode("utf-8")) for t in texts[:count])
+    return {"files": copies, "jsonl_bytes": written, "text_bytes": text_written, "documents": documents}
 
 
 def run(command: list, env: dict) -> tuple:
@@ -157,7 +159,12 @@ def main() -> None:
         identical = all(open(os.path.join(work, f"{p}_text_document.bin"), "rb").read() == reference
                         for p in ("w1", "w2", "gz", "zst", "pq"))
         w2 = os.path.join(work, "w2_text_document")
-        _, merge = run([sys.executable, "-c", MERGE, os.path.join(work, "merged"), *[w2] * args.merge_copies], env)
+        merges = {}
+        for copies in sorted({max(1, args.merge_copies // 8), args.merge_copies}):
+            _, merges[copies] = run([sys.executable, "-c", MERGE, os.path.join(work, f"merged{copies}"),
+                                     *[w2] * copies], env)
+            os.remove(os.path.join(work, f"merged{copies}.bin"))
+        merge = {**merges[args.merge_copies], "peak_rss_mb_by_copies": {c: m["peak_rss_mb"] for c, m in merges.items()}}
     reference_rate = tokens["per-doc-encode"] / statistics.median(times["per-doc-encode"])
     jsonl_rate = tokens["workers=2"] / statistics.median(times["workers=2"])
     rows = []
@@ -186,8 +193,9 @@ def main() -> None:
               f"{r['best_tokens_per_s']:11,.0f} {r['text_mb_per_s']:10.2f} {r['ratio_vs_reference']:6.2f} "
               f"{r['ratio_vs_jsonl_w2']:8.2f}")
     print(f"outputs byte-identical across configurations and formats: {identical}")
+    rss = ", ".join(f"{rss:.0f} MB merging {c}" for c, rss in merge["peak_rss_mb_by_copies"].items())
     print(f"merge-datasets: {args.merge_copies} x the workers=2 dataset -> {merge['bytes'] / 1e6:.1f} MB in "
-          f"{merge['seconds']:.2f} s ({merge['mb_per_s']:,.0f} MB/s), peak RSS {merge['peak_rss_mb']:.0f} MB")
+          f"{merge['seconds']:.2f} s ({merge['mb_per_s']:,.0f} MB/s); peak RSS {rss}")
 
 
 if __name__ == "__main__":

@@ -19,11 +19,13 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from domino.atomic_files import atomic_write_text
 from domino.data.errors import DataError
-from domino.data.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # only for annotations: the index cache uses this module without loading a tokenizer
+    from domino.data.tokenizer import Tokenizer
 
 #: Bump when preprocessing the same input with the same tokenizer would write different bytes, so that
 #: datasets stored under the old keys are no longer reused.
