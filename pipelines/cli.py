@@ -32,7 +32,8 @@ def compile_command(args: argparse.Namespace) -> int:
     )
     if args.eval_gpus < 0:
         raise ValueError(f"--eval-gpus: must be >= 0, got {args.eval_gpus}")
-    path = compile_pipeline(args.output or COMPILED_PATH, image=args.image, placement=placement)
+    path = compile_pipeline(args.output or COMPILED_PATH, image=args.image, placement=placement,
+                            preprocess_parallelism=args.preprocess_parallelism)
     print(f"compiled pipeline to {path}")
     return 0
 

@@ -3,7 +3,8 @@
 ::
 
     exit handler: cleanup-job (deletes a training job the run left behind)
-      preprocess  raw text or a built-in corpus -> .bin/.idx on the shared volume
+      preprocess  plan -> ParallelFor over shard groups -> merge: .bin/.idx on the shared volume, reused
+                  when the inputs and tokenizer are unchanged (pipelines/preprocess_stage.py)
       pretrain    a distributed `domino pretrain` PyTorchJob -> checkpoint on the shared volume
       evaluate    test loss/perplexity/accuracy, HTML report, gate: beats the promoted model?
       if gate:    promote-model writes <shared_root>/promoted.json (atomically)
@@ -24,10 +25,10 @@ from kfp import compiler, dsl, kubernetes
 from components import default_image
 from components.cleanup import component as cleanup_component
 from components.evaluate import component as evaluate_component
-from components.preprocess import component as preprocess_component
 from components.pretrain import component as pretrain_component
 from components.pretrain import settings as pretrain_settings
 from components.promote import component as promote_component
+from pipelines.preprocess_stage import PreprocessStage
 
 PIPELINE_NAME = "gpt-pretrain"
 #: Where every step (and the training job) mounts the shared volume.
@@ -39,6 +40,8 @@ COMPILED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt_pr
 OWN_PARAMETERS = [
     ("corpus", str, "shakespeare"),
     ("input_uri", str, ""),
+    ("preprocess_groups", int, 1),
+    ("reuse_dataset", bool, True),
     ("eval_batches", int, 8),
     ("sample_tokens", int, 24),
     ("min_improvement", float, 0.0),
@@ -46,7 +49,10 @@ OWN_PARAMETERS = [
 ]
 OWN_DOCS = {
     "corpus": "Built-in corpus to train on when input_uri is empty (shakespeare, kjv).",
-    "input_uri": "Comma-separated text/JSON-lines files on the shared volume (overrides corpus).",
+    "input_uri": "Comma-separated files, directories or globs on the shared volume (overrides corpus): "
+                 ".jsonl/.txt, optionally .gz or .zst, and .parquet.",
+    "preprocess_groups": "Shard groups tokenized in parallel, one task each, then merged.",
+    "reuse_dataset": "Reuse the dataset an earlier run made from the same files and tokenizer.",
     "eval_batches": "Test batches per evaluated model.",
     "sample_tokens": "Tokens generated per report prompt (0: no samples).",
     "min_improvement": "Fraction by which the test perplexity must beat the promoted model's.",
@@ -76,20 +82,23 @@ class StepPlacement:
     pretrain_timeout_s: int = 7 * 24 * 3600
 
 
-def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacement] = None):
+def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacement] = None,
+                   preprocess_parallelism: int = 0):
     """Builds the pipeline with every component running in ``image``.
 
     Args:
         image: Image of the steps and default image of the training job (default: ``$DOMINO_IMAGE`` or
             ``components.DEFAULT_IMAGE``).
         placement: Node selector and tolerations for the step pods (default: none).
+        preprocess_parallelism: Most preprocess tasks running at once (0: one per shard group); kfp
+            compiles it into the ParallelFor, so it is a compile-time setting.
 
     Returns:
         The kfp pipeline (a ``GraphComponent``): call it under ``kfp.local`` or compile it.
     """
     image = image or default_image()
     placement = placement or StepPlacement()
-    preprocess_op = preprocess_component.build(image)
+    preprocess_stage = PreprocessStage(image, preprocess_parallelism)
     pretrain_op = pretrain_component.build(image)
     evaluate_op = evaluate_component.build(image)
     promote_op = promote_component.build(image)
@@ -123,10 +132,9 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
         cleanup.set_display_name("cleanup-job")
         kubernetes.use_field_path_as_env(cleanup, env_name="POD_NAMESPACE", field_path="metadata.namespace")
         with dsl.ExitHandler(cleanup, name="train-and-gate"):
-            prep = on_shared_volume(preprocess_op(
-                shared_root=p["shared_root"], run_id=run_id, corpus=p["corpus"], input_uri=p["input_uri"],
-                tokenizer=p["tokenizer"],
-            ), p["pvc_name"])
+            prep = preprocess_stage(lambda task: on_shared_volume(task, p["pvc_name"]), shared_root=p["shared_root"],
+                                    corpus=p["corpus"], input_uri=p["input_uri"], tokenizer=p["tokenizer"],
+                                    groups=p["preprocess_groups"], reuse=p["reuse_dataset"])
             train = on_shared_volume(pretrain_op(
                 dataset=prep.outputs["dataset"], run_id=run_id, **{name: p[name] for name in pretrain_names},
             ), p["pvc_name"])
@@ -165,11 +173,11 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
 
 
 def compile_pipeline(output: str = COMPILED_PATH, image: Optional[str] = None,
-                     placement: Optional[StepPlacement] = None) -> str:
+                     placement: Optional[StepPlacement] = None, preprocess_parallelism: int = 0) -> str:
     """Compiles the pipeline to ``output`` (YAML) and returns the path.
 
     The output depends only on the arguments and the installed kfp version (no timestamps), so
     recompiling an unchanged pipeline reproduces the committed file byte for byte.
     """
-    compiler.Compiler().compile(build_pipeline(image, placement), package_path=output)
+    compiler.Compiler().compile(build_pipeline(image, placement, preprocess_parallelism), package_path=output)
     return output

@@ -37,6 +37,8 @@ class LocalRunResult:
         report: The HTML report (copied to ``output_dir/report.html``).
         metrics_file: The training metrics (JSON lines).
         summary_file: ``summary.json`` with everything below.
+        dataset: The Dataset manifest: prefix, documents, tokens, dataset_key, reused (found complete from an
+            earlier run, nothing tokenised), groups, groups_tokenized.
         train: Pretrain summary: iterations, tokens_seen, final losses, tokens_per_s, mfu.
         test: Evaluation: test_loss, test_ppl, token_accuracy, incumbent_ppl, promote, reason.
         promoted: Whether the registry now names this run's model.
@@ -50,6 +52,7 @@ class LocalRunResult:
     report: str
     metrics_file: str
     summary_file: str
+    dataset: Dict[str, Any]
     train: Dict[str, Any]
     test: Dict[str, Any]
     promoted: bool
@@ -65,6 +68,10 @@ class LocalRunResult:
             f"  training metrics:   {self.metrics_file}",
             f"  HTML report:        {self.report}",
             f"  summary:            {self.summary_file}",
+            f"  dataset:            {self.dataset.get('prefix')} ("
+            + ("reused: same inputs and tokenizer as an earlier run" if self.dataset.get("reused") else
+               f"tokenised {self.dataset.get('groups_tokenized')} of {self.dataset.get('groups')} shard groups")
+            + ")",
             f"  trained {t.get('iterations')} iterations, {t.get('tokens_seen')} tokens; final train loss "
             f"{_num(t.get('final_train_loss'))}, valid loss {_num(t.get('final_valid_loss'))}, "
             f"{_num(t.get('tokens_per_s'), '.0f')} tokens/s",
@@ -129,6 +136,7 @@ def run_local(output_dir: str, params: Optional[Dict[str, Any]] = None,
         output_dir=output_dir, run_id=train["run_id"], checkpoint_dir=train["checkpoint_dir"],
         model_manifest=model_manifest, report=os.path.join(output_dir, "report.html"),
         metrics_file=train["metrics_file"], summary_file=os.path.join(output_dir, "summary.json"),
+        dataset=_read_json(os.path.join(run_folder, "merge-datasets", "dataset")),
         train={k: v for k, v in train.items() if k != "config"}, test=test,
         promoted=current.get("run_id") == train["run_id"], seconds=time.time() - started,
     )

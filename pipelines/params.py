@@ -103,7 +103,7 @@ def check_params(values: Dict[str, Any]) -> None:
         if name in values and values[name] not in choices:
             problems.append(f"--param {name}={values[name]}: expected one of {', '.join(map(str, choices))}")
     for name in ("train_iters", "micro_batch_size", "nodes", "nproc_per_node", "tensor_parallel", "domino_chunks",
-                 "eval_batches"):
+                 "eval_batches", "preprocess_groups"):
         if name in values and values[name] < 1:
             problems.append(f"--param {name}={values[name]}: must be at least 1")
     for name in ("global_batch_size", "gpus_per_node", "save_interval", "eval_interval", "eval_iters",

@@ -1,4 +1,4 @@
-"""``domino preprocess`` and ``domino train-tokenizer`` (thin wrappers over :mod:`domino.data`)."""
+"""``domino preprocess``, ``merge-datasets`` and ``train-tokenizer`` (thin wrappers over :mod:`domino.data`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import json
 
 def _add_input_flags(parser: argparse.ArgumentParser, input_flag: str) -> None:
     parser.add_argument(input_flag, dest="input", nargs="+", metavar="PATH",
-                        help=".jsonl/.json/.txt files or glob patterns (quote globs), several allowed")
+                        help=".jsonl/.json/.txt files (optionally .gz or .zst), .parquet files, directories or "
+                             "glob patterns (quote globs), several allowed")
     parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
                         help="JSON keys holding the text; one output dataset per key (default: text)")
     parser.add_argument("--txt-document-per-file", action="store_true",
@@ -48,6 +49,18 @@ def _run_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_merge(args: argparse.Namespace) -> int:
+    from domino.data.merge import merge_datasets
+
+    result = merge_datasets(args.input, args.output_prefix)
+    if args.json:
+        print(json.dumps(result.__dict__, indent=2))
+    else:
+        print(f"wrote {result.prefix}.bin and {result.prefix}.idx")
+        print(result.summary())
+    return 0
+
+
 def _run_train_tokenizer(args: argparse.Namespace) -> int:
     if args.list_builtin_corpora:
         return _list_corpora()
@@ -63,7 +76,7 @@ def _run_train_tokenizer(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Adds ``preprocess`` and ``train-tokenizer``."""
+    """Adds ``preprocess``, ``merge-datasets`` and ``train-tokenizer``."""
     pre = subparsers.add_parser(
         "preprocess", help="tokenise text into Megatron .bin/.idx datasets",
         description="Tokenise .jsonl/.txt files (or a built-in corpus) into {prefix}_{key}_document.bin/.idx, "
@@ -79,6 +92,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pre.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     pre.add_argument("--json", action="store_true", help="print the result as JSON")
     pre.set_defaults(func=_run_preprocess, parser=pre)
+
+    merge = subparsers.add_parser(
+        "merge-datasets", help="concatenate .bin/.idx datasets into one (as Megatron's tools/merge_datasets.py)",
+        description="Concatenate indexed datasets, in the order given, into OUT.bin/OUT.idx: the bytes that "
+                    "preprocessing all their inputs in one run writes. Token dtypes and tokenizers (from the "
+                    ".meta.json sidecars) must agree. Streams with flat memory; output appears only when complete.")
+    merge.add_argument("--input", nargs="+", required=True, metavar="PREFIX",
+                       help="dataset prefixes (PREFIX.bin + PREFIX.idx), or directories: every dataset in one, "
+                            "in sorted order")
+    merge.add_argument("--output-prefix", required=True, metavar="OUT", help="output path prefix")
+    merge.add_argument("--json", action="store_true", help="print the result as JSON")
+    merge.set_defaults(func=_run_merge, parser=merge)
 
     train = subparsers.add_parser(
         "train-tokenizer", help="train a byte-level BPE tokenizer with an end-of-document token",

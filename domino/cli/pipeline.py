@@ -47,6 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--step-toleration", action="append", metavar="KEY[=VALUE][:EFFECT]",
                    help="Toleration of the step pods (repeatable).")
     p.add_argument("--eval-gpus", type=int, default=0, help="GPUs for the evaluate step (default: 0, CPU).")
+    p.add_argument("--preprocess-parallelism", type=int, default=0, metavar="N",
+                   help="most preprocess tasks of the shard-group ParallelFor running at once (default: 0, one "
+                        "per group)")
     p.set_defaults(func=_lazy("compile_command"))
 
     p = verbs.add_parser("run", help="Run the whole pipeline on this machine (kfp.local, local training job).")

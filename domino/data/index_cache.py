@@ -25,6 +25,7 @@ from typing import Callable, Dict, Optional, Sequence
 import numpy as np
 
 from domino.atomic_files import atomic_write
+from domino.data.provenance import file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +57,6 @@ def default_cache_dir(data_prefix: str) -> str:
     return fallback
 
 
-def _file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _array_path(cache_dir: str, key: str, name: str) -> str:
     return os.path.join(cache_dir, f"{key}_{name}.npy")
 
@@ -90,7 +83,7 @@ def try_load(cache_dir: str, description: Dict, names: Sequence[str],
         arrays = {}
         for name in names:
             path = _array_path(cache_dir, key, name)
-            if _file_sha256(path) != recorded["sha256"][name]:
+            if file_sha256(path) != recorded["sha256"][name]:
                 raise ValueError(f"{os.path.basename(path)} does not match its recorded SHA-256")
             arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
         if validate is not None:
@@ -110,7 +103,7 @@ def save(cache_dir: str, description: Dict, arrays: Arrays) -> None:
         path = _array_path(cache_dir, key, name)
         with atomic_write(path) as handle:
             np.save(handle, np.ascontiguousarray(array), allow_pickle=False)
-        digests[name] = _file_sha256(path)
+        digests[name] = file_sha256(path)
     with atomic_write(_desc_path(cache_dir, key), "w") as handle:
         json.dump({"format": CACHE_FORMAT, "description": description, "sha256": digests,
                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, handle, indent=2)

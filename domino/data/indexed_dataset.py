@@ -50,6 +50,22 @@ def index_file_path(prefix: str) -> str:
     return prefix + ".idx"
 
 
+def index_header(dtype: np.dtype, count: int, document_index_length: int) -> bytes:
+    """The 34-byte ``.idx`` header: magic, version, dtype code, sequence count, document-index length."""
+    return (MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", _CODES[np.dtype(dtype)])
+            + struct.pack("<QQ", count, document_index_length))
+
+
+def commit_dataset(bin_temp: str, idx_temp: str, prefix: str) -> None:
+    """Moves a finished ``.bin``/``.idx`` pair from temporary names to ``prefix`` (``.bin`` first, fsynced)."""
+    # Drop an old .idx first: between the two renames there is a new .bin and no .idx, never a
+    # new .bin beside a stale .idx that might still look valid.
+    remove_quietly(index_file_path(prefix))
+    commit(bin_temp, data_file_path(prefix))
+    commit(idx_temp, index_file_path(prefix))
+    fsync_directory(os.path.dirname(os.path.abspath(prefix)))
+
+
 def write_index(path: str, dtype: np.dtype, sizes: np.ndarray, document_index: np.ndarray) -> None:
     """Writes an ``.idx`` file (not atomically: callers write to a temporary name) for contiguous sequences."""
     dtype = np.dtype(dtype)
@@ -59,11 +75,7 @@ def write_index(path: str, dtype: np.dtype, sizes: np.ndarray, document_index: n
         np.cumsum(sizes[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
     document_index = np.asarray(document_index, dtype=np.int64)
     with open(path, "wb") as handle:
-        handle.write(MAGIC)
-        handle.write(struct.pack("<Q", VERSION))
-        handle.write(struct.pack("<B", _CODES[dtype]))
-        handle.write(struct.pack("<Q", len(sizes)))
-        handle.write(struct.pack("<Q", len(document_index)))
+        handle.write(index_header(dtype, len(sizes), len(document_index)))
         handle.write(sizes.astype("<i4").tobytes(order="C"))
         handle.write(pointers.astype("<i8").tobytes(order="C"))
         handle.write(document_index.astype("<i8").tobytes(order="C"))
@@ -72,7 +84,8 @@ def write_index(path: str, dtype: np.dtype, sizes: np.ndarray, document_index: n
 class IndexedDatasetWriter:
     """Streams documents into ``{prefix}.bin`` / ``{prefix}.idx``, atomically.
 
-    Nothing appears under the final names until :meth:`finalize`; :meth:`abort` (or an exception inside
+    ``sequences`` and ``tokens`` count what was added so far. Nothing appears under the final names until
+    :meth:`finalize`; :meth:`abort` (or an exception inside
     a ``with`` block) deletes the temporary files.
 
     Example::
@@ -93,7 +106,7 @@ class IndexedDatasetWriter:
         self._bin = open(self._bin_temp, "wb")
         self._sizes: List[np.ndarray] = []
         self._document_ends: List[np.ndarray] = [np.zeros(1, dtype=np.int64)]
-        self._sequences = 0
+        self.sequences = 0
         self.tokens = 0
 
     def add_document(self, tokens: np.ndarray, sequence_lengths: Optional[Sequence[int]] = None) -> None:
@@ -123,8 +136,8 @@ class IndexedDatasetWriter:
             raise ValueError(f"token ids do not fit the dataset dtype {self.dtype}")
         self._bin.write(np.ascontiguousarray(converted).tobytes(order="C"))
         self._sizes.append(sequence_lengths.astype(np.int32))
-        self._document_ends.append(self._sequences + np.cumsum(np.asarray(sequences_per_document, dtype=np.int64)))
-        self._sequences += len(sequence_lengths)
+        self._document_ends.append(self.sequences + np.cumsum(np.asarray(sequences_per_document, dtype=np.int64)))
+        self.sequences += len(sequence_lengths)
         self.tokens += len(tokens)
 
     def finalize(self) -> None:
@@ -134,12 +147,7 @@ class IndexedDatasetWriter:
         self._bin.close()
         sizes = np.concatenate(self._sizes) if self._sizes else np.zeros(0, dtype=np.int32)
         write_index(self._idx_temp, self.dtype, sizes, np.concatenate(self._document_ends))
-        # Drop an old .idx first: between the two renames there is a new .bin and no .idx, never a
-        # new .bin beside a stale .idx that might still look valid.
-        remove_quietly(index_file_path(self.prefix))
-        commit(self._bin_temp, data_file_path(self.prefix))
-        commit(self._idx_temp, index_file_path(self.prefix))
-        fsync_directory(os.path.dirname(os.path.abspath(self.prefix)))
+        commit_dataset(self._bin_temp, self._idx_temp, self.prefix)
 
     def abort(self) -> None:
         """Closes and deletes the temporary files; the final names are left untouched."""

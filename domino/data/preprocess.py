@@ -9,14 +9,14 @@ Megatron's sentence lists do; a document without tokens is an empty entry of the
 Tokenisation runs in the Rust ``tokenizers`` library on batches of documents; ``workers`` threads each
 encode whole batches (the library releases the GIL), so the work spreads over ``workers`` cores.
 Output goes to temporary files that are fsynced and renamed only when everything succeeded: an
-interrupted or failed run leaves no dataset under the final names.
+interrupted or failed run leaves no dataset under the final names. Beside each pair goes the sidecar
+``{prefix}.meta.json`` (tokenizer hash and counts, see :mod:`domino.data.provenance`), written last.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import itertools
 import logging
 import os
@@ -28,9 +28,11 @@ from typing import Deque, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
+from domino.atomic_files import remove_quietly
 from domino.data.builtin_corpora import builtin_corpus_bytes, builtin_documents
 from domino.data.errors import DataError
 from domino.data.indexed_dataset import IndexedDatasetWriter, index_file_path, token_dtype
+from domino.data.provenance import DatasetMeta, file_sha256, meta_path, tokenizer_sha256, write_meta
 from domino.data.text_inputs import BadLineCounter, Document, expand_inputs, input_bytes, read_documents
 from domino.data.tokenizer import Tokenizer, build_tokenizer
 
@@ -149,14 +151,6 @@ def _serial_tokenizer() -> Iterator[None]:
             os.environ["TOKENIZERS_PARALLELISM"] = previous
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _progress_bar(total: int, progress: Optional[bool]):
     from tqdm import tqdm
 
@@ -244,17 +238,23 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
         if tokens == 0:
             raise DataError("the input's documents hold no tokens; nothing to write")
         for writer in writers.values():
+            remove_quietly(meta_path(writer.prefix))  # never an old sidecar beside the new pair
             writer.finalize()
     except BaseException:
         for writer in writers.values():
             writer.abort()
         raise
+    tokenizer_hash = tokenizer_sha256(tok)
+    for writer in writers.values():
+        write_meta(writer.prefix, DatasetMeta(
+            tokenizer=tok.name, tokenizer_sha256=tokenizer_hash, vocab_size=tok.vocab_size, eod=tok.eod,
+            dtype=str(dtype), documents=written, sequences=writer.sequences, tokens=writer.tokens))
     if bad.count:
         logger.warning("skipped %d bad input lines, e.g. %s", bad.count, "; ".join(bad.examples[:3]))
     result = PreprocessResult(
         documents=written, tokens=tokens, seconds=time.perf_counter() - start, prefixes=prefixes,
         vocab_size=tok.vocab_size, tokenizer=tok.name,
-        idx_sha256={key: _sha256(index_file_path(prefix)) for key, prefix in prefixes.items()},
+        idx_sha256={key: file_sha256(index_file_path(prefix)) for key, prefix in prefixes.items()},
         skipped_lines=bad.count, empty_documents=empty, eod=tok.eod,
     )
     logger.info("preprocess: %s -> %s", result.summary(), ", ".join(f"{p}.bin/.idx" for p in prefixes.values()))

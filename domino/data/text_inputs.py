@@ -1,10 +1,15 @@
-"""Reading documents out of ``.jsonl`` and ``.txt`` files, with errors that name the file and the line.
+"""Reading documents out of input files, with errors that name the file and the line (or row).
 
 * ``.jsonl`` / ``.json``: one JSON object per line; each ``--json-keys`` key holds the document's text
   (a string, or a list of strings: Megatron's sentences, kept apart as a tuple). Blank lines are ignored.
 * ``.txt``: a document is a block of lines separated by one or more blank lines (whitespace-only lines
   count as blank); the block's lines are joined with ``\\n``. With ``document_per_file`` the whole file
   is one document.
+* either of them compressed (``.gz``, ``.zst``): the same, decompressed as a stream.
+* ``.parquet``: one document per row; each key names a string (or list-of-strings) column.
+
+:mod:`domino.data.input_files` knows the formats; this module turns their lines and rows into
+documents, so a row of a Parquet file and the same record as a JSON line give the same document.
 
 Every problem (malformed JSON, a missing key, a value that is not text, bytes that are not UTF-8, an
 input without documents) raises :class:`DataError` as ``file:line: what is wrong``, unless
@@ -18,14 +23,12 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Iterator, List, Sequence, Tuple, Union
+from typing import Iterable, Iterator, List, Sequence, Tuple, Union
 
 from domino.data.errors import DataError
+from domino.data.input_files import SUPPORTED, input_format, open_lines, parquet_rows
 
 logger = logging.getLogger(__name__)
-
-JSONL_SUFFIXES = (".jsonl", ".json")
-TEXT_SUFFIXES = (".txt", ".text")
 
 
 @dataclass
@@ -52,25 +55,47 @@ class BadLineCounter:
         logger.debug("skipping bad input: %s", message)
 
 
+def _directory_files(directory: str) -> List[str]:
+    """Every supported file under ``directory`` (recursively, sorted; hidden files and folders skipped)."""
+    found, ignored = [], []
+    for root, folders, names in os.walk(directory):
+        folders[:] = sorted(f for f in folders if not f.startswith("."))
+        for name in sorted(names):
+            if name.startswith("."):
+                continue
+            (found if input_format(name) else ignored).append(os.path.join(root, name))
+    if ignored:
+        logger.warning("input directory %s: ignoring %d file(s) of unsupported type, e.g. %s", directory,
+                       len(ignored), ", ".join(ignored[:3]))
+    if not found:
+        raise DataError(f"input directory {directory} holds no {SUPPORTED} file")
+    return sorted(found)
+
+
 def expand_inputs(patterns: Sequence[str]) -> List[str]:
-    """Files named by ``patterns`` (paths or globs), in order, without duplicates.
+    """Files named by ``patterns`` (paths, globs or directories), in order, without duplicates.
+
+    A glob's matches come in sorted order; a directory gives every supported file below it, sorted by
+    path (unsupported files there are skipped with a warning).
 
     Raises:
-        DataError: for a pattern that matches nothing or a file of an unsupported type.
+        DataError: for a pattern that matches nothing or a named file of an unsupported type.
     """
     files: List[str] = []
     for pattern in patterns:
         matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
-        matches = [m for m in matches if not os.path.isdir(m)]
         if not matches:
             raise DataError(f"input {pattern!r} matches no file")
-        for path in matches:
-            if not os.path.isfile(path):
-                raise DataError(f"input file not found: {path}")
-            if not path.endswith(JSONL_SUFFIXES + TEXT_SUFFIXES):
-                raise DataError(f"input {path}: unsupported file type (expected .jsonl, .json or .txt)")
-            if path not in files:
-                files.append(path)
+        for match in matches:
+            if os.path.isdir(match):
+                paths = _directory_files(match)
+            elif not os.path.isfile(match):
+                raise DataError(f"input file not found: {match}")
+            elif input_format(match) is None:
+                raise DataError(f"input {match}: unsupported file type (expected {SUPPORTED})")
+            else:
+                paths = [match]
+            files.extend(path for path in paths if path not in files)
     if not files:
         raise DataError("no input files given")
     return files
@@ -85,6 +110,15 @@ def _decode(raw: bytes, path: str, line_number: int) -> str:
                         f"{error.start + 1})") from None
 
 
+def _check_value(value, path: str, where: str, key: str) -> Union[str, Tuple[str, ...]]:
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        value = tuple(value)  # Megatron's sentence list: one sequence per sentence
+    if not isinstance(value, (str, tuple)):
+        kind = "null" if value is None else type(value).__name__
+        raise DataError(f"{path}:{where}: key {key!r} holds {kind}, expected a string or a list of strings")
+    return value
+
+
 def _json_texts(line: str, path: str, line_number: int, keys: Sequence[str]) -> Tuple[str, ...]:
     try:
         record = json.loads(line)
@@ -97,20 +131,15 @@ def _json_texts(line: str, path: str, line_number: int, keys: Sequence[str]) -> 
         if key not in record:
             present = ", ".join(sorted(record)[:10]) or "none"
             raise DataError(f"{path}:{line_number}: missing key {key!r} (keys present: {present})")
-        value = record[key]
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            value = tuple(value)  # Megatron's sentence list: one sequence per sentence
-        if not isinstance(value, (str, tuple)):
-            raise DataError(f"{path}:{line_number}: key {key!r} holds {type(value).__name__}, expected a string "
-                           "or a list of strings")
-        texts.append(value)
+        texts.append(_check_value(record[key], path, str(line_number), key))
     return tuple(texts)
 
 
 def read_jsonl(path: str, keys: Sequence[str], bad: BadLineCounter, skip_bad_lines: bool) -> Iterator[Document]:
-    """Documents of a JSON-lines file (one per non-blank line)."""
-    with open(path, "rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
+    """Documents of a JSON-lines file, plain or compressed (one per non-blank line)."""
+    with open_lines(path) as (lines, consumed):
+        reported = 0
+        for line_number, raw in enumerate(lines, start=1):
             if not raw.strip():
                 continue
             try:
@@ -120,16 +149,17 @@ def read_jsonl(path: str, keys: Sequence[str], bad: BadLineCounter, skip_bad_lin
                     raise
                 bad.add(str(error))
                 continue
-            yield Document(texts, path, line_number, len(raw))
+            position = consumed()
+            yield Document(texts, path, line_number, position - reported)
+            reported = position
 
 
 def read_text(path: str, document_per_file: bool, bad: BadLineCounter, skip_bad_lines: bool) -> Iterator[Document]:
-    """Documents of a plain-text file: blank-line-separated blocks, or the whole file."""
+    """Documents of a plain-text file, plain or compressed: blank-line-separated blocks, or the whole file."""
     block: List[str] = []
-    start, nbytes = 0, 0
-    with open(path, "rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            nbytes += len(raw)
+    start, reported = 0, 0
+    with open_lines(path) as (lines, consumed):
+        for line_number, raw in enumerate(lines, start=1):
             try:
                 line = _decode(raw, path, line_number)
             except DataError as error:
@@ -139,42 +169,69 @@ def read_text(path: str, document_per_file: bool, bad: BadLineCounter, skip_bad_
                 continue
             if not document_per_file and not line.strip():
                 if block:
-                    yield Document(("\n".join(block),), path, start, nbytes)
-                    block, nbytes = [], 0
+                    position = consumed()
+                    yield Document(("\n".join(block),), path, start, position - reported)
+                    block, reported = [], position
                 continue
             if not block:
                 start = line_number
             block.append(line.rstrip("\r\n") if not document_per_file else line)
-    if block:
-        text = "".join(block) if document_per_file else "\n".join(block)
-        yield Document((text,), path, start, nbytes)
+        if block:
+            text = "".join(block) if document_per_file else "\n".join(block)
+            yield Document((text,), path, start, consumed() - reported)
+
+
+def read_parquet(path: str, keys: Sequence[str], bad: BadLineCounter, skip_bad_lines: bool) -> Iterator[Document]:
+    """Documents of a Parquet file: one per row, the texts from the ``keys`` columns."""
+    for row, values, nbytes in parquet_rows(path, keys):
+        try:
+            texts = tuple(_check_value(value, path, f"row {row}", key) for key, value in zip(keys, values))
+        except DataError as error:
+            if not skip_bad_lines:
+                raise
+            bad.add(str(error))
+            continue
+        yield Document(texts, path, row, nbytes)
+
+
+def _reader(path: str, keys: Sequence[str], document_per_file: bool, bad: BadLineCounter,
+            skip_bad_lines: bool) -> Iterable[Document]:
+    kind, _ = input_format(path) or ("", None)
+    if kind == "jsonl":
+        return read_jsonl(path, keys, bad, skip_bad_lines)
+    if kind == "parquet":
+        return read_parquet(path, keys, bad, skip_bad_lines)
+    if len(keys) != 1:
+        raise DataError(f"input {path}: a .txt file has one text per document; give a single --json-keys "
+                        f"name for it (got {', '.join(keys)})")
+    return read_text(path, document_per_file, bad, skip_bad_lines)
 
 
 def read_documents(files: Sequence[str], keys: Sequence[str], document_per_file: bool = False,
                    skip_bad_lines: bool = False, bad: BadLineCounter = None) -> Iterator[Document]:
     """Documents of every file in order; a file that yields none is an error (a warning when skipping).
 
+    Each document's ``nbytes`` is its share of the file on disk (compressed bytes for compressed files),
+    so that over a file they add up to its size.
+
     Raises:
         DataError: ``file:line: reason`` for the first bad line (unless ``skip_bad_lines``).
     """
     bad = bad if bad is not None else BadLineCounter()
     for path in files:
-        if path.endswith(JSONL_SUFFIXES):
-            documents = read_jsonl(path, keys, bad, skip_bad_lines)
-        else:
-            if len(keys) != 1:
-                raise DataError(f"input {path}: a .txt file has one text per document; give a single --json-keys "
-                                f"name for it (got {', '.join(keys)})")
-            documents = read_text(path, document_per_file, bad, skip_bad_lines)
-        found = 0
-        for document in documents:
-            found += 1
-            yield document
-        if found == 0:
+        held, counted = None, 0
+        for document in _reader(path, keys, document_per_file, bad, skip_bad_lines):
+            if held is not None:
+                yield held
+            held, counted = document, counted + document.nbytes
+        if held is None:
             message = f"input {path} holds no documents (empty file?)"
             if not skip_bad_lines:
                 raise DataError(message)
             bad.add(message)
+            continue
+        held.nbytes += os.path.getsize(path) - counted  # the file's tail after the last document
+        yield held
 
 
 def input_bytes(files: Sequence[str]) -> int:

@@ -26,7 +26,7 @@ def workspace(tmp_path_factory):
     """A shared root with a tokenized corpus and two tiny checkpoints (different random weights)."""
     root = tmp_path_factory.mktemp("shared")
     dataset = str(root / "dataset.json")
-    run_preprocess(dataset, str(root), "data-run", corpus="shakespeare-small")
+    run_preprocess(dataset, str(root), corpus="shakespeare-small")
     config = parse_config(["--preset", "tiny", "--split", "90,5,5"])
     vocab = padded_vocab_size(50257, config)
     models = {}

@@ -143,7 +143,8 @@ def test_failure_keeps_previous_dataset_and_leaves_no_temporaries(tmp_path, monk
     monkeypatch.setattr(preprocess_module, "_encode_batch", dies_on_third_batch)
     with pytest.raises(KeyboardInterrupt):
         preprocess([src], str(tmp_path / "out"))
-    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "out_text_document.bin", "out_text_document.idx"]
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "out_text_document.bin", "out_text_document.idx",
+                                            "out_text_document.meta.json"]
     assert {f: (tmp_path / f).read_bytes() for f in before} == before
     assert IndexedDataset(first.prefixes["text"]).num_documents == 50
 
@@ -186,6 +187,9 @@ def test_cli_train_tokenizer_then_preprocess_with_it(tmp_path):
     assert result["documents"] == 100 and result["vocab_size"] == 270 and result["eod"] == 0
     ds = IndexedDataset(result["prefixes"]["text"])
     assert ds.dtype == np.uint16 and int(ds[0][-1]) == 0 and int(np.asarray(ds.sizes).sum()) == result["tokens"]
+    meta = json.load(open(result["prefixes"]["text"] + ".meta.json"))
+    assert meta["vocab_size"] == 270 and meta["eod"] == 0 and meta["tokens"] == result["tokens"]
+    assert meta["documents"] == 100 and meta["dtype"] == "uint16" and len(meta["tokenizer_sha256"]) == 64
 
 
 def test_progress_bar_runs(tmp_path, capsys):

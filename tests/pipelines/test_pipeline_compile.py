@@ -8,7 +8,8 @@ import yaml
 from components import DEFAULT_IMAGE
 from pipelines import COMPILED_PATH, MOUNT_PATH, StepPlacement, build_pipeline, compile_pipeline
 
-STEPS = ("exec-preprocess", "exec-pretrain", "exec-evaluate", "exec-promote-model", "exec-cleanup-job")
+STEPS = ("exec-plan-preprocess", "exec-preprocess", "exec-merge-datasets", "exec-pretrain", "exec-evaluate",
+         "exec-promote-model", "exec-cleanup-job")
 
 
 def _compile(tmp_path, **kwargs):
@@ -74,20 +75,45 @@ def test_structure_exit_handler_gate_and_no_caching(tmp_path):
     status_input = root_tasks["cleanup-job"]["inputs"]["parameters"]["status"]
     assert status_input["taskFinalStatus"]["producerTask"] == "exit-handler-1"
     inner = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
-    assert set(inner) == {"preprocess", "pretrain", "evaluate", "condition-2"}
-    assert "evaluate" in inner["condition-2"]["dependentTasks"]
-    condition = inner["condition-2"]["triggerPolicy"]["condition"]
+    assert set(inner) == {"plan-preprocess", "for-loop-2", "merge-datasets", "pretrain", "evaluate", "condition-3"}
+    assert "evaluate" in inner["condition-3"]["dependentTasks"]
+    condition = inner["condition-3"]["triggerPolicy"]["condition"]
     assert "pipelinechannel--evaluate-Output" in condition and "true" in condition
-    promote = spec["components"]["comp-condition-2"]["dag"]["tasks"]["promote-model"]
+    promote = spec["components"]["comp-condition-3"]["dag"]["tasks"]["promote-model"]
     artifacts = promote["inputs"]["artifacts"]
     assert artifacts["decision"]["componentInputArtifact"] == "pipelinechannel--evaluate-decision"
     assert artifacts["model"]["componentInputArtifact"] == "pipelinechannel--pretrain-model"
     assert promote["cachingOptions"] == {}
-    for name in ("preprocess", "pretrain", "evaluate"):
+    for name in ("plan-preprocess", "merge-datasets", "pretrain", "evaluate"):
         assert inner[name]["cachingOptions"] == {}, name  # {} = enableCache false
-    # Every step gets the per-run id from the placeholder.
-    for name in ("preprocess", "pretrain", "evaluate"):
+    # Every training step gets the per-run id from the placeholder (datasets are keyed by their inputs).
+    for name in ("pretrain", "evaluate"):
         assert inner[name]["inputs"]["parameters"]["run_id"]["runtimeValue"]["constant"] == "{{$.pipeline_job_uuid}}"
+
+
+def test_preprocess_fans_out_over_shard_groups_then_merges(tmp_path):
+    _, spec, _ = _compile(tmp_path, preprocess_parallelism=3)
+    inner = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
+    loop = inner["for-loop-2"]
+    assert loop["iteratorPolicy"] == {"parallelismLimit": 3}
+    assert loop["parameterIterator"]["items"]["inputParameter"] == "pipelinechannel--plan-preprocess-Output"
+    assert loop["dependentTasks"] == ["plan-preprocess"] and loop["taskInfo"]["name"] == "shard-groups"
+    assert inner["plan-preprocess"]["inputs"]["parameters"]["groups"]["componentInputParameter"] == (
+        "pipelinechannel--preprocess_groups")
+    body = spec["components"]["comp-for-loop-2"]["dag"]["tasks"]
+    assert set(body) == {"preprocess"} and body["preprocess"]["cachingOptions"] == {}
+    assert body["preprocess"]["inputs"]["parameters"]["group"]["componentInputParameter"] == (
+        "pipelinechannel--plan-preprocess-Output-loop-item")
+    # dsl.Collected: the merge takes the list of every iteration's output, after the whole loop.
+    merge = inner["merge-datasets"]
+    assert merge["dependentTasks"] == ["for-loop-2"]
+    assert merge["inputs"]["parameters"]["parts"]["taskOutputParameter"] == {
+        "outputParameterKey": "pipelinechannel--preprocess-Output", "producerTask": "for-loop-2"}
+    for consumer in ("pretrain", "evaluate"):
+        assert inner[consumer]["inputs"]["artifacts"]["dataset"]["taskOutputArtifact"]["producerTask"] == (
+            "merge-datasets")
+    _, spec, _ = _compile(tmp_path)
+    assert "iteratorPolicy" not in spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]["for-loop-2"]
 
 
 def test_platform_spec_mounts_the_pvc_everywhere_and_places_steps(tmp_path):
@@ -123,14 +149,16 @@ def test_default_parameters_are_the_local_tiny_run():
     assert inputs["warm_start"].default is False
 
 
-@pytest.mark.parametrize("module", ["preprocess", "pretrain", "evaluate", "promote", "cleanup"])
-def test_every_component_compiles_on_its_own(module, tmp_path):
+@pytest.mark.parametrize("module, builder", [("preprocess", "build_plan"), ("preprocess", "build"), ("merge", "build"),
+                                             ("pretrain", "build"), ("evaluate", "build"), ("promote", "build"),
+                                             ("cleanup", "build")])
+def test_every_component_compiles_on_its_own(module, builder, tmp_path):
     import importlib
 
     from kfp import compiler
 
-    component = importlib.import_module(f"components.{module}.component").build("img:1")
-    out = tmp_path / f"{module}.yaml"
+    component = getattr(importlib.import_module(f"components.{module}.component"), builder)("img:1")
+    out = tmp_path / f"{module}-{builder}.yaml"
     compiler.Compiler().compile(component, str(out))
     spec = yaml.safe_load(out.read_text())
     (executor,) = spec["deploymentSpec"]["executors"].values()

@@ -3,7 +3,8 @@
 Run 1 trains the tiny preset with TP=2 and Domino chunks=2 across two local replicas (the launcher's
 local backend, one process per replica) and is promoted (nothing was promoted before). Run 2 warm-starts
 from the promoted checkpoint, and the gate decides by re-evaluating the promoted model on the same test
-samples. Everything goes through the real components, the real launcher and the real training loop.
+samples, on the dataset run 1 made (same corpus and tokenizer: reused, not tokenised again). Everything
+goes through the real components, the real launcher and the real training loop.
 """
 
 import json
@@ -42,6 +43,7 @@ def test_two_local_runs_promote_then_warm_start_and_gate(tmp_path):
     report = open(first.report, encoding="utf-8").read()
     assert "<img" in report and "perplexity" in report and first.run_id in report
     assert first.checkpoint_dir.startswith(str(out)) and first.report.startswith(str(out))
+    assert first.dataset["reused"] is False and first.dataset["groups_tokenized"] == 1
     registry = json.load(open(out / "shared" / "promoted.json"))
     assert registry["current"]["run_id"] == first.run_id
     assert registry["current"]["test_ppl"] == pytest.approx(first.test["test_ppl"])
@@ -49,6 +51,9 @@ def test_two_local_runs_promote_then_warm_start_and_gate(tmp_path):
     # Run 2: warm start from the promoted model, then the gate compares on the same test samples.
     second = run_local(str(out), {**PARAMS, "warm_start": True}, log=lambda _: None)
     assert second.run_id != first.run_id
+    # Same corpus and tokenizer: the second run reuses the first run's dataset instead of tokenising again.
+    assert second.dataset["reused"] is True and second.dataset["groups_tokenized"] == 0
+    assert second.dataset["prefix"] == first.dataset["prefix"]
     assert second.train["warm_start_from"] == first.checkpoint_dir
     assert second.test["incumbent_run"] == first.run_id
     # The promoted checkpoint, re-evaluated on the same data and samples, gives its recorded perplexity.

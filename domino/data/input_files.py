@@ -1,0 +1,136 @@
+"""Input file formats: which names are read how, decompressing streams, and Parquet record batches.
+
+=====================================  ==========================================================
+name ends with                         read as
+=====================================  ==========================================================
+``.jsonl``, ``.json``                  JSON lines
+``.txt``, ``.text``                    blank-line-separated text blocks
+any of the above + ``.gz`` / ``.zst``  the same, decompressed as a stream (never to disk)
+``.parquet``                           Parquet: the ``--json-keys`` name the text columns
+=====================================  ==========================================================
+
+Compressed files are read through :func:`open_lines`, which hands out the decompressed lines and how
+many on-disk bytes have been consumed (for the progress bar). gzip streams go through the standard
+library's ``gzip`` (multi-member files included); zstd through the ``zstandard`` package with
+``read_across_frames=True``, so files of several concatenated frames (``pzstd``, ``zstd --long``
+pipelines, appended shards) are read to the end, not just to the end of the first frame.
+
+Parquet files are read with ``pyarrow.parquet.ParquetFile.iter_batches`` over the named columns only,
+``PARQUET_BATCH_ROWS`` rows at a time, so memory stays bounded by a batch plus one row group's pages
+of those columns, whatever the file size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import os
+from typing import Callable, Iterator, Optional, Sequence, Tuple
+
+from domino.data.errors import DataError
+
+JSONL_SUFFIXES = (".jsonl", ".json")
+TEXT_SUFFIXES = (".txt", ".text")
+PARQUET_SUFFIXES = (".parquet",)
+#: Stream compressions: suffix -> name.
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
+#: Rows per Parquet record batch handed to the tokenizer pipeline.
+PARQUET_BATCH_ROWS = 1024
+_READ_BUFFER = 1 << 20
+
+#: Human description of the accepted names, for error messages.
+SUPPORTED = ".jsonl/.json/.txt (optionally .gz or .zst) or .parquet"
+
+
+def input_format(path: str) -> Optional[Tuple[str, Optional[str]]]:
+    """``(kind, compression)`` of ``path`` from its name: kind ``jsonl``, ``text`` or ``parquet``; None if unsupported."""
+    name = path.lower()
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet", None
+    compression = None
+    for suffix, codec in COMPRESSIONS.items():
+        if name.endswith(suffix):
+            name, compression = name[:-len(suffix)], codec
+            break
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl", compression
+    if name.endswith(TEXT_SUFFIXES):
+        return "text", compression
+    return None
+
+
+@contextlib.contextmanager
+def open_lines(path: str) -> Iterator[Tuple[Iterator[bytes], Callable[[], int]]]:
+    """Opens a line-based input (plain or compressed) for reading.
+
+    Yields:
+        ``(lines, consumed)``: an iterator over the decompressed lines (bytes, with their ``\\n``) and a
+        function returning how many bytes of the file on disk have been read so far.
+
+    Raises:
+        DataError: a compressed file that is corrupt or truncated, naming the file.
+    """
+    _, compression = input_format(path) or ("", None)
+    with open(path, "rb", buffering=0 if compression else -1) as raw:
+        if compression is None:
+            yield iter(raw), raw.tell
+            return
+        if compression == "gzip":
+            stream = gzip.GzipFile(fileobj=raw, mode="rb")
+        else:
+            import zstandard
+
+            reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+            stream = io.BufferedReader(reader, buffer_size=_READ_BUFFER)
+        with stream:
+            yield _checked(stream, path, compression), raw.tell
+
+
+def _checked(stream: io.BufferedIOBase, path: str, compression: str) -> Iterator[bytes]:
+    # Corrupt or truncated data surfaces while iterating (gzip: BadGzipFile/EOFError/zlib.error,
+    # zstandard: ZstdError); name the file instead of passing on the codec's bare message.
+    try:
+        yield from stream
+    except Exception as error:
+        raise DataError(f"{path}: cannot decompress ({compression}): {error}") from None
+
+
+def parquet_rows(path: str, keys: Sequence[str]) -> Iterator[Tuple[int, tuple, int]]:
+    """Rows of the ``keys`` columns of a Parquet file, in file order, read in record batches.
+
+    Yields:
+        ``(row_number, values, nbytes)``: the 1-based row number, one value per key (``str``, a list of
+        ``str`` or ``None``), and this row's share of the file size (for the progress bar).
+
+    Raises:
+        DataError: the file is not Parquet, lacks a column, or a column is not text, naming both.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path, buffer_size=_READ_BUFFER)
+    except (pa.ArrowException, OSError) as error:
+        raise DataError(f"{path}: not a readable Parquet file ({error})") from None
+    with parquet:
+        schema = parquet.schema_arrow
+        for key in keys:
+            if key not in schema.names:
+                raise DataError(f"{path}: no column {key!r} (columns: {', '.join(schema.names[:10]) or 'none'})")
+            kind = schema.field(key).type
+            if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+                kind = kind.value_type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+                raise DataError(f"{path}: column {key!r} has type {schema.field(key).type}, expected a string or "
+                                "a list of strings")
+        total_rows = max(parquet.metadata.num_rows, 1)
+        size = os.path.getsize(path)
+        row, reported = 0, 0
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=list(keys)):
+            columns = [batch.column(key).to_pylist() for key in keys]
+            for values in zip(*columns):
+                row += 1
+                share = size * row // total_rows - reported
+                reported += share
+                yield row, values, share

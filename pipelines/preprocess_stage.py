@@ -1,0 +1,56 @@
+"""The pipeline's preprocess stage: plan, a ``ParallelFor`` fan-out over shard groups, then a merge.
+
+::
+
+    plan-preprocess ............. inputs -> dataset key + shard groups (JSON list)
+    ParallelFor(groups, parallelism=N):
+      preprocess ................ tokenise one group, or find it (or the whole dataset) done
+    merge-datasets .............. dsl.Collected(results) -> the groups concatenated in order -> Dataset
+
+KFP runs the fan-out: ``dsl.ParallelFor`` over a task's list output, at most ``parallelism``
+iterations at a time, and ``dsl.Collected`` hands every iteration's output to the merge as one list
+(kfp 2.17, ``kfp/dsl/tasks_group.py`` and ``kfp/dsl/for_loop.py``). ``parallelism`` is compiled into
+the pipeline (the ``iteratorPolicy.parallelismLimit`` of the loop; kfp takes a Python int there, not a
+run parameter); the number of groups is a run parameter. ``kfp.local`` 2.17 runs the same graph: its
+``enhanced_dag_orchestrator`` runs ParallelFor iterations on a thread pool bounded by the same limit
+and publishes their outputs for ``dsl.Collected`` (``kfp/local/orchestrator/enhanced_dag_orchestrator.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from kfp import dsl
+
+from components.merge import component as merge_component
+from components.preprocess import component as preprocess_component
+
+
+class PreprocessStage:
+    """The stage's three components, built once per pipeline for one image.
+
+    Args:
+        image: Image of the steps.
+        parallelism: Most preprocess tasks running at once (0: as many as there are groups).
+    """
+
+    def __init__(self, image: Optional[str] = None, parallelism: int = 0) -> None:
+        if parallelism < 0:
+            raise ValueError(f"preprocess parallelism: {parallelism} must be >= 0 (0: unbounded)")
+        self.parallelism = parallelism
+        self.plan_op = preprocess_component.build_plan(image)
+        self.preprocess_op = preprocess_component.build(image)
+        self.merge_op = merge_component.build(image)
+
+    def __call__(self, configure: Callable, shared_root, corpus, input_uri, tokenizer, groups, reuse):
+        """Adds the stage to the pipeline being defined; returns the merge task (its ``dataset`` output).
+
+        ``configure`` is applied to every task (volume mounts, placement, caching). The other arguments
+        are pipeline parameters (or constants).
+        """
+        plan = configure(self.plan_op(shared_root=shared_root, corpus=corpus, input_uri=input_uri,
+                                      tokenizer=tokenizer, groups=groups))
+        with dsl.ParallelFor(plan.output, parallelism=self.parallelism, name="shard-groups") as group:
+            part = configure(self.preprocess_op(shared_root=shared_root, group=group, tokenizer=tokenizer,
+                                                reuse=reuse))
+        return configure(self.merge_op(shared_root=shared_root, parts=dsl.Collected(part.output), reuse=reuse))
