@@ -33,8 +33,8 @@ def test_sigkill_mid_save_then_restart_repeats_the_losses_bit_for_bit(tmp_path, 
     save = tmp_path / "ckpt"
     args = [*BASE, *flags, "--save", str(save), "--load", str(save)]
 
-    killed = run_pretrain([*args, "--metrics-file", str(tmp_path / "killed.jsonl")], nproc=nproc, check=False, timeout=600,
-                          env={"DOMINO_FAULT_INJECT": "kill-in-save@8"})
+    killed = run_pretrain([*args, "--metrics-file", str(tmp_path / "killed.jsonl")], nproc=nproc, check=False,
+                          timeout=600, env={"DOMINO_FAULT_INJECT": "kill-in-save@8"})
     assert killed.returncode != 0, killed.stderr[-3000:]
     assert "fault injection: killing this process in kill-in-save at iteration 8" in killed.stderr
     assert (save / "latest").read_text().strip() == "iter_0000004"
