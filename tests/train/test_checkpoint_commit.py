@@ -33,61 +33,39 @@ class SimulatedCrash(BaseException):
     """Raised at the fault point; BaseException so no ``except Exception`` on the way can swallow it."""
 
 
+def _crash_when(monkeypatch, owner, name: str, point: str, condition) -> None:
+    """Replaces ``owner.name`` by a wrapper that raises :class:`SimulatedCrash` when ``condition(*args)``."""
+    real = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        if condition(*args):
+            raise SimulatedCrash(point)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+
+
 def _install_fault(point: str, monkeypatch) -> None:
     """Makes step ``point`` of the save of :data:`CRASH_AT` crash (after a partial effect where a real crash
     could leave one)."""
     from domino.model import weights_io
     from domino.train import checkpointing
 
-    def saving_crash_iteration(path) -> bool:
+    def saving(path) -> bool:
         return f".tmp-{CRASH_AT}" in str(path)
 
     if point == "model-shard":
-        real = weights_io.save_model_shard
-
-        def save_model_shard(ckpt_dir, state_dict, tp_rank):
-            if saving_crash_iteration(ckpt_dir):
-                raise SimulatedCrash(point)
-            return real(ckpt_dir, state_dict, tp_rank)
-
-        monkeypatch.setattr(weights_io, "save_model_shard", save_model_shard)
+        _crash_when(monkeypatch, weights_io, "save_model_shard", point, lambda ckpt_dir, *_: saving(ckpt_dir))
     elif point in ("optimizer-state", "rng-state"):
-        real_save = checkpointing._atomic_torch_save
         sub = {"optimizer-state": "optim", "rng-state": "rng"}[point]
-
-        def atomic_torch_save(obj, path):
-            if saving_crash_iteration(path) and Path(path).parent.name == sub:
-                raise SimulatedCrash(point)
-            return real_save(obj, path)
-
-        monkeypatch.setattr(checkpointing, "_atomic_torch_save", atomic_torch_save)
+        _crash_when(monkeypatch, checkpointing, "_atomic_torch_save", point,
+                    lambda obj, path: saving(path) and Path(path).parent.name == sub)
     elif point == "meta":
-        real_meta = weights_io.write_checkpoint_meta
-
-        def write_checkpoint_meta(ckpt_dir, meta):
-            if saving_crash_iteration(ckpt_dir):
-                raise SimulatedCrash(point)
-            return real_meta(ckpt_dir, meta)
-
-        monkeypatch.setattr(weights_io, "write_checkpoint_meta", write_checkpoint_meta)
+        _crash_when(monkeypatch, weights_io, "write_checkpoint_meta", point, lambda ckpt_dir, meta: saving(ckpt_dir))
     elif point == "rename":
-        real_replace = os.replace
-
-        def replace(src, dst):
-            if Path(dst).name == CRASH_AT:
-                raise SimulatedCrash(point)
-            return real_replace(src, dst)
-
-        monkeypatch.setattr(os, "replace", replace)
+        _crash_when(monkeypatch, os, "replace", point, lambda src, dst: Path(dst).name == CRASH_AT)
     elif point == "latest":
-        real_latest = weights_io.write_latest
-
-        def write_latest(root, tag):
-            if tag == CRASH_AT:
-                raise SimulatedCrash(point)
-            return real_latest(root, tag)
-
-        monkeypatch.setattr(weights_io, "write_latest", write_latest)
+        _crash_when(monkeypatch, weights_io, "write_latest", point, lambda root, tag: tag == CRASH_AT)
     elif point == "prune":
         real_rmtree = shutil.rmtree
 
