@@ -27,6 +27,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.timeout(1200)  # two torchrun jobs; generous for a loaded 2-core machine
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sigkill_mid_save_then_restart_repeats_the_losses_bit_for_bit(tmp_path, layout):
     nproc, flags = LAYOUTS[layout]
