@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+import math
+from typing import Any, Callable, Dict, Tuple
 
 from components.layout import RunLayout
 from components.manifest import read_manifest
@@ -16,7 +17,8 @@ def run_promote(
     """Writes the model of ``model_manifest`` as the current entry of ``<shared_root>/promoted.json``.
 
     Raises:
-        ValueError: the decision does not say promote (the pipeline's gate should have skipped this step).
+        ValueError: the decision does not say promote (the pipeline's gate should have skipped this step), or
+            is malformed: anything but an explicit ``"promote": true`` with finite perplexity and loss is a no.
 
     Returns:
         The new registry entry as plain data.
@@ -24,13 +26,31 @@ def run_promote(
     layout = RunLayout(shared_root, run_id)
     model = read_manifest(model_manifest, "model")
     decision = read_manifest(decision_manifest, "decision")
-    if not decision.get("promote"):
-        raise ValueError(f"decision {decision_manifest}: the gate did not promote this model ({decision.get('reason')})")
-    test_ppl, test_loss = float(decision["test_ppl"]), float(decision["test_loss"])
+    test_ppl, test_loss = _check_decision(decision, decision_manifest)
     entry = PromotedModel(
-        run_id=run_id, checkpoint_dir=model["checkpoint_dir"], test_ppl=float(test_ppl), test_loss=float(test_loss),
+        run_id=run_id, checkpoint_dir=model["checkpoint_dir"], test_ppl=test_ppl, test_loss=test_loss,
         iteration=int(model.get("iterations", 0)), tokens=int(model.get("tokens_seen", 0)),
     )
     written = promote(layout.registry_path, entry)
     log(f"promote: run {run_id} is now the promoted model (perplexity {test_ppl:.4f}) in {layout.registry_path}")
     return written["current"]
+
+
+def _check_decision(decision: Any, path: str) -> Tuple[float, float]:
+    """``(test_ppl, test_loss)`` of a decision that says promote; a missing or malformed one never promotes."""
+    if not isinstance(decision, dict):
+        raise ValueError(f"decision {path}: expected a JSON object, got {type(decision).__name__}; not promoting")
+    verdict = decision.get("promote")
+    if verdict is False:
+        raise ValueError(f"decision {path}: the gate did not promote this model ({decision.get('reason')})")
+    if verdict is not True:  # a missing key, "false" as a string, 1, null: never read as a yes
+        shown = "missing" if "promote" not in decision else repr(verdict)
+        raise ValueError(f"decision {path}: field 'promote' is {shown}, expected true or false; not promoting")
+    values = []
+    for field in ("test_ppl", "test_loss"):
+        value = decision.get(field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"decision {path}: field {field!r} is {value!r}, expected a finite number; "
+                             "not promoting")
+        values.append(float(value))
+    return values[0], values[1]

@@ -8,10 +8,7 @@ import shutil
 import pytest
 import torch
 
-pytest.importorskip("domino.eval.evaluate")
-pytest.importorskip("domino.data.batch")  # evaluate_checkpoint reads batches through it
-
-from components.evaluate.step import EvaluateSettings, run_evaluate  # noqa: E402
+from components.evaluate.step import EvaluateSettings, run_evaluate
 from components.manifest import write_manifest
 from components.preprocess.step import run_preprocess
 from components.promote.step import run_promote

@@ -71,6 +71,29 @@ def test_promote_step_writes_the_registry_only_when_the_gate_said_so(tmp_path):
     assert current_model(os.path.join(root, "promoted.json")).test_ppl == 5.0
 
 
+@pytest.mark.parametrize("decision, message", [
+    ({"test_ppl": 5.0, "test_loss": 1.6, "reason": "?"}, "field 'promote' is missing"),
+    ({"promote": "false", "test_ppl": 5.0, "test_loss": 1.6}, "field 'promote' is 'false'"),
+    ({"promote": 1, "test_ppl": 5.0, "test_loss": 1.6}, "field 'promote' is 1"),
+    ({"promote": None, "test_ppl": 5.0, "test_loss": 1.6}, "field 'promote' is None"),
+    ({"promote": True, "test_loss": 1.6}, "field 'test_ppl' is None"),
+    ({"promote": True, "test_ppl": float("nan"), "test_loss": 1.6}, "field 'test_ppl' is nan"),
+    ({"promote": True, "test_ppl": "5", "test_loss": 1.6}, "field 'test_ppl' is '5'"),
+    ([{"promote": True}], "expected a JSON object, got list"),
+], ids=["missing", "string-false", "one", "null", "no-ppl", "nan-ppl", "string-ppl", "not-an-object"])
+def test_a_missing_or_malformed_decision_never_promotes(tmp_path, decision, message):
+    model, path = str(tmp_path / "model.json"), tmp_path / "decision.json"
+    write_manifest(model, {"checkpoint_dir": "/ckpt/r1", "iterations": 12, "tokens_seen": 3072})
+    path.write_text(json.dumps(decision))
+    with pytest.raises(ValueError, match=f"decision {path}: {message}"):
+        run_promote(str(tmp_path), "r1", model, str(path))
+    assert not (tmp_path / "promoted.json").exists()
+    path.write_text("{truncated")
+    with pytest.raises(ValueError, match="decision artifact .* not a domino manifest"):
+        run_promote(str(tmp_path), "r1", model, str(path))
+    assert not (tmp_path / "promoted.json").exists()
+
+
 def test_layout_rejects_unusable_run_ids():
     with pytest.raises(ValueError, match="run_id"):
         RunLayout("/mnt/domino", "../x")

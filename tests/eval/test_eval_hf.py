@@ -4,14 +4,13 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from domino.config import ConfigError
 from domino.eval.generate import generate_ids
 from domino.eval.hf_interop import export_hf, import_hf
 from domino.model import weights_io as wio
 from eval_checkpoints import save_checkpoint, tiny_config, tiny_model, tiny_tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")

@@ -90,8 +90,15 @@ def test_images_install_the_wheel_and_nothing_beyond_the_makefiles_extras():
 
 
 def test_wheel_carries_pyprojects_dependencies_and_the_package_data(tmp_path):
+    # Build from a copy: setuptools leaves build/ and *.egg-info beside the sources it builds from.
+    source = tmp_path / "source"
+    for name in ("pyproject.toml", "README.md"):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, source / name)
+    for package in ("domino", "components", "pipelines"):
+        shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(REPO)], check=True, capture_output=True, timeout=300)
+                    str(tmp_path), str(source)], check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("domino-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())

@@ -98,3 +98,37 @@ def test_batch_smaller_than_chunks_runs_synchronously(recorded):
     assert recorded == []
     with pytest.raises(ValueError, match="micro-batch size 2 is smaller than --domino-chunks 4"):
         model.domino(model.embedding(tokens, torch.arange(8).unsqueeze(0)), None, model.final_layernorm)
+
+
+class _LateHandle:
+    """An all-reduce still in flight: until ``wait()`` the buffer holds garbage (NaN), as a real in-place
+    all-reduce's buffer may; ``wait()`` lands the result (one process: the sum is the tensor itself)."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x, self.result = x, x.detach().clone()
+        x.detach().fill_(float("nan"))
+
+    def wait(self):
+        self.x.detach().copy_(self.result)
+        return True
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_every_sum_is_read_only_after_its_wait(monkeypatch, chunks):
+    """With all-reduces that complete late, the Domino schedule gives the synchronous path's loss and
+    gradients exactly: nothing reads a partial sum or a gradient before waiting for its all-reduce."""
+    torch.manual_seed(0)
+    model = GPTModel(tiny_config(), VOCAB, domino_chunks=chunks)
+    tokens = torch.randint(0, VOCAB, (6, 8))
+    reference = GPTModel(tiny_config(), VOCAB, domino_chunks=1)
+    reference.load_state_dict(model.state_dict())
+    expected = reference(tokens, labels=tokens).sum()
+    expected.backward()
+
+    monkeypatch.setattr(domino_stack, "all_reduce_async", _LateHandle)
+    monkeypatch.setattr(domino_ops, "all_reduce_async", _LateHandle)
+    loss = model(tokens, labels=tokens).sum()
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, ref.grad, rtol=1e-5, atol=1e-6, msg=name)

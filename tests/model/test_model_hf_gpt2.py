@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from domino.config import ConfigError
 from domino.model import GPTModel
 from domino.model.hf_gpt2 import from_hf_gpt2_state_dict, hf_gpt2_config, to_hf_gpt2_state_dict
 from model_fixtures import VOCAB, assert_close_rel, tiny_config
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize("ffn", [None, 48], ids=["ffn-4h", "ffn-48"])

@@ -124,3 +124,56 @@ def test_two_ranks_match_f_cross_entropy():
         torch.testing.assert_close(fused, lin_loss, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(w_grad, lin_w[8 * rank:8 * rank + 8], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(results[0][3] + results[1][3], lin_h, rtol=1e-6, atol=1e-6)
+
+
+# Logits of order 1e4: exp() overflows without the max subtraction, and a max taken over one rank's slice
+# only is wrong for every row whose largest logit lives on another rank.
+SCALE_VOCAB, SCALE_DTYPES = 32, (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _large_inputs(dtype):
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(2, 6, SCALE_VOCAB, generator=g) * 1e4).to(dtype)
+    target = torch.randint(0, SCALE_VOCAB, (2, 6), generator=g)
+    upstream = torch.rand(2, 6, generator=g)
+    hidden = torch.randn(2, 6, 8, generator=g).to(dtype) * 100
+    weight = torch.randn(SCALE_VOCAB, 8, generator=g).to(dtype) * 30  # logits ~ 100 * 30 * sqrt(8): ~1e4
+    return logits, target, upstream, hidden, weight
+
+
+def _large_body(rank, world_size):
+    state.initialize_model_parallel(world_size)
+    per_rank = SCALE_VOCAB // world_size
+    mine = slice(per_rank * rank, per_rank * (rank + 1))
+    out = {}
+    for dtype in SCALE_DTYPES:
+        logits, target, upstream, hidden, weight = _large_inputs(dtype)
+        x = logits[..., mine].clone().requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(x, target)
+        loss.backward(upstream)
+        fused = None
+        if dtype == torch.float32:  # half-precision logits of 1e4 are rounded by tens: no exact reference
+            fused = vocab_parallel_linear_cross_entropy(hidden.clone(), weight[mine].clone(), target).detach()
+        out[str(dtype)] = (loss.detach(), x.grad.float(), fused)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_huge_logits_split_over_ranks_match_f_cross_entropy_on_the_gathered_logits(world_size):
+    results = run_distributed(_large_body, world_size)
+    per_rank = SCALE_VOCAB // world_size
+    for dtype in SCALE_DTYPES:
+        logits, target, upstream, hidden, weight = _large_inputs(dtype)
+        ref_loss, ref_grad = _reference(logits.float(), target, upstream)
+        fused_ref = F.cross_entropy(F.linear(hidden.double(), weight.double()).reshape(-1, SCALE_VOCAB),
+                                    target.reshape(-1), reduction="none").reshape(target.shape)
+        assert fused_ref.max() > 1e3
+        assert ref_loss.max() > 1e3  # the regime where a missing global max shows
+        for rank, result in enumerate(results):
+            loss, grad, fused = result[str(dtype)]
+            assert torch.isfinite(loss).all(), (dtype, rank)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-2, msg=f"{dtype} rank {rank}")
+            torch.testing.assert_close(grad, ref_grad[..., per_rank * rank:per_rank * (rank + 1)],
+                                       rtol=1e-2, atol=1e-2, msg=f"{dtype} rank {rank} grad")
+            if fused is not None:
+                torch.testing.assert_close(fused.double(), fused_ref, rtol=1e-5, atol=1e-1, msg=f"rank {rank} fused")

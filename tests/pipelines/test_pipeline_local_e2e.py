@@ -13,12 +13,7 @@ import os
 
 import pytest
 
-pytest.importorskip("domino.eval.evaluate")
-pytest.importorskip("domino.train.pretrain")
-pytest.importorskip("domino.data.batch")
-pytest.importorskip("domino.data.loader")
-
-from pipelines.local_run import run_local  # noqa: E402
+from pipelines.local_run import run_local
 
 PARAMS = {
     "corpus": "shakespeare-small", "train_iters": 6, "micro_batch_size": 4, "eval_interval": 3, "eval_iters": 1,

@@ -1,0 +1,182 @@
+"""Mutation check: plausible one-line bugs, each applied to a temporary copy of the repository, must make the
+tests that target that file fail. Not part of `make test` (pytest collects only ``test_*.py``).
+
+    python tests/mutations/run.py                  # every mutation, prints the table
+    python tests/mutations/run.py --only ce-skips-global-max --json out.json
+    python tests/mutations/run.py --list
+
+Each mutation names an exact source snippet, its replacement, and the pytest node ids that must catch it.
+The repository is copied (sources and tests only) to a temporary folder, the snippet is replaced there, and
+only the named tests run, with ``PYTHONPATH`` pointing at the copy. A snippet that no longer occurs exactly
+once is reported as ``stale`` (the code moved on: update the mutation). Exit status 0 only when every
+mutation was caught. docs/testing.md holds the last table and how to add a mutation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Sequence
+
+REPO = Path(__file__).resolve().parents[2]
+COPIED = ("domino", "components", "pipelines", "tests", "k8s", "conftest.py", "pyproject.toml", "README.md",
+          "Dockerfile", ".dockerignore", "Makefile")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One plausible bug: replace ``old`` (exactly one occurrence) in ``path`` by ``new``."""
+
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: Sequence[str]
+    """pytest node ids (files, ``file::test``, or ``file::test[param]``) that must fail on the mutant."""
+
+
+MUTATIONS: List[Mutation] = [
+    Mutation("atomic-write-in-place", "domino/atomic_files.py",
+             "    temporary = temporary_name(path)\n    try:\n        with open(temporary, mode)",
+             "    temporary = path\n    try:\n        with open(temporary, mode)",
+             ["tests/test_atomic_files.py"]),
+    Mutation("checkpoint-latest-before-rename", "domino/train/checkpointing.py",
+             "        os.replace(tmp, final)\n        fsync_directory(root)\n"
+             "        weights_io.write_latest(root, tag)\n",
+             "        weights_io.write_latest(root, tag)\n"
+             "        os.replace(tmp, final)\n        fsync_directory(root)\n",
+             ["tests/train/test_checkpoint_commit.py"]),
+    Mutation("checkpoint-prune-before-latest", "domino/train/checkpointing.py",
+             "        weights_io.write_latest(root, tag)\n"
+             "        _prune(root, config.checkpoint.keep_last, keep=tag)\n",
+             "        _prune(root, config.checkpoint.keep_last, keep=tag)\n"
+             "        weights_io.write_latest(root, tag)\n",
+             ["tests/train/test_checkpoint_commit.py"]),
+    Mutation("checkpoint-rng-not-restored", "domino/train/checkpointing.py",
+             "    if not c.no_load_rng and same_layout:", "    if False:",
+             ["tests/train/test_checkpoint_commit.py"]),
+    Mutation("ce-skips-global-max", "domino/parallel/cross_entropy.py",
+             "    global_max = all_reduce_max_(local_max.clone())", "    global_max = local_max.clone()",
+             ["tests/parallel/test_parallel_cross_entropy.py::"
+              "test_huge_logits_split_over_ranks_match_f_cross_entropy_on_the_gathered_logits[2]"]),
+    Mutation("promote-on-missing-decision", "components/promote/step.py",
+             '    verdict = decision.get("promote")', '    verdict = decision.get("promote", True)',
+             ["tests/components/test_component_registry_gate.py"]),
+    Mutation("gate-equal-perplexity-promotes", "components/evaluate/step.py",
+             "    if new_ppl < threshold:", "    if new_ppl <= threshold:",
+             ["tests/components/test_component_registry_gate.py"]),
+    Mutation("collectives-copy-backward-no-all-reduce", "domino/parallel/collectives.py",
+             "    def backward(ctx, grad):\n        return _all_reduce(grad.clone())",
+             "    def backward(ctx, grad):\n        return grad.clone()",
+             ["tests/parallel/test_parallel_collectives.py"]),
+    Mutation("domino-reads-sum-before-wait", "domino/model/domino_stack.py",
+             "        self.handle.wait()  # wait for the all-reduce launched in __init__: its sum is read right here\n"
+             "        return bias_dropout_add(self.partial, self.bias, residual, layer.hidden_dropout, layer.training)",
+             "        out = bias_dropout_add(self.partial, self.bias, residual, layer.hidden_dropout, layer.training)\n"
+             "        self.handle.wait()\n        return out",
+             ["tests/model/test_model_domino_schedule.py::test_every_sum_is_read_only_after_its_wait"]),
+    Mutation("sample-index-document-off-by-one", "domino/data/sample_index.py",
+             'holder = np.searchsorted(ends, positions, side="right")',
+             'holder = np.searchsorted(ends, positions, side="left")',
+             ["tests/data/test_data_sample_index.py"]),
+    Mutation("blending-ties-go-to-the-last-dataset", "domino/data/blending.py",
+             "            if error > best_error:", "            if error >= best_error:",
+             ["tests/data/test_data_gpt_dataset.py"]),
+    Mutation("launcher-failed-job-counts-as-success", "domino/launch/kube_backend.py",
+             '        if tracker.phase == "Succeeded":', '        if tracker.phase in ("Succeeded", "Failed"):',
+             ["tests/launch/test_launch_kube.py"]),
+    Mutation("launcher-deletes-failed-jobs", "domino/launch/api.py",
+             "        return succeeded or interrupted", "        return True",
+             ["tests/launch/test_launch_kube.py"]),
+]
+
+
+def copy_repository(destination: Path) -> None:
+    """Copies what the tests need (no .git, virtual environment or caches) to ``destination``."""
+    ignore = shutil.ignore_patterns("__pycache__", ".pytest_cache", "*.egg-info", "build")
+    for name in COPIED:
+        source = REPO / name
+        if source.is_dir():
+            shutil.copytree(source, destination / name, ignore=ignore)
+        elif source.exists():
+            shutil.copy2(source, destination / name)
+
+
+def run_one(mutation: Mutation, timeout: float) -> dict:
+    """Applies ``mutation`` in a fresh copy, runs its tests; returns a row of the table."""
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutation.name}-") as tmp:
+        copy = Path(tmp)
+        copy_repository(copy)
+        target = copy / mutation.path
+        text = target.read_text()
+        if text.count(mutation.old) != 1:
+            return {"mutation": mutation.name, "caught": "stale", "by": f"snippet found {text.count(mutation.old)}"
+                    " times in " + mutation.path, "seconds": round(time.perf_counter() - started, 1)}
+        target.write_text(text.replace(mutation.old, mutation.new))
+        env = {**os.environ, "PYTHONPATH": str(copy), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rf",
+                   *mutation.tests]
+        try:
+            proc = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+            output, code = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as expired:
+            output, code = f"{expired.stdout or ''}", -1
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.M)
+    if code == 0:
+        caught, by = "NOT CAUGHT", "every targeted test passed"
+    elif code == -1:
+        caught, by = "timeout", f"no verdict within {timeout:.0f} s"
+    elif failed:
+        caught, by = "caught", failed[0]
+    else:
+        caught, by = "caught", f"pytest exit {code}: " + (output.strip().splitlines() or [""])[-1][:80]
+    return {"mutation": mutation.name, "caught": caught, "by": by, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def table(rows: List[dict]) -> str:
+    """A Markdown table of ``rows``."""
+    lines = ["| mutation | caught | by which test | seconds |", "| --- | --- | --- | ---: |"]
+    lines += [f"| {r['mutation']} | {r['caught']} | `{r['by']}` | {r['seconds']:.1f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
+    parser.add_argument("--list", action="store_true", help="list the mutations and their tests, run nothing")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per mutation (default 900)")
+    args = parser.parse_args(list(argv))
+    chosen = MUTATIONS
+    if args.only:
+        unknown = sorted(set(args.only) - {m.name for m in MUTATIONS})
+        if unknown:
+            parser.error(f"--only: unknown mutation(s) {', '.join(unknown)}; see --list")
+        chosen = [m for m in MUTATIONS if m.name in args.only]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:45s} {m.path:35s} {' '.join(m.tests)}")
+        return 0
+    rows = []
+    for mutation in chosen:
+        rows.append(run_one(mutation, args.timeout))
+        print(f"{rows[-1]['mutation']}: {rows[-1]['caught']} ({rows[-1]['by']}, {rows[-1]['seconds']:.1f} s)",
+              file=sys.stderr, flush=True)
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0 if all(r["caught"] == "caught" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
