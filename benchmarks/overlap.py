@@ -25,11 +25,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from domino.config import ModelConfig  # noqa: E402
+from domino.model import GPTModel  # noqa: E402
+from domino.parallel import collectives, state  # noqa: E402
+from domino.parallel.network_emulator import LinkEmulator, parse_spec  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, SEQ, MICRO_BATCH, VOCAB = 4, 256, 4, 128, 8, 2048
 MODEL = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
@@ -89,12 +101,91 @@ def run(chunks: int, network: str, data: tuple, iters: int, work: Path) -> dict:
     records = [r for r in records if "eval" not in r]
     steady = records[WARMUP:]
     timer = lambda r, name: r.get("timers_ms_per_iter", {}).get(name, 0.0)  # noqa: E731
-    step = statistics.median(1000 * r["iteration_time_s"] for r in steady)
-    blocked = statistics.median(timer(r, "comm-wait") for r in steady)
-    modelled = statistics.median(timer(r, "comm-modelled") for r in steady)
-    return {"step_ms": step, "blocked_ms": blocked, "modelled_ms": modelled,
-            "blocked_share": blocked / step, "hidden_fraction": 1 - blocked / modelled if modelled else None,
-            "losses": [r["lm_loss"] for r in records]}
+    return summary([1000 * r["iteration_time_s"] for r in steady], [timer(r, "comm-wait") for r in steady],
+                   [timer(r, "comm-modelled") for r in steady], [r["lm_loss"] for r in records])
+
+
+def network_for(ratio: float, compute_ms: float) -> str:
+    """The ``DOMINO_SIMULATED_NETWORK`` value whose link time is ``ratio`` x ``compute_ms`` per sync step."""
+    transfer_s = ratio * compute_ms / 1000 - (2 + 4 * LAYERS + 3) * LATENCY_US * 1e-6
+    return f"latency_us={LATENCY_US:g},gbps={wire_bytes_per_step() / transfer_s / 1e9:.4f}"
+
+
+def summary(step_ms: list, blocked_ms: list, modelled_ms: list, losses: list) -> dict:
+    """Medians of one layout's steps, and its hidden fraction."""
+    step, blocked, modelled = (statistics.median(v) for v in (step_ms, blocked_ms, modelled_ms))
+    return {"step_ms": step, "blocked_ms": blocked, "modelled_ms": modelled, "blocked_share": blocked / step,
+            "hidden_fraction": 1 - blocked / modelled if modelled else None, "losses": losses,
+            "step_ms_all": step_ms}
+
+
+def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: str) -> None:
+    """One rank of ``--mode steps``: the three layouts in one process pair, alternating step by step."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    state.initialize_model_parallel(2)
+    config = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
+                         hidden_dropout=0.0, attention_dropout=0.0)
+    g = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g) for _ in range(2))
+    runs = {}
+    for name, chunks in LAYOUTS.items():
+        torch.manual_seed(0)
+        model = GPTModel(config, VOCAB, domino_chunks=chunks)
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True))
+
+    def step(name: str) -> tuple:
+        model, opt = runs[name]
+        dist.barrier()
+        collectives.pop_comm_wait_seconds(), collectives.pop_modelled_comm_seconds()
+        started = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(tokens, labels=labels).mean()
+        loss.backward()
+        opt.step()
+        elapsed = time.perf_counter() - started
+        return (1000 * elapsed, 1000 * collectives.pop_comm_wait_seconds(),
+                1000 * collectives.pop_modelled_comm_seconds(), loss.item())
+
+    out = {"settings": {}}
+    for setting in ["real gloo only", *settings]:
+        ratio = SETTINGS.get(setting)
+        if ratio is None:
+            network = ""
+        else:  # rank 0's calibration decides, so both ranks emulate the same link
+            compute = torch.tensor([out["sync_compute_ms"]], dtype=torch.float64)
+            dist.broadcast(compute, 0)
+            network = network_for(ratio, compute.item())
+        state.set_tensor_model_parallel_link(LinkEmulator(parse_spec(network)) if network else None)
+        reps = repeats if ratio is None or ratio <= 1 else max(3, round(repeats / ratio))
+        for name in LAYOUTS:  # warm-up
+            step(name)
+        records = {name: [] for name in LAYOUTS}
+        for _ in range(reps):
+            for name in LAYOUTS:  # alternating: every layout sees the same background load
+                records[name].append(step(name))
+        runs_out = {name: summary(*map(list, zip(*r))) for name, r in records.items()}
+        sync = records["sync"]
+        for name, r in records.items():  # the speed-up as the median of back-to-back pairs cancels load drift
+            runs_out[name]["paired_speedup"] = statistics.median(a[0] / b[0] for a, b in zip(sync, r))
+        out["settings"][setting] = {"ratio": ratio, "network": network, "runs": runs_out}
+        if ratio is None:
+            out["sync_compute_ms"] = runs_out["sync"]["step_ms"] - runs_out["sync"]["blocked_ms"]
+    if rank == 0:
+        torch.save(out, os.path.join(out_dir, "steps.pt"))
+    dist.destroy_process_group()
+
+
+def steps_mode(settings: list, repeats: int) -> dict:
+    """``--mode steps``: training steps of the three layouts in one pair of gloo processes, alternating."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_steps_worker, args=(port, settings, repeats, out_dir), nprocs=2, join=True,
+                           start_method="spawn")
+        return torch.load(os.path.join(out_dir, "steps.pt"))
 
 
 def iterations(ratio: float, iters: int) -> int:
@@ -109,10 +200,28 @@ def main() -> None:
                         help="emulated links to run (default: all)")
     parser.add_argument("--real-domino", action="store_true",
                         help="also run Domino with real gloo communication only (the calibration runs sync only)")
+    parser.add_argument("--mode", choices=("pretrain", "steps"), default="pretrain",
+                        help="pretrain: one `domino pretrain` per layout and link (end to end); steps: the "
+                             "layouts' training steps alternating in one process pair (for a loaded machine)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = parser.parse_args()
-    out = {"model": {"layers": LAYERS, "hidden": HIDDEN, "seq": SEQ, "micro_batch": MICRO_BATCH, "vocab": VOCAB,
-                     "tp": 2}, "wire_bytes_per_step": wire_bytes_per_step(), "settings": {}}
+    if args.mode == "steps":
+        out = steps_mode(args.settings, args.iters)
+    else:
+        out = pretrain_mode(args)
+    out.update(mode=args.mode, wire_bytes_per_step=wire_bytes_per_step(),
+               model={"layers": LAYERS, "hidden": HIDDEN, "seq": SEQ, "micro_batch": MICRO_BATCH, "vocab": VOCAB,
+                      "tp": 2})
+    check_losses(out)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print_tables(out)
+
+
+def pretrain_mode(args) -> dict:
+    """One ``domino pretrain`` per layout and link; the sync run with real gloo only calibrates the links."""
+    out = {"settings": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         data = prepare_data(work)
@@ -123,32 +232,26 @@ def main() -> None:
         out["sync_compute_ms"] = compute_ms
         for setting in args.settings:
             ratio = SETTINGS[setting]
-            transfer_s = ratio * compute_ms / 1000 - (2 + 4 * LAYERS + 3) * LATENCY_US * 1e-6
-            gbps = wire_bytes_per_step() / transfer_s / 1e9
-            network = f"latency_us={LATENCY_US:g},gbps={gbps:.4f}"
+            network = network_for(ratio, compute_ms)
             runs = {name: run(chunks, network, data, iterations(ratio, args.iters), work)
                     for name, chunks in LAYOUTS.items()}
             out["settings"][setting] = {"ratio": ratio, "network": network, "runs": runs}
-    check_losses(out)
-    if args.json:
-        print(json.dumps(out, indent=2))
-    else:
-        print_tables(out)
+    return out
 
 
 def check_losses(out: dict) -> None:
-    """Every layout's losses are the same bit for bit on every link; Domino's equal sync's within fp32 rounding."""
-    first = {}  # layout -> losses of its first run
-    worst = 0.0
+    """Domino's losses equal sync's within fp32 rounding; end to end, each layout's are the same bit for bit on
+    every link (in ``steps`` mode the models keep training from one link to the next, so only the former)."""
+    first, worst = {}, 0.0
     for setting in out["settings"].values():
+        sync = setting["runs"]["sync"]["losses"]
         for name, r in setting["runs"].items():
+            worst = max([worst] + [abs(a - b) / abs(b) for a, b in zip(r["losses"], sync)])
             reference = first.setdefault(name, r["losses"])
             n = min(len(reference), len(r["losses"]))
-            if r["losses"][:n] != reference[:n]:
+            if out["mode"] == "pretrain" and r["losses"][:n] != reference[:n]:
                 raise SystemExit(f"losses of {name} on link {setting['network']!r} differ from its other runs")
-            sync = out["settings"]["real gloo only"]["runs"]["sync"]["losses"]
-            worst = max([worst] + [abs(a - b) / abs(b) for a, b in zip(r["losses"], sync)])
-    out["losses"] = {"same_on_every_link_bitwise": True, "domino_vs_sync_max_rel_diff": worst}
+    out["losses"] = {"same_on_every_link_bitwise": out["mode"] == "pretrain", "domino_vs_sync_max_rel_diff": worst}
 
 
 def print_tables(out: dict) -> None:
@@ -158,17 +261,20 @@ def print_tables(out: dict) -> None:
     print(f"real ratios: 16 (n-1) F / (3 B (24 h + 4 s)), n={REAL_TP}, h={REAL_H}, s={REAL_S}, "
           f"F={H100_BF16_FLOPS / 1e12:.0f} TFLOP/s: NVLink B={NVLINK_BYTES_S / 1e9:.0f} GB/s -> "
           f"{real_ratio(NVLINK_BYTES_S):.2f}; IB B={IB400_BYTES_S / 1e9:.0f} GB/s -> {real_ratio(IB400_BYTES_S):.2f}")
-    print(f"{'setting':<16} {'ratio':>5} {'layout':<9} {'step ms':>8} {'speed-up':>8} {'blocked ms':>10} "
+    print(f"mode {out['mode']}; speed-up = sync median step / this median step (paired: median of back-to-back "
+          f"step pairs, steps mode)")
+    print(f"{'setting':<16} {'ratio':>5} {'layout':<9} {'step ms':>8} {'speed-up':>8} {'paired':>7} {'blocked ms':>10} "
           f"{'blocked %':>9} {'modelled ms':>11} {'hidden':>7}")
     for setting, s in out["settings"].items():
         sync = s["runs"]["sync"]["step_ms"]
         for name, r in s["runs"].items():
             ratio = f"{s['ratio']:.2f}" if s["ratio"] is not None else "-"
             hidden = f"{100 * r['hidden_fraction']:.0f}%" if r["hidden_fraction"] is not None else "-"
-            print(f"{setting:<16} {ratio:>5} {name:<9} {r['step_ms']:>8.0f} {sync / r['step_ms']:>7.2f}x "
+            paired = f"{r['paired_speedup']:.2f}x" if "paired_speedup" in r else "-"
+            print(f"{setting:<16} {ratio:>5} {name:<9} {r['step_ms']:>8.0f} {sync / r['step_ms']:>7.2f}x {paired:>7} "
                   f"{r['blocked_ms']:>10.1f} {100 * r['blocked_share']:>8.1f}% {r['modelled_ms']:>11.1f} {hidden:>7}")
-    print(f"losses: each layout's are bit for bit the same on every link; Domino vs sync max relative difference "
-          f"{out['losses']['domino_vs_sync_max_rel_diff']:.1e}")
+    same = "each layout's are bit for bit the same on every link; " if out["losses"]["same_on_every_link_bitwise"] else ""
+    print(f"losses: {same}Domino vs sync max relative difference {out['losses']['domino_vs_sync_max_rel_diff']:.1e}")
 
 
 if __name__ == "__main__":
