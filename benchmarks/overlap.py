@@ -97,6 +97,7 @@ def run(chunks: int, network: str, data: tuple, iters: int, work: Path) -> dict:
     if network:
         env["DOMINO_SIMULATED_NETWORK"] = network
     subprocess.run(cmd, check=True, env=env, capture_output=True)
+    print(f"done: {chunks} chunks, link {network or 'real gloo only'}", file=sys.stderr, flush=True)
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     records = [r for r in records if "eval" not in r]
     steady = records[WARMUP:]
@@ -170,6 +171,8 @@ def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: s
         for name, r in records.items():  # the speed-up as the median of back-to-back pairs cancels load drift
             runs_out[name]["paired_speedup"] = statistics.median(a[0] / b[0] for a, b in zip(sync, r))
         out["settings"][setting] = {"ratio": ratio, "network": network, "runs": runs_out}
+        if rank == 0:  # progress, so that a run stopped early still shows what it measured
+            print(json.dumps({setting: out["settings"][setting]}), file=sys.stderr, flush=True)
         if ratio is None:
             out["sync_compute_ms"] = runs_out["sync"]["step_ms"] - runs_out["sync"]["blocked_ms"]
     if rank == 0:
