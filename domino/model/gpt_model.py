@@ -30,12 +30,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from domino.config import ModelConfig
+from domino.model.domino_ops import guard_input_grad
 from domino.model.domino_stack import DominoLayerStack
 from domino.model.kv_cache import KVCache
 from domino.model.transformer import TransformerLayer
 from domino.parallel.collectives import copy_to_tp_region, gather_from_tp_region
 from domino.parallel.cross_entropy import vocab_parallel_linear_cross_entropy
 from domino.parallel.layers import VocabParallelEmbedding
+from domino.parallel.linear_ops import linear
 
 
 class Embedding(nn.Module):
@@ -124,7 +126,8 @@ class GPTModel(nn.Module):
             hidden = tokens
         final_ln = self.final_layernorm if self.post_process else None
         # Generation (KV cache) and batches too small to split run the synchronous path: same weights, same maths.
-        if self.domino is not None and kv_cache is None and hidden.shape[0] >= self.domino_chunks:
+        overlapped = self.domino is not None and kv_cache is None and hidden.shape[0] >= self.domino_chunks
+        if overlapped:
             hidden = self.domino(hidden, attention_mask, final_ln)
         else:
             for layer in self.layers:
@@ -133,8 +136,12 @@ class GPTModel(nn.Module):
                 hidden = final_ln(hidden)
         if not self.post_process:
             return hidden
-        hidden = copy_to_tp_region(hidden)
+        if overlapped:  # the input-gradient all-reduce runs during the output layer's weight-gradient GEMM
+            hidden, slot = guard_input_grad(hidden)
+        else:
+            hidden, slot = copy_to_tp_region(hidden), None
         if labels is not None:  # the logits are computed inside, so their buffer is reused for the softmax
-            return vocab_parallel_linear_cross_entropy(hidden, self.output_weight(), labels)
-        logits = F.linear(hidden, self.output_weight())
+            return vocab_parallel_linear_cross_entropy(hidden, self.output_weight(), labels, grad_slot=slot)
+        logits = F.linear(hidden, self.output_weight()) if slot is None else linear(hidden, self.output_weight(),
+                                                                                    grad_slot=slot)
         return logits if self.parallel_output else gather_from_tp_region(logits)

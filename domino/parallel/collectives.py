@@ -15,6 +15,11 @@ gather_from_tp_region       all-gather along last dim   keep this rank's slice
 All of them are identities when the tensor-parallel group has one rank, so a single process needs no
 ``torch.distributed`` at all. ``all_reduce_async`` is the building block of the Domino schedule: it launches
 an in-place all-reduce and hands back a handle to wait on later.
+
+Every collective here runs over the TP group, counts the host time it blocks (the ``comm-wait`` timer) and,
+when ``DOMINO_SIMULATED_NETWORK`` is set, lasts at least the time of the emulated link
+(:mod:`domino.parallel.network_emulator`): synchronous ones sleep the remainder before returning, asynchronous
+ones in ``wait()``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from domino.parallel import state
+from domino.parallel.network_emulator import EmulatedWork, all_gather_wire_bytes, all_reduce_wire_bytes
 
 
 class _DoneHandle:
@@ -40,7 +46,7 @@ class _DoneHandle:
 
 DONE = _DoneHandle()
 
-# Host seconds this process spent blocked in tensor-parallel all-reduces: inside synchronous ones, and
+# Host seconds this process spent blocked in tensor-parallel collectives: inside synchronous ones, and
 # in ``wait()`` of Domino's asynchronous ones. The training loop reports it as the ``comm-wait`` timer.
 # With NCCL a wait only orders CUDA streams, so on GPUs this counts host blocking, not link time.
 _blocked_seconds = [0.0]
@@ -50,6 +56,12 @@ def pop_comm_wait_seconds() -> float:
     """Returns the blocked seconds accumulated since the last call, and resets the count."""
     seconds, _blocked_seconds[0] = _blocked_seconds[0], 0.0
     return seconds
+
+
+def pop_modelled_comm_seconds() -> float:
+    """Emulated link time of the TP collectives launched since the last call (0 without an emulated link)."""
+    link = state.get_tensor_model_parallel_link()
+    return link.pop_modelled_seconds() if link is not None else 0.0
 
 
 class _TimedWork:
@@ -75,15 +87,28 @@ def _tp_size() -> int:
     return state.get_tensor_model_parallel_world_size()
 
 
+def _blocking(run, wire_bytes: float) -> None:
+    """Runs the synchronous collective ``run()``, for at least the emulated link's time; counts the blocking."""
+    link = state.get_tensor_model_parallel_link()
+    started = time.perf_counter()
+    due = link.launch(wire_bytes) if link is not None else None
+    run()
+    if due is not None:
+        link.wait_until(due)
+    _blocked_seconds[0] += time.perf_counter() - started
+
+
+def _all_reduce_in_place(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    _blocking(lambda: dist.all_reduce(x, op=op, group=state.get_tensor_model_parallel_group()),
+              all_reduce_wire_bytes(x.numel() * x.element_size(), _tp_size()))
+    return x
+
+
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sums ``x`` in place over the TP group (contiguous first, since collectives need dense memory)."""
     if _tp_size() == 1:
         return x
-    x = x.contiguous()
-    started = time.perf_counter()
-    dist.all_reduce(x, group=state.get_tensor_model_parallel_group())
-    _blocked_seconds[0] += time.perf_counter() - started
-    return x
+    return _all_reduce_in_place(x.contiguous())
 
 
 def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +126,8 @@ def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x, group=state.get_tensor_model_parallel_group())
+    _blocking(lambda: dist.all_gather(parts, x, group=state.get_tensor_model_parallel_group()),
+              all_gather_wire_bytes(x.numel() * x.element_size(), world))
     return torch.cat(parts, dim=-1)
 
 
@@ -183,23 +209,21 @@ def all_reduce_async(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM):
         return DONE
     if not x.is_contiguous():
         raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
+    link = state.get_tensor_model_parallel_link()
+    due = link.launch(all_reduce_wire_bytes(x.numel() * x.element_size(), _tp_size())) if link is not None else None
     # Async launch: the caller computes another chunk meanwhile and waits right before it reads x.
-    return _TimedWork(dist.all_reduce(x.detach(), op=op, group=state.get_tensor_model_parallel_group(),
-                                      async_op=True))
+    work = dist.all_reduce(x.detach(), op=op, group=state.get_tensor_model_parallel_group(), async_op=True)
+    return _TimedWork(work if link is None else EmulatedWork(work, link, due))
 
 
 def all_reduce_max_(x: torch.Tensor) -> torch.Tensor:
     """In-place max over the TP group, outside autograd (used by the vocab-parallel cross-entropy)."""
-    if _tp_size() > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=state.get_tensor_model_parallel_group())
-    return x
+    return _all_reduce_in_place(x, dist.ReduceOp.MAX) if _tp_size() > 1 else x
 
 
 def all_reduce_sum_(x: torch.Tensor) -> torch.Tensor:
     """In-place sum over the TP group, outside autograd."""
-    if _tp_size() > 1:
-        dist.all_reduce(x, group=state.get_tensor_model_parallel_group())
-    return x
+    return _all_reduce_in_place(x) if _tp_size() > 1 else x
 
 
 def tp_rank_and_size() -> tuple:

@@ -152,7 +152,7 @@ _LOGITS_BUFFER = _LogitsBuffer()
 class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                graph: bool) -> torch.Tensor:
+                graph: bool, grad_slot) -> torch.Tensor:
         # F.linear without bias is matmul(hidden, weight.t()); same GEMM, written into a re-used buffer.
         logits = torch.matmul(hidden, weight.t(),
                               out=_LOGITS_BUFFER.take((*hidden.shape[:-1], weight.shape[0]), hidden.dtype,
@@ -164,6 +164,7 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         if not ctx.buffer_lent:  # no backward will come, or (lower precision) the softmax has its own buffer
             _LOGITS_BUFFER.give_back(logits)
         ctx.backward_done = False
+        ctx.grad_slot = grad_slot
         return loss
 
     @staticmethod
@@ -178,13 +179,17 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         grad_logits = _softmax_minus_one_hot_(probs, local_target, outside).to(weight.dtype)
         scale = grad_loss.unsqueeze(-1).to(weight.dtype)
         grad_hidden = grad_logits.matmul(weight).mul_(scale) if ctx.needs_input_grad[0] else None
+        if ctx.grad_slot is not None and grad_hidden is not None:
+            # Async launch: the input-gradient all-reduce runs during the weight-gradient GEMM below; the
+            # slot's owner (Domino's guard after the final LayerNorm) waits for it before the gradient is read.
+            ctx.grad_slot.launch(grad_hidden)
         grad_weight = None
         if ctx.needs_input_grad[1]:
             scaled_hidden = (hidden * scale).reshape(-1, weight.shape[1])
             grad_weight = grad_logits.reshape(-1, weight.shape[0]).t().matmul(scaled_hidden)
         if ctx.buffer_lent:
             _LOGITS_BUFFER.give_back(probs)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def _check_shapes(logits_shape, target: torch.Tensor) -> None:
@@ -208,18 +213,20 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> 
 
 
 def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
-                                        target: torch.Tensor) -> torch.Tensor:
+                                        target: torch.Tensor, grad_slot=None) -> torch.Tensor:
     """``vocab_parallel_cross_entropy(F.linear(hidden, weight), target)`` with one logits-sized buffer.
 
     The logits never leave the function, so their buffer becomes the softmax and then the gradient in place
     (fp32 and wider; lower precisions keep one extra fp32 buffer). The input's gradient is *not* all-reduced: pass
-    ``hidden`` through ``copy_to_tp_region`` first, as for any column-parallel product.
+    ``hidden`` through ``copy_to_tp_region`` first, as for any column-parallel product, or give a ``grad_slot``.
 
     Args:
         hidden: ``[..., h]`` activations (full on every TP rank).
         weight: ``[V / tp, h]`` this rank's vocabulary rows of the output layer.
         target: ``[...]`` int64 token ids in ``[0, V)``.
+        grad_slot: None, or an object whose ``launch(grad)`` starts the TP all-reduce of ``hidden``'s gradient
+            (Domino's gradient guard): backward then launches it before computing the weight's gradient.
     """
     _check_shapes((*hidden.shape[:-1], weight.shape[0]), target)
     graph = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearVocabParallelCrossEntropy.apply(hidden, weight, target, graph)
+    return _LinearVocabParallelCrossEntropy.apply(hidden, weight, target, graph, grad_slot)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from domino.config import ConfigError
+from domino.parallel.network_emulator import LinkEmulator, install_from_environment
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class _Groups:
     tp_ranks: List[int]
     dp_group: Optional[dist.ProcessGroup]
     dp_ranks: List[int]
+    tp_link: Optional[LinkEmulator] = None  # the emulated TP interconnect (DOMINO_SIMULATED_NETWORK), if any
 
 
 _STATE: Optional[_Groups] = None
@@ -74,14 +76,19 @@ def initialize_distributed(backend: Optional[str] = None, timeout_minutes: int =
 def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
     """Creates the TP and DP groups over the current world.
 
+    Also reads ``DOMINO_SIMULATED_NETWORK`` (once, here) and emulates that link
+    for the TP collectives (:mod:`domino.parallel.network_emulator`).
+
     Raises:
-        ConfigError: when the world size is not divisible by ``tensor_model_parallel_size``.
+        ConfigError: when the world size is not divisible by ``tensor_model_parallel_size``, or
+            ``DOMINO_SIMULATED_NETWORK`` is malformed.
     """
     global _STATE
     tp = tensor_model_parallel_size
     world = dist.get_world_size() if dist.is_initialized() else 1
     if tp < 1 or world % tp != 0:
         raise ConfigError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp}")
+    link = install_from_environment()  # before any group exists, so bad values fail early
     if not dist.is_initialized():
         _STATE = _Groups(None, [0], None, [0])
         return
@@ -98,6 +105,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
         group = dist.new_group(ranks)
         if rank in ranks:
             mine.dp_group, mine.dp_ranks = group, ranks
+    mine.tp_link = link
     _STATE = mine
 
 
@@ -115,6 +123,18 @@ def destroy_model_parallel() -> None:
 def get_tensor_model_parallel_group() -> Optional[dist.ProcessGroup]:
     """This rank's TP group (``None`` for a single process)."""
     return _STATE.tp_group if _STATE else None
+
+
+def get_tensor_model_parallel_link() -> Optional[LinkEmulator]:
+    """The emulated link of the TP collectives, or None (the default: real communication only)."""
+    return _STATE.tp_link if _STATE else None
+
+
+def set_tensor_model_parallel_link(link: Optional[LinkEmulator]) -> None:
+    """Replaces the emulated TP link (None switches emulation off); for tests and benchmarks."""
+    if _STATE is None:
+        raise RuntimeError("initialize_model_parallel() must run before a TP link can be set")
+    _STATE.tp_link = link
 
 
 def get_tensor_model_parallel_world_size() -> int:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from domino.config import ConfigError, DominoConfig, validate
 from domino.data.loader import build_pretraining_data_loader
 from domino.parallel import random as tp_random
-from domino.parallel.collectives import pop_comm_wait_seconds
+from domino.parallel.collectives import pop_comm_wait_seconds, pop_modelled_comm_seconds
 from domino.parallel import state
 from domino.train import checkpointing, engine as engine_setup
 from domino.train.evaluation import evaluate, perplexity
@@ -213,8 +213,11 @@ class _Trainer:
             "mfu": tflops / self.peak if self.peak else None, "memory_gb": memory_gb(),
             "eta_s": iter_time * (self.train_iters - iteration),
         }
-        # Host time blocked in tensor-parallel all-reduces (sync ones, and waits of Domino's async ones).
+        # Host time blocked in tensor-parallel collectives (sync ones, and waits of Domino's async ones).
         self.timers.add("comm-wait", pop_comm_wait_seconds())
+        modelled = pop_modelled_comm_seconds()  # link time of an emulated network (DOMINO_SIMULATED_NETWORK)
+        if modelled:
+            self.timers.add("comm-modelled", modelled)
         totals = self.timers.pop_all()
         if totals:
             record["timers_ms_per_iter"] = {k: 1000 * v / max(iterations, 1) for k, v in totals.items()}
@@ -229,10 +232,13 @@ class _Trainer:
         if self.config.train.eval_iters == 0 or dataset is None:
             return None
         started, training_comm = time.perf_counter(), pop_comm_wait_seconds()
+        training_modelled = pop_modelled_comm_seconds()
         loss = evaluate(self.forward_step, lambda: self._loader(dataset, 0, 0), self.engine,
                         self.config.train.eval_iters)
-        pop_comm_wait_seconds()  # evaluation's all-reduces are not training communication
+        pop_comm_wait_seconds(), pop_modelled_comm_seconds()  # evaluation's are not training communication
         self.timers.add("comm-wait", training_comm)
+        if training_modelled:
+            self.timers.add("comm-modelled", training_modelled)
         self.paused += time.perf_counter() - started
         logger.info("%s loss at iteration %d: lm loss %.4E | ppl %.4E", split, iteration, loss, perplexity(loss))
         self.writer.write({"eval": split, "iteration": iteration, "lm_loss": loss, "ppl": perplexity(loss)})
@@ -277,7 +283,7 @@ class _Trainer:
                     state.get_data_parallel_world_size(), self.gas, state.get_tensor_model_parallel_world_size(),
                     config.parallel.domino_chunks, config.parallel.zero_stage)
         self.engine.train()
-        pop_comm_wait_seconds()  # set-up collectives are not part of any interval
+        pop_comm_wait_seconds(), pop_modelled_comm_seconds()  # set-up collectives are not part of any interval
         run_start, start_iteration = time.perf_counter(), iteration
         interval_start, interval_first, interval_losses = time.perf_counter(), iteration, []
         last_valid = tokens_per_s = checkpoint_path = saved_at = None

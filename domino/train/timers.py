@@ -15,8 +15,8 @@ class Timers:
     that costs throughput, which is why timers beyond level 1 are opt-in.
     """
 
-    LEVELS = {"batch-generator": 1, "forward-backward": 1, "optimizer": 1, "comm-wait": 1, "forward": 2,
-              "backward": 2}
+    LEVELS = {"batch-generator": 1, "forward-backward": 1, "optimizer": 1, "comm-wait": 1, "comm-modelled": 1,
+              "forward": 2, "backward": 2}
 
     def __init__(self, log_level: int) -> None:
         self.log_level = log_level

@@ -77,7 +77,8 @@ def test_forward_and_backward_all_reduces_are_overlapped(recorded, chunks):
     with _Recorder(recorded):
         loss.backward()
     backward = _ops_between_launch_and_wait(recorded)
-    assert len(backward) == 2 * 2 * chunks  # QKV and fc1 input gradients
+    assert len(backward) == 2 * 2 * chunks + 1  # QKV and fc1 input gradients, then the output layer's (first)
+    assert backward[0] >= 1  # the output layer's all-reduce overlaps its weight-gradient GEMM
     # Each overlaps at least its own weight-gradient GEMM; all but the very last also other chunks' work.
     assert min(backward) >= 1
     assert sorted(backward)[1] >= 2

@@ -1,0 +1,284 @@
+"""How much tensor-parallel communication Domino hides, on emulated links (``DOMINO_SIMULATED_NETWORK``).
+
+Runs ``domino pretrain`` end to end with TP=2 (2 processes x 1 thread), synchronous and with Domino at 2 and
+4 chunks, once with real gloo communication only and then on emulated links whose speed gives a chosen ratio
+of modelled communication time to the synchronous step's compute time. Per run it reports the median step
+time, the time blocked in TP collectives (the ``comm-wait`` timer), the modelled link time (``comm-modelled``)
+and the hidden fraction ``1 - blocked / modelled``; and it checks the losses: equal with and without the
+emulator (bit for bit) and equal between synchronous and Domino (within fp32 rounding).
+
+Real ratios, per transformer layer and token (fwd + bwd = 3x the forward FLOPs; 4 all-reduces of ``h`` bf16
+values, each sending ``2 (n-1)/n`` times its bytes from every rank of the ring)::
+
+    compute = 3 (24 h^2 + 4 s h) / n / F        comm = 4 x 2 (n-1)/n x 2 h / B
+    comm / compute = 16 (n-1) F / (3 B (24 h + 4 s))
+
+with the GPT 6.7B shape of the Domino paper (h 4096, s 2048), F = 989 TFLOP/s (H100/H200 SXM dense bf16), and
+B = 450 GB/s per direction (NVLink 4, TP=8 in one node) or 50 GB/s (one 400 Gb/s InfiniBand NIC per GPU, a
+TP=8 ring that crosses nodes). Peak FLOP/s make these upper bounds: a real step reaches about half of it.
+
+    python benchmarks/overlap.py [--iters 10] [--settings ...] [--real-domino] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from domino.config import ModelConfig  # noqa: E402
+from domino.model import GPTModel  # noqa: E402
+from domino.parallel import collectives, state  # noqa: E402
+from domino.parallel.network_emulator import LinkEmulator, parse_spec  # noqa: E402
+
+LAYERS, HIDDEN, HEADS, SEQ, MICRO_BATCH, VOCAB = 4, 256, 4, 128, 8, 2048
+MODEL = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
+         "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size", str(MICRO_BATCH),
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-4", "--lr-warmup-iters", "2",
+         "--eval-interval", "0", "--eval-iters", "0", "--timing-log-level", "1", "--num-workers", "1",
+         "--log-interval", "1", "--tensor-model-parallel-size", "2"]
+LAYOUTS = {"sync": 1, "Domino 2": 2, "Domino 4": 4}
+WARMUP = 2  # iterations left out of the medians
+LATENCY_US = 20.0  # per collective; small next to the ms-long transfers of every setting below
+H100_BF16_FLOPS, NVLINK_BYTES_S, IB400_BYTES_S = 989e12, 450e9, 50e9
+REAL_H, REAL_S, REAL_TP = 4096, 2048, 8
+
+
+def real_ratio(link_bytes_s: float) -> float:
+    """Communication / compute time of a TP layer of the real model on the real link (see the docstring)."""
+    n = REAL_TP
+    return 16 * (n - 1) * H100_BF16_FLOPS / (3 * link_bytes_s * (24 * REAL_H + 4 * REAL_S))
+
+
+SETTINGS = {  # name -> modelled communication / synchronous compute
+    "fast link": 0.25,
+    "NVLink, TP=8": real_ratio(NVLINK_BYTES_S),
+    "IB 400G, TP=8": real_ratio(IB400_BYTES_S),
+}
+
+
+def wire_bytes_per_step() -> int:
+    """Bytes each rank sends per step of TP=2 (fp32): see tests/model/test_model_network_emulator.py."""
+    b, s, h = MICRO_BATCH, SEQ, HIDDEN
+    return 4 * ((2 + 4 * LAYERS) * b * s * h + 3 * b * s)  # 2 (n-1)/n = 1 for n = 2
+
+
+def prepare_data(work: Path) -> tuple:
+    """A BPE tokenizer of ``VOCAB`` tokens and the Shakespeare corpus preprocessed with it."""
+    domino, tok = [sys.executable, "-m", "domino"], work / "tok"
+    subprocess.run([*domino, "train-tokenizer", "--builtin-corpus", "shakespeare", "--vocab-size", str(VOCAB),
+                    "--output", str(tok)], check=True, capture_output=True)
+    subprocess.run([*domino, "preprocess", "--builtin-corpus", "shakespeare", "--tokenizer", str(tok),
+                    "--output-prefix", str(work / "shk"), "--append-eod"], check=True, capture_output=True)
+    return str(tok), str(work / "shk_text_document")
+
+
+def run(chunks: int, network: str, data: tuple, iters: int, work: Path) -> dict:
+    """One ``domino pretrain`` on 2 processes; medians over the iterations after warm-up."""
+    metrics = work / f"metrics-{chunks}-{network or 'real'}.jsonl"
+    metrics.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "domino", "pretrain",
+           *MODEL, "--domino-chunks", str(chunks), "--tokenizer", data[0], "--data-path", data[1],
+           "--train-iters", str(iters), "--metrics-file", str(metrics)]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env.pop("DOMINO_SIMULATED_NETWORK", None)
+    if network:
+        env["DOMINO_SIMULATED_NETWORK"] = network
+    subprocess.run(cmd, check=True, env=env, capture_output=True)
+    print(f"done: {chunks} chunks, link {network or 'real gloo only'}", file=sys.stderr, flush=True)
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    records = [r for r in records if "eval" not in r]
+    steady = records[WARMUP:]
+    timer = lambda r, name: r.get("timers_ms_per_iter", {}).get(name, 0.0)  # noqa: E731
+    return summary([1000 * r["iteration_time_s"] for r in steady], [timer(r, "comm-wait") for r in steady],
+                   [timer(r, "comm-modelled") for r in steady], [r["lm_loss"] for r in records])
+
+
+def network_for(ratio: float, compute_ms: float) -> str:
+    """The ``DOMINO_SIMULATED_NETWORK`` value whose link time is ``ratio`` x ``compute_ms`` per sync step."""
+    transfer_s = ratio * compute_ms / 1000 - (2 + 4 * LAYERS + 3) * LATENCY_US * 1e-6
+    return f"latency_us={LATENCY_US:g},gbps={wire_bytes_per_step() / transfer_s / 1e9:.4f}"
+
+
+def summary(step_ms: list, blocked_ms: list, modelled_ms: list, losses: list) -> dict:
+    """Medians of one layout's steps, and its hidden fraction."""
+    step, blocked, modelled = (statistics.median(v) for v in (step_ms, blocked_ms, modelled_ms))
+    return {"step_ms": step, "blocked_ms": blocked, "modelled_ms": modelled, "blocked_share": blocked / step,
+            "hidden_fraction": 1 - blocked / modelled if modelled else None, "losses": losses,
+            "step_ms_all": step_ms}
+
+
+def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: str) -> None:
+    """One rank of ``--mode steps``: the three layouts in one process pair, alternating step by step."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    state.initialize_model_parallel(2)
+    config = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
+                         hidden_dropout=0.0, attention_dropout=0.0)
+    g = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g) for _ in range(2))
+    runs = {}
+    for name, chunks in LAYOUTS.items():
+        torch.manual_seed(0)
+        model = GPTModel(config, VOCAB, domino_chunks=chunks)
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True))
+
+    def step(name: str) -> tuple:
+        model, opt = runs[name]
+        dist.barrier()
+        collectives.pop_comm_wait_seconds(), collectives.pop_modelled_comm_seconds()
+        started = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(tokens, labels=labels).mean()
+        loss.backward()
+        opt.step()
+        elapsed = time.perf_counter() - started
+        return (1000 * elapsed, 1000 * collectives.pop_comm_wait_seconds(),
+                1000 * collectives.pop_modelled_comm_seconds(), loss.item())
+
+    out = {"settings": {}}
+    for setting in ["real gloo only", *settings]:
+        ratio = SETTINGS.get(setting)
+        if ratio is None:
+            network = ""
+        else:  # rank 0's calibration decides, so both ranks emulate the same link
+            compute = torch.tensor([out["sync_compute_ms"]], dtype=torch.float64)
+            dist.broadcast(compute, 0)
+            network = network_for(ratio, compute.item())
+        state.set_tensor_model_parallel_link(LinkEmulator(parse_spec(network)) if network else None)
+        reps = repeats if ratio is None or ratio <= 1 else max(3, round(repeats / ratio))
+        for name in LAYOUTS:  # warm-up
+            step(name)
+        records = {name: [] for name in LAYOUTS}
+        for _ in range(reps):
+            for name in LAYOUTS:  # alternating: every layout sees the same background load
+                records[name].append(step(name))
+        runs_out = {name: summary(*map(list, zip(*r))) for name, r in records.items()}
+        sync = records["sync"]
+        for name, r in records.items():  # the speed-up as the median of back-to-back pairs cancels load drift
+            runs_out[name]["paired_speedup"] = statistics.median(a[0] / b[0] for a, b in zip(sync, r))
+        out["settings"][setting] = {"ratio": ratio, "network": network, "runs": runs_out}
+        if rank == 0:  # progress, so that a run stopped early still shows what it measured
+            print(json.dumps({setting: out["settings"][setting]}), file=sys.stderr, flush=True)
+        if ratio is None:
+            out["sync_compute_ms"] = runs_out["sync"]["step_ms"] - runs_out["sync"]["blocked_ms"]
+    if rank == 0:
+        torch.save(out, os.path.join(out_dir, "steps.pt"))
+    dist.destroy_process_group()
+
+
+def steps_mode(settings: list, repeats: int) -> dict:
+    """``--mode steps``: training steps of the three layouts in one pair of gloo processes, alternating."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_steps_worker, args=(port, settings, repeats, out_dir), nprocs=2, join=True,
+                           start_method="spawn")
+        return torch.load(os.path.join(out_dir, "steps.pt"))
+
+
+def iterations(ratio: float, iters: int) -> int:
+    """Slow links get fewer iterations (their steps are mostly modelled sleep, so they vary little)."""
+    return iters if ratio <= 1 else max(WARMUP + 3, round(iters / ratio))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=10, help="iterations per run (the first 2 are warm-up)")
+    parser.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS),
+                        help="emulated links to run (default: all)")
+    parser.add_argument("--real-domino", action="store_true",
+                        help="also run Domino with real gloo communication only (the calibration runs sync only)")
+    parser.add_argument("--mode", choices=("pretrain", "steps"), default="pretrain",
+                        help="pretrain: one `domino pretrain` per layout and link (end to end); steps: the "
+                             "layouts' training steps alternating in one process pair (for a loaded machine)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    args = parser.parse_args()
+    if args.mode == "steps":
+        out = steps_mode(args.settings, args.iters)
+    else:
+        out = pretrain_mode(args)
+    out.update(mode=args.mode, wire_bytes_per_step=wire_bytes_per_step(),
+               model={"layers": LAYERS, "hidden": HIDDEN, "seq": SEQ, "micro_batch": MICRO_BATCH, "vocab": VOCAB,
+                      "tp": 2})
+    check_losses(out)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print_tables(out)
+
+
+def pretrain_mode(args) -> dict:
+    """One ``domino pretrain`` per layout and link; the sync run with real gloo only calibrates the links."""
+    out = {"settings": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        data = prepare_data(work)
+        layouts = LAYOUTS if args.real_domino else {"sync": 1}
+        real = {name: run(chunks, "", data, args.iters, work) for name, chunks in layouts.items()}
+        out["settings"]["real gloo only"] = {"ratio": None, "network": "", "runs": real}
+        compute_ms = real["sync"]["step_ms"] - real["sync"]["blocked_ms"]  # synchronous step without comm
+        out["sync_compute_ms"] = compute_ms
+        for setting in args.settings:
+            ratio = SETTINGS[setting]
+            network = network_for(ratio, compute_ms)
+            runs = {name: run(chunks, network, data, iterations(ratio, args.iters), work)
+                    for name, chunks in LAYOUTS.items()}
+            out["settings"][setting] = {"ratio": ratio, "network": network, "runs": runs}
+    return out
+
+
+def check_losses(out: dict) -> None:
+    """Domino's losses equal sync's within fp32 rounding; end to end, each layout's are the same bit for bit on
+    every link (in ``steps`` mode the models keep training from one link to the next, so only the former)."""
+    first, worst = {}, 0.0
+    for setting in out["settings"].values():
+        sync = setting["runs"]["sync"]["losses"]
+        for name, r in setting["runs"].items():
+            worst = max([worst] + [abs(a - b) / abs(b) for a, b in zip(r["losses"], sync)])
+            reference = first.setdefault(name, r["losses"])
+            n = min(len(reference), len(r["losses"]))
+            if out["mode"] == "pretrain" and r["losses"][:n] != reference[:n]:
+                raise SystemExit(f"losses of {name} on link {setting['network']!r} differ from its other runs")
+    out["losses"] = {"same_on_every_link_bitwise": out["mode"] == "pretrain", "domino_vs_sync_max_rel_diff": worst}
+
+
+def print_tables(out: dict) -> None:
+    print(f"TP=2, {LAYERS} layers / hidden {HIDDEN} / seq {SEQ} / micro-batch {MICRO_BATCH}, fp32, 2 processes x "
+          f"1 thread; {out['wire_bytes_per_step'] / 2**20:.2f} MiB sent per rank per step; synchronous compute "
+          f"{out['sync_compute_ms']:.0f} ms/step")
+    print(f"real ratios: 16 (n-1) F / (3 B (24 h + 4 s)), n={REAL_TP}, h={REAL_H}, s={REAL_S}, "
+          f"F={H100_BF16_FLOPS / 1e12:.0f} TFLOP/s: NVLink B={NVLINK_BYTES_S / 1e9:.0f} GB/s -> "
+          f"{real_ratio(NVLINK_BYTES_S):.2f}; IB B={IB400_BYTES_S / 1e9:.0f} GB/s -> {real_ratio(IB400_BYTES_S):.2f}")
+    print(f"mode {out['mode']}; speed-up = sync median step / this median step (paired: median of back-to-back "
+          f"step pairs, steps mode)")
+    print(f"{'setting':<16} {'ratio':>5} {'layout':<9} {'step ms':>8} {'speed-up':>8} {'paired':>7} {'blocked ms':>10} "
+          f"{'blocked %':>9} {'modelled ms':>11} {'hidden':>7}")
+    for setting, s in out["settings"].items():
+        sync = s["runs"]["sync"]["step_ms"]
+        for name, r in s["runs"].items():
+            ratio = f"{s['ratio']:.2f}" if s["ratio"] is not None else "-"
+            hidden = f"{100 * r['hidden_fraction']:.0f}%" if r["hidden_fraction"] is not None else "-"
+            paired = f"{r['paired_speedup']:.2f}x" if "paired_speedup" in r else "-"
+            print(f"{setting:<16} {ratio:>5} {name:<9} {r['step_ms']:>8.0f} {sync / r['step_ms']:>7.2f}x {paired:>7} "
+                  f"{r['blocked_ms']:>10.1f} {100 * r['blocked_share']:>8.1f}% {r['modelled_ms']:>11.1f} {hidden:>7}")
+    same = "each layout's are bit for bit the same on every link; " if out["losses"]["same_on_every_link_bitwise"] else ""
+    print(f"losses: {same}Domino vs sync max relative difference {out['losses']['domino_vs_sync_max_rel_diff']:.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""The emulated TP link: its timing model (fake clock), its parsing, and real gloo collectives under it.
+
+``tests/model/test_model_network_emulator.py`` checks that training under it is bit-identical.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from distributed_helpers import run_distributed
+from domino.config import ConfigError
+from domino.parallel import collectives as C
+from domino.parallel import state
+from domino.parallel.network_emulator import (ENV_VAR, EmulatedWork, LinkEmulator, LinkSpec, all_gather_wire_bytes,
+                                              all_reduce_wire_bytes, install_from_environment, parse_spec)
+
+
+class FakeClock:
+    """A clock that only moves when told to (or when slept on); records every sleep."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def _emulator(clock, latency_us=10.0, gbps=2.0):
+    return LinkEmulator(LinkSpec(latency_us=latency_us, gbps=gbps), clock=clock, sleep=clock.sleep)
+
+
+def test_spec_duration_is_latency_plus_bytes_over_bandwidth():
+    spec = LinkSpec(latency_us=10.0, gbps=2.0)
+    assert spec.seconds(4e9) == pytest.approx(10e-6 + 2.0)
+    assert all_reduce_wire_bytes(1000, 2) == 1000  # 2 (n-1)/n
+    assert all_reduce_wire_bytes(1000, 8) == 1750
+    assert all_gather_wire_bytes(1000, 4) == 3000
+
+
+def test_wait_before_completion_sleeps_exactly_the_remainder():
+    clock = FakeClock()
+    link = _emulator(clock)
+    due = link.launch(2e6)  # 10 us + 1 ms
+    assert due == pytest.approx(clock.now + 1.01e-3)
+    clock.now += 0.4e-3  # the schedule computes something for 0.4 ms
+    link.wait_until(due)
+    assert clock.sleeps == [pytest.approx(0.61e-3)]
+    assert clock.now == pytest.approx(due)
+
+
+def test_wait_after_completion_does_not_sleep():
+    clock = FakeClock()
+    link = _emulator(clock)
+    due = link.launch(2e6)
+    clock.now += 5e-3
+    link.wait_until(due)
+    assert clock.sleeps == []
+
+
+def test_link_carries_one_collective_at_a_time_and_counts_link_time():
+    clock = FakeClock()
+    link = _emulator(clock, latency_us=0.0, gbps=1.0)
+    first = link.launch(1e6)  # 1 ms
+    clock.now += 0.25e-3
+    second = link.launch(2e6)  # queued behind the first: starts at its end
+    assert second == pytest.approx(first + 2e-3)
+    clock.now = second + 1.0  # idle link: the next one starts at launch
+    assert link.launch(1e6) == pytest.approx(clock.now + 1e-3)
+    assert link.pop_modelled_seconds() == pytest.approx(4e-3)
+    assert link.pop_modelled_seconds() == 0.0
+
+
+def test_emulated_work_waits_for_the_data_then_the_link():
+    clock, order = FakeClock(), []
+
+    class Work:
+        def wait(self):
+            order.append("data")
+            clock.now += 0.2e-3  # the real transfer took 0.2 ms
+            return True
+
+        def is_completed(self):
+            return True
+
+    link = _emulator(clock, latency_us=0.0, gbps=1.0)
+    handle = EmulatedWork(Work(), link, link.launch(1e6))
+    assert not handle.is_completed()  # the data are there, the modelled link is not done yet
+    assert handle.wait()
+    assert order == ["data"] and clock.sleeps == [pytest.approx(0.8e-3)]
+    assert handle.is_completed()
+
+
+@pytest.mark.parametrize("text, field", [
+    ("gbps=1", "latency_us"), ("latency_us=5", "gbps"), ("latency_us=5,gbps=abc", "gbps"),
+    ("latency_us=-1,gbps=1", "latency_us"), ("latency_us=1,gbps=0", "gbps"), ("latency_us=1,gbps=nan", "gbps"),
+    ("latency_us=1,gbps=1,jitter=2", "jitter"), ("latency_us", "latency_us"),
+])
+def test_bad_spec_names_the_variable_and_the_field(text, field):
+    with pytest.raises(ConfigError) as err:
+        parse_spec(text)
+    message = str(err.value)
+    assert ENV_VAR in message and field in message and "\n" not in message
+
+
+def test_environment_read_and_logged_loudly(caplog):
+    assert install_from_environment({}) is None
+    assert install_from_environment({ENV_VAR: " "}) is None
+    with caplog.at_level(logging.WARNING):
+        link = install_from_environment({ENV_VAR: "latency_us=5, gbps=12.5"})
+    assert link.spec == LinkSpec(latency_us=5.0, gbps=12.5)
+    assert any(ENV_VAR in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_bad_environment_fails_when_the_groups_are_created(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "latency_us=5,gbps=fast")
+    with pytest.raises(ConfigError, match=f"{ENV_VAR}: field gbps"):
+        state.initialize_model_parallel(1)
+    state.destroy_model_parallel()
+
+
+def _fake_clock_body(rank, world_size):
+    """Real gloo collectives under an emulated link with a fake clock: each sleeps the modelled remainder."""
+    state.initialize_model_parallel(2)
+    clock = FakeClock()
+    state.set_tensor_model_parallel_link(_emulator(clock, latency_us=0.0, gbps=1.0))
+    x = torch.full((1000,), float(rank + 1))  # 4000 bytes: 4 us on the modelled link
+    C.all_reduce_sum_(x)  # synchronous: sleeps right away
+    handle = C.all_reduce_async(x)  # asynchronous: nothing slept at launch
+    slept_at_launch = list(clock.sleeps)
+    clock.now += 1e-6  # 1 us of "compute" before the schedule waits
+    handle.wait()
+    modelled = C.pop_modelled_comm_seconds()
+    return {"sleeps": clock.sleeps, "slept_at_launch": slept_at_launch, "x": x, "modelled": modelled}
+
+
+def test_collectives_sleep_the_modelled_remainder_on_real_gloo():
+    for r in run_distributed(_fake_clock_body, 2):
+        assert r["slept_at_launch"] == [pytest.approx(4e-6)]
+        assert r["sleeps"] == [pytest.approx(4e-6), pytest.approx(3e-6)]
+        assert torch.equal(r["x"], torch.full((1000,), 6.0))
+        assert r["modelled"] == pytest.approx(8e-6)
