@@ -3,6 +3,7 @@
 ::
 
     exit handler: cleanup-job (deletes a training job the run left behind)
+      train-tokenizer  a byte-level BPE fitted to the corpus (or the named tokenizer, passed on)
       preprocess  raw text or a built-in corpus -> .bin/.idx on the shared volume
       pretrain    a distributed `domino pretrain` PyTorchJob -> checkpoint on the shared volume
       evaluate    test loss/perplexity/accuracy, HTML report, gate: beats the promoted model?
@@ -26,6 +27,7 @@ from components.evaluate import component as evaluate_component
 from components.preprocess import component as preprocess_component
 from components.pretrain import component as pretrain_component
 from components.promote import component as promote_component
+from components.tokenizer import component as tokenizer_component
 
 PIPELINE_NAME = "gpt-pretrain"
 #: Where every step (and the training job) mounts the shared volume.
@@ -67,6 +69,7 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
     pretrain_op = pretrain_component.build(image)
     evaluate_op = evaluate_component.build(image)
     promote_op = promote_component.build(image)
+    tokenizer_op = tokenizer_component.build(image)
     cleanup_op = cleanup_component.build(image)
 
     def on_shared_volume(task, pvc_name):
@@ -86,6 +89,7 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
         corpus: str = "shakespeare",
         input_uri: str = "",
         tokenizer: str = "gpt2",
+        tokenizer_vocab_size: int = 0,
         preset: str = "tiny",
         config_overrides: str = "{}",
         train_iters: int = 20,
@@ -116,6 +120,7 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
         job_timeout_s: int = 0,
         scheduling_timeout_s: int = 600,
         eval_batches: int = 8,
+        sample_prompts: str = evaluate_component.DEFAULT_PROMPTS,
         sample_tokens: int = 24,
         min_improvement: float = 0.0,
         keep_failed_jobs: bool = True,
@@ -128,7 +133,8 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
             pvc_name: ReadWriteMany PersistentVolumeClaim mounted by every step and the training job.
             corpus: Built-in corpus to train on when input_uri is empty (shakespeare, kjv).
             input_uri: Comma-separated text/JSON-lines files on the shared volume (overrides corpus).
-            tokenizer: Tokenizer (gpt2 works offline).
+            tokenizer: Tokenizer when tokenizer_vocab_size is 0 (gpt2 works offline).
+            tokenizer_vocab_size: Train a byte-level BPE of this many tokens on the corpus (0: use tokenizer).
             preset: Model and training preset (tiny, gpt2-125m, gpt3-350m, gpt3-1.3b, ...).
             config_overrides: JSON object of further domino config fields, e.g. {"num_layers": 4}.
             train_iters: Optimizer steps.
@@ -159,6 +165,7 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
             job_timeout_s: Wall-clock limit of the training job (0: none).
             scheduling_timeout_s: Fail when the training job is not running after this many seconds.
             eval_batches: Test batches per evaluated model.
+            sample_prompts: Prompts of the report's sample generations, separated by '|' ('\\n': line break).
             sample_tokens: Tokens generated per report prompt (0: no samples).
             min_improvement: Fraction by which the test perplexity must beat the promoted model's.
             keep_failed_jobs: Keep a failed training job for debugging (its TTL removes it later).
@@ -168,13 +175,18 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
             cleanup_op(run_id=run_id, namespace=namespace, backend=backend, keep_failed=keep_failed_jobs), pvc_name)
         cleanup.set_display_name("cleanup-job")
         with dsl.ExitHandler(cleanup, name="train-and-gate"):
-            prep = on_shared_volume(preprocess_op(
+            tok = on_shared_volume(tokenizer_op(
                 shared_root=shared_root, run_id=run_id, corpus=corpus, input_uri=input_uri, tokenizer=tokenizer,
+                vocab_size=tokenizer_vocab_size,
+            ), pvc_name)
+            tok.set_display_name("train-tokenizer")
+            prep = on_shared_volume(preprocess_op(
+                shared_root=shared_root, run_id=run_id, corpus=corpus, input_uri=input_uri, tokenizer=tok.output,
             ), pvc_name)
             train = on_shared_volume(pretrain_op(
                 dataset=prep.outputs["dataset"], shared_root=shared_root, run_id=run_id, preset=preset,
                 config_overrides=config_overrides, train_iters=train_iters, micro_batch_size=micro_batch_size,
-                global_batch_size=global_batch_size, lr=lr, split=split, tokenizer=tokenizer,
+                global_batch_size=global_batch_size, lr=lr, split=split, tokenizer=tok.output,
                 save_interval=save_interval, eval_interval=eval_interval, eval_iters=eval_iters,
                 log_interval=log_interval, nodes=nodes, nproc_per_node=nproc_per_node,
                 gpus_per_node=gpus_per_node, tensor_parallel=tensor_parallel, domino_chunks=domino_chunks,
@@ -189,7 +201,7 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
                 kubernetes.use_field_path_as_env(train, env_name=env, field_path=path)
             evaluation = on_shared_volume(evaluate_op(
                 model=train.outputs["model"], dataset=prep.outputs["dataset"], shared_root=shared_root,
-                run_id=run_id, eval_batches=eval_batches, sample_tokens=sample_tokens,
+                run_id=run_id, eval_batches=eval_batches, sample_prompts=sample_prompts, sample_tokens=sample_tokens,
                 min_improvement=min_improvement,
             ), pvc_name)
             if placement.eval_gpus > 0:

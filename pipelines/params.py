@@ -108,6 +108,9 @@ def check_params(values: Dict[str, Any]) -> None:
                  "job_timeout_s", "sample_tokens", "lr"):
         if name in values and values[name] < 0:
             problems.append(f"--param {name}={values[name]}: must not be negative")
+    if values.get("tokenizer_vocab_size", 0) != 0 and values["tokenizer_vocab_size"] < 257:
+        problems.append(f"--param tokenizer_vocab_size={values['tokenizer_vocab_size']}: must be 0 (use the "
+                        "tokenizer parameter) or at least 257 (256 bytes + end-of-document)")
     if "min_improvement" in values and not 0.0 <= values["min_improvement"] < 1.0:
         problems.append(f"--param min_improvement={values['min_improvement']}: must be in [0, 1)")
     if problems:

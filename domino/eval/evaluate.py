@@ -96,6 +96,7 @@ def evaluate_checkpoint(
     split: Optional[str] = None,
     max_batches: Optional[int] = None,
     max_samples: Optional[int] = None,
+    max_tokens: Optional[int] = None,
     micro_batch_size: int = 4,
     seq_length: Optional[int] = None,
     eod_mask_loss: Optional[bool] = None,
@@ -119,6 +120,7 @@ def evaluate_checkpoint(
             (default: every document of ``data_prefix``). Without it, overrides the checkpoint's split.
         max_batches: evaluate this many micro-batches per data-parallel rank (default: one pass).
         max_samples: evaluate about this many samples (rounded up to whole micro-batches x DP).
+        max_tokens: evaluate about this many tokens (``max_samples`` = tokens / sequence length, rounded up).
         micro_batch_size: samples per forward pass.
         seq_length: sample length (default: the checkpoint's ``--seq-length``).
         eod_mask_loss / reset_position_ids / reset_attention_mask: override the checkpoint's setting.
@@ -142,7 +144,7 @@ def evaluate_checkpoint(
 
     if micro_batch_size < 1:
         raise ConfigError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
-    for name, value in (("--eval-iters", max_batches), ("--max-samples", max_samples)):
+    for name, value in (("--eval-iters", max_batches), ("--max-samples", max_samples), ("--eval-tokens", max_tokens)):
         if value is not None and value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
     ckpt_dir = resolve_checkpoint_dir(load)
@@ -151,6 +153,8 @@ def evaluate_checkpoint(
     if not 1 <= seq <= config.model.num_positions:
         raise ConfigError(f"--seq-length {seq} must be in [1, {config.model.num_positions}] "
                           "(the checkpoint's position embeddings)")
+    if max_tokens is not None:
+        max_samples = math.ceil(max_tokens / seq)
     data_config = dataclasses.replace(config.data)
     for name, value in (("eod_mask_loss", eod_mask_loss), ("reset_position_ids", reset_position_ids),
                         ("reset_attention_mask", reset_attention_mask)):
@@ -170,6 +174,8 @@ def evaluate_checkpoint(
     # ranks join) and so knows the number of steps; only TP rank 0 reads batches, get_batch broadcasts them.
     test, steps = _open_test_data(selection, what, seq, config.train.seed if seed is None else seed,
                                   data_cache_path, micro_batch_size, max_batches, max_samples)
+    logger.info("evaluating %d samples (%d tokens) of %s at micro-batch %d", steps * per_step, steps * per_step * seq,
+                what, micro_batch_size)
     iterator = None
     if tp_rank == 0:
         iterator = iter(build_pretraining_data_loader(test, 0, micro_batch_size, state.get_data_parallel_rank(),

@@ -8,7 +8,7 @@ import yaml
 from components import DEFAULT_IMAGE
 from pipelines import COMPILED_PATH, MOUNT_PATH, StepPlacement, build_pipeline, compile_pipeline
 
-STEPS = ("exec-preprocess", "exec-pretrain", "exec-evaluate", "exec-promote-model", "exec-cleanup-job")
+STEPS = ("exec-train-tokenizer", "exec-preprocess", "exec-pretrain", "exec-evaluate", "exec-promote-model", "exec-cleanup-job")
 
 
 def _compile(tmp_path, **kwargs):
@@ -74,7 +74,11 @@ def test_structure_exit_handler_gate_and_no_caching(tmp_path):
     status_input = root_tasks["cleanup-job"]["inputs"]["parameters"]["status"]
     assert status_input["taskFinalStatus"]["producerTask"] == "exit-handler-1"
     inner = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
-    assert set(inner) == {"preprocess", "pretrain", "evaluate", "condition-2"}
+    assert set(inner) == {"train-tokenizer", "preprocess", "pretrain", "evaluate", "condition-2"}
+    # preprocess and pretrain take the tokenizer that train-tokenizer trained (or passed on).
+    for name in ("preprocess", "pretrain"):
+        source = inner[name]["inputs"]["parameters"]["tokenizer"]["taskOutputParameter"]
+        assert source == {"outputParameterKey": "Output", "producerTask": "train-tokenizer"}, name
     assert "evaluate" in inner["condition-2"]["dependentTasks"]
     condition = inner["condition-2"]["triggerPolicy"]["condition"]
     assert "pipelinechannel--evaluate-Output" in condition and "true" in condition
@@ -83,10 +87,10 @@ def test_structure_exit_handler_gate_and_no_caching(tmp_path):
     assert artifacts["decision"]["componentInputArtifact"] == "pipelinechannel--evaluate-decision"
     assert artifacts["model"]["componentInputArtifact"] == "pipelinechannel--pretrain-model"
     assert promote["cachingOptions"] == {}
-    for name in ("preprocess", "pretrain", "evaluate"):
+    for name in ("train-tokenizer", "preprocess", "pretrain", "evaluate"):
         assert inner[name]["cachingOptions"] == {}, name  # {} = enableCache false
     # Every step gets the per-run id from the placeholder.
-    for name in ("preprocess", "pretrain", "evaluate"):
+    for name in ("train-tokenizer", "preprocess", "pretrain", "evaluate"):
         assert inner[name]["inputs"]["parameters"]["run_id"]["runtimeValue"]["constant"] == "{{$.pipeline_job_uuid}}"
 
 
@@ -123,7 +127,7 @@ def test_default_parameters_are_the_local_tiny_run():
     assert inputs["warm_start"].default is False
 
 
-@pytest.mark.parametrize("module", ["preprocess", "pretrain", "evaluate", "promote", "cleanup"])
+@pytest.mark.parametrize("module", ["tokenizer", "preprocess", "pretrain", "evaluate", "promote", "cleanup"])
 def test_every_component_compiles_on_its_own(module, tmp_path):
     import importlib
 
