@@ -24,6 +24,7 @@ from kfp import compiler, dsl, kubernetes
 from components import default_image
 from components.cleanup import component as cleanup_component
 from components.evaluate import component as evaluate_component
+from components.evaluate.step import DEFAULT_PROMPTS
 from components.preprocess import component as preprocess_component
 from components.pretrain import component as pretrain_component
 from components.promote import component as promote_component
@@ -120,7 +121,7 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
         job_timeout_s: int = 0,
         scheduling_timeout_s: int = 600,
         eval_batches: int = 8,
-        sample_prompts: str = evaluate_component.DEFAULT_PROMPTS,
+        sample_prompts: str = DEFAULT_PROMPTS,
         sample_tokens: int = 24,
         min_improvement: float = 0.0,
         keep_failed_jobs: bool = True,

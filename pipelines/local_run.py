@@ -32,7 +32,7 @@ DEMO_PARAMS: Dict[str, Any] = {
     "eval_interval": 100, "eval_iters": 4, "log_interval": 20,
     "nodes": 1, "nproc_per_node": 2, "tensor_parallel": 2, "domino_chunks": 2, "zero_stage": 1,
     "eval_batches": 40, "sample_tokens": 60,
-    "sample_prompts": "ROMEO.\\n|KING HENRY.\\nMy lords,|To be, or not to be|First Witch.\\n",
+    "sample_prompts": "Romeo.\\n|KING HENRY.\\nMy lords,|To be, or not to be|First Witch.\\n",
 }
 #: ``domino pipeline run --quick``: the pipeline's defaults, a ~30 s plumbing run (tiny model, GPT-2
 #: tokenizer, 20 iterations) that proves every step works and learns nothing worth reading.
@@ -92,9 +92,12 @@ class LocalRunResult:
         e = self.test
         ppl, unigram = e.get("test_ppl"), e.get("unigram_ppl")
         held_out = f"{e.get('test_tokens', 0):,} held-out tokens"
-        if unigram:
-            quality = (f"test perplexity {ppl:.1f} on {held_out}: {unigram / ppl:.1f}x better than a unigram model "
+        if unigram and ppl < unigram:
+            quality = (f"test perplexity {ppl:.1f} on {held_out}, {unigram / ppl:.1f}x lower than a unigram model "
                        f"of the same tokenizer ({unigram:.1f})")
+        elif unigram:
+            quality = (f"test perplexity {ppl:.1f} on {held_out}, no better than a unigram model of the same "
+                       f"tokenizer ({unigram:.1f}): it has learned little beyond token frequencies")
         else:
             quality = f"test perplexity {ppl:.1f} on {held_out}"
         if e.get("sample_word_fraction") is not None:

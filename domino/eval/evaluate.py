@@ -120,7 +120,8 @@ def evaluate_checkpoint(
             (default: every document of ``data_prefix``). Without it, overrides the checkpoint's split.
         max_batches: evaluate this many micro-batches per data-parallel rank (default: one pass).
         max_samples: evaluate about this many samples (rounded up to whole micro-batches x DP).
-        max_tokens: evaluate about this many tokens (``max_samples`` = tokens / sequence length, rounded up).
+        max_tokens: evaluate at most about this many tokens (whole micro-batches, rounded up) of one pass
+            over the selection: a budget, which never repeats documents.
         micro_batch_size: samples per forward pass.
         seq_length: sample length (default: the checkpoint's ``--seq-length``).
         eod_mask_loss / reset_position_ids / reset_attention_mask: override the checkpoint's setting.
@@ -153,17 +154,18 @@ def evaluate_checkpoint(
     if not 1 <= seq <= config.model.num_positions:
         raise ConfigError(f"--seq-length {seq} must be in [1, {config.model.num_positions}] "
                           "(the checkpoint's position embeddings)")
-    if max_tokens is not None:
-        max_samples = math.ceil(max_tokens / seq)
     data_config = dataclasses.replace(config.data)
     for name, value in (("eod_mask_loss", eod_mask_loss), ("reset_position_ids", reset_position_ids),
                         ("reset_attention_mask", reset_attention_mask)):
         if value is not None:
             setattr(data_config, name, value)
     selection, what = _data_selection(config, data_prefix, split)
+    if max_tokens is not None and _is_blend(selection):
+        # A blend is exactly as long as asked for: the budget is its length.
+        max_samples, max_tokens = math.ceil(max_tokens / seq), None
     if max_batches is None and max_samples is None and _is_blend(selection):
-        raise ConfigError(f"{what} is a blend of datasets: give --eval-iters or --max-samples "
-                          "(a blend has no natural single pass)")
+        raise ConfigError(f"{what} is a blend of datasets: give --eval-tokens N, --eval-iters or "
+                          "--max-samples (a blend has no natural single pass)")
 
     tp_rank, tp_size = setup_tensor_parallel(tensor_model_parallel_size)
     model, meta, tokenizer = build_model_from_checkpoint(
@@ -174,6 +176,9 @@ def evaluate_checkpoint(
     # ranks join) and so knows the number of steps; only TP rank 0 reads batches, get_batch broadcasts them.
     test, steps = _open_test_data(selection, what, seq, config.train.seed if seed is None else seed,
                                   data_cache_path, micro_batch_size, max_batches, max_samples)
+    if max_tokens is not None:
+        # A budget caps one pass over the selection; unlike --max-samples it never repeats documents.
+        steps = min(steps, math.ceil(max_tokens / (seq * per_step)))
     logger.info("evaluating %d samples (%d tokens) of %s at micro-batch %d", steps * per_step, steps * per_step * seq,
                 what, micro_batch_size)
     iterator = None

@@ -119,6 +119,15 @@ def test_evaluate_step_can_get_gpus(tmp_path):
     assert "resources" not in spec["deploymentSpec"]["executors"]["exec-evaluate"]["container"]
 
 
+def test_report_prompts_are_declared_once():
+    from components.evaluate import component
+    from components.evaluate.step import DEFAULT_PROMPTS
+
+    evaluate = component.build("img:1").component_spec.inputs
+    assert evaluate["sample_prompts"].default == DEFAULT_PROMPTS
+    assert build_pipeline().component_spec.inputs["sample_prompts"].default == DEFAULT_PROMPTS
+
+
 def test_default_parameters_are_the_local_tiny_run():
     inputs = build_pipeline().component_spec.inputs
     assert inputs["preset"].default == "tiny"
