@@ -102,7 +102,9 @@ class LocalRunResult:
             quality = f"test perplexity {ppl:.1f} on {held_out}"
         if e.get("sample_word_fraction") is not None:
             quality += f"; {e['sample_word_fraction']:.0%} of the sampled words are words of the corpus"
-        prompt = (e.get("samples") or [{}])[0].get("prompt", "To be, or not to be")
+        # A prompt that a shell passes as typed (no line break) for the command to copy.
+        prompts = [s["prompt"] for s in e.get("samples") or [] if "\n" not in s["prompt"]]
+        prompt = (prompts or ["To be, or not to be"])[0]
         return [f"model: {quality}.",
                 f"continue: domino generate --load {self.checkpoint_dir} --prompt {json.dumps(prompt)} "
                 "--max-new-tokens 100 --temperature 0.8 --top-k 40"]

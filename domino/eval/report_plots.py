@@ -87,7 +87,7 @@ def loss_figure(train: Sequence[Record], evals: Sequence[Record], warmup_iters: 
         xs, ys = _series([r for r in evals if r.get("eval") == split], "lm_loss")
         if xs:
             axes.plot(xs, ys, marker="o", label=f"{'validation' if split == 'valid' else 'test'} "
-                      f"({len(xs)} evaluations)", color=color)
+                      f"({len(xs)} evaluation{'' if len(xs) == 1 else 's'})", color=color)
             drawn = True
     if not drawn:
         return None
