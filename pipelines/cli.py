@@ -44,10 +44,14 @@ def _toleration_kwargs(toleration: Any) -> Dict[str, str]:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """``domino pipeline run``: the whole pipeline locally (kfp.local + the local launcher backend)."""
-    from pipelines.local_run import run_local
+    """``domino pipeline run``: the whole pipeline locally (kfp.local + the local launcher backend), with the
+    demo's settings (or the pipeline's defaults with ``--quick``) under the ``--param`` values."""
+    from pipelines.local_run import DEMO_PARAMS, QUICK_PARAMS, run_local
 
-    run_local(args.output_dir, _params(args))
+    profile = QUICK_PARAMS if getattr(args, "quick", False) else DEMO_PARAMS
+    values = {**profile, **parse_param_args(args.param or [])}
+    check_training_config(values)
+    run_local(args.output_dir, values)
     return 0
 
 

@@ -3,6 +3,7 @@
 ::
 
     exit handler: cleanup-job (deletes a training job the run left behind)
+      train-tokenizer  a byte-level BPE fitted to the corpus (or the named tokenizer, passed on)
       preprocess  plan -> ParallelFor over shard groups -> merge: .bin/.idx on the shared volume, reused
                   when the inputs and tokenizer are unchanged (pipelines/preprocess_stage.py)
       pretrain    a distributed `domino pretrain` PyTorchJob -> checkpoint on the shared volume
@@ -25,9 +26,11 @@ from kfp import compiler, dsl, kubernetes
 from components import default_image
 from components.cleanup import component as cleanup_component
 from components.evaluate import component as evaluate_component
+from components.evaluate.step import DEFAULT_PROMPTS
 from components.pretrain import component as pretrain_component
 from components.pretrain import settings as pretrain_settings
 from components.promote import component as promote_component
+from components.tokenizer import component as tokenizer_component
 from pipelines.preprocess_stage import PreprocessStage
 
 PIPELINE_NAME = "gpt-pretrain"
@@ -42,7 +45,9 @@ OWN_PARAMETERS = [
     ("input_uri", str, ""),
     ("preprocess_groups", int, 1),
     ("reuse_dataset", bool, True),
+    ("tokenizer_vocab_size", int, 0),
     ("eval_batches", int, 8),
+    ("sample_prompts", str, DEFAULT_PROMPTS),
     ("sample_tokens", int, 24),
     ("min_improvement", float, 0.0),
     ("keep_failed_jobs", bool, True),
@@ -54,6 +59,8 @@ OWN_DOCS = {
     "preprocess_groups": "Shard groups tokenized in parallel, one task each, then merged.",
     "reuse_dataset": "Reuse the dataset an earlier run made from the same files and tokenizer.",
     "eval_batches": "Test batches per evaluated model.",
+    "sample_prompts": "Prompts of the report's sample generations, separated by '|' ('\\n': line break).",
+    "tokenizer_vocab_size": "Train a byte-level BPE of this many tokens on the corpus (0: use tokenizer).",
     "sample_tokens": "Tokens generated per report prompt (0: no samples).",
     "min_improvement": "Fraction by which the test perplexity must beat the promoted model's.",
     "keep_failed_jobs": "Keep a failed training job for debugging (its TTL removes it later).",
@@ -102,6 +109,7 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
     pretrain_op = pretrain_component.build(image)
     evaluate_op = evaluate_component.build(image)
     promote_op = promote_component.build(image)
+    tokenizer_op = tokenizer_component.build(image)
     cleanup_op = cleanup_component.build(image)
 
     def on_shared_volume(task, pvc_name):
@@ -132,11 +140,17 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
         cleanup.set_display_name("cleanup-job")
         kubernetes.use_field_path_as_env(cleanup, env_name="POD_NAMESPACE", field_path="metadata.namespace")
         with dsl.ExitHandler(cleanup, name="train-and-gate"):
+            tok = on_shared_volume(tokenizer_op(
+                shared_root=p["shared_root"], run_id=run_id, corpus=p["corpus"], input_uri=p["input_uri"],
+                tokenizer=p["tokenizer"], vocab_size=p["tokenizer_vocab_size"],
+            ), p["pvc_name"])
+            tok.set_display_name("train-tokenizer")
             prep = preprocess_stage(lambda task: on_shared_volume(task, p["pvc_name"]), shared_root=p["shared_root"],
-                                    corpus=p["corpus"], input_uri=p["input_uri"], tokenizer=p["tokenizer"],
+                                    corpus=p["corpus"], input_uri=p["input_uri"], tokenizer=tok.output,
                                     groups=p["preprocess_groups"], reuse=p["reuse_dataset"])
             train = on_shared_volume(pretrain_op(
-                dataset=prep.outputs["dataset"], run_id=run_id, **{name: p[name] for name in pretrain_names},
+                dataset=prep.outputs["dataset"], run_id=run_id, tokenizer=tok.output,
+                **{name: p[name] for name in pretrain_names if name != "tokenizer"},
             ), p["pvc_name"])
             # The launcher sets its pod as the job's owner, so deleting the run's pods removes the job too;
             # the job goes to the step's namespace unless the namespace parameter says otherwise.
@@ -148,8 +162,8 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
             kubernetes.set_timeout(train, placement.pretrain_timeout_s)
             evaluation = on_shared_volume(evaluate_op(
                 model=train.outputs["model"], dataset=prep.outputs["dataset"], shared_root=p["shared_root"],
-                run_id=run_id, eval_batches=p["eval_batches"], sample_tokens=p["sample_tokens"],
-                min_improvement=p["min_improvement"],
+                run_id=run_id, eval_batches=p["eval_batches"], sample_prompts=p["sample_prompts"],
+                sample_tokens=p["sample_tokens"], min_improvement=p["min_improvement"],
             ), p["pvc_name"])
             if placement.eval_gpus > 0:
                 evaluation.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(placement.eval_gpus)

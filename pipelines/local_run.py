@@ -24,6 +24,20 @@ from typing import Any, Callable, Dict, List, Optional
 
 from pipelines.gpt_pretrain import PIPELINE_NAME, build_pipeline
 
+#: ``make demo``: every setting the demo's result depends on, explicitly (the model and optimizer in the
+#: ``demo`` preset). Chosen from measured loss curves on the 2-core machine: see docs/pipeline.md.
+DEMO_PARAMS: Dict[str, Any] = {
+    "corpus": "shakespeare", "tokenizer_vocab_size": 2048, "preset": "demo", "split": "90,5,5",
+    "train_iters": 600, "micro_batch_size": 16, "global_batch_size": 16,
+    "eval_interval": 100, "eval_iters": 4, "log_interval": 20,
+    "nodes": 1, "nproc_per_node": 2, "tensor_parallel": 2, "domino_chunks": 2, "zero_stage": 1,
+    "eval_batches": 40, "sample_tokens": 60,
+    "sample_prompts": "Romeo.\\n|KING HENRY.\\nMy lords,|To be, or not to be|First Witch.\\n",
+}
+#: ``domino pipeline run --quick``: the pipeline's defaults, a ~30 s plumbing run (tiny model, GPT-2
+#: tokenizer, 20 iterations) that proves every step works and learns nothing worth reading.
+QUICK_PARAMS: Dict[str, Any] = {}
+
 
 @dataclass
 class LocalRunResult:
@@ -59,27 +73,48 @@ class LocalRunResult:
     seconds: float
 
     def describe(self) -> str:
-        """A short human summary with the paths and the final metrics."""
+        """A short human summary: how good the model is, how to continue, and where everything is."""
         t, e = self.train, self.test
-        lines = [
-            f"pipeline run {self.run_id} finished in {self.seconds:.0f} s; outputs under {self.output_dir}",
-            f"  model (checkpoint): {self.checkpoint_dir}",
-            f"  model artifact:     {self.model_manifest}",
-            f"  training metrics:   {self.metrics_file}",
-            f"  HTML report:        {self.report}",
-            f"  summary:            {self.summary_file}",
-            f"  dataset:            {self.dataset.get('prefix')} ("
+        minutes, seconds = divmod(round(self.seconds), 60)
+        lines = [f"pipeline run {self.run_id} finished in {minutes} min {seconds:02d} s; outputs under {self.output_dir}"]
+        lines += ["  " + line for line in self.verdict()]
+        lines += [
+            f"  trained {t.get('iterations')} iterations on {t.get('tokens_seen', 0):,} tokens "
+            f"({_num(t.get('tokens_per_s'), ',.0f')} tokens/s); final train loss {_num(t.get('final_train_loss'))}, "
+            f"valid loss {_num(t.get('final_valid_loss'))}",
+            f"  dataset: {self.dataset.get('prefix')} ("
             + ("reused: same inputs and tokenizer as an earlier run" if self.dataset.get("reused") else
                f"tokenised {self.dataset.get('groups_tokenized')} of {self.dataset.get('groups')} shard groups")
             + ")",
-            f"  trained {t.get('iterations')} iterations, {t.get('tokens_seen')} tokens; final train loss "
-            f"{_num(t.get('final_train_loss'))}, valid loss {_num(t.get('final_valid_loss'))}, "
-            f"{_num(t.get('tokens_per_s'), '.0f')} tokens/s",
-            f"  test loss {_num(e.get('test_loss'))}, perplexity {_num(e.get('test_ppl'), '.2f')}, "
-            f"token accuracy {_num(e.get('token_accuracy'))}",
             f"  promotion: {'PROMOTED' if self.promoted else 'not promoted'} ({e.get('reason')})",
+            f"  model (checkpoint): {self.checkpoint_dir}",
+            f"  HTML report:        {self.report}",
+            f"  training metrics:   {self.metrics_file}",
+            f"  summary:            {self.summary_file}",
         ]
         return "\n".join(lines)
+
+    def verdict(self) -> List[str]:
+        """How good the model is (against the unigram baseline of its tokenizer) and how to continue."""
+        e = self.test
+        ppl, unigram = e.get("test_ppl"), e.get("unigram_ppl")
+        held_out = f"{e.get('test_tokens', 0):,} held-out tokens"
+        if unigram and ppl < unigram:
+            quality = (f"test perplexity {ppl:.1f} on {held_out}, {unigram / ppl:.1f}x lower than a unigram model "
+                       f"of the same tokenizer ({unigram:.1f})")
+        elif unigram:
+            quality = (f"test perplexity {ppl:.1f} on {held_out}, no better than a unigram model of the same "
+                       f"tokenizer ({unigram:.1f}): it has learned little beyond token frequencies")
+        else:
+            quality = f"test perplexity {ppl:.1f} on {held_out}"
+        if e.get("sample_word_fraction") is not None:
+            quality += f"; {e['sample_word_fraction']:.0%} of the sampled words are words of the corpus"
+        # A prompt that a shell passes as typed (no line break) for the command to copy.
+        prompts = [s["prompt"] for s in e.get("samples") or [] if "\n" not in s["prompt"]]
+        prompt = (prompts or ["To be, or not to be"])[0]
+        return [f"model: {quality}.",
+                f"continue: domino generate --load {self.checkpoint_dir} --prompt {json.dumps(prompt)} "
+                "--max-new-tokens 100 --temperature 0.8 --top-k 40"]
 
 
 def _num(value: Any, spec: str = ".4f") -> str:

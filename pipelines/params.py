@@ -112,6 +112,9 @@ def check_params(values: Dict[str, Any]) -> None:
             problems.append(f"--param {name}={values[name]}: must not be negative")
     if "backoff_limit" in values and values["backoff_limit"] < -1:
         problems.append(f"--param backoff_limit={values['backoff_limit']}: must be -1 (3 x nodes) or more")
+    if values.get("tokenizer_vocab_size", 0) != 0 and values["tokenizer_vocab_size"] < 257:
+        problems.append(f"--param tokenizer_vocab_size={values['tokenizer_vocab_size']}: must be 0 (use the "
+                        "tokenizer parameter) or at least 257 (256 bytes + end-of-document)")
     if "min_improvement" in values and not 0.0 <= values["min_improvement"] < 1.0:
         problems.append(f"--param min_improvement={values['min_improvement']}: must be in [0, 1)")
     if problems:

@@ -20,18 +20,25 @@ from components.registry import PromotedModel, current_model
 
 logger = logging.getLogger(__name__)
 
+#: The report's default prompts (also the component's and the pipeline's ``sample_prompts`` default).
 DEFAULT_PROMPTS = "To be, or not to be|In the beginning"
 
 
 @dataclass
 class EvaluateSettings:
-    """Parameters of the evaluate step (one field per component parameter)."""
+    """Parameters of the evaluate step: the component's parameters (see ``component.py``), plus the
+    evaluation micro-batch (16 samples: forward-only throughput on 2 CPU cores is flat from 16 up, see
+    docs/evaluation.md) and the sampling seed."""
 
     shared_root: str
     run_id: str
     eval_batches: int = 8
+    micro_batch_size: int = 16
     sample_prompts: str = DEFAULT_PROMPTS
     sample_tokens: int = 24
+    sample_temperature: float = 0.8
+    sample_top_k: int = 40
+    sample_seed: int = 1
     min_improvement: float = 0.0
 
 
@@ -68,16 +75,14 @@ def decide(new_ppl: float, incumbent: Optional[PromotedModel], incumbent_ppl: Op
 def _evaluate(load: str, data_prefix: str, settings: EvaluateSettings, eval_options: Dict[str, Any]) -> Dict[str, Any]:
     from domino.eval.evaluate import evaluate_checkpoint
 
-    return dict(evaluate_checkpoint(load, data_prefix, max_batches=settings.eval_batches, **eval_options))
+    return dict(evaluate_checkpoint(load, data_prefix, max_batches=settings.eval_batches,
+                                    micro_batch_size=settings.micro_batch_size, **eval_options))
 
 
-def _samples(load: str, settings: EvaluateSettings) -> List[Dict[str, str]]:
-    from domino.eval.generate import generate_samples
-
-    prompts = [p for p in settings.sample_prompts.split("|") if p.strip()]
-    if not prompts or settings.sample_tokens <= 0:
-        return []
-    return generate_samples(load, prompts, max_new_tokens=settings.sample_tokens)
+def _prompts(settings: EvaluateSettings) -> List[str]:
+    # "\n" in a prompt stands for a line break (speaker names in plays sit on a line of their own).
+    prompts = [p.replace("\\n", "\n") for p in settings.sample_prompts.split("|") if p.strip()]
+    return prompts if settings.sample_tokens > 0 else []
 
 
 def run_evaluate(
@@ -95,15 +100,28 @@ def run_evaluate(
 
     Returns:
         ``test_loss``, ``test_ppl``, ``token_accuracy``, ``test_tokens``, ``promote``, ``incumbent_ppl``
-        (None when nothing was promoted), ``incumbent_run``, ``reason``.
+        (None when nothing was promoted), ``incumbent_run``, ``reason``, ``test_data`` (what was evaluated),
+        ``unigram_ppl`` (the baseline's test perplexity; None without a recorded split),
+        ``sample_word_fraction`` (share of the samples' words found in the corpus; None without samples),
+        ``samples``.
     """
+    from components.evaluate.facts import run_facts, sample_quality
     from domino.eval.report import write_report
+    from domino.eval.sampling import SamplingConfig
 
-    if settings.eval_batches < 1:
-        raise ValueError(f"eval_batches: {settings.eval_batches} must be at least 1")
+    for name in ("eval_batches", "micro_batch_size"):
+        if getattr(settings, name) < 1:
+            raise ValueError(f"{name}: {getattr(settings, name)} must be at least 1")
+    sampling = SamplingConfig(temperature=settings.sample_temperature, top_k=settings.sample_top_k)
+    try:
+        sampling.check()
+    except ValueError as error:
+        raise ValueError(f"sample settings: {error}".replace("--temperature", "sample_temperature")
+                         .replace("--top-k", "sample_top_k")) from None
     layout = RunLayout(settings.shared_root, settings.run_id)
     model = read_manifest(model_manifest, "model")
-    data_prefix = read_manifest(dataset_manifest, "dataset")["prefix"]
+    dataset = read_manifest(dataset_manifest, "dataset")
+    data_prefix = dataset["prefix"]
     # Both models read the same test documents and samples: the new run's split and sample-order seed.
     config = model.get("config") or {}
     eval_options = {}
@@ -127,12 +145,19 @@ def run_evaluate(
     decision = decide(float(new["ppl"]), incumbent, incumbent_ppl, settings.min_improvement)
     log(f"evaluate: promote={decision.promote}: {decision.reason}")
 
-    samples = _samples(model["checkpoint_dir"], settings)
-    write_report(report_path, model.get("metrics_file"), eval_results=results, config=model.get("config"),
-                 samples=samples, title=f"domino run {settings.run_id}")
+    quality = sample_quality(model["checkpoint_dir"], data_prefix, eval_options.get("split"), _prompts(settings),
+                             settings.sample_tokens, sampling, settings.sample_seed)
+    if quality["unigram"] is not None:
+        results["unigram baseline (token frequencies of the training documents)"] = quality["unigram"]
+    write_report(report_path, model.get("metrics_file"), eval_results=results, config=config or None,
+                 samples=quality["samples"], title=f"domino run {settings.run_id}",
+                 run_info=run_facts(model, dataset, new, quality["parameters"]), notes=quality["notes"])
+    unigram_ppl = float(quality["unigram"]["ppl"]) if quality["unigram"] is not None else None
     return {
         "test_loss": float(new["loss"]), "test_ppl": float(new["ppl"]),
         "token_accuracy": float(new["accuracy"]), "test_tokens": int(new.get("tokens", 0)),
         "promote": decision.promote, "incumbent_ppl": decision.incumbent_ppl,
         "incumbent_run": incumbent.run_id if incumbent else "", "reason": decision.reason,
+        "test_data": str(new.get("data", "")), "unigram_ppl": unigram_ppl,
+        "sample_word_fraction": quality["word_fraction"], "samples": quality["samples"],
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from typing import Any, Callable, Dict, List
 
 from components.layout import RunLayout
@@ -213,7 +214,8 @@ def run_pretrain(
         log: Receives job status and log lines.
 
     Returns:
-        The summary written to the model manifest (see :func:`summarize`) plus ``job`` and ``warm_start_from``.
+        The summary written to the model manifest (see :func:`summarize`) plus ``job``, ``warm_start_from``,
+        ``world_size`` and ``train_wall_s`` (the job's wall-clock seconds, scheduling included).
 
     Raises:
         ValueError / ConfigError / LaunchSpecError: bad settings, before any job exists.
@@ -231,6 +233,7 @@ def run_pretrain(
     os.makedirs(layout.run_dir, exist_ok=True)
     warm_from = argv[argv.index("--load") + 1] if "--finetune" in argv else ""
     log(f"pretrain: job {settings.job_name} ({settings.backend}), warm start from: {warm_from or 'none'}")
+    started = time.monotonic()
     result = run_job(
         spec, backend=settings.backend, timeout_s=settings.job_timeout_s or None,
         scheduling_timeout_s=settings.scheduling_timeout_s, queue_timeout_s=settings.queue_timeout_s or None,
@@ -240,7 +243,9 @@ def run_pretrain(
     if not result.succeeded:
         raise PretrainFailed(result.describe())
     summary = summarize(layout, config.model.seq_length)
-    summary.update(job=result.name, warm_start_from=warm_from, run_id=settings.run_id)
+    summary.update(job=result.name, warm_start_from=warm_from, run_id=settings.run_id,
+                   world_size=settings.nodes * settings.nproc_per_node,
+                   train_wall_s=round(time.monotonic() - started, 1))
     write_manifest(model_path, summary)
     return summary
 

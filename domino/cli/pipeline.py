@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = verbs.add_parser("run", help="Run the whole pipeline on this machine (kfp.local, local training job).")
     p.add_argument("--output-dir", default="demo-output", help="Folder for everything the run writes.")
+    p.add_argument("--quick", action="store_true",
+                   help="A ~30 s plumbing run with the pipeline's defaults (tiny model, GPT-2 tokenizer, 20 "
+                        "iterations) instead of the demo that learns Shakespeare in about 5 minutes.")
     _add_param_flag(p)
     p.set_defaults(func=_lazy("run_command"))
 

@@ -96,6 +96,7 @@ def evaluate_checkpoint(
     split: Optional[str] = None,
     max_batches: Optional[int] = None,
     max_samples: Optional[int] = None,
+    max_tokens: Optional[int] = None,
     micro_batch_size: int = 4,
     seq_length: Optional[int] = None,
     eod_mask_loss: Optional[bool] = None,
@@ -119,6 +120,8 @@ def evaluate_checkpoint(
             (default: every document of ``data_prefix``). Without it, overrides the checkpoint's split.
         max_batches: evaluate this many micro-batches per data-parallel rank (default: one pass).
         max_samples: evaluate about this many samples (rounded up to whole micro-batches x DP).
+        max_tokens: evaluate at most about this many tokens (whole micro-batches, rounded up) of one pass
+            over the selection: a budget, which never repeats documents.
         micro_batch_size: samples per forward pass.
         seq_length: sample length (default: the checkpoint's ``--seq-length``).
         eod_mask_loss / reset_position_ids / reset_attention_mask: override the checkpoint's setting.
@@ -142,7 +145,7 @@ def evaluate_checkpoint(
 
     if micro_batch_size < 1:
         raise ConfigError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
-    for name, value in (("--eval-iters", max_batches), ("--max-samples", max_samples)):
+    for name, value in (("--eval-iters", max_batches), ("--max-samples", max_samples), ("--eval-tokens", max_tokens)):
         if value is not None and value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
     ckpt_dir = resolve_checkpoint_dir(load)
@@ -157,9 +160,12 @@ def evaluate_checkpoint(
         if value is not None:
             setattr(data_config, name, value)
     selection, what = _data_selection(config, data_prefix, split)
+    if max_tokens is not None and _is_blend(selection):
+        # A blend is exactly as long as asked for: the budget is its length.
+        max_samples, max_tokens = math.ceil(max_tokens / seq), None
     if max_batches is None and max_samples is None and _is_blend(selection):
-        raise ConfigError(f"{what} is a blend of datasets: give --eval-iters or --max-samples "
-                          "(a blend has no natural single pass)")
+        raise ConfigError(f"{what} is a blend of datasets: give --eval-tokens N, --eval-iters or "
+                          "--max-samples (a blend has no natural single pass)")
 
     tp_rank, tp_size = setup_tensor_parallel(tensor_model_parallel_size)
     model, meta, tokenizer = build_model_from_checkpoint(
@@ -170,6 +176,11 @@ def evaluate_checkpoint(
     # ranks join) and so knows the number of steps; only TP rank 0 reads batches, get_batch broadcasts them.
     test, steps = _open_test_data(selection, what, seq, config.train.seed if seed is None else seed,
                                   data_cache_path, micro_batch_size, max_batches, max_samples)
+    if max_tokens is not None:
+        # A budget caps one pass over the selection; unlike --max-samples it never repeats documents.
+        steps = min(steps, math.ceil(max_tokens / (seq * per_step)))
+    logger.info("evaluating %d samples (%d tokens) of %s at micro-batch %d", steps * per_step, steps * per_step * seq,
+                what, micro_batch_size)
     iterator = None
     if tp_rank == 0:
         iterator = iter(build_pretraining_data_loader(test, 0, micro_batch_size, state.get_data_parallel_rank(),

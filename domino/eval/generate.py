@@ -163,8 +163,10 @@ def generate_samples(
     prompts: Sequence[str],
     max_new_tokens: int,
     tokenizer=None,
+    sampling: Optional[SamplingConfig] = None,
+    seed: int = 0,
 ) -> List[Dict[str, str]]:
-    """Greedy continuations of text prompts, as ``{"prompt", "completion"}`` dicts (for the report).
+    """Continuations of text prompts, as ``{"prompt", "completion"}`` dicts (for the report).
 
     Args:
         model_or_load: a ``GPTModel`` (then ``tokenizer`` is required) or a checkpoint path, loaded on
@@ -173,6 +175,8 @@ def generate_samples(
         max_new_tokens: tokens per continuation (fewer if the model ends the document, or if the
             model's positions run out).
         tokenizer: the tokenizer, when ``model_or_load`` is a model.
+        sampling: how tokens are chosen (default: greedy).
+        seed: sampling seed of the first prompt (the i-th prompt uses ``seed + i``).
     """
     if isinstance(model_or_load, torch.nn.Module):
         model = model_or_load
@@ -185,11 +189,11 @@ def generate_samples(
         tokenizer = tokenizer or checkpoint_tokenizer
     limit = _num_positions(model)
     samples = []
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
         ids = tokenizer.encode(prompt) or [tokenizer.eod]
         if limit is not None:
             ids = ids[-(limit - 1):]
         budget = max_new_tokens if limit is None else max(0, min(max_new_tokens, limit - len(ids)))
-        result = generate(model, tokenizer, ids, budget, SamplingConfig(greedy=True))
+        result = generate(model, tokenizer, ids, budget, sampling or SamplingConfig(greedy=True), seed=seed + index)
         samples.append({"prompt": prompt, "completion": result.text})
     return samples

@@ -12,7 +12,7 @@ import html
 import json
 import math
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from domino.config import ConfigError, DominoConfig, config_to_dict
 from domino.eval.report_plots import (
@@ -37,7 +37,9 @@ EVAL_COLUMNS = ("loss", "ppl", "accuracy", "tokens")
 
 
 def _fmt(value: Any) -> str:
-    if isinstance(value, bool) or value is None:
+    if value is None:
+        return "not recorded"
+    if isinstance(value, bool):
         return html.escape(str(value))
     if isinstance(value, int):
         return f"{value:,}"
@@ -74,16 +76,20 @@ def _normalise_eval_results(eval_results: Any) -> List[Dict[str, Any]]:
 
 def _eval_section(eval_results: Any, metric_evals: Sequence[Dict[str, Any]]) -> str:
     rows = [[r["name"], *(r.get(c) for c in EVAL_COLUMNS)] for r in _normalise_eval_results(eval_results)]
-    # The last evaluation of each split logged during training complements the explicit results.
+    # The last evaluation of each split logged during training complements the explicit results; training
+    # logs loss and perplexity only, so the other cells say so instead of staying empty.
     last: Dict[str, Dict[str, Any]] = {}
     for record in metric_evals:
         last[record["eval"]] = record
     for split, record in last.items():
-        rows.append([f"{split} (training, iteration {record.get('iteration')})",
+        rows.append([f"{split} (logged in training, iteration {record.get('iteration')})",
                      record.get("lm_loss"), record.get("ppl"), record.get("accuracy"), record.get("tokens")])
     if not rows:
         return "<p>No evaluation results.</p>"
-    return _table(["evaluation", "loss", "perplexity", "accuracy", "tokens"], rows, "evaluation")
+    rows = [[name, loss, ppl, "not logged" if accuracy is None else f"{100 * accuracy:.1f} %",
+             "not logged" if tokens is None else tokens] for name, loss, ppl, accuracy, tokens in rows]
+    return _table(["evaluation", "loss (nats/token)", "perplexity", "next-token accuracy", "tokens"], rows,
+                  "evaluation")
 
 
 def _config_section(config: Union[DominoConfig, Mapping[str, Any], None]) -> str:
@@ -92,17 +98,18 @@ def _config_section(config: Union[DominoConfig, Mapping[str, Any], None]) -> str
     data = config_to_dict(config) if dataclasses.is_dataclass(config) else dict(config)
     rows = []
     for group, values in data.items():
-        if isinstance(values, Mapping):
-            rows.extend([f"{group}.{key}", value] for key, value in values.items())
-        else:
-            rows.append([group, values])
-    return _table(["setting", "value"], rows, "config")
+        items = values.items() if isinstance(values, Mapping) else [(None, values)]
+        # An unset optional setting (None, an empty list) has no value to show: it is left out.
+        rows.extend([f"{group}.{key}" if key else group, value] for key, value in items
+                    if value is not None and value != [])
+    return ("<p>The resolved training configuration; settings left unset are not listed.</p>"
+            + _table(["setting", "value"], rows, "config"))
 
 
-def _samples_section(samples: Optional[Sequence[Mapping[str, Any]]]) -> str:
+def _samples_section(samples: Optional[Sequence[Mapping[str, Any]]], notes: Sequence[str] = ()) -> str:
     if not samples:
         return "<p>No sample generations.</p>"
-    items = []
+    items = [f"<p>{html.escape(note)}</p>" for note in notes]
     for sample in samples:
         prompt = html.escape(str(sample.get("prompt", "")))
         completion = html.escape(str(sample.get("completion", sample.get("text", ""))))
@@ -111,12 +118,44 @@ def _samples_section(samples: Optional[Sequence[Mapping[str, Any]]]) -> str:
     return "\n".join(items)
 
 
+#: The training summary's rows: metrics-file key, label with unit, format.
+_SUMMARY_ROWS = (
+    ("iteration", "iterations", "{:,}"), ("consumed_samples", "samples consumed", "{:,}"),
+    ("lm_loss", "training loss (nats/token)", "{:.4f}"), ("tokens_per_s", "throughput (tokens/s)", "{:,.0f}"),
+    ("tflops_per_device", "model TFLOP/s per device", "{:.3f}"), ("mfu", "MFU (% of peak)", "{:.1%}"),
+    ("memory_gb", "peak memory (GB)", "{:.2f}"),
+)
+
+
 def _summary_section(train: Sequence[Dict[str, Any]]) -> str:
     if not train:
         return "<p>No training iterations were logged.</p>"
     last = train[-1]
-    keys = ("iteration", "consumed_samples", "lm_loss", "tokens_per_s", "tflops_per_device", "mfu", "memory_gb")
-    return _table(["metric", "last logged value"], ([k, last.get(k)] for k in keys if k in last), "summary")
+    rows = []
+    for key, label, spec in _SUMMARY_ROWS:
+        value = last.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            rows.append([label, spec.format(value)])
+        elif key == "mfu" and "mfu" in last:
+            rows.append([label, "not measured: no reference peak for this device (give --peak-tflops)"])
+    return _table(["metric", "last logged value"], rows, "summary")
+
+
+def _run_section(run_info: Sequence[Tuple[str, str]]) -> str:
+    if not run_info:
+        return ""
+    return "<h2>What ran</h2>\n" + _table(["what", "details"], [list(row) for row in run_info], "what-ran")
+
+
+def _warmup_iters(config: Union[DominoConfig, Mapping[str, Any], None]) -> int:
+    """Warm-up iterations of the learning-rate schedule (0 when unknown)."""
+    if config is None:
+        return 0
+    data = config_to_dict(config) if dataclasses.is_dataclass(config) else dict(config)
+    train = data.get("train") or {}
+    if train.get("lr_warmup_fraction") and (train.get("lr_decay_iters") or train.get("train_iters")):
+        return int(train["lr_warmup_fraction"] * (train.get("lr_decay_iters") or train["train_iters"]))
+    return int(train.get("lr_warmup_iters") or 0)
 
 
 def write_report(
@@ -126,6 +165,8 @@ def write_report(
     config: Union[DominoConfig, Mapping[str, Any], None] = None,
     samples: Optional[Sequence[Mapping[str, Any]]] = None,
     title: str = "domino run report",
+    run_info: Sequence[Tuple[str, str]] = (),
+    notes: Sequence[str] = (),
 ) -> Path:
     """Writes the run report as one self-contained HTML file.
 
@@ -137,13 +178,15 @@ def write_report(
         config: the run's ``DominoConfig`` or its ``config_to_dict`` form.
         samples: generations as ``{"prompt": str, "completion": str}`` dicts.
         title: the page title.
+        run_info: ``(what, sentence)`` rows of the "What ran" section (layout, tokens seen, wall time, ...).
+        notes: sentences shown above the samples (how they were sampled, how many words are corpus words).
 
     Returns:
         The path of the written report.
     """
     train, evals = read_metrics(Path(metrics_file)) if metrics_file is not None else ([], [])
     plots = []
-    for name, figure in (("loss", loss_figure(train, evals)), ("throughput", throughput_figure(train)),
+    for name, figure in (("loss", loss_figure(train, evals, _warmup_iters(config))), ("throughput", throughput_figure(train)),
                          ("schedule", schedule_figure(train))):
         if figure is not None:
             plots.append(f'<figure><img id="plot-{name}" alt="{name} plot" src="{figure_to_data_uri(figure)}">'
@@ -155,13 +198,14 @@ def write_report(
 <body>
 <h1>{html.escape(title)}</h1>
 <p>Generated {created}{source}.</p>
+{_run_section(run_info)}
 <h2>Training</h2>
 {_summary_section(train)}
 {"".join(plots) or "<p>No training metrics to plot.</p>"}
 <h2>Evaluation</h2>
 {_eval_section(eval_results, evals)}
 <h2>Sample generations</h2>
-{_samples_section(samples)}
+{_samples_section(samples, notes)}
 <h2>Configuration</h2>
 {_config_section(config)}
 </body></html>

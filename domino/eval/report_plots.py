@@ -70,11 +70,15 @@ def figure_to_data_uri(figure: Figure) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def loss_figure(train: Sequence[Record], evals: Sequence[Record]) -> Optional[Figure]:
-    """Training loss per logged iteration with validation and test losses; ``None`` with nothing to draw."""
+def loss_figure(train: Sequence[Record], evals: Sequence[Record], warmup_iters: int = 0) -> Optional[Figure]:
+    """Training loss per logged iteration with validation and test losses as marked points, and the
+    learning-rate warm-up (its first ``warmup_iters`` iterations) shaded; ``None`` with nothing to draw."""
     figure = Figure(figsize=(7, 3.6))
     axes = figure.add_subplot()
     drawn = False
+    if warmup_iters > 0 and train:
+        axes.axvspan(0, warmup_iters, color="tab:red", alpha=0.12,
+                     label=f"learning-rate warm-up ({warmup_iters} iterations)")
     xs, ys = _series(train, "lm_loss")
     if xs:
         axes.plot(xs, ys, label="training", color="tab:blue")
@@ -82,12 +86,13 @@ def loss_figure(train: Sequence[Record], evals: Sequence[Record]) -> Optional[Fi
     for split, color in (("valid", "tab:orange"), ("test", "tab:green")):
         xs, ys = _series([r for r in evals if r.get("eval") == split], "lm_loss")
         if xs:
-            axes.plot(xs, ys, marker="o", label="validation" if split == "valid" else "test", color=color)
+            axes.plot(xs, ys, marker="o", label=f"{'validation' if split == 'valid' else 'test'} "
+                      f"({len(xs)} evaluation{'' if len(xs) == 1 else 's'})", color=color)
             drawn = True
     if not drawn:
         return None
     axes.set_xlabel("iteration")
-    axes.set_ylabel("LM loss")
+    axes.set_ylabel("LM loss (nats/token)")
     axes.set_title("Loss")
     axes.grid(alpha=0.3)
     axes.legend()

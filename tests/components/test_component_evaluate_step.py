@@ -54,9 +54,14 @@ def test_first_model_is_promoted_and_reported(workspace, tmp_path):
     assert result["reason"] == "no model promoted yet"
     assert result["test_ppl"] == pytest.approx(torch.exp(torch.tensor(result["test_loss"])).item(), rel=1e-4)
     assert result["test_ppl"] > 1000  # random weights over a 50k vocabulary
-    assert 0.0 <= result["token_accuracy"] <= 1.0 and result["test_tokens"] == 2 * 4 * 64
+    assert 0.0 <= result["token_accuracy"] <= 1.0 and result["test_tokens"] == 2 * 16 * 64
     page = report.read_text(encoding="utf-8")
     assert "domino run a" in page and "To be, or not to be" in page and "<img" in page
+    # Random weights are far worse than token frequencies, and write few words of the corpus.
+    assert result["test_ppl"] > result["unigram_ppl"] > 1.0
+    assert 0.0 <= result["sample_word_fraction"] <= 1.0 and len(result["samples"]) == 2
+    assert "unigram baseline" in page and "What ran" in page and "temperature 0.8, top-k 40, seed 1" in page
+    assert ">None<" not in page and "model location" in page
 
 
 def test_gate_reevaluates_the_promoted_model_on_the_same_samples(workspace, tmp_path):

@@ -24,7 +24,8 @@ def test_a_failing_job_raises_pretrain_failed_with_exit_code_and_log_tail(tmp_pa
         run_pretrain(settings, str(dataset), str(model), log=lines.append)
     message = str(failure.value)
     assert message.startswith("job gpt-pretrain-failing-run: Failed (exit code 1)"), message
-    assert "exited with code 1 after 0 restart(s)" in message  # a Python error is not retried
+    # OnFailure (the default, docs/cluster.md "Restarts"): restarted until the backoff limit (3 x nodes), then failed.
+    assert "BackoffLimitExceeded" in message and "3 restart(s) reached backoffLimit 3" in message, message
     assert "log lines of the master" in message, message
     assert f"{prefix}.idx: truncated header" in "\n".join(lines)  # the cause reached the step's log
     assert not model.exists()

@@ -96,7 +96,7 @@ def test_gpu_tolerations_node_selector_and_pvc_reach_the_pytorchjob():
     job = render_job(spec, settings.run_id)
     assert job["metadata"]["namespace"] == "team-a"
     assert job["spec"]["nprocPerNode"] == "8"
-    assert job["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicy"] == "ExitCode"
+    assert job["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicy"] == "OnFailure"  # docs/cluster.md "Restarts"
     assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
     pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     (container,) = pod["containers"]

@@ -82,9 +82,24 @@ def test_clear_errors(setup, tmp_path):
         evaluate_checkpoint(ckpts["tp1"], prefix, micro_batch_size=1000, data_cache_path=str(root / "cache"))
 
 
-def test_evaluate_cli_json(setup, capsys):
-    root, prefix, ckpts, _ = setup
-    code, out, _ = run_cli(["evaluate", "--load", ckpts["tp2"], "--data-path", prefix, "--micro-batch-size", "4",
-                            "--data-cache-path", str(root / "cache"), "--json", "--no-progress"], capsys)
+def _cli_json(capsys, *flags):
+    code, out, _ = run_cli(["evaluate", *flags, "--json", "--no-progress"], capsys)
     assert code == 0
-    assert json.loads(out.strip().splitlines()[-1])["loss"] == pytest.approx(_eval(ckpts["tp1"], prefix, root)["loss"])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_evaluate_cli_defaults_to_a_bounded_budget_of_held_out_documents(setup, capsys):
+    root, prefix, ckpts, _ = setup
+    common = ["--load", ckpts["tp2"], "--data-path", prefix, "--micro-batch-size", "4",
+              "--data-cache-path", str(root / "cache")]
+    # Default: the test part of the checkpoint's own split (50,25,25), within the default token budget.
+    held_out = _cli_json(capsys, *common)
+    assert "test split 50,25,25" in held_out["data"]
+    assert held_out["loss"] == pytest.approx(_eval(ckpts["tp1"], prefix, root, split="50,25,25")["loss"])
+    # A stated budget: 32 tokens = 2 samples of 16, rounded up to one micro-batch of 4.
+    assert _cli_json(capsys, *common, "--eval-tokens", "32")["samples"] == 4
+    # Everything only when asked: every document, all of it.
+    everything = _cli_json(capsys, *common, "--split", "0,0,1", "--eval-tokens", "all")
+    assert everything["loss"] == pytest.approx(_eval(ckpts["tp1"], prefix, root)["loss"])
+    code, _, err = run_cli(["evaluate", *common, "--eval-tokens", "0"], capsys)
+    assert code == 2 and "--eval-tokens: must be at least 1 (or 'all'), got 0" in err

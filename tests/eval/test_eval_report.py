@@ -72,10 +72,35 @@ def test_report_renders_everything(tmp_path):
         assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
     evaluation = page.tables["evaluation"]
     assert "3.25" in evaluation and "4,096" in evaluation and "25.79" in evaluation
-    assert any(cell.startswith("valid (training, iteration 20)") for cell in evaluation)
+    assert any(cell.startswith("valid (logged in training, iteration 20)") for cell in evaluation)
+    assert "31.0 %" in evaluation
     assert "model.hidden_size" in page.tables["config"] and "96" in page.tables["config"]
     text = "".join(page.text)
     assert "To be <or>" in text and "not to be" in text  # escaped in the HTML, intact once parsed
+
+
+def test_report_states_what_ran_and_shows_no_empty_or_none_cell(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(json.dumps({"iteration": it, "lm_loss": 5.0 / it, "lr": 1e-3, "tokens_per_s": 900.0,
+                                           "mfu": None, "memory_gb": 0.3}) + "\n" for it in (1, 2, 3))
+                       + json.dumps({"eval": "valid", "iteration": 3, "lm_loss": 1.5, "ppl": 4.48}) + "\n")
+    config = DominoConfig()  # many optional settings unset (None, empty lists)
+    config.train.lr_warmup_iters = 2
+    out = write_report(tmp_path / "r.html", metrics, eval_results={"new": {"loss": 1.4, "ppl": 4.06, "accuracy": 0.5,
+                                                                           "tokens": 512}},
+                       config=config, samples=[{"prompt": "A", "completion": " b"}],
+                       run_info=[("layout", "2 processes = tensor parallel 2 x data parallel 1")],
+                       notes=["Sampled at temperature 0.8, top-k 40; 9 of 10 words (90%) are words of the corpus."])
+    page = _Page()
+    page.feed(out.read_text())
+    cells = [cell for table in page.tables.values() for cell in table]
+    assert "None" not in cells and all(cell.strip() for cell in cells)
+    assert page.tables["what-ran"] == ["what", "details", "layout", "2 processes = tensor parallel 2 x data parallel 1"]
+    assert "MFU (% of peak)" in page.tables["summary"]
+    assert any(cell.startswith("not measured: no reference peak") for cell in page.tables["summary"])
+    assert page.tables["evaluation"].count("not logged") == 2  # training logs loss and perplexity only
+    assert "train.lr_decay_iters" not in page.tables["config"]  # unset: left out, and the page says so
+    assert "temperature 0.8, top-k 40" in "".join(page.text)
 
 
 def test_report_without_metrics_or_extras(tmp_path):

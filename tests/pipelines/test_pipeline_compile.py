@@ -8,8 +8,8 @@ import yaml
 from components import DEFAULT_IMAGE
 from pipelines import COMPILED_PATH, MOUNT_PATH, StepPlacement, build_pipeline, compile_pipeline
 
-STEPS = ("exec-plan-preprocess", "exec-preprocess", "exec-merge-datasets", "exec-pretrain", "exec-evaluate",
-         "exec-promote-model", "exec-cleanup-job")
+STEPS = ("exec-train-tokenizer", "exec-plan-preprocess", "exec-preprocess", "exec-merge-datasets", "exec-pretrain",
+         "exec-evaluate", "exec-promote-model", "exec-cleanup-job")
 
 
 def _compile(tmp_path, **kwargs):
@@ -75,7 +75,12 @@ def test_structure_exit_handler_gate_and_no_caching(tmp_path):
     status_input = root_tasks["cleanup-job"]["inputs"]["parameters"]["status"]
     assert status_input["taskFinalStatus"]["producerTask"] == "exit-handler-1"
     inner = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
-    assert set(inner) == {"plan-preprocess", "for-loop-2", "merge-datasets", "pretrain", "evaluate", "condition-3"}
+    assert set(inner) == {"train-tokenizer", "plan-preprocess", "for-loop-2", "merge-datasets", "pretrain", "evaluate",
+                          "condition-3"}
+    # preprocessing and pretrain take the tokenizer that train-tokenizer trained (or passed on).
+    for name in ("plan-preprocess", "pretrain"):
+        source = inner[name]["inputs"]["parameters"]["tokenizer"]["taskOutputParameter"]
+        assert source == {"outputParameterKey": "Output", "producerTask": "train-tokenizer"}, name
     assert "evaluate" in inner["condition-3"]["dependentTasks"]
     condition = inner["condition-3"]["triggerPolicy"]["condition"]
     assert "pipelinechannel--evaluate-Output" in condition and "true" in condition
@@ -84,10 +89,10 @@ def test_structure_exit_handler_gate_and_no_caching(tmp_path):
     assert artifacts["decision"]["componentInputArtifact"] == "pipelinechannel--evaluate-decision"
     assert artifacts["model"]["componentInputArtifact"] == "pipelinechannel--pretrain-model"
     assert promote["cachingOptions"] == {}
-    for name in ("plan-preprocess", "merge-datasets", "pretrain", "evaluate"):
+    for name in ("train-tokenizer", "plan-preprocess", "merge-datasets", "pretrain", "evaluate"):
         assert inner[name]["cachingOptions"] == {}, name  # {} = enableCache false
     # Every training step gets the per-run id from the placeholder (datasets are keyed by their inputs).
-    for name in ("pretrain", "evaluate"):
+    for name in ("train-tokenizer", "pretrain", "evaluate"):
         assert inner[name]["inputs"]["parameters"]["run_id"]["runtimeValue"]["constant"] == "{{$.pipeline_job_uuid}}"
 
 
@@ -97,7 +102,7 @@ def test_preprocess_fans_out_over_shard_groups_then_merges(tmp_path):
     loop = inner["for-loop-2"]
     assert loop["iteratorPolicy"] == {"parallelismLimit": 3}
     assert loop["parameterIterator"]["items"]["inputParameter"] == "pipelinechannel--plan-preprocess-Output"
-    assert loop["dependentTasks"] == ["plan-preprocess"] and loop["taskInfo"]["name"] == "shard-groups"
+    assert sorted(loop["dependentTasks"]) == ["plan-preprocess", "train-tokenizer"] and loop["taskInfo"]["name"] == "shard-groups"
     assert inner["plan-preprocess"]["inputs"]["parameters"]["groups"]["componentInputParameter"] == (
         "pipelinechannel--preprocess_groups")
     body = spec["components"]["comp-for-loop-2"]["dag"]["tasks"]
@@ -141,6 +146,15 @@ def test_evaluate_step_can_get_gpus(tmp_path):
     assert "resources" not in spec["deploymentSpec"]["executors"]["exec-evaluate"]["container"]
 
 
+def test_report_prompts_are_declared_once():
+    from components.evaluate import component
+    from components.evaluate.step import DEFAULT_PROMPTS
+
+    evaluate = component.build("img:1").component_spec.inputs
+    assert evaluate["sample_prompts"].default == DEFAULT_PROMPTS
+    assert build_pipeline().component_spec.inputs["sample_prompts"].default == DEFAULT_PROMPTS
+
+
 def test_default_parameters_are_the_local_tiny_run():
     inputs = build_pipeline().component_spec.inputs
     assert inputs["preset"].default == "tiny"
@@ -149,9 +163,9 @@ def test_default_parameters_are_the_local_tiny_run():
     assert inputs["warm_start"].default is False
 
 
-@pytest.mark.parametrize("module, builder", [("preprocess", "build_plan"), ("preprocess", "build"), ("merge", "build"),
-                                             ("pretrain", "build"), ("evaluate", "build"), ("promote", "build"),
-                                             ("cleanup", "build")])
+@pytest.mark.parametrize("module, builder", [("tokenizer", "build"), ("preprocess", "build_plan"),
+                                             ("preprocess", "build"), ("merge", "build"), ("pretrain", "build"),
+                                             ("evaluate", "build"), ("promote", "build"), ("cleanup", "build")])
 def test_every_component_compiles_on_its_own(module, builder, tmp_path):
     import importlib
 

@@ -1,7 +1,9 @@
 """End to end: the whole pipeline under kfp.local, twice, on a small built-in corpus.
 
-Run 1 trains the tiny preset with TP=2 and Domino chunks=2 across two local replicas (the launcher's
-local backend, one process per replica) and is promoted (nothing was promoted before). Run 2 warm-starts
+Both runs use the quick profile (``domino pipeline run --quick``: the tiny preset) on a small corpus, with
+a 512-token BPE trained by the pipeline's train-tokenizer step. Run 1 trains with TP=2 and Domino chunks=2
+across two local replicas (the launcher's local backend, one process per replica) and is promoted
+(nothing was promoted before). Run 2 warm-starts
 from the promoted checkpoint, and the gate decides by re-evaluating the promoted model on the same test
 samples, on the dataset run 1 made (same corpus and tokenizer: reused, not tokenised again). Everything
 goes through the real components, the real launcher and the real training loop.
@@ -13,10 +15,10 @@ import os
 
 import pytest
 
-from pipelines.local_run import run_local
+from pipelines.local_run import QUICK_PARAMS, run_local
 
 PARAMS = {
-    "corpus": "shakespeare-small", "train_iters": 6, "micro_batch_size": 4, "eval_interval": 3, "eval_iters": 1,
+    **QUICK_PARAMS, "corpus": "shakespeare-small", "tokenizer_vocab_size": 512, "train_iters": 6, "micro_batch_size": 4, "eval_interval": 3, "eval_iters": 1,
     "log_interval": 2, "eval_batches": 2, "sample_tokens": 4, "tensor_parallel": 2, "nproc_per_node": 2,
     "domino_chunks": 2,
 }
@@ -35,8 +37,13 @@ def test_two_local_runs_promote_then_warm_start_and_gate(tmp_path):
     checkpoint = os.path.join(first.checkpoint_dir, open(os.path.join(first.checkpoint_dir, "latest")).read().strip())
     meta = json.load(open(os.path.join(checkpoint, "checkpoint.json")))
     assert meta["tensor_model_parallel_size"] == 2 and meta["iteration"] == 6
+    assert meta["tokenizer"].endswith(os.path.join("data", "tokenizer")) and meta["padded_vocab_size"] == 512
     report = open(first.report, encoding="utf-8").read()
-    assert "<img" in report and "perplexity" in report and first.run_id in report
+    assert "<img" in report and "perplexity" in report and first.run_id in report and ">None<" not in report
+    assert first.test["unigram_ppl"] > 1.0 and 0.0 <= first.test["sample_word_fraction"] <= 1.0
+    verdict = first.verdict()
+    assert "unigram model of the same tokenizer" in verdict[0]
+    assert verdict[1].startswith(f"continue: domino generate --load {first.checkpoint_dir} --prompt")
     assert first.checkpoint_dir.startswith(str(out)) and first.report.startswith(str(out))
     assert first.dataset["reused"] is False and first.dataset["groups_tokenized"] == 1
     registry = json.load(open(out / "shared" / "promoted.json"))

@@ -105,3 +105,28 @@ def test_kfp_token_comes_from_a_file_or_the_environment_and_never_over_plain_htt
         token_from("kfp.example.com:8888")
     with pytest.raises(ValueError, match="--token-file .*: cannot read it"):
         token_from("https://kfp.example.com", str(tmp_path / "missing"))
+
+
+def test_the_demo_sets_every_training_setting_it_depends_on():
+    """`make demo`'s result must not move when a global default changes: its model, optimizer and schedule
+    come from the demo preset, its loop settings from explicit pipeline parameters."""
+    from domino.config.preset_store import load
+    from pipelines.local_run import DEMO_PARAMS, QUICK_PARAMS
+
+    preset = load(DEMO_PARAMS["preset"])
+    for field in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
+                  "hidden_dropout", "attention_dropout", "init_method_std", "lr", "min_lr", "lr_decay_style",
+                  "lr_warmup_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
+                  "initial_loss_scale", "seed"):
+        assert field in preset, field
+    for name in ("train_iters", "micro_batch_size", "global_batch_size", "split", "eval_interval", "eval_iters",
+                 "log_interval", "tensor_parallel", "domino_chunks", "zero_stage", "tokenizer_vocab_size"):
+        assert name in DEMO_PARAMS, name
+    check_training_config(DEMO_PARAMS)
+    check_training_config(QUICK_PARAMS)
+    parse_param_args([f"{name}={value}" for name, value in DEMO_PARAMS.items()])  # every name is a parameter
+
+
+def test_tokenizer_vocab_size_below_the_byte_alphabet_is_rejected():
+    with pytest.raises(ParamError, match="tokenizer_vocab_size=100: must be 0 .* or at least 257"):
+        parse_param_args(["tokenizer_vocab_size=100"])
