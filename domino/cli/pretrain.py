@@ -10,13 +10,14 @@ from domino.config import add_config_flags, config_from_args
 
 
 def _run(args: argparse.Namespace) -> int:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # Every rank checks the flags and the device before torch.distributed, DeepSpeed or the data start.
+    config = config_from_args(args, world_size=world_size, for_training=True)
     from domino.train.engine import check_this_device
     from domino.train.gpt_recipe import GPTRecipe
     from domino.train.pretrain import pretrain
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    config = config_from_args(args, world_size=world_size, for_training=True)
-    check_this_device(config)  # every rank, before torch.distributed or DeepSpeed start
+    check_this_device(config)
     recipe = GPTRecipe(config)
     result = pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step,
                       recipe.padded_vocab_size, recipe.tokenizer)

@@ -201,5 +201,8 @@ def tokenizer_for_run(data: DataConfig) -> Optional[Tokenizer]:
                             "(domino never downloads; save the tokenizer and give its path)")
         return build_tokenizer(model)
     if data.vocab_file is not None:
-        return Tokenizer(byte_level_bpe(data.vocab_file, data.merge_file or ""), name=data.vocab_file)
+        for flag, path in (("--vocab-file", data.vocab_file), ("--merge-file", data.merge_file)):
+            if not path or not os.path.isfile(path):
+                raise DataError(f"{flag} {path}: file not found")
+        return Tokenizer(byte_level_bpe(data.vocab_file, data.merge_file), name=data.vocab_file)
     return build_tokenizer(data.tokenizer)
