@@ -16,6 +16,7 @@ import pytest
 from domino.config import ConfigError, add_config_flags, config_from_args
 from domino.config.flags import ArgumentParser
 from domino.config.schema import DataConfig
+from distributed_helpers import free_port
 from megatron_scripts import SCRIPTS, SIZE_OVERRIDES, without_fp16, write_megatron_gpt2_files
 from train_helpers import child_env, pretrain_command, read_metrics, run_pretrain, train_losses
 
@@ -111,8 +112,6 @@ def test_ds_domino_gpt3_script_runs_under_the_deepspeed_launcher(tmp_path, corpu
     metrics = tmp_path / "metrics.jsonl"
     argv = without_fp16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files)))
     bindir = os.path.dirname(sys.executable)
-    from distributed_helpers import free_port
-
     command = [os.path.join(bindir, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
                "--module", "domino", "pretrain", *argv, *SIZE_OVERRIDES, "--metrics-file", str(metrics)]
     env = child_env({"PATH": bindir + os.pathsep + os.environ.get("PATH", "")})
@@ -166,3 +165,22 @@ def test_megatron_gpt2_vocab_and_merges_give_the_ids_of_tokenizer_gpt2(gpt2_file
 def test_megatron_data_flags_fail_clearly(argv, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         _parse(["--mock-data", "--train-iters", "1", *argv], world_size=1)
+
+
+def test_tokenizer_types(tmp_path, gpt2_files):
+    from domino.data.errors import DataError
+    from domino.data.tokenizer import build_tokenizer, tokenizer_for_run
+    from domino.train.gpt_recipe import GPTRecipe
+
+    gpt2 = build_tokenizer("gpt2")
+    gpt2.save(str(tmp_path / "hf"))
+    hf = tokenizer_for_run(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "hf")))
+    assert hf.encode("Hello, Megatron!") == gpt2.encode("Hello, Megatron!")
+    with pytest.raises(DataError, match="--tokenizer-model 'gpt2-large': not a local tokenizer.json"):
+        tokenizer_for_run(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="gpt2-large"))
+    with pytest.raises(DataError, match="--merge-file /nonexistent: file not found"):
+        tokenizer_for_run(DataConfig(vocab_file=gpt2_files["VOCAB_FILE"], merge_file="/nonexistent"))
+    # NullTokenizer, as Megatron's _NullTokenizer: ids below --vocab-size, end-of-document = --vocab-size.
+    null = GPTRecipe(_parse(["--mock-data", "--train-iters", "1", "--tokenizer-type", "NullTokenizer",
+                             "--vocab-size", "1000"], world_size=1))
+    assert null.tokenizer is None and null.eod == 1000 and null.padded_vocab_size == 1024
