@@ -38,9 +38,10 @@ def data_parallel_size(config: DominoConfig, world_size: int) -> int:
 def resolve_domino_chunks(config: DominoConfig) -> Optional[str]:
     """Fills in ``--domino-chunks`` when it was not given; returns the start-up note saying what was chosen.
 
-    DeepSpeed-Domino always splits each micro-batch in two, so a script written for it that does not name
-    ``--domino-chunks`` gets 2 chunks wherever that can work (TP > 1 and an even micro-batch), never silently
-    plain tensor parallelism.
+    DeepSpeed-Domino always splits each micro-batch in two (``intra_partitions = 2`` in
+    ``training/DeepSpeed-Domino/domino/language_model.py``, microsoft/DeepSpeedExamples commit faa04205), so a
+    script written for it that does not name ``--domino-chunks`` gets 2 chunks wherever that can work (TP > 1
+    and an even micro-batch), never silently plain tensor parallelism.
     """
     p, t = config.parallel, config.train
     if p.domino_chunks is not None:
