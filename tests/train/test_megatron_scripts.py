@@ -184,3 +184,11 @@ def test_tokenizer_types(tmp_path, gpt2_files):
     null = GPTRecipe(_parse(["--mock-data", "--train-iters", "1", "--tokenizer-type", "NullTokenizer",
                              "--vocab-size", "1000"], world_size=1))
     assert null.tokenizer is None and null.eod == 1000 and null.padded_vocab_size == 1024
+
+
+def test_every_flag_of_the_scripts_is_in_the_megatron_guide():
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "megatron.md").read_text()
+    flags = {token for script in SCRIPTS.values() for token in script.flags.split() if token.startswith("--")}
+    assert flags and not [flag for flag in sorted(flags) if flag not in guide]
