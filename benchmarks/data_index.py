@@ -163,7 +163,7 @@ def bench_reader(directory: str, gigabytes: float) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--tokens", type=int, default=100_000_000, help="tokens per epoch (default 100M)")
     parser.add_argument("--seq-length", type=int, default=1024)
     parser.add_argument("--reader-gb", type=float, default=1.0, help="size of the dataset the reader reads")

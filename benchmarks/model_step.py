@@ -215,7 +215,7 @@ def _paired_ratio(reference: list, candidate: list) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--repeats", type=int, default=8, help="timed repeats per configuration (median taken)")
     parser.add_argument("--steps", type=int, default=1, help="training steps per timed repeat")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before measuring")

@@ -129,7 +129,7 @@ def _preprocess(pattern: str, prefix: str, workers: int) -> list:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--megabytes", type=float, default=25.0, help="input size in MB (default 25)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per configuration (default 1)")
     parser.add_argument("--merge-copies", type=int, default=8, help="datasets merged (default 8)")

@@ -104,7 +104,7 @@ def check_config(argv: List[str], world_size: int):
     """Parses and validates ``argv`` as ``domino pretrain`` would; raises ``ConfigError`` naming the flag."""
     from domino.config import add_config_flags, config_from_args
 
-    parser = argparse.ArgumentParser(prog="domino pretrain", exit_on_error=False)
+    parser = argparse.ArgumentParser(prog="domino pretrain", exit_on_error=False, allow_abbrev=False)
     add_config_flags(parser)
     try:
         args = parser.parse_args(argv)

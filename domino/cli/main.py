@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence
 
 from domino import __version__
 from domino.config import ConfigError
+from domino.config.flags import ArgumentParser
 
 #: Modules under ``domino.cli`` that register sub-commands, in ``--help`` order.
 VERB_MODULES: List[str] = [
@@ -29,13 +30,17 @@ VERB_MODULES: List[str] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full ``domino`` argument parser with every registered sub-command."""
-    parser = argparse.ArgumentParser(
+    """The full ``domino`` argument parser with every registered sub-command (no abbreviated flags anywhere)."""
+    parser = ArgumentParser(
         prog="domino",
         description="GPT pretraining with Domino tensor parallelism, DeepSpeed and Kubeflow Pipelines.",
     )
     parser.add_argument("--version", action="version", version=f"domino {__version__}")
     parser.add_argument("--log-level", default="INFO", help="Python logging level (default: INFO).")
+    # `deepspeed --module domino pretrain ...` runs `python -m domino --local_rank=N pretrain ...`
+    # (deepspeed/launcher/launch.py); the rank is also in LOCAL_RANK, which is what domino reads.
+    parser.add_argument("--local_rank", "--local-rank", dest="launcher_local_rank", type=int, default=None,
+                        help="Set by the deepspeed launcher; ignored (LOCAL_RANK is read from the environment).")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in VERB_MODULES:
         importlib.import_module(f"domino.cli.{name}").register(subparsers)

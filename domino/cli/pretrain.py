@@ -10,11 +10,14 @@ from domino.config import add_config_flags, config_from_args
 
 
 def _run(args: argparse.Namespace) -> int:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # Every rank checks the flags and the device before torch.distributed, DeepSpeed or the data start.
+    config = config_from_args(args, world_size=world_size, for_training=True)
+    from domino.train.engine import check_this_device
     from domino.train.gpt_recipe import GPTRecipe
     from domino.train.pretrain import pretrain
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    config = config_from_args(args, world_size=world_size, for_training=True)
+    check_this_device(config)
     recipe = GPTRecipe(config)
     result = pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step,
                       recipe.padded_vocab_size, recipe.tokenizer)
@@ -29,8 +32,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``domino pretrain``."""
     parser = subparsers.add_parser(
         "pretrain", help="Pretrain a GPT (DeepSpeed ZeRO, tensor parallel + Domino, checkpoints, evaluation).",
-        description="Pretrain a GPT. Run alone for one process, or under torchrun for many: "
-                    "`torchrun --nproc-per-node 2 -m domino pretrain --preset tiny --tensor-model-parallel-size 2 ...`.")
+        description="Pretrain a GPT. Run alone for one process, or under a launcher for many: "
+                    "`torchrun --nproc-per-node 2 -m domino pretrain --preset tiny --tensor-model-parallel-size 2 ...` "
+                    "or `deepspeed --num_gpus 2 --module domino pretrain ...`. Megatron-LM's pretrain_gpt.py flags "
+                    "are accepted (docs/megatron.md).")
     add_config_flags(parser)
     parser.add_argument("--result-json", metavar="FILE", default=None,
                         help="Write the run's final numbers (iteration, losses, tokens/s, checkpoint) here.")

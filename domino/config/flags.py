@@ -2,45 +2,39 @@
 
 Every dataclass field becomes one flag (``micro_batch_size`` -> ``--micro-batch-size``) whose help is
 the field's docstring. Values resolve in three layers: dataclass defaults, then ``--preset NAME``,
-then flags given explicitly on the command line.
+then flags given explicitly on the command line. Like Megatron-LM's and DeepSpeed-Domino's parsers, ours never
+accept an abbreviated flag (``--seq 32`` is an error, not ``--seq-length 32``).
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import functools
-import inspect
+import logging
+import os
 import typing
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from domino.config import preset_store
-from domino.config.schema import DominoConfig
-from domino.config.validate import ConfigError, validate
+from domino.config.schema import DominoConfig, field_docs, flag_name
+from domino.config.validate import ConfigError, advisories, resolve_domino_chunks, validate
+
+logger = logging.getLogger(__name__)
+
+#: Extra spellings of a field's flag: the deepspeed launcher passes ``--local_rank=N``.
+FLAG_ALIASES: Dict[str, tuple] = {"local_rank": ("--local_rank",)}
 
 
-@functools.lru_cache(maxsize=None)
-def field_docs(cls: type) -> Dict[str, str]:
-    """Returns ``{field name: docstring}`` read from the string literal below each field of ``cls``."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, following in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
-            docs[node.target.id] = following.value.value.strip()
-    return docs
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` without prefix matching (``allow_abbrev=False``), as Megatron-LM parses.
 
+    Sub-commands made with ``add_subparsers().add_parser`` are of the same class, so the whole ``domino``
+    command line rejects abbreviations.
+    """
 
-def flag_name(field_name: str) -> str:
-    """``micro_batch_size`` -> ``--micro-batch-size``."""
-    return "--" + field_name.replace("_", "-")
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
 
 def _group_classes() -> Dict[str, type]:
@@ -50,15 +44,16 @@ def _group_classes() -> Dict[str, type]:
 
 def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, doc: str) -> None:
     dest = f.name
+    names = (flag_name(f.name), *FLAG_ALIASES.get(f.name, ()))
     origin = typing.get_origin(hint)
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     base = args[0] if origin is typing.Union and args else hint
     if base is bool:
-        group.add_argument(flag_name(f.name), dest=dest, action=argparse.BooleanOptionalAction, help=doc)
+        group.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction, help=doc)
     elif typing.get_origin(base) in (list, List):
-        group.add_argument(flag_name(f.name), dest=dest, nargs="+", metavar="VALUE", help=doc)
+        group.add_argument(*names, dest=dest, nargs="+", metavar="VALUE", help=doc)
     else:
-        group.add_argument(flag_name(f.name), dest=dest, type=base, metavar=base.__name__.upper(), help=doc)
+        group.add_argument(*names, dest=dest, type=base, metavar=base.__name__.upper(), help=doc)
 
 
 def add_config_flags(parser: argparse.ArgumentParser, groups: Iterable[str] = DominoConfig.GROUPS) -> None:
@@ -113,8 +108,14 @@ def config_from_args(
         config.preset = preset
     owners = _owner_of_fields()
     apply_overrides(config, {k: v for k, v in values.items() if k in owners}, "command line")
+    chosen = resolve_domino_chunks(config)
     if check:
         validate(config, world_size=world_size, for_training=for_training)
+        if os.environ.get("RANK", "0") == "0":  # one copy of each note, not one per process
+            if chosen:
+                logger.info("%s", chosen)
+            for note in advisories(config):
+                logger.warning("%s", note)
     return config
 
 
@@ -122,7 +123,7 @@ def parse_config(
     argv: Sequence[str], world_size: Optional[int] = None, prog: str = "domino"
 ) -> DominoConfig:
     """Parses Megatron-style flags into a validated config (for scripts and tests)."""
-    parser = argparse.ArgumentParser(prog=prog)
+    parser = ArgumentParser(prog=prog)
     add_config_flags(parser)
     return config_from_args(parser.parse_args(list(argv)), world_size=world_size)
 
@@ -137,6 +138,7 @@ def config_from_dict(data: Dict[str, Any]) -> DominoConfig:
     config = DominoConfig(preset=data.get("preset"))
     for group in DominoConfig.GROUPS:
         apply_overrides(config, data.get(group, {}), f"config group '{group}'")
+    resolve_domino_chunks(config)
     return config
 
 

@@ -8,8 +8,11 @@ docstrings to build the ``--help`` text of the matching Megatron-style flag (``n
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 
 @dataclass
@@ -40,6 +43,24 @@ class ModelConfig:
     """Standard deviation of the normal initialisation of weights."""
     layernorm_epsilon: float = 1e-5
     """Epsilon of every LayerNorm."""
+    position_embedding_type: str = "learned_absolute"
+    """Position embeddings: learned_absolute (rope is LLaMA architecture: not supported yet, issue #14)."""
+    use_rotary_position_embeddings: bool = False
+    """Megatron's older spelling of --position-embedding-type rope (not supported yet, issue #14)."""
+    normalization: str = "LayerNorm"
+    """Normalization layer: LayerNorm (RMSNorm is LLaMA architecture: not supported yet, issue #14)."""
+    swiglu: bool = False
+    """SwiGLU MLP instead of GeLU (LLaMA architecture: not supported yet, issue #14)."""
+    disable_bias_linear: bool = False
+    """Linear layers without biases (LLaMA architecture: not supported yet, issue #14)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Separate output-layer weights instead of the tied word embeddings (not supported yet, issue #14)."""
+    group_query_attention: bool = False
+    """Grouped-query attention with --num-query-groups key/value heads (not supported yet, issue #14)."""
+    num_query_groups: int = 1
+    """Key/value head groups of --group-query-attention (Megatron's default 1)."""
+    llama_model: bool = False
+    """DeepSpeed-Domino's switch to its LLaMA model (LLaMA architecture: not supported yet, issue #14)."""
 
     @property
     def ffn_size(self) -> int:
@@ -58,12 +79,21 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = 1
     """Number of processes that split every layer (tensor parallelism)."""
-    domino_chunks: int = 1
-    """Micro-chunks per layer input for Domino overlap; 1 means plain synchronous tensor parallelism."""
+    domino_chunks: Optional[int] = None
+    """Micro-chunks per layer input for Domino overlap; 1 means plain synchronous tensor parallelism (default: 2
+    when --tensor-model-parallel-size > 1 and --micro-batch-size is even, else 1)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages; only 1 (pipeline parallelism is not supported)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (not supported yet, issue #14)."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage for data parallelism (0, 1 or 2)."""
     distributed_backend: Optional[str] = None
     """torch.distributed backend (default: nccl with CUDA, else gloo)."""
+    distributed_timeout_minutes: int = 10
+    """Timeout of torch.distributed collectives, in minutes."""
+    local_rank: Optional[int] = None
+    """Set by the deepspeed launcher (also --local_rank); ignored: the LOCAL_RANK environment variable is used."""
 
 
 @dataclass
@@ -82,19 +112,31 @@ class TrainConfig:
     """Peak learning rate."""
     min_lr: float = 0.0
     """Learning rate at the end of decay."""
-    lr_decay_style: str = "cosine"
-    """Learning-rate decay: constant, linear or cosine."""
+    lr_decay_style: str = "linear"
+    """Learning-rate decay: constant, linear, cosine, inverse-square-root or WSD."""
     lr_decay_iters: Optional[int] = None
     """Iterations over which the learning rate decays (default: --train-iters)."""
+    lr_decay_samples: Optional[int] = None
+    """Samples over which the learning rate decays, with --train-samples (default: --train-samples)."""
     lr_warmup_iters: int = 0
     """Iterations of linear warm-up."""
+    lr_warmup_samples: int = 0
+    """Samples of linear warm-up, with --train-samples."""
     lr_warmup_fraction: Optional[float] = None
-    """Warm-up as a fraction of --lr-decay-iters (alternative to --lr-warmup-iters)."""
+    """Warm-up as a fraction of the decay length (alternative to --lr-warmup-iters/--lr-warmup-samples)."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at the start of warm-up (the first step's rate)."""
+    lr_wsd_decay_style: str = "exponential"
+    """Annealing shape of the last phase of --lr-decay-style WSD: exponential, linear or cosine."""
+    lr_wsd_decay_iters: Optional[int] = None
+    """Iterations of the WSD annealing phase (ending at --lr-decay-iters)."""
+    lr_wsd_decay_samples: Optional[int] = None
+    """Samples of the WSD annealing phase, with --train-samples."""
     weight_decay: float = 0.01
     """AdamW weight decay (not applied to biases and LayerNorm)."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
-    adam_beta2: float = 0.95
+    adam_beta2: float = 0.999
     """AdamW beta2."""
     adam_eps: float = 1e-8
     """AdamW epsilon."""
@@ -106,7 +148,7 @@ class TrainConfig:
     """Train in fp16 with dynamic loss scaling."""
     bf16: bool = False
     """Train in bf16 (GPUs)."""
-    initial_loss_scale: float = 2.0**16
+    initial_loss_scale: float = 2.0**32
     """Initial dynamic loss scale for --fp16."""
     deepspeed_config: Optional[str] = None
     """JSON file whose keys override the DeepSpeed config domino builds."""
@@ -114,12 +156,20 @@ class TrainConfig:
     """Stop with an error after this many consecutive non-finite losses."""
     eval_interval: int = 1000
     """Run validation every this many iterations (0 disables)."""
-    eval_iters: int = 10
+    eval_iters: int = 100
     """Batches per validation or test evaluation."""
     exit_interval: Optional[int] = None
     """Stop (after saving) when the iteration is a multiple of this value."""
     exit_signal_handler: bool = False
     """On SIGTERM (pod preemption), save a checkpoint after the current iteration and exit with status 143."""
+    recompute_activations: bool = False
+    """Selective activation recompute (not supported yet, issue #14)."""
+    recompute_granularity: Optional[str] = None
+    """Activation recompute granularity, full or selective (not supported yet, issue #14)."""
+    recompute_method: Optional[str] = None
+    """Full recompute method, uniform or block (not supported yet, issue #14)."""
+    recompute_num_layers: Optional[int] = None
+    """Layers per recompute unit of --recompute-method (not supported yet, issue #14)."""
 
 
 @dataclass
@@ -142,6 +192,17 @@ class DataConfig:
     """Read every page of the datasets once before training."""
     tokenizer: str = "gpt2"
     """Tokenizer: 'gpt2' (offline GPT-2 BPE), a tokenizer.json, or a directory holding one."""
+    tokenizer_type: Optional[str] = None
+    """Megatron tokenizer type: GPT2BPETokenizer (--vocab-file, --merge-file), HuggingFaceTokenizer
+    (--tokenizer-model) or NullTokenizer (--vocab-size, preprocessed data); default: --tokenizer."""
+    vocab_file: Optional[str] = None
+    """GPT-2 BPE vocabulary (Megatron's gpt2-vocab.json); with --merge-file it replaces --tokenizer."""
+    merge_file: Optional[str] = None
+    """GPT-2 BPE merges (Megatron's gpt2-merges.txt), with --vocab-file."""
+    tokenizer_model: Optional[str] = None
+    """Local tokenizer.json file or directory for --tokenizer-type HuggingFaceTokenizer."""
+    data_impl: str = "mmap"
+    """Indexed-dataset implementation (Megatron before 2023-09): mmap or infer; both read the .bin/.idx with mmap."""
     reset_position_ids: bool = False
     """Restart position ids after every end-of-document token."""
     reset_attention_mask: bool = False
@@ -181,16 +242,44 @@ class CheckpointConfig:
 class LoggingConfig:
     """What a run reports."""
 
-    log_interval: int = 10
+    log_interval: int = 100
     """Log one line every this many iterations."""
     tensorboard_dir: Optional[str] = None
-    """Write TensorBoard events here."""
+    """Write TensorBoard events here (Megatron's tag names: lm loss, learning-rate, grad-norm, ...)."""
+    log_timers_to_tensorboard: bool = False
+    """Also write iteration-time to TensorBoard (Megatron's switch)."""
     metrics_file: Optional[str] = None
     """Append one JSON object per logged iteration and per evaluation to this file."""
     timing_log_level: int = 0
     """0: no timers; 1: step-level timers; 2: every timer."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s of one device for MFU (default: detected for known GPUs)."""
+
+
+@dataclass
+class KernelConfig:
+    """Megatron-LM kernel and fusion switches: accepted so launch scripts run unchanged; no effect here."""
+
+    use_flash_attn: bool = False
+    """No effect: attention runs on torch SDPA, which picks FlashAttention by itself on GPUs that support it."""
+    attention_backend: Optional[str] = None
+    """No effect: attention runs on torch SDPA, which chooses its own kernel (flash, memory-efficient, math)."""
+    gradient_accumulation_fusion: bool = True
+    """No effect (--no-gradient-accumulation-fusion): domino has no fused weight-gradient accumulation kernel."""
+    masked_softmax_fusion: bool = True
+    """No effect (--no-masked-softmax-fusion): SDPA fuses scaling, masking and softmax itself."""
+    bias_gelu_fusion: bool = True
+    """No effect (--no-bias-gelu-fusion): domino has no fused bias-GeLU kernel."""
+    bias_dropout_fusion: bool = True
+    """No effect (--no-bias-dropout-fusion): domino has no fused bias-dropout-add kernel."""
+    async_tensor_model_parallel_allreduce: bool = True
+    """No effect (--no-async-tensor-model-parallel-allreduce): Domino schedules its own asynchronous all-reduces."""
+    persist_layer_norm: bool = True
+    """No effect (--no-persist-layer-norm): domino uses torch's LayerNorm kernel."""
+    use_distributed_optimizer: bool = False
+    """No effect: optimizer state is sharded over data-parallel ranks by ZeRO (--zero-stage, default 1) instead."""
+    causal_lm: bool = False
+    """No effect: DeepSpeed-Domino's switch for a causal mask, which GPT always uses."""
 
 
 @dataclass
@@ -203,7 +292,31 @@ class DominoConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     preset: Optional[str] = None
     """Name of the preset the run started from, for the record."""
 
-    GROUPS = ("model", "parallel", "train", "data", "checkpoint", "logging")
+    GROUPS = ("model", "parallel", "train", "data", "checkpoint", "logging", "kernels")
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> Dict[str, str]:
+    """Returns ``{field name: docstring}`` read from the string literal below each field of ``cls``."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = following.value.value.strip()
+    return docs
+
+
+def flag_name(field_name: str) -> str:
+    """``micro_batch_size`` -> ``--micro-batch-size``."""
+    return "--" + field_name.replace("_", "-")

@@ -1,10 +1,24 @@
-"""All config validation, in one place, with errors that name the flags involved."""
+"""All config validation, in one place, with errors that name the flags involved.
+
+Besides errors, :func:`advisories` lists what a run should say about flags it accepts without acting on
+(Megatron-LM's kernel switches, ``--save-interval`` without ``--save``), and :func:`check_device` the settings the
+machine cannot run. The Megatron-LM rules cited are from ``megatron/training/arguments.py`` (NVIDIA/Megatron-LM
+``core_r0.11.0``, commit 7c00175e6b24b3cd835d21a9d287c35a07e275b3).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
-from domino.config.schema import DominoConfig
+from domino.config.schema import DominoConfig, KernelConfig, field_docs, flag_name
+
+#: Megatron's --lr-decay-style choices.
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+#: Tokenizer types domino reads; Megatron's others (SentencePiece, TikToken, BERT...) are refused by name.
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+#: Megatron's --attention-backend choices (AttnBackend in megatron/core/transformer/enums.py).
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 
 
 class ConfigError(ValueError):
@@ -21,6 +35,59 @@ def data_parallel_size(config: DominoConfig, world_size: int) -> int:
     return world_size // config.parallel.tensor_model_parallel_size
 
 
+def resolve_domino_chunks(config: DominoConfig) -> Optional[str]:
+    """Fills in ``--domino-chunks`` when it was not given; returns the start-up note saying what was chosen.
+
+    DeepSpeed-Domino always splits each micro-batch in two (``intra_partitions = 2`` in
+    ``training/DeepSpeed-Domino/domino/language_model.py``, microsoft/DeepSpeedExamples commit faa04205), so a
+    script written for it that does not name ``--domino-chunks`` gets 2 chunks wherever that can work (TP > 1
+    and an even micro-batch), never silently plain tensor parallelism.
+    """
+    p, t = config.parallel, config.train
+    if p.domino_chunks is not None:
+        return None
+    tp = p.tensor_model_parallel_size
+    if tp > 1 and t.micro_batch_size % 2 == 0:
+        p.domino_chunks = 2
+        return (f"--domino-chunks not given: 2 (Domino overlap, as DeepSpeed-Domino; --tensor-model-parallel-size {tp} "
+                f"> 1 and --micro-batch-size {t.micro_batch_size} is even)")
+    p.domino_chunks = 1
+    reason = "--tensor-model-parallel-size 1" if tp <= 1 else f"--micro-batch-size {t.micro_batch_size} is odd"
+    return f"--domino-chunks not given: 1 (plain tensor parallelism: {reason})"
+
+
+def _unsupported_features(config: DominoConfig) -> List[str]:
+    """One message per model-changing feature asked for but not built: never trained around silently."""
+    m, p, t = config.model, config.parallel, config.train
+    llama = [flag for flag, asked in (
+        ("--llama-model", m.llama_model),
+        (f"--position-embedding-type {m.position_embedding_type}", m.position_embedding_type == "rope"),
+        ("--use-rotary-position-embeddings", m.use_rotary_position_embeddings),
+        (f"--normalization {m.normalization}", m.normalization == "RMSNorm"),
+        ("--swiglu", m.swiglu),
+        ("--disable-bias-linear", m.disable_bias_linear),
+        ("--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights),
+        ("--group-query-attention", m.group_query_attention),
+    ) if asked]
+    recompute = [flag for flag, asked in (
+        ("--recompute-activations", t.recompute_activations),
+        (f"--recompute-granularity {t.recompute_granularity}", t.recompute_granularity is not None),
+        (f"--recompute-method {t.recompute_method}", t.recompute_method is not None),
+        (f"--recompute-num-layers {t.recompute_num_layers}", t.recompute_num_layers is not None),
+    ) if asked]
+    messages = []
+    if llama:
+        messages.append(f"{', '.join(llama)}: LLaMA architecture: not supported yet (issue #14)")
+    if p.sequence_parallel:
+        messages.append("--sequence-parallel: sequence parallelism: not supported yet (issue #14)")
+    if recompute:
+        messages.append(f"{', '.join(recompute)}: activation recompute: not supported yet (issue #14)")
+    if p.pipeline_model_parallel_size > 1:
+        messages.append(f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: pipeline parallelism: "
+                        "not supported (use tensor and data parallelism; --pipeline-model-parallel-size 1 is accepted)")
+    return messages
+
+
 def validate(config: DominoConfig, world_size: Optional[int] = None, for_training: bool = False) -> None:
     """Raises :class:`ConfigError` listing every problem in ``config``.
 
@@ -31,7 +98,9 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
         for_training: also require what ``domino pretrain`` needs (a length, a data source).
     """
     m, p, t, d, c, lg = config.model, config.parallel, config.train, config.data, config.checkpoint, config.logging
-    problems: List[str] = []
+    problems: List[str] = _unsupported_features(config)
+    if problems:  # the missing feature is the whole story; other complaints would only distract from it
+        raise ConfigError("; ".join(problems))
     tp = p.tensor_model_parallel_size
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
         value = getattr(m, name)
@@ -55,27 +124,54 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
         _check(problems, 0.0 <= value < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
     _check(problems, m.init_method_std > 0, f"--init-method-std must be > 0, got {m.init_method_std}")
 
-    _check(problems, p.domino_chunks >= 1, f"--domino-chunks must be >= 1, got {p.domino_chunks}")
-    _check(problems, t.micro_batch_size % max(p.domino_chunks, 1) == 0,
+    _check(problems, m.position_embedding_type == "learned_absolute",
+           f"--position-embedding-type must be learned_absolute or rope, got {m.position_embedding_type!r}")
+    _check(problems, m.normalization == "LayerNorm",
+           f"--normalization must be LayerNorm or RMSNorm, got {m.normalization!r}")
+
+    chunks = p.domino_chunks if p.domino_chunks is not None else 1
+    _check(problems, chunks >= 1, f"--domino-chunks must be >= 1, got {p.domino_chunks}")
+    _check(problems, t.micro_batch_size % max(chunks, 1) == 0,
            f"--micro-batch-size {t.micro_batch_size} is not divisible by --domino-chunks {p.domino_chunks} "
            "(Domino splits each micro-batch along the batch dimension)")
     _check(problems, p.zero_stage in (0, 1, 2), f"--zero-stage must be 0, 1 or 2, got {p.zero_stage}")
     _check(problems, p.distributed_backend in (None, "gloo", "nccl"),
            f"--distributed-backend must be gloo or nccl, got {p.distributed_backend!r}")
+    _check(problems, p.pipeline_model_parallel_size >= 1,
+           f"--pipeline-model-parallel-size must be >= 1, got {p.pipeline_model_parallel_size}")
+    _check(problems, p.distributed_timeout_minutes >= 1,
+           f"--distributed-timeout-minutes must be >= 1, got {p.distributed_timeout_minutes}")
 
     _check(problems, t.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {t.micro_batch_size}")
     _check(problems, not (t.fp16 and t.bf16), "--fp16 and --bf16 are mutually exclusive")
     _check(problems, not (t.train_iters is not None and t.train_samples is not None),
            "--train-iters and --train-samples are mutually exclusive")
-    _check(problems, t.lr_decay_style in ("constant", "linear", "cosine"),
-           f"--lr-decay-style must be constant, linear or cosine, got {t.lr_decay_style!r}")
+    _check(problems, t.lr_decay_style in LR_DECAY_STYLES,
+           f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got {t.lr_decay_style!r}")
+    _check(problems, t.lr_wsd_decay_style in ("exponential", "linear", "cosine"),
+           f"--lr-wsd-decay-style must be exponential, linear or cosine, got {t.lr_wsd_decay_style!r}")
+    _check(problems, t.lr_decay_style != "WSD" or t.lr_wsd_decay_iters is not None or t.lr_wsd_decay_samples is not None,
+           "--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples with --train-samples)")
+    _check(problems, 0.0 <= t.lr_warmup_init <= t.lr, f"need 0 <= --lr-warmup-init ({t.lr_warmup_init}) <= --lr ({t.lr})")
+    # Megatron's validate_args: iteration-based runs take --lr-*-iters, sample-based runs --lr-*-samples.
+    if t.train_iters is not None:
+        given = [flag for flag, value in (("--lr-decay-samples", t.lr_decay_samples),
+                                          ("--lr-warmup-samples", t.lr_warmup_samples or None),
+                                          ("--lr-wsd-decay-samples", t.lr_wsd_decay_samples)) if value is not None]
+        _check(problems, not given, f"{', '.join(given)}: only with --train-samples (this run gives --train-iters)")
+    if t.train_samples is not None:
+        given = [flag for flag, value in (("--lr-decay-iters", t.lr_decay_iters),
+                                          ("--lr-warmup-iters", t.lr_warmup_iters or None),
+                                          ("--lr-wsd-decay-iters", t.lr_wsd_decay_iters)) if value is not None]
+        _check(problems, not given, f"{', '.join(given)}: only with --train-iters (this run gives --train-samples)")
     _check(problems, t.lr >= 0 and t.min_lr >= 0 and t.min_lr <= t.lr,
            f"need 0 <= --min-lr ({t.min_lr}) <= --lr ({t.lr})")
     _check(problems, t.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {t.lr_warmup_iters}")
     if t.lr_warmup_fraction is not None:
         _check(problems, 0.0 <= t.lr_warmup_fraction <= 1.0,
                f"--lr-warmup-fraction must be in [0, 1], got {t.lr_warmup_fraction}")
-        _check(problems, t.lr_warmup_iters == 0, "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
+        _check(problems, t.lr_warmup_iters == 0 and t.lr_warmup_samples == 0,
+               "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are mutually exclusive")
     _check(problems, 0.0 <= t.adam_beta1 < 1.0 and 0.0 <= t.adam_beta2 < 1.0, "--adam-beta1/2 must be in [0, 1)")
     _check(problems, t.clip_grad >= 0, f"--clip-grad must be >= 0, got {t.clip_grad}")
     _check(problems, t.max_nan_steps >= 1, f"--max-nan-steps must be >= 1, got {t.max_nan_steps}")
@@ -97,6 +193,9 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
     _check(problems, lg.log_interval >= 1, f"--log-interval must be >= 1, got {lg.log_interval}")
     _check(problems, lg.timing_log_level in (0, 1, 2), f"--timing-log-level must be 0, 1 or 2, got {lg.timing_log_level}")
     _check(problems, d.num_workers >= 0, f"--num-workers must be >= 0, got {d.num_workers}")
+    _check_tokenizer_and_data(problems, config)
+    _check(problems, config.kernels.attention_backend in (None, *ATTENTION_BACKENDS),
+           f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {config.kernels.attention_backend!r}")
 
     if for_training:
         _check(problems, t.train_iters is not None or t.train_samples is not None,
@@ -105,9 +204,68 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
                "no training data: give --data-path (or --train-data-path), or --mock-data")
         _check(problems, not (d.data_path and d.train_data_path),
                "--data-path and --train-data-path are mutually exclusive")
-        _check(problems, c.save_interval is None or c.save is not None, "--save-interval needs --save")
         _check(problems, not (c.finetune and c.load is None), "--finetune needs --load")
 
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _check_tokenizer_and_data(problems: List[str], config: DominoConfig) -> None:
+    d, m = config.data, config.model
+    _check(problems, d.data_impl in ("mmap", "infer"),
+           f"--data-impl {d.data_impl}: only mmap indexed datasets exist here (Megatron's lazy and cached formats "
+           "were removed in Megatron-LM 2023-09); use mmap")
+    _check(problems, (d.vocab_file is None) == (d.merge_file is None), "--vocab-file and --merge-file go together")
+    _check(problems, d.vocab_file is None or d.tokenizer == "gpt2",
+           f"--tokenizer {d.tokenizer} and --vocab-file/--merge-file are mutually exclusive")
+    kind = d.tokenizer_type
+    if kind is None:
+        return
+    _check(problems, kind in TOKENIZER_TYPES,
+           f"--tokenizer-type {kind} is not supported (supported: {', '.join(TOKENIZER_TYPES)}; for another tokenizer "
+           "save it as a tokenizer.json and give --tokenizer-type HuggingFaceTokenizer --tokenizer-model FILE)")
+    if kind == "GPT2BPETokenizer":
+        _check(problems, d.vocab_file is not None, "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+    if kind == "HuggingFaceTokenizer":
+        _check(problems, d.tokenizer_model is not None, "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model")
+    if kind == "NullTokenizer":
+        _check(problems, m.vocab_size is not None,
+               "--tokenizer-type NullTokenizer needs --vocab-size (ids below it; the end-of-document id is --vocab-size)")
+
+
+def advisories(config: DominoConfig) -> List[str]:
+    """What a run should log about flags it accepts but does not act on, one line each."""
+    notes = []
+    c = config.checkpoint
+    if c.save_interval is not None and c.save is None:
+        notes.append(f"--save-interval {c.save_interval} without --save: no checkpoints are written "
+                     "(Megatron-LM allows this too)")
+    docs, defaults = field_docs(KernelConfig), KernelConfig()
+    for f in dataclasses.fields(KernelConfig):
+        value = getattr(config.kernels, f.name)
+        if value != getattr(defaults, f.name):
+            flag = flag_name(f.name) if value is not False else "--no-" + f.name.replace("_", "-")
+            shown = f"{flag} {value}" if not isinstance(value, bool) else flag
+            doc = docs[f.name]
+            notes.append(f"{shown}: accepted for Megatron-LM compatibility; {doc[0].lower()}{doc[1:]}")
+    return notes
+
+
+def check_device(config: DominoConfig, cuda: bool, cpu_fp16: bool = False) -> None:
+    """Raises :class:`ConfigError` for precision or backend settings this machine cannot run.
+
+    Args:
+        config: the resolved configuration.
+        cuda: whether CUDA GPUs are usable.
+        cpu_fp16: whether DeepSpeed's CPU accelerator reports fp16 support (CPUs with AVX-512 FP16/AMX).
+    """
+    problems: List[str] = []
+    _check(problems, cuda or cpu_fp16 or not config.train.fp16,
+           "--fp16 needs a CUDA GPU: this machine has none and DeepSpeed's CPU accelerator reports no fp16 support "
+           "here; drop --fp16 (fp32) or use --bf16")
+    _check(problems, cuda or config.parallel.distributed_backend != "nccl",
+           "--distributed-backend nccl needs CUDA GPUs, none here; use --distributed-backend gloo (the default "
+           "without CUDA)")
     if problems:
         raise ConfigError("; ".join(problems))
 

@@ -7,6 +7,12 @@
 * a path to a ``tokenizer.json`` file (any Hugging Face fast tokenizer);
 * a directory holding ``tokenizer.json``, or ``vocab.json`` + ``merges.txt`` (byte-level BPE).
 
+``tokenizer_for_run(data_config, vocab_size)`` maps a run's flags onto it, Megatron-LM's included: ``--vocab-file``
++ ``--merge-file`` (``gpt2-vocab.json``/``gpt2-merges.txt``), ``--tokenizer-type`` GPT2BPETokenizer,
+HuggingFaceTokenizer (``--tokenizer-model``, local files only) and NullTokenizer (no tokenizer: ids below
+``--vocab-size``, end-of-document ``--vocab-size``, as Megatron's ``_NullTokenizer`` in
+``megatron/training/tokenizer/tokenizer.py``, core_r0.11.0).
+
 The end-of-document id (``eod``) is the id of the first of :data:`EOD_TOKENS` the vocabulary holds.
 """
 
@@ -21,6 +27,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from domino.atomic_files import atomic_write
+from domino.config.schema import DataConfig
 from domino.data.errors import DataError
 
 #: Special tokens recognised as "end of document", in order of preference.
@@ -173,3 +180,29 @@ def build_tokenizer(spec: str) -> Tokenizer:
     if os.path.isfile(spec):
         return _from_tokenizer_json(spec)
     raise DataError(f"--tokenizer {spec!r} is neither 'gpt2' nor an existing tokenizer.json file or directory")
+
+
+def tokenizer_for_run(data: DataConfig) -> Optional[Tokenizer]:
+    """The tokenizer a training run's data flags name, or ``None`` for ``--tokenizer-type NullTokenizer``.
+
+    ``--vocab-file``/``--merge-file`` are read as Megatron's ``_GPT2BPETokenizer`` reads them (a JSON vocabulary,
+    merges after a ``#version`` line), which is OpenAI's GPT-2 encoder, so with Megatron's published
+    ``gpt2-vocab.json``/``gpt2-merges.txt`` the ids equal those of ``--tokenizer gpt2``.
+
+    Raises:
+        DataError: naming the flag and path when a file is missing or unreadable.
+    """
+    if data.tokenizer_type == "NullTokenizer":
+        return None
+    if data.tokenizer_type == "HuggingFaceTokenizer":
+        model = data.tokenizer_model or ""
+        if not os.path.exists(model):
+            raise DataError(f"--tokenizer-model {model!r}: not a local tokenizer.json file or directory "
+                            "(domino never downloads; save the tokenizer and give its path)")
+        return build_tokenizer(model)
+    if data.vocab_file is not None:
+        for flag, path in (("--vocab-file", data.vocab_file), ("--merge-file", data.merge_file)):
+            if not path or not os.path.isfile(path):
+                raise DataError(f"{flag} {path}: file not found")
+        return Tokenizer(byte_level_bpe(data.vocab_file, data.merge_file), name=data.vocab_file)
+    return build_tokenizer(data.tokenizer)

@@ -27,7 +27,7 @@ RECORDED = (
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Records the env, all-reduces across the job, writes the report; returns 0 when the sum is right."""
-    parser = argparse.ArgumentParser(prog="python -m domino.launch.envcheck", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m domino.launch.envcheck", description=__doc__, allow_abbrev=False)
     parser.add_argument("--out", required=True, help="Directory for envcheck-rank<RANK>.json.")
     parser.add_argument("--extra-env", nargs="*", default=[], help="More variable names to record.")
     args = parser.parse_args(argv)

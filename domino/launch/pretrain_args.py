@@ -7,9 +7,8 @@ the same config flags ``domino pretrain`` uses and validates them for training a
 
 from __future__ import annotations
 
-import argparse
-
 from domino.config import ConfigError, add_config_flags, config_from_args
+from domino.config.flags import ArgumentParser
 from domino.launch.render import container_command
 from domino.launch.spec import JobSpec, LaunchSpecError
 
@@ -17,7 +16,7 @@ from domino.launch.spec import JobSpec, LaunchSpecError
 PRETRAIN_EXTRA_FLAGS = ("--result-json",)
 
 
-class _RaisingParser(argparse.ArgumentParser):
+class _RaisingParser(ArgumentParser):
     def error(self, message: str):  # argparse would print and exit; the launcher reports instead
         raise LaunchSpecError(f"domino pretrain arguments: {message}")
 

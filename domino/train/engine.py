@@ -12,6 +12,7 @@ from typing import Any, Dict, List
 import torch
 
 from domino.config import ConfigError, DominoConfig
+from domino.config.validate import check_device
 from domino.parallel import state
 
 logger = logging.getLogger(__name__)
@@ -31,12 +32,27 @@ def _skip_shared_memory_op() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *args, **kwargs: None
 
 
+def check_this_device(config: DominoConfig) -> None:
+    """Raises :class:`ConfigError` for precision or backend settings this machine cannot run (see
+    :func:`domino.config.validate.check_device`); DeepSpeed's CPU accelerator decides fp16 support on CPU
+    (``deepspeed/accelerator/cpu_accelerator.py``: ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``)."""
+    cuda = torch.cuda.is_available()
+    cpu_fp16 = False
+    if not cuda and config.train.fp16:
+        try:
+            cpu_fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        except Exception:  # older torch builds lack the op: DeepSpeed then reports no fp16 either
+            cpu_fp16 = False
+    check_device(config, cuda=cuda, cpu_fp16=cpu_fp16)
+
+
 def initialize_runtime(config: DominoConfig) -> None:
     """Initialises torch.distributed, DeepSpeed's comm layer and the TP x DP groups for ``config``."""
+    check_this_device(config)
     _skip_shared_memory_op()
     import deepspeed
 
-    state.initialize_distributed(config.parallel.distributed_backend)
+    state.initialize_distributed(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
     state.initialize_model_parallel(config.parallel.tensor_model_parallel_size)
 

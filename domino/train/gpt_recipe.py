@@ -71,11 +71,13 @@ class GPTRecipe:
         self.config = config
         check_data_prefixes(config)
         self.tokenizer = None
-        if not (config.data.mock_data and config.model.vocab_size):
-            from domino.data.tokenizer import build_tokenizer
+        null = config.data.tokenizer_type == "NullTokenizer"
+        if not (config.data.mock_data and config.model.vocab_size) and not null:
+            from domino.data.tokenizer import tokenizer_for_run
 
-            self.tokenizer = build_tokenizer(config.data.tokenizer)
-        vocab = config.model.vocab_size or self.tokenizer.vocab_size
+            self.tokenizer = tokenizer_for_run(config.data)
+        # Megatron's NullTokenizer: ids below --vocab-size, end-of-document id --vocab-size, one more in the vocabulary.
+        vocab = config.model.vocab_size + 1 if null else config.model.vocab_size or self.tokenizer.vocab_size
         self.padded_vocab_size = padded_vocab_size(vocab, config)
         self.eod = self.tokenizer.eod if self.tokenizer is not None else vocab - 1
 

@@ -1,5 +1,8 @@
 """Where training numbers go: one log line per interval, a JSONL metrics file, TensorBoard events.
 
+TensorBoard tags are Megatron-LM's (``training_log`` and ``evaluate_and_print_results`` in
+``megatron/training/training.py``, NVIDIA/Megatron-LM core_r0.11.0, commit 7c00175e6b24b3cd835d21a9d287c35a07e275b3),
+each also written against consumed samples as ``<tag> vs samples``, so Megatron dashboards read our runs.
 Only global rank 0 writes; every other rank holds a disabled writer so call sites need no rank checks.
 """
 
@@ -9,7 +12,7 @@ import json
 import logging
 import math
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +46,54 @@ def format_iteration_line(r: Dict[str, Any], train_iters: int) -> str:
     return " | ".join(parts)
 
 
+#: Training record field -> Megatron's TensorBoard tag (written with a ``... vs samples`` twin).
+TRAIN_TAGS = {"lr": "learning-rate", "batch_size": "batch-size", "lm_loss": "lm loss", "loss_scale": "loss-scale",
+              "grad_norm": "grad-norm"}
+#: Written only with ``--log-timers-to-tensorboard``, as Megatron does (iteration-time only, no samples twin).
+TIMER_TAGS = {"iteration_time_s": "iteration-time", "tflops_per_device": "throughput"}
+#: domino's own numbers, under their own tags.
+EXTRA_TAGS = {"tokens_per_s": "tokens-per-second", "mfu": "mfu", "memory_gb": "memory-gb"}
+
+
+def tensorboard_scalars(record: Dict[str, Any], log_timers: bool = False) -> List[Tuple[str, float, int]]:
+    """``(tag, value, step)`` triples of a metrics record, with Megatron-LM's tag names.
+
+    A training record gives ``learning-rate``, ``batch-size``, ``lm loss``, ``loss-scale`` and ``grad-norm``
+    at the iteration and as ``... vs samples`` at the consumed samples; an evaluation record gives
+    ``lm loss validation`` and ``lm loss validation ppl`` (Megatron writes its test loss under the same tag;
+    here a test record writes ``lm loss test`` so the two stay apart).
+    """
+    iteration, samples = record.get("iteration", 0), record.get("consumed_samples")
+    scalars: List[Tuple[str, float, int]] = []
+
+    def add(tag: str, value: Any, twin: bool = True) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            scalars.append((tag, float(value), iteration))
+            if twin and samples is not None:
+                scalars.append((f"{tag} vs samples", float(value), samples))
+
+    if "eval" in record:
+        name = "validation" if record["eval"] == "valid" else record["eval"]
+        add(f"lm loss {name}", record.get("lm_loss"))
+        add(f"lm loss {name} ppl", record.get("ppl"))
+        return scalars
+    for key, tag in TRAIN_TAGS.items():
+        add(tag, record.get(key))
+    if log_timers:
+        for key, tag in TIMER_TAGS.items():
+            add(tag, record.get(key), twin=False)
+    for key, tag in EXTRA_TAGS.items():
+        add(tag, record.get(key), twin=False)
+    return scalars
+
+
 class MetricsWriter:
     """Appends metrics records to ``--metrics-file`` and TensorBoard (rank 0 only)."""
 
-    def __init__(self, metrics_file: Optional[str], tensorboard_dir: Optional[str], enabled: bool) -> None:
+    def __init__(self, metrics_file: Optional[str], tensorboard_dir: Optional[str], enabled: bool,
+                 log_timers: bool = False) -> None:
         self.enabled = enabled
+        self.log_timers = log_timers
         self.metrics_file = metrics_file if enabled else None
         self._tb = None
         if enabled and tensorboard_dir:
@@ -87,11 +133,8 @@ class MetricsWriter:
                 f.write(json.dumps(record) + "\n")
                 f.flush()
         if self._tb is not None:
-            step = record.get("iteration", 0)
-            prefix = f"{record['eval']}/" if "eval" in record else "train/"
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "iteration" and math.isfinite(value):
-                    self._tb.add_scalar(prefix + key, value, step)
+            for tag, value, step in tensorboard_scalars(record, self.log_timers):
+                self._tb.add_scalar(tag, value, step)
             self._tb.flush()
 
     def close(self) -> None:

@@ -132,7 +132,7 @@ class _Trainer:
         self.gbs = engine_setup.global_batch_size(config)
         self.gas = engine_setup.gradient_accumulation_steps(config)
         self.train_iters = _train_iters(config, self.gbs)
-        self.schedule = LearningRateSchedule.from_config(t, self.train_iters)
+        self.schedule = LearningRateSchedule.from_config(t, self.train_iters, self.gbs)
         eval_samples = t.eval_iters * self.gbs if t.eval_interval or t.eval_iters else 0
         # Every rank builds the datasets (index caches are built once, behind a world-wide barrier), so every
         # rank knows which splits are empty; only TP rank 0 reads batches and broadcasts them to its TP group.
@@ -140,7 +140,8 @@ class _Trainer:
         self.train_ds, self.valid_ds, self.test_ds = dataset_builder(
             (self.train_iters * self.gbs, eval_samples, eval_samples))
         self.timers = Timers(lg.timing_log_level)
-        self.writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, enabled=dist.get_rank() == 0)
+        self.writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, enabled=dist.get_rank() == 0,
+                                    log_timers=lg.log_timers_to_tensorboard)
         self.peak = lg.peak_tflops or detect_peak_tflops()
         self.flops_per_token = training_flops_per_token(config.model, padded_vocab_size)
         self.paused = 0.0  # seconds spent evaluating or saving, kept out of the throughput numbers
@@ -204,7 +205,7 @@ class _Trainer:
             self.grad_norm = engine.get_global_grad_norm()
         scaler = getattr(engine.optimizer, "loss_scaler", None)
         record = {
-            "iteration": iteration, "consumed_samples": consumed,
+            "iteration": iteration, "consumed_samples": consumed, "batch_size": self.gbs,
             "lm_loss": sum(losses) / len(losses) if losses else float("nan"),
             "lr": lr, "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
             "loss_scale": float(scaler.cur_scale) if scaler is not None and t.fp16 else None,
@@ -228,7 +229,7 @@ class _Trainer:
         self.paused = 0.0
         return tokens_per_s
 
-    def _evaluate(self, split: str, dataset, iteration: int) -> Optional[float]:
+    def _evaluate(self, split: str, dataset, iteration: int, consumed: int) -> Optional[float]:
         if self.config.train.eval_iters == 0 or dataset is None:
             return None
         started, training_comm = time.perf_counter(), pop_comm_wait_seconds()
@@ -241,7 +242,8 @@ class _Trainer:
             self.timers.add("comm-modelled", training_modelled)
         self.paused += time.perf_counter() - started
         logger.info("%s loss at iteration %d: lm loss %.4E | ppl %.4E", split, iteration, loss, perplexity(loss))
-        self.writer.write({"eval": split, "iteration": iteration, "lm_loss": loss, "ppl": perplexity(loss)})
+        self.writer.write({"eval": split, "iteration": iteration, "consumed_samples": consumed, "lm_loss": loss,
+                           "ppl": perplexity(loss)})
         return loss
 
     def _save(self, iteration: int, consumed: int) -> str:
@@ -305,7 +307,7 @@ class _Trainer:
                                          time.perf_counter() - interval_start)
                 interval_start, interval_first, interval_losses = time.perf_counter(), iteration, []
             if t.eval_interval and iteration % t.eval_interval == 0 and iteration < self.train_iters:
-                last_valid = self._evaluate("valid", self.valid_ds, iteration)
+                last_valid = self._evaluate("valid", self.valid_ds, iteration, consumed)
             if c.save and c.save_interval and iteration % c.save_interval == 0:
                 checkpoint_path, saved_at = self._save(iteration, consumed), iteration
             if t.exit_interval and iteration % t.exit_interval == 0:
@@ -322,8 +324,8 @@ class _Trainer:
         if c.save and saved_at != iteration:
             checkpoint_path = self._save(iteration, consumed)
         if t.eval_interval or t.eval_iters:
-            last_valid = self._evaluate("valid", self.valid_ds, iteration)
-        last_test = self._evaluate("test", self.test_ds, iteration)
+            last_valid = self._evaluate("valid", self.valid_ds, iteration, consumed)
+        last_test = self._evaluate("test", self.test_ds, iteration, consumed)
         self.writer.close()
         logger.info("done: %d iterations in %.1f s", iteration - start_iteration, time.perf_counter() - run_start)
         return TrainingResult(iteration, consumed, self.last_train_loss, last_valid, last_test, tokens_per_s,

@@ -72,7 +72,7 @@ def test_unknown_preset_names_the_choices():
     (["--fp16", "--bf16"], "--fp16 and --bf16 are mutually exclusive"),
     (["--zero-stage", "3"], "--zero-stage must be 0, 1 or 2"),
     (["--seq-length", "128", "--max-position-embeddings", "64"], "--max-position-embeddings 64 is smaller"),
-    (["--lr-decay-style", "exp"], "--lr-decay-style must be constant, linear or cosine"),
+    (["--lr-decay-style", "exp"], "--lr-decay-style must be one of constant, linear, cosine, inverse-square-root, WSD"),
 ])
 def test_invalid_configs_fail_with_flag_names(argv, message):
     with pytest.raises(ConfigError, match=message.replace("+", r"\+")):

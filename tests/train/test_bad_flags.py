@@ -12,7 +12,8 @@ from train_helpers import TINY, run_pretrain
      "dataset prefix '/nonexistent/corpus_text_document' has no"),
     ([], {}, "no training data"),
     (["--preset", "gpt9"], {}, "unknown preset 'gpt9'"),
-], ids=["batch", "missing-data", "no-data", "preset"])
+    (["--mock-data", "--distributed-backend", "nccl"], {}, "--distributed-backend nccl needs CUDA GPUs"),
+], ids=["batch", "missing-data", "no-data", "preset", "nccl-without-cuda"])
 def test_bad_flags(args, env, message):
     proc = run_pretrain([*TINY, "--train-iters", "2", *args], check=False, env=env, timeout=120)
     assert proc.returncode == 2

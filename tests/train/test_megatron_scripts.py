@@ -1,0 +1,194 @@
+"""Published Megatron-LM and DeepSpeed-Domino launch scripts run through `domino pretrain` (fixture:
+``megatron_scripts.py``, each script's repository, path and commit noted there).
+
+A user changes only paths, the launcher line and (on CPU) ``--fp16``; the tests also append
+:data:`SIZE_OVERRIDES` so a run takes seconds. Model features not built yet fail at parse time with one line
+naming the feature.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from domino.config import ConfigError, add_config_flags, config_from_args
+from domino.config.flags import ArgumentParser
+from domino.config.schema import DataConfig
+from distributed_helpers import free_port
+from megatron_scripts import SCRIPTS, SIZE_OVERRIDES, without_fp16, write_megatron_gpt2_files
+from train_helpers import child_env, pretrain_command, read_metrics, run_pretrain, train_losses
+
+LLAMA = "LLaMA architecture: not supported yet (issue #14)"
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(tmp_path_factory):
+    return write_megatron_gpt2_files(str(tmp_path_factory.mktemp("megatron-gpt2")))
+
+
+def _variables(tmp_path, corpus_prefix, gpt2_files):
+    return {"DATA_PATH": corpus_prefix, "CHECKPOINT_PATH": str(tmp_path / "checkpoints"), "WORLD_SIZE": "2",
+            "TENSORBOARD_LOGS_PATH": str(tmp_path / "tb"), **gpt2_files}
+
+
+def _parse(argv, world_size):
+    parser = ArgumentParser(prog="domino pretrain")
+    add_config_flags(parser)
+    return config_from_args(parser.parse_args(argv), world_size=world_size, for_training=True)
+
+
+#: What each script asks for that domino refuses, and the words of the refusal.
+REFUSED = {
+    "ds-domino-llama-7b": "--position-embedding-type rope, --normalization RMSNorm, --swiglu: " + LLAMA,
+    "ds-domino-llama-13b": ("--llama-model, --position-embedding-type rope, --normalization RMSNorm, --swiglu, "
+                            "--disable-bias-linear: " + LLAMA),
+    "megatron-pretrain-gpt-distributed-with-mp": ("--sequence-parallel: sequence parallelism: not supported yet "
+                                                  "(issue #14); --pipeline-model-parallel-size 2: pipeline parallelism"),
+    "megatron-gpt3-175b": "--pipeline-model-parallel-size 16: pipeline parallelism: not supported",
+}
+
+
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_every_script_parses_as_written_or_names_the_missing_feature(name, tmp_path, gpt2_files):
+    """The scripts' own sizes, at their own world size (TP x DP), before any process starts."""
+    argv = without_fp16(SCRIPTS[name].argv(_variables(tmp_path, "corpus_text_document", gpt2_files)))
+    world_size = 8 if name == "megatron-gpt3-175b" else 2
+    if name in REFUSED:
+        with pytest.raises(ConfigError) as error:
+            _parse(argv, world_size)
+        assert REFUSED[name] in str(error.value) and "\n" not in str(error.value)
+        return
+    config = _parse(argv, world_size)
+    assert config.data.vocab_file == gpt2_files["VOCAB_FILE"] and config.data.merge_file == gpt2_files["MERGE_FILE"]
+    assert config.train.lr_decay_style == "cosine" and config.train.lr_warmup_fraction is not None
+    assert config.train.adam_beta2 == (0.95 if name == "megatron-gpt3-175b" else 0.999)  # Megatron's default
+    tp = config.parallel.tensor_model_parallel_size
+    assert config.parallel.domino_chunks == (2 if tp > 1 else 1)  # as DeepSpeed-Domino, without naming it
+
+
+def test_size_overrides_win(tmp_path, gpt2_files):
+    argv = without_fp16(SCRIPTS["megatron-pretrain-gpt"].argv(_variables(tmp_path, "c", gpt2_files)))
+    config = _parse(argv + SIZE_OVERRIDES, world_size=2)
+    assert (config.model.num_layers, config.model.hidden_size, config.train.train_iters) == (2, 64, 3)
+    assert config.data.data_impl == "mmap" and config.parallel.tensor_model_parallel_size == 2
+
+
+def _check_run(metrics_file, log):
+    losses = train_losses(metrics_file)
+    assert sorted(losses) == [1, 2, 3]
+    records = {r["iteration"]: r for r in read_metrics(metrics_file) if "eval" not in r}
+    # Megatron's warm-up: the first step runs at --lr-warmup-init (0), the second at lr x samples / warm-up samples.
+    assert records[1]["lr"] == 0.0 and records[2]["lr"] > 0.0
+    assert any(r.get("eval") == "valid" for r in read_metrics(metrics_file))
+    assert "--domino-chunks not given: 2" in log and "Domino chunks 2" in log
+
+
+def test_megatron_pretrain_gpt_runs_under_torchrun(tmp_path, corpus_prefix, gpt2_files):
+    script = SCRIPTS["megatron-pretrain-gpt"]
+    metrics = tmp_path / "metrics.jsonl"
+    argv = without_fp16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files)))
+    proc = run_pretrain([*argv, *SIZE_OVERRIDES, "--metrics-file", str(metrics)], nproc=2, timeout=600)
+    _check_run(metrics, proc.stderr)
+    assert (tmp_path / "checkpoints" / "latest").is_file()  # its --save, written at the end
+
+
+def test_megatron_distributed_with_mp_runs_with_one_pipeline_stage_and_no_sequence_parallelism(
+        tmp_path, corpus_prefix, gpt2_files):
+    """Unchanged it stops on --sequence-parallel and PP 2 (see the parse test); on 2 CPU processes it also needs
+    gloo, so the appended flags are the pipeline size, --no-sequence-parallel and the backend."""
+    script = SCRIPTS["megatron-pretrain-gpt-distributed-with-mp"]
+    metrics = tmp_path / "metrics.jsonl"
+    argv = without_fp16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files)))
+    proc = run_pretrain([*argv, *SIZE_OVERRIDES, "--pipeline-model-parallel-size", "1", "--no-sequence-parallel",
+                         "--distributed-backend", "gloo", "--metrics-file", str(metrics)], nproc=2, timeout=600)
+    _check_run(metrics, proc.stderr)
+
+
+def test_ds_domino_gpt3_script_runs_under_the_deepspeed_launcher(tmp_path, corpus_prefix, gpt2_files):
+    """`deepspeed --num_gpus 2 --module domino pretrain ...` (the launcher passes --local_rank=N before `pretrain`)."""
+    script = SCRIPTS["ds-domino-gpt3-2.7b"]
+    metrics = tmp_path / "metrics.jsonl"
+    argv = without_fp16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files)))
+    bindir = os.path.dirname(sys.executable)
+    command = [os.path.join(bindir, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+               "--module", "domino", "pretrain", *argv, *SIZE_OVERRIDES, "--metrics-file", str(metrics)]
+    env = child_env({"PATH": bindir + os.pathsep + os.environ.get("PATH", "")})
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "--local_rank=1" in proc.stdout + proc.stderr
+    _check_run(metrics, proc.stdout + proc.stderr)
+
+
+def test_ds_domino_llama_script_fails_on_every_rank_with_one_line(tmp_path, corpus_prefix, gpt2_files):
+    script = SCRIPTS["ds-domino-llama-7b"]
+    argv = without_fp16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files))) + SIZE_OVERRIDES
+    proc = subprocess.run(pretrain_command(argv, nproc=2), env=child_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("domino pretrain: error:")]
+    assert len(lines) == 2 and all(LLAMA in line for line in lines)  # one line per rank
+    assert not re.search(r'File ".*/domino/', proc.stderr)  # no traceback through domino's code
+    assert "torch.distributed initialised" not in proc.stderr  # refused before any work
+
+
+def test_megatron_gpt2_vocab_and_merges_give_the_ids_of_tokenizer_gpt2(gpt2_files):
+    """Megatron's gpt2-vocab.json/gpt2-merges.txt, read via --vocab-file/--merge-file, tokenize exactly as
+    --tokenizer gpt2 and as transformers' GPT2Tokenizer (the same OpenAI algorithm Megatron's gpt2_tokenization.py
+    ports) reading the same two files."""
+    from transformers import GPT2Tokenizer
+
+    from domino.data.builtin_corpora import builtin_documents
+    from domino.data.tokenizer import build_tokenizer, tokenizer_for_run
+
+    files = tokenizer_for_run(DataConfig(vocab_file=gpt2_files["VOCAB_FILE"], merge_file=gpt2_files["MERGE_FILE"]))
+    named = build_tokenizer("gpt2")
+    reference = GPT2Tokenizer(gpt2_files["VOCAB_FILE"], gpt2_files["MERGE_FILE"])
+    texts = [doc.texts[0] for _, doc in zip(range(8), builtin_documents("shakespeare-small"))]
+    texts += ["Don't  stop:\tx = f(3.14e-2) // naïve café 東京 🙂\n\n  end", "    leading spaces and trailing   ",
+              "numbers 1234567890 and CAPS WORDS'S we'll they've"]
+    for text in texts:
+        ids = files.encode(text)
+        assert ids == named.encode(text) == reference.encode(text)
+    assert files.vocab_size == named.vocab_size == 50257 and files.eod == named.eod == 50256
+    assert files.decode(files.encode(texts[-3])) == texts[-3]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
+    (["--tokenizer-type", "SentencePieceTokenizer"], "--tokenizer-type SentencePieceTokenizer is not supported"),
+    (["--tokenizer-type", "NullTokenizer"], "--tokenizer-type NullTokenizer needs --vocab-size"),
+    (["--vocab-file", "v.json"], "--vocab-file and --merge-file go together"),
+    (["--data-impl", "lazy"], "--data-impl lazy: only mmap"),
+], ids=["gpt2bpe-without-files", "sentencepiece", "null-without-vocab", "vocab-without-merges", "data-impl-lazy"])
+def test_megatron_data_flags_fail_clearly(argv, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _parse(["--mock-data", "--train-iters", "1", *argv], world_size=1)
+
+
+def test_tokenizer_types(tmp_path, gpt2_files):
+    from domino.data.errors import DataError
+    from domino.data.tokenizer import build_tokenizer, tokenizer_for_run
+    from domino.train.gpt_recipe import GPTRecipe
+
+    gpt2 = build_tokenizer("gpt2")
+    gpt2.save(str(tmp_path / "hf"))
+    hf = tokenizer_for_run(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "hf")))
+    assert hf.encode("Hello, Megatron!") == gpt2.encode("Hello, Megatron!")
+    with pytest.raises(DataError, match="--tokenizer-model 'gpt2-large': not a local tokenizer.json"):
+        tokenizer_for_run(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="gpt2-large"))
+    with pytest.raises(DataError, match="--merge-file /nonexistent: file not found"):
+        tokenizer_for_run(DataConfig(vocab_file=gpt2_files["VOCAB_FILE"], merge_file="/nonexistent"))
+    # NullTokenizer, as Megatron's _NullTokenizer: ids below --vocab-size, end-of-document = --vocab-size.
+    null = GPTRecipe(_parse(["--mock-data", "--train-iters", "1", "--tokenizer-type", "NullTokenizer",
+                             "--vocab-size", "1000"], world_size=1))
+    assert null.tokenizer is None and null.eod == 1000 and null.padded_vocab_size == 1024
+
+
+def test_every_flag_of_the_scripts_is_in_the_megatron_guide():
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "megatron.md").read_text()
+    flags = {token for script in SCRIPTS.values() for token in script.flags.split() if token.startswith("--")}
+    assert flags and not [flag for flag in sorted(flags) if flag not in guide]
