@@ -50,7 +50,9 @@ class PreprocessStage:
         """
         plan = configure(self.plan_op(shared_root=shared_root, corpus=corpus, input_uri=input_uri,
                                       tokenizer=tokenizer, groups=groups))
+        # Each group item carries the tokenizer the plan keyed it with, so the loop body takes no second
+        # task output: kfp.local 2.17 handed the loop item to such an input (seen in tests/pipelines/
+        # test_pipeline_local_e2e.py with the train-tokenizer output; the compiled spec itself was right).
         with dsl.ParallelFor(plan.output, parallelism=self.parallelism, name="shard-groups") as group:
-            part = configure(self.preprocess_op(shared_root=shared_root, group=group, tokenizer=tokenizer,
-                                                reuse=reuse))
+            part = configure(self.preprocess_op(shared_root=shared_root, group=group, reuse=reuse))
         return configure(self.merge_op(shared_root=shared_root, parts=dsl.Collected(part.output), reuse=reuse))

@@ -50,7 +50,7 @@ def preprocess(
     Args:
         shared_root: Mount path of the shared volume (or a local folder when run locally).
         group: One item of the plan (JSON).
-        tokenizer: Tokenizer name or tokenizer.json path.
+        tokenizer: Tokenizer name or tokenizer.json path, when the group does not name one (the plan's groups do).
         json_keys: Comma-separated JSON keys to tokenize.
         workers: Tokenizer threads.
         reuse: Reuse a complete dataset of the same key instead of tokenizing again.

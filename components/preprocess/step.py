@@ -121,7 +121,7 @@ def plan_groups(shared_root: str, corpus: str = "shakespeare", input_uri: str = 
         group_key = key if len(ranges) == 1 else dataset_key(sources[start:end], tokenizer_hash, keys)
         plan.append({
             "index": index, "count": len(ranges), "dataset_key": key, "group_key": group_key,
-            "inputs": files[start:end], "builtin": "" if files else corpus, "source": source,
+            "inputs": files[start:end], "builtin": "" if files else corpus, "source": source, "tokenizer": tokenizer,
             "output_prefix": store.dataset_prefix(key) if len(ranges) == 1 else store.part_prefix(group_key),
         })
     return plan
@@ -147,6 +147,8 @@ def run_group(shared_root: str, group: Dict[str, Any], tokenizer: str = "gpt2", 
         record = DatasetStore.read_record(prefix) if reuse else None
         if record is not None:
             return {**record, **header, "reused": True}
+    # The plan names the tokenizer it keyed the dataset with; it wins over the argument.
+    tokenizer = group.get("tokenizer") or tokenizer
     result = preprocess(group["inputs"] or None, group["output_prefix"], tokenizer=tokenizer, json_keys=keys,
                         workers=workers, builtin_corpus=group["builtin"] or None, progress=False)
     record = {
