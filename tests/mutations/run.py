@@ -94,8 +94,11 @@ MUTATIONS: List[Mutation] = [
     Mutation("launcher-failed-job-counts-as-success", "domino/launch/kube_backend.py",
              '        if tracker.phase == "Succeeded":', '        if tracker.phase in ("Succeeded", "Failed"):',
              ["tests/launch/test_launch_kube.py"]),
+    Mutation("manifest-checks-sizes-only", "domino/checkpoint/manifest.py",
+             "        if actual != expected:", "        if actual[\"size\"] != expected[\"size\"]:",
+             ["tests/train/test_checkpoint_integrity.py::test_manifest_records_and_detects"]),
     Mutation("launcher-deletes-failed-jobs", "domino/launch/api.py",
-             "        return succeeded or interrupted", "        return True",
+             "        return succeeded or stopped", "        return True",
              ["tests/launch/test_launch_kube.py"]),
 ]
 
