@@ -21,8 +21,11 @@ from domino.config.validate import ConfigError, advisories, resolve_domino_chunk
 
 logger = logging.getLogger(__name__)
 
-#: Extra spellings of a field's flag: the deepspeed launcher passes ``--local_rank=N``.
-FLAG_ALIASES: Dict[str, tuple] = {"local_rank": ("--local_rank",)}
+#: Extra spellings of a field's flag: the deepspeed launcher passes ``--local_rank=N``; Megatron-LM before 2023
+#: and DeepSpeed-Domino (``domino/arguments.py``) spell ``--norm-epsilon`` as ``--layernorm-epsilon``.
+FLAG_ALIASES: Dict[str, tuple] = {"local_rank": ("--local_rank",), "norm_epsilon": ("--layernorm-epsilon",)}
+#: Older names of renamed fields, still read from presets and from the configs stored in checkpoints.
+RENAMED_FIELDS: Dict[str, str] = {"layernorm_epsilon": "norm_epsilon"}
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -91,6 +94,7 @@ def apply_overrides(config: DominoConfig, overrides: Dict[str, Any], source: str
     owners = _owner_of_fields()
     for key, value in overrides.items():
         key = key.replace("-", "_")
+        key = RENAMED_FIELDS.get(key, key)
         if key not in owners:
             raise ConfigError(f"{source}: unknown setting '{key}' (no flag {flag_name(key)})")
         setattr(getattr(config, owners[key]), key, value)

@@ -41,31 +41,56 @@ class ModelConfig:
     """Dropout probability on the attention probabilities."""
     init_method_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
-    layernorm_epsilon: float = 1e-5
-    """Epsilon of every LayerNorm."""
-    position_embedding_type: str = "learned_absolute"
-    """Position embeddings: learned_absolute (rope is LLaMA architecture: not supported yet, issue #14)."""
-    use_rotary_position_embeddings: bool = False
-    """Megatron's older spelling of --position-embedding-type rope (not supported yet, issue #14)."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every LayerNorm or RMSNorm (also --layernorm-epsilon, the older Megatron spelling)."""
     normalization: str = "LayerNorm"
-    """Normalization layer: LayerNorm (RMSNorm is LLaMA architecture: not supported yet, issue #14)."""
+    """Normalization layer: LayerNorm (GPT) or RMSNorm (LLaMA: x / rms(x) x weight, no bias, no centering)."""
+    position_embedding_type: str = "learned_absolute"
+    """Position embeddings: learned_absolute (GPT: a learned table added to the word embeddings) or rope (LLaMA:
+    rotary embeddings applied to queries and keys in every layer)."""
+    use_rotary_position_embeddings: bool = False
+    """Megatron's older spelling of --position-embedding-type rope."""
+    rotary_base: int = 10000
+    """Base of the rotary embedding frequencies, with --position-embedding-type rope (LLaMA 3: 500000)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that are rotated, with --position-embedding-type rope."""
     swiglu: bool = False
-    """SwiGLU MLP instead of GeLU (LLaMA architecture: not supported yet, issue #14)."""
+    """SwiGLU MLP: fc2(silu(x W_gate) * x W_up) instead of fc2(gelu(fc1(x))); --ffn-hidden-size then defaults to
+    Megatron's int(8 h / 3 / 64) x 64."""
     disable_bias_linear: bool = False
-    """Linear layers without biases (LLaMA architecture: not supported yet, issue #14)."""
+    """Linear layers without biases (LLaMA)."""
     untie_embeddings_and_output_weights: bool = False
-    """Separate output-layer weights instead of the tied word embeddings (not supported yet, issue #14)."""
+    """An output layer with its own weights instead of the word embeddings (LLaMA)."""
     group_query_attention: bool = False
-    """Grouped-query attention with --num-query-groups key/value heads (not supported yet, issue #14)."""
+    """Grouped-query attention: --num-query-groups key/value heads, each shared by a group of query heads."""
     num_query_groups: int = 1
-    """Key/value head groups of --group-query-attention (Megatron's default 1)."""
+    """Key/value heads of --group-query-attention; divides --num-attention-heads and is divisible by the TP size."""
     llama_model: bool = False
-    """DeepSpeed-Domino's switch to its LLaMA model (LLaMA architecture: not supported yet, issue #14)."""
+    """DeepSpeed-Domino's switch to its LLaMA model; it changes nothing by itself: its scripts also pass
+    --position-embedding-type rope --swiglu --normalization RMSNorm --disable-bias-linear, which do."""
 
     @property
     def ffn_size(self) -> int:
-        """The MLP inner width with its default resolved."""
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        """The MLP inner width with its default resolved (Megatron's ``validate_args``: 4 h, or int(8 h / 3 / 64)
+        x 64 with --swiglu so that its three matrices hold as many weights as GeLU's two)."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def rope(self) -> bool:
+        """Whether positions enter as rotary embeddings (either spelling of the flag)."""
+        return self.position_embedding_type == "rope" or self.use_rotary_position_embeddings
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: --num-query-groups with --group-query-attention, else one per attention head."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden_size // self.num_attention_heads
 
     @property
     def num_positions(self) -> int:

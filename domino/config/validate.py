@@ -59,16 +59,6 @@ def resolve_domino_chunks(config: DominoConfig) -> Optional[str]:
 def _unsupported_features(config: DominoConfig) -> List[str]:
     """One message per model-changing feature asked for but not built: never trained around silently."""
     m, p, t = config.model, config.parallel, config.train
-    llama = [flag for flag, asked in (
-        ("--llama-model", m.llama_model),
-        (f"--position-embedding-type {m.position_embedding_type}", m.position_embedding_type == "rope"),
-        ("--use-rotary-position-embeddings", m.use_rotary_position_embeddings),
-        (f"--normalization {m.normalization}", m.normalization == "RMSNorm"),
-        ("--swiglu", m.swiglu),
-        ("--disable-bias-linear", m.disable_bias_linear),
-        ("--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights),
-        ("--group-query-attention", m.group_query_attention),
-    ) if asked]
     recompute = [flag for flag, asked in (
         ("--recompute-activations", t.recompute_activations),
         (f"--recompute-granularity {t.recompute_granularity}", t.recompute_granularity is not None),
@@ -76,8 +66,6 @@ def _unsupported_features(config: DominoConfig) -> List[str]:
         (f"--recompute-num-layers {t.recompute_num_layers}", t.recompute_num_layers is not None),
     ) if asked]
     messages = []
-    if llama:
-        messages.append(f"{', '.join(llama)}: LLaMA architecture: not supported yet (issue #14)")
     if p.sequence_parallel:
         messages.append("--sequence-parallel: sequence parallelism: not supported yet (issue #14)")
     if recompute:
@@ -124,10 +112,7 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
         _check(problems, 0.0 <= value < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
     _check(problems, m.init_method_std > 0, f"--init-method-std must be > 0, got {m.init_method_std}")
 
-    _check(problems, m.position_embedding_type == "learned_absolute",
-           f"--position-embedding-type must be learned_absolute or rope, got {m.position_embedding_type!r}")
-    _check(problems, m.normalization == "LayerNorm",
-           f"--normalization must be LayerNorm or RMSNorm, got {m.normalization!r}")
+    _check_architecture(problems, config)
 
     chunks = p.domino_chunks if p.domino_chunks is not None else 1
     _check(problems, chunks >= 1, f"--domino-chunks must be >= 1, got {p.domino_chunks}")
@@ -208,6 +193,34 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
 
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _check_architecture(problems: List[str], config: DominoConfig) -> None:
+    """The LLaMA-family options (Megatron-LM's choices and divisibility rules, arguments.py and attention.py)."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    _check(problems, m.position_embedding_type in ("learned_absolute", "rope"),
+           f"--position-embedding-type must be learned_absolute or rope, got {m.position_embedding_type!r}")
+    _check(problems, m.normalization in ("LayerNorm", "RMSNorm"),
+           f"--normalization must be LayerNorm or RMSNorm, got {m.normalization!r}")
+    _check(problems, m.norm_epsilon > 0, f"--norm-epsilon must be > 0, got {m.norm_epsilon}")
+    _check(problems, m.ffn_size >= 1, f"--ffn-hidden-size must be >= 1, got {m.ffn_size}"
+           + (" (the --swiglu default int(8 h / 3 / 64) x 64 is 0 below --hidden-size 96: give it)" if m.swiglu else ""))
+    if m.rope:
+        rotated = int(m.head_dim * m.rotary_percent)
+        _check(problems, 0.0 < m.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {m.rotary_percent}")
+        _check(problems, rotated >= 2 and rotated % 2 == 0,
+               f"--rotary-percent {m.rotary_percent} rotates {rotated} of the {m.head_dim} dimensions of a head "
+               "(--hidden-size / --num-attention-heads); rotary embeddings need an even number >= 2")
+        _check(problems, m.rotary_base >= 1, f"--rotary-base must be >= 1, got {m.rotary_base}")
+    if m.group_query_attention:
+        groups = m.num_query_groups
+        _check(problems, groups >= 1, f"--num-query-groups must be >= 1, got {groups}")
+        if groups >= 1:
+            _check(problems, m.num_attention_heads % groups == 0,
+                   f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {groups}")
+            # Each TP rank owns whole query groups (their query heads and their one key/value head).
+            _check(problems, groups % tp == 0,
+                   f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
 
 
 def _check_tokenizer_and_data(problems: List[str], config: DominoConfig) -> None:

@@ -134,7 +134,7 @@ def model_config_from_hf(hf_config: Dict[str, Any], source: str = "config.json")
             vocab_size=int(hf_config["vocab_size"]), hidden_dropout=float(hf_config.get("resid_pdrop", 0.1)),
             attention_dropout=float(hf_config.get("attn_pdrop", 0.1)),
             init_method_std=float(hf_config.get("initializer_range", 0.02)),
-            layernorm_epsilon=float(hf_config.get("layer_norm_epsilon", 1e-5)))
+            norm_epsilon=float(hf_config.get("layer_norm_epsilon", 1e-5)))
     except KeyError as error:
         raise ConfigError(f"{source}: missing field {error.args[0]}") from None
 

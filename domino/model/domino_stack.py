@@ -4,7 +4,7 @@ The micro-batch is split along the batch dimension into N chunks. Each chunk run
 sequence of six steps per layer (the names follow the reference schedule in the project notes)::
 
     A  QKV (column-parallel) + attention          D  fc1 (column-parallel)
-    B  output projection; launch its all-reduce   E  GeLU + fc2; launch its all-reduce
+    B  output projection; launch its all-reduce   E  GeLU (or SwiGLU) + fc2; launch its all-reduce
     C  wait; residual add; LN2 (+ grad guard)     F  wait; residual add; next LN1 (+ grad guard) or final LN
 
 and the chunks advance as a wavefront: chunk ``c`` runs ``c`` steps behind chunk 0, and at every tick each
@@ -25,7 +25,8 @@ from typing import Generator, List, Optional, Sequence
 
 import torch
 
-from domino.model.domino_ops import column_parallel_async, guard_input_grad
+from domino.model.domino_ops import guard_input_grad
+from domino.model.rotary import RotaryTables
 from domino.model.transformer import TransformerLayer, bias_dropout_add
 from domino.parallel.collectives import all_reduce_async
 
@@ -71,23 +72,23 @@ class DominoLayerStack:
         self.layers = layers
         self.chunks = chunks
 
-    def _chunk_steps(self, h: torch.Tensor, mask: Optional[torch.Tensor],
+    def _chunk_steps(self, h: torch.Tensor, mask: Optional[torch.Tensor], rotary: Optional[RotaryTables],
                      final_layernorm: Optional[torch.nn.Module]) -> Generator[None, None, torch.Tensor]:
         """One chunk's steps; yields between steps, returns the chunk's output."""
         guarded = guard_input_grad(self.layers[0].input_layernorm(h))
         yield
         for i, layer in enumerate(self.layers):
             attention, mlp = layer.attention, layer.mlp
-            ctx = attention.context(*attention.qkv(*guarded), mask)  # A
+            ctx = attention.context(*attention.qkv(*guarded), mask, rotary=rotary)  # A
             yield
             pending = _Pending(attention.dense.partial(ctx), attention.dense.bias)  # B
             yield
             h = pending.finish(h, layer)  # C
             guarded = guard_input_grad(layer.post_attention_layernorm(h))
             yield
-            inner = column_parallel_async(guarded, mlp.dense_h_to_4h)  # D
+            inner = mlp.inner(*guarded)  # D
             yield
-            pending = _Pending(mlp.dense_4h_to_h.partial_of_gelu(inner), mlp.dense_4h_to_h.bias)  # E
+            pending = _Pending(mlp.partial(inner), mlp.dense_4h_to_h.bias)  # E
             yield
             h = pending.finish(h, layer)  # F
             if i + 1 < len(self.layers):
@@ -96,15 +97,17 @@ class DominoLayerStack:
         return final_layernorm(h) if final_layernorm is not None else h
 
     def __call__(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                 final_layernorm: Optional[torch.nn.Module]) -> torch.Tensor:
-        """``[b, s, h]`` embeddings -> ``[b, s, h]`` (after the final LayerNorm when one is given)."""
+                 final_layernorm: Optional[torch.nn.Module], rotary: Optional[RotaryTables] = None) -> torch.Tensor:
+        """``[b, s, h]`` embeddings -> ``[b, s, h]`` (after the final norm when one is given); ``rotary``: the
+        rotary tables of the positions (rope models), split along the batch like the mask."""
         b = hidden.shape[0]
         if b < self.chunks:
             raise ValueError(f"micro-batch size {b} is smaller than --domino-chunks {self.chunks}")
         sizes = [len(idx) for idx in torch.arange(b).tensor_split(self.chunks)]
         masks = _split_mask(attention_mask, sizes)
-        programs = [self._chunk_steps(h, m, final_layernorm)
-                    for h, m in zip(torch.split(hidden, sizes, dim=0), masks)]
+        tables = rotary.split(sizes) if rotary is not None else [None] * self.chunks
+        programs = [self._chunk_steps(h, m, r, final_layernorm)
+                    for h, m, r in zip(torch.split(hidden, sizes, dim=0), masks, tables)]
         outputs: List[Optional[torch.Tensor]] = [None] * self.chunks
         running = self.chunks
         tick = 0

@@ -1,24 +1,28 @@
-"""GPT: learned token + position embeddings, pre-LN transformer layers, final LayerNorm, tied output layer.
+"""GPT: token (+ learned position) embeddings, pre-norm transformer layers, final norm, output layer.
 
-On one device this is a plain GPT-2-style model. Tensor parallelism happens inside the layer classes of
+On one device this is a plain GPT-2-style model by default, and a LLaMA-style one with rotary positions, RMSNorm,
+SwiGLU, no biases, grouped-query attention and an untied output layer (each a flag of :class:`ModelConfig`; the
+pieces are swapped in :mod:`domino.model.transformer`). Tensor parallelism happens inside the layer classes of
 :mod:`domino.parallel.layers`; with ``domino_chunks > 1`` the layer stack runs on the overlapped schedule of
 :mod:`domino.model.domino_stack` (same parameters, same results).
 
 Parameter names (stable; checkpoints and :mod:`domino.model.sharding` rely on them)::
 
     embedding.word_embeddings.weight            [V/tp, h]   split on dim 0
-    embedding.position_embeddings.weight        [P, h]
-    layers.{i}.input_layernorm.{weight,bias}
-    layers.{i}.attention.query_key_value.weight [3h/tp, h]  split on dim 0, rows [head, q|k|v, head_dim]
-    layers.{i}.attention.query_key_value.bias   [3h/tp]
+    embedding.position_embeddings.weight        [P, h]      learned_absolute only
+    layers.{i}.input_layernorm.{weight,bias}                no bias with RMSNorm
+    layers.{i}.attention.query_key_value.weight [(n+2g)d/tp, h]  split on dim 0, rows [group, q..|k|v, head_dim]
+    layers.{i}.attention.query_key_value.bias   [(n+2g)d/tp]     (n heads, g query groups; g = n without GQA)
     layers.{i}.attention.dense.weight           [h, h/tp]   split on dim 1
     layers.{i}.attention.dense.bias             [h]
     layers.{i}.post_attention_layernorm.{weight,bias}
-    layers.{i}.mlp.dense_h_to_4h.{weight,bias}  [f/tp, h], [f/tp]
+    layers.{i}.mlp.dense_h_to_4h.{weight,bias}  [f/tp, h], [f/tp]  SwiGLU: [2f/tp, h], rows [ffn, gate|up]
     layers.{i}.mlp.dense_4h_to_h.weight         [h, f/tp]   split on dim 1
     layers.{i}.mlp.dense_4h_to_h.bias           [h]
     final_layernorm.{weight,bias}
-    output_layer.weight                         [V/tp, h]   only when post_process and not pre_process
+    output_layer.weight                         [V/tp, h]   untied, or post_process without pre_process
+
+Every ``.bias`` of a linear is absent with ``--disable-bias-linear``.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from domino.config import ModelConfig
 from domino.model.domino_ops import guard_input_grad
 from domino.model.domino_stack import DominoLayerStack
 from domino.model.kv_cache import KVCache
-from domino.model.transformer import TransformerLayer
+from domino.model.rotary import RotaryTables
+from domino.model.transformer import TransformerLayer, build_norm
 from domino.parallel.collectives import copy_to_tp_region, gather_from_tp_region
 from domino.parallel.cross_entropy import vocab_parallel_linear_cross_entropy
 from domino.parallel.layers import VocabParallelEmbedding
@@ -41,18 +46,21 @@ from domino.parallel.linear_ops import linear
 
 
 class Embedding(nn.Module):
-    """Word (vocab-parallel) plus learned position embeddings, then dropout."""
+    """Word (vocab-parallel) plus learned position embeddings (none with rotary positions), then dropout."""
 
     def __init__(self, config: ModelConfig, vocab_size: int) -> None:
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(vocab_size, config.hidden_size, config.init_method_std)
-        self.position_embeddings = nn.Embedding(config.num_positions, config.hidden_size)
-        nn.init.normal_(self.position_embeddings.weight, mean=0.0, std=config.init_method_std)
+        if not config.rope:
+            self.position_embeddings = nn.Embedding(config.num_positions, config.hidden_size)
+            nn.init.normal_(self.position_embeddings.weight, mean=0.0, std=config.init_method_std)
         self.dropout = config.hidden_dropout
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """``[b, s]`` tokens and positions -> ``[b, s, h]``."""
-        hidden = self.word_embeddings(tokens) + self.position_embeddings(position_ids)
+        hidden = self.word_embeddings(tokens)
+        if hasattr(self, "position_embeddings"):
+            hidden = hidden + self.position_embeddings(position_ids)
         return F.dropout(hidden, p=self.dropout, training=self.training) if self.dropout > 0 else hidden
 
 
@@ -80,15 +88,16 @@ class GPTModel(nn.Module):
             self.embedding = Embedding(config, vocab_size)
         self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
         if post_process:
-            self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-            if not pre_process:  # no embedding here to tie to: hold our own copy of the vocab projection
+            self.final_layernorm = build_norm(config)
+            # Untied, or no embedding here to tie to: the output layer holds its own vocab projection.
+            if config.untie_embeddings_and_output_weights or not pre_process:
                 self.output_layer = VocabParallelEmbedding(vocab_size, config.hidden_size, config.init_method_std)
         self.domino_chunks = domino_chunks
         self.domino = DominoLayerStack(self.layers, domino_chunks) if domino_chunks > 1 else None
 
     def output_weight(self) -> torch.Tensor:
         """The ``[V/tp, h]`` matrix of the output layer (the word embeddings when tied)."""
-        return self.embedding.word_embeddings.weight if self.pre_process else self.output_layer.weight
+        return self.output_layer.weight if hasattr(self, "output_layer") else self.embedding.word_embeddings.weight
 
     def new_kv_cache(self) -> KVCache:
         """An empty cache sized for this model."""
@@ -111,27 +120,29 @@ class GPTModel(nn.Module):
             ``[b, s]`` fp32 losses with ``labels``; else logits ``[b, s, V/tp]`` (``[b, s, V]`` when
             ``parallel_output=False``); ``[b, s, h]`` hidden states when ``post_process=False``.
         """
-        if self.pre_process:
-            b, s = tokens.shape
-            past = 0
-            if kv_cache is not None:
-                kv_cache.check_room(s)
-                past = kv_cache.length
-            if position_ids is None:
-                if past + s > self.config.num_positions:  # explicit ids are not checked: that would sync a GPU
-                    raise ValueError(f"{past + s} tokens exceed --max-position-embeddings {self.config.num_positions}")
-                position_ids = torch.arange(past, past + s, device=tokens.device).unsqueeze(0)
-            hidden = self.embedding(tokens, position_ids)
-        else:
-            hidden = tokens
+        s = tokens.shape[1]
+        past = 0
+        if kv_cache is not None:
+            kv_cache.check_room(s)
+            past = kv_cache.length
+        if position_ids is None:
+            if past + s > self.config.num_positions:  # explicit ids are not checked: that would sync a GPU
+                raise ValueError(f"{past + s} tokens exceed --max-position-embeddings {self.config.num_positions}")
+            position_ids = torch.arange(past, past + s, device=tokens.device).unsqueeze(0)
+        hidden = self.embedding(tokens, position_ids) if self.pre_process else tokens
+        rotary = None
+        if self.config.rope:
+            c = self.config
+            rotary = RotaryTables.for_positions(position_ids, int(c.head_dim * c.rotary_percent), c.rotary_base,
+                                                hidden.dtype)
         final_ln = self.final_layernorm if self.post_process else None
         # Generation (KV cache) and batches too small to split run the synchronous path: same weights, same maths.
         overlapped = self.domino is not None and kv_cache is None and hidden.shape[0] >= self.domino_chunks
         if overlapped:
-            hidden = self.domino(hidden, attention_mask, final_ln)
+            hidden = self.domino(hidden, attention_mask, final_ln, rotary)
         else:
             for layer in self.layers:
-                hidden = layer(hidden, attention_mask, kv_cache)
+                hidden = layer(hidden, attention_mask, kv_cache, rotary)
             if final_ln is not None:
                 hidden = final_ln(hidden)
         if not self.post_process:

@@ -24,6 +24,13 @@ _GPT2_EOS = 50256
 
 
 def _check_expressible(config: ModelConfig) -> None:
+    llama = [flag for flag, used in (
+        ("--position-embedding-type rope", config.rope), ("--normalization RMSNorm", config.normalization == "RMSNorm"),
+        ("--swiglu", config.swiglu), ("--disable-bias-linear", config.disable_bias_linear),
+        ("--untie-embeddings-and-output-weights", config.untie_embeddings_and_output_weights),
+        ("--group-query-attention", config.group_query_attention)) if used]
+    if llama:
+        raise ConfigError(f"GPT-2 cannot express {', '.join(llama)}")
     if config.hidden_size % config.num_attention_heads:
         raise ConfigError(f"GPT-2 needs --hidden-size ({config.hidden_size}) divisible by "
                           f"--num-attention-heads ({config.num_attention_heads})")
@@ -46,7 +53,7 @@ def hf_gpt2_config(config: ModelConfig, vocab_size: int, eos_token_id: Optional[
         n_inner=None if config.ffn_size == 4 * config.hidden_size else config.ffn_size,
         activation_function="gelu",  # exact erf GeLU, as ours (HF's "gelu_new" would be the tanh approximation)
         resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout, attn_pdrop=config.attention_dropout,
-        layer_norm_epsilon=config.layernorm_epsilon, initializer_range=config.init_method_std,
+        layer_norm_epsilon=config.norm_epsilon, initializer_range=config.init_method_std,
         tie_word_embeddings=True, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
     )
 

@@ -1,13 +1,16 @@
 """The attention's QKV projection: one fused parameter, computed as separate q, k and v products.
 
-The parameter stays fused in Megatron's row order ``[head, (q, k, v), head_dim]`` (checkpoints, TP sharding
-and the GPT-2 import rely on it). Computing it as one ``[3 h/tp, h]`` GEMM, however, leaves q, k and v
-interleaved in the output, so attention reads strided views and autograd has to stack their gradients and
-copy the stack back into the interleaved layout (two passes over ``[b, s, 3 h/tp]`` per layer). Here the
-forward regroups the (small) weight into ``[3, h/tp, h]`` once, runs three GEMMs whose outputs are dense
-``[b, s, h/tp]`` tensors, and the backward runs the matching GEMMs on the three gradients directly. Every
-output is the same dot product as before; on CPU the three ``h/tp``-wide GEMMs are also faster than the one
-``3 h/tp``-wide GEMM (MKL).
+The parameter stays fused in Megatron's row order ``[group, (q_1 .. q_n, k, v), head_dim]`` (one query per group
+without GQA: ``[head, (q, k, v), head_dim]``), so that a contiguous split of the rows hands each TP rank whole
+query groups (checkpoints, TP sharding and the Hugging Face mappings rely on it; Megatron-LM core_r0.11.0
+``megatron/core/transformer/attention.py``, ``SelfAttention.get_query_key_value_tensors``). Computing it as one
+GEMM, however, leaves q, k and v interleaved in the output, so attention reads strided views and autograd has to
+stack their gradients and copy the stack back into the interleaved layout (two passes over the output per
+layer). Here the forward regroups the (small) weight into its q, k and v rows once, runs three GEMMs whose
+outputs are dense tensors, and the backward runs the matching GEMMs on the three gradients directly. Every
+output is the same dot product as before; on CPU the three narrower GEMMs are also faster than the one wide
+GEMM (MKL). SwiGLU's first MLP linear, whose gate and up rows alternate, uses the same
+:func:`grouped_projection`.
 
 The input's gradient still has to be summed over the TP ranks: synchronous TP passes ``x`` through
 ``copy_to_tp_region`` first; Domino passes a :class:`~domino.model.domino_ops.GradAllReduceSlot` and the
@@ -17,65 +20,97 @@ does for the other column-parallel linears.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 
-def _group_qkv(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[heads * 3 * d, ...]`` rows ordered ``[head, (q, k, v), d]`` -> ``[3, heads * d, ...]`` (a copy)."""
-    return t.view(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(3, -1, *t.shape[1:])
+def _split_rows(t: torch.Tensor, groups: int, widths: Tuple[int, ...]) -> Tuple[torch.Tensor, ...]:
+    """Rows ``[group, part, width]`` -> one ``[groups * width_i, ...]`` tensor per part (copies).
+
+    With ``widths = (d, d, d)`` this regroups MHA's ``[head, (q, k, v), d]`` rows; with GQA's
+    ``(q_per_group * d, d, d)`` each group's query heads come first; SwiGLU's fc1 is ``(1, 1)``: gate and up rows
+    alternate.
+    """
+    rows = t.view(groups, sum(widths), *t.shape[1:])
+    return tuple(part.reshape(-1, *t.shape[1:]) for part in torch.split(rows, list(widths), dim=1))
 
 
-def _ungroup_qkv(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """Inverse of :func:`_group_qkv`: ``[3, heads * d, ...]`` -> ``[heads * 3 * d, ...]``."""
-    return t.view(3, heads, -1, *t.shape[2:]).transpose(0, 1).reshape(-1, *t.shape[2:])
+def _join_rows(parts: Sequence[torch.Tensor], groups: int, widths: Tuple[int, ...]) -> torch.Tensor:
+    """Inverse of :func:`_split_rows`."""
+    rest = parts[0].shape[1:]
+    return torch.cat([p.view(groups, w, *rest) for p, w in zip(parts, widths)], dim=1).reshape(-1, *rest)
 
 
-class _QKVProjection(torch.autograd.Function):
+class _GroupedProjection(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, heads, slot):
-        w = _group_qkv(weight, heads)
-        b = _group_qkv(bias, heads) if bias is not None else None
+    def forward(ctx, x, weight, bias, groups, widths, slot):
+        w = _split_rows(weight, groups, widths)
+        b = _split_rows(bias, groups, widths) if bias is not None else None
         x2 = x.reshape(-1, x.shape[-1])
         outs = tuple((torch.addmm(b[i], x2, w[i].t()) if b is not None else x2.mm(w[i].t()))
-                     .view(*x.shape[:-1], w.shape[1]) for i in range(3))
-        ctx.save_for_backward(x, w)
-        ctx.heads, ctx.has_bias, ctx.slot = heads, b is not None, slot
+                     .view(*x.shape[:-1], w[i].shape[0]) for i in range(len(w)))
+        ctx.save_for_backward(x, *w)
+        ctx.groups, ctx.widths, ctx.has_bias, ctx.slot = groups, widths, b is not None, slot
         return outs
 
     @staticmethod
-    def backward(ctx, grad_q, grad_k, grad_v):
-        x, w = ctx.saved_tensors
-        width = w.shape[1]
+    def backward(ctx, *grad_outs):
+        x, *w = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])
-        grads = [x2.new_zeros(x2.shape[0], width) if g is None else g.reshape(-1, width)
-                 for g in (grad_q, grad_k, grad_v)]
+        grads = [x2.new_zeros(x2.shape[0], wi.shape[0]) if g is None else g.reshape(-1, wi.shape[0])
+                 for g, wi in zip(grad_outs, w)]
         grad_x = grads[0].mm(w[0])
-        grad_x.addmm_(grads[1], w[1]).addmm_(grads[2], w[2])
+        for g, wi in zip(grads[1:], w[1:]):
+            grad_x.addmm_(g, wi)
         grad_x = grad_x.view(x.shape)
         if ctx.slot is not None:
             # Async launch (Domino): the all-reduce runs during the weight-gradient GEMMs below; the slot's
             # wait node (domino_ops.wait_for_input_grad) waits for it before LayerNorm's backward reads it.
             ctx.slot.launch(grad_x)
-        grad_w = x2.new_empty(w.shape)
-        for i in range(3):
-            torch.mm(grads[i].t(), x2, out=grad_w[i])
-        grad_b = _ungroup_qkv(torch.stack([g.sum(dim=0) for g in grads]), ctx.heads) if ctx.has_bias else None
-        return grad_x, _ungroup_qkv(grad_w, ctx.heads), grad_b, None, None
+        grad_w = _join_rows([g.t().mm(x2) for g in grads], ctx.groups, ctx.widths)
+        grad_b = _join_rows([g.sum(dim=0) for g in grads], ctx.groups, ctx.widths) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
-def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], heads: int,
-                   slot=None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``F.linear(x, weight, bias)`` split into its q, k and v columns, each ``[..., heads * head_dim]``.
+def grouped_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int,
+                       widths: Tuple[int, ...], slot=None) -> Tuple[torch.Tensor, ...]:
+    """``F.linear(x, weight, bias)`` whose rows are ``[group, part, width]``, returned as one dense output per part.
 
     Args:
         x: ``[..., h]`` input (already through ``copy_to_tp_region`` for synchronous TP).
-        weight: ``[heads * 3 * head_dim, h]`` fused weight, rows ``[head, (q, k, v), head_dim]``.
-        bias: ``[heads * 3 * head_dim]`` or None.
-        heads: heads in ``weight`` (this rank's).
+        weight: ``[groups * sum(widths), h]`` fused weight.
+        bias: ``[groups * sum(widths)]`` or None.
+        groups: row groups in ``weight`` (this rank's).
+        widths: rows of each part within a group.
         slot: Domino's ``GradAllReduceSlot``: the input gradient's all-reduce is launched into it.
+
+    Returns:
+        One ``[..., groups * widths[i]]`` tensor per part.
     """
-    if weight.shape[0] % (3 * heads):
-        raise ValueError(f"QKV weight rows {weight.shape[0]} are not 3 x {heads} heads x head_dim")
-    return _QKVProjection.apply(x, weight, bias, heads, slot)
+    if weight.shape[0] != groups * sum(widths):
+        raise ValueError(f"projection weight rows {weight.shape[0]} are not {groups} groups x {sum(widths)} rows")
+    return _GroupedProjection.apply(x, weight, bias, groups, tuple(widths), slot)
+
+
+def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int,
+                   slot=None, queries_per_group: int = 1) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``F.linear(x, weight, bias)`` split into its q, k and v columns.
+
+    Args:
+        x: ``[..., h]`` input (already through ``copy_to_tp_region`` for synchronous TP).
+        weight: ``[groups * (queries_per_group + 2) * head_dim, h]`` fused weight, rows
+            ``[group, (q_1 .. q_n, k, v), head_dim]`` (Megatron-LM's layout; MHA has one query per group).
+        bias: matching bias or None.
+        groups: key/value heads (query groups) in ``weight`` (this rank's); the attention heads without GQA.
+        slot: Domino's ``GradAllReduceSlot``: the input gradient's all-reduce is launched into it.
+        queries_per_group: query heads sharing one key/value head (1 without GQA).
+
+    Returns:
+        ``q`` ``[..., groups * queries_per_group * head_dim]``, ``k`` and ``v`` ``[..., groups * head_dim]``.
+    """
+    per_group = queries_per_group + 2
+    if weight.shape[0] % (per_group * groups):
+        raise ValueError(f"QKV weight rows {weight.shape[0]} are not {per_group} x {groups} groups x head_dim")
+    d = weight.shape[0] // (per_group * groups)
+    return grouped_projection(x, weight, bias, groups, (queries_per_group * d, d, d), slot)

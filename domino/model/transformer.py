@@ -1,9 +1,15 @@
-"""One pre-LayerNorm GPT transformer layer, tensor-parallel inside its linear layers.
+"""One pre-norm transformer layer (GPT or LLaMA), tensor-parallel inside its linear layers.
 
 Read it as a plain GPT block::
 
     h = h + dropout(attention(LN1(h)))
     h = h + dropout(mlp(LN2(h)))
+
+The LLaMA family swaps three small pieces, each chosen once, here or in :mod:`domino.model.mlp`: the norm
+(LayerNorm or RMSNorm, :func:`build_norm`), the MLP (GeLU or SwiGLU, :func:`~domino.model.mlp.build_mlp`) and the
+positions (learned, added to the embeddings, or rotary, applied to queries and keys inside attention:
+:class:`~domino.model.rotary.RotaryTables`). Grouped-query attention only changes how many key/value heads the
+fused QKV holds; without biases (``--disable-bias-linear``) every linear simply has none.
 
 Tensor parallelism lives in the layer classes: the fused QKV (computed as separate q, k, v products by
 :mod:`domino.model.qkv_projection`) and the MLP's first linear are column-parallel
@@ -12,8 +18,9 @@ MLP's second linear are row-parallel (their partial sums are all-reduced). The p
 ``partial`` ...) are exposed so that :mod:`domino.model.domino_stack` can run the same parameters on an
 overlapped schedule.
 
-Fused QKV layout: output rows are ordered ``[head, (q, k, v), head_dim]`` (Megatron-LM's layout), so a
-contiguous split of the rows across TP ranks hands each rank whole heads with their q, k and v.
+Fused QKV layout: output rows are ordered ``[group, (q_1 .. q_n, k, v), head_dim]`` (Megatron-LM's layout; one
+query per group without GQA), so a contiguous split of the rows across TP ranks hands each rank whole query groups
+with their keys and values.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ from torch import nn
 from domino.config import ModelConfig
 from domino.model.domino_ops import GradAllReduceSlot
 from domino.model.kv_cache import KVCache
+from domino.model.mlp import build_mlp
 from domino.model.qkv_projection import qkv_projection
+from domino.model.rotary import RotaryTables
 from domino.parallel.collectives import copy_to_tp_region, tp_rank_and_size
 from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from domino.parallel.random import tp_region_rng
@@ -39,8 +48,14 @@ def output_init_std(config: ModelConfig) -> float:
     return config.init_method_std / math.sqrt(2.0 * config.num_layers)
 
 
+def build_norm(config: ModelConfig) -> nn.Module:
+    """The layer's normalization: ``nn.LayerNorm`` or ``nn.RMSNorm`` (weight only) with --norm-epsilon."""
+    norm = nn.RMSNorm if config.normalization == "RMSNorm" else nn.LayerNorm
+    return norm(config.hidden_size, eps=config.norm_epsilon)
+
+
 class ParallelSelfAttention(nn.Module):
-    """Causal multi-head self-attention; each TP rank owns ``heads / tp`` heads."""
+    """Causal multi-head (or grouped-query) self-attention; each TP rank owns ``groups / tp`` query groups."""
 
     def __init__(self, config: ModelConfig, layer_number: int) -> None:
         super().__init__()
@@ -51,17 +66,24 @@ class ParallelSelfAttention(nn.Module):
         if config.num_attention_heads % world:
             raise ValueError(f"--num-attention-heads {config.num_attention_heads} is not divisible by "
                              f"--tensor-model-parallel-size {world}")
+        groups = config.query_groups
+        if config.num_attention_heads % groups or groups % world:
+            raise ValueError(f"--num-query-groups {groups} must divide --num-attention-heads "
+                             f"{config.num_attention_heads} and be divisible by --tensor-model-parallel-size {world}")
         self.layer_number = layer_number
         self.heads_per_rank = config.num_attention_heads // world
-        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.groups_per_rank = groups // world
+        self.head_dim = config.head_dim
         self.attention_dropout = config.attention_dropout
-        self.query_key_value = ColumnParallelLinear(config.hidden_size, 3 * config.hidden_size,
-                                                    init_std=config.init_method_std)
-        self.dense = RowParallelLinear(config.hidden_size, config.hidden_size, input_is_parallel=True,
+        bias = not config.disable_bias_linear
+        self.query_key_value = ColumnParallelLinear(config.hidden_size, (config.num_attention_heads + 2 * groups)
+                                                    * self.head_dim, bias=bias, init_std=config.init_method_std)
+        self.dense = RowParallelLinear(config.hidden_size, config.hidden_size, bias=bias, input_is_parallel=True,
                                        init_std=output_init_std(config), skip_bias_add=True)
 
     def qkv(self, x: torch.Tensor, slot: Optional[GradAllReduceSlot] = None) -> Tuple[torch.Tensor, ...]:
-        """This rank's queries, keys and values, each ``[b, s, h/tp]``, from the fused ``query_key_value``.
+        """This rank's queries ``[b, s, h/tp]``, keys and values ``[b, s, groups/tp x head_dim]`` from the fused
+        ``query_key_value``.
 
         Without ``slot`` (synchronous TP) the input's gradient is all-reduced inside backward; Domino passes
         the slot of its gradient guard and the all-reduce is launched into it (:mod:`domino.model.domino_ops`).
@@ -69,19 +91,25 @@ class ParallelSelfAttention(nn.Module):
         layer = self.query_key_value
         if slot is None:
             x = copy_to_tp_region(x)
-        return qkv_projection(x, layer.weight, layer.bias, self.heads_per_rank, slot)
+        return qkv_projection(x, layer.weight, layer.bias, self.groups_per_rank, slot,
+                              queries_per_group=self.heads_per_rank // self.groups_per_rank)
 
     def context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attention_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        """Attention of this rank's heads: ``[b, s, h/tp]`` queries, keys, values -> ``[b, s, h/tp]`` context.
+                attention_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None,
+                rotary: Optional[RotaryTables] = None) -> torch.Tensor:
+        """Attention of this rank's heads: the outputs of :meth:`qkv` -> ``[b, s, h/tp]`` context.
 
         Args:
             q, k, v: outputs of :meth:`qkv`.
             attention_mask: None for plain causal attention, else bool ``[b or 1, 1, s, s_total]``, True = masked.
             kv_cache: when given, the new keys/values are appended and attention spans all cached tokens.
+            rotary: the rotary tables of the new tokens' positions (--position-embedding-type rope), else None.
         """
         b, s, _ = q.shape
-        q, k, v = (t.view(b, s, self.heads_per_rank, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q = q.view(b, s, self.heads_per_rank, self.head_dim).transpose(1, 2)
+        k, v = (t.view(b, s, self.groups_per_rank, self.head_dim).transpose(1, 2) for t in (k, v))
+        if rotary is not None:  # before caching: the cache holds rotated keys, as transformers' does
+            q, k = rotary.rotate(q), rotary.rotate(k)
         past = 0
         if kv_cache is not None:
             past = kv_cache.length
@@ -95,30 +123,17 @@ class ParallelSelfAttention(nn.Module):
         dropout = self.attention_dropout if self.training else 0.0
         # Heads are split across TP ranks, so their dropout masks must differ: use the TP RNG stream.
         with tp_region_rng(dropout > 0):
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
+            # enable_gqa: key/value head j serves query heads j n .. (j + 1) n - 1, as transformers' repeat_kv.
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
+                                                 enable_gqa=self.groups_per_rank != self.heads_per_rank)
         return ctx.transpose(1, 2).reshape(b, s, self.heads_per_rank * self.head_dim)
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                kv_cache: Optional[KVCache] = None,
+                rotary: Optional[RotaryTables] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Returns ``(output, bias)``: the bias is added later with dropout and the residual (None at TP=1, where
-        the GEMM already added it)."""
-        return self.dense(self.context(*self.qkv(x), attention_mask, kv_cache))
-
-
-class ParallelMLP(nn.Module):
-    """``fc2(gelu(fc1(x)))`` with exact (erf) GeLU; the inner width is split across TP ranks."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.dense_h_to_4h = ColumnParallelLinear(config.hidden_size, config.ffn_size,
-                                                  init_std=config.init_method_std)
-        self.dense_4h_to_h = RowParallelLinear(config.ffn_size, config.hidden_size, input_is_parallel=True,
-                                               init_std=output_init_std(config), skip_bias_add=True)
-
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Returns ``(output, bias)`` like :meth:`ParallelSelfAttention.forward`."""
-        # GeLU runs inside fc2's product: its backward then needs no extra buffers.
-        return self.dense_4h_to_h.forward_gelu(self.dense_h_to_4h(x))
+        the GEMM already added it, or without biases)."""
+        return self.dense(self.context(*self.qkv(x), attention_mask, kv_cache, rotary))
 
 
 def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
@@ -130,20 +145,20 @@ def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: to
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LN block: LayerNorm -> attention -> residual; LayerNorm -> MLP -> residual."""
+    """Pre-norm block: norm -> attention -> residual; norm -> MLP -> residual."""
 
     def __init__(self, config: ModelConfig, layer_number: int) -> None:
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
-        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.input_layernorm = build_norm(config)
         self.attention = ParallelSelfAttention(config, layer_number)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        self.mlp = ParallelMLP(config)
+        self.post_attention_layernorm = build_norm(config)
+        self.mlp = build_mlp(config, output_init_std(config))
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+                kv_cache: Optional[KVCache] = None, rotary: Optional[RotaryTables] = None) -> torch.Tensor:
         """``[b, s, h] -> [b, s, h]`` with synchronous tensor-parallel all-reduces."""
-        out, bias = self.attention(self.input_layernorm(hidden), attention_mask, kv_cache)
+        out, bias = self.attention(self.input_layernorm(hidden), attention_mask, kv_cache, rotary)
         hidden = bias_dropout_add(out, bias, hidden, self.hidden_dropout, self.training)
         out, bias = self.mlp(self.post_attention_layernorm(hidden))
         return bias_dropout_add(out, bias, hidden, self.hidden_dropout, self.training)

@@ -78,6 +78,14 @@ class GPTRecipe:
             self.tokenizer = tokenizer_for_run(config.data)
         # Megatron's NullTokenizer: ids below --vocab-size, end-of-document id --vocab-size, one more in the vocabulary.
         vocab = config.model.vocab_size + 1 if null else config.model.vocab_size or self.tokenizer.vocab_size
+        if self.tokenizer is not None and self.tokenizer.vocab_size > vocab:  # its ids would index past the table
+            from domino.config import ConfigError
+
+            name = config.data.tokenizer_model or config.data.tokenizer
+            raise ConfigError(f"--vocab-size {vocab} is smaller than tokenizer {name}'s {self.tokenizer.vocab_size} "
+                              "ids (a LLaMA preset's "
+                              "--vocab-size is its own tokenizer's: give that with --tokenizer-type "
+                              "HuggingFaceTokenizer --tokenizer-model, or drop --vocab-size)")
         self.padded_vocab_size = padded_vocab_size(vocab, config)
         self.eod = self.tokenizer.eod if self.tokenizer is not None else vocab - 1
 

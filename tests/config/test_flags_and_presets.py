@@ -104,3 +104,40 @@ def test_padded_vocab_follows_megatron():
     assert padded_vocab_size(50257, config) == 50304
     config.parallel.tensor_model_parallel_size = 2
     assert padded_vocab_size(50257, config) == 50432
+
+
+def test_llama_presets_have_their_published_shapes():
+    """Hugging Face config.json values of meta-llama/Llama-2-7b-hf, Llama-2-13b-hf and Meta-Llama-3-8B."""
+    shapes = {}
+    for name in ("llama2-7b", "llama2-13b", "llama3-8b"):
+        m = parse_config(["--preset", name]).model
+        shapes[name] = (m.num_layers, m.hidden_size, m.num_attention_heads, m.query_groups, m.ffn_size,
+                        m.max_position_embeddings, m.vocab_size, m.rotary_base, m.norm_epsilon)
+        assert m.rope and m.normalization == "RMSNorm" and m.swiglu and m.disable_bias_linear
+        assert m.untie_embeddings_and_output_weights
+    assert shapes == {"llama2-7b": (32, 4096, 32, 32, 11008, 4096, 32000, 10000, 1e-5),
+                      "llama2-13b": (40, 5120, 40, 40, 13824, 4096, 32000, 10000, 1e-5),
+                      "llama3-8b": (32, 4096, 32, 8, 14336, 8192, 128256, 500000, 1e-5)}
+    tiny = parse_config(["--preset", "tiny-llama", "--tensor-model-parallel-size", "2"], world_size=2).model
+    assert tiny.group_query_attention and tiny.query_groups == 2 and tiny.rope
+
+
+def test_older_spellings_of_llama_flags():
+    config = parse_config(["--layernorm-epsilon", "1e-6", "--use-rotary-position-embeddings"])
+    assert config.model.norm_epsilon == 1e-6 and config.model.rope
+    assert parse_config(["--norm-epsilon", "2e-6"]).model.norm_epsilon == 2e-6
+    # Configs stored in checkpoints before the rename still load.
+    stored = config_to_dict(DominoConfig())
+    del stored["model"]["norm_epsilon"]
+    stored["model"]["layernorm_epsilon"] = 3e-6
+    assert config_from_dict(stored).model.norm_epsilon == 3e-6
+
+
+def test_swiglu_ffn_default_is_megatrons():
+    """Megatron-LM validate_args: int((4 h 2 / 3) / 64) x 64 with --swiglu (h=4096: 10880), 4 h without."""
+    assert parse_config(["--hidden-size", "4096", "--num-attention-heads", "32", "--swiglu"]).model.ffn_size == 10880
+    assert parse_config(["--hidden-size", "4096", "--num-attention-heads", "32"]).model.ffn_size == 16384
+    m = parse_config(["--swiglu", "--ffn-hidden-size", "11008", "--hidden-size", "4096",
+                      "--num-attention-heads", "32"]).model
+    assert m.ffn_size == 11008  # given explicitly, kept (DeepSpeed-Domino's parser would overwrite it)
+    assert m.query_groups == 32  # without --group-query-attention every head has its own key/value head

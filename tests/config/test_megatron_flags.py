@@ -89,9 +89,14 @@ def test_every_kernel_flag_is_documented():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--swiglu"], "--swiglu: LLaMA architecture: not supported yet (issue #14)"),
-    (["--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2"],
-     "--untie-embeddings-and-output-weights, --group-query-attention: LLaMA architecture: not supported yet"),
+    (["--group-query-attention", "--num-query-groups", "3"],
+     "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
+    (["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size", "4"],
+     "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
+    (["--position-embedding-type", "rope", "--rotary-percent", "0.1"],
+     "--rotary-percent 0.1 rotates 1 of the 16 dimensions of a head"),
+    (["--normalization", "BatchNorm"], "--normalization must be LayerNorm or RMSNorm, got 'BatchNorm'"),
+    (["--swiglu", "--hidden-size", "16"], "--ffn-hidden-size must be >= 1, got 0 (the --swiglu default"),
     (["--recompute-granularity", "full", "--recompute-method", "uniform"],
      "--recompute-granularity full, --recompute-method uniform: activation recompute: not supported yet (issue #14)"),
     (["--recompute-activations"], "--recompute-activations: activation recompute"),

@@ -45,5 +45,5 @@ def test_unused_output_gets_a_zero_gradient():
 
 
 def test_rows_not_divisible_by_three_heads_is_a_clear_error():
-    with pytest.raises(ValueError, match="QKV weight rows 10 are not 3 x 2 heads"):
-        qkv_projection(torch.zeros(1, 4), torch.zeros(10, 4), None, heads=2)
+    with pytest.raises(ValueError, match="QKV weight rows 10 are not 3 x 2 groups"):
+        qkv_projection(torch.zeros(1, 4), torch.zeros(10, 4), None, groups=2)

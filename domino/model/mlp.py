@@ -1,0 +1,91 @@
+"""The two MLPs of a transformer layer, interchangeable: GPT's GeLU MLP and LLaMA's SwiGLU MLP.
+
+Both are ``fc2(act(fc1(x)))`` with fc1 column-parallel (each TP rank owns a slice of the inner width) and fc2
+row-parallel (partial sums, all-reduced). They expose the same three pieces, so the synchronous layer and
+Domino's overlapped schedule (:mod:`domino.model.domino_stack`) drive either without knowing which it is:
+
+* ``inner(x, slot)``: fc1 (step D). Without ``slot`` the input gradient is all-reduced synchronously; with
+  Domino's slot the backward launches that all-reduce asynchronously.
+* ``partial(inner)``: the activation and this rank's un-reduced fc2 product (step E).
+* ``forward(x)``: the synchronous layer, returning ``(output, bias)`` with the bias left for bias-dropout-add.
+
+SwiGLU (Shazeer 2020; Megatron-LM ``--swiglu``, ``transformers``' ``LlamaMLP``): ``fc2(silu(x W_gate) * x W_up)``.
+Its fc1 is one fused parameter whose rows alternate ``[ffn index, (gate, up)]``, so a contiguous split over TP
+ranks gives each rank the gate and up rows of the same inner indices, whatever the TP size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from domino.config import ModelConfig
+from domino.model.domino_ops import column_parallel_async
+from domino.model.qkv_projection import grouped_projection
+from domino.parallel.collectives import copy_to_tp_region
+from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+Output = Tuple[torch.Tensor, Optional[torch.Tensor]]
+
+
+class ParallelMLP(nn.Module):
+    """``fc2(gelu(fc1(x)))`` with exact (erf) GeLU; the inner width is split across TP ranks."""
+
+    def __init__(self, config: ModelConfig, output_std: float) -> None:
+        super().__init__()
+        bias = not config.disable_bias_linear
+        self.dense_h_to_4h = ColumnParallelLinear(config.hidden_size, config.ffn_size, bias=bias,
+                                                  init_std=config.init_method_std)
+        self.dense_4h_to_h = RowParallelLinear(config.ffn_size, config.hidden_size, bias=bias, input_is_parallel=True,
+                                               init_std=output_std, skip_bias_add=True)
+
+    def inner(self, x: torch.Tensor, slot=None) -> torch.Tensor:
+        """fc1: ``[b, s, h]`` -> ``[b, s, f/tp]`` pre-activations."""
+        fc1 = self.dense_h_to_4h
+        return fc1(x) if slot is None else column_parallel_async((x, slot), fc1)
+
+    def partial(self, inner: torch.Tensor) -> torch.Tensor:
+        """``gelu(inner) W2_r^T``, un-reduced (GeLU fused into the product's autograd node)."""
+        return self.dense_4h_to_h.partial_of_gelu(inner)
+
+    def forward(self, x: torch.Tensor) -> Output:
+        """Returns ``(output, bias)`` like :meth:`ParallelSelfAttention.forward`."""
+        # GeLU runs inside fc2's product: its backward then needs no extra buffers.
+        return self.dense_4h_to_h.forward_gelu(self.inner(x))
+
+
+class SwiGLUMLP(nn.Module):
+    """``fc2(silu(x W_gate) * x W_up)``; ``dense_h_to_4h`` holds W_gate and W_up, rows alternating."""
+
+    def __init__(self, config: ModelConfig, output_std: float) -> None:
+        super().__init__()
+        bias = not config.disable_bias_linear
+        self.dense_h_to_4h = ColumnParallelLinear(config.hidden_size, 2 * config.ffn_size, bias=bias,
+                                                  init_std=config.init_method_std)
+        self.dense_4h_to_h = RowParallelLinear(config.ffn_size, config.hidden_size, bias=bias, input_is_parallel=True,
+                                               init_std=output_std, skip_bias_add=True)
+
+    def inner(self, x: torch.Tensor, slot=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """fc1: ``[b, s, h]`` -> ``(gate, up)``, each ``[b, s, f/tp]``."""
+        fc1 = self.dense_h_to_4h
+        if slot is None:
+            x = copy_to_tp_region(x)
+        return grouped_projection(x, fc1.weight, fc1.bias, fc1.weight.shape[0] // 2, (1, 1), slot)
+
+    def partial(self, inner: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``(silu(gate) * up) W2_r^T``, un-reduced."""
+        gate, up = inner
+        return self.dense_4h_to_h.partial(F.silu(gate) * up)
+
+    def forward(self, x: torch.Tensor) -> Output:
+        """Returns ``(output, bias)`` like :meth:`ParallelSelfAttention.forward`."""
+        gate, up = self.inner(x)
+        return self.dense_4h_to_h(F.silu(gate) * up)
+
+
+def build_mlp(config: ModelConfig, output_std: float) -> nn.Module:
+    """The MLP ``config`` asks for (--swiglu or GeLU)."""
+    return (SwiGLUMLP if config.swiglu else ParallelMLP)(config, output_std)

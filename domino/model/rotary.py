@@ -1,0 +1,59 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021), as Megatron-LM and Hugging Face LLaMA apply them.
+
+Queries and keys are rotated, pair by pair, by an angle proportional to the token's position; attention scores
+then depend on relative positions only. The pairs are ``(x_i, x_{i + r/2})`` of the first ``r`` dimensions of
+each head (``r = head_dim x --rotary-percent``; the rest pass through): the "rotate half" layout of
+Megatron-LM's default (``--rotary-interleaved`` off; ``_rotate_half`` in
+``megatron/core/models/common/embeddings/rope_utils.py``, core_r0.11.0) and of ``transformers``'
+``rotate_half``/``apply_rotary_pos_emb`` (``models/llama/modeling_llama.py``, 5.24.0). Because the layouts agree,
+the q and k rows map to ``LlamaForCausalLM``'s as they are, with no permutation (Meta's original checkpoints pair
+adjacent dimensions instead: Megatron's ``--rotary-interleaved``, not offered here).
+
+The tables hold no parameters and are recomputed from the position ids on every forward, in fp32 (as both
+references do) and then cast to the activations' dtype; there is no buffer that ``model.to(bf16)`` could round.
+"""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple
+
+import torch
+
+
+class RotaryTables(NamedTuple):
+    """``cos`` and ``sin`` of every (position, frequency), ``[b or 1, s, rotated_dims]`` each."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def for_positions(cls, position_ids: torch.Tensor, rotated_dims: int, base: float,
+                      dtype: torch.dtype) -> "RotaryTables":
+        """The tables of ``[b or 1, s]`` position ids.
+
+        Args:
+            position_ids: int64 positions.
+            rotated_dims: even number of rotated dimensions per head.
+            base: the frequency base (--rotary-base).
+            dtype: the dtype of the queries and keys they will rotate.
+        """
+        exponents = torch.arange(0, rotated_dims, 2, device=position_ids.device, dtype=torch.int64).float()
+        inv_freq = 1.0 / (base ** (exponents / rotated_dims))  # [r/2]
+        angles = position_ids.float().unsqueeze(-1) * inv_freq  # [b, s, r/2]
+        angles = torch.cat((angles, angles), dim=-1)  # [b, s, r]: pair i and i + r/2 share a frequency
+        return cls(angles.cos().to(dtype), angles.sin().to(dtype))
+
+    def split(self, sizes: List[int]) -> List["RotaryTables"]:
+        """One table per batch chunk of ``sizes`` (Domino); tables shared by the batch are shared by every chunk."""
+        if self.cos.shape[0] == 1:
+            return [self] * len(sizes)
+        return [RotaryTables(c, s) for c, s in zip(self.cos.split(sizes), self.sin.split(sizes))]
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``[b, heads, s, head_dim]`` queries or keys -> the same, the first ``rotated_dims`` of each head rotated."""
+        r = self.cos.shape[-1]
+        rotated, passed = x[..., :r], x[..., r:]
+        x1, x2 = rotated.chunk(2, dim=-1)
+        cos, sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)  # broadcast over heads
+        out = rotated * cos + torch.cat((-x2, x1), dim=-1) * sin
+        return out if passed.shape[-1] == 0 else torch.cat((out, passed), dim=-1)
