@@ -1,4 +1,4 @@
-"""``domino export-hf`` / ``domino import-hf``: convert between domino checkpoints and Hugging Face GPT-2."""
+"""``domino export-hf`` / ``domino import-hf``: convert between domino checkpoints and Hugging Face GPT-2 or LLaMA."""
 
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ def run_import(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``domino export-hf`` and ``domino import-hf``."""
     export = subparsers.add_parser(
-        "export-hf", help="Write a checkpoint as a Hugging Face GPT-2 directory.",
+        "export-hf", help="Write a checkpoint as a Hugging Face GPT-2 or LLaMA directory.",
         description="Merges the TP shards of a checkpoint and writes config.json, model.safetensors and the "
-                    "tokenizer files; transformers.GPT2LMHeadModel.from_pretrained(OUTPUT) loads it offline.")
+                    "tokenizer files; a GPT model as GPT2LMHeadModel, a LLaMA-family one (rope, RMSNorm, "
+                    "SwiGLU) as LlamaForCausalLM; transformers.AutoModelForCausalLM.from_pretrained(OUTPUT) "
+                    "loads it offline.")
     export.add_argument("--load", required=True, metavar="DIR", help="Save root (its latest) or iter_* directory.")
     export.add_argument("--output", required=True, metavar="DIR", help="Directory to create.")
     export.add_argument("--tokenizer", metavar="SPEC", help="Override the checkpoint's tokenizer.")
@@ -35,10 +37,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.set_defaults(func=run_export)
 
     imp = subparsers.add_parser(
-        "import-hf", help="Turn a Hugging Face GPT-2 directory into a domino checkpoint.",
+        "import-hf", help="Turn a Hugging Face GPT-2 or LLaMA directory into a domino checkpoint.",
         description="Reads config.json and safetensors weights (never pickles) and writes a TP=1 weights-only "
                     "checkpoint; fine-tune from it with `domino pretrain --load OUTPUT --finetune`.")
-    imp.add_argument("--input", required=True, metavar="HF_DIR", help="Hugging Face GPT-2 model directory.")
+    imp.add_argument("--input", required=True, metavar="HF_DIR", help="Hugging Face GPT-2 or LLaMA model directory.")
     imp.add_argument("--output", required=True, metavar="DIR", help="Save root to create.")
     imp.add_argument("--tokenizer", metavar="SPEC",
                      help="Tokenizer (default: the one in HF_DIR, else gpt2).")

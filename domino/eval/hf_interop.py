@@ -1,10 +1,11 @@
-"""Hugging Face interop: export a checkpoint as a GPT-2 model directory, and import one back.
+"""Hugging Face interop: export a checkpoint as a GPT-2 or LLaMA model directory, and import one back.
 
-Export merges the TP shards, maps the weights with :mod:`domino.model.hf_gpt2`, drops the vocabulary
-padding rows (the tokenizer never produces those ids, and GPT-2 has no padding) and writes
-``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer files, so that
-``transformers.GPT2LMHeadModel.from_pretrained(dir)`` loads it offline. Nothing here imports
-``transformers``. Import reads only safetensors weights (never pickles) and writes a TP=1 weights-only
+A GPT model is exported as ``GPT2LMHeadModel`` (:mod:`domino.model.hf_gpt2`), a LLaMA-family one (rotary
+positions, RMSNorm, SwiGLU) as ``LlamaForCausalLM`` (:mod:`domino.model.hf_llama`); :data:`FAMILIES` holds what
+differs between the two. Export merges the TP shards, maps the weights, drops the vocabulary padding rows (the
+tokenizer never produces those ids) and writes ``config.json``, ``model.safetensors``,
+``generation_config.json`` and the tokenizer files, so that ``transformers.AutoModelForCausalLM.from_pretrained(dir)``
+loads it offline. Nothing here imports ``transformers``. Import reads only safetensors weights (never pickles) and writes a TP=1 weights-only
 checkpoint that ``domino pretrain --load DIR --finetune`` can warm-start from.
 """
 
@@ -15,7 +16,8 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from safetensors import safe_open
@@ -23,7 +25,7 @@ from safetensors.torch import save_file
 
 from domino.checkpoint import manifest
 from domino.config import ConfigError, DominoConfig, ModelConfig, config_from_dict, padded_vocab_size
-from domino.model import hf_gpt2
+from domino.model import hf_gpt2, hf_llama
 from domino.model import weights_io as wio
 
 logger = logging.getLogger(__name__)
@@ -31,8 +33,46 @@ logger = logging.getLogger(__name__)
 PathLike = Union[str, Path]
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
-_WTE = "transformer.wte.weight"
+
+
+@dataclass(frozen=True)
+class Family:
+    """What export and import need to know about one Hugging Face architecture.
+
+    Attributes:
+        architecture, model_type: the ``config.json`` values that name it.
+        hf_config, to_hf, from_hf, model_config: its mappings (``domino.model.hf_gpt2`` or ``hf_llama``).
+        embedding, output: its names of the word embeddings and of the output layer (the vocabulary rows).
+        layer_prefix, layers_key: where its layer tensors are named, and its ``config.json`` field of the depth.
+    """
+
+    architecture: str
+    model_type: str
+    hf_config: Callable[..., Dict[str, Any]]
+    to_hf: Callable[[Dict[str, torch.Tensor], ModelConfig], Dict[str, torch.Tensor]]
+    from_hf: Callable[[Dict[str, torch.Tensor], ModelConfig], Dict[str, torch.Tensor]]
+    model_config: Callable[[Dict[str, Any], str], ModelConfig]
+    embedding: str
+    output: str
+    layer_prefix: str
+    layers_key: str
+
+
+FAMILIES = {
+    "gpt2": Family("GPT2LMHeadModel", "gpt2", hf_gpt2.hf_gpt2_config, hf_gpt2.to_hf_gpt2_state_dict,
+                   hf_gpt2.from_hf_gpt2_state_dict, hf_gpt2.model_config_from_hf, "transformer.wte.weight",
+                   "lm_head.weight", "transformer.h.", "n_layer"),
+    "llama": Family("LlamaForCausalLM", "llama", hf_llama.hf_llama_config, hf_llama.to_hf_llama_state_dict,
+                    hf_llama.from_hf_llama_state_dict, hf_llama.model_config_from_hf, hf_llama.EMBEDDING,
+                    hf_llama.OUTPUT, "model.layers.", "num_hidden_layers"),
+}
+
+
+def family_of(config: ModelConfig) -> Family:
+    """LLaMA when the model uses any of its own pieces (rotary positions, RMSNorm, SwiGLU), else GPT-2; the
+    family's mapping then refuses whatever else it cannot express, naming the flags."""
+    llama = config.rope or config.normalization == "RMSNorm" or config.swiglu
+    return FAMILIES["llama" if llama else "gpt2"]
 
 
 def _prepare_output(output: Path, overwrite: bool) -> None:
@@ -57,7 +97,7 @@ def _publish(staging: Path, output: Path) -> None:
 
 def export_hf(load: PathLike, output: PathLike, tokenizer_spec: Optional[str] = None,
               overwrite: bool = False) -> Path:
-    """Writes the checkpoint at ``load`` as a Hugging Face GPT-2 directory.
+    """Writes the checkpoint at ``load`` as a Hugging Face ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` directory.
 
     Args:
         load: a save root or an ``iter_*`` checkpoint directory (any TP size).
@@ -69,7 +109,7 @@ def export_hf(load: PathLike, output: PathLike, tokenizer_spec: Optional[str] = 
         ``output``.
 
     Raises:
-        ConfigError: for a bad checkpoint, a non-empty output, or a model GPT-2 cannot express.
+        ConfigError: for a bad checkpoint, a non-empty output, or a model neither family can express.
     """
     ckpt_dir = wio.resolve_checkpoint_dir(load)
     meta = wio.read_checkpoint_meta(ckpt_dir)
@@ -82,15 +122,19 @@ def export_hf(load: PathLike, output: PathLike, tokenizer_spec: Optional[str] = 
     if vocab > meta["padded_vocab_size"]:
         raise ConfigError(f"the tokenizer has {vocab} ids but checkpoint {ckpt_dir} only "
                           f"{meta['padded_vocab_size']} embedding rows")
-    hf_config = hf_gpt2.hf_gpt2_config(config.model, vocab, eos_token_id=tokenizer.eod)
-    hf_sd = hf_gpt2.to_hf_gpt2_state_dict(wio.load_full_state_dict(ckpt_dir), config.model)
-    hf_sd[_WTE] = hf_sd[_WTE][:vocab].contiguous()
-    hf_sd.pop("lm_head.weight", None)  # tied to wte: from_pretrained re-ties it, and safetensors refuses sharing
+    family = family_of(config.model)
+    hf_config = family.hf_config(config.model, vocab, eos_token_id=tokenizer.eod)
+    hf_sd = family.to_hf(wio.load_full_state_dict(ckpt_dir), config.model)
+    hf_sd[family.embedding] = hf_sd[family.embedding][:vocab].contiguous()
+    if config.model.untie_embeddings_and_output_weights:
+        hf_sd[family.output] = hf_sd[family.output][:vocab].contiguous()
+    else:  # tied: from_pretrained re-ties it, and safetensors refuses shared tensors
+        hf_sd.pop(family.output, None)
 
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
-        config_json = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **hf_config,
+        config_json = {"architectures": [family.architecture], "model_type": family.model_type, **hf_config,
                        "domino": {"checkpoint": str(ckpt_dir), "iteration": meta["iteration"],
                                   "padded_vocab_size": meta["padded_vocab_size"]}}
         (staging / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
@@ -104,39 +148,6 @@ def export_hf(load: PathLike, output: PathLike, tokenizer_spec: Optional[str] = 
         shutil.rmtree(staging, ignore_errors=True)
     logger.info("exported %s (iteration %d) to %s", ckpt_dir, meta["iteration"], output)
     return output
-
-
-def model_config_from_hf(hf_config: Dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """Our :class:`ModelConfig` for a Hugging Face GPT-2 ``config.json``.
-
-    Raises:
-        ConfigError: for a model type or feature our GPT does not implement.
-    """
-    if hf_config.get("model_type") != "gpt2":
-        raise ConfigError(f"{source}: model_type {hf_config.get('model_type')!r} is not gpt2")
-    activation = hf_config.get("activation_function", "gelu_new")
-    if activation in _TANH_GELUS:
-        logger.warning("%s: activation %s is the tanh approximation of GeLU; domino uses the exact GeLU "
-                       "(outputs differ slightly)", source, activation)
-    elif activation != "gelu":
-        raise ConfigError(f"{source}: activation_function {activation!r} is not supported (domino uses GeLU)")
-    unsupported = {"add_cross_attention": True, "scale_attn_by_inverse_layer_idx": True, "scale_attn_weights": False}
-    for key, bad in unsupported.items():
-        if hf_config.get(key, not bad) == bad:
-            raise ConfigError(f"{source}: {key}={bad} is not supported by domino's GPT")
-    if not hf_config.get("tie_word_embeddings", True):
-        raise ConfigError(f"{source}: untied output embeddings (tie_word_embeddings=false) are not supported")
-    try:
-        hidden, positions = int(hf_config["n_embd"]), int(hf_config["n_positions"])
-        return ModelConfig(
-            num_layers=int(hf_config["n_layer"]), hidden_size=hidden, num_attention_heads=int(hf_config["n_head"]),
-            ffn_hidden_size=hf_config.get("n_inner") or None, seq_length=positions, max_position_embeddings=positions,
-            vocab_size=int(hf_config["vocab_size"]), hidden_dropout=float(hf_config.get("resid_pdrop", 0.1)),
-            attention_dropout=float(hf_config.get("attn_pdrop", 0.1)),
-            init_method_std=float(hf_config.get("initializer_range", 0.02)),
-            norm_epsilon=float(hf_config.get("layer_norm_epsilon", 1e-5)))
-    except KeyError as error:
-        raise ConfigError(f"{source}: missing field {error.args[0]}") from None
 
 
 def _weight_files(input_dir: Path) -> List[Path]:
@@ -160,7 +171,7 @@ def _weight_files(input_dir: Path) -> List[Path]:
     return files
 
 
-def _check_weights_fit(files: List[Path], config: ModelConfig, source: str) -> None:
+def _check_weights_fit(files: List[Path], config: ModelConfig, family: Family, source: str) -> None:
     """Checks ``config.json`` against the weight files' headers before any tensor is read or allocated.
 
     The expected shapes are those of our model described by ``config``, built on the meta device (no memory)
@@ -171,15 +182,17 @@ def _check_weights_fit(files: List[Path], config: ModelConfig, source: str) -> N
     stored: Dict[str, Tuple[int, ...]] = {}
     for path in files:
         stored.update(wio.read_header_shapes(path))
-    if not any(k.startswith("transformer.") for k in stored):
-        stored = {"transformer." + k: v for k, v in stored.items()}
-    layers = {int(k.split(".")[2]) for k in stored if k.startswith("transformer.h.") and k.split(".")[2].isdigit()}
+    if family.model_type == "gpt2" and not any(k.startswith("transformer.") for k in stored):
+        stored = {"transformer." + k: v for k, v in stored.items()}  # GPT2Model's names lack the prefix
+    depth = len(family.layer_prefix.split(".")) - 1
+    layers = {int(k.split(".")[depth]) for k in stored
+              if k.startswith(family.layer_prefix) and k.split(".")[depth].isdigit()}
     if config.num_layers != (max(layers) + 1 if layers else 0):
-        raise ConfigError(f"{source}: n_layer is {config.num_layers} but the weights hold "
+        raise ConfigError(f"{source}: {family.layers_key} is {config.num_layers} but the weights hold "
                           f"{max(layers) + 1 if layers else 0} layers")
     with torch.device("meta"):
         model = GPTModel(config, config.vocab_size)
-        expected = hf_gpt2.to_hf_gpt2_state_dict(model.state_dict(), config)
+        expected = family.to_hf(model.state_dict(), config)
     for name, shape in expected.items():
         if name in stored and tuple(shape.shape) != stored[name]:
             raise ConfigError(f"{source} describes {name} as {tuple(shape.shape)} but the weights hold "
@@ -196,9 +209,9 @@ def _read_safetensors_weights(files: List[Path]) -> Dict[str, torch.Tensor]:
 
 def import_hf(input_dir: PathLike, output: PathLike, tokenizer_spec: Optional[str] = None,
               make_vocab_size_divisible_by: int = 128, overwrite: bool = False) -> Path:
-    """Converts a Hugging Face GPT-2 directory into a domino weights-only checkpoint (TP=1).
+    """Converts a Hugging Face GPT-2 or LLaMA directory into a domino weights-only checkpoint (TP=1).
 
-    The embedding gets zero rows up to the padded vocabulary size. The tokenizer is taken from
+    The embedding (and an untied output layer) gets zero rows up to the padded vocabulary size. The tokenizer is taken from
     ``tokenizer_spec``, else from ``input_dir`` when it holds tokenizer files, else GPT-2's.
 
     Returns:
@@ -213,8 +226,12 @@ def import_hf(input_dir: PathLike, output: PathLike, tokenizer_spec: Optional[st
         hf_config = json.loads(config_path.read_text())
     except json.JSONDecodeError as error:
         raise ConfigError(f"{config_path} is not valid JSON: {error}") from None
+    model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else None
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ConfigError(f"{config_path}: model_type {model_type!r} is not one of {', '.join(FAMILIES)}")
     config = DominoConfig()
-    config.model = model_config_from_hf(hf_config, str(config_path))
+    config.model = family.model_config(hf_config, str(config_path))
     config.model.make_vocab_size_divisible_by = make_vocab_size_divisible_by
     has_tokenizer = (input_dir / "tokenizer.json").is_file() or (input_dir / "vocab.json").is_file()
     config.data.tokenizer = tokenizer_spec or (str(input_dir) if has_tokenizer else "gpt2")
@@ -225,11 +242,13 @@ def import_hf(input_dir: PathLike, output: PathLike, tokenizer_spec: Optional[st
         raise ConfigError(f"tokenizer {config.data.tokenizer} has {tokenizer.vocab_size} ids but the model "
                           f"only {config.model.vocab_size} embedding rows")
     files = _weight_files(input_dir)
-    _check_weights_fit(files, config.model, str(config_path))
-    full = hf_gpt2.from_hf_gpt2_state_dict(_read_safetensors_weights(files), config.model)
+    _check_weights_fit(files, config.model, family, str(config_path))
+    full = family.from_hf(_read_safetensors_weights(files), config.model)
     padded = padded_vocab_size(config.model.vocab_size, config)
-    wte = full["embedding.word_embeddings.weight"]
-    full["embedding.word_embeddings.weight"] = torch.cat([wte, wte.new_zeros(padded - wte.shape[0], wte.shape[1])])
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if name in full:
+            rows = full[name]
+            full[name] = torch.cat([rows, rows.new_zeros(padded - rows.shape[0], rows.shape[1])])
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:

@@ -13,14 +13,18 @@ The vocabulary stays padded (HF rows past the tokenizer's size are never produce
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, Optional
 
 import torch
 
 from domino.config import ConfigError, ModelConfig
 
+logger = logging.getLogger(__name__)
+
 StateDict = Dict[str, torch.Tensor]
 _GPT2_EOS = 50256
+_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 
 def _check_expressible(config: ModelConfig) -> None:
@@ -155,3 +159,36 @@ def from_hf_gpt2_state_dict(hf_sd: StateDict, config: ModelConfig) -> StateDict:
             raise ConfigError(f"{name} has shape {tuple(ours[name].shape)} from the Hugging Face weights; "
                               f"the config needs {shape}")
     return ours
+
+
+def model_config_from_hf(hf_config: Dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Our :class:`ModelConfig` for a Hugging Face GPT-2 ``config.json``.
+
+    Raises:
+        ConfigError: for a model type or feature our GPT does not implement.
+    """
+    if hf_config.get("model_type") != "gpt2":
+        raise ConfigError(f"{source}: model_type {hf_config.get('model_type')!r} is not gpt2")
+    activation = hf_config.get("activation_function", "gelu_new")
+    if activation in _TANH_GELUS:
+        logger.warning("%s: activation %s is the tanh approximation of GeLU; domino uses the exact GeLU "
+                       "(outputs differ slightly)", source, activation)
+    elif activation != "gelu":
+        raise ConfigError(f"{source}: activation_function {activation!r} is not supported (domino uses GeLU)")
+    unsupported = {"add_cross_attention": True, "scale_attn_by_inverse_layer_idx": True, "scale_attn_weights": False}
+    for key, bad in unsupported.items():
+        if hf_config.get(key, not bad) == bad:
+            raise ConfigError(f"{source}: {key}={bad} is not supported by domino's GPT")
+    if not hf_config.get("tie_word_embeddings", True):
+        raise ConfigError(f"{source}: untied output embeddings (tie_word_embeddings=false) are not supported")
+    try:
+        hidden, positions = int(hf_config["n_embd"]), int(hf_config["n_positions"])
+        return ModelConfig(
+            num_layers=int(hf_config["n_layer"]), hidden_size=hidden, num_attention_heads=int(hf_config["n_head"]),
+            ffn_hidden_size=hf_config.get("n_inner") or None, seq_length=positions, max_position_embeddings=positions,
+            vocab_size=int(hf_config["vocab_size"]), hidden_dropout=float(hf_config.get("resid_pdrop", 0.1)),
+            attention_dropout=float(hf_config.get("attn_pdrop", 0.1)),
+            init_method_std=float(hf_config.get("initializer_range", 0.02)),
+            norm_epsilon=float(hf_config.get("layer_norm_epsilon", 1e-5)))
+    except KeyError as error:
+        raise ConfigError(f"{source}: missing field {error.args[0]}") from None

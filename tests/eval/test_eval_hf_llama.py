@@ -1,0 +1,105 @@
+"""LLaMA checkpoints as Hugging Face ``LlamaForCausalLM`` directories: transformers loads the export offline and
+agrees with our model (logits, greedy tokens); import brings the weights back; generate and evaluate work on them."""
+
+import json
+import math
+
+import pytest
+import torch
+import transformers
+
+from domino.config import ConfigError
+from domino.eval.evaluate import evaluate_checkpoint
+from domino.eval.generate import generate_ids
+from domino.eval.hf_interop import export_hf, import_hf
+from domino.model import weights_io as wio
+from eval_checkpoints import run_cli, save_checkpoint, tiny_config, tiny_model, tiny_tokenizer, write_token_dataset
+
+# The issue's tiny LLaMA: rotary positions, SwiGLU, RMSNorm, no biases, GQA (2 key/value heads), untied output.
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, ffn_hidden_size=48,
+             disable_bias_linear=True, untie_embeddings_and_output_weights=True, group_query_attention=True,
+             num_query_groups=2, norm_epsilon=1e-6, rotary_base=20000)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("hf-llama")
+    tokenizer = tiny_tokenizer(root / "tok")
+    config = tiny_config(str(root / "tok"), **LLAMA)
+    model = tiny_model(config, tokenizer.vocab_size, seed=8)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name:  # RMSNorm weights away from 1, so a dropped norm weight would show
+                param.add_(torch.randn_like(param) * 0.2)
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                param[tokenizer.vocab_size:] = 0.0  # padding rows as import writes them: the losses can then agree
+    save_checkpoint(root / "ckpt", model, config, tp=2, tokenizer=tokenizer)  # export must merge TP shards
+    return root, model, tokenizer, export_hf(root / "ckpt", root / "hf")
+
+
+def test_export_is_a_llama_that_transformers_agrees_with(saved, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    root, model, tokenizer, out = saved
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_key_value_heads"] == 2
+    assert config["tie_word_embeddings"] is False and config["attention_bias"] is False
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+    assert isinstance(hf, transformers.LlamaForCausalLM) and hf.config.vocab_size == tokenizer.vocab_size
+    tokens = torch.tensor([tokenizer.encode("To be, or not to be, that is the question")])
+    with torch.no_grad():
+        ours = model(tokens)[..., :tokenizer.vocab_size]
+        theirs = hf(tokens).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5 * ours.abs().max().item())
+    with torch.no_grad():  # transformers' own generation loop, with its KV cache
+        hf_greedy = hf.generate(tokens[:, :4], max_new_tokens=20, do_sample=False, eos_token_id=None,
+                                pad_token_id=tokenizer.eod)[0, 4:].tolist()
+    ours_greedy = generate_ids(model, tokens[0, :4].tolist(), 20, vocab_size=tokenizer.vocab_size)
+    assert hf_greedy == ours_greedy and len(set(ours_greedy)) > 2  # not a degenerate repetition
+
+
+def test_import_round_trip_generate_and_evaluate(saved, capsys):
+    root, model, tokenizer, out = saved
+    ckpt = import_hf(out, root / "imported", make_vocab_size_divisible_by=8)
+    imported, meta, _ = wio.build_model_from_checkpoint(root / "imported")
+    assert meta["config"]["model"]["num_query_groups"] == 2 and meta["padded_vocab_size"] == model.vocab_size
+    original = model.state_dict()
+    assert imported.state_dict().keys() == original.keys()
+    for name, tensor in imported.state_dict().items():
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):  # padding rows come back as zeros
+            torch.testing.assert_close(tensor[:tokenizer.vocab_size], original[name][:tokenizer.vocab_size])
+            assert not tensor[tokenizer.vocab_size:].any()
+        else:
+            assert torch.equal(tensor, original[name]), name
+    code, stdout, _ = run_cli(["generate", "--load", str(ckpt), "--prompt-ids", "3,4,5", "--max-new-tokens", "8",
+                               "--greedy", "--json", "--no-stop-at-eod"], capsys)
+    assert code == 0
+    assert json.loads(stdout)["token_ids"] == generate_ids(model, [3, 4, 5], 8, vocab_size=tokenizer.vocab_size)
+    prefix = write_token_dataset(root / "data" / "corpus", tokenizer.vocab_size, documents=8, eod=tokenizer.eod)
+    results = [evaluate_checkpoint(path, prefix, micro_batch_size=2, seq_length=16,
+                                   data_cache_path=str(root / "cache")) for path in (root / "ckpt", ckpt)]
+    assert math.isfinite(results[0]["loss"]) and results[0]["tokens"] > 0
+    assert results[1]["loss"] == pytest.approx(results[0]["loss"], rel=1e-5)  # TP=2 original == imported
+
+
+def test_refusals(saved, tmp_path):
+    root, _, tokenizer, out = saved
+    config = json.loads((out / "config.json").read_text())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in ("model.safetensors", "tokenizer.json"):
+        (bad / name).write_bytes((out / name).read_bytes())
+    (bad / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
+    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
+        import_hf(bad, tmp_path / "imp")
+    (bad / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 4}))
+    with pytest.raises(ConfigError, match="k_proj.weight as"):
+        import_hf(bad, tmp_path / "imp")
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
+    with pytest.raises(ConfigError, match="model_type 'mistral' is not one of gpt2, llama"):
+        import_hf(bad, tmp_path / "imp")
+    assert not (tmp_path / "imp").exists()
+    half = tiny_config(tokenizer_spec=str(root / "tok"), **dict(LLAMA, rotary_percent=0.5))
+    save_checkpoint(tmp_path / "half", tiny_model(half, tokenizer.vocab_size), half, tokenizer=tokenizer)
+    with pytest.raises(ConfigError, match="LlamaForCausalLM rotates whole heads"):
+        export_hf(tmp_path / "half", tmp_path / "half-hf")
