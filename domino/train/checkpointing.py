@@ -36,8 +36,10 @@ from domino.parallel import state
 
 logger = logging.getLogger(__name__)
 
-#: Model fields that must match between a checkpoint and the run loading it.
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_size", "num_positions")
+#: Model fields that must match between a checkpoint and the run loading it (the last ones decide which
+#: parameters exist: learned position table, norm biases, linear biases, SwiGLU's gate, key/value heads, output).
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_size", "num_positions", "rope",
+                "normalization", "disable_bias_linear", "swiglu", "query_groups", "untie_embeddings_and_output_weights")
 
 
 def _barrier() -> None:

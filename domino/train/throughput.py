@@ -19,10 +19,14 @@ def training_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
 
     Per layer the matmuls cost ``2 * (4h^2 + 2 h ffn)`` per token and attention scores plus values
     ``4 s h`` (full square, as Megatron counts); the logits ``2 h V``. With ffn = 4h this is the familiar
-    ``72 L h^2 (1 + s/6h + V/12Lh)`` per token divided by s.
+    ``72 L h^2 (1 + s/6h + V/12Lh)`` per token divided by s. Grouped-query attention projects keys and values to
+    ``g x head_dim`` instead of ``h`` (``2h^2 + 2 h g d`` for QKV and output); SwiGLU has three ``h x ffn``
+    matrices instead of two.
     """
     h, s, L, f = model.hidden_size, model.seq_length, model.num_layers, model.ffn_size
-    forward = L * (2 * (4 * h * h + 2 * h * f) + 4 * s * h) + 2 * h * vocab_size
+    kv = model.query_groups * model.head_dim
+    mlp_matrices = 3 if model.swiglu else 2
+    forward = L * (2 * (2 * h * h + 2 * h * kv + mlp_matrices * h * f) + 4 * s * h) + 2 * h * vocab_size
     return 3.0 * forward
 
 

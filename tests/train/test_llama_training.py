@@ -1,5 +1,6 @@
 """A tiny LLaMA (rope, SwiGLU, RMSNorm, no biases, GQA, untied output) trains at TP=2 with Domino exactly as at TP=1."""
 
+import pytest
 import torch
 
 from domino.model import weights_io
@@ -39,3 +40,19 @@ def test_a_preset_vocabulary_smaller_than_the_tokenizer_is_refused(corpus_prefix
                          "--num-workers", "0", "--data-path", corpus_prefix], check=False, timeout=120)
     assert proc.returncode == 2
     assert "--vocab-size 32000 is smaller than tokenizer gpt2's 50257 ids" in proc.stderr
+
+
+def test_loading_a_gpt_checkpoint_into_a_llama_run_names_the_differences(tmp_path):
+    from domino.config import ConfigError, config_to_dict, parse_config
+    from domino.train.checkpointing import check_compatible
+
+    gpt = parse_config(["--preset", "tiny"])
+    llama = parse_config(["--preset", "tiny", "--position-embedding-type", "rope", "--swiglu",
+                          "--ffn-hidden-size", "256", "--group-query-attention", "--num-query-groups", "2"])
+    meta = {"config": config_to_dict(gpt), "padded_vocab_size": 128}
+    check_compatible(meta, gpt, 128, tmp_path)
+    with pytest.raises(ConfigError) as error:
+        check_compatible(meta, llama, 128, tmp_path)
+    message = str(error.value)
+    assert "rope: checkpoint False vs run True" in message and "swiglu: checkpoint False vs run True" in message
+    assert "query_groups: checkpoint 4 vs run 2" in message and "ffn_size" not in message

@@ -14,3 +14,13 @@ def test_hand_count_for_one_config():
     forward = 2 * per_layer + 2 * h * vocab  # two layers, then the logits
     assert training_flops_per_token(model, vocab) == 3 * forward == 786432
 
+
+
+def test_hand_count_for_a_llama_config():
+    """GQA shrinks the key/value projections, SwiGLU adds a third MLP matrix."""
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, ffn_hidden_size=160,
+                        swiglu=True, group_query_attention=True, num_query_groups=2)
+    h, s, f, d, vocab = 64, 64, 160, 16, 256
+    q, kv, dense, gate_up, down = 2 * h * h, 2 * h * 2 * (2 * d), 2 * h * h, 2 * h * 2 * f, 2 * f * h
+    per_layer = q + kv + dense + gate_up + down + 4 * s * h
+    assert training_flops_per_token(model, vocab) == 3 * (2 * per_layer + 2 * h * vocab)
