@@ -44,3 +44,14 @@ def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float, w
     scale = expected.abs().max().clamp_min(1e-12)
     err = (actual - expected).abs().max()
     assert err <= rel * scale, f"{what}: max error {err:.3e} exceeds {rel:g} x {scale:.3e}"
+
+
+def logits_losses_grads(model, batch: Dict[str, torch.Tensor], masked: bool):
+    """Logits (no grad), then per-token losses with labels and the gradients of their weighted sum."""
+    extra = dict(attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]) if masked else {}
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        logits = model(batch["tokens"], **extra)
+    losses = model(batch["tokens"], labels=batch["labels"], **extra)
+    (losses * batch["weights"]).sum().backward()
+    return logits, losses.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}

@@ -14,7 +14,7 @@ from distributed_helpers import run_distributed
 from domino.model import GPTModel
 from domino.model.sharding import merge_tp_shards
 from domino.parallel import state
-from model_fixtures import VOCAB, assert_close_rel, random_batch, tiny_config
+from model_fixtures import VOCAB, assert_close_rel, logits_losses_grads, random_batch, tiny_config
 
 REL = 1e-5
 VARIANTS = {
@@ -29,16 +29,6 @@ VARIANTS = {
 CHUNKS = (1, 2)
 
 
-def _run(model, batch, masked: bool):
-    extra = dict(attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]) if masked else {}
-    model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        logits = model(batch["tokens"], **extra)
-    losses = model(batch["tokens"], labels=batch["labels"], **extra)
-    (losses * batch["weights"]).sum().backward()
-    return logits, losses.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
 def _tp2_body(rank, world_size, variants, references):
     from domino.model.sharding import shard_state_dict
 
@@ -50,7 +40,7 @@ def _tp2_body(rank, world_size, variants, references):
             model = GPTModel(tiny_config(**overrides), VOCAB, domino_chunks=chunks, parallel_output=False)
             model.load_state_dict(shard_state_dict(full_sd, rank, 2))
             for masked in (False, True):
-                results[(name, chunks, masked)] = _run(model, batch, masked)
+                results[(name, chunks, masked)] = logits_losses_grads(model, batch, masked)
     return results
 
 
@@ -66,7 +56,7 @@ def references():
                     p.add_(torch.randn_like(p) * 0.1)
         batch = random_batch(seed=5)
         out[name] = ({k: v.clone() for k, v in model.state_dict().items()}, batch,
-                     {masked: _run(model, batch, masked) for masked in (False, True)})
+                     {masked: logits_losses_grads(model, batch, masked) for masked in (False, True)})
     return out
 
 
@@ -103,7 +93,7 @@ def test_tp1_domino_matches_reference(references, variant):
     model = GPTModel(tiny_config(**VARIANTS[variant]), VOCAB, domino_chunks=2)
     model.load_state_dict(full_sd)
     for masked in (False, True):
-        _compare(_run(model, batch, masked), expected[masked], f"{variant} TP=1 chunks=2 masked={masked}")
+        _compare(logits_losses_grads(model, batch, masked), expected[masked], f"{variant} TP=1 chunks=2 masked={masked}")
 
 
 def test_llama_parameters_are_the_llama_ones():

@@ -13,22 +13,10 @@ from distributed_helpers import run_distributed
 from domino.model import GPTModel
 from domino.model.sharding import merge_tp_shards, shard_state_dict
 from domino.parallel import state
-from model_fixtures import VOCAB, assert_close_rel, random_batch, tiny_config
+from model_fixtures import VOCAB, assert_close_rel, logits_losses_grads, random_batch, tiny_config
 
 CHUNKS = (1, 2, 4)
 REL = 1e-5
-
-
-def _run(model, batch, masked: bool):
-    """Logits (gathered) without labels, then per-token losses with labels, backward of a weighted sum."""
-    extra = dict(attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]) if masked else {}
-    model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        logits = model(batch["tokens"], **extra)
-    losses = model(batch["tokens"], labels=batch["labels"], **extra)
-    (losses * batch["weights"]).sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return logits, losses.detach(), grads
 
 
 def _tp2_body(rank, world_size, full_sd, batch):
@@ -40,7 +28,7 @@ def _tp2_body(rank, world_size, full_sd, batch):
         model = GPTModel(tiny_config(), VOCAB, domino_chunks=chunks, parallel_output=False)
         model.load_state_dict(shard(full_sd, rank, 2))
         for masked in (False, True):
-            results[(chunks, masked)] = _run(model, batch, masked)
+            results[(chunks, masked)] = logits_losses_grads(model, batch, masked)
     return results
 
 
@@ -50,7 +38,7 @@ def reference():
     model = GPTModel(tiny_config(), VOCAB)
     batch = random_batch(seed=3)
     full_sd = {k: v.clone() for k, v in model.state_dict().items()}
-    expected = {masked: _run(model, batch, masked) for masked in (False, True)}
+    expected = {masked: logits_losses_grads(model, batch, masked) for masked in (False, True)}
     return full_sd, batch, expected
 
 
@@ -75,7 +63,7 @@ def test_tp1_domino_two_chunks_matches_reference(reference, masked):
     full_sd, batch, expected = reference
     model = GPTModel(tiny_config(), VOCAB, domino_chunks=2)
     model.load_state_dict(full_sd)
-    _compare(_run(model, batch, masked), expected[masked], f"TP=1 chunks=2 masked={masked}")
+    _compare(logits_losses_grads(model, batch, masked), expected[masked], f"TP=1 chunks=2 masked={masked}")
 
 
 @pytest.mark.parametrize("chunks", CHUNKS)
