@@ -203,11 +203,13 @@ def _check_architecture(problems: List[str], config: DominoConfig) -> None:
     _check(problems, m.normalization in ("LayerNorm", "RMSNorm"),
            f"--normalization must be LayerNorm or RMSNorm, got {m.normalization!r}")
     _check(problems, m.norm_epsilon > 0, f"--norm-epsilon must be > 0, got {m.norm_epsilon}")
-    _check(problems, m.ffn_size >= 1, f"--ffn-hidden-size must be >= 1, got {m.ffn_size}"
-           + (" (the --swiglu default int(8 h / 3 / 64) x 64 is 0 below --hidden-size 96: give it)" if m.swiglu else ""))
+    swiglu_note = " (the --swiglu default int(8 h / 3 / 64) x 64 is 0 below --hidden-size 96: give it)"
+    _check(problems, m.ffn_size >= 1,
+           f"--ffn-hidden-size must be >= 1, got {m.ffn_size}" + (swiglu_note if m.swiglu else ""))
     if m.rope:
         rotated = int(m.head_dim * m.rotary_percent)
-        _check(problems, 0.0 < m.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {m.rotary_percent}")
+        _check(problems, 0.0 < m.rotary_percent <= 1.0,
+               f"--rotary-percent must be in (0, 1], got {m.rotary_percent}")
         _check(problems, rotated >= 2 and rotated % 2 == 0,
                f"--rotary-percent {m.rotary_percent} rotates {rotated} of the {m.head_dim} dimensions of a head "
                "(--hidden-size / --num-attention-heads); rotary embeddings need an even number >= 2")

@@ -4,8 +4,9 @@ A GPT model is exported as ``GPT2LMHeadModel`` (:mod:`domino.model.hf_gpt2`), a 
 positions, RMSNorm, SwiGLU) as ``LlamaForCausalLM`` (:mod:`domino.model.hf_llama`); :data:`FAMILIES` holds what
 differs between the two. Export merges the TP shards, maps the weights, drops the vocabulary padding rows (the
 tokenizer never produces those ids) and writes ``config.json``, ``model.safetensors``,
-``generation_config.json`` and the tokenizer files, so that ``transformers.AutoModelForCausalLM.from_pretrained(dir)``
-loads it offline. Nothing here imports ``transformers``. Import reads only safetensors weights (never pickles) and writes a TP=1 weights-only
+``generation_config.json`` and the tokenizer files, so that
+``transformers.AutoModelForCausalLM.from_pretrained(dir)`` loads it offline. Nothing here imports
+``transformers``. Import reads only safetensors weights (never pickles) and writes a TP=1 weights-only
 checkpoint that ``domino pretrain --load DIR --finetune`` can warm-start from.
 """
 
@@ -211,8 +212,9 @@ def import_hf(input_dir: PathLike, output: PathLike, tokenizer_spec: Optional[st
               make_vocab_size_divisible_by: int = 128, overwrite: bool = False) -> Path:
     """Converts a Hugging Face GPT-2 or LLaMA directory into a domino weights-only checkpoint (TP=1).
 
-    The embedding (and an untied output layer) gets zero rows up to the padded vocabulary size. The tokenizer is taken from
-    ``tokenizer_spec``, else from ``input_dir`` when it holds tokenizer files, else GPT-2's.
+    The embedding (and an untied output layer) gets zero rows up to the padded vocabulary size. The
+    tokenizer is taken from ``tokenizer_spec``, else from ``input_dir`` when it holds tokenizer files, else
+    GPT-2's.
 
     Returns:
         The written checkpoint directory (``output/iter_0000000``; ``output/latest`` points at it).

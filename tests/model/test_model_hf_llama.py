@@ -1,4 +1,4 @@
-"""Our LLaMA-family model equals transformers.LlamaForCausalLM (built offline from its config) given the same weights."""
+"""Our LLaMA-family model equals transformers.LlamaForCausalLM (built offline from its config), same weights."""
 
 from __future__ import annotations
 

@@ -93,7 +93,8 @@ def test_tp1_domino_matches_reference(references, variant):
     model = GPTModel(tiny_config(**VARIANTS[variant]), VOCAB, domino_chunks=2)
     model.load_state_dict(full_sd)
     for masked in (False, True):
-        _compare(logits_losses_grads(model, batch, masked), expected[masked], f"{variant} TP=1 chunks=2 masked={masked}")
+        _compare(logits_losses_grads(model, batch, masked), expected[masked],
+                 f"{variant} TP=1 chunks=2 masked={masked}")
 
 
 def test_llama_parameters_are_the_llama_ones():
