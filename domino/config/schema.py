@@ -66,8 +66,8 @@ class ModelConfig:
     num_query_groups: int = 1
     """Key/value heads of --group-query-attention; divides --num-attention-heads and is divisible by the TP size."""
     llama_model: bool = False
-    """DeepSpeed-Domino's switch to its LLaMA model; it changes nothing by itself: its scripts also pass
-    --position-embedding-type rope --swiglu --normalization RMSNorm --disable-bias-linear, which do."""
+    """DeepSpeed-Domino's flag (declared, read nowhere: its pretrain_llama.py builds the LLaMA model); no effect:
+    the LLaMA options are --position-embedding-type rope --normalization RMSNorm --swiglu and the others."""
 
     @property
     def ffn_size(self) -> int:
