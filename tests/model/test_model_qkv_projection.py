@@ -47,3 +47,24 @@ def test_unused_output_gets_a_zero_gradient():
 def test_rows_not_divisible_by_three_heads_is_a_clear_error():
     with pytest.raises(ValueError, match="QKV weight rows 10 are not 3 x 2 groups"):
         qkv_projection(torch.zeros(1, 4), torch.zeros(10, 4), None, groups=2)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_grouped_query_layout_matches_fused_linear(with_bias):
+    """GQA rows [group, (q_1, q_2, k, v), d]: q holds each group's two query heads in order, k and v one head."""
+    g = torch.Generator().manual_seed(1)
+    groups, per_group, d, hidden = 2, 2, 3, 5
+    x = torch.randn(2, 4, hidden, generator=g, dtype=torch.float64)
+    w = torch.randn(groups * (per_group + 2) * d, hidden, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(w.shape[0], generator=g, dtype=torch.float64, requires_grad=True) if with_bias else None
+    fused = F.linear(x, w, b).view(2, 4, groups, per_group + 2, d)
+    ref = (fused[..., :per_group, :].reshape(2, 4, -1), fused[..., per_group, :].reshape(2, 4, -1),
+           fused[..., per_group + 1, :].reshape(2, 4, -1))
+    upstream = [torch.randn_like(r) for r in ref]
+    want = torch.autograd.grad(sum((r * u).sum() for r, u in zip(ref, upstream)), [w] + ([b] if with_bias else []))
+    got_out = qkv_projection(x, w, b, groups, queries_per_group=per_group)
+    for got, expected in zip(got_out, ref):
+        torch.testing.assert_close(got, expected)
+    got = torch.autograd.grad(sum((o * u).sum() for o, u in zip(got_out, upstream)), [w] + ([b] if with_bias else []))
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e)
