@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 from domino.launch import JobSpec
-from domino.launch.kube_backend import PyTorchJobLauncher
+from domino.launch.job_api import job_api
+from domino.launch.kube_backend import JobLauncher
 
 
 def spec(**overrides) -> JobSpec:
@@ -15,10 +16,10 @@ def spec(**overrides) -> JobSpec:
     return JobSpec(**base)
 
 
-def launcher(server, lines: list, **overrides) -> PyTorchJobLauncher:
+def launcher(server, lines: list, api: str = "pytorchjob", **overrides) -> JobLauncher:
     opts = dict(poll_s=0.05, watch_timeout_s=2.0, request_timeout_s=5.0, log_grace_s=3.0)
     opts.update(overrides)
-    return PyTorchJobLauncher(api_client=server.api_client(), log=lines.append, **opts)
+    return JobLauncher(job_api(api), api_client=server.api_client(), log=lines.append, **opts)
 
 
 def _ids(job):

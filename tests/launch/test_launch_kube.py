@@ -181,7 +181,7 @@ def test_unreachable_api_is_reported():
     config = client.Configuration()
     config.host = "http://127.0.0.1:9"  # discard port: connection refused
     config.retries = 0
-    launcher = sc.PyTorchJobLauncher(api_client=client.ApiClient(config), log=lambda _: None, request_timeout_s=2)
+    launcher = sc.JobLauncher(api_client=client.ApiClient(config), log=lambda _: None, request_timeout_s=2)
     result = launcher.run(sc.spec(), run_id="run-u", scheduling_timeout_s=10, timeout_s=30)
     assert result.reason.startswith("ApiUnreachable: ") and not result.succeeded
 

@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from domino.launch import JobSpec, run_job
-from domino.launch.local_backend import LocalLauncher, local_command, replica_env, retryable
+from domino.launch.local_backend import LocalLauncher, local_command, retryable
+from domino.launch.pytorchjob import PyTorchJobApi
+
+replica_env = PyTorchJobApi().node_env
 
 OPERATOR_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "PET_NNODES", "PET_NPROC_PER_NODE",
                  "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT", "PYTHONUNBUFFERED", "NCCL_DEBUG")
