@@ -15,7 +15,6 @@ import pytest
 import launch_scenarios
 import trainjob_scenarios as tj
 from domino.launch import naming
-from domino.launch.trainjob import render_trainjob
 from fake_kube import TRAINJOB_WEBHOOK, FakeKubeServer
 from k8s_schemas import validate_trainer_object
 
@@ -124,21 +123,15 @@ def test_a_missing_runtime_is_refused_by_the_webhook_before_anything_runs(server
     assert server.cluster.jobs == {} and ("trainer.kubeflow.org", "trainjobs", "delete") not in server.cluster.verbs()
 
 
-def _plant(server, run_id, name_of_run):
-    body = render_trainjob(tj.spec(), run_id)
-    body["metadata"]["name"] = naming.job_name("gpt", name_of_run, 2)
-    return server.cluster.add_job(body)
-
-
 def test_409_adopts_the_same_runs_trainjob_and_refuses_another_runs(server):
-    job = _plant(server, "run-5", "run-5")
+    job = launch_scenarios.plant(server, "trainjob", tj.spec(), "run-5", "run-5")
     threading.Thread(target=tj.succeed, args=(server.cluster, job), daemon=True).start()
     lines = []
     result = launcher(server, lines).run(tj.spec(), run_id="run-5", scheduling_timeout_s=10, timeout_s=30)
     assert result.succeeded, result.reason
     assert any(line.startswith("adopting existing TrainJob domino/gpt-run-5") for line in lines)
     assert ("trainer.kubeflow.org", "trainjobs", "get") in server.cluster.verbs()
-    _plant(server, "someone-else", "run-6")
+    launch_scenarios.plant(server, "trainjob", tj.spec(), "someone-else", "run-6")
     result = launcher(server, []).run(tj.spec(), run_id="run-6", scheduling_timeout_s=10, timeout_s=30,
                                       cleanup="always")
     assert result.reason.startswith("Conflict: a TrainJob named gpt-run-6") and "'someone-else'" in result.reason

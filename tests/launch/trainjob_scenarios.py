@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from domino.launch import JobSpec
+from launch_scenarios import _ids, break_watch_and_history
 
 COMPLETE = ("Complete", "AllJobsCompleted", "jobset completed successfully")
 
@@ -21,10 +22,6 @@ def spec(**overrides) -> JobSpec:
                 pretrain_args=["--preset", "tiny"])
     base.update(overrides)
     return JobSpec(**base)
-
-
-def _ids(job):
-    return job["metadata"]["namespace"], job["metadata"]["name"]
 
 
 def start_running(c, job, log_lines=("step 1 loss 10.8",)):
@@ -112,11 +109,7 @@ def disconnect_then_410(c, job):
     """Running, then the watch breaks and history is compacted while the job completes."""
     ns, name = _ids(job)
     master = start_running(c, job)
-    c.wait_for(lambda: sum(1 for r in c.requests if r[2] == "watch") >= 1)
-    time.sleep(0.2)
-    c.compact()
-    c.cut_watches()
-    time.sleep(0.3)
+    break_watch_and_history(c)
     c.log(master, "finished while the watch was down")
     c.add_node_pod(ns, name, 0, "Succeeded", {"terminated": {"exitCode": 0}})
     c.close_log(master)
