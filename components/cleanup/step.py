@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, List
 
+from domino.launch.job_api import DEFAULT_JOB_API
+
 
 def cleanup_jobs(
     run_id: str,
@@ -18,7 +20,7 @@ def cleanup_jobs(
     keep_failed: bool = True,
     api: Any = None,
     log: Callable[[str], None] = print,
-    job_api: str = "pytorchjob",
+    job_api: str = DEFAULT_JOB_API,
 ) -> List[str]:
     """Deletes this run's leftover training jobs.
 

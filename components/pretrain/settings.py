@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List
 
 from domino.config.flags import field_docs
+from domino.launch.job_api import DEFAULT_JOB_API
 
 
 @dataclass
@@ -65,7 +66,7 @@ class PretrainSettings:
     """Initialise from the promoted model's weights (fresh start when none)."""
     backend: str = "cluster"
     """cluster (a job created through the Kubernetes API) or local (processes in the step's pod)."""
-    job_api: str = "pytorchjob"
+    job_api: str = DEFAULT_JOB_API
     """pytorchjob (Kubeflow training operator v1) or trainjob (Kubeflow Trainer v2.3, runtime from k8s/trainer)."""
     image: str = ""
     """Image of the training job ('': the components' image)."""

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional
 
+from domino.launch.job_api import DEFAULT_JOB_API
 from domino.launch.spec import JobSpec
 
 #: Where a job runs: ``cluster`` (the Kubernetes API of the in-cluster config or kubeconfig) or
@@ -119,7 +120,7 @@ def run_job(
     spec: JobSpec,
     backend: str = "cluster",
     *,
-    api: str = "pytorchjob",
+    api: str = DEFAULT_JOB_API,
     timeout_s: Optional[float] = None,
     scheduling_timeout_s: float = 600,
     queue_timeout_s: Optional[float] = None,
