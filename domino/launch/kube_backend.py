@@ -80,7 +80,9 @@ class JobTracker:
             if status == "True" and self._reported.get(ctype) != (status, cond.get("reason", "")):
                 self.log(f"[{self.name}] {ctype}: {cond.get('reason', '')} {cond.get('message', '')}".rstrip())
             self._reported[ctype] = (status, cond.get("reason", ""))
-        self.phase = state.phase or self.phase
+        # A started job does not go back to Created (a TrainJob's node Job is not ready while a pod restarts).
+        if state.phase and not (state.phase == "Created" and self.started):
+            self.phase = state.phase
         self.failure = state.failure
         self.started = self.started or self.phase in STARTED_PHASES
 

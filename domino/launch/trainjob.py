@@ -28,9 +28,10 @@ Following a TrainJob (:class:`TrainJobApi`), read from kubeflow/trainer v2.3.0 a
   ``AllJobsCompleted``, ``FailedJobs``, ``ReachedMaxRestarts``, ...), or set by the controller itself:
   ``DeadlineExceeded`` (``spec.activeDeadlineSeconds``), ``TrainingRuntimeNotSupported``. There is no
   Created and no Running condition: the job is *created* once ``status.jobsStatus`` reports the JobSet's
-  replicated jobs and *running* while the ``node`` Job has active or ready pods, the test Kueue uses too
-  (kubernetes-sigs/kueue v0.19.2 ``pkg/controller/jobs/trainjob/trainjob_controller.go`` ``IsActive``;
-  ``IsSuspended`` reads ``spec.suspend``, ``Finished`` reads Complete/Failed).
+  replicated jobs and *running* once the ``node`` Job is ready (all its pods ready or done; its
+  ``active`` count includes pending pods), as Kueue's ``PodsReady`` reads it (kubernetes-sigs/kueue
+  v0.19.2 ``pkg/controller/jobs/trainjob/trainjob_controller.go``; ``IsSuspended`` reads
+  ``spec.suspend``, ``Finished`` reads Complete/Failed).
 * pods: the JobSet (named like the TrainJob) runs one Job ``<job>-node-0`` with ``numNodes`` indexed
   pods (trainer ``plugins/jobset`` ``SyncParallelCount``, ``Builder.Trainer``: replicas 1), labelled
   ``jobset.sigs.k8s.io/jobset-name`` and ``jobset.sigs.k8s.io/replicatedjob-name`` (jobset v0.12.0
@@ -190,8 +191,10 @@ class TrainJobApi(JobApi):
                   if c in true]
         node = next((j for j in status.get("jobsStatus") or [] if j.get("name") == NODE), None)
         if node is not None:  # the JobSet exists and reports its Jobs: the launcher's Created / Running
+            # "active" counts a Job with a pending pod too; "ready" counts a Job whose pods are all ready
+            # or done (jobset v0.12.0 updateReplicatedJobsStatuses), so only that means running.
             active, ready = int(node.get("active") or 0), int(node.get("ready") or 0)
-            derived = "Running" if active + ready > 0 else "Created"
+            derived = "Running" if ready > 0 else "Created"
             phases.append(derived)
             conditions.append({"type": derived, "status": "True", "reason": "JobsStatus",
                                "message": f"node Job: active {active}, ready {ready} (status.jobsStatus)"})

@@ -40,7 +40,7 @@ def test_success_follows_the_rank0_node_pod_and_reports_the_jobset_conditions(se
     assert [line for line in lines if line.startswith(("step", "saved"))] == [
         "step 1 loss 10.8", "step 2 loss 9.1", "saved checkpoint iteration 2"]
     assert any(line.startswith("[gpt-run-1] Created: JobsStatus") for line in lines)
-    assert any(line.startswith("[gpt-run-1] Running: JobsStatus node Job: active 1") for line in lines)
+    assert "[gpt-run-1] Running: JobsStatus node Job: active 1, ready 1 (status.jobsStatus)" in lines
     assert "[gpt-run-1] Complete: AllJobsCompleted jobset completed successfully" in lines
     assert "created TrainJob domino/gpt-run-1 (run run-1)" in lines
     assert server.cluster.deleted == ["gpt-run-1"]  # on-success
@@ -103,6 +103,16 @@ def test_the_controllers_deadline_is_a_failure_with_its_reason(server):
     result = launcher(server, []).run(tj.spec(active_deadline_seconds=1), run_id="run-d", scheduling_timeout_s=10,
                                       timeout_s=30)
     assert result.phase == "Failed" and result.reason == "DeadlineExceeded: TrainJob exceeded its active deadline"
+
+
+def test_pending_pods_count_as_active_but_the_job_is_not_running_until_ready(server):
+    server.cluster.on_create = tj.stay_pending
+    lines = []
+    result = launcher(server, lines).run(tj.spec(), run_id="run-s", scheduling_timeout_s=1.5, timeout_s=60)
+    assert result.reason.startswith("SchedulingTimeout: the job was still Created (not Running)"), result.reason
+    assert "not scheduled: Unschedulable: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu." in result.reason
+    assert not any("] Running:" in line for line in lines)
+    assert server.cluster.deleted == ["gpt-run-s"]
 
 
 def test_pods_refused_at_admission_fail_at_the_scheduling_timeout_with_the_jobs_event(server):
@@ -177,3 +187,26 @@ def test_watch_disconnect_and_410_gone_relist_the_trainjob(server):
     assert result.succeeded, result.reason
     assert any("410 Gone" in line for line in lines) and "finished while the watch was down" in lines
     assert ("trainer.kubeflow.org", "trainjobs", "list") in server.cluster.verbs()
+
+
+def test_a_restarted_node_container_keeps_the_job_running_and_its_log_continues_once(server):
+    server.cluster.on_create = tj.restart_then_succeed
+    lines = []
+    result = launcher(server, lines).run(tj.spec(), run_id="run-r", scheduling_timeout_s=10, timeout_s=30)
+    assert result.succeeded, result.reason
+    assert [line for line in lines if line.startswith(("attempt", "resumed", "NCCL"))] == [
+        "attempt 1 step 1", "NCCL error: connection reset", "resumed from iteration 1", "attempt 2 done"]
+    assert any("container restarted (restart 1)" in line for line in lines)
+
+
+def test_a_started_trainjob_whose_node_job_is_not_ready_stays_running():
+    from domino.launch.job_api import job_api
+    from domino.launch.kube_backend import JobTracker
+
+    tracker = JobTracker("j", lambda _: None, job_api("trainjob"))
+    status = lambda ready: {"spec": {}, "status": {"jobsStatus": [{"name": "node", "active": 1, "ready": ready}]}}  # noqa: E731
+    tracker.update(status(0))
+    assert (tracker.phase, tracker.started) == ("Created", False)  # pending pods count as active
+    tracker.update(status(1))
+    tracker.update(status(0))  # a container restarting
+    assert (tracker.phase, tracker.started) == ("Running", True)

@@ -86,6 +86,19 @@ def queued_forever(c, job):
     c.set_trainjob_status(ns, name, suspended=1)
 
 
+def stay_pending(c, job):
+    """The pods are created but never scheduled: the node Job counts as active (a pending pod is active),
+    never ready."""
+    ns, name = _ids(job)
+    time.sleep(0.05)
+    unsched = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]
+    for index in (0, 1):
+        pod = c.add_node_pod(ns, name, index, conditions=unsched)
+        c.add_event(ns, pod, "FailedScheduling", "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")
+    c.set_trainjob_status(ns, name, active=1)
+
+
 def pods_refused(c, job):
     """Admission refuses the node pods: the Job has no active pod, the Job controller reports FailedCreate
     on the Job (kubernetes pkg/controller/job: "Error creating: ...")."""
@@ -112,5 +125,26 @@ def disconnect_then_410(c, job):
     break_watch_and_history(c)
     c.log(master, "finished while the watch was down")
     c.add_node_pod(ns, name, 0, "Succeeded", {"terminated": {"exitCode": 0}})
+    c.close_log(master)
+    c.set_trainjob_status(ns, name, succeeded=1, condition=COMPLETE)
+
+
+def restart_then_succeed(c, job):
+    """Node 0's container fails once and restarts in place (the pods' OnFailure): the node Job is not ready
+    meanwhile; the restarted container resumes and the job completes."""
+    ns, name = _ids(job)
+    master = start_running(c, job, ("attempt 1 step 1",))
+    time.sleep(0.2)
+    c.log(master, "NCCL error: connection reset")
+    c.add_node_pod(ns, name, 0, "Running", {"terminated": {"exitCode": 137}})
+    c.close_log(master)
+    c.set_trainjob_status(ns, name, active=1, ready=0)
+    time.sleep(0.3)
+    c.close_log(master, False)
+    c.add_node_pod(ns, name, 0, "Running", {"running": {"startedAt": "later"}}, restarts=1)
+    c.set_trainjob_status(ns, name, active=1, ready=1)
+    c.log(master, "resumed from iteration 1", "attempt 2 done")
+    time.sleep(0.2)
+    c.add_node_pod(ns, name, 0, "Succeeded", {"terminated": {"exitCode": 0}}, restarts=1)
     c.close_log(master)
     c.set_trainjob_status(ns, name, succeeded=1, condition=COMPLETE)
