@@ -6,7 +6,8 @@
       train-tokenizer  a byte-level BPE fitted to the corpus (or the named tokenizer, passed on)
       preprocess  plan -> ParallelFor over shard groups -> merge: .bin/.idx on the shared volume, reused
                   when the inputs and tokenizer are unchanged (pipelines/preprocess_stage.py)
-      pretrain    a distributed `domino pretrain` PyTorchJob -> checkpoint on the shared volume
+      pretrain    a distributed `domino pretrain` PyTorchJob or TrainJob (job_api) -> checkpoint on the shared
+                  volume
       evaluate    test loss/perplexity/accuracy, HTML report, gate: beats the promoted model?
       if gate:    promote-model writes <shared_root>/promoted.json (atomically)
 
@@ -136,7 +137,7 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
         p = dict(zip(names, values))
         run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
         cleanup = on_shared_volume(cleanup_op(run_id=run_id, namespace=p["namespace"], backend=p["backend"],
-                                              keep_failed=p["keep_failed_jobs"]), p["pvc_name"])
+                                              job_api=p["job_api"], keep_failed=p["keep_failed_jobs"]), p["pvc_name"])
         cleanup.set_display_name("cleanup-job")
         kubernetes.use_field_path_as_env(cleanup, env_name="POD_NAMESPACE", field_path="metadata.namespace")
         with dsl.ExitHandler(cleanup, name="train-and-gate"):

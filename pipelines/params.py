@@ -15,11 +15,13 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 from components.pretrain.settings import JSON_SETTINGS
+from domino.launch.api import BACKENDS
+from domino.launch.job_api import JOB_APIS
 
 #: Parameters whose values are JSON, with the JSON type they must have.
 JSON_PARAMETERS = JSON_SETTINGS
 #: Parameters with a fixed set of values.
-CHOICES = {"backend": ("pytorchjob", "local"), "zero_stage": (0, 1, 2)}
+CHOICES = {"backend": BACKENDS, "job_api": tuple(JOB_APIS), "zero_stage": (0, 1, 2)}
 
 
 class ParamError(ValueError):

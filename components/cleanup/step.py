@@ -1,23 +1,16 @@
 """Logic of the exit handler: make sure no training job of this run outlives the pipeline run.
 
 The pretrain step deletes its job when it ends normally. This step covers the rest: a cancelled run
-(the launcher pod was killed mid-wait) or a launcher that crashed. It finds the run's PyTorchJobs by
-their ``domino/run-id`` label and deletes every one that is not finished; a Failed job is kept for
-debugging when ``keep_failed`` (the operator's TTL removes it later), a Succeeded one is deleted.
+(the launcher pod was killed mid-wait) or a launcher that crashed. It finds the run's jobs (of the run's
+job API) by their ``domino/run-id`` label and deletes every one that is not finished; a Failed job is
+kept for debugging when ``keep_failed`` (the controller's TTL removes it later), a Succeeded one is deleted.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, List
 
-
-def _job_state(job: Dict[str, Any]) -> str:
-    """The last true condition type of a PyTorchJob (Created, Running, Succeeded, Failed, ...), or ''."""
-    state = ""
-    for condition in (job.get("status") or {}).get("conditions") or []:
-        if str(condition.get("status")) == "True":
-            state = condition.get("type", state)
-    return state
+from domino.launch.job_api import DEFAULT_JOB_API
 
 
 def cleanup_jobs(
@@ -27,8 +20,9 @@ def cleanup_jobs(
     keep_failed: bool = True,
     api: Any = None,
     log: Callable[[str], None] = print,
+    job_api: str = DEFAULT_JOB_API,
 ) -> List[str]:
-    """Deletes this run's leftover PyTorchJobs.
+    """Deletes this run's leftover training jobs.
 
     Args:
         run_id: The pipeline run id (the jobs carry it as the ``domino/run-id`` label).
@@ -37,17 +31,20 @@ def cleanup_jobs(
         keep_failed: Keep jobs whose last condition is Failed.
         api: A ``kubernetes.client.CustomObjectsApi`` (default: from the in-cluster config or kubeconfig).
         log: Receives one line per decision.
+        job_api: The jobs' API (``pytorchjob`` or ``trainjob``, see :mod:`domino.launch.job_api`).
 
     Returns:
         Names of the deleted jobs.
     """
     from kubernetes.client.rest import ApiException
 
+    from domino.launch.job_api import job_api as find_job_api
     from domino.launch.naming import RUN_ID_LABEL, label_value
-    from domino.launch.render import GROUP, PLURAL, VERSION
     from domino.launch.spec import default_namespace
 
     namespace = namespace or default_namespace()
+    kind = find_job_api(job_api)
+    resource = (kind.group, kind.version, namespace, kind.plural)
 
     if api is None:
         from kubernetes import client
@@ -56,17 +53,16 @@ def cleanup_jobs(
 
         api = client.CustomObjectsApi(load_api_client())
     selector = f"{RUN_ID_LABEL}={label_value(run_id)}"
-    jobs = api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, label_selector=selector)
+    jobs = api.list_namespaced_custom_object(*resource, label_selector=selector)
     deleted = []
     for job in jobs.get("items", []):
         name = job["metadata"]["name"]
-        state = _job_state(job)
+        state = kind.state(job).phase or ""
         if state == "Failed" and keep_failed:
             log(f"cleanup: keeping failed job {name} for debugging (pipeline {pipeline_state})")
             continue
         try:
-            api.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
-                                                propagation_policy="Background")
+            api.delete_namespaced_custom_object(*resource, name, propagation_policy="Background")
         except ApiException as error:
             if error.status != 404:
                 raise

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List
 
 from domino.config.flags import field_docs
+from domino.launch.job_api import DEFAULT_JOB_API
 
 
 @dataclass
@@ -63,8 +64,10 @@ class PretrainSettings:
     """DeepSpeed ZeRO stage (0, 1, 2)."""
     warm_start: bool = False
     """Initialise from the promoted model's weights (fresh start when none)."""
-    backend: str = "pytorchjob"
-    """pytorchjob (Kubeflow training operator) or local (processes in the step's pod)."""
+    backend: str = "cluster"
+    """cluster (a job created through the Kubernetes API) or local (processes in the step's pod)."""
+    job_api: str = DEFAULT_JOB_API
+    """pytorchjob (Kubeflow training operator v1) or trainjob (Kubeflow Trainer v2.3, runtime from k8s/trainer)."""
     image: str = ""
     """Image of the training job ('': the components' image)."""
     namespace: str = ""

@@ -1,8 +1,8 @@
 """Logic of the pretrain step: settings -> validated ``domino pretrain`` flags -> a job -> artifacts.
 
 Plain Python, no kfp. The step validates the whole training config before it creates anything, launches
-the job through :func:`domino.launch.run_job` (a PyTorchJob in a cluster, local processes otherwise),
-fails when the job fails, and summarises the final checkpoint and the metrics file for the artifacts.
+the job through :func:`domino.launch.run_job` (a PyTorchJob or TrainJob, ``job_api``, in a cluster or as
+local processes), fails when the job fails, and summarises the final checkpoint and the metrics file for the artifacts.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
     count): a lost pod makes its peers exit 1, which ExitCode would treat as permanent.
     """
     from components import default_image
-    from domino.launch.spec import JobSpec, Toleration, default_namespace
+    from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, Toleration, default_namespace
 
     s = settings
     tolerations = []
@@ -152,7 +152,10 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
         namespace=s.namespace or default_namespace(), nodes=s.nodes, nproc_per_node=s.nproc_per_node,
         gpus_per_node=s.gpus_per_node, cpu_request=s.cpu_request or None, cpu_limit=s.cpu_limit or None,
         memory_request=s.memory_request or None, memory_limit=s.memory_limit or None, shm_size=s.shm_size or None,
-        pvc=s.pvc_name, mount_path=s.shared_root, checkpoint_dir=RunLayout(s.shared_root, s.run_id).checkpoint_dir,
+        # Locally the shared root stands in for the volume at its usual mount path (the local backend maps
+        # that path back to the shared root); the run's paths all lie under the shared root itself.
+        pvc=s.pvc_name, mount_path=s.shared_root if s.backend == "cluster" else DEFAULT_MOUNT_PATH,
+        checkpoint_dir=RunLayout(s.shared_root, s.run_id).checkpoint_dir,
         node_selector=text(_json_param(s, "node_selector")), tolerations=tolerations,
         priority_class=s.priority_class or None, service_account=s.service_account or None,
         image_pull_secrets=[str(x) for x in _json_param(s, "image_pull_secrets")],
@@ -222,20 +225,24 @@ def run_pretrain(
         PretrainFailed: the job failed, timed out or was interrupted.
     """
     from domino.launch import run_job
+    from domino.launch.api import BACKENDS
+    from domino.launch.job_api import job_api
 
     layout = RunLayout(settings.shared_root, settings.run_id)
-    if settings.backend not in ("pytorchjob", "local"):
-        raise ValueError(f"backend: {settings.backend!r} is not one of pytorchjob, local")
+    if settings.backend not in BACKENDS:
+        raise ValueError(f"backend: {settings.backend!r} is not one of {', '.join(BACKENDS)}")
     data_prefix = read_manifest(dataset_manifest, "dataset")["prefix"]
     argv = pretrain_argv(settings, data_prefix, layout)
     config = check_config(argv, world_size=settings.nodes * settings.nproc_per_node)
     spec = job_spec(settings, argv)
+    job_api(settings.job_api).check(spec)  # an unknown job_api, or what it cannot carry, fails before any work
     os.makedirs(layout.run_dir, exist_ok=True)
     warm_from = argv[argv.index("--load") + 1] if "--finetune" in argv else ""
-    log(f"pretrain: job {settings.job_name} ({settings.backend}), warm start from: {warm_from or 'none'}")
+    log(f"pretrain: job {settings.job_name} ({settings.job_api}, {settings.backend}), "
+        f"warm start from: {warm_from or 'none'}")
     started = time.monotonic()
     result = run_job(
-        spec, backend=settings.backend, timeout_s=settings.job_timeout_s or None,
+        spec, backend=settings.backend, api=settings.job_api, timeout_s=settings.job_timeout_s or None,
         scheduling_timeout_s=settings.scheduling_timeout_s, queue_timeout_s=settings.queue_timeout_s or None,
         cleanup="on-success", run_id=settings.run_id,
         log=log, workdir=settings.shared_root if settings.backend == "local" else None,

@@ -1,5 +1,5 @@
-"""``domino launch render|submit``: run ``domino pretrain`` as a Kubeflow PyTorchJob (or locally); ``render``
-also writes a Kubeflow Trainer v2 TrainJob (``--api trainjob``).
+"""``domino launch render|submit``: run ``domino pretrain`` as a Kubeflow PyTorchJob or, with ``--api trainjob``,
+a Kubeflow Trainer v2 TrainJob, on a cluster or locally (``--backend local``).
 
 The logic lives in :mod:`domino.launch`; this module only maps flags to calls.
 """
@@ -47,8 +47,9 @@ def _submit(args: argparse.Namespace) -> int:
         print(f"domino launch submit: error: {error}", file=sys.stderr)
         return 2
     try:
-        result = run_job(spec, args.backend, timeout_s=args.timeout, scheduling_timeout_s=args.scheduling_timeout,
-                         queue_timeout_s=args.queue_timeout, cleanup=args.cleanup, run_id=args.run_id,
+        result = run_job(spec, args.backend, api=args.api, timeout_s=args.timeout,
+                         scheduling_timeout_s=args.scheduling_timeout, queue_timeout_s=args.queue_timeout,
+                         cleanup=args.cleanup, run_id=args.run_id,
                          log=lambda line: print(line, flush=True),
                          workdir=args.workdir)
     except LaunchSpecError as error:
@@ -61,27 +62,33 @@ def _submit(args: argparse.Namespace) -> int:
     return 0 if result.succeeded else 1
 
 
+def _add_api_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api", choices=sorted(JOB_APIS), default=DEFAULT_JOB_API,
+                        help="pytorchjob (Kubeflow training operator v1, default) or trainjob (Kubeflow Trainer v2.3; "
+                             "needs the k8s/trainer runtime).")
+
+
 def register(subparsers) -> None:
     """Adds ``domino launch render`` and ``domino launch submit``."""
-    launch = subparsers.add_parser("launch", help="Run domino pretrain as a Kubeflow PyTorchJob (or locally).",
+    launch = subparsers.add_parser("launch", help="Run domino pretrain as a PyTorchJob or TrainJob (or locally).",
                                    description=__doc__)
     verbs = launch.add_subparsers(dest="launch_command", metavar="{render,submit}", required=True)
 
     render = verbs.add_parser("render", help="Print the job's YAML (a PyTorchJob or a TrainJob).",
                               usage="domino launch render --name NAME --image IMAGE [flags] -- [pretrain flags]")
     add_spec_flags(render)
-    render.add_argument("--api", choices=sorted(JOB_APIS), default=DEFAULT_JOB_API,
-                        help="pytorchjob (Kubeflow training operator v1, default) or trainjob (Kubeflow Trainer v2; "
-                             "needs the k8s/trainer runtime).")
+    _add_api_flag(render)
     render.add_argument("--output", "-o", default=None, help="Write the YAML to this file instead of stdout.")
     render.set_defaults(func=_render)
 
     submit = verbs.add_parser("submit", help="Create the job, stream the master's log, wait for the end.",
                               usage="domino launch submit --name NAME --image IMAGE [flags] -- [pretrain flags]")
     add_spec_flags(submit)
+    _add_api_flag(submit)
     run = submit.add_argument_group("run")
-    run.add_argument("--backend", choices=BACKENDS, default="pytorchjob",
-                     help="pytorchjob (cluster, default) or local (replicas as local processes).")
+    run.add_argument("--backend", choices=BACKENDS, default=BACKENDS[0],
+                     help="cluster (the Kubernetes API, default) or local (the job's nodes as local processes, "
+                          "with the environment the --api controller injects).")
     run.add_argument("--timeout", type=float, default=None, help="Wall-clock limit of the whole job, seconds.")
     run.add_argument("--scheduling-timeout", type=float, default=600.0,
                      help="Fail when the admitted job is not Running, or not all its pods run, after this many "

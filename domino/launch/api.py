@@ -15,9 +15,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional
 
+from domino.launch.job_api import DEFAULT_JOB_API
 from domino.launch.spec import JobSpec
 
-BACKENDS = ("pytorchjob", "local")
+#: Where a job runs: ``cluster`` (the Kubernetes API of the in-cluster config or kubeconfig) or
+#: ``local`` (each node a process on this machine); the job API (``api``) is a separate choice.
+BACKENDS = ("cluster", "local")
 CLEANUP_MODES = ("always", "on-success", "never")
 
 
@@ -115,8 +118,9 @@ def should_delete(cleanup: str, succeeded: bool, stopped: bool) -> bool:
 
 def run_job(
     spec: JobSpec,
-    backend: str = "pytorchjob",
+    backend: str = "cluster",
     *,
+    api: str = DEFAULT_JOB_API,
     timeout_s: Optional[float] = None,
     scheduling_timeout_s: float = 600,
     queue_timeout_s: Optional[float] = None,
@@ -129,8 +133,10 @@ def run_job(
 
     Args:
         spec: the job.
-        backend: ``pytorchjob`` (a Kubeflow PyTorchJob via the kubernetes client, in-cluster config or
-            kubeconfig) or ``local`` (each replica a process on this machine, see local_backend).
+        backend: ``cluster`` (via the kubernetes client, in-cluster config or kubeconfig) or ``local``
+            (each node a process on this machine with the environment ``api``'s controller injects,
+            see local_backend).
+        api: the job API, ``pytorchjob`` or ``trainjob`` (see domino.launch.job_api).
         timeout_s: wall-clock limit for the whole job (None: no limit); also the job's
             ``activeDeadlineSeconds`` unless the spec sets one, so the cluster stops it without us.
         scheduling_timeout_s: fail when the job (once admitted) has not started Running, or not all of
@@ -145,23 +151,26 @@ def run_job(
 
     Raises:
         LaunchSpecError: invalid ``spec`` or ``domino pretrain`` arguments (before anything is created).
-        ValueError: unknown ``backend`` or ``cleanup``.
+        ValueError: unknown ``backend``, ``api`` or ``cleanup``.
     """
+    from domino.launch.job_api import job_api
     from domino.launch.pretrain_args import check_pretrain_args
 
     check_cleanup(cleanup)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")
+    job_kind = job_api(api)
     spec.validate()
+    job_kind.check(spec)
     check_pretrain_args(spec)
     if timeout_s is not None and spec.active_deadline_seconds is None:
         spec = dataclasses.replace(spec, active_deadline_seconds=max(1, math.ceil(timeout_s)))
-    if backend == "pytorchjob":
-        from domino.launch.kube_backend import PyTorchJobLauncher
+    if backend == "cluster":
+        from domino.launch.kube_backend import JobLauncher
 
-        return PyTorchJobLauncher(log=log).run(
+        return JobLauncher(job_kind, log=log).run(
             spec, run_id=run_id, timeout_s=timeout_s, scheduling_timeout_s=scheduling_timeout_s, cleanup=cleanup,
             queue_timeout_s=queue_timeout_s)
-    if backend == "local":
-        from domino.launch.local_backend import LocalLauncher
+    from domino.launch.local_backend import LocalLauncher
 
-        return LocalLauncher(log=log).run(spec, run_id=run_id, timeout_s=timeout_s, workdir=workdir)
-    raise ValueError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")
+    return LocalLauncher(job_kind, log=log).run(spec, run_id=run_id, timeout_s=timeout_s, workdir=workdir)

@@ -1,44 +1,19 @@
-"""The Kubernetes job APIs a :class:`~domino.launch.spec.JobSpec` can be rendered as, chosen in one place.
+"""The Kubernetes job APIs a :class:`~domino.launch.spec.JobSpec` can run as, chosen in one place.
 
 ``--api pytorchjob`` (Kubeflow training operator v1, ``kubeflow.org/v1``) or ``--api trainjob`` (Kubeflow
-Trainer v2, ``trainer.kubeflow.org/v1alpha1``). Callers pick a :class:`JobApi` by name and use only its
-fields, so nothing outside the renderers depends on which API it is.
+Trainer v2, ``trainer.kubeflow.org/v1alpha1``). Callers pick a :class:`~domino.launch.job_api_base.JobApi`
+by name and use only its interface, so nothing outside the two implementations depends on which API it is.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Dict
 
-from domino.launch import render, trainjob
-from domino.launch.spec import JobSpec
+from domino.launch.job_api_base import JobApi
+from domino.launch.pytorchjob import PyTorchJobApi
+from domino.launch.trainjob import TrainJobApi
 
-Renderer = Callable[[JobSpec, str, Optional[Dict[str, Any]]], Dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class JobApi:
-    """One job API: its custom resource coordinates and how a spec becomes an object of it."""
-
-    name: str
-    """The ``--api`` value."""
-    group: str
-    """API group of the custom resource."""
-    version: str
-    """API version of the custom resource."""
-    plural: str
-    """Resource name in URLs (``CustomObjectsApi`` plural)."""
-    kind: str
-    """The object's ``kind``."""
-    render: Renderer
-    """``render(spec, run_id, owner_reference)`` -> the object (validates the spec first)."""
-
-
-JOB_APIS: Dict[str, JobApi] = {
-    "pytorchjob": JobApi("pytorchjob", render.GROUP, render.VERSION, render.PLURAL, render.KIND, render.render_job),
-    "trainjob": JobApi("trainjob", trainjob.GROUP, trainjob.VERSION, trainjob.PLURAL, trainjob.KIND,
-                       trainjob.render_trainjob),
-}
+JOB_APIS: Dict[str, JobApi] = {api.name: api for api in (PyTorchJobApi(), TrainJobApi())}
 DEFAULT_JOB_API = "pytorchjob"
 
 
@@ -47,3 +22,6 @@ def job_api(name: str) -> JobApi:
     if name not in JOB_APIS:
         raise ValueError(f"--api: {name!r} is not one of {', '.join(JOB_APIS)}")
     return JOB_APIS[name]
+
+
+__all__ = ["DEFAULT_JOB_API", "JOB_APIS", "JobApi", "job_api"]

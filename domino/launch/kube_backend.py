@@ -1,6 +1,8 @@
-"""Runs a JobSpec as a Kubeflow PyTorchJob with the ``kubernetes`` client and follows it to the end.
+"""Runs a JobSpec as a Kubernetes job (PyTorchJob or TrainJob) with the ``kubernetes`` client and follows it
+to the end.
 
-What it does, in order:
+Everything that depends on the job API (the object, how its status reads, its pods, its events) comes
+from the :class:`~domino.launch.job_api_base.JobApi` the launcher is given. What it does, in order:
 
 1. Renders the job for the run id (the same run id gives the same name) with an owner reference to
    the launching pod when ``POD_NAME``/``POD_UID`` are set (downward API).
@@ -8,10 +10,10 @@ What it does, in order:
    and refuses (never touches) a job of another run.
 3. Watches the job (field selector on its name) with resourceVersion bookkeeping: a dropped connection
    resumes from the last version, a 410 Gone relists. Condition changes are reported as they happen;
-   the Master's log is streamed by :class:`~domino.launch.kube_pods.MasterLogStreamer`.
+   the rank-0 pod's log is streamed by :class:`~domino.launch.kube_pods.MasterLogStreamer`.
 4. Ends on Succeeded (success) or Failed; on the scheduling timeout, counted from admission (job not
-   Running yet, or Running without all its pods: the operator marks a job Running when its Master
-   runs, and Workers it could not create show only as ``FailedCreatePod`` events); on the queue
+   Running yet, or Running without all its pods: the training operator marks a PyTorchJob Running when
+   its Master runs, and pods a controller could not create show only as events); on the queue
    timeout while Kueue holds the job suspended; on the overall wall-clock timeout; or on
    SIGTERM/SIGINT. Then it collects the failed pods' logs and deletes the job per the cleanup mode (a
    job given up on is deleted unless ``never``).
@@ -26,20 +28,10 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from domino.launch import naming
 from domino.launch.api import JobResult, LaunchInterrupted, interrupt_on_signals, should_delete
-from domino.launch.kube_pods import (
-    MasterLogStreamer,
-    exit_code,
-    explain_pending,
-    failed_pod_logs,
-    list_job_pods,
-    master_pod,
-)
-from domino.launch.render import GROUP, PLURAL, VERSION, render_job
+from domino.launch.job_api import DEFAULT_JOB_API, JobApi, job_api
+from domino.launch.job_api_base import STARTED_PHASES
+from domino.launch.kube_pods import MasterLogStreamer, exit_code, explain_pending, failed_pod_logs, list_job_pods
 from domino.launch.spec import JobSpec
-
-#: Condition types in order of precedence when several are True at once.
-PHASE_ORDER = ("Succeeded", "Failed", "Suspended", "Restarting", "Running", "Created")
-
 
 #: Reasons for which the launcher gives up on a job that may still hold or wait for resources.
 GIVEN_UP = ("Timeout", "SchedulingTimeout", "QueueTimeout", "IncompleteReplicas")
@@ -69,37 +61,37 @@ class Deadlines:
 
 
 class JobTracker:
-    """Follows a job's status conditions, reporting each change once."""
+    """Follows a job's status (read by its API), reporting each condition change once."""
 
-    def __init__(self, name: str, log: Callable[[str], None]) -> None:
-        self.name, self.log = name, log
+    def __init__(self, name: str, log: Callable[[str], None], api: JobApi) -> None:
+        self.name, self.log, self.api = name, log, api
         self.phase = "Pending"
         self.started = False
         self.suspended = False
-        self.conditions: Dict[str, Dict[str, Any]] = {}
+        self.failure = ""
         self._reported: Dict[str, Tuple[str, str]] = {}
 
     def update(self, job: Dict[str, Any]) -> None:
-        """Takes the job's latest status (and ``runPolicy.suspend``: Kueue holds a queued job suspended)."""
-        self.suspended = bool(((job.get("spec") or {}).get("runPolicy") or {}).get("suspend"))
-        conditions = (job.get("status") or {}).get("conditions") or []
-        for cond in conditions:
+        """Takes the job's latest status (and its suspension: Kueue holds a queued job suspended)."""
+        state = self.api.state(job)
+        self.suspended = state.suspended
+        for cond in state.conditions:
             ctype, status = cond.get("type", ""), cond.get("status", "")
-            self.conditions[ctype] = cond
             if status == "True" and self._reported.get(ctype) != (status, cond.get("reason", "")):
                 self.log(f"[{self.name}] {ctype}: {cond.get('reason', '')} {cond.get('message', '')}".rstrip())
             self._reported[ctype] = (status, cond.get("reason", ""))
-        true = {c.get("type") for c in conditions if c.get("status") == "True"}
-        self.phase = next((p for p in PHASE_ORDER if p in true), self.phase)
-        self.started = self.started or bool(true & {"Running", "Restarting", "Succeeded", "Failed"})
+        # A started job does not go back to Created (a TrainJob's node Job is not ready while a pod restarts).
+        if state.phase and not (state.phase == "Created" and self.started):
+            self.phase = state.phase
+        self.failure = state.failure
+        self.started = self.started or self.phase in STARTED_PHASES
 
     @property
     def terminal(self) -> bool:
         return self.phase in ("Succeeded", "Failed")
 
     def failure_reason(self) -> str:
-        cond = self.conditions.get("Failed") or {}
-        return f"{cond.get('reason') or 'Failed'}: {cond.get('message', 'the job failed')}"
+        return self.failure or "Failed: the job failed"
 
 
 def owner_reference(namespace: str, log: Callable[[str], None]) -> Optional[Dict[str, Any]]:
@@ -141,12 +133,13 @@ class JobConflict(Exception):
     """A job with our name exists and belongs to another run."""
 
 
-class PyTorchJobLauncher:
-    """Creates or adopts a PyTorchJob and follows it to the end.
+class JobLauncher:
+    """Creates or adopts a job of one API and follows it to the end.
 
     Args:
+        api: the job API (default: :data:`~domino.launch.job_api.DEFAULT_JOB_API`).
         api_client: a ``kubernetes.client.ApiClient``; default: in-cluster config, else kubeconfig.
-        log: receives status messages and the Master's log lines.
+        log: receives status messages and the rank-0 pod's log lines.
         poll_s: how often pods are polled for the log stream, and the shortest watch read timeout.
         watch_timeout_s: server-side length of one watch request (reconnected with the last version).
         request_timeout_s: timeout of each non-streaming API request.
@@ -154,9 +147,10 @@ class PyTorchJobLauncher:
         log_grace_s: how long the log stream may drain after the job ended.
     """
 
-    def __init__(self, api_client=None, log: Callable[[str], None] = print, poll_s: float = 2.0,
-                 watch_timeout_s: float = 60.0, request_timeout_s: float = 30.0, log_tail_lines: int = 50,
-                 log_grace_s: float = 10.0) -> None:
+    def __init__(self, api: Optional[JobApi] = None, api_client=None, log: Callable[[str], None] = print,
+                 poll_s: float = 2.0, watch_timeout_s: float = 60.0, request_timeout_s: float = 30.0,
+                 log_tail_lines: int = 50, log_grace_s: float = 10.0) -> None:
+        self.api = api or job_api(DEFAULT_JOB_API)
         self.log = log
         self.poll_s, self.watch_timeout_s, self.request_timeout_s = poll_s, watch_timeout_s, request_timeout_s
         self.log_tail_lines, self.log_grace_s = log_tail_lines, log_grace_s
@@ -167,27 +161,31 @@ class PyTorchJobLauncher:
         self.core = client.CoreV1Api(self.api_client)
 
     # -- API calls -------------------------------------------------------------------------------------
+    def _resource(self, namespace: str) -> Tuple[str, str, str, str]:
+        """(group, version, namespace, plural): the CustomObjectsApi coordinates of the job."""
+        return self.api.group, self.api.version, namespace, self.api.plural
+
     def create_or_adopt(self, body: Dict[str, Any], run_id: str) -> Dict[str, Any]:
         """Creates the job; on 409 returns the existing job if it is this run's, else raises JobConflict."""
         from kubernetes.client.rest import ApiException
 
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
         try:
-            job = self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body,
+            job = self.custom.create_namespaced_custom_object(*self._resource(ns), body,
                                                               _request_timeout=self.request_timeout_s)
-            self.log(f"created PyTorchJob {ns}/{name} (run {run_id})")
+            self.log(f"created {self.api.kind} {ns}/{name} (run {run_id})")
             return job
         except ApiException as error:
             if error.status != 409:
                 raise
-        existing = self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name,
+        existing = self.custom.get_namespaced_custom_object(*self._resource(ns), name,
                                                             _request_timeout=self.request_timeout_s)
         meta = existing.get("metadata") or {}
         theirs = (meta.get("annotations") or {}).get(naming.RUN_ID_ANNOTATION)
         if theirs == run_id and (meta.get("labels") or {}).get(naming.RUN_ID_LABEL) == naming.label_value(run_id):
-            self.log(f"adopting existing PyTorchJob {ns}/{name} of this run ({run_id}): a retry resumes it")
+            self.log(f"adopting existing {self.api.kind} {ns}/{name} of this run ({run_id}): a retry resumes it")
             return existing
-        raise JobConflict(f"a PyTorchJob named {name} already exists in namespace {ns} and belongs to run "
+        raise JobConflict(f"a {self.api.kind} named {name} already exists in namespace {ns} and belongs to run "
                           f"{theirs!r}, not to this run {run_id!r}; refusing to reuse it (delete it, or use "
                           f"another --name or --run-id)")
 
@@ -196,17 +194,17 @@ class PyTorchJobLauncher:
         from kubernetes.client.rest import ApiException
 
         try:
-            self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+            self.custom.delete_namespaced_custom_object(*self._resource(namespace), name,
                                                         propagation_policy="Background",
                                                         _request_timeout=self.request_timeout_s)
-            self.log(f"deleted PyTorchJob {namespace}/{name}")
+            self.log(f"deleted {self.api.kind} {namespace}/{name}")
         except ApiException as error:
             if error.status != 404:
                 raise
 
     def relist(self, namespace: str, name: str) -> Tuple[Optional[Dict[str, Any]], str]:
         """The job (None when gone) and the list's resourceVersion to watch from."""
-        listing = self.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+        listing = self.custom.list_namespaced_custom_object(*self._resource(namespace),
                                                             field_selector=f"metadata.name={name}",
                                                             _request_timeout=self.request_timeout_s)
         items = listing.get("items") or []
@@ -216,16 +214,16 @@ class PyTorchJobLauncher:
     def run(self, spec: JobSpec, run_id: Optional[str] = None, timeout_s: Optional[float] = None,
             scheduling_timeout_s: float = 600, cleanup: str = "on-success",
             queue_timeout_s: Optional[float] = None) -> JobResult:
-        """Runs ``spec`` as a PyTorchJob to completion (see the module docstring)."""
+        """Runs ``spec`` as a job of this launcher's API to completion (see the module docstring)."""
         from kubernetes.client.rest import ApiException
         from urllib3.exceptions import HTTPError
 
         run_id = run_id or naming.new_run_id()
         start = time.monotonic()
-        body = render_job(spec, run_id, owner_reference(spec.namespace, self.log))
+        body = self.api.render(spec, run_id, owner_reference(spec.namespace, self.log))
         ns, name = spec.namespace, body["metadata"]["name"]
-        tracker = JobTracker(name, self.log)
-        streamer = MasterLogStreamer(self.core, ns, name, self.log, self.log_tail_lines, self.poll_s,
+        tracker = JobTracker(name, self.log, self.api)
+        streamer = MasterLogStreamer(self.core, ns, self.api, name, self.log, self.log_tail_lines, self.poll_s,
                                      self.request_timeout_s)
         owned, interrupted, result = False, False, None
         with interrupt_on_signals() as shield:
@@ -261,11 +259,11 @@ class PyTorchJobLauncher:
                         self.delete(ns, name)
                     except (ApiException, HTTPError) as error:  # report it; the job outcome stands
                         text = api_error_text(error) if isinstance(error, ApiException) else str(error)
-                        self.log(f"could not delete PyTorchJob {ns}/{name}: {text}")
+                        self.log(f"could not delete {self.api.kind} {ns}/{name}: {text}")
                         if result is not None:
                             result.reason += f" (and deleting the job failed: {text})"
                 elif owned:
-                    self.log(f"keeping PyTorchJob {ns}/{name} (--cleanup {cleanup})")
+                    self.log(f"keeping {self.api.kind} {ns}/{name} (--cleanup {cleanup})")
         return result
 
     def _follow(self, job: Dict[str, Any], tracker: JobTracker, clock: "Deadlines", nodes: int) -> JobResult:
@@ -287,7 +285,7 @@ class PyTorchJobLauncher:
             read_timeout = clock.read_timeout(tracker, all_running, self.watch_timeout_s, self.poll_s)
             try:
                 stream = watch.Watch().stream(
-                    self.custom.list_namespaced_custom_object, GROUP, VERSION, ns, PLURAL,
+                    self.custom.list_namespaced_custom_object, *self._resource(ns),
                     field_selector=f"metadata.name={name}", resource_version=version,
                     timeout_seconds=max(1, int(self.watch_timeout_s)),
                     _request_timeout=(self.request_timeout_s, read_timeout))
@@ -298,7 +296,7 @@ class PyTorchJobLauncher:
                     version = obj.get("metadata", {}).get("resourceVersion") or version
                     if event["type"] == "DELETED":
                         return JobResult(name, False, tracker.phase,
-                                         "Deleted: the PyTorchJob was deleted while running", [], None)
+                                         f"Deleted: the {self.api.kind} was deleted while running", [], None)
                     tracker.update(obj)
                     if tracker.terminal or tracker.suspended != was_suspended or clock.passed():
                         break
@@ -309,7 +307,7 @@ class PyTorchJobLauncher:
                 current, version = self.relist(ns, name)
                 if current is None:
                     return JobResult(name, False, tracker.phase,
-                                     "Deleted: the PyTorchJob was deleted while running", [], None)
+                                     f"Deleted: the {self.api.kind} was deleted while running", [], None)
                 tracker.update(current)
             except (HTTPError, OSError) as error:
                 if not isinstance(error, ReadTimeoutError) and "Read timed out" not in str(error):
@@ -337,17 +335,17 @@ class PyTorchJobLauncher:
         if all_running or now < clock.scheduling_end:
             return None
         if tracker.started:
-            # The operator marks the job Running as soon as the Master runs; Workers it could not
-            # create appear only as FailedCreatePod events on the job.
-            pods = list_job_pods(self.core, ns, name, self.request_timeout_s)
+            # A job shows Running as soon as one pod runs (the training operator: its Master; a TrainJob:
+            # any active pod); pods a controller could not create appear only as events.
+            pods = list_job_pods(self.core, ns, self.api, name, self.request_timeout_s)
             running = [p for p in pods if (p.get("status") or {}).get("phase") in ("Running", "Succeeded")]
             if len(running) >= nodes:
                 return True
-            why = explain_pending(self.core, ns, name, self.request_timeout_s)
+            why = explain_pending(self.core, ns, self.api, name, self.request_timeout_s)
             return JobResult(name, False, tracker.phase, f"IncompleteReplicas: only {len(running)} of {nodes} pods "
                              f"were running after {clock.scheduling_timeout_s:g} s: "
                              + ("; ".join(why) or "no events explain it"), [], None)
-        why = explain_pending(self.core, ns, name, self.request_timeout_s)
+        why = explain_pending(self.core, ns, self.api, name, self.request_timeout_s)
         return JobResult(name, False, tracker.phase,
                          f"SchedulingTimeout: the job was still {tracker.phase} (not Running) after "
                          f"{clock.scheduling_timeout_s:g} s: " + ("; ".join(why) or "no events explain it"), [], None)
@@ -357,17 +355,17 @@ class PyTorchJobLauncher:
         result.log_tail = list(streamer.tail)
         pod, pods = streamer.pod, []
         try:
-            pods = list_job_pods(self.core, ns, name, self.request_timeout_s)
-            pod = master_pod(pods, name) or pod
+            pods = list_job_pods(self.core, ns, self.api, name, self.request_timeout_s)
+            pod = self.api.rank0_pod(pods, name) or pod
         except Exception:  # the job may be gone already; keep what the streamer saw
             pass
-        result.exit_code = exit_code(pod)
+        result.exit_code = exit_code(pod, self.api.container)
         if result.succeeded:
             return
-        result.failed_pods = failed_pod_logs(self.core, ns, pods, self.log_tail_lines, self.request_timeout_s)
+        result.failed_pods = failed_pod_logs(self.core, ns, pods, self.api.container, self.log_tail_lines, self.request_timeout_s)
         master_tail = result.failed_pods.pop(pod["metadata"]["name"], []) if pod is not None else []
         result.log_tail = result.log_tail or master_tail
 
 
-__all__ = ["JobConflict", "JobTracker", "PyTorchJobLauncher", "load_api_client", "owner_reference"]
+__all__ = ["JobConflict", "JobLauncher", "JobTracker", "load_api_client", "owner_reference"]
 

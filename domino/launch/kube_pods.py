@@ -1,7 +1,9 @@
-"""The pods of a PyTorchJob: following the Master's log, explaining a stuck job, reading exit codes.
+"""The pods of a job: following the rank-0 pod's log, explaining a stuck job, reading exit codes.
 
-Everything here works on plain dicts (the API's JSON), read with ``_preload_content=False``, so it
-does not depend on the client's model classes accepting every field a cluster returns.
+Which pods belong to the job, which of them is rank 0, the training container's name and where the
+events are come from the job's :class:`~domino.launch.job_api_base.JobApi`. Everything here works on
+plain dicts (the API's JSON), read with ``_preload_content=False``, so it does not depend on the
+client's model classes accepting every field a cluster returns.
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ import socket
 import threading
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from domino.launch import naming
-from domino.launch.spec import CONTAINER_NAME
+from domino.launch.job_api_base import JobApi
 
 
 def _json(response) -> Dict[str, Any]:
@@ -23,38 +24,26 @@ def _json(response) -> Dict[str, Any]:
         response.release_conn()
 
 
-def list_job_pods(core, namespace: str, job: str, timeout_s: float) -> List[Dict[str, Any]]:
-    """The pods of ``job`` (selected by the operator's job-name label)."""
-    resp = core.list_namespaced_pod(namespace, label_selector=f"{naming.OPERATOR_JOB_LABEL}={job}",
+def list_job_pods(core, namespace: str, api: JobApi, job: str, timeout_s: float) -> List[Dict[str, Any]]:
+    """The training pods of ``job`` (by the API's label selector)."""
+    resp = core.list_namespaced_pod(namespace, label_selector=api.pod_selector(job),
                                     _preload_content=False, _request_timeout=timeout_s)
     return _json(resp).get("items", [])
 
 
-def master_pod(pods: List[Dict[str, Any]], job: str) -> Optional[Dict[str, Any]]:
-    """The Master's pod among ``pods`` (by the replica-type label, else by its name)."""
-    for pod in pods:
-        meta = pod.get("metadata", {})
-        if (meta.get("labels") or {}).get(naming.OPERATOR_REPLICA_TYPE_LABEL, "").lower() == "master":
-            return pod
-    for pod in pods:
-        if pod.get("metadata", {}).get("name") == f"{job}-master-0":
-            return pod
-    return None
-
-
-def container_status(pod: Dict[str, Any]) -> Dict[str, Any]:
-    """The ``pytorch`` container's status (empty when not reported yet)."""
+def container_status(pod: Dict[str, Any], container: str) -> Dict[str, Any]:
+    """The training container's status (empty when not reported yet)."""
     for status in (pod.get("status") or {}).get("containerStatuses") or []:
-        if status.get("name") == CONTAINER_NAME:
+        if status.get("name") == container:
             return status
     return {}
 
 
-def exit_code(pod: Optional[Dict[str, Any]]) -> Optional[int]:
-    """The ``pytorch`` container's exit code (current or last termination), if it has ended."""
+def exit_code(pod: Optional[Dict[str, Any]], container: str) -> Optional[int]:
+    """The training container's exit code (current or last termination), if it has ended."""
     if pod is None:
         return None
-    status = container_status(pod)
+    status = container_status(pod, container)
     for key in ("state", "lastState"):
         terminated = (status.get(key) or {}).get("terminated")
         if terminated and terminated.get("exitCode") is not None:
@@ -62,20 +51,20 @@ def exit_code(pod: Optional[Dict[str, Any]]) -> Optional[int]:
     return None
 
 
-def failed_pod_logs(core, namespace: str, pods: List[Dict[str, Any]], tail_lines: int,
+def failed_pod_logs(core, namespace: str, pods: List[Dict[str, Any]], container: str, tail_lines: int,
                     timeout_s: float) -> Dict[str, List[str]]:
-    """The last log lines of every pod whose ``pytorch`` container failed (now, or before a restart:
+    """The last log lines of every pod whose training container failed (now, or before a restart:
     then the previous container's log), by pod name."""
     out: Dict[str, List[str]] = {}
     for pod in pods:
-        status = container_status(pod)
+        status = container_status(pod, container)
         now_failed = ((status.get("state") or {}).get("terminated") or {}).get("exitCode", 0) != 0
         before = ((status.get("lastState") or {}).get("terminated") or {}).get("exitCode", 0) != 0
         if not (now_failed or before or (pod.get("status") or {}).get("phase") == "Failed"):
             continue
         name = pod["metadata"]["name"]
         try:
-            text = core.read_namespaced_pod_log(name, namespace, container=CONTAINER_NAME, tail_lines=tail_lines,
+            text = core.read_namespaced_pod_log(name, namespace, container=container, tail_lines=tail_lines,
                                                 previous=not now_failed and before, _request_timeout=timeout_s)
         except Exception as error:  # the pod may be gone; say so instead of failing the report
             text = f"(log unavailable: {type(error).__name__})"
@@ -83,12 +72,13 @@ def failed_pod_logs(core, namespace: str, pods: List[Dict[str, Any]], tail_lines
     return out
 
 
-def explain_pending(core, namespace: str, job: str, timeout_s: float) -> List[str]:
-    """Why the job's pods don't run: unschedulable conditions, waiting containers, Warning events."""
+def explain_pending(core, namespace: str, api: JobApi, job: str, timeout_s: float) -> List[str]:
+    """Why the job's pods don't run: unschedulable conditions, waiting containers, Warning events on the
+    job's objects (:meth:`JobApi.event_objects`) and pods."""
     lines: List[str] = []
-    pods = list_job_pods(core, namespace, job, timeout_s)
+    pods = list_job_pods(core, namespace, api, job, timeout_s)
     if not pods:
-        lines.append("no pods were created (is the training operator running, and did it accept the job?)")
+        lines.append(f"no pods were created (is the {api.kind} controller running, and did it accept the job?)")
     for pod in pods:
         pod_name = pod["metadata"]["name"]
         status = pod.get("status") or {}
@@ -101,7 +91,7 @@ def explain_pending(core, namespace: str, job: str, timeout_s: float) -> List[st
                 lines.append(f"pod {pod_name} container {cs.get('name')} waiting: {waiting.get('reason')}: "
                              f"{waiting.get('message', '')}")
     seen = set()
-    for obj in [job] + [p["metadata"]["name"] for p in pods]:
+    for obj in api.event_objects(job) + [p["metadata"]["name"] for p in pods]:
         resp = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={obj}",
                                           _preload_content=False, _request_timeout=timeout_s)
         for event in _json(resp).get("items", []):
@@ -121,16 +111,16 @@ def _ts_key(stamp: str) -> Tuple[str, str]:
 
 
 class MasterLogStreamer(threading.Thread):
-    """Follows the Master's ``pytorch`` container log into ``log``, across container restarts.
+    """Follows the rank-0 pod's training container log into ``log``, across container restarts.
 
     Lines carry server timestamps (``timestamps=true``); after a disconnect or a restart the stream is
     reopened and lines already shown are skipped by timestamp, so nothing is printed twice.
     """
 
-    def __init__(self, core, namespace: str, job: str, log: Callable[[str], None], tail_lines: int = 50,
-                 poll_s: float = 2.0, request_timeout_s: float = 30.0) -> None:
+    def __init__(self, core, namespace: str, api: JobApi, job: str, log: Callable[[str], None],
+                 tail_lines: int = 50, poll_s: float = 2.0, request_timeout_s: float = 30.0) -> None:
         super().__init__(name=f"logs-{job}", daemon=True)
-        self.core, self.namespace, self.job, self.log = core, namespace, job, log
+        self.core, self.namespace, self.api, self.job, self.log = core, namespace, api, job, log
         self.poll_s, self.request_timeout_s = poll_s, request_timeout_s
         self.tail: Deque[str] = collections.deque(maxlen=tail_lines)
         self.pod: Optional[Dict[str, Any]] = None
@@ -144,13 +134,15 @@ class MasterLogStreamer(threading.Thread):
         done: Optional[Tuple[str, int]] = None  # container whose log was followed to its termination
         while not self._stop_event.is_set():
             try:
-                pod = master_pod(list_job_pods(self.core, self.namespace, self.job, self.request_timeout_s), self.job)
+                pods = list_job_pods(self.core, self.namespace, self.api, self.job, self.request_timeout_s)
+                pod = self.api.rank0_pod(pods, self.job)
             except Exception:  # API hiccup: the launcher's main loop reports real failures
                 pod = None
-            state = (container_status(pod).get("state") or {}) if pod is not None else {}
+            status = container_status(pod, self.api.container) if pod is not None else {}
+            state = status.get("state") or {}
             if pod is not None and ("running" in state or "terminated" in state):
                 self.pod = pod
-                key = (pod["metadata"].get("uid", ""), int(container_status(pod).get("restartCount", 0)))
+                key = (pod["metadata"].get("uid", ""), int(status.get("restartCount", 0)))
                 if key != done:
                     if followed is not None and key[0] == followed[0] and key[1] > followed[1]:
                         self.log(f"--- {pod['metadata']['name']}: container restarted (restart {key[1]}) ---")
@@ -167,7 +159,7 @@ class MasterLogStreamer(threading.Thread):
         buffer = b""
         try:
             self._response = self.core.read_namespaced_pod_log(
-                pod_name, self.namespace, container=CONTAINER_NAME, follow=True, timestamps=True,
+                pod_name, self.namespace, container=self.api.container, follow=True, timestamps=True,
                 _preload_content=False, _request_timeout=(self.request_timeout_s, None))
             for chunk in self._response.stream(4096):
                 buffer += chunk

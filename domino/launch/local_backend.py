@@ -1,12 +1,15 @@
-"""Runs a JobSpec on this machine: each replica (Master + Workers) a local process.
+"""Runs a JobSpec on this machine: each node (pod) of the job a local process.
 
-Every replica gets exactly the environment the training operator injects into its pod (see
-:func:`replica_env`) and runs the container's command, so ``torchrun`` picks up nodes, node rank and
-master from ``PET_*`` as it does in the cluster. The one difference: ``<job>-master-0`` does not
-resolve here, so the master address is ``127.0.0.1`` and the port a free local one instead of 23456.
+Every node gets exactly the environment the job API's controller injects into its pod
+(:meth:`~domino.launch.job_api_base.JobApi.node_env`: the training operator's for a PyTorchJob, the
+Trainer torch plugin's for a TrainJob) and runs the container's command, so ``torchrun`` picks up
+nodes, node rank and master from ``PET_*`` as it does in the cluster. The one difference: the master's
+host name does not resolve here, so the master address is ``127.0.0.1`` and the port a free local one.
 The shared volume's mount path is mapped to ``workdir`` in the command and the env.
 
-Restarts follow the operator (kubeflow/trainer release-1.9) and the kubelet:
+Restarts follow the operator (kubeflow/trainer release-1.9) and the kubelet (a TrainJob's node Job
+restarts pods the same way as ``OnFailure``, counted against the Job's backoffLimit, see
+:meth:`~domino.launch.job_api_base.JobApi.backoff_limit`):
 
 * ``OnFailure``: the operator gives the pods ``restartPolicy: OnFailure`` (``pkg/core/pod.go``
   ``SetRestartPolicy``), so the kubelet restarts a failed container in place, keeping the pod's address.
@@ -42,8 +45,9 @@ import time
 from pathlib import Path
 from typing import Callable, Deque, Dict, List, Optional
 
-from domino.launch import defaults, naming
+from domino.launch import naming
 from domino.launch.api import JobResult, LaunchInterrupted, interrupt_on_signals
+from domino.launch.job_api import DEFAULT_JOB_API, JobApi, job_api
 from domino.launch.render import container_command
 from domino.launch.spec import JobSpec
 
@@ -53,26 +57,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def replica_env(spec: JobSpec, name: str, node_rank: int, master_port: int) -> Dict[str, str]:
-    """The variables the operator injects into replica ``node_rank`` (0 = Master), plus the spec's env."""
-    nproc = spec.nproc_per_node
-    env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(master_port),
-        "WORLD_SIZE": str(spec.nodes * nproc if isinstance(nproc, int) else spec.nodes),
-        "RANK": str(node_rank),
-        "PET_NNODES": str(spec.nodes),
-        "PET_NPROC_PER_NODE": str(nproc),
-        "PET_NODE_RANK": str(node_rank),
-        "PET_MASTER_ADDR": "127.0.0.1",
-        "PET_MASTER_PORT": str(master_port),
-        "PYTHONUNBUFFERED": "1",
-        "DOMINO_JOB_NAME": name,
-    }
-    env.update({k: str(v) for k, v in spec.env.items()})
-    return env
 
 
 def inherited_env() -> Dict[str, str]:
@@ -164,9 +148,10 @@ def _kill(procs: List[subprocess.Popen], grace_s: float) -> None:
 
 
 class LocalLauncher:
-    """Executes a JobSpec's replicas as local processes (see the module docstring).
+    """Executes a JobSpec's nodes as local processes (see the module docstring).
 
     Args:
+        api: the job API whose controller's environment the nodes get (default: PyTorchJob).
         log: receives status messages and the Master's output lines.
         poll_s: how often the replicas are checked.
         log_tail_lines: output lines kept for the result.
@@ -178,8 +163,9 @@ class LocalLauncher:
         processes: replica name -> its current process (a restart replaces it).
     """
 
-    def __init__(self, log: Callable[[str], None] = print, poll_s: float = 0.1, log_tail_lines: int = 50,
-                 kill_grace_s: float = 5.0, restart_delay_s: float = 2.0) -> None:
+    def __init__(self, api: Optional[JobApi] = None, log: Callable[[str], None] = print, poll_s: float = 0.1,
+                 log_tail_lines: int = 50, kill_grace_s: float = 5.0, restart_delay_s: float = 2.0) -> None:
+        self.api = api or job_api(DEFAULT_JOB_API)
         self.log, self.poll_s, self.log_tail_lines, self.kill_grace_s = log, poll_s, log_tail_lines, kill_grace_s
         self.restart_delay_s = restart_delay_s
         self.processes: Dict[str, subprocess.Popen] = {}
@@ -188,6 +174,7 @@ class LocalLauncher:
             workdir: Optional[str] = None) -> JobResult:
         """Runs all replicas until Succeeded or Failed; returns the result."""
         spec.validate()
+        self.api.check(spec)
         run_id = run_id or naming.new_run_id()
         name = naming.job_name(spec.name, run_id, spec.nodes)
         workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix=f"domino-{name}-"))
@@ -195,10 +182,10 @@ class LocalLauncher:
         limits = [t for t in (timeout_s, spec.active_deadline_seconds) if t is not None]
         deadline = time.monotonic() + min(limits) if limits else None
         tail: Deque[str] = collections.deque(maxlen=self.log_tail_lines)
-        self.log(f"local job {name}: {spec.nodes} replica(s) x {spec.nproc_per_node} process(es), "
+        self.log(f"local {self.api.kind} {name}: {spec.nodes} node(s) x {spec.nproc_per_node} process(es), "
                  f"{spec.mount_path} -> {workdir}")
-        port = free_port()  # the Master's port stays the same across restarts, as its Service's does
-        replicas = [f"{name}-master-0"] + [f"{name}-worker-{i}" for i in range(spec.nodes - 1)]
+        port = free_port()  # the master's port stays the same across restarts, as its Service's does
+        replicas = self.api.node_names(name, spec.nodes)
         self.processes = {}
         with interrupt_on_signals() as shield:
             try:
@@ -222,7 +209,7 @@ class LocalLauncher:
     def _supervise(self, spec: JobSpec, name: str, replicas: List[str], workdir: str, tail: Deque[str], port: int,
                    deadline: Optional[float]) -> Optional[JobResult]:
         """Restarts the replicas per the restart policy; the result, or None at the deadline."""
-        limit = defaults.backoff_limit(spec)
+        limit = self.api.backoff_limit(spec)
         restarts = 0  # container restarts summed over replicas (OnFailure), as PastBackoffLimit counts them
         while deadline is None or time.monotonic() < deadline:
             failed = next(((replica, _exit_code(proc.poll())) for replica, proc in self.processes.items()
@@ -261,7 +248,7 @@ class LocalLauncher:
                port: int) -> None:
         command = local_command(spec, name, workdir)
         env = {**inherited_env(), **{k: map_path(v, spec.mount_path, workdir)
-                                for k, v in replica_env(spec, name, rank, port).items()}}
+                                for k, v in self.api.node_env(spec, name, rank, port).items()}}
         out = subprocess.PIPE if rank == 0 else open(Path(workdir, "logs", f"{replica}.log"), "ab")
         proc = subprocess.Popen(command, env=env, cwd=workdir, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # own process group: kill torchrun and its workers

@@ -18,13 +18,38 @@ not set them (the plugin's ``Validate`` rejects reserved names).
 
 Settings the TrainJob API has no field for are refused with the flag's name rather than dropped
 silently (see :func:`check_trainjob_spec`).
+
+Following a TrainJob (:class:`TrainJobApi`), read from kubeflow/trainer v2.3.0 and what it builds on:
+
+* conditions (``pkg/apis/trainer/v1alpha1/trainjob_types.go``): only ``Suspended`` (reasons Suspended /
+  Resumed, ``pkg/controller/trainjob_controller.go`` ``setSuspendedCondition``), ``Complete`` and
+  ``Failed``, both copied from the JobSet's Completed/Failed conditions with the JobSet's reason and
+  message (``pkg/runtime/framework/plugins/jobset/jobset.go`` ``Status``; jobset v0.12.0 reasons
+  ``AllJobsCompleted``, ``FailedJobs``, ``ReachedMaxRestarts``, ...), or set by the controller itself:
+  ``DeadlineExceeded`` (``spec.activeDeadlineSeconds``), ``TrainingRuntimeNotSupported``. There is no
+  Created and no Running condition: the job is *created* once ``status.jobsStatus`` reports the JobSet's
+  replicated jobs and *running* once the ``node`` Job is ready (all its pods ready or done; its
+  ``active`` count includes pending pods), as Kueue's ``PodsReady`` reads it (kubernetes-sigs/kueue
+  v0.19.2 ``pkg/controller/jobs/trainjob/trainjob_controller.go``; ``IsSuspended`` reads
+  ``spec.suspend``, ``Finished`` reads Complete/Failed).
+* pods: the JobSet (named like the TrainJob) runs one Job ``<job>-node-0`` with ``numNodes`` indexed
+  pods (trainer ``plugins/jobset`` ``SyncParallelCount``, ``Builder.Trainer``: replicas 1), labelled
+  ``jobset.sigs.k8s.io/jobset-name`` and ``jobset.sigs.k8s.io/replicatedjob-name`` (jobset v0.12.0
+  ``pkg/controllers/jobset_controller.go`` ``labelAndAnnotateObject``, the selector Kueue's
+  ``PodLabelSelector`` uses) and ``batch.kubernetes.io/job-completion-index`` (Kubernetes
+  ``pkg/controller/job/indexed_job_utils.go``), named ``<job>-node-0-<index>-<random>``. Index 0 is
+  the master: ``PET_MASTER_ADDR`` is ``<job>-node-0-0.<job>``.
+* a TrainJob whose runtime is missing is refused at creation by the validating webhook
+  ``validator.trainjob.trainer.kubeflow.org`` (``pkg/runtime/core/trainingruntime.go`` ``ValidateObjects``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional
 
 from domino.launch import defaults, naming
+from domino.launch.job_api_base import JobApi, JobState, highest_phase
 from domino.launch.render import ISTIO_INJECT, container_command, job_metadata, pod_placement, resources
 from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, LaunchSpecError
 
@@ -120,3 +145,105 @@ def render_trainjob(spec: JobSpec, run_id: str, owner_reference: Optional[Dict[s
         job_spec["suspend"] = True
     metadata = job_metadata(spec, name, run_id, labels, owner_reference)
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": job_spec}
+
+
+#: Labels the JobSet controller (jobset v0.12.0) and the Job controller put on every pod of the job.
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
+JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
+RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
+COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+#: The torch plugin's master port (``constants.ContainerTrainerPort``).
+MASTER_PORT = 29500
+#: Restarts before the node Job fails: the runtime's Job sets no backoffLimit, so Kubernetes' default
+#: (batch/v1 JobSpec) applies; the Job controller sums the pods' restarts under restartPolicy
+#: OnFailure, which the JobSet webhook defaults the pods to (jobset v0.12.0 ``jobset_webhook.go``).
+RUNTIME_BACKOFF_LIMIT = 6
+
+
+def _cpu_ceil(quantity: str) -> int:
+    """A CPU quantity rounded up to whole cores, as resource.Quantity.Value() does."""
+    text = str(quantity)
+    if text.endswith("m"):
+        return math.ceil(int(text[:-1]) / 1000)
+    try:
+        return math.ceil(float(text))
+    except ValueError:
+        return 0
+
+
+class TrainJobApi(JobApi):
+    """``--api trainjob``: a Kubeflow Trainer v2.3 TrainJob on the ``k8s/trainer`` runtime (see the module docstring)."""
+
+    name, group, version, plural, kind, container = "trainjob", GROUP, VERSION, PLURAL, KIND, NODE
+
+    def render(self, spec: JobSpec, run_id: str, owner_reference: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        return render_trainjob(spec, run_id, owner_reference)
+
+    def check(self, spec: JobSpec) -> None:
+        check_trainjob_spec(spec)
+
+    def state(self, job: Dict[str, Any]) -> JobState:
+        status = job.get("status") or {}
+        conditions = list(status.get("conditions") or [])
+        true = {c.get("type") for c in conditions if c.get("status") == "True"}
+        phases = [p for c, p in (("Complete", "Succeeded"), ("Failed", "Failed"), ("Suspended", "Suspended"))
+                  if c in true]
+        node = next((j for j in status.get("jobsStatus") or [] if j.get("name") == NODE), None)
+        if node is not None:  # the JobSet exists and reports its Jobs: the launcher's Created / Running
+            # "active" counts a Job with a pending pod too; "ready" counts a Job whose pods are all ready
+            # or done (jobset v0.12.0 updateReplicatedJobsStatuses), so only that means running.
+            active, ready = int(node.get("active") or 0), int(node.get("ready") or 0)
+            derived = "Running" if ready > 0 else "Created"
+            phases.append(derived)
+            conditions.append({"type": derived, "status": "True", "reason": "JobsStatus",
+                               "message": f"node Job: active {active}, ready {ready} (status.jobsStatus)"})
+        failed = next((c for c in conditions if c.get("type") == "Failed"), {})
+        return JobState(phase=highest_phase(phases), suspended=bool((job.get("spec") or {}).get("suspend")),
+                        conditions=conditions,
+                        failure=f"{failed.get('reason') or 'Failed'}: {failed.get('message', 'the job failed')}")
+
+    def pod_selector(self, job_name: str) -> str:
+        return f"{JOBSET_NAME_LABEL}={job_name},{REPLICATED_JOB_LABEL}={NODE}"
+
+    def rank0_pod(self, pods: List[Dict[str, Any]], job_name: str) -> Optional[Dict[str, Any]]:
+        def labels(pod):
+            return pod.get("metadata", {}).get("labels") or {}
+
+        zero = [p for p in pods if labels(p).get(COMPLETION_INDEX_LABEL) == "0"
+                and labels(p).get(JOB_INDEX_LABEL, "0") == "0" and not p["metadata"].get("deletionTimestamp")]
+        # After a JobSet restart the old pods may linger: the newest attempt is the live one.
+        return max(zero, key=lambda p: int(labels(p).get(RESTART_ATTEMPT_LABEL) or 0), default=None)
+
+    def event_objects(self, job_name: str) -> List[str]:
+        # The TrainJob and its JobSet share the name; the Job controller reports refused pods
+        # (FailedCreate) on the Job.
+        return [job_name, f"{job_name}-{NODE}-0"]
+
+    def node_names(self, job_name: str, nodes: int) -> List[str]:
+        return [f"{job_name}-{NODE}-0-{i}" for i in range(nodes)]
+
+    def node_env(self, spec: JobSpec, job_name: str, node_rank: int, master_port: int) -> Dict[str, str]:
+        """The trainer env (``DOMINO_JOB_NAME``, GPU defaults, ``--env``), then what the torch plugin adds
+        (torch.go ``EnforceMLPolicy``): PET_NNODES, PET_NPROC_PER_NODE (``auto`` becomes the CPU count of
+        ``resourcesPerNode``, at least 1, on a node without GPUs), PET_NODE_RANK (the completion index),
+        PET_MASTER_ADDR/PORT (``<job>-node-0-0.<job>``:29500 in the cluster), and the Job controller's
+        ``JOB_COMPLETION_INDEX`` (indexed_job_utils.go)."""
+        nproc = spec.nproc_per_node
+        if not isinstance(nproc, int) and spec.gpus_per_node == 0:
+            res = resources(spec)
+            cpu = res["requests"].get("cpu") or res.get("limits", {}).get("cpu") or "0"
+            nproc = max(1, _cpu_ceil(cpu))
+        env = {"DOMINO_JOB_NAME": job_name, **{k: str(v) for k, v in defaults.environment(spec).items()}}
+        env.update({
+            "PET_NNODES": str(spec.nodes),
+            "PET_NPROC_PER_NODE": str(nproc),
+            "PET_NODE_RANK": str(node_rank),
+            "PET_MASTER_ADDR": "127.0.0.1",
+            "PET_MASTER_PORT": str(master_port),
+            "JOB_COMPLETION_INDEX": str(node_rank),
+        })
+        return env
+
+    def backoff_limit(self, spec: JobSpec) -> int:
+        return RUNTIME_BACKOFF_LIMIT

@@ -159,3 +159,18 @@ def test_cleanup_with_nothing_left_and_a_job_already_gone(httpserver, kube_api):
     httpserver.expect_request(base, method="GET").respond_with_json({"items": [_job("gone", "Failed")]})
     httpserver.expect_request(f"{base}/gone", method="DELETE").respond_with_json({"code": 404}, status=404)
     assert cleanup_jobs("r", "ns", "FAILED", keep_failed=False, api=kube_api, log=lambda _: None) == []
+
+
+def test_cleanup_of_trainjobs_reads_their_status_the_trainer_way(httpserver, kube_api):
+    """job_api=trainjob: the TrainJobs' URL, a Failed TrainJob (JobSet reason) kept, a running one deleted."""
+    base = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/ns/trainjobs"
+    running = {"metadata": {"name": "gpt-a"}, "status": {"jobsStatus": [{"name": "node", "active": 1, "ready": 1}]}}
+    failed = {"metadata": {"name": "gpt-b"}, "status": {"conditions": [
+        {"type": "Failed", "status": "True", "reason": "FailedJobs", "message": "jobset failed"}]}}
+    httpserver.expect_request(base, method="GET").respond_with_json({"items": [running, failed]})
+    httpserver.expect_request(f"{base}/gpt-a", method="DELETE").respond_with_json({"status": "Success"})
+    lines = []
+    deleted = cleanup_jobs("r", "ns", "CANCELED", keep_failed=True, api=kube_api, log=lines.append,
+                           job_api="trainjob")
+    assert deleted == ["gpt-a"] and "cleanup: deleted job gpt-a (state Running, pipeline CANCELED)" in lines
+    assert any("keeping failed job gpt-b" in line for line in lines)

@@ -122,3 +122,32 @@ def test_cpu_job_tells_deepspeed_to_use_the_cpu_and_bad_json_is_named():
         job_spec(PretrainSettings(shared_root="/mnt/domino", run_id="r", tolerations="[oops"), [])
     with pytest.raises(ValueError, match="node_selector: expected a JSON object"):
         job_spec(PretrainSettings(shared_root="/mnt/domino", run_id="r", node_selector="[]"), [])
+
+
+def test_job_api_trainjob_gives_a_crd_valid_trainjob_and_refusals_come_before_any_work(tmp_path):
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "launch"))
+    from components.pretrain.step import run_pretrain
+    from domino.launch import LaunchSpecError
+    from domino.launch.job_api import job_api
+    from k8s_schemas import validate_trainer_object
+
+    settings = PretrainSettings(shared_root="/mnt/domino", run_id="r1", nodes=4, nproc_per_node=8, gpus_per_node=8,
+                                tensor_parallel=8, job_api="trainjob", tolerations='["nvidia.com/gpu:NoSchedule"]')
+    argv = pretrain_argv(settings, "/mnt/domino/data/c", RunLayout(settings.shared_root, settings.run_id))
+    job = job_api(settings.job_api).render(job_spec(settings, argv), settings.run_id)
+    validate_trainer_object(job, "trainjobs")
+    assert job["spec"]["trainer"]["numNodes"] == 4 and job["spec"]["trainer"]["numProcPerNode"] == 8
+    assert "--tensor-model-parallel-size" in job["spec"]["trainer"]["command"]
+    # A setting the TrainJob cannot carry fails the step before the run folder or a job exists.
+    manifest = tmp_path / "dataset.json"
+    manifest.write_text(json.dumps({"prefix": str(tmp_path / "data" / "c")}))
+    bad = PretrainSettings(shared_root=str(tmp_path / "shared"), run_id="r2", backend="local", job_api="trainjob",
+                           backoff_limit=2)
+    with pytest.raises(LaunchSpecError, match="--api trainjob: --backoff-limit"):
+        run_pretrain(bad, str(manifest), str(tmp_path / "model"), log=lambda _: None)
+    assert not (tmp_path / "shared").exists()
+    with pytest.raises(ValueError, match="--api: 'mpijob' is not one of pytorchjob, trainjob"):
+        run_pretrain(PretrainSettings(shared_root=str(tmp_path / "shared"), run_id="r3", job_api="mpijob"),
+                     str(manifest), str(tmp_path / "model"), log=lambda _: None)

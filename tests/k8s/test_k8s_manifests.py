@@ -74,24 +74,27 @@ def test_pytorchjob_template_is_current_and_valid(capsys):
 
 
 def _launcher_requests() -> set:
-    """(group, resource, verb) of every API call the launcher makes across its code paths."""
+    """(group, resource, verb) of every API call the launcher makes across its code paths, both job APIs."""
+    import threading
+
+    import trainjob_scenarios as tj
+    from domino.launch.job_api import job_api
+
     seen = set()
-    for script, kwargs, plant in ((sc.succeed, {}, False), (sc.fail, {}, False),
-                                  (sc.stay_pending, {"scheduling_timeout_s": 1.5, "cleanup": "always"}, False),
-                                  (sc.disconnect_then_410, {}, False), (sc.succeed, {}, True)):
-        with FakeKubeServer() as server:
-            if plant:  # a retry: the job exists (409), gets adopted
-                from domino.launch.render import render_job
-
-                job = server.cluster.add_job(render_job(sc.spec(), "rbac"))
-                import threading
-
-                threading.Thread(target=script, args=(server.cluster, job), daemon=True).start()
-            else:
-                server.cluster.on_create = script
-            options = {"scheduling_timeout_s": 10, "timeout_s": 30, **kwargs}
-            sc.launcher(server, []).run(sc.spec(), run_id="rbac", **options)
-            seen |= server.cluster.verbs()
+    for api, scripts in (("pytorchjob", sc), ("trainjob", tj)):
+        pending = scripts.stay_pending if api == "pytorchjob" else tj.pods_refused
+        for script, kwargs, plant in ((scripts.succeed, {}, False), (scripts.fail, {}, False),
+                                      (pending, {"scheduling_timeout_s": 1.5, "cleanup": "always"}, False),
+                                      (scripts.disconnect_then_410, {}, False), (scripts.succeed, {}, True)):
+            with FakeKubeServer() as server:
+                if plant:  # a retry: the job exists (409), gets adopted
+                    job = server.cluster.add_job(job_api(api).render(scripts.spec(), "rbac"))
+                    threading.Thread(target=script, args=(server.cluster, job), daemon=True).start()
+                else:
+                    server.cluster.on_create = script
+                options = {"scheduling_timeout_s": 10, "timeout_s": 30, **kwargs}
+                sc.launcher(server, [], api=api).run(scripts.spec(), run_id="rbac", **options)
+                seen |= server.cluster.verbs()
     return seen
 
 
@@ -102,7 +105,9 @@ def test_role_grants_exactly_the_calls_the_launcher_makes():
                for resource in rule["resources"] for verb in rule["verbs"]}
     used = _launcher_requests()
     assert used <= granted, f"launcher calls not granted by the Role: {used - granted}"
-    expected_calls = {("kubeflow.org", "pytorchjobs", v) for v in ("create", "get", "list", "watch", "delete")}
+    expected_calls = {(group, plural, v) for group, plural in (("kubeflow.org", "pytorchjobs"),
+                                                               ("trainer.kubeflow.org", "trainjobs"))
+                      for v in ("create", "get", "list", "watch", "delete")}
     expected_calls |= {("", "pods", "list"), ("", "pods/log", "get"), ("", "events", "list")}
     assert expected_calls <= used  # every code path above was exercised
     # Nothing beyond the documented minimum (read-only pods/log and pods watch are harmless extras).

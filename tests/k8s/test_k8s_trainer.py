@@ -139,3 +139,12 @@ def test_gpu_trainer_overlay_builds_with_the_runtime_in_the_namespace():
         if obj["kind"] != "TrainingRuntime":
             validate_core(obj)
     assert re.match(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", rt["metadata"]["name"])
+
+
+def test_the_runtime_leaves_restarts_to_the_defaults_the_launcher_models():
+    """No restartPolicy (the JobSet webhook defaults pods to OnFailure) and no backoffLimit on the node Job
+    (Kubernetes' default), which is what the local backend and the docs assume for a TrainJob."""
+    job_template = node_job(runtime())["template"]["spec"]
+    assert "backoffLimit" not in job_template and "restartPolicy" not in job_template["template"]["spec"]
+    assert trainjob.RUNTIME_BACKOFF_LIMIT == 6  # batch/v1 JobSpec.backoffLimit default
+    assert "failurePolicy" not in runtime()["spec"]["template"]["spec"]  # a failed node Job fails the JobSet

@@ -1,10 +1,11 @@
 """A tiny Kubernetes API server for the launcher tests, driven by the real ``kubernetes`` client.
 
-It implements only what the launcher calls: PyTorchJobs (create, get, list, watch, delete), pods
-(list by label), pod logs (plain, tail and follow, with timestamps) and events (list by involved
-object). Tests script a job's life with :class:`FakeCluster` methods (conditions, pods, log lines,
-watch disconnects, history compaction); every request is recorded as (group, resource, verb) for the
-RBAC check.
+It implements only what the launcher calls: PyTorchJobs and TrainJobs (create, get, list, watch,
+delete), pods (list by label selector, ``k=v[,k=v]``), pod logs (plain, tail and follow, with
+timestamps) and events (list by involved object). Tests script a job's life with :class:`FakeCluster`
+methods (conditions, pods, log lines, watch disconnects, history compaction); every request is recorded
+as (group, resource, verb) for the RBAC check. A TrainJob naming a runtime the cluster does not have
+is refused as the Trainer's validating webhook refuses it (see :data:`TRAINJOB_WEBHOOK`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import parse_qs, urlparse
 
-JOBS_PREFIX = "/apis/kubeflow.org/v1/namespaces/"
+#: URL prefix -> (API group, resource) of the job resources served.
+JOB_RESOURCES = {"/apis/kubeflow.org/v1/namespaces/": ("kubeflow.org", "pytorchjobs"),
+                 "/apis/trainer.kubeflow.org/v1alpha1/namespaces/": ("trainer.kubeflow.org", "trainjobs")}
 CORE_PREFIX = "/api/v1/namespaces/"
+#: The Trainer v2.3.0 validating webhook (pkg/webhooks/trainjob_webhook.go); controller-runtime answers a
+#: denial with 403 and this message prefix (webhook/admission: ``Denied``).
+TRAINJOB_WEBHOOK = "validator.trainjob.trainer.kubeflow.org"
 
 
 def _now() -> str:
@@ -50,6 +56,8 @@ class FakeCluster:
         self.deleted: List[str] = []
         self.on_create = None  # callable(cluster, job) run in a thread after a create
         self.forbid_create = False  # answer creates with 403 (RBAC missing)
+        self.runtimes = {"domino-torch-distributed"}  # TrainingRuntimes installed in every namespace
+        self._pod_suffix: Dict[Tuple[str, str], str] = {}
 
     # -- scripting --------------------------------------------------------------------------------------
     def _bump(self) -> str:
@@ -66,7 +74,9 @@ class FakeCluster:
         with self.cond:
             job = copy.deepcopy(job)
             job["metadata"].update(uid=str(uuid.uuid4()), creationTimestamp=_now())
-            job.setdefault("status", {})
+            # Both CRDs have a status subresource: a create's status is dropped, and an empty status is
+            # omitted (a TrainJob's status has minProperties 1).
+            job.pop("status", None)
             self.jobs[(job["metadata"]["namespace"], job["metadata"]["name"])] = job
             self._record("ADDED", job)
             return copy.deepcopy(job)
@@ -77,7 +87,7 @@ class FakeCluster:
             job = self.jobs.get((ns, name))
             if job is None:  # deleted meanwhile: the operator has nothing to update
                 return
-            conds = job["status"].setdefault("conditions", [])
+            conds = job.setdefault("status", {}).setdefault("conditions", [])
             if ctype in ("Succeeded", "Failed", "Restarting"):
                 for c in conds:
                     if c["type"] == "Running":
@@ -100,7 +110,7 @@ class FakeCluster:
             if job is None:
                 return
             job["spec"].setdefault("runPolicy", {})["suspend"] = suspend
-            conds = job["status"].setdefault("conditions", [])
+            conds = job.setdefault("status", {}).setdefault("conditions", [])
             conds[:] = [c for c in conds if c["type"] != "Suspended"]
             conds.append({"type": "Suspended", "status": "True" if suspend else "False",
                           "reason": "PyTorchJobSuspended" if suspend else "PyTorchJobResumed",
@@ -111,22 +121,78 @@ class FakeCluster:
     def add_pod(self, ns: str, job: str, replica: str, index: int, phase: str = "Pending",
                 state: Optional[Dict[str, Any]] = None, conditions: Optional[List[Dict[str, Any]]] = None,
                 restarts: int = 0) -> str:
-        """Creates or replaces the pod ``<job>-<replica>-<index>``; returns its name."""
-        name = f"{job}-{replica}-{index}"
+        """Creates or replaces the PyTorchJob pod ``<job>-<replica>-<index>``; returns its name."""
+        labels = {"training.kubeflow.org/job-name": job, "training.kubeflow.org/replica-type": replica,
+                  "training.kubeflow.org/replica-index": str(index)}
+        return self._put_pod(ns, f"{job}-{replica}-{index}", labels, "pytorch", phase, state, conditions, restarts)
+
+    def add_node_pod(self, ns: str, job: str, index: int, phase: str = "Pending",
+                     state: Optional[Dict[str, Any]] = None, conditions: Optional[List[Dict[str, Any]]] = None,
+                     restarts: int = 0) -> str:
+        """Creates or replaces pod ``index`` of a TrainJob's ``node`` Job, as the JobSet (v0.12.0
+        ``labelAndAnnotateObject``) and the Job controller (indexed pods ``<job>-node-0-<index>-<random>``,
+        ``indexed_job_utils.go``) make it, with the container ``node``; returns its name."""
+        with self.cond:
+            suffix = self._pod_suffix.setdefault((ns, f"{job}/{index}"), uuid.uuid4().hex[:5])
+        labels = {"jobset.sigs.k8s.io/jobset-name": job, "jobset.sigs.k8s.io/replicatedjob-name": "node",
+                  "jobset.sigs.k8s.io/job-index": "0", "jobset.sigs.k8s.io/restart-attempt": "0",
+                  "batch.kubernetes.io/job-completion-index": str(index), "job-name": f"{job}-node-0",
+                  "batch.kubernetes.io/job-name": f"{job}-node-0"}
+        return self._put_pod(ns, f"{job}-node-0-{index}-{suffix}", labels, "node", phase, state, conditions, restarts)
+
+    def _put_pod(self, ns, name, labels, container, phase, state, conditions, restarts) -> str:
         with self.cond:
             old = self.pods.get((ns, name))
             self.pods[(ns, name)] = {
                 "metadata": {"name": name, "namespace": ns, "uid": old["metadata"]["uid"] if old else str(uuid.uuid4()),
-                             "labels": {"training.kubeflow.org/job-name": job,
-                                        "training.kubeflow.org/replica-type": replica,
-                                        "training.kubeflow.org/replica-index": str(index)}},
+                             "labels": labels},
                 "status": {"phase": phase, "conditions": conditions or [],
-                           "containerStatuses": [{"name": "pytorch", "restartCount": restarts,
+                           "containerStatuses": [{"name": container, "restartCount": restarts,
                                                   "state": state or {"waiting": {"reason": "ContainerCreating"}}}]},
             }
             self.logs.setdefault(name, [])
             self.cond.notify_all()
         return name
+
+    # -- the Trainer v2.3.0 controller's status updates (a TrainJob) --------------------------------------
+    def set_trainjob_status(self, ns: str, name: str, active: int = 0, ready: int = 0, succeeded: int = 0,
+                            failed: int = 0, suspended: int = 0, condition: Optional[Tuple[str, str, str]] = None
+                            ) -> None:
+        """Sets ``status.jobsStatus`` for the ``node`` Job (the JobSet's replicatedJobsStatus, copied by
+        trainer ``plugins/jobset`` ``Status``) and, optionally, condition (type, reason, message) True:
+        Complete or Failed as copied from the JobSet. No Created or Running condition exists in v2.3.0."""
+        with self.cond:
+            job = self.jobs.get((ns, name))
+            if job is None:
+                return
+            job.setdefault("status", {})["jobsStatus"] = [{"name": "node", "active": active, "ready": ready, "succeeded": succeeded,
+                                            "failed": failed, "suspended": suspended}]
+            if condition is not None:
+                ctype, reason, message = condition
+                conds = job.setdefault("status", {}).setdefault("conditions", [])
+                conds[:] = [c for c in conds if c["type"] != ctype]
+                conds.append({"type": ctype, "status": "True", "reason": reason, "message": message,
+                              "lastTransitionTime": _now()})
+            self._record("MODIFIED", job)
+
+    def set_trainjob_suspend(self, ns: str, name: str, suspend: bool) -> None:
+        """``spec.suspend`` (Kueue's admission clears it) and the controller's Suspended condition
+        (trainjob_controller.go ``setSuspendedCondition``: True/Suspended "TrainJob is suspended" while
+        suspended, then False/Resumed "TrainJob is resumed")."""
+        with self.cond:
+            job = self.jobs.get((ns, name))
+            if job is None:
+                return
+            job["spec"]["suspend"] = suspend
+            conds = job.setdefault("status", {}).setdefault("conditions", [])
+            was = any(c["type"] == "Suspended" and c["status"] == "True" for c in conds)
+            if suspend or was:
+                conds[:] = [c for c in conds if c["type"] != "Suspended"]
+                conds.append({"type": "Suspended", "status": "True" if suspend else "False",
+                              "reason": "Suspended" if suspend else "Resumed",
+                              "message": "TrainJob is suspended" if suspend else "TrainJob is resumed",
+                              "lastTransitionTime": _now()})
+            self._record("MODIFIED", job)
 
     def add_event(self, ns: str, obj: str, reason: str, message: str, etype: str = "Warning") -> None:
         with self.cond:
@@ -170,6 +236,7 @@ class FakeCluster:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     cluster: FakeCluster
+    resource = ""  # the job resource of the current request (set by _route)
 
     def log_message(self, *args) -> None:  # keep test output quiet
         pass
@@ -205,26 +272,44 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self) -> Tuple[str, List[str], Dict[str, str]]:
         url = urlparse(self.path)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-        if url.path.startswith(JOBS_PREFIX):
-            return "kubeflow.org", url.path[len(JOBS_PREFIX):].split("/"), query
+        for prefix, (group, resource) in JOB_RESOURCES.items():
+            if url.path.startswith(prefix):
+                self.resource = resource
+                return group, url.path[len(prefix):].split("/"), query
         if url.path.startswith(CORE_PREFIX):
             return "", url.path[len(CORE_PREFIX):].split("/"), query
         return "?", url.path.split("/"), query
+
+    def _webhook_denial(self, body: Dict[str, Any]) -> Optional[str]:
+        """The Trainer's validating webhook: the referenced TrainingRuntime must exist
+        (pkg/runtime/core/trainingruntime.go ``ValidateObjects``)."""
+        if self.resource != "trainjobs":
+            return None
+        ref = body["spec"]["runtimeRef"]
+        if ref.get("kind") == "TrainingRuntime" and ref["name"] not in self.cluster.runtimes:
+            return (f'admission webhook "{TRAINJOB_WEBHOOK}" denied the request: spec.runtimeRef: Invalid value: '
+                    f'{{"name":"{ref["name"]}","apiGroup":"trainer.kubeflow.org","kind":"TrainingRuntime"}}: '
+                    f'trainingruntimes.trainer.kubeflow.org "{ref["name"]}" not found: specified trainingRuntime '
+                    'must be created before the TrainJob is created')
+        return None
 
     # -- verbs ------------------------------------------------------------------------------------------
     def do_POST(self) -> None:
         group, parts, _ = self._route()
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         c = self.cluster
-        c.requests.append((group, "pytorchjobs", "create"))
+        c.requests.append((group, self.resource, "create"))
         ns, name = parts[0], body["metadata"]["name"]
         if c.forbid_create:
-            return self._send(403, _status(403, "Forbidden", 'pytorchjobs.kubeflow.org is forbidden: User '
+            return self._send(403, _status(403, "Forbidden", f'{self.resource}.{group} is forbidden: User '
                                            '"system:serviceaccount:domino:default" cannot create resource'))
+        denial = self._webhook_denial(body)
+        if denial:
+            return self._send(403, _status(403, "Forbidden", denial))
         with c.cond:
             exists = (ns, name) in c.jobs
         if exists:
-            return self._send(409, _status(409, "AlreadyExists", f'pytorchjobs.kubeflow.org "{name}" already exists'))
+            return self._send(409, _status(409, "AlreadyExists", f'{self.resource}.{group} "{name}" already exists'))
         job = c.add_job(body)
         if c.on_create:
             threading.Thread(target=c.on_create, args=(c, job), daemon=True).start()
@@ -233,7 +318,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_DELETE(self) -> None:
         group, parts, _ = self._route()
         c = self.cluster
-        c.requests.append((group, "pytorchjobs", "delete"))
+        c.requests.append((group, self.resource, "delete"))
         ns, name = parts[0], parts[2]
         with c.cond:
             job = c.jobs.pop((ns, name), None)
@@ -241,16 +326,16 @@ class _Handler(BaseHTTPRequestHandler):
                 c.deleted.append(name)
                 c._record("DELETED", job)
         if job is None:
-            return self._send(404, _status(404, "NotFound", f'pytorchjobs.kubeflow.org "{name}" not found'))
+            return self._send(404, _status(404, "NotFound", f'{self.resource}.{group} "{name}" not found'))
         self._send(200, {"kind": "Status", "apiVersion": "v1", "status": "Success"})
 
     def do_GET(self) -> None:
         group, parts, query = self._route()
         c = self.cluster
-        if group == "kubeflow.org":
+        if group in ("kubeflow.org", "trainer.kubeflow.org"):
             ns = parts[0]
             if len(parts) == 3:
-                c.requests.append((group, "pytorchjobs", "get"))
+                c.requests.append((group, self.resource, "get"))
                 with c.cond:
                     job = copy.deepcopy(c.jobs.get((ns, parts[2])))
                 if job is None:
@@ -258,21 +343,24 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(200, job)
             wanted = query.get("fieldSelector", "").partition("metadata.name=")[2]
             if query.get("watch", "").lower() in ("true", "1"):
-                c.requests.append((group, "pytorchjobs", "watch"))
+                c.requests.append((group, self.resource, "watch"))
                 return self._watch(ns, wanted, int(query.get("resourceVersion") or 0),
                                    float(query.get("timeoutSeconds") or 30))
-            c.requests.append((group, "pytorchjobs", "list"))
+            c.requests.append((group, self.resource, "list"))
+            labels = dict(kv.partition("=")[::2] for kv in query.get("labelSelector", "").split(",") if kv)
             with c.cond:
-                items = [copy.deepcopy(j) for (n, name), j in c.jobs.items() if n == ns and wanted in ("", name)]
+                items = [copy.deepcopy(j) for (n, name), j in c.jobs.items() if n == ns and wanted in ("", name)
+                         and labels.items() <= (j["metadata"].get("labels") or {}).items()]
                 rv = str(c.rv)
-            return self._send(200, {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJobList", "items": items,
+            return self._send(200, {"apiVersion": "v1", "kind": "List", "items": items,
                                     "metadata": {"resourceVersion": rv}})
         if group == "" and parts[1] == "pods" and len(parts) == 2:
             c.requests.append(("", "pods", "list"))
-            key, _, value = query.get("labelSelector", "").partition("=")
+            # Equality-based selectors only: k=v[,k=v...] (all must match).
+            wanted = dict(kv.partition("=")[::2] for kv in query.get("labelSelector", "").split(",") if kv)
             with c.cond:
                 items = [copy.deepcopy(p) for (n, _), p in c.pods.items()
-                         if n == parts[0] and (not key or p["metadata"]["labels"].get(key) == value)]
+                         if n == parts[0] and wanted.items() <= p["metadata"]["labels"].items()]
             return self._send(200, {"kind": "PodList", "apiVersion": "v1", "items": items,
                                     "metadata": {"resourceVersion": str(c.rv)}})
         if group == "" and parts[1] == "pods" and len(parts) == 4 and parts[3] == "log":

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
-from domino.launch import JobSpec
-from domino.launch.kube_backend import PyTorchJobLauncher
+from domino.launch import JobSpec, naming
+from domino.launch.job_api import job_api
+from domino.launch.kube_backend import JobLauncher
 
 
 def spec(**overrides) -> JobSpec:
@@ -15,10 +16,10 @@ def spec(**overrides) -> JobSpec:
     return JobSpec(**base)
 
 
-def launcher(server, lines: list, **overrides) -> PyTorchJobLauncher:
+def launcher(server, lines: list, api: str = "pytorchjob", **overrides) -> JobLauncher:
     opts = dict(poll_s=0.05, watch_timeout_s=2.0, request_timeout_s=5.0, log_grace_s=3.0)
     opts.update(overrides)
-    return PyTorchJobLauncher(api_client=server.api_client(), log=lines.append, **opts)
+    return JobLauncher(job_api(api), api_client=server.api_client(), log=lines.append, **opts)
 
 
 def _ids(job):
@@ -100,15 +101,27 @@ def run_forever(c, job):
     start_running(c, job)
 
 
-def disconnect_then_410(c, job):
-    """Running, then the watch breaks and history is compacted while the job finishes."""
-    ns, name = _ids(job)
-    master = start_running(c, job)
+def break_watch_and_history(c) -> None:
+    """Once the launcher watches: forget the history (410 Gone from any version seen) and cut the watch."""
     c.wait_for(lambda: sum(1 for r in c.requests if r[2] == "watch") >= 1)
     time.sleep(0.2)
     c.compact()
     c.cut_watches()
     time.sleep(0.3)
+
+
+def plant(server, api: str, spec_: JobSpec, run_id: str, name_of_run: str):
+    """Stores run ``run_id``'s job under the name run ``name_of_run`` would use (a pre-existing job)."""
+    body = job_api(api).render(spec_, run_id)
+    body["metadata"]["name"] = naming.job_name(spec_.name, name_of_run, spec_.nodes)
+    return server.cluster.add_job(body)
+
+
+def disconnect_then_410(c, job):
+    """Running, then the watch breaks and history is compacted while the job finishes."""
+    ns, name = _ids(job)
+    master = start_running(c, job)
+    break_watch_and_history(c)
     c.log(master, "finished while the watch was down")
     c.add_pod(ns, name, "master", 0, "Succeeded", {"terminated": {"exitCode": 0}})
     c.close_log(master)

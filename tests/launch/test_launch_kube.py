@@ -13,7 +13,6 @@ import pytest
 
 import launch_scenarios as sc
 from domino.launch import naming
-from domino.launch.render import render_job
 from fake_kube import FakeKubeServer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -87,14 +86,8 @@ def test_watch_disconnect_and_410_gone_relist(server):
     assert "finished while the watch was down" in lines
 
 
-def _plant(server, run_id, name_of_run):
-    body = render_job(sc.spec(), run_id)
-    body["metadata"]["name"] = naming.job_name("gpt", name_of_run, 2)
-    return server.cluster.add_job(body)
-
-
 def test_409_adopts_the_same_runs_job(server):
-    job = _plant(server, "run-5", "run-5")
+    job = sc.plant(server, "pytorchjob", sc.spec(), "run-5", "run-5")
     threading.Thread(target=sc.succeed, args=(server.cluster, job), daemon=True).start()
     lines = []
     result = sc.launcher(server, lines).run(sc.spec(), run_id="run-5", scheduling_timeout_s=10, timeout_s=30)
@@ -104,7 +97,7 @@ def test_409_adopts_the_same_runs_job(server):
 
 
 def test_409_refuses_another_runs_job_and_leaves_it_alone(server):
-    _plant(server, "someone-else", "run-6")
+    sc.plant(server, "pytorchjob", sc.spec(), "someone-else", "run-6")
     result = sc.launcher(server, []).run(sc.spec(), run_id="run-6", scheduling_timeout_s=10, timeout_s=30,
                                          cleanup="always")
     assert not result.succeeded and result.reason.startswith("Conflict: ")
@@ -181,7 +174,7 @@ def test_unreachable_api_is_reported():
     config = client.Configuration()
     config.host = "http://127.0.0.1:9"  # discard port: connection refused
     config.retries = 0
-    launcher = sc.PyTorchJobLauncher(api_client=client.ApiClient(config), log=lambda _: None, request_timeout_s=2)
+    launcher = sc.JobLauncher(api_client=client.ApiClient(config), log=lambda _: None, request_timeout_s=2)
     result = launcher.run(sc.spec(), run_id="run-u", scheduling_timeout_s=10, timeout_s=30)
     assert result.reason.startswith("ApiUnreachable: ") and not result.succeeded
 

@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from domino.launch import JobSpec, run_job
-from domino.launch.local_backend import LocalLauncher, local_command, replica_env, retryable
+from domino.launch.local_backend import LocalLauncher, local_command, retryable
+from domino.launch.pytorchjob import PyTorchJobApi
+
+replica_env = PyTorchJobApi().node_env
 
 OPERATOR_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "PET_NNODES", "PET_NPROC_PER_NODE",
                  "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT", "PYTHONUNBUFFERED", "NCCL_DEBUG")
@@ -155,3 +158,54 @@ def test_on_failure_counts_every_replicas_restart_and_stops_a_crash_loop(tmp_pat
                                     "6 restart(s) reached backoffLimit 6")
     assert [line for line in lines if "Restarting" in line][-1].endswith("(restarts 4, backoffLimit 6)")
     assert len((tmp_path / "starts-1").read_text()) == 3  # three faults tolerated, the third ends the job
+
+
+TORCH_PLUGIN_VARS = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
+                     "JOB_COMPLETION_INDEX", "DOMINO_JOB_NAME", "NCCL_DEBUG")
+OPERATOR_ONLY = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+
+
+def test_each_trainjob_node_gets_exactly_the_torch_plugins_env(tmp_path, monkeypatch):
+    """kubeflow/trainer v2.3.0 torch.go EnforceMLPolicy: PET_* only (no MASTER_ADDR/WORLD_SIZE/RANK, unlike
+    the training operator); ``auto`` on a node without GPUs becomes its CPU request rounded up (1500m -> 2)."""
+    for name in OPERATOR_ONLY:
+        monkeypatch.delenv(name, raising=False)
+    code = ("import json, os; json.dump({k: os.environ.get(k) for k in %r}, "
+            "open('/mnt/domino/env-' + os.environ['PET_NODE_RANK'] + '.json', 'w')); print('node ok')"
+            % (TORCH_PLUGIN_VARS + OPERATOR_ONLY,))
+    spec = JobSpec(name="envs", image="i", nodes=3, nproc_per_node="auto", cpu_request="1500m",
+                   env={"NCCL_DEBUG": "INFO"}, command=_py(code))
+    lines = []
+    result = run_job(spec, "local", api="trainjob", run_id="t", workdir=str(tmp_path), log=lines.append)
+    assert result.succeeded and "node ok" in result.log_tail, result.describe()
+    seen = [json.loads((tmp_path / f"env-{r}.json").read_text()) for r in range(3)]
+    port = seen[0]["PET_MASTER_PORT"]
+    for rank, env in enumerate(seen):
+        assert env == {"PET_NNODES": "3", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": str(rank),
+                       "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port, "JOB_COMPLETION_INDEX": str(rank),
+                       "DOMINO_JOB_NAME": "envs-t", "NCCL_DEBUG": "INFO", "MASTER_ADDR": None, "MASTER_PORT": None,
+                       "WORLD_SIZE": None, "RANK": None}
+    assert (tmp_path / "logs" / "envs-t-node-0-2.log").exists()  # the node pods' host names
+    assert lines[0].startswith("local TrainJob envs-t: 3 node(s)")
+
+
+def test_trainjob_nodes_under_torchrun_all_reduce(tmp_path):
+    """The TrainJob multi-node contract for real: 2 nodes x 1 process, torchrun reading only the plugin's PET_*."""
+    spec = JobSpec(name="envcheck", image="i", nodes=2, nproc_per_node=1,
+                   command=["torchrun", "-m", "domino.launch.envcheck", "--out", "/mnt/domino/envcheck"])
+    result = run_job(spec, "local", api="trainjob", run_id="t", workdir=str(tmp_path), log=lambda _: None,
+                     timeout_s=120)
+    assert result.succeeded, result.describe()
+    for rank in range(2):
+        report = json.loads((tmp_path / "envcheck" / f"envcheck-rank{rank}.json").read_text())
+        assert report["world_size"] == 2 and report["all_reduce"] == 3.0 == report["expected"]
+        assert report["env"]["GROUP_RANK"] == report["env"]["PET_NODE_RANK"] == str(rank)
+
+
+def test_local_trainjob_refuses_what_the_cluster_would(tmp_path):
+    from domino.launch import LaunchSpecError
+
+    spec = JobSpec(name="x", image="i", restart_policy="ExitCode", command=_py("pass"))
+    with pytest.raises(LaunchSpecError, match="--api trainjob: --restart-policy"):
+        run_job(spec, "local", api="trainjob", workdir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []

@@ -157,3 +157,17 @@ def test_rendering_a_trainjob_imports_neither_torch_nor_kubernetes():
             "render_trainjob(JobSpec(name='a', image='b'), 'r'); "
             "bad = [m for m in ('torch', 'kubernetes') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_local_node_env_sets_exactly_the_variables_the_plugin_reserves():
+    """torch.go injects the TorchRunReservedEnvNames (constants.go) that Validate refuses in trainer.env."""
+    api = job_api("trainjob")
+    spec = JobSpec(**{**BASE, "nodes": 2, "nproc_per_node": 4, "gpus_per_node": 4})
+    env = api.node_env(spec, "gpt-r", 1, 31000)
+    assert {k for k in env if k.startswith("PET_")} == set(RESERVED_ENV)
+    assert env["PET_NPROC_PER_NODE"] == "4" and env["PET_NODE_RANK"] == env["JOB_COMPLETION_INDEX"] == "1"
+    # auto with GPUs stays auto (torchrun counts them); without GPUs it becomes the CPU request (1 per process).
+    assert api.node_env(JobSpec(**{**BASE, "nproc_per_node": "auto", "gpus_per_node": 8}), "g", 0, 1)[
+        "PET_NPROC_PER_NODE"] == "auto"
+    assert api.node_env(JobSpec(**{**BASE, "nproc_per_node": "auto", "cpu_limit": "3"}), "g", 0, 1)[
+        "PET_NPROC_PER_NODE"] == "1"  # the request (1, from defaults) wins over the limit

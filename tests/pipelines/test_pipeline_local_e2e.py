@@ -3,7 +3,8 @@
 Both runs use the quick profile (``domino pipeline run --quick``: the tiny preset) on a small corpus, with
 a 512-token BPE trained by the pipeline's train-tokenizer step. Run 1 trains with TP=2 and Domino chunks=2
 across two local replicas (the launcher's local backend, one process per replica) and is promoted
-(nothing was promoted before). Run 2 warm-starts
+(nothing was promoted before). Run 2 runs its training as a Kubeflow Trainer TrainJob (``job_api=trainjob``)
+of two nodes x one process, each node a process with the Trainer torch plugin's environment, warm-starts
 from the promoted checkpoint, and the gate decides by re-evaluating the promoted model on the same test
 samples, on the dataset run 1 made (same corpus and tokenizer: reused, not tokenised again). Everything
 goes through the real components, the real launcher and the real training loop.
@@ -51,8 +52,12 @@ def test_two_local_runs_promote_then_warm_start_and_gate(tmp_path):
     assert registry["current"]["test_ppl"] == pytest.approx(first.test["test_ppl"])
 
     # Run 2: warm start from the promoted model, then the gate compares on the same test samples.
-    second = run_local(str(out), {**PARAMS, "warm_start": True}, log=lambda _: None)
+    second = run_local(str(out), {**PARAMS, "warm_start": True, "job_api": "trainjob", "nodes": 2,
+                                  "nproc_per_node": 1}, log=lambda _: None)
     assert second.run_id != first.run_id
+    # Trained as a TrainJob: its second node ran as the node Job's pod of index 1, TP=2 across the nodes.
+    assert (out / "shared" / "logs" / f"{second.train['job']}-node-0-1.log").exists()
+    assert second.train["world_size"] == 2 and second.train["iterations"] == 6
     # Same corpus and tokenizer: the second run reuses the first run's dataset instead of tokenising again.
     assert second.dataset["reused"] is True and second.dataset["groups_tokenized"] == 0
     assert second.dataset["prefix"] == first.dataset["prefix"]
