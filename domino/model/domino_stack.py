@@ -95,14 +95,17 @@ class DominoLayerStack:
                 yield
         return final_layernorm(h) if final_layernorm is not None else h
 
-    def __call__(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
+    def __call__(self, hidden: torch.Tensor, attend_mask: Optional[torch.Tensor],
                  final_layernorm: Optional[torch.nn.Module]) -> torch.Tensor:
-        """``[b, s, h]`` embeddings -> ``[b, s, h]`` (after the final LayerNorm when one is given)."""
+        """``[b, s, h]`` embeddings -> ``[b, s, h]`` (after the final LayerNorm when one is given).
+
+        ``attend_mask`` (True = may attend, or None for causal) is split into per-chunk views, not copied.
+        """
         b = hidden.shape[0]
         if b < self.chunks:
             raise ValueError(f"micro-batch size {b} is smaller than --domino-chunks {self.chunks}")
         sizes = [len(idx) for idx in torch.arange(b).tensor_split(self.chunks)]
-        masks = _split_mask(attention_mask, sizes)
+        masks = _split_mask(attend_mask, sizes)
         programs = [self._chunk_steps(h, m, final_layernorm)
                     for h, m in zip(torch.split(hidden, sizes, dim=0), masks)]
         outputs: List[Optional[torch.Tensor]] = [None] * self.chunks
