@@ -106,7 +106,9 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     resume_from, warm_start = checkpointing.find_checkpoint(config)
     tp_random.model_parallel_seed(config.train.seed)
 
-    engine = engine_setup.build_engine(model_builder(config), config)
+    with state.collective_device():  # parameters are created and initialised on their device, shard by shard
+        model = model_builder(config)
+    engine = engine_setup.build_engine(model, config)
     iteration, consumed = 0, 0
     if resume_from is not None:
         iteration, consumed = checkpointing.load_checkpoint(engine, config, resume_from, padded_vocab_size,
