@@ -96,7 +96,7 @@ def clip_gradients(engine, max_norm: float) -> torch.Tensor:
     """Clips the (already data-parallel-reduced) gradients to ``max_norm``; returns the global norm on the device.
 
     DeepSpeed's ``clip_grad_norm_`` (``deepspeed/runtime/utils.py``, 0.19.8) reads no value on the host: the norm
-    and the clip factor stay tensors. It counts a parameter once across tensor-parallel ranks unless it carries
+    and the clip factor stay tensors (it copies two Python numbers to the device, lines 422-424). It counts a parameter once across tensor-parallel ranks unless it carries
     ``tensor_model_parallel=True``, so replicated LayerNorm weights are not double counted.
     """
     from deepspeed.runtime.utils import clip_grad_norm_
