@@ -9,7 +9,8 @@ the phase of the training loop it happened in (``step``: inside an iteration; ``
 the interval work; ``setup``: before the loop).
 
 It sees what Python asks for, not what a kernel does internally (e.g. ``torch.nonzero`` inside an op written
-in C++); ``benchmarks/gpu_check.sh`` complements it with the CUDA detector on a real device.
+in C++), nor copies of Python numbers to a device; on a GPU, ``torch.cuda.set_sync_debug_mode("warn")`` sees
+those too.
 
 Run a probed ``domino pretrain`` (alone or under torchrun; each rank writes ``OUT.rank<R>.json``)::
 
