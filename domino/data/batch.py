@@ -37,7 +37,7 @@ def get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int, reset_po
     is_eod = data == eod_token
     loss_mask = torch.ones(data.shape, dtype=torch.float, device=data.device)
     if eod_mask_loss:
-        loss_mask[is_eod] = 0.0
+        loss_mask.masked_fill_(is_eod, 0.0)  # not loss_mask[is_eod] = 0: boolean indexing counts on the host
     steps = torch.arange(length, dtype=torch.long, device=data.device)
     position_ids = steps.unsqueeze(0).expand(batch, length)
     attention_mask = None
@@ -58,41 +58,60 @@ def get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int, reset_po
     return attention_mask, loss_mask, position_ids
 
 
-def _broadcast_device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _check_shape(text: torch.Tensor, shape: Optional[Tuple[int, int]]) -> None:
+    if shape is not None and tuple(text.shape) != tuple(shape):
+        raise ValueError(f"get_batch: the data iterator gave a batch of shape {tuple(text.shape)}, expected "
+                         f"{tuple(shape)} (micro-batch size, sequence length + 1)")
 
 
-def broadcast_text(text: Optional[torch.Tensor]) -> torch.Tensor:
-    """``text`` from the tensor-parallel source rank on every rank of its group (int64, 2-D)."""
+def _to_device(text: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``text`` as int64 on ``device``; from pinned memory the copy is queued without waiting (non_blocking)."""
+    return text.to(device=device, dtype=torch.long, non_blocking=True)
+
+
+def broadcast_text(text: Optional[torch.Tensor], shape: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """``text`` from the tensor-parallel source rank on every rank of its group (int64, 2-D).
+
+    Args:
+        text: the batch on the source rank (None on the others).
+        shape: the batch shape every rank expects; then only the tokens are broadcast. Without it the
+            shape is broadcast first, and the receivers read it on the host (a device sync under NCCL).
+    """
     group = state.get_tensor_model_parallel_group()
     if not dist.is_initialized() or state.get_tensor_model_parallel_world_size() == 1:
         if text is None:
             raise ValueError("get_batch needs a data iterator on this rank")
+        _check_shape(text, shape)
         return text.long()
-    device = _broadcast_device()
+    device = state.collective_device(group)
     source = state.get_tensor_model_parallel_src_rank()
-    shape = torch.zeros(2, dtype=torch.long, device=device)
     if dist.get_rank() == source:
         if text is None:
             raise ValueError("the first rank of each tensor-parallel group needs a data iterator")
-        text = text.to(device=device, dtype=torch.long).contiguous()
-        shape.copy_(torch.tensor(text.shape, dtype=torch.long))
-    dist.broadcast(shape, source, group=group)
+        _check_shape(text, shape)
+        text = _to_device(text, device).contiguous()
+    if shape is None:
+        sent = torch.zeros(2, dtype=torch.long, device=device)
+        if dist.get_rank() == source:
+            sent.copy_(torch.tensor(text.shape, dtype=torch.long))
+        dist.broadcast(sent, source, group=group)
+        shape = tuple(sent.tolist())
     if dist.get_rank() != source:
-        text = torch.empty(tuple(shape.tolist()), dtype=torch.long, device=device)
+        text = torch.empty(tuple(shape), dtype=torch.long, device=device)
     dist.broadcast(text, source, group=group)
     return text
 
 
-def get_batch(data_iterator: Optional[Iterator], data_config: DataConfig, eod_token: int):
+def get_batch(data_iterator: Optional[Iterator], data_config: DataConfig, eod_token: int,
+              shape: Optional[Tuple[int, int]] = None):
     """The next batch as ``(tokens, labels, loss_mask, attention_mask, position_ids)``.
 
     Tensor-parallel rank 0 reads ``next(data_iterator)`` (a dict with ``"text"`` ``[b, s + 1]``) and
     broadcasts it to its group; other TP ranks may pass ``None``. ``tokens = text[:, :-1]``,
     ``labels = text[:, 1:]``. Tensors are on the current CUDA device when CUDA is available, else CPU.
     Mask flags come from ``data_config`` (``reset_position_ids``, ``reset_attention_mask``, ``eod_mask_loss``).
+    With ``shape`` (training: ``[micro-batch, seq + 1]``) no shape is broadcast and a batch of another shape
+    is an error; reading the batch never waits on the device.
     """
     reads = not dist.is_initialized() or state.get_tensor_model_parallel_rank() == 0
     text = None
@@ -100,9 +119,9 @@ def get_batch(data_iterator: Optional[Iterator], data_config: DataConfig, eod_to
         if data_iterator is None:
             raise ValueError("tensor-parallel rank 0 needs a data iterator")
         text = torch.as_tensor(next(data_iterator)["text"])
-    text = broadcast_text(text)
+    text = broadcast_text(text, shape)
     if torch.cuda.is_available():
-        text = text.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
+        text = _to_device(text, torch.device("cuda", torch.cuda.current_device()))
     tokens = text[:, :-1].contiguous()
     labels = text[:, 1:].contiguous()
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(

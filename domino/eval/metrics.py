@@ -62,8 +62,10 @@ class MetricTotals:
         """Sums the totals over data-parallel replicas (each evaluated different samples)."""
         if state.get_data_parallel_world_size() == 1 or not dist.is_initialized():
             return
-        packed = torch.tensor([self.loss_sum, self.correct, self.tokens], dtype=torch.float64)
-        dist.all_reduce(packed, group=state.get_data_parallel_group())
+        group = state.get_data_parallel_group()
+        packed = torch.tensor([self.loss_sum, self.correct, self.tokens], dtype=torch.float64,
+                              device=state.collective_device(group))  # NCCL reduces CUDA tensors only
+        dist.all_reduce(packed, group=group)
         self.loss_sum, self.correct, self.tokens = float(packed[0]), int(packed[1]), int(packed[2])
 
     def result(self) -> Dict[str, float]:

@@ -96,15 +96,18 @@ class DominoLayerStack:
                 yield
         return final_layernorm(h) if final_layernorm is not None else h
 
-    def __call__(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
+    def __call__(self, hidden: torch.Tensor, attend_mask: Optional[torch.Tensor],
                  final_layernorm: Optional[torch.nn.Module], rotary: Optional[RotaryTables] = None) -> torch.Tensor:
-        """``[b, s, h]`` embeddings -> ``[b, s, h]`` (after the final norm when one is given); ``rotary``: the
-        rotary tables of the positions (rope models), split along the batch like the mask."""
+        """``[b, s, h]`` embeddings -> ``[b, s, h]`` (after the final norm when one is given).
+
+        ``attend_mask`` (True = may attend, or None for causal) is split into per-chunk views, not copied;
+        ``rotary``: the rotary tables of the positions (rope models), split along the batch like the mask.
+        """
         b = hidden.shape[0]
         if b < self.chunks:
             raise ValueError(f"micro-batch size {b} is smaller than --domino-chunks {self.chunks}")
         sizes = [len(idx) for idx in torch.arange(b).tensor_split(self.chunks)]
-        masks = _split_mask(attention_mask, sizes)
+        masks = _split_mask(attend_mask, sizes)
         tables = rotary.split(sizes) if rotary is not None else [None] * self.chunks
         programs = [self._chunk_steps(h, m, r, final_layernorm)
                     for h, m, r in zip(torch.split(hidden, sizes, dim=0), masks, tables)]

@@ -138,11 +138,13 @@ class GPTModel(nn.Module):
         final_ln = self.final_layernorm if self.post_process else None
         # Generation (KV cache) and batches too small to split run the synchronous path: same weights, same maths.
         overlapped = self.domino is not None and kv_cache is None and hidden.shape[0] >= self.domino_chunks
+        # SDPA takes True = may attend: inverted once per batch, shared (as views) by every layer and chunk.
+        attend_mask = None if attention_mask is None else ~attention_mask
         if overlapped:
-            hidden = self.domino(hidden, attention_mask, final_ln, rotary)
+            hidden = self.domino(hidden, attend_mask, final_ln, rotary)
         else:
             for layer in self.layers:
-                hidden = layer(hidden, attention_mask, kv_cache, rotary)
+                hidden = layer(hidden, attend_mask, kv_cache, rotary)
             if final_ln is not None:
                 hidden = final_ln(hidden)
         if not self.post_process:

@@ -95,13 +95,14 @@ class ParallelSelfAttention(nn.Module):
                               queries_per_group=self.heads_per_rank // self.groups_per_rank)
 
     def context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attention_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None,
+                attend_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None,
                 rotary: Optional[RotaryTables] = None) -> torch.Tensor:
         """Attention of this rank's heads: the outputs of :meth:`qkv` -> ``[b, s, h/tp]`` context.
 
         Args:
             q, k, v: outputs of :meth:`qkv`.
-            attention_mask: None for plain causal attention, else bool ``[b or 1, 1, s, s_total]``, True = masked.
+            attend_mask: None for plain causal attention, else bool ``[b or 1, 1, s, s_total]``, True = may
+                attend (SDPA's convention; :meth:`GPTModel.forward` inverts Megatron's mask once per batch).
             kv_cache: when given, the new keys/values are appended and attention spans all cached tokens.
             rotary: the rotary tables of the new tokens' positions (--position-embedding-type rope), else None.
         """
@@ -114,10 +115,8 @@ class ParallelSelfAttention(nn.Module):
         if kv_cache is not None:
             past = kv_cache.length
             k, v = kv_cache.update(self.layer_number, k, v)
-        is_causal, mask = attention_mask is None, None
-        if attention_mask is not None:
-            mask = ~attention_mask  # SDPA wants True = may attend
-        elif past > 0:
+        is_causal, mask = attend_mask is None, attend_mask
+        if attend_mask is None and past > 0:
             is_causal = False  # SDPA's is_causal aligns top-left; new tokens sit at the bottom-right
             mask = torch.ones(s, past + s, dtype=torch.bool, device=q.device).tril(diagonal=past)
         dropout = self.attention_dropout if self.training else 0.0
@@ -128,12 +127,12 @@ class ParallelSelfAttention(nn.Module):
                                                  enable_gqa=self.groups_per_rank != self.heads_per_rank)
         return ctx.transpose(1, 2).reshape(b, s, self.heads_per_rank * self.head_dim)
 
-    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+    def forward(self, x: torch.Tensor, attend_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None,
                 rotary: Optional[RotaryTables] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Returns ``(output, bias)``: the bias is added later with dropout and the residual (None at TP=1, where
-        the GEMM already added it, or without biases)."""
-        return self.dense(self.context(*self.qkv(x), attention_mask, kv_cache, rotary))
+        the GEMM already added it, or without biases). ``attend_mask`` as in :meth:`context` (True = may attend)."""
+        return self.dense(self.context(*self.qkv(x), attend_mask, kv_cache, rotary))
 
 
 def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
@@ -155,10 +154,11 @@ class TransformerLayer(nn.Module):
         self.post_attention_layernorm = build_norm(config)
         self.mlp = build_mlp(config, output_init_std(config))
 
-    def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+    def forward(self, hidden: torch.Tensor, attend_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None, rotary: Optional[RotaryTables] = None) -> torch.Tensor:
-        """``[b, s, h] -> [b, s, h]`` with synchronous tensor-parallel all-reduces."""
-        out, bias = self.attention(self.input_layernorm(hidden), attention_mask, kv_cache, rotary)
+        """``[b, s, h] -> [b, s, h]`` with synchronous tensor-parallel all-reduces (``attend_mask``: True = may
+        attend, as in :meth:`ParallelSelfAttention.context`)."""
+        out, bias = self.attention(self.input_layernorm(hidden), attend_mask, kv_cache, rotary)
         hidden = bias_dropout_add(out, bias, hidden, self.hidden_dropout, self.training)
         out, bias = self.mlp(self.post_attention_layernorm(hidden))
         return bias_dropout_add(out, bias, hidden, self.hidden_dropout, self.training)

@@ -25,7 +25,6 @@ ones in ``wait()``.
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -229,12 +228,3 @@ def all_reduce_sum_(x: torch.Tensor) -> torch.Tensor:
 def tp_rank_and_size() -> tuple:
     """``(rank, world_size)`` of this process inside its tensor-parallel group."""
     return state.get_tensor_model_parallel_rank(), _tp_size()
-
-
-def split_along_dim(x: torch.Tensor, dim: int, rank: Optional[int] = None, world: Optional[int] = None):
-    """This rank's contiguous slice of ``x`` along ``dim`` (used to shard full weights at init)."""
-    if rank is None or world is None:
-        rank, world = tp_rank_and_size()
-    if x.shape[dim] % world:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the TP size {world}")
-    return x.chunk(world, dim=dim)[rank].contiguous()

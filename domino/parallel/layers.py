@@ -9,13 +9,17 @@
 Sharded parameters carry ``tensor_model_parallel=True``, ``partition_dim`` and ``partition_stride`` (what
 DeepSpeed's gradient norm and our checkpoint code look at); replicated parameters carry none of them.
 
-Initialisation is TP-invariant: each layer draws the *full* weight from the default generator (identically
-seeded on all TP ranks) and keeps its own slice, so the weights at TP=2 are exactly the slices of the TP=1
-weights for the same seed, and the generator ends in the same state whatever the TP size.
+Initialisation is TP-invariant and drawn where the parameter lives, for the local shard only: a sharded
+weight is cut along its partition dimension into blocks, each drawn from its own generator seeded from (one
+key per parameter, block index). The key comes from the default CPU generator (identically seeded on all TP
+ranks, one draw per parameter), so the weights at TP=2 or 4 are exactly the slices of the TP=1 weights for the
+same seed and device, the default generator ends in the same state whatever the TP size, and no rank draws
+(or holds) the full matrix.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple, Union
 
 import torch
@@ -27,7 +31,6 @@ from domino.parallel.collectives import (
     gather_from_tp_region,
     reduce_from_tp_region,
     scatter_to_tp_region,
-    split_along_dim,
     tp_rank_and_size,
 )
 from domino.parallel.linear_ops import gelu_linear
@@ -51,11 +54,43 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+#: A partitioned dimension of size n is drawn in gcd(n, INIT_BLOCKS_DIVISOR) blocks. Every TP size dividing both
+#: (all powers of two up to 64, and 3, 5, 6, 7, 9, 10, 12, ...: 2^6 * 3^2 * 5 * 7) cuts only between blocks.
+INIT_BLOCKS_DIVISOR = 20160
+_GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads block indices over the seed space
+
+
+def init_blocks(size: int, world: int) -> int:
+    """Blocks a partitioned dimension of ``size`` is drawn in (one per row when ``world`` would cut a block)."""
+    blocks = math.gcd(size, INIT_BLOCKS_DIVISOR)
+    return blocks if blocks % world == 0 else size
+
+
 def _sharded_normal(shape: Tuple[int, int], std: float, dim: int) -> nn.Parameter:
-    """Draws the full ``shape`` from N(0, std^2) with the default generator and keeps this rank's slice."""
-    full = torch.empty(shape)
-    nn.init.normal_(full, mean=0.0, std=std)
-    param = nn.Parameter(split_along_dim(full, dim))
+    """This rank's slice along ``dim`` of an N(0, std^2) matrix of ``shape``, drawn on the default device.
+
+    The same for every TP size dividing :data:`INIT_BLOCKS_DIVISOR` (see the module docstring); a
+    ``with torch.device(...)`` block around model construction makes it draw on that device (on ``meta``
+    nothing is drawn: a checkpoint fills the values).
+    """
+    rank, world = tp_rank_and_size()
+    size = shape[dim]
+    device = torch.empty(0).device
+    local_shape = list(shape)
+    local_shape[dim] = size // world
+    if device.type == "meta":
+        data = torch.empty(local_shape)
+    else:
+        blocks = init_blocks(size, world)
+        key = int(torch.randint(0, 2**62, (), device="cpu"))  # a CPU read at construction, not in a training step
+        block_shape = list(shape)
+        block_shape[dim] = size // blocks
+        parts = []
+        for block in range(rank * blocks // world, (rank + 1) * blocks // world):
+            generator = torch.Generator(device=device).manual_seed((key + block * _GOLDEN) % 2**63)
+            parts.append(torch.randn(block_shape, generator=generator, device=device).mul_(std))
+        data = torch.cat(parts, dim=dim)
+    param = nn.Parameter(data)
     set_tensor_model_parallel_attributes(param, dim)
     return param
 

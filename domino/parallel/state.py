@@ -50,6 +50,22 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """The device a collective over ``group`` needs its tensors on: this process's GPU for NCCL, else CPU.
+
+    NCCL only moves CUDA tensors and gloo reads CPU ones (``check_gpu_single_tensor`` in pytorch/pytorch
+    ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp`` rejects a CPU tensor: "Tensors must be CUDA and dense"), so
+    every small bookkeeping tensor a collective reduces (flags, loss sums) is created here. Without
+    ``torch.distributed``: the current CUDA device when there is one, else CPU.
+    """
+    if dist.is_initialized():
+        backend = dist.get_backend(group)
+        if "nccl" in str(backend):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def initialize_distributed(backend: Optional[str] = None, timeout_minutes: int = 30) -> None:
     """Initialises ``torch.distributed`` from the torchrun environment (or as a lone process).
 

@@ -7,7 +7,7 @@ import math
 import logging
 import os
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -32,6 +32,23 @@ def _skip_shared_memory_op() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *args, **kwargs: None
 
 
+def set_overlap_environment() -> None:
+    """Sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the environment already sets it; call before CUDA starts.
+
+    With one hardware queue per device, kernels start in the order they are issued, so the all-reduce a Domino
+    chunk launches is queued ahead of the other chunk's GEMMs instead of waiting behind them (Megatron-LM
+    requires the same for its asynchronous TP all-reduce, ``megatron/training/arguments.py``). CUDA reads the
+    variable when it creates the context, so a process that already used CUDA only gets a warning.
+    """
+    preset = "CUDA_DEVICE_MAX_CONNECTIONS" in os.environ
+    value = os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if value != "1":
+        logger.warning("CUDA_DEVICE_MAX_CONNECTIONS=%s: Domino's overlap expects 1 (kernels in issue order)", value)
+    elif not preset and torch.cuda.is_initialized():
+        logger.warning("CUDA was initialised before CUDA_DEVICE_MAX_CONNECTIONS=1 was set: it has no effect "
+                       "in this process (set it in the environment of the launcher)")
+
+
 def check_this_device(config: DominoConfig) -> None:
     """Raises :class:`ConfigError` for precision or backend settings this machine cannot run (see
     :func:`domino.config.validate.check_device`); DeepSpeed's CPU accelerator decides fp16 support on CPU
@@ -48,6 +65,7 @@ def check_this_device(config: DominoConfig) -> None:
 
 def initialize_runtime(config: DominoConfig) -> None:
     """Initialises torch.distributed, DeepSpeed's comm layer and the TP x DP groups for ``config``."""
+    set_overlap_environment()
     check_this_device(config)
     _skip_shared_memory_op()
     import deepspeed
@@ -74,16 +92,61 @@ def clips_itself(config: DominoConfig) -> bool:
     return config.parallel.zero_stage == 0 and not (config.train.fp16 or config.train.bf16)
 
 
-def clip_gradients(engine, max_norm: float) -> float:
-    """Clips the (already data-parallel-reduced) gradients to ``max_norm``; returns the global norm.
+def clip_gradients(engine, max_norm: float) -> torch.Tensor:
+    """Clips the (already data-parallel-reduced) gradients to ``max_norm``; returns the global norm on the device.
 
-    DeepSpeed's ``clip_grad_norm_`` counts a parameter once across tensor-parallel ranks unless it carries
+    DeepSpeed's ``clip_grad_norm_`` (``deepspeed/runtime/utils.py``, 0.19.8) reads no value on the host: the norm
+    and the clip factor stay tensors (it copies two Python numbers to the device, lines 422-424). It counts a parameter once across tensor-parallel ranks unless it carries
     ``tensor_model_parallel=True``, so replicated LayerNorm weights are not double counted.
     """
     from deepspeed.runtime.utils import clip_grad_norm_
 
     params = [p for p in engine.module.parameters() if p.grad is not None]
-    return float(clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), mpu=state))
+    return clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), mpu=state).reshape(())
+
+
+def fused_optimizer_supported(device: torch.device) -> bool:
+    """Whether torch's fused AdamW runs on ``device`` (CUDA; CPU from torch 2.4, which added the CPU kernel)."""
+    if device.type == "cuda":
+        return True
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return device.type == "cpu" and (major, minor) >= (2, 4)
+
+
+def flag_overflow(engine, grad_norm: torch.Tensor) -> Optional[torch.Tensor]:
+    """Makes the coming optimizer step skip itself on the device when ``grad_norm`` is NaN/inf.
+
+    Only for a plain torch optimizer (ZeRO stage 0, fp32): DeepSpeed's own wrappers (ZeRO, fp16, bf16) keep an
+    ``overflow`` flag and skip by themselves. torch's fused AdamW reads the optimizer attribute ``found_inf``
+    and, when it is non-zero, leaves parameters, moments and step count unchanged (``torch/optim/adam.py``,
+    ``_fused_adam``, torch 2.13), so no host read decides the skip. Returns the 0/1 flag, or ``None`` when the
+    optimizer is not fused (torch < 2.4 on CPU): the caller then decides on the host.
+    """
+    optimizer = engine.optimizer
+    if not optimizer.defaults.get("fused"):
+        return None
+    found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
+    optimizer.found_inf = found_inf
+    return found_inf
+
+
+#: Elements per ZeRO gradient-reduction / parameter all-gather bucket (DeepSpeed's default is 5e8).
+ZERO_BUCKET_ELEMENTS = 5e7
+
+
+def zero_optimization(config: DominoConfig) -> Dict[str, Any]:
+    """The ``zero_optimization`` section: gradient reduction overlapped with backward (docs/training.md).
+
+    From DeepSpeed 0.19.8 (``deepspeed/runtime/zero/config.py`` and ``stage_1_and_2.py``): ``overlap_comm``
+    defaults to off below stage 3; on, each full bucket's data-parallel reduction is launched on a separate
+    ``reduction_stream`` while backward goes on computing earlier layers' gradients. ``contiguous_gradients``
+    copies each gradient into one flat buffer as it is produced (no fragmentation, one flat reduction per
+    bucket). Buckets of :data:`ZERO_BUCKET_ELEMENTS` elements (100 MB in bf16) are large enough for NCCL to
+    reach link bandwidth, and ten times smaller than DeepSpeed's default so the first reduction starts early
+    in backward and the double-buffered overlap costs little memory.
+    """
+    return {"stage": config.parallel.zero_stage, "overlap_comm": True, "contiguous_gradients": True,
+            "reduce_bucket_size": ZERO_BUCKET_ELEMENTS, "allgather_bucket_size": ZERO_BUCKET_ELEMENTS}
 
 
 def deepspeed_config(config: DominoConfig) -> Dict[str, Any]:
@@ -95,8 +158,7 @@ def deepspeed_config(config: DominoConfig) -> Dict[str, Any]:
         "train_batch_size": global_batch_size(config),
         # Without ZeRO or mixed precision DeepSpeed clips but does not report the norm: domino clips then.
         "gradient_clipping": 0.0 if clips_itself(config) else t.clip_grad,
-        "zero_optimization": {"stage": config.parallel.zero_stage, "reduce_bucket_size": 5e7,
-                              "allgather_bucket_size": 5e7},
+        "zero_optimization": zero_optimization(config),
         "steps_per_print": 10**9,  # domino logs its own lines
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
@@ -140,13 +202,17 @@ def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> List[
 def build_engine(model: torch.nn.Module, config: DominoConfig):
     """Wraps ``model`` in a DeepSpeed engine with torch AdamW, our parallel state as ``mpu``.
 
-    A torch AdamW (``foreach`` kernels) is used rather than DeepSpeed's fused Adam so CPU runs need no
-    JIT build; on GPUs the fused torch kernel is chosen.
+    The model is moved to its device first, so the optimizer is built over device parameters (fused AdamW
+    refuses CPU parameters on torch < 2.4). A torch AdamW rather than DeepSpeed's fused Adam, so CPU runs need
+    no JIT build; its fused kernel wherever torch has one (:func:`fused_optimizer_supported`), which also lets
+    a non-finite step be skipped on the device (:func:`flag_overflow`).
     """
     import deepspeed
 
     t = config.train
-    fused = torch.cuda.is_available()
+    device = state.collective_device()
+    model.to(device)
+    fused = fused_optimizer_supported(device)
     optimizer = torch.optim.AdamW(
         optimizer_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
         eps=t.adam_eps, fused=fused or None, foreach=None if fused else True)

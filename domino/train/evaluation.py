@@ -26,11 +26,12 @@ def evaluate(forward_step: Callable, make_iterator: Callable[[], Optional[Iterab
     was_training = model.training
     model.eval()
     iterator = make_iterator()
-    total = 0.0
+    total = None
     for _ in range(eval_iters):
         output, loss_fn = forward_step(iterator, model)
         _, stats = loss_fn(output)
-        total += float(stats["lm loss"])
+        loss = stats["lm loss"].detach().double()
+        total = loss if total is None else total + loss  # summed on the device: one host read at the end
     if was_training:
         model.train()
-    return total / max(eval_iters, 1)
+    return float(total) / eval_iters if total is not None else 0.0

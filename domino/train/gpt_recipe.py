@@ -117,6 +117,8 @@ class GPTRecipe:
         """One micro-batch forward: ``(per-token losses, partial(loss_func, loss_mask))``."""
         from domino.data.batch import get_batch
 
-        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, self.config.data, self.eod)
+        shape = (self.config.train.micro_batch_size, self.config.model.seq_length + 1)  # fixed: no shape broadcast
+        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, self.config.data, self.eod,
+                                                                            shape)
         output = model(tokens, position_ids, attention_mask, labels=labels)
         return output, partial(loss_func, loss_mask)

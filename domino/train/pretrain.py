@@ -29,6 +29,7 @@ from domino.parallel.collectives import pop_comm_wait_seconds, pop_modelled_comm
 from domino.parallel import state
 from domino.train import checkpointing, engine as engine_setup
 from domino.train.evaluation import evaluate, perplexity
+from domino.train.interval_stats import IntervalReading, IntervalStats
 from domino.train.metrics import MetricsWriter, format_iteration_line
 from domino.train.schedules import LearningRateSchedule
 from domino.train.throughput import detect_peak_tflops, memory_gb, training_flops_per_token
@@ -83,11 +84,6 @@ def _set_lr(engine, lr: float) -> None:
         group["lr"] = lr
 
 
-def _zero_gradient_loss(module: torch.nn.Module) -> torch.Tensor:
-    """A loss whose gradient is exactly zero for every parameter, free of the non-finite activations."""
-    return sum((p * 0.0).sum() for p in module.parameters() if p.requires_grad)
-
-
 def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Callable, forward_step: Callable,
              padded_vocab_size: int, tokenizer=None) -> TrainingResult:
     """Trains according to ``config`` (call it on every rank; torch.distributed is set up here).
@@ -110,7 +106,9 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     resume_from, warm_start = checkpointing.find_checkpoint(config)
     tp_random.model_parallel_seed(config.train.seed)
 
-    engine = engine_setup.build_engine(model_builder(config), config)
+    with state.collective_device():  # parameters are created and initialised on their device, shard by shard
+        model = model_builder(config)
+    engine = engine_setup.build_engine(model, config)
     iteration, consumed = 0, 0
     if resume_from is not None:
         iteration, consumed = checkpointing.load_checkpoint(engine, config, resume_from, padded_vocab_size,
@@ -145,8 +143,9 @@ class _Trainer:
         self.peak = lg.peak_tflops or detect_peak_tflops()
         self.flops_per_token = training_flops_per_token(config.model, padded_vocab_size)
         self.paused = 0.0  # seconds spent evaluating or saving, kept out of the throughput numbers
-        self.skipped = self.nan_streak = 0
-        self.grad_norm: Optional[float] = None
+        self.device = state.collective_device()
+        self.stats = IntervalStats(self.device, t.max_nan_steps)
+        self.grad_norm: Optional[torch.Tensor] = None  # on the device; read at log intervals
         self.last_train_loss: Optional[float] = None
 
     def _loader(self, dataset, consumed_samples: int, workers: int):
@@ -156,48 +155,67 @@ class _Trainer:
             dataset, consumed_samples, self.config.train.micro_batch_size, state.get_data_parallel_rank(),
             state.get_data_parallel_world_size(), workers))
 
-    def _step(self, train_iter) -> Tuple[float, bool]:
-        """One optimizer step over ``gas`` micro-batches; returns (mean loss, whether it was finite)."""
+    def _step(self, train_iter) -> torch.Tensor:
+        """One optimizer step over ``gas`` micro-batches; returns the mean loss, a 0-d tensor on the device.
+
+        Nothing here reads a tensor value on the host (each read would wait for the device to drain): a
+        non-finite loss makes non-finite gradients, and the optimizer skips that update by itself, DeepSpeed's
+        wrappers from their ``overflow`` flag, the plain fused AdamW from ``found_inf``
+        (:func:`engine.flag_overflow`).
+        """
         engine, timers = self.engine, self.timers
-        iteration_loss, finite = 0.0, True
+        iteration_loss = torch.zeros((), device=self.device)
         timers.start("forward-backward")
         for micro in range(self.gas):
             timers.start("forward")
             output, loss_fn = self.forward_step(train_iter, engine)
             loss, stats = loss_fn(output)
             timers.stop("forward")
-            averaged = float(stats["lm loss"])
-            finite = finite and math.isfinite(averaged)
-            iteration_loss += averaged / self.gas
+            iteration_loss += stats["lm loss"].detach()  # the DP average, identical on every rank
             timers.start("backward")
-            # A non-finite loss (agreed by all ranks: it is the DP average) contributes zero gradients.
-            engine.backward(loss if finite else _zero_gradient_loss(engine.module))
+            engine.backward(loss)
             timers.stop("backward")
             if micro == self.gas - 1:
                 timers.stop("forward-backward")
-                if not finite:
-                    _set_lr(engine, 0.0)  # skip the update; only the Adam moments decay once
                 timers.start("optimizer")
                 if engine_setup.clips_itself(self.config):
                     self.grad_norm = engine_setup.clip_gradients(engine, self.config.train.clip_grad)
+                    self._flag_overflow(self.grad_norm)
             engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
         timers.stop("optimizer")
-        return iteration_loss, finite
+        return iteration_loss / self.gas
 
-    def _count_non_finite(self, iteration: int) -> None:
-        self.nan_streak += 1
-        self.skipped += 1
-        logger.warning("iteration %d: non-finite loss, update skipped (%d in a row)", iteration, self.nan_streak)
+    def _flag_overflow(self, grad_norm: torch.Tensor) -> None:
+        flag = engine_setup.flag_overflow(self.engine, grad_norm)
+        if flag is not None:
+            self.stats.add_optimizer_skip(flag)
+        elif not torch.isfinite(grad_norm):  # torch < 2.4 on CPU (no fused AdamW): a host read, no device sync
+            self.stats.add_optimizer_skip(torch.ones((), device=self.device))
+            _set_lr(self.engine, 0.0)
+            self.engine.module.zero_grad(set_to_none=False)
+
+    def _check_nan_streak(self, iteration: int, iterations: int, reading: IntervalReading) -> None:
+        if reading.non_finite:
+            logger.warning("iterations %d-%d: %d non-finite losses, updates skipped (%d in a row)",
+                           iteration - iterations + 1, iteration, reading.non_finite, reading.nan_streak)
         limit = self.config.train.max_nan_steps
-        if self.nan_streak >= limit:
+        if reading.streak_limit_at is not None:
             raise TrainingDivergedError(
-                f"the loss was NaN/inf for {self.nan_streak} consecutive iterations (up to iteration {iteration}; "
-                f"--max-nan-steps {limit}); last finite loss {self.last_train_loss}. Lower --lr, "
-                "use --bf16 instead of --fp16, or check the data.")
+                f"the loss was NaN/inf for {limit} consecutive iterations (up to iteration "
+                f"{reading.streak_limit_at}; --max-nan-steps {limit}); last finite loss {reading.last_finite_loss}. "
+                "Lower --lr, use --bf16 instead of --fp16, or check the data.")
 
-    def _log(self, iteration: int, consumed: int, lr: float, losses: list, iterations: int, elapsed: float) -> float:
-        """Writes the interval's record and log line; returns tokens/s."""
+    def _log(self, iteration: int, consumed: int, lr: float, iterations: int, elapsed: float) -> float:
+        """Reads the interval's numbers from the device, writes its record and log line; returns tokens/s.
+
+        Raises:
+            TrainingDivergedError: when the loss stayed non-finite for ``--max-nan-steps`` iterations.
+        """
         t, engine = self.config.train, self.engine
+        reading = self.stats.read()
+        if reading.last_finite_loss is not None:
+            self.last_train_loss = reading.last_finite_loss
+        self._check_nan_streak(iteration, iterations, reading)
         iter_time = (elapsed - self.paused) / max(iterations, 1)
         tokens_per_s = self.gbs * self.config.model.seq_length / iter_time
         tflops = self.flops_per_token * tokens_per_s / dist.get_world_size() / 1e12
@@ -206,10 +224,11 @@ class _Trainer:
         scaler = getattr(engine.optimizer, "loss_scaler", None)
         record = {
             "iteration": iteration, "consumed_samples": consumed, "batch_size": self.gbs,
-            "lm_loss": sum(losses) / len(losses) if losses else float("nan"),
+            "lm_loss": reading.mean_loss,
             "lr": lr, "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
             "loss_scale": float(scaler.cur_scale) if scaler is not None and t.fp16 else None,
-            "skipped_iterations": self.skipped + (int(engine.skipped_steps) if t.fp16 else 0),
+            # DeepSpeed's wrappers count their own skips (after their own host read of the overflow flag).
+            "skipped_iterations": reading.optimizer_skips + int(engine.skipped_steps),
             "iteration_time_s": iter_time, "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
             "mfu": tflops / self.peak if self.peak else None, "memory_gb": memory_gb(),
             "eta_s": iter_time * (self.train_iters - iteration),
@@ -254,8 +273,12 @@ class _Trainer:
         return str(path)
 
     def _termination_requested(self) -> bool:
-        """Whether any rank received SIGTERM; every rank must agree, so the flag is max-reduced."""
-        flag = torch.tensor([1.0 if self.sigterm_received else 0.0])
+        """Whether any rank received SIGTERM; every rank must agree, so the flag is max-reduced.
+
+        Called at log intervals only (the reduction's read waits for the device), so every rank stops at the
+        same iteration: the first log interval after the signal.
+        """
+        flag = torch.tensor([1.0 if self.sigterm_received else 0.0], device=self.device)
         if dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -287,25 +310,20 @@ class _Trainer:
         self.engine.train()
         pop_comm_wait_seconds(), pop_modelled_comm_seconds()  # set-up collectives are not part of any interval
         run_start, start_iteration = time.perf_counter(), iteration
-        interval_start, interval_first, interval_losses = time.perf_counter(), iteration, []
+        interval_start, interval_first = time.perf_counter(), iteration
         last_valid = tokens_per_s = checkpoint_path = saved_at = None
 
         while iteration < self.train_iters:
             lr = self.schedule.lr_at(iteration)
             _set_lr(self.engine, lr)
-            loss, finite = self._step(train_iter)
+            self.stats.add(self._step(train_iter), iteration + 1)
             iteration += 1
             consumed += self.gbs
-            if finite:
-                self.nan_streak = 0
-                interval_losses.append(loss)
-                self.last_train_loss = loss
-            else:
-                self._count_non_finite(iteration)
-            if iteration % lg.log_interval == 0 or iteration == self.train_iters:
-                tokens_per_s = self._log(iteration, consumed, lr, interval_losses, iteration - interval_first,
+            logged = iteration % lg.log_interval == 0 or iteration == self.train_iters
+            if logged:
+                tokens_per_s = self._log(iteration, consumed, lr, iteration - interval_first,
                                          time.perf_counter() - interval_start)
-                interval_start, interval_first, interval_losses = time.perf_counter(), iteration, []
+                interval_start, interval_first = time.perf_counter(), iteration
             if t.eval_interval and iteration % t.eval_interval == 0 and iteration < self.train_iters:
                 last_valid = self._evaluate("valid", self.valid_ds, iteration, consumed)
             if c.save and c.save_interval and iteration % c.save_interval == 0:
@@ -313,7 +331,7 @@ class _Trainer:
             if t.exit_interval and iteration % t.exit_interval == 0:
                 logger.info("--exit-interval %d reached at iteration %d", t.exit_interval, iteration)
                 break
-            if t.exit_signal_handler and self._termination_requested():
+            if t.exit_signal_handler and logged and self._termination_requested():
                 logger.warning("SIGTERM: saving at iteration %d and exiting", iteration)
                 if c.save and saved_at != iteration:
                     checkpoint_path = self._save(iteration, consumed)

@@ -97,6 +97,10 @@ def test_get_batch_single_process():
     assert loss.tolist() == [EOD_LOSS[0]] and positions.tolist() == [RESET_POSITIONS[0]] and mask is None
     with pytest.raises(ValueError, match="iterator"):
         get_batch(None, DataConfig(), EOD)
+    fixed = get_batch(iter([batch]), DataConfig(), EOD, shape=(1, 7))
+    assert torch.equal(fixed[0], tokens)
+    with pytest.raises(ValueError, match=r"batch of shape \(1, 7\), expected \(2, 7\)"):
+        get_batch(iter([batch]), DataConfig(), EOD, shape=(2, 7))
 
 
 def _all_batches(sampler):

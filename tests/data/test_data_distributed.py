@@ -25,7 +25,8 @@ def _body(rank, world_size, prefix, cache_dir):
                                            state.get_data_parallel_world_size(), 0)
     iterator = iter(loader) if state.get_tensor_model_parallel_rank() == 0 else None
     config = DataConfig(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
-    batches = [tuple(t.clone() for t in get_batch(iterator, config, 0)) for _ in range(2)]
+    # The first batch's shape is broadcast; the second is announced as fixed, so only its tokens are sent.
+    batches = [tuple(t.clone() for t in get_batch(iterator, config, 0, shape)) for shape in (None, (2, 9))]
     return {"builds": len(builds), "batches": batches}
 
 

@@ -133,3 +133,42 @@ def test_every_sum_is_read_only_after_its_wait(monkeypatch, chunks):
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
     for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _MaskBuilds(TorchDispatchMode):
+    """Counts kernels that write a new boolean tensor (building or inverting a mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dtype == torch.bool and out.dim() == 4:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_reset_attention_mask_is_built_once_per_batch(monkeypatch, chunks):
+    """--reset-attention-mask: every layer and chunk attends with views of one mask, made once per forward."""
+    from model_fixtures import random_batch
+
+    import domino.model.transformer as transformer
+
+    batch = random_batch(seed=3, batch=4)
+    model = GPTModel(tiny_config(num_layers=3), VOCAB, domino_chunks=chunks)
+    storages = []
+    sdpa = transformer.F.scaled_dot_product_attention
+
+    def recording_sdpa(q, k, v, attn_mask=None, **kwargs):
+        storages.append(attn_mask.untyped_storage().data_ptr())
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(transformer.F, "scaled_dot_product_attention", recording_sdpa)
+    builds = _MaskBuilds()
+    with builds:
+        model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    assert len(storages) == 3 * chunks  # one attention per layer and chunk
+    assert len(set(storages)) == 1 and storages[0] != batch["attention_mask"].untyped_storage().data_ptr()
+    assert builds.count == 1

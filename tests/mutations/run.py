@@ -100,6 +100,10 @@ MUTATIONS: List[Mutation] = [
     Mutation("launcher-deletes-failed-jobs", "domino/launch/api.py",
              "        return succeeded or stopped", "        return True",
              ["tests/launch/test_launch_kube.py"]),
+    Mutation("step-reads-loss-on-host", "domino/train/pretrain.py",
+             '            iteration_loss += stats["lm loss"].detach()',
+             '            iteration_loss += float(stats["lm loss"])',
+             ["tests/train/test_host_syncs.py::test_tp2_domino_iterations_read_nothing_on_the_host"]),
 ]
 
 

@@ -53,11 +53,14 @@ def _body(rank, world_size):
     handle = C.all_reduce_async(buf)  # launched async, waited right below
     handle.wait()
     out["async"] = buf
+    out["devices"] = [str(state.collective_device(g)) for g in (None, state.get_tensor_model_parallel_group(),
+                                                                 state.get_data_parallel_group())]
     return out
 
 
 def test_two_rank_semantics():
     results = run_distributed(_body, 2)
+    assert all(r["devices"] == ["cpu"] * 3 for r in results)  # gloo: every collective tensor on the CPU
     base = torch.arange(8.0).reshape(2, 4)
     for rank, r in enumerate(results):
         y, g = r["copy"]
@@ -75,3 +78,15 @@ def test_two_rank_semantics():
         assert torch.equal(y, torch.cat([base, base * 2], dim=1))
         assert torch.equal(g, torch.arange(16.0).reshape(2, 8)[:, 4 * rank:4 * rank + 4])
         assert torch.equal(r["async"], torch.full((5,), 3.0))
+
+
+def test_collective_device_follows_the_backend(monkeypatch):
+    """NCCL groups get this process's GPU (an NCCL collective rejects CPU tensors), gloo groups the CPU."""
+    alone = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    assert state.collective_device() == alone  # no torch.distributed: where this process computes
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert state.collective_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    assert state.collective_device() == torch.device("cpu")

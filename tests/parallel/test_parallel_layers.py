@@ -131,3 +131,26 @@ def test_single_rank_row_parallel_adds_its_bias_in_the_gemm(gelu):
     ref.pow(2).sum().backward()
     for ours, theirs in ((xi.grad, xr.grad), (row.weight.grad, w.grad), (row.bias.grad, b.grad)):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape,dim", [((24, 8), 0), ((8, 24), 1), ((20, 4), 0)])
+def test_init_is_the_same_full_matrix_at_tp_1_2_4(monkeypatch, shape, dim):
+    """Each rank draws only its shard (blocks with their own generators), yet the shards of TP=2 and TP=4 put
+    together are the TP=1 matrix, and the default generator ends in the same state for every TP size."""
+    import domino.parallel.layers as layers
+
+    def draw(rank, world):
+        monkeypatch.setattr(layers, "tp_rank_and_size", lambda: (rank, world))
+        torch.manual_seed(3)
+        weight = layers._sharded_normal(shape, 0.02, dim).detach()
+        return weight, torch.get_rng_state()
+
+    full, after = draw(0, 1)
+    assert full.shape == shape and 0.01 < full.std() < 0.03
+    for world in (2, 4):
+        shards = [draw(rank, world) for rank in range(world)]
+        assert all(s[0].shape[dim] == shape[dim] // world for s in shards)
+        assert torch.equal(torch.cat([s[0] for s in shards], dim=dim), full), world
+        assert all(torch.equal(s[1], after) for s in shards)
+    # 22 rows: gcd(22, 20160) = 2 blocks, fine for TP 2; TP 11 would cut them, so one block per row.
+    assert layers.init_blocks(22, 2) == 2 and layers.init_blocks(22, 11) == 22

@@ -2,6 +2,7 @@
 (nested objects key by key, so an override of one ZeRO setting keeps the stage); bad files are named."""
 
 import json
+import os
 
 import pytest
 
@@ -18,9 +19,9 @@ def _config(tmp_path, overrides, *flags):
 
 def test_overrides_merge_key_by_key_into_the_derived_config(tmp_path):
     derived = deepspeed_config(parse_config(["--preset", "tiny", "--zero-stage", "2", "--clip-grad", "0.5"]))
-    merged = deepspeed_config(_config(tmp_path, {"zero_optimization": {"overlap_comm": True, "reduce_bucket_size": 1e6},
+    merged = deepspeed_config(_config(tmp_path, {"zero_optimization": {"overlap_comm": False, "reduce_bucket_size": 1e6},
                                                  "gradient_clipping": 2.0, "flops_profiler": {"enabled": False}}))
-    assert merged["zero_optimization"] == {**derived["zero_optimization"], "overlap_comm": True,
+    assert merged["zero_optimization"] == {**derived["zero_optimization"], "overlap_comm": False,
                                            "reduce_bucket_size": 1e6}
     assert merged["zero_optimization"]["stage"] == 2  # kept: only the named keys changed
     assert merged["gradient_clipping"] == 2.0 and derived["gradient_clipping"] == 0.5
@@ -41,3 +42,27 @@ def test_a_scalar_replaces_an_object_and_an_object_replaces_a_scalar(tmp_path):
 def test_unreadable_or_non_object_files_are_named(tmp_path, text, message):
     with pytest.raises(ConfigError, match=f"--deepspeed-config {tmp_path / 'ds.json'}: {message}"):
         deepspeed_config(_config(tmp_path, text))
+
+
+def test_zero_overlaps_its_reductions_as_deepspeed_reads_the_section():
+    """The derived ZeRO section, parsed by DeepSpeed's own config model (deepspeed/runtime/zero/config.py)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    section = deepspeed_config(parse_config(["--preset", "tiny", "--zero-stage", "1"]))["zero_optimization"]
+    parsed = DeepSpeedZeroConfig(**section)
+    assert parsed.stage == 1 and parsed.overlap_comm is True and parsed.contiguous_gradients is True
+    assert parsed.reduce_bucket_size == parsed.allgather_bucket_size == 5 * 10**7
+    assert DeepSpeedZeroConfig(stage=1).overlap_comm is False  # what DeepSpeed would do without the setting
+
+
+def test_pretrain_sets_one_cuda_connection_unless_the_environment_chose(monkeypatch):
+    from domino.train import engine
+
+    warnings = []
+    monkeypatch.setattr(engine.logger, "warning", lambda message, *args: warnings.append(message % args))
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    engine.set_overlap_environment()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and warnings == []
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    engine.set_overlap_environment()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8" and "expects 1" in warnings[0]

@@ -11,17 +11,21 @@ import pytest
 from distributed_helpers import run_distributed
 
 
-def _train_with_poisoned_steps(rank, world_size, prefix, out_dir, poisoned, max_nan_steps):
+def _train_with_poisoned_steps(rank, world_size, prefix, out_dir, poisoned, max_nan_steps, extra=(), fused=True):
     import torch
 
     from domino.config import parse_config
+    from domino.train import engine
+
+    if not fused:  # as on torch < 2.4, whose CPU AdamW has no fused kernel (and so no found_inf)
+        engine.fused_optimizer_supported = lambda device: False
     from domino.train.gpt_recipe import GPTRecipe
     from domino.train.pretrain import TrainingDivergedError, pretrain
 
     config = parse_config(["--preset", "tiny", "--data-path", prefix, "--train-iters", "8", "--log-interval", "1",
                            "--eval-iters", "0", "--eval-interval", "0", "--num-workers", "0", "--save", out_dir,
                            "--save-interval", "1", "--metrics-file", f"{out_dir}/metrics.jsonl",
-                           "--max-nan-steps", str(max_nan_steps)])
+                           "--max-nan-steps", str(max_nan_steps), *extra])
     recipe = GPTRecipe(config)
     calls = []
 
@@ -50,10 +54,15 @@ def _weights(out_dir, iteration):
     return weights_io.load_full_state_dict(out_dir / f"iter_{iteration:07d}")
 
 
-def test_nan_steps_are_skipped_and_counted(tmp_path, corpus_prefix):
+@pytest.mark.parametrize("zero_stage,fused", [("1", True), ("0", True), ("0", False)])
+def test_nan_steps_are_skipped_and_counted(tmp_path, corpus_prefix, zero_stage, fused):
+    """ZeRO 1: DeepSpeed's optimizer skips from its overflow flag; ZeRO 0 (fp32, domino clips): the fused AdamW
+    skips from the ``found_inf`` flag domino sets on the device (without a fused AdamW, domino decides on the
+    host and zeroes the update)."""
     import torch
 
-    error, = run_distributed(_train_with_poisoned_steps, 1, corpus_prefix, str(tmp_path), {3, 4}, 3)
+    error, = run_distributed(_train_with_poisoned_steps, 1, corpus_prefix, str(tmp_path), {3, 4}, 3,
+                             ("--zero-stage", zero_stage), fused)
     assert error is None
     records = _records(tmp_path)
     assert [r["skipped_iterations"] for r in records] == [0, 0, 1, 2, 2, 2, 2, 2]

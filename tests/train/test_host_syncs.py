@@ -1,0 +1,70 @@
+"""Between log intervals an iteration reads no tensor value on the host in domino's code (each read would be a
+device sync on a GPU), counted with the probe of ``domino.train.host_syncs`` around real `domino pretrain` runs."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from distributed_helpers import free_port
+from train_helpers import child_env
+
+from domino.train.host_syncs import HostSyncProbe
+
+ITERS = 6
+RUN = ["--preset", "tiny", "--mock-data", "--vocab-size", "512", "--num-workers", "0", "--seed", "7",
+       "--train-iters", str(ITERS), "--log-interval", "3", "--eval-iters", "0", "--eval-interval", "0"]
+#: Reads in domino code that another change owns: the TP=1 loss reads whether any row needs the log-sum-exp
+#: fallback (domino/parallel/cross_entropy.py, a per-device kernel choice, issue 15 item 4), once per micro-batch.
+KNOWN_ELSEWHERE = ("domino/parallel/cross_entropy.py:", "_loss_from_softmax")
+#: DeepSpeed 0.19.8's ZeRO-1/2 step reads its overflow decision once, and re-checks the norm once per parameter
+#: group (two: with and without weight decay) in unscale_and_clip_grads (deepspeed/runtime/zero/stage_1_and_2.py).
+DEEPSPEED_ZERO_READS_PER_ITERATION = 3
+
+
+def _probed_run(tmp_path, nproc, extra):
+    out = tmp_path / "syncs"
+    command = [sys.executable, "-m", "domino.train.host_syncs", str(out), "pretrain", *RUN, *extra]
+    if nproc > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+                   "127.0.0.1", "--master-port", str(free_port()), *command[1:]]
+    proc = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((tmp_path / f"syncs.rank{rank}.json").read_text()) for rank in range(nproc)]
+
+
+def _step_reads(events, owner):
+    return [e for e in events if e["phase"] == "step" and e["owner"] == owner]
+
+
+def test_tp2_domino_iterations_read_nothing_on_the_host(tmp_path):
+    ranks = _probed_run(tmp_path, 2, ["--tensor-model-parallel-size", "2", "--domino-chunks", "2",
+                                      "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"])
+    for events in ranks:
+        assert _step_reads(events, "domino") == []
+        # The probe sees the interval's reads: the device sums come back once per log interval.
+        reads = [e for e in events if e["phase"] == "log" and "interval_stats.py" in e["where"]]
+        assert sum(e["count"] for e in reads) == ITERS // 3
+        deepspeed = sum(e["count"] for e in _step_reads(events, "deepspeed"))
+        assert deepspeed <= DEEPSPEED_ZERO_READS_PER_ITERATION * ITERS
+
+
+def test_one_process_zero0_skips_on_the_device(tmp_path):
+    """ZeRO 0 fp32: domino clips and flags overflow for the fused AdamW; DeepSpeed's engine reads nothing."""
+    events, = _probed_run(tmp_path, 1, ["--zero-stage", "0", "--micro-batch-size", "2", "--global-batch-size", "4"])
+    ours = _step_reads(events, "domino")
+    assert all(KNOWN_ELSEWHERE[0] in e["where"] and KNOWN_ELSEWHERE[1] in e["where"] for e in ours), ours
+    assert sum(e["count"] for e in ours) <= 2 * ITERS  # the known read: once per micro-batch (2 per iteration)
+    assert _step_reads(events, "deepspeed") == []
+
+
+def test_the_probe_counts_reads_by_owner_and_restores_torch():
+    t = torch.ones(2)
+    original = torch.Tensor.item
+    with HostSyncProbe() as probe:
+        float(t.sum()), t.tolist(), bool(t[0] > 0), t[t > 0]
+    assert torch.Tensor.item is original
+    methods = sorted(e["method"] for e in probe.to_json())
+    assert methods == ["__bool__", "__float__", "__getitem__[bool mask]", "tolist"]
+    assert probe.count(owner="other") == 4  # called from this test, outside domino and deepspeed

@@ -1,0 +1,33 @@
+"""--exit-signal-handler agrees at log intervals: when one rank alone gets SIGTERM, every rank stops at the
+same iteration, the first log boundary after the signal (the agreement is not an every-iteration host sync)."""
+
+from distributed_helpers import run_distributed
+
+
+def _train_signalled(rank, world_size, signal_rank, signal_at_call):
+    import os
+    import signal
+
+    from domino.config import parse_config
+    from domino.train.gpt_recipe import GPTRecipe
+    from domino.train.pretrain import pretrain
+
+    config = parse_config(["--preset", "tiny", "--mock-data", "--vocab-size", "512", "--train-iters", "8",
+                           "--log-interval", "4", "--eval-iters", "0", "--eval-interval", "0", "--num-workers", "0",
+                           "--exit-signal-handler"])
+    recipe = GPTRecipe(config)
+    calls = []
+
+    def forward_step(data_iterator, model):
+        calls.append(1)
+        if rank == signal_rank and len(calls) == signal_at_call:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler only sets a flag
+        return recipe.forward_step(data_iterator, model)
+
+    result = pretrain(config, recipe.model_builder, recipe.dataset_builder, forward_step, recipe.padded_vocab_size)
+    return result.iteration, result.interrupted
+
+
+def test_one_signalled_rank_stops_every_rank_at_the_next_log_interval():
+    results = run_distributed(_train_signalled, 2, 1, 2)  # DP=2; rank 1 is signalled during iteration 2
+    assert results == [(4, True), (4, True)]
