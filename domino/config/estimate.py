@@ -195,13 +195,14 @@ def activation_bytes(shape: _Shape, layout: Layout, act_bytes: int, device: str 
         core = act_bytes * sbh / t + 4 * shape.a * s * b / t
     mlp = (shape.fc1_width + shape.f) * s * b * act_bytes / t
     full_layer = stream + attention + core + mlp
-    if layout.recompute == "selective":
-        full_layer -= core
     layer_input = act_bytes * sbh / sp
-    if layout.recompute == "full":
+    # Backward peaks where a recomputed block is alive again on top of what is still stored.
+    if layout.recompute == "selective":  # every core dropped; one layer's core alive again at a time
+        layers = shape.L * (full_layer - core) + core
+    elif layout.recompute == "full":
         n = max(1, min(layout.recompute_num_layers, shape.L))
-        if layout.recompute_method == "block":  # the first n layers keep inputs only, the rest everything
-            layers = n * layer_input + (shape.L - n) * full_layer + full_layer
+        if layout.recompute_method == "block":  # the first n layers keep inputs only, recomputed after the rest
+            layers = n * layer_input + max(shape.L - n, 1) * full_layer
         else:  # uniform: the input of every group of n layers, and one group recomputed at a time
             layers = -(-shape.L // n) * layer_input + n * full_layer
     else:

@@ -21,13 +21,14 @@ linear's asynchronous input-gradient all-reduce and the guard's wait (:mod:`domi
 
 from __future__ import annotations
 
-from typing import Generator, List, Optional, Sequence
+from typing import Generator, List, Optional, Sequence, Tuple
 
 import torch
 
 from domino.model.domino_ops import column_parallel_async, guard_input_grad
 from domino.model.transformer import TransformerLayer, bias_dropout_add
 from domino.parallel.collectives import all_reduce_async
+from domino.parallel.recompute import replay, run_recorded
 
 
 class _Pending:
@@ -70,29 +71,50 @@ class DominoLayerStack:
             raise ValueError("the Domino schedule needs at least one transformer layer")
         self.layers = layers
         self.chunks = chunks
+        #: ``(start, end, checkpointed)`` layer groups; full activation recompute sets it (domino.model.recompute).
+        self.units: List[Tuple[int, int, bool]] = [(0, len(layers), False)]
+
+    def _layer_steps(self, layer: TransformerLayer, h: torch.Tensor,
+                     mask: Optional[torch.Tensor]) -> Generator[None, None, torch.Tensor]:
+        """One chunk's steps through one layer (LN1 + guard, then A-F); yields between steps, returns the output.
+
+        F of layer i and LN1 of layer i+1 share a tick (no yield between them), as in the reference order.
+        """
+        attention, mlp = layer.attention, layer.mlp
+        guarded = guard_input_grad(layer.input_layernorm(h))
+        yield
+        ctx = attention.context(*attention.qkv(*guarded), mask)  # A
+        yield
+        pending = _Pending(attention.dense.partial(ctx), attention.dense.bias)  # B
+        yield
+        h = pending.finish(h, layer)  # C
+        guarded = guard_input_grad(layer.post_attention_layernorm(h))
+        yield
+        inner = column_parallel_async(guarded, mlp.dense_h_to_4h)  # D
+        yield
+        pending = _Pending(mlp.dense_4h_to_h.partial_of_gelu(inner), mlp.dense_4h_to_h.bias)  # E
+        yield
+        return pending.finish(h, layer)  # F
+
+    def _group_steps(self, start: int, end: int, h: torch.Tensor,
+                     mask: Optional[torch.Tensor]) -> Generator[None, None, torch.Tensor]:
+        for layer in self.layers[start:end]:
+            h = yield from self._layer_steps(layer, h, mask)
+        return h
 
     def _chunk_steps(self, h: torch.Tensor, mask: Optional[torch.Tensor],
                      final_layernorm: Optional[torch.nn.Module]) -> Generator[None, None, torch.Tensor]:
-        """One chunk's steps; yields between steps, returns the chunk's output."""
-        guarded = guard_input_grad(self.layers[0].input_layernorm(h))
-        yield
-        for i, layer in enumerate(self.layers):
-            attention, mlp = layer.attention, layer.mlp
-            ctx = attention.context(*attention.qkv(*guarded), mask)  # A
-            yield
-            pending = _Pending(attention.dense.partial(ctx), attention.dense.bias)  # B
-            yield
-            h = pending.finish(h, layer)  # C
-            guarded = guard_input_grad(layer.post_attention_layernorm(h))
-            yield
-            inner = column_parallel_async(guarded, mlp.dense_h_to_4h)  # D
-            yield
-            pending = _Pending(mlp.dense_4h_to_h.partial_of_gelu(inner), mlp.dense_4h_to_h.bias)  # E
-            yield
-            h = pending.finish(h, layer)  # F
-            if i + 1 < len(self.layers):
-                guarded = guard_input_grad(self.layers[i + 1].input_layernorm(h))
-                yield
+        """One chunk's steps through every layer; yields between steps, returns the chunk's output."""
+        recompute = torch.is_grad_enabled()
+        for start, end, checkpointed in self.units:
+            if checkpointed and recompute:
+                # Full recompute: run the group without keeping activations (same steps, same yields) and
+                # record the RNG state before each step, so backward replays every dropout mask exactly.
+                record: List = []
+                out = yield from run_recorded(self._group_steps(start, end, h.detach(), mask), record)
+                h = replay(h, out, lambda x, start=start, end=end: self._group_steps(start, end, x, mask), record)
+            else:
+                h = yield from self._group_steps(start, end, h, mask)
         return final_layernorm(h) if final_layernorm is not None else h
 
     def __call__(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],

@@ -33,6 +33,7 @@ from domino.config import ModelConfig
 from domino.model.domino_ops import guard_input_grad
 from domino.model.domino_stack import DominoLayerStack
 from domino.model.kv_cache import KVCache
+from domino.model.recompute import run_layers
 from domino.model.transformer import TransformerLayer
 from domino.parallel.collectives import copy_to_tp_region, gather_from_tp_region
 from domino.parallel.cross_entropy import vocab_parallel_linear_cross_entropy
@@ -85,6 +86,8 @@ class GPTModel(nn.Module):
                 self.output_layer = VocabParallelEmbedding(vocab_size, config.hidden_size, config.init_method_std)
         self.domino_chunks = domino_chunks
         self.domino = DominoLayerStack(self.layers, domino_chunks) if domino_chunks > 1 else None
+        #: Layer groups of full activation recompute (set by domino.model.recompute); None: no recompute.
+        self.recompute_units = None
 
     def output_weight(self) -> torch.Tensor:
         """The ``[V/tp, h]`` matrix of the output layer (the word embeddings when tied)."""
@@ -130,8 +133,11 @@ class GPTModel(nn.Module):
         if overlapped:
             hidden = self.domino(hidden, attention_mask, final_ln)
         else:
-            for layer in self.layers:
-                hidden = layer(hidden, attention_mask, kv_cache)
+            if self.recompute_units is not None and kv_cache is None:
+                hidden = run_layers(self.layers, self.recompute_units, hidden, attention_mask)
+            else:
+                for layer in self.layers:
+                    hidden = layer(hidden, attention_mask, kv_cache)
             if final_ln is not None:
                 hidden = final_ln(hidden)
         if not self.post_process:

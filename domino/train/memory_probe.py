@@ -57,19 +57,23 @@ class LiveTensorBytes(TorchDispatchMode):
         self.peak = self.live
 
 
-def measure_training_memory(model_config, vocab_size: int, batch: int, steps: int = 2, seed: int = 0):
+def measure_training_memory(model_config, vocab_size: int, batch: int, steps: int = 2, seed: int = 0,
+                            recompute=None):
     """Tensor memory of training a fresh TP=1 ``GPTModel`` with AdamW (fp32), measured with :class:`LiveTensorBytes`.
+
+    ``recompute`` is a :class:`domino.model.recompute.RecomputePlan` (None: no recompute).
 
     Returns:
         ``(forward, peak)`` in bytes: what the first forward added (activations, logits, saved copies), and the
         peak over ``steps`` full steps (weights, optimizer state, activations, gradients).
     """
     from domino.model import GPTModel
+    from domino.model.recompute import apply_activation_recompute
 
     torch.manual_seed(seed)
     tokens, labels = (torch.randint(0, vocab_size, (batch, model_config.seq_length)) for _ in range(2))
     with LiveTensorBytes() as mode:
-        model = GPTModel(model_config, vocab_size)
+        model = apply_activation_recompute(GPTModel(model_config, vocab_size), recompute)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         forward = None
         for _ in range(steps):

@@ -12,6 +12,7 @@ from domino.config import DominoConfig, ModelConfig, parse_config
 from domino.config.estimate import (
     Layout, _Shape, activation_bytes, estimate_layout, fitting_layouts, model_flops_per_token, parameter_counts,
 )
+from domino.model.recompute import RecomputePlan
 from domino.train.memory_probe import measure_training_memory
 
 #: Largest relative errors accepted: measured on these configs at most 4.4% (forward) and 1.9% (peak);
@@ -36,6 +37,18 @@ def test_estimate_matches_measured_cpu_memory(shape):
     est = estimate_layout(config, Layout(micro_batch_size=batch, zero_stage=0), device="cpu")
     assert est.activations + est.logits + est.buffers == pytest.approx(forward, rel=FORWARD_TOLERANCE)
     assert est.total == pytest.approx(peak, rel=PEAK_TOLERANCE)
+
+
+@pytest.mark.parametrize("plan", [RecomputePlan("selective"), RecomputePlan("full", "uniform", 2),
+                                  RecomputePlan("full", "block", 1)], ids=str)
+def test_estimate_matches_measured_cpu_peak_with_recompute(plan):
+    config = DominoConfig()
+    config.model = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=512,
+                               make_vocab_size_divisible_by=1)  # dropout 0.1 on both: SDPA's math path
+    _, peak = measure_training_memory(config.model, 512, 4, recompute=plan)
+    layout = Layout(micro_batch_size=4, zero_stage=0, recompute=plan.granularity,
+                    recompute_method=plan.method or "uniform", recompute_num_layers=plan.num_layers or 1)
+    assert estimate_layout(config, layout, device="cpu").total == pytest.approx(peak, rel=PEAK_TOLERANCE)
 
 
 def _gpt(**model) -> DominoConfig:
