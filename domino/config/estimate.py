@@ -287,7 +287,8 @@ def layout_of(config: DominoConfig, gpus: int) -> Layout:
 
 def candidate_layouts(config: DominoConfig, gpus: int) -> List[Layout]:
     """Every layout worth trying on ``gpus`` GPUs: TP dividing the heads (and the GPUs, within 8 per node), ZeRO
-    0-2, micro-batch 1..the config's (powers of two), no/selective/full recompute, SP on or off at TP > 1."""
+    0-2, micro-batch 1..the config's (powers of two), no/selective/full recompute, SP on or off at TP > 1; not
+    full recompute with ZeRO 2 at TP > 1, which Domino's chunks cannot run (``domino.config.validate``)."""
     m = config.model
     tps = [t for t in (1, 2, 4, 8) if t <= gpus and gpus % t == 0 and m.num_attention_heads % t == 0
            and m.ffn_size % t == 0]
@@ -300,6 +301,8 @@ def candidate_layouts(config: DominoConfig, gpus: int) -> List[Layout]:
         for zero in (0, 1, 2):
             for mb in micros:
                 for recompute in RECOMPUTE_CHOICES:
+                    if recompute == "full" and zero == 2 and tp > 1:
+                        continue
                     for sp in ((False, True) if tp > 1 else (False,)):
                         out.append(Layout(tp, gpus // tp, zero, mb, recompute, sequence_parallel=sp))
     return out

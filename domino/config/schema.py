@@ -85,7 +85,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline stages; only 1 (pipeline parallelism is not supported)."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (not supported yet, issue #14)."""
+    """Megatron sequence parallelism: LayerNorm, dropout and residual regions split along the sequence over the TP
+    ranks (reduce-scatter after row-parallel, all-gather before column-parallel linears); no effect at TP 1."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage for data parallelism (0, 1 or 2)."""
     distributed_backend: Optional[str] = None

@@ -72,8 +72,6 @@ def _unsupported_features(config: DominoConfig) -> List[str]:
     messages = []
     if llama:
         messages.append(f"{', '.join(llama)}: LLaMA architecture: not supported yet (issue #14)")
-    if p.sequence_parallel:
-        messages.append("--sequence-parallel: sequence parallelism: not supported yet (issue #14)")
     if p.pipeline_model_parallel_size > 1:
         messages.append(f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: pipeline parallelism: "
                         "not supported (use tensor and data parallelism; --pipeline-model-parallel-size 1 is accepted)")
@@ -126,6 +124,8 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
     _check(problems, t.micro_batch_size % max(chunks, 1) == 0,
            f"--micro-batch-size {t.micro_batch_size} is not divisible by --domino-chunks {p.domino_chunks} "
            "(Domino splits each micro-batch along the batch dimension)")
+    _check(problems, not p.sequence_parallel or m.seq_length % tp == 0,
+           f"--sequence-parallel: --seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp}")
     _check(problems, p.zero_stage in (0, 1, 2), f"--zero-stage must be 0, 1 or 2, got {p.zero_stage}")
     _check(problems, p.distributed_backend in (None, "gloo", "nccl"),
            f"--distributed-backend must be gloo or nccl, got {p.distributed_backend!r}")
@@ -220,6 +220,13 @@ def _check_recompute(problems: List[str], config: DominoConfig) -> None:
         n = t.recompute_num_layers
         _check(problems, n is not None and 1 <= n <= layers,
                f"--recompute-granularity full needs --recompute-num-layers between 1 and --num-layers {layers}, got {n}")
+        chunks = config.parallel.domino_chunks or 1
+        # Each chunk's layers are recomputed in a backward of their own, so a weight's gradient arrives once per
+        # chunk; ZeRO 2 reduces per arrival and refuses a second one (deepspeed/runtime/zero/stage_1_and_2.py:
+        # "Gradient computed twice for this partition").
+        _check(problems, chunks == 1 or config.parallel.zero_stage < 2,
+               f"--recompute-granularity full with --domino-chunks {chunks} needs --zero-stage 0 or 1 (ZeRO 2 "
+               "refuses a gradient that arrives once per recomputed chunk)")
     else:
         given = [flag for flag, value in (("--recompute-method", t.recompute_method),
                                           ("--recompute-num-layers", t.recompute_num_layers)) if value is not None]

@@ -27,7 +27,11 @@ import torch
 
 from domino.model.domino_ops import column_parallel_async, guard_input_grad
 from domino.model.transformer import TransformerLayer, bias_dropout_add
-from domino.parallel.collectives import all_reduce_async
+from domino.parallel.collectives import (
+    all_reduce_async, gather_from_sequence_region, reduce_scatter_to_sequence_async,
+)
+from domino.parallel.linear_ops import linear
+from domino.parallel.random import tp_region_rng
 from domino.parallel.recompute import replay, run_recorded
 
 
@@ -45,6 +49,40 @@ class _Pending:
     def finish(self, residual: torch.Tensor, layer: TransformerLayer) -> torch.Tensor:
         self.handle.wait()  # wait for the all-reduce launched in __init__: its sum is read right here
         return bias_dropout_add(self.partial, self.bias, residual, layer.hidden_dropout, layer.training)
+
+
+class _PendingScatter:
+    """Sequence parallelism's counterpart of :class:`_Pending`: a reduce-scatter along the sequence in flight.
+
+    The residual stream is this rank's sequence slice, so the bias, the dropout (on the TP stream: each rank's
+    slice needs its own mask, as Megatron forks the tracker around sequence-parallel regions) and the residual
+    add run on ``[b, s/tp, h]``.
+    """
+
+    __slots__ = ("bias", "handle", "result")
+
+    def __init__(self, partial: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        self.bias = bias
+        # Async launch: waited in finish(), one step of every other chunk later.
+        self.handle, self.result = reduce_scatter_to_sequence_async(partial)
+
+    def finish(self, residual: torch.Tensor, layer: TransformerLayer) -> torch.Tensor:
+        self.handle.wait()  # wait for the reduce-scatter launched in __init__: its slice is read right here
+        with tp_region_rng(layer.hidden_dropout > 0 and layer.training):
+            return bias_dropout_add(self.result(), self.bias, residual, layer.hidden_dropout, layer.training)
+
+
+class _ReducedElsewhere:
+    """A gradient slot whose all-reduce is not needed: with sequence parallelism the column-parallel input was
+    all-gathered, and that gather's backward reduce-scatters the input gradient."""
+
+    __slots__ = ()
+
+    def launch(self, grad: torch.Tensor) -> None:
+        pass
+
+
+_REDUCED_ELSEWHERE = _ReducedElsewhere()
 
 
 def _split_mask(mask: Optional[torch.Tensor], sizes: List[int]) -> List[Optional[torch.Tensor]]:
@@ -73,6 +111,8 @@ class DominoLayerStack:
         self.chunks = chunks
         #: ``(start, end, checkpointed)`` layer groups; full activation recompute sets it (domino.model.recompute).
         self.units: List[Tuple[int, int, bool]] = [(0, len(layers), False)]
+        #: Sequence parallelism: the residual stream is this rank's sequence slice (domino.model.sequence_parallel).
+        self.sequence_parallel = False
 
     def _layer_steps(self, layer: TransformerLayer, h: torch.Tensor,
                      mask: Optional[torch.Tensor]) -> Generator[None, None, torch.Tensor]:
@@ -80,6 +120,8 @@ class DominoLayerStack:
 
         F of layer i and LN1 of layer i+1 share a tick (no yield between them), as in the reference order.
         """
+        if self.sequence_parallel:
+            return (yield from self._sequence_parallel_layer_steps(layer, h, mask))
         attention, mlp = layer.attention, layer.mlp
         guarded = guard_input_grad(layer.input_layernorm(h))
         yield
@@ -93,6 +135,27 @@ class DominoLayerStack:
         inner = column_parallel_async(guarded, mlp.dense_h_to_4h)  # D
         yield
         pending = _Pending(mlp.dense_4h_to_h.partial_of_gelu(inner), mlp.dense_4h_to_h.bias)  # E
+        yield
+        return pending.finish(h, layer)  # F
+
+    def _sequence_parallel_layer_steps(self, layer: TransformerLayer, h: torch.Tensor,
+                                       mask: Optional[torch.Tensor]) -> Generator[None, None, torch.Tensor]:
+        """:meth:`_layer_steps` with ``h`` this rank's sequence slice: the norms run on the slice, their outputs
+        are all-gathered for the column-parallel linears, and the row-parallel sums are reduce-scattered (async,
+        overlapped like the all-reduces)."""
+        attention, mlp = layer.attention, layer.mlp
+        x = gather_from_sequence_region(layer.input_layernorm(h))
+        yield
+        ctx = attention.context(*attention.qkv(x, _REDUCED_ELSEWHERE), mask)  # A
+        yield
+        pending = _PendingScatter(attention.dense.partial(ctx), attention.dense.bias)  # B
+        yield
+        h = pending.finish(h, layer)  # C
+        x = gather_from_sequence_region(layer.post_attention_layernorm(h))
+        yield
+        inner = linear(x, mlp.dense_h_to_4h.weight, mlp.dense_h_to_4h.bias, grad_slot=_REDUCED_ELSEWHERE)  # D
+        yield
+        pending = _PendingScatter(mlp.dense_4h_to_h.partial_of_gelu(inner), mlp.dense_4h_to_h.bias)  # E
         yield
         return pending.finish(h, layer)  # F
 
