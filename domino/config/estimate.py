@@ -18,8 +18,8 @@ Memory per GPU is the sum of six parts, each a closed form in the architecture f
   divides the rest too; selective recompute drops the attention core; full recompute keeps only layer inputs
   (Korthikanti's ``2 s b h L``) plus one recomputed unit.
 * **logits**: the vocabulary-parallel cross-entropy keeps an fp32 softmax ``[s, b, V/t]`` (plus the 16-bit logits).
-* **buffers**: DeepSpeed's ZeRO reduce/all-gather buckets (sizes from ``domino/train/engine.py``) and the per-layer
-  regrouped QKV weight copy of :mod:`domino.model.qkv_projection`.
+* **buffers**: DeepSpeed's ZeRO reduce/all-gather buckets (sizes from ``domino/train/engine.py``), the per-layer
+  regrouped QKV weight copy of :mod:`domino.model.qkv_projection` and full recompute's RNG snapshots.
 
 FLOPs per token follow Megatron's count (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
 GPU Clusters", appendix: ``72 B s L h^2 (1 + s/6h + V/12Lh)`` per batch), written per matrix so SwiGLU and GQA
@@ -70,6 +70,8 @@ class Layout:
     """With full recompute: layers per checkpointed group (uniform) or checkpointed layers (block)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: the LayerNorm/dropout regions split along the sequence over TP."""
+    domino_chunks: int = 1
+    """Domino batch chunks: recompute brings back one chunk's activations at a time."""
 
 
 @dataclass
@@ -185,8 +187,10 @@ def activation_bytes(shape: _Shape, layout: Layout, act_bytes: int, device: str 
     sbh = s * b * h
     mask_bytes = 1 if device == "gpu" else act_bytes
     mask = mask_bytes if shape.hidden_dropout > 0 else 0
-    # Replicated stream (split by SP): both norms' inputs and outputs, two dropout masks.
-    stream = (4 * act_bytes + 2 * mask) * sbh / sp
+    # Replicated stream (split by SP): both norms' inputs, two dropout masks; the norms' outputs feed the
+    # column-parallel linears, which keep them whole (with SP the all-gathered copy; Megatron keeps the slice and
+    # gathers again in backward, Korthikanti's 4 sbh / t).
+    stream = (2 * act_bytes + 2 * mask) * sbh / sp + 2 * act_bytes * sbh
     # Attention (split by TP): q/k/v, the projection's input; the core's own saved tensors.
     attention = (shape.qkv_width / h + 1) * act_bytes * sbh / t
     if device == "cpu" and shape.attention_dropout > 0:  # math path: Korthikanti's softmax, mask, dropout output
@@ -196,19 +200,38 @@ def activation_bytes(shape: _Shape, layout: Layout, act_bytes: int, device: str 
     mlp = (shape.fc1_width + shape.f) * s * b * act_bytes / t
     full_layer = stream + attention + core + mlp
     layer_input = act_bytes * sbh / sp
-    # Backward peaks where a recomputed block is alive again on top of what is still stored.
+    # Backward peaks where a recomputed block is alive again on top of what is still stored; Domino recomputes
+    # one chunk's block at a time.
+    chunks = max(1, layout.domino_chunks)
     if layout.recompute == "selective":  # every core dropped; one layer's core alive again at a time
-        layers = shape.L * (full_layer - core) + core
+        layers = shape.L * (full_layer - core) + core / chunks
     elif layout.recompute == "full":
         n = max(1, min(layout.recompute_num_layers, shape.L))
         if layout.recompute_method == "block":  # the first n layers keep inputs only, recomputed after the rest
-            layers = n * layer_input + max(shape.L - n, 1) * full_layer
+            layers = n * layer_input + max((shape.L - n) * full_layer, full_layer / chunks)
         else:  # uniform: the input of every group of n layers, and one group recomputed at a time
-            layers = -(-shape.L // n) * layer_input + n * full_layer
+            layers = -(-shape.L // n) * layer_input + n * full_layer / chunks
     else:
         layers = shape.L * full_layer
-    # Embedding dropout mask; final norm input and output.
-    return layers + mask * sbh / sp + 2 * act_bytes * sbh / sp
+    # Embedding dropout mask (drawn before the SP split); final norm input (split) and output (gathered).
+    return layers + mask * sbh + act_bytes * sbh / sp + act_bytes * sbh
+
+
+#: Bytes of one RNG snapshot: torch's CPU generator state (5056) for the default and the TP tracker's streams.
+RNG_SNAPSHOT_BYTES = 2 * 5056
+
+
+def rng_record_bytes(num_layers: int, layout: Layout) -> float:
+    """RNG snapshots full recompute keeps: one per checkpointed group, or with Domino chunks one before each of
+    a layer's 7 steps (``domino.parallel.recompute.run_recorded``), per chunk."""
+    if layout.recompute != "full":
+        return 0.0
+    n = max(1, min(layout.recompute_num_layers, num_layers))
+    groups = n if layout.recompute_method == "block" else -(-num_layers // n)
+    layers = n if layout.recompute_method == "block" else num_layers
+    if layout.domino_chunks > 1:
+        return layout.domino_chunks * (6 * layers + groups) * RNG_SNAPSHOT_BYTES
+    return groups * RNG_SNAPSHOT_BYTES
 
 
 def logits_bytes(shape: _Shape, layout: Layout, act_bytes: int) -> float:
@@ -252,6 +275,7 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
     output_layer = shape.V * shape.h / layout.tensor_model_parallel_size / (dp if layout.zero_stage >= 2 else 1)
     buckets = 2 * ZERO_BUCKET_ELEMENTS * grad_b if layout.zero_stage >= 1 and dp > 1 else 0.0
     qkv_copies = shape.L * shape.h * shape.qkv_width / layout.tensor_model_parallel_size * act
+    buckets += rng_record_bytes(shape.L, layout)
     flops = model_flops_per_token(shape)
     passes = 4 if layout.recompute == "full" else 3
     train_flops = passes * flops
@@ -282,7 +306,7 @@ def layout_of(config: DominoConfig, gpus: int) -> Layout:
     return Layout(tensor_model_parallel_size=tp, data_parallel_size=max(1, gpus // tp), zero_stage=p.zero_stage,
                   micro_batch_size=t.micro_batch_size, recompute=recompute,
                   recompute_method=t.recompute_method or "uniform", recompute_num_layers=t.recompute_num_layers or 1,
-                  sequence_parallel=p.sequence_parallel)
+                  sequence_parallel=p.sequence_parallel and tp > 1, domino_chunks=p.domino_chunks or 1)
 
 
 def candidate_layouts(config: DominoConfig, gpus: int) -> List[Layout]:
@@ -304,7 +328,9 @@ def candidate_layouts(config: DominoConfig, gpus: int) -> List[Layout]:
                     if recompute == "full" and zero == 2 and tp > 1:
                         continue
                     for sp in ((False, True) if tp > 1 else (False,)):
-                        out.append(Layout(tp, gpus // tp, zero, mb, recompute, sequence_parallel=sp))
+                        chunks = 2 if tp > 1 and mb % 2 == 0 else 1  # domino's default (validate.py)
+                        out.append(Layout(tp, gpus // tp, zero, mb, recompute, sequence_parallel=sp,
+                                          domino_chunks=chunks))
     return out
 
 

@@ -58,10 +58,12 @@ class LiveTensorBytes(TorchDispatchMode):
 
 
 def measure_training_memory(model_config, vocab_size: int, batch: int, steps: int = 2, seed: int = 0,
-                            recompute=None):
-    """Tensor memory of training a fresh TP=1 ``GPTModel`` with AdamW (fp32), measured with :class:`LiveTensorBytes`.
+                            recompute=None, domino_chunks: int = 1, sequence_parallel: bool = False):
+    """Tensor memory of training a fresh ``GPTModel`` with AdamW (fp32) on this process (one TP rank when the
+    model-parallel groups are initialised), measured with :class:`LiveTensorBytes`.
 
-    ``recompute`` is a :class:`domino.model.recompute.RecomputePlan` (None: no recompute).
+    ``recompute`` is a :class:`domino.model.recompute.RecomputePlan` (None: no recompute). The peak starts after
+    the model is built (initialisation draws each sharded weight in full before keeping its slice).
 
     Returns:
         ``(forward, peak)`` in bytes: what the first forward added (activations, logits, saved copies), and the
@@ -69,12 +71,17 @@ def measure_training_memory(model_config, vocab_size: int, batch: int, steps: in
     """
     from domino.model import GPTModel
     from domino.model.recompute import apply_activation_recompute
+    from domino.model.sequence_parallel import apply_sequence_parallel
 
     torch.manual_seed(seed)
     tokens, labels = (torch.randint(0, vocab_size, (batch, model_config.seq_length)) for _ in range(2))
     with LiveTensorBytes() as mode:
-        model = apply_activation_recompute(GPTModel(model_config, vocab_size), recompute)
+        model = GPTModel(model_config, vocab_size, domino_chunks=domino_chunks)
+        if sequence_parallel:
+            apply_sequence_parallel(model)
+        model = apply_activation_recompute(model, recompute)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        mode.reset_peak()
         forward = None
         for _ in range(steps):
             before = mode.live
