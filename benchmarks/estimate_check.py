@@ -49,7 +49,8 @@ CONFIGS = [
 
 RECOMPUTE_CONFIG = (4, 128, 4, 256, 4, 1024, 0.1, 0.1)
 RECOMPUTE = {"none": None, "selective": RecomputePlan("selective"),
-             "full uniform 1": RecomputePlan("full", "uniform", 1), "full uniform 2": RecomputePlan("full", "uniform", 2),
+             "full uniform 1": RecomputePlan("full", "uniform", 1),
+             "full uniform 2": RecomputePlan("full", "uniform", 2),
              "full block 2": RecomputePlan("full", "block", 2)}
 
 
@@ -68,7 +69,8 @@ def check(layers, hidden, heads, seq, batch, vocab, hidden_dropout, attention_dr
         layout.recompute_method, layout.recompute_num_layers = plan.method or "uniform", plan.num_layers or 1
     est = estimate_layout(config, layout, device="cpu")
     est_forward = est.activations + est.logits + est.buffers
-    return {"config": f"L{layers} h{hidden} a{heads} s{seq} b{batch} V{vocab} drop {hidden_dropout}/{attention_dropout}",
+    name = f"L{layers} h{hidden} a{heads} s{seq} b{batch} V{vocab} drop {hidden_dropout}/{attention_dropout}"
+    return {"config": name,
             "forward_mib": forward / 2**20, "forward_est_mib": est_forward / 2**20,
             "forward_error": est_forward / forward - 1, "peak_mib": peak / 2**20,
             "peak_est_mib": est.total / 2**20, "peak_error": est.total / peak - 1}

@@ -211,7 +211,8 @@ def _check_recompute(problems: List[str], config: DominoConfig) -> None:
     _check(problems, granularity in (None, "full", "selective"),
            f"--recompute-granularity must be full or selective, got {granularity!r}")
     _check(problems, not (t.recompute_activations and granularity == "full"),
-           "--recompute-activations means --recompute-granularity selective; it contradicts --recompute-granularity full")
+           "--recompute-activations means --recompute-granularity selective; "
+           "it contradicts --recompute-granularity full")
     _check(problems, t.recompute_method in (None, "uniform", "block"),
            f"--recompute-method must be uniform or block, got {t.recompute_method!r}")
     if granularity == "full":
@@ -219,7 +220,8 @@ def _check_recompute(problems: List[str], config: DominoConfig) -> None:
                "--recompute-granularity full needs --recompute-method uniform or block")
         n = t.recompute_num_layers
         _check(problems, n is not None and 1 <= n <= layers,
-               f"--recompute-granularity full needs --recompute-num-layers between 1 and --num-layers {layers}, got {n}")
+               f"--recompute-granularity full needs --recompute-num-layers between 1 and --num-layers {layers}, "
+               f"got {n}")
         chunks = config.parallel.domino_chunks or 1
         # Each chunk's layers are recomputed in a backward of their own, so a weight's gradient arrives once per
         # chunk; ZeRO 2 reduces per arrival and refuses a second one (deepspeed/runtime/zero/stage_1_and_2.py:

@@ -30,7 +30,6 @@ from domino.model.transformer import TransformerLayer, bias_dropout_add
 from domino.parallel.collectives import (
     all_reduce_async, gather_from_sequence_region, reduce_scatter_to_sequence_async,
 )
-from domino.parallel.linear_ops import linear
 from domino.parallel.random import tp_region_rng
 from domino.parallel.recompute import replay, run_recorded
 
@@ -114,48 +113,41 @@ class DominoLayerStack:
         #: Sequence parallelism: the residual stream is this rank's sequence slice (domino.model.sequence_parallel).
         self.sequence_parallel = False
 
+    def _column_input(self, x: torch.Tensor):
+        """A norm's output made ready for a column-parallel linear: ``(input, gradient slot)``.
+
+        Plain TP: the output with its gradient guard (the linear launches the input-gradient all-reduce into the
+        slot). Sequence parallelism: the all-gathered output, whose gather reduce-scatters the gradient itself.
+        """
+        if self.sequence_parallel:
+            return gather_from_sequence_region(x), _REDUCED_ELSEWHERE
+        return guard_input_grad(x)
+
+    def _reduce(self, partial: torch.Tensor, bias: Optional[torch.Tensor]):
+        """Launches the reduction of a row-parallel partial sum: an all-reduce, or (SP) a reduce-scatter."""
+        return _PendingScatter(partial, bias) if self.sequence_parallel else _Pending(partial, bias)
+
     def _layer_steps(self, layer: TransformerLayer, h: torch.Tensor,
                      mask: Optional[torch.Tensor]) -> Generator[None, None, torch.Tensor]:
         """One chunk's steps through one layer (LN1 + guard, then A-F); yields between steps, returns the output.
 
-        F of layer i and LN1 of layer i+1 share a tick (no yield between them), as in the reference order.
+        F of layer i and LN1 of layer i+1 share a tick (no yield between them), as in the reference order. With
+        sequence parallelism ``h`` is this rank's sequence slice: the norms run on the slice, their outputs are
+        all-gathered, and the row-parallel sums are reduce-scattered (async, overlapped like the all-reduces).
         """
-        if self.sequence_parallel:
-            return (yield from self._sequence_parallel_layer_steps(layer, h, mask))
         attention, mlp = layer.attention, layer.mlp
-        guarded = guard_input_grad(layer.input_layernorm(h))
+        guarded = self._column_input(layer.input_layernorm(h))
         yield
         ctx = attention.context(*attention.qkv(*guarded), mask)  # A
         yield
-        pending = _Pending(attention.dense.partial(ctx), attention.dense.bias)  # B
+        pending = self._reduce(attention.dense.partial(ctx), attention.dense.bias)  # B
         yield
         h = pending.finish(h, layer)  # C
-        guarded = guard_input_grad(layer.post_attention_layernorm(h))
+        guarded = self._column_input(layer.post_attention_layernorm(h))
         yield
         inner = column_parallel_async(guarded, mlp.dense_h_to_4h)  # D
         yield
-        pending = _Pending(mlp.dense_4h_to_h.partial_of_gelu(inner), mlp.dense_4h_to_h.bias)  # E
-        yield
-        return pending.finish(h, layer)  # F
-
-    def _sequence_parallel_layer_steps(self, layer: TransformerLayer, h: torch.Tensor,
-                                       mask: Optional[torch.Tensor]) -> Generator[None, None, torch.Tensor]:
-        """:meth:`_layer_steps` with ``h`` this rank's sequence slice: the norms run on the slice, their outputs
-        are all-gathered for the column-parallel linears, and the row-parallel sums are reduce-scattered (async,
-        overlapped like the all-reduces)."""
-        attention, mlp = layer.attention, layer.mlp
-        x = gather_from_sequence_region(layer.input_layernorm(h))
-        yield
-        ctx = attention.context(*attention.qkv(x, _REDUCED_ELSEWHERE), mask)  # A
-        yield
-        pending = _PendingScatter(attention.dense.partial(ctx), attention.dense.bias)  # B
-        yield
-        h = pending.finish(h, layer)  # C
-        x = gather_from_sequence_region(layer.post_attention_layernorm(h))
-        yield
-        inner = linear(x, mlp.dense_h_to_4h.weight, mlp.dense_h_to_4h.bias, grad_slot=_REDUCED_ELSEWHERE)  # D
-        yield
-        pending = _PendingScatter(mlp.dense_4h_to_h.partial_of_gelu(inner), mlp.dense_4h_to_h.bias)  # E
+        pending = self._reduce(mlp.dense_4h_to_h.partial_of_gelu(inner), mlp.dense_4h_to_h.bias)  # E
         yield
         return pending.finish(h, layer)  # F
 

@@ -44,3 +44,26 @@ def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float, w
     scale = expected.abs().max().clamp_min(1e-12)
     err = (actual - expected).abs().max()
     assert err <= rel * scale, f"{what}: max error {err:.3e} exceeds {rel:g} x {scale:.3e}"
+
+
+def train_and_measure(model, vocab: int, steps: int = 3, lr: float = 0.5):
+    """``steps`` SGD steps on seeded random batches of 4 x ``model.config.seq_length`` tokens.
+
+    Returns the losses, the last step's gradients, and the tensor bytes the first forward kept (activations).
+    """
+    from domino.train.memory_probe import LiveTensorBytes
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(5)
+    losses, kept, grads = [], None, {}
+    for _ in range(steps):
+        tokens, labels = (torch.randint(0, vocab, (4, model.config.seq_length), generator=g) for _ in range(2))
+        with LiveTensorBytes() as mode:
+            loss = model(tokens, labels=labels).mean()
+        kept = kept if kept is not None else mode.live
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, grads, kept

@@ -12,7 +12,7 @@ from domino.model import GPTModel
 from domino.model.recompute import RecomputePlan, apply_activation_recompute
 from domino.parallel import state
 from domino.parallel.random import model_parallel_seed
-from domino.train.memory_probe import LiveTensorBytes
+from model_fixtures import train_and_measure
 
 VOCAB = 128
 PLANS = {
@@ -33,24 +33,13 @@ def _train(plan, chunks: int, steps: int = 3):
     """Losses of ``steps`` SGD steps, the last gradients, and the tensor bytes the first forward kept."""
     model_parallel_seed(11)  # same weights, same dropout streams (the TP stream per rank) for every plan
     model = apply_activation_recompute(GPTModel(_config(), VOCAB, domino_chunks=chunks), plan)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(5)
-    losses, kept = [], None
-    for step in range(steps):
-        tokens, labels = (torch.randint(0, VOCAB, (4, 16), generator=g) for _ in range(2))
-        if step == 0:  # without dropout (eval mode draws nothing, so the streams stay where they are)
-            model.eval()
-            with torch.no_grad():
-                no_dropout = model(tokens, labels=labels).mean().item()
-            model.train()
-        with LiveTensorBytes() as mode:
-            loss = model(tokens, labels=labels).mean()
-        kept = kept if kept is not None else mode.live
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        losses.append(loss.item())
+    tokens, labels = (torch.randint(0, VOCAB, (4, 16), generator=g) for _ in range(2))
+    model.eval()  # without dropout (eval mode draws nothing, so the streams stay where they are)
+    with torch.no_grad():
+        no_dropout = model(tokens, labels=labels).mean().item()
+    model.train()
+    losses, grads, kept = train_and_measure(model, VOCAB, steps)
     model.eval()
     with torch.no_grad():  # evaluation and generation run the plain path
         cache = model.new_kv_cache()

@@ -13,7 +13,7 @@ from domino.model.recompute import RecomputePlan, apply_activation_recompute
 from domino.model.sequence_parallel import apply_sequence_parallel
 from domino.parallel import state
 from domino.parallel.random import model_parallel_seed
-from domino.train.memory_probe import LiveTensorBytes
+from model_fixtures import train_and_measure
 
 VOCAB = 128
 REL = 1e-4  # the bound; measured: identical to the last printed digit
@@ -31,20 +31,7 @@ def _train(chunks: int, sp: bool, recompute: bool, dropout: float = 0.0):
     if sp:
         apply_sequence_parallel(model)
     apply_activation_recompute(model, RecomputePlan("full", "uniform", 1) if recompute else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    g = torch.Generator().manual_seed(1)
-    losses, kept = [], None
-    for _ in range(3):
-        tokens, labels = (torch.randint(0, VOCAB, (4, 16), generator=g) for _ in range(2))
-        with LiveTensorBytes() as mode:
-            loss = model(tokens, labels=labels).mean()
-        kept = kept if kept is not None else mode.live
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, grads, kept
+    return train_and_measure(model, VOCAB)
 
 
 def _body(rank, world_size):
