@@ -247,6 +247,11 @@ def model_flops_per_token(shape: _Shape) -> float:
     return shape.L * (2 * matmuls + 4 * s * h) + 2 * h * shape.V
 
 
+def training_flops_per_token(model: ModelConfig, padded_vocab: int) -> float:
+    """FLOPs to train on one token without recompute: 3 x :func:`model_flops_per_token` (Megatron's count)."""
+    return 3 * model_flops_per_token(_Shape.of(model, padded_vocab))
+
+
 def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] = None,
                     gpu_memory_gb: Optional[float] = None, mfu: float = 0.4, peak_tflops: Optional[float] = None,
                     device: str = "gpu") -> Estimate:
