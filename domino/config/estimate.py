@@ -187,10 +187,9 @@ def activation_bytes(shape: _Shape, layout: Layout, act_bytes: int, device: str 
     sbh = s * b * h
     mask_bytes = 1 if device == "gpu" else act_bytes
     mask = mask_bytes if shape.hidden_dropout > 0 else 0
-    # Replicated stream (split by SP): both norms' inputs, two dropout masks; the norms' outputs feed the
-    # column-parallel linears, which keep them whole (with SP the all-gathered copy; Megatron keeps the slice and
-    # gathers again in backward, Korthikanti's 4 sbh / t).
-    stream = (2 * act_bytes + 2 * mask) * sbh / sp + 2 * act_bytes * sbh
+    # Replicated stream (split by SP): both norms' inputs and outputs (with SP the column-parallel linears keep
+    # their input's slice and gather it again in backward), two dropout masks.
+    stream = (4 * act_bytes + 2 * mask) * sbh / sp
     # Attention (split by TP): q/k/v, the projection's input; the core's own saved tensors.
     attention = (shape.qkv_width / h + 1) * act_bytes * sbh / t
     if device == "cpu" and shape.attention_dropout > 0:  # math path: Korthikanti's softmax, mask, dropout output

@@ -21,6 +21,7 @@ linear's asynchronous input-gradient all-reduce and the guard's wait (:mod:`domi
 
 from __future__ import annotations
 
+import contextlib
 from typing import Generator, List, Optional, Sequence, Tuple
 
 import torch
@@ -31,7 +32,7 @@ from domino.parallel.collectives import (
     all_reduce_async, gather_from_sequence_region, reduce_scatter_to_sequence_async,
 )
 from domino.parallel.random import tp_region_rng
-from domino.parallel.recompute import replay, run_recorded
+from domino.parallel.recompute import keep_sequence_slice, replay, run_recorded
 
 
 class _Pending:
@@ -114,14 +115,21 @@ class DominoLayerStack:
         self.sequence_parallel = False
 
     def _column_input(self, x: torch.Tensor):
-        """A norm's output made ready for a column-parallel linear: ``(input, gradient slot)``.
+        """A norm's output made ready for a column-parallel linear: ``((input, gradient slot), slice)``.
 
         Plain TP: the output with its gradient guard (the linear launches the input-gradient all-reduce into the
-        slot). Sequence parallelism: the all-gathered output, whose gather reduce-scatters the gradient itself.
+        slot), and no slice. Sequence parallelism: the all-gathered output, whose gather reduce-scatters the
+        gradient itself, and the slice it was gathered from (see :meth:`_keeping_slice`).
         """
         if self.sequence_parallel:
-            return gather_from_sequence_region(x), _REDUCED_ELSEWHERE
-        return guard_input_grad(x)
+            return (gather_from_sequence_region(x), _REDUCED_ELSEWHERE), x
+        return guard_input_grad(x), None
+
+    @staticmethod
+    def _keeping_slice(guarded, part: Optional[torch.Tensor]):
+        """Around a column-parallel linear: with sequence parallelism it saves its input's slice, not the gathered
+        sequence, and gathers again in backward (Megatron's choice: the norm outputs cost ``sbh / t``)."""
+        return keep_sequence_slice(guarded[0], part) if part is not None else contextlib.nullcontext()
 
     def _reduce(self, partial: torch.Tensor, bias: Optional[torch.Tensor]):
         """Launches the reduction of a row-parallel partial sum: an all-reduce, or (SP) a reduce-scatter."""
@@ -136,16 +144,18 @@ class DominoLayerStack:
         all-gathered, and the row-parallel sums are reduce-scattered (async, overlapped like the all-reduces).
         """
         attention, mlp = layer.attention, layer.mlp
-        guarded = self._column_input(layer.input_layernorm(h))
+        guarded, part = self._column_input(layer.input_layernorm(h))
         yield
-        ctx = attention.context(*attention.qkv(*guarded), mask)  # A
+        with self._keeping_slice(guarded, part):
+            ctx = attention.context(*attention.qkv(*guarded), mask)  # A
         yield
         pending = self._reduce(attention.dense.partial(ctx), attention.dense.bias)  # B
         yield
         h = pending.finish(h, layer)  # C
-        guarded = self._column_input(layer.post_attention_layernorm(h))
+        guarded, part = self._column_input(layer.post_attention_layernorm(h))
         yield
-        inner = column_parallel_async(guarded, mlp.dense_h_to_4h)  # D
+        with self._keeping_slice(guarded, part):
+            inner = column_parallel_async(guarded, mlp.dense_h_to_4h)  # D
         yield
         pending = self._reduce(mlp.dense_4h_to_h.partial_of_gelu(inner), mlp.dense_4h_to_h.bias)  # E
         yield
