@@ -56,6 +56,8 @@ class PretrainSettings:
     """Processes per pod."""
     gpus_per_node: int = 0
     """GPUs per pod (0 trains on CPU)."""
+    gpu_memory_gb: float = 0.0
+    """Memory of one GPU in GiB: refuse a layout whose memory estimate does not fit (0: no check)."""
     tensor_parallel: int = 2
     """Tensor-parallel size (divides nodes x nproc_per_node)."""
     domino_chunks: int = 2

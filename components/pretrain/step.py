@@ -163,7 +163,7 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
         labels={**text(_json_param(s, "labels")), "pipelines.kubeflow.org/run-id": _label(s.run_id)},
         annotations=text(_json_param(s, "annotations")), queue=s.queue or None,
         backoff_limit=None if s.backoff_limit < 0 else s.backoff_limit,
-        termination_grace_period_s=s.termination_grace_period_s,
+        termination_grace_period_s=s.termination_grace_period_s, gpu_memory_gb=s.gpu_memory_gb or None,
     )
     spec.validate()
     return spec

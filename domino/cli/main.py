@@ -24,6 +24,7 @@ VERB_MODULES: List[str] = [
     "generate",
     "hf",
     "report",
+    "estimate",
     "launch",
     "pipeline",
 ]

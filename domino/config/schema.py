@@ -110,7 +110,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline stages; only 1 (pipeline parallelism is not supported)."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (not supported yet, issue #14)."""
+    """Megatron sequence parallelism: LayerNorm, dropout and residual regions split along the sequence over the TP
+    ranks (reduce-scatter after row-parallel, all-gather before column-parallel linears); no effect at TP 1."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage for data parallelism (0, 1 or 2)."""
     distributed_backend: Optional[str] = None
@@ -188,13 +189,15 @@ class TrainConfig:
     exit_signal_handler: bool = False
     """On SIGTERM (pod preemption), save a checkpoint after the current iteration and exit with status 143."""
     recompute_activations: bool = False
-    """Selective activation recompute (not supported yet, issue #14)."""
+    """Selective activation recompute: each layer's attention core keeps only q, k, v and is recomputed in backward."""
     recompute_granularity: Optional[str] = None
-    """Activation recompute granularity, full or selective (not supported yet, issue #14)."""
+    """Activation recompute granularity: selective (the attention core, as --recompute-activations) or full (whole
+    layers keep only their input; needs --recompute-method and --recompute-num-layers)."""
     recompute_method: Optional[str] = None
-    """Full recompute method, uniform or block (not supported yet, issue #14)."""
+    """Full recompute: uniform (groups of --recompute-num-layers layers, each keeping one input) or block (only the
+    first --recompute-num-layers layers recompute)."""
     recompute_num_layers: Optional[int] = None
-    """Layers per recompute unit of --recompute-method (not supported yet, issue #14)."""
+    """Full recompute: layers per group (uniform) or recomputed layers (block), 1 to --num-layers."""
 
 
 @dataclass

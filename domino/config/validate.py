@@ -58,18 +58,8 @@ def resolve_domino_chunks(config: DominoConfig) -> Optional[str]:
 
 def _unsupported_features(config: DominoConfig) -> List[str]:
     """One message per model-changing feature asked for but not built: never trained around silently."""
-    m, p, t = config.model, config.parallel, config.train
-    recompute = [flag for flag, asked in (
-        ("--recompute-activations", t.recompute_activations),
-        (f"--recompute-granularity {t.recompute_granularity}", t.recompute_granularity is not None),
-        (f"--recompute-method {t.recompute_method}", t.recompute_method is not None),
-        (f"--recompute-num-layers {t.recompute_num_layers}", t.recompute_num_layers is not None),
-    ) if asked]
+    p = config.parallel
     messages = []
-    if p.sequence_parallel:
-        messages.append("--sequence-parallel: sequence parallelism: not supported yet (issue #14)")
-    if recompute:
-        messages.append(f"{', '.join(recompute)}: activation recompute: not supported yet (issue #14)")
     if p.pipeline_model_parallel_size > 1:
         messages.append(f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: pipeline parallelism: "
                         "not supported (use tensor and data parallelism; --pipeline-model-parallel-size 1 is accepted)")
@@ -119,6 +109,8 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
     _check(problems, t.micro_batch_size % max(chunks, 1) == 0,
            f"--micro-batch-size {t.micro_batch_size} is not divisible by --domino-chunks {p.domino_chunks} "
            "(Domino splits each micro-batch along the batch dimension)")
+    _check(problems, not p.sequence_parallel or m.seq_length % tp == 0,
+           f"--sequence-parallel: --seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp}")
     _check(problems, p.zero_stage in (0, 1, 2), f"--zero-stage must be 0, 1 or 2, got {p.zero_stage}")
     _check(problems, p.distributed_backend in (None, "gloo", "nccl"),
            f"--distributed-backend must be gloo or nccl, got {p.distributed_backend!r}")
@@ -159,6 +151,7 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
                "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are mutually exclusive")
     _check(problems, 0.0 <= t.adam_beta1 < 1.0 and 0.0 <= t.adam_beta2 < 1.0, "--adam-beta1/2 must be in [0, 1)")
     _check(problems, t.clip_grad >= 0, f"--clip-grad must be >= 0, got {t.clip_grad}")
+    _check_recompute(problems, config)
     _check(problems, t.max_nan_steps >= 1, f"--max-nan-steps must be >= 1, got {t.max_nan_steps}")
     _check(problems, t.eval_interval >= 0 and t.eval_iters >= 0, "--eval-interval and --eval-iters must be >= 0")
 
@@ -223,6 +216,39 @@ def _check_architecture(problems: List[str], config: DominoConfig) -> None:
             # Each TP rank owns whole query groups (their query heads and their one key/value head).
             _check(problems, groups % tp == 0,
                    f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
+
+
+def _check_recompute(problems: List[str], config: DominoConfig) -> None:
+    """Megatron's rules (``TransformerConfig.__post_init__`` in megatron/core/transformer/transformer_config.py and
+    ``--recompute-activations`` meaning selective in megatron/training/arguments.py)."""
+    t, layers = config.train, config.model.num_layers
+    granularity = t.recompute_granularity
+    _check(problems, granularity in (None, "full", "selective"),
+           f"--recompute-granularity must be full or selective, got {granularity!r}")
+    _check(problems, not (t.recompute_activations and granularity == "full"),
+           "--recompute-activations means --recompute-granularity selective; "
+           "it contradicts --recompute-granularity full")
+    _check(problems, t.recompute_method in (None, "uniform", "block"),
+           f"--recompute-method must be uniform or block, got {t.recompute_method!r}")
+    if granularity == "full":
+        _check(problems, t.recompute_method is not None,
+               "--recompute-granularity full needs --recompute-method uniform or block")
+        n = t.recompute_num_layers
+        _check(problems, n is not None and 1 <= n <= layers,
+               f"--recompute-granularity full needs --recompute-num-layers between 1 and --num-layers {layers}, "
+               f"got {n}")
+        chunks = config.parallel.domino_chunks or 1
+        # Each chunk's layers are recomputed in a backward of their own, so a weight's gradient arrives once per
+        # chunk; ZeRO 2 reduces per arrival and refuses a second one (deepspeed/runtime/zero/stage_1_and_2.py:
+        # "Gradient computed twice for this partition").
+        _check(problems, chunks == 1 or config.parallel.zero_stage < 2,
+               f"--recompute-granularity full with --domino-chunks {chunks} needs --zero-stage 0 or 1 (ZeRO 2 "
+               "refuses a gradient that arrives once per recomputed chunk)")
+    else:
+        given = [flag for flag, value in (("--recompute-method", t.recompute_method),
+                                          ("--recompute-num-layers", t.recompute_num_layers)) if value is not None]
+        _check(problems, not given, f"{', '.join(given)}: only with --recompute-granularity full "
+                                    "(selective recompute always recomputes the attention core of every layer)")
 
 
 def _check_tokenizer_and_data(problems: List[str], config: DominoConfig) -> None:

@@ -44,6 +44,9 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
         for kind in ("request", "limit"):
             res.add_argument(f"--{what}-{kind}", default=None, help=f"{what.upper()} {kind} per pod (quantity)" + (
                 "; default sized from --nproc-per-node." if kind == "request" else "."))
+    res.add_argument("--gpu-memory-gb", type=float, default=None,
+                     help="Memory of one GPU in GiB: refuse a layout whose estimate (domino estimate) does not fit "
+                          "(default: no check).")
     res.add_argument("--shm-size", default="16Gi", help="Size limit of /dev/shm (memory emptyDir; default 16Gi).")
     storage = parser.add_argument_group("storage")
     storage.add_argument("--pvc", default="domino-data", help="RWX PersistentVolumeClaim for data and checkpoints.")
@@ -112,7 +115,7 @@ def spec_from_args(args: argparse.Namespace, pretrain_args: Optional[List[str]] 
         active_deadline_seconds=args.active_deadline_seconds,
         ttl_seconds_after_finished=args.ttl_seconds_after_finished, clean_pod_policy=args.clean_pod_policy,
         termination_grace_period_s=args.termination_grace_period, queue=args.queue,
-        scheduling_policy=args.scheduling_policy,
+        scheduling_policy=args.scheduling_policy, gpu_memory_gb=args.gpu_memory_gb,
     )
     spec.validate()
     return spec

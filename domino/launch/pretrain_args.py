@@ -7,7 +7,7 @@ the same config flags ``domino pretrain`` uses and validates them for training a
 
 from __future__ import annotations
 
-from domino.config import ConfigError, add_config_flags, config_from_args
+from domino.config import ConfigError, DominoConfig, add_config_flags, config_from_args
 from domino.config.flags import ArgumentParser
 from domino.launch.render import container_command
 from domino.launch.spec import JobSpec, LaunchSpecError
@@ -37,6 +37,23 @@ def check_pretrain_args(spec: JobSpec) -> None:
     command = container_command(spec, spec.name)
     args = parser.parse_args(command[command.index("pretrain") + 1:])
     try:
-        config_from_args(args, world_size=spec.world_size, for_training=True)
+        config = config_from_args(args, world_size=spec.world_size, for_training=True)
     except ConfigError as error:
         raise LaunchSpecError(f"domino pretrain arguments (world size {spec.world_size}): {error}") from None
+    if spec.gpu_memory_gb is not None and spec.world_size is not None:
+        check_memory_fits(config, spec.world_size, spec.gpu_memory_gb)
+
+
+def check_memory_fits(config: DominoConfig, world_size: int, gpu_memory_gb: float) -> None:
+    """Raises :class:`LaunchSpecError` with the numbers when the memory estimate of ``config``'s layout on
+    ``world_size`` GPUs exceeds the usable share of ``gpu_memory_gb``; names the best layout that fits."""
+    from domino.config.estimate import USABLE_FRACTION, describe, estimate_layout, fitting_layouts, layout_of
+
+    estimate = estimate_layout(config, layout_of(config, world_size), gpu_memory_gb=gpu_memory_gb)
+    if estimate.fits:
+        return
+    best = fitting_layouts(config, world_size, gpu_memory_gb)
+    hint = f"; the best layout that fits: {describe(best[0])}" if best else "; no layout of these GPUs fits"
+    raise LaunchSpecError(
+        f"--gpu-memory-gb {gpu_memory_gb:g}: the estimate (domino estimate) is {estimate.total / 2**30:.1f} GiB per "
+        f"GPU, over {USABLE_FRACTION:.0%} of {gpu_memory_gb:g} GiB: {describe(estimate)}{hint}")

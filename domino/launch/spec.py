@@ -160,6 +160,9 @@ class JobSpec:
     scheduling_policy: bool = False
     """Fill ``runPolicy.schedulingPolicy`` (minAvailable = all pods, queue, priorityClass) for gang
     scheduling by volcano or scheduler-plugins (the operator's ``--gang-scheduler-name``)."""
+    gpu_memory_gb: Optional[float] = None
+    """Memory of one GPU in GiB: refuse, before creating anything, a layout whose memory estimate
+    (``domino estimate``) does not fit; None: no check."""
     run_as_user: int = 1000
     """Non-root UID of the training container (the image works under any UID, see the Dockerfile)."""
 
@@ -185,6 +188,8 @@ class JobSpec:
               f"must be a positive integer or auto/cpu/gpu, got {nproc!r}")
         check(isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 0, "--gpus-per-node",
               f"must be >= 0, got {self.gpus_per_node}")
+        check(self.gpu_memory_gb is None or self.gpu_memory_gb > 0, "--gpu-memory-gb",
+              f"must be > 0, got {self.gpu_memory_gb}")
         if isinstance(nproc, int) and self.gpus_per_node > 0:
             check(nproc <= self.gpus_per_node, "--nproc-per-node",
                   f"{nproc} processes per node but only {self.gpus_per_node} GPUs per node")

@@ -21,14 +21,19 @@ linear's asynchronous input-gradient all-reduce and the guard's wait (:mod:`domi
 
 from __future__ import annotations
 
-from typing import Generator, List, Optional, Sequence
+import contextlib
+from typing import Generator, List, Optional, Sequence, Tuple
 
 import torch
 
 from domino.model.domino_ops import guard_input_grad
 from domino.model.rotary import RotaryTables
 from domino.model.transformer import TransformerLayer, bias_dropout_add
-from domino.parallel.collectives import all_reduce_async
+from domino.parallel.collectives import (
+    all_reduce_async, gather_from_sequence_region, reduce_scatter_to_sequence_async,
+)
+from domino.parallel.random import tp_region_rng
+from domino.parallel.recompute import keep_sequence_slice, replay, run_recorded
 
 
 class _Pending:
@@ -45,6 +50,40 @@ class _Pending:
     def finish(self, residual: torch.Tensor, layer: TransformerLayer) -> torch.Tensor:
         self.handle.wait()  # wait for the all-reduce launched in __init__: its sum is read right here
         return bias_dropout_add(self.partial, self.bias, residual, layer.hidden_dropout, layer.training)
+
+
+class _PendingScatter:
+    """Sequence parallelism's counterpart of :class:`_Pending`: a reduce-scatter along the sequence in flight.
+
+    The residual stream is this rank's sequence slice, so the bias, the dropout (on the TP stream: each rank's
+    slice needs its own mask, as Megatron forks the tracker around sequence-parallel regions) and the residual
+    add run on ``[b, s/tp, h]``.
+    """
+
+    __slots__ = ("bias", "handle", "result")
+
+    def __init__(self, partial: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        self.bias = bias
+        # Async launch: waited in finish(), one step of every other chunk later.
+        self.handle, self.result = reduce_scatter_to_sequence_async(partial)
+
+    def finish(self, residual: torch.Tensor, layer: TransformerLayer) -> torch.Tensor:
+        self.handle.wait()  # wait for the reduce-scatter launched in __init__: its slice is read right here
+        with tp_region_rng(layer.hidden_dropout > 0 and layer.training):
+            return bias_dropout_add(self.result(), self.bias, residual, layer.hidden_dropout, layer.training)
+
+
+class _ReducedElsewhere:
+    """A gradient slot whose all-reduce is not needed: with sequence parallelism the column-parallel input was
+    all-gathered, and that gather's backward reduce-scatters the input gradient."""
+
+    __slots__ = ()
+
+    def launch(self, grad: torch.Tensor) -> None:
+        pass
+
+
+_REDUCED_ELSEWHERE = _ReducedElsewhere()
 
 
 def _split_mask(mask: Optional[torch.Tensor], sizes: List[int]) -> List[Optional[torch.Tensor]]:
@@ -71,29 +110,78 @@ class DominoLayerStack:
             raise ValueError("the Domino schedule needs at least one transformer layer")
         self.layers = layers
         self.chunks = chunks
+        #: ``(start, end, checkpointed)`` layer groups; full activation recompute sets it (domino.model.recompute).
+        self.units: List[Tuple[int, int, bool]] = [(0, len(layers), False)]
+        #: Sequence parallelism: the residual stream is this rank's sequence slice (domino.model.sequence_parallel).
+        self.sequence_parallel = False
+
+    def _column_input(self, x: torch.Tensor):
+        """A norm's output made ready for a column-parallel linear: ``((input, gradient slot), slice)``.
+
+        Plain TP: the output with its gradient guard (the linear launches the input-gradient all-reduce into the
+        slot), and no slice. Sequence parallelism: the all-gathered output, whose gather reduce-scatters the
+        gradient itself, and the slice it was gathered from (see :meth:`_keeping_slice`).
+        """
+        if self.sequence_parallel:
+            return (gather_from_sequence_region(x), _REDUCED_ELSEWHERE), x
+        return guard_input_grad(x), None
+
+    @staticmethod
+    def _keeping_slice(guarded, part: Optional[torch.Tensor]):
+        """Around a column-parallel linear: with sequence parallelism it saves its input's slice, not the gathered
+        sequence, and gathers again in backward (Megatron's choice: the norm outputs cost ``sbh / t``)."""
+        return keep_sequence_slice(guarded[0], part) if part is not None else contextlib.nullcontext()
+
+    def _reduce(self, partial: torch.Tensor, bias: Optional[torch.Tensor]):
+        """Launches the reduction of a row-parallel partial sum: an all-reduce, or (SP) a reduce-scatter."""
+        return _PendingScatter(partial, bias) if self.sequence_parallel else _Pending(partial, bias)
+
+    def _layer_steps(self, layer: TransformerLayer, h: torch.Tensor, mask: Optional[torch.Tensor],
+                     rotary: Optional[RotaryTables]) -> Generator[None, None, torch.Tensor]:
+        """One chunk's steps through one layer (LN1 + guard, then A-F); yields between steps, returns the output.
+
+        F of layer i and LN1 of layer i+1 share a tick (no yield between them), as in the reference order. With
+        sequence parallelism ``h`` is this rank's sequence slice: the norms run on the slice, their outputs are
+        all-gathered, and the row-parallel sums are reduce-scattered (async, overlapped like the all-reduces).
+        """
+        attention, mlp = layer.attention, layer.mlp
+        guarded, part = self._column_input(layer.input_layernorm(h))
+        yield
+        with self._keeping_slice(guarded, part):
+            ctx = attention.context(*attention.qkv(*guarded), mask, rotary=rotary)  # A
+        yield
+        pending = self._reduce(attention.dense.partial(ctx), attention.dense.bias)  # B
+        yield
+        h = pending.finish(h, layer)  # C
+        guarded, part = self._column_input(layer.post_attention_layernorm(h))
+        yield
+        with self._keeping_slice(guarded, part):
+            inner = mlp.inner(*guarded)  # D
+        yield
+        pending = self._reduce(mlp.partial(inner), mlp.dense_4h_to_h.bias)  # E
+        yield
+        return pending.finish(h, layer)  # F
+
+    def _group_steps(self, start: int, end: int, h: torch.Tensor, mask: Optional[torch.Tensor],
+                     rotary: Optional[RotaryTables]) -> Generator[None, None, torch.Tensor]:
+        for layer in self.layers[start:end]:
+            h = yield from self._layer_steps(layer, h, mask, rotary)
+        return h
 
     def _chunk_steps(self, h: torch.Tensor, mask: Optional[torch.Tensor], rotary: Optional[RotaryTables],
                      final_layernorm: Optional[torch.nn.Module]) -> Generator[None, None, torch.Tensor]:
-        """One chunk's steps; yields between steps, returns the chunk's output."""
-        guarded = guard_input_grad(self.layers[0].input_layernorm(h))
-        yield
-        for i, layer in enumerate(self.layers):
-            attention, mlp = layer.attention, layer.mlp
-            ctx = attention.context(*attention.qkv(*guarded), mask, rotary=rotary)  # A
-            yield
-            pending = _Pending(attention.dense.partial(ctx), attention.dense.bias)  # B
-            yield
-            h = pending.finish(h, layer)  # C
-            guarded = guard_input_grad(layer.post_attention_layernorm(h))
-            yield
-            inner = mlp.inner(*guarded)  # D
-            yield
-            pending = _Pending(mlp.partial(inner), mlp.dense_4h_to_h.bias)  # E
-            yield
-            h = pending.finish(h, layer)  # F
-            if i + 1 < len(self.layers):
-                guarded = guard_input_grad(self.layers[i + 1].input_layernorm(h))
-                yield
+        """One chunk's steps through every layer; yields between steps, returns the chunk's output."""
+        recompute = torch.is_grad_enabled()
+        for start, end, checkpointed in self.units:
+            if checkpointed and recompute:
+                # Full recompute: run the group without keeping activations (same steps, same yields) and
+                # record the RNG state before each step, so backward replays every dropout mask exactly.
+                record: List = []
+                out = yield from run_recorded(self._group_steps(start, end, h.detach(), mask, rotary), record)
+                h = replay(h, out, lambda x, start=start, end=end: self._group_steps(start, end, x, mask, rotary),
+                           record)
+            else:
+                h = yield from self._group_steps(start, end, h, mask, rotary)
         return final_layernorm(h) if final_layernorm is not None else h
 
     def __call__(self, hidden: torch.Tensor, attend_mask: Optional[torch.Tensor],

@@ -37,9 +37,12 @@ from domino.config import ModelConfig
 from domino.model.domino_ops import guard_input_grad
 from domino.model.domino_stack import DominoLayerStack
 from domino.model.kv_cache import KVCache
+from domino.model.recompute import run_layers
 from domino.model.rotary import RotaryTables
 from domino.model.transformer import TransformerLayer, build_norm
-from domino.parallel.collectives import copy_to_tp_region, gather_from_tp_region
+from domino.parallel.collectives import (
+    copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region, scatter_to_sequence_region,
+)
 from domino.parallel.cross_entropy import vocab_parallel_linear_cross_entropy
 from domino.parallel.layers import VocabParallelEmbedding
 from domino.parallel.linear_ops import linear
@@ -94,6 +97,10 @@ class GPTModel(nn.Module):
                 self.output_layer = VocabParallelEmbedding(vocab_size, config.hidden_size, config.init_method_std)
         self.domino_chunks = domino_chunks
         self.domino = DominoLayerStack(self.layers, domino_chunks) if domino_chunks > 1 else None
+        #: Layer groups of full activation recompute (set by domino.model.recompute); None: no recompute.
+        self.recompute_units = None
+        #: Sequence parallelism of the training forward (set by domino.model.sequence_parallel).
+        self.sequence_parallel = False
 
     def output_weight(self) -> torch.Tensor:
         """The ``[V/tp, h]`` matrix of the output layer (the word embeddings when tied)."""
@@ -137,19 +144,27 @@ class GPTModel(nn.Module):
                                                 hidden.dtype)
         final_ln = self.final_layernorm if self.post_process else None
         # Generation (KV cache) and batches too small to split run the synchronous path: same weights, same maths.
-        overlapped = self.domino is not None and kv_cache is None and hidden.shape[0] >= self.domino_chunks
+        overlapped = self.domino is not None and kv_cache is None and hidden.shape[0] >= self.domino.chunks
+        sequence_parallel = overlapped and self.sequence_parallel
         # SDPA takes True = may attend: inverted once per batch, shared (as views) by every layer and chunk.
         attend_mask = None if attention_mask is None else ~attention_mask
         if overlapped:
+            if sequence_parallel:  # the residual stream becomes this rank's sequence slice
+                hidden = scatter_to_sequence_region(hidden)
             hidden = self.domino(hidden, attend_mask, final_ln, rotary)
         else:
-            for layer in self.layers:
-                hidden = layer(hidden, attend_mask, kv_cache, rotary)
+            if self.recompute_units is not None and kv_cache is None:
+                hidden = run_layers(self.layers, self.recompute_units, hidden, attend_mask, rotary)
+            else:
+                for layer in self.layers:
+                    hidden = layer(hidden, attend_mask, kv_cache, rotary)
             if final_ln is not None:
                 hidden = final_ln(hidden)
         if not self.post_process:
             return hidden
-        if overlapped:  # the input-gradient all-reduce runs during the output layer's weight-gradient GEMM
+        if sequence_parallel:  # the gather's backward reduce-scatters the input gradient
+            hidden, slot = gather_from_sequence_region(hidden), None
+        elif overlapped:  # the input-gradient all-reduce runs during the output layer's weight-gradient GEMM
             hidden, slot = guard_input_grad(hidden)
         else:
             hidden, slot = copy_to_tp_region(hidden), None

@@ -10,11 +10,21 @@ reduce_from_tp_region       all-reduce (sum)            identity
 scatter_to_tp_region        keep this rank's last-dim   all-gather along last dim
                             slice
 gather_from_tp_region       all-gather along last dim   keep this rank's slice
+scatter_to_sequence_region  keep this rank's sequence    all-gather along sequence
+                            slice (dim 1)
+gather_from_sequence_region all-gather along sequence    reduce-scatter along
+                                                        sequence
+reduce_scatter_to_sequence  reduce-scatter along         all-gather along sequence
+_region                     sequence
 ==========================  ==========================  ==========================
+
+The sequence functions are Megatron's sequence parallelism (``megatron/core/tensor_parallel/mappings.py``: the
+``*_sequence_parallel_region`` functions), along dimension 1 of our ``[b, s, h]`` tensors.
 
 All of them are identities when the tensor-parallel group has one rank, so a single process needs no
 ``torch.distributed`` at all. ``all_reduce_async`` is the building block of the Domino schedule: it launches
-an in-place all-reduce and hands back a handle to wait on later.
+an in-place all-reduce and hands back a handle to wait on later; ``reduce_scatter_to_sequence_async`` is its
+sequence-parallel counterpart.
 
 Every collective here runs over the TP group, counts the host time it blocks (the ``comm-wait`` timer) and,
 when ``DOMINO_SIMULATED_NETWORK`` is set, lasts at least the time of the emulated link
@@ -130,6 +140,78 @@ def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def _sequence_first(x: torch.Tensor) -> torch.Tensor:
+    """``[b, s, ...]`` -> contiguous ``[s, b, ...]``: collectives split and join the first dimension."""
+    return x.transpose(0, 1).contiguous()
+
+
+def _split_sequence(x: torch.Tensor) -> torch.Tensor:
+    world = _tp_size()
+    if x.shape[1] % world:
+        raise ValueError(f"sequence length {x.shape[1]} is not divisible by the TP size {world}")
+    return x.chunk(world, dim=1)[state.get_tensor_model_parallel_rank()].contiguous()
+
+
+def _gather_sequence(x: torch.Tensor) -> torch.Tensor:
+    world, part = _tp_size(), _sequence_first(x)
+    out = part.new_empty((world * part.shape[0], *part.shape[1:]))
+    _blocking(lambda: dist.all_gather_single(out, part, group=state.get_tensor_model_parallel_group()),
+              all_gather_wire_bytes(part.numel() * part.element_size(), world))
+    return out.transpose(0, 1)
+
+
+def _reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
+    world, full = _tp_size(), _sequence_first(x)
+    if full.shape[0] % world:
+        raise ValueError(f"sequence length {full.shape[0]} is not divisible by the TP size {world}")
+    out = full.new_empty((full.shape[0] // world, *full.shape[1:]))
+    _blocking(lambda: dist.reduce_scatter_single(out, full, group=state.get_tensor_model_parallel_group()),
+              all_gather_wire_bytes(out.numel() * out.element_size(), world))
+    return out.transpose(0, 1)
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _split_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad)
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _gather_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sequence(grad)
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _reduce_scatter_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad)
+
+
+class _ReducedScatter(torch.autograd.Function):
+    """Forward: the already reduce-scattered ``reduced``; backward: the adjoint for ``partial``, an all-gather."""
+
+    @staticmethod
+    def forward(ctx, partial, reduced):
+        return reduced.view_as(reduced)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad), None
+
+
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -188,6 +270,50 @@ def scatter_to_tp_region(x: torch.Tensor) -> torch.Tensor:
 def gather_from_tp_region(x: torch.Tensor) -> torch.Tensor:
     """Concatenates the ranks' slices along the last dimension; splits the gradient."""
     return x if _tp_size() == 1 else _GatherFromRegion.apply(x)
+
+
+def scatter_to_sequence_region(x: torch.Tensor) -> torch.Tensor:
+    """Keeps this rank's slice of the sequence (dimension 1); all-gathers the gradient."""
+    return x if _tp_size() == 1 else _ScatterToSequence.apply(x)
+
+
+def gather_from_sequence_region(x: torch.Tensor) -> torch.Tensor:
+    """All-gathers the sequence (the input of a column-parallel layer); reduce-scatters the gradient."""
+    return x if _tp_size() == 1 else _GatherFromSequence.apply(x)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor) -> torch.Tensor:
+    """Sums over the TP ranks keeping this rank's sequence slice (the output of a row-parallel layer)."""
+    return x if _tp_size() == 1 else _ReduceScatterToSequence.apply(x)
+
+
+class _PendingWork(_TimedWork):
+    """A timed work that also keeps the collective's send buffer alive until it is waited on."""
+
+    __slots__ = ("source",)
+
+    def __init__(self, work, source: torch.Tensor) -> None:
+        super().__init__(work)
+        self.source = source
+
+
+def reduce_scatter_to_sequence_async(partial: torch.Tensor):
+    """Launches the reduce-scatter of a row-parallel partial sum ``[b, s, h]`` along the sequence.
+
+    Returns ``(handle, finish)``: after ``handle.wait()``, ``finish()`` returns this rank's ``[b, s/tp, h]`` sum,
+    joined to ``partial``'s graph (its gradient is the all-gather of the incoming one). With one rank nothing is
+    launched and ``finish()`` returns ``partial``.
+    """
+    if _tp_size() == 1:
+        return DONE, lambda: partial
+    full = _sequence_first(partial.detach())
+    out = full.new_empty((full.shape[0] // _tp_size(), *full.shape[1:]))
+    link = state.get_tensor_model_parallel_link()
+    due = link.launch(all_gather_wire_bytes(out.numel() * out.element_size(), _tp_size())) if link else None
+    # Async launch: the caller computes another chunk meanwhile and calls finish() after wait().
+    work = dist.reduce_scatter_single(out, full, group=state.get_tensor_model_parallel_group(), async_op=True)
+    handle = _PendingWork(work if link is None else EmulatedWork(work, link, due), full)
+    return handle, lambda: _ReducedScatter.apply(partial, out.transpose(0, 1))
 
 
 def all_reduce_async(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM):

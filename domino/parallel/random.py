@@ -146,3 +146,22 @@ def set_rng_state(snapshot: Dict[str, Any]) -> None:
     if torch.cuda.is_available() and "cuda" in snapshot:
         torch.cuda.set_rng_state_all(snapshot["cuda"])
     _TRACKER.set_states(snapshot.get("tracker", {}))
+
+
+def capture_rng_states() -> Dict[str, Any]:
+    """What dropout draws from, right now: the CPU and CUDA default generators and the tracker's named states.
+
+    Recompute restores these before re-running a block, so its dropout masks equal the first run's.
+    """
+    states: Dict[str, Any] = {"cpu": torch.get_rng_state(), "tracker": _TRACKER.get_states()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def restore_rng_states(states: Dict[str, Any]) -> None:
+    """Makes the generators continue from ``states`` (from :func:`capture_rng_states`)."""
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"])
+    _TRACKER.set_states(states["tracker"])

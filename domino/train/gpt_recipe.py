@@ -90,10 +90,16 @@ class GPTRecipe:
         self.eod = self.tokenizer.eod if self.tokenizer is not None else vocab - 1
 
     def model_builder(self, config: DominoConfig) -> torch.nn.Module:
-        """A ``GPTModel`` of ``config``'s shape with the Domino chunk count of ``config``."""
+        """A ``GPTModel`` of ``config``'s shape with the Domino chunks, sequence parallelism and activation
+        recompute of ``config``."""
         from domino.model import GPTModel
+        from domino.model.recompute import RecomputePlan, apply_activation_recompute
+        from domino.model.sequence_parallel import apply_sequence_parallel
 
-        return GPTModel(config.model, self.padded_vocab_size, domino_chunks=config.parallel.domino_chunks)
+        model = GPTModel(config.model, self.padded_vocab_size, domino_chunks=config.parallel.domino_chunks)
+        if config.parallel.sequence_parallel:
+            apply_sequence_parallel(model)
+        return apply_activation_recompute(model, RecomputePlan.from_config(config.train))
 
     def dataset_builder(self, num_samples: Tuple[int, int, int]) -> Tuple[Any, Optional[Any], Optional[Any]]:
         """Train/valid/test datasets holding at least ``num_samples`` samples each."""

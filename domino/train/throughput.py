@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from domino.config import ModelConfig
+from domino.config import ModelConfig, estimate
 
 #: Dense bf16/fp16 peak TFLOP/s per device for GPUs we recognise by name (vendor data sheets, SXM parts).
 KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "V100": 125.0}
@@ -19,15 +19,10 @@ def training_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
 
     Per layer the matmuls cost ``2 * (4h^2 + 2 h ffn)`` per token and attention scores plus values
     ``4 s h`` (full square, as Megatron counts); the logits ``2 h V``. With ffn = 4h this is the familiar
-    ``72 L h^2 (1 + s/6h + V/12Lh)`` per token divided by s. Grouped-query attention projects keys and values to
-    ``g x head_dim`` instead of ``h`` (``2h^2 + 2 h g d`` for QKV and output); SwiGLU has three ``h x ffn``
-    matrices instead of two.
+    ``72 L h^2 (1 + s/6h + V/12Lh)`` per token divided by s. The count is ``domino estimate``'s, so it follows the
+    architecture fields (SwiGLU's third matrix, grouped-query attention's smaller K and V).
     """
-    h, s, L, f = model.hidden_size, model.seq_length, model.num_layers, model.ffn_size
-    kv = model.query_groups * model.head_dim
-    mlp_matrices = 3 if model.swiglu else 2
-    forward = L * (2 * (2 * h * h + 2 * h * kv + mlp_matrices * h * f) + 4 * s * h) + 2 * h * vocab_size
-    return 3.0 * forward
+    return estimate.training_flops_per_token(model, vocab_size)
 
 
 def detect_peak_tflops() -> Optional[float]:

@@ -151,3 +151,22 @@ def test_job_api_trainjob_gives_a_crd_valid_trainjob_and_refusals_come_before_an
     with pytest.raises(ValueError, match="--api: 'mpijob' is not one of pytorchjob, trainjob"):
         run_pretrain(PretrainSettings(shared_root=str(tmp_path / "shared"), run_id="r3", job_api="mpijob"),
                      str(manifest), str(tmp_path / "model"), log=lambda _: None)
+
+
+def test_gpu_memory_gb_refuses_a_layout_that_cannot_fit_before_any_job(tmp_path):
+    """The step's run_pretrain hands the setting to the job spec; run_job's argument check refuses the layout
+    with the estimate's numbers before a backend starts anything."""
+    from components.pretrain.step import run_pretrain
+    from components.manifest import write_manifest
+    from domino.launch import LaunchSpecError
+
+    dataset = tmp_path / "dataset.json"
+    write_manifest(str(dataset), {"prefix": str(tmp_path / "corpus_text_document")})
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"corpus_text_document{ext}").write_bytes(b"")
+    settings = PretrainSettings(shared_root=str(tmp_path / "shared"), run_id="r", backend="local", nproc_per_node=2,
+                                tensor_parallel=2, gpu_memory_gb=0.001)
+    assert job_spec(settings, ["--preset", "tiny"]).gpu_memory_gb == 0.001
+    with pytest.raises(LaunchSpecError, match=r"--gpu-memory-gb 0.001: the estimate \(domino estimate\) is"):
+        run_pretrain(settings, str(dataset), str(tmp_path / "model.json"), log=lambda line: None)
+    assert not os.path.exists(RunLayout(settings.shared_root, "r").checkpoint_dir)  # no training process ran

@@ -55,3 +55,26 @@ def logits_losses_grads(model, batch: Dict[str, torch.Tensor], masked: bool):
     losses = model(batch["tokens"], labels=batch["labels"], **extra)
     (losses * batch["weights"]).sum().backward()
     return logits, losses.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_and_measure(model, vocab: int, steps: int = 3, lr: float = 0.5):
+    """``steps`` SGD steps on seeded random batches of 4 x ``model.config.seq_length`` tokens.
+
+    Returns the losses, the last step's gradients, and the tensor bytes the first forward kept (activations).
+    """
+    from domino.train.memory_probe import LiveTensorBytes
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(5)
+    losses, kept, grads = [], None, {}
+    for _ in range(steps):
+        tokens, labels = (torch.randint(0, vocab, (4, model.config.seq_length), generator=g) for _ in range(2))
+        with LiveTensorBytes() as mode:
+            loss = model(tokens, labels=labels).mean()
+        kept = kept if kept is not None else mode.live
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, grads, kept

@@ -39,8 +39,7 @@ def _parse(argv, world_size):
 
 #: What each script asks for that domino refuses, and the words of the refusal.
 REFUSED = {
-    "megatron-pretrain-gpt-distributed-with-mp": ("--sequence-parallel: sequence parallelism: not supported yet "
-                                                  "(issue #14); --pipeline-model-parallel-size 2: pipeline parallelism"),
+    "megatron-pretrain-gpt-distributed-with-mp": "--pipeline-model-parallel-size 2: pipeline parallelism",
     "megatron-gpt3-175b": "--pipeline-model-parallel-size 16: pipeline parallelism: not supported",
 }
 
@@ -89,14 +88,14 @@ def test_megatron_pretrain_gpt_runs_under_torchrun(tmp_path, corpus_prefix, gpt2
     assert (tmp_path / "checkpoints" / "latest").is_file()  # its --save, written at the end
 
 
-def test_megatron_distributed_with_mp_runs_with_one_pipeline_stage_and_no_sequence_parallelism(
+def test_megatron_distributed_with_mp_runs_with_one_pipeline_stage_and_its_sequence_parallelism(
         tmp_path, corpus_prefix, gpt2_files):
-    """Unchanged it stops on --sequence-parallel and PP 2 (see the parse test); on 2 CPU processes it also needs
-    gloo, so the appended flags are the pipeline size, --no-sequence-parallel and the backend."""
+    """Unchanged it stops on PP 2 (see the parse test); on 2 CPU processes it also needs gloo, so the appended
+    flags are the pipeline size and the backend; its --sequence-parallel runs (TP 2, Domino 2 chunks)."""
     script = SCRIPTS["megatron-pretrain-gpt-distributed-with-mp"]
     metrics = tmp_path / "metrics.jsonl"
     argv = without_fp16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files)))
-    proc = run_pretrain([*argv, *SIZE_OVERRIDES, "--pipeline-model-parallel-size", "1", "--no-sequence-parallel",
+    proc = run_pretrain([*argv, *SIZE_OVERRIDES, "--pipeline-model-parallel-size", "1",
                          "--distributed-backend", "gloo", "--metrics-file", str(metrics)], nproc=2, timeout=600)
     _check_run(metrics, proc.stderr)
 

@@ -1,0 +1,68 @@
+"""``domino estimate``: per-GPU memory, FLOPs and step time of a run, and the layouts that fit, before launch.
+
+The formulas live in :mod:`domino.config.estimate`; this module maps flags to calls and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+#: Peak dense bf16 TFLOP/s assumed without --peak-tflops: an H100/H200 SXM (domino.train.throughput's table).
+DEFAULT_PEAK_TFLOPS = 989.0
+
+
+def run(args: argparse.Namespace) -> int:
+    from domino.config import ConfigError, config_from_args
+    from domino.config.estimate import describe, estimate_layout, fitting_layouts, layout_of
+
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
+    if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
+        raise ConfigError(f"--gpu-memory-gb must be > 0, got {args.gpu_memory_gb}")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu must be in (0, 1], got {args.mfu}")
+    config = config_from_args(args, world_size=args.gpus)
+    options = dict(mfu=args.mfu, peak_tflops=config.logging.peak_tflops or DEFAULT_PEAK_TFLOPS, device=args.device)
+    asked = estimate_layout(config, layout_of(config, args.gpus), gpu_memory_gb=args.gpu_memory_gb, **options)
+    fitting = fitting_layouts(config, args.gpus, args.gpu_memory_gb, **options) if args.gpu_memory_gb else []
+    if args.json:
+        out = asked.to_json()
+        out["layouts_that_fit"] = [e.to_json() for e in fitting[:args.top]]
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"model: {asked.parameters / 1e9:.3f} B parameters, {asked.flops_per_token / 1e9:.2f} GFLOP per token "
+          f"(training, no recompute); step time at MFU {args.mfu:g} of {options['peak_tflops']:g} TFLOP/s per GPU: "
+          f"{asked.step_time_s:.3f} s")
+    verdict = "" if args.gpu_memory_gb is None else (
+        f" -> {'fits' if asked.fits else 'does NOT fit'} in {args.gpu_memory_gb:g} GB")
+    print(f"asked:  {describe(asked)}{verdict}")
+    if args.gpu_memory_gb is not None:
+        print(f"layouts that fit in {args.gpu_memory_gb:g} GB x {args.gpus} GPUs, best first "
+              f"({len(fitting)} in all):" if fitting else "no layout fits")
+        for rank, estimate in enumerate(fitting[:args.top], 1):
+            print(f"{rank:3d}. {describe(estimate)}, step {estimate.step_time_s:.3f} s")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Adds ``domino estimate``."""
+    from domino.config import add_config_flags
+    from domino.config.estimate import DEVICES
+
+    parser = subparsers.add_parser(
+        "estimate", help="Per-GPU memory and step time of a run, and the layouts that fit.",
+        description="Estimates per-GPU memory (weights, gradients, optimizer state per ZeRO stage, activations per "
+                    "recompute and sequence-parallel setting, logits, buffers), FLOPs per token and the step time "
+                    "at a stated MFU, for a preset or flags; with --gpu-memory-gb, lists the layouts (TP, DP, ZeRO, "
+                    "micro-batch, recompute, SP) that fit, best first. Formulas: docs/model.md, 'Memory estimate'.")
+    parser.add_argument("--gpus", type=int, default=8, help="GPUs of the run (default 8).")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None, help="Memory of one GPU in GiB (e.g. 80).")
+    parser.add_argument("--mfu", type=float, default=0.4, help="Model FLOPs utilisation for the step time "
+                                                               "(default 0.4).")
+    parser.add_argument("--device", choices=DEVICES, default="gpu",
+                        help="Whose kernels to assume: gpu (fused attention, 1-byte dropout masks) or cpu.")
+    parser.add_argument("--top", type=int, default=10, help="Fitting layouts shown (default 10).")
+    parser.add_argument("--json", action="store_true", help="Print one JSON object.")
+    add_config_flags(parser, groups=("model", "parallel", "train", "logging"))
+    parser.set_defaults(func=run)

@@ -1,0 +1,94 @@
+"""Live tensor bytes of a block of torch code on any device: a measurement for memory estimates and benchmarks.
+
+``torch.cuda.max_memory_allocated`` exists only on GPUs, so this counter works one level up: a
+``TorchDispatchMode`` sees every tensor an operator returns, counts the bytes of each new storage once, and a
+weak-reference finaliser on the storage subtracts them when the storage is freed (torch keeps one Python object
+per storage alive as long as the storage, since torch 2.1, which makes the finaliser fire at the real free).
+Operator workspaces never returned to Python (a GEMM's scratch) are not seen; tensors created before the block
+are not counted.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Counts the bytes of tensor storages created inside the ``with`` block that are still alive.
+
+    Attributes:
+        live: bytes alive now.
+        peak: the most bytes alive at once since the start (or the last :meth:`reset_peak`).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen = WeakIdKeyDictionary()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._track(leaf)
+        return out
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if storage in self._seen:  # a view or an in-place result: no new memory
+            return
+        size = storage.nbytes()
+        self._seen[storage] = size
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, size)
+
+    def _free(self, size: int) -> None:
+        self.live -= size
+
+    def reset_peak(self) -> None:
+        """Starts a new peak from the bytes alive now."""
+        self.peak = self.live
+
+
+def measure_training_memory(model_config, vocab_size: int, batch: int, steps: int = 2, seed: int = 0,
+                            recompute=None, domino_chunks: int = 1, sequence_parallel: bool = False):
+    """Tensor memory of training a fresh ``GPTModel`` with AdamW (fp32) on this process (one TP rank when the
+    model-parallel groups are initialised), measured with :class:`LiveTensorBytes`.
+
+    ``recompute`` is a :class:`domino.model.recompute.RecomputePlan` (None: no recompute). The peak starts after
+    the model is built (initialisation draws each sharded weight in full before keeping its slice).
+
+    Returns:
+        ``(forward, peak)`` in bytes: what the first forward added (activations, logits, saved copies), and the
+        peak over ``steps`` full steps (weights, optimizer state, activations, gradients).
+    """
+    from domino.model import GPTModel
+    from domino.model.recompute import apply_activation_recompute
+    from domino.model.sequence_parallel import apply_sequence_parallel
+
+    torch.manual_seed(seed)
+    tokens, labels = (torch.randint(0, vocab_size, (batch, model_config.seq_length)) for _ in range(2))
+    with LiveTensorBytes() as mode:
+        model = GPTModel(model_config, vocab_size, domino_chunks=domino_chunks)
+        if sequence_parallel:
+            apply_sequence_parallel(model)
+        model = apply_activation_recompute(model, recompute)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        mode.reset_peak()
+        forward = None
+        for _ in range(steps):
+            before = mode.live
+            loss = model(tokens, labels=labels)
+            forward = forward if forward is not None else mode.live - before
+            loss.mean().backward()
+            del loss
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return forward, mode.peak

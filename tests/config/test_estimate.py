@@ -1,0 +1,164 @@
+"""``domino estimate``: the formulas against the papers they cite and against measured tensor memory on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from domino.cli.main import main as domino_main
+from domino.config import DominoConfig, ModelConfig, parse_config
+from domino.config.estimate import (
+    Layout, _Shape, activation_bytes, estimate_layout, fitting_layouts, model_flops_per_token, parameter_counts,
+)
+from domino.model.recompute import RecomputePlan
+from domino.train.memory_probe import measure_training_memory
+
+#: Largest relative errors accepted at TP=1: measured on these configs at most 4.4% (forward) and 1.9% (peak);
+#: benchmarks/estimate_check.py prints the table (benchmarks/RESULTS.md).
+FORWARD_TOLERANCE, PEAK_TOLERANCE = 0.06, 0.04
+
+
+@pytest.mark.parametrize("shape", [
+    dict(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=256, hidden_dropout=0.1,
+         attention_dropout=0.1, vocab_size=1024, batch=4),  # attention dropout: SDPA's math path, s^2 terms
+    dict(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=256, hidden_dropout=0.0,
+         attention_dropout=0.0, vocab_size=1024, batch=4),
+    dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128, hidden_dropout=0.1,
+         attention_dropout=0.0, vocab_size=4096, batch=2),  # gradients outweigh activations
+])
+def test_estimate_matches_measured_cpu_memory(shape):
+    shape = dict(shape)
+    batch = shape.pop("batch")
+    config = DominoConfig()
+    config.model = ModelConfig(**shape, make_vocab_size_divisible_by=1)
+    forward, peak = measure_training_memory(config.model, config.model.vocab_size, batch)
+    est = estimate_layout(config, Layout(micro_batch_size=batch, zero_stage=0), device="cpu")
+    assert est.activations + est.logits + est.buffers == pytest.approx(forward, rel=FORWARD_TOLERANCE)
+    assert est.total == pytest.approx(peak, rel=PEAK_TOLERANCE)
+
+
+@pytest.mark.parametrize("plan", [RecomputePlan("selective"), RecomputePlan("full", "uniform", 2),
+                                  RecomputePlan("full", "block", 1)], ids=str)
+def test_estimate_matches_measured_cpu_peak_with_recompute(plan):
+    config = DominoConfig()
+    config.model = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=512,
+                               make_vocab_size_divisible_by=1)  # dropout 0.1 on both: SDPA's math path
+    _, peak = measure_training_memory(config.model, 512, 4, recompute=plan)
+    layout = Layout(micro_batch_size=4, zero_stage=0, recompute=plan.granularity,
+                    recompute_method=plan.method or "uniform", recompute_num_layers=plan.num_layers or 1)
+    assert estimate_layout(config, layout, device="cpu").total == pytest.approx(peak, rel=PEAK_TOLERANCE)
+
+
+def _tp2_peaks(rank, world_size, cases):
+    from domino.parallel import state
+
+    state.initialize_model_parallel(2)
+    config = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=512,
+                         make_vocab_size_divisible_by=1)
+    return [measure_training_memory(config, 512, 4, recompute=plan, domino_chunks=2, sequence_parallel=sp)[1]
+            for sp, plan in cases]
+
+
+def test_estimate_matches_measured_peak_per_rank_at_tp2():
+    """Per TP rank with Domino 2 chunks: plain, sequence parallel, full recompute. Measured errors: 5.0%, 6.0% and
+    0.5% here (5.6% at most in benchmarks/estimate_check.py); accepted: 10%."""
+    from distributed_helpers import run_distributed
+
+    cases = [(False, None), (True, None), (False, RecomputePlan("full", "uniform", 1))]
+    peaks = run_distributed(_tp2_peaks, 2, cases)[0]
+    config = DominoConfig()
+    config.model = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=512,
+                               make_vocab_size_divisible_by=1)
+    for (sp, plan), peak in zip(cases, peaks):
+        layout = Layout(2, 1, 0, 4, "full" if plan else "none", sequence_parallel=sp, domino_chunks=2)
+        assert estimate_layout(config, layout, device="cpu").total == pytest.approx(peak, rel=0.10), (sp, plan)
+
+
+def _gpt(**model) -> DominoConfig:
+    config = DominoConfig()
+    config.model = ModelConfig(**{"num_layers": 4, "hidden_size": 1024, "num_attention_heads": 16,
+                                  "seq_length": 2048, **model})
+    config.train.bf16 = True
+    return config
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_activations_per_layer_are_korthikanti_table_2(tp):
+    """Korthikanti et al. 2022, table 2, per layer in 16-bit (the attention core's s^2 terms are the part
+    selective recompute drops): no SP ``sbh (10 + 24/t)``, SP ``34 sbh / t``, full recompute ``2 sbh``."""
+    config = _gpt()
+    m = config.model
+    s, b, h = m.seq_length, 2, m.hidden_size
+    shape = _Shape.of(m, 51200)
+    per_layer = {}
+    for name, layout in {"selective": Layout(tp, 1, 1, b, "selective"),
+                         "selective-sp": Layout(tp, 1, 1, b, "selective", sequence_parallel=True),
+                         "full": Layout(tp, 1, 1, b, "full", recompute_num_layers=1)}.items():
+        one = dataclasses.replace(shape, L=1)
+        two = dataclasses.replace(shape, L=2)
+        per_layer[name] = activation_bytes(two, layout, 2) - activation_bytes(one, layout, 2)
+    assert per_layer["selective"] == pytest.approx(s * b * h * (10 + 24 / tp))
+    assert per_layer["selective-sp"] == pytest.approx(34 * s * b * h / tp)
+    assert per_layer["full"] == pytest.approx(2 * s * b * h)
+
+
+def test_parameters_and_flops_follow_the_architecture_fields():
+    base = _gpt()
+    h, L, f = 1024, 4, 4096
+    counts = parameter_counts(_Shape.of(base.model, 51200), 1)
+    # 12 L h^2 + 13 L h (Megatron's count) + embeddings + final norm
+    assert counts["total"] == 12 * L * h * h + 13 * L * h + 51200 * h + 2048 * h + 2 * h
+    swiglu = _gpt(swiglu=True, ffn_hidden_size=f)
+    assert parameter_counts(_Shape.of(swiglu.model, 51200), 1)["total"] - counts["total"] == L * (h * f + f)
+    gqa = _gpt(group_query_attention=True, num_query_groups=4)
+    head_dim = h // 16
+    fewer = counts["total"] - parameter_counts(_Shape.of(gqa.model, 51200), 1)["total"]
+    assert fewer == L * 2 * (16 - 4) * head_dim * (h + 1)  # 12 fewer K and V heads, weights and biases
+    untied = _gpt(untie_embeddings_and_output_weights=True)
+    assert parameter_counts(_Shape.of(untied.model, 51200), 1)["total"] - counts["total"] == 51200 * h
+    # Megatron: 72 L h^2 s (1 + s/6h + V/12Lh) per sequence for training (3 passes)
+    s = 2048
+    expected = 72 * L * h * h * (1 + s / (6 * h) + 51200 / (12 * L * h))
+    assert 3 * model_flops_per_token(_Shape.of(base.model, 51200)) == pytest.approx(expected)
+
+
+def test_memory_levers_order_and_zero_stages():
+    config = _gpt()
+    est = {name: estimate_layout(config, lay) for name, lay in {
+        "none": Layout(2, 4, 1, 4), "selective": Layout(2, 4, 1, 4, "selective"),
+        "sp": Layout(2, 4, 1, 4, "selective", sequence_parallel=True), "full": Layout(2, 4, 1, 4, "full"),
+        "zero0": Layout(2, 4, 0, 4), "zero2": Layout(2, 4, 2, 4)}.items()}
+    assert est["none"].activations > est["selective"].activations > est["sp"].activations > est["full"].activations
+    assert est["zero0"].optimizer == pytest.approx(4 * est["none"].optimizer)
+    assert est["zero2"].gradients == pytest.approx(est["none"].gradients / 4)
+    assert est["full"].step_time_s is None
+
+
+def test_fitting_layouts_fit_and_come_best_first():
+    config = parse_config(["--preset", "gpt3-6.7b", "--vocab-size", "50257"])
+    layouts = fitting_layouts(config, 8, 40.0)
+    assert layouts and all(e.fits and e.total <= 0.9 * 40 * 2**30 for e in layouts)
+    first = layouts[0].layout
+    assert first.recompute == "none"
+    assert not fitting_layouts(config, 1, 16.0)  # 6.7B x 16 bytes of weights and Adam state: no single GPU
+
+
+def test_cli_json_answers_and_refuses_bad_flags(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        domino_main(["estimate", "--preset", "gpt3-6.7b", "--gpus", "8", "--gpu-memory-gb", "80", "--json"])
+    assert exit_info.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is True and out["layout"]["tensor_model_parallel_size"] == 8
+    assert set(out["memory_gb_per_gpu"]) >= {"weights", "gradients", "optimizer", "activations", "total"}
+    assert out["parameters"] == pytest.approx(6.66e9, rel=0.01) and out["step_time_s"] > 0
+    assert out["layouts_that_fit"] and all(e["fits"] for e in out["layouts_that_fit"])
+    with pytest.raises(SystemExit) as exit_info:
+        domino_main(["estimate", "--preset", "gpt3-6.7b", "--gpus", "8", "--gpu-memory-gb", "8"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "does NOT fit in 8 GB" in text
+    with pytest.raises(SystemExit) as exit_info:
+        domino_main(["estimate", "--gpus", "0"])
+    assert exit_info.value.code == 2 and "--gpus must be >= 1, got 0" in capsys.readouterr().err
