@@ -76,17 +76,26 @@ def find_latest_checkpoint(save_root: PathLike) -> Optional[Path]:
     Raises:
         CheckpointError: when ``latest`` exists but is garbage or points at no checkpoint.
     """
-    root = Path(save_root)
-    latest = root / LATEST_FILE
+    target = read_latest(save_root)
+    if target is not None and not (target / META_FILE).is_file():
+        raise CheckpointError(f"{Path(save_root) / LATEST_FILE} points at {target.name}, but "
+                              f"{target / META_FILE} does not exist")
+    return target
+
+
+def read_latest(save_root: PathLike) -> Optional[Path]:
+    """The directory ``save_root/latest`` names (complete or not), or ``None`` when there is no ``latest``.
+
+    Raises:
+        CheckpointError: when ``latest`` does not hold a tag like ``iter_0000100``.
+    """
+    latest = Path(save_root) / LATEST_FILE
     if not latest.is_file():
         return None
     tag = latest.read_text(encoding="utf-8", errors="replace").strip()
     if not _TAG_PATTERN.match(tag):
         raise CheckpointError(f"{latest} should name a checkpoint like iter_0000100, but holds {tag[:60]!r}")
-    target = root / tag
-    if not (target / META_FILE).is_file():
-        raise CheckpointError(f"{latest} points at {tag}, but {target / META_FILE} does not exist")
-    return target
+    return Path(save_root) / tag
 
 
 def resolve_checkpoint_dir(path: PathLike) -> Path:

@@ -9,8 +9,9 @@ Layout of a save root (model weights and ``checkpoint.json`` are ``domino.model.
     DIR/iter_0000100/rng/rank_00003.pt     this rank's RNG states
     DIR/iter_0000100/tokenizer/        the tokenizer, so the checkpoint is self-contained
 
-Every rank writes into ``DIR/.tmp-iter_0000100``; after a barrier rank 0 renames it into place and only
-then moves ``latest``. A kill at any moment therefore leaves the previous checkpoint intact and pointed to.
+Every rank writes into ``DIR/.tmp-iter_0000100``; once all ranks agree that their writes succeeded, rank 0
+renames it into place and only then moves ``latest``. A kill at any moment, or a failed write on any rank
+(disk full), therefore leaves the previous checkpoint intact and pointed to.
 Loading uses ``torch.load(weights_only=True)``: optimizer states are saved as plain tensors and numbers.
 """
 
@@ -33,16 +34,12 @@ from domino.config import ConfigError, DominoConfig, config_to_dict
 from domino.model import weights_io
 from domino.parallel import random as tp_random
 from domino.parallel import state
+from domino.parallel.agreement import AgreedFailure, agree
 
 logger = logging.getLogger(__name__)
 
 #: Model fields that must match between a checkpoint and the run loading it.
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_size", "num_positions")
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
@@ -116,57 +113,91 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
                     padded_vocab_size: int, tokenizer=None) -> Path:
     """Writes checkpoint ``iter_{iteration:07d}`` under ``--save`` from every rank (collective).
 
+    Three agreed phases (rank 0 prepares the temporary directory; every rank writes its files; rank 0
+    commits): a write that fails on any rank (disk full, quota, I/O error) stops every rank with the same
+    one-line error, before the commit, so the previous checkpoint and ``latest`` are untouched.
+
     Returns:
         The final checkpoint directory.
+
+    Raises:
+        AgreedFailure: on every rank when any rank's part of the save failed.
     """
     root = Path(config.checkpoint.save)
     tag = weights_io.checkpoint_tag(iteration)
     tmp, final = root / f".tmp-{tag}", root / tag
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a run killed mid-save
-        (tmp / "optim").mkdir(parents=True)
-        (tmp / "rng").mkdir()
-    _barrier()
-    written = [tmp / "optim" / f"rank_{rank:05d}.pt", tmp / "rng" / f"rank_{rank:05d}.pt"]
-    if state.get_data_parallel_rank() == 0:
-        written.append(weights_io.save_model_shard(tmp, engine.module.state_dict(),
-                                                   state.get_tensor_model_parallel_rank()))
-    _atomic_torch_save(_plain_optimizer_state(engine), written[0])
-    _atomic_torch_save(_plain_rng_state(), written[1])
-    manifest.write_part(tmp, rank, written)  # each rank digests its own files: the work is spread
-    if rank == 0:
-        meta = {
-            "format_version": 1, "iteration": iteration, "consumed_samples": consumed_samples,
-            "tensor_model_parallel_size": state.get_tensor_model_parallel_world_size(),
-            "data_parallel_size": state.get_data_parallel_world_size(),
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "padded_vocab_size": padded_vocab_size, "tokenizer": config.data.tokenizer,
-            "config": config_to_dict(config),
-        }
-        weights_io.write_checkpoint_meta(tmp, meta)
-        if tokenizer is not None:
-            tokenizer.save(str(tmp / "tokenizer"))
-    _barrier()
+
+    def prepare() -> None:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a run killed mid-save
+            (tmp / "optim").mkdir(parents=True)
+            (tmp / "rng").mkdir()
+
+    def write() -> None:
+        written = [tmp / "optim" / f"rank_{rank:05d}.pt", tmp / "rng" / f"rank_{rank:05d}.pt"]
+        if state.get_data_parallel_rank() == 0:
+            written.append(weights_io.save_model_shard(tmp, engine.module.state_dict(),
+                                                       state.get_tensor_model_parallel_rank()))
+        _atomic_torch_save(_plain_optimizer_state(engine), written[0])
+        _atomic_torch_save(_plain_rng_state(), written[1])
+        manifest.write_part(tmp, rank, written)  # each rank digests its own files: the work is spread
+        if rank == 0:
+            weights_io.write_checkpoint_meta(tmp, {
+                "format_version": 1, "iteration": iteration, "consumed_samples": consumed_samples,
+                "tensor_model_parallel_size": state.get_tensor_model_parallel_world_size(),
+                "data_parallel_size": state.get_data_parallel_world_size(),
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "padded_vocab_size": padded_vocab_size, "tokenizer": config.data.tokenizer,
+                "config": config_to_dict(config),
+            })
+            if tokenizer is not None:
+                tokenizer.save(str(tmp / "tokenizer"))
+
+    try:
+        agree(f"saving checkpoint {tag} (preparing {tmp})", prepare)
+        agree(f"saving checkpoint {tag}", write)
+    except AgreedFailure as failure:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # free the space; the next save starts clean anyway
+        raise AgreedFailure(f"{failure}; {resume_hint(config)}") from None
     _maybe_inject_fault("kill-in-save", iteration)
-    if rank == 0:
-        manifest.seal(tmp)  # before the rename: a checkpoint under its final name has its manifest
-        for sub in ("", "optim", "rng", "model"):
-            if (tmp / sub).exists():
-                fsync_directory(tmp / sub)
-        if final.exists():  # the same iteration saved again after a resume: replace it whole
-            trash = root / f".trash-{tag}"
-            shutil.rmtree(trash, ignore_errors=True)
-            os.replace(final, trash)
-            shutil.rmtree(trash)
-        os.replace(tmp, final)
-        fsync_directory(root)
-        weights_io.write_latest(root, tag)
-        _prune(root, config.checkpoint.keep_last, keep=tag)
-        logger.info("saved checkpoint %s", final)
-    _barrier()
+    agree(f"saving checkpoint {tag} (committing it)", lambda: _commit(tmp, final, config) if rank == 0 else None)
     return final
+
+
+def _commit(tmp: Path, final: Path, config: DominoConfig) -> None:
+    """Seals the complete temporary checkpoint, renames it into place, then moves ``latest`` (rank 0)."""
+    root, tag = final.parent, final.name
+    manifest.seal(tmp)  # before the rename: a checkpoint under its final name has its manifest
+    for sub in ("", "optim", "rng", "model"):
+        if (tmp / sub).exists():
+            fsync_directory(tmp / sub)
+    if final.exists():  # the same iteration saved again after a resume: replace it whole
+        trash = root / f".trash-{tag}"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(final, trash)
+        shutil.rmtree(trash)
+    os.replace(tmp, final)
+    fsync_directory(root)
+    weights_io.write_latest(root, tag)
+    _prune(root, config.checkpoint.keep_last, keep=tag)
+    logger.info("saved checkpoint %s", final)
+
+
+def resume_hint(config: DominoConfig) -> str:
+    """Where a restart of this run resumes, in words (the checkpoint ``latest`` in ``--save`` names)."""
+    save = config.checkpoint.save
+    if not save:
+        return "nothing is saved (no --save): a restart begins again"
+    try:
+        latest = weights_io.find_latest_checkpoint(save)
+    except (ValueError, OSError):
+        latest = None
+    if latest is None:
+        return f"no checkpoint in {save} yet: a restart begins again"
+    return f"`latest` in {save} names {latest.name}: a restart resumes from it"
 
 
 def _prune(root: Path, keep_last: Optional[int], keep: str) -> None:
@@ -213,9 +244,11 @@ def _resolve(directory: str, flag: str) -> Optional[Path]:
     try:
         return weights_io.resolve_checkpoint_dir(path)
     except (ValueError, OSError) as error:
-        pointed = path / (path / weights_io.LATEST_FILE).read_text(errors="replace").strip() \
-            if (path / weights_io.LATEST_FILE).is_file() else None
-        if pointed is not None and pointed.parent == path and pointed.is_dir():
+        try:
+            pointed = weights_io.read_latest(path)
+        except ValueError:
+            pointed = None
+        if pointed is not None and pointed.is_dir():
             return pointed  # a torn checkpoint that `latest` names: choose_intact judges it and falls back
         raise ConfigError(f"{flag} {directory}: {error}") from error
 
@@ -299,9 +332,8 @@ def _model_weights(ckpt: Path, meta: Dict[str, Any], module: torch.nn.Module) ->
     return sharding.shard_state_dict(full, tp_rank, tp)
 
 
-def _files_to_read(ckpt: Path, config: DominoConfig, weights_only: bool) -> list:
-    """The checkpoint files this rank reads when loading (names relative to ``ckpt``)."""
-    meta = weights_io.read_checkpoint_meta(ckpt)
+def _files_to_read(meta: Dict[str, Any], config: DominoConfig, weights_only: bool) -> list:
+    """The checkpoint files this rank reads when loading (names relative to the checkpoint)."""
     tp, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     saved_tp = meta["tensor_model_parallel_size"]
     shards = [tp_rank] if saved_tp == tp else range(saved_tp)
@@ -315,27 +347,56 @@ def _files_to_read(ckpt: Path, config: DominoConfig, weights_only: bool) -> list
     return names
 
 
-def _verified(ckpt: Path, config: DominoConfig, weights_only: bool) -> Path:
-    """``ckpt`` once every rank has checked the checksums of the files it will read; else an intact older one.
+def _verified(ckpt: Path, config: DominoConfig, weights_only: bool) -> Tuple[Path, Dict[str, Any]]:
+    """``ckpt`` and its metadata once every rank has checked the checksums of the files it will read; else
+    an intact older one.
 
-    Each rank verifies only its own files, then all ranks exchange their findings, so they agree on one
-    outcome: all load ``ckpt``, all fall back to the same older checkpoint, or all stop with the same message.
+    Each rank verifies only its own files, then all ranks agree, so they reach one outcome: all load
+    ``ckpt``, all fall back to the same older checkpoint, or all stop with the same message.
     """
     while True:
-        problem = manifest.verify(ckpt, _files_to_read(ckpt, config, weights_only))
-        findings = [problem]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            findings = [None] * dist.get_world_size()
-            dist.all_gather_object(findings, problem)
-        damaged = [f"rank {r}: {text}" for r, text in enumerate(findings) if text]
-        if not damaged:
-            return ckpt
-        ckpt = _fall_back(ckpt, "; ".join(damaged), config.checkpoint.strict_load)
+        def check() -> Dict[str, Any]:
+            meta = weights_io.read_checkpoint_meta(ckpt)
+            problem = manifest.verify(ckpt, _files_to_read(meta, config, weights_only))
+            if problem:
+                raise ConfigError(problem)
+            return meta
+
+        try:
+            return ckpt, agree(f"verifying checkpoint {ckpt.name}", check)
+        except AgreedFailure as failure:
+            ckpt = _fall_back(ckpt, str(failure), config.checkpoint.strict_load)
+
+
+def _read_state(ckpt: Path, meta: Dict[str, Any], engine, config: DominoConfig, padded_vocab_size: int,
+                weights_only: bool) -> Tuple[Dict[str, torch.Tensor], Optional[dict], Optional[dict]]:
+    """This rank's model weights, optimizer state and RNG state from ``ckpt`` (read only, nothing applied)."""
+    check_compatible(meta, config, padded_vocab_size, ckpt, warm_start=weights_only)
+    weights = _model_weights(ckpt, meta, engine.module)
+    if weights_only or not (ckpt / "optim").is_dir():
+        return weights, None, None
+    tp, dp = state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size()
+    same_layout = meta["tensor_model_parallel_size"] == tp and meta.get("data_parallel_size") == dp
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    c, optim, rng = config.checkpoint, None, None
+    if not c.no_load_optim:
+        if not same_layout:
+            raise ConfigError(
+                f"--load {ckpt}: saved with TP={meta['tensor_model_parallel_size']} x DP={meta.get('data_parallel_size')}"
+                f", this run is TP={tp} x DP={dp}; the optimizer state cannot be resharded. Use --finetune or "
+                "--no-load-optim to take the weights only.")
+        optim = torch.load(ckpt / "optim" / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)
+    if not c.no_load_rng and same_layout:
+        rng = torch.load(ckpt / "rng" / f"rank_{rank:05d}.pt", weights_only=True)
+    return weights, optim, rng
 
 
 def load_checkpoint(engine, config: DominoConfig, ckpt: Path, padded_vocab_size: int,
                     weights_only: bool = False) -> Tuple[int, int]:
     """Checks that ``ckpt`` fits this run, then restores model, optimizer and RNG state into this rank.
+
+    Every rank first verifies and reads what it needs; only when all ranks succeeded (an agreement) is
+    anything applied, so a file that fails on one rank stops every rank with the same message.
 
     Args:
         padded_vocab_size: this run's padded vocabulary (see :func:`check_compatible`).
@@ -344,32 +405,22 @@ def load_checkpoint(engine, config: DominoConfig, ckpt: Path, padded_vocab_size:
     Returns:
         ``(iteration, consumed_samples)`` to continue from; ``(0, 0)`` for a warm start.
     """
-    ckpt = _verified(ckpt, config, weights_only)
-    meta = weights_io.read_checkpoint_meta(ckpt)
-    check_compatible(meta, config, padded_vocab_size, ckpt, warm_start=weights_only)
-    tp, dp = state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size()
-    engine.module.load_state_dict(_model_weights(ckpt, meta, engine.module), strict=True)
+    ckpt, meta = _verified(ckpt, config, weights_only)
+    weights, optim, rng = agree(f"reading checkpoint {ckpt}", lambda: _read_state(
+        ckpt, meta, engine, config, padded_vocab_size, weights_only))
+    engine.module.load_state_dict(weights, strict=True)
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO keeps its own fp32 master copy of the weights
-    c = config.checkpoint
     if weights_only:
         logger.info("warm start from %s (weights only, iteration 0)", ckpt)
         return 0, 0
-    same_layout = meta["tensor_model_parallel_size"] == tp and meta.get("data_parallel_size") == dp
-    rank = dist.get_rank() if dist.is_initialized() else 0
     if not (ckpt / "optim").is_dir():
         logger.info("%s holds weights only (no optimizer or RNG state): continuing with a fresh optimizer", ckpt)
         return meta["iteration"], meta["consumed_samples"]
-    if not c.no_load_optim:
-        if not same_layout:
-            raise ConfigError(
-                f"--load {ckpt}: saved with TP={meta['tensor_model_parallel_size']} x DP={meta.get('data_parallel_size')}"
-                f", this run is TP={tp} x DP={dp}; the optimizer state cannot be resharded. Use --finetune or "
-                "--no-load-optim to take the weights only.")
-        sd = torch.load(ckpt / "optim" / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)
-        _restore_optimizer_state(engine, sd)
-    if not c.no_load_rng and same_layout:
-        _restore_rng_state(torch.load(ckpt / "rng" / f"rank_{rank:05d}.pt", weights_only=True))
+    if optim is not None:
+        _restore_optimizer_state(engine, optim)
+    if rng is not None:
+        _restore_rng_state(rng)
     logger.info("resumed from %s at iteration %d (%d samples consumed)", ckpt, meta["iteration"],
                 meta["consumed_samples"])
     return meta["iteration"], meta["consumed_samples"]

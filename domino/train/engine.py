@@ -47,7 +47,10 @@ def check_this_device(config: DominoConfig) -> None:
 
 
 def initialize_runtime(config: DominoConfig) -> None:
-    """Initialises torch.distributed, DeepSpeed's comm layer and the TP x DP groups for ``config``."""
+    """Initialises torch.distributed, DeepSpeed's comm layer and the TP x DP groups for ``config`` (once)."""
+    if (state.model_parallel_is_initialized()
+            and state.get_tensor_model_parallel_world_size() == config.parallel.tensor_model_parallel_size):
+        return  # `domino pretrain` initialises before its agreed data checks, then calls pretrain()
     check_this_device(config)
     _skip_shared_memory_op()
     import deepspeed
