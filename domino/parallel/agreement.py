@@ -72,6 +72,8 @@ def _one_line(error: BaseException) -> str:
 
 
 def _render(findings: Sequence[Optional[tuple]]) -> str:
+    if len(findings) == 1:
+        return findings[0][2]  # a lone process: the reason alone, as it would read without an agreement
     failed = [(rank, finding) for rank, finding in enumerate(findings) if finding is not None]
     return "; ".join(f"rank {rank} (node {host}) failed while {step}: {message}"
                      for rank, (step, host, message) in failed)

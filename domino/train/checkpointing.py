@@ -43,8 +43,16 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_size", 
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
-    with atomic_write(str(path)) as handle:
-        torch.save(obj, handle)
+    try:
+        with atomic_write(str(path)) as handle:
+            torch.save(obj, handle)
+    except RuntimeError as error:
+        # torch.save's zip writer turns a failed write (EFBIG, ENOSPC) into "[enforce fail at
+        # inline_container.cc] unexpected pos"; the OSError survives as its context (torch 2.13 serialization.py).
+        cause = error.__context__
+        if isinstance(cause, OSError):
+            raise OSError(cause.errno, cause.strerror, str(path)) from None
+        raise
 
 
 def _maybe_inject_fault(point: str, iteration: int) -> None:

@@ -57,7 +57,8 @@ def initialize_runtime(config: DominoConfig) -> None:
 
     state.initialize_distributed(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
-    state.initialize_model_parallel(config.parallel.tensor_model_parallel_size)
+    state.initialize_model_parallel(config.parallel.tensor_model_parallel_size,
+                                    timeout_minutes=config.parallel.distributed_timeout_minutes)
 
 
 def gradient_accumulation_steps(config: DominoConfig) -> int:

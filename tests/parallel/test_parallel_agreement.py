@@ -85,3 +85,30 @@ def test_a_dataset_damaged_on_one_rank_stops_both_while_rank_0_builds_the_index_
     results = run_distributed(_datasets, 2, [good, bad], str(tmp_path / "cache"))
     assert results[0] == results[1]
     assert results[0]["error"].startswith("rank 1 (node ") and "bad.idx" in results[0]["error"]
+
+
+def _group_timeouts(rank, world_size):
+    import torch
+
+    from domino.parallel import state
+
+    state.initialize_model_parallel(1, timeout_minutes=3)
+    # The gloo backend's options hold the group's timeout (no public getter in torch 2.13).
+    return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for g in (state.get_tensor_model_parallel_group(), state.get_data_parallel_group())]
+
+
+def test_distributed_timeout_minutes_bounds_the_tp_and_dp_groups_too():
+    """Without an explicit timeout, dist.new_group gives gloo groups 30 minutes whatever the world's is."""
+    assert run_distributed(_group_timeouts, 2) == [[180.0, 180.0], [180.0, 180.0]]
+
+
+def test_nccl_async_error_handling_is_switched_on_unless_the_user_chose(caplog):
+    from domino.parallel.state import _check_nccl_error_handling
+
+    environ = {}
+    _check_nccl_error_handling(environ)
+    assert environ == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    legacy = {"NCCL_ASYNC_ERROR_HANDLING": "0"}
+    _check_nccl_error_handling(legacy)
+    assert legacy["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and "will not end the process" in caplog.text
