@@ -58,3 +58,30 @@ def test_workers_are_capped_at_the_cpus(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         result = preprocess([str(source)], str(tmp_path / "d"), workers=100_000)
     assert result.documents == 2 and "--workers 100000 capped at the" in caplog.text
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_when_the_dataset_is_opened(tmp_path, monkeypatch):
+    from domino.data.dataset_builder import build_train_valid_test_datasets
+    from domino.data.indexed_dataset import IndexedDatasetWriter
+
+    prefix = str(tmp_path / "d")
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for n in range(20):
+            writer.add_document(np.arange(n, n + 10) % 250)
+        writer.add_document(np.array([5, 300, 7]))  # id 300 at position 201
+    scans = []
+    real = IndexedDataset.first_token_outside
+    monkeypatch.setattr(IndexedDataset, "first_token_outside",
+                        lambda self, *args: scans.append(args) or real(self, *args))
+    cache = str(tmp_path / "cache")
+
+    def build(vocab_size):
+        return build_train_valid_test_datasets([prefix], "1", [8, 0, 0], 4, 1, True, data_cache_path=cache,
+                                               vocab_size=vocab_size)
+
+    for _ in range(2):
+        with pytest.raises(DataError, match=f"{prefix}.bin: token id 300 at position 201 is outside the "
+                                            "vocabulary of 256 tokens"):
+            build(256)
+    assert len(scans) == 1  # the verdict is cached in the index cache
+    assert build(301)[0] is not None and len(scans) == 2  # another vocabulary, another verdict
