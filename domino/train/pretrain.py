@@ -22,13 +22,14 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from domino.checkpoint import checkpointing
 from domino.config import ConfigError, DominoConfig, validate
 from domino.data.loader import build_pretraining_data_loader
 from domino.parallel import random as tp_random
 from domino.parallel.collectives import pop_comm_wait_seconds, pop_modelled_comm_seconds
 from domino.parallel import state
 from domino.parallel.agreement import PeerLostError, agree, find_lost_ranks, hosts, is_lost_peer_error
-from domino.train import checkpointing, engine as engine_setup
+from domino.train import engine as engine_setup
 from domino.train.evaluation import evaluate, perplexity
 from domino.train.metrics import MetricsWriter, format_iteration_line
 from domino.train.schedules import LearningRateSchedule

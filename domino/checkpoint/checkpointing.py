@@ -1,6 +1,6 @@
 """Atomic training checkpoints: model shards, ZeRO optimizer state, RNG states, position in the data.
 
-Layout of a save root (model weights and ``checkpoint.json`` are ``domino.model.weights_io``'s format)::
+Layout of a save root (model weights and ``checkpoint.json`` are ``domino.checkpoint.weights_io``'s format)::
 
     DIR/latest                         tag of the newest complete checkpoint, replaced last, atomically
     DIR/iter_0000100/checkpoint.json   iteration, consumed samples, TP size, padded vocab, resolved config
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from domino.atomic_files import atomic_write, fsync_directory
 from domino.checkpoint import manifest
 from domino.config import ConfigError, DominoConfig, config_to_dict
-from domino.model import weights_io
+from domino.checkpoint import weights_io
 from domino.parallel import random as tp_random
 from domino.parallel import state
 from domino.parallel.agreement import AgreedFailure, agree
@@ -323,7 +323,7 @@ VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 def _model_weights(ckpt: Path, meta: Dict[str, Any], module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """This TP rank's weights from ``ckpt``, resharded and re-padded to ``module``'s vocabulary if needed."""
-    from domino.model import sharding
+    from domino.checkpoint import sharding
 
     tp_rank, tp = state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
     local = module.state_dict().get(VOCAB_ROWS[0])

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from domino.checkpoint import manifest
 from domino.config import ConfigError, DominoConfig, ModelConfig, config_from_dict, padded_vocab_size
 from domino.model import hf_gpt2
-from domino.model import weights_io as wio
+from domino.checkpoint import weights_io as wio
 
 logger = logging.getLogger(__name__)
 
