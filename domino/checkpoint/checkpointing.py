@@ -11,8 +11,8 @@ Layout of a save root (model weights and ``checkpoint.json`` are ``domino.checkp
 
 Every rank writes into ``DIR/.tmp-iter_0000100``; once all ranks agree that their writes succeeded, rank 0
 renames it into place and only then moves ``latest``. A kill at any moment, or a failed write on any rank
-(disk full), therefore leaves the previous checkpoint intact and pointed to.
-Loading uses ``torch.load(weights_only=True)``: optimizer states are saved as plain tensors and numbers.
+(disk full), therefore leaves the previous checkpoint intact and pointed to. Optimizer states are saved
+as plain tensors and numbers, so :mod:`domino.checkpoint.resume` loads them with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -23,24 +23,19 @@ import os
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
 
 from domino.atomic_files import atomic_write, fsync_directory
-from domino.checkpoint import manifest
-from domino.config import ConfigError, DominoConfig, config_to_dict
-from domino.checkpoint import weights_io
+from domino.checkpoint import manifest, weights_io
+from domino.config import DominoConfig, config_to_dict
 from domino.parallel import random as tp_random
 from domino.parallel import state
 from domino.parallel.agreement import AgreedFailure, agree
 
 logger = logging.getLogger(__name__)
-
-#: Model fields that must match between a checkpoint and the run loading it.
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_size", "num_positions")
-
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
     try:
@@ -74,12 +69,6 @@ def _plain_rng_state() -> Dict[str, Any]:
     return snapshot
 
 
-def _restore_rng_state(snapshot: Dict[str, Any]) -> None:
-    kind, keys, pos, has_gauss, cached = snapshot["numpy"]
-    snapshot["numpy"] = (kind, keys.numpy().astype("uint32"), pos, has_gauss, cached)
-    tp_random.set_rng_state(snapshot)
-
-
 def _plain_optimizer_state(engine) -> Dict[str, Any]:
     """The optimizer's state dict reduced to tensors, numbers, strings and containers of them.
 
@@ -95,26 +84,6 @@ def _plain_optimizer_state(engine) -> Dict[str, Any]:
         if isinstance(value, enum.Enum):
             sd[key] = value.value
     return sd
-
-
-def _restore_optimizer_state(engine, sd: Dict[str, Any]) -> None:
-    optimizer = engine.optimizer
-    live_scaler = getattr(optimizer, "loss_scaler", None)
-    fields = sd.pop("loss_scaler_fields", None)
-    if live_scaler is not None:
-        for key, value in (fields or {}).items():
-            setattr(live_scaler, key, value)
-        sd["loss_scaler"] = live_scaler
-    if "zero_stage" in sd:
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-
-        sd["zero_stage"] = ZeroStageEnum(sd["zero_stage"])
-        sd["param_slice_mappings"] = getattr(optimizer, "_param_slice_mappings", None)
-        state_list = [None] * state.get_data_parallel_world_size()
-        state_list[state.get_data_parallel_rank()] = sd
-        optimizer.load_state_dict(state_list, load_optimizer_states=True, load_from_fp32_weights=True)
-    else:
-        optimizer.load_state_dict(sd)
 
 
 def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_samples: int,
@@ -215,220 +184,3 @@ def _prune(root: Path, keep_last: Optional[int], keep: str) -> None:
     for tag in tags[:-keep_last]:
         if tag != keep:
             shutil.rmtree(root / tag, ignore_errors=True)
-
-
-def find_checkpoint(config: DominoConfig) -> Tuple[Optional[Path], bool]:
-    """The checkpoint to start from and whether to take its weights only (a warm start).
-
-    ``--load DIR`` resumes from ``DIR/latest``; an absent or empty ``DIR`` means a fresh start. With
-    ``--finetune`` the weights of ``--load`` are a warm start, unless ``--save`` already holds a checkpoint
-    of this run (a restarted pod of a warm-started job): then that checkpoint is resumed, so a restart
-    never throws progress away. Anything that is not a readable checkpoint (a file, a ``latest`` pointing
-    nowhere, a directory of unrelated files) is a :class:`ConfigError`, raised before any training work.
-    """
-    c = config.checkpoint
-    if c.load is None:
-        return None, False
-    if c.finetune and c.save and Path(c.save).resolve() != Path(c.load).resolve():
-        own = _resolve(c.save, "--save")
-        if own is not None:
-            logger.info("--save %s already holds this run's checkpoint %s: resuming it instead of warm-starting "
-                        "from --load", c.save, own.name)
-            return choose_intact(own, c.strict_load), False
-    found = _resolve(c.load, "--load")
-    return (choose_intact(found, c.strict_load) if found is not None else None), c.finetune
-
-
-def _resolve(directory: str, flag: str) -> Optional[Path]:
-    path = Path(directory)
-    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
-        return None
-    if path.is_dir() and not (path / "latest").exists() and not (path / "checkpoint.json").exists():
-        leftovers = [p.name for p in path.iterdir() if not p.name.startswith(".")]
-        if not leftovers:
-            return None  # only temporaries of a save that never completed
-        raise ConfigError(f"{flag} {directory}: not a domino checkpoint directory (no 'latest' file; found "
-                          f"{', '.join(sorted(leftovers)[:5])})")
-    try:
-        return weights_io.resolve_checkpoint_dir(path)
-    except (ValueError, OSError) as error:
-        try:
-            pointed = weights_io.read_latest(path)
-        except ValueError:
-            pointed = None
-        if pointed is not None and pointed.is_dir():
-            return pointed  # a torn checkpoint that `latest` names: choose_intact judges it and falls back
-        raise ConfigError(f"{flag} {directory}: {error}") from error
-
-
-def _older_checkpoints(ckpt: Path):
-    """The checkpoints beside ``ckpt`` with a lower iteration, newest first."""
-    tags = sorted((p.name for p in ckpt.parent.iterdir() if p.is_dir() and p.name.startswith("iter_")
-                   and p.name < ckpt.name), reverse=True)
-    return [ckpt.parent / tag for tag in tags]
-
-
-def _damage(ckpt: Path) -> Optional[str]:
-    """Why ``ckpt`` cannot be resumed, from its metadata, manifest and file sizes (no data read)."""
-    try:
-        weights_io.read_checkpoint_meta(ckpt)
-    except ValueError as error:
-        return str(error)
-    return manifest.find_damage(ckpt)
-
-
-def _fall_back(ckpt: Path, problem: str, strict: bool) -> Path:
-    """The newest intact checkpoint older than the damaged ``ckpt``, or a ConfigError when there is none.
-
-    Every rank reaches the same answer: the candidates and their sizes come from the same shared volume.
-    """
-    if strict:
-        raise ConfigError(f"--load: checkpoint {ckpt} is damaged: {problem} (--strict-load refuses to fall back)")
-    for older in _older_checkpoints(ckpt):
-        if _damage(older) is None:
-            logger.warning("CHECKPOINT %s IS DAMAGED: %s. Resuming from the newest intact checkpoint, %s "
-                           "(pass --strict-load to refuse instead).", ckpt, problem, older.name)
-            return older
-    raise ConfigError(f"--load: checkpoint {ckpt} is damaged ({problem}) and no older intact checkpoint exists "
-                      f"in {ckpt.parent}")
-
-
-def choose_intact(ckpt: Path, strict: bool) -> Path:
-    """``ckpt`` when its files are all present at their recorded sizes, else the newest intact older one."""
-    problem = _damage(ckpt)
-    return ckpt if problem is None else _fall_back(ckpt, problem, strict)
-
-
-def check_compatible(meta: Dict[str, Any], config: DominoConfig, padded_vocab_size: int, where: Path,
-                     warm_start: bool = False) -> None:
-    """Raises :class:`ConfigError` when the checkpoint's model cannot be loaded into this run's model.
-
-    A warm start may differ in vocabulary padding only (TP=2 pads GPT-2's vocabulary to 50432 rows, TP=1
-    to 50304): the padding rows are dropped or added when the weights are loaded.
-    """
-    from domino.config import config_from_dict
-
-    saved = config_from_dict(meta["config"]).model
-    diffs = [f"{name}: checkpoint {getattr(saved, name)} vs run {getattr(config.model, name)}"
-             for name in SHAPE_FIELDS if getattr(saved, name) != getattr(config.model, name)]
-    if meta["padded_vocab_size"] != padded_vocab_size and not warm_start:
-        diffs.append(f"padded vocabulary: checkpoint {meta['padded_vocab_size']} vs run {padded_vocab_size}")
-    if diffs:
-        raise ConfigError(f"--load {where}: the checkpoint's model has a different shape ({'; '.join(diffs)})")
-
-
-#: Parameters with one row per vocabulary entry (the output layer exists only in a last pipeline stage).
-VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
-
-
-def _model_weights(ckpt: Path, meta: Dict[str, Any], module: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """This TP rank's weights from ``ckpt``, resharded and re-padded to ``module``'s vocabulary if needed."""
-    from domino.checkpoint import sharding
-
-    tp_rank, tp = state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
-    local = module.state_dict().get(VOCAB_ROWS[0])
-    rows = local.shape[0] * tp if local is not None else meta["padded_vocab_size"]
-    if meta["padded_vocab_size"] == rows:
-        return weights_io.load_model_shard(ckpt, tp_rank, tp)
-    logger.info("re-padding the vocabulary from %d to %d rows", meta["padded_vocab_size"], rows)
-    full = weights_io.load_full_state_dict(ckpt)
-    for name in VOCAB_ROWS:
-        if name in full:
-            weight = full[name][:rows]
-            padding = weight.new_zeros((rows - weight.shape[0], *weight.shape[1:]))
-            full[name] = torch.cat([weight, padding])
-    return sharding.shard_state_dict(full, tp_rank, tp)
-
-
-def _files_to_read(meta: Dict[str, Any], config: DominoConfig, weights_only: bool) -> list:
-    """The checkpoint files this rank reads when loading (names relative to the checkpoint)."""
-    tp, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
-    saved_tp = meta["tensor_model_parallel_size"]
-    shards = [tp_rank] if saved_tp == tp else range(saved_tp)
-    names = [f"{weights_io.MODEL_DIR}/{weights_io.shard_file_name(r)}" for r in shards]
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    c = config.checkpoint
-    if not weights_only and not c.no_load_optim:
-        names.append(f"optim/rank_{rank:05d}.pt")
-    if not weights_only and not c.no_load_rng:
-        names.append(f"rng/rank_{rank:05d}.pt")
-    return names
-
-
-def _verified(ckpt: Path, config: DominoConfig, weights_only: bool) -> Tuple[Path, Dict[str, Any]]:
-    """``ckpt`` and its metadata once every rank has checked the checksums of the files it will read; else
-    an intact older one.
-
-    Each rank verifies only its own files, then all ranks agree, so they reach one outcome: all load
-    ``ckpt``, all fall back to the same older checkpoint, or all stop with the same message.
-    """
-    while True:
-        def check() -> Dict[str, Any]:
-            meta = weights_io.read_checkpoint_meta(ckpt)
-            problem = manifest.verify(ckpt, _files_to_read(meta, config, weights_only))
-            if problem:
-                raise ConfigError(problem)
-            return meta
-
-        try:
-            return ckpt, agree(f"verifying checkpoint {ckpt.name}", check)
-        except AgreedFailure as failure:
-            ckpt = _fall_back(ckpt, str(failure), config.checkpoint.strict_load)
-
-
-def _read_state(ckpt: Path, meta: Dict[str, Any], engine, config: DominoConfig, padded_vocab_size: int,
-                weights_only: bool) -> Tuple[Dict[str, torch.Tensor], Optional[dict], Optional[dict]]:
-    """This rank's model weights, optimizer state and RNG state from ``ckpt`` (read only, nothing applied)."""
-    check_compatible(meta, config, padded_vocab_size, ckpt, warm_start=weights_only)
-    weights = _model_weights(ckpt, meta, engine.module)
-    if weights_only or not (ckpt / "optim").is_dir():
-        return weights, None, None
-    tp, dp = state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size()
-    same_layout = meta["tensor_model_parallel_size"] == tp and meta.get("data_parallel_size") == dp
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    c, optim, rng = config.checkpoint, None, None
-    if not c.no_load_optim:
-        if not same_layout:
-            raise ConfigError(
-                f"--load {ckpt}: saved with TP={meta['tensor_model_parallel_size']} x DP={meta.get('data_parallel_size')}"
-                f", this run is TP={tp} x DP={dp}; the optimizer state cannot be resharded. Use --finetune or "
-                "--no-load-optim to take the weights only.")
-        optim = torch.load(ckpt / "optim" / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)
-    if not c.no_load_rng and same_layout:
-        rng = torch.load(ckpt / "rng" / f"rank_{rank:05d}.pt", weights_only=True)
-    return weights, optim, rng
-
-
-def load_checkpoint(engine, config: DominoConfig, ckpt: Path, padded_vocab_size: int,
-                    weights_only: bool = False) -> Tuple[int, int]:
-    """Checks that ``ckpt`` fits this run, then restores model, optimizer and RNG state into this rank.
-
-    Every rank first verifies and reads what it needs; only when all ranks succeeded (an agreement) is
-    anything applied, so a file that fails on one rank stops every rank with the same message.
-
-    Args:
-        padded_vocab_size: this run's padded vocabulary (see :func:`check_compatible`).
-        weights_only: a warm start (``--finetune``): take the weights, keep the fresh optimizer and RNG.
-
-    Returns:
-        ``(iteration, consumed_samples)`` to continue from; ``(0, 0)`` for a warm start.
-    """
-    ckpt, meta = _verified(ckpt, config, weights_only)
-    weights, optim, rng = agree(f"reading checkpoint {ckpt}", lambda: _read_state(
-        ckpt, meta, engine, config, padded_vocab_size, weights_only))
-    engine.module.load_state_dict(weights, strict=True)
-    if hasattr(engine.optimizer, "refresh_fp32_params"):
-        engine.optimizer.refresh_fp32_params()  # ZeRO keeps its own fp32 master copy of the weights
-    if weights_only:
-        logger.info("warm start from %s (weights only, iteration 0)", ckpt)
-        return 0, 0
-    if not (ckpt / "optim").is_dir():
-        logger.info("%s holds weights only (no optimizer or RNG state): continuing with a fresh optimizer", ckpt)
-        return meta["iteration"], meta["consumed_samples"]
-    if optim is not None:
-        _restore_optimizer_state(engine, optim)
-    if rng is not None:
-        _restore_rng_state(rng)
-    logger.info("resumed from %s at iteration %d (%d samples consumed)", ckpt, meta["iteration"],
-                meta["consumed_samples"])
-    return meta["iteration"], meta["consumed_samples"]

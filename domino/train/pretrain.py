@@ -22,7 +22,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from domino.checkpoint import checkpointing
+from domino.checkpoint import checkpointing, resume
 from domino.config import ConfigError, DominoConfig, validate
 from domino.data.loader import build_pretraining_data_loader
 from domino.parallel import random as tp_random
@@ -112,13 +112,13 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
                                                          for_training=True))
     # Fail on a garbage --load before building anything.
     resume_from, warm_start = agree("choosing the checkpoint to resume",
-                                    lambda: checkpointing.find_checkpoint(config))
+                                    lambda: resume.find_checkpoint(config))
     tp_random.model_parallel_seed(config.train.seed)
 
     engine = engine_setup.build_engine(model_builder(config), config)
     iteration, consumed = 0, 0
     if resume_from is not None:
-        iteration, consumed = checkpointing.load_checkpoint(engine, config, resume_from, padded_vocab_size,
+        iteration, consumed = resume.load_checkpoint(engine, config, resume_from, padded_vocab_size,
                                                             weights_only=warm_start)
     elif config.checkpoint.load:
         logger.info("--load %s holds no checkpoint yet: starting from scratch", config.checkpoint.load)

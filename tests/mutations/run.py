@@ -61,7 +61,7 @@ MUTATIONS: List[Mutation] = [
              "    _prune(root, config.checkpoint.keep_last, keep=tag)\n"
              "    weights_io.write_latest(root, tag)\n",
              ["tests/train/test_checkpoint_commit.py"]),
-    Mutation("checkpoint-rng-not-restored", "domino/checkpoint/checkpointing.py",
+    Mutation("checkpoint-rng-not-restored", "domino/checkpoint/resume.py",
              "    if not c.no_load_rng and same_layout:", "    if False:",
              ["tests/train/test_checkpoint_commit.py"]),
     Mutation("ce-skips-global-max", "domino/parallel/cross_entropy.py",
