@@ -3,18 +3,24 @@
 The file (``<shared root>/promoted.json``) holds ``{"current": entry or null, "history": [entries]}``.
 The evaluation gate reads ``current`` to compare perplexities; the promote step replaces it. Writes
 go to a temporary file in the same folder, are fsynced and renamed over the old file, so a reader
-sees either the old registry or the new one, never a torn file. Scheduled runs use
-``max_concurrency=1``, so there is a single writer at a time.
+sees either the old registry or the new one, never a torn file.
+
+Two runs may still overlap (manual runs beside a schedule, ``max_concurrency`` raised): between a run's
+gate and its promote step another run may promote. :func:`promote` therefore takes an exclusive
+``fcntl.flock`` on the registry's folder and re-checks the incumbent the gate compared against before
+writing: a newer incumbent that is at least as good is never replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from domino.atomic_files import atomic_write_text
 
@@ -82,21 +88,49 @@ def current_model(path: str) -> Optional[PromotedModel]:
     return read_registry(path)["current"]
 
 
-def promote(path: str, entry: PromotedModel) -> Dict[str, Any]:
-    """Makes ``entry`` the current model and appends it to the history, atomically.
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    """Holds an exclusive lock on the folder of ``path`` (blocks while another writer holds it).
+
+    The folder, not the file: the file is replaced by renames, and a lock file would be litter.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)  # released on close, also when the process dies
+        yield
+    finally:
+        os.close(descriptor)
+
+
+def promote(path: str, entry: PromotedModel, gate_incumbent: Optional[str] = None) -> Dict[str, Any]:
+    """Makes ``entry`` the current model and appends it to the history, atomically and under a lock.
 
     Args:
         path: Registry file; its folder is created if needed.
         entry: The model to promote; ``promoted_at`` is set to now when zero.
+        gate_incumbent: run id of the incumbent the gate compared against (``""``: none); None skips the
+            re-check.
 
     Returns:
         The registry as written (plain JSON data).
-    """
-    registry = read_registry(path)
-    if not entry.promoted_at:
-        entry = dataclasses.replace(entry, promoted_at=time.time())
-    history: List[PromotedModel] = registry["history"] + [entry]
-    data = {"current": dataclasses.asdict(entry), "history": [dataclasses.asdict(item) for item in history]}
-    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
-    return data
 
+    Raises:
+        RegistryError: when another run was promoted since the gate ran and is at least as good.
+    """
+    with _locked(path):
+        registry = read_registry(path)
+        current = registry["current"]
+        if (gate_incumbent is not None and current is not None and current.run_id != gate_incumbent
+                and current.test_ppl <= entry.test_ppl):
+            raise RegistryError(
+                f"promotion registry {path}: run {current.run_id} (perplexity {current.test_ppl:.4f}) was promoted "
+                f"after the gate compared run {entry.run_id} (perplexity {entry.test_ppl:.4f}) with "
+                f"{gate_incumbent or 'no model'}; not promoting")
+        if not entry.promoted_at:
+            entry = dataclasses.replace(entry, promoted_at=time.time())
+        history: List[PromotedModel] = registry["history"] + [entry]
+        data = {"current": dataclasses.asdict(entry), "history": [dataclasses.asdict(item) for item in history]}
+        atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return data

@@ -31,7 +31,8 @@ def run_promote(
         run_id=run_id, checkpoint_dir=model["checkpoint_dir"], test_ppl=test_ppl, test_loss=test_loss,
         iteration=int(model.get("iterations", 0)), tokens=int(model.get("tokens_seen", 0)),
     )
-    written = promote(layout.registry_path, entry)
+    # Re-checked under the registry's lock: another run may have been promoted since this run's gate.
+    written = promote(layout.registry_path, entry, gate_incumbent=str(decision.get("incumbent_run") or ""))
     log(f"promote: run {run_id} is now the promoted model (perplexity {test_ppl:.4f}) in {layout.registry_path}")
     return written["current"]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from domino.data.limits import MAX_DOCUMENT_CHARS
+
 
 def _add_input_flags(parser: argparse.ArgumentParser, input_flag: str) -> None:
     parser.add_argument(input_flag, dest="input", nargs="+", metavar="PATH",
@@ -39,7 +41,7 @@ def _run_preprocess(args: argparse.Namespace) -> int:
     result = preprocess(args.input, args.output_prefix, tokenizer=args.tokenizer, json_keys=args.json_keys,
                         append_eod=args.append_eod, workers=args.workers, skip_bad_lines=args.skip_bad_lines,
                         builtin_corpus=args.builtin_corpus, txt_document_per_file=args.txt_document_per_file,
-                        progress=False if args.no_progress else None)
+                        progress=False if args.no_progress else None, max_document_chars=args.max_document_chars)
     if args.json:
         print(json.dumps({**result.__dict__, "tokens_per_second": result.tokens_per_second}, indent=2))
     else:
@@ -88,7 +90,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "vocab.json + merges.txt")
     pre.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
                      help="append the end-of-document token to every document (default: on)")
-    pre.add_argument("--workers", type=int, default=1, help="tokeniser threads, one core each (default: 1)")
+    pre.add_argument("--workers", type=int, default=1,
+                     help="tokeniser threads, one core each, capped at the CPUs available (default: 1)")
+    pre.add_argument("--max-document-chars", type=int, default=MAX_DOCUMENT_CHARS, metavar="N",
+                     help="the most text the tokenizer takes in one call (~130 bytes of memory per character); "
+                          f"longer documents are encoded N characters at a time (default: {MAX_DOCUMENT_CHARS:,})")
     pre.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     pre.add_argument("--json", action="store_true", help="print the result as JSON")
     pre.set_defaults(func=_run_preprocess, parser=pre)

@@ -6,7 +6,7 @@ import argparse
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from domino.eval.hf_interop import export_hf
+    from domino.checkpoint.hf_interop import export_hf
 
     out = export_hf(args.load, args.output, tokenizer_spec=args.tokenizer, overwrite=args.overwrite)
     print(out)
@@ -14,7 +14,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from domino.eval.hf_interop import import_hf
+    from domino.checkpoint.hf_interop import import_hf
 
     ckpt = import_hf(args.input, args.output, tokenizer_spec=args.tokenizer,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, overwrite=args.overwrite)

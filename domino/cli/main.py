@@ -60,5 +60,5 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ConfigError as error:
         logging.getLogger("domino").error("%s", error)
         print(f"domino {args.command}: error: {error}", file=sys.stderr)
-        code = 2
+        code = getattr(error, "exit_code", 2)  # 2: fix the input; a lost peer says 128 (retryable)
     sys.exit(code or 0)

@@ -16,12 +16,14 @@ def _run(args: argparse.Namespace) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Every rank checks the flags and the device before torch.distributed, DeepSpeed or the data start.
     config = config_from_args(args, world_size=world_size, for_training=True)
-    from domino.train.engine import check_this_device
+    from domino.parallel.agreement import agree
+    from domino.train.engine import initialize_runtime
     from domino.train.gpt_recipe import GPTRecipe
     from domino.train.pretrain import pretrain
 
-    check_this_device(config)
-    recipe = GPTRecipe(config)
+    # torch.distributed first: a data or tokenizer check that fails on one rank then stops every rank.
+    initialize_runtime(config)
+    recipe = agree("checking the data and the tokenizer", lambda: GPTRecipe(config))
     result = pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step,
                       recipe.padded_vocab_size, recipe.tokenizer)
     if int(os.environ.get("RANK", "0")) == 0 and args.result_json:

@@ -117,7 +117,8 @@ class ParallelConfig:
     distributed_backend: Optional[str] = None
     """torch.distributed backend (default: nccl with CUDA, else gloo)."""
     distributed_timeout_minutes: int = 10
-    """Timeout of torch.distributed collectives, in minutes."""
+    """Timeout of every torch.distributed collective (world, TP and DP groups), in minutes: a peer that hangs
+    stops the run after this long (on NCCL through TORCH_NCCL_ASYNC_ERROR_HANDLING, set to 3 unless given)."""
     local_rank: Optional[int] = None
     """Set by the deepspeed launcher (also --local_rank); ignored: the LOCAL_RANK environment variable is used."""
 

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from domino.data.blending import BlendableDataset
 from domino.data.errors import DataError
 from domino.data.gpt_dataset import GPTDataset, dataset_fingerprint
+from domino.data import index_cache
 from domino.data.index_cache import default_cache_dir
 from domino.data.indexed_dataset import IndexedDataset
+from domino.data.limits import TOKEN_CHECK_BLOCK
 from domino.data.sample_index import split_boundaries
 
 logger = logging.getLogger(__name__)
@@ -70,14 +72,42 @@ def blend_sample_counts(weights: Sequence[float], num_samples: Sequence[int]) ->
     return [[int(math.ceil(n * (w / total) * 1.005)) for n in num_samples] for w in weights]
 
 
-def _open(prefix: str, skip_warmup: bool) -> IndexedDataset:
+def _open(prefix: str, skip_warmup: bool, vocab_size: Optional[int] = None,
+          data_cache_path: Optional[str] = None) -> IndexedDataset:
     logger.info("opening indexed dataset %s", prefix)
-    return IndexedDataset(prefix, mmap_warmup=not skip_warmup)
+    dataset = IndexedDataset(prefix, mmap_warmup=not skip_warmup)
+    if vocab_size is not None:
+        check_token_ids(dataset, vocab_size, data_cache_path or default_cache_dir(prefix))
+    return dataset
+
+
+def check_token_ids(dataset: IndexedDataset, vocab_size: int, cache_dir: str) -> None:
+    """Fails when a token id of ``dataset`` lies outside ``[0, vocab_size)`` (it would index past the embedding).
+
+    The scan reads ``.bin`` blockwise (:data:`domino.data.limits.TOKEN_CHECK_BLOCK` tokens at a time); its
+    verdict is cached in the index cache under the dataset's fingerprint and the vocabulary size, so each
+    dataset is scanned once (by rank 0, in an agreement, when distributed).
+
+    Raises:
+        DataError: naming the ``.bin`` file, the first bad token id and its position.
+    """
+    description = {"kind": "token-check", **dataset_fingerprint(dataset.prefix), "vocab_size": int(vocab_size),
+                   "arrays": ["first_outside"]}
+
+    def scan() -> Dict[str, np.ndarray]:
+        found = dataset.first_token_outside(vocab_size, TOKEN_CHECK_BLOCK)
+        return {"first_outside": np.asarray(found if found is not None else (-1, -1), dtype=np.int64)}
+
+    position, token = (int(v) for v in index_cache.load_or_build(cache_dir, description, scan)["first_outside"])
+    if position >= 0:
+        raise DataError(f"{dataset.prefix}.bin: token id {token} at position {position} is outside the vocabulary "
+                        f"of {vocab_size} tokens (was it preprocessed with another tokenizer?)")
 
 
 def _split_datasets(prefix: str, splits_string: str, num_samples: Sequence[int], seq_length: int, seed: int,
-                    skip_warmup: bool, data_cache_path: Optional[str]) -> List[Optional[GPTDataset]]:
-    indexed = _open(prefix, skip_warmup)
+                    skip_warmup: bool, data_cache_path: Optional[str],
+                    vocab_size: Optional[int] = None) -> List[Optional[GPTDataset]]:
+    indexed = _open(prefix, skip_warmup, vocab_size, data_cache_path)
     bounds = split_boundaries(splits_string, len(indexed))
     datasets: List[Optional[GPTDataset]] = []
     for index, name in enumerate(SPLIT_NAMES):
@@ -105,7 +135,7 @@ def _blend(name: str, parts: List[Optional[GPTDataset]], weights: Sequence[float
 
 
 def _whole_dataset(name: str, spec: PrefixSpec, num_samples: int, seq_length: int, seed: int, skip_warmup: bool,
-                   data_cache_path: Optional[str]):
+                   data_cache_path: Optional[str], vocab_size: Optional[int] = None):
     prefixes, weights = parse_data_prefix(spec)
     if not prefixes or num_samples <= 0:
         return None
@@ -114,10 +144,11 @@ def _whole_dataset(name: str, spec: PrefixSpec, num_samples: int, seq_length: in
         counts = [0, 0, 0]
         counts[index] = num_samples
         split = ",".join("1" if i == index else "0" for i in range(3))  # every document in this split
-        return _split_datasets(prefixes[0], split, counts, seq_length, seed, skip_warmup, data_cache_path)[index]
+        return _split_datasets(prefixes[0], split, counts, seq_length, seed, skip_warmup, data_cache_path,
+                               vocab_size)[index]
     weights = weights or [1.0] * len(prefixes)
     counts = blend_sample_counts(weights, [num_samples])
-    parts = [_whole_dataset(name, [p], c[0], seq_length, seed, skip_warmup, data_cache_path)
+    parts = [_whole_dataset(name, [p], c[0], seq_length, seed, skip_warmup, data_cache_path, vocab_size)
              for p, c in zip(prefixes, counts)]
     return _blend(name, parts, weights, sum(c[0] for c in counts), prefixes, seed, data_cache_path)
 
@@ -126,7 +157,7 @@ def build_train_valid_test_datasets(data_prefix: PrefixSpec, splits_string: str,
                                     train_valid_test_num_samples: Sequence[int], seq_length: int, seed: int,
                                     skip_warmup: bool, train_data_prefix: PrefixSpec = None,
                                     valid_data_prefix: PrefixSpec = None, test_data_prefix: PrefixSpec = None,
-                                    data_cache_path: Optional[str] = None):
+                                    data_cache_path: Optional[str] = None, vocab_size: Optional[int] = None):
     """(train, valid, test) datasets; each item is ``{"text": int64 array of seq_length + 1}``; None if empty.
 
     Args:
@@ -140,6 +171,8 @@ def build_train_valid_test_datasets(data_prefix: PrefixSpec, splits_string: str,
         train_data_prefix, valid_data_prefix, test_data_prefix: whole datasets per split (instead of
             splitting ``data_prefix``).
         data_cache_path: directory for the cached indices (default: ``index-cache/`` beside each dataset).
+        vocab_size: when given, every dataset's token ids are checked to lie below it (see
+            :func:`check_token_ids`).
 
     Raises:
         DataError: for missing or corrupt datasets, malformed prefix lists or bad split strings.
@@ -151,10 +184,10 @@ def build_train_valid_test_datasets(data_prefix: PrefixSpec, splits_string: str,
     if prefixes:
         if len(prefixes) == 1:
             return tuple(_split_datasets(prefixes[0], splits_string, counts, seq_length, seed, skip_warmup,
-                                         data_cache_path))
+                                         data_cache_path, vocab_size))
         weights = weights or [1.0] * len(prefixes)
         per_dataset = blend_sample_counts(weights, counts)
-        parts = [_split_datasets(p, splits_string, c, seq_length, seed, skip_warmup, data_cache_path)
+        parts = [_split_datasets(p, splits_string, c, seq_length, seed, skip_warmup, data_cache_path, vocab_size)
                  for p, c in zip(prefixes, per_dataset)]
         return tuple(
             _blend(name, [part[i] for part in parts], weights, sum(c[i] for c in per_dataset), prefixes, seed,
@@ -163,5 +196,5 @@ def build_train_valid_test_datasets(data_prefix: PrefixSpec, splits_string: str,
     specs = (train_data_prefix, valid_data_prefix, test_data_prefix)
     if not any(parse_data_prefix(s)[0] for s in specs):
         raise DataError("no data: give --data-path, or --train-data-path/--valid-data-path/--test-data-path")
-    return tuple(_whole_dataset(name, spec, n, seq_length, seed, skip_warmup, data_cache_path)
+    return tuple(_whole_dataset(name, spec, n, seq_length, seed, skip_warmup, data_cache_path, vocab_size)
                  for name, spec, n in zip(SPLIT_NAMES, specs, counts))

@@ -9,7 +9,7 @@ each array file: an entry whose description is missing, different, or whose arra
 recorded digests is stale or corrupt, and is rebuilt.
 
 With ``torch.distributed`` initialised, global rank 0 builds a missing entry while the other ranks wait
-at a barrier, then every rank loads it (a rank that still cannot load it, e.g. on a node that does not
+in an agreement (``domino.parallel.agreement``: a failure on rank 0 stops every rank), then every rank loads it (a rank that still cannot load it, e.g. on a node that does not
 share the cache directory, builds its own copy).
 """
 
@@ -26,6 +26,7 @@ import numpy as np
 
 from domino.atomic_files import atomic_write
 from domino.data.provenance import file_sha256
+from domino.parallel.agreement import agree
 
 logger = logging.getLogger(__name__)
 
@@ -128,12 +129,12 @@ def load_or_build(cache_dir: str, description: Dict, build: Callable[[], Arrays]
             entry); the names become file names, ``{key}_{name}.npy``.
         validate: optional check of loaded arrays (raises ``ValueError`` to reject an entry).
     """
-    distributed = _distributed()
-    if distributed:
+    if _distributed():
         import torch.distributed as dist
 
-        arrays = _load_or_build_here(cache_dir, description, build, validate) if dist.get_rank() == 0 else None
-        dist.barrier()
+        # An agreement, not a barrier: when rank 0 cannot build, every rank stops with rank 0's reason.
+        arrays = agree(f"building the index cache in {cache_dir}", lambda: _load_or_build_here(
+            cache_dir, description, build, validate) if dist.get_rank() == 0 else None)
         if arrays is not None:
             return arrays
     return _load_or_build_here(cache_dir, description, build, validate)

@@ -323,6 +323,20 @@ class IndexedDataset:
         return self._tokens[start:end]
 
 
+    def first_token_outside(self, vocab_size: int, block_tokens: int) -> Optional[tuple]:
+        """``(position, token id)`` of the first token id outside ``[0, vocab_size)``, or None.
+
+        Reads ``.bin`` ``block_tokens`` at a time and releases the pages read, so memory stays flat.
+        """
+        for start in range(0, self.num_tokens, block_tokens):
+            block = self._tokens[start:start + block_tokens]
+            bad = (block >= vocab_size) | (block < 0) if self.dtype.kind in "if" else block >= vocab_size
+            if bad.any():
+                position = start + int(np.argmax(bad))
+                return position, self._tokens[position].item()
+            self.release_memory()
+        return None
+
     def release_memory(self) -> None:
         """Drops this process's mapped pages of ``.bin`` (they stay in the page cache; reads refault them).
 

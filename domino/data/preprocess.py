@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import logging
 import os
 import sys
@@ -32,6 +31,7 @@ from domino.atomic_files import remove_quietly
 from domino.data.builtin_corpora import builtin_corpus_bytes, builtin_documents
 from domino.data.errors import DataError
 from domino.data.indexed_dataset import IndexedDatasetWriter, index_file_path, token_dtype
+from domino.data.limits import MAX_DOCUMENT_CHARS
 from domino.data.provenance import DatasetMeta, file_sha256, meta_path, tokenizer_sha256, write_meta
 from domino.data.text_inputs import BadLineCounter, Document, expand_inputs, input_bytes, read_documents
 from domino.data.tokenizer import Tokenizer, build_tokenizer
@@ -104,7 +104,30 @@ def _batches(documents: Iterator[Document]) -> Iterator[List[Document]]:
         yield batch
 
 
-def _encode_batch(tokenizer: Tokenizer, batch: List[Document], key_count: int, append_eod: bool, dtype: np.dtype):
+def _pieces(text: str, max_chars: int) -> Iterator[str]:
+    """``text`` in consecutive slices of at most ``max_chars``, each cut before its last space or newline
+    when it has one, so that (as GPT-2's pre-tokenizer attaches a space to the word after it) the slices
+    encode to the same tokens as the whole text in the common case."""
+    start = 0
+    while len(text) - start > max_chars:
+        end = start + max_chars
+        cut = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+        end = cut if cut > start else end
+        yield text[start:end]
+        start = end
+    yield text[start:]
+
+
+def _encode(tokenizer: Tokenizer, texts: List[str], max_chars: int, dtype: np.dtype) -> List[np.ndarray]:
+    """Token ids of each text; a text over ``max_chars`` is encoded slice by slice and the ids joined."""
+    if all(len(text) <= max_chars for text in texts):
+        return [np.asarray(ids, dtype=dtype) for ids in tokenizer.encode_batch(texts)]
+    return [np.concatenate([np.asarray(tokenizer.encode_batch([piece])[0], dtype=dtype)
+                            for piece in _pieces(text, max_chars)]) for text in texts]
+
+
+def _encode_batch(tokenizer: Tokenizer, batch: List[Document], key_count: int, append_eod: bool, dtype: np.dtype,
+                  max_chars: int = MAX_DOCUMENT_CHARS):
     """Encodes one batch as Megatron does; per key returns (tokens, sequence lengths, sequences per document).
 
     A text is one sequence; a list of texts (Megatron's sentences) is one sequence per non-empty item.
@@ -112,6 +135,7 @@ def _encode_batch(tokenizer: Tokenizer, batch: List[Document], key_count: int, a
     gets no sequence at all (an empty entry in the document index, as Megatron writes it).
     """
     out = []
+    eod = np.asarray([tokenizer.eod], dtype=dtype)
     for k in range(key_count):
         pieces: List[str] = []
         counts: List[int] = []
@@ -120,21 +144,33 @@ def _encode_batch(tokenizer: Tokenizer, batch: List[Document], key_count: int, a
             sentences = [text] if isinstance(text, str) else list(text)
             pieces.extend(sentences)
             counts.append(len(sentences))
-        encoded = tokenizer.encode_batch(pieces)
-        sequences: List[List[int]] = []
+        encoded = _encode(tokenizer, pieces, max_chars, dtype)
+        sequences: List[np.ndarray] = []
         per_document = np.zeros(len(batch), dtype=np.int64)
         position = 0
         for index, count in enumerate(counts):
-            kept = [ids for ids in encoded[position:position + count] if ids]
+            kept = [ids for ids in encoded[position:position + count] if len(ids)]
             position += count
             if kept and append_eod:
-                kept[-1].append(tokenizer.eod)
+                kept[-1] = np.concatenate([kept[-1], eod])
             sequences.extend(kept)
             per_document[index] = len(kept)
         lengths = np.fromiter((len(ids) for ids in sequences), dtype=np.int64, count=len(sequences))
-        flat = np.fromiter(itertools.chain.from_iterable(sequences), dtype=dtype, count=int(lengths.sum()))
+        flat = np.concatenate(sequences) if sequences else np.zeros(0, dtype=dtype)
         out.append((flat, lengths, per_document))
     return out
+
+
+def _check_json_key(key: str) -> None:
+    """A key becomes part of the output file name: no path separators, no ``..``, nothing empty."""
+    separators = {"/", "\\", "\0", os.sep, os.altsep or "/"}
+    if not key or any(sep in key for sep in separators) or ".." in key:
+        raise DataError(f"--json-keys: key {key!r} may not be empty or contain a path separator or '..' "
+                        "(it becomes part of the output file name)")
+
+
+def _available_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @contextlib.contextmanager
@@ -162,7 +198,8 @@ def _progress_bar(total: int, progress: Optional[bool]):
 def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: str = "gpt2",
                json_keys: Sequence[str] = ("text",), append_eod: bool = True, workers: int = 1,
                skip_bad_lines: bool = False, builtin_corpus: Optional[str] = None,
-               progress: Optional[bool] = None, txt_document_per_file: bool = False) -> PreprocessResult:
+               progress: Optional[bool] = None, txt_document_per_file: bool = False,
+               max_document_chars: int = MAX_DOCUMENT_CHARS) -> PreprocessResult:
     """Tokenises documents into Megatron-compatible indexed datasets.
 
     Args:
@@ -176,6 +213,8 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
         builtin_corpus: name of a built-in corpus (see ``list_builtin_corpora()``) to use instead of inputs.
         progress: show a progress bar (default: only when stderr is a terminal).
         txt_document_per_file: a whole ``.txt`` file is one document (default: blank-line-separated blocks).
+        max_document_chars: the most text the tokenizer gets in one call; a longer document (one huge JSON
+            line, a ``.txt`` without blank lines) is encoded slice by slice into the same one document.
 
     Returns:
         a :class:`PreprocessResult`.
@@ -191,8 +230,15 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
         raise DataError("give either input files or --builtin-corpus (exactly one of them)")
     if not json_keys or len(set(json_keys)) != len(json_keys):
         raise DataError(f"--json-keys must name distinct keys, got {list(json_keys)}")
+    for key in json_keys:
+        _check_json_key(key)
     if workers < 1:
         raise DataError(f"--workers must be >= 1, got {workers}")
+    if max_document_chars < 1:
+        raise DataError(f"--max-document-chars must be >= 1, got {max_document_chars}")
+    if workers > _available_cpus():  # more threads than cores only adds memory (2 batches in flight each)
+        logger.warning("--workers %d capped at the %d CPUs available", workers, _available_cpus())
+        workers = _available_cpus()
     if not output_prefix or output_prefix.endswith(os.sep):
         raise DataError(f"--output-prefix must name a file prefix, got {output_prefix!r}")
     bad = BadLineCounter()
@@ -229,7 +275,8 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
                 bar.set_postfix(docs=written, tok_s=f"{rate:,.0f}", refresh=False)
 
             for batch in _batches(documents):
-                pending.append((pool.submit(_encode_batch, tok, batch, len(json_keys), append_eod, dtype),
+                pending.append((pool.submit(_encode_batch, tok, batch, len(json_keys), append_eod, dtype,
+                                            max_document_chars),
                                 sum(d.nbytes for d in batch)))
                 while len(pending) > 2 * workers:  # keep every worker busy, bound memory
                     drain_one()

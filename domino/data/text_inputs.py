@@ -124,6 +124,9 @@ def _json_texts(line: str, path: str, line_number: int, keys: Sequence[str]) -> 
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise DataError(f"{path}:{line_number}: malformed JSON ({error.msg} at column {error.colno})") from None
+    except (ValueError, RecursionError) as error:  # an integer of over 4300 digits, nesting deeper than ~1000
+        raise DataError(f"{path}:{line_number}: unreadable JSON ({type(error).__name__}: "
+                        f"{' '.join(str(error).split())[:100]})") from None
     if not isinstance(record, dict):
         raise DataError(f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}")
     texts = []

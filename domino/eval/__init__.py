@@ -17,8 +17,8 @@ _EXPORTS = {
     "generate_ids": "domino.eval.generate",
     "generate_samples": "domino.eval.generate",
     "SamplingConfig": "domino.eval.sampling",
-    "export_hf": "domino.eval.hf_interop",
-    "import_hf": "domino.eval.hf_interop",
+    "export_hf": "domino.checkpoint.hf_interop",
+    "import_hf": "domino.checkpoint.hf_interop",
     "write_report": "domino.eval.report",
     "read_metrics": "domino.eval.report_plots",
 }

@@ -141,7 +141,7 @@ def evaluate_checkpoint(
     """
     from domino.data.batch import get_batch
     from domino.data.loader import build_pretraining_data_loader
-    from domino.model.weights_io import build_model_from_checkpoint, read_checkpoint_meta, resolve_checkpoint_dir
+    from domino.checkpoint.weights_io import build_model_from_checkpoint, read_checkpoint_meta, resolve_checkpoint_dir
 
     if micro_batch_size < 1:
         raise ConfigError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
@@ -172,7 +172,7 @@ def evaluate_checkpoint(
         ckpt_dir, tp_rank, tp_size, device=device or default_device(), dtype=dtype, tokenizer_spec=tokenizer_spec)
     per_step = micro_batch_size * state.get_data_parallel_world_size()
 
-    # Every rank builds the dataset (the index cache is built by global rank 0 behind a barrier that all
+    # Every rank builds the dataset (the index cache is built by global rank 0 in an agreement that all
     # ranks join) and so knows the number of steps; only TP rank 0 reads batches, get_batch broadcasts them.
     test, steps = _open_test_data(selection, what, seq, config.train.seed if seed is None else seed,
                                   data_cache_path, micro_batch_size, max_batches, max_samples)

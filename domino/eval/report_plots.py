@@ -22,34 +22,35 @@ Record = Dict[str, Any]
 def read_metrics(path: Path) -> Tuple[List[Record], List[Record]]:
     """Reads a ``--metrics-file`` JSONL into (training records, evaluation records).
 
-    A truncated last line (a run still writing) is skipped with a warning; any other unreadable line is
-    an error naming the file and line.
+    Lines that are not JSON objects (a truncated last line of a run still writing, a line garbled by a
+    full disk or by hand) are skipped and counted in a warning naming the file and the first such line.
 
     Raises:
-        ConfigError: when the file is missing or a line in the middle is not a JSON object.
+        ConfigError: when the file is missing.
     """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--metrics-file {path} does not exist")
-    lines = path.read_text(encoding="utf-8").splitlines()
     train: List[Record] = []
     evals: List[Record] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            if number == len(lines):
-                logger.warning("%s: skipping unfinished last line %d", path, number)
+    skipped: List[str] = []
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
                 continue
-            raise ConfigError(f"--metrics-file {path}, line {number}: not JSON ({error})") from None
-        if not isinstance(record, dict):
-            raise ConfigError(f"--metrics-file {path}, line {number}: expected a JSON object")
-        if "eval" in record:
-            evals.append(record)
-        elif "iteration" in record:
-            train.append(record)
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError) as error:  # JSONDecodeError, huge integers, deep nesting
+                skipped.append(f"line {number}: not JSON ({' '.join(str(error).split())[:80]})")
+                continue
+            if not isinstance(record, dict):
+                skipped.append(f"line {number}: not a JSON object")
+            elif "eval" in record:
+                evals.append(record)
+            elif "iteration" in record:
+                train.append(record)
+    if skipped:
+        logger.warning("%s: skipped %d malformed line(s), first %s", path, len(skipped), skipped[0])
     return train, evals
 
 

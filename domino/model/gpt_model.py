@@ -6,7 +6,7 @@ pieces are swapped in :mod:`domino.model.transformer`). Tensor parallelism happe
 :mod:`domino.parallel.layers`; with ``domino_chunks > 1`` the layer stack runs on the overlapped schedule of
 :mod:`domino.model.domino_stack` (same parameters, same results).
 
-Parameter names (stable; checkpoints and :mod:`domino.model.sharding` rely on them)::
+Parameter names (stable; checkpoints and :mod:`domino.checkpoint.sharding` rely on them)::
 
     embedding.word_embeddings.weight            [V/tp, h]   split on dim 0
     embedding.position_embeddings.weight        [P, h]      learned_absolute only

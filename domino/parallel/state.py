@@ -66,6 +66,21 @@ def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _check_nccl_error_handling(environ) -> None:
+    """Makes a failed or timed-out NCCL collective end the process instead of hanging it.
+
+    torch's NCCL watchdog reads ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (legacy ``NCCL_ASYNC_ERROR_HANDLING``):
+    3 (SkipCleanUp, torch's default) and 1 (TearDown) tear the process down once a collective exceeds the
+    group's timeout; 0 (NoHandling) and 2 (CleanUpOnly) leave it running (torch 2.13
+    ``csrc/distributed/c10d/ProcessGroupNCCL.hpp``, ``ErrorHandlingMode``). An explicit 0 or 2 is kept,
+    with a warning.
+    """
+    value = environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", environ.get("NCCL_ASYNC_ERROR_HANDLING", "3"))
+    if value in ("0", "2"):
+        logger.warning("TORCH_NCCL_ASYNC_ERROR_HANDLING=%s: a hung NCCL collective will not end the process "
+                       "(1 or 3 make --distributed-timeout-minutes stop it)", value)
+
+
 def initialize_distributed(backend: Optional[str] = None, timeout_minutes: int = 30) -> None:
     """Initialises ``torch.distributed`` from the torchrun environment (or as a lone process).
 
@@ -85,12 +100,17 @@ def initialize_distributed(backend: Optional[str] = None, timeout_minutes: int =
         raise ConfigError(f"torch.distributed needs {', '.join(missing)} in the environment (run under torchrun)")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        _check_nccl_error_handling(os.environ)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     logger.info("torch.distributed initialised: backend=%s world_size=%d", backend, dist.get_world_size())
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, timeout_minutes: Optional[int] = None) -> None:
     """Creates the TP and DP groups over the current world.
+
+    ``timeout_minutes`` bounds every collective of these groups. It must be passed: ``dist.new_group``
+    without a timeout takes torch's default (30 minutes for gloo, 10 for NCCL; torch 2.13
+    ``distributed_c10d._new_group_with_tag`` -> ``_get_default_timeout``), not the world group's.
 
     Also reads ``DOMINO_SIMULATED_NETWORK`` (once, here) and emulates that link
     for the TP collectives (:mod:`domino.parallel.network_emulator`).
@@ -109,16 +129,17 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
         _STATE = _Groups(None, [0], None, [0])
         return
     rank = dist.get_rank()
+    timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
     mine = None
     # Every rank must create every group, in the same order (new_group is collective).
     for start in range(0, world, tp):
         ranks = list(range(start, start + tp))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = _Groups(group, ranks, None, [])
     for offset in range(tp):
         ranks = list(range(offset, world, tp))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine.dp_group, mine.dp_ranks = group, ranks
     mine.tp_link = link

@@ -64,7 +64,10 @@ def check_this_device(config: DominoConfig) -> None:
 
 
 def initialize_runtime(config: DominoConfig) -> None:
-    """Initialises torch.distributed, DeepSpeed's comm layer and the TP x DP groups for ``config``."""
+    """Initialises torch.distributed, DeepSpeed's comm layer and the TP x DP groups for ``config`` (once)."""
+    if (state.model_parallel_is_initialized()
+            and state.get_tensor_model_parallel_world_size() == config.parallel.tensor_model_parallel_size):
+        return  # `domino pretrain` initialises before its agreed data checks, then calls pretrain()
     set_overlap_environment()
     check_this_device(config)
     _skip_shared_memory_op()
@@ -72,7 +75,8 @@ def initialize_runtime(config: DominoConfig) -> None:
 
     state.initialize_distributed(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
-    state.initialize_model_parallel(config.parallel.tensor_model_parallel_size)
+    state.initialize_model_parallel(config.parallel.tensor_model_parallel_size,
+                                    timeout_minutes=config.parallel.distributed_timeout_minutes)
 
 
 def gradient_accumulation_steps(config: DominoConfig) -> int:

@@ -63,6 +63,7 @@ class GPTRecipe:
 
     Attributes:
         tokenizer: the run's tokenizer (``None`` with ``--mock-data`` and an explicit ``--vocab-size``).
+        vocab_size: the vocabulary the datasets' token ids are checked against.
         padded_vocab_size: the vocabulary padded as Megatron's ``--make-vocab-size-divisible-by`` does.
         eod: the end-of-document token id.
     """
@@ -86,6 +87,7 @@ class GPTRecipe:
                               "ids (a LLaMA preset's "
                               "--vocab-size is its own tokenizer's: give that with --tokenizer-type "
                               "HuggingFaceTokenizer --tokenizer-model, or drop --vocab-size)")
+        self.vocab_size = vocab  # the datasets' token ids must lie below it
         self.padded_vocab_size = padded_vocab_size(vocab, config)
         self.eod = self.tokenizer.eod if self.tokenizer is not None else vocab - 1
 
@@ -117,7 +119,7 @@ class GPTRecipe:
             data_prefix=d.data_path or None, splits_string=d.split, train_valid_test_num_samples=list(num_samples),
             seq_length=seq, seed=self.config.train.seed, skip_warmup=not d.mmap_warmup,
             train_data_prefix=d.train_data_path or None, valid_data_prefix=d.valid_data_path or None,
-            test_data_prefix=d.test_data_path or None, data_cache_path=d.data_cache_path)
+            test_data_prefix=d.test_data_path or None, data_cache_path=d.data_cache_path, vocab_size=self.vocab_size)
 
     def forward_step(self, data_iterator, model):
         """One micro-batch forward: ``(per-token losses, partial(loss_func, loss_mask))``."""

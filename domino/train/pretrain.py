@@ -22,12 +22,14 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from domino.checkpoint import checkpointing, resume
 from domino.config import ConfigError, DominoConfig, validate
 from domino.data.loader import build_pretraining_data_loader
 from domino.parallel import random as tp_random
 from domino.parallel.collectives import pop_comm_wait_seconds, pop_modelled_comm_seconds
 from domino.parallel import state
-from domino.train import checkpointing, engine as engine_setup
+from domino.parallel.agreement import PeerLostError, agree, find_lost_ranks, hosts, is_lost_peer_error
+from domino.train import engine as engine_setup
 from domino.train.evaluation import evaluate, perplexity
 from domino.train.interval_stats import IntervalReading, IntervalStats
 from domino.train.metrics import MetricsWriter, format_iteration_line
@@ -101,9 +103,12 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
         TrainingDivergedError: after ``--max-nan-steps`` consecutive non-finite losses.
     """
     engine_setup.initialize_runtime(config)
-    validate(config, world_size=dist.get_world_size(), for_training=True)
+    # Each check ends in an agreement: a rank that fails stops every rank with the same one-line error.
+    agree("checking the configuration", lambda: validate(config, world_size=dist.get_world_size(),
+                                                         for_training=True))
     # Fail on a garbage --load before building anything.
-    resume_from, warm_start = checkpointing.find_checkpoint(config)
+    resume_from, warm_start = agree("choosing the checkpoint to resume",
+                                    lambda: resume.find_checkpoint(config))
     tp_random.model_parallel_seed(config.train.seed)
 
     with state.collective_device():  # parameters are created and initialised on their device, shard by shard
@@ -111,7 +116,7 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     engine = engine_setup.build_engine(model, config)
     iteration, consumed = 0, 0
     if resume_from is not None:
-        iteration, consumed = checkpointing.load_checkpoint(engine, config, resume_from, padded_vocab_size,
+        iteration, consumed = resume.load_checkpoint(engine, config, resume_from, padded_vocab_size,
                                                             weights_only=warm_start)
     elif config.checkpoint.load:
         logger.info("--load %s holds no checkpoint yet: starting from scratch", config.checkpoint.load)
@@ -132,11 +137,12 @@ class _Trainer:
         self.train_iters = _train_iters(config, self.gbs)
         self.schedule = LearningRateSchedule.from_config(t, self.train_iters, self.gbs)
         eval_samples = t.eval_iters * self.gbs if t.eval_interval or t.eval_iters else 0
-        # Every rank builds the datasets (index caches are built once, behind a world-wide barrier), so every
+        # Every rank builds the datasets (index caches are built once, behind a world-wide agreement), so every
         # rank knows which splits are empty; only TP rank 0 reads batches and broadcasts them to its TP group.
         self.is_data_rank = state.get_tensor_model_parallel_rank() == 0
-        self.train_ds, self.valid_ds, self.test_ds = dataset_builder(
-            (self.train_iters * self.gbs, eval_samples, eval_samples))
+        self.train_ds, self.valid_ds, self.test_ds = agree("building the datasets", lambda: dataset_builder(
+            (self.train_iters * self.gbs, eval_samples, eval_samples)))
+        self.hosts = hosts()  # to name the node of a rank lost later
         self.timers = Timers(lg.timing_log_level)
         self.writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, enabled=dist.get_rank() == 0,
                                     log_timers=lg.log_timers_to_tensorboard)
@@ -286,17 +292,37 @@ class _Trainer:
     def run(self, iteration: int, consumed: int) -> TrainingResult:
         """Trains from ``iteration`` (``consumed`` samples done) to ``--train-iters``."""
         self.sigterm_received = False
-        if not self.config.train.exit_signal_handler:
-            return self._run(iteration, consumed)
+        self.completed = iteration  # the last iteration every rank finished, for a lost-peer report
+        previous = None
+        if self.config.train.exit_signal_handler:
+            def on_sigterm(signum, frame):
+                self.sigterm_received = True  # acted on at the end of the current iteration
 
-        def on_sigterm(signum, frame):
-            self.sigterm_received = True  # acted on at the end of the current iteration
-
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
+            previous = signal.signal(signal.SIGTERM, on_sigterm)
         try:
             return self._run(iteration, consumed)
+        except RuntimeError as error:
+            if not is_lost_peer_error(error):
+                raise
+            raise self._lost_peer(error) from None
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _lost_peer(self, error: RuntimeError) -> PeerLostError:
+        """The one-line report of a peer that went away: who, the last iteration, where a restart resumes."""
+        lost = find_lost_ranks()
+        if lost is None:
+            who = f"rank 0's node {self.hosts[0]} (it holds the rendezvous store)"
+        elif lost:
+            who = ", ".join(f"rank {r} (node {self.hosts[r]})" for r in lost)
+        else:
+            who = "a peer (every rank still answers the rendezvous store)"
+        transport = next((m for m in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+                          if m in str(error)), " ".join(str(error).split())[:120])
+        return PeerLostError(
+            f"lost {who} during training after iteration {self.completed} (rank {dist.get_rank()} saw: "
+            f"{transport}); {checkpointing.resume_hint(self.config)}")
 
     def _run(self, iteration: int, consumed: int) -> TrainingResult:
         config, t, lg, c = self.config, self.config.train, self.config.logging, self.config.checkpoint
@@ -318,6 +344,7 @@ class _Trainer:
             _set_lr(self.engine, lr)
             self.stats.add(self._step(train_iter), iteration + 1)
             iteration += 1
+            self.completed = iteration
             consumed += self.gbs
             logged = iteration % lg.log_interval == 0 or iteration == self.train_iters
             if logged:

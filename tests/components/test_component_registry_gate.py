@@ -100,3 +100,34 @@ def test_layout_rejects_unusable_run_ids():
     with pytest.raises(ValueError, match="shared_root"):
         RunLayout("", "r")
     assert RunLayout("/mnt/domino", "r").data_dir == "/mnt/domino/runs/r/data"
+
+
+def test_promote_rechecks_the_incumbent_under_the_lock(tmp_path):
+    """Run b's gate saw run a; run c was promoted meanwhile: b is promoted only if it beats c."""
+    path = str(tmp_path / "promoted.json")
+    promote(path, _entry("a", 30.0))
+    promote(path, _entry("c", 20.0), gate_incumbent="a")  # c's own gate saw a: fine
+    with pytest.raises(RegistryError, match="run c \\(perplexity 20.0000\\) was promoted after the gate compared "
+                                            "run b \\(perplexity 25.0000\\) with a; not promoting"):
+        promote(path, _entry("b", 25.0), gate_incumbent="a")
+    assert current_model(path).run_id == "c"
+    promote(path, _entry("d", 15.0), gate_incumbent="a")  # better than the new incumbent too
+    assert current_model(path).run_id == "d"
+
+
+def test_promote_waits_for_the_lock(tmp_path):
+    import fcntl
+    import threading
+
+    path = str(tmp_path / "promoted.json")
+    done = threading.Event()
+    holder = os.open(str(tmp_path), os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another writer inside its read-check-write
+    writer = threading.Thread(target=lambda: (promote(path, _entry("a", 3.0), gate_incumbent=""), done.set()))
+    writer.start()
+    try:
+        assert not done.wait(1.0) and current_model(path) is None  # still blocked: nothing written
+    finally:
+        os.close(holder)
+    writer.join(30)
+    assert done.is_set() and current_model(path).run_id == "a"

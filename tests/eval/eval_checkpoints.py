@@ -15,7 +15,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from domino.config import DominoConfig, config_to_dict, padded_vocab_size
 from domino.data.tokenizer import Tokenizer
 from domino.model import GPTModel
-from domino.model import weights_io as wio
+from domino.checkpoint import weights_io as wio
 
 TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
         "arrows of outrageous fortune, or to take arms against a sea of troubles and by opposing end them. ") * 4
@@ -68,7 +68,7 @@ def tiny_model(config: DominoConfig, vocab_size: int, seed: int = 0, std: float 
 def save_checkpoint(root: Path, model: GPTModel, config: DominoConfig, tp: int = 1, iteration: int = 1,
                     tokenizer: Optional[Tokenizer] = None) -> Path:
     """Saves ``model`` (TP=1 in memory) as a checkpoint sharded ``tp`` ways, the way training would."""
-    from domino.model.sharding import shard_state_dict
+    from domino.checkpoint.sharding import shard_state_dict
 
     ckpt = root / wio.checkpoint_tag(iteration)
     full = model.state_dict()

@@ -8,8 +8,8 @@ import transformers
 
 from domino.config import ConfigError
 from domino.eval.generate import generate_ids
-from domino.eval.hf_interop import export_hf, import_hf
-from domino.model import weights_io as wio
+from domino.checkpoint.hf_interop import export_hf, import_hf
+from domino.checkpoint import weights_io as wio
 from eval_checkpoints import save_checkpoint, tiny_config, tiny_model, tiny_tokenizer
 
 

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from domino.config import ConfigError
-from domino.eval.hf_interop import export_hf, import_hf
-from domino.model import weights_io as wio
+from domino.checkpoint.hf_interop import export_hf, import_hf
+from domino.checkpoint import weights_io as wio
 from eval_checkpoints import run_cli, save_checkpoint, tiny_config, tiny_model, tiny_tokenizer
 
 

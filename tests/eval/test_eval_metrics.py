@@ -11,7 +11,7 @@ from domino.eval.generate import generate_ids
 from domino.eval.metrics import MetricTotals, evaluate_batches, vocab_parallel_argmax
 from domino.eval.runtime import setup_tensor_parallel
 from domino.eval.sampling import SamplingConfig
-from domino.model import weights_io as wio
+from domino.checkpoint import weights_io as wio
 from eval_checkpoints import save_checkpoint, tiny_config, tiny_model
 
 VOCAB = 100

@@ -113,8 +113,17 @@ def test_report_without_metrics_or_extras(tmp_path):
 def test_report_bad_metrics_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         write_report(tmp_path / "r.html", tmp_path / "missing.jsonl")
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"iteration": 1}\nnot json\n{"iteration": 2}\n')
-    with pytest.raises(ConfigError, match="line 2"):
-        write_report(tmp_path / "r.html", bad)
     assert not (tmp_path / "r.html").exists()
+
+
+def test_report_skips_and_counts_malformed_metrics_lines(tmp_path, caplog):
+    from domino.eval.report_plots import read_metrics
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"iteration": 1, "lm_loss": 5.0}\nnot json\n[1, 2]\n' + "[" * 100000 + "\n"
+                   '{"iteration": 2, "lm_loss": 4.0}\n{"eval": "valid", "iteration": 2, "lm_loss": 4.5}\n{"iter')
+    train, evals = read_metrics(bad)
+    assert [r["iteration"] for r in train] == [1, 2] and len(evals) == 1
+    assert "skipped 4 malformed line(s), first line 2: not JSON" in caplog.text
+    write_report(tmp_path / "r.html", bad)
+    assert (tmp_path / "r.html").exists()

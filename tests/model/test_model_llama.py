@@ -12,7 +12,7 @@ import torch
 
 from distributed_helpers import run_distributed
 from domino.model import GPTModel
-from domino.model.sharding import merge_tp_shards
+from domino.checkpoint.sharding import merge_tp_shards
 from domino.parallel import state
 from model_fixtures import VOCAB, assert_close_rel, logits_losses_grads, random_batch, tiny_config
 
@@ -30,7 +30,7 @@ CHUNKS = (1, 2)
 
 
 def _tp2_body(rank, world_size, variants, references):
-    from domino.model.sharding import shard_state_dict
+    from domino.checkpoint.sharding import shard_state_dict
 
     state.initialize_model_parallel(2)
     results = {}

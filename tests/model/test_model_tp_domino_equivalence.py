@@ -11,7 +11,7 @@ import torch
 
 from distributed_helpers import run_distributed
 from domino.model import GPTModel
-from domino.model.sharding import merge_tp_shards, shard_state_dict
+from domino.checkpoint.sharding import merge_tp_shards, shard_state_dict
 from domino.parallel import state
 from model_fixtures import VOCAB, assert_close_rel, logits_losses_grads, random_batch, tiny_config
 
@@ -20,7 +20,7 @@ REL = 1e-5
 
 
 def _tp2_body(rank, world_size, full_sd, batch):
-    from domino.model.sharding import shard_state_dict as shard
+    from domino.checkpoint.sharding import shard_state_dict as shard
 
     state.initialize_model_parallel(2)
     results = {}

@@ -49,19 +49,19 @@ MUTATIONS: List[Mutation] = [
              "    temporary = temporary_name(path)\n    try:\n        with open(temporary, mode)",
              "    temporary = path\n    try:\n        with open(temporary, mode)",
              ["tests/test_atomic_files.py"]),
-    Mutation("checkpoint-latest-before-rename", "domino/train/checkpointing.py",
-             "        os.replace(tmp, final)\n        fsync_directory(root)\n"
-             "        weights_io.write_latest(root, tag)\n",
-             "        weights_io.write_latest(root, tag)\n"
-             "        os.replace(tmp, final)\n        fsync_directory(root)\n",
+    Mutation("checkpoint-latest-before-rename", "domino/checkpoint/checkpointing.py",
+             "    os.replace(tmp, final)\n    fsync_directory(root)\n"
+             "    weights_io.write_latest(root, tag)\n",
+             "    weights_io.write_latest(root, tag)\n"
+             "    os.replace(tmp, final)\n    fsync_directory(root)\n",
              ["tests/train/test_checkpoint_commit.py"]),
-    Mutation("checkpoint-prune-before-latest", "domino/train/checkpointing.py",
-             "        weights_io.write_latest(root, tag)\n"
-             "        _prune(root, config.checkpoint.keep_last, keep=tag)\n",
-             "        _prune(root, config.checkpoint.keep_last, keep=tag)\n"
-             "        weights_io.write_latest(root, tag)\n",
+    Mutation("checkpoint-prune-before-latest", "domino/checkpoint/checkpointing.py",
+             "    weights_io.write_latest(root, tag)\n"
+             "    _prune(root, config.checkpoint.keep_last, keep=tag)\n",
+             "    _prune(root, config.checkpoint.keep_last, keep=tag)\n"
+             "    weights_io.write_latest(root, tag)\n",
              ["tests/train/test_checkpoint_commit.py"]),
-    Mutation("checkpoint-rng-not-restored", "domino/train/checkpointing.py",
+    Mutation("checkpoint-rng-not-restored", "domino/checkpoint/resume.py",
              "    if not c.no_load_rng and same_layout:", "    if False:",
              ["tests/train/test_checkpoint_commit.py"]),
     Mutation("ce-skips-global-max", "domino/parallel/cross_entropy.py",

@@ -1,7 +1,7 @@
 """The checkpoint commit order, fault by fault: a save cut short at any step, then a restart of the same
 command, resumes from an intact checkpoint and reproduces the uninterrupted run's losses exactly.
 
-A save (``domino/train/checkpointing.py``) writes model shards, optimizer and RNG states and
+A save (``domino/checkpoint/checkpointing.py``) writes model shards, optimizer and RNG states and
 ``checkpoint.json`` into ``.tmp-iter_N``, renames it to ``iter_N``, then points ``latest`` at it, then
 prunes old checkpoints. Each step in turn is made to crash (the injected exception propagates out of
 ``pretrain`` like a dying process: nothing in the save catches it) during the save of iteration 4. The
@@ -48,8 +48,8 @@ def _crash_when(monkeypatch, owner, name: str, point: str, condition) -> None:
 def _install_fault(point: str, monkeypatch) -> None:
     """Makes step ``point`` of the save of :data:`CRASH_AT` crash (after a partial effect where a real crash
     could leave one)."""
-    from domino.model import weights_io
-    from domino.train import checkpointing
+    from domino.checkpoint import weights_io
+    from domino.checkpoint import checkpointing
 
     def saving(path) -> bool:
         return f".tmp-{CRASH_AT}" in str(path)

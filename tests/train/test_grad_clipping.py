@@ -10,7 +10,7 @@ import torch
 from distributed_helpers import run_distributed
 from domino.config import ModelConfig
 from domino.model import GPTModel
-from domino.model.sharding import merge_tp_shards, shard_state_dict
+from domino.checkpoint.sharding import merge_tp_shards, shard_state_dict
 from domino.parallel import state
 
 MAX_NORM = 0.05  # well below the unclipped norm, so clipping really scales

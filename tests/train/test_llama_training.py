@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from domino.model import weights_io
+from domino.checkpoint import weights_io
 from train_helpers import run_pretrain, train_losses
 
 # As test_parallel_equivalence.py: an Adam epsilon far above rounding noise keeps the comparison about the math.
@@ -44,7 +44,7 @@ def test_a_preset_vocabulary_smaller_than_the_tokenizer_is_refused(corpus_prefix
 
 def test_loading_a_gpt_checkpoint_into_a_llama_run_names_the_differences(tmp_path):
     from domino.config import ConfigError, config_to_dict, parse_config
-    from domino.train.checkpointing import check_compatible
+    from domino.checkpoint.resume import check_compatible
 
     gpt = parse_config(["--preset", "tiny"])
     llama = parse_config(["--preset", "tiny", "--position-embedding-type", "rope", "--swiglu",

@@ -49,7 +49,7 @@ def _records(out_dir):
 
 
 def _weights(out_dir, iteration):
-    from domino.model import weights_io
+    from domino.checkpoint import weights_io
 
     return weights_io.load_full_state_dict(out_dir / f"iter_{iteration:07d}")
 

@@ -3,7 +3,7 @@
 import torch
 
 from train_helpers import TINY, run_pretrain
-from domino.model import weights_io
+from domino.checkpoint import weights_io
 
 # Adam's first step moves every weight by about lr * sign(grad); gradients that are exactly zero in theory
 # (the key bias under softmax) are rounding noise whose sign differs between layouts. An epsilon far above

@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 
 from domino.checkpoint import manifest
 from domino.config import ConfigError, DominoConfig, ModelConfig, config_from_dict, padded_vocab_size
+from domino.checkpoint import weights_io as wio
 from domino.model import hf_gpt2, hf_llama
-from domino.model import weights_io as wio
 
 logger = logging.getLogger(__name__)
 

@@ -76,17 +76,26 @@ def find_latest_checkpoint(save_root: PathLike) -> Optional[Path]:
     Raises:
         CheckpointError: when ``latest`` exists but is garbage or points at no checkpoint.
     """
-    root = Path(save_root)
-    latest = root / LATEST_FILE
+    target = read_latest(save_root)
+    if target is not None and not (target / META_FILE).is_file():
+        raise CheckpointError(f"{Path(save_root) / LATEST_FILE} points at {target.name}, but "
+                              f"{target / META_FILE} does not exist")
+    return target
+
+
+def read_latest(save_root: PathLike) -> Optional[Path]:
+    """The directory ``save_root/latest`` names (complete or not), or ``None`` when there is no ``latest``.
+
+    Raises:
+        CheckpointError: when ``latest`` does not hold a tag like ``iter_0000100``.
+    """
+    latest = Path(save_root) / LATEST_FILE
     if not latest.is_file():
         return None
     tag = latest.read_text(encoding="utf-8", errors="replace").strip()
     if not _TAG_PATTERN.match(tag):
         raise CheckpointError(f"{latest} should name a checkpoint like iter_0000100, but holds {tag[:60]!r}")
-    target = root / tag
-    if not (target / META_FILE).is_file():
-        raise CheckpointError(f"{latest} points at {tag}, but {target / META_FILE} does not exist")
-    return target
+    return Path(save_root) / tag
 
 
 def resolve_checkpoint_dir(path: PathLike) -> Path:
@@ -227,7 +236,7 @@ def shard_paths(ckpt_dir: PathLike, meta: Optional[Dict[str, Any]] = None) -> Li
 
 def merged_header_shapes(ckpt_dir: PathLike, meta: Dict[str, Any]) -> Dict[str, Tuple[int, ...]]:
     """The unsharded shape of every tensor of a checkpoint, from its shard headers alone (no tensor data)."""
-    from domino.model.sharding import partition_dim
+    from domino.checkpoint.sharding import partition_dim
 
     merged: Dict[str, Tuple[int, ...]] = {}
     for rank, path in enumerate(shard_paths(ckpt_dir, meta)):
@@ -252,7 +261,7 @@ def check_checkpoint_fits(ckpt_dir: PathLike, meta: Dict[str, Any], config, tp_s
         CheckpointError: naming the first field or tensor where metadata and shards disagree.
     """
     from domino.model import GPTModel
-    from domino.model.sharding import partition_dim
+    from domino.checkpoint.sharding import partition_dim
 
     source = Path(ckpt_dir) / META_FILE
     stored = merged_header_shapes(ckpt_dir, meta)
@@ -284,7 +293,7 @@ def load_tp_shards(ckpt_dir: PathLike) -> Tuple[List[Dict[str, torch.Tensor]], D
 
 def load_full_state_dict(ckpt_dir: PathLike) -> Dict[str, torch.Tensor]:
     """The unsharded state dict of a checkpoint (TP shards merged)."""
-    from domino.model.sharding import merge_tp_shards
+    from domino.checkpoint.sharding import merge_tp_shards
 
     shards, _ = load_tp_shards(ckpt_dir)
     return shards[0] if len(shards) == 1 else merge_tp_shards(shards)
@@ -305,7 +314,7 @@ def load_model_shard(ckpt_dir: PathLike, tp_rank: int, tp_size: int) -> Dict[str
         raise CheckpointError(
             f"checkpoint {ckpt_dir}: padded vocabulary {meta['padded_vocab_size']} cannot be split over "
             f"tensor_model_parallel_size={tp_size}")
-    from domino.model.sharding import shard_state_dict
+    from domino.checkpoint.sharding import shard_state_dict
 
     logger.info("resharding %s from TP=%d to TP=%d", ckpt_dir, meta["tensor_model_parallel_size"], tp_size)
     return shard_state_dict(load_full_state_dict(ckpt_dir), tp_rank, tp_size)

@@ -1,0 +1,186 @@
+"""Atomic training checkpoints: model shards, ZeRO optimizer state, RNG states, position in the data.
+
+Layout of a save root (model weights and ``checkpoint.json`` are ``domino.checkpoint.weights_io``'s format)::
+
+    DIR/latest                         tag of the newest complete checkpoint, replaced last, atomically
+    DIR/iter_0000100/checkpoint.json   iteration, consumed samples, TP size, padded vocab, resolved config
+    DIR/iter_0000100/model/            one safetensors file per TP rank
+    DIR/iter_0000100/optim/rank_00003.pt   this rank's optimizer (ZeRO partition) state
+    DIR/iter_0000100/rng/rank_00003.pt     this rank's RNG states
+    DIR/iter_0000100/tokenizer/        the tokenizer, so the checkpoint is self-contained
+
+Every rank writes into ``DIR/.tmp-iter_0000100``; once all ranks agree that their writes succeeded, rank 0
+renames it into place and only then moves ``latest``. A kill at any moment, or a failed write on any rank
+(disk full), therefore leaves the previous checkpoint intact and pointed to. Optimizer states are saved
+as plain tensors and numbers, so :mod:`domino.checkpoint.resume` loads them with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from domino.atomic_files import atomic_write, fsync_directory
+from domino.checkpoint import manifest, weights_io
+from domino.config import DominoConfig, config_to_dict
+from domino.parallel import random as tp_random
+from domino.parallel import state
+from domino.parallel.agreement import AgreedFailure, agree
+
+logger = logging.getLogger(__name__)
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    try:
+        with atomic_write(str(path)) as handle:
+            torch.save(obj, handle)
+    except RuntimeError as error:
+        # torch.save's zip writer turns a failed write (EFBIG, ENOSPC) into "[enforce fail at
+        # inline_container.cc] unexpected pos"; the OSError survives as its context (torch 2.13 serialization.py).
+        cause = error.__context__
+        if isinstance(cause, OSError):
+            raise OSError(cause.errno, cause.strerror, str(path)) from None
+        raise
+
+
+def _maybe_inject_fault(point: str, iteration: int) -> None:
+    """Test hook: ``DOMINO_FAULT_INJECT=kill-in-save@N`` SIGKILLs rank 0 halfway through saving iteration N.
+
+    The kill/resume tests use it to prove that a save cut short never damages the previous checkpoint.
+    """
+    spec = os.environ.get("DOMINO_FAULT_INJECT", "")
+    if spec == f"{point}@{iteration}" and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning("fault injection: killing this process in %s at iteration %d", point, iteration)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _plain_rng_state() -> Dict[str, Any]:
+    """All RNG states with numpy's array turned into a tensor (loadable with ``weights_only=True``)."""
+    snapshot = dict(tp_random.get_rng_state())
+    kind, keys, pos, has_gauss, cached = snapshot.pop("numpy")
+    snapshot["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
+    return snapshot
+
+
+def _plain_optimizer_state(engine) -> Dict[str, Any]:
+    """The optimizer's state dict reduced to tensors, numbers, strings and containers of them.
+
+    DeepSpeed's ZeRO state holds a loss-scaler object, an enum and slice-mapping objects; keeping them
+    out lets loading use ``weights_only=True`` (no arbitrary unpickling).
+    """
+    sd = dict(engine.optimizer.state_dict())
+    scaler = sd.pop("loss_scaler", None)
+    if scaler is not None:
+        sd["loss_scaler_fields"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
+    sd.pop("param_slice_mappings", None)
+    for key, value in list(sd.items()):
+        if isinstance(value, enum.Enum):
+            sd[key] = value.value
+    return sd
+
+
+def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_samples: int,
+                    padded_vocab_size: int, tokenizer=None) -> Path:
+    """Writes checkpoint ``iter_{iteration:07d}`` under ``--save`` from every rank (collective).
+
+    Three agreed phases (rank 0 prepares the temporary directory; every rank writes its files; rank 0
+    commits): a write that fails on any rank (disk full, quota, I/O error) stops every rank with the same
+    one-line error, before the commit, so the previous checkpoint and ``latest`` are untouched.
+
+    Returns:
+        The final checkpoint directory.
+
+    Raises:
+        AgreedFailure: on every rank when any rank's part of the save failed.
+    """
+    root = Path(config.checkpoint.save)
+    tag = weights_io.checkpoint_tag(iteration)
+    tmp, final = root / f".tmp-{tag}", root / tag
+    rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def prepare() -> None:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a run killed mid-save
+            (tmp / "optim").mkdir(parents=True)
+            (tmp / "rng").mkdir()
+
+    def write() -> None:
+        written = [tmp / "optim" / f"rank_{rank:05d}.pt", tmp / "rng" / f"rank_{rank:05d}.pt"]
+        if state.get_data_parallel_rank() == 0:
+            written.append(weights_io.save_model_shard(tmp, engine.module.state_dict(),
+                                                       state.get_tensor_model_parallel_rank()))
+        _atomic_torch_save(_plain_optimizer_state(engine), written[0])
+        _atomic_torch_save(_plain_rng_state(), written[1])
+        manifest.write_part(tmp, rank, written)  # each rank digests its own files: the work is spread
+        if rank == 0:
+            weights_io.write_checkpoint_meta(tmp, {
+                "format_version": 1, "iteration": iteration, "consumed_samples": consumed_samples,
+                "tensor_model_parallel_size": state.get_tensor_model_parallel_world_size(),
+                "data_parallel_size": state.get_data_parallel_world_size(),
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "padded_vocab_size": padded_vocab_size, "tokenizer": config.data.tokenizer,
+                "config": config_to_dict(config),
+            })
+            if tokenizer is not None:
+                tokenizer.save(str(tmp / "tokenizer"))
+
+    try:
+        agree(f"saving checkpoint {tag} (preparing {tmp})", prepare)
+        agree(f"saving checkpoint {tag}", write)
+    except AgreedFailure as failure:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # free the space; the next save starts clean anyway
+        raise AgreedFailure(f"{failure}; {resume_hint(config)}") from None
+    _maybe_inject_fault("kill-in-save", iteration)
+    agree(f"saving checkpoint {tag} (committing it)", lambda: _commit(tmp, final, config) if rank == 0 else None)
+    return final
+
+
+def _commit(tmp: Path, final: Path, config: DominoConfig) -> None:
+    """Seals the complete temporary checkpoint, renames it into place, then moves ``latest`` (rank 0)."""
+    root, tag = final.parent, final.name
+    manifest.seal(tmp)  # before the rename: a checkpoint under its final name has its manifest
+    for sub in ("", "optim", "rng", "model"):
+        if (tmp / sub).exists():
+            fsync_directory(tmp / sub)
+    if final.exists():  # the same iteration saved again after a resume: replace it whole
+        trash = root / f".trash-{tag}"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(final, trash)
+        shutil.rmtree(trash)
+    os.replace(tmp, final)
+    fsync_directory(root)
+    weights_io.write_latest(root, tag)
+    _prune(root, config.checkpoint.keep_last, keep=tag)
+    logger.info("saved checkpoint %s", final)
+
+
+def resume_hint(config: DominoConfig) -> str:
+    """Where a restart of this run resumes, in words (the checkpoint ``latest`` in ``--save`` names)."""
+    save = config.checkpoint.save
+    if not save:
+        return "nothing is saved (no --save): a restart begins again"
+    try:
+        latest = weights_io.find_latest_checkpoint(save)
+    except (ValueError, OSError):
+        latest = None
+    if latest is None:
+        return f"no checkpoint in {save} yet: a restart begins again"
+    return f"`latest` in {save} names {latest.name}: a restart resumes from it"
+
+
+def _prune(root: Path, keep_last: Optional[int], keep: str) -> None:
+    if not keep_last:
+        return
+    tags = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_"))
+    for tag in tags[:-keep_last]:
+        if tag != keep:
+            shutil.rmtree(root / tag, ignore_errors=True)
