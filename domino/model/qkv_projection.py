@@ -1,18 +1,21 @@
-"""The attention's QKV projection: one fused parameter, computed as separate q, k and v products.
+"""The attention's QKV projection: one fused parameter; on CPU computed as separate q, k and v products.
 
 The parameter stays fused in Megatron's row order ``[head, (q, k, v), head_dim]`` (checkpoints, TP sharding
-and the GPT-2 import rely on it). Computing it as one ``[3 h/tp, h]`` GEMM, however, leaves q, k and v
-interleaved in the output, so attention reads strided views and autograd has to stack their gradients and
-copy the stack back into the interleaved layout (two passes over ``[b, s, 3 h/tp]`` per layer). Here the
-forward regroups the (small) weight into ``[3, h/tp, h]`` once, runs three GEMMs whose outputs are dense
-``[b, s, h/tp]`` tensors, and the backward runs the matching GEMMs on the three gradients directly. Every
-output is the same dot product as before; on CPU the three ``h/tp``-wide GEMMs are also faster than the one
-``3 h/tp``-wide GEMM (MKL).
+and the GPT-2 import rely on it). Which product runs is decided by :mod:`domino.parallel.kernels`:
 
-The input's gradient still has to be summed over the TP ranks: synchronous TP passes ``x`` through
-``copy_to_tp_region`` first; Domino passes a :class:`~domino.model.domino_ops.GradAllReduceSlot` and the
-backward launches the all-reduce asynchronously, as :func:`~domino.model.domino_ops.linear_with_async_input_grad`
-does for the other column-parallel linears.
+* CPU (``split_qkv``): computing it as one ``[3 h/tp, h]`` GEMM leaves q, k and v interleaved in the output, so
+  attention reads strided views and autograd has to stack their gradients and copy the stack back into the
+  interleaved layout (two passes over ``[b, s, 3 h/tp]`` per layer). Here the forward regroups the (small)
+  weight into ``[3, h/tp, h]``, runs three GEMMs whose outputs are dense ``[b, s, h/tp]`` tensors, and the
+  backward runs the matching GEMMs on the three gradients directly; on CPU the three ``h/tp``-wide GEMMs are
+  also faster than the one ``3 h/tp``-wide GEMM (MKL).
+* CUDA: one GEMM over the weight as stored, q, k and v as views of its output (Megatron-LM's
+  ``get_query_key_value_tensors``): no regrouped weight copy is made and kept alive for backward.
+
+Every output is the same dot product either way. The input's gradient still has to be summed over the TP
+ranks: synchronous TP passes ``x`` through ``copy_to_tp_region`` first; Domino passes a
+:class:`~domino.model.domino_ops.GradAllReduceSlot` and the backward launches the all-reduce asynchronously,
+as :func:`~domino.parallel.linear_ops.linear` does for the other column-parallel linears.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+
+from domino.parallel.kernels import kernels_for
+from domino.parallel.linear_ops import linear
 
 
 def _group_qkv(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -67,7 +73,7 @@ class _QKVProjection(torch.autograd.Function):
 
 def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], heads: int,
                    slot=None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``F.linear(x, weight, bias)`` split into its q, k and v columns, each ``[..., heads * head_dim]``.
+    """``F.linear(x, weight, bias)`` split into its q, k and v columns, each ``[..., heads, head_dim]``.
 
     Args:
         x: ``[..., h]`` input (already through ``copy_to_tp_region`` for synchronous TP).
@@ -75,7 +81,14 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         bias: ``[heads * 3 * head_dim]`` or None.
         heads: heads in ``weight`` (this rank's).
         slot: Domino's ``GradAllReduceSlot``: the input gradient's all-reduce is launched into it.
+
+    Returns:
+        q, k, v: dense tensors on CPU; views of one ``[..., heads, 3, head_dim]`` product on CUDA.
     """
     if weight.shape[0] % (3 * heads):
         raise ValueError(f"QKV weight rows {weight.shape[0]} are not 3 x {heads} heads x head_dim")
-    return _QKVProjection.apply(x, weight, bias, heads, slot)
+    if kernels_for(x.device).split_qkv:
+        q, k, v = _QKVProjection.apply(x, weight, bias, heads, slot)
+        return tuple(t.view(*t.shape[:-1], heads, -1) for t in (q, k, v))
+    mixed = linear(x, weight, bias, grad_slot=slot)  # [..., heads * 3 * head_dim]
+    return mixed.view(*mixed.shape[:-1], heads, 3, -1).unbind(-2)

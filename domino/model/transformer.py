@@ -5,7 +5,7 @@ Read it as a plain GPT block::
     h = h + dropout(attention(LN1(h)))
     h = h + dropout(mlp(LN2(h)))
 
-Tensor parallelism lives in the layer classes: the fused QKV (computed as separate q, k, v products by
+Tensor parallelism lives in the layer classes: the fused QKV (computed as separate q, k, v products on CPU by
 :mod:`domino.model.qkv_projection`) and the MLP's first linear are column-parallel
 (each rank computes its own heads / its slice of the inner width), the attention output projection and the
 MLP's second linear are row-parallel (their partial sums are all-reduced). The pieces (``qkv``, ``context``,
@@ -30,6 +30,7 @@ from domino.model.domino_ops import GradAllReduceSlot
 from domino.model.kv_cache import KVCache
 from domino.model.qkv_projection import qkv_projection
 from domino.parallel.collectives import copy_to_tp_region, tp_rank_and_size
+from domino.parallel.kernels import compiled, kernels_for
 from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from domino.parallel.random import tp_region_rng
 
@@ -61,7 +62,7 @@ class ParallelSelfAttention(nn.Module):
                                        init_std=output_init_std(config), skip_bias_add=True)
 
     def qkv(self, x: torch.Tensor, slot: Optional[GradAllReduceSlot] = None) -> Tuple[torch.Tensor, ...]:
-        """This rank's queries, keys and values, each ``[b, s, h/tp]``, from the fused ``query_key_value``.
+        """This rank's queries, keys and values, each ``[b, s, heads/tp, head_dim]``, from ``query_key_value``.
 
         Without ``slot`` (synchronous TP) the input's gradient is all-reduced inside backward; Domino passes
         the slot of its gradient guard and the all-reduce is launched into it (:mod:`domino.model.domino_ops`).
@@ -73,15 +74,16 @@ class ParallelSelfAttention(nn.Module):
 
     def context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        """Attention of this rank's heads: ``[b, s, h/tp]`` queries, keys, values -> ``[b, s, h/tp]`` context.
+        """Attention of this rank's heads: ``[b, s, h/tp / head_dim, head_dim]`` queries, keys, values ->
+        ``[b, s, h/tp]`` context.
 
         Args:
             q, k, v: outputs of :meth:`qkv`.
             attention_mask: None for plain causal attention, else bool ``[b or 1, 1, s, s_total]``, True = masked.
             kv_cache: when given, the new keys/values are appended and attention spans all cached tokens.
         """
-        b, s, _ = q.shape
-        q, k, v = (t.view(b, s, self.heads_per_rank, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        b, s = q.shape[:2]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         past = 0
         if kv_cache is not None:
             past = kv_cache.length
@@ -121,12 +123,22 @@ class ParallelMLP(nn.Module):
         return self.dense_4h_to_h.forward_gelu(self.dense_h_to_4h(x))
 
 
-def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
-                     training: bool) -> torch.Tensor:
-    """``residual + dropout(x + bias)`` (on the replicated stream: default RNG, same mask on all TP ranks)."""
+def _bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
+                      training: bool) -> torch.Tensor:
     if bias is not None:
         x = x + bias
     return residual + F.dropout(x, p=p, training=training) if p > 0 else residual + x
+
+
+def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
+                     training: bool) -> torch.Tensor:
+    """``residual + dropout(x + bias)`` (on the replicated stream: default RNG, same mask on all TP ranks).
+
+    Eager on CPU; one compiled kernel on CUDA (:mod:`domino.parallel.kernels`).
+    """
+    backend = kernels_for(x.device).compile_backend
+    fn = compiled(_bias_dropout_add, backend) if backend is not None else _bias_dropout_add
+    return fn(x, bias, residual, p, training)
 
 
 class TransformerLayer(nn.Module):

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import torch
 
 from domino.parallel.collectives import all_reduce_max_, all_reduce_sum_, tp_rank_and_size
+from domino.parallel.kernels import kernels_for
 
 
 # A target probability at or above this is a normal fp32 number: -log(p) is then exact to a few ulps.
@@ -123,7 +124,8 @@ class _LogitsBuffer:
 
     The fused loss needs one ``[tokens, V/tp]`` buffer per step. On CPU a fresh allocation of that size is
     mapped from the OS (and zero-filled page by page) every step, which costs about a tenth of the output
-    layer's GEMM; re-using the buffer avoids it (CUDA's caching allocator already does the same). A buffer is
+    layer's GEMM; re-using the buffer avoids it (on CUDA, where the caching allocator already does the same, the
+    buffer is not kept: :mod:`domino.parallel.kernels`). A buffer is
     lent to one forward at a time and only comes back once its backward has finished with it, so two graphs
     alive at once (several micro-batches, an evaluation loss with grad enabled) each get their own.
     """
@@ -141,7 +143,10 @@ class _LogitsBuffer:
         return torch.empty(shape, dtype=dtype, device=device)
 
     def give_back(self, buf: torch.Tensor) -> None:
-        """Keeps ``buf`` for the next :meth:`take`; the caller must not read or write it afterwards."""
+        """Keeps ``buf`` for the next :meth:`take` where the device's kernels keep it (CPU; on CUDA it is just
+        released to the caching allocator); the caller must not read or write it afterwards."""
+        if not kernels_for(buf.device).keep_logits_buffer:
+            return
         with self._lock:
             self._free = buf
 

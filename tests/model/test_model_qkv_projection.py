@@ -1,4 +1,4 @@
-"""The split QKV projection equals the fused linear it replaces, gradients included."""
+"""The split QKV projection (the CPU choice) equals the fused linear it replaces, gradients included."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ def _inputs(with_bias: bool):
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_matches_fused_linear_and_its_gradients(with_bias):
     x, w, b, heads, d = _inputs(with_bias)
-    upstream = [torch.randn(3, 5, heads * d, dtype=torch.float64) for _ in range(3)]
+    upstream = [torch.randn(3, 5, heads, d, dtype=torch.float64) for _ in range(3)]
     leaves = [t.clone().requires_grad_(True) for t in (x, w) + ((b,) if with_bias else ())]
     fused = F.linear(leaves[0], leaves[1], leaves[2] if with_bias else None).view(3, 5, heads, 3, d)
-    ref = [fused[:, :, :, i].reshape(3, 5, heads * d) for i in range(3)]
+    ref = [fused[:, :, :, i] for i in range(3)]  # [3, 5, heads, d]
     sum((r * u).sum() for r, u in zip(ref, upstream)).backward()
     mine = [t.clone().requires_grad_(True) for t in (x, w) + ((b,) if with_bias else ())]
     q, k, v = qkv_projection(mine[0], mine[1], mine[2] if with_bias else None, heads)
