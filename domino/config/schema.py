@@ -174,7 +174,7 @@ class TrainConfig:
     fp16: bool = False
     """Train in fp16 with dynamic loss scaling."""
     bf16: bool = False
-    """Train in bf16 (GPUs)."""
+    """Train in bf16 (GPUs) with fp32 master weights and fp32 gradient accumulation (needs --zero-stage 1 or 2)."""
     initial_loss_scale: float = 2.0**32
     """Initial dynamic loss scale for --fp16."""
     deepspeed_config: Optional[str] = None

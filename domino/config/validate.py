@@ -121,6 +121,11 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
 
     _check(problems, t.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {t.micro_batch_size}")
     _check(problems, not (t.fp16 and t.bf16), "--fp16 and --bf16 are mutually exclusive")
+    # DeepSpeed 0.19.8 accumulates bf16 gradients in fp32 only through its BF16 or ZeRO optimizers; at stage 0
+    # it refuses fp32 accumulation (runtime/engine.py `_do_optimizer_sanity_check`: "unsupported mix").
+    _check(problems, not (t.bf16 and p.zero_stage == 0),
+           "--bf16 needs --zero-stage 1 or 2 (gradients are accumulated in fp32 by DeepSpeed's BF16/ZeRO "
+           "optimizers; at --zero-stage 0 they would be summed in bf16)")
     _check(problems, not (t.train_iters is not None and t.train_samples is not None),
            "--train-iters and --train-samples are mutually exclusive")
     _check(problems, t.lr_decay_style in LR_DECAY_STYLES,

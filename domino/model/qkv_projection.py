@@ -1,21 +1,24 @@
-"""The attention's QKV projection: one fused parameter, computed as separate q, k and v products.
+"""The attention's QKV projection: one fused parameter; on CPU computed as separate q, k and v products.
 
 The parameter stays fused in Megatron's row order ``[group, (q_1 .. q_n, k, v), head_dim]`` (one query per group
 without GQA: ``[head, (q, k, v), head_dim]``), so that a contiguous split of the rows hands each TP rank whole
 query groups (checkpoints, TP sharding and the Hugging Face mappings rely on it; Megatron-LM core_r0.11.0
-``megatron/core/transformer/attention.py``, ``SelfAttention.get_query_key_value_tensors``). Computing it as one
-GEMM, however, leaves q, k and v interleaved in the output, so attention reads strided views and autograd has to
-stack their gradients and copy the stack back into the interleaved layout (two passes over the output per
-layer). Here the forward regroups the (small) weight into its q, k and v rows once, runs three GEMMs whose
-outputs are dense tensors, and the backward runs the matching GEMMs on the three gradients directly. Every
-output is the same dot product as before; on CPU the three narrower GEMMs are also faster than the one wide
-GEMM (MKL). SwiGLU's first MLP linear, whose gate and up rows alternate, uses the same
-:func:`grouped_projection`.
+``megatron/core/transformer/attention.py``, ``SelfAttention.get_query_key_value_tensors``). Which product runs is
+decided by :mod:`domino.parallel.kernels`:
 
-The input's gradient still has to be summed over the TP ranks: synchronous TP passes ``x`` through
-``copy_to_tp_region`` first; Domino passes a :class:`~domino.model.domino_ops.GradAllReduceSlot` and the
-backward launches the all-reduce asynchronously, as :func:`~domino.model.domino_ops.linear_with_async_input_grad`
-does for the other column-parallel linears.
+* CPU (``split_qkv``): computing it as one ``[3 h/tp, h]`` GEMM leaves q, k and v interleaved in the output, so
+  attention reads strided views and autograd has to stack their gradients and copy the stack back into the
+  interleaved layout (two passes over the output per layer). Here the forward regroups the (small) weight into
+  its q, k and v row blocks, runs three GEMMs whose outputs are dense tensors, and the backward runs the
+  matching GEMMs on the three gradients directly; on CPU the three narrower GEMMs are also faster than the one
+  wide GEMM (MKL).
+* CUDA: one GEMM over the weight as stored, q, k and v as views of its output (Megatron-LM's
+  ``get_query_key_value_tensors``): no regrouped weight copy is made and kept alive for backward.
+
+Every output is the same dot product either way. The input's gradient still has to be summed over the TP
+ranks: synchronous TP passes ``x`` through ``copy_to_tp_region`` first; Domino passes a
+:class:`~domino.model.domino_ops.GradAllReduceSlot` and the backward launches the all-reduce asynchronously,
+as :func:`~domino.parallel.linear_ops.linear` does for the other column-parallel linears.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple
 
 import torch
+
+from domino.parallel.kernels import kernels_for
+from domino.parallel.linear_ops import linear
 
 
 def _split_rows(t: torch.Tensor, groups: int, widths: Tuple[int, ...]) -> Tuple[torch.Tensor, ...]:
@@ -77,6 +83,9 @@ def grouped_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                        widths: Tuple[int, ...], slot=None) -> Tuple[torch.Tensor, ...]:
     """``F.linear(x, weight, bias)`` whose rows are ``[group, part, width]``, returned as one dense output per part.
 
+    Computed as one GEMM per part over a regrouped copy of the weight (the CPU choice for the QKV projection;
+    SwiGLU's first MLP linear, whose gate and up rows alternate, uses it on every device).
+
     Args:
         x: ``[..., h]`` input (already through ``copy_to_tp_region`` for synchronous TP).
         weight: ``[groups * sum(widths), h]`` fused weight.
@@ -95,7 +104,7 @@ def grouped_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 
 def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int,
                    slot=None, queries_per_group: int = 1) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``F.linear(x, weight, bias)`` split into its q, k and v columns.
+    """``F.linear(x, weight, bias)`` split into its q, k and v columns, per head.
 
     Args:
         x: ``[..., h]`` input (already through ``copy_to_tp_region`` for synchronous TP).
@@ -107,10 +116,18 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         queries_per_group: query heads sharing one key/value head (1 without GQA).
 
     Returns:
-        ``q`` ``[..., groups * queries_per_group * head_dim]``, ``k`` and ``v`` ``[..., groups * head_dim]``.
+        ``q`` ``[..., groups * queries_per_group, head_dim]``, ``k`` and ``v`` ``[..., groups, head_dim]``: dense
+        tensors on CPU; on CUDA views of one product (q is copied with GQA, whose query heads are not evenly
+        strided).
     """
     per_group = queries_per_group + 2
     if weight.shape[0] % (per_group * groups):
         raise ValueError(f"QKV weight rows {weight.shape[0]} are not {per_group} x {groups} groups x head_dim")
     d = weight.shape[0] // (per_group * groups)
-    return grouped_projection(x, weight, bias, groups, (queries_per_group * d, d, d), slot)
+    lead = x.shape[:-1]
+    if kernels_for(x.device).split_qkv:
+        q, k, v = grouped_projection(x, weight, bias, groups, (queries_per_group * d, d, d), slot)
+        return q.view(*lead, groups * queries_per_group, d), k.view(*lead, groups, d), v.view(*lead, groups, d)
+    mixed = linear(x, weight, bias, grad_slot=slot).view(*lead, groups, per_group, d)
+    q = mixed[..., :queries_per_group, :].reshape(*lead, groups * queries_per_group, d)
+    return q, mixed[..., queries_per_group, :], mixed[..., queries_per_group + 1, :]

@@ -11,7 +11,7 @@ positions (learned, added to the embeddings, or rotary, applied to queries and k
 :class:`~domino.model.rotary.RotaryTables`). Grouped-query attention only changes how many key/value heads the
 fused QKV holds; without biases (``--disable-bias-linear``) every linear simply has none.
 
-Tensor parallelism lives in the layer classes: the fused QKV (computed as separate q, k, v products by
+Tensor parallelism lives in the layer classes: the fused QKV (computed as separate q, k, v products on CPU by
 :mod:`domino.model.qkv_projection`) and the MLP's first linear are column-parallel
 (each rank computes its own heads / its slice of the inner width), the attention output projection and the
 MLP's second linear are row-parallel (their partial sums are all-reduced). The pieces (``qkv``, ``context``,
@@ -39,6 +39,7 @@ from domino.model.mlp import build_mlp
 from domino.model.qkv_projection import qkv_projection
 from domino.model.rotary import RotaryTables
 from domino.parallel.collectives import copy_to_tp_region, tp_rank_and_size
+from domino.parallel.kernels import compiled, kernels_for
 from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from domino.parallel.random import tp_region_rng
 
@@ -82,8 +83,8 @@ class ParallelSelfAttention(nn.Module):
                                        init_std=output_init_std(config), skip_bias_add=True)
 
     def qkv(self, x: torch.Tensor, slot: Optional[GradAllReduceSlot] = None) -> Tuple[torch.Tensor, ...]:
-        """This rank's queries ``[b, s, h/tp]``, keys and values ``[b, s, groups/tp x head_dim]`` from the fused
-        ``query_key_value``.
+        """This rank's queries ``[b, s, heads/tp, head_dim]``, keys and values ``[b, s, groups/tp, head_dim]`` from
+        the fused ``query_key_value``.
 
         Without ``slot`` (synchronous TP) the input's gradient is all-reduced inside backward; Domino passes
         the slot of its gradient guard and the all-reduce is launched into it (:mod:`domino.model.domino_ops`).
@@ -106,9 +107,8 @@ class ParallelSelfAttention(nn.Module):
             kv_cache: when given, the new keys/values are appended and attention spans all cached tokens.
             rotary: the rotary tables of the new tokens' positions (--position-embedding-type rope), else None.
         """
-        b, s, _ = q.shape
-        q = q.view(b, s, self.heads_per_rank, self.head_dim).transpose(1, 2)
-        k, v = (t.view(b, s, self.groups_per_rank, self.head_dim).transpose(1, 2) for t in (k, v))
+        b, s = q.shape[:2]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if rotary is not None:  # before caching: the cache holds rotated keys, as transformers' does
             q, k = rotary.rotate(q), rotary.rotate(k)
         past = 0
@@ -135,12 +135,22 @@ class ParallelSelfAttention(nn.Module):
         return self.dense(self.context(*self.qkv(x), attend_mask, kv_cache, rotary))
 
 
-def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
-                     training: bool) -> torch.Tensor:
-    """``residual + dropout(x + bias)`` (on the replicated stream: default RNG, same mask on all TP ranks)."""
+def _bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
+                      training: bool) -> torch.Tensor:
     if bias is not None:
         x = x + bias
     return residual + F.dropout(x, p=p, training=training) if p > 0 else residual + x
+
+
+def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
+                     training: bool) -> torch.Tensor:
+    """``residual + dropout(x + bias)`` (on the replicated stream: default RNG, same mask on all TP ranks).
+
+    Eager on CPU; one compiled kernel on CUDA (:mod:`domino.parallel.kernels`).
+    """
+    backend = kernels_for(x.device).compile_backend
+    fn = compiled(_bias_dropout_add, backend) if backend is not None else _bias_dropout_add
+    return fn(x, bias, residual, p, training)
 
 
 class TransformerLayer(nn.Module):

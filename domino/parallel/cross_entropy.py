@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import torch
 
 from domino.parallel.collectives import all_reduce_max_, all_reduce_sum_, tp_rank_and_size
+from domino.parallel.kernels import kernels_for
 
 
 # A target probability at or above this is a normal fp32 number: -log(p) is then exact to a few ulps.
@@ -123,7 +124,8 @@ class _LogitsBuffer:
 
     The fused loss needs one ``[tokens, V/tp]`` buffer per step. On CPU a fresh allocation of that size is
     mapped from the OS (and zero-filled page by page) every step, which costs about a tenth of the output
-    layer's GEMM; re-using the buffer avoids it (CUDA's caching allocator already does the same). A buffer is
+    layer's GEMM; re-using the buffer avoids it (on CUDA, where the caching allocator already does the same, the
+    buffer is not kept: :mod:`domino.parallel.kernels`). A buffer is
     lent to one forward at a time and only comes back once its backward has finished with it, so two graphs
     alive at once (several micro-batches, an evaluation loss with grad enabled) each get their own.
     """
@@ -141,7 +143,10 @@ class _LogitsBuffer:
         return torch.empty(shape, dtype=dtype, device=device)
 
     def give_back(self, buf: torch.Tensor) -> None:
-        """Keeps ``buf`` for the next :meth:`take`; the caller must not read or write it afterwards."""
+        """Keeps ``buf`` for the next :meth:`take` where the device's kernels keep it (CPU; on CUDA it is just
+        released to the caching allocator); the caller must not read or write it afterwards."""
+        if not kernels_for(buf.device).keep_logits_buffer:
+            return
         with self._lock:
             self._free = buf
 
@@ -174,18 +179,27 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
                                "(retain_graph is not supported)")
         ctx.backward_done = True
         hidden, weight, probs, local_target, outside = ctx.saved_tensors
-        # d loss / d logits = (softmax - one_hot) * grad_loss; the per-token factor grad_loss is applied to the
-        # [tokens, h] operands and results instead of the [tokens, V/tp] gradient (same products, one pass less).
-        grad_logits = _softmax_minus_one_hot_(probs, local_target, outside).to(weight.dtype)
-        scale = grad_loss.unsqueeze(-1).to(weight.dtype)
-        grad_hidden = grad_logits.matmul(weight).mul_(scale) if ctx.needs_input_grad[0] else None
+        # d loss / d logits = (softmax - one_hot) * grad_loss.
+        if probs.dtype == weight.dtype:
+            # fp32: the per-token factor grad_loss is applied to the [tokens, h] operands and results instead of
+            # the [tokens, V/tp] gradient (same products, one pass less).
+            grad_logits = _softmax_minus_one_hot_(probs, local_target, outside)
+            scale = grad_loss.unsqueeze(-1).to(weight.dtype)
+        else:
+            # fp16/bf16: grad_loss carries the loss scale; it must multiply the fp32 (softmax - one_hot) before the
+            # cast, or the many probabilities below fp16's smallest subnormal (6e-8) would be flushed to zero.
+            grad_logits = _softmax_to_grad_(probs, local_target, outside, grad_loss.to(probs.dtype)).to(weight.dtype)
+            scale = None
+        grad_hidden = grad_logits.matmul(weight) if ctx.needs_input_grad[0] else None
+        if grad_hidden is not None and scale is not None:
+            grad_hidden.mul_(scale)
         if ctx.grad_slot is not None and grad_hidden is not None:
             # Async launch: the input-gradient all-reduce runs during the weight-gradient GEMM below; the
             # slot's owner (Domino's guard after the final LayerNorm) waits for it before the gradient is read.
             ctx.grad_slot.launch(grad_hidden)
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            scaled_hidden = (hidden * scale).reshape(-1, weight.shape[1])
+            scaled_hidden = (hidden * scale if scale is not None else hidden).reshape(-1, weight.shape[1])
             grad_weight = grad_logits.reshape(-1, weight.shape[0]).t().matmul(scaled_hidden)
         if ctx.buffer_lent:
             _LOGITS_BUFFER.give_back(probs)

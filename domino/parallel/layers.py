@@ -33,6 +33,7 @@ from domino.parallel.collectives import (
     scatter_to_tp_region,
     tp_rank_and_size,
 )
+from domino.parallel.kernels import kernels_for
 from domino.parallel.linear_ops import gelu_linear
 
 
@@ -93,6 +94,15 @@ def _sharded_normal(shape: Tuple[int, int], std: float, dim: int) -> nn.Paramete
     param = nn.Parameter(data)
     set_tensor_model_parallel_attributes(param, dim)
     return param
+
+
+def _gelu_then_linear(pre_activation: torch.Tensor, weight: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(F.gelu(pre_activation), weight, bias)``: one buffer-reusing node on CPU, two plain ops on CUDA
+    (:mod:`domino.parallel.kernels`)."""
+    if kernels_for(pre_activation.device).fused_gelu_fc2:
+        return gelu_linear(pre_activation, weight, bias)
+    return F.linear(F.gelu(pre_activation), weight, bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -196,10 +206,10 @@ class RowParallelLinear(nn.Module):
     def partial_of_gelu(self, pre_activation: torch.Tensor) -> torch.Tensor:
         """``gelu(pre_activation) A_r^T`` un-reduced, GeLU fused into the product's autograd node.
 
-        Same maths as ``partial(F.gelu(pre_activation))``; the fused backward reuses the activation's buffer
-        for its gradients (:func:`domino.parallel.linear_ops.gelu_linear`).
+        Same maths as ``partial(F.gelu(pre_activation))``; on CPU the fused backward reuses the activation's
+        buffer for its gradients (:func:`domino.parallel.linear_ops.gelu_linear`).
         """
-        return gelu_linear(pre_activation, self.weight)
+        return _gelu_then_linear(pre_activation, self.weight, None)
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """Synchronous TP: the partial sums are all-reduced before the bias is added."""
@@ -210,7 +220,7 @@ class RowParallelLinear(nn.Module):
     def forward_gelu(self, pre_activation: torch.Tensor
                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """``forward(F.gelu(pre_activation))`` (input already parallel), GeLU fused as in :meth:`partial_of_gelu`."""
-        return self._reduce_then_bias(lambda bias: gelu_linear(pre_activation, self.weight, bias))
+        return self._reduce_then_bias(lambda bias: _gelu_then_linear(pre_activation, self.weight, bias))
 
     def _reduce_then_bias(self, product) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         # With one TP rank the all-reduce is an identity, so the bias can ride in the GEMM (addmm): one

@@ -172,6 +172,11 @@ def deepspeed_config(config: DominoConfig) -> Dict[str, Any]:
                       "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
     if t.bf16:
         ds["bf16"] = {"enabled": True}
+        # Gradients of bf16 weights are summed over micro-batches (and DP ranks) in fp32: with ZeRO 1 this selects
+        # DeepSpeed's BF16_Optimizer (fp32 master weights and gradient buffers), with ZeRO 2 the ZeRO optimizer's
+        # fp32 gradient partitions (deepspeed 0.19.8, runtime/engine.py `_do_optimizer_sanity_check` and
+        # `_configure_zero_optimizer`). Without it bf16 gradients accumulate in bf16 and lose small updates.
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
     if t.deepspeed_config:
         try:
             with open(t.deepspeed_config) as f:

@@ -1,4 +1,4 @@
-"""The split QKV projection equals the fused linear it replaces, gradients included."""
+"""The split QKV projection (the CPU choice) equals the fused linear it replaces, gradients included."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from domino.model.qkv_projection import qkv_projection
+from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, forced_kernels
 
 
 def _inputs(with_bias: bool):
@@ -21,10 +22,10 @@ def _inputs(with_bias: bool):
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_matches_fused_linear_and_its_gradients(with_bias):
     x, w, b, heads, d = _inputs(with_bias)
-    upstream = [torch.randn(3, 5, heads * d, dtype=torch.float64) for _ in range(3)]
+    upstream = [torch.randn(3, 5, heads, d, dtype=torch.float64) for _ in range(3)]
     leaves = [t.clone().requires_grad_(True) for t in (x, w) + ((b,) if with_bias else ())]
     fused = F.linear(leaves[0], leaves[1], leaves[2] if with_bias else None).view(3, 5, heads, 3, d)
-    ref = [fused[:, :, :, i].reshape(3, 5, heads * d) for i in range(3)]
+    ref = [fused[:, :, :, i] for i in range(3)]  # [3, 5, heads, d]
     sum((r * u).sum() for r, u in zip(ref, upstream)).backward()
     mine = [t.clone().requires_grad_(True) for t in (x, w) + ((b,) if with_bias else ())]
     q, k, v = qkv_projection(mine[0], mine[1], mine[2] if with_bias else None, heads)
@@ -49,20 +50,22 @@ def test_rows_not_divisible_by_three_heads_is_a_clear_error():
         qkv_projection(torch.zeros(1, 4), torch.zeros(10, 4), None, groups=2)
 
 
+@pytest.mark.parametrize("kernels", [CPU_KERNELS, CUDA_KERNELS], ids=["cpu-split", "cuda-one-gemm"])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_grouped_query_layout_matches_fused_linear(with_bias):
-    """GQA rows [group, (q_1, q_2, k, v), d]: q holds each group's two query heads in order, k and v one head."""
+def test_grouped_query_layout_matches_fused_linear(with_bias, kernels):
+    """GQA rows [group, (q_1, q_2, k, v), d]: q holds each group's two query heads in order, k and v one head
+    (both kernel choices: the CUDA one is forced on CPU tensors)."""
     g = torch.Generator().manual_seed(1)
     groups, per_group, d, hidden = 2, 2, 3, 5
     x = torch.randn(2, 4, hidden, generator=g, dtype=torch.float64)
     w = torch.randn(groups * (per_group + 2) * d, hidden, generator=g, dtype=torch.float64, requires_grad=True)
     b = torch.randn(w.shape[0], generator=g, dtype=torch.float64, requires_grad=True) if with_bias else None
     fused = F.linear(x, w, b).view(2, 4, groups, per_group + 2, d)
-    ref = (fused[..., :per_group, :].reshape(2, 4, -1), fused[..., per_group, :].reshape(2, 4, -1),
-           fused[..., per_group + 1, :].reshape(2, 4, -1))
+    ref = (fused[..., :per_group, :].reshape(2, 4, -1, d), fused[..., per_group, :], fused[..., per_group + 1, :])
     upstream = [torch.randn_like(r) for r in ref]
     want = torch.autograd.grad(sum((r * u).sum() for r, u in zip(ref, upstream)), [w] + ([b] if with_bias else []))
-    got_out = qkv_projection(x, w, b, groups, queries_per_group=per_group)
+    with forced_kernels(kernels):
+        got_out = qkv_projection(x, w, b, groups, queries_per_group=per_group)
     for got, expected in zip(got_out, ref):
         torch.testing.assert_close(got, expected)
     got = torch.autograd.grad(sum((o * u).sum() for o, u in zip(got_out, upstream)), [w] + ([b] if with_bias else []))

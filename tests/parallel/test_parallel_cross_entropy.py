@@ -177,3 +177,41 @@ def test_huge_logits_split_over_ranks_match_f_cross_entropy_on_the_gathered_logi
                                        rtol=1e-2, atol=1e-2, msg=f"{dtype} rank {rank} grad")
             if fused is not None:
                 torch.testing.assert_close(fused.double(), fused_ref, rtol=1e-5, atol=1e-1, msg=f"rank {rank} fused")
+
+
+def test_fp16_loss_scale_multiplies_the_fp32_gradient_before_the_cast():
+    """With fp16 loss scaling, grad_loss carries the scale (2**16 / tokens here). Probabilities of ~1e-9 are below
+    fp16's smallest subnormal (6e-8): cast first, whole rows of the weight gradient vanish; scaled first (in fp32),
+    every row the scale brings into fp16's normal range is exact to 1%."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(4, 16, generator=g).half()
+    weight = (torch.randn(64, 16, generator=g) * 3).half()  # logits of std ~12: most probabilities are tiny
+    target = torch.randint(0, 8, (4,), generator=g)  # rows 8.. are never a target: only the softmax reaches them
+    upstream = torch.full((4,), 2.0**16 / 4)
+    _, ref_w = _linear_reference_fp32(hidden, weight, target, upstream)
+    # Vocabulary rows that are never a target and whose scaled gradient is a normal fp16 number (>= 2**-14):
+    # the loss scale is meant to carry them; rows smaller even after scaling are lost in any order.
+    rows = torch.arange(64)[(torch.arange(64) >= 8) & (ref_w.abs().amax(dim=-1) >= 2.0**-14)]
+    assert len(rows) >= 20
+
+    w = weight.clone().requires_grad_(True)
+    loss = vocab_parallel_linear_cross_entropy(hidden, w, target)
+    loss.backward(upstream)
+    assert w.grad.dtype == torch.float16
+    error = (w.grad.float() - ref_w)[rows].norm(dim=-1) / ref_w[rows].norm(dim=-1)  # per row, relative
+    assert error.max() < 0.01, error.max()
+
+    # The order this replaces: (softmax - one_hot) cast to fp16 first, the scale applied to the hidden operand.
+    probs = torch.softmax(F.linear(hidden, weight).float(), dim=-1)
+    cast_first = (probs - F.one_hot(target, 64)).half()
+    old_w = cast_first.t().matmul(hidden * upstream.unsqueeze(-1).half())
+    old_error = (old_w.float() - ref_w)[rows].norm(dim=-1) / ref_w[rows].norm(dim=-1)
+    lost = int((old_error > 0.5).sum())
+    assert lost >= 5, f"cast first lost only {lost} of {len(rows)} rows"  # 8 rows come out exactly zero
+
+
+def _linear_reference_fp32(hidden, weight, target, upstream):
+    """fp32 gradients of the cross entropy of the same (fp16-computed) logits: only backward's precision differs."""
+    probs = torch.softmax(F.linear(hidden, weight).float(), dim=-1)
+    grad_logits = (probs - F.one_hot(target, weight.shape[0])) * upstream.unsqueeze(-1)
+    return grad_logits.matmul(weight.float()), grad_logits.t().matmul(hidden.float())

@@ -1,0 +1,86 @@
+"""Which implementation of an op runs on which device: the one place that decides.
+
+Four ops have two implementations of the same maths, one tuned for CPUs (measured in
+``benchmarks/model_step.py``) and one for CUDA GPUs. Each op asks :func:`kernels_for` with its input's device
+at its one call site and takes the branch it is told:
+
+==========================  ===========================================  =============================================
+op                          CPU (``CPU_KERNELS``)                        CUDA (``CUDA_KERNELS``)
+==========================  ===========================================  =============================================
+QKV projection              three GEMMs over a ``[3, h/tp, h]`` copy of  one GEMM over the weight as stored (rows
+(``model/qkv_projection``)  the weight made every forward: dense q, k,   ``[head, (q, k, v), head_dim]``), q, k, v as
+                            v; MKL runs three ``h/tp``-wide GEMMs faster views of its output, as Megatron-LM's
+                            than one ``3 h/tp``-wide one                 ``SelfAttention.get_query_key_value_tensors``
+                                                                         (``megatron/core/transformer/attention.py``):
+                                                                         no weight copy kept for backward
+logits buffer of the fused  kept from one step to the next: a fresh      a fresh buffer every step: the caching
+loss (``cross_entropy``)    ``[tokens, V/tp]`` allocation is mapped and   allocator reuses freed blocks, and a kept
+                            zero-filled by the OS every step             buffer would pin that memory all step long
+GeLU + fc2                  one autograd node whose backward reuses the  ``F.gelu`` then the linear: allocations are
+(``parallel/layers``)       activation's buffer (no ``[tokens, ffn/tp]``  free with the caching allocator, and the
+                            page faults)                                 graph can be walked twice
+bias + dropout + residual   eager: two or three elementwise passes       ``torch.compile``-d into one kernel, as
+(``model/transformer``)                                                  Megatron-LM's ``jit_fuser``
+                                                                         (``megatron/core/jit.py``: torch.compile
+                                                                         for torch >= 2.2); compiling costs more
+                                                                         than it saves on CPU
+==========================  ===========================================  =============================================
+
+Both sides of every row compute the same values (``tests/model/test_model_kernels.py`` forces the CUDA choices
+on CPU tensors and compares outputs and gradients). Devices other than ``cuda`` take the CPU choices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The implementation each op uses on one kind of device."""
+
+    split_qkv: bool
+    """QKV as three GEMMs over a regrouped weight copy (else one GEMM over the stored weight)."""
+    keep_logits_buffer: bool
+    """The fused loss keeps its logits-sized buffer for the next step (else allocates it every step)."""
+    fused_gelu_fc2: bool
+    """GeLU and fc2 as one autograd node reusing the activation's buffer (else ``F.gelu`` then a linear)."""
+    compile_backend: Optional[str]
+    """``torch.compile`` backend fusing bias + dropout + residual into one kernel; None runs them eagerly."""
+
+
+CPU_KERNELS = Kernels(split_qkv=True, keep_logits_buffer=True, fused_gelu_fc2=True, compile_backend=None)
+CUDA_KERNELS = Kernels(split_qkv=False, keep_logits_buffer=False, fused_gelu_fc2=False, compile_backend="inductor")
+
+_forced: contextvars.ContextVar[Optional[Kernels]] = contextvars.ContextVar("domino_forced_kernels", default=None)
+
+
+def kernels_for(device: torch.device) -> Kernels:
+    """The kernels for tensors on ``device`` (those of :func:`forced_kernels` inside its block)."""
+    forced = _forced.get()
+    if forced is not None:
+        return forced
+    return CUDA_KERNELS if device.type == "cuda" else CPU_KERNELS
+
+
+@contextlib.contextmanager
+def forced_kernels(kernels: Kernels) -> Iterator[None]:
+    """Runs the block with ``kernels`` whatever the device (tests compare the two paths on CPU tensors)."""
+    token = _forced.set(kernels)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(fn: Callable, backend: str) -> Callable:
+    """``torch.compile(fn, backend=backend)``, built once per function and backend (compiling is lazy: the
+    first call traces)."""
+    return torch.compile(fn, backend=backend)

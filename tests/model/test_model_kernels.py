@@ -1,0 +1,141 @@
+"""The CUDA kernel choices (domino.parallel.kernels), forced on CPU tensors, compute what the CPU choices compute.
+
+The compiled bias-dropout-add is compiled with torch's ``aot_eager`` backend here: the same Dynamo capture and
+AOT-autograd graph as on CUDA, run with eager kernels (Inductor's CPU code generation would take ~40 s on this
+machine; the GPU check, ``benchmarks/gpu_check.sh``, runs the real thing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from distributed_helpers import run_distributed
+from domino.model import GPTModel
+from domino.model.qkv_projection import qkv_projection
+from domino.checkpoint.sharding import merge_tp_shards, shard_state_dict
+from domino.model.transformer import bias_dropout_add
+from domino.parallel import cross_entropy, state
+from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, forced_kernels, kernels_for
+from model_fixtures import VOCAB, assert_close_rel, random_batch, tiny_config
+
+CUDA_ON_CPU = dataclasses.replace(CUDA_KERNELS, compile_backend="aot_eager")
+REL = 1e-5
+
+
+def test_choices_by_device_type():
+    assert kernels_for(torch.device("cpu")) == CPU_KERNELS
+    assert kernels_for(torch.device("cuda", 3)) == CUDA_KERNELS
+    with forced_kernels(CUDA_ON_CPU):
+        assert kernels_for(torch.device("cpu")) == CUDA_ON_CPU
+    assert kernels_for(torch.device("cpu")) == CPU_KERNELS
+    # Every op has a different implementation on the two sides (a field equal on both would decide nothing).
+    for field in dataclasses.fields(CPU_KERNELS):
+        assert getattr(CPU_KERNELS, field.name) != getattr(CUDA_KERNELS, field.name), field.name
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_qkv_one_gemm_equals_three_gemms(with_bias):
+    g = torch.Generator().manual_seed(0)
+    heads, d = 2, 4
+    x, w = torch.randn(3, 5, 6, generator=g, dtype=torch.float64), torch.randn(heads * 3 * d, 6, generator=g,
+                                                                                dtype=torch.float64)
+    b = torch.randn(heads * 3 * d, generator=g, dtype=torch.float64) if with_bias else None
+    upstream = [torch.randn(3, 5, heads, d, generator=g, dtype=torch.float64) for _ in range(3)]
+    results = []
+    for kernels in (CPU_KERNELS, CUDA_ON_CPU):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b) if t is not None]
+        with forced_kernels(kernels):
+            outs = qkv_projection(leaves[0], leaves[1], leaves[2] if with_bias else None, heads)
+        sum((o * u).sum() for o, u in zip(outs, upstream)).backward()
+        results.append(([o.detach() for o in outs], [t.grad for t in leaves]))
+    (cpu_outs, cpu_grads), (cuda_outs, cuda_grads) = results
+    assert all(o.is_contiguous() for o in cpu_outs) and not any(o.is_contiguous() for o in cuda_outs)
+    for got, want in zip(cuda_outs + cuda_grads, cpu_outs + cpu_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_logits_buffer_is_kept_on_cpu_only(monkeypatch):
+    buffer = cross_entropy._LogitsBuffer()
+    monkeypatch.setattr(cross_entropy, "_LOGITS_BUFFER", buffer)
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(2, 5, 8, generator=g, requires_grad=True), torch.randn(16, 8, generator=g)
+    target = torch.randint(0, 16, (2, 5), generator=g)
+    with forced_kernels(CUDA_ON_CPU):
+        cross_entropy.vocab_parallel_linear_cross_entropy(hidden, weight, target).sum().backward()
+    assert buffer._free is None
+    cross_entropy.vocab_parallel_linear_cross_entropy(hidden, weight, target).sum().backward()
+    assert buffer._free is not None and buffer._free.shape == (2, 5, 16)
+
+
+def test_compiled_bias_dropout_add_is_a_dropout_of_bias_plus_x():
+    g = torch.Generator().manual_seed(2)
+    x, bias, residual = (torch.randn(*shape, generator=g, requires_grad=True) for shape in ((4, 8, 16), (16,),
+                                                                                           (4, 8, 16)))
+    with forced_kernels(CUDA_ON_CPU):
+        out = bias_dropout_add(x, bias, residual, 0.25, training=True)
+    out.sum().backward()
+    kept = (out - residual).detach() != 0
+    assert 0.6 < kept.float().mean() < 0.9  # ~75% kept
+    torch.testing.assert_close((out - residual).detach()[kept], ((x + bias) / 0.75).detach()[kept])
+    torch.testing.assert_close(x.grad, kept.float() / 0.75)  # the gradient uses the forward's mask
+    torch.testing.assert_close(residual.grad, torch.ones_like(residual))
+
+
+def _step(model, batch, masked: bool):
+    extra = dict(attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]) if masked else {}
+    model.zero_grad(set_to_none=True)
+    losses = model(batch["tokens"], labels=batch["labels"], **extra)
+    (losses * batch["weights"]).sum().backward()
+    return losses.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _compare(got, expected, label):
+    assert_close_rel(got[0], expected[0], REL, f"{label} losses")
+    for name, grad in expected[1].items():
+        assert_close_rel(got[1][name], grad, REL, f"{label} grad {name}")
+
+
+#: A LLaMA-family layer (rotary, RMSNorm, SwiGLU, no biases, GQA with 2 query groups of 2 heads, untied output).
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, ffn_hidden_size=48,
+             disable_bias_linear=True, untie_embeddings_and_output_weights=True, group_query_attention=True,
+             num_query_groups=2)
+
+
+@pytest.mark.parametrize("architecture", [{}, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_whole_model_cuda_choices_equal_cpu_choices(chunks, architecture):
+    """All four ops at once, through the synchronous and the Domino layer paths, with a reset-attention mask."""
+    torch.manual_seed(7)
+    model = GPTModel(tiny_config(**architecture), VOCAB, domino_chunks=chunks)
+    batch = random_batch(seed=3)
+    expected = _step(model, batch, masked=True)
+    with forced_kernels(CUDA_ON_CPU):
+        got = _step(model, batch, masked=True)
+    _compare(got, expected, f"chunks={chunks}")
+
+
+def _tp2_body(rank, world_size, full_sd, batch):
+    import dataclasses as dc
+
+    from domino.parallel.kernels import CUDA_KERNELS as cuda, forced_kernels as forced
+
+    state.initialize_model_parallel(2)
+    model = GPTModel(tiny_config(), VOCAB, domino_chunks=2)
+    model.load_state_dict(shard_state_dict(full_sd, rank, 2))
+    with forced(dc.replace(cuda, compile_backend="aot_eager")):
+        return _step(model, batch, masked=False)
+
+
+def test_tp2_domino_with_cuda_choices_equals_tp1_cpu_choices():
+    """The one-GEMM QKV launches its input-gradient all-reduce into Domino's slot like the other linears."""
+    torch.manual_seed(7)
+    model = GPTModel(tiny_config(), VOCAB)
+    batch = random_batch(seed=4)
+    full_sd = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = _step(model, batch, masked=False)
+    per_rank = run_distributed(_tp2_body, 2, full_sd, batch)
+    merged = merge_tp_shards([grads for _, grads in per_rank])
+    _compare((per_rank[0][0], merged), expected, "TP=2 Domino, CUDA choices")
