@@ -10,9 +10,10 @@ largest activation in the model; instead each rank keeps its ``V / tp`` columns,
 * ``max`` and the rescaled sums are all-reduced into the global log-sum-exp, and ``p_r`` is rescaled in place
   into this rank's slice of the global softmax.
 
-With a single rank (TP=1) the loss is read from the softmax as ``-log(p_target)``: no pass over the logits
-besides the softmax kernel, with a fallback to ``logsumexp`` for the rare rows where ``p_target`` is too small
-for fp32 to hold exactly.
+With a single rank (TP=1) on CPU the loss is read from the softmax as ``-log(p_target)``: no pass over the
+logits besides the softmax kernel, with a fallback to ``logsumexp`` for the rare rows where ``p_target`` is too
+small for fp32 to hold exactly (deciding whether any row needs it reads one value on the host). On CUDA, where
+that read would drain the GPU's queue, TP=1 takes the TP>1 formula instead (:mod:`domino.parallel.kernels`).
 
 Memory and speed: one fp32 ``[.., V/tp]`` buffer holds the softmax saved for backward, and backward turns it
 into the gradient in place (so re-using the loss with ``retain_graph`` is not supported, as in Megatron-LM).
@@ -52,7 +53,7 @@ def _softmax_and_loss(logits: torch.Tensor, target: torch.Tensor, in_place: bool
     start = rank * per_rank
     outside = (target < start) | (target >= start + per_rank)
     local_target = (target - start).masked_fill(outside, 0)
-    if world == 1:
+    if world == 1 and kernels_for(logits.device).loss_from_softmax:
         probs = _softmax(logits, in_place, dtype)
         return probs, _loss_from_softmax(probs, target, logits_of_rows, dtype), local_target, outside
     # Read what is needed from the logits before the softmax may overwrite them.
@@ -61,6 +62,8 @@ def _softmax_and_loss(logits: torch.Tensor, target: torch.Tensor, in_place: bool
     local_max = logits.amax(dim=-1).to(dtype)
     probs = _softmax(logits, in_place, dtype)
     local_sum = probs.amax(dim=-1).reciprocal_()  # sum_j exp(z_j - local_max)
+    if world == 1:  # the softmax is already the global one
+        return probs, local_max + torch.log(local_sum) - target_logit, local_target, outside
     global_max = all_reduce_max_(local_max.clone())
     rescaled = local_sum * torch.exp(local_max - global_max)
     global_sum = all_reduce_sum_(rescaled.clone())

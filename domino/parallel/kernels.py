@@ -1,6 +1,6 @@
 """Which implementation of an op runs on which device: the one place that decides.
 
-Four ops have two implementations of the same maths, one tuned for CPUs (measured in
+Five ops have two implementations of the same maths, one tuned for CPUs (measured in
 ``benchmarks/model_step.py``) and one for CUDA GPUs. Each op asks :func:`kernels_for` with its input's device
 at its one call site and takes the branch it is told:
 
@@ -24,6 +24,10 @@ bias + dropout + residual   eager: two or three elementwise passes       ``torch
                                                                          (``megatron/core/jit.py``: torch.compile
                                                                          for torch >= 2.2); compiling costs more
                                                                          than it saves on CPU
+loss at TP=1                ``-log(softmax[target])``: no pass over the  ``logsumexp - target logit`` from a row max
+(``cross_entropy``)         logits besides the softmax; one host read    and the target logit read before the
+                            per micro-batch decides whether any row      softmax (the TP>1 formula): one more pass,
+                            needs its log-sum-exp fallback               no host read (a read drains the GPU queue)
 ==========================  ===========================================  =============================================
 
 Both sides of every row compute the same values (``tests/model/test_model_kernels.py`` forces the CUDA choices
@@ -53,10 +57,15 @@ class Kernels:
     """GeLU and fc2 as one autograd node reusing the activation's buffer (else ``F.gelu`` then a linear)."""
     compile_backend: Optional[str]
     """``torch.compile`` backend fusing bias + dropout + residual into one kernel; None runs them eagerly."""
+    loss_from_softmax: bool
+    """At TP=1 the loss is ``-log(softmax[target])`` with a host-checked fallback for tiny probabilities (else the
+    log-sum-exp of the logits, which needs no host read)."""
 
 
-CPU_KERNELS = Kernels(split_qkv=True, keep_logits_buffer=True, fused_gelu_fc2=True, compile_backend=None)
-CUDA_KERNELS = Kernels(split_qkv=False, keep_logits_buffer=False, fused_gelu_fc2=False, compile_backend="inductor")
+CPU_KERNELS = Kernels(split_qkv=True, keep_logits_buffer=True, fused_gelu_fc2=True, compile_backend=None,
+                      loss_from_softmax=True)
+CUDA_KERNELS = Kernels(split_qkv=False, keep_logits_buffer=False, fused_gelu_fc2=False, compile_backend="inductor",
+                       loss_from_softmax=False)
 
 _forced: contextvars.ContextVar[Optional[Kernels]] = contextvars.ContextVar("domino_forced_kernels", default=None)
 

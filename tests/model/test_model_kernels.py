@@ -139,3 +139,25 @@ def test_tp2_domino_with_cuda_choices_equals_tp1_cpu_choices():
     per_rank = run_distributed(_tp2_body, 2, full_sd, batch)
     merged = merge_tp_shards([grads for _, grads in per_rank])
     _compare((per_rank[0][0], merged), expected, "TP=2 Domino, CUDA choices")
+
+
+def test_tp1_loss_without_host_read_equals_the_softmax_shortcut():
+    """The CUDA choice at TP=1 (log-sum-exp from the logits) reads nothing on the host and gives the CPU
+    choice's losses and gradients, also for rows whose target probability underflows fp32 (loss > 100)."""
+    from domino.train.host_syncs import HostSyncProbe
+
+    g = torch.Generator().manual_seed(11)
+    hidden, weight = torch.randn(2, 6, 8, generator=g), torch.randn(32, 8, generator=g)
+    hidden[0, :3] *= 60.0  # huge logits: these rows' target probabilities are far below 1e-30
+    target = torch.randint(0, 32, (2, 6), generator=g)
+    results = []
+    for kernels in (CPU_KERNELS, CUDA_ON_CPU):
+        h = hidden.clone().requires_grad_(True)
+        with forced_kernels(kernels), HostSyncProbe() as probe:
+            loss = cross_entropy.vocab_parallel_linear_cross_entropy(h, weight, target)
+        loss.sum().backward()
+        results.append((loss.detach(), h.grad, sum(probe.events.values())))
+    (cpu_loss, cpu_grad, cpu_reads), (cuda_loss, cuda_grad, cuda_reads) = results
+    assert cpu_loss.max() > 100 and cpu_reads >= 1 and cuda_reads == 0  # the CPU fallback did run
+    torch.testing.assert_close(cuda_loss, cpu_loss, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(cuda_grad, cpu_grad)

@@ -15,8 +15,9 @@ from domino.train.host_syncs import HostSyncProbe
 ITERS = 6
 RUN = ["--preset", "tiny", "--mock-data", "--vocab-size", "512", "--num-workers", "0", "--seed", "7",
        "--train-iters", str(ITERS), "--log-interval", "3", "--eval-iters", "0", "--eval-interval", "0"]
-#: Reads in domino code that another change owns: the TP=1 loss reads whether any row needs the log-sum-exp
-#: fallback (domino/parallel/cross_entropy.py, a per-device kernel choice, issue 15 item 4), once per micro-batch.
+#: The one read the CPU kernel choices keep: the TP=1 loss reads whether any row needs the log-sum-exp fallback
+#: (domino/parallel/cross_entropy.py), once per micro-batch; the CUDA choice reads nothing there
+#: (tests/model/test_model_kernels.py::test_tp1_loss_without_host_read_equals_the_softmax_shortcut).
 KNOWN_ELSEWHERE = ("domino/parallel/cross_entropy.py:", "_loss_from_softmax")
 #: DeepSpeed 0.19.8's ZeRO-1/2 step reads its overflow decision once, and re-checks the norm once per parameter
 #: group (two: with and without weight decay) in unscale_and_clip_grads (deepspeed/runtime/zero/stage_1_and_2.py).
