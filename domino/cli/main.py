@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from typing import List, Optional, Sequence
 
@@ -61,4 +62,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         logging.getLogger("domino").error("%s", error)
         print(f"domino {args.command}: error: {error}", file=sys.stderr)
         code = getattr(error, "exit_code", 2)  # 2: fix the input; a lost peer says 128 (retryable)
+    except BrokenPipeError:  # the reader (`| head`) closed the pipe: stop quietly, as the Python docs advise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141  # what a shell reports for SIGPIPE
     sys.exit(code or 0)

@@ -162,3 +162,16 @@ def test_cli_json_answers_and_refuses_bad_flags(capsys):
     with pytest.raises(SystemExit) as exit_info:
         domino_main(["estimate", "--gpus", "0"])
     assert exit_info.value.code == 2 and "--gpus must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_cli_output_cut_short_by_its_reader_ends_quietly():
+    """A reader that is gone before the output comes (`| true` exits long before Python has started): the closed
+    pipe ends the command with SIGPIPE's status and no traceback."""
+    import subprocess
+    import sys
+
+    reader = subprocess.run(
+        f"{sys.executable} -m domino estimate --preset llama2-7b --gpus 8 --gpu-memory-gb 80 | true; "
+        "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in reader.stderr and "BrokenPipe" not in reader.stderr, reader.stderr
+    assert reader.returncode == 141
