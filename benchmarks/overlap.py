@@ -17,7 +17,11 @@ with the GPT 6.7B shape of the Domino paper (h 4096, s 2048), F = 989 TFLOP/s (H
 B = 450 GB/s per direction (NVLink 4, TP=8 in one node) or 50 GB/s (one 400 Gb/s InfiniBand NIC per GPU, a
 TP=8 ring that crosses nodes). Peak FLOP/s make these upper bounds: a real step reaches about half of it.
 
-    python benchmarks/overlap.py [--iters 10] [--settings ...] [--real-domino] [--json]
+    python benchmarks/overlap.py [--iters 10] [--settings ...] [--real-domino] [--breakdown] [--json]
+
+``--breakdown`` also prints, per link and layout, the blocked time by call site (the labels of
+``domino.parallel.collectives.comm_site``: forward waits per layer position and chunk, backward input-gradient
+guards, embedding, output layer, cross-entropy), means over the measured steps.
 """
 
 from __future__ import annotations
@@ -85,12 +89,15 @@ def prepare_data(work: Path) -> tuple:
     return str(tok), str(work / "shk_text_document")
 
 
-def run(chunks: int, network: str, data: tuple, iters: int, work: Path) -> dict:
+def run(chunks: int, network: str, data: tuple, iters: int, work: Path, breakdown: bool = False) -> dict:
     """One ``domino pretrain`` on 2 processes; medians over the iterations after warm-up."""
     metrics = work / f"metrics-{chunks}-{network or 'real'}.jsonl"
     metrics.unlink(missing_ok=True)
+    # Timing level 2 adds the comm-wait breakdown by call site (and forward/backward timers: host clocks only).
+    model = [a if a != "1" or MODEL[i - 1] != "--timing-log-level" else ("2" if breakdown else "1")
+             for i, a in enumerate(MODEL)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "domino", "pretrain",
-           *MODEL, "--domino-chunks", str(chunks), "--tokenizer", data[0], "--data-path", data[1],
+           *model, "--domino-chunks", str(chunks), "--tokenizer", data[0], "--data-path", data[1],
            "--train-iters", str(iters), "--metrics-file", str(metrics)]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     env.pop("DOMINO_SIMULATED_NETWORK", None)
@@ -102,8 +109,13 @@ def run(chunks: int, network: str, data: tuple, iters: int, work: Path) -> dict:
     records = [r for r in records if "eval" not in r]
     steady = records[WARMUP:]
     timer = lambda r, name: r.get("timers_ms_per_iter", {}).get(name, 0.0)  # noqa: E731
+    sites = [{k[len(SITE):]: v for k, v in r.get("timers_ms_per_iter", {}).items() if k.startswith(SITE)}
+             for r in steady]
     return summary([1000 * r["iteration_time_s"] for r in steady], [timer(r, "comm-wait") for r in steady],
-                   [timer(r, "comm-modelled") for r in steady], [r["lm_loss"] for r in records])
+                   [timer(r, "comm-modelled") for r in steady], [r["lm_loss"] for r in records], sites)
+
+
+SITE = "comm-wait: "  # prefix of the breakdown's timers in the metrics file (domino/train/pretrain.py)
 
 
 def network_for(ratio: float, compute_ms: float) -> str:
@@ -112,12 +124,18 @@ def network_for(ratio: float, compute_ms: float) -> str:
     return f"latency_us={LATENCY_US:g},gbps={wire_bytes_per_step() / transfer_s / 1e9:.4f}"
 
 
-def summary(step_ms: list, blocked_ms: list, modelled_ms: list, losses: list) -> dict:
-    """Medians of one layout's steps, and its hidden fraction."""
+def summary(step_ms: list, blocked_ms: list, modelled_ms: list, losses: list, sites: list = ()) -> dict:
+    """Medians of one layout's steps, its hidden fraction, its compute (step - blocked) and, when ``sites`` (one
+    ``{site: ms}`` per step) is given, the mean blocked ms per call site (means, so that they add up)."""
     step, blocked, modelled = (statistics.median(v) for v in (step_ms, blocked_ms, modelled_ms))
+    compute = statistics.median(a - b for a, b in zip(step_ms, blocked_ms))
+    by_site = {}
+    for per_step in sites:
+        for site, ms in per_step.items():
+            by_site[site] = by_site.get(site, 0.0) + ms / len(sites)
     return {"step_ms": step, "blocked_ms": blocked, "modelled_ms": modelled, "blocked_share": blocked / step,
             "hidden_fraction": 1 - blocked / modelled if modelled else None, "losses": losses,
-            "step_ms_all": step_ms}
+            "step_ms_all": step_ms, "compute_ms": compute, "blocked_by_site_ms": by_site}
 
 
 def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: str) -> None:
@@ -140,6 +158,7 @@ def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: s
         model, opt = runs[name]
         dist.barrier()
         collectives.pop_comm_wait_seconds(), collectives.pop_modelled_comm_seconds()
+        collectives.pop_comm_wait_by_site()
         started = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = model(tokens, labels=labels).mean()
@@ -147,7 +166,8 @@ def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: s
         opt.step()
         elapsed = time.perf_counter() - started
         return (1000 * elapsed, 1000 * collectives.pop_comm_wait_seconds(),
-                1000 * collectives.pop_modelled_comm_seconds(), loss.item())
+                1000 * collectives.pop_modelled_comm_seconds(), loss.item(),
+                {k: 1000 * v for k, v in collectives.pop_comm_wait_by_site().items()})
 
     out = {"settings": {}}
     for setting in ["real gloo only", *settings]:
@@ -206,6 +226,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=("pretrain", "steps"), default="pretrain",
                         help="pretrain: one `domino pretrain` per layout and link (end to end); steps: the "
                              "layouts' training steps alternating in one process pair (for a loaded machine)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also print the blocked time by call site, and compute time vs sync's")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = parser.parse_args()
     if args.mode == "steps":
@@ -220,6 +242,8 @@ def main() -> None:
         print(json.dumps(out, indent=2))
     else:
         print_tables(out)
+        if args.breakdown:
+            print_breakdown(out)
 
 
 def pretrain_mode(args) -> dict:
@@ -229,14 +253,14 @@ def pretrain_mode(args) -> dict:
         work = Path(tmp)
         data = prepare_data(work)
         layouts = LAYOUTS if args.real_domino else {"sync": 1}
-        real = {name: run(chunks, "", data, args.iters, work) for name, chunks in layouts.items()}
+        real = {name: run(chunks, "", data, args.iters, work, args.breakdown) for name, chunks in layouts.items()}
         out["settings"]["real gloo only"] = {"ratio": None, "network": "", "runs": real}
         compute_ms = real["sync"]["step_ms"] - real["sync"]["blocked_ms"]  # synchronous step without comm
         out["sync_compute_ms"] = compute_ms
         for setting in args.settings:
             ratio = SETTINGS[setting]
             network = network_for(ratio, compute_ms)
-            runs = {name: run(chunks, network, data, iterations(ratio, args.iters), work)
+            runs = {name: run(chunks, network, data, iterations(ratio, args.iters), work, args.breakdown)
                     for name, chunks in LAYOUTS.items()}
             out["settings"][setting] = {"ratio": ratio, "network": network, "runs": runs}
     return out
@@ -279,6 +303,18 @@ def print_tables(out: dict) -> None:
                   f"{r['blocked_ms']:>10.1f} {100 * r['blocked_share']:>8.1f}% {r['modelled_ms']:>11.1f} {hidden:>7}")
     same = "each layout's are bit for bit the same on every link; " if out["losses"]["same_on_every_link_bitwise"] else ""
     print(f"losses: {same}Domino vs sync max relative difference {out['losses']['domino_vs_sync_max_rel_diff']:.1e}")
+
+
+def print_breakdown(out: dict) -> None:
+    """Per link and layout: compute (step - blocked) vs sync's, then blocked ms by call site, largest first."""
+    for setting, s in out["settings"].items():
+        sync_compute = s["runs"]["sync"]["compute_ms"]
+        for name, r in s["runs"].items():
+            print(f"\n{setting} / {name}: compute {r['compute_ms']:.1f} ms ({r['compute_ms'] / sync_compute:.2f}x "
+                  f"sync's), blocked {r['blocked_ms']:.1f} ms (median), by site (mean ms/step):")
+            for site, ms in sorted(r["blocked_by_site_ms"].items(), key=lambda kv: -kv[1]):
+                if ms >= 0.05:
+                    print(f"  {ms:8.2f}  {site}")
 
 
 if __name__ == "__main__":
