@@ -22,7 +22,8 @@ linear's asynchronous input-gradient all-reduce and the guard's wait (:mod:`domi
 from __future__ import annotations
 
 import contextlib
-from typing import Generator, List, Optional, Sequence, Tuple
+import itertools
+from typing import Callable, Generator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -71,6 +72,22 @@ class _PendingScatter:
         self.handle.wait()  # wait for the reduce-scatter launched in __init__: its slice is read right here
         with tp_region_rng(layer.hidden_dropout > 0 and layer.training):
             return bias_dropout_add(self.result(), self.bias, residual, layer.hidden_dropout, layer.training)
+
+
+class _PendingInput:
+    """A chunk's rows of the stack's input while their all-reduce is in flight (the word embeddings)."""
+
+    __slots__ = ("partial", "complete", "rows", "handle")
+
+    def __init__(self, partial: torch.Tensor, complete: Callable, rows: slice, site: str) -> None:
+        self.partial, self.complete, self.rows = partial, complete, rows
+        with comm_site(site):
+            # Async launch: waited in finish(), when the chunk starts (chunk c after c ticks of the others).
+            self.handle = all_reduce_async(partial)
+
+    def finish(self) -> torch.Tensor:
+        self.handle.wait()  # wait for the all-reduce launched in __init__: the rows are read right here
+        return self.complete(self.partial, self.rows)
 
 
 class _ReducedElsewhere:
@@ -177,6 +194,8 @@ class DominoLayerStack:
     def _chunk_steps(self, h: torch.Tensor, mask: Optional[torch.Tensor], rotary: Optional[RotaryTables],
                      final_layernorm: Optional[torch.nn.Module], chunk: int) -> Generator[None, None, torch.Tensor]:
         """One chunk's steps through every layer; yields between steps, returns the chunk's output."""
+        if isinstance(h, _PendingInput):
+            h = h.finish()
         recompute = torch.is_grad_enabled()
         for start, end, checkpointed in self.units:
             if checkpointed and recompute:
@@ -193,7 +212,7 @@ class DominoLayerStack:
 
     def __call__(self, hidden: torch.Tensor, attend_mask: Optional[torch.Tensor],
                  final_layernorm: Optional[torch.nn.Module], rotary: Optional[RotaryTables] = None,
-                 guard_output: bool = False):
+                 guard_output: bool = False, finish_input: Optional[Callable] = None):
         """``[b, s, h]`` embeddings -> ``[b, s, h]`` (after the final norm when one is given).
 
         ``attend_mask`` (True = may attend, or None for causal) is split into per-chunk views, not copied;
@@ -201,6 +220,10 @@ class DominoLayerStack:
         ``guard_output``: also guard each chunk's output as it is produced and return ``(output, slots)``, the
         :class:`ChunkedGradSlots` to hand to the column-parallel linear that consumes the output (the output
         layer): its input gradient is then all-reduced chunk by chunk, each waited on by its own chunk.
+        ``finish_input``: ``hidden`` is a partial sum still to be all-reduced over the TP ranks (the word
+        embeddings); each chunk's all-reduce is launched at once, and each chunk waits for its own as it starts,
+        then calls ``finish_input(reduced_rows, rows)`` (a slice of the batch) for its input. Chunk 0 waits
+        right away; the others' all-reduces run behind the chunks started before them.
         """
         b = hidden.shape[0]
         if b < self.chunks:
@@ -208,8 +231,15 @@ class DominoLayerStack:
         sizes = [len(idx) for idx in torch.arange(b).tensor_split(self.chunks)]
         masks = _split_mask(attend_mask, sizes)
         tables = rotary.split(sizes) if rotary is not None else [None] * self.chunks
+        inputs = list(torch.split(hidden, sizes, dim=0))
+        if finish_input is not None:
+            starts = [0, *itertools.accumulate(sizes)]
+            # narrow, not split: a single view may be reduced in place (and a late handle may write into it).
+            inputs = [_PendingInput(hidden.narrow(0, starts[c], sizes[c]), finish_input,
+                                    slice(starts[c], starts[c + 1]), f"fwd embedding, chunk {c}")
+                      for c in range(self.chunks)]
         programs = [self._chunk_steps(h, m, r, final_layernorm, c)
-                    for c, (h, m, r) in enumerate(zip(torch.split(hidden, sizes, dim=0), masks, tables))]
+                    for c, (h, m, r) in enumerate(zip(inputs, masks, tables))]
         outputs: List[Optional[torch.Tensor]] = [None] * self.chunks
         slots: List = [None] * self.chunks
         running = self.chunks

@@ -69,10 +69,14 @@ def test_forward_and_backward_all_reduces_are_overlapped(recorded, chunks):
     with _Recorder(recorded):
         loss = model(tokens, labels=tokens).sum()
     forward = _ops_between_launch_and_wait(recorded)
+    # The word embeddings' all-reduce per chunk (launched first): chunk 0 waits for its own right away, every
+    # other chunk after the chunks before it started (ops in between).
+    assert len(forward) == chunks + 2 * 2 * chunks
+    embedding, layers = forward[:chunks], forward[chunks:]
+    assert embedding[0] == 0 and all(n >= 1 for n in embedding[1:]), embedding
     # 2 row-parallel all-reduces per layer per chunk, each hidden behind one step of every other chunk;
     # only the last layer's fc2 all-reduces of the chunks finishing last have nothing left to hide behind.
-    assert len(forward) == 2 * 2 * chunks
-    assert all(n >= 1 for n in forward[:-(chunks - 1) or None]), forward
+    assert all(n >= 1 for n in layers[:-(chunks - 1) or None]), layers
     recorded.clear()
     with _Recorder(recorded):
         loss.backward()
