@@ -92,6 +92,23 @@ def test_forward_and_backward_all_reduces_are_overlapped(recorded, chunks):
     assert sorted(backward)[1] >= 2
 
 
+def test_embedding_dropout_keeps_the_whole_batch_embedding_all_reduce(recorded):
+    """With embedding dropout in training the mask is drawn for the whole batch (as without Domino), so the
+    embeddings are all-reduced before the stack; in evaluation (no dropout) per chunk, inside the stack."""
+    torch.manual_seed(0)
+    model = GPTModel(tiny_config(hidden_dropout=0.1), VOCAB, domino_chunks=2)
+    tokens = torch.randint(0, VOCAB, (4, 8))
+    launches = lambda: sum(1 for kind, _ in recorded if kind == "launch")  # noqa: E731
+    model.train()
+    model(tokens, labels=tokens)
+    assert launches() == 2 * 2 * 2
+    recorded.clear()
+    model.eval()
+    with torch.no_grad():
+        model(tokens, labels=tokens)
+    assert launches() == 2 + 2 * 2 * 2
+
+
 def test_sync_path_issues_no_async_collectives(recorded):
     model = GPTModel(tiny_config(), VOCAB, domino_chunks=1)
     tokens = torch.randint(0, VOCAB, (2, 8))
