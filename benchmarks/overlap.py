@@ -17,7 +17,8 @@ with the GPT 6.7B shape of the Domino paper (h 4096, s 2048), F = 989 TFLOP/s (H
 B = 450 GB/s per direction (NVLink 4, TP=8 in one node) or 50 GB/s (one 400 Gb/s InfiniBand NIC per GPU, a
 TP=8 ring that crosses nodes). Peak FLOP/s make these upper bounds: a real step reaches about half of it.
 
-    python benchmarks/overlap.py [--iters 10] [--settings ...] [--real-domino] [--breakdown] [--json]
+    python benchmarks/overlap.py [--iters 10] [--settings ...] [--real-domino] [--transfer launch|wait]
+                                 [--breakdown] [--json]
 
 ``--breakdown`` also prints, per link and layout, the blocked time by call site (the labels of
 ``domino.parallel.collectives.comm_site``: forward waits per layer position and chunk, backward input-gradient
@@ -118,10 +119,10 @@ def run(chunks: int, network: str, data: tuple, iters: int, work: Path, breakdow
 SITE = "comm-wait: "  # prefix of the breakdown's timers in the metrics file (domino/train/pretrain.py)
 
 
-def network_for(ratio: float, compute_ms: float) -> str:
+def network_for(ratio: float, compute_ms: float, transfer: str = "launch") -> str:
     """The ``DOMINO_SIMULATED_NETWORK`` value whose link time is ``ratio`` x ``compute_ms`` per sync step."""
     transfer_s = ratio * compute_ms / 1000 - (2 + 4 * LAYERS + 3) * LATENCY_US * 1e-6
-    return f"latency_us={LATENCY_US:g},gbps={wire_bytes_per_step() / transfer_s / 1e9:.4f}"
+    return f"latency_us={LATENCY_US:g},gbps={wire_bytes_per_step() / transfer_s / 1e9:.4f},transfer={transfer}"
 
 
 def summary(step_ms: list, blocked_ms: list, modelled_ms: list, losses: list, sites: list = ()) -> dict:
@@ -138,7 +139,7 @@ def summary(step_ms: list, blocked_ms: list, modelled_ms: list, losses: list, si
             "step_ms_all": step_ms, "compute_ms": compute, "blocked_by_site_ms": by_site}
 
 
-def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: str) -> None:
+def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: str, transfer: str) -> None:
     """One rank of ``--mode steps``: the three layouts in one process pair, alternating step by step."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
@@ -177,7 +178,7 @@ def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: s
         else:  # rank 0's calibration decides, so both ranks emulate the same link
             compute = torch.tensor([out["sync_compute_ms"]], dtype=torch.float64)
             dist.broadcast(compute, 0)
-            network = network_for(ratio, compute.item())
+            network = network_for(ratio, compute.item(), transfer)
         state.set_tensor_model_parallel_link(LinkEmulator(parse_spec(network)) if network else None)
         reps = repeats if ratio is None or ratio <= 1 else max(3, round(repeats / ratio))
         for name in LAYOUTS:  # warm-up
@@ -200,13 +201,13 @@ def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: s
     dist.destroy_process_group()
 
 
-def steps_mode(settings: list, repeats: int) -> dict:
+def steps_mode(settings: list, repeats: int, transfer: str) -> dict:
     """``--mode steps``: training steps of the three layouts in one pair of gloo processes, alternating."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_steps_worker, args=(port, settings, repeats, out_dir), nprocs=2, join=True,
+        mp.start_processes(_steps_worker, args=(port, settings, repeats, out_dir, transfer), nprocs=2, join=True,
                            start_method="spawn")
         return torch.load(os.path.join(out_dir, "steps.pt"))
 
@@ -226,12 +227,15 @@ def main() -> None:
     parser.add_argument("--mode", choices=("pretrain", "steps"), default="pretrain",
                         help="pretrain: one `domino pretrain` per layout and link (end to end); steps: the "
                              "layouts' training steps alternating in one process pair (for a loaded machine)")
+    parser.add_argument("--transfer", choices=("launch", "wait"), default="launch",
+                        help="when gloo moves an async collective's data on the emulated link: launch (competing "
+                             "with the computation for the 2 cores) or wait (see domino/parallel/network_emulator.py)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also print the blocked time by call site, and compute time vs sync's")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = parser.parse_args()
     if args.mode == "steps":
-        out = steps_mode(args.settings, args.iters)
+        out = steps_mode(args.settings, args.iters, args.transfer)
     else:
         out = pretrain_mode(args)
     out.update(mode=args.mode, wire_bytes_per_step=wire_bytes_per_step(),
@@ -259,7 +263,7 @@ def pretrain_mode(args) -> dict:
         out["sync_compute_ms"] = compute_ms
         for setting in args.settings:
             ratio = SETTINGS[setting]
-            network = network_for(ratio, compute_ms)
+            network = network_for(ratio, compute_ms, args.transfer)
             runs = {name: run(chunks, network, data, iterations(ratio, args.iters), work, args.breakdown)
                     for name, chunks in LAYOUTS.items()}
             out["settings"][setting] = {"ratio": ratio, "network": network, "runs": runs}

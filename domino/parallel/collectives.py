@@ -42,7 +42,9 @@ import torch
 import torch.distributed as dist
 
 from domino.parallel import state
-from domino.parallel.network_emulator import EmulatedWork, all_gather_wire_bytes, all_reduce_wire_bytes
+from domino.parallel.network_emulator import (
+    DeferredWork, EmulatedWork, all_gather_wire_bytes, all_reduce_wire_bytes,
+)
 
 
 class _DoneHandle:
@@ -345,8 +347,13 @@ def reduce_scatter_to_sequence_async(partial: torch.Tensor):
     out = full.new_empty((full.shape[0] // _tp_size(), *full.shape[1:]))
     link = state.get_tensor_model_parallel_link()
     due = link.launch(all_gather_wire_bytes(out.numel() * out.element_size(), _tp_size())) if link else None
+    group = state.get_tensor_model_parallel_group()
+    if link is not None and link.spec.transfer == "wait":  # emulated link, gloo moves the data in wait()
+        handle = _PendingWork(DeferredWork(lambda: dist.reduce_scatter_single(out, full, group=group), link, due),
+                              full)
+        return handle, lambda: _ReducedScatter.apply(partial, out.transpose(0, 1))
     # Async launch: the caller computes another chunk meanwhile and calls finish() after wait().
-    work = dist.reduce_scatter_single(out, full, group=state.get_tensor_model_parallel_group(), async_op=True)
+    work = dist.reduce_scatter_single(out, full, group=group, async_op=True)
     handle = _PendingWork(work if link is None else EmulatedWork(work, link, due), full)
     return handle, lambda: _ReducedScatter.apply(partial, out.transpose(0, 1))
 
@@ -371,8 +378,11 @@ def all_reduce_async(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM):
         raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
     link = state.get_tensor_model_parallel_link()
     due = link.launch(all_reduce_wire_bytes(x.numel() * x.element_size(), _tp_size())) if link is not None else None
+    group = state.get_tensor_model_parallel_group()
+    if link is not None and link.spec.transfer == "wait":  # emulated link, gloo moves the data in wait()
+        return _TimedWork(DeferredWork(lambda: dist.all_reduce(x.detach(), op=op, group=group), link, due))
     # Async launch: the caller computes another chunk meanwhile and waits right before it reads x.
-    work = dist.all_reduce(x.detach(), op=op, group=state.get_tensor_model_parallel_group(), async_op=True)
+    work = dist.all_reduce(x.detach(), op=op, group=group, async_op=True)
     return _TimedWork(work if link is None else EmulatedWork(work, link, due))
 
 
