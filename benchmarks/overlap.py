@@ -310,16 +310,24 @@ def print_tables(out: dict) -> None:
 
 
 def print_breakdown(out: dict) -> None:
-    """Per link and layout: compute (step - blocked) vs sync's, then blocked ms by call site, largest first."""
+    """Per link and layout: compute (step - blocked) vs sync's, then blocked ms per kind of call site (the label
+    up to its first comma, e.g. ``fwd mlp``), per layer position and chunk, and the largest single sites."""
     for setting, s in out["settings"].items():
         sync_compute = s["runs"]["sync"]["compute_ms"]
         for name, r in s["runs"].items():
+            sites = r["blocked_by_site_ms"]
             print(f"\n{setting} / {name}: compute {r['compute_ms']:.1f} ms ({r['compute_ms'] / sync_compute:.2f}x "
-                  f"sync's), blocked {r['blocked_ms']:.1f} ms (median), by site (mean ms/step):")
-            for site, ms in sorted(r["blocked_by_site_ms"].items(), key=lambda kv: -kv[1]):
-                if ms >= 0.05:
-                    print(f"  {ms:8.2f}  {site}")
-
+                  f"sync's), blocked {r['blocked_ms']:.1f} ms (median; mean of the sites below "
+                  f"{sum(sites.values()):.1f})")
+            for title, key in (("kind", lambda site: site.split(",")[0]),
+                               ("layer, chunk", lambda site: ",".join(site.split(",")[1:]).strip() or "-")):
+                groups = {}
+                for site, ms in sites.items():
+                    groups[key(site)] = groups.get(key(site), 0.0) + ms
+                print(f"  by {title}: " + "; ".join(f"{k} {v:.1f}" for k, v in
+                                                    sorted(groups.items(), key=lambda kv: -kv[1])))
+            top = sorted(sites.items(), key=lambda kv: -kv[1])[:6]
+            print("  largest: " + "; ".join(f"{k} {v:.1f}" for k, v in top))
 
 if __name__ == "__main__":
     main()
