@@ -227,6 +227,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=("pretrain", "steps"), default="pretrain",
                         help="pretrain: one `domino pretrain` per layout and link (end to end); steps: the "
                              "layouts' training steps alternating in one process pair (for a loaded machine)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="pretrain mode: rounds of the three layouts per link (medians and paired speed-up)")
     parser.add_argument("--transfer", choices=("launch", "wait"), default="launch",
                         help="when gloo moves an async collective's data on the emulated link: launch (competing "
                              "with the computation for the 2 cores) or wait (see domino/parallel/network_emulator.py)")
@@ -264,10 +266,25 @@ def pretrain_mode(args) -> dict:
         for setting in args.settings:
             ratio = SETTINGS[setting]
             network = network_for(ratio, compute_ms, args.transfer)
-            runs = {name: run(chunks, network, data, iterations(ratio, args.iters), work, args.breakdown)
-                    for name, chunks in LAYOUTS.items()}
-            out["settings"][setting] = {"ratio": ratio, "network": network, "runs": runs}
+            rounds = [{name: run(chunks, network, data, iterations(ratio, args.iters), work, args.breakdown)
+                       for name, chunks in LAYOUTS.items()} for _ in range(args.repeats)]
+            out["settings"][setting] = {"ratio": ratio, "network": network, "runs": median_round(rounds)}
     return out
+
+
+def median_round(rounds: list) -> dict:
+    """Per layout, the run with the median step time over ``--repeats`` rounds (each round runs every layout
+    once, in turn, so a load drift hits them alike), plus the paired speed-up: the median over rounds of sync's
+    step / the layout's step in the same round."""
+    runs = {}
+    for name in rounds[0]:
+        ordered = sorted(rounds, key=lambda r: r[name]["step_ms"])
+        runs[name] = dict(ordered[len(ordered) // 2][name])
+        if len(rounds) > 1:
+            runs[name]["paired_speedup"] = statistics.median(r["sync"]["step_ms"] / r[name]["step_ms"]
+                                                             for r in rounds)
+            runs[name]["step_ms_rounds"] = [r[name]["step_ms"] for r in rounds]
+    return runs
 
 
 def check_losses(out: dict) -> None:
