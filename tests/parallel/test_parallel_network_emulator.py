@@ -149,7 +149,8 @@ def _fake_clock_body(rank, world_size, transfer):
     scatter, finish = C.reduce_scatter_to_sequence_async(torch.full((1, 2, 3), float(rank + 1)))
     scatter.wait()
     C.pop_modelled_comm_seconds()
-    return {"sleeps": sleeps, "scattered": finish().detach(), "slept_at_launch": slept_at_launch, "x": x, "modelled": modelled,
+    return {"sleeps": sleeps, "scattered": finish().detach(), "slept_at_launch": slept_at_launch, "x": x,
+            "modelled": modelled,
             "x_before_wait": x_before_wait, "completed_before_wait": completed_before_wait}
 
 
