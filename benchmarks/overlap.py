@@ -17,7 +17,12 @@ with the GPT 6.7B shape of the Domino paper (h 4096, s 2048), F = 989 TFLOP/s (H
 B = 450 GB/s per direction (NVLink 4, TP=8 in one node) or 50 GB/s (one 400 Gb/s InfiniBand NIC per GPU, a
 TP=8 ring that crosses nodes). Peak FLOP/s make these upper bounds: a real step reaches about half of it.
 
-    python benchmarks/overlap.py [--iters 10] [--settings ...] [--real-domino] [--json]
+    python benchmarks/overlap.py [--iters 10] [--settings ...] [--real-domino] [--transfer launch|wait]
+                                 [--breakdown] [--json]
+
+``--breakdown`` also prints, per link and layout, the blocked time by call site (the labels of
+``domino.parallel.collectives.comm_site``: forward waits per layer position and chunk, backward input-gradient
+guards, embedding, output layer, cross-entropy), means over the measured steps.
 """
 
 from __future__ import annotations
@@ -85,12 +90,15 @@ def prepare_data(work: Path) -> tuple:
     return str(tok), str(work / "shk_text_document")
 
 
-def run(chunks: int, network: str, data: tuple, iters: int, work: Path) -> dict:
+def run(chunks: int, network: str, data: tuple, iters: int, work: Path, breakdown: bool = False) -> dict:
     """One ``domino pretrain`` on 2 processes; medians over the iterations after warm-up."""
     metrics = work / f"metrics-{chunks}-{network or 'real'}.jsonl"
     metrics.unlink(missing_ok=True)
+    # Timing level 2 adds the comm-wait breakdown by call site (and forward/backward timers: host clocks only).
+    model = [a if a != "1" or MODEL[i - 1] != "--timing-log-level" else ("2" if breakdown else "1")
+             for i, a in enumerate(MODEL)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "domino", "pretrain",
-           *MODEL, "--domino-chunks", str(chunks), "--tokenizer", data[0], "--data-path", data[1],
+           *model, "--domino-chunks", str(chunks), "--tokenizer", data[0], "--data-path", data[1],
            "--train-iters", str(iters), "--metrics-file", str(metrics)]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     env.pop("DOMINO_SIMULATED_NETWORK", None)
@@ -102,25 +110,36 @@ def run(chunks: int, network: str, data: tuple, iters: int, work: Path) -> dict:
     records = [r for r in records if "eval" not in r]
     steady = records[WARMUP:]
     timer = lambda r, name: r.get("timers_ms_per_iter", {}).get(name, 0.0)  # noqa: E731
+    sites = [{k[len(SITE):]: v for k, v in r.get("timers_ms_per_iter", {}).items() if k.startswith(SITE)}
+             for r in steady]
     return summary([1000 * r["iteration_time_s"] for r in steady], [timer(r, "comm-wait") for r in steady],
-                   [timer(r, "comm-modelled") for r in steady], [r["lm_loss"] for r in records])
+                   [timer(r, "comm-modelled") for r in steady], [r["lm_loss"] for r in records], sites)
 
 
-def network_for(ratio: float, compute_ms: float) -> str:
+SITE = "comm-wait: "  # prefix of the breakdown's timers in the metrics file (domino/train/pretrain.py)
+
+
+def network_for(ratio: float, compute_ms: float, transfer: str = "launch") -> str:
     """The ``DOMINO_SIMULATED_NETWORK`` value whose link time is ``ratio`` x ``compute_ms`` per sync step."""
     transfer_s = ratio * compute_ms / 1000 - (2 + 4 * LAYERS + 3) * LATENCY_US * 1e-6
-    return f"latency_us={LATENCY_US:g},gbps={wire_bytes_per_step() / transfer_s / 1e9:.4f}"
+    return f"latency_us={LATENCY_US:g},gbps={wire_bytes_per_step() / transfer_s / 1e9:.4f},transfer={transfer}"
 
 
-def summary(step_ms: list, blocked_ms: list, modelled_ms: list, losses: list) -> dict:
-    """Medians of one layout's steps, and its hidden fraction."""
+def summary(step_ms: list, blocked_ms: list, modelled_ms: list, losses: list, sites: list = ()) -> dict:
+    """Medians of one layout's steps, its hidden fraction, its compute (step - blocked) and, when ``sites`` (one
+    ``{site: ms}`` per step) is given, the mean blocked ms per call site (means, so that they add up)."""
     step, blocked, modelled = (statistics.median(v) for v in (step_ms, blocked_ms, modelled_ms))
+    compute = statistics.median(a - b for a, b in zip(step_ms, blocked_ms))
+    by_site = {}
+    for per_step in sites:
+        for site, ms in per_step.items():
+            by_site[site] = by_site.get(site, 0.0) + ms / len(sites)
     return {"step_ms": step, "blocked_ms": blocked, "modelled_ms": modelled, "blocked_share": blocked / step,
             "hidden_fraction": 1 - blocked / modelled if modelled else None, "losses": losses,
-            "step_ms_all": step_ms}
+            "step_ms_all": step_ms, "compute_ms": compute, "blocked_by_site_ms": by_site}
 
 
-def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: str) -> None:
+def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: str, transfer: str) -> None:
     """One rank of ``--mode steps``: the three layouts in one process pair, alternating step by step."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
@@ -140,6 +159,7 @@ def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: s
         model, opt = runs[name]
         dist.barrier()
         collectives.pop_comm_wait_seconds(), collectives.pop_modelled_comm_seconds()
+        collectives.pop_comm_wait_by_site()
         started = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = model(tokens, labels=labels).mean()
@@ -147,7 +167,8 @@ def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: s
         opt.step()
         elapsed = time.perf_counter() - started
         return (1000 * elapsed, 1000 * collectives.pop_comm_wait_seconds(),
-                1000 * collectives.pop_modelled_comm_seconds(), loss.item())
+                1000 * collectives.pop_modelled_comm_seconds(), loss.item(),
+                {k: 1000 * v for k, v in collectives.pop_comm_wait_by_site().items()})
 
     out = {"settings": {}}
     for setting in ["real gloo only", *settings]:
@@ -157,7 +178,7 @@ def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: s
         else:  # rank 0's calibration decides, so both ranks emulate the same link
             compute = torch.tensor([out["sync_compute_ms"]], dtype=torch.float64)
             dist.broadcast(compute, 0)
-            network = network_for(ratio, compute.item())
+            network = network_for(ratio, compute.item(), transfer)
         state.set_tensor_model_parallel_link(LinkEmulator(parse_spec(network)) if network else None)
         reps = repeats if ratio is None or ratio <= 1 else max(3, round(repeats / ratio))
         for name in LAYOUTS:  # warm-up
@@ -180,13 +201,13 @@ def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: s
     dist.destroy_process_group()
 
 
-def steps_mode(settings: list, repeats: int) -> dict:
+def steps_mode(settings: list, repeats: int, transfer: str) -> dict:
     """``--mode steps``: training steps of the three layouts in one pair of gloo processes, alternating."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_steps_worker, args=(port, settings, repeats, out_dir), nprocs=2, join=True,
+        mp.start_processes(_steps_worker, args=(port, settings, repeats, out_dir, transfer), nprocs=2, join=True,
                            start_method="spawn")
         return torch.load(os.path.join(out_dir, "steps.pt"))
 
@@ -206,10 +227,17 @@ def main() -> None:
     parser.add_argument("--mode", choices=("pretrain", "steps"), default="pretrain",
                         help="pretrain: one `domino pretrain` per layout and link (end to end); steps: the "
                              "layouts' training steps alternating in one process pair (for a loaded machine)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="pretrain mode: rounds of the three layouts per link (medians and paired speed-up)")
+    parser.add_argument("--transfer", choices=("launch", "wait"), default="launch",
+                        help="when gloo moves an async collective's data on the emulated link: launch (competing "
+                             "with the computation for the 2 cores) or wait (see domino/parallel/network_emulator.py)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also print the blocked time by call site, and compute time vs sync's")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = parser.parse_args()
     if args.mode == "steps":
-        out = steps_mode(args.settings, args.iters)
+        out = steps_mode(args.settings, args.iters, args.transfer)
     else:
         out = pretrain_mode(args)
     out.update(mode=args.mode, wire_bytes_per_step=wire_bytes_per_step(),
@@ -220,6 +248,8 @@ def main() -> None:
         print(json.dumps(out, indent=2))
     else:
         print_tables(out)
+        if args.breakdown:
+            print_breakdown(out)
 
 
 def pretrain_mode(args) -> dict:
@@ -229,17 +259,32 @@ def pretrain_mode(args) -> dict:
         work = Path(tmp)
         data = prepare_data(work)
         layouts = LAYOUTS if args.real_domino else {"sync": 1}
-        real = {name: run(chunks, "", data, args.iters, work) for name, chunks in layouts.items()}
+        real = {name: run(chunks, "", data, args.iters, work, args.breakdown) for name, chunks in layouts.items()}
         out["settings"]["real gloo only"] = {"ratio": None, "network": "", "runs": real}
         compute_ms = real["sync"]["step_ms"] - real["sync"]["blocked_ms"]  # synchronous step without comm
         out["sync_compute_ms"] = compute_ms
         for setting in args.settings:
             ratio = SETTINGS[setting]
-            network = network_for(ratio, compute_ms)
-            runs = {name: run(chunks, network, data, iterations(ratio, args.iters), work)
-                    for name, chunks in LAYOUTS.items()}
-            out["settings"][setting] = {"ratio": ratio, "network": network, "runs": runs}
+            network = network_for(ratio, compute_ms, args.transfer)
+            rounds = [{name: run(chunks, network, data, iterations(ratio, args.iters), work, args.breakdown)
+                       for name, chunks in LAYOUTS.items()} for _ in range(args.repeats)]
+            out["settings"][setting] = {"ratio": ratio, "network": network, "runs": median_round(rounds)}
     return out
+
+
+def median_round(rounds: list) -> dict:
+    """Per layout, the run with the median step time over ``--repeats`` rounds (each round runs every layout
+    once, in turn, so a load drift hits them alike), plus the paired speed-up: the median over rounds of sync's
+    step / the layout's step in the same round."""
+    runs = {}
+    for name in rounds[0]:
+        ordered = sorted(rounds, key=lambda r: r[name]["step_ms"])
+        runs[name] = dict(ordered[len(ordered) // 2][name])
+        if len(rounds) > 1:
+            runs[name]["paired_speedup"] = statistics.median(r["sync"]["step_ms"] / r[name]["step_ms"]
+                                                             for r in rounds)
+            runs[name]["step_ms_rounds"] = [r[name]["step_ms"] for r in rounds]
+    return runs
 
 
 def check_losses(out: dict) -> None:
@@ -280,6 +325,26 @@ def print_tables(out: dict) -> None:
     same = "each layout's are bit for bit the same on every link; " if out["losses"]["same_on_every_link_bitwise"] else ""
     print(f"losses: {same}Domino vs sync max relative difference {out['losses']['domino_vs_sync_max_rel_diff']:.1e}")
 
+
+def print_breakdown(out: dict) -> None:
+    """Per link and layout: compute (step - blocked) vs sync's, then blocked ms per kind of call site (the label
+    up to its first comma, e.g. ``fwd mlp``), per layer position and chunk, and the largest single sites."""
+    for setting, s in out["settings"].items():
+        sync_compute = s["runs"]["sync"]["compute_ms"]
+        for name, r in s["runs"].items():
+            sites = r["blocked_by_site_ms"]
+            print(f"\n{setting} / {name}: compute {r['compute_ms']:.1f} ms ({r['compute_ms'] / sync_compute:.2f}x "
+                  f"sync's), blocked {r['blocked_ms']:.1f} ms (median; mean of the sites below "
+                  f"{sum(sites.values()):.1f})")
+            for title, key in (("kind", lambda site: site.split(",")[0]),
+                               ("layer, chunk", lambda site: ",".join(site.split(",")[1:]).strip() or "-")):
+                groups = {}
+                for site, ms in sites.items():
+                    groups[key(site)] = groups.get(key(site), 0.0) + ms
+                print(f"  by {title}: " + "; ".join(f"{k} {v:.1f}" for k, v in
+                                                    sorted(groups.items(), key=lambda kv: -kv[1])))
+            top = sorted(sites.items(), key=lambda kv: -kv[1])[:6]
+            print("  largest: " + "; ".join(f"{k} {v:.1f}" for k, v in top))
 
 if __name__ == "__main__":
     main()

@@ -14,25 +14,27 @@ The two share a :class:`GradAllReduceSlot`, which carries the handle from launch
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-from domino.parallel.collectives import all_reduce_async
+from domino.parallel.collectives import all_reduce_async, comm_site
 from domino.parallel.linear_ops import linear
 
 
 class GradAllReduceSlot:
     """Holds the handle of one in-flight input-gradient all-reduce."""
 
-    __slots__ = ("handle",)
+    __slots__ = ("handle", "site")
 
-    def __init__(self) -> None:
+    def __init__(self, site: Optional[str] = None) -> None:
         self.handle = None
+        self.site = site
 
     def launch(self, grad: torch.Tensor) -> None:
         """Starts the in-place all-reduce of ``grad`` over the TP group; :meth:`wait` waits for it."""
-        self.handle = all_reduce_async(grad)
+        with comm_site(self.site):
+            self.handle = all_reduce_async(grad)
 
     def wait(self) -> None:
         """Blocks until the launched all-reduce (if any) finished."""
@@ -40,6 +42,27 @@ class GradAllReduceSlot:
             # Wait for the input-gradient all-reduce launched by a linear's backward (linear_ops, qkv_projection).
             self.handle.wait()
             self.handle = None
+
+
+class ChunkedGradSlots:
+    """One input-gradient all-reduce per batch chunk, for a linear that runs on all chunks at once (the output
+    layer after the Domino stack): each chunk's rows are waited on by that chunk's own guard.
+
+    Launched last chunk first: autograd reaches the last chunk's guard first (it was created last), and its
+    backward (final norm, last layer) then runs while the other chunks' all-reduces are still on the link.
+    """
+
+    __slots__ = ("slots", "sizes")
+
+    def __init__(self, slots: Sequence[GradAllReduceSlot], sizes: Sequence[int]) -> None:
+        self.slots = list(slots)
+        self.sizes = list(sizes)
+
+    def launch(self, grad: torch.Tensor) -> None:
+        """Starts the all-reduce of each chunk's rows (dimension 0) of ``grad``: contiguous views, in place."""
+        parts = grad.split(self.sizes, dim=0)
+        for slot, part in reversed(list(zip(self.slots, parts))):
+            slot.launch(part)
 
 
 class _WaitInputGrad(torch.autograd.Function):
@@ -59,14 +82,16 @@ def wait_for_input_grad(x: torch.Tensor, slot: GradAllReduceSlot) -> torch.Tenso
     return _WaitInputGrad.apply(x, slot)
 
 
-def guard_input_grad(x: torch.Tensor) -> Tuple[torch.Tensor, GradAllReduceSlot]:
+def guard_input_grad(x: torch.Tensor, site: Optional[str] = None) -> Tuple[torch.Tensor, GradAllReduceSlot]:
     """Places the wait node on ``x`` (a LayerNorm output) and returns it with the slot a linear will fill.
+
+    ``site`` labels the all-reduce's blocked time (:func:`domino.parallel.collectives.comm_site`).
 
     Create the guard as soon as ``x`` exists and run the consuming linear later: autograd runs nodes in
     reverse creation order, so whatever is created in between (the other chunks' work) runs in backward
     between the linear's all-reduce launch and this wait.
     """
-    slot = GradAllReduceSlot()
+    slot = GradAllReduceSlot(site)
     return wait_for_input_grad(x, slot), slot
 
 

@@ -22,15 +22,16 @@ linear's asynchronous input-gradient all-reduce and the guard's wait (:mod:`domi
 from __future__ import annotations
 
 import contextlib
-from typing import Generator, List, Optional, Sequence, Tuple
+import itertools
+from typing import Callable, Generator, List, Optional, Sequence, Tuple
 
 import torch
 
-from domino.model.domino_ops import guard_input_grad
+from domino.model.domino_ops import ChunkedGradSlots, guard_input_grad
 from domino.model.rotary import RotaryTables
 from domino.model.transformer import TransformerLayer, bias_dropout_add
 from domino.parallel.collectives import (
-    all_reduce_async, gather_from_sequence_region, reduce_scatter_to_sequence_async,
+    all_reduce_async, comm_site, gather_from_sequence_region, reduce_scatter_to_sequence_async,
 )
 from domino.parallel.random import tp_region_rng
 from domino.parallel.recompute import keep_sequence_slice, replay, run_recorded
@@ -71,6 +72,22 @@ class _PendingScatter:
         self.handle.wait()  # wait for the reduce-scatter launched in __init__: its slice is read right here
         with tp_region_rng(layer.hidden_dropout > 0 and layer.training):
             return bias_dropout_add(self.result(), self.bias, residual, layer.hidden_dropout, layer.training)
+
+
+class _PendingInput:
+    """A chunk's rows of the stack's input while their all-reduce is in flight (the word embeddings)."""
+
+    __slots__ = ("partial", "complete", "rows", "handle")
+
+    def __init__(self, partial: torch.Tensor, complete: Callable, rows: slice, site: str) -> None:
+        self.partial, self.complete, self.rows = partial, complete, rows
+        with comm_site(site):
+            # Async launch: waited in finish(), when the chunk starts (chunk c after c ticks of the others).
+            self.handle = all_reduce_async(partial)
+
+    def finish(self) -> torch.Tensor:
+        self.handle.wait()  # wait for the all-reduce launched in __init__: the rows are read right here
+        return self.complete(self.partial, self.rows)
 
 
 class _ReducedElsewhere:
@@ -115,7 +132,7 @@ class DominoLayerStack:
         #: Sequence parallelism: the residual stream is this rank's sequence slice (domino.model.sequence_parallel).
         self.sequence_parallel = False
 
-    def _column_input(self, x: torch.Tensor):
+    def _column_input(self, x: torch.Tensor, site: str):
         """A norm's output made ready for a column-parallel linear: ``((input, gradient slot), slice)``.
 
         Plain TP: the output with its gradient guard (the linear launches the input-gradient all-reduce into the
@@ -124,7 +141,7 @@ class DominoLayerStack:
         """
         if self.sequence_parallel:
             return (gather_from_sequence_region(x), _REDUCED_ELSEWHERE), x
-        return guard_input_grad(x), None
+        return guard_input_grad(x, site), None
 
     @staticmethod
     def _keeping_slice(guarded, part: Optional[torch.Tensor]):
@@ -132,12 +149,18 @@ class DominoLayerStack:
         sequence, and gathers again in backward (Megatron's choice: the norm outputs cost ``sbh / t``)."""
         return keep_sequence_slice(guarded[0], part) if part is not None else contextlib.nullcontext()
 
-    def _reduce(self, partial: torch.Tensor, bias: Optional[torch.Tensor]):
+    def _reduce(self, partial: torch.Tensor, bias: Optional[torch.Tensor], site: str):
         """Launches the reduction of a row-parallel partial sum: an all-reduce, or (SP) a reduce-scatter."""
-        return _PendingScatter(partial, bias) if self.sequence_parallel else _Pending(partial, bias)
+        with comm_site(site):
+            return _PendingScatter(partial, bias) if self.sequence_parallel else _Pending(partial, bias)
+
+    def _site(self, index: int, chunk: int) -> str:
+        """``"<first|mid|last> layer, chunk c"``: the label of a layer's waits in the comm-wait breakdown."""
+        where = "first" if index == 0 else "last" if index == len(self.layers) - 1 else "mid"
+        return f"{where} layer, chunk {chunk}"
 
     def _layer_steps(self, layer: TransformerLayer, h: torch.Tensor, mask: Optional[torch.Tensor],
-                     rotary: Optional[RotaryTables]) -> Generator[None, None, torch.Tensor]:
+                     rotary: Optional[RotaryTables], site: str) -> Generator[None, None, torch.Tensor]:
         """One chunk's steps through one layer (LN1 + guard, then A-F); yields between steps, returns the output.
 
         F of layer i and LN1 of layer i+1 share a tick (no yield between them), as in the reference order. With
@@ -145,51 +168,62 @@ class DominoLayerStack:
         all-gathered, and the row-parallel sums are reduce-scattered (async, overlapped like the all-reduces).
         """
         attention, mlp = layer.attention, layer.mlp
-        guarded, part = self._column_input(layer.input_layernorm(h))
+        guarded, part = self._column_input(layer.input_layernorm(h), f"bwd attention input grad, {site}")
         yield
         with self._keeping_slice(guarded, part):
             ctx = attention.context(*attention.qkv(*guarded), mask, rotary=rotary)  # A
         yield
-        pending = self._reduce(attention.dense.partial(ctx), attention.dense.bias)  # B
+        pending = self._reduce(attention.dense.partial(ctx), attention.dense.bias, f"fwd attention, {site}")  # B
         yield
         h = pending.finish(h, layer)  # C
-        guarded, part = self._column_input(layer.post_attention_layernorm(h))
+        guarded, part = self._column_input(layer.post_attention_layernorm(h), f"bwd mlp input grad, {site}")
         yield
         with self._keeping_slice(guarded, part):
             inner = mlp.inner(*guarded)  # D
         yield
-        pending = self._reduce(mlp.partial(inner), mlp.dense_4h_to_h.bias)  # E
+        pending = self._reduce(mlp.partial(inner), mlp.dense_4h_to_h.bias, f"fwd mlp, {site}")  # E
         yield
         return pending.finish(h, layer)  # F
 
     def _group_steps(self, start: int, end: int, h: torch.Tensor, mask: Optional[torch.Tensor],
-                     rotary: Optional[RotaryTables]) -> Generator[None, None, torch.Tensor]:
-        for layer in self.layers[start:end]:
-            h = yield from self._layer_steps(layer, h, mask, rotary)
+                     rotary: Optional[RotaryTables], chunk: int) -> Generator[None, None, torch.Tensor]:
+        for index in range(start, end):
+            h = yield from self._layer_steps(self.layers[index], h, mask, rotary, self._site(index, chunk))
         return h
 
     def _chunk_steps(self, h: torch.Tensor, mask: Optional[torch.Tensor], rotary: Optional[RotaryTables],
-                     final_layernorm: Optional[torch.nn.Module]) -> Generator[None, None, torch.Tensor]:
+                     final_layernorm: Optional[torch.nn.Module], chunk: int) -> Generator[None, None, torch.Tensor]:
         """One chunk's steps through every layer; yields between steps, returns the chunk's output."""
+        if isinstance(h, _PendingInput):
+            h = h.finish()
         recompute = torch.is_grad_enabled()
         for start, end, checkpointed in self.units:
             if checkpointed and recompute:
                 # Full recompute: run the group without keeping activations (same steps, same yields) and
                 # record the RNG state before each step, so backward replays every dropout mask exactly.
                 record: List = []
-                out = yield from run_recorded(self._group_steps(start, end, h.detach(), mask, rotary), record)
-                h = replay(h, out, lambda x, start=start, end=end: self._group_steps(start, end, x, mask, rotary),
+                out = yield from run_recorded(self._group_steps(start, end, h.detach(), mask, rotary, chunk), record)
+                h = replay(h, out,
+                           lambda x, start=start, end=end: self._group_steps(start, end, x, mask, rotary, chunk),
                            record)
             else:
-                h = yield from self._group_steps(start, end, h, mask, rotary)
+                h = yield from self._group_steps(start, end, h, mask, rotary, chunk)
         return final_layernorm(h) if final_layernorm is not None else h
 
     def __call__(self, hidden: torch.Tensor, attend_mask: Optional[torch.Tensor],
-                 final_layernorm: Optional[torch.nn.Module], rotary: Optional[RotaryTables] = None) -> torch.Tensor:
+                 final_layernorm: Optional[torch.nn.Module], rotary: Optional[RotaryTables] = None,
+                 guard_output: bool = False, finish_input: Optional[Callable] = None):
         """``[b, s, h]`` embeddings -> ``[b, s, h]`` (after the final norm when one is given).
 
         ``attend_mask`` (True = may attend, or None for causal) is split into per-chunk views, not copied;
         ``rotary``: the rotary tables of the positions (rope models), split along the batch like the mask.
+        ``guard_output``: also guard each chunk's output as it is produced and return ``(output, slots)``, the
+        :class:`ChunkedGradSlots` to hand to the column-parallel linear that consumes the output (the output
+        layer): its input gradient is then all-reduced chunk by chunk, each waited on by its own chunk.
+        ``finish_input``: ``hidden`` is a partial sum still to be all-reduced over the TP ranks (the word
+        embeddings); each chunk's all-reduce is launched at once, and each chunk waits for its own as it starts,
+        then calls ``finish_input(reduced_rows, rows)`` (a slice of the batch) for its input. Chunk 0 waits
+        right away; the others' all-reduces run behind the chunks started before them.
         """
         b = hidden.shape[0]
         if b < self.chunks:
@@ -197,9 +231,17 @@ class DominoLayerStack:
         sizes = [len(idx) for idx in torch.arange(b).tensor_split(self.chunks)]
         masks = _split_mask(attend_mask, sizes)
         tables = rotary.split(sizes) if rotary is not None else [None] * self.chunks
-        programs = [self._chunk_steps(h, m, r, final_layernorm)
-                    for h, m, r in zip(torch.split(hidden, sizes, dim=0), masks, tables)]
+        inputs = list(torch.split(hidden, sizes, dim=0))
+        if finish_input is not None:
+            starts = [0, *itertools.accumulate(sizes)]
+            # narrow, not split: a single view may be reduced in place (and a late handle may write into it).
+            inputs = [_PendingInput(hidden.narrow(0, starts[c], sizes[c]), finish_input,
+                                    slice(starts[c], starts[c + 1]), f"fwd embedding, chunk {c}")
+                      for c in range(self.chunks)]
+        programs = [self._chunk_steps(h, m, r, final_layernorm, c)
+                    for c, (h, m, r) in enumerate(zip(inputs, masks, tables))]
         outputs: List[Optional[torch.Tensor]] = [None] * self.chunks
+        slots: List = [None] * self.chunks
         running = self.chunks
         tick = 0
         while running:
@@ -210,6 +252,9 @@ class DominoLayerStack:
                     next(program)
                 except StopIteration as done:
                     outputs[c] = done.value
+                    if guard_output:  # created as the chunk finishes: the other chunks' tail runs in between
+                        outputs[c], slots[c] = guard_input_grad(outputs[c], f"bwd output layer input grad, chunk {c}")
                     running -= 1
             tick += 1
-        return torch.cat(outputs, dim=0)
+        out = torch.cat(outputs, dim=0)
+        return (out, ChunkedGradSlots(slots, sizes)) if guard_output else out

@@ -34,14 +34,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from domino.config import ModelConfig
-from domino.model.domino_ops import guard_input_grad
 from domino.model.domino_stack import DominoLayerStack
 from domino.model.kv_cache import KVCache
 from domino.model.recompute import run_layers
 from domino.model.rotary import RotaryTables
 from domino.model.transformer import TransformerLayer, build_norm
 from domino.parallel.collectives import (
-    copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region, scatter_to_sequence_region,
+    comm_site, copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region, scatter_to_sequence_region,
 )
 from domino.parallel.cross_entropy import vocab_parallel_linear_cross_entropy
 from domino.parallel.layers import VocabParallelEmbedding
@@ -61,7 +60,10 @@ class Embedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """``[b, s]`` tokens and positions -> ``[b, s, h]``."""
-        hidden = self.word_embeddings(tokens)
+        return self.finish(self.word_embeddings(tokens), position_ids)
+
+    def finish(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The (all-reduced) word embeddings ``[b, s, h]`` -> plus position embeddings, then dropout."""
         if hasattr(self, "position_embeddings"):
             hidden = hidden + self.position_embeddings(position_ids)
         return F.dropout(hidden, p=self.dropout, training=self.training) if self.dropout > 0 else hidden
@@ -136,22 +138,41 @@ class GPTModel(nn.Module):
             if past + s > self.config.num_positions:  # explicit ids are not checked: that would sync a GPU
                 raise ValueError(f"{past + s} tokens exceed --max-position-embeddings {self.config.num_positions}")
             position_ids = torch.arange(past, past + s, device=tokens.device).unsqueeze(0)
-        hidden = self.embedding(tokens, position_ids) if self.pre_process else tokens
+        # Generation (KV cache) and batches too small to split run the synchronous path: same weights, same maths.
+        overlapped = self.domino is not None and kv_cache is None and tokens.shape[0] >= self.domino.chunks
+        sequence_parallel = overlapped and self.sequence_parallel
+        # Domino: the word embeddings' all-reduce is launched per chunk, each chunk waits for its own as it starts
+        # (not with embedding dropout, whose mask is drawn for the whole batch, as without Domino).
+        embed_in_stack = overlapped and self.pre_process and not sequence_parallel and not (
+            self.embedding.dropout > 0 and self.training)
+        if embed_in_stack:
+            hidden = self.embedding.word_embeddings.partial(tokens)
+        else:
+            with comm_site("fwd embedding"):  # labels its all-reduce in the comm-wait breakdown
+                hidden = self.embedding(tokens, position_ids) if self.pre_process else tokens
         rotary = None
         if self.config.rope:
             c = self.config
             rotary = RotaryTables.for_positions(position_ids, int(c.head_dim * c.rotary_percent), c.rotary_base,
                                                 hidden.dtype)
         final_ln = self.final_layernorm if self.post_process else None
-        # Generation (KV cache) and batches too small to split run the synchronous path: same weights, same maths.
-        overlapped = self.domino is not None and kv_cache is None and hidden.shape[0] >= self.domino.chunks
-        sequence_parallel = overlapped and self.sequence_parallel
         # SDPA takes True = may attend: inverted once per batch, shared (as views) by every layer and chunk.
         attend_mask = None if attention_mask is None else ~attention_mask
         if overlapped:
             if sequence_parallel:  # the residual stream becomes this rank's sequence slice
                 hidden = scatter_to_sequence_region(hidden)
-            hidden = self.domino(hidden, attend_mask, final_ln, rotary)
+            # Plain TP with the output layer here: each chunk's output is guarded, so the output layer's input
+            # gradient is all-reduced per chunk and the last chunk's backward overlaps the others' all-reduces.
+            chunked_slots = final_ln is not None and not sequence_parallel
+            finish = None
+            if embed_in_stack:
+                def finish(words: torch.Tensor, rows: slice) -> torch.Tensor:
+                    return self.embedding.finish(words, position_ids[rows] if position_ids.shape[0] > 1 else
+                                                 position_ids)
+            hidden = self.domino(hidden, attend_mask, final_ln, rotary, guard_output=chunked_slots,
+                                 finish_input=finish)
+            if chunked_slots:
+                hidden, output_slot = hidden
         else:
             if self.recompute_units is not None and kv_cache is None:
                 hidden = run_layers(self.layers, self.recompute_units, hidden, attend_mask, rotary)
@@ -164,8 +185,8 @@ class GPTModel(nn.Module):
             return hidden
         if sequence_parallel:  # the gather's backward reduce-scatters the input gradient
             hidden, slot = gather_from_sequence_region(hidden), None
-        elif overlapped:  # the input-gradient all-reduce runs during the output layer's weight-gradient GEMM
-            hidden, slot = guard_input_grad(hidden)
+        elif overlapped:  # the input-gradient all-reduces run during the output layer's weight-gradient GEMM
+            slot = output_slot
         else:
             hidden, slot = copy_to_tp_region(hidden), None
         if labels is not None:  # the logits are computed inside, so their buffer is reused for the softmax

@@ -34,13 +34,17 @@ ones in ``wait()``.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from domino.parallel import state
-from domino.parallel.network_emulator import EmulatedWork, all_gather_wire_bytes, all_reduce_wire_bytes
+from domino.parallel.network_emulator import (
+    DeferredWork, EmulatedWork, all_gather_wire_bytes, all_reduce_wire_bytes,
+)
 
 
 class _DoneHandle:
@@ -59,12 +63,42 @@ DONE = _DoneHandle()
 # in ``wait()`` of Domino's asynchronous ones. The training loop reports it as the ``comm-wait`` timer.
 # With NCCL a wait only orders CUDA streams, so on GPUs this counts host blocking, not link time.
 _blocked_seconds = [0.0]
+# The same seconds by call site (``comm_site``): where a schedule still exposes communication.
+_blocked_by_site: Dict[str, float] = {}
+_site: list = [None]
 
 
 def pop_comm_wait_seconds() -> float:
     """Returns the blocked seconds accumulated since the last call, and resets the count."""
     seconds, _blocked_seconds[0] = _blocked_seconds[0], 0.0
     return seconds
+
+
+def pop_comm_wait_by_site() -> Dict[str, float]:
+    """The blocked seconds since the last call per call site (the labels of :func:`comm_site`), and resets them.
+
+    Sums to what :func:`pop_comm_wait_seconds` returns over the same interval. Collectives launched outside any
+    ``comm_site`` are labelled by their kind (``"all-reduce fwd"``, ``"all-reduce bwd"``, ``"cross-entropy"``, ...).
+    """
+    out = dict(_blocked_by_site)
+    _blocked_by_site.clear()
+    return out
+
+
+@contextlib.contextmanager
+def comm_site(name: Optional[str]) -> Iterator[None]:
+    """Labels the collectives launched inside (for :func:`pop_comm_wait_by_site`); an asynchronous one keeps
+    the label of its launch when it is waited on later. Host-side bookkeeping only: no effect on results."""
+    previous, _site[0] = _site[0], name
+    try:
+        yield
+    finally:
+        _site[0] = previous
+
+
+def _count_blocked(seconds: float, site: str) -> None:
+    _blocked_seconds[0] += seconds
+    _blocked_by_site[site] = _blocked_by_site.get(site, 0.0) + seconds
 
 
 def pop_modelled_comm_seconds() -> float:
@@ -74,19 +108,20 @@ def pop_modelled_comm_seconds() -> float:
 
 
 class _TimedWork:
-    """A ``dist.Work`` whose ``wait()`` adds its blocking time to the comm-wait count."""
+    """A ``dist.Work`` whose ``wait()`` adds its blocking time to the comm-wait count (under its launch's site)."""
 
-    __slots__ = ("work",)
+    __slots__ = ("work", "site")
 
-    def __init__(self, work) -> None:
+    def __init__(self, work, kind: str = "async") -> None:
         self.work = work
+        self.site = _site[0] or kind
 
     def wait(self) -> bool:
         started = time.perf_counter()
         try:
             return self.work.wait()
         finally:
-            _blocked_seconds[0] += time.perf_counter() - started
+            _count_blocked(time.perf_counter() - started, self.site)
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
@@ -96,28 +131,30 @@ def _tp_size() -> int:
     return state.get_tensor_model_parallel_world_size()
 
 
-def _blocking(run, wire_bytes: float) -> None:
-    """Runs the synchronous collective ``run()``, for at least the emulated link's time; counts the blocking."""
+def _blocking(run, wire_bytes: float, kind: str) -> None:
+    """Runs the synchronous collective ``run()``, for at least the emulated link's time; counts the blocking
+    under the current :func:`comm_site`, else under ``kind``."""
     link = state.get_tensor_model_parallel_link()
     started = time.perf_counter()
     due = link.launch(wire_bytes) if link is not None else None
     run()
     if due is not None:
         link.wait_until(due)
-    _blocked_seconds[0] += time.perf_counter() - started
+    _count_blocked(time.perf_counter() - started, _site[0] or kind)
 
 
-def _all_reduce_in_place(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+def _all_reduce_in_place(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                         kind: str = "cross-entropy") -> torch.Tensor:
     _blocking(lambda: dist.all_reduce(x, op=op, group=state.get_tensor_model_parallel_group()),
-              all_reduce_wire_bytes(x.numel() * x.element_size(), _tp_size()))
+              all_reduce_wire_bytes(x.numel() * x.element_size(), _tp_size()), kind)
     return x
 
 
-def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, kind: str) -> torch.Tensor:
     """Sums ``x`` in place over the TP group (contiguous first, since collectives need dense memory)."""
     if _tp_size() == 1:
         return x
-    return _all_reduce_in_place(x.contiguous())
+    return _all_reduce_in_place(x.contiguous(), kind=kind)
 
 
 def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +173,7 @@ def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]
     _blocking(lambda: dist.all_gather(parts, x, group=state.get_tensor_model_parallel_group()),
-              all_gather_wire_bytes(x.numel() * x.element_size(), world))
+              all_gather_wire_bytes(x.numel() * x.element_size(), world), "all-gather")
     return torch.cat(parts, dim=-1)
 
 
@@ -156,7 +193,7 @@ def _gather_sequence(x: torch.Tensor) -> torch.Tensor:
     world, part = _tp_size(), _sequence_first(x)
     out = part.new_empty((world * part.shape[0], *part.shape[1:]))
     _blocking(lambda: dist.all_gather_single(out, part, group=state.get_tensor_model_parallel_group()),
-              all_gather_wire_bytes(part.numel() * part.element_size(), world))
+              all_gather_wire_bytes(part.numel() * part.element_size(), world), "sequence all-gather")
     return out.transpose(0, 1)
 
 
@@ -166,7 +203,7 @@ def _reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"sequence length {full.shape[0]} is not divisible by the TP size {world}")
     out = full.new_empty((full.shape[0] // world, *full.shape[1:]))
     _blocking(lambda: dist.reduce_scatter_single(out, full, group=state.get_tensor_model_parallel_group()),
-              all_gather_wire_bytes(out.numel() * out.element_size(), world))
+              all_gather_wire_bytes(out.numel() * out.element_size(), world), "sequence reduce-scatter")
     return out.transpose(0, 1)
 
 
@@ -219,13 +256,13 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone())
+        return _all_reduce(grad.clone(), "all-reduce bwd")
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        return _all_reduce(x.clone())
+        return _all_reduce(x.clone(), "all-reduce fwd")
 
     @staticmethod
     def backward(ctx, grad):
@@ -310,8 +347,13 @@ def reduce_scatter_to_sequence_async(partial: torch.Tensor):
     out = full.new_empty((full.shape[0] // _tp_size(), *full.shape[1:]))
     link = state.get_tensor_model_parallel_link()
     due = link.launch(all_gather_wire_bytes(out.numel() * out.element_size(), _tp_size())) if link else None
+    group = state.get_tensor_model_parallel_group()
+    if link is not None and link.spec.transfer == "wait":  # emulated link, gloo moves the data in wait()
+        handle = _PendingWork(DeferredWork(lambda: dist.reduce_scatter_single(out, full, group=group), link, due),
+                              full)
+        return handle, lambda: _ReducedScatter.apply(partial, out.transpose(0, 1))
     # Async launch: the caller computes another chunk meanwhile and calls finish() after wait().
-    work = dist.reduce_scatter_single(out, full, group=state.get_tensor_model_parallel_group(), async_op=True)
+    work = dist.reduce_scatter_single(out, full, group=group, async_op=True)
     handle = _PendingWork(work if link is None else EmulatedWork(work, link, due), full)
     return handle, lambda: _ReducedScatter.apply(partial, out.transpose(0, 1))
 
@@ -336,8 +378,11 @@ def all_reduce_async(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM):
         raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
     link = state.get_tensor_model_parallel_link()
     due = link.launch(all_reduce_wire_bytes(x.numel() * x.element_size(), _tp_size())) if link is not None else None
+    group = state.get_tensor_model_parallel_group()
+    if link is not None and link.spec.transfer == "wait":  # emulated link, gloo moves the data in wait()
+        return _TimedWork(DeferredWork(lambda: dist.all_reduce(x.detach(), op=op, group=group), link, due))
     # Async launch: the caller computes another chunk meanwhile and waits right before it reads x.
-    work = dist.all_reduce(x.detach(), op=op, group=state.get_tensor_model_parallel_group(), async_op=True)
+    work = dist.all_reduce(x.detach(), op=op, group=group, async_op=True)
     return _TimedWork(work if link is None else EmulatedWork(work, link, due))
 
 

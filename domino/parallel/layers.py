@@ -126,13 +126,18 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Looks up ``tokens`` (any shape of int64) and returns ``[..., embedding_dim]``, full on every rank."""
+        out = self.partial(tokens)
+        return out if self.vocab_end - self.vocab_start == self.num_embeddings else reduce_from_tp_region(out)
+
+    def partial(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the lookup: zeros for the tokens other ranks own; the TP sum is :meth:`forward`'s
+        result (Domino launches that all-reduce itself, per batch chunk)."""
         if self.vocab_end - self.vocab_start == self.num_embeddings:
             return F.embedding(tokens, self.weight)
         # Tokens owned by other ranks look up row 0 and are zeroed; the all-reduce fills them in.
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
         local = (tokens - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp_region(out)
+        return F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 class ColumnParallelLinear(nn.Module):

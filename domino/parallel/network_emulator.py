@@ -14,7 +14,15 @@ would take: it completes no earlier than ``start + L + wire_bytes / B`` (``B`` i
   carries one collective at a time, in launch order, as NCCL's single communication stream does.
 
 The remaining time is *slept* in ``wait()`` (never spun, so the other process keeps the core): a synchronous
-collective waits right away, an asynchronous one where the schedule waits for it. The data are gloo's, so
+collective waits right away, an asynchronous one where the schedule waits for it.
+
+``transfer=launch`` (default) hands an asynchronous collective to gloo at launch, as on a GPU cluster. On these
+CPU machines gloo's transfer thread then competes with the computation it should hide behind for the same
+cores (a cost a GPU's copy engines and NCCL's few SMs mostly do not have), while a synchronous collective's
+transfer runs while its process waits anyway. ``transfer=wait`` removes that artefact: gloo moves the data
+when the schedule waits (all ranks wait in the same order, so the collectives still match), then the
+remainder of the modelled time is slept. Its own bias is the opposite one: a fully hidden collective still
+costs its real transfer at the wait, counted as blocked time. The data are gloo's, so
 results are bit-identical with and without the emulator. Read once, when the process groups are created
 (:func:`install_from_environment`); unset, the collectives take their plain path (one ``None`` check).
 
@@ -44,6 +52,8 @@ class LinkSpec:
     """Fixed cost of every collective, in microseconds (>= 0)."""
     gbps: float
     """Bandwidth in GB/s (10^9 bytes per second, > 0) for the bytes one rank sends."""
+    transfer: str = "launch"
+    """When gloo moves an asynchronous collective's data: ``launch`` (at once) or ``wait`` (in ``wait()``)."""
 
     def seconds(self, wire_bytes: float) -> float:
         """Modelled duration of a collective that sends ``wire_bytes`` from each rank."""
@@ -62,8 +72,14 @@ def parse_spec(text: str) -> LinkSpec:
             continue
         name, sep, value = part.partition("=")
         name = name.strip()
-        if not sep or name not in ("latency_us", "gbps"):
-            raise ConfigError(f"{ENV_VAR}: unknown field {part!r} (expected latency_us=<microseconds>,gbps=<GB/s>)")
+        if not sep or name not in ("latency_us", "gbps", "transfer"):
+            raise ConfigError(f"{ENV_VAR}: unknown field {part!r} (expected latency_us=<microseconds>,gbps=<GB/s>"
+                              f"[,transfer=launch|wait])")
+        if name == "transfer":
+            if value.strip() not in ("launch", "wait"):
+                raise ConfigError(f"{ENV_VAR}: field transfer must be launch or wait, got {value.strip()!r}")
+            fields[name] = value.strip()
+            continue
         try:
             fields[name] = float(value)
         except ValueError:
@@ -125,6 +141,29 @@ class LinkEmulator:
         return seconds
 
 
+class DeferredWork:
+    """``transfer=wait``: the collective ``run()`` (synchronous gloo) is issued in ``wait()``, then the rest of the
+    modelled link time is slept; ``is_completed()`` is False until then."""
+
+    __slots__ = ("run", "emulator", "due", "done")
+
+    def __init__(self, run: Callable[[], None], emulator: LinkEmulator, due: float) -> None:
+        self.run = run
+        self.emulator = emulator
+        self.due = due
+        self.done = False
+
+    def wait(self) -> bool:
+        if not self.done:
+            self.run()
+            self.done = True
+        self.emulator.wait_until(self.due)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done and self.emulator.clock() >= self.due
+
+
 class EmulatedWork:
     """Wraps a ``dist.Work``: ``wait()`` returns once the data arrived *and* the modelled link time passed."""
 
@@ -151,6 +190,6 @@ def install_from_environment(environ: Optional[dict] = None) -> Optional[LinkEmu
         return None
     spec = parse_spec(text)
     logger.warning("%s is set: every tensor-parallel collective is slowed to an emulated link of %g us latency "
-                   "and %g GB/s (timings are NOT those of this machine's network)", ENV_VAR, spec.latency_us,
-                   spec.gbps)
+                   "and %g GB/s, gloo transfers at %s (timings are NOT those of this machine's network)", ENV_VAR,
+                   spec.latency_us, spec.gbps, spec.transfer)
     return LinkEmulator(spec)

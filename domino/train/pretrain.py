@@ -26,7 +26,7 @@ from domino.checkpoint import checkpointing, resume
 from domino.config import ConfigError, DominoConfig, validate
 from domino.data.loader import build_pretraining_data_loader
 from domino.parallel import random as tp_random
-from domino.parallel.collectives import pop_comm_wait_seconds, pop_modelled_comm_seconds
+from domino.parallel.collectives import pop_comm_wait_by_site, pop_comm_wait_seconds, pop_modelled_comm_seconds
 from domino.parallel import state
 from domino.parallel.agreement import PeerLostError, agree, find_lost_ranks, hosts, is_lost_peer_error
 from domino.train import engine as engine_setup
@@ -241,6 +241,8 @@ class _Trainer:
         }
         # Host time blocked in tensor-parallel collectives (sync ones, and waits of Domino's async ones).
         self.timers.add("comm-wait", pop_comm_wait_seconds())
+        for site, seconds in pop_comm_wait_by_site().items():  # the breakdown, at --timing-log-level 2
+            self.timers.add(f"comm-wait: {site}", seconds)
         modelled = pop_modelled_comm_seconds()  # link time of an emulated network (DOMINO_SIMULATED_NETWORK)
         if modelled:
             self.timers.add("comm-modelled", modelled)
@@ -258,11 +260,13 @@ class _Trainer:
         if self.config.train.eval_iters == 0 or dataset is None:
             return None
         started, training_comm = time.perf_counter(), pop_comm_wait_seconds()
-        training_modelled = pop_modelled_comm_seconds()
+        training_modelled, training_sites = pop_modelled_comm_seconds(), pop_comm_wait_by_site()
         loss = evaluate(self.forward_step, lambda: self._loader(dataset, 0, 0), self.engine,
                         self.config.train.eval_iters)
-        pop_comm_wait_seconds(), pop_modelled_comm_seconds()  # evaluation's are not training communication
+        pop_comm_wait_seconds(), pop_modelled_comm_seconds(), pop_comm_wait_by_site()  # not training's
         self.timers.add("comm-wait", training_comm)
+        for site, seconds in training_sites.items():
+            self.timers.add(f"comm-wait: {site}", seconds)
         if training_modelled:
             self.timers.add("comm-modelled", training_modelled)
         self.paused += time.perf_counter() - started
@@ -334,7 +338,8 @@ class _Trainer:
                     state.get_data_parallel_world_size(), self.gas, state.get_tensor_model_parallel_world_size(),
                     config.parallel.domino_chunks, config.parallel.zero_stage)
         self.engine.train()
-        pop_comm_wait_seconds(), pop_modelled_comm_seconds()  # set-up collectives are not part of any interval
+        # Set-up collectives are not part of any interval.
+        pop_comm_wait_seconds(), pop_modelled_comm_seconds(), pop_comm_wait_by_site()
         run_start, start_iteration = time.perf_counter(), iteration
         interval_start, interval_first = time.perf_counter(), iteration
         last_valid = tokens_per_s = checkpoint_path = saved_at = None

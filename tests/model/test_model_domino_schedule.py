@@ -69,19 +69,44 @@ def test_forward_and_backward_all_reduces_are_overlapped(recorded, chunks):
     with _Recorder(recorded):
         loss = model(tokens, labels=tokens).sum()
     forward = _ops_between_launch_and_wait(recorded)
+    # The word embeddings' all-reduce per chunk (launched first): chunk 0 waits for its own right away, every
+    # other chunk after the chunks before it started (ops in between).
+    assert len(forward) == chunks + 2 * 2 * chunks
+    embedding, layers = forward[:chunks], forward[chunks:]
+    assert embedding[0] == 0 and all(n >= 1 for n in embedding[1:]), embedding
     # 2 row-parallel all-reduces per layer per chunk, each hidden behind one step of every other chunk;
     # only the last layer's fc2 all-reduces of the chunks finishing last have nothing left to hide behind.
-    assert len(forward) == 2 * 2 * chunks
-    assert all(n >= 1 for n in forward[:-(chunks - 1) or None]), forward
+    assert all(n >= 1 for n in layers[:-(chunks - 1) or None]), layers
     recorded.clear()
     with _Recorder(recorded):
         loss.backward()
     backward = _ops_between_launch_and_wait(recorded)
-    assert len(backward) == 2 * 2 * chunks + 1  # QKV and fc1 input gradients, then the output layer's (first)
-    assert backward[0] >= 1  # the output layer's all-reduce overlaps its weight-gradient GEMM
+    # The output layer's input gradient, one all-reduce per chunk (launched first), then QKV and fc1 input
+    # gradients.
+    assert len(backward) == 2 * 2 * chunks + chunks
+    assert backward[0] >= 1  # the last chunk's output-layer all-reduce overlaps the weight-gradient GEMM
+    # The other chunks' output-layer all-reduces also overlap the last chunk's final norm and last fc2 backward.
+    assert all(n > backward[0] + 1 for n in backward[1:chunks]), backward
     # Each overlaps at least its own weight-gradient GEMM; all but the very last also other chunks' work.
     assert min(backward) >= 1
     assert sorted(backward)[1] >= 2
+
+
+def test_embedding_dropout_keeps_the_whole_batch_embedding_all_reduce(recorded):
+    """With embedding dropout in training the mask is drawn for the whole batch (as without Domino), so the
+    embeddings are all-reduced before the stack; in evaluation (no dropout) per chunk, inside the stack."""
+    torch.manual_seed(0)
+    model = GPTModel(tiny_config(hidden_dropout=0.1), VOCAB, domino_chunks=2)
+    tokens = torch.randint(0, VOCAB, (4, 8))
+    launches = lambda: sum(1 for kind, _ in recorded if kind == "launch")  # noqa: E731
+    model.train()
+    model(tokens, labels=tokens)
+    assert launches() == 2 * 2 * 2
+    recorded.clear()
+    model.eval()
+    with torch.no_grad():
+        model(tokens, labels=tokens)
+    assert launches() == 2 + 2 * 2 * 2
 
 
 def test_sync_path_issues_no_async_collectives(recorded):

@@ -37,8 +37,9 @@ def _training_body(rank, world_size, chunks_list, spec):
     return out
 
 
-def test_emulated_link_leaves_training_bit_identical():
-    spec = LinkSpec(latency_us=0.0, gbps=0.2)
+@pytest.mark.parametrize("transfer", ["launch", "wait"])
+def test_emulated_link_leaves_training_bit_identical(transfer):
+    spec = LinkSpec(latency_us=0.0, gbps=0.2, transfer=transfer)
     cfg = tiny_config()
     b, s, h, layers = 4, cfg.seq_length, cfg.hidden_size, cfg.num_layers
     # Per step, fp32: embedding (forward) + 2 per layer forward + 2 per layer backward + output layer input

@@ -102,6 +102,7 @@ def test_emulated_work_waits_for_the_data_then_the_link():
     ("gbps=1", "latency_us"), ("latency_us=5", "gbps"), ("latency_us=5,gbps=abc", "gbps"),
     ("latency_us=-1,gbps=1", "latency_us"), ("latency_us=1,gbps=0", "gbps"), ("latency_us=1,gbps=nan", "gbps"),
     ("latency_us=1,gbps=1,jitter=2", "jitter"), ("latency_us", "latency_us"),
+    ("latency_us=1,gbps=1,transfer=later", "transfer"),
 ])
 def test_bad_spec_names_the_variable_and_the_field(text, field):
     with pytest.raises(ConfigError) as err:
@@ -116,6 +117,7 @@ def test_environment_read_and_logged_loudly(caplog):
     with caplog.at_level(logging.WARNING):
         link = install_from_environment({ENV_VAR: "latency_us=5, gbps=12.5"})
     assert link.spec == LinkSpec(latency_us=5.0, gbps=12.5)
+    assert parse_spec("latency_us=5,gbps=1,transfer=wait") == LinkSpec(latency_us=5.0, gbps=1.0, transfer="wait")
     assert any(ENV_VAR in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 
@@ -126,24 +128,40 @@ def test_bad_environment_fails_when_the_groups_are_created(monkeypatch):
     state.destroy_model_parallel()
 
 
-def _fake_clock_body(rank, world_size):
+def _fake_clock_body(rank, world_size, transfer):
     """Real gloo collectives under an emulated link with a fake clock: each sleeps the modelled remainder."""
     state.initialize_model_parallel(2)
     clock = FakeClock()
-    state.set_tensor_model_parallel_link(_emulator(clock, latency_us=0.0, gbps=1.0))
+    state.set_tensor_model_parallel_link(LinkEmulator(LinkSpec(latency_us=0.0, gbps=1.0, transfer=transfer),
+                                                      clock=clock, sleep=clock.sleep))
     x = torch.full((1000,), float(rank + 1))  # 4000 bytes: 4 us on the modelled link
     C.all_reduce_sum_(x)  # synchronous: sleeps right away
     handle = C.all_reduce_async(x)  # asynchronous: nothing slept at launch
     slept_at_launch = list(clock.sleeps)
+    # transfer=wait: gloo has not been handed the data yet (x still holds the first sum); launch: x may be reduced.
+    x_before_wait = x.clone()
     clock.now += 1e-6  # 1 us of "compute" before the schedule waits
+    completed_before_wait = handle.is_completed()
     handle.wait()
     modelled = C.pop_modelled_comm_seconds()
-    return {"sleeps": clock.sleeps, "slept_at_launch": slept_at_launch, "x": x, "modelled": modelled}
+    sleeps = list(clock.sleeps)
+    # Sequence parallelism's asynchronous reduce-scatter takes the same path.
+    scatter, finish = C.reduce_scatter_to_sequence_async(torch.full((1, 2, 3), float(rank + 1)))
+    scatter.wait()
+    C.pop_modelled_comm_seconds()
+    return {"sleeps": sleeps, "scattered": finish().detach(), "slept_at_launch": slept_at_launch, "x": x,
+            "modelled": modelled,
+            "x_before_wait": x_before_wait, "completed_before_wait": completed_before_wait}
 
 
-def test_collectives_sleep_the_modelled_remainder_on_real_gloo():
-    for r in run_distributed(_fake_clock_body, 2):
+@pytest.mark.parametrize("transfer", ["launch", "wait"])
+def test_collectives_sleep_the_modelled_remainder_on_real_gloo(transfer):
+    for r in run_distributed(_fake_clock_body, 2, transfer):
         assert r["slept_at_launch"] == [pytest.approx(4e-6)]
         assert r["sleeps"] == [pytest.approx(4e-6), pytest.approx(3e-6)]
         assert torch.equal(r["x"], torch.full((1000,), 6.0))
         assert r["modelled"] == pytest.approx(8e-6)
+        assert not r["completed_before_wait"]
+        assert torch.equal(r["scattered"], torch.full((1, 1, 3), 3.0))
+        if transfer == "wait":  # gloo moved nothing before wait(): the buffer still holds the first sum
+            assert torch.equal(r["x_before_wait"], torch.full((1000,), 3.0))

@@ -7,7 +7,7 @@ from train_helpers import TINY, read_metrics, run_pretrain, train_losses
 
 @pytest.mark.parametrize("nproc, layout", [
     (1, ["--tensorboard-dir", "TB"]),
-    (2, ["--tensor-model-parallel-size", "2", "--domino-chunks", "2", "--timing-log-level", "1"]),
+    (2, ["--tensor-model-parallel-size", "2", "--domino-chunks", "2", "--timing-log-level", "2"]),
     (2, ["--zero-stage", "1"]),
     (2, ["--zero-stage", "2"]),
 ], ids=["tp1", "tp2-domino2", "dp2-zero1", "dp2-zero2"])
@@ -29,6 +29,11 @@ def test_loss_decreases_over_30_iterations(tmp_path, corpus_prefix, nproc, layou
         timers = record["timers_ms_per_iter"]
         assert {"batch-generator", "forward-backward", "optimizer", "comm-wait"} <= set(timers)
         assert 0 < timers["comm-wait"] < timers["forward-backward"]
+        # Level 2: the same blocked time by call site (evaluation's left out of both), Domino's labels included.
+        sites = {k: v for k, v in timers.items() if k.startswith("comm-wait: ")}
+        assert sum(sites.values()) == pytest.approx(timers["comm-wait"], rel=1e-6)
+        assert {"comm-wait: fwd embedding, chunk 0", "comm-wait: bwd output layer input grad, chunk 1",
+                "comm-wait: fwd mlp, last layer, chunk 1", "comm-wait: cross-entropy"} <= set(sites), sorted(sites)
     if "--tensorboard-dir" in layout:
         assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
