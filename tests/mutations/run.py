@@ -75,7 +75,7 @@ MUTATIONS: List[Mutation] = [
              "    if new_ppl < threshold:", "    if new_ppl <= threshold:",
              ["tests/components/test_component_registry_gate.py"]),
     Mutation("collectives-copy-backward-no-all-reduce", "domino/parallel/collectives.py",
-             "    def backward(ctx, grad):\n        return _all_reduce(grad.clone())",
+             "    def backward(ctx, grad):\n        return _all_reduce(grad.clone(), \"all-reduce bwd\")",
              "    def backward(ctx, grad):\n        return grad.clone()",
              ["tests/parallel/test_parallel_collectives.py"]),
     Mutation("domino-reads-sum-before-wait", "domino/model/domino_stack.py",
