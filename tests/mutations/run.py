@@ -118,6 +118,16 @@ def copy_repository(destination: Path) -> None:
             shutil.copy2(source, destination / name)
 
 
+def stale_reason(mutation: Mutation, root: Path = REPO) -> str:
+    """Why ``mutation`` cannot be applied under ``root`` (its snippet is not there exactly once, or a named test
+    file is gone), or "" when it can."""
+    found = (root / mutation.path).read_text().count(mutation.old)
+    if found != 1:
+        return f"snippet found {found} times in {mutation.path}"
+    missing = [node for node in mutation.tests if not (root / node.split("::")[0]).is_file()]
+    return f"no test file for {', '.join(missing)}" if missing else ""
+
+
 def run_one(mutation: Mutation, timeout: float) -> dict:
     """Applies ``mutation`` in a fresh copy, runs its tests; returns a row of the table."""
     started = time.perf_counter()
@@ -125,11 +135,11 @@ def run_one(mutation: Mutation, timeout: float) -> dict:
         copy = Path(tmp)
         copy_repository(copy)
         target = copy / mutation.path
-        text = target.read_text()
-        if text.count(mutation.old) != 1:
-            return {"mutation": mutation.name, "caught": "stale", "by": f"snippet found {text.count(mutation.old)}"
-                    " times in " + mutation.path, "seconds": round(time.perf_counter() - started, 1)}
-        target.write_text(text.replace(mutation.old, mutation.new))
+        stale = stale_reason(mutation, copy)
+        if stale:
+            return {"mutation": mutation.name, "caught": "stale", "by": stale,
+                    "seconds": round(time.perf_counter() - started, 1)}
+        target.write_text(target.read_text().replace(mutation.old, mutation.new))
         env = {**os.environ, "PYTHONPATH": str(copy), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
         command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rf",
                    *mutation.tests]
