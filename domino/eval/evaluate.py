@@ -71,8 +71,11 @@ def _plan_batches(dataset_len: int, per_step: int, max_batches: Optional[int], m
 
 
 def _open_test_data(selection: Dict[str, Any], what: str, seq: int, seed: int, data_cache_path: Optional[str],
-                    micro_batch_size: int, max_batches: Optional[int], max_samples: Optional[int]):
-    """The test dataset and the number of micro-batch steps to take (collective: every rank calls it)."""
+                    micro_batch_size: int, max_batches: Optional[int], max_samples: Optional[int], vocab_size: int):
+    """The test dataset and the number of micro-batch steps to take (collective: every rank calls it).
+
+    ``vocab_size``: the checkpoint tokenizer's; a dataset holding a larger token id is refused when it is opened
+    (it was tokenised with another tokenizer, and would index past the embedding)."""
     from domino.data.dataset_builder import build_train_valid_test_datasets
 
     per_step = micro_batch_size * state.get_data_parallel_world_size()
@@ -83,7 +86,8 @@ def _open_test_data(selection: Dict[str, Any], what: str, seq: int, seed: int, d
     selection = dict(selection)
     _, _, test = build_train_valid_test_datasets(
         splits_string=selection.pop("splits_string"), train_valid_test_num_samples=[0, 0, wanted],
-        seq_length=seq, seed=seed, skip_warmup=True, data_cache_path=data_cache_path, **selection)
+        seq_length=seq, seed=seed, skip_warmup=True, data_cache_path=data_cache_path, vocab_size=vocab_size,
+        **selection)
     if test is None or len(test) == 0:
         raise ConfigError(f"{what} selects no documents to evaluate")
     return test, _plan_batches(len(test), per_step, max_batches, max_samples, what)
@@ -175,7 +179,7 @@ def evaluate_checkpoint(
     # Every rank builds the dataset (the index cache is built by global rank 0 in an agreement that all
     # ranks join) and so knows the number of steps; only TP rank 0 reads batches, get_batch broadcasts them.
     test, steps = _open_test_data(selection, what, seq, config.train.seed if seed is None else seed,
-                                  data_cache_path, micro_batch_size, max_batches, max_samples)
+                                  data_cache_path, micro_batch_size, max_batches, max_samples, tokenizer.vocab_size)
     if max_tokens is not None:
         # A budget caps one pass over the selection; unlike --max-samples it never repeats documents.
         steps = min(steps, math.ceil(max_tokens / (seq * per_step)))

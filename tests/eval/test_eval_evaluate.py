@@ -82,6 +82,16 @@ def test_clear_errors(setup, tmp_path):
         evaluate_checkpoint(ckpts["tp1"], prefix, micro_batch_size=1000, data_cache_path=str(root / "cache"))
 
 
+def test_a_dataset_of_another_tokenizer_is_refused(setup, tmp_path):
+    """Token ids at or above the checkpoint tokenizer's vocabulary would index past the embedding (or, inside
+    the padding, score garbage): the dataset is refused when it is opened, naming the file and the id."""
+    root, _, ckpts, tokenizer = setup
+    wider = write_token_dataset(tmp_path / "wider", tokenizer.vocab_size + 40, documents=16, seed=3)
+    with pytest.raises(ConfigError, match=f"{wider}.bin: token id .* is outside the vocabulary of "
+                                          f"{tokenizer.vocab_size} tokens"):
+        evaluate_checkpoint(ckpts["tp1"], wider, data_cache_path=str(tmp_path / "cache"))
+
+
 def _cli_json(capsys, *flags):
     code, out, _ = run_cli(["evaluate", *flags, "--json", "--no-progress"], capsys)
     assert code == 0
