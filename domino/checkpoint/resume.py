@@ -152,8 +152,11 @@ def check_compatible(meta: Dict[str, Any], config: DominoConfig, padded_vocab_si
     from domino.config import config_from_dict
 
     saved = config_from_dict(meta["config"]).model
+    # Rotary positions have no table: a rope model loads into a run with more (or fewer) positions, which is how
+    # a context is extended.
+    fields = [name for name in SHAPE_FIELDS if not (name == "num_positions" and saved.rope and config.model.rope)]
     diffs = [f"{name}: checkpoint {getattr(saved, name)} vs run {getattr(config.model, name)}"
-             for name in SHAPE_FIELDS if getattr(saved, name) != getattr(config.model, name)]
+             for name in fields if getattr(saved, name) != getattr(config.model, name)]
     if meta["padded_vocab_size"] != padded_vocab_size and not warm_start:
         diffs.append(f"padded vocabulary: checkpoint {meta['padded_vocab_size']} vs run {padded_vocab_size}")
     if diffs:

@@ -56,3 +56,19 @@ def test_loading_a_gpt_checkpoint_into_a_llama_run_names_the_differences(tmp_pat
     message = str(error.value)
     assert "rope: checkpoint False vs run True" in message and "swiglu: checkpoint False vs run True" in message
     assert "query_groups: checkpoint 4 vs run 2" in message and "ffn_size" not in message
+
+
+def test_a_rope_checkpoint_loads_with_more_positions_a_learned_table_does_not(tmp_path):
+    """Rotary positions have no parameters, so a longer context is a legal load; a learned table's size is not."""
+    from domino.config import ConfigError, config_to_dict, parse_config
+    from domino.checkpoint.resume import check_compatible
+
+    rope = ["--preset", "tiny", "--position-embedding-type", "rope"]
+    short = parse_config([*rope, "--seq-length", "32", "--max-position-embeddings", "32"])
+    check_compatible({"config": config_to_dict(short), "padded_vocab_size": 128},
+                     parse_config([*rope, "--seq-length", "64", "--max-position-embeddings", "64"]), 128, tmp_path)
+    learned = parse_config(["--preset", "tiny", "--seq-length", "32", "--max-position-embeddings", "32"])
+    with pytest.raises(ConfigError, match="num_positions: checkpoint 32 vs run 64"):
+        check_compatible({"config": config_to_dict(learned), "padded_vocab_size": 128},
+                         parse_config(["--preset", "tiny", "--seq-length", "64", "--max-position-embeddings", "64"]),
+                         128, tmp_path)
