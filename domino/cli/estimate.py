@@ -14,7 +14,7 @@ DEFAULT_PEAK_TFLOPS = 989.0
 
 def run(args: argparse.Namespace) -> int:
     from domino.config import ConfigError, config_from_args
-    from domino.config.estimate import describe, estimate_layout, fitting_layouts, layout_of
+    from domino.config.estimate import USABLE_FRACTION, describe, estimate_layout, fitting_layouts, layout_of
 
     if args.gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
@@ -35,10 +35,11 @@ def run(args: argparse.Namespace) -> int:
           f"(training, no recompute); step time at MFU {args.mfu:g} of {options['peak_tflops']:g} TFLOP/s per GPU: "
           f"{asked.step_time_s:.3f} s")
     verdict = "" if args.gpu_memory_gb is None else (
-        f" -> {'fits' if asked.fits else 'does NOT fit'} in {args.gpu_memory_gb:g} GB")
+        f" -> {'fits' if asked.fits else 'does NOT fit'} in {args.gpu_memory_gb:g} GiB "
+        f"({100 * USABLE_FRACTION:g}% usable)")
     print(f"asked:  {describe(asked)}{verdict}")
     if args.gpu_memory_gb is not None:
-        print(f"layouts that fit in {args.gpu_memory_gb:g} GB x {args.gpus} GPUs, best first "
+        print(f"layouts that fit in {args.gpu_memory_gb:g} GiB x {args.gpus} GPUs, best first "
               f"({len(fitting)} in all):" if fitting else "no layout fits")
         for rank, estimate in enumerate(fitting[:args.top], 1):
             print(f"{rank:3d}. {describe(estimate)}, step {estimate.step_time_s:.3f} s")

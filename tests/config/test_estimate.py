@@ -158,7 +158,7 @@ def test_cli_json_answers_and_refuses_bad_flags(capsys):
         domino_main(["estimate", "--preset", "gpt3-6.7b", "--gpus", "8", "--gpu-memory-gb", "8"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    assert "does NOT fit in 8 GB" in text
+    assert "does NOT fit in 8 GiB (90% usable)" in text
     with pytest.raises(SystemExit) as exit_info:
         domino_main(["estimate", "--gpus", "0"])
     assert exit_info.value.code == 2 and "--gpus must be >= 1, got 0" in capsys.readouterr().err
