@@ -54,6 +54,11 @@ class ModelConfig:
     """Base of the rotary embedding frequencies, with --position-embedding-type rope (LLaMA 3: 500000)."""
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions that are rotated, with --position-embedding-type rope."""
+    use_rope_scaling: bool = False
+    """Llama 3.x frequency scaling of the rotary embeddings (transformers' rope_type "llama3" with low_freq_factor
+    1, high_freq_factor 4 and original_max_position_embeddings 8192, the values Megatron-LM fixes)."""
+    rope_scaling_factor: float = 8.0
+    """The factor of --use-rope-scaling: long wavelengths are stretched by it (Llama 3.1: 8, Llama 3.2: 32)."""
     swiglu: bool = False
     """SwiGLU MLP: fc2(silu(x W_gate) * x W_up) instead of fc2(gelu(fc1(x))); --ffn-hidden-size then defaults to
     Megatron's int(8 h / 3 / 64) x 64."""

@@ -212,6 +212,10 @@ def _check_architecture(problems: List[str], config: DominoConfig) -> None:
                f"--rotary-percent {m.rotary_percent} rotates {rotated} of the {m.head_dim} dimensions of a head "
                "(--hidden-size / --num-attention-heads); rotary embeddings need an even number >= 2")
         _check(problems, m.rotary_base >= 1, f"--rotary-base must be >= 1, got {m.rotary_base}")
+    if m.use_rope_scaling:
+        _check(problems, m.rope, "--use-rope-scaling scales rotary embeddings: it needs --position-embedding-type rope")
+        _check(problems, m.rope_scaling_factor >= 1.0,
+               f"--rope-scaling-factor must be >= 1, got {m.rope_scaling_factor}")
     if m.group_query_attention:
         groups = m.num_query_groups
         _check(problems, groups >= 1, f"--num-query-groups must be >= 1, got {groups}")

@@ -154,7 +154,7 @@ class GPTModel(nn.Module):
         if self.config.rope:
             c = self.config
             rotary = RotaryTables.for_positions(position_ids, int(c.head_dim * c.rotary_percent), c.rotary_base,
-                                                hidden.dtype)
+                                                hidden.dtype, c.rope_scaling_factor if c.use_rope_scaling else None)
         final_ln = self.final_layernorm if self.post_process else None
         # SDPA takes True = may attend: inverted once per batch, shared (as views) by every layer and chunk.
         attend_mask = None if attention_mask is None else ~attention_mask

@@ -22,6 +22,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from domino.config import ConfigError, ModelConfig
+from domino.model.rotary import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_POSITIONS
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,33 @@ def check_expressible(config: ModelConfig) -> None:
                           f"{config.num_attention_heads}")
 
 
+def _rope_scaling(config: ModelConfig) -> Dict[str, Any]:
+    """transformers' rope type and its parameters for our rotary settings."""
+    if not config.use_rope_scaling:
+        return {"rope_type": "default"}
+    return {"rope_type": "llama3", "factor": float(config.rope_scaling_factor),
+            "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+            "original_max_position_embeddings": LLAMA3_ORIGINAL_POSITIONS}
+
+
+def _rope_scaling_from_hf(rope: Dict[str, Any], source: str) -> Optional[float]:
+    """The --rope-scaling-factor of an HF rope dict (None: plain RoPE); refuses what our model does not compute."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ConfigError(f"{source}: rope type {kind!r} is not supported (only default and llama3)")
+    fixed = {"low_freq_factor": LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+             "original_max_position_embeddings": LLAMA3_ORIGINAL_POSITIONS}
+    for key, value in fixed.items():
+        if float(rope.get(key, value)) != value:
+            raise ConfigError(f"{source}: llama3 rope scaling with {key} {rope[key]} is not supported (only {value:g},"
+                              " as in every Llama 3.x release and Megatron-LM)")
+    if "factor" not in rope:
+        raise ConfigError(f"{source}: llama3 rope scaling without a factor")
+    return float(rope["factor"])
+
+
 def hf_llama_config(config: ModelConfig, vocab_size: int, eos_token_id: Optional[int] = None) -> Dict[str, Any]:
     """Keyword arguments of ``transformers.LlamaConfig`` describing the same model.
 
@@ -59,9 +87,11 @@ def hf_llama_config(config: ModelConfig, vocab_size: int, eos_token_id: Optional
         num_key_value_heads=config.query_groups, head_dim=config.head_dim, hidden_act="silu",
         max_position_embeddings=config.num_positions, initializer_range=config.init_method_std,
         rms_norm_eps=config.norm_epsilon, tie_word_embeddings=not config.untie_embeddings_and_output_weights,
-        # transformers 5 reads rope_parameters; 4.x reads rope_theta (5 converts it too): both, the same value.
-        rope_parameters={"rope_type": "default", "rope_theta": float(config.rotary_base)},
-        rope_theta=float(config.rotary_base), attention_bias=bias, mlp_bias=bias,
+        # transformers 5 reads rope_parameters; 4.x reads rope_theta and rope_scaling (5 converts them too): both
+        # forms, the same values.
+        rope_parameters={"rope_theta": float(config.rotary_base), **_rope_scaling(config)},
+        rope_theta=float(config.rotary_base), rope_scaling=_rope_scaling(config) if config.use_rope_scaling else None,
+        attention_bias=bias, mlp_bias=bias,
         attention_dropout=config.attention_dropout, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
     )
 
@@ -70,15 +100,14 @@ def model_config_from_hf(hf_config: Dict[str, Any], source: str = "config.json")
     """Our :class:`ModelConfig` for a Hugging Face ``LlamaForCausalLM`` ``config.json``.
 
     Raises:
-        ConfigError: for a feature our model does not implement (another activation, scaled RoPE, a head width
+        ConfigError: for a feature our model does not implement (another activation, a RoPE scaling other than
+            Llama 3's, a head width
             other than hidden / heads, attention and MLP biases that differ).
     """
     if hf_config.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{source}: hidden_act {hf_config.get('hidden_act')!r} is not supported (SwiGLU uses silu)")
     rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ConfigError(f"{source}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported "
-                          "(only unscaled rotary embeddings)")
+    scaling = _rope_scaling_from_hf(rope, source)
     if float(rope.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))) != 1.0:
         raise ConfigError(f"{source}: partial_rotary_factor is not supported by LlamaForCausalLM exports")
     attention_bias, mlp_bias = bool(hf_config.get("attention_bias", False)), bool(hf_config.get("mlp_bias", False))
@@ -101,6 +130,7 @@ def model_config_from_hf(hf_config: Dict[str, Any], source: str = "config.json")
             norm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)), normalization="RMSNorm",
             position_embedding_type="rope", rotary_base=int(float(rope.get("rope_theta",
                                                                          hf_config.get("rope_theta", 10000.0)))),
+            use_rope_scaling=scaling is not None, rope_scaling_factor=8.0 if scaling is None else scaling,
             swiglu=True, disable_bias_linear=not attention_bias,
             untie_embeddings_and_output_weights=not hf_config.get("tie_word_embeddings", False),
             group_query_attention=groups != heads, num_query_groups=groups if groups != heads else 1)

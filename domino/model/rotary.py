@@ -15,9 +15,28 @@ references do) and then cast to the activations' dtype; there is no buffer that 
 
 from __future__ import annotations
 
-from typing import List, NamedTuple
+import math
+from typing import List, NamedTuple, Optional
 
 import torch
+
+#: Llama 3.x rope scaling's fixed parameters: Megatron-LM's ``RotaryEmbedding._apply_scaling`` defaults
+#: (``megatron/core/models/common/embeddings/rotary_pos_embedding.py``) and every Llama 3.1/3.2 ``config.json``.
+LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_POSITIONS = 1.0, 4.0, 8192
+
+
+def llama3_scaled(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Llama 3.x's rescaled frequencies: wavelengths longer than ``original / low`` are stretched ``factor``
+    times, those shorter than ``original / high`` kept, and the band between blended smoothly (the formula of
+    transformers' ``_compute_llama3_parameters`` in ``modeling_rope_utils.py`` and Megatron-LM's
+    ``_apply_scaling``)."""
+    low, high, original = LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_POSITIONS
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(medium, blended, scaled)
 
 
 class RotaryTables(NamedTuple):
@@ -28,7 +47,7 @@ class RotaryTables(NamedTuple):
 
     @classmethod
     def for_positions(cls, position_ids: torch.Tensor, rotated_dims: int, base: float,
-                      dtype: torch.dtype) -> "RotaryTables":
+                      dtype: torch.dtype, scaling_factor: Optional[float] = None) -> "RotaryTables":
         """The tables of ``[b or 1, s]`` position ids.
 
         Args:
@@ -36,9 +55,12 @@ class RotaryTables(NamedTuple):
             rotated_dims: even number of rotated dimensions per head.
             base: the frequency base (--rotary-base).
             dtype: the dtype of the queries and keys they will rotate.
+            scaling_factor: Llama 3.x rope scaling's factor (--use-rope-scaling), or None for plain RoPE.
         """
         exponents = torch.arange(0, rotated_dims, 2, device=position_ids.device, dtype=torch.int64).float()
         inv_freq = 1.0 / (base ** (exponents / rotated_dims))  # [r/2]
+        if scaling_factor is not None:
+            inv_freq = llama3_scaled(inv_freq, scaling_factor)
         angles = position_ids.float().unsqueeze(-1) * inv_freq  # [b, s, r/2]
         angles = torch.cat((angles, angles), dim=-1)  # [b, s, r]: pair i and i + r/2 share a frequency
         return cls(angles.cos().to(dtype), angles.sin().to(dtype))

@@ -118,6 +118,10 @@ def test_llama_presets_have_their_published_shapes():
     assert shapes == {"llama2-7b": (32, 4096, 32, 32, 11008, 4096, 32000, 10000, 1e-5),
                       "llama2-13b": (40, 5120, 40, 40, 13824, 4096, 32000, 10000, 1e-5),
                       "llama3-8b": (32, 4096, 32, 8, 14336, 8192, 128256, 500000, 1e-5)}
+    llama31 = parse_config(["--preset", "llama3.1-8b"]).model  # meta-llama/Llama-3.1-8B: Llama 3's shape, longer rope
+    assert (llama31.max_position_embeddings, llama31.use_rope_scaling, llama31.rope_scaling_factor) == (131072, True, 8)
+    assert [getattr(llama31, f) for f in ("num_layers", "hidden_size", "ffn_size", "query_groups", "rotary_base")] == \
+        [32, 4096, 14336, 8, 500000]
     tiny = parse_config(["--preset", "tiny-llama", "--tensor-model-parallel-size", "2"], world_size=2).model
     assert tiny.group_query_attention and tiny.query_groups == 2 and tiny.rope
 

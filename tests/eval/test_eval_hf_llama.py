@@ -90,7 +90,7 @@ def test_refusals(saved, tmp_path):
     for name in ("model.safetensors", "tokenizer.json"):
         (bad / name).write_bytes((out / name).read_bytes())
     (bad / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
-    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
+    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported .only default and llama3."):
         import_hf(bad, tmp_path / "imp")
     (bad / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 4}))
     with pytest.raises(ConfigError, match="k_proj.weight as"):
@@ -103,3 +103,51 @@ def test_refusals(saved, tmp_path):
     save_checkpoint(tmp_path / "half", tiny_model(half, tokenizer.vocab_size), half, tokenizer=tokenizer)
     with pytest.raises(ConfigError, match="LlamaForCausalLM rotates whole heads"):
         export_hf(tmp_path / "half", tmp_path / "half-hf")
+
+
+# Llama 3.1's rope scaling on a head of 16 dimensions at base 10000: the 8 frequencies have wavelengths from 6.3 to
+# 2 pi 10^(7/4) = 35,300 positions, so the kept (< 2048), blended (2048-8192) and stretched (> 8192) bands all
+# hold some of them.
+SCALED = dict(LLAMA, hidden_size=64, num_attention_heads=4, rotary_base=10000, max_position_embeddings=32768,
+              use_rope_scaling=True, rope_scaling_factor=8.0)
+
+
+def test_llama3_rope_scaling_matches_transformers(saved, tmp_path, monkeypatch):
+    """Our scaled tables equal transformers' llama3 rope at positions inside and far beyond 8192, an export is a
+    rope_type llama3 model with the same logits at such positions, and import reads the scaling back."""
+    from domino.model.rotary import RotaryTables
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    root, _, tokenizer, _ = saved
+    config = tiny_config(str(root / "tok"), **SCALED)
+    model = tiny_model(config, tokenizer.vocab_size, seed=9, std=0.5)
+    with torch.no_grad():
+        for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            model.state_dict()[name][tokenizer.vocab_size:] = 0.0
+    save_checkpoint(tmp_path / "ckpt", model, config, tokenizer=tokenizer)
+    out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert rope == {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+    positions = torch.tensor([[0, 1, 700, 3000, 9000, 20000, 30000]])
+    cos, sin = hf.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    ours = RotaryTables.for_positions(positions, 16, 10000, torch.float32, scaling_factor=8.0)
+    plain = RotaryTables.for_positions(positions, 16, 10000, torch.float32)
+    torch.testing.assert_close(ours.cos, cos, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours.sin, sin, rtol=0, atol=1e-5)
+    assert (plain.cos - cos).abs().max() > 0.5  # without the scaling the far positions are far off
+    tokens = torch.tensor([tokenizer.encode("To be, or not to be, that is the question")])
+    far = torch.arange(tokens.shape[1]).unsqueeze(0) + 20000
+    with torch.no_grad():
+        theirs, ours_logits = hf(tokens, position_ids=far).logits, model(tokens, position_ids=far)
+    torch.testing.assert_close(theirs, ours_logits[..., :tokenizer.vocab_size], rtol=1e-4,
+                               atol=1e-5 * theirs.abs().max().item())
+    imported = import_hf(out, tmp_path / "imported", make_vocab_size_divisible_by=8)
+    _, meta, _ = wio.build_model_from_checkpoint(imported)
+    assert meta["config"]["model"]["use_rope_scaling"] is True and meta["config"]["model"]["rope_scaling_factor"] == 8
+    bad = json.loads((out / "config.json").read_text())
+    bad["rope_parameters"]["low_freq_factor"] = 2.0
+    (out / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match="llama3 rope scaling with low_freq_factor 2.0 is not supported"):
+        import_hf(out, tmp_path / "imported2")
