@@ -18,7 +18,7 @@ B = 450 GB/s per direction (NVLink 4, TP=8 in one node) or 50 GB/s (one 400 Gb/s
 TP=8 ring that crosses nodes). Peak FLOP/s make these upper bounds: a real step reaches about half of it.
 
     python benchmarks/overlap.py [--iters 10] [--settings ...] [--real-domino] [--transfer launch|wait]
-                                 [--breakdown] [--json]
+                                 [--hidden-size 512] [--mode pretrain|steps] [--repeats N] [--breakdown] [--json]
 
 ``--breakdown`` also prints, per link and layout, the blocked time by call site (the labels of
 ``domino.parallel.collectives.comm_site``: forward waits per layer position and chunk, backward input-gradient
@@ -48,12 +48,34 @@ from domino.model import GPTModel  # noqa: E402
 from domino.parallel import collectives, state  # noqa: E402
 from domino.parallel.network_emulator import LinkEmulator, parse_spec  # noqa: E402
 
-LAYERS, HIDDEN, HEADS, SEQ, MICRO_BATCH, VOCAB = 4, 256, 4, 128, 8, 2048
-MODEL = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
-         "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size", str(MICRO_BATCH),
-         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-4", "--lr-warmup-iters", "2",
-         "--eval-interval", "0", "--eval-iters", "0", "--timing-log-level", "1", "--num-workers", "1",
-         "--log-interval", "1", "--tensor-model-parallel-size", "2"]
+LAYERS, SEQ, MICRO_BATCH, VOCAB, HEAD_DIM = 4, 128, 8, 2048, 64
+HIDDEN = 512  # --hidden-size; heads = HIDDEN / HEAD_DIM. Why 512, not 256: see set_shape()
+HEADS = HIDDEN // HEAD_DIM
+MODEL: list = []
+
+
+def set_shape(hidden: int) -> None:
+    """Sets the benchmark model's hidden size (and heads, and the ``domino pretrain`` flags).
+
+    The default is 512 because at 256 the CPU's fixed costs, not the schedule, decide the result: per-op
+    dispatch and gloo's own CPU time per collective (about 0.4 ms for 0.5 MiB, on the cores that compute) grow
+    with the number of ops and collectives, not with the FLOPs, and Domino has twice the ops and collectives.
+    Measured on this machine (steps mode, NVLink ratio): Domino 2's computation (step - blocked) is 1.18x
+    synchronous TP's at hidden 256 and 0.98x at 512 (``benchmarks/RESULTS.md``); a GPU's GEMMs at the real
+    shape are far from that regime.
+    """
+    global HIDDEN, HEADS, MODEL
+    if hidden % HEAD_DIM or hidden % 2:
+        raise SystemExit(f"--hidden-size must be a multiple of {HEAD_DIM}, got {hidden}")
+    HIDDEN, HEADS = hidden, hidden // HEAD_DIM
+    MODEL = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
+             "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size",
+             str(MICRO_BATCH), "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-4",
+             "--lr-warmup-iters", "2", "--eval-interval", "0", "--eval-iters", "0", "--timing-log-level", "1",
+             "--num-workers", "1", "--log-interval", "1", "--tensor-model-parallel-size", "2"]
+
+
+set_shape(HIDDEN)
 LAYOUTS = {"sync": 1, "Domino 2": 2, "Domino 4": 4}
 WARMUP = 2  # iterations left out of the medians
 LATENCY_US = 20.0  # per collective; small next to the ms-long transfers of every setting below
@@ -139,8 +161,10 @@ def summary(step_ms: list, blocked_ms: list, modelled_ms: list, losses: list, si
             "step_ms_all": step_ms, "compute_ms": compute, "blocked_by_site_ms": by_site}
 
 
-def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: str, transfer: str) -> None:
+def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: str, transfer: str,
+                  hidden: int) -> None:
     """One rank of ``--mode steps``: the three layouts in one process pair, alternating step by step."""
+    set_shape(hidden)  # a spawned process starts from the module's defaults
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -201,13 +225,13 @@ def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: s
     dist.destroy_process_group()
 
 
-def steps_mode(settings: list, repeats: int, transfer: str) -> dict:
+def steps_mode(settings: list, repeats: int, transfer: str, hidden: int) -> dict:
     """``--mode steps``: training steps of the three layouts in one pair of gloo processes, alternating."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_steps_worker, args=(port, settings, repeats, out_dir, transfer), nprocs=2, join=True,
+        mp.start_processes(_steps_worker, args=(port, settings, repeats, out_dir, transfer, hidden), nprocs=2, join=True,
                            start_method="spawn")
         return torch.load(os.path.join(out_dir, "steps.pt"))
 
@@ -234,10 +258,13 @@ def main() -> None:
                              "with the computation for the 2 cores) or wait (see domino/parallel/network_emulator.py)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also print the blocked time by call site, and compute time vs sync's")
+    parser.add_argument("--hidden-size", type=int, default=HIDDEN,
+                        help=f"the benchmark model's hidden size (heads = hidden / {HEAD_DIM}); see set_shape()")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = parser.parse_args()
+    set_shape(args.hidden_size)
     if args.mode == "steps":
-        out = steps_mode(args.settings, args.iters, args.transfer)
+        out = steps_mode(args.settings, args.iters, args.transfer, HIDDEN)
     else:
         out = pretrain_mode(args)
     out.update(mode=args.mode, wire_bytes_per_step=wire_bytes_per_step(),
