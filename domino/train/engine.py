@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from domino.config import ConfigError, DominoConfig
-from domino.config.validate import check_device
+from domino.config.validate import check_device, zero_stage_for
 from domino.parallel import state
 
 logger = logging.getLogger(__name__)
@@ -91,9 +91,15 @@ def global_batch_size(config: DominoConfig) -> int:
     return config.train.global_batch_size or config.train.micro_batch_size * state.get_data_parallel_world_size()
 
 
+def zero_stage(config: DominoConfig) -> int:
+    """The run's ZeRO stage: ``--zero-stage``, or its default at this data-parallel size (``pretrain`` resolves
+    it into the config; other callers of the engine set-up get the same choice)."""
+    return zero_stage_for(config, state.get_data_parallel_world_size())
+
+
 def clips_itself(config: DominoConfig) -> bool:
     """Whether domino (not DeepSpeed) clips gradients: plain fp32 data parallelism (ZeRO stage 0)."""
-    return config.parallel.zero_stage == 0 and not (config.train.fp16 or config.train.bf16)
+    return zero_stage(config) == 0 and not (config.train.fp16 or config.train.bf16)
 
 
 def clip_gradients(engine, max_norm: float) -> torch.Tensor:
@@ -149,7 +155,7 @@ def zero_optimization(config: DominoConfig) -> Dict[str, Any]:
     reach link bandwidth, and ten times smaller than DeepSpeed's default so the first reduction starts early
     in backward and the double-buffered overlap costs little memory.
     """
-    return {"stage": config.parallel.zero_stage, "overlap_comm": True, "contiguous_gradients": True,
+    return {"stage": zero_stage(config), "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": ZERO_BUCKET_ELEMENTS, "allgather_bucket_size": ZERO_BUCKET_ELEMENTS}
 
 
@@ -227,4 +233,12 @@ def build_engine(model: torch.nn.Module, config: DominoConfig):
         eps=t.adam_eps, fused=fused or None, foreach=None if fused else True)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(config),
                                            mpu=state)
+    if zero_stage(config) == 0 and state.get_data_parallel_world_size() == 1:
+        # DeepSpeed 0.19.8 (runtime/engine.py, `_backward_epilogue` -> `allreduce_gradients` ->
+        # `buffered_allreduce_fallback` -> `allreduce_and_copy`) flattens every gradient into one buffer,
+        # all-reduces it over the data-parallel group and copies it back, even when that group is this process
+        # alone (the mean over one replica is the identity). `enable_backward_allreduce` is the engine's own
+        # switch for it (its PipelineEngine turns it off, runtime/pipe/engine.py); ZeRO optimizers reduce through
+        # the same call, hence stage 0 only.
+        engine.enable_backward_allreduce = False
     return engine
