@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from domino.config.schema import DominoConfig, ModelConfig
-from domino.config.validate import zero_stage_for, padded_vocab_size
+from domino.config.validate import padded_vocab_size, zero_stage_for
 
 GB = 2**30
 #: Vocabulary assumed when neither --vocab-size nor a tokenizer says (the GPT-2 BPE, domino's default tokenizer).
