@@ -3,10 +3,11 @@
 At the shape of ``benchmarks/model_step.py`` (GPT 4L/256h/4 heads, seq 256, micro-batch 8, vocabulary 8192,
 fp32, no dropout anywhere), for 1 and 2 threads, in one run:
 
-* ``pretrain`` / ``pretrain_zero0`` - ``domino pretrain --mock-data`` (DeepSpeed engine, gradient clipping 1.0,
-  the LR schedule, data loading, logging) as a child process at the default ``--zero-stage 1`` and at 0
-  (with one data-parallel replica ZeRO has nothing to shard, but its optimizer wrapper still copies gradients
-  and weights between flat buffers every step); tokens/s of its log intervals after the first (warm-up);
+* ``pretrain`` / ``pretrain_zero1`` - ``domino pretrain --mock-data`` (DeepSpeed engine, gradient clipping 1.0,
+  the LR schedule, data loading, logging) as a child process at its default ZeRO stage (0 with this one
+  data-parallel replica) and at ``--zero-stage 1`` (which has nothing to shard here, but its optimizer wrapper
+  still copies gradients and weights between flat buffers every step); tokens/s of its log intervals after the
+  first (warm-up);
 * ``model_step`` - the same ``GPTModel`` stepped bare in this process: forward with labels, mean, backward,
   ``torch.optim.AdamW(fused=True)``;
 * ``plain`` - ``model_step.py``'s plain PyTorch GPT (one fused QKV ``nn.Linear``, SDPA ``is_causal``, tied
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -49,7 +51,7 @@ PRETRAIN = ["--num-layers", str(model_step.LAYERS), "--hidden-size", str(model_s
             "--num-workers", "0", "--log-interval", "6"]
 TOKENS = model_step.BATCH * model_step.SEQ
 SHORT = 6  # iterations of the start-up-only run whose CPU time is subtracted
-KINDS = ("pretrain", "pretrain_zero0", "model_step", "plain")
+KINDS = ("pretrain", "pretrain_zero1", "model_step", "plain")
 
 
 def _child_cpu_seconds() -> float:
@@ -57,21 +59,22 @@ def _child_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _pretrain(threads: int, iters: int, work: Path, zero_stage: int) -> tuple:
-    """Runs `domino pretrain`; returns (its log records, the CPU seconds it used)."""
+def _pretrain(threads: int, iters: int, work: Path, zero_stage: Optional[int]) -> tuple:
+    """Runs `domino pretrain` (``zero_stage`` None: its default); returns (its log records, its CPU seconds)."""
     metrics = work / f"metrics-{threads}-{zero_stage}-{iters}.jsonl"
+    stage = [] if zero_stage is None else ["--zero-stage", str(zero_stage)]
     metrics.unlink(missing_ok=True)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads),
                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     before = _child_cpu_seconds()
     subprocess.run([sys.executable, "-m", "domino", "pretrain", *PRETRAIN, "--train-iters", str(iters),
-                    "--zero-stage", str(zero_stage), "--metrics-file", str(metrics)], check=True, env=env,
+                    *stage, "--metrics-file", str(metrics)], check=True, env=env,
                    capture_output=True)
     cpu = _child_cpu_seconds() - before
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()], cpu
 
 
-def pretrain_rates(threads: int, iters: int, work: Path, zero_stage: int) -> dict:
+def pretrain_rates(threads: int, iters: int, work: Path, zero_stage: Optional[int]) -> dict:
     """Wall tokens/s (median of the log intervals after the first) and CPU tokens/s of `domino pretrain`.
 
     The CPU rate is the difference of two runs, ``iters`` and ``SHORT`` iterations, so start-up (imports,
@@ -115,12 +118,12 @@ def main(argv=None) -> int:
             rounds = []
             for _ in range(args.rounds):
                 measured = step_rates(model_step._fresh_single_process_steps(), args.steps, warmup=2)
-                rounds.append({"pretrain": pretrain_rates(threads, args.iters, Path(tmp), 1),
-                               "pretrain_zero0": pretrain_rates(threads, args.iters, Path(tmp), 0),
+                rounds.append({"pretrain": pretrain_rates(threads, args.iters, Path(tmp), None),
+                               "pretrain_zero1": pretrain_rates(threads, args.iters, Path(tmp), 1),
                                "model_step": measured["domino"], "plain": measured["plain"]})
             results[threads] = {"rounds": rounds, "ratios": {
                 clock: {f"{a}_over_{b}": statistics.median(r[a][clock] / r[b][clock] for r in rounds)
-                        for a, b in (("pretrain", "model_step"), ("pretrain_zero0", "model_step"),
+                        for a, b in (("pretrain", "model_step"), ("pretrain_zero1", "model_step"),
                                      ("model_step", "plain"), ("pretrain", "plain"))}
                 for clock in ("wall", "cpu")}}
     load = os.getloadavg()  # the figures above were measured under about this load
@@ -132,14 +135,14 @@ def main(argv=None) -> int:
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     for clock in ("wall", "cpu"):
         print(f"{clock} tokens/s (medians over rounds) and ratios (medians of per-round ratios)")
-        print(f"{'threads':>7} {'pretrain':>9} {'(ZeRO 0)':>9} {'step':>7} {'plain':>7}   {'pretrain/step':>13} "
-              f"{'(ZeRO 0)':>9} {'step/plain':>10} {'pretrain/plain':>14}")
+        print(f"{'threads':>7} {'pretrain':>9} {'(ZeRO 1)':>9} {'step':>7} {'plain':>7}   {'pretrain/step':>13} "
+              f"{'(ZeRO 1)':>9} {'step/plain':>10} {'pretrain/plain':>14}")
         for threads, r in results.items():
             med = {k: statistics.median(x[k][clock] for x in r["rounds"]) for k in KINDS}
             q = r["ratios"][clock]
-            print(f"{threads:>7} {med['pretrain']:>9.0f} {med['pretrain_zero0']:>9.0f} {med['model_step']:>7.0f} "
+            print(f"{threads:>7} {med['pretrain']:>9.0f} {med['pretrain_zero1']:>9.0f} {med['model_step']:>7.0f} "
                   f"{med['plain']:>7.0f}   {q['pretrain_over_model_step']:>13.3f} "
-                  f"{q['pretrain_zero0_over_model_step']:>9.3f} {q['model_step_over_plain']:>10.3f} "
+                  f"{q['pretrain_zero1_over_model_step']:>9.3f} {q['model_step_over_plain']:>10.3f} "
                   f"{q['pretrain_over_plain']:>14.3f}")
     return 0
 

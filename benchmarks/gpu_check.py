@@ -13,9 +13,13 @@ torch AdamW), on a fixed synthetic batch:
   warns on "synchronizing operations"; torch 2.13 ``torch/cuda/__init__.py`` notes that collectives are not
   covered), with the source lines that raised them;
 * ``loss_curve``: 20 steps from initialisation on the fixed batch, which a working step must memorise: the
-  script exits 1 when the loss does not fall.
+  script exits 1 when the loss does not fall;
+* ``llama``: the same loss curve, tokens/s and MFU at micro-batch 1 for a LLaMA-architecture preset (rotary
+  positions, RMSNorm, SwiGLU, grouped-query attention, untied output layer), ``--llama-preset`` (default
+  ``llama2-7b``) cut to ``--llama-layers`` layers (default 4, about 1.1B parameters, the cost of gpt3-1.3b); the
+  script also exits 1 when its loss does not fall.
 
-``--dry-run`` runs the same code on CPU with the ``tiny`` preset and a 256-token vocabulary in seconds and
+``--dry-run`` runs the same code on CPU with the ``tiny`` and ``tiny-llama`` presets and a 256-token vocabulary in seconds and
 checks the JSON's shape (``check_result``); CI runs it through ``gpu_check.sh --dry-run``
 (``tests/test_gpu_check.py``). On CPU ``syncs_per_iteration`` and ``mfu`` are null (no CUDA, no known peak).
 
@@ -47,8 +51,9 @@ from domino.train.throughput import detect_peak_tflops, training_flops_per_token
 LOSS_STEPS = 20
 
 
-def _config(args, micro_batch: int, chunks: int):
-    flags = ["--preset", args.preset, "--bf16", "--micro-batch-size", str(micro_batch), "--global-batch-size",
+def _config(args, micro_batch: int, chunks: int, llama: bool = False):
+    layers = ["--num-layers", str(args.llama_layers)] if llama and args.llama_layers > 0 else []
+    flags = ["--preset", args.llama_preset if llama else args.preset, *layers, "--bf16", "--micro-batch-size", str(micro_batch), "--global-batch-size",
              str(micro_batch), "--domino-chunks", str(chunks), "--mock-data", "--vocab-size", str(args.vocab_size),
              "--train-iters", str(LOSS_STEPS), "--zero-stage", "1"]
     return parse_config(flags)
@@ -57,9 +62,9 @@ def _config(args, micro_batch: int, chunks: int):
 class _Run:
     """One engine at one chunk count, stepping on a fixed batch of ``micro_batch`` samples."""
 
-    def __init__(self, args, micro_batch: int, chunks: int, device: torch.device) -> None:
+    def __init__(self, args, micro_batch: int, chunks: int, device: torch.device, llama: bool = False) -> None:
         self.args, self.device = args, device
-        self.config = _config(args, micro_batch, chunks)
+        self.config = _config(args, micro_batch, chunks, llama)
         self.vocab = padded_vocab_size(args.vocab_size, self.config)
         torch.manual_seed(args.seed)
         model = GPTModel(self.config.model, self.vocab, domino_chunks=chunks)
@@ -165,6 +170,25 @@ def count_syncs(run: _Run, steps: int) -> Dict[str, Any]:
             "where": {k: v / steps for k, v in where.most_common(12)}}
 
 
+def _loss_falls(losses: List[float]) -> bool:
+    return sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 and losses[-1] < losses[0]
+
+
+def measure_llama(args, device: torch.device) -> Dict[str, Any]:
+    """Loss curve, tokens/s and MFU of the LLaMA-architecture preset at micro-batch 1 (TP=1, one chunk)."""
+    run = _Run(args, 1, 1, device, llama=True)
+    try:
+        losses = [float(run.step()) for _ in range(LOSS_STEPS)]  # also the warm-up of the timing below
+        tokens_per_s = run.tokens_per_step / _timed(run.step, args.steps)
+        tflops = training_flops_per_token(run.config.model, run.vocab) * tokens_per_s / 1e12
+    finally:
+        run.close()
+    peak = detect_peak_tflops()
+    return {"preset": args.llama_preset, "num_layers": run.config.model.num_layers, "micro_batch": 1,
+            "tokens_per_s": tokens_per_s, "tflops_per_device": tflops, "mfu": tflops / peak if peak else None,
+            "loss_curve": losses, "loss_falls": _loss_falls(losses)}
+
+
 def measure(args) -> Dict[str, Any]:
     started = time.perf_counter()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -191,7 +215,7 @@ def measure(args) -> Dict[str, Any]:
     tokens_per_s = {f"chunks_{c}": tokens_per_step / s for c, s in seconds.items()}
     peak = detect_peak_tflops()
     tflops = flops_per_token * tokens_per_s["chunks_1"] / 1e12
-    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    llama = measure_llama(args, device)
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "dry_run": args.dry_run, "preset": args.preset, "precision": "bf16",
@@ -201,7 +225,7 @@ def measure(args) -> Dict[str, Any]:
                                    if "chunks_2" in tokens_per_s else None),
         "tflops_per_device": tflops, "peak_tflops": peak, "mfu": tflops / peak if peak else None,
         "peak_memory_gb": peak_gb, "syncs_per_iteration": syncs["per_iteration"], "syncs": syncs,
-        "loss_curve": losses, "loss_falls": last < first and losses[-1] < losses[0],
+        "loss_curve": losses, "loss_falls": _loss_falls(losses), "llama": llama,
         "torch": torch.__version__, "seconds": time.perf_counter() - started,
     }
 
@@ -212,7 +236,8 @@ RESULT_SHAPE = {
     "padded_vocab_size": (int,), "micro_batch": (dict,), "tokens_per_s": (dict,),
     "chunks_2_over_chunks_1": (float, type(None)), "tflops_per_device": (float,), "peak_tflops": (float, type(None)),
     "mfu": (float, type(None)), "peak_memory_gb": (float, type(None)), "syncs_per_iteration": (float, type(None)),
-    "syncs": (dict,), "loss_curve": (list,), "loss_falls": (bool,), "torch": (str,), "seconds": (float,),
+    "syncs": (dict,), "loss_curve": (list,), "loss_falls": (bool,), "llama": (dict,), "torch": (str,),
+    "seconds": (float,),
 }
 
 
@@ -228,6 +253,11 @@ def check_result(result: Dict[str, Any]) -> None:
         raise ValueError(f"gpu_check result: 'loss_curve' must hold {LOSS_STEPS} floats")
     if result["micro_batch"].get("largest_that_fits", 0) < 1 or "chunks_1" not in result["tokens_per_s"]:
         raise ValueError("gpu_check result: no micro-batch fitted or no chunks_1 throughput")
+    llama = result["llama"]
+    if len(llama.get("loss_curve", [])) != LOSS_STEPS or not isinstance(llama.get("loss_falls"), bool):
+        raise ValueError(f"gpu_check result: 'llama' must hold a {LOSS_STEPS}-step 'loss_curve' and 'loss_falls'")
+    if not llama.get("tokens_per_s", 0) > 0:
+        raise ValueError(f"gpu_check result: 'llama' tokens_per_s must be positive, got {llama.get('tokens_per_s')}")
     if any(not (v > 0) for v in result["tokens_per_s"].values()):
         raise ValueError(f"gpu_check result: 'tokens_per_s' must be positive, got {result['tokens_per_s']}")
     if torch.cuda.is_available() and result["syncs_per_iteration"] is None:
@@ -237,6 +267,9 @@ def check_result(result: Dict[str, Any]) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--preset", default="gpt3-1.3b", help="model preset (default gpt3-1.3b)")
+    parser.add_argument("--llama-preset", default="llama2-7b", help="LLaMA-architecture preset (default llama2-7b)")
+    parser.add_argument("--llama-layers", type=int, default=4,
+                        help="layers of the LLaMA preset to train (default 4; 0: all of the preset's)")
     parser.add_argument("--vocab-size", type=int, default=50257, help="vocabulary before padding (GPT-2's)")
     parser.add_argument("--max-micro-batch", type=int, default=64, help="largest micro-batch to try")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per chunk count")
@@ -249,6 +282,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.dry_run:
         args.preset, args.vocab_size, args.max_micro_batch = "tiny", 256, 2
+        args.llama_preset, args.llama_layers = "tiny-llama", 0
         args.steps, args.warmup, args.sync_steps = 2, 1, 1
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     elif not torch.cuda.is_available():
@@ -260,9 +294,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         result = measure(args)
     check_result(result)
     print(json.dumps(result))
-    if not result["loss_falls"]:
-        print(f"gpu_check: the loss did not fall over {LOSS_STEPS} steps: {result['loss_curve']}", file=sys.stderr)
-        return 1
+    for name, part in ((args.preset, result), (args.llama_preset, result["llama"])):
+        if not part["loss_falls"]:
+            print(f"gpu_check: the loss of {name} did not fall over {LOSS_STEPS} steps: {part['loss_curve']}",
+                  file=sys.stderr)
+            return 1
     return 0
 
 

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # GPU readiness check: bf16 MFU of gpt3-1.3b at the largest micro-batch that fits, peak memory, tokens/s with
-# --domino-chunks 1 vs 2 at TP=1, host syncs per iteration and a 20-step loss curve, printed as one JSON object
-# (about 8 minutes on one H200 at most: --budget-s bounds the micro-batch search). Exit status 1 when the loss
-# does not fall. `--dry-run` runs the same script on CPU with the tiny preset in seconds (CI runs it).
+# --domino-chunks 1 vs 2 at TP=1, host syncs per iteration and a 20-step loss curve, then the loss curve, tokens/s
+# and MFU of a LLaMA-architecture model (llama2-7b cut to 4 layers), printed as one JSON object (--budget-s bounds
+# the micro-batch search; estimated at ~8 minutes on one H200 before the LLaMA steps; never run on a GPU yet).
+# Exit status 1 when a loss does not fall. `--dry-run` runs the same script on CPU with the tiny and tiny-llama
+# presets in seconds (CI runs it).
 #
-#   bash benchmarks/gpu_check.sh [--dry-run] [--preset NAME] [--max-micro-batch N] [--budget-s S]
+#   bash benchmarks/gpu_check.sh [--dry-run] [--preset NAME] [--llama-preset NAME] [--llama-layers N]
+#                                [--max-micro-batch N] [--budget-s S]
 #
 # PYTHON selects the interpreter (default: python3).
 set -euo pipefail

@@ -21,7 +21,7 @@ from domino.launch.job_api import JOB_APIS
 #: Parameters whose values are JSON, with the JSON type they must have.
 JSON_PARAMETERS = JSON_SETTINGS
 #: Parameters with a fixed set of values.
-CHOICES = {"backend": BACKENDS, "job_api": tuple(JOB_APIS), "zero_stage": (0, 1, 2)}
+CHOICES = {"backend": BACKENDS, "job_api": tuple(JOB_APIS), "zero_stage": (-1, 0, 1, 2)}
 
 
 class ParamError(ValueError):

@@ -31,6 +31,9 @@ def test_dry_run_prints_one_valid_json_object_and_the_loss_falls():
     assert result["micro_batch"] == {"largest_that_fits": 2, "tried": {"1": True, "2": True}}
     assert set(result["tokens_per_s"]) == {"chunks_1", "chunks_2"}
     assert result["loss_falls"] and result["loss_curve"][-1] < result["loss_curve"][0]
+    llama = result["llama"]
+    assert llama["preset"] == "tiny-llama" and llama["tokens_per_s"] > 0
+    assert llama["loss_falls"] and llama["loss_curve"][-1] < llama["loss_curve"][0]
 
 
 @pytest.mark.parametrize("change, message", [
@@ -38,6 +41,8 @@ def test_dry_run_prints_one_valid_json_object_and_the_loss_falls():
     (lambda r: r.update(loss_curve=[1.0] * 3), "'loss_curve' must hold 20 floats"),
     (lambda r: r.update(tokens_per_s={"chunks_1": 0.0}), "'tokens_per_s' must be positive"),
     (lambda r: r.update(peak_memory_gb="12"), "'peak_memory_gb' is str, expected float or NoneType"),
+    (lambda r: r["llama"].update(loss_curve=[1.0]), "'llama' must hold a 20-step 'loss_curve'"),
+    (lambda r: r["llama"].update(tokens_per_s=0.0), "'llama' tokens_per_s must be positive"),
 ])
 def test_check_result_names_what_is_wrong(change, message):
     module = _gpu_check_module()
@@ -46,7 +51,10 @@ def test_check_result_names_what_is_wrong(change, message):
               "tokens_per_s": {"chunks_1": 10.0, "chunks_2": 9.0}, "chunks_2_over_chunks_1": 0.9,
               "tflops_per_device": 0.1, "peak_tflops": None, "mfu": None, "peak_memory_gb": None,
               "syncs_per_iteration": None, "syncs": {}, "loss_curve": [float(20 - i) for i in range(20)],
-              "loss_falls": True, "torch": "2", "seconds": 1.0}
+              "loss_falls": True, "torch": "2", "seconds": 1.0,
+              "llama": {"preset": "tiny-llama", "num_layers": 2, "micro_batch": 1, "tokens_per_s": 5.0,
+                        "tflops_per_device": 0.1, "mfu": None, "loss_curve": [float(20 - i) for i in range(20)],
+                        "loss_falls": True}}
     module.check_result(dict(result))
     change(result)
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):

@@ -62,8 +62,9 @@ class PretrainSettings:
     """Tensor-parallel size (divides nodes x nproc_per_node)."""
     domino_chunks: int = 2
     """Domino micro-chunks per layer (1: plain tensor parallelism)."""
-    zero_stage: int = 1
-    """DeepSpeed ZeRO stage (0, 1, 2)."""
+    zero_stage: int = -1
+    """DeepSpeed ZeRO stage (0, 1, 2; -1: the resumed checkpoint's, else 0 with one data-parallel replica
+    without bf16, else 1)."""
     warm_start: bool = False
     """Initialise from the promoted model's weights (fresh start when none)."""
     backend: str = "cluster"

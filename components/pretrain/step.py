@@ -71,9 +71,10 @@ def pretrain_argv(settings: PretrainSettings, data_prefix: str, layout: RunLayou
     argv = ["--preset", s.preset, *overrides_to_argv(parse_overrides(s.config_overrides))]
     argv += [
         "--tensor-model-parallel-size", str(s.tensor_parallel), "--domino-chunks", str(s.domino_chunks),
-        "--zero-stage", str(s.zero_stage), "--train-iters", str(s.train_iters),
-        "--micro-batch-size", str(s.micro_batch_size),
+        "--train-iters", str(s.train_iters), "--micro-batch-size", str(s.micro_batch_size),
     ]
+    if s.zero_stage >= 0:  # -1: domino pretrain chooses (domino.config.validate.resolve_zero_stage)
+        argv += ["--zero-stage", str(s.zero_stage)]
     if s.global_batch_size > 0:
         argv += ["--global-batch-size", str(s.global_batch_size)]
     if s.lr > 0:

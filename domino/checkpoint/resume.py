@@ -222,6 +222,20 @@ def _verified(ckpt: Path, config: DominoConfig, weights_only: bool) -> Tuple[Pat
             ckpt = _fall_back(ckpt, str(failure), config.checkpoint.strict_load)
 
 
+def resumed_zero_stage(ckpt: Optional[Path], config: DominoConfig, weights_only: bool) -> Optional[int]:
+    """The ZeRO stage of the optimizer state this run would resume from ``ckpt``; ``None`` when it resumes none.
+
+    A stage-0 optimizer state is torch AdamW's (per parameter), a stage 1/2 one DeepSpeed's ZeRO partitions: the
+    run must use a stage of the same kind to load it (:func:`_read_state` refuses otherwise).
+    """
+    if ckpt is None or weights_only or config.checkpoint.no_load_optim or not (ckpt / "optim").is_dir():
+        return None
+    try:
+        return weights_io.read_checkpoint_meta(ckpt)["config"]["parallel"]["zero_stage"]
+    except (weights_io.CheckpointError, OSError, KeyError, TypeError):
+        return None  # a damaged checkpoint: _verified reports it (or falls back) when loading
+
+
 def _read_state(ckpt: Path, meta: Dict[str, Any], engine, config: DominoConfig, padded_vocab_size: int,
                 weights_only: bool) -> Tuple[Dict[str, torch.Tensor], Optional[dict], Optional[dict]]:
     """This rank's model weights, optimizer state and RNG state from ``ckpt`` (read only, nothing applied)."""
@@ -239,6 +253,13 @@ def _read_state(ckpt: Path, meta: Dict[str, Any], engine, config: DominoConfig, 
                 f"--load {ckpt}: saved with TP={meta['tensor_model_parallel_size']} x DP={meta.get('data_parallel_size')}"
                 f", this run is TP={tp} x DP={dp}; the optimizer state cannot be resharded. Use --finetune or "
                 "--no-load-optim to take the weights only.")
+        saved_stage = meta["config"]["parallel"].get("zero_stage")
+        stage = config.parallel.zero_stage
+        if saved_stage is not None and (saved_stage == 0) != (stage == 0):
+            raise ConfigError(
+                f"--load {ckpt}: its optimizer state is from --zero-stage {saved_stage}, this run uses --zero-stage "
+                f"{stage} (a plain and a ZeRO optimizer save different states); resume with --zero-stage "
+                f"{saved_stage} (or without --zero-stage), or use --no-load-optim to take the weights only.")
         optim = torch.load(ckpt / "optim" / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)
     if not c.no_load_rng and same_layout:
         rng = torch.load(ckpt / "rng" / f"rank_{rank:05d}.pt", weights_only=True)

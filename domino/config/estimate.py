@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from domino.config.schema import DominoConfig, ModelConfig
-from domino.config.validate import padded_vocab_size
+from domino.config.validate import padded_vocab_size, zero_stage_for
 
 GB = 2**30
 #: Vocabulary assumed when neither --vocab-size nor a tokenizer says (the GPT-2 BPE, domino's default tokenizer).
@@ -302,7 +302,8 @@ def layout_of(config: DominoConfig, gpus: int) -> Layout:
         recompute = "selective"
     else:
         recompute = "none"
-    return Layout(tensor_model_parallel_size=tp, data_parallel_size=max(1, gpus // tp), zero_stage=p.zero_stage,
+    dp = max(1, gpus // tp)
+    return Layout(tensor_model_parallel_size=tp, data_parallel_size=dp, zero_stage=zero_stage_for(config, dp),
                   micro_batch_size=t.micro_batch_size, recompute=recompute,
                   recompute_method=t.recompute_method or "uniform", recompute_num_layers=t.recompute_num_layers or 1,
                   sequence_parallel=p.sequence_parallel and tp > 1, domino_chunks=p.domino_chunks or 1)

@@ -117,8 +117,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism: LayerNorm, dropout and residual regions split along the sequence over the TP
     ranks (reduce-scatter after row-parallel, all-gather before column-parallel linears); no effect at TP 1."""
-    zero_stage: int = 1
-    """DeepSpeed ZeRO stage for data parallelism (0, 1 or 2)."""
+    zero_stage: Optional[int] = None
+    """DeepSpeed ZeRO stage for data parallelism (0, 1 or 2; default: the stage of the checkpoint resumed, else 0
+    with one data-parallel replica and no --bf16, where ZeRO has nothing to shard, else 1)."""
     distributed_backend: Optional[str] = None
     """torch.distributed backend (default: nccl with CUDA, else gloo)."""
     distributed_timeout_minutes: int = 10
@@ -311,7 +312,7 @@ class KernelConfig:
     persist_layer_norm: bool = True
     """No effect (--no-persist-layer-norm): domino uses torch's LayerNorm kernel."""
     use_distributed_optimizer: bool = False
-    """No effect: optimizer state is sharded over data-parallel ranks by ZeRO (--zero-stage, default 1) instead."""
+    """No effect: optimizer state is sharded over data-parallel ranks by ZeRO (--zero-stage) instead."""
     causal_lm: bool = False
     """No effect: DeepSpeed-Domino's switch for a causal mask, which GPT always uses."""
 

@@ -56,6 +56,41 @@ def resolve_domino_chunks(config: DominoConfig) -> Optional[str]:
     return f"--domino-chunks not given: 1 (plain tensor parallelism: {reason})"
 
 
+def zero_stage_for(config: DominoConfig, data_parallel_size: int) -> int:
+    """``--zero-stage`` when given, else the stage a run with ``data_parallel_size`` replicas defaults to.
+
+    With one data-parallel replica ZeRO has nothing to shard, yet DeepSpeed 0.19.8's ZeRO optimizer still
+    copies every gradient into its flat fp32 partition and the updated partition back into the weights each step
+    (``deepspeed/runtime/zero/stage_1_and_2.py``: ``DeepSpeedZeroOptimizer.reduce_gradients`` and ``step``), so
+    stage 0 does the same maths with less work. bf16 keeps stage 1: DeepSpeed accumulates bf16 gradients in fp32
+    only through its ZeRO or BF16 optimizers (see :func:`validate`).
+    """
+    return config.parallel.zero_stage if config.parallel.zero_stage is not None else (
+        0 if data_parallel_size == 1 and not config.train.bf16 else 1)
+
+
+def resolve_zero_stage(config: DominoConfig, data_parallel_size: int,
+                       checkpoint_stage: Optional[int] = None) -> Optional[str]:
+    """Fills in ``--zero-stage`` when it was not given; returns the start-up note saying what was chosen.
+
+    Resuming a checkpoint's optimizer state keeps that checkpoint's stage (``checkpoint_stage``): ZeRO saves its
+    state as flat fp32 partitions, a plain optimizer per parameter (:mod:`domino.checkpoint.resume`). Otherwise
+    the default of :func:`zero_stage_for`.
+    """
+    p = config.parallel
+    if p.zero_stage is not None:
+        return None
+    if checkpoint_stage is not None:
+        p.zero_stage = checkpoint_stage
+        return f"--zero-stage not given: {checkpoint_stage} (the stage of the checkpoint whose optimizer state is resumed)"
+    p.zero_stage = zero_stage_for(config, data_parallel_size)
+    if p.zero_stage == 0:
+        return ("--zero-stage not given: 0 (one data-parallel replica: ZeRO would shard nothing, only copy gradients "
+                "and weights between flat buffers)")
+    reason = "--bf16" if config.train.bf16 else f"{data_parallel_size} data-parallel replicas"
+    return f"--zero-stage not given: 1 ({reason})"
+
+
 def _unsupported_features(config: DominoConfig) -> List[str]:
     """One message per model-changing feature asked for but not built: never trained around silently."""
     p = config.parallel
@@ -111,7 +146,7 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
            "(Domino splits each micro-batch along the batch dimension)")
     _check(problems, not p.sequence_parallel or m.seq_length % tp == 0,
            f"--sequence-parallel: --seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp}")
-    _check(problems, p.zero_stage in (0, 1, 2), f"--zero-stage must be 0, 1 or 2, got {p.zero_stage}")
+    _check(problems, p.zero_stage in (None, 0, 1, 2), f"--zero-stage must be 0, 1 or 2, got {p.zero_stage}")
     _check(problems, p.distributed_backend in (None, "gloo", "nccl"),
            f"--distributed-backend must be gloo or nccl, got {p.distributed_backend!r}")
     _check(problems, p.pipeline_model_parallel_size >= 1,
@@ -250,7 +285,7 @@ def _check_recompute(problems: List[str], config: DominoConfig) -> None:
         # Each chunk's layers are recomputed in a backward of their own, so a weight's gradient arrives once per
         # chunk; ZeRO 2 reduces per arrival and refuses a second one (deepspeed/runtime/zero/stage_1_and_2.py:
         # "Gradient computed twice for this partition").
-        _check(problems, chunks == 1 or config.parallel.zero_stage < 2,
+        _check(problems, chunks == 1 or (config.parallel.zero_stage or 0) < 2,  # unset resolves to 0 or 1
                f"--recompute-granularity full with --domino-chunks {chunks} needs --zero-stage 0 or 1 (ZeRO 2 "
                "refuses a gradient that arrives once per recomputed chunk)")
     else:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from domino.checkpoint import checkpointing, resume
 from domino.config import ConfigError, DominoConfig, validate
+from domino.config.validate import resolve_zero_stage
 from domino.data.loader import build_pretraining_data_loader
 from domino.parallel import random as tp_random
 from domino.parallel.collectives import pop_comm_wait_by_site, pop_comm_wait_seconds, pop_modelled_comm_seconds
@@ -109,6 +110,10 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     # Fail on a garbage --load before building anything.
     resume_from, warm_start = agree("choosing the checkpoint to resume",
                                     lambda: resume.find_checkpoint(config))
+    chosen = resolve_zero_stage(config, state.get_data_parallel_world_size(),
+                                resume.resumed_zero_stage(resume_from, config, warm_start))
+    if chosen and dist.get_rank() == 0:
+        logger.info("%s", chosen)
     tp_random.model_parallel_seed(config.train.seed)
 
     with state.collective_device():  # parameters are created and initialised on their device, shard by shard

@@ -20,7 +20,7 @@ def test_values_get_the_parameter_types():
     ("bogus=1", "--param bogus: the pipeline has no such parameter; known: shared_root"),
     ("backend=slurm", "--param backend=slurm: expected one of cluster, local"),
     ("job_api=mpijob", "--param job_api=mpijob: expected one of pytorchjob, trainjob"),
-    ("zero_stage=3", "--param zero_stage=3: expected one of 0, 1, 2"),
+    ("zero_stage=3", "--param zero_stage=3: expected one of -1, 0, 1, 2"),
     ("config_overrides={bad", "--param config_overrides: not JSON"),
     ("node_selector=[]", "--param node_selector: expected a JSON object"),
     ("nodes=0", "--param nodes=0: must be at least 1"),
