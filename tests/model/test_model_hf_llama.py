@@ -76,7 +76,10 @@ def test_clear_errors():
         hf_llama_config(tiny_config(normalization="RMSNorm"), VOCAB)
     with pytest.raises(ConfigError, match="--rotary-percent is 0.5"):
         hf_llama_config(tiny_config(**LLAMA, rotary_percent=0.5), VOCAB)
-    with pytest.raises(ConfigError, match="rope type 'llama3' is not supported"):
+    with pytest.raises(ConfigError, match="rope type 'dynamic' is not supported"):
+        model_config_from_hf({**hf_llama_config(tiny_config(**LLAMA), VOCAB),
+                              "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 5e5}})
+    with pytest.raises(ConfigError, match="llama3 rope scaling without a factor"):
         model_config_from_hf({**hf_llama_config(tiny_config(**LLAMA), VOCAB),
                               "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}})
     config = tiny_config(**VARIANTS["mqa"])
