@@ -57,12 +57,12 @@ MODEL: list = []
 def set_shape(hidden: int) -> None:
     """Sets the benchmark model's hidden size (and heads, and the ``domino pretrain`` flags).
 
-    The default is 512 because at 256 the CPU's fixed costs, not the schedule, decide the result: per-op
-    dispatch and gloo's own CPU time per collective (about 0.4 ms for 0.5 MiB, on the cores that compute) grow
-    with the number of ops and collectives, not with the FLOPs, and Domino has twice the ops and collectives.
-    Measured on this machine (steps mode, NVLink ratio): Domino 2's computation (step - blocked) is 1.18x
-    synchronous TP's at hidden 256 and 0.98x at 512 (``benchmarks/RESULTS.md``); a GPU's GEMMs at the real
-    shape are far from that regime.
+    The default is 512 because at 256 the CPU's fixed costs weigh more against the schedule: per-op dispatch
+    and gloo's own CPU time per collective (about 0.4 ms for 0.5 MiB, on the cores that compute) grow with the
+    number of ops and collectives, not with the FLOPs, and Domino has twice the ops and collectives. Measured
+    on this machine (steps mode, NVLink ratio, ``benchmarks/RESULTS.md``): Domino 2's computation (step -
+    blocked) was 1.21x synchronous TP's at hidden 256 and 1.08x at 512 (Domino 4: 1.51x and 1.33x); a GPU's
+    GEMMs at the real shape are far from that regime.
     """
     global HIDDEN, HEADS, MODEL
     if hidden % HEAD_DIM or hidden % 2:
