@@ -28,13 +28,6 @@ def _run(args: argparse.Namespace) -> int:
     recipe = agree("checking the data and the tokenizer", lambda: GPTRecipe(config))
     result = pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step,
                       recipe.padded_vocab_size, recipe.tokenizer)
-    # Only after a run every rank finished (or agreed to stop): without it gloo's worker threads can still hold
-    # work at interpreter exit and abort the process ("terminate called without an active exception",
-    # pytorch/pytorch#190489); after an error on one rank it could wait for the others (torchtitan#1342).
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0 and args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(vars(result), f, indent=2)
