@@ -44,13 +44,16 @@ def check_expressible(config: ModelConfig) -> None:
                           f"{config.num_attention_heads}")
 
 
+#: transformers' llama3 rope parameters that our model (as Megatron-LM) fixes.
+_LLAMA3_FIXED = {"low_freq_factor": LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+                 "original_max_position_embeddings": LLAMA3_ORIGINAL_POSITIONS}
+
+
 def _rope_scaling(config: ModelConfig) -> Dict[str, Any]:
     """transformers' rope type and its parameters for our rotary settings."""
     if not config.use_rope_scaling:
         return {"rope_type": "default"}
-    return {"rope_type": "llama3", "factor": float(config.rope_scaling_factor),
-            "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
-            "original_max_position_embeddings": LLAMA3_ORIGINAL_POSITIONS}
+    return {"rope_type": "llama3", "factor": float(config.rope_scaling_factor), **_LLAMA3_FIXED}
 
 
 def _rope_scaling_from_hf(rope: Dict[str, Any], source: str) -> Optional[float]:
@@ -60,9 +63,7 @@ def _rope_scaling_from_hf(rope: Dict[str, Any], source: str) -> Optional[float]:
         return None
     if kind != "llama3":
         raise ConfigError(f"{source}: rope type {kind!r} is not supported (only default and llama3)")
-    fixed = {"low_freq_factor": LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
-             "original_max_position_embeddings": LLAMA3_ORIGINAL_POSITIONS}
-    for key, value in fixed.items():
+    for key, value in _LLAMA3_FIXED.items():
         if float(rope.get(key, value)) != value:
             raise ConfigError(f"{source}: llama3 rope scaling with {key} {rope[key]} is not supported (only {value:g},"
                               " as in every Llama 3.x release and Megatron-LM)")
@@ -81,6 +82,7 @@ def hf_llama_config(config: ModelConfig, vocab_size: int, eos_token_id: Optional
     """
     check_expressible(config)
     bias = not config.disable_bias_linear
+    rope = _rope_scaling(config)
     return dict(
         vocab_size=vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
@@ -89,8 +91,8 @@ def hf_llama_config(config: ModelConfig, vocab_size: int, eos_token_id: Optional
         rms_norm_eps=config.norm_epsilon, tie_word_embeddings=not config.untie_embeddings_and_output_weights,
         # transformers 5 reads rope_parameters; 4.x reads rope_theta and rope_scaling (5 converts them too): both
         # forms, the same values.
-        rope_parameters={"rope_theta": float(config.rotary_base), **_rope_scaling(config)},
-        rope_theta=float(config.rotary_base), rope_scaling=_rope_scaling(config) if config.use_rope_scaling else None,
+        rope_parameters={"rope_theta": float(config.rotary_base), **rope},
+        rope_theta=float(config.rotary_base), rope_scaling=rope if config.use_rope_scaling else None,
         attention_bias=bias, mlp_bias=bias,
         attention_dropout=config.attention_dropout, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
     )
@@ -130,7 +132,7 @@ def model_config_from_hf(hf_config: Dict[str, Any], source: str = "config.json")
             norm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)), normalization="RMSNorm",
             position_embedding_type="rope", rotary_base=int(float(rope.get("rope_theta",
                                                                          hf_config.get("rope_theta", 10000.0)))),
-            use_rope_scaling=scaling is not None, rope_scaling_factor=8.0 if scaling is None else scaling,
+            **({} if scaling is None else {"use_rope_scaling": True, "rope_scaling_factor": scaling}),
             swiglu=True, disable_bias_linear=not attention_bias,
             untie_embeddings_and_output_weights=not hf_config.get("tie_word_embeddings", False),
             group_query_attention=groups != heads, num_query_groups=groups if groups != heads else 1)
