@@ -11,7 +11,7 @@ import importlib
 import logging
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import List, NoReturn, Optional, Sequence
 
 from domino import __version__
 from domino.config import ConfigError
@@ -49,8 +49,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def leave_process(code: int) -> NoReturn:
+    """Ends a process that ran ``torch.distributed``: streams flushed, no interpreter finalization.
+
+    Gloo's worker threads drop their reference to a finished collective (and with it the tensors, which
+    takes the GIL) only after the waiting rank has moved on (``ProcessGroupGloo::runLoop`` resets
+    ``workInProgress_`` after ``execute``, torch/csrc/distributed/c10d/ProcessGroupGloo.cpp). If that happens
+    while CPython finalizes, the thread is ended inside torch's C++ frames and the whole process aborts after
+    a run that succeeded: "terminate called without an active exception", SIGABRT (pytorch/pytorch#190489;
+    seen in our CI under load, core dump in ``~AsyncAllgatherWork`` from ``runLoop``). Destroying the process
+    groups would join those threads, but DeepSpeed's engine, optimizer and parameters keep the groups alive.
+    Everything domino writes is closed (checkpoints fsynced) before a verb returns, so nothing is lost here.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to deliver
+            pass
+    os._exit(code)
+
+
+def _ran_torch_distributed() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Runs ``domino`` with ``argv`` (default: ``sys.argv[1:]``) and exits with the verb's status."""
+    """Runs ``domino`` with ``argv`` (default: ``sys.argv[1:]``) and exits with the verb's status.
+
+    Called without ``argv`` it owns the process: after a verb that ran ``torch.distributed`` it leaves
+    through :func:`leave_process`. Called with ``argv`` (in-process, as the tests do) it raises
+    ``SystemExit``.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     from domino.logging_utils import setup_logging
@@ -65,4 +96,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except BrokenPipeError:  # the reader (`| head`) closed the pipe: stop quietly, as the Python docs advise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 141  # what a shell reports for SIGPIPE
+    if argv is None and _ran_torch_distributed():
+        leave_process(code or 0)
     sys.exit(code or 0)
