@@ -11,8 +11,10 @@ from domino.config import add_config_flags, config_from_args
 
 def _run(args: argparse.Namespace) -> int:
     from domino.train.engine import set_overlap_environment
+    from domino.train.host_allocator import keep_step_buffers_in_heap
 
     set_overlap_environment()  # before anything touches CUDA
+    keep_step_buffers_in_heap()  # before the model and the data allocate
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Every rank checks the flags and the device before torch.distributed, DeepSpeed or the data start.
     config = config_from_args(args, world_size=world_size, for_training=True)
