@@ -36,6 +36,13 @@ _CHILD = textwrap.dedent("""
         print("leaving through sys.exit", flush=True)
         sys.exit(0)
     from domino.cli.main import main
+    if sys.argv[1] == "error":
+        import domino.cli.estimate
+
+        def broken(args):
+            raise RuntimeError("an unexpected failure inside the verb")
+
+        domino.cli.estimate.run = broken
     sys.argv = ["domino", *{estimate}]
     main()
 """)
@@ -58,3 +65,9 @@ def test_the_domino_command_line_leaves_cleanly_after_torch_distributed():
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     plain = subprocess.run([sys.executable, "-m", "domino", *ESTIMATE], capture_output=True, text=True, timeout=120)
     assert plain.returncode == 0 and proc.stdout == plain.stdout  # the verb's output is all there
+
+
+def test_an_unexpected_error_leaves_with_status_1_and_its_traceback():
+    proc = _run_child("error")
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" in proc.stderr and "RuntimeError: an unexpected failure inside the verb" in proc.stderr

@@ -11,6 +11,7 @@ import importlib
 import logging
 import os
 import sys
+import traceback
 from typing import List, NoReturn, Optional, Sequence
 
 from domino import __version__
@@ -79,8 +80,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """Runs ``domino`` with ``argv`` (default: ``sys.argv[1:]``) and exits with the verb's status.
 
     Called without ``argv`` it owns the process: after a verb that ran ``torch.distributed`` it leaves
-    through :func:`leave_process`. Called with ``argv`` (in-process, as the tests do) it raises
-    ``SystemExit``.
+    through :func:`leave_process`, also after an unexpected error (traceback printed, status 1, as Python
+    itself would). Called with ``argv`` (in-process, as the tests do) it raises ``SystemExit``.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -96,6 +97,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except BrokenPipeError:  # the reader (`| head`) closed the pipe: stop quietly, as the Python docs advise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 141  # what a shell reports for SIGPIPE
+    except Exception:
+        if argv is not None or not _ran_torch_distributed():
+            raise
+        traceback.print_exc()  # what Python prints for an uncaught exception; then leave without finalizing
+        code = 1
     if argv is None and _ran_torch_distributed():
         leave_process(code or 0)
     sys.exit(code or 0)
