@@ -8,9 +8,10 @@ fresh pages for them again and again. With the thresholds raised they come from 
 resident size stays at the step's peak, which the process reaches every step anyway.
 
 Measured on the 2-core CPU machine (``benchmarks/RESULTS.md``, "End-to-end = model step"): ``domino pretrain``
-at 1 thread ran 3-8% faster in every one of five alternating pairs against glibc's defaults, with the same
-maximum resident size after 12 and after 60 iterations. On GPUs the activations live in CUDA's caching
-allocator and this touches only host-side buffers.
+at 1 thread ran 3-10% faster in each of eight alternating pairs against glibc's defaults, with the same maximum
+resident size after 12 and after 60 iterations. The bare model step in a process of its own gains nothing from
+it (0.99-1.00x), so the saving is in what pretraining adds around the step (not traced further). On
+GPUs the activations live in CUDA's caching allocator and this touches only host-side buffers.
 
 A user who tunes glibc's allocator (any ``MALLOC_*`` variable, or ``GLIBC_TUNABLES`` naming malloc) keeps
 exactly that: nothing is changed then. C libraries without ``mallopt`` are left alone.
