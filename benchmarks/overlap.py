@@ -18,7 +18,8 @@ B = 450 GB/s per direction (NVLink 4, TP=8 in one node) or 50 GB/s (one 400 Gb/s
 TP=8 ring that crosses nodes). Peak FLOP/s make these upper bounds: a real step reaches about half of it.
 
     python benchmarks/overlap.py [--iters 10] [--settings ...] [--real-domino] [--transfer launch|wait]
-                                 [--hidden-size 512] [--mode pretrain|steps] [--repeats N] [--breakdown] [--json]
+                                 [--hidden-size 512] [--mode pretrain|steps] [--repeats N] [--breakdown]
+                                 [--sequence-parallel] [--json]
 
 ``--breakdown`` also prints, per link and layout, the blocked time by call site (the labels of
 ``domino.parallel.collectives.comm_site``: forward waits per layer position and chunk, backward input-gradient
@@ -54,7 +55,7 @@ HEADS = HIDDEN // HEAD_DIM
 MODEL: list = []
 
 
-def set_shape(hidden: int) -> None:
+def set_shape(hidden: int, sequence_parallel: bool = False) -> None:
     """Sets the benchmark model's hidden size (and heads, and the ``domino pretrain`` flags).
 
     The default is 512 because at 256 the CPU's fixed costs weigh more against the schedule: per-op dispatch
@@ -73,6 +74,7 @@ def set_shape(hidden: int) -> None:
              str(MICRO_BATCH), "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-4",
              "--lr-warmup-iters", "2", "--eval-interval", "0", "--eval-iters", "0", "--timing-log-level", "1",
              "--num-workers", "1", "--log-interval", "1", "--tensor-model-parallel-size", "2"]
+    MODEL += ["--sequence-parallel"] if sequence_parallel else []
 
 
 set_shape(HIDDEN)
@@ -260,16 +262,21 @@ def main() -> None:
                         help="also print the blocked time by call site, and compute time vs sync's")
     parser.add_argument("--hidden-size", type=int, default=HIDDEN,
                         help=f"the benchmark model's hidden size (heads = hidden / {HEAD_DIM}); see set_shape()")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="pretrain mode: run every layout with --sequence-parallel (its backward also all-gathers "
+                             "each kept norm-output slice again, so it sends more than wire_bytes_per_step says)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = parser.parse_args()
-    set_shape(args.hidden_size)
+    if args.sequence_parallel and args.mode == "steps":
+        raise SystemExit("--sequence-parallel is for --mode pretrain")
+    set_shape(args.hidden_size, args.sequence_parallel)
     if args.mode == "steps":
         out = steps_mode(args.settings, args.iters, args.transfer, HIDDEN)
     else:
         out = pretrain_mode(args)
     out.update(mode=args.mode, wire_bytes_per_step=wire_bytes_per_step(),
                model={"layers": LAYERS, "hidden": HIDDEN, "seq": SEQ, "micro_batch": MICRO_BATCH, "vocab": VOCAB,
-                      "tp": 2})
+                      "tp": 2, "sequence_parallel": args.sequence_parallel})
     check_losses(out)
     if args.json:
         print(json.dumps(out, indent=2))

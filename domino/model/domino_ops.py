@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from domino.parallel.collectives import all_reduce_async, comm_site
+from domino.parallel.collectives import all_reduce_async, comm_site, reduce_scatter_sequence_grad_async
 from domino.parallel.linear_ops import linear
 
 
@@ -42,6 +42,46 @@ class GradAllReduceSlot:
             # Wait for the input-gradient all-reduce launched by a linear's backward (linear_ops, qkv_projection).
             self.handle.wait()
             self.handle = None
+
+
+class GradReduceScatterSlot:
+    """Sequence parallelism's :class:`GradAllReduceSlot`: a column-parallel linear's input was all-gathered along
+    the sequence, so its input gradient is reduce-scattered back to this rank's slice instead of all-reduced.
+
+    The linear's backward launches the reduce-scatter (:meth:`launch`); the gather's backward, which autograd
+    reaches after the weight-gradient GEMM and the other chunks' work created in between, takes the slice
+    (:meth:`reduced`) -- Megatron overlaps the same reduce-scatter with the weight gradient
+    (``LinearWithGradAccumulationAndAsyncCommunication``, ``megatron/core/tensor_parallel/layers.py``).
+    """
+
+    __slots__ = ("handle", "launched", "result", "site")
+
+    def __init__(self, site: Optional[str] = None) -> None:
+        self.handle = self.launched = self.result = None
+        self.site = site
+
+    def launch(self, grad: torch.Tensor) -> None:
+        """Starts the reduce-scatter of ``grad`` (``[b, s, h]``) along the sequence over the TP group."""
+        with comm_site(self.site):
+            self.handle, self.result = reduce_scatter_sequence_grad_async(grad)
+        self.launched = grad
+
+    def reduced(self, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[b, s/tp, h]`` slice of ``grad`` summed over the TP ranks.
+
+        ``grad`` is what autograd hands the gather's backward: the very tensor launched when the linear is the
+        gather's only consumer. Anything else (another consumer added its gradient) is reduce-scattered here,
+        synchronously, so the result is right either way.
+        """
+        launched, handle, result = self.launched, self.handle, self.result
+        self.handle = self.launched = self.result = None
+        if handle is None or launched is not grad:
+            if handle is not None:
+                handle.wait()  # a launched but unused reduce-scatter still has to finish on every rank
+            handle, result = reduce_scatter_sequence_grad_async(grad)
+        # Wait for the reduce-scatter launched by the linear's backward: the slice is LayerNorm's input gradient.
+        handle.wait()
+        return result
 
 
 class ChunkedGradSlots:

@@ -27,11 +27,11 @@ from typing import Callable, Generator, List, Optional, Sequence, Tuple
 
 import torch
 
-from domino.model.domino_ops import ChunkedGradSlots, guard_input_grad
+from domino.model.domino_ops import ChunkedGradSlots, GradReduceScatterSlot, guard_input_grad
 from domino.model.rotary import RotaryTables
 from domino.model.transformer import TransformerLayer, bias_dropout_add
 from domino.parallel.collectives import (
-    all_reduce_async, comm_site, gather_from_sequence_region, reduce_scatter_to_sequence_async,
+    all_reduce_async, comm_site, gather_from_sequence_region_deferred, reduce_scatter_to_sequence_async,
 )
 from domino.parallel.random import tp_region_rng
 from domino.parallel.recompute import keep_sequence_slice, replay, run_recorded
@@ -90,19 +90,6 @@ class _PendingInput:
         return self.complete(self.partial, self.rows)
 
 
-class _ReducedElsewhere:
-    """A gradient slot whose all-reduce is not needed: with sequence parallelism the column-parallel input was
-    all-gathered, and that gather's backward reduce-scatters the input gradient."""
-
-    __slots__ = ()
-
-    def launch(self, grad: torch.Tensor) -> None:
-        pass
-
-
-_REDUCED_ELSEWHERE = _ReducedElsewhere()
-
-
 def _split_mask(mask: Optional[torch.Tensor], sizes: List[int]) -> List[Optional[torch.Tensor]]:
     if mask is None or mask.shape[0] == 1:
         return [mask] * len(sizes)
@@ -136,11 +123,13 @@ class DominoLayerStack:
         """A norm's output made ready for a column-parallel linear: ``((input, gradient slot), slice)``.
 
         Plain TP: the output with its gradient guard (the linear launches the input-gradient all-reduce into the
-        slot), and no slice. Sequence parallelism: the all-gathered output, whose gather reduce-scatters the
-        gradient itself, and the slice it was gathered from (see :meth:`_keeping_slice`).
+        slot), and no slice. Sequence parallelism: the all-gathered output with its reduce-scatter slot (the
+        linear launches the input gradient's reduce-scatter into it, the gather's backward waits for it), and the
+        slice it was gathered from (see :meth:`_keeping_slice`).
         """
         if self.sequence_parallel:
-            return (gather_from_sequence_region(x), _REDUCED_ELSEWHERE), x
+            slot = GradReduceScatterSlot(site)
+            return (gather_from_sequence_region_deferred(x, slot), slot), x
         return guard_input_grad(x, site), None
 
     @staticmethod

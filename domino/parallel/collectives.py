@@ -23,8 +23,9 @@ The sequence functions are Megatron's sequence parallelism (``megatron/core/tens
 
 All of them are identities when the tensor-parallel group has one rank, so a single process needs no
 ``torch.distributed`` at all. ``all_reduce_async`` is the building block of the Domino schedule: it launches
-an in-place all-reduce and hands back a handle to wait on later; ``reduce_scatter_to_sequence_async`` is its
-sequence-parallel counterpart.
+an in-place all-reduce and hands back a handle to wait on later; ``reduce_scatter_to_sequence_async`` (a
+row-parallel sum) and ``reduce_scatter_sequence_grad_async`` (a column-parallel input's gradient) are its
+sequence-parallel counterparts.
 
 Every collective here runs over the TP group, counts the host time it blocks (the ``comm-wait`` timer) and,
 when ``DOMINO_SIMULATED_NETWORK`` is set, lasts at least the time of the emulated link
@@ -227,6 +228,17 @@ class _GatherFromSequence(torch.autograd.Function):
         return _reduce_scatter_sequence(grad)
 
 
+class _GatherFromSequenceDeferred(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, slot):
+        ctx.slot = slot
+        return _gather_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.slot.reduced(grad), None
+
+
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -319,6 +331,16 @@ def gather_from_sequence_region(x: torch.Tensor) -> torch.Tensor:
     return x if _tp_size() == 1 else _GatherFromSequence.apply(x)
 
 
+def gather_from_sequence_region_deferred(x: torch.Tensor, slot) -> torch.Tensor:
+    """:func:`gather_from_sequence_region` whose backward takes the gradient's reduce-scatter from ``slot``.
+
+    ``slot.reduced(grad)`` returns this rank's slice of the summed gradient: the consuming linear's backward
+    launched that reduce-scatter asynchronously (``domino.model.domino_ops.GradReduceScatterSlot``), so it ran
+    during the weight-gradient GEMM and whatever autograd scheduled before this node.
+    """
+    return x if _tp_size() == 1 else _GatherFromSequenceDeferred.apply(x, slot)
+
+
 def reduce_scatter_to_sequence_region(x: torch.Tensor) -> torch.Tensor:
     """Sums over the TP ranks keeping this rank's sequence slice (the output of a row-parallel layer)."""
     return x if _tp_size() == 1 else _ReduceScatterToSequence.apply(x)
@@ -334,6 +356,28 @@ class _PendingWork(_TimedWork):
         self.source = source
 
 
+def _launch_reduce_scatter_sequence(x: torch.Tensor):
+    """Launches the reduce-scatter of ``[b, s, ...]`` along the sequence; returns ``(handle, [b, s/tp, ...])``.
+
+    The result is not to be read before ``handle.wait()``; ``x`` is copied sequence-first at launch, so the
+    caller may free or overwrite it right away.
+    """
+    full = _sequence_first(x.detach())
+    if full.shape[0] % _tp_size():
+        raise ValueError(f"sequence length {full.shape[0]} is not divisible by the TP size {_tp_size()}")
+    out = full.new_empty((full.shape[0] // _tp_size(), *full.shape[1:]))
+    link = state.get_tensor_model_parallel_link()
+    due = link.launch(all_gather_wire_bytes(out.numel() * out.element_size(), _tp_size())) if link else None
+    group = state.get_tensor_model_parallel_group()
+    if link is not None and link.spec.transfer == "wait":  # emulated link, gloo moves the data in wait()
+        work = DeferredWork(lambda: dist.reduce_scatter_single(out, full, group=group), link, due)
+    else:
+        # Async launch: the caller computes meanwhile and reads the result only after the handle's wait().
+        work = dist.reduce_scatter_single(out, full, group=group, async_op=True)
+        work = work if link is None else EmulatedWork(work, link, due)
+    return _PendingWork(work, full), out.transpose(0, 1)
+
+
 def reduce_scatter_to_sequence_async(partial: torch.Tensor):
     """Launches the reduce-scatter of a row-parallel partial sum ``[b, s, h]`` along the sequence.
 
@@ -343,19 +387,20 @@ def reduce_scatter_to_sequence_async(partial: torch.Tensor):
     """
     if _tp_size() == 1:
         return DONE, lambda: partial
-    full = _sequence_first(partial.detach())
-    out = full.new_empty((full.shape[0] // _tp_size(), *full.shape[1:]))
-    link = state.get_tensor_model_parallel_link()
-    due = link.launch(all_gather_wire_bytes(out.numel() * out.element_size(), _tp_size())) if link else None
-    group = state.get_tensor_model_parallel_group()
-    if link is not None and link.spec.transfer == "wait":  # emulated link, gloo moves the data in wait()
-        handle = _PendingWork(DeferredWork(lambda: dist.reduce_scatter_single(out, full, group=group), link, due),
-                              full)
-        return handle, lambda: _ReducedScatter.apply(partial, out.transpose(0, 1))
-    # Async launch: the caller computes another chunk meanwhile and calls finish() after wait().
-    work = dist.reduce_scatter_single(out, full, group=group, async_op=True)
-    handle = _PendingWork(work if link is None else EmulatedWork(work, link, due), full)
-    return handle, lambda: _ReducedScatter.apply(partial, out.transpose(0, 1))
+    handle, out = _launch_reduce_scatter_sequence(partial)
+    return handle, lambda: _ReducedScatter.apply(partial, out)
+
+
+def reduce_scatter_sequence_grad_async(grad: torch.Tensor):
+    """Launches the reduce-scatter of an input gradient ``[b, s, h]`` along the sequence, outside autograd.
+
+    The asynchronous backward of an all-gather along the sequence (sequence parallelism's column-parallel
+    inputs, :mod:`domino.model.domino_ops`). Returns ``(handle, [b, s/tp, h])``; read the slice only after
+    ``handle.wait()``. With one rank nothing is launched and the slice is ``grad`` itself.
+    """
+    if _tp_size() == 1:
+        return DONE, grad
+    return _launch_reduce_scatter_sequence(grad)
 
 
 def all_reduce_async(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM):

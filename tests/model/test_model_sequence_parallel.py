@@ -1,5 +1,5 @@
 """Sequence parallelism at TP=2 (gloo): the same losses and gradients as plain TP, less activation memory per rank,
-and the sequence collectives are each other's adjoints."""
+the sequence collectives are each other's adjoints, and backward overlaps the input gradients' reduce-scatters."""
 
 from __future__ import annotations
 
@@ -34,6 +34,53 @@ def _train(chunks: int, sp: bool, recompute: bool, dropout: float = 0.0):
     return train_and_measure(model, VOCAB)
 
 
+_HEAVY = ("aten.mm", "aten.addmm", "aten.bmm", "flash_attention")
+
+
+def _backward_overlap_log(chunks: int) -> list:
+    """One SP training step at TP=2 recording, in order, every matmul and attention kernel of backward and each
+    input-gradient reduce-scatter's launch and wait."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import domino.model.domino_ops as domino_ops
+
+    log = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(name in str(func) for name in _HEAVY):
+                log.append(("op", None))
+            return func(*args, **(kwargs or {}))
+
+    class LoggedHandle:
+        def __init__(self, handle, ident):
+            self.handle, self.ident = handle, ident
+
+        def wait(self):
+            log.append(("wait", self.ident))
+            return self.handle.wait()
+
+    real = domino_ops.reduce_scatter_sequence_grad_async
+
+    def launch(grad):
+        handle, result = real(grad)
+        ident = sum(1 for kind, _ in log if kind == "launch")
+        log.append(("launch", ident))
+        return LoggedHandle(handle, ident), result
+
+    model_parallel_seed(3)
+    model = apply_sequence_parallel(GPTModel(_config(), VOCAB, domino_chunks=chunks))
+    tokens = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    loss = model(tokens, labels=tokens).mean()
+    domino_ops.reduce_scatter_sequence_grad_async = launch
+    try:
+        with Recorder():
+            loss.backward()
+    finally:
+        domino_ops.reduce_scatter_sequence_grad_async = real
+    return log
+
+
 def _body(rank, world_size):
     from domino.parallel.collectives import (
         gather_from_sequence_region, reduce_scatter_to_sequence_region, scatter_to_sequence_region,
@@ -42,6 +89,7 @@ def _body(rank, world_size):
     state.initialize_model_parallel(2)
     results = {setting: _train(*setting) for setting in SETTINGS}
     results["dropout"] = _train(2, True, False, dropout=0.1)[0]
+    results["overlap"] = {chunks: _backward_overlap_log(chunks) for chunks in (1, 2)}
     # Adjoints: <gather(x), y> summed over ranks == <x, reduce_scatter(y)>; scatter keeps this rank's half.
     torch.manual_seed(rank)
     x = torch.randn(2, 4, 3, requires_grad=True)
@@ -97,3 +145,23 @@ def test_sequence_collectives_are_adjoint(tp2):
         assert torch.allclose(reduced[rank], y_sum[:, 4 * rank:4 * rank + 4])
         full = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)
         assert torch.equal(scattered[rank], full[:, 4 * rank:4 * rank + 4])
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_backward_reduce_scatters_run_behind_the_weight_gradients(tp2, chunks):
+    """Each column-parallel input gradient's reduce-scatter is launched by the linear's backward and waited for by
+    the gather's: the weight-gradient GEMM (and with 2 chunks the other chunk's backward) runs in between, as in
+    Megatron's LinearWithGradAccumulationAndAsyncCommunication. One launch per linear: none fell back to a
+    synchronous reduce-scatter."""
+    for rank, results in enumerate(tp2):
+        log = results["overlap"][chunks]
+        where = {}
+        for i, (kind, ident) in enumerate(log):
+            if kind != "op":
+                where.setdefault(ident, {})[kind] = i
+        assert len(where) == 2 * 2 * chunks, f"rank {rank}: 2 layers x (QKV, fc1) x {chunks} chunks"
+        assert all(set(w) == {"launch", "wait"} for w in where.values()), f"rank {rank}: a launch never waited"
+        between = [sum(1 for kind, _ in log[w["launch"] + 1:w["wait"]] if kind == "op") for w in where.values()]
+        assert min(between) >= 1, f"rank {rank}: ops between launch and wait {between}"
+        if chunks == 2:
+            assert max(between) >= 4, f"rank {rank}: the other chunk's backward runs in between: {between}"
