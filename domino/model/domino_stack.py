@@ -31,7 +31,7 @@ from domino.model.domino_ops import ChunkedGradSlots, GradReduceScatterSlot, gua
 from domino.model.rotary import RotaryTables
 from domino.model.transformer import TransformerLayer, bias_dropout_add
 from domino.parallel.collectives import (
-    all_reduce_async, comm_site, gather_from_sequence_region_deferred, reduce_scatter_to_sequence_async,
+    all_reduce_async, comm_site, gather_from_sequence_region_async, reduce_scatter_to_sequence_async,
 )
 from domino.parallel.random import tp_region_rng
 from domino.parallel.recompute import keep_sequence_slice, replay, run_recorded
@@ -120,17 +120,27 @@ class DominoLayerStack:
         self.sequence_parallel = False
 
     def _column_input(self, x: torch.Tensor, site: str):
-        """A norm's output made ready for a column-parallel linear: ``((input, gradient slot), slice)``.
+        """A norm's output made ready for a column-parallel linear: ``(ready, slice)``; ``ready()``, called when the
+        linear runs, returns ``(input, gradient slot)``.
 
         Plain TP: the output with its gradient guard (the linear launches the input-gradient all-reduce into the
-        slot), and no slice. Sequence parallelism: the all-gathered output with its reduce-scatter slot (the
-        linear launches the input gradient's reduce-scatter into it, the gather's backward waits for it), and the
-        slice it was gathered from (see :meth:`_keeping_slice`).
+        slot, created now so that its wait runs after the other chunks' backward), and no slice. Sequence
+        parallelism: the output's all-gather, launched now and waited for in ``ready()`` (one step of every other
+        chunk later), with its reduce-scatter slot (the linear launches the input gradient's reduce-scatter into
+        it, the gather's backward waits for it), and the slice it was gathered from (see :meth:`_keeping_slice`).
         """
         if self.sequence_parallel:
             slot = GradReduceScatterSlot(site)
-            return (gather_from_sequence_region_deferred(x, slot), slot), x
-        return guard_input_grad(x, site), None
+            # Async launch: ready() waits for it right before the linear reads it, after the other chunks' step.
+            handle, gathered = gather_from_sequence_region_async(x, slot)
+
+            def ready():
+                handle.wait()  # wait for the all-gather launched at the norm: the linear reads it now
+                return gathered, slot
+
+            return ready, x
+        guarded = guard_input_grad(x, site)
+        return (lambda: guarded), None
 
     @staticmethod
     def _keeping_slice(guarded, part: Optional[torch.Tensor]):
@@ -157,16 +167,18 @@ class DominoLayerStack:
         all-gathered, and the row-parallel sums are reduce-scattered (async, overlapped like the all-reduces).
         """
         attention, mlp = layer.attention, layer.mlp
-        guarded, part = self._column_input(layer.input_layernorm(h), f"bwd attention input grad, {site}")
+        ready, part = self._column_input(layer.input_layernorm(h), f"bwd attention input grad, {site}")
         yield
+        guarded = ready()
         with self._keeping_slice(guarded, part):
             ctx = attention.context(*attention.qkv(*guarded), mask, rotary=rotary)  # A
         yield
         pending = self._reduce(attention.dense.partial(ctx), attention.dense.bias, f"fwd attention, {site}")  # B
         yield
         h = pending.finish(h, layer)  # C
-        guarded, part = self._column_input(layer.post_attention_layernorm(h), f"bwd mlp input grad, {site}")
+        ready, part = self._column_input(layer.post_attention_layernorm(h), f"bwd mlp input grad, {site}")
         yield
+        guarded = ready()
         with self._keeping_slice(guarded, part):
             inner = mlp.inner(*guarded)  # D
         yield

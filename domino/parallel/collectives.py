@@ -228,15 +228,21 @@ class _GatherFromSequence(torch.autograd.Function):
         return _reduce_scatter_sequence(grad)
 
 
-class _GatherFromSequenceDeferred(torch.autograd.Function):
+class _GatherSequenceAsync(torch.autograd.Function):
+    """Forward: launches the all-gather of ``x`` (its handle appended to ``launched``) and returns the buffer it
+    fills; backward: ``slot.reduced(grad)`` for ``x``. The launch happens inside forward so that the buffer's
+    in-place write is not seen by autograd as a change after the output was made."""
+
     @staticmethod
-    def forward(ctx, x, slot):
+    def forward(ctx, x, slot, launched):
         ctx.slot = slot
-        return _gather_sequence(x)
+        handle, gathered = _launch_all_gather_sequence(x)
+        launched.append(handle)
+        return gathered
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.slot.reduced(grad), None
+        return ctx.slot.reduced(grad), None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -331,16 +337,6 @@ def gather_from_sequence_region(x: torch.Tensor) -> torch.Tensor:
     return x if _tp_size() == 1 else _GatherFromSequence.apply(x)
 
 
-def gather_from_sequence_region_deferred(x: torch.Tensor, slot) -> torch.Tensor:
-    """:func:`gather_from_sequence_region` whose backward takes the gradient's reduce-scatter from ``slot``.
-
-    ``slot.reduced(grad)`` returns this rank's slice of the summed gradient: the consuming linear's backward
-    launched that reduce-scatter asynchronously (``domino.model.domino_ops.GradReduceScatterSlot``), so it ran
-    during the weight-gradient GEMM and whatever autograd scheduled before this node.
-    """
-    return x if _tp_size() == 1 else _GatherFromSequenceDeferred.apply(x, slot)
-
-
 def reduce_scatter_to_sequence_region(x: torch.Tensor) -> torch.Tensor:
     """Sums over the TP ranks keeping this rank's sequence slice (the output of a row-parallel layer)."""
     return x if _tp_size() == 1 else _ReduceScatterToSequence.apply(x)
@@ -351,9 +347,48 @@ class _PendingWork(_TimedWork):
 
     __slots__ = ("source",)
 
-    def __init__(self, work, source: torch.Tensor) -> None:
-        super().__init__(work)
+    def __init__(self, work, source: torch.Tensor, kind: str = "async") -> None:
+        super().__init__(work, kind)
         self.source = source
+
+
+def _launch_all_gather_sequence(x: torch.Tensor):
+    """Launches the all-gather of ``[b, s/tp, h]`` along the sequence; returns ``(handle, [b, s, h])``.
+
+    The result is allocated as ``[b, s, h]`` with sequence-first strides, and the collective writes through its
+    contiguous ``[s, b, h]`` transpose: so the tensor handed back is a base, not a view, and gloo's in-place
+    write into it (done by its worker thread after the launch) is no view-of-a-custom-Function's-output
+    change that autograd would refuse.
+    """
+    world, part = _tp_size(), _sequence_first(x.detach())
+    b, s, h = part.shape[1], world * part.shape[0], part.shape[2]
+    gathered = torch.empty_strided((b, s, h), (h, b * h, 1), dtype=part.dtype, device=part.device)
+    out = gathered.transpose(0, 1)
+    link = state.get_tensor_model_parallel_link()
+    due = link.launch(all_gather_wire_bytes(part.numel() * part.element_size(), world)) if link else None
+    group = state.get_tensor_model_parallel_group()
+    if link is not None and link.spec.transfer == "wait":  # emulated link, gloo moves the data in wait()
+        work = DeferredWork(lambda: dist.all_gather_single(out, part, group=group), link, due)
+    else:
+        # Async launch: the caller runs another chunk's step meanwhile and waits before the linear reads it.
+        work = dist.all_gather_single(out, part, group=group, async_op=True)
+        work = work if link is None else EmulatedWork(work, link, due)
+    return _PendingWork(work, part, "sequence all-gather"), gathered
+
+
+def gather_from_sequence_region_async(x: torch.Tensor, slot):
+    """Launches the all-gather of ``x`` (``[b, s/tp, h]``) along the sequence: the input of a column-parallel linear.
+
+    Returns ``(handle, gathered)``: ``gathered`` (``[b, s, h]``, joined to ``x``'s graph) must not be read before
+    ``handle.wait()``. In backward, ``slot.reduced(grad)`` gives ``x``'s gradient: the consuming linear launched
+    that reduce-scatter asynchronously (``domino.model.domino_ops.GradReduceScatterSlot``), so it ran during the
+    weight-gradient GEMM and whatever autograd scheduled before this node. With one rank nothing is launched.
+    """
+    if _tp_size() == 1:
+        return DONE, x
+    launched: list = []
+    gathered = _GatherSequenceAsync.apply(x, slot, launched)
+    return launched[0], gathered
 
 
 def _launch_reduce_scatter_sequence(x: torch.Tensor):

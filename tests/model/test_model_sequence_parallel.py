@@ -37,14 +37,17 @@ def _train(chunks: int, sp: bool, recompute: bool, dropout: float = 0.0):
 _HEAVY = ("aten.mm", "aten.addmm", "aten.bmm", "flash_attention")
 
 
-def _backward_overlap_log(chunks: int) -> list:
-    """One SP training step at TP=2 recording, in order, every matmul and attention kernel of backward and each
-    input-gradient reduce-scatter's launch and wait."""
+def _overlap_logs(chunks: int) -> dict:
+    """One SP training step at TP=2 recording, in order, every matmul and attention kernel and each sequence
+    collective's launch and wait: the norm outputs' all-gathers in forward, the input gradients' reduce-scatters
+    in backward."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import domino.model.domino_ops as domino_ops
+    import domino.parallel.collectives as collectives
 
-    log = []
+    logs = {"forward": [], "backward": []}
+    log = logs["forward"]
 
     class Recorder(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -53,32 +56,45 @@ def _backward_overlap_log(chunks: int) -> list:
             return func(*args, **(kwargs or {}))
 
     class LoggedHandle:
-        def __init__(self, handle, ident):
-            self.handle, self.ident = handle, ident
+        def __init__(self, handle, ident, into):
+            self.handle, self.ident, self.into = handle, ident, into
 
         def wait(self):
-            log.append(("wait", self.ident))
+            self.into.append(("wait", self.ident))
             return self.handle.wait()
 
-    real = domino_ops.reduce_scatter_sequence_grad_async
+    def logged(real):
+        def launch(tensor):
+            handle, result = real(tensor)
+            ident = sum(1 for kind, _ in log if kind == "launch")
+            log.append(("launch", ident))
+            return LoggedHandle(handle, ident, log), result
+        return launch
 
-    def launch(grad):
-        handle, result = real(grad)
-        ident = sum(1 for kind, _ in log if kind == "launch")
-        log.append(("launch", ident))
-        return LoggedHandle(handle, ident), result
-
-    model_parallel_seed(3)
-    model = apply_sequence_parallel(GPTModel(_config(), VOCAB, domino_chunks=chunks))
-    tokens = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
-    loss = model(tokens, labels=tokens).mean()
-    domino_ops.reduce_scatter_sequence_grad_async = launch
+    real_gather, real_scatter = collectives._launch_all_gather_sequence, domino_ops.reduce_scatter_sequence_grad_async
+    collectives._launch_all_gather_sequence = logged(real_gather)
+    domino_ops.reduce_scatter_sequence_grad_async = logged(real_scatter)
     try:
+        model_parallel_seed(3)
+        model = apply_sequence_parallel(GPTModel(_config(), VOCAB, domino_chunks=chunks))
+        tokens = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
         with Recorder():
+            loss = model(tokens, labels=tokens).mean()
+            log = logs["backward"]
             loss.backward()
     finally:
-        domino_ops.reduce_scatter_sequence_grad_async = real
-    return log
+        collectives._launch_all_gather_sequence = real_gather
+        domino_ops.reduce_scatter_sequence_grad_async = real_scatter
+    return logs
+
+
+def _ops_between_launch_and_wait(log: list) -> list:
+    where = {}
+    for i, (kind, ident) in enumerate(log):
+        if kind != "op":
+            where.setdefault(ident, {}).setdefault(kind, i)  # the first wait is the one that blocks
+    assert all(set(w) == {"launch", "wait"} for w in where.values()), "a launch was never waited on"
+    return [sum(1 for kind, _ in log[w["launch"] + 1:w["wait"]] if kind == "op") for w in where.values()]
 
 
 def _body(rank, world_size):
@@ -89,7 +105,7 @@ def _body(rank, world_size):
     state.initialize_model_parallel(2)
     results = {setting: _train(*setting) for setting in SETTINGS}
     results["dropout"] = _train(2, True, False, dropout=0.1)[0]
-    results["overlap"] = {chunks: _backward_overlap_log(chunks) for chunks in (1, 2)}
+    results["overlap"] = {chunks: _overlap_logs(chunks) for chunks in (1, 2)}
     # Adjoints: <gather(x), y> summed over ranks == <x, reduce_scatter(y)>; scatter keeps this rank's half.
     torch.manual_seed(rank)
     x = torch.randn(2, 4, 3, requires_grad=True)
@@ -154,14 +170,20 @@ def test_backward_reduce_scatters_run_behind_the_weight_gradients(tp2, chunks):
     Megatron's LinearWithGradAccumulationAndAsyncCommunication. One launch per linear: none fell back to a
     synchronous reduce-scatter."""
     for rank, results in enumerate(tp2):
-        log = results["overlap"][chunks]
-        where = {}
-        for i, (kind, ident) in enumerate(log):
-            if kind != "op":
-                where.setdefault(ident, {})[kind] = i
-        assert len(where) == 2 * 2 * chunks, f"rank {rank}: 2 layers x (QKV, fc1) x {chunks} chunks"
-        assert all(set(w) == {"launch", "wait"} for w in where.values()), f"rank {rank}: a launch never waited"
-        between = [sum(1 for kind, _ in log[w["launch"] + 1:w["wait"]] if kind == "op") for w in where.values()]
+        between = _ops_between_launch_and_wait(results["overlap"][chunks]["backward"])
+        assert len(between) == 2 * 2 * chunks, f"rank {rank}: 2 layers x (QKV, fc1) x {chunks} chunks"
         assert min(between) >= 1, f"rank {rank}: ops between launch and wait {between}"
         if chunks == 2:
             assert max(between) >= 4, f"rank {rank}: the other chunk's backward runs in between: {between}"
+
+
+def test_forward_all_gathers_run_behind_the_other_chunks_step(tp2):
+    """With 2 chunks each norm output's all-gather is launched at the norm and waited for right before the linear,
+    after a step of the other chunk, which computes; only the very first (layer 0, chunk 0) has nothing but the
+    other chunk's norm before it. With 1 chunk there is nothing to run in between (the same schedule, waited at
+    once)."""
+    for rank, results in enumerate(tp2):
+        two, one = (_ops_between_launch_and_wait(results["overlap"][c]["forward"]) for c in (2, 1))
+        assert len(two) == 2 * 2 * 2 and len(one) == 2 * 2, f"rank {rank}: {two}, {one}"
+        assert min(two[1:]) >= 1, f"rank {rank}: ops between launch and wait {two}"
+        assert max(one) == 0, f"rank {rank}: {one}"
