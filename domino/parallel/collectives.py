@@ -23,26 +23,29 @@ The sequence functions are Megatron's sequence parallelism (``megatron/core/tens
 
 All of them are identities when the tensor-parallel group has one rank, so a single process needs no
 ``torch.distributed`` at all. ``all_reduce_async`` is the building block of the Domino schedule: it launches
-an in-place all-reduce and hands back a handle to wait on later; ``reduce_scatter_to_sequence_async`` (a
-row-parallel sum) and ``reduce_scatter_sequence_grad_async`` (a column-parallel input's gradient) are its
-sequence-parallel counterparts.
+an in-place all-reduce and hands back a handle to wait on later; ``gather_from_sequence_region_async`` (a
+column-parallel input), ``reduce_scatter_to_sequence_async`` (a row-parallel sum) and
+``reduce_scatter_sequence_grad_async`` (a column-parallel input's gradient) are its sequence-parallel
+counterparts.
 
-Every collective here runs over the TP group, counts the host time it blocks (the ``comm-wait`` timer) and,
-when ``DOMINO_SIMULATED_NETWORK`` is set, lasts at least the time of the emulated link
-(:mod:`domino.parallel.network_emulator`): synchronous ones sleep the remainder before returning, asynchronous
-ones in ``wait()``.
+Every collective here runs over the TP group, counts the host time it blocks (the ``comm-wait`` timer,
+:mod:`domino.parallel.comm_timing`) and, when ``DOMINO_SIMULATED_NETWORK`` is set, lasts at least the time
+of the emulated link (:mod:`domino.parallel.network_emulator`): synchronous ones sleep the remainder before
+returning, asynchronous ones in ``wait()``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from domino.parallel import state
+from domino.parallel.comm_timing import (  # noqa: F401  (the timers are read through this module too)
+    TimedWork, comm_site, count_blocked, current_site, pop_comm_wait_by_site, pop_comm_wait_seconds,
+    pop_modelled_comm_seconds,
+)
 from domino.parallel.network_emulator import (
     DeferredWork, EmulatedWork, all_gather_wire_bytes, all_reduce_wire_bytes,
 )
@@ -60,74 +63,6 @@ class _DoneHandle:
 
 DONE = _DoneHandle()
 
-# Host seconds this process spent blocked in tensor-parallel collectives: inside synchronous ones, and
-# in ``wait()`` of Domino's asynchronous ones. The training loop reports it as the ``comm-wait`` timer.
-# With NCCL a wait only orders CUDA streams, so on GPUs this counts host blocking, not link time.
-_blocked_seconds = [0.0]
-# The same seconds by call site (``comm_site``): where a schedule still exposes communication.
-_blocked_by_site: Dict[str, float] = {}
-_site: list = [None]
-
-
-def pop_comm_wait_seconds() -> float:
-    """Returns the blocked seconds accumulated since the last call, and resets the count."""
-    seconds, _blocked_seconds[0] = _blocked_seconds[0], 0.0
-    return seconds
-
-
-def pop_comm_wait_by_site() -> Dict[str, float]:
-    """The blocked seconds since the last call per call site (the labels of :func:`comm_site`), and resets them.
-
-    Sums to what :func:`pop_comm_wait_seconds` returns over the same interval. Collectives launched outside any
-    ``comm_site`` are labelled by their kind (``"all-reduce fwd"``, ``"all-reduce bwd"``, ``"cross-entropy"``, ...).
-    """
-    out = dict(_blocked_by_site)
-    _blocked_by_site.clear()
-    return out
-
-
-@contextlib.contextmanager
-def comm_site(name: Optional[str]) -> Iterator[None]:
-    """Labels the collectives launched inside (for :func:`pop_comm_wait_by_site`); an asynchronous one keeps
-    the label of its launch when it is waited on later. Host-side bookkeeping only: no effect on results."""
-    previous, _site[0] = _site[0], name
-    try:
-        yield
-    finally:
-        _site[0] = previous
-
-
-def _count_blocked(seconds: float, site: str) -> None:
-    _blocked_seconds[0] += seconds
-    _blocked_by_site[site] = _blocked_by_site.get(site, 0.0) + seconds
-
-
-def pop_modelled_comm_seconds() -> float:
-    """Emulated link time of the TP collectives launched since the last call (0 without an emulated link)."""
-    link = state.get_tensor_model_parallel_link()
-    return link.pop_modelled_seconds() if link is not None else 0.0
-
-
-class _TimedWork:
-    """A ``dist.Work`` whose ``wait()`` adds its blocking time to the comm-wait count (under its launch's site)."""
-
-    __slots__ = ("work", "site")
-
-    def __init__(self, work, kind: str = "async") -> None:
-        self.work = work
-        self.site = _site[0] or kind
-
-    def wait(self) -> bool:
-        started = time.perf_counter()
-        try:
-            return self.work.wait()
-        finally:
-            _count_blocked(time.perf_counter() - started, self.site)
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-
 def _tp_size() -> int:
     return state.get_tensor_model_parallel_world_size()
 
@@ -141,7 +76,7 @@ def _blocking(run, wire_bytes: float, kind: str) -> None:
     run()
     if due is not None:
         link.wait_until(due)
-    _count_blocked(time.perf_counter() - started, _site[0] or kind)
+    count_blocked(time.perf_counter() - started, current_site(kind))
 
 
 def _all_reduce_in_place(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
@@ -342,7 +277,7 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor) -> torch.Tensor:
     return x if _tp_size() == 1 else _ReduceScatterToSequence.apply(x)
 
 
-class _PendingWork(_TimedWork):
+class _PendingWork(TimedWork):
     """A timed work that also keeps the collective's send buffer alive until it is waited on."""
 
     __slots__ = ("source",)
@@ -350,6 +285,21 @@ class _PendingWork(_TimedWork):
     def __init__(self, work, source: torch.Tensor, kind: str = "async") -> None:
         super().__init__(work, kind)
         self.source = source
+
+
+def _launch(collective, wire_bytes: float, source: torch.Tensor, kind: str = "async") -> _PendingWork:
+    """Launches ``collective(async_op)`` over the TP group, on the emulated link when there is one.
+
+    Returns its handle (keeping ``source``, the send buffer, alive until waited on). With an emulated link whose
+    transfer happens in ``wait()``, gloo runs the collective there, synchronously, after the link's time.
+    """
+    link = state.get_tensor_model_parallel_link()
+    due = link.launch(wire_bytes) if link is not None else None
+    if link is not None and link.spec.transfer == "wait":  # emulated link, gloo moves the data in wait()
+        return _PendingWork(DeferredWork(lambda: collective(False), link, due), source, kind)
+    # Async launch: the caller computes meanwhile and reads the result only after the handle's wait().
+    work = collective(True)
+    return _PendingWork(work if link is None else EmulatedWork(work, link, due), source, kind)
 
 
 def _launch_all_gather_sequence(x: torch.Tensor):
@@ -363,17 +313,10 @@ def _launch_all_gather_sequence(x: torch.Tensor):
     world, part = _tp_size(), _sequence_first(x.detach())
     b, s, h = part.shape[1], world * part.shape[0], part.shape[2]
     gathered = torch.empty_strided((b, s, h), (h, b * h, 1), dtype=part.dtype, device=part.device)
-    out = gathered.transpose(0, 1)
-    link = state.get_tensor_model_parallel_link()
-    due = link.launch(all_gather_wire_bytes(part.numel() * part.element_size(), world)) if link else None
-    group = state.get_tensor_model_parallel_group()
-    if link is not None and link.spec.transfer == "wait":  # emulated link, gloo moves the data in wait()
-        work = DeferredWork(lambda: dist.all_gather_single(out, part, group=group), link, due)
-    else:
-        # Async launch: the caller runs another chunk's step meanwhile and waits before the linear reads it.
-        work = dist.all_gather_single(out, part, group=group, async_op=True)
-        work = work if link is None else EmulatedWork(work, link, due)
-    return _PendingWork(work, part, "sequence all-gather"), gathered
+    out, group = gathered.transpose(0, 1), state.get_tensor_model_parallel_group()
+    handle = _launch(lambda async_op: dist.all_gather_single(out, part, group=group, async_op=async_op),
+                     all_gather_wire_bytes(part.numel() * part.element_size(), world), part, "sequence all-gather")
+    return handle, gathered
 
 
 def gather_from_sequence_region_async(x: torch.Tensor, slot):
@@ -400,17 +343,10 @@ def _launch_reduce_scatter_sequence(x: torch.Tensor):
     full = _sequence_first(x.detach())
     if full.shape[0] % _tp_size():
         raise ValueError(f"sequence length {full.shape[0]} is not divisible by the TP size {_tp_size()}")
-    out = full.new_empty((full.shape[0] // _tp_size(), *full.shape[1:]))
-    link = state.get_tensor_model_parallel_link()
-    due = link.launch(all_gather_wire_bytes(out.numel() * out.element_size(), _tp_size())) if link else None
-    group = state.get_tensor_model_parallel_group()
-    if link is not None and link.spec.transfer == "wait":  # emulated link, gloo moves the data in wait()
-        work = DeferredWork(lambda: dist.reduce_scatter_single(out, full, group=group), link, due)
-    else:
-        # Async launch: the caller computes meanwhile and reads the result only after the handle's wait().
-        work = dist.reduce_scatter_single(out, full, group=group, async_op=True)
-        work = work if link is None else EmulatedWork(work, link, due)
-    return _PendingWork(work, full), out.transpose(0, 1)
+    out, group = full.new_empty((full.shape[0] // _tp_size(), *full.shape[1:])), state.get_tensor_model_parallel_group()
+    handle = _launch(lambda async_op: dist.reduce_scatter_single(out, full, group=group, async_op=async_op),
+                     all_gather_wire_bytes(out.numel() * out.element_size(), _tp_size()), full)
+    return handle, out.transpose(0, 1)
 
 
 def reduce_scatter_to_sequence_async(partial: torch.Tensor):
@@ -456,14 +392,10 @@ def all_reduce_async(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM):
         return DONE
     if not x.is_contiguous():
         raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
-    link = state.get_tensor_model_parallel_link()
-    due = link.launch(all_reduce_wire_bytes(x.numel() * x.element_size(), _tp_size())) if link is not None else None
     group = state.get_tensor_model_parallel_group()
-    if link is not None and link.spec.transfer == "wait":  # emulated link, gloo moves the data in wait()
-        return _TimedWork(DeferredWork(lambda: dist.all_reduce(x.detach(), op=op, group=group), link, due))
     # Async launch: the caller computes another chunk meanwhile and waits right before it reads x.
-    work = dist.all_reduce(x.detach(), op=op, group=group, async_op=True)
-    return _TimedWork(work if link is None else EmulatedWork(work, link, due))
+    return _launch(lambda async_op: dist.all_reduce(x.detach(), op=op, group=group, async_op=async_op),
+                   all_reduce_wire_bytes(x.numel() * x.element_size(), _tp_size()), x)
 
 
 def all_reduce_max_(x: torch.Tensor) -> torch.Tensor:
