@@ -78,7 +78,8 @@ class GradReduceScatterSlot:
         if handle is None or launched is not grad:
             if handle is not None:
                 handle.wait()  # a launched but unused reduce-scatter still has to finish on every rank
-            handle, result = reduce_scatter_sequence_grad_async(grad)
+            with comm_site(self.site):
+                handle, result = reduce_scatter_sequence_grad_async(grad)
         # Wait for the reduce-scatter launched by the linear's backward: the slice is LayerNorm's input gradient.
         handle.wait()
         return result

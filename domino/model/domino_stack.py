@@ -172,6 +172,7 @@ class DominoLayerStack:
         guarded = ready()
         with self._keeping_slice(guarded, part):
             ctx = attention.context(*attention.qkv(*guarded), mask, rotary=rotary)  # A
+        del ready, guarded  # with SP the gathered sequence: the linear kept only its slice
         yield
         pending = self._reduce(attention.dense.partial(ctx), attention.dense.bias, f"fwd attention, {site}")  # B
         yield
@@ -181,6 +182,7 @@ class DominoLayerStack:
         guarded = ready()
         with self._keeping_slice(guarded, part):
             inner = mlp.inner(*guarded)  # D
+        del ready, guarded
         yield
         pending = self._reduce(mlp.partial(inner), mlp.dense_4h_to_h.bias, f"fwd mlp, {site}")  # E
         yield

@@ -286,6 +286,12 @@ class _PendingWork(TimedWork):
         super().__init__(work, kind)
         self.source = source
 
+    def wait(self) -> bool:
+        try:
+            return super().wait()
+        finally:
+            self.source = None  # the collective has read it: let the send buffer go
+
 
 def _launch(collective, wire_bytes: float, source: torch.Tensor, kind: str = "async") -> _PendingWork:
     """Launches ``collective(async_op)`` over the TP group, on the emulated link when there is one.
@@ -306,14 +312,15 @@ def _launch_all_gather_sequence(x: torch.Tensor):
     """Launches the all-gather of ``[b, s/tp, h]`` along the sequence; returns ``(handle, [b, s, h])``.
 
     The result is allocated as ``[b, s, h]`` with sequence-first strides, and the collective writes through its
-    contiguous ``[s, b, h]`` transpose: so the tensor handed back is a base, not a view, and gloo's in-place
-    write into it (done by its worker thread after the launch) is no view-of-a-custom-Function's-output
-    change that autograd would refuse.
+    contiguous ``[s, b, h]`` transpose, detached: so the tensor handed back is a base, not a view, and gloo's
+    in-place write into it after the launch (by its worker thread, or inside ``wait()`` on an emulated link
+    with ``transfer=wait``) is no change autograd would refuse. ``x``'s slice is the send buffer (a view of
+    ``x`` when ``b == 1``): do not write into ``x`` before the wait.
     """
     world, part = _tp_size(), _sequence_first(x.detach())
     b, s, h = part.shape[1], world * part.shape[0], part.shape[2]
     gathered = torch.empty_strided((b, s, h), (h, b * h, 1), dtype=part.dtype, device=part.device)
-    out, group = gathered.transpose(0, 1), state.get_tensor_model_parallel_group()
+    out, group = gathered.detach().transpose(0, 1), state.get_tensor_model_parallel_group()
     handle = _launch(lambda async_op: dist.all_gather_single(out, part, group=group, async_op=async_op),
                      all_gather_wire_bytes(part.numel() * part.element_size(), world), part, "sequence all-gather")
     return handle, gathered
@@ -337,8 +344,8 @@ def gather_from_sequence_region_async(x: torch.Tensor, slot):
 def _launch_reduce_scatter_sequence(x: torch.Tensor):
     """Launches the reduce-scatter of ``[b, s, ...]`` along the sequence; returns ``(handle, [b, s/tp, ...])``.
 
-    The result is not to be read before ``handle.wait()``; ``x`` is copied sequence-first at launch, so the
-    caller may free or overwrite it right away.
+    The result is not to be read before ``handle.wait()``. The send buffer is ``x`` sequence-first: a copy, or
+    ``x`` itself when ``b == 1``, so do not write into ``x`` before the wait.
     """
     full = _sequence_first(x.detach())
     if full.shape[0] % _tp_size():

@@ -13,7 +13,9 @@ from domino.parallel.network_emulator import LinkEmulator, LinkSpec
 from model_fixtures import VOCAB, random_batch, tiny_config
 
 
-def _training_body(rank, world_size, chunks_list, spec):
+def _training_body(rank, world_size, chunks_list, spec, sequence_parallel=False):
+    from domino.model.sequence_parallel import apply_sequence_parallel
+
     state.initialize_model_parallel(2)
     out = {}
     for chunks in chunks_list:
@@ -21,6 +23,8 @@ def _training_body(rank, world_size, chunks_list, spec):
             state.set_tensor_model_parallel_link(LinkEmulator(spec) if emulated else None)
             torch.manual_seed(11)
             model = GPTModel(tiny_config(), VOCAB, domino_chunks=chunks)
+            if sequence_parallel:
+                apply_sequence_parallel(model)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             C.pop_modelled_comm_seconds()
             losses, modelled = [], []
@@ -53,3 +57,16 @@ def test_emulated_link_leaves_training_bit_identical(transfer):
             assert off["modelled"] == [0.0] * 3
             # Every TP collective went over the emulated link, and Domino moves the same bytes in more pieces.
             assert on["modelled"] == [pytest.approx(spec.seconds(wire_bytes))] * 3
+
+
+@pytest.mark.parametrize("transfer", ["launch", "wait"])
+def test_emulated_link_leaves_sequence_parallel_training_bit_identical(transfer):
+    """Sequence parallelism's asynchronous all-gathers and reduce-scatters on the emulated link (with
+    ``transfer=wait`` gloo writes the gathered buffer inside ``wait()``, after autograd has seen it)."""
+    spec = LinkSpec(latency_us=0.0, gbps=0.2, transfer=transfer)
+    for rank_result in run_distributed(_training_body, 2, (1, 2), spec, True):
+        for chunks in (1, 2):
+            off, on = rank_result[(chunks, False)], rank_result[(chunks, True)]
+            assert torch.equal(off["losses"], on["losses"]), f"chunks={chunks}: losses differ"
+            assert all(torch.equal(a, b) for a, b in zip(off["params"], on["params"]))
+            assert off["modelled"] == [0.0] * 3 and min(on["modelled"]) > 0
