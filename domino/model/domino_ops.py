@@ -18,7 +18,9 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from domino.parallel.collectives import all_reduce_async, comm_site, reduce_scatter_sequence_grad_async
+from domino.parallel.collectives import (
+    all_reduce_async, comm_site, gather_sequence_async, reduce_scatter_sequence_grad_async,
+)
 from domino.parallel.linear_ops import linear
 
 
@@ -54,11 +56,24 @@ class GradReduceScatterSlot:
     (``LinearWithGradAccumulationAndAsyncCommunication``, ``megatron/core/tensor_parallel/layers.py``).
     """
 
-    __slots__ = ("handle", "launched", "result", "site")
+    __slots__ = ("handle", "launched", "part", "result", "site")
 
-    def __init__(self, site: Optional[str] = None) -> None:
+    def __init__(self, part: torch.Tensor, site: Optional[str] = None) -> None:
         self.handle = self.launched = self.result = None
+        #: This rank's slice of the linear's input: the linear saves it instead of the gathered sequence.
+        self.part = part
         self.site = site
+
+    def regather(self, part: torch.Tensor):
+        """Launches the all-gather of a saved input slice; returns a callable that waits and returns the sequence."""
+        with comm_site(self.site):
+            handle, gathered = gather_sequence_async(part)
+
+        def ready() -> torch.Tensor:
+            handle.wait()  # wait for the slice's all-gather launched before the input-gradient GEMM
+            return gathered
+
+        return ready
 
     def launch(self, grad: torch.Tensor) -> None:
         """Starts the reduce-scatter of ``grad`` (``[b, s, h]``) along the sequence over the TP group."""

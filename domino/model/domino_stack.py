@@ -130,7 +130,7 @@ class DominoLayerStack:
         it, the gather's backward waits for it), and the slice it was gathered from (see :meth:`_keeping_slice`).
         """
         if self.sequence_parallel:
-            slot = GradReduceScatterSlot(site)
+            slot = GradReduceScatterSlot(x, site)
             # Async launch: ready() waits for it right before the linear reads it, after the other chunks' step.
             handle, gathered = gather_from_sequence_region_async(x, slot)
 

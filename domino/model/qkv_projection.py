@@ -28,7 +28,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from domino.parallel.kernels import kernels_for
-from domino.parallel.linear_ops import linear
+from domino.parallel.linear_ops import full_input, linear, saved_input
 
 
 def _split_rows(t: torch.Tensor, groups: int, widths: Tuple[int, ...]) -> Tuple[torch.Tensor, ...]:
@@ -56,24 +56,28 @@ class _GroupedProjection(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         outs = tuple((torch.addmm(b[i], x2, w[i].t()) if b is not None else x2.mm(w[i].t()))
                      .view(*x.shape[:-1], w[i].shape[0]) for i in range(len(w)))
-        ctx.save_for_backward(x, *w)
+        ctx.save_for_backward(saved_input(x, slot), *w)
         ctx.groups, ctx.widths, ctx.has_bias, ctx.slot = groups, widths, b is not None, slot
+        ctx.input_shape = x.shape
         return outs
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        x, *w = ctx.saved_tensors
-        x2 = x.reshape(-1, x.shape[-1])
-        grads = [x2.new_zeros(x2.shape[0], wi.shape[0]) if g is None else g.reshape(-1, wi.shape[0])
+        saved, *w = ctx.saved_tensors
+        # Async launch (sequence parallelism): the input's all-gather runs during the input-gradient GEMMs.
+        x = full_input(saved, ctx.slot)
+        rows = ctx.input_shape[:-1].numel()
+        grads = [saved.new_zeros(rows, wi.shape[0]) if g is None else g.reshape(-1, wi.shape[0])
                  for g, wi in zip(grad_outs, w)]
         grad_x = grads[0].mm(w[0])
         for g, wi in zip(grads[1:], w[1:]):
             grad_x.addmm_(g, wi)
-        grad_x = grad_x.view(x.shape)
+        grad_x = grad_x.view(ctx.input_shape)
         if ctx.slot is not None:
             # Async launch (Domino): the all-reduce runs during the weight-gradient GEMMs below; the slot's
             # wait node (domino_ops.wait_for_input_grad) waits for it before LayerNorm's backward reads it.
             ctx.slot.launch(grad_x)
+        x2 = x().reshape(-1, ctx.input_shape[-1])
         grad_w = _join_rows([g.t().mm(x2) for g in grads], ctx.groups, ctx.widths)
         grad_b = _join_rows([g.sum(dim=0) for g in grads], ctx.groups, ctx.widths) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None, None, None

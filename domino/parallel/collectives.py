@@ -326,6 +326,18 @@ def _launch_all_gather_sequence(x: torch.Tensor):
     return handle, gathered
 
 
+def gather_sequence_async(x: torch.Tensor):
+    """Launches the all-gather of ``x`` (``[b, s/tp, h]``) along the sequence, outside autograd.
+
+    Returns ``(handle, [b, s, h])``; read the result only after ``handle.wait()``. With one rank nothing is
+    launched and the result is ``x``. Sequence parallelism's column-parallel backward uses it to gather a saved
+    input slice again while it computes the input gradient.
+    """
+    if _tp_size() == 1:
+        return DONE, x
+    return _launch_all_gather_sequence(x)
+
+
 def gather_from_sequence_region_async(x: torch.Tensor, slot):
     """Launches the all-gather of ``x`` (``[b, s/tp, h]``) along the sequence: the input of a column-parallel linear.
 

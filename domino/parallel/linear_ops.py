@@ -16,7 +16,7 @@ GEMM may differ, as between any two BLAS calls).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,24 +27,47 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def saved_input(x: torch.Tensor, slot) -> torch.Tensor:
+    """What a column-parallel linear saves of its input ``x`` for the weight gradient.
+
+    ``x`` itself, unless the slot knows ``x``'s sequence slice (sequence parallelism: ``x`` is the all-gathered
+    sequence): then the slice, which :func:`full_input` gathers again in backward.
+    """
+    part = getattr(slot, "part", None)
+    return x if part is None else part
+
+
+def full_input(saved: torch.Tensor, slot) -> Callable[[], torch.Tensor]:
+    """Backward's access to what :func:`saved_input` kept: call the result when the input is needed.
+
+    For a sequence slice the all-gather is launched now and waited for in the call, so it runs during whatever
+    the backward computes in between (the input-gradient GEMM), as Megatron's column-parallel backward does.
+    """
+    if getattr(slot, "part", None) is None:
+        return lambda: saved
+    return slot.regather(saved)
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, slot):
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(saved_input(x, slot), weight)
         ctx.has_bias = bias is not None
         ctx.slot = slot
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        saved, weight = ctx.saved_tensors
+        # Async launch (sequence parallelism): the input's all-gather runs during the input-gradient GEMM.
+        x = full_input(saved, ctx.slot) if ctx.needs_input_grad[1] else None
         grad_input = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
         if ctx.slot is not None and grad_input is not None:
             # Async launch: the input-gradient all-reduce runs during the weight-gradient GEMM below and
             # whatever autograd schedules next; the slot's owner waits for it before the gradient is read.
             ctx.slot.launch(grad_input)
         g2 = _rows(grad_out)
-        grad_weight = g2.t().matmul(_rows(x)) if ctx.needs_input_grad[1] else None
+        grad_weight = g2.t().matmul(_rows(x())) if ctx.needs_input_grad[1] else None
         grad_bias = g2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias, None
 

@@ -63,17 +63,17 @@ def _overlap_logs(chunks: int) -> dict:
             self.into.append(("wait", self.ident))
             return self.handle.wait()
 
-    def logged(real):
+    def logged(real, name):
         def launch(tensor):
             handle, result = real(tensor)
-            ident = sum(1 for kind, _ in log if kind == "launch")
+            ident = (name, sum(1 for kind, _ in log if kind == "launch"))
             log.append(("launch", ident))
             return LoggedHandle(handle, ident, log), result
         return launch
 
     real_gather, real_scatter = collectives._launch_all_gather_sequence, domino_ops.reduce_scatter_sequence_grad_async
-    collectives._launch_all_gather_sequence = logged(real_gather)
-    domino_ops.reduce_scatter_sequence_grad_async = logged(real_scatter)
+    collectives._launch_all_gather_sequence = logged(real_gather, "all-gather")
+    domino_ops.reduce_scatter_sequence_grad_async = logged(real_scatter, "reduce-scatter")
     try:
         model_parallel_seed(3)
         model = apply_sequence_parallel(GPTModel(_config(), VOCAB, domino_chunks=chunks))
@@ -88,10 +88,11 @@ def _overlap_logs(chunks: int) -> dict:
     return logs
 
 
-def _ops_between_launch_and_wait(log: list) -> list:
+def _ops_between_launch_and_wait(log: list, name: str) -> list:
+    """Heavy ops between each ``name`` collective's launch and its first wait, in launch order."""
     where = {}
     for i, (kind, ident) in enumerate(log):
-        if kind != "op":
+        if kind != "op" and ident[0] == name:
             where.setdefault(ident, {}).setdefault(kind, i)  # the first wait is the one that blocks
     assert all(set(w) == {"launch", "wait"} for w in where.values()), "a launch was never waited on"
     return [sum(1 for kind, _ in log[w["launch"] + 1:w["wait"]] if kind == "op") for w in where.values()]
@@ -170,11 +171,21 @@ def test_backward_reduce_scatters_run_behind_the_weight_gradients(tp2, chunks):
     Megatron's LinearWithGradAccumulationAndAsyncCommunication. One launch per linear: none fell back to a
     synchronous reduce-scatter."""
     for rank, results in enumerate(tp2):
-        between = _ops_between_launch_and_wait(results["overlap"][chunks]["backward"])
+        between = _ops_between_launch_and_wait(results["overlap"][chunks]["backward"], "reduce-scatter")
         assert len(between) == 2 * 2 * chunks, f"rank {rank}: 2 layers x (QKV, fc1) x {chunks} chunks"
         assert min(between) >= 1, f"rank {rank}: ops between launch and wait {between}"
         if chunks == 2:
             assert max(between) >= 4, f"rank {rank}: the other chunk's backward runs in between: {between}"
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_backward_gathers_of_the_kept_slices_run_behind_the_input_gradients(tp2, chunks):
+    """The column-parallel linears keep their input's sequence slice; backward launches its all-gather first and
+    waits for it only after the input-gradient GEMM(s), as Megatron's column-parallel backward does."""
+    for rank, results in enumerate(tp2):
+        between = _ops_between_launch_and_wait(results["overlap"][chunks]["backward"], "all-gather")
+        assert len(between) == 2 * 2 * chunks, f"rank {rank}: 2 layers x (QKV, fc1) x {chunks} chunks"
+        assert min(between) >= 1, f"rank {rank}: ops between launch and wait {between}"
 
 
 def test_forward_all_gathers_run_behind_the_other_chunks_step(tp2):
@@ -183,7 +194,7 @@ def test_forward_all_gathers_run_behind_the_other_chunks_step(tp2):
     other chunk's norm before it. With 1 chunk there is nothing to run in between (the same schedule, waited at
     once)."""
     for rank, results in enumerate(tp2):
-        two, one = (_ops_between_launch_and_wait(results["overlap"][c]["forward"]) for c in (2, 1))
+        two, one = (_ops_between_launch_and_wait(results["overlap"][c]["forward"], "all-gather") for c in (2, 1))
         assert len(two) == 2 * 2 * 2 and len(one) == 2 * 2, f"rank {rank}: {two}, {one}"
         assert min(two[1:]) >= 1, f"rank {rank}: ops between launch and wait {two}"
         assert max(one) == 0, f"rank {rank}: {one}"
