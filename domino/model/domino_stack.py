@@ -27,7 +27,9 @@ from typing import Callable, Generator, List, Optional, Sequence, Tuple
 
 import torch
 
-from domino.model.domino_ops import ChunkedGradSlots, GradReduceScatterSlot, guard_input_grad
+from domino.model.domino_ops import (
+    ChunkedGradSlots, GradGatherSlot, GradReduceScatterSlot, guard_input_grad, wait_for_input_grad,
+)
 from domino.model.rotary import RotaryTables
 from domino.model.transformer import TransformerLayer, bias_dropout_add
 from domino.parallel.collectives import (
@@ -63,10 +65,14 @@ class _PendingScatter:
 
     __slots__ = ("bias", "handle", "result")
 
-    def __init__(self, partial: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    def __init__(self, partial: torch.Tensor, bias: Optional[torch.Tensor], site: Optional[str] = None) -> None:
         self.bias = bias
+        grad_slot = GradGatherSlot(site)
+        # In backward, the gradient's all-gather is launched by the reduce-scatter's node (made in finish()) and
+        # waited for here, on the partial sum: the other chunks' backward made in between runs meanwhile.
+        partial = wait_for_input_grad(partial, grad_slot)
         # Async launch: waited in finish(), one step of every other chunk later.
-        self.handle, self.result = reduce_scatter_to_sequence_async(partial)
+        self.handle, self.result = reduce_scatter_to_sequence_async(partial, grad_slot)
 
     def finish(self, residual: torch.Tensor, layer: TransformerLayer) -> torch.Tensor:
         self.handle.wait()  # wait for the reduce-scatter launched in __init__: its slice is read right here
@@ -151,7 +157,11 @@ class DominoLayerStack:
     def _reduce(self, partial: torch.Tensor, bias: Optional[torch.Tensor], site: str):
         """Launches the reduction of a row-parallel partial sum: an all-reduce, or (SP) a reduce-scatter."""
         with comm_site(site):
-            return _PendingScatter(partial, bias) if self.sequence_parallel else _Pending(partial, bias)
+            if self.sequence_parallel:
+                # "fwd attention, <where>" -> "bwd attention output grad, <where>": the backward all-gather's label.
+                kind, where = site.split(", ", 1)
+                return _PendingScatter(partial, bias, f"{kind.replace('fwd', 'bwd', 1)} output grad, {where}")
+            return _Pending(partial, bias)
 
     def _site(self, index: int, chunk: int) -> str:
         """``"<first|mid|last> layer, chunk c"``: the label of a layer's waits in the comm-wait breakdown."""

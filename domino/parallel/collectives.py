@@ -191,15 +191,20 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 
 class _ReducedScatter(torch.autograd.Function):
-    """Forward: the already reduce-scattered ``reduced``; backward: the adjoint for ``partial``, an all-gather."""
+    """Forward: the already reduce-scattered ``reduced``; backward: the adjoint for ``partial``, an all-gather.
+
+    Without a slot the all-gather is synchronous. With one, it is launched into ``slot.launch(grad)``, which
+    returns the buffer being filled; the slot's wait node, placed on ``partial`` when it was made, waits for it.
+    """
 
     @staticmethod
-    def forward(ctx, partial, reduced):
+    def forward(ctx, partial, reduced, slot):
+        ctx.slot = slot
         return reduced.view_as(reduced)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_sequence(grad), None
+        return (_gather_sequence(grad) if ctx.slot is None else ctx.slot.launch(grad)), None, None
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -368,17 +373,18 @@ def _launch_reduce_scatter_sequence(x: torch.Tensor):
     return handle, out.transpose(0, 1)
 
 
-def reduce_scatter_to_sequence_async(partial: torch.Tensor):
+def reduce_scatter_to_sequence_async(partial: torch.Tensor, grad_slot=None):
     """Launches the reduce-scatter of a row-parallel partial sum ``[b, s, h]`` along the sequence.
 
     Returns ``(handle, finish)``: after ``handle.wait()``, ``finish()`` returns this rank's ``[b, s/tp, h]`` sum,
-    joined to ``partial``'s graph (its gradient is the all-gather of the incoming one). With one rank nothing is
-    launched and ``finish()`` returns ``partial``.
+    joined to ``partial``'s graph (its gradient is the all-gather of the incoming one: synchronous, or launched
+    into ``grad_slot``, ``domino.model.domino_ops.GradGatherSlot``). With one rank nothing is launched and
+    ``finish()`` returns ``partial``.
     """
     if _tp_size() == 1:
         return DONE, lambda: partial
     handle, out = _launch_reduce_scatter_sequence(partial)
-    return handle, lambda: _ReducedScatter.apply(partial, out)
+    return handle, lambda: _ReducedScatter.apply(partial, out, grad_slot)
 
 
 def reduce_scatter_sequence_grad_async(grad: torch.Tensor):

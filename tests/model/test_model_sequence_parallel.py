@@ -66,7 +66,8 @@ def _overlap_logs(chunks: int) -> dict:
     def logged(real, name):
         def launch(tensor):
             handle, result = real(tensor)
-            ident = (name, sum(1 for kind, _ in log if kind == "launch"))
+            label = name if "output grad" not in collectives.current_site("") else "output-grad all-gather"
+            ident = (label, sum(1 for kind, _ in log if kind == "launch"))
             log.append(("launch", ident))
             return LoggedHandle(handle, ident, log), result
         return launch
@@ -198,3 +199,15 @@ def test_forward_all_gathers_run_behind_the_other_chunks_step(tp2):
         assert len(two) == 2 * 2 * 2 and len(one) == 2 * 2, f"rank {rank}: {two}, {one}"
         assert min(two[1:]) >= 1, f"rank {rank}: ops between launch and wait {two}"
         assert max(one) == 0, f"rank {rank}: {one}"
+
+
+def test_backward_gathers_of_the_row_parallel_gradients_run_behind_the_other_chunk(tp2):
+    """The adjoint of each row-parallel reduce-scatter, the all-gather of its slice gradient, is launched by the
+    reduce-scatter's backward and waited for on the partial sum: with 2 chunks the other chunk's backward runs in
+    between, except for the first launched (the last layer of the chunk that finished last). With 1 chunk there is
+    nothing in between."""
+    for rank, results in enumerate(tp2):
+        two, one = (_ops_between_launch_and_wait(results["overlap"][c]["backward"], "output-grad all-gather")
+                    for c in (2, 1))
+        assert len(two) == 2 * 2 * 2 and len(one) == 2 * 2, f"rank {rank}: {two}, {one}"
+        assert min(two[1:]) >= 1, f"rank {rank}: ops between launch and wait {two}"
