@@ -18,9 +18,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from domino.parallel.collectives import (
-    all_reduce_async, comm_site, gather_sequence_async, reduce_scatter_sequence_grad_async,
-)
+from domino.parallel.collectives import all_reduce_async, comm_site
+from domino.parallel.sequence_async import gather_sequence_async, reduce_scatter_sequence_grad_async
 from domino.parallel.linear_ops import linear
 
 

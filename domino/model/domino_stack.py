@@ -32,11 +32,10 @@ from domino.model.domino_ops import (
 )
 from domino.model.rotary import RotaryTables
 from domino.model.transformer import TransformerLayer, bias_dropout_add
-from domino.parallel.collectives import (
-    all_reduce_async, comm_site, gather_from_sequence_region_async, reduce_scatter_to_sequence_async,
-)
+from domino.parallel.collectives import all_reduce_async, comm_site
 from domino.parallel.random import tp_region_rng
 from domino.parallel.recompute import keep_sequence_slice, replay, run_recorded
+from domino.parallel.sequence_async import gather_from_sequence_region_async, reduce_scatter_to_sequence_async
 
 
 class _Pending:

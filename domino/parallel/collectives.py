@@ -23,10 +23,9 @@ The sequence functions are Megatron's sequence parallelism (``megatron/core/tens
 
 All of them are identities when the tensor-parallel group has one rank, so a single process needs no
 ``torch.distributed`` at all. ``all_reduce_async`` is the building block of the Domino schedule: it launches
-an in-place all-reduce and hands back a handle to wait on later; ``gather_from_sequence_region_async`` (a
-column-parallel input), ``reduce_scatter_to_sequence_async`` (a row-parallel sum) and
-``reduce_scatter_sequence_grad_async`` (a column-parallel input's gradient) are its sequence-parallel
-counterparts.
+an in-place all-reduce and hands back a handle to wait on later (:func:`launch_async` launches every such
+collective, on the emulated link when there is one); sequence parallelism's split-phase collectives are in
+:mod:`domino.parallel.sequence_async`.
 
 Every collective here runs over the TP group, counts the host time it blocks (the ``comm-wait`` timer,
 :mod:`domino.parallel.comm_timing`) and, when ``DOMINO_SIMULATED_NETWORK`` is set, lasts at least the time
@@ -113,7 +112,7 @@ def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _sequence_first(x: torch.Tensor) -> torch.Tensor:
+def sequence_first(x: torch.Tensor) -> torch.Tensor:
     """``[b, s, ...]`` -> contiguous ``[s, b, ...]``: collectives split and join the first dimension."""
     return x.transpose(0, 1).contiguous()
 
@@ -125,8 +124,9 @@ def _split_sequence(x: torch.Tensor) -> torch.Tensor:
     return x.chunk(world, dim=1)[state.get_tensor_model_parallel_rank()].contiguous()
 
 
-def _gather_sequence(x: torch.Tensor) -> torch.Tensor:
-    world, part = _tp_size(), _sequence_first(x)
+def gather_sequence(x: torch.Tensor) -> torch.Tensor:
+    """All-gathers ``[b, s/tp, ...]`` along the sequence (synchronously, outside autograd): ``[b, s, ...]``."""
+    world, part = _tp_size(), sequence_first(x)
     out = part.new_empty((world * part.shape[0], *part.shape[1:]))
     _blocking(lambda: dist.all_gather_single(out, part, group=state.get_tensor_model_parallel_group()),
               all_gather_wire_bytes(part.numel() * part.element_size(), world), "sequence all-gather")
@@ -134,7 +134,7 @@ def _gather_sequence(x: torch.Tensor) -> torch.Tensor:
 
 
 def _reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
-    world, full = _tp_size(), _sequence_first(x)
+    world, full = _tp_size(), sequence_first(x)
     if full.shape[0] % world:
         raise ValueError(f"sequence length {full.shape[0]} is not divisible by the TP size {world}")
     out = full.new_empty((full.shape[0] // world, *full.shape[1:]))
@@ -150,34 +150,17 @@ class _ScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_sequence(grad)
+        return gather_sequence(grad)
 
 
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        return _gather_sequence(x)
+        return gather_sequence(x)
 
     @staticmethod
     def backward(ctx, grad):
         return _reduce_scatter_sequence(grad)
-
-
-class _GatherSequenceAsync(torch.autograd.Function):
-    """Forward: launches the all-gather of ``x`` (its handle appended to ``launched``) and returns the buffer it
-    fills; backward: ``slot.reduced(grad)`` for ``x``. The launch happens inside forward so that the buffer's
-    in-place write is not seen by autograd as a change after the output was made."""
-
-    @staticmethod
-    def forward(ctx, x, slot, launched):
-        ctx.slot = slot
-        handle, gathered = _launch_all_gather_sequence(x)
-        launched.append(handle)
-        return gathered
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.slot.reduced(grad), None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -187,24 +170,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_sequence(grad)
-
-
-class _ReducedScatter(torch.autograd.Function):
-    """Forward: the already reduce-scattered ``reduced``; backward: the adjoint for ``partial``, an all-gather.
-
-    Without a slot the all-gather is synchronous. With one, it is launched into ``slot.launch(grad)``, which
-    returns the buffer being filled; the slot's wait node, placed on ``partial`` when it was made, waits for it.
-    """
-
-    @staticmethod
-    def forward(ctx, partial, reduced, slot):
-        ctx.slot = slot
-        return reduced.view_as(reduced)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (_gather_sequence(grad) if ctx.slot is None else ctx.slot.launch(grad)), None, None
+        return gather_sequence(grad)
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -282,7 +248,7 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor) -> torch.Tensor:
     return x if _tp_size() == 1 else _ReduceScatterToSequence.apply(x)
 
 
-class _PendingWork(TimedWork):
+class PendingWork(TimedWork):
     """A timed work that also keeps the collective's send buffer alive until it is waited on."""
 
     __slots__ = ("source",)
@@ -298,7 +264,7 @@ class _PendingWork(TimedWork):
             self.source = None  # the collective has read it: let the send buffer go
 
 
-def _launch(collective, wire_bytes: float, source: torch.Tensor, kind: str = "async") -> _PendingWork:
+def launch_async(collective, wire_bytes: float, source: torch.Tensor, kind: str = "async") -> PendingWork:
     """Launches ``collective(async_op)`` over the TP group, on the emulated link when there is one.
 
     Returns its handle (keeping ``source``, the send buffer, alive until waited on). With an emulated link whose
@@ -307,96 +273,10 @@ def _launch(collective, wire_bytes: float, source: torch.Tensor, kind: str = "as
     link = state.get_tensor_model_parallel_link()
     due = link.launch(wire_bytes) if link is not None else None
     if link is not None and link.spec.transfer == "wait":  # emulated link, gloo moves the data in wait()
-        return _PendingWork(DeferredWork(lambda: collective(False), link, due), source, kind)
+        return PendingWork(DeferredWork(lambda: collective(False), link, due), source, kind)
     # Async launch: the caller computes meanwhile and reads the result only after the handle's wait().
     work = collective(True)
-    return _PendingWork(work if link is None else EmulatedWork(work, link, due), source, kind)
-
-
-def _launch_all_gather_sequence(x: torch.Tensor):
-    """Launches the all-gather of ``[b, s/tp, h]`` along the sequence; returns ``(handle, [b, s, h])``.
-
-    The result is allocated as ``[b, s, h]`` with sequence-first strides, and the collective writes through its
-    contiguous ``[s, b, h]`` transpose, detached: so the tensor handed back is a base, not a view, and gloo's
-    in-place write into it after the launch (by its worker thread, or inside ``wait()`` on an emulated link
-    with ``transfer=wait``) is no change autograd would refuse. ``x``'s slice is the send buffer (a view of
-    ``x`` when ``b == 1``): do not write into ``x`` before the wait.
-    """
-    world, part = _tp_size(), _sequence_first(x.detach())
-    b, s, h = part.shape[1], world * part.shape[0], part.shape[2]
-    gathered = torch.empty_strided((b, s, h), (h, b * h, 1), dtype=part.dtype, device=part.device)
-    out, group = gathered.detach().transpose(0, 1), state.get_tensor_model_parallel_group()
-    handle = _launch(lambda async_op: dist.all_gather_single(out, part, group=group, async_op=async_op),
-                     all_gather_wire_bytes(part.numel() * part.element_size(), world), part, "sequence all-gather")
-    return handle, gathered
-
-
-def gather_sequence_async(x: torch.Tensor):
-    """Launches the all-gather of ``x`` (``[b, s/tp, h]``) along the sequence, outside autograd.
-
-    Returns ``(handle, [b, s, h])``; read the result only after ``handle.wait()``. With one rank nothing is
-    launched and the result is ``x``. Sequence parallelism's column-parallel backward uses it to gather a saved
-    input slice again while it computes the input gradient.
-    """
-    if _tp_size() == 1:
-        return DONE, x
-    return _launch_all_gather_sequence(x)
-
-
-def gather_from_sequence_region_async(x: torch.Tensor, slot):
-    """Launches the all-gather of ``x`` (``[b, s/tp, h]``) along the sequence: the input of a column-parallel linear.
-
-    Returns ``(handle, gathered)``: ``gathered`` (``[b, s, h]``, joined to ``x``'s graph) must not be read before
-    ``handle.wait()``. In backward, ``slot.reduced(grad)`` gives ``x``'s gradient: the consuming linear launched
-    that reduce-scatter asynchronously (``domino.model.domino_ops.GradReduceScatterSlot``), so it ran during the
-    weight-gradient GEMM and whatever autograd scheduled before this node. With one rank nothing is launched.
-    """
-    if _tp_size() == 1:
-        return DONE, x
-    launched: list = []
-    gathered = _GatherSequenceAsync.apply(x, slot, launched)
-    return launched[0], gathered
-
-
-def _launch_reduce_scatter_sequence(x: torch.Tensor):
-    """Launches the reduce-scatter of ``[b, s, ...]`` along the sequence; returns ``(handle, [b, s/tp, ...])``.
-
-    The result is not to be read before ``handle.wait()``. The send buffer is ``x`` sequence-first: a copy, or
-    ``x`` itself when ``b == 1``, so do not write into ``x`` before the wait.
-    """
-    full = _sequence_first(x.detach())
-    if full.shape[0] % _tp_size():
-        raise ValueError(f"sequence length {full.shape[0]} is not divisible by the TP size {_tp_size()}")
-    out, group = full.new_empty((full.shape[0] // _tp_size(), *full.shape[1:])), state.get_tensor_model_parallel_group()
-    handle = _launch(lambda async_op: dist.reduce_scatter_single(out, full, group=group, async_op=async_op),
-                     all_gather_wire_bytes(out.numel() * out.element_size(), _tp_size()), full)
-    return handle, out.transpose(0, 1)
-
-
-def reduce_scatter_to_sequence_async(partial: torch.Tensor, grad_slot=None):
-    """Launches the reduce-scatter of a row-parallel partial sum ``[b, s, h]`` along the sequence.
-
-    Returns ``(handle, finish)``: after ``handle.wait()``, ``finish()`` returns this rank's ``[b, s/tp, h]`` sum,
-    joined to ``partial``'s graph (its gradient is the all-gather of the incoming one: synchronous, or launched
-    into ``grad_slot``, ``domino.model.domino_ops.GradGatherSlot``). With one rank nothing is launched and
-    ``finish()`` returns ``partial``.
-    """
-    if _tp_size() == 1:
-        return DONE, lambda: partial
-    handle, out = _launch_reduce_scatter_sequence(partial)
-    return handle, lambda: _ReducedScatter.apply(partial, out, grad_slot)
-
-
-def reduce_scatter_sequence_grad_async(grad: torch.Tensor):
-    """Launches the reduce-scatter of an input gradient ``[b, s, h]`` along the sequence, outside autograd.
-
-    The asynchronous backward of an all-gather along the sequence (sequence parallelism's column-parallel
-    inputs, :mod:`domino.model.domino_ops`). Returns ``(handle, [b, s/tp, h])``; read the slice only after
-    ``handle.wait()``. With one rank nothing is launched and the slice is ``grad`` itself.
-    """
-    if _tp_size() == 1:
-        return DONE, grad
-    return _launch_reduce_scatter_sequence(grad)
+    return PendingWork(work if link is None else EmulatedWork(work, link, due), source, kind)
 
 
 def all_reduce_async(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM):
@@ -419,7 +299,7 @@ def all_reduce_async(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM):
         raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
     group = state.get_tensor_model_parallel_group()
     # Async launch: the caller computes another chunk meanwhile and waits right before it reads x.
-    return _launch(lambda async_op: dist.all_reduce(x.detach(), op=op, group=group, async_op=async_op),
+    return launch_async(lambda async_op: dist.all_reduce(x.detach(), op=op, group=group, async_op=async_op),
                    all_reduce_wire_bytes(x.numel() * x.element_size(), _tp_size()), x)
 
 

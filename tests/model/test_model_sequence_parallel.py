@@ -45,6 +45,7 @@ def _overlap_logs(chunks: int) -> dict:
 
     import domino.model.domino_ops as domino_ops
     import domino.parallel.collectives as collectives
+    import domino.parallel.sequence_async as sequence_async
 
     logs = {"forward": [], "backward": []}
     log = logs["forward"]
@@ -72,8 +73,9 @@ def _overlap_logs(chunks: int) -> dict:
             return LoggedHandle(handle, ident, log), result
         return launch
 
-    real_gather, real_scatter = collectives._launch_all_gather_sequence, domino_ops.reduce_scatter_sequence_grad_async
-    collectives._launch_all_gather_sequence = logged(real_gather, "all-gather")
+    real_gather = sequence_async._launch_all_gather_sequence
+    real_scatter = domino_ops.reduce_scatter_sequence_grad_async
+    sequence_async._launch_all_gather_sequence = logged(real_gather, "all-gather")
     domino_ops.reduce_scatter_sequence_grad_async = logged(real_scatter, "reduce-scatter")
     try:
         model_parallel_seed(3)
@@ -84,7 +86,7 @@ def _overlap_logs(chunks: int) -> dict:
             log = logs["backward"]
             loss.backward()
     finally:
-        collectives._launch_all_gather_sequence = real_gather
+        sequence_async._launch_all_gather_sequence = real_gather
         domino_ops.reduce_scatter_sequence_grad_async = real_scatter
     return logs
 

@@ -146,7 +146,9 @@ def _fake_clock_body(rank, world_size, transfer):
     modelled = C.pop_modelled_comm_seconds()
     sleeps = list(clock.sleeps)
     # Sequence parallelism's asynchronous reduce-scatter takes the same path.
-    scatter, finish = C.reduce_scatter_to_sequence_async(torch.full((1, 2, 3), float(rank + 1)))
+    from domino.parallel.sequence_async import reduce_scatter_to_sequence_async
+
+    scatter, finish = reduce_scatter_to_sequence_async(torch.full((1, 2, 3), float(rank + 1)))
     scatter.wait()
     C.pop_modelled_comm_seconds()
     return {"sleeps": sleeps, "scattered": finish().detach(), "slept_at_launch": slept_at_launch, "x": x,
