@@ -38,9 +38,10 @@ class GradAllReduceSlot:
             self.handle = all_reduce_async(grad)
 
     def wait(self) -> None:
-        """Blocks until the launched all-reduce (if any) finished."""
+        """Blocks until the launched collective (if any) finished."""
         if self.handle is not None:
-            # Wait for the input-gradient all-reduce launched by a linear's backward (linear_ops, qkv_projection).
+            # Wait for the gradient collective launched in backward (a linear's input-gradient all-reduce, or
+            # GradGatherSlot's all-gather): the next node reads the gradient.
             self.handle.wait()
             self.handle = None
 
@@ -99,32 +100,20 @@ class GradReduceScatterSlot:
         return result
 
 
-class GradGatherSlot:
+class GradGatherSlot(GradAllReduceSlot):
     """The gradient of a row-parallel sum that sequence parallelism reduce-scattered: the all-gather of the incoming
     slice gradients, launched by the reduce-scatter's backward (:meth:`launch`) and waited for by a node placed on
     the partial sum when it was computed (:meth:`wait`, via :func:`wait_for_input_grad`). Between the two, autograd
     runs the other chunks' backward created in forward between the partial sum and the wait for its reduce-scatter.
     """
 
-    __slots__ = ("handle", "site")
-
-    def __init__(self, site: Optional[str] = None) -> None:
-        self.handle = None
-        self.site = site
+    __slots__ = ()
 
     def launch(self, grad: torch.Tensor) -> torch.Tensor:
         """Starts the all-gather of ``grad`` (``[b, s/tp, h]``); returns the ``[b, s, h]`` buffer it fills."""
         with comm_site(self.site):
             self.handle, gathered = gather_sequence_async(grad)
         return gathered
-
-    def wait(self) -> None:
-        """Blocks until the launched all-gather (if any) finished."""
-        if self.handle is not None:
-            # Wait for the gradient all-gather launched by the reduce-scatter's backward: the row-parallel
-            # linear's backward reads the gathered gradient next.
-            self.handle.wait()
-            self.handle = None
 
 
 class ChunkedGradSlots:

@@ -21,7 +21,6 @@ linear's asynchronous input-gradient all-reduce and the guard's wait (:mod:`domi
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from typing import Callable, Generator, List, Optional, Sequence, Tuple
 
@@ -34,7 +33,7 @@ from domino.model.rotary import RotaryTables
 from domino.model.transformer import TransformerLayer, bias_dropout_add
 from domino.parallel.collectives import all_reduce_async, comm_site
 from domino.parallel.random import tp_region_rng
-from domino.parallel.recompute import keep_sequence_slice, replay, run_recorded
+from domino.parallel.recompute import replay, run_recorded
 from domino.parallel.sequence_async import gather_from_sequence_region_async, reduce_scatter_to_sequence_async
 
 
@@ -124,15 +123,16 @@ class DominoLayerStack:
         #: Sequence parallelism: the residual stream is this rank's sequence slice (domino.model.sequence_parallel).
         self.sequence_parallel = False
 
-    def _column_input(self, x: torch.Tensor, site: str):
-        """A norm's output made ready for a column-parallel linear: ``(ready, slice)``; ``ready()``, called when the
-        linear runs, returns ``(input, gradient slot)``.
+    def _column_input(self, x: torch.Tensor, site: str) -> Callable[[], tuple]:
+        """A norm's output made ready for a column-parallel linear: ``ready``, whose call, when the linear runs,
+        returns ``(input, gradient slot)``.
 
         Plain TP: the output with its gradient guard (the linear launches the input-gradient all-reduce into the
-        slot, created now so that its wait runs after the other chunks' backward), and no slice. Sequence
-        parallelism: the output's all-gather, launched now and waited for in ``ready()`` (one step of every other
-        chunk later), with its reduce-scatter slot (the linear launches the input gradient's reduce-scatter into
-        it, the gather's backward waits for it), and the slice it was gathered from (see :meth:`_keeping_slice`).
+        slot, created now so that its wait runs after the other chunks' backward). Sequence parallelism: the
+        output's all-gather, launched now and waited for in ``ready()`` (one step of every other chunk later), with
+        its reduce-scatter slot: the linear launches the input gradient's reduce-scatter into it (the gather's
+        backward waits for it), and saves the slot's slice of its input instead of the gathered sequence
+        (Megatron's choice: the norm outputs cost ``sbh / t``; ``domino.parallel.linear_ops.saved_input``).
         """
         if self.sequence_parallel:
             slot = GradReduceScatterSlot(x, site)
@@ -143,15 +143,9 @@ class DominoLayerStack:
                 handle.wait()  # wait for the all-gather launched at the norm: the linear reads it now
                 return gathered, slot
 
-            return ready, x
+            return ready
         guarded = guard_input_grad(x, site)
-        return (lambda: guarded), None
-
-    @staticmethod
-    def _keeping_slice(guarded, part: Optional[torch.Tensor]):
-        """Around a column-parallel linear: with sequence parallelism it saves its input's slice, not the gathered
-        sequence, and gathers again in backward (Megatron's choice: the norm outputs cost ``sbh / t``)."""
-        return keep_sequence_slice(guarded[0], part) if part is not None else contextlib.nullcontext()
+        return lambda: guarded
 
     def _reduce(self, partial: torch.Tensor, bias: Optional[torch.Tensor], site: str):
         """Launches the reduction of a row-parallel partial sum: an all-reduce, or (SP) a reduce-scatter."""
@@ -176,22 +170,18 @@ class DominoLayerStack:
         all-gathered, and the row-parallel sums are reduce-scattered (async, overlapped like the all-reduces).
         """
         attention, mlp = layer.attention, layer.mlp
-        ready, part = self._column_input(layer.input_layernorm(h), f"bwd attention input grad, {site}")
+        ready = self._column_input(layer.input_layernorm(h), f"bwd attention input grad, {site}")
         yield
-        guarded = ready()
-        with self._keeping_slice(guarded, part):
-            ctx = attention.context(*attention.qkv(*guarded), mask, rotary=rotary)  # A
-        del ready, guarded  # with SP the gathered sequence: the linear kept only its slice
+        ctx = attention.context(*attention.qkv(*ready()), mask, rotary=rotary)  # A
+        del ready  # with SP it holds the gathered sequence: the linear kept only its slice
         yield
         pending = self._reduce(attention.dense.partial(ctx), attention.dense.bias, f"fwd attention, {site}")  # B
         yield
         h = pending.finish(h, layer)  # C
-        ready, part = self._column_input(layer.post_attention_layernorm(h), f"bwd mlp input grad, {site}")
+        ready = self._column_input(layer.post_attention_layernorm(h), f"bwd mlp input grad, {site}")
         yield
-        guarded = ready()
-        with self._keeping_slice(guarded, part):
-            inner = mlp.inner(*guarded)  # D
-        del ready, guarded
+        inner = mlp.inner(*ready())  # D
+        del ready
         yield
         pending = self._reduce(mlp.partial(inner), mlp.dense_4h_to_h.bias, f"fwd mlp, {site}")  # E
         yield

@@ -300,7 +300,7 @@ def all_reduce_async(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM):
     group = state.get_tensor_model_parallel_group()
     # Async launch: the caller computes another chunk meanwhile and waits right before it reads x.
     return launch_async(lambda async_op: dist.all_reduce(x.detach(), op=op, group=group, async_op=async_op),
-                   all_reduce_wire_bytes(x.numel() * x.element_size(), _tp_size()), x)
+                        all_reduce_wire_bytes(x.numel() * x.element_size(), _tp_size()), x)
 
 
 def all_reduce_max_(x: torch.Tensor) -> torch.Tensor:

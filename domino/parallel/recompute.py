@@ -12,18 +12,14 @@ interleaved with the other chunks' draws; a single RNG snapshot at the layer's s
 :func:`run_recorded` and :func:`replay` checkpoint a *step program* instead (a generator that yields between
 steps, as ``DominoLayerStack`` runs it): the forward records the RNG states before every step, and the recompute
 restores each one before the same step, so every mask is drawn from the same state as the first time.
-
-:func:`keep_sequence_slice` is the sequence-parallel form of the same trade: keep a slice, gather it again.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Dict, Generator, Iterator, List
+from typing import Any, Callable, Dict, Generator, List
 
 import torch
 
-from domino.parallel.collectives import gather_from_sequence_region
 from domino.parallel.random import capture_rng_states, restore_rng_states
 
 
@@ -121,34 +117,3 @@ def replay(x: torch.Tensor, output: torch.Tensor, make_steps: Callable[[torch.Te
     """Attaches ``output`` (computed by ``run_recorded(make_steps(x.detach()), record)``) to the graph of ``x``:
     backward re-runs ``make_steps`` on ``x`` step by step with the recorded RNG states, then backpropagates."""
     return _Replay.apply(x, output, make_steps, record)
-
-
-@contextlib.contextmanager
-def keep_sequence_slice(full: torch.Tensor, part: torch.Tensor) -> Iterator[None]:
-    """Inside the block, a tensor saved for backward that is ``full`` (an all-gathered sequence) is stored as
-    ``part`` (this rank's slice) and all-gathered again when backward needs it.
-
-    Sequence parallelism's column-parallel linears need the whole sequence for their weight gradients; keeping
-    only the slice is what makes the norms' outputs cost ``sbh / t`` (Megatron's ``LinearWithGradAccumulation...``
-    saves its input slice and all-gathers it in backward likewise). Every rank runs the same backward, so the
-    gathers are issued in the same order everywhere.
-    """
-    # Identify ``full`` by address and layout, never by reference: autograd keeps these hooks with every tensor
-    # saved in the block, and a reference would keep the whole gathered sequence alive with them.
-    key = (full.data_ptr(), tuple(full.shape), full.stride())
-
-    def pack(t: torch.Tensor):
-        return _Slice(part) if (t.data_ptr(), tuple(t.shape), t.stride()) == key else t
-
-    def unpack(saved):
-        return gather_from_sequence_region(saved.part) if isinstance(saved, _Slice) else saved
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
-
-
-class _Slice:
-    __slots__ = ("part",)
-
-    def __init__(self, part: torch.Tensor) -> None:
-        self.part = part
