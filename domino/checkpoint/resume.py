@@ -15,9 +15,9 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from domino.checkpoint import manifest, weights_io
+from domino.checkpoint import distributed_io, manifest, optimizer_state, per_rank_state, weights_io
+from domino.checkpoint.checkpointing import collective
 from domino.config import ConfigError, DominoConfig
-from domino.parallel import random as tp_random
 from domino.parallel import state
 from domino.parallel.agreement import AgreedFailure, agree
 
@@ -27,37 +27,6 @@ logger = logging.getLogger(__name__)
 #: parameters exist: learned position table, norm biases, linear biases, SwiGLU's gate, key/value heads, output).
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_size", "num_positions", "rope",
                 "normalization", "disable_bias_linear", "swiglu", "query_groups", "untie_embeddings_and_output_weights")
-
-
-def _restore_rng_state(snapshot: Dict[str, Any]) -> None:
-    kind, keys, pos, has_gauss, cached = snapshot["numpy"]
-    snapshot["numpy"] = (kind, keys.numpy().astype("uint32"), pos, has_gauss, cached)
-    tp_random.set_rng_state(snapshot)
-
-
-def _restore_optimizer_state(engine, sd: Dict[str, Any]) -> None:
-    optimizer = engine.optimizer
-    live_scaler = getattr(optimizer, "loss_scaler", None)
-    fields = sd.pop("loss_scaler_fields", None)
-    if live_scaler is not None:
-        for key, value in (fields or {}).items():
-            setattr(live_scaler, key, value)
-        sd["loss_scaler"] = live_scaler
-    # ZeRO's and the BF16 optimizer's states (deepspeed 0.19.8: runtime/zero/stage_1_and_2.py, runtime/bf16_optimizer.py)
-    # hold this DP rank's partition of the fp32 master weights; both load from a per-DP-rank list and must take
-    # those fp32 weights (load_from_fp32_weights) or resuming would restart from the rounded bf16/fp16 weights.
-    partitioned = "zero_stage" in sd or "single_partition_of_fp32_groups" in sd
-    if "zero_stage" in sd:
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-
-        sd["zero_stage"] = ZeroStageEnum(sd["zero_stage"])
-    if partitioned:
-        sd["param_slice_mappings"] = getattr(optimizer, "_param_slice_mappings", None)
-        state_list = [None] * state.get_data_parallel_world_size()
-        state_list[state.get_data_parallel_rank()] = sd
-        optimizer.load_state_dict(state_list, load_optimizer_states=True, load_from_fp32_weights=True)
-    else:
-        optimizer.load_state_dict(sd)
 
 
 def find_checkpoint(config: DominoConfig) -> Tuple[Optional[Path], bool]:
@@ -158,9 +127,23 @@ def check_compatible(meta: Dict[str, Any], config: DominoConfig, padded_vocab_si
     diffs = [f"{name}: checkpoint {getattr(saved, name)} vs run {getattr(config.model, name)}"
              for name in fields if getattr(saved, name) != getattr(config.model, name)]
     if meta["padded_vocab_size"] != padded_vocab_size and not warm_start:
-        diffs.append(f"padded vocabulary: checkpoint {meta['padded_vocab_size']} vs run {padded_vocab_size}")
+        diffs.append(f"padded vocabulary: checkpoint {meta['padded_vocab_size']} vs run {padded_vocab_size}"
+                     f"{_padding_hint(meta, config)}")
     if diffs:
         raise ConfigError(f"--load {where}: the checkpoint's model has a different shape ({'; '.join(diffs)})")
+
+
+def _padding_hint(meta: Dict[str, Any], config: DominoConfig) -> str:
+    """How to keep a checkpoint's vocabulary padding on another TP size (its rows take part in the softmax, so
+    a resume cannot drop or add them and continue the same losses)."""
+    try:
+        saved = meta["config"]["model"]["make_vocab_size_divisible_by"] * meta["tensor_model_parallel_size"]
+    except (KeyError, TypeError):
+        return ""
+    tp = config.parallel.tensor_model_parallel_size
+    if saved % tp:
+        return f" (TP={tp} cannot keep it: the padding multiple {saved} is not divisible by {tp})"
+    return f" (to keep it at TP={tp}: --make-vocab-size-divisible-by {saved // tp})"
 
 
 #: Parameters with one row per vocabulary entry (the output layer exists only in a last pipeline stage).
@@ -186,18 +169,43 @@ def _model_weights(ckpt: Path, meta: Dict[str, Any], module: torch.nn.Module) ->
     return sharding.shard_state_dict(full, tp_rank, tp)
 
 
-def _files_to_read(meta: Dict[str, Any], config: DominoConfig, weights_only: bool) -> list:
-    """The checkpoint files this rank reads when loading (names relative to the checkpoint)."""
+def optimizer_format(ckpt: Path, meta: Dict[str, Any]) -> Optional[str]:
+    """How ``ckpt`` stores optimizer state: ``"by-name"`` (any layout), ``"per-rank"`` (format 1: the layout
+    that wrote it), or ``None`` (weights only: ``import-hf`` output)."""
+    recorded = meta.get("optimizer")
+    if isinstance(recorded, dict) and recorded.get("format") in ("by-name", "per-rank"):
+        return recorded["format"]
+    return "per-rank" if (ckpt / weights_io.LEGACY_OPTIMIZER_DIR).is_dir() else None
+
+
+def _same_layout(meta: Dict[str, Any]) -> bool:
+    return (meta["tensor_model_parallel_size"] == state.get_tensor_model_parallel_world_size()
+            and meta.get("data_parallel_size") == state.get_data_parallel_world_size())
+
+
+def _files_to_read(ckpt: Path, meta: Dict[str, Any], config: DominoConfig, weights_only: bool) -> list:
+    """The checkpoint files this rank verifies before loading (names relative to the checkpoint).
+
+    The optimizer state by name is read by whichever ranks need each slice, so its files are verified once,
+    spread over the ranks (rank r takes every world-size-th file); the agreement after the check makes each
+    verdict every rank's.
+    """
     tp, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     saved_tp = meta["tensor_model_parallel_size"]
     shards = [tp_rank] if saved_tp == tp else range(saved_tp)
     names = [f"{weights_io.MODEL_DIR}/{weights_io.shard_file_name(r)}" for r in shards]
     rank = dist.get_rank() if dist.is_initialized() else 0
-    c = config.checkpoint
-    if not weights_only and not c.no_load_optim:
-        names.append(f"optim/rank_{rank:05d}.pt")
-    if not weights_only and not c.no_load_rng:
-        names.append(f"rng/rank_{rank:05d}.pt")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    c, kind = config.checkpoint, optimizer_format(ckpt, meta)
+    if weights_only or kind is None:
+        return names
+    if not c.no_load_optim and kind == "by-name":
+        stored = distributed_io.files(ckpt / weights_io.OPTIMIZER_DIR)
+        names += [f"{weights_io.OPTIMIZER_DIR}/{p.name}" for p in stored[rank::world]]
+    elif not c.no_load_optim:
+        names.append(f"{weights_io.LEGACY_OPTIMIZER_DIR}/rank_{rank:05d}.pt")
+    if not c.no_load_rng and _same_layout(meta):
+        names.append(f"{weights_io.RNG_DIR}/rank_{rank:05d}.pt")
     return names
 
 
@@ -211,7 +219,7 @@ def _verified(ckpt: Path, config: DominoConfig, weights_only: bool) -> Tuple[Pat
     while True:
         def check() -> Dict[str, Any]:
             meta = weights_io.read_checkpoint_meta(ckpt)
-            problem = manifest.verify(ckpt, _files_to_read(meta, config, weights_only))
+            problem = manifest.verify(ckpt, _files_to_read(ckpt, meta, config, weights_only))
             if problem:
                 raise ConfigError(problem)
             return meta
@@ -225,45 +233,92 @@ def _verified(ckpt: Path, config: DominoConfig, weights_only: bool) -> Tuple[Pat
 def resumed_zero_stage(ckpt: Optional[Path], config: DominoConfig, weights_only: bool) -> Optional[int]:
     """The ZeRO stage of the optimizer state this run would resume from ``ckpt``; ``None`` when it resumes none.
 
-    A stage-0 optimizer state is torch AdamW's (per parameter), a stage 1/2 one DeepSpeed's ZeRO partitions: the
-    run must use a stage of the same kind to load it (:func:`_read_state` refuses otherwise).
+    Without ``--zero-stage`` a resumed run keeps its checkpoint's stage (any stage reads a state stored by name;
+    a per-rank state of format 1 only a stage of its own kind, :func:`_check_per_rank`).
     """
-    if ckpt is None or weights_only or config.checkpoint.no_load_optim or not (ckpt / "optim").is_dir():
+    if ckpt is None or weights_only or config.checkpoint.no_load_optim:
         return None
     try:
-        return weights_io.read_checkpoint_meta(ckpt)["config"]["parallel"]["zero_stage"]
+        meta = weights_io.read_checkpoint_meta(ckpt)
+        return meta["config"]["parallel"]["zero_stage"] if optimizer_format(ckpt, meta) else None
     except (weights_io.CheckpointError, OSError, KeyError, TypeError):
         return None  # a damaged checkpoint: _verified reports it (or falls back) when loading
 
 
+def check_resumable(ckpt: Optional[Path], config: DominoConfig, data_parallel_size: int, weights_only: bool,
+                    padded_vocab_size: int) -> None:
+    """Refuses, in one line and before anything is built, a checkpoint this run cannot continue exactly.
+
+    The model's shape and padded vocabulary must match (:func:`check_compatible`). The data position (consumed
+    samples) and the learning-rate schedule count whole global batches; another ``--global-batch-size`` would
+    continue neither exactly. The micro-batch size and the layout may change: each global batch holds the same
+    samples, split otherwise.
+    """
+    if ckpt is None:
+        return
+    meta = weights_io.read_checkpoint_meta(ckpt)
+    check_compatible(meta, config, padded_vocab_size, ckpt, warm_start=weights_only)
+    if weights_only:
+        return
+    saved = meta.get("global_batch_size")
+    if saved is None:  # format 1: derive it from the saved settings
+        train = meta["config"].get("train", {})
+        saved = train.get("global_batch_size") or train.get("micro_batch_size", 0) * meta.get("data_parallel_size", 1)
+    run = config.train.global_batch_size or config.train.micro_batch_size * data_parallel_size
+    if saved and saved != run:
+        raise ConfigError(f"--load {ckpt}: saved with a global batch of {saved} samples, this run's is {run} "
+                          f"(--global-batch-size); its data position and schedule count batches of {saved}: "
+                          f"resume with --global-batch-size {saved}, or warm-start with --finetune")
+
+
+def _check_per_rank(ckpt: Path, meta: Dict[str, Any], config: DominoConfig) -> None:
+    """Refuses to load format 1's per-rank optimizer state on another layout or another kind of optimizer."""
+    tp, dp = state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size()
+    if not _same_layout(meta):
+        raise ConfigError(
+            f"--load {ckpt}: its optimizer state is per rank (format {meta['format_version']}), saved with "
+            f"TP={meta['tensor_model_parallel_size']} x DP={meta.get('data_parallel_size')}, this run is TP={tp} x "
+            f"DP={dp}; resume it once on its own layout (the next save stores the state by name, which any layout "
+            "reads), or use --no-load-optim to take the weights only")
+    saved_stage = meta["config"]["parallel"].get("zero_stage")
+    stage = config.parallel.zero_stage
+    if saved_stage is not None and (saved_stage == 0) != (stage == 0):
+        raise ConfigError(
+            f"--load {ckpt}: its optimizer state is from --zero-stage {saved_stage}, this run uses --zero-stage "
+            f"{stage} (a plain and a ZeRO optimizer save different per-rank states); resume with --zero-stage "
+            f"{saved_stage} (or without --zero-stage), or use --no-load-optim to take the weights only.")
+
+
 def _read_state(ckpt: Path, meta: Dict[str, Any], engine, config: DominoConfig, padded_vocab_size: int,
                 weights_only: bool) -> Tuple[Dict[str, torch.Tensor], Optional[dict], Optional[dict]]:
-    """This rank's model weights, optimizer state and RNG state from ``ckpt`` (read only, nothing applied)."""
+    """This rank's model weights, per-rank optimizer state and RNG state from ``ckpt`` (nothing applied; the
+    optimizer state by name is read afterwards, by all ranks together)."""
     check_compatible(meta, config, padded_vocab_size, ckpt, warm_start=weights_only)
     weights = _model_weights(ckpt, meta, engine.module)
-    if weights_only or not (ckpt / "optim").is_dir():
+    kind = optimizer_format(ckpt, meta)
+    if weights_only or kind is None:
         return weights, None, None
-    tp, dp = state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size()
-    same_layout = meta["tensor_model_parallel_size"] == tp and meta.get("data_parallel_size") == dp
     rank = dist.get_rank() if dist.is_initialized() else 0
     c, optim, rng = config.checkpoint, None, None
-    if not c.no_load_optim:
-        if not same_layout:
-            raise ConfigError(
-                f"--load {ckpt}: saved with TP={meta['tensor_model_parallel_size']} x DP={meta.get('data_parallel_size')}"
-                f", this run is TP={tp} x DP={dp}; the optimizer state cannot be resharded. Use --finetune or "
-                "--no-load-optim to take the weights only.")
-        saved_stage = meta["config"]["parallel"].get("zero_stage")
-        stage = config.parallel.zero_stage
-        if saved_stage is not None and (saved_stage == 0) != (stage == 0):
-            raise ConfigError(
-                f"--load {ckpt}: its optimizer state is from --zero-stage {saved_stage}, this run uses --zero-stage "
-                f"{stage} (a plain and a ZeRO optimizer save different states); resume with --zero-stage "
-                f"{saved_stage} (or without --zero-stage), or use --no-load-optim to take the weights only.")
-        optim = torch.load(ckpt / "optim" / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)
-    if not c.no_load_rng and same_layout:
-        rng = torch.load(ckpt / "rng" / f"rank_{rank:05d}.pt", weights_only=True)
+    if not c.no_load_optim and kind == "per-rank":
+        _check_per_rank(ckpt, meta, config)
+        optim = torch.load(ckpt / weights_io.LEGACY_OPTIMIZER_DIR / f"rank_{rank:05d}.pt", map_location="cpu",
+                           weights_only=True)
+    elif not c.no_load_optim and not optimizer_state.supports(engine):
+        raise ConfigError(f"--load {ckpt}: this run's optimizer (--fp16 without ZeRO) cannot take an optimizer "
+                          "state stored by name; resume with --zero-stage 1, or use --no-load-optim")
+    elif not c.no_load_optim:
+        optimizer_state.Scalars.from_json(meta["optimizer"], str(ckpt / weights_io.META_FILE))
+    if not c.no_load_rng and _same_layout(meta):
+        rng = torch.load(ckpt / weights_io.RNG_DIR / f"rank_{rank:05d}.pt", weights_only=True)
     return weights, optim, rng
+
+
+def _read_optimizer_by_name(ckpt: Path, engine):
+    """Every rank's slices of the optimizer state stored by name (collective: DCP plans and reads together)."""
+    tensors = optimizer_state.empty_like_state(engine)
+    distributed_io.load(ckpt / weights_io.OPTIMIZER_DIR, tensors)
+    return tensors
 
 
 def load_checkpoint(engine, config: DominoConfig, ckpt: Path, padded_vocab_size: int,
@@ -283,19 +338,25 @@ def load_checkpoint(engine, config: DominoConfig, ckpt: Path, padded_vocab_size:
     ckpt, meta = _verified(ckpt, config, weights_only)
     weights, optim, rng = agree(f"reading checkpoint {ckpt}", lambda: _read_state(
         ckpt, meta, engine, config, padded_vocab_size, weights_only))
+    kind = optimizer_format(ckpt, meta)
+    by_name = None
+    if kind == "by-name" and not weights_only and not config.checkpoint.no_load_optim:
+        by_name = collective(f"reading the optimizer state of {ckpt}", lambda: _read_optimizer_by_name(ckpt, engine))
     engine.module.load_state_dict(weights, strict=True)
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO keeps its own fp32 master copy of the weights
     if weights_only:
         logger.info("warm start from %s (weights only, iteration 0)", ckpt)
         return 0, 0
-    if not (ckpt / "optim").is_dir():
+    if kind is None:
         logger.info("%s holds weights only (no optimizer or RNG state): continuing with a fresh optimizer", ckpt)
         return meta["iteration"], meta["consumed_samples"]
+    if by_name is not None:  # after the weights: the master weights are the checkpoint's, not rounded copies
+        optimizer_state.scatter(engine, by_name, optimizer_state.Scalars.from_json(meta["optimizer"], str(ckpt)))
     if optim is not None:
-        _restore_optimizer_state(engine, optim)
+        per_rank_state.restore_optimizer(engine, optim)
     if rng is not None:
-        _restore_rng_state(rng)
+        per_rank_state.restore_rng(rng)
     logger.info("resumed from %s at iteration %d (%d samples consumed)", ckpt, meta["iteration"],
                 meta["consumed_samples"])
     return meta["iteration"], meta["consumed_samples"]

@@ -34,10 +34,16 @@ from domino.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+#: Version 2 stores the optimizer state by parameter name (``optimizer/``, any layout reads it); version 1 kept
+#: each rank's optimizer state (``optim/rank_NNNNN.pt``, read on the layout that wrote it). Both are read.
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 LATEST_FILE = "latest"
 META_FILE = "checkpoint.json"
 MODEL_DIR = "model"
+OPTIMIZER_DIR = "optimizer"
+LEGACY_OPTIMIZER_DIR = "optim"
+RNG_DIR = "rng"
 TOKENIZER_DIR = "tokenizer"
 REQUIRED_META_KEYS = ("format_version", "iteration", "consumed_samples", "tensor_model_parallel_size",
                       "padded_vocab_size", "tokenizer", "config")
@@ -129,9 +135,9 @@ def _check_meta(meta: Dict[str, Any], source: str) -> None:
     missing = [k for k in REQUIRED_META_KEYS if k not in meta]
     if missing:
         raise CheckpointError(f"{source}: missing field(s) {', '.join(missing)}")
-    if meta["format_version"] != FORMAT_VERSION:
+    if meta["format_version"] not in READABLE_FORMAT_VERSIONS:
         raise CheckpointError(f"{source}: format_version {meta['format_version']!r} is not supported "
-                              f"(this domino reads version {FORMAT_VERSION})")
+                              f"(this domino reads versions {', '.join(map(str, READABLE_FORMAT_VERSIONS))})")
     for key in ("iteration", "consumed_samples", "tensor_model_parallel_size", "padded_vocab_size"):
         if not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 0:
             raise CheckpointError(f"{source}: field {key} must be a non-negative integer, got {meta[key]!r}")
@@ -181,7 +187,7 @@ def save_model_shard(ckpt_dir: PathLike, state_dict: Dict[str, torch.Tensor], tp
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(str(final))
     try:
-        save_file(tensors, tmp, metadata={"format_version": str(FORMAT_VERSION), "tp_rank": str(tp_rank)})
+        save_file(tensors, tmp, metadata={"format_version": "1", "tp_rank": str(tp_rank)})  # the shards' own
         commit(tmp, str(final))
     finally:
         remove_quietly(tmp)

@@ -110,6 +110,8 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     # Fail on a garbage --load before building anything.
     resume_from, warm_start = agree("choosing the checkpoint to resume",
                                     lambda: resume.find_checkpoint(config))
+    agree("checking the checkpoint against this run", lambda: resume.check_resumable(
+        resume_from, config, state.get_data_parallel_world_size(), warm_start, padded_vocab_size))
     chosen = resolve_zero_stage(config, state.get_data_parallel_world_size(),
                                 resume.resumed_zero_stage(resume_from, config, warm_start))
     if chosen and dist.get_rank() == 0:
@@ -283,7 +285,7 @@ class _Trainer:
     def _save(self, iteration: int, consumed: int) -> str:
         started = time.perf_counter()
         path = checkpointing.save_checkpoint(self.engine, self.config, iteration, consumed, self.padded_vocab_size,
-                                             self.tokenizer)
+                                             self.tokenizer, global_batch_size=self.gbs)
         self.paused += time.perf_counter() - started
         return str(path)
 
