@@ -1,6 +1,6 @@
 """The checkpoint format in one place.
 
-* :mod:`~domino.checkpoint.weights_io`: the layout of a save root (``latest``, ``iter_NNNNNNN/``),
+* :mod:`~domino.checkpoint.on_disk`: the layout of a save root (``latest``, ``iter_NNNNNNN/``),
   ``checkpoint.json`` and the per-TP-rank safetensors model shards; building a model from a checkpoint;
 * :mod:`~domino.checkpoint.sharding`: splitting and merging tensor-parallel shards (resharding);
 * :mod:`~domino.checkpoint.manifest`: sizes and CRC-32 of every file, verified before use;

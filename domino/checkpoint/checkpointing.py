@@ -1,6 +1,6 @@
 """Atomic training checkpoints: model shards, ZeRO optimizer state, RNG states, position in the data.
 
-Layout of a save root (model weights and ``checkpoint.json`` are ``domino.checkpoint.weights_io``'s format)::
+Layout of a save root (model weights and ``checkpoint.json`` are ``domino.checkpoint.on_disk``'s format)::
 
     DIR/latest                         tag of the newest complete checkpoint, replaced last, atomically
     DIR/iter_0000100/checkpoint.json   iteration, consumed samples, TP size, padded vocab, resolved config
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from domino.atomic_files import atomic_write, fsync_directory
-from domino.checkpoint import distributed_io, manifest, optimizer_state, per_rank_state, weights_io
+from domino.checkpoint import distributed_io, manifest, optimizer_state, per_rank_state, on_disk
 from domino.config import DominoConfig, config_to_dict
 from domino.parallel import state
 from domino.parallel.agreement import AgreedFailure, agree
@@ -107,7 +107,7 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
         AgreedFailure: on every rank when any rank's part of the save failed.
     """
     root = Path(config.checkpoint.save)
-    tag = weights_io.checkpoint_tag(iteration)
+    tag = on_disk.checkpoint_tag(iteration)
     tmp, final = root / f".tmp-{tag}", root / tag
     rank = dist.get_rank() if dist.is_initialized() else 0
 
@@ -117,17 +117,17 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a run killed mid-save
-            (tmp / (weights_io.OPTIMIZER_DIR if by_name else weights_io.LEGACY_OPTIMIZER_DIR)).mkdir(parents=True)
+            (tmp / (on_disk.OPTIMIZER_DIR if by_name else on_disk.LEGACY_OPTIMIZER_DIR)).mkdir(parents=True)
             (tmp / "rng").mkdir()
 
     def write_optimizer_state():
         tensors, scalars = optimizer_state.gather(engine)
-        return distributed_io.save(tmp / weights_io.OPTIMIZER_DIR, tensors), scalars.to_json()
+        return distributed_io.save(tmp / on_disk.OPTIMIZER_DIR, tensors), scalars.to_json()
 
     def write(optimizer_files, scalars) -> None:
         written = [tmp / "rng" / f"rank_{rank:05d}.pt", *optimizer_files]
         if state.get_data_parallel_rank() == 0:
-            written.append(weights_io.save_model_shard(tmp, engine.module.state_dict(),
+            written.append(on_disk.save_model_shard(tmp, engine.module.state_dict(),
                                                        state.get_tensor_model_parallel_rank()))
         _atomic_torch_save(per_rank_state.rng_snapshot(), written[0])
         if not by_name:
@@ -135,7 +135,7 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
             _atomic_torch_save(per_rank_state.optimizer_snapshot(engine), written[-1])
         manifest.write_part(tmp, rank, written)  # each rank digests its own files: the work is spread
         if rank == 0:
-            weights_io.write_checkpoint_meta(tmp, {
+            on_disk.write_checkpoint_meta(tmp, {
                 "iteration": iteration, "consumed_samples": consumed_samples,
                 "tensor_model_parallel_size": state.get_tensor_model_parallel_world_size(),
                 "data_parallel_size": state.get_data_parallel_world_size(),
@@ -176,7 +176,7 @@ def _commit(tmp: Path, final: Path, config: DominoConfig) -> None:
         shutil.rmtree(trash)
     os.replace(tmp, final)
     fsync_directory(root)
-    weights_io.write_latest(root, tag)
+    on_disk.write_latest(root, tag)
     _prune(root, config.checkpoint.keep_last, keep=tag)
     logger.info("saved checkpoint %s", final)
 
@@ -187,7 +187,7 @@ def resume_hint(config: DominoConfig) -> str:
     if not save:
         return "nothing is saved (no --save): a restart begins again"
     try:
-        latest = weights_io.find_latest_checkpoint(save)
+        latest = on_disk.find_latest_checkpoint(save)
     except (ValueError, OSError):
         latest = None
     if latest is None:

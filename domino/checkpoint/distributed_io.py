@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from domino.checkpoint.sharding import partition_dim
-from domino.checkpoint.weights_io import CheckpointError
+from domino.checkpoint.on_disk import CheckpointError
 from domino.parallel import state
 
 FILE_SUFFIX = ".safetensors"

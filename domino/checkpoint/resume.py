@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from domino.checkpoint import distributed_io, manifest, optimizer_state, per_rank_state, weights_io
+from domino.checkpoint import distributed_io, manifest, optimizer_state, per_rank_state, on_disk
 from domino.checkpoint.checkpointing import collective
 from domino.config import ConfigError, DominoConfig
 from domino.parallel import state
@@ -62,10 +62,10 @@ def _resolve(directory: str, flag: str) -> Optional[Path]:
         raise ConfigError(f"{flag} {directory}: not a domino checkpoint directory (no 'latest' file; found "
                           f"{', '.join(sorted(leftovers)[:5])})")
     try:
-        return weights_io.resolve_checkpoint_dir(path)
+        return on_disk.resolve_checkpoint_dir(path)
     except (ValueError, OSError) as error:
         try:
-            pointed = weights_io.read_latest(path)
+            pointed = on_disk.read_latest(path)
         except ValueError:
             pointed = None
         if pointed is not None and pointed.is_dir():
@@ -83,7 +83,7 @@ def _older_checkpoints(ckpt: Path):
 def _damage(ckpt: Path) -> Optional[str]:
     """Why ``ckpt`` cannot be resumed, from its metadata, manifest and file sizes (no data read)."""
     try:
-        weights_io.read_checkpoint_meta(ckpt)
+        on_disk.read_checkpoint_meta(ckpt)
     except ValueError as error:
         return str(error)
     return manifest.find_damage(ckpt)
@@ -158,9 +158,9 @@ def _model_weights(ckpt: Path, meta: Dict[str, Any], module: torch.nn.Module) ->
     local = module.state_dict().get(VOCAB_ROWS[0])
     rows = local.shape[0] * tp if local is not None else meta["padded_vocab_size"]
     if meta["padded_vocab_size"] == rows:
-        return weights_io.load_model_shard(ckpt, tp_rank, tp)
+        return on_disk.load_model_shard(ckpt, tp_rank, tp)
     logger.info("re-padding the vocabulary from %d to %d rows", meta["padded_vocab_size"], rows)
-    full = weights_io.load_full_state_dict(ckpt)
+    full = on_disk.load_full_state_dict(ckpt)
     for name in VOCAB_ROWS:
         if name in full:
             weight = full[name][:rows]
@@ -175,7 +175,7 @@ def optimizer_format(ckpt: Path, meta: Dict[str, Any]) -> Optional[str]:
     recorded = meta.get("optimizer")
     if isinstance(recorded, dict) and recorded.get("format") in ("by-name", "per-rank"):
         return recorded["format"]
-    return "per-rank" if (ckpt / weights_io.LEGACY_OPTIMIZER_DIR).is_dir() else None
+    return "per-rank" if (ckpt / on_disk.LEGACY_OPTIMIZER_DIR).is_dir() else None
 
 
 def _same_layout(meta: Dict[str, Any]) -> bool:
@@ -193,19 +193,19 @@ def _files_to_read(ckpt: Path, meta: Dict[str, Any], config: DominoConfig, weigh
     tp, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     saved_tp = meta["tensor_model_parallel_size"]
     shards = [tp_rank] if saved_tp == tp else range(saved_tp)
-    names = [f"{weights_io.MODEL_DIR}/{weights_io.shard_file_name(r)}" for r in shards]
+    names = [f"{on_disk.MODEL_DIR}/{on_disk.shard_file_name(r)}" for r in shards]
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     c, kind = config.checkpoint, optimizer_format(ckpt, meta)
     if weights_only or kind is None:
         return names
     if not c.no_load_optim and kind == "by-name":
-        stored = distributed_io.files(ckpt / weights_io.OPTIMIZER_DIR)
-        names += [f"{weights_io.OPTIMIZER_DIR}/{p.name}" for p in stored[rank::world]]
+        stored = distributed_io.files(ckpt / on_disk.OPTIMIZER_DIR)
+        names += [f"{on_disk.OPTIMIZER_DIR}/{p.name}" for p in stored[rank::world]]
     elif not c.no_load_optim:
-        names.append(f"{weights_io.LEGACY_OPTIMIZER_DIR}/rank_{rank:05d}.pt")
+        names.append(f"{on_disk.LEGACY_OPTIMIZER_DIR}/rank_{rank:05d}.pt")
     if not c.no_load_rng and _same_layout(meta):
-        names.append(f"{weights_io.RNG_DIR}/rank_{rank:05d}.pt")
+        names.append(f"{on_disk.RNG_DIR}/rank_{rank:05d}.pt")
     return names
 
 
@@ -218,7 +218,7 @@ def _verified(ckpt: Path, config: DominoConfig, weights_only: bool) -> Tuple[Pat
     """
     while True:
         def check() -> Dict[str, Any]:
-            meta = weights_io.read_checkpoint_meta(ckpt)
+            meta = on_disk.read_checkpoint_meta(ckpt)
             problem = manifest.verify(ckpt, _files_to_read(ckpt, meta, config, weights_only))
             if problem:
                 raise ConfigError(problem)
@@ -239,9 +239,9 @@ def resumed_zero_stage(ckpt: Optional[Path], config: DominoConfig, weights_only:
     if ckpt is None or weights_only or config.checkpoint.no_load_optim:
         return None
     try:
-        meta = weights_io.read_checkpoint_meta(ckpt)
+        meta = on_disk.read_checkpoint_meta(ckpt)
         return meta["config"]["parallel"]["zero_stage"] if optimizer_format(ckpt, meta) else None
-    except (weights_io.CheckpointError, OSError, KeyError, TypeError):
+    except (on_disk.CheckpointError, OSError, KeyError, TypeError):
         return None  # a damaged checkpoint: _verified reports it (or falls back) when loading
 
 
@@ -256,7 +256,7 @@ def check_resumable(ckpt: Optional[Path], config: DominoConfig, data_parallel_si
     """
     if ckpt is None:
         return
-    meta = weights_io.read_checkpoint_meta(ckpt)
+    meta = on_disk.read_checkpoint_meta(ckpt)
     check_compatible(meta, config, padded_vocab_size, ckpt, warm_start=weights_only)
     if weights_only:
         return
@@ -302,22 +302,22 @@ def _read_state(ckpt: Path, meta: Dict[str, Any], engine, config: DominoConfig, 
     c, optim, rng = config.checkpoint, None, None
     if not c.no_load_optim and kind == "per-rank":
         _check_per_rank(ckpt, meta, config)
-        optim = torch.load(ckpt / weights_io.LEGACY_OPTIMIZER_DIR / f"rank_{rank:05d}.pt", map_location="cpu",
+        optim = torch.load(ckpt / on_disk.LEGACY_OPTIMIZER_DIR / f"rank_{rank:05d}.pt", map_location="cpu",
                            weights_only=True)
     elif not c.no_load_optim and not optimizer_state.supports(engine):
         raise ConfigError(f"--load {ckpt}: this run's optimizer (--fp16 without ZeRO) cannot take an optimizer "
                           "state stored by name; resume with --zero-stage 1, or use --no-load-optim")
     elif not c.no_load_optim:
-        optimizer_state.Scalars.from_json(meta["optimizer"], str(ckpt / weights_io.META_FILE))
+        optimizer_state.Scalars.from_json(meta["optimizer"], str(ckpt / on_disk.META_FILE))
     if not c.no_load_rng and _same_layout(meta):
-        rng = torch.load(ckpt / weights_io.RNG_DIR / f"rank_{rank:05d}.pt", weights_only=True)
+        rng = torch.load(ckpt / on_disk.RNG_DIR / f"rank_{rank:05d}.pt", weights_only=True)
     return weights, optim, rng
 
 
 def _read_optimizer_by_name(ckpt: Path, engine):
     """Every rank's slices of the optimizer state stored by name (collective: DCP plans and reads together)."""
     tensors = optimizer_state.empty_like_state(engine)
-    distributed_io.load(ckpt / weights_io.OPTIMIZER_DIR, tensors)
+    distributed_io.load(ckpt / on_disk.OPTIMIZER_DIR, tensors)
     return tensors
 
 

@@ -2,7 +2,7 @@
 on; and an offline copy at another tensor-parallel size, or as one file per tensor.
 
 Both read one process's worth of files (no process group); the headers they trust are checked first
-(:func:`domino.checkpoint.distributed_io.stored_tensors`, :func:`domino.checkpoint.weights_io.read_header_shapes`).
+(:func:`domino.checkpoint.distributed_io.stored_tensors`, :func:`domino.checkpoint.on_disk.read_header_shapes`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from domino.atomic_files import fsync_directory
-from domino.checkpoint import distributed_io, manifest, sharding, weights_io
+from domino.checkpoint import distributed_io, manifest, sharding, on_disk
+from domino.checkpoint import model_loading
 from domino.checkpoint.resume import optimizer_format
 
 
@@ -106,21 +107,21 @@ def inspect(path, verify: bool = True, progress: Optional[bool] = None) -> Inspe
     Raises:
         CheckpointError: when ``path`` is not a readable checkpoint.
     """
-    ckpt = weights_io.resolve_checkpoint_dir(path)
-    meta = weights_io.read_checkpoint_meta(ckpt)
+    ckpt = on_disk.resolve_checkpoint_dir(path)
+    meta = on_disk.read_checkpoint_meta(ckpt)
     kind = optimizer_format(ckpt, meta)
     parts: Dict[str, int] = {}
     for item in sorted(ckpt.rglob("*")):
         if item.is_file():
             part = item.relative_to(ckpt).parts[0] if len(item.relative_to(ckpt).parts) > 1 else "metadata"
             parts[part] = parts.get(part, 0) + item.stat().st_size
-    shapes = weights_io.merged_header_shapes(ckpt, meta)
+    shapes = model_loading.merged_header_shapes(ckpt, meta)
     model = meta["config"]["model"]
     described = {"layers": model["num_layers"], "hidden": model["hidden_size"], "heads": model["num_attention_heads"],
                  "padded vocabulary": meta["padded_vocab_size"],
                  "parameters": sum(_numel(s) for s in shapes.values())}
     if kind == "by-name":
-        distributed_io.stored_tensors(ckpt / weights_io.OPTIMIZER_DIR)  # its headers must fit their tensors
+        distributed_io.stored_tensors(ckpt / on_disk.OPTIMIZER_DIR)  # its headers must fit their tensors
     parallel = meta["config"].get("parallel", {})
     layout = {"TP": meta["tensor_model_parallel_size"], "DP": meta.get("data_parallel_size"),
               "ZeRO": parallel.get("zero_stage"), "Domino chunks": parallel.get("domino_chunks")}
@@ -138,7 +139,7 @@ def _numel(shape) -> int:
 
 def _fresh_output(output: Path) -> Path:
     if output.exists() and any(output.iterdir()):
-        raise weights_io.CheckpointError(f"--output {output} is not empty; name a new directory")
+        raise on_disk.CheckpointError(f"--output {output} is not empty; name a new directory")
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.parent / f".tmp-{output.name}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -162,15 +163,15 @@ def convert_layout(path, output, tensor_model_parallel_size: int, progress: Opti
     is (every layout reads it), the RNG streams are left out (they belong to the layout that drew them), and the
     copy gets its own manifest. A per-rank optimizer state (format 1) cannot be cut: it is refused.
     """
-    ckpt = weights_io.resolve_checkpoint_dir(path)
-    meta = weights_io.read_checkpoint_meta(ckpt)
+    ckpt = on_disk.resolve_checkpoint_dir(path)
+    meta = on_disk.read_checkpoint_meta(ckpt)
     if optimizer_format(ckpt, meta) == "per-rank":
-        raise weights_io.CheckpointError(
+        raise on_disk.CheckpointError(
             f"{ckpt}: its optimizer state is per rank (format 1); resume it once on its own layout, then convert "
             "the checkpoint that run saves")
-    weights_io.check_checkpoint_fits(ckpt, meta, _config(meta), 1)
+    model_loading.check_checkpoint_fits(ckpt, meta, _config(meta), 1)
     if tensor_model_parallel_size not in tensor_parallel_sizes(meta):
-        raise weights_io.CheckpointError(
+        raise on_disk.CheckpointError(
             f"--tensor-model-parallel-size {tensor_model_parallel_size}: {ckpt}'s model can be cut for TP "
             f"{', '.join(map(str, tensor_parallel_sizes(meta)))} only")
     config = json.loads(json.dumps(meta["config"]))
@@ -181,34 +182,34 @@ def convert_layout(path, output, tensor_model_parallel_size: int, progress: Opti
     tmp = _fresh_output(output)
     target = tmp / ckpt.name
     target.mkdir()
-    full = weights_io.load_full_state_dict(ckpt)
+    full = on_disk.load_full_state_dict(ckpt)
     with _progress(tensor_model_parallel_size, "model shards", progress, unit="shard") as bar:
         for rank in range(tensor_model_parallel_size):
-            weights_io.save_model_shard(target, sharding.shard_state_dict(full, rank, tensor_model_parallel_size),
+            on_disk.save_model_shard(target, sharding.shard_state_dict(full, rank, tensor_model_parallel_size),
                                         rank)
             bar.update(1)
-    for sub in (weights_io.OPTIMIZER_DIR, weights_io.TOKENIZER_DIR):
+    for sub in (on_disk.OPTIMIZER_DIR, on_disk.TOKENIZER_DIR):
         if (ckpt / sub).is_dir():
             shutil.copytree(ckpt / sub, target / sub)
-    weights_io.write_checkpoint_meta(target, {**meta, "tensor_model_parallel_size": tensor_model_parallel_size,
+    on_disk.write_checkpoint_meta(target, {**meta, "tensor_model_parallel_size": tensor_model_parallel_size,
                                               "data_parallel_size": None, "config": config})
     manifest.seal(target)
-    weights_io.write_latest(tmp, ckpt.name)
+    on_disk.write_latest(tmp, ckpt.name)
     return _finish(tmp, output)
 
 
 def convert_per_tensor(path, output, progress: Optional[bool] = None) -> Path:
     """Writes every whole tensor of a checkpoint (model weights; optimizer state stored by name) to its own
     ``NAME.safetensors`` under ``output/model/`` and ``output/optimizer/``, with ``index.json`` listing them."""
-    ckpt = weights_io.resolve_checkpoint_dir(path)
-    meta = weights_io.read_checkpoint_meta(ckpt)
+    ckpt = on_disk.resolve_checkpoint_dir(path)
+    meta = on_disk.read_checkpoint_meta(ckpt)
     from safetensors.torch import save_file
 
     output = Path(output)
     tmp = _fresh_output(output)
-    groups = {"model": weights_io.load_full_state_dict(ckpt)}
+    groups = {"model": on_disk.load_full_state_dict(ckpt)}
     if optimizer_format(ckpt, meta) == "by-name":
-        groups["optimizer"] = distributed_io.read_full(ckpt / weights_io.OPTIMIZER_DIR)
+        groups["optimizer"] = distributed_io.read_full(ckpt / on_disk.OPTIMIZER_DIR)
     index = {}
     with _progress(sum(len(g) for g in groups.values()), "tensors", progress, unit="tensor") as bar:
         for group, tensors in groups.items():

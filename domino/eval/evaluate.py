@@ -145,7 +145,8 @@ def evaluate_checkpoint(
     """
     from domino.data.batch import get_batch
     from domino.data.loader import build_pretraining_data_loader
-    from domino.checkpoint.weights_io import build_model_from_checkpoint, read_checkpoint_meta, resolve_checkpoint_dir
+    from domino.checkpoint.on_disk import read_checkpoint_meta, resolve_checkpoint_dir
+    from domino.checkpoint.model_loading import build_model_from_checkpoint
 
     if micro_batch_size < 1:
         raise ConfigError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")

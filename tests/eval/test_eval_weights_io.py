@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from domino.config import DominoConfig, config_to_dict
-from domino.checkpoint import weights_io as wio
+from domino.checkpoint import on_disk as wio
 
 
 def _meta(tp=1, iteration=7):

@@ -51,15 +51,15 @@ MUTATIONS: List[Mutation] = [
              ["tests/test_atomic_files.py"]),
     Mutation("checkpoint-latest-before-rename", "domino/checkpoint/checkpointing.py",
              "    os.replace(tmp, final)\n    fsync_directory(root)\n"
-             "    weights_io.write_latest(root, tag)\n",
-             "    weights_io.write_latest(root, tag)\n"
+             "    on_disk.write_latest(root, tag)\n",
+             "    on_disk.write_latest(root, tag)\n"
              "    os.replace(tmp, final)\n    fsync_directory(root)\n",
              ["tests/train/test_checkpoint_commit.py"]),
     Mutation("checkpoint-prune-before-latest", "domino/checkpoint/checkpointing.py",
-             "    weights_io.write_latest(root, tag)\n"
+             "    on_disk.write_latest(root, tag)\n"
              "    _prune(root, config.checkpoint.keep_last, keep=tag)\n",
              "    _prune(root, config.checkpoint.keep_last, keep=tag)\n"
-             "    weights_io.write_latest(root, tag)\n",
+             "    on_disk.write_latest(root, tag)\n",
              ["tests/train/test_checkpoint_commit.py"]),
     Mutation("checkpoint-rng-not-restored", "domino/checkpoint/resume.py",
              "    if not c.no_load_rng and same_layout:", "    if False:",

@@ -1,4 +1,4 @@
-"""The model-weights part of the domino checkpoint format.
+"""The domino checkpoint format on disk: the save root, ``checkpoint.json`` and the model shards.
 
 A save root ``DIR`` holds ``DIR/latest`` (a text file naming the newest checkpoint, e.g. ``iter_0000100``,
 replaced last by an atomic rename) and one directory per checkpoint::
@@ -8,7 +8,8 @@ replaced last by an atomic rename) and one directory per checkpoint::
         model/tp_rank_00.safetensors each tensor-parallel rank's ``model.state_dict()``
         model/tp_rank_01.safetensors ...
         tokenizer/                   optional: the tokenizer, so the checkpoint is self-contained
-        optim/, rng/                 training state (owned by ``domino.train``; not read here)
+        optimizer/                   the optimizer state by parameter name (``domino.checkpoint.distributed_io``)
+        rng/                         each rank's RNG streams (``domino.checkpoint.per_rank_state``)
 
 Weights are stored with safetensors, so loading never unpickles anything. Every file is written to a
 temporary name, fsynced and renamed, so an interrupted save never leaves a half-written file under the
@@ -49,8 +50,6 @@ REQUIRED_META_KEYS = ("format_version", "iteration", "consumed_samples", "tensor
                       "padded_vocab_size", "tokenizer", "config")
 _TAG_PATTERN = re.compile(r"^iter_\d{7,}$")
 _SHARD_PATTERN = re.compile(r"^tp_rank_(\d{2,})\.safetensors$")
-_LAYER_PATTERN = re.compile(r"^layers\.(\d+)\.")
-_EMBEDDING = "embedding.word_embeddings.weight"
 
 PathLike = Union[str, os.PathLike]
 
@@ -240,57 +239,6 @@ def shard_paths(ckpt_dir: PathLike, meta: Optional[Dict[str, Any]] = None) -> Li
     return [model_dir / shard_file_name(r) for r in range(tp)]
 
 
-def merged_header_shapes(ckpt_dir: PathLike, meta: Dict[str, Any]) -> Dict[str, Tuple[int, ...]]:
-    """The unsharded shape of every tensor of a checkpoint, from its shard headers alone (no tensor data)."""
-    from domino.checkpoint.sharding import partition_dim
-
-    merged: Dict[str, Tuple[int, ...]] = {}
-    for rank, path in enumerate(shard_paths(ckpt_dir, meta)):
-        for name, shape in read_header_shapes(path).items():
-            dim = partition_dim(name)
-            if name not in merged or dim is None or dim >= len(shape):
-                merged.setdefault(name, shape)
-            elif rank:
-                merged[name] = merged[name][:dim] + (merged[name][dim] + shape[dim],) + merged[name][dim + 1:]
-    return merged
-
-
-def check_checkpoint_fits(ckpt_dir: PathLike, meta: Dict[str, Any], config, tp_size: int = 1) -> None:
-    """Checks ``checkpoint.json`` against the shard headers before a model is built from it.
-
-    The metadata is untrusted (a hand-edited or foreign file can claim any vocabulary, width or depth);
-    the headers are backed by bytes on disk. The layer count and vocabulary are compared first, then every
-    tensor shape of a skeleton model built on the meta device (no memory) at ``tp_size`` with the shapes the
-    shards would be cut to.
-
-    Raises:
-        CheckpointError: naming the first field or tensor where metadata and shards disagree.
-    """
-    from domino.model import GPTModel
-    from domino.checkpoint.sharding import partition_dim
-
-    source = Path(ckpt_dir) / META_FILE
-    stored = merged_header_shapes(ckpt_dir, meta)
-    layer_ids = {int(m.group(1)) for m in map(_LAYER_PATTERN.match, stored) if m}
-    stored_layers = max(layer_ids) + 1 if layer_ids else 0
-    if config.model.num_layers != stored_layers:
-        raise CheckpointError(f"{source}: config.model.num_layers is {config.model.num_layers} but the shards "
-                              f"hold {stored_layers} layers")
-    vocab = meta["padded_vocab_size"]
-    rows = stored.get(_EMBEDDING, (vocab,))[0]
-    if rows != vocab:
-        raise CheckpointError(f"{source}: padded_vocab_size is {vocab} but the shards' {_EMBEDDING} has {rows} rows")
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in GPTModel(config.model, vocab).state_dict().items()}
-    for name in sorted(set(expected) | set(stored)):
-        shape, dim = stored.get(name), partition_dim(name)
-        if shape is not None and dim is not None and dim < len(shape):
-            shape = shape[:dim] + (shape[dim] / tp_size,) + shape[dim + 1:]
-        if expected.get(name) != shape:
-            raise CheckpointError(f"{source}: its config describes {name} as {expected.get(name)} but the shards "
-                                  f"hold {stored.get(name)} (at tensor_model_parallel_size={tp_size})")
-
-
 def load_tp_shards(ckpt_dir: PathLike) -> Tuple[List[Dict[str, torch.Tensor]], Dict[str, Any]]:
     """All TP shards of a checkpoint (as saved) and its metadata."""
     meta = read_checkpoint_meta(ckpt_dir)
@@ -324,72 +272,6 @@ def load_model_shard(ckpt_dir: PathLike, tp_rank: int, tp_size: int) -> Dict[str
 
     logger.info("resharding %s from TP=%d to TP=%d", ckpt_dir, meta["tensor_model_parallel_size"], tp_size)
     return shard_state_dict(load_full_state_dict(ckpt_dir), tp_rank, tp_size)
-
-
-def load_checkpoint_tokenizer(ckpt_dir: PathLike, meta: Dict[str, Any], tokenizer_spec: Optional[str] = None):
-    """The tokenizer of a checkpoint: ``tokenizer_spec`` if given, else its ``tokenizer/`` copy, else its spec."""
-    from domino.data.tokenizer import build_tokenizer
-
-    saved = Path(ckpt_dir) / TOKENIZER_DIR
-    spec = tokenizer_spec or (str(saved) if saved.is_dir() else meta["tokenizer"])
-    try:
-        return build_tokenizer(spec)
-    except ConfigError:
-        raise
-    except Exception as error:  # a spec recorded on another machine may not resolve here
-        raise CheckpointError(f"checkpoint {ckpt_dir}: cannot build tokenizer {spec!r} ({error}); "
-                              "pass the tokenizer explicitly") from None
-
-
-def build_model_from_checkpoint(
-    path: PathLike,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    *,
-    domino_chunks: int = 1,
-    parallel_output: bool = True,
-    device: Union[str, torch.device] = "cpu",
-    dtype: torch.dtype = torch.float32,
-    load_tokenizer: bool = True,
-    tokenizer_spec: Optional[str] = None,
-):
-    """Builds a ``GPTModel`` in eval mode holding TP rank ``tp_rank``'s slice of a checkpoint.
-
-    With ``tp_size > 1`` the TP process groups must already exist (``initialize_model_parallel``).
-
-    Args:
-        path: a save root (its ``latest`` checkpoint is used) or an ``iter_*`` directory.
-        tp_rank: this process's tensor-parallel rank.
-        tp_size: the tensor-parallel size to load at (any; the checkpoint is resharded if needed).
-        domino_chunks: Domino micro-chunks of the built model.
-        parallel_output: keep logits vocab-parallel (False gathers the full vocabulary on every rank).
-        device: where the model lives.
-        dtype: parameter dtype.
-        load_tokenizer: also build the checkpoint's tokenizer (``None`` is returned otherwise).
-        tokenizer_spec: a tokenizer spec that overrides the checkpoint's own.
-
-    Returns:
-        ``(model, meta, tokenizer)``: the model, the checkpoint metadata (plus ``"checkpoint_dir"``),
-        and the tokenizer or ``None``.
-    """
-    from domino.config import config_from_dict
-    from domino.model import GPTModel
-
-    ckpt_dir = resolve_checkpoint_dir(path)
-    meta = read_checkpoint_meta(ckpt_dir)
-    config = config_from_dict(meta["config"])
-    config.parallel.tensor_model_parallel_size = tp_size
-    check_checkpoint_fits(ckpt_dir, meta, config, tp_size)
-    state_dict = load_model_shard(ckpt_dir, tp_rank, tp_size)
-    model = GPTModel(config.model, meta["padded_vocab_size"], domino_chunks=domino_chunks,
-                     parallel_output=parallel_output)
-    try:
-        model.load_state_dict(state_dict, strict=True)
-    except RuntimeError as error:
-        raise CheckpointError(f"checkpoint {ckpt_dir} does not fit the model its config describes: {error}") from None
-    model.to(device=device, dtype=dtype).eval()
-    tokenizer = load_checkpoint_tokenizer(ckpt_dir, meta, tokenizer_spec) if load_tokenizer else None
-    return model, {**meta, "checkpoint_dir": str(ckpt_dir)}, tokenizer
 
 
 def write_weights_only_checkpoint(
