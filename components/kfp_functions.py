@@ -157,7 +157,7 @@ def pretrain(
     labels: str = '{}',
     annotations: str = '{}',
     queue: str = '',
-    queue_timeout_s: int = 0,
+    queue_timeout_s: int = 86400,
     backoff_limit: int = -1,
     termination_grace_period_s: int = 180,
     job_timeout_s: int = 0,
@@ -210,7 +210,7 @@ def pretrain(
         env: JSON object of extra environment variables of the training container (overrides NCCL defaults).
         labels: JSON object of extra labels on the training job and its pods.
         annotations: JSON object of extra annotations on the training job and its pods.
-        queue: Kueue LocalQueue of the training job ('': none); the job is created suspended until admitted.
+        queue: Kueue LocalQueue of the training job ('': none); Kueue holds it suspended until admitted.
         queue_timeout_s: Fail when the queued job is not admitted after this many seconds (0: no limit but job_timeout_s).
         backoff_limit: Container restarts, summed over the training pods, before the job fails (-1: 3 x nodes).
         termination_grace_period_s: Seconds a training pod has to save a checkpoint after SIGTERM.
