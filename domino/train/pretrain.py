@@ -126,7 +126,8 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     elif config.checkpoint.load:
         logger.info("--load %s holds no checkpoint yet: starting from scratch", config.checkpoint.load)
     trainer = _Trainer(config, engine, dataset_builder, forward_step, padded_vocab_size, tokenizer)
-    return trainer.run(iteration, consumed)
+    return trainer.run(iteration, consumed, resume.own_checkpoint(config, resume_from, warm_start, iteration))
+
 
 
 class _Trainer:
@@ -298,8 +299,13 @@ class _Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def run(self, iteration: int, consumed: int) -> TrainingResult:
-        """Trains from ``iteration`` (``consumed`` samples done) to ``--train-iters``."""
+    def run(self, iteration: int, consumed: int, resumed_checkpoint: Optional[str] = None) -> TrainingResult:
+        """Trains from ``iteration`` (``consumed`` samples done) to ``--train-iters``.
+
+        Args:
+            resumed_checkpoint: the checkpoint of ``iteration`` in ``--save`` this run resumed from (it is not
+                saved again).
+        """
         self.sigterm_received = False
         self.completed = iteration  # the last iteration every rank finished, for a lost-peer report
         previous = None
@@ -309,7 +315,7 @@ class _Trainer:
 
             previous = signal.signal(signal.SIGTERM, on_sigterm)
         try:
-            return self._run(iteration, consumed)
+            return self._run(iteration, consumed, resumed_checkpoint)
         except RuntimeError as error:
             if not is_lost_peer_error(error):
                 raise
@@ -333,9 +339,14 @@ class _Trainer:
             f"lost {who} during training after iteration {self.completed} (rank {dist.get_rank()} saw: "
             f"{transport}); {checkpointing.resume_hint(self.config)}")
 
-    def _run(self, iteration: int, consumed: int) -> TrainingResult:
+    def _run(self, iteration: int, consumed: int, resumed_checkpoint: Optional[str]) -> TrainingResult:
         config, t, lg, c = self.config, self.config.train, self.config.logging, self.config.checkpoint
-        train_iter = self._loader(self.train_ds, consumed, config.data.num_workers)
+        train_iter = None
+        if iteration < self.train_iters:
+            train_iter = self._loader(self.train_ds, consumed, config.data.num_workers)
+        else:  # a restart after the last iteration (a pod restarted during the final evaluation)
+            logger.info("resumed at iteration %d of %d: nothing left to train, finishing the evaluation",
+                        iteration, self.train_iters)
         train_iter = _TimedIterator(train_iter, self.timers) if train_iter is not None else None
         self.writer.drop_after(iteration)
         logger.info("training %d iterations: global batch %d (micro %d x DP %d x accumulation %d), TP %d, "
@@ -347,7 +358,8 @@ class _Trainer:
         pop_comm_wait_seconds(), pop_modelled_comm_seconds(), pop_comm_wait_by_site()
         run_start, start_iteration = time.perf_counter(), iteration
         interval_start, interval_first = time.perf_counter(), iteration
-        last_valid = tokens_per_s = checkpoint_path = saved_at = None
+        last_valid = tokens_per_s = None
+        checkpoint_path, saved_at = resumed_checkpoint, (iteration if resumed_checkpoint else None)
 
         while iteration < self.train_iters:
             lr = self.schedule.lr_at(iteration)
