@@ -30,7 +30,7 @@ from domino.parallel import random as tp_random
 from domino.parallel.collectives import pop_comm_wait_by_site, pop_comm_wait_seconds, pop_modelled_comm_seconds
 from domino.parallel import state
 from domino.parallel.agreement import PeerLostError, agree, find_lost_ranks, hosts, is_lost_peer_error
-from domino.train import engine as engine_setup
+from domino.train import bf16_step, engine as engine_setup
 from domino.train.evaluation import evaluate, perplexity
 from domino.train.interval_stats import IntervalReading, IntervalStats
 from domino.train.metrics import MetricsWriter, format_iteration_line
@@ -172,7 +172,7 @@ class _Trainer:
         Nothing here reads a tensor value on the host (each read would wait for the device to drain): a
         non-finite loss makes non-finite gradients, and the optimizer skips that update by itself, DeepSpeed's
         wrappers from their ``overflow`` flag, the plain fused AdamW from ``found_inf``
-        (:func:`engine.flag_overflow`).
+        (:func:`engine.flag_overflow`), the bf16 ZeRO-1 optimizer from its own (:mod:`domino.train.bf16_step`).
         """
         engine, timers = self.engine, self.timers
         iteration_loss = torch.zeros((), device=self.device)
@@ -193,6 +193,9 @@ class _Trainer:
                     self.grad_norm = engine_setup.clip_gradients(engine, self.config.train.clip_grad)
                     self._flag_overflow(self.grad_norm)
             engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
+        skipped = bf16_step.skip_flag(engine)
+        if skipped is not None:  # bf16 ZeRO 1 skipped on the device: counted with the interval's numbers
+            self.stats.add_optimizer_skip(skipped)
         timers.stop("optimizer")
         return iteration_loss / self.gas
 
