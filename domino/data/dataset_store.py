@@ -70,12 +70,8 @@ def read_record(prefix: str) -> Optional[Dict[str, Any]]:
     """The published record of the logical ``prefix`` if it and every dataset it names exist, else None."""
     from domino.data.indexed_dataset import dataset_exists
 
-    try:
-        with open(record_path(prefix), encoding="utf-8") as handle:
-            record = json.load(handle)
-    except (OSError, ValueError):
-        return None
-    prefixes = record.get("prefixes") if isinstance(record, dict) else None
+    record = _read_record_file(prefix)
+    prefixes = record.get("prefixes") if record else None
     return record if prefixes and all(dataset_exists(p) for p in prefixes.values()) else None
 
 
