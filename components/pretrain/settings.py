@@ -106,8 +106,8 @@ class PretrainSettings:
     annotations: str = "{}"
     """JSON object of extra annotations on the training job and its pods."""
     queue: str = ""
-    """Kueue LocalQueue of the training job ('': none); the job is created suspended until admitted."""
-    queue_timeout_s: int = 0
+    """Kueue LocalQueue of the training job ('': none); Kueue holds it suspended until admitted."""
+    queue_timeout_s: int = 86400
     """Fail when the queued job is not admitted after this many seconds (0: no limit but job_timeout_s)."""
     backoff_limit: int = -1
     """Container restarts, summed over the training pods, before the job fails (-1: 3 x nodes)."""

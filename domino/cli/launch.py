@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from domino.launch.api import BACKENDS, CLEANUP_MODES
+from domino.launch.api import BACKENDS, CLEANUP_MODES, DEFAULT_QUEUE_TIMEOUT_S
 from domino.launch.flags import add_spec_flags, spec_from_args
 from domino.launch.job_api import DEFAULT_JOB_API, JOB_APIS
 from domino.launch.spec import LaunchSpecError
@@ -48,7 +48,7 @@ def _submit(args: argparse.Namespace) -> int:
         return 2
     try:
         result = run_job(spec, args.backend, api=args.api, timeout_s=args.timeout,
-                         scheduling_timeout_s=args.scheduling_timeout, queue_timeout_s=args.queue_timeout,
+                         scheduling_timeout_s=args.scheduling_timeout, queue_timeout_s=args.queue_timeout or None,
                          cleanup=args.cleanup, run_id=args.run_id,
                          log=lambda line: print(line, flush=True),
                          workdir=args.workdir)
@@ -93,9 +93,9 @@ def register(subparsers) -> None:
     run.add_argument("--scheduling-timeout", type=float, default=600.0,
                      help="Fail when the admitted job is not Running, or not all its pods run, after this many "
                           "seconds (default 600).")
-    run.add_argument("--queue-timeout", type=float, default=None,
+    run.add_argument("--queue-timeout", type=float, default=DEFAULT_QUEUE_TIMEOUT_S,
                      help="Fail when a --queue job is still waiting in the queue (suspended) after this many "
-                          "seconds (default: no limit but --timeout).")
+                          f"seconds (default {DEFAULT_QUEUE_TIMEOUT_S:g}; 0: no limit but --timeout).")
     run.add_argument("--cleanup", choices=CLEANUP_MODES, default="on-success",
                      help="Delete the job: always, on-success (also when interrupted or timed out; default), never.")
     run.add_argument("--workdir", default=None, help="local backend: directory standing in for the PVC.")

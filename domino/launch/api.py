@@ -22,6 +22,10 @@ from domino.launch.spec import JobSpec
 #: ``local`` (each node a process on this machine); the job API (``api``) is a separate choice.
 BACKENDS = ("cluster", "local")
 CLEANUP_MODES = ("always", "on-success", "never")
+#: How long a ``--queue`` job may wait for Kueue's admission by default: finite, so that a queue that
+#: never admits it (no quota, a ClusterQueue that is stopped) fails the run instead of hanging it, and
+#: long, because a busy GPU queue may legitimately hold a job for hours.
+DEFAULT_QUEUE_TIMEOUT_S = 24 * 3600
 
 
 @dataclass
@@ -123,7 +127,7 @@ def run_job(
     api: str = DEFAULT_JOB_API,
     timeout_s: Optional[float] = None,
     scheduling_timeout_s: float = 600,
-    queue_timeout_s: Optional[float] = None,
+    queue_timeout_s: Optional[float] = DEFAULT_QUEUE_TIMEOUT_S,
     cleanup: str = "on-success",
     run_id: Optional[str] = None,
     log: Callable[[str], None] = print,
@@ -142,7 +146,7 @@ def run_job(
         scheduling_timeout_s: fail when the job (once admitted) has not started Running, or not all of
             its pods run, after this many seconds.
         queue_timeout_s: fail when a job queued in Kueue (suspended) is not admitted after this many
-            seconds (None: wait as long as ``timeout_s`` allows).
+            seconds (default :data:`DEFAULT_QUEUE_TIMEOUT_S`; None: wait as long as ``timeout_s`` allows).
         cleanup: ``always``, ``on-success`` or ``never`` (see :func:`should_delete`).
         run_id: identifies the run (same id -> same job name -> a retry adopts its own job);
             default: a fresh random id.

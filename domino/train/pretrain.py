@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from domino.checkpoint import checkpointing, resume
-from domino.config import ConfigError, DominoConfig, validate
+from domino.config import ConfigError, DominoConfig, config_to_dict, validate
 from domino.config.validate import resolve_zero_stage
 from domino.data.loader import build_pretraining_data_loader
 from domino.parallel import random as tp_random
@@ -338,6 +338,9 @@ class _Trainer:
         train_iter = self._loader(self.train_ds, consumed, config.data.num_workers)
         train_iter = _TimedIterator(train_iter, self.timers) if train_iter is not None else None
         self.writer.drop_after(iteration)
+        self.writer.track(config_to_dict(config), lg, c.save, iteration, {
+            "world_size": dist.get_world_size(), "global_batch_size": self.gbs, "train_iters": self.train_iters,
+            "padded_vocab_size": self.padded_vocab_size})
         logger.info("training %d iterations: global batch %d (micro %d x DP %d x accumulation %d), TP %d, "
                     "Domino chunks %d, ZeRO %d", self.train_iters, self.gbs, t.micro_batch_size,
                     state.get_data_parallel_world_size(), self.gas, state.get_tensor_model_parallel_world_size(),
@@ -372,7 +375,7 @@ class _Trainer:
                 logger.warning("SIGTERM: saving at iteration %d and exiting", iteration)
                 if c.save and saved_at != iteration:
                     checkpoint_path = self._save(iteration, consumed)
-                self.writer.close()
+                self.writer.close(completed=False)
                 return TrainingResult(iteration, consumed, self.last_train_loss, last_valid, None, tokens_per_s,
                                       checkpoint_path, interrupted=True)
 

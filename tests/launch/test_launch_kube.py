@@ -215,26 +215,6 @@ def test_replicas_refused_by_pod_security_fail_within_the_scheduling_timeout(ser
     assert server.cluster.deleted == ["gpt-run-ps"]  # given up on: deleted even under on-success
 
 
-def test_a_queued_job_waits_in_the_queue_not_against_the_scheduling_timeout(server):
-    server.cluster.on_create = sc.queued_then_admitted
-    lines = []
-    result = sc.launcher(server, lines).run(sc.spec(queue="team-a"), run_id="run-q", scheduling_timeout_s=1.0,
-                                            timeout_s=60)
-    assert result.succeeded, result.reason
-    created = server.cluster.history[0][2]
-    assert created["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
-    assert created["spec"]["runPolicy"]["suspend"] is True
-    assert any("Suspended: PyTorchJobSuspended" in line for line in lines)
-
-
-def test_queue_timeout_fails_and_deletes_a_job_never_admitted(server):
-    server.cluster.on_create = sc.queued_forever
-    result = sc.launcher(server, []).run(sc.spec(queue="team-a"), run_id="run-qt", scheduling_timeout_s=0.5,
-                                         timeout_s=60, queue_timeout_s=1.5)
-    assert result.reason.startswith("QueueTimeout: ") and result.phase == "Suspended"
-    assert server.cluster.deleted == ["gpt-run-qt"]
-
-
 def test_failure_reports_the_logs_of_every_failed_pod(server):
     server.cluster.on_create = sc.worker_fails
     result = sc.launcher(server, []).run(sc.spec(), run_id="run-wf", scheduling_timeout_s=10, timeout_s=30)

@@ -266,11 +266,11 @@ def test_defaults_pass_the_restart_grace_requests_and_network_rules():
     assert {e["name"] for e in pod["containers"][0]["env"]} == {"DOMINO_JOB_NAME", "NCCL_DEBUG"}
 
 
-def test_queue_labels_the_job_for_kueue_and_creates_it_suspended():
+def test_queue_labels_the_job_for_kueue_and_leaves_suspending_it_to_kueue():
     job = render_job(JobSpec(**{**BASE, "nodes": 2, "queue": "team-gpus"}), run_id="r1")
     validate_job(job)
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-gpus"
-    assert job["spec"]["runPolicy"]["suspend"] is True
+    assert "suspend" not in job["spec"]["runPolicy"]  # Kueue's webhook sets it (tests/launch/test_launch_kueue.py)
     assert "schedulingPolicy" not in job["spec"]["runPolicy"]
     plain = render_job(JobSpec(**BASE), run_id="r1")
     assert "suspend" not in plain["spec"]["runPolicy"] and "kueue.x-k8s.io/queue-name" not in plain["metadata"]["labels"]
