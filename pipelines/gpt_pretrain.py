@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 from kfp import compiler, dsl, kubernetes
 
 from components import default_image
+from domino import images
 from components.cleanup import component as cleanup_component
 from components.evaluate import component as evaluate_component
 from components.evaluate.step import DEFAULT_PROMPTS
@@ -95,8 +96,9 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
     """Builds the pipeline with every component running in ``image``.
 
     Args:
-        image: Image of the steps and default image of the training job (default: ``$DOMINO_IMAGE`` or
-            ``components.DEFAULT_IMAGE``).
+        image: Image of every step and default image of the training job (default: the domino images,
+            :mod:`domino.images`: the CPU variant for the steps, the CUDA one for an evaluate step with
+            GPUs, and the training job's chosen at run time by its GPUs).
         placement: Node selector and tolerations for the step pods (default: none).
         preprocess_parallelism: Most preprocess tasks running at once (0: one per shard group); kfp
             compiles it into the ParallelFor, so it is a compile-time setting.
@@ -104,11 +106,13 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
     Returns:
         The kfp pipeline (a ``GraphComponent``): call it under ``kfp.local`` or compile it.
     """
-    image = image or default_image()
+    job_image = image or ""  # '': the pretrain step picks the variant for the job's GPUs
     placement = placement or StepPlacement()
+    eval_image = image or (images.image("cuda") if placement.eval_gpus > 0 else None)
+    image = image or default_image()
     preprocess_stage = PreprocessStage(image, preprocess_parallelism)
     pretrain_op = pretrain_component.build(image)
-    evaluate_op = evaluate_component.build(image)
+    evaluate_op = evaluate_component.build(eval_image or image)
     promote_op = promote_component.build(image)
     tokenizer_op = tokenizer_component.build(image)
     cleanup_op = cleanup_component.build(image)
@@ -174,13 +178,13 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
                     shared_root=p["shared_root"], run_id=run_id,
                 ), p["pvc_name"])
 
-    defaults = {"image": image, "shared_root": MOUNT_PATH}
+    defaults = {"image": job_image, "shared_root": MOUNT_PATH}
     params = [param.replace(default=defaults.get(param.name, param.default))
               for param in pretrain_settings.parameters(skip=pretrain_settings.RUN_SUPPLIED)]
     params += [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=kind)
                for name, kind, default in OWN_PARAMETERS]
     gpt_pretrain.__signature__ = inspect.Signature(params)
-    docs = {**OWN_DOCS, **pretrain_settings.parameter_docs(), "image": "Image of the training job."}
+    docs = {**OWN_DOCS, **pretrain_settings.parameter_docs(), "image": "Image of the training job ('': the domino CUDA image with GPUs, else the CPU one)."}
     gpt_pretrain.__doc__ = ("Pretrain, evaluate and conditionally promote a GPT model.\n\nArgs:\n"
                             + "".join(f"    {name}: {docs[name]}\n" for name in names))
     return dsl.pipeline(name=PIPELINE_NAME, description="Pretrain a GPT model with Domino tensor parallelism, "

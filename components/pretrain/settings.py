@@ -72,7 +72,7 @@ class PretrainSettings:
     job_api: str = DEFAULT_JOB_API
     """pytorchjob (Kubeflow training operator v1) or trainjob (Kubeflow Trainer v2.3, runtime from k8s/trainer)."""
     image: str = ""
-    """Image of the training job ('': the components' image)."""
+    """Image of the training job ('': the domino CUDA image with GPUs, else the CPU one)."""
     namespace: str = ""
     """Namespace of the training job ('': the step's own namespace, POD_NAMESPACE)."""
     job_name: str = "gpt-pretrain"

@@ -133,7 +133,7 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
     The restart policy is the launcher's default (OnFailure with a backoffLimit scaled by the node
     count): a lost pod makes its peers exit 1, which ExitCode would treat as permanent.
     """
-    from components import default_image
+    from domino import images
     from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, Toleration, default_namespace
 
     s = settings
@@ -149,7 +149,7 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
     # Without GPUs DeepSpeed must be told to use its CPU accelerator.
     env = {"DS_ACCELERATOR": "cpu"} if s.gpus_per_node == 0 else {}
     spec = JobSpec(
-        name=s.job_name, image=s.image or default_image(), pretrain_args=argv,
+        name=s.job_name, image=s.image or images.for_gpus(s.gpus_per_node), pretrain_args=argv,
         namespace=s.namespace or default_namespace(), nodes=s.nodes, nproc_per_node=s.nproc_per_node,
         gpus_per_node=s.gpus_per_node, cpu_request=s.cpu_request or None, cpu_limit=s.cpu_limit or None,
         memory_request=s.memory_request or None, memory_limit=s.memory_limit or None, shm_size=s.shm_size or None,
