@@ -31,6 +31,20 @@ def _held_out_split(load: str) -> str:
     return read_checkpoint_meta(resolve_checkpoint_dir(load))["config"]["data"]["split"]
 
 
+def _log_to_training_run(load: str, result) -> None:
+    """With ``MLFLOW_TRACKING_URI`` set, the result goes to the MLflow run that trained the checkpoint, at its
+    iteration, under the names of training's test record (bounded wait; a failure is said, never raised)."""
+    from domino.tracking import tracker_of_checkpoint
+
+    tracker = tracker_of_checkpoint(load, "evaluation")
+    if tracker is not None:
+        step = int(result["iteration"])
+        tracker.log_metrics([("lm loss test", result["loss"], step), ("lm loss test ppl", result["ppl"], step),
+                             ("token accuracy test", result["accuracy"], step)])
+        tracker.set_tags({"domino.evaluated_data": result["data"], "domino.evaluated_tokens": result["tokens"]})
+        tracker.finish(completed=False)
+
+
 def run(args: argparse.Namespace) -> int:
     from domino.eval.evaluate import evaluate_checkpoint
     from domino.eval.runtime import is_output_rank, parse_dtype, teardown
@@ -51,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         teardown()
     if output:
+        _log_to_training_run(args.load, result)
         if args.json:
             print(json.dumps(result))
         else:

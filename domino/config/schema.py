@@ -289,6 +289,10 @@ class LoggingConfig:
     """0: no timers; 1: step-level timers; 2: every timer."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s of one device for MFU (default: detected for known GPUs)."""
+    mlflow_experiment_name: Optional[str] = None
+    """MLflow experiment when MLFLOW_TRACKING_URI is set (default: $MLFLOW_EXPERIMENT_NAME, else domino)."""
+    mlflow_run_name: Optional[str] = None
+    """Name of a new MLflow run (default: the pipeline run id, else MLflow's); a resumed run keeps its run."""
 
 
 @dataclass
