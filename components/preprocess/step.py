@@ -122,6 +122,7 @@ def plan_groups(shared_root: str, corpus: str = "shakespeare", input_uri: str = 
         plan.append({
             "index": index, "count": len(ranges), "dataset_key": key, "group_key": group_key,
             "inputs": files[start:end], "builtin": "" if files else corpus, "source": source, "tokenizer": tokenizer,
+            "json_keys": ",".join(keys),
             "output_prefix": store.dataset_prefix(key) if len(ranges) == 1 else store.part_prefix(group_key),
         })
     return plan
@@ -138,9 +139,10 @@ def run_group(shared_root: str, group: Dict[str, Any], tokenizer: str = "gpt2", 
     """
     from domino.data.preprocess import preprocess
 
-    keys = parse_keys(json_keys)
+    # The plan names the JSON keys it keyed the dataset with; they win over the argument.
+    keys = parse_keys(group.get("json_keys") or json_keys)
     if workers < 1:
-        raise ValueError(f"workers: {workers} must be at least 1")
+        raise ValueError(f"preprocess_workers: {workers} must be at least 1")
     header = {k: group[k] for k in ("index", "count", "dataset_key", "source")}
     whole = DatasetStore(shared_root).dataset_prefix(group["dataset_key"])
     for prefix in (whole, group["output_prefix"]):
