@@ -5,24 +5,25 @@ The evaluation gate reads ``current`` to compare perplexities; the promote step 
 go to a temporary file in the same folder, are fsynced and renamed over the old file, so a reader
 sees either the old registry or the new one, never a torn file.
 
-Two runs may still overlap (manual runs beside a schedule, ``max_concurrency`` raised): between a run's
-gate and its promote step another run may promote. :func:`promote` therefore takes an exclusive
-``fcntl.flock`` on the registry's folder and re-checks the incumbent the gate compared against before
-writing: a newer incumbent that is at least as good is never replaced.
+Two runs may still overlap (manual runs beside a schedule, ``max_concurrency`` raised), their promote
+pods on different nodes: between a run's gate and its promote step another run may promote.
+:func:`promote` therefore holds an exclusive record lock on ``.promoted.json.lock`` beside the registry
+(:func:`domino.file_lock.exclusive_lock`: an ``fcntl`` lock on a regular file, which NFS shares between
+nodes, where a ``flock`` on the folder is local to one node) and re-checks the incumbent the gate
+compared against before writing: a newer incumbent that is at least as good is never replaced.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 from domino.atomic_files import atomic_write_text
+from domino.file_lock import exclusive_lock
 
 
 class RegistryError(ValueError):
@@ -88,20 +89,10 @@ def current_model(path: str) -> Optional[PromotedModel]:
     return read_registry(path)["current"]
 
 
-@contextlib.contextmanager
-def _locked(path: str) -> Iterator[None]:
-    """Holds an exclusive lock on the folder of ``path`` (blocks while another writer holds it).
-
-    The folder, not the file: the file is replaced by renames, and a lock file would be litter.
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)  # released on close, also when the process dies
-        yield
-    finally:
-        os.close(descriptor)
+def lock_path(path: str) -> str:
+    """The lock file of the registry at ``path``: ``.<name>.lock`` in its folder (kept; see exclusive_lock)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{name}.lock")
 
 
 def promote(path: str, entry: PromotedModel, gate_incumbent: Optional[str] = None) -> Dict[str, Any]:
@@ -119,7 +110,7 @@ def promote(path: str, entry: PromotedModel, gate_incumbent: Optional[str] = Non
     Raises:
         RegistryError: when another run was promoted since the gate ran and is at least as good.
     """
-    with _locked(path):
+    with exclusive_lock(lock_path(path)):
         registry = read_registry(path)
         current = registry["current"]
         if (gate_incumbent is not None and current is not None and current.run_id != gate_incumbent

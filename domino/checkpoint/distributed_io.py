@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from domino.checkpoint.sharding import partition_dim
 from domino.checkpoint.on_disk import CheckpointError
-from domino.parallel import state
+from domino.runtime import state
 
 FILE_SUFFIX = ".safetensors"
 

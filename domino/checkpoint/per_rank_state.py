@@ -12,7 +12,7 @@ import enum
 from typing import Any, Dict
 
 from domino.parallel import random as tp_random
-from domino.parallel import state
+from domino.runtime import state
 
 
 def rng_snapshot() -> Dict[str, Any]:

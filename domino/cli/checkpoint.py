@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from domino.cli.checkpoint_flags import add_checkpoint_flags
+
 
 def _inspect(args: argparse.Namespace) -> int:
     from domino.checkpoint.tools import inspect
@@ -35,13 +37,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                "layouts it resumes on) or convert it offline.")
     verbs = parser.add_subparsers(dest="checkpoint_command", metavar="VERB", required=True)
     inspect = verbs.add_parser("inspect", help="What a checkpoint holds and whether it is intact.")
-    inspect.add_argument("load", metavar="DIR", help="A save root (its `latest` is used) or an iter_* directory.")
+    add_checkpoint_flags(inspect, tokenizer=False)
     inspect.add_argument("--json", action="store_true", help="Print one JSON object instead of text.")
     inspect.add_argument("--no-verify", action="store_true", help="Skip the CRC-32 check of every file.")
     inspect.add_argument("--no-progress", action="store_true", help="No progress bar even on a terminal.")
     inspect.set_defaults(func=_inspect)
     convert = verbs.add_parser("convert", help="Copy a checkpoint resharded for a TP size, or one file per tensor.")
-    convert.add_argument("load", metavar="DIR", help="A save root (its `latest` is used) or an iter_* directory.")
+    add_checkpoint_flags(convert, tokenizer=False)
     convert.add_argument("--output", required=True, metavar="DIR", help="A new directory to write.")
     target = convert.add_mutually_exclusive_group(required=True)
     target.add_argument("--tensor-model-parallel-size", type=int, metavar="N",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from domino.cli.checkpoint_flags import add_checkpoint_flags
 
 #: Tokens evaluated unless --eval-tokens/--eval-iters/--max-samples say otherwise: enough for a perplexity
 #: good to about 1 % on a small model, and seconds of work on a CPU (docs/evaluation.md).
@@ -31,6 +32,20 @@ def _held_out_split(load: str) -> str:
     return read_checkpoint_meta(resolve_checkpoint_dir(load))["config"]["data"]["split"]
 
 
+def _log_to_training_run(load: str, result) -> None:
+    """With ``MLFLOW_TRACKING_URI`` set, the result goes to the MLflow run that trained the checkpoint, at its
+    iteration, under the names of training's test record (bounded wait; a failure is said, never raised)."""
+    from domino.tracking import tracker_of_checkpoint
+
+    tracker = tracker_of_checkpoint(load, "evaluation")
+    if tracker is not None:
+        step = int(result["iteration"])
+        tracker.log_metrics([("lm loss test", result["loss"], step), ("lm loss test ppl", result["ppl"], step),
+                             ("token accuracy test", result["accuracy"], step)])
+        tracker.set_tags({"domino.evaluated_data": result["data"], "domino.evaluated_tokens": result["tokens"]})
+        tracker.finish(completed=False)
+
+
 def run(args: argparse.Namespace) -> int:
     from domino.eval.evaluate import evaluate_checkpoint
     from domino.eval.runtime import is_output_rank, parse_dtype, teardown
@@ -51,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         teardown()
     if output:
+        _log_to_training_run(args.load, result)
         if args.json:
             print(json.dumps(result))
         else:
@@ -66,7 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "evaluate", help="Loss, perplexity and token accuracy of a checkpoint.",
         description="Evaluates a checkpoint (saved with any TP size) on --data-path, or on the test split of the "
                     "data it was trained on. Under torchrun the model runs tensor-parallel over the processes.")
-    parser.add_argument("--load", required=True, metavar="DIR", help="Save root (its latest) or iter_* directory.")
+    add_checkpoint_flags(parser, tensor_model_parallel_size=True, dtype=True)
     parser.add_argument("--data-path", nargs="+", metavar="PREFIX",
                         help="Dataset prefix(es), optionally weighted (default: the checkpoint's test split).")
     parser.add_argument("--split", metavar="SPLIT",
@@ -86,12 +102,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        ("reset-attention-mask", "Stop attention across end-of-document tokens")):
         parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None,
                             help=f"{what} (default: the checkpoint's setting).")
-    parser.add_argument("--tensor-model-parallel-size", type=int, metavar="TP",
-                        help="TP size to load at (default: the number of processes).")
-    parser.add_argument("--tokenizer", metavar="SPEC", help="Override the checkpoint's tokenizer.")
     parser.add_argument("--seed", type=int, help="Sample-order seed (default: the checkpoint's).")
     parser.add_argument("--data-cache-path", metavar="DIR", help="Where to cache sample indices.")
-    parser.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32).")
     parser.add_argument("--json", action="store_true", help="Print the result as one JSON object.")
     parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
     parser.set_defaults(func=run)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import textwrap
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -289,6 +290,10 @@ class LoggingConfig:
     """0: no timers; 1: step-level timers; 2: every timer."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s of one device for MFU (default: detected for known GPUs)."""
+    mlflow_experiment_name: Optional[str] = None
+    """MLflow experiment when MLFLOW_TRACKING_URI is set (default: $MLFLOW_EXPERIMENT_NAME, else domino)."""
+    mlflow_run_name: Optional[str] = None
+    """Name of a new MLflow run (default: the pipeline run id, else MLflow's); a resumed run keeps its run."""
 
 
 @dataclass
@@ -337,7 +342,7 @@ class DominoConfig:
 @functools.lru_cache(maxsize=None)
 def field_docs(cls: type) -> Dict[str, str]:
     """Returns ``{field name: docstring}`` read from the string literal below each field of ``cls``."""
-    tree = ast.parse(inspect.getsource(cls))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))  # dedented: a class may be defined in a function
     body = tree.body[0].body
     docs = {}
     for node, following in zip(body, body[1:]):

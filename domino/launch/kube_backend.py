@@ -6,8 +6,9 @@ from the :class:`~domino.launch.job_api_base.JobApi` the launcher is given. What
 
 1. Renders the job for the run id (the same run id gives the same name) with an owner reference to
    the launching pod when ``POD_NAME``/``POD_UID`` are set (downward API).
-2. Creates it; on 409 adopts the existing job only if its ``domino/run-id`` annotation is this run's,
-   and refuses (never touches) a job of another run.
+2. Creates it; on 409 adopts the existing job only if its ``domino/run-id`` annotation is this run's
+   (and makes the launching pod its owner in place of the earlier attempt's pod), and refuses (never
+   touches) a job of another run.
 3. Watches the job (field selector on its name) with resourceVersion bookkeeping: a dropped connection
    resumes from the last version, a 410 Gone relists. Condition changes are reported as they happen;
    the rank-0 pod's log is streamed by :class:`~domino.launch.kube_pods.MasterLogStreamer`.
@@ -22,19 +23,19 @@ from the :class:`~domino.launch.job_api_base.JobApi` the launcher is given. What
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from domino.launch import naming
-from domino.launch.api import JobResult, LaunchInterrupted, interrupt_on_signals, should_delete
+from domino.launch.outcome import JobResult, LaunchInterrupted, interrupt_on_signals, should_delete
 from domino.launch.job_api import DEFAULT_JOB_API, JobApi, job_api
 from domino.launch.job_api_base import STARTED_PHASES
 from domino.launch.kube_pods import MasterLogStreamer, exit_code, explain_pending, failed_pod_logs, list_job_pods
+from domino.launch.ownership import adopt_owner, owner_reference
 from domino.launch.spec import JobSpec
 
 #: Reasons for which the launcher gives up on a job that may still hold or wait for resources.
-GIVEN_UP = ("Timeout", "SchedulingTimeout", "QueueTimeout", "IncompleteReplicas")
+GIVEN_UP = ("Timeout", "SchedulingTimeout", "QueueTimeout", "IncompleteReplicas", "NotQueued")
 
 
 class Deadlines:
@@ -94,20 +95,6 @@ class JobTracker:
         return self.failure or "Failed: the job failed"
 
 
-def owner_reference(namespace: str, log: Callable[[str], None]) -> Optional[Dict[str, Any]]:
-    """An ownerReference to the launching pod (``POD_NAME``, ``POD_UID``), if in the job's namespace."""
-    name, uid = os.environ.get("POD_NAME"), os.environ.get("POD_UID")
-    if not (name and uid):
-        return None
-    pod_namespace = os.environ.get("POD_NAMESPACE")
-    if pod_namespace and pod_namespace != namespace:
-        log(f"not setting an owner reference: launcher pod is in namespace {pod_namespace}, job in {namespace}")
-        return None
-    # blockOwnerDeletion needs delete rights on the owner's finalizers; garbage collection works without it.
-    return {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid, "controller": False,
-            "blockOwnerDeletion": False}
-
-
 def load_api_client():
     """An ApiClient from the in-cluster service account, else from the kubeconfig ($KUBECONFIG)."""
     from kubernetes import client, config
@@ -165,8 +152,9 @@ class JobLauncher:
         """(group, version, namespace, plural): the CustomObjectsApi coordinates of the job."""
         return self.api.group, self.api.version, namespace, self.api.plural
 
-    def create_or_adopt(self, body: Dict[str, Any], run_id: str) -> Dict[str, Any]:
-        """Creates the job; on 409 returns the existing job if it is this run's, else raises JobConflict."""
+    def create_or_adopt(self, body: Dict[str, Any], run_id: str) -> Tuple[Dict[str, Any], bool]:
+        """Creates the job; on 409 returns the existing job if it is this run's, else raises JobConflict.
+        Returns the job as the API server stored it (after mutating webhooks) and whether it was created."""
         from kubernetes.client.rest import ApiException
 
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
@@ -174,7 +162,7 @@ class JobLauncher:
             job = self.custom.create_namespaced_custom_object(*self._resource(ns), body,
                                                               _request_timeout=self.request_timeout_s)
             self.log(f"created {self.api.kind} {ns}/{name} (run {run_id})")
-            return job
+            return job, True
         except ApiException as error:
             if error.status != 409:
                 raise
@@ -184,7 +172,10 @@ class JobLauncher:
         theirs = (meta.get("annotations") or {}).get(naming.RUN_ID_ANNOTATION)
         if theirs == run_id and (meta.get("labels") or {}).get(naming.RUN_ID_LABEL) == naming.label_value(run_id):
             self.log(f"adopting existing {self.api.kind} {ns}/{name} of this run ({run_id}): a retry resumes it")
-            return existing
+            owner = (body["metadata"].get("ownerReferences") or [None])[0]
+            if owner:
+                existing = adopt_owner(self.custom, self.api, existing, owner, self.log, self.request_timeout_s)
+            return existing, False
         raise JobConflict(f"a {self.api.kind} named {name} already exists in namespace {ns} and belongs to run "
                           f"{theirs!r}, not to this run {run_id!r}; refusing to reuse it (delete it, or use "
                           f"another --name or --run-id)")
@@ -229,11 +220,14 @@ class JobLauncher:
         with interrupt_on_signals() as shield:
             try:
                 try:
-                    job = self.create_or_adopt(body, run_id)
+                    job, created = self.create_or_adopt(body, run_id)
                 except JobConflict as error:
                     return JobResult(name, False, "Conflict", f"Conflict: {error}", [], None)
                 owned = True
                 tracker.update(job)
+                if created and spec.queue and not tracker.suspended:
+                    result = self._not_queued(name)
+                    return result
                 streamer.start()
                 result = self._follow(job, tracker, Deadlines(start, timeout_s, scheduling_timeout_s, queue_timeout_s),
                                       spec.nodes)
@@ -265,6 +259,23 @@ class JobLauncher:
                 elif owned:
                     self.log(f"keeping {self.api.kind} {ns}/{name} (--cleanup {cleanup})")
         return result
+
+    def _not_queued(self, name: str) -> JobResult:
+        """The result for a ``--queue`` job that the API server stored unsuspended: Kueue did not take it.
+
+        The job is created unsuspended: Kueue's mutating webhook suspends every job of an enabled
+        integration that carries the queue-name label (kubernetes-sigs/kueue v0.19.2
+        ``pkg/controller/jobframework/base_webhook.go`` ``Default`` -> ``defaults.go``
+        ``ApplyDefaultForSuspend``, ``utils.go`` ``WorkloadShouldBeSuspended``), before the object is
+        stored. Unsuspended means no webhook ran: Kueue is not installed, or this kind's integration is
+        off (v0.19.2's default ``controller_manager_config.yaml`` ships ``kubeflow.org/pytorchjob``
+        commented out), so no Workload will be created and the job would run outside the queue's quota.
+        """
+        framework = f"{self.api.group}/{self.api.kind.lower()}"
+        return JobResult(name, False, "Created", f"NotQueued: Kueue did not suspend the {self.api.kind} at creation, "
+                         f"so it is not managed by Kueue and no Workload will admit it: enable the \"{framework}\" "
+                         "integration (integrations.frameworks in Kueue's controller_manager_config.yaml, see "
+                         "docs/cluster.md) or submit without --queue", [], None)
 
     def _follow(self, job: Dict[str, Any], tracker: JobTracker, clock: "Deadlines", nodes: int) -> JobResult:
         from kubernetes import watch

@@ -75,12 +75,14 @@ def resources(spec: JobSpec) -> Dict[str, Dict[str, str]]:
 
 
 def pod_placement(spec: JobSpec) -> Dict[str, Any]:
-    """The pod fields the spec sets only when asked: node selector, tolerations, pull secrets, service account."""
+    """The pod fields set only when asked (or, for the GPU toleration, by default on GPU pods): node selector,
+    tolerations, pull secrets, service account."""
     out: Dict[str, Any] = {}
     if spec.node_selector:
         out["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        out["tolerations"] = [t.to_dict() for t in spec.tolerations]
+    tolerations = defaults.tolerations(spec)
+    if tolerations:
+        out["tolerations"] = [t.to_dict() for t in tolerations]
     if spec.image_pull_secrets:
         out["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
     if spec.service_account:
@@ -147,7 +149,12 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
 def job_metadata(spec: JobSpec, name: str, run_id: str, labels: Dict[str, str],
                  owner_reference: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """The job object's metadata (any job API): the run's labels, plus the Kueue queue label with
-    ``--queue``; the run-id annotation that adoption checks; the owner reference, if any."""
+    ``--queue``; the run-id annotation that adoption checks; the owner reference, if any.
+
+    A queued job is *not* created suspended: Kueue's mutating webhook suspends a job carrying the label
+    when its integration is on (kueue v0.19.2 ``jobframework/base_webhook.go``), and resumes it on
+    admission (``kubeflowjob`` ``RunWithPodSetsInfo``, ``trainjob`` likewise). Created suspended where
+    the integration is off, the job would wait forever; the launcher instead fails it (``NotQueued``)."""
     job_labels = dict(labels)
     if spec.queue:
         job_labels[KUEUE_QUEUE_LABEL] = spec.queue
@@ -194,11 +201,6 @@ def render_job(spec: JobSpec, run_id: str, owner_reference: Optional[Dict[str, A
         if spec.priority_class:
             policy["priorityClass"] = spec.priority_class
         run_policy["schedulingPolicy"] = policy
-    if spec.queue:
-        # Kueue admits suspended jobs only: created suspended, the job waits in the queue until Kueue
-        # sets suspend=false (kueue pkg/controller/jobs/kubeflow/kubeflowjob: IsSuspended reads
-        # runPolicy.suspend, RunWithPodSetsInfo clears it).
-        run_policy["suspend"] = True
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,

@@ -123,6 +123,9 @@ class JobSpec:
     """Pod node selector."""
     tolerations: List[Toleration] = field(default_factory=list)
     """Pod tolerations."""
+    gpu_toleration: bool = True
+    """GPU pods tolerate the ``nvidia.com/gpu`` taint GPU node pools carry (see domino.launch.defaults);
+    a toleration of your own for that key replaces it."""
     priority_class: Optional[str] = None
     """PriorityClass name of the pods."""
     image_pull_secrets: List[str] = field(default_factory=list)
@@ -155,8 +158,8 @@ class JobSpec:
     """Seconds between SIGTERM and SIGKILL for a deleted or evicted pod: ``--exit-signal-handler``
     finishes the iteration and saves a checkpoint in this time."""
     queue: Optional[str] = None
-    """Kueue LocalQueue: the job gets the ``kueue.x-k8s.io/queue-name`` label and is created suspended;
-    Kueue resumes it once admitted."""
+    """Kueue LocalQueue: the job gets the ``kueue.x-k8s.io/queue-name`` label; Kueue's webhook suspends
+    it at creation and Kueue resumes it once admitted."""
     scheduling_policy: bool = False
     """Fill ``runPolicy.schedulingPolicy`` (minAvailable = all pods, queue, priorityClass) for gang
     scheduling by volcano or scheduler-plugins (the operator's ``--gang-scheduler-name``)."""

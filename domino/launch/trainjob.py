@@ -8,7 +8,8 @@ restricted security context). What goes where, per the v2.3.0 CRD (``../shared/s
 * ``spec.runtimePatches`` (one entry owned by :data:`PATCH_MANAGER`): the pod fields a patch may set
   and the runtime leaves unset: labels/annotations, nodeSelector, tolerations, imagePullSecrets,
   serviceAccountName, terminationGracePeriodSeconds;
-* ``spec.suspend`` + the Kueue queue label with ``--queue``; ``spec.activeDeadlineSeconds``.
+* the Kueue queue label with ``--queue`` (Kueue's webhook sets ``spec.suspend``, see
+  :func:`domino.launch.render.job_metadata`); ``spec.activeDeadlineSeconds``.
 
 The container runs the same ``torchrun -m domino pretrain ...`` as the PyTorchJob: torchrun reads the
 ``PET_*`` variables (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT)
@@ -139,10 +140,6 @@ def render_trainjob(spec: JobSpec, run_id: str, owner_reference: Optional[Dict[s
     }
     if spec.active_deadline_seconds is not None:
         job_spec["activeDeadlineSeconds"] = spec.active_deadline_seconds
-    if spec.queue:
-        # As for the PyTorchJob: created suspended (the CRD's spec.suspend), the job waits in its Kueue
-        # queue until admitted and resumed.
-        job_spec["suspend"] = True
     metadata = job_metadata(spec, name, run_id, labels, owner_reference)
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": job_spec}
 

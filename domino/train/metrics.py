@@ -1,9 +1,11 @@
-"""Where training numbers go: one log line per interval, a JSONL metrics file, TensorBoard events.
+"""Where training numbers go: one log line per interval, a JSONL metrics file, TensorBoard events, MLflow.
 
 TensorBoard tags are Megatron-LM's (``training_log`` and ``evaluate_and_print_results`` in
 ``megatron/training/training.py``, NVIDIA/Megatron-LM core_r0.11.0, commit 7c00175e6b24b3cd835d21a9d287c35a07e275b3),
 each also written against consumed samples as ``<tag> vs samples``, so Megatron dashboards read our runs.
-Only global rank 0 writes; every other rank holds a disabled writer so call sites need no rank checks.
+MLflow (``domino.tracking``, when ``MLFLOW_TRACKING_URI`` is set) gets the same tags at the iteration, without
+the ``vs samples`` twins (it has one step axis). Only global rank 0 writes; every other rank holds a disabled
+writer so call sites need no rank checks.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import logging
 import math
 import os
 from typing import Any, Dict, List, Optional, Tuple
+
+from domino.tracking import RunTracker, start_training_run
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +91,28 @@ def tensorboard_scalars(record: Dict[str, Any], log_timers: bool = False) -> Lis
     return scalars
 
 
+def tracking_scalars(record: Dict[str, Any]) -> List[Tuple[str, float, int]]:
+    """The record's Megatron-named scalars at its iteration, timers included (what MLflow gets)."""
+    iteration = record.get("iteration", 0)
+    return [(tag, value, step) for tag, value, step in tensorboard_scalars(record, log_timers=True)
+            if step == iteration and not tag.endswith(" vs samples")]
+
+
 class MetricsWriter:
-    """Appends metrics records to ``--metrics-file`` and TensorBoard (rank 0 only)."""
+    """Appends metrics records to ``--metrics-file``, TensorBoard and an MLflow run (rank 0 only).
+
+    Args:
+        metrics_file: ``--metrics-file``.
+        tensorboard_dir: ``--tensorboard-dir``.
+        enabled: Whether this process writes (global rank 0).
+        log_timers: ``--log-timers-to-tensorboard``.
+    """
 
     def __init__(self, metrics_file: Optional[str], tensorboard_dir: Optional[str], enabled: bool,
                  log_timers: bool = False) -> None:
         self.enabled = enabled
         self.log_timers = log_timers
+        self.tracker: Optional[RunTracker] = None
         self.metrics_file = metrics_file if enabled else None
         self._tb = None
         if enabled and tensorboard_dir:
@@ -102,6 +121,21 @@ class MetricsWriter:
             self._tb = SummaryWriter(log_dir=tensorboard_dir)
         if self.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(self.metrics_file)), exist_ok=True)
+
+    def track(self, config_dict: Dict[str, Any], logging_config, save_root: Optional[str], iteration: int,
+              derived: Dict[str, Any]) -> None:
+        """Opens the MLflow run (continued from ``save_root``'s pointer on resume) when tracking is on.
+
+        Args:
+            config_dict: The resolved config, the run's parameters (logged when the run is created).
+            logging_config: The run's ``LoggingConfig`` (the ``--mlflow-*`` names).
+            save_root: ``--save``, where the run pointer lives.
+            iteration: The iteration training starts at.
+            derived: Settings derived from the config and the world (logged as parameters too).
+        """
+        if self.enabled and self.tracker is None:
+            self.tracker = start_training_run(config_dict, save_root, logging_config.mlflow_experiment_name,
+                                              logging_config.mlflow_run_name, iteration, derived)
 
     def drop_after(self, iteration: int) -> None:
         """Removes records past ``iteration`` (a resumed run re-logs what the killed run logged after its
@@ -136,8 +170,15 @@ class MetricsWriter:
             for tag, value, step in tensorboard_scalars(record, self.log_timers):
                 self._tb.add_scalar(tag, value, step)
             self._tb.flush()
+        if self.tracker is not None:  # queued: the tracker's thread talks to the server
+            self.tracker.log_metrics(tracking_scalars(record))
 
-    def close(self) -> None:
-        """Flushes and closes TensorBoard."""
+    def close(self, completed: bool = True) -> None:
+        """Flushes and closes TensorBoard; attaches the metrics file to the MLflow run and ends it (a completed
+        run is marked finished; waiting for the server is bounded)."""
         if self._tb is not None:
             self._tb.close()
+        if self.tracker is not None:
+            self.tracker.log_artifact(self.metrics_file)
+            self.tracker.finish(completed)
+            self.tracker = None

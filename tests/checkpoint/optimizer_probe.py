@@ -19,7 +19,7 @@ from domino.cli.main import build_parser
 from domino.config import config_from_args
 from domino.config.validate import resolve_zero_stage
 from domino.parallel import random as tp_random
-from domino.parallel import state
+from domino.runtime import state
 from domino.train import engine as engine_setup
 from domino.train.gpt_recipe import GPTRecipe
 

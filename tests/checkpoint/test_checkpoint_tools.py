@@ -31,7 +31,7 @@ def saved(tmp_path_factory):
 
 
 def test_inspect_reports_the_checkpoint_and_finds_a_flipped_byte(saved, tmp_path):
-    proc = _domino("inspect", str(saved), "--json", "--no-progress")
+    proc = _domino("inspect", "--load", str(saved), "--json", "--no-progress")
     assert proc.returncode == 0, proc.stderr[-2000:]
     found = json.loads(proc.stdout)
     assert (found["iteration"], found["format_version"], found["optimizer"]) == (2, 2, "by-name")
@@ -47,13 +47,13 @@ def test_inspect_reports_the_checkpoint_and_finds_a_flipped_byte(saved, tmp_path
     data = bytearray(target.read_bytes())
     data[-1] ^= 0xFF
     target.write_bytes(bytes(data))
-    proc = _domino("inspect", str(damaged), "--no-progress")
+    proc = _domino("inspect", "--load", str(damaged), "--no-progress")
     assert proc.returncode == 1 and "integrity: DAMAGED:" in proc.stdout and target.name in proc.stdout
 
 
 def test_convert_cuts_the_model_for_another_tp_size_and_writes_one_file_per_tensor(saved, tmp_path):
-    proc = _domino("convert", str(saved), "--tensor-model-parallel-size", "2", "--output", str(tmp_path / "tp2"),
-                   "--no-progress")
+    proc = _domino("convert", "--load", str(saved), "--tensor-model-parallel-size", "2",
+                   "--output", str(tmp_path / "tp2"), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-2000:]
     full = on_disk.load_full_state_dict(saved / "iter_0000002")
     shards, meta = on_disk.load_tp_shards(tmp_path / "tp2" / "iter_0000002")
@@ -61,9 +61,11 @@ def test_convert_cuts_the_model_for_another_tp_size_and_writes_one_file_per_tens
     for rank, shard in enumerate(shards):
         expected = sharding.shard_state_dict(full, rank, 2)
         assert sorted(shard) == sorted(expected) and all(torch.equal(shard[k], expected[k]) for k in shard)
-    assert _domino("inspect", str(tmp_path / "tp2"), "--no-progress").returncode == 0  # its own manifest holds
+    # Its own manifest holds.
+    assert _domino("inspect", "--load", str(tmp_path / "tp2"), "--no-progress").returncode == 0
 
-    proc = _domino("convert", str(saved), "--per-tensor", "--output", str(tmp_path / "flat"), "--no-progress")
+    proc = _domino("convert", "--load", str(saved), "--per-tensor", "--output", str(tmp_path / "flat"),
+                   "--no-progress")
     assert proc.returncode == 0, proc.stderr[-2000:]
     optimizer = distributed_io.read_full(saved / "iter_0000002" / "optimizer")
     index = json.loads((tmp_path / "flat" / "index.json").read_text())["tensors"]
@@ -71,5 +73,5 @@ def test_convert_cuts_the_model_for_another_tp_size_and_writes_one_file_per_tens
     name = "exp_avg_sq.layers.0.attention.query_key_value.weight"
     assert torch.equal(load_file(str(tmp_path / "flat" / "optimizer" / f"{name}.safetensors"))[name], optimizer[name])
 
-    again = _domino("convert", str(saved), "--per-tensor", "--output", str(tmp_path / "flat"))
+    again = _domino("convert", "--load", str(saved), "--per-tensor", "--output", str(tmp_path / "flat"))
     assert again.returncode == 2 and "is not empty" in again.stderr

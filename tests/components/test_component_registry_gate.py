@@ -10,7 +10,8 @@ from components.evaluate.step import decide
 from components.layout import RunLayout
 from components.manifest import write_manifest
 from components.promote.step import run_promote
-from components.registry import PromotedModel, RegistryError, current_model, promote, read_registry
+from components.registry import PromotedModel, RegistryError, current_model, lock_path, promote, read_registry
+from domino.file_lock import exclusive_lock
 
 
 def _entry(run_id, ppl):
@@ -25,7 +26,7 @@ def test_empty_registry_then_promotions_keep_history(tmp_path):
     registry = read_registry(path)
     assert registry["current"].run_id == "b" and registry["current"].promoted_at > 0
     assert [e.run_id for e in registry["history"]] == ["a", "b"]
-    assert [f for f in os.listdir(tmp_path) if f != "promoted.json"] == []  # no temporary files left
+    assert sorted(os.listdir(tmp_path)) == [".promoted.json.lock", "promoted.json"]  # no temporaries; the lock stays
 
 
 def test_corrupt_registry_is_an_error_naming_the_file_and_is_not_overwritten(tmp_path):
@@ -116,18 +117,14 @@ def test_promote_rechecks_the_incumbent_under_the_lock(tmp_path):
 
 
 def test_promote_waits_for_the_lock(tmp_path):
-    import fcntl
+    """A thread of the same process is kept out too (record locks alone do not exclude threads)."""
     import threading
 
     path = str(tmp_path / "promoted.json")
     done = threading.Event()
-    holder = os.open(str(tmp_path), os.O_RDONLY)
-    fcntl.flock(holder, fcntl.LOCK_EX)  # another writer inside its read-check-write
     writer = threading.Thread(target=lambda: (promote(path, _entry("a", 3.0), gate_incumbent=""), done.set()))
-    writer.start()
-    try:
+    with exclusive_lock(lock_path(path)):  # another writer inside its read-check-write
+        writer.start()
         assert not done.wait(1.0) and current_model(path) is None  # still blocked: nothing written
-    finally:
-        os.close(holder)
     writer.join(30)
     assert done.is_set() and current_model(path).run_id == "a"

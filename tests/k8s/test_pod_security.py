@@ -25,19 +25,9 @@ from operator_model import BUILTIN_TEMPLATE, OperatorConfig, execute_template, o
 from pod_security import restricted_violations  # noqa: E402
 
 
-# The upstream Deployment's shape that the Component patches (kubeflow/trainer release-1.9,
-# manifests/base/deployment.yaml): container `training-operator` running /manager without args, a
-# webhook-cert volume.
-UPSTREAM_DEPLOYMENT = {
-    "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "training-operator"},
-    "spec": {"selector": {"matchLabels": {"control-plane": "kubeflow-training-operator"}},
-             "template": {"metadata": {"labels": {"control-plane": "kubeflow-training-operator"}},
-                          "spec": {"serviceAccountName": "training-operator", "containers": [{
-                              "name": "training-operator", "image": "kubeflow/training-operator", "command": ["/manager"],
-                              "volumeMounts": [{"name": "cert", "mountPath": "/tmp/k8s-webhook-server/serving-certs",
-                                                "readOnly": True}]}],
-                              "volumes": [{"name": "cert", "secret": {"secretName": "training-operator-webhook-cert"}}]}}},
-}
+# The upstream Deployment the Component patches, as published (kubeflow/training-operator v1.9.0,
+# manifests/base/deployment.yaml; a copy in ../shared/upstream).
+UPSTREAM_DEPLOYMENT = REPO.parent / "shared/upstream/training-operator-v1.9.0/manifests/base/deployment.yaml"
 
 
 def gpu_job(**overrides):
@@ -49,7 +39,7 @@ def gpu_job(**overrides):
 
 def shipped_operator(tmp_path) -> OperatorConfig:
     """kustomize-builds the upstream Deployment with our k8s/operator Component; the operator's config."""
-    (tmp_path / "deployment.yaml").write_text(yaml.safe_dump(UPSTREAM_DEPLOYMENT))
+    (tmp_path / "deployment.yaml").write_text(UPSTREAM_DEPLOYMENT.read_text())
     component = os.path.relpath(REPO / "k8s" / "operator", tmp_path)
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(
         {"resources": ["deployment.yaml"], "namespace": "kubeflow", "components": [component]}))
@@ -72,7 +62,7 @@ def test_four_by_eight_gpu_job_every_pod_is_restricted_with_the_shipped_operator
         if pod["metadata"]["name"].startswith("gpt-r1-worker"):
             assert names == ["pytorch", "init-pytorch"]
             (init,) = spec["initContainers"]
-            assert init["image"] == "alpine:3.10" and "nslookup gpt-r1-master-0;" in init["command"][2]
+            assert init["image"] == config.image and "nslookup gpt-r1-master-0${d:+.$d};" in init["command"][2]
             assert "seq 100)" in init["command"][2]
         else:
             assert names == ["pytorch"]  # the Master gets no init container

@@ -113,11 +113,11 @@ def test_auto_leaves_num_proc_per_node_to_the_torch_plugin_and_patches_carry_pod
     assert job["spec"]["trainer"]["resourcesPerNode"]["limits"] == {"cpu": "48", "memory": "400Gi"}
 
 
-def test_queue_labels_the_trainjob_for_kueue_and_creates_it_suspended():
+def test_queue_labels_the_trainjob_for_kueue_and_leaves_suspending_it_to_kueue():
     job = render_trainjob(JobSpec(**{**BASE, "nodes": 2, "queue": "team-gpus"}), run_id="r1")
     validate_trainer_object(job, "trainjobs")
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-gpus"
-    assert job["spec"]["suspend"] is True
+    assert "suspend" not in job["spec"]  # Kueue's webhook sets it (tests/launch/test_launch_kueue.py)
 
 
 @pytest.mark.parametrize("field,value,flag", [

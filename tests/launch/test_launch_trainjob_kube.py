@@ -66,26 +66,6 @@ def test_failure_gives_the_jobset_reason_and_every_failed_node_log_and_keeps_the
     assert server.cluster.deleted == []  # on-success keeps a failed job for debugging
 
 
-def test_a_queued_trainjob_waits_suspended_then_runs(server):
-    server.cluster.on_create = tj.queued_then_admitted
-    lines = []
-    result = launcher(server, lines).run(tj.spec(queue="team-a"), run_id="run-q", scheduling_timeout_s=1.0,
-                                         timeout_s=60)
-    assert result.succeeded, result.reason
-    created = server.cluster.history[0][2]
-    assert created["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
-    assert created["spec"]["suspend"] is True
-    assert "[gpt-run-q] Suspended: Suspended TrainJob is suspended" in lines
-
-
-def test_queue_timeout_fails_and_deletes_a_trainjob_never_admitted(server):
-    server.cluster.on_create = tj.queued_forever
-    result = launcher(server, []).run(tj.spec(queue="team-a"), run_id="run-qt", scheduling_timeout_s=0.5,
-                                      timeout_s=60, queue_timeout_s=1.5)
-    assert result.reason.startswith("QueueTimeout: ") and result.phase == "Suspended"
-    assert server.cluster.deleted == ["gpt-run-qt"]
-
-
 def test_timeout_deletes_the_trainjob_unless_cleanup_never(server):
     server.cluster.on_create = tj.run_forever
     start = time.monotonic()

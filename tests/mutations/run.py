@@ -57,12 +57,12 @@ MUTATIONS: List[Mutation] = [
              ["tests/train/test_checkpoint_commit.py"]),
     Mutation("checkpoint-prune-before-latest", "domino/checkpoint/checkpointing.py",
              "    on_disk.write_latest(root, tag)\n"
-             "    _prune(root, config.checkpoint.keep_last, keep=tag)\n",
-             "    _prune(root, config.checkpoint.keep_last, keep=tag)\n"
+             "    _prune(root, config.checkpoint.keep_last, keep=tag, iteration=iteration)\n",
+             "    _prune(root, config.checkpoint.keep_last, keep=tag, iteration=iteration)\n"
              "    on_disk.write_latest(root, tag)\n",
              ["tests/train/test_checkpoint_commit.py"]),
     Mutation("checkpoint-rng-not-restored", "domino/checkpoint/resume.py",
-             "    if not c.no_load_rng and same_layout:", "    if False:",
+             "    if not c.no_load_rng and _same_layout(meta):", "    if False:",
              ["tests/train/test_checkpoint_commit.py"]),
     Mutation("ce-skips-global-max", "domino/parallel/cross_entropy.py",
              "    global_max = all_reduce_max_(local_max.clone())", "    global_max = local_max.clone()",
