@@ -58,9 +58,10 @@ def restore_optimizer(engine, sd: Dict[str, Any]) -> None:
         for key, value in (fields or {}).items():
             setattr(live_scaler, key, value)
         sd["loss_scaler"] = live_scaler
-    # ZeRO's and the BF16 optimizer's states (deepspeed 0.19.8: runtime/zero/stage_1_and_2.py, runtime/bf16_optimizer.py)
-    # hold this DP rank's partition of the fp32 master weights; both load from a per-DP-rank list and must take
-    # those fp32 weights (load_from_fp32_weights) or resuming would restart from the rounded bf16/fp16 weights.
+    # ZeRO's and the BF16 optimizer's states (deepspeed 0.19.8: runtime/zero/stage_1_and_2.py,
+    # runtime/bf16_optimizer.py) hold this DP rank's partition of the fp32 master weights; both load from a
+    # per-DP-rank list and must take those fp32 weights (load_from_fp32_weights) or resuming would restart from
+    # the rounded bf16/fp16 weights.
     partitioned = "zero_stage" in sd or "single_partition_of_fp32_groups" in sd
     if "zero_stage" in sd:
         from deepspeed.runtime.zero.config import ZeroStageEnum
