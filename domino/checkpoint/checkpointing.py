@@ -172,7 +172,7 @@ def _commit(tmp: Path, final: Path, config: DominoConfig, iteration: int) -> Non
     Nothing is deleted before the new checkpoint is in place and ``latest`` names it: a checkpoint of the
     same iteration that already exists (a torn one that resume fell back past, or one that ``latest`` never
     reached) is first renamed aside and deleted last. A kill between those two renames leaves ``latest``
-    naming a missing directory for an instant, and :func:`domino.checkpoint.resume.find_checkpoint` then
+    naming a missing directory for an instant, and :func:`domino.checkpoint.discovery.find_checkpoint` then
     resumes from the newest complete checkpoint; a kill in any delete (slow on NFS) leaves the new one named.
     """
     root, tag = final.parent, final.name

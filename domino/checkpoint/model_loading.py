@@ -9,8 +9,8 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
-from domino.checkpoint.on_disk import (META_FILE, TOKENIZER_DIR, CheckpointError, PathLike, load_model_shard,
-                                       read_checkpoint_meta, read_header_shapes, resolve_checkpoint_dir, shard_paths)
+from domino.checkpoint.on_disk import (META_FILE, TOKENIZER_DIR, Checkpoint, CheckpointError, PathLike,
+                                       load_model_shard, read_header_shapes, shard_paths)
 from domino.config import ConfigError
 
 _LAYER_PATTERN = re.compile(r"^layers\.(\d+)\.")
@@ -117,12 +117,12 @@ def build_model_from_checkpoint(
     from domino.config import config_from_dict
     from domino.model import GPTModel
 
-    ckpt_dir = resolve_checkpoint_dir(path)
-    meta = read_checkpoint_meta(ckpt_dir)
+    ckpt = Checkpoint.open(path)
+    ckpt_dir, meta = ckpt.path, ckpt.meta
     config = config_from_dict(meta["config"])
     config.parallel.tensor_model_parallel_size = tp_size
     check_checkpoint_fits(ckpt_dir, meta, config, tp_size)
-    state_dict = load_model_shard(ckpt_dir, tp_rank, tp_size)
+    state_dict = load_model_shard(ckpt, tp_rank, tp_size)
     model = GPTModel(config.model, meta["padded_vocab_size"], domino_chunks=domino_chunks,
                      parallel_output=parallel_output)
     try:

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -170,6 +171,54 @@ def write_checkpoint_meta(ckpt_dir: PathLike, meta: Dict[str, Any]) -> None:
     atomic_write_text(str(Path(ckpt_dir) / META_FILE), json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint directory and its ``checkpoint.json``, checked once and passed along from discovery to the
+    shard readers (nothing downstream reads the file again).
+
+    Attributes:
+        path: the ``iter_*`` directory.
+        meta: its checked ``checkpoint.json``.
+    """
+
+    path: Path
+    meta: Dict[str, Any]
+
+    @classmethod
+    def read(cls, ckpt_dir: PathLike) -> "Checkpoint":
+        """The checkpoint directory ``ckpt_dir`` (its metadata read and checked, :func:`read_checkpoint_meta`)."""
+        return cls(Path(ckpt_dir), read_checkpoint_meta(ckpt_dir))
+
+    @classmethod
+    def open(cls, path: "Union[PathLike, Checkpoint]") -> "Checkpoint":
+        """The checkpoint ``path`` designates: a save root (its ``latest``), an ``iter_*`` directory, or one
+        already read."""
+        return path if isinstance(path, Checkpoint) else cls.read(resolve_checkpoint_dir(path))
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def tensor_model_parallel_size(self) -> int:
+        return self.meta["tensor_model_parallel_size"]
+
+    @property
+    def optimizer_format(self) -> Optional[str]:
+        """How the optimizer state is stored: ``"by-name"`` (any layout reads it), ``"per-rank"`` (format 1: the
+        layout that wrote it), or ``None`` (weights only: ``import-hf`` output)."""
+        recorded = self.meta.get("optimizer")
+        if isinstance(recorded, dict) and recorded.get("format") in ("by-name", "per-rank"):
+            return recorded["format"]
+        return "per-rank" if (self.path / LEGACY_OPTIMIZER_DIR).is_dir() else None
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+CheckpointLike = Union[PathLike, Checkpoint]
+
+
 def save_model_shard(ckpt_dir: PathLike, state_dict: Dict[str, torch.Tensor], tp_rank: int) -> Path:
     """Writes one TP rank's ``model.state_dict()`` to ``ckpt_dir/model/tp_rank_NN.safetensors`` atomically.
 
@@ -239,21 +288,21 @@ def shard_paths(ckpt_dir: PathLike, meta: Optional[Dict[str, Any]] = None) -> Li
     return [model_dir / shard_file_name(r) for r in range(tp)]
 
 
-def load_tp_shards(ckpt_dir: PathLike) -> Tuple[List[Dict[str, torch.Tensor]], Dict[str, Any]]:
-    """All TP shards of a checkpoint (as saved) and its metadata."""
-    meta = read_checkpoint_meta(ckpt_dir)
-    return [_read_safetensors(p) for p in shard_paths(ckpt_dir, meta)], meta
+def load_tp_shards(ckpt: CheckpointLike) -> Tuple[List[Dict[str, torch.Tensor]], Dict[str, Any]]:
+    """All TP shards of a checkpoint directory (as saved) and its metadata."""
+    ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint.read(ckpt)
+    return [_read_safetensors(p) for p in shard_paths(ckpt.path, ckpt.meta)], ckpt.meta
 
 
-def load_full_state_dict(ckpt_dir: PathLike) -> Dict[str, torch.Tensor]:
-    """The unsharded state dict of a checkpoint (TP shards merged)."""
+def load_full_state_dict(ckpt: CheckpointLike) -> Dict[str, torch.Tensor]:
+    """The unsharded state dict of a checkpoint directory (TP shards merged)."""
     from domino.checkpoint.sharding import merge_tp_shards
 
-    shards, _ = load_tp_shards(ckpt_dir)
+    shards, _ = load_tp_shards(ckpt)
     return shards[0] if len(shards) == 1 else merge_tp_shards(shards)
 
 
-def load_model_shard(ckpt_dir: PathLike, tp_rank: int, tp_size: int) -> Dict[str, torch.Tensor]:
+def load_model_shard(ckpt: CheckpointLike, tp_rank: int, tp_size: int) -> Dict[str, torch.Tensor]:
     """The state dict for TP rank ``tp_rank`` of ``tp_size``, resharded if the checkpoint used another TP size.
 
     Raises:
@@ -261,17 +310,17 @@ def load_model_shard(ckpt_dir: PathLike, tp_rank: int, tp_size: int) -> Dict[str
     """
     if not 0 <= tp_rank < tp_size:
         raise CheckpointError(f"tp_rank {tp_rank} is outside [0, {tp_size})")
-    meta = read_checkpoint_meta(ckpt_dir)
-    if meta["tensor_model_parallel_size"] == tp_size:
-        return _read_safetensors(shard_paths(ckpt_dir, meta)[tp_rank])
-    if meta["padded_vocab_size"] % tp_size:
+    ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint.read(ckpt)
+    if ckpt.tensor_model_parallel_size == tp_size:
+        return _read_safetensors(shard_paths(ckpt.path, ckpt.meta)[tp_rank])
+    if ckpt.meta["padded_vocab_size"] % tp_size:
         raise CheckpointError(
-            f"checkpoint {ckpt_dir}: padded vocabulary {meta['padded_vocab_size']} cannot be split over "
+            f"checkpoint {ckpt}: padded vocabulary {ckpt.meta['padded_vocab_size']} cannot be split over "
             f"tensor_model_parallel_size={tp_size}")
     from domino.checkpoint.sharding import shard_state_dict
 
-    logger.info("resharding %s from TP=%d to TP=%d", ckpt_dir, meta["tensor_model_parallel_size"], tp_size)
-    return shard_state_dict(load_full_state_dict(ckpt_dir), tp_rank, tp_size)
+    logger.info("resharding %s from TP=%d to TP=%d", ckpt, ckpt.tensor_model_parallel_size, tp_size)
+    return shard_state_dict(load_full_state_dict(ckpt), tp_rank, tp_size)
 
 
 def write_weights_only_checkpoint(

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 from domino.atomic_files import fsync_directory
 from domino.checkpoint import distributed_io, manifest, sharding, on_disk
 from domino.checkpoint import model_loading
-from domino.checkpoint.resume import optimizer_format
+from domino.checkpoint.on_disk import Checkpoint
 
 
 def _progress(total: int, description: str, enabled: Optional[bool], unit: str = "B"):
@@ -107,9 +107,8 @@ def inspect(path, verify: bool = True, progress: Optional[bool] = None) -> Inspe
     Raises:
         CheckpointError: when ``path`` is not a readable checkpoint.
     """
-    ckpt = on_disk.resolve_checkpoint_dir(path)
-    meta = on_disk.read_checkpoint_meta(ckpt)
-    kind = optimizer_format(ckpt, meta)
+    found = Checkpoint.open(path)
+    ckpt, meta, kind = found.path, found.meta, found.optimizer_format
     parts: Dict[str, int] = {}
     for item in sorted(ckpt.rglob("*")):
         if item.is_file():
@@ -163,9 +162,9 @@ def convert_layout(path, output, tensor_model_parallel_size: int, progress: Opti
     is (every layout reads it), the RNG streams are left out (they belong to the layout that drew them), and the
     copy gets its own manifest. A per-rank optimizer state (format 1) cannot be cut: it is refused.
     """
-    ckpt = on_disk.resolve_checkpoint_dir(path)
-    meta = on_disk.read_checkpoint_meta(ckpt)
-    if optimizer_format(ckpt, meta) == "per-rank":
+    found = Checkpoint.open(path)
+    ckpt, meta = found.path, found.meta
+    if found.optimizer_format == "per-rank":
         raise on_disk.CheckpointError(
             f"{ckpt}: its optimizer state is per rank (format 1); resume it once on its own layout, then convert "
             "the checkpoint that run saves")
@@ -182,7 +181,7 @@ def convert_layout(path, output, tensor_model_parallel_size: int, progress: Opti
     tmp = _fresh_output(output)
     target = tmp / ckpt.name
     target.mkdir()
-    full = on_disk.load_full_state_dict(ckpt)
+    full = on_disk.load_full_state_dict(found)
     with _progress(tensor_model_parallel_size, "model shards", progress, unit="shard") as bar:
         for rank in range(tensor_model_parallel_size):
             on_disk.save_model_shard(target, sharding.shard_state_dict(full, rank, tensor_model_parallel_size),
@@ -201,14 +200,14 @@ def convert_layout(path, output, tensor_model_parallel_size: int, progress: Opti
 def convert_per_tensor(path, output, progress: Optional[bool] = None) -> Path:
     """Writes every whole tensor of a checkpoint (model weights; optimizer state stored by name) to its own
     ``NAME.safetensors`` under ``output/model/`` and ``output/optimizer/``, with ``index.json`` listing them."""
-    ckpt = on_disk.resolve_checkpoint_dir(path)
-    meta = on_disk.read_checkpoint_meta(ckpt)
+    found = Checkpoint.open(path)
+    ckpt, meta = found.path, found.meta
     from safetensors.torch import save_file
 
     output = Path(output)
     tmp = _fresh_output(output)
-    groups = {"model": on_disk.load_full_state_dict(ckpt)}
-    if optimizer_format(ckpt, meta) == "by-name":
+    groups = {"model": on_disk.load_full_state_dict(found)}
+    if found.optimizer_format == "by-name":
         groups["optimizer"] = distributed_io.read_full(ckpt / on_disk.OPTIMIZER_DIR)
     index = {}
     with _progress(sum(len(g) for g in groups.values()), "tensors", progress, unit="tensor") as bar:

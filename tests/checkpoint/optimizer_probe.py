@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from domino.checkpoint import optimizer_state, resume, sharding
+from domino.checkpoint import discovery, optimizer_state, resume, sharding
 from domino.cli.main import build_parser
 from domino.config import config_from_args
 from domino.config.validate import resolve_zero_stage
@@ -28,7 +28,7 @@ def main(out: str, argv) -> None:
     args = build_parser().parse_args(["pretrain", *argv])
     config = config_from_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")), for_training=True)
     engine_setup.initialize_runtime(config)
-    ckpt, warm = resume.find_checkpoint(config)
+    ckpt, warm = discovery.find_checkpoint(config)
     resolve_zero_stage(config, state.get_data_parallel_world_size(), resume.resumed_zero_stage(ckpt, config, warm))
     recipe = GPTRecipe(config)
     tp_random.model_parallel_seed(config.train.seed)

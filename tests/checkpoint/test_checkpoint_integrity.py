@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from domino.checkpoint import manifest
-from train_helpers import TINY, run_pretrain, train_losses
+from train.train_helpers import TINY, run_pretrain, train_losses
 
 
 def _flip_byte(path: Path, offset: int = -100) -> None:
