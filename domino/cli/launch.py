@@ -75,14 +75,14 @@ def register(subparsers) -> None:
     verbs = launch.add_subparsers(dest="launch_command", metavar="{render,submit}", required=True)
 
     render = verbs.add_parser("render", help="Print the job's YAML (a PyTorchJob or a TrainJob).",
-                              usage="domino launch render --name NAME --image IMAGE [flags] -- [pretrain flags]")
+                              usage="domino launch render --name NAME [--image IMAGE] [flags] -- [pretrain flags]")
     add_spec_flags(render)
     _add_api_flag(render)
     render.add_argument("--output", "-o", default=None, help="Write the YAML to this file instead of stdout.")
     render.set_defaults(func=_render)
 
     submit = verbs.add_parser("submit", help="Create the job, stream the master's log, wait for the end.",
-                              usage="domino launch submit --name NAME --image IMAGE [flags] -- [pretrain flags]")
+                              usage="domino launch submit --name NAME [--image IMAGE] [flags] -- [pretrain flags]")
     add_spec_flags(submit)
     _add_api_flag(submit)
     run = submit.add_argument_group("run")
