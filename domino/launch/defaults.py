@@ -38,6 +38,12 @@ GPU_PROCESS_REQUESTS: Tuple[int, int] = (4, 16)
 CPU_PROCESS_REQUESTS: Tuple[int, int] = (1, 2)
 #: Faults (each restarting every pod once) the default backoffLimit tolerates.
 FAULTS_TOLERATED = 3
+#: The same restart budget for a TrainJob, as its runtime's JobSet ``failurePolicy.maxRestarts``: the
+#: operator fails a PyTorchJob when the summed restarts *reach* backoffLimit (``>=``), i.e. at the
+#: FAULTS_TOLERATED-th fault after FAULTS_TOLERATED - 1 recoveries; JobSet v0.12.0 recreates the whole set
+#: on a failed Job until ``status.restarts`` reaches maxRestarts (``failure_policy.go``
+#: ``restartJobSetActionApplier``), i.e. it fails at fault maxRestarts + 1. Both end at the same fault.
+JOBSET_MAX_RESTARTS = FAULTS_TOLERATED - 1
 #: The toleration GPU pods get by default.
 GPU_TOLERATION = Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
 #: Environment of GPU training pods unless ``--env`` sets the variable.

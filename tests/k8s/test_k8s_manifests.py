@@ -143,12 +143,19 @@ def test_kfp_overlays_give_the_step_service_account_the_launcher_role_in_the_ste
     """The job is created in the step's namespace (POD_NAMESPACE) by the step's service account: the
     overlay puts the claim, the trainer account and the policy there and binds the Role to that account,
     without creating or relabelling a namespace KFP or the profile controller owns."""
+    from k8s_schemas import validate_trainer_object
+
     namespace, account = KFP_MODES[path]
     objects = build(path)
     assert "Namespace" not in {o["kind"] for o in objects}
     for obj in objects:
-        validate_core(obj)
+        if obj["kind"] == "TrainingRuntime":  # job_api=trainjob runs need it beside the claim
+            validate_trainer_object(obj, "trainingruntimes")
+            assert obj["metadata"]["name"] == "domino-torch-distributed"
+        else:
+            validate_core(obj)
         assert obj["metadata"]["namespace"] == namespace, obj["metadata"]["name"]
+    assert "TrainingRuntime" in {o["kind"] for o in objects}
     (binding,) = [o for o in objects if o["kind"] == "RoleBinding"]
     assert binding["roleRef"]["name"] == "domino-launcher"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]
