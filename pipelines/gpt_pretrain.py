@@ -32,6 +32,7 @@ from components.pretrain import component as pretrain_component
 from components.pretrain import settings as pretrain_settings
 from components.promote import component as promote_component
 from components.tokenizer import component as tokenizer_component
+from domino.tracking import CREDENTIAL_KEYS, CREDENTIAL_SECRET
 from pipelines.preprocess_stage import PreprocessStage
 
 PIPELINE_NAME = "gpt-pretrain"
@@ -52,6 +53,7 @@ OWN_PARAMETERS = [
     ("sample_tokens", int, 24),
     ("min_improvement", float, 0.0),
     ("keep_failed_jobs", bool, True),
+    ("registered_model_name", str, "domino-gpt"),
 ]
 OWN_DOCS = {
     "corpus": "Built-in corpus to train on when input_uri is empty (shakespeare, kjv).",
@@ -65,7 +67,9 @@ OWN_DOCS = {
     "sample_tokens": "Tokens generated per report prompt (0: no samples).",
     "min_improvement": "Fraction by which the test perplexity must beat the promoted model's.",
     "keep_failed_jobs": "Keep a failed training job for debugging (its TTL removes it later).",
+    "registered_model_name": "MLflow registered model that gets a version per promotion (with mlflow_tracking_uri).",
 }
+
 
 
 @dataclass
@@ -80,6 +84,9 @@ class StepPlacement:
         run_as_user: Non-root UID (and GID) of every step's container (the image works under any UID).
         pretrain_retries: kfp retries of the pretrain step (a retry adopts the run's job and resumes it).
         pretrain_timeout_s: The pretrain step pod's activeDeadlineSeconds (a bound on the whole training).
+        mlflow_credentials: Every step reads MLflow's credential variables from the Secret ``domino-mlflow``
+            (``secretAsEnv``, optional keys: needs a KFP backend whose driver knows that field,
+            kubeflow/pipelines#12495); the training pods read them from it whenever tracking is on.
     """
 
     node_selector: Dict[str, str] = field(default_factory=dict)
@@ -88,6 +95,7 @@ class StepPlacement:
     run_as_user: int = 1000
     pretrain_retries: int = 2
     pretrain_timeout_s: int = 7 * 24 * 3600
+    mlflow_credentials: bool = False
 
 
 def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacement] = None,
@@ -123,6 +131,9 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
             kubernetes.add_node_selector(task, label_key=key, label_value=value)
         for toleration in placement.tolerations:
             kubernetes.add_toleration(task, **toleration)
+        if placement.mlflow_credentials:  # from a Secret, never a run parameter; a missing key is left unset
+            kubernetes.use_secret_as_env(task, CREDENTIAL_SECRET, {key: key for key in CREDENTIAL_KEYS},
+                                         optional=True)
         task.set_caching_options(False)
         return task
 
@@ -165,13 +176,15 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
                 model=train.outputs["model"], dataset=prep.outputs["dataset"], shared_root=p["shared_root"],
                 run_id=run_id, eval_batches=p["eval_batches"], sample_prompts=p["sample_prompts"],
                 sample_tokens=p["sample_tokens"], min_improvement=p["min_improvement"],
+                mlflow_tracking_uri=p["mlflow_tracking_uri"],
             ), p["pvc_name"])
             if placement.eval_gpus > 0:
                 evaluation.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(placement.eval_gpus)
             with dsl.If(evaluation.outputs["Output"] == True, name="beats-promoted-model"):  # noqa: E712
                 on_shared_volume(promote_op(
                     model=train.outputs["model"], decision=evaluation.outputs["decision"],
-                    shared_root=p["shared_root"], run_id=run_id,
+                    shared_root=p["shared_root"], run_id=run_id, mlflow_tracking_uri=p["mlflow_tracking_uri"],
+                    registered_model_name=p["registered_model_name"], pvc_name=p["pvc_name"],
                 ), p["pvc_name"])
 
     defaults = {"image": image, "shared_root": MOUNT_PATH}

@@ -23,6 +23,7 @@ def evaluate(
     sample_temperature: float = 0.8,
     sample_top_k: int = 40,
     min_improvement: float = 0.0,
+    mlflow_tracking_uri: str = "",
 ) -> bool:
     """Measures test loss, perplexity and token accuracy, writes the HTML report, and gates promotion.
 
@@ -42,6 +43,8 @@ def evaluate(
         sample_temperature: Sampling temperature of the report's generations.
         sample_top_k: Sample among the k most likely tokens (0: all).
         min_improvement: Fraction by which the perplexity must beat the promoted model's (0: any).
+        mlflow_tracking_uri: MLflow server: the results, decision and report go to the model's training run
+            (its id is the decision's ``mlflow_run_id``; '': no tracking).
 
     Returns:
         True when the new model should replace the promoted one (the pipeline's gate).
@@ -52,7 +55,7 @@ def evaluate(
     settings = EvaluateSettings(shared_root=shared_root, run_id=run_id, eval_batches=eval_batches,
                                 sample_prompts=sample_prompts, sample_tokens=sample_tokens,
                                 sample_temperature=sample_temperature, sample_top_k=sample_top_k,
-                                min_improvement=min_improvement)
+                                min_improvement=min_improvement, mlflow_tracking_uri=mlflow_tracking_uri)
     result = run_evaluate(settings, model.path, dataset.path, report.path)
     write_manifest(decision.path, result)
     decision.metadata.update(result)

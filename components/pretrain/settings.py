@@ -117,6 +117,8 @@ class PretrainSettings:
     """Wall-clock limit of the training job, also its activeDeadlineSeconds (0: none)."""
     scheduling_timeout_s: int = 600
     """Fail when the admitted training job does not have all its pods running after this many seconds."""
+    mlflow_tracking_uri: str = ""
+    """MLflow server that training, evaluation and promotion log to ('': none; credentials: a Secret, see docs)."""
 
 
 #: Settings the pipeline supplies itself rather than as a pipeline parameter of the same name.

@@ -17,6 +17,7 @@ from components.layout import RunLayout
 from components.manifest import read_manifest, write_manifest
 from components.pretrain.settings import JSON_SETTINGS, PretrainSettings, settings_from_kwargs
 from components.registry import current_model
+from domino.tracking import CREDENTIAL_KEYS, CREDENTIAL_SECRET, KFP_RUN_ID_ENV, TRACKING_URI_ENV, read_pointer
 
 __all__ = ["PretrainFailed", "PretrainSettings", "check_config", "job_spec", "load_argv", "metric_values",
            "parse_overrides", "pretrain_argv", "run_pretrain", "settings_from_kwargs", "summarize"]
@@ -148,6 +149,9 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
     text = lambda d: {str(k): str(v) for k, v in d.items()}  # noqa: E731 - JSON scalars -> strings
     # Without GPUs DeepSpeed must be told to use its CPU accelerator.
     env = {"DS_ACCELERATOR": "cpu"} if s.gpus_per_node == 0 else {}
+    tracked = bool(s.mlflow_tracking_uri)  # the job's rank 0 logs to MLflow, its run tagged with this pipeline run
+    if tracked:
+        env.update({TRACKING_URI_ENV: s.mlflow_tracking_uri, KFP_RUN_ID_ENV: s.run_id})
     spec = JobSpec(
         name=s.job_name, image=s.image or default_image(), pretrain_args=argv,
         namespace=s.namespace or default_namespace(), nodes=s.nodes, nproc_per_node=s.nproc_per_node,
@@ -161,6 +165,7 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
         priority_class=s.priority_class or None, service_account=s.service_account or None,
         image_pull_secrets=[str(x) for x in _json_param(s, "image_pull_secrets")],
         env={**env, **text(_json_param(s, "env"))},
+        secret_env={key: CREDENTIAL_SECRET for key in CREDENTIAL_KEYS} if tracked else {},
         labels={**text(_json_param(s, "labels")), "pipelines.kubeflow.org/run-id": _label(s.run_id)},
         annotations=text(_json_param(s, "annotations")), queue=s.queue or None,
         backoff_limit=None if s.backoff_limit < 0 else s.backoff_limit,
@@ -194,6 +199,9 @@ def summarize(layout: RunLayout, seq_length: int) -> Dict[str, Any]:
         "tokens_seen": int(meta["consumed_samples"]) * seq_length, "metrics_file": layout.metrics_file,
         "config": meta["config"],
     }
+    pointer = read_pointer(layout.checkpoint_dir)
+    if pointer is not None:  # the MLflow run of the training, on the KFP outputs
+        summary["mlflow_run_id"] = pointer.run_id
     if train:
         summary["final_train_loss"] = float(train[-1]["lm_loss"])
     valid = [e for e in evals if e.get("eval") == "valid"]
