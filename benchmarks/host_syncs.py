@@ -25,9 +25,11 @@ PROBE = REPO / "domino" / "train" / "host_syncs.py"
 TINY = ["--preset", "tiny", "--mock-data", "--vocab-size", "512", "--num-workers", "0", "--seed", "7",
         "--eval-iters", "0", "--eval-interval", "0", "--log-interval", "5"]
 LAYOUTS = {
-    "1 process, ZeRO-1": (1, []),
+    "1 process, ZeRO-1": (1, ["--zero-stage", "1"]),
     "1 process, ZeRO-0 (domino clips)": (1, ["--zero-stage", "0"]),
-    "TP=2 Domino, ZeRO-1": (2, ["--tensor-model-parallel-size", "2", "--domino-chunks", "2"]),
+    "TP=2 Domino, ZeRO-1": (2, ["--tensor-model-parallel-size", "2", "--domino-chunks", "2", "--zero-stage", "1"]),
+    "TP=2 Domino, bf16 ZeRO-1": (2, ["--tensor-model-parallel-size", "2", "--domino-chunks", "2", "--bf16",
+                                     "--zero-stage", "1"]),
     "DP=2, ZeRO-1": (2, []),
     "DP=2, ZeRO-1, --clip-grad 0": (2, ["--clip-grad", "0"]),
 }

@@ -22,11 +22,10 @@ DECISION_TAGS = ("test_ppl", "test_loss", "token_accuracy", "test_tokens", "unig
 def run_promote(
     shared_root: str, run_id: str, model_manifest: str, decision_manifest: str,
     log: Callable[[str], None] = print, tracking_uri: str = "", model_name: str = DEFAULT_MODEL_NAME,
-    claim: str = "",
 ) -> Dict[str, Any]:
     """Writes the model of ``model_manifest`` as the current entry of ``<shared_root>/promoted.json`` and,
     with ``tracking_uri``, registers it as a new version of ``model_name`` in MLflow, still under the
-    registry's lock (the version's source: its checkpoint on the volume ``claim``; the decision as tags; the
+    registry's lock (the version's source: the manifest's ``checkpoint_uri``; the decision as tags; the
     alias ``champion`` moved to it).
 
     Raises:
@@ -44,9 +43,8 @@ def run_promote(
         run_id=run_id, checkpoint_dir=model["checkpoint_dir"], test_ppl=test_ppl, test_loss=test_loss,
         iteration=int(model.get("iterations", 0)), tokens=int(model.get("tokens_seen", 0)),
     )
-    checkpoint = model.get("checkpoint") or model["checkpoint_dir"]  # the iter_* folder: it never changes
     promotion = Promotion(
-        model_name=model_name, source=volume_uri(checkpoint, shared_root, claim),
+        model_name=model_name, source=model.get("checkpoint_uri") or volume_uri(model["checkpoint_dir"], shared_root),
         run_id=str(model.get("mlflow_run_id") or ""),
         tags={**{name: decision.get(name) for name in DECISION_TAGS}, KFP_RUN_TAG: run_id,
               "checkpoint_dir": model["checkpoint_dir"], "iterations": entry.iteration, "tokens_seen": entry.tokens})

@@ -23,7 +23,7 @@ import os
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,8 +32,8 @@ from domino.atomic_files import atomic_write, fsync_directory
 from domino.checkpoint import manifest, weights_io
 from domino.config import DominoConfig, config_to_dict
 from domino.parallel import random as tp_random
-from domino.parallel import state
-from domino.parallel.agreement import AgreedFailure, agree
+from domino.runtime import state
+from domino.runtime.agreement import AgreedFailure, agree
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +50,17 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
         raise
 
 
-def _maybe_inject_fault(point: str, iteration: int) -> None:
-    """Test hook: ``DOMINO_FAULT_INJECT=kill-in-save@N`` SIGKILLs rank 0 halfway through saving iteration N.
+def _maybe_inject_fault(point: str, iteration: int, partial: Optional[Callable[[], None]] = None) -> None:
+    """Test hook: ``DOMINO_FAULT_INJECT=POINT@N`` SIGKILLs rank 0 at ``POINT`` while saving iteration N.
 
-    The kill/resume tests use it to prove that a save cut short never damages the previous checkpoint.
+    ``kill-in-save`` is after every file is written and before the commit; ``kill-in-delete`` is halfway
+    through removing a replaced or pruned checkpoint (``partial`` has done the first half). The kill/resume
+    tests use them to prove that a save cut short never leaves a run that cannot resume.
     """
     spec = os.environ.get("DOMINO_FAULT_INJECT", "")
     if spec == f"{point}@{iteration}" and (not dist.is_initialized() or dist.get_rank() == 0):
+        if partial is not None:
+            partial()
         logger.warning("fault injection: killing this process in %s at iteration %d", point, iteration)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -140,27 +144,44 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
             shutil.rmtree(tmp, ignore_errors=True)  # free the space; the next save starts clean anyway
         raise AgreedFailure(f"{failure}; {resume_hint(config)}") from None
     _maybe_inject_fault("kill-in-save", iteration)
-    agree(f"saving checkpoint {tag} (committing it)", lambda: _commit(tmp, final, config) if rank == 0 else None)
+    agree(f"saving checkpoint {tag} (committing it)", lambda: _commit(tmp, final, config, iteration) if rank == 0 else None)
     return final
 
 
-def _commit(tmp: Path, final: Path, config: DominoConfig) -> None:
-    """Seals the complete temporary checkpoint, renames it into place, then moves ``latest`` (rank 0)."""
+def _commit(tmp: Path, final: Path, config: DominoConfig, iteration: int) -> None:
+    """Seals the complete temporary checkpoint, renames it into place, moves ``latest``, then deletes (rank 0).
+
+    Nothing is deleted before the new checkpoint is in place and ``latest`` names it: a checkpoint of the
+    same iteration that already exists (a torn one that resume fell back past, or one that ``latest`` never
+    reached) is first renamed aside and deleted last. A kill between those two renames leaves ``latest``
+    naming a missing directory for an instant, and :func:`domino.checkpoint.resume.find_checkpoint` then
+    resumes from the newest complete checkpoint; a kill in any delete (slow on NFS) leaves the new one named.
+    """
     root, tag = final.parent, final.name
     manifest.seal(tmp)  # before the rename: a checkpoint under its final name has its manifest
     for sub in ("", "optim", "rng", "model"):
         if (tmp / sub).exists():
             fsync_directory(tmp / sub)
-    if final.exists():  # the same iteration saved again after a resume: replace it whole
-        trash = root / f".trash-{tag}"
-        shutil.rmtree(trash, ignore_errors=True)
+    trash = root / f".trash-{tag}"
+    if final.exists():  # the same iteration saved again: the old one goes aside, deleted once replaced
+        _remove_checkpoint(trash, iteration)
         os.replace(final, trash)
-        shutil.rmtree(trash)
     os.replace(tmp, final)
     fsync_directory(root)
     weights_io.write_latest(root, tag)
-    _prune(root, config.checkpoint.keep_last, keep=tag)
+    _prune(root, config.checkpoint.keep_last, keep=tag, iteration=iteration)
+    for leftover in root.glob(".trash-iter_*"):  # this one, and those of saves killed while deleting
+        _remove_checkpoint(leftover, iteration)
     logger.info("saved checkpoint %s", final)
+
+
+def _remove_checkpoint(path: Path, iteration: int) -> None:
+    """Deletes a replaced or pruned checkpoint directory (the fault hook cuts it short halfway)."""
+    if not path.exists():
+        return
+    _maybe_inject_fault("kill-in-delete", iteration, partial=lambda: shutil.rmtree(path / weights_io.MODEL_DIR,
+                                                                                 ignore_errors=True))
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def resume_hint(config: DominoConfig) -> str:
@@ -177,10 +198,10 @@ def resume_hint(config: DominoConfig) -> str:
     return f"`latest` in {save} names {latest.name}: a restart resumes from it"
 
 
-def _prune(root: Path, keep_last: Optional[int], keep: str) -> None:
+def _prune(root: Path, keep_last: Optional[int], keep: str, iteration: int) -> None:
     if not keep_last:
         return
     tags = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_"))
     for tag in tags[:-keep_last]:
         if tag != keep:
-            shutil.rmtree(root / tag, ignore_errors=True)
+            _remove_checkpoint(root / tag, iteration)

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from domino.checkpoint import manifest, weights_io
 from domino.config import ConfigError, DominoConfig
 from domino.parallel import random as tp_random
-from domino.parallel import state
-from domino.parallel.agreement import AgreedFailure, agree
+from domino.runtime import state
+from domino.runtime.agreement import AgreedFailure, agree
 
 logger = logging.getLogger(__name__)
 
@@ -73,20 +73,34 @@ def find_checkpoint(config: DominoConfig) -> Tuple[Optional[Path], bool]:
     if c.load is None:
         return None, False
     if c.finetune and c.save and Path(c.save).resolve() != Path(c.load).resolve():
-        own = _resolve(c.save, "--save")
+        own = _resolve(c.save, "--save", c.strict_load)
         if own is not None:
             logger.info("--save %s already holds this run's checkpoint %s: resuming it instead of warm-starting "
                         "from --load", c.save, own.name)
             return choose_intact(own, c.strict_load), False
-    found = _resolve(c.load, "--load")
+    found = _resolve(c.load, "--load", c.strict_load)
     return (choose_intact(found, c.strict_load) if found is not None else None), c.finetune
 
 
-def _resolve(directory: str, flag: str) -> Optional[Path]:
+def own_checkpoint(config: DominoConfig, resumed: Optional[Path], warm_start: bool, iteration: int) -> Optional[str]:
+    """The checkpoint of ``iteration`` under ``--save`` that the run resumed (from ``resumed``'s folder), if any.
+
+    The training loop does not save that iteration again (a restart after the last iteration saves nothing).
+    """
+    save = config.checkpoint.save
+    if resumed is None or warm_start or not save:
+        return None
+    own = Path(save) / weights_io.checkpoint_tag(iteration)
+    return str(own) if own.is_dir() and resumed.parent.resolve() == own.parent.resolve() else None
+
+
+def _resolve(directory: str, flag: str, strict: bool = False) -> Optional[Path]:
     path = Path(directory)
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         return None
     if path.is_dir() and not (path / "latest").exists() and not (path / "checkpoint.json").exists():
+        if any(_checkpoints_below(path, None)):  # killed after the first rename in, before `latest` was written
+            return _newest_complete(path, None, f"{flag} {directory} has no 'latest' file", strict)
         leftovers = [p.name for p in path.iterdir() if not p.name.startswith(".")]
         if not leftovers:
             return None  # only temporaries of a save that never completed
@@ -101,14 +115,33 @@ def _resolve(directory: str, flag: str) -> Optional[Path]:
             pointed = None
         if pointed is not None and pointed.is_dir():
             return pointed  # a torn checkpoint that `latest` names: choose_intact judges it and falls back
+        if pointed is not None:  # killed while a checkpoint of the same iteration was being replaced
+            return _newest_complete(path, pointed.name, f"{flag} {directory}: 'latest' names {pointed.name}, "
+                                    "which does not exist", strict)
         raise ConfigError(f"{flag} {directory}: {error}") from error
+
+
+def _checkpoints_below(root: Path, tag: Optional[str]):
+    """The ``iter_*`` directories of ``root`` before ``tag`` (all of them for ``None``), newest first."""
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_")
+                   and (tag is None or p.name < tag)), key=lambda p: p.name, reverse=True)
+
+
+def _newest_complete(root: Path, below: Optional[str], problem: str, strict: bool) -> Path:
+    """The newest intact checkpoint of ``root`` (before ``below``), when ``latest`` cannot be followed."""
+    if strict:
+        raise ConfigError(f"{problem} (--strict-load refuses to fall back)")
+    for ckpt in _checkpoints_below(root, below):
+        if _damage(ckpt) is None:
+            logger.warning("%s: resuming from the newest complete checkpoint, %s (pass --strict-load to refuse "
+                           "instead).", problem, ckpt.name)
+            return ckpt
+    raise ConfigError(f"{problem}, and no complete checkpoint exists in {root}")
 
 
 def _older_checkpoints(ckpt: Path):
     """The checkpoints beside ``ckpt`` with a lower iteration, newest first."""
-    tags = sorted((p.name for p in ckpt.parent.iterdir() if p.is_dir() and p.name.startswith("iter_")
-                   and p.name < ckpt.name), reverse=True)
-    return [ckpt.parent / tag for tag in tags]
+    return _checkpoints_below(ckpt.parent, ckpt.name)
 
 
 def _damage(ckpt: Path) -> Optional[str]:

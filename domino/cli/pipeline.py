@@ -93,4 +93,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = verbs.add_parser("params", help="List the pipeline's run parameters.")
     p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    p.add_argument("--markdown", action="store_true", help="Print the Markdown table of docs/pipeline.md.")
     p.set_defaults(func=_lazy("params_command"))

@@ -28,9 +28,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_ALIAS = "champion"
 
 
-def volume_uri(path: str, volume_root: str, claim: str) -> str:
-    """``pvc://<claim>/<path relative to volume_root>`` for a path on the shared volume; the absolute path as
-    a ``file://`` URI otherwise."""
+def volume_uri(path: str, volume_root: str, claim: str = "") -> str:
+    """``pvc://<claim>/<path relative to volume_root>`` for a path on the shared volume ``claim``; the absolute
+    path as a ``file://`` URI otherwise."""
     path, volume_root = os.path.abspath(path), os.path.abspath(volume_root)
     if claim and os.path.commonpath([path, volume_root]) == volume_root:
         return f"pvc://{claim}/{os.path.relpath(path, volume_root)}"

@@ -13,8 +13,9 @@ import torch
 
 from domino.config import ConfigError, DominoConfig
 from domino.config.validate import check_device, zero_stage_for
-from domino.parallel import state
+from domino.runtime import state
 from domino.parallel.layers import is_tensor_model_parallel
+from domino.train import bf16_step
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +191,11 @@ def deepspeed_config(config: DominoConfig) -> Dict[str, Any]:
         "zero_optimization": zero_optimization(config),
         "steps_per_print": 10**9,  # domino logs its own lines
         "wall_clock_breakdown": False,
+        # DeepSpeed's ThroughputTimer is on by default and calls the accelerator's synchronize() at the start of
+        # every forward and the end of every step (deepspeed 0.19.8, utils/timer.py `ThroughputTimer.start/stop`,
+        # config in utils/config.py `DeepSpeedThroughputTimerConfig`): two device syncs per micro-batch for a
+        # figure domino does not use (it times its own intervals).
+        "timers": {"throughput": {"enabled": False}},
         "zero_allow_untested_optimizer": True,
     }
     if t.fp16:
@@ -202,6 +208,12 @@ def deepspeed_config(config: DominoConfig) -> Dict[str, Any]:
         # fp32 gradient partitions (deepspeed 0.19.8, runtime/engine.py `_do_optimizer_sanity_check` and
         # `_configure_zero_optimizer`). Without it bf16 gradients accumulate in bf16 and lose small updates.
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
+        if zero_stage(config) == 1:
+            # BF16_Optimizer all-reduces its accumulated fp32 gradient buffers once per step; DeepSpeed casts
+            # them to bf16 for it unless told otherwise (runtime/engine.py, `communication_data_type`: bf16 when
+            # bf16 is enabled and the key unset), rounding away what the fp32 accumulation kept. (ZeRO 2 reduces
+            # each micro-batch's bf16 gradients before accumulating them: nothing is lost there in bf16.)
+            ds["communication_data_type"] = "fp32"
     if t.deepspeed_config:
         try:
             with open(t.deepspeed_config) as f:
@@ -252,12 +264,17 @@ def build_engine(model: torch.nn.Module, config: DominoConfig):
         eps=t.adam_eps, fused=fused or None, foreach=None if fused else True)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(config),
                                            mpu=state)
-    if zero_stage(config) == 0 and state.get_data_parallel_world_size() == 1:
+    bf16_step.install(engine)  # bf16 ZeRO 1: overflow and clipping decided on the device
+    if state.get_data_parallel_world_size() == 1 and (zero_stage(config) == 0
+                                                      or bf16_step.is_bf16_optimizer(engine.optimizer)):
         # DeepSpeed 0.19.8 (runtime/engine.py, `_backward_epilogue` -> `allreduce_gradients` ->
         # `buffered_allreduce_fallback` -> `allreduce_and_copy`) flattens every gradient into one buffer,
         # all-reduces it over the data-parallel group and copies it back, even when that group is this process
         # alone (the mean over one replica is the identity). `enable_backward_allreduce` is the engine's own
         # switch for it (its PipelineEngine turns it off, runtime/pipe/engine.py); ZeRO optimizers reduce through
-        # the same call, hence stage 0 only.
+        # the same call to move gradients into their partitions, hence stage 0 only, and the BF16_Optimizer of
+        # bf16 ZeRO 1, which reduces its fp32 gradient buffers through that call and nothing else
+        # (`buffered_allreduce_fallback` -> `BF16_Optimizer.get_grads_for_reduction`; it has no
+        # `reduce_gradients`).
         engine.enable_backward_allreduce = False
     return engine

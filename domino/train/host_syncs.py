@@ -8,6 +8,12 @@ read values, and attributes each read to the first caller outside torch (domino,
 the phase of the training loop it happened in (``step``: inside an iteration; ``log``/``evaluate``/``save``:
 the interval work; ``setup``: before the loop).
 
+It also counts explicit waits for the device: ``torch.cuda.synchronize`` and the ``synchronize`` of
+DeepSpeed's accelerators (``deepspeed/accelerator/*_accelerator.py``; the CPU one is a no-op, so on CPU this is
+the only way to see, say, DeepSpeed's ThroughputTimer synchronising twice per micro-batch). CUDA's own
+detector, ``torch.cuda.set_sync_debug_mode("warn")``, does not see those (it warns from inside the ops that
+synchronise), which is why ``benchmarks/gpu_check.py`` wraps them with :func:`explicit_synchronizes` as well.
+
 It sees what Python asks for, not what a kernel does internally (e.g. ``torch.nonzero`` inside an op written
 in C++), nor copies of Python numbers to a device; on a GPU, ``torch.cuda.set_sync_debug_mode("warn")`` sees
 those too.
@@ -20,11 +26,14 @@ Run a probed ``domino pretrain`` (alone or under torchrun; each rank writes ``OU
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
+import importlib
 import json
 import os
 import sys
-from typing import Callable, Dict, List, Optional
+import types
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -131,9 +140,12 @@ class HostSyncProbe:
         for method in ("__getitem__", "__setitem__"):
             self._saved[method] = getattr(torch.Tensor, method)
             setattr(torch.Tensor, method, self._wrap_index(method, self._saved[method]))
+        self._synchronizes = explicit_synchronizes(lambda: self._record("synchronize"), self)
+        self._synchronizes.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._synchronizes.__exit__(*exc)
         for method, original in self._saved.items():
             setattr(torch.Tensor, method, original)
         self._saved.clear()
@@ -147,6 +159,52 @@ class HostSyncProbe:
         """The events as a list of records, most frequent first."""
         return [{"phase": p, "owner": o, "where": w, "method": m, "count": n}
                 for (p, o, w, m), n in sorted(self.events.items(), key=lambda kv: -kv[1])]
+
+
+def _synchronize_owners() -> List[tuple]:
+    """``(owner object, attribute)`` of every explicit device wait to wrap: torch.cuda's and DeepSpeed's
+    accelerator classes' (those that import here)."""
+    owners = [(torch.cuda, "synchronize")]
+    for module, name in (("deepspeed.accelerator.cuda_accelerator", "CUDA_Accelerator"),
+                         ("deepspeed.accelerator.cpu_accelerator", "CPU_Accelerator")):
+        try:
+            owners.append((getattr(importlib.import_module(module), name), "synchronize"))
+        except Exception:  # DeepSpeed absent, or an accelerator that cannot import on this machine
+            continue
+    return owners
+
+
+@contextlib.contextmanager
+def explicit_synchronizes(record: Callable[[], None], guard=None) -> Iterator[None]:
+    """Calls ``record()`` before every explicit device wait (``torch.cuda.synchronize``, DeepSpeed's
+    ``accelerator.synchronize()``) made inside the block; a wait made by a wait (DeepSpeed's CUDA accelerator
+    calls torch's) is recorded once. ``guard``: an object whose ``_inside`` flag marks a recorded call in
+    progress (the probe's), so reads made inside a wait are not counted again."""
+    state = guard if guard is not None else types.SimpleNamespace(_inside=False)
+    saved = []
+
+    def wrap(original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if not state._inside:
+                record()
+            state._inside, was_inside = True, state._inside
+            try:
+                return original(*args, **kwargs)
+            finally:
+                state._inside = was_inside
+
+        return wrapper
+
+    for owner, attribute in _synchronize_owners():
+        original = owner.__dict__[attribute] if isinstance(owner, type) else getattr(owner, attribute)
+        saved.append((owner, attribute, original))
+        setattr(owner, attribute, wrap(original))
+    try:
+        yield
+    finally:
+        for owner, attribute, original in reversed(saved):
+            setattr(owner, attribute, original)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -28,9 +28,9 @@ from domino.config.validate import resolve_zero_stage
 from domino.data.loader import build_pretraining_data_loader
 from domino.parallel import random as tp_random
 from domino.parallel.collectives import pop_comm_wait_by_site, pop_comm_wait_seconds, pop_modelled_comm_seconds
-from domino.parallel import state
-from domino.parallel.agreement import PeerLostError, agree, find_lost_ranks, hosts, is_lost_peer_error
-from domino.train import engine as engine_setup
+from domino.runtime import state
+from domino.runtime.agreement import PeerLostError, agree, find_lost_ranks, hosts, is_lost_peer_error
+from domino.train import bf16_step, engine as engine_setup
 from domino.train.evaluation import evaluate, perplexity
 from domino.train.interval_stats import IntervalReading, IntervalStats
 from domino.train.metrics import MetricsWriter, format_iteration_line
@@ -126,7 +126,8 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     elif config.checkpoint.load:
         logger.info("--load %s holds no checkpoint yet: starting from scratch", config.checkpoint.load)
     trainer = _Trainer(config, engine, dataset_builder, forward_step, padded_vocab_size, tokenizer)
-    return trainer.run(iteration, consumed)
+    return trainer.run(iteration, consumed, resume.own_checkpoint(config, resume_from, warm_start, iteration))
+
 
 
 class _Trainer:
@@ -172,7 +173,7 @@ class _Trainer:
         Nothing here reads a tensor value on the host (each read would wait for the device to drain): a
         non-finite loss makes non-finite gradients, and the optimizer skips that update by itself, DeepSpeed's
         wrappers from their ``overflow`` flag, the plain fused AdamW from ``found_inf``
-        (:func:`engine.flag_overflow`).
+        (:func:`engine.flag_overflow`), the bf16 ZeRO-1 optimizer from its own (:mod:`domino.train.bf16_step`).
         """
         engine, timers = self.engine, self.timers
         iteration_loss = torch.zeros((), device=self.device)
@@ -193,6 +194,9 @@ class _Trainer:
                     self.grad_norm = engine_setup.clip_gradients(engine, self.config.train.clip_grad)
                     self._flag_overflow(self.grad_norm)
             engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
+        skipped = bf16_step.skip_flag(engine)
+        if skipped is not None:  # bf16 ZeRO 1 skipped on the device: counted with the interval's numbers
+            self.stats.add_optimizer_skip(skipped)
         timers.stop("optimizer")
         return iteration_loss / self.gas
 
@@ -298,8 +302,13 @@ class _Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def run(self, iteration: int, consumed: int) -> TrainingResult:
-        """Trains from ``iteration`` (``consumed`` samples done) to ``--train-iters``."""
+    def run(self, iteration: int, consumed: int, resumed_checkpoint: Optional[str] = None) -> TrainingResult:
+        """Trains from ``iteration`` (``consumed`` samples done) to ``--train-iters``.
+
+        Args:
+            resumed_checkpoint: the checkpoint of ``iteration`` in ``--save`` this run resumed from (it is not
+                saved again).
+        """
         self.sigterm_received = False
         self.completed = iteration  # the last iteration every rank finished, for a lost-peer report
         previous = None
@@ -309,7 +318,7 @@ class _Trainer:
 
             previous = signal.signal(signal.SIGTERM, on_sigterm)
         try:
-            return self._run(iteration, consumed)
+            return self._run(iteration, consumed, resumed_checkpoint)
         except RuntimeError as error:
             if not is_lost_peer_error(error):
                 raise
@@ -333,9 +342,14 @@ class _Trainer:
             f"lost {who} during training after iteration {self.completed} (rank {dist.get_rank()} saw: "
             f"{transport}); {checkpointing.resume_hint(self.config)}")
 
-    def _run(self, iteration: int, consumed: int) -> TrainingResult:
+    def _run(self, iteration: int, consumed: int, resumed_checkpoint: Optional[str]) -> TrainingResult:
         config, t, lg, c = self.config, self.config.train, self.config.logging, self.config.checkpoint
-        train_iter = self._loader(self.train_ds, consumed, config.data.num_workers)
+        train_iter = None
+        if iteration < self.train_iters:
+            train_iter = self._loader(self.train_ds, consumed, config.data.num_workers)
+        else:  # a restart after the last iteration (a pod restarted during the final evaluation)
+            logger.info("resumed at iteration %d of %d: nothing left to train, finishing the evaluation",
+                        iteration, self.train_iters)
         train_iter = _TimedIterator(train_iter, self.timers) if train_iter is not None else None
         self.writer.drop_after(iteration)
         self.writer.track(config_to_dict(config), lg, c.save, iteration, {
@@ -350,7 +364,8 @@ class _Trainer:
         pop_comm_wait_seconds(), pop_modelled_comm_seconds(), pop_comm_wait_by_site()
         run_start, start_iteration = time.perf_counter(), iteration
         interval_start, interval_first = time.perf_counter(), iteration
-        last_valid = tokens_per_s = checkpoint_path = saved_at = None
+        last_valid = tokens_per_s = None
+        checkpoint_path, saved_at = resumed_checkpoint, (iteration if resumed_checkpoint else None)
 
         while iteration < self.train_iters:
             lr = self.schedule.lr_at(iteration)

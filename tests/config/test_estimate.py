@@ -52,7 +52,7 @@ def test_estimate_matches_measured_cpu_peak_with_recompute(plan):
 
 
 def _tp2_peaks(rank, world_size, cases):
-    from domino.parallel import state
+    from domino.runtime import state
 
     state.initialize_model_parallel(2)
     config = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=512,

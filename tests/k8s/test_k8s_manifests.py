@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shlex
 import subprocess
 import sys
@@ -73,6 +75,20 @@ def test_pytorchjob_template_is_current_and_valid(capsys):
     assert yaml.safe_load(capsys.readouterr().out) == job
 
 
+@contextlib.contextmanager
+def _launcher_pod(inside: bool):
+    """The downward-API variables of a launcher running in a pod (a retried pipeline step), if ``inside``."""
+    names = {"POD_NAME": "attempt-2", "POD_UID": "uid-2", "POD_NAMESPACE": "domino"}
+    saved = {name: os.environ.get(name) for name in names}
+    if inside:
+        os.environ.update(names)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+
+
 def _launcher_requests() -> set:
     """(group, resource, verb) of every API call the launcher makes across its code paths, both job APIs."""
     import threading
@@ -86,9 +102,10 @@ def _launcher_requests() -> set:
         for script, kwargs, plant in ((scripts.succeed, {}, False), (scripts.fail, {}, False),
                                       (pending, {"scheduling_timeout_s": 1.5, "cleanup": "always"}, False),
                                       (scripts.disconnect_then_410, {}, False), (scripts.succeed, {}, True)):
-            with FakeKubeServer() as server:
-                if plant:  # a retry: the job exists (409), gets adopted
-                    job = server.cluster.add_job(job_api(api).render(scripts.spec(), "rbac"))
+            with FakeKubeServer() as server, _launcher_pod(plant):
+                if plant:  # a retry: the job exists (409), owned by the first attempt's pod, gets adopted
+                    owner = {"apiVersion": "v1", "kind": "Pod", "name": "attempt-1", "uid": "uid-1"}
+                    job = server.cluster.add_job(job_api(api).render(scripts.spec(), "rbac", owner))
                     threading.Thread(target=script, args=(server.cluster, job), daemon=True).start()
                 else:
                     server.cluster.on_create = script
@@ -107,7 +124,7 @@ def test_role_grants_exactly_the_calls_the_launcher_makes():
     assert used <= granted, f"launcher calls not granted by the Role: {used - granted}"
     expected_calls = {(group, plural, v) for group, plural in (("kubeflow.org", "pytorchjobs"),
                                                                ("trainer.kubeflow.org", "trainjobs"))
-                      for v in ("create", "get", "list", "watch", "delete")}
+                      for v in ("create", "get", "list", "watch", "patch", "delete")}
     expected_calls |= {("", "pods", "list"), ("", "pods/log", "get"), ("", "events", "list")}
     assert expected_calls <= used  # every code path above was exercised
     # Nothing beyond the documented minimum (read-only pods/log and pods watch are harmless extras).

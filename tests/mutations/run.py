@@ -57,8 +57,8 @@ MUTATIONS: List[Mutation] = [
              ["tests/train/test_checkpoint_commit.py"]),
     Mutation("checkpoint-prune-before-latest", "domino/checkpoint/checkpointing.py",
              "    weights_io.write_latest(root, tag)\n"
-             "    _prune(root, config.checkpoint.keep_last, keep=tag)\n",
-             "    _prune(root, config.checkpoint.keep_last, keep=tag)\n"
+             "    _prune(root, config.checkpoint.keep_last, keep=tag, iteration=iteration)\n",
+             "    _prune(root, config.checkpoint.keep_last, keep=tag, iteration=iteration)\n"
              "    weights_io.write_latest(root, tag)\n",
              ["tests/train/test_checkpoint_commit.py"]),
     Mutation("checkpoint-rng-not-restored", "domino/checkpoint/resume.py",

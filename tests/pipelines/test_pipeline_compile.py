@@ -103,7 +103,7 @@ def test_preprocess_fans_out_over_shard_groups_then_merges(tmp_path):
     assert loop["iteratorPolicy"] == {"parallelismLimit": 3}
     assert loop["parameterIterator"]["items"]["inputParameter"] == "pipelinechannel--plan-preprocess-Output"
     assert loop["dependentTasks"] == ["plan-preprocess"] and loop["taskInfo"]["name"] == "shard-groups"
-    assert inner["plan-preprocess"]["inputs"]["parameters"]["groups"]["componentInputParameter"] == (
+    assert inner["plan-preprocess"]["inputs"]["parameters"]["preprocess_groups"]["componentInputParameter"] == (
         "pipelinechannel--preprocess_groups")
     body = spec["components"]["comp-for-loop-2"]["dag"]["tasks"]
     assert set(body) == {"preprocess"} and body["preprocess"]["cachingOptions"] == {}
@@ -146,19 +146,11 @@ def test_evaluate_step_can_get_gpus(tmp_path):
     assert "resources" not in spec["deploymentSpec"]["executors"]["exec-evaluate"]["container"]
 
 
-def test_report_prompts_are_declared_once():
-    from components.evaluate import component
-    from components.evaluate.step import DEFAULT_PROMPTS
-
-    evaluate = component.build("img:1").component_spec.inputs
-    assert evaluate["sample_prompts"].default == DEFAULT_PROMPTS
-    assert build_pipeline().component_spec.inputs["sample_prompts"].default == DEFAULT_PROMPTS
-
-
 def test_default_parameters_are_the_local_tiny_run():
     inputs = build_pipeline().component_spec.inputs
     assert inputs["preset"].default == "tiny"
-    assert inputs["tensor_parallel"].default == 2 and inputs["domino_chunks"].default == 2
+    assert inputs["tensor_model_parallel_size"].default == 2
+    assert inputs["domino_chunks"].default == -1  # not given: Domino's own choice, 2 chunks at TP 2
     assert inputs["shared_root"].default == MOUNT_PATH
     assert inputs["warm_start"].default is False
 
@@ -194,32 +186,3 @@ def test_every_step_runs_non_root_and_pretrain_retries_with_a_timeout(tmp_path):
     envs = {e["name"] for e in executors["exec-pretrain"]["fieldPathAsEnv"]}
     assert envs == {"POD_NAME", "POD_UID", "POD_NAMESPACE"}  # the job goes to the step's namespace
     assert {e["name"] for e in executors["exec-cleanup-job"]["fieldPathAsEnv"]} == {"POD_NAMESPACE"}
-
-
-def test_pretrain_parameters_are_derived_from_the_one_declaration():
-    """The component's inputs and the pipeline's pretrain parameters are PretrainSettings' fields, with
-    the same types, defaults and descriptions (only run_id comes from the run; shared_root and image
-    get pipeline defaults)."""
-    import dataclasses
-
-    from components.pretrain import component
-    from components.pretrain.settings import PretrainSettings, parameter_docs
-
-    kinds = {"str": "STRING", "int": "NUMBER_INTEGER", "float": "NUMBER_DOUBLE", "bool": "BOOLEAN"}
-    op = component.build("img:1")
-    pipeline_inputs = build_pipeline().component_spec.inputs
-    docs = parameter_docs()
-    for f in dataclasses.fields(PretrainSettings):
-        spec = op.component_spec.inputs[f.name]
-        assert spec.type == {"STRING": "String", "NUMBER_INTEGER": "Integer", "NUMBER_DOUBLE": "Float",
-                             "BOOLEAN": "Boolean"}[kinds[f.type]], f.name
-        assert spec.description == docs[f.name]
-        if f.default is not dataclasses.MISSING:
-            assert spec.default == f.default, f.name
-        if f.name == "run_id":
-            assert f.name not in pipeline_inputs
-            continue
-        assert pipeline_inputs[f.name].type == spec.type, f.name
-        if f.name not in ("shared_root", "image"):
-            assert pipeline_inputs[f.name].default == f.default, f.name
-    assert {"dataset", "model", "metrics"} <= set(op.component_spec.inputs) | set(op.component_spec.outputs)

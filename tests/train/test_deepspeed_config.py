@@ -66,3 +66,20 @@ def test_pretrain_sets_one_cuda_connection_unless_the_environment_chose(monkeypa
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
     engine.set_overlap_environment()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8" and "expects 1" in warnings[0]
+
+
+@pytest.mark.parametrize("flags, communication", [(["--bf16", "--zero-stage", "1"], "fp32"),
+                                                  (["--bf16", "--zero-stage", "2"], None),
+                                                  (["--zero-stage", "1"], None)])
+def test_no_throughput_timer_and_fp32_reduction_of_fp32_accumulated_gradients(flags, communication):
+    """Parsed by DeepSpeed's own config code (deepspeed 0.19.8 utils/config.py, runtime/config.py): its
+    ThroughputTimer is off (it would synchronise the device twice per micro-batch), and bf16 ZeRO 1, whose
+    BF16_Optimizer all-reduces fp32 gradient buffers, reduces them in fp32 (DeepSpeed's default is bf16)."""
+    import torch
+    from deepspeed.runtime.config import get_communication_data_type
+    from deepspeed.utils.config import get_timers_config
+
+    ds = deepspeed_config(parse_config(["--preset", "tiny", *flags]))
+    assert get_timers_config({}).enabled is True  # DeepSpeed's default, without our key
+    assert get_timers_config(ds).enabled is False
+    assert get_communication_data_type(ds) == (torch.float32 if communication else None)

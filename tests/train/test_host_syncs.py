@@ -51,6 +51,31 @@ def test_tp2_domino_iterations_read_nothing_on_the_host(tmp_path):
         assert deepspeed <= DEEPSPEED_ZERO_READS_PER_ITERATION * ITERS
 
 
+def test_bf16_zero1_tp2_domino_iterations_read_and_wait_for_nothing(tmp_path):
+    """bf16 ZeRO 1 (DeepSpeed's BF16_Optimizer) at TP=2 with Domino: no host read and no explicit synchronize
+    inside iterations on any rank, by any owner. DeepSpeed's own step read overflow and the clip decision
+    (2 per iteration) and its ThroughputTimer synchronised twice per micro-batch; domino.train.bf16_step and the
+    engine's config remove both."""
+    ranks = _probed_run(tmp_path, 2, ["--bf16", "--zero-stage", "1", "--tensor-model-parallel-size", "2",
+                                      "--domino-chunks", "2", "--vocab-size", "256"])
+    for events in ranks:
+        assert [e for e in events if e["phase"] == "step"] == []
+        # The interval's numbers still come back once per log interval (and the gradient norm with them).
+        assert sum(e["count"] for e in events if e["phase"] == "log" and "interval_stats.py" in e["where"]) \
+            == ITERS // 3
+
+
+def test_the_probe_counts_explicit_synchronizes_once_and_restores_them():
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    original, accelerator = CPU_Accelerator.synchronize, CPU_Accelerator()
+    with HostSyncProbe() as probe:
+        accelerator.synchronize()
+        accelerator.synchronize()
+    assert CPU_Accelerator.synchronize is original and probe.count() == 2
+    assert {e["method"] for e in probe.to_json()} == {"synchronize"}
+
+
 def test_one_process_zero0_skips_on_the_device(tmp_path):
     """ZeRO 0 fp32: domino clips and flags overflow for the fused AdamW; DeepSpeed's engine reads nothing."""
     events, = _probed_run(tmp_path, 1, ["--zero-stage", "0", "--micro-batch-size", "2", "--global-batch-size", "4"])

@@ -54,15 +54,16 @@ def _weights(out_dir, iteration):
     return weights_io.load_full_state_dict(out_dir / f"iter_{iteration:07d}")
 
 
-@pytest.mark.parametrize("zero_stage,fused", [("1", True), ("0", True), ("0", False)])
-def test_nan_steps_are_skipped_and_counted(tmp_path, corpus_prefix, zero_stage, fused):
+@pytest.mark.parametrize("flags,fused", [(("--zero-stage", "1"), True), (("--zero-stage", "0"), True),
+                                         (("--zero-stage", "0"), False), (("--zero-stage", "1", "--bf16"), True)])
+def test_nan_steps_are_skipped_and_counted(tmp_path, corpus_prefix, flags, fused):
     """ZeRO 1: DeepSpeed's optimizer skips from its overflow flag; ZeRO 0 (fp32, domino clips): the fused AdamW
     skips from the ``found_inf`` flag domino sets on the device (without a fused AdamW, domino decides on the
-    host and zeroes the update)."""
+    host and zeroes the update); bf16 ZeRO 1: DeepSpeed's BF16_Optimizer with the step of
+    ``domino.train.bf16_step``, which skips on the device too and hands its flag to the interval's count."""
     import torch
 
-    error, = run_distributed(_train_with_poisoned_steps, 1, corpus_prefix, str(tmp_path), {3, 4}, 3,
-                             ("--zero-stage", zero_stage), fused)
+    error, = run_distributed(_train_with_poisoned_steps, 1, corpus_prefix, str(tmp_path), {3, 4}, 3, flags, fused)
     assert error is None
     records = _records(tmp_path)
     assert [r["skipped_iterations"] for r in records] == [0, 0, 1, 2, 2, 2, 2, 2]

@@ -1,0 +1,121 @@
+"""DeepSpeed's bf16 optimizer step with overflow and clipping decided on the device (no host sync).
+
+With ``bf16`` and ZeRO stage 1, DeepSpeed 0.19.8 wraps our torch AdamW in ``BF16_Optimizer``
+(``deepspeed/runtime/engine.py``: ``_do_optimizer_sanity_check`` returns ``BFLOAT16`` for bf16 weights with fp32
+gradient accumulation at stage 1). Its ``step`` (``deepspeed/runtime/bf16_optimizer.py``) reads two values on
+the host every step, each of which drains the GPU's queue:
+
+* ``is_invalid_grad_norm(norm)`` (``deepspeed/runtime/utils.py``): ``bool(~isfinite(norm) | (norm < 0))``, to
+  skip the update when the gradients overflowed;
+* ``clip_tensors_by_global_norm`` (same file): ``if clip_coef < 1``, to scale the gradients only when the norm
+  exceeds ``gradient_clipping``.
+
+No DeepSpeed setting moves either decision to the device (``bf16`` takes ``enabled`` and
+``immediate_grad_update``; ``gradient_clipping`` only sets the threshold), so :class:`DeviceDecidedBF16Optimizer`
+replaces that one method and keeps everything else of DeepSpeed's class: its fp32 gradient buffers, master
+weights, state dict (checkpoints are unchanged) and parameter all-gather. The two decisions become tensor
+maths with the same results:
+
+* clipping multiplies every fp32 gradient by ``min(1, max_norm / (norm + 1e-6))``; where DeepSpeed skips the
+  multiplication (factor >= 1) we multiply by exactly 1.0, so the gradients are bit for bit the same;
+* the skip is torch's fused AdamW's own: with the optimizer attribute ``found_inf`` non-zero it leaves
+  parameters, moments and step count unchanged (``torch/optim/adam.py`` ``_fused_adam``, torch 2.13), so the
+  copy of the unchanged fp32 master weights into the bf16 weights that follows changes nothing either.
+
+The swap is only made where it is exact: the inner optimizer is a fused torch Adam/AdamW (CUDA; CPU from torch
+2.4) and the model has no MoE layers. The engine's ``skipped_steps`` no longer counts skipped steps (the host
+never learns of one inside the step); :func:`skip_flag` hands the 0/1 device flag to the interval statistics,
+which read it with the rest of the interval's numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+#: DeepSpeed's epsilon in ``clip_tensors_by_global_norm`` (deepspeed/runtime/utils.py, 0.19.8).
+CLIP_EPS = 1e-6
+
+
+def _bf16_optimizer_class():
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    return BF16_Optimizer
+
+
+def _device_decided_step(self, closure=None):
+    """``BF16_Optimizer.step`` with the overflow skip and the clip decided on the device."""
+    from deepspeed.runtime.utils import get_global_norm_of_tensors
+
+    if closure is not None:
+        raise NotImplementedError(f"{type(self).__name__} does not support closure.")
+    self.overflow = False  # the host does not know: a skip happens on the device (``found_inf``)
+    grads_for_norm, _ = self.get_grads_for_norm()
+    # The norm over the TP group (DeepSpeed's own function: tensors and an all-reduce, no host read); it masks a
+    # NaN/inf norm to -1, which is how DeepSpeed's is_invalid_grad_norm recognises it.
+    norm = get_global_norm_of_tensors(input_tensors=grads_for_norm, mpu=self.mpu, norm_type=self.norm_type)
+    invalid = ~torch.isfinite(norm) | (norm < 0)
+    self._global_grad_norm = torch.where(invalid, torch.full_like(norm, float("inf")), norm)
+    if self.clip_grad > 0.0:
+        grads = self.get_grads_for_norm(for_clipping=True)
+        if grads:
+            torch._foreach_mul_(grads, torch.clamp(self.clip_grad / (norm + CLIP_EPS), max=1.0))
+    for param_partition, grad_partition in zip(self.fp32_groups_flat_partition,
+                                               self.fp32_groups_gradient_flat_partition):
+        param_partition.grad = grad_partition  # fp32 accumulation: the buffer is the master weights' gradient
+    self.found_inf = invalid.to(torch.float32)
+    self.optimizer.found_inf = self.found_inf  # the fused kernel leaves everything unchanged when non-zero
+    self.optimizer.step()
+    self._lazy_init_hp_params_optimizer_state()
+    self.update_lp_params()
+    self.clear_hp_grads()
+
+
+def device_decided_class():
+    """The subclass of DeepSpeed's ``BF16_Optimizer`` whose ``step`` reads nothing on the host (built lazily, so
+    importing this module does not import DeepSpeed)."""
+    global _CLASS
+    if _CLASS is None:
+        base = _bf16_optimizer_class()
+        _CLASS = type("DeviceDecidedBF16Optimizer", (base,), {
+            "__doc__": "DeepSpeed's BF16_Optimizer whose step decides overflow and clipping on the device.",
+            "step": torch.no_grad()(_device_decided_step),
+            "found_inf": None,
+        })
+    return _CLASS
+
+
+_CLASS = None
+
+
+def is_bf16_optimizer(optimizer) -> bool:
+    """Whether ``optimizer`` is (a subclass of) DeepSpeed's BF16_Optimizer."""
+    return isinstance(optimizer, _bf16_optimizer_class())
+
+
+def can_decide_on_device(optimizer) -> bool:
+    """Whether ``optimizer`` (the engine's) is DeepSpeed's plain BF16_Optimizer over a fused torch Adam(W)
+    with fp32 gradient accumulation and no MoE layers: the case :func:`install` handles exactly."""
+    if type(optimizer) is not _bf16_optimizer_class():
+        return False
+    inner = optimizer.optimizer
+    return (isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) and bool(inner.defaults.get("fused"))
+            and optimizer.grad_acc_dtype is torch.float32 and not optimizer.has_moe_layers
+            and not getattr(optimizer, "_uses_muon", False))
+
+
+def install(engine) -> bool:
+    """Gives ``engine``'s BF16_Optimizer the device-decided step where :func:`can_decide_on_device`; returns
+    whether it did. The object keeps all its state: only its class (hence ``step``) changes."""
+    if not can_decide_on_device(engine.optimizer):
+        return False
+    engine.optimizer.__class__ = device_decided_class()
+    return True
+
+
+def skip_flag(engine) -> Optional[torch.Tensor]:
+    """The 0/1 device flag of the last step's on-device skip, or None when the engine's optimizer decides on
+    the host (DeepSpeed then counts its skips in ``engine.skipped_steps``)."""
+    return getattr(engine.optimizer, "found_inf", None) if _CLASS is not None and isinstance(
+        engine.optimizer, _CLASS) else None
