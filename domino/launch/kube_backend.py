@@ -27,7 +27,7 @@ import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from domino.launch import naming
-from domino.launch.api import JobResult, LaunchInterrupted, interrupt_on_signals, should_delete
+from domino.launch.outcome import JobResult, LaunchInterrupted, interrupt_on_signals, should_delete
 from domino.launch.job_api import DEFAULT_JOB_API, JobApi, job_api
 from domino.launch.job_api_base import STARTED_PHASES
 from domino.launch.kube_pods import MasterLogStreamer, exit_code, explain_pending, failed_pod_logs, list_job_pods
