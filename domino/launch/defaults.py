@@ -28,11 +28,7 @@ Each rule and where it comes from:
 
 from __future__ import annotations
 
-<<<<<<< HEAD
 from typing import Any, Dict, List, Tuple
-=======
-from typing import Dict, List, Tuple
->>>>>>> main
 
 from domino.launch.spec import JobSpec, Toleration
 
@@ -82,13 +78,13 @@ def environment(spec: JobSpec) -> Dict[str, str]:
     return {**(GPU_ENV if spec.gpus_per_node > 0 else {}), **spec.env}
 
 
-<<<<<<< HEAD
 def secret_environment(spec: JobSpec) -> List[Dict[str, Any]]:
     """The container's ``env`` entries read from Secrets (``valueFrom.secretKeyRef``, optional: a pod whose
     Secret or key is missing starts without the variable; Kubernetes ``SecretKeySelector``)."""
     return [{"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": name, "optional": True}}}
             for name, secret in sorted(spec.secret_env.items())]
-=======
+
+
 def tolerations(spec: JobSpec) -> List[Toleration]:
     """The pod's tolerations: the spec's, plus :data:`GPU_TOLERATION` on GPU pods unless turned off or
     the spec already tolerates ``nvidia.com/gpu``."""
@@ -96,4 +92,3 @@ def tolerations(spec: JobSpec) -> List[Toleration]:
     if spec.gpus_per_node > 0 and spec.gpu_toleration and not any(t.key == GPU_TOLERATION.key for t in out):
         out.append(GPU_TOLERATION)
     return out
->>>>>>> main
