@@ -36,7 +36,7 @@ def _bomb(path: Path, good_after: bool = False) -> None:
 # Runs one command and reports the peak RSS of that child alone (ru_maxrss of a fresh parent's children).
 MEASURED = """
 import json, resource, subprocess, sys
-proc = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+proc = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=500)  # kills its child on timeout
 print(json.dumps({"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
                   "peak_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
 """
