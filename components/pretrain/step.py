@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any, Callable, Dict, List
 
-from components import default_image
+from domino import images
 from components.declare import config_values, settings_parameters
 from components.layout import RunLayout
 from components.manifest import read_manifest, write_manifest
@@ -137,7 +137,7 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
     # Without GPUs DeepSpeed must be told to use its CPU accelerator.
     env = {"DS_ACCELERATOR": "cpu"} if s.gpus_per_node == 0 else {}
     spec = JobSpec(
-        name=s.job_name, image=s.image or default_image(), pretrain_args=argv,
+        name=s.job_name, image=s.image or images.for_gpus(s.gpus_per_node), pretrain_args=argv,
         namespace=s.namespace or default_namespace(), nodes=s.nodes, nproc_per_node=s.nproc_per_node,
         gpus_per_node=s.gpus_per_node, cpu_request=s.cpu_request or None, cpu_limit=s.cpu_limit or None,
         memory_request=s.memory_request or None, memory_limit=s.memory_limit or None, shm_size=s.shm_size or None,
