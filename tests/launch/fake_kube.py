@@ -230,10 +230,13 @@ class FakeCluster:
             self._record("MODIFIED", job)
 
     def add_event(self, ns: str, obj: str, reason: str, message: str, etype: str = "Warning") -> None:
+        """A core/v1 Event as client-go's recorder writes it (firstTimestamp/lastTimestamp, second precision
+        in RFC 3339, so two events of one second tie: the list order breaks the tie, as here)."""
         with self.cond:
+            stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
             self.events.append({"metadata": {"name": f"{obj}.{uuid.uuid4().hex[:8]}", "namespace": ns},
                                 "involvedObject": {"name": obj, "namespace": ns}, "reason": reason,
-                                "message": message, "type": etype})
+                                "message": message, "type": etype, "firstTimestamp": stamp, "lastTimestamp": stamp})
 
     def log(self, pod: str, *lines: str) -> None:
         with self.cond:
