@@ -115,6 +115,11 @@ def run_evaluate(
     for name in ("eval_batches", "eval_micro_batch_size"):
         if getattr(settings, name) < 1:
             raise ValueError(f"{name}: {getattr(settings, name)} must be at least 1")
+    # Checked here, not only by `domino pipeline` (pipelines/params.py): a run started from the KFP UI or
+    # API reaches this step with whatever value was typed, and 1 or more would make promotion impossible.
+    if not 0.0 <= settings.min_improvement < 1.0:
+        raise ValueError(f"min_improvement: {settings.min_improvement} must be in [0, 1) (a fraction of the "
+                         "promoted model's perplexity)")
     sampling = SamplingConfig(temperature=settings.sample_temperature, top_k=settings.sample_top_k)
     try:
         sampling.check()
