@@ -28,7 +28,7 @@ Each rule and where it comes from:
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 from domino.launch.spec import JobSpec, Toleration
 
@@ -76,6 +76,13 @@ def backoff_limit(spec: JobSpec) -> int:
 def environment(spec: JobSpec) -> Dict[str, str]:
     """The training container's extra environment: :data:`GPU_ENV` on GPU pods, overridden by the spec's."""
     return {**(GPU_ENV if spec.gpus_per_node > 0 else {}), **spec.env}
+
+
+def secret_environment(spec: JobSpec) -> List[Dict[str, Any]]:
+    """The container's ``env`` entries read from Secrets (``valueFrom.secretKeyRef``, optional: a pod whose
+    Secret or key is missing starts without the variable; Kubernetes ``SecretKeySelector``)."""
+    return [{"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": name, "optional": True}}}
+            for name, secret in sorted(spec.secret_env.items())]
 
 
 def tolerations(spec: JobSpec) -> List[Toleration]:

@@ -163,7 +163,7 @@ def render_trainjob(spec: JobSpec, run_id: str, owner_reference: Optional[Dict[s
         "command": container_command(spec, name),
         "numNodes": spec.nodes,
         "resourcesPerNode": resources(spec),
-        "env": [{"name": k, "value": str(v)} for k, v in env.items()],
+        "env": [{"name": k, "value": str(v)} for k, v in env.items()] + defaults.secret_environment(spec),
     }
     if isinstance(spec.nproc_per_node, int):
         trainer["numProcPerNode"] = spec.nproc_per_node  # else "auto": the torch plugin's default
