@@ -17,9 +17,13 @@ Memory per GPU is the sum of six parts, each a closed form in the architecture f
   Tensor parallelism divides the attention and MLP terms by t (``10 + 24/t`` in the paper); sequence parallelism
   divides the rest too; selective recompute drops the attention core; full recompute keeps only layer inputs
   (Korthikanti's ``2 s b h L``) plus one recomputed unit.
-* **logits**: the vocabulary-parallel cross-entropy keeps an fp32 softmax ``[s, b, V/t]`` (plus the 16-bit logits).
+* **logits**: the vocabulary-parallel cross-entropy keeps an fp32 softmax ``[s, b, V/t]`` (plus the 16-bit logits);
+  on GPUs one row chunk of it at a time (the chunked loss of ``domino/parallel/chunked_cross_entropy.py``).
 * **buffers**: DeepSpeed's ZeRO reduce/all-gather buckets (sizes from ``domino/train/engine.py``), the per-layer
   regrouped QKV weight copy of :mod:`domino.model.qkv_projection` and full recompute's RNG snapshots.
+* **deepspeed**: what DeepSpeed's optimizers keep beyond the paper's count (the fp32 gradient buffer of bf16 ZeRO 1,
+  fp32 gradient partitions, the engine's flattening all-reduce buffer): :mod:`domino.config.deepspeed_memory`,
+  which also says which of these figures have been measured (:data:`VALIDATION`: none on a GPU yet).
 
 FLOPs per token follow Megatron's count (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
 GPU Clusters", appendix: ``72 B s L h^2 (1 + s/6h + V/12Lh)`` per batch), written per matrix so SwiGLU and GQA
@@ -37,6 +41,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from domino.config.deepspeed_memory import VALIDATION, deepspeed_buffer_bytes
 from domino.config.schema import DominoConfig, ModelConfig
 from domino.config.validate import ConfigError, padded_vocab_size, resolve_domino_chunks, validate, zero_stage_for
 
@@ -87,6 +92,7 @@ class Estimate:
     logits: float
     buffers: float
     flops_per_token: float
+    deepspeed: float = 0.0
     step_time_s: Optional[float] = None
     gpu_memory_gb: Optional[float] = None
     parameters: int = 0
@@ -99,7 +105,7 @@ class Estimate:
         gradients backward makes first, the output layer's) and all gradients: backward frees each layer's
         activations as it makes that layer's gradients (optimizers set gradients to None after the step)."""
         overlapping = max(self.activations + self.first_gradients, self.gradients)
-        return self.weights + self.optimizer + self.logits + self.buffers + overlapping
+        return self.weights + self.optimizer + self.logits + self.buffers + self.deepspeed + overlapping
 
     @property
     def fits(self) -> bool:
@@ -108,7 +114,7 @@ class Estimate:
 
     def memory_gb(self) -> Dict[str, float]:
         """The parts in GiB, rounded for printing."""
-        parts = ("weights", "gradients", "optimizer", "activations", "logits", "buffers", "total")
+        parts = ("weights", "gradients", "optimizer", "activations", "logits", "buffers", "deepspeed", "total")
         return {p: round(getattr(self, p) / GB, 3) for p in parts}
 
     def to_json(self) -> Dict[str, object]:
@@ -116,7 +122,7 @@ class Estimate:
         return {"fits": self.fits, "layout": dataclasses.asdict(self.layout), "memory_gb_per_gpu": self.memory_gb(),
                 "gpu_memory_gb": self.gpu_memory_gb, "usable_fraction": USABLE_FRACTION,
                 "parameters": self.parameters, "flops_per_token": self.flops_per_token,
-                "step_time_s": self.step_time_s}
+                "step_time_s": self.step_time_s, "validation": VALIDATION}
 
 
 @dataclass
@@ -230,10 +236,19 @@ def rng_record_bytes(num_layers: int, layout: Layout) -> float:
     return groups * RNG_SNAPSHOT_BYTES
 
 
-def logits_bytes(shape: _Shape, layout: Layout, act_bytes: int) -> float:
-    """The fp32 softmax of the fused vocabulary-parallel cross-entropy, plus the 16-bit logits it came from."""
-    tokens = shape.s * layout.micro_batch_size
-    return tokens * shape.V / layout.tensor_model_parallel_size * (4 + (act_bytes if act_bytes != 4 else 0))
+#: fp32 logits per chunk of the GPUs' chunked loss (kernels.CUDA_KERNELS.loss_chunk_bytes; a test keeps them equal).
+GPU_LOSS_CHUNK_BYTES = 2**30
+
+
+def logits_bytes(shape: _Shape, layout: Layout, act_bytes: int, device: str = "gpu") -> float:
+    """The fp32 softmax of the fused vocabulary-parallel cross-entropy, plus the 16-bit logits it came from; on
+    GPUs only one row chunk of them (domino/parallel/chunked_cross_entropy.py) plus, in 16-bit, the output layer's
+    fp32 gradient accumulator and one 16-bit chunk product."""
+    tokens, columns = shape.s * layout.micro_batch_size, shape.V / layout.tensor_model_parallel_size
+    extra = act_bytes if act_bytes != 4 else 0
+    rows = tokens if device != "gpu" else min(tokens, max(1, GPU_LOSS_CHUNK_BYTES // (4 * columns)))
+    accumulator = columns * shape.h * (4 + act_bytes) if extra and rows < tokens else 0
+    return rows * columns * (4 + extra) + accumulator
 
 
 def model_flops_per_token(shape: _Shape) -> float:
@@ -274,7 +289,9 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
     gradients = per_rank * grad_b / (dp if layout.zero_stage >= 2 else 1)
     optimizer = per_rank * optim_b / (dp if layout.zero_stage >= 1 else 1)
     output_layer = shape.V * shape.h / layout.tensor_model_parallel_size / (dp if layout.zero_stage >= 2 else 1)
-    buckets = 2 * ZERO_BUCKET_ELEMENTS * grad_b if layout.zero_stage >= 1 and dp > 1 else 0.0
+    # The ZeRO optimizer's two reduction buckets (overlap_comm); bf16 ZeRO 1's BF16_Optimizer has none.
+    zero_optimizer = layout.zero_stage >= 1 and not (config.train.bf16 and layout.zero_stage == 1)
+    buckets = 2 * ZERO_BUCKET_ELEMENTS * grad_b if zero_optimizer and dp > 1 else 0.0
     qkv_copies = shape.L * shape.h * shape.qkv_width / layout.tensor_model_parallel_size * act
     buckets += rng_record_bytes(shape.L, layout)
     flops = model_flops_per_token(shape)
@@ -287,9 +304,12 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
         global_batch = config.train.global_batch_size or layout.micro_batch_size * dp
         gpus = layout.tensor_model_parallel_size * dp
         step = global_batch * shape.s * train_flops / (gpus * peak_tflops * 1e12 * mfu)
+    deepspeed = deepspeed_buffer_bytes(per_rank, dp, layout.zero_stage, bool(config.train.bf16),
+                                       bool(config.train.fp16))
     return Estimate(layout=layout, weights=per_rank * weight_b, gradients=gradients, optimizer=optimizer,
+                    deepspeed=sum(deepspeed.values()),
                     activations=activation_bytes(shape, layout, act, device),
-                    logits=logits_bytes(shape, layout, act), buffers=buckets + qkv_copies,
+                    logits=logits_bytes(shape, layout, act, device), buffers=buckets + qkv_copies,
                     flops_per_token=3 * flops, step_time_s=step, gpu_memory_gb=gpu_memory_gb,
                     parameters=int(counts["total"]), first_gradients=min(gradients, output_layer * grad_b))
 

@@ -136,6 +136,9 @@ class JobSpec:
     """ServiceAccount of the training pods (they need no API access; the token is not mounted)."""
     env: Dict[str, str] = field(default_factory=dict)
     """Extra environment variables of the training container."""
+    secret_env: Dict[str, str] = field(default_factory=dict)
+    """Environment variables read from a Secret, ``{variable: secret name}`` (the key is the variable's name;
+    optional: a missing Secret or key leaves the variable unset). Credentials go here, never into ``env``."""
     labels: Dict[str, str] = field(default_factory=dict)
     """Extra labels on the job and its pods."""
     annotations: Dict[str, str] = field(default_factory=dict)
@@ -163,6 +166,10 @@ class JobSpec:
     scheduling_policy: bool = False
     """Fill ``runPolicy.schedulingPolicy`` (minAvailable = all pods, queue, priorityClass) for gang
     scheduling by volcano or scheduler-plugins (the operator's ``--gang-scheduler-name``)."""
+    rdma_resources: Dict[str, str] = field(default_factory=dict)
+    """The fast network (docs/cluster.md, "Fast network"): extended resources of an RDMA device plugin per
+    pod (e.g. ``rdma/rdma_shared_device_a: "1"``); the container also gets the ``IPC_LOCK`` capability RDMA
+    memory registration needs, which Pod Security "restricted" and "baseline" both refuse."""
     gpu_memory_gb: Optional[float] = None
     """Memory of one GPU in GiB: refuse, before creating anything, a layout whose memory estimate
     (``domino estimate``) does not fit; None: no check."""
@@ -228,11 +235,19 @@ class JobSpec:
             check(bool(_DNS1123_SUBDOMAIN.match(secret)), "--image-pull-secret", f"{secret!r} is not a valid name")
         for key in self.env:
             check(bool(_ENV_NAME.match(key)), "--env", f"{key!r} is not a valid environment variable name")
+        for key, secret in self.secret_env.items():
+            check(bool(_ENV_NAME.match(key)), "secret_env", f"{key!r} is not a valid environment variable name")
+            check(bool(_DNS1123_SUBDOMAIN.match(secret)), "secret_env", f"{secret!r} is not a valid Secret name")
         for attr, flag in (("labels", "--label"), ("node_selector", "--node-selector")):
             for key, value in getattr(self, attr).items():
                 check(_valid_label_key(key), flag, f"{key!r} is not a valid label key")
                 check(len(value) <= 63 and bool(_LABEL_VALUE.match(value)), flag,
                       f"{value!r} (for {key!r}) is not a valid label value")
+        for key, value in self.rdma_resources.items():
+            check("/" in key and _valid_label_key(key), "--rdma-resource",
+                  f"{key!r} is not an extended resource name (domain/name, e.g. rdma/rdma_shared_device_a)")
+            check(str(value).isdigit() and int(value) > 0, "--rdma-resource", f"{key}={value!r}: the count must "
+                  "be a positive integer")
         for key in self.annotations:
             check(_valid_label_key(key), "--annotation", f"{key!r} is not a valid annotation key")
         for tol in self.tolerations:
