@@ -125,7 +125,9 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
             (tmp / "rng").mkdir()
 
     def write_optimizer_state():
-        tensors, scalars = optimizer_state.gather(engine)
+        # Each data-parallel replica writes (and holds on the host) every DP-size-th parameter's state.
+        dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
+        tensors, scalars = optimizer_state.gather(engine, keep=lambda index: index % dp == dp_rank)
         return distributed_io.save(tmp / on_disk.OPTIMIZER_DIR, tensors), scalars.to_json()
 
     def write(optimizer_files, scalars) -> None:

@@ -85,7 +85,10 @@ def _as_dtensors(tensors: Dict[str, torch.Tensor], mesh: DeviceMesh) -> Dict[str
 
 
 def save(directory: Path, tensors: Dict[str, torch.Tensor]) -> List[Path]:
-    """Writes every rank's TP-local ``tensors`` into ``directory`` (collective; every rank passes the same names).
+    """Writes every rank's TP-local ``tensors`` into ``directory`` (collective).
+
+    The ranks of a tensor-parallel group pass the same names; data-parallel replicas may pass the same tensors
+    (DCP writes one copy) or share them out (DCP merges every rank's plan into one set of files).
 
     Returns:
         The files this rank wrote (fsynced by DCP's writer, ``sync_files=True``).

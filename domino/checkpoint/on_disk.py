@@ -47,6 +47,8 @@ OPTIMIZER_DIR = "optimizer"
 LEGACY_OPTIMIZER_DIR = "optim"
 RNG_DIR = "rng"
 TOKENIZER_DIR = "tokenizer"
+#: ``checkpoint.json`` holds a config and a few numbers (a few kB); anything far larger is not one.
+MAX_META_BYTES = 16 << 20
 REQUIRED_META_KEYS = ("format_version", "iteration", "consumed_samples", "tensor_model_parallel_size",
                       "padded_vocab_size", "tokenizer", "config")
 _TAG_PATTERN = re.compile(r"^iter_\d{7,}$")
@@ -156,6 +158,9 @@ def read_checkpoint_meta(ckpt_dir: PathLike) -> Dict[str, Any]:
     path = Path(ckpt_dir) / META_FILE
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist (is {ckpt_dir} a checkpoint directory?)")
+    if path.stat().st_size > MAX_META_BYTES:  # untrusted: bounded before it is read
+        raise CheckpointError(f"{path} has {path.stat().st_size} bytes; checkpoint metadata is at most "
+                              f"{MAX_META_BYTES} bytes")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:

@@ -29,7 +29,7 @@ optimizer files of format 1 (:func:`supports`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -114,18 +114,20 @@ def _link_stepped_groups(engine) -> Dict[int, bool]:
     return {id(p): stepped[i] for i, group in enumerate(groups) for p in group}
 
 
-def gather(engine) -> Tuple[TensorsByName, Scalars]:
-    """This rank's view of the optimizer state: every parameter's full TP-local slices, on the CPU (collective).
+def gather(engine, keep: Callable[[int], bool] = lambda index: True) -> Tuple[TensorsByName, Scalars]:
+    """The optimizer state of the parameters this rank keeps, each as its whole TP-local slices, on the CPU.
 
-    With ZeRO every rank of a data-parallel group takes part (each parameter's fragments are summed over the
-    group); all ranks of the group end up with the same tensors.
+    Collective over each data-parallel group: with ZeRO every rank of the group takes part in every parameter's
+    gathering (its fragments are summed over the group), and every rank could keep the result. ``keep(index)``
+    (the parameter's position in :func:`trainable`) chooses which to keep, so the replicas of a group can share
+    the writing and each hold only its share on the host.
     """
     optimizer, tensors = _base_optimizer(engine), {}
     zero = _zero_like(engine)
     stepped = _link_stepped_groups(engine) if zero else {}
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    for name, param in trainable(engine):
+    for index, (name, param) in enumerate(trainable(engine)):
         if zero:
             values = [safe_get_full_fp32_param(param)]
             for key in STATE_KEYS[1:]:
@@ -136,8 +138,9 @@ def gather(engine) -> Tuple[TensorsByName, Scalars]:
         else:
             entry = optimizer.state.get(param, {})
             values = [param.detach()] + [entry.get(key, torch.zeros_like(param)) for key in STATE_KEYS[1:]]
-        for key, value in zip(STATE_KEYS, values):
-            tensors[f"{key}.{name}"] = value.detach().to("cpu", torch.float32, copy=True)
+        if keep(index):
+            for key, value in zip(STATE_KEYS, values):
+                tensors[f"{key}.{name}"] = value.detach().to("cpu", torch.float32, copy=True)
     return tensors, Scalars(_step_count(optimizer), _loss_scaler_fields(engine))
 
 

@@ -87,3 +87,16 @@ def test_corrupt_shard_is_reported(tmp_path):
     (ckpt / "model" / "tp_rank_00.safetensors").write_bytes(b"\x80\x03garbage pickle")
     with pytest.raises(wio.CheckpointError, match="not a readable safetensors"):
         wio.load_model_shard(ckpt, 0, 1)
+
+
+def test_oversized_metadata_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    from domino.checkpoint import manifest
+
+    ckpt = _write(tmp_path)
+    monkeypatch.setattr(wio, "MAX_META_BYTES", 64)
+    with pytest.raises(wio.CheckpointError, match="checkpoint metadata is at most 64 bytes"):
+        wio.read_checkpoint_meta(ckpt)
+    (ckpt / "manifest.json").write_text('{"format_version": 1, "files": {}}' + " " * 100)
+    monkeypatch.setattr(manifest, "MAX_MANIFEST_BYTES", 64)
+    with pytest.raises(ValueError, match="at most 64"):
+        manifest.read_manifest(ckpt)
