@@ -29,7 +29,7 @@ optimizer files of format 1 (:func:`supports`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -144,10 +144,28 @@ def gather(engine, keep: Callable[[int], bool] = lambda index: True) -> Tuple[Te
     return tensors, Scalars(_step_count(optimizer), _loss_scaler_fields(engine))
 
 
-def empty_like_state(engine) -> TensorsByName:
-    """CPU fp32 tensors of the shapes :func:`gather` returns, to be filled by a checkpoint read."""
+def empty_like_state(engine, names: Optional[Iterable[str]] = None) -> TensorsByName:
+    """CPU fp32 tensors of the shapes :func:`gather` returns (for the parameters ``names``, default all), to be
+    filled by a checkpoint read."""
+    wanted = None if names is None else set(names)
     return {f"{key}.{name}": torch.zeros(param.shape, dtype=torch.float32)
-            for name, param in trainable(engine) for key in STATE_KEYS}
+            for name, param in trainable(engine) if wanted is None or name in wanted for key in STATE_KEYS}
+
+
+def batches(engine, max_bytes: int) -> List[List[str]]:
+    """The trainable parameters' names in consecutive groups of at most ``max_bytes`` of state (or one parameter),
+    the same on every rank of the run (the same model order and TP-local shapes), so each group is one collective
+    read whose host memory stays bounded."""
+    groups: List[List[str]] = [[]]
+    size = 0
+    for name, param in trainable(engine):
+        nbytes = len(STATE_KEYS) * param.numel() * 4
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return [g for g in groups if g]
 
 
 def _fresh_step(group: dict, param: torch.Tensor, step: int) -> torch.Tensor:
@@ -167,22 +185,31 @@ def _create_state(optimizer: torch.optim.Optimizer, step: int) -> None:
                                       "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
 
 
-def scatter(engine, tensors: TensorsByName, scalars: Scalars) -> None:
-    """Loads the state :func:`gather` produced (possibly on another layout) into this run's optimizer.
-
-    Call after the model's weights are loaded (ZeRO's ``refresh_fp32_params`` would overwrite the master
-    weights with the rounded model weights otherwise). Nothing here is collective.
-    """
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-    optimizer = _base_optimizer(engine)
-    _create_state(optimizer, scalars.step)
-    zero = _zero_like(engine)
-    if zero:
+def prepare(engine, scalars: Scalars) -> None:
+    """Gives the optimizer fresh Adam state at the checkpoint's step and the loss scaler its fields; :func:`fill`
+    then sets the tensors. Call after the model's weights are loaded (ZeRO's ``refresh_fp32_params`` would
+    overwrite the master weights with the rounded model weights otherwise)."""
+    _create_state(_base_optimizer(engine), scalars.step)
+    if _zero_like(engine):
         engine.optimizer._hp_optimizer_states_linked = False
         engine.optimizer._lazy_init_hp_params_optimizer_state()  # points each fragment at the new moments
+    scaler: Optional[object] = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is not None:
+        for key, value in scalars.loss_scaler.items():
+            if hasattr(scaler, key):
+                setattr(scaler, key, value)
+
+
+def fill(engine, tensors: TensorsByName) -> None:
+    """Loads the slices :func:`gather` produced (possibly on another layout) for the parameters ``tensors`` holds
+    into this run's optimizer, after :func:`prepare`. Nothing here is collective."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    optimizer, zero = _base_optimizer(engine), _zero_like(engine)
     with torch.no_grad():
         for name, param in trainable(engine):
+            if f"fp32.{name}" not in tensors:
+                continue
             fp32, exp_avg, exp_avg_sq = (tensors[f"{key}.{name}"].to(param.device) for key in STATE_KEYS)
             if zero:
                 safe_set_full_fp32_param(param, fp32)
@@ -192,8 +219,3 @@ def scatter(engine, tensors: TensorsByName, scalars: Scalars) -> None:
                 param.copy_(fp32)
                 optimizer.state[param]["exp_avg"].copy_(exp_avg)
                 optimizer.state[param]["exp_avg_sq"].copy_(exp_avg_sq)
-    scaler: Optional[object] = getattr(engine.optimizer, "loss_scaler", None)
-    if scaler is not None:
-        for key, value in scalars.loss_scaler.items():
-            if hasattr(scaler, key):
-                setattr(scaler, key, value)

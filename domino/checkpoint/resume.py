@@ -223,11 +223,20 @@ def _read_state(ckpt: Checkpoint, engine, config: DominoConfig, padded_vocab_siz
     return weights, optim, rng
 
 
-def _read_optimizer_by_name(ckpt: Checkpoint, engine):
-    """Every rank's slices of the optimizer state stored by name (collective: DCP plans and reads together)."""
-    tensors = optimizer_state.empty_like_state(engine)
-    distributed_io.load(ckpt.path / on_disk.OPTIMIZER_DIR, tensors)
-    return tensors
+#: Host memory for the optimizer state read at once (three fp32 tensors per parameter): 1 GiB.
+READ_BATCH_BYTES = 1 << 30
+
+
+def _load_optimizer_by_name(ckpt: Checkpoint, engine) -> None:
+    """Reads every rank's slices of the optimizer state stored by name and sets them, a batch of parameters at a
+    time (each read is collective: DCP plans and reads together; the host holds one batch)."""
+    optimizer_state.prepare(engine, optimizer_state.Scalars.from_json(ckpt.meta["optimizer"], str(ckpt)))
+    directory = ckpt.path / on_disk.OPTIMIZER_DIR
+    distributed_io.stored_tensors(directory)  # every header checked once, before the first read
+    for names in optimizer_state.batches(engine, READ_BATCH_BYTES):
+        tensors = optimizer_state.empty_like_state(engine, names)
+        distributed_io.load(directory, tensors)
+        optimizer_state.fill(engine, tensors)
 
 
 def load_checkpoint(engine, config: DominoConfig, ckpt: Checkpoint, padded_vocab_size: int,
@@ -235,7 +244,9 @@ def load_checkpoint(engine, config: DominoConfig, ckpt: Checkpoint, padded_vocab
     """Checks that ``ckpt`` fits this run, then restores model, optimizer and RNG state into this rank.
 
     Every rank first verifies and reads what it needs; only when all ranks succeeded (an agreement) is
-    anything applied, so a file that fails on one rank stops every rank with the same message.
+    anything applied, so a file that fails on one rank stops every rank with the same message. The optimizer
+    state stored by name is then read by all ranks together and applied a batch of parameters at a time (host
+    memory bounded by :data:`READ_BATCH_BYTES`); a failure there stops every rank too, before any step.
 
     Args:
         padded_vocab_size: this run's padded vocabulary (see :func:`check_compatible`).
@@ -248,9 +259,6 @@ def load_checkpoint(engine, config: DominoConfig, ckpt: Checkpoint, padded_vocab
     meta, kind = ckpt.meta, ckpt.optimizer_format
     weights, optim, rng = agree(f"reading checkpoint {ckpt}", lambda: _read_state(
         ckpt, engine, config, padded_vocab_size, weights_only))
-    by_name = None
-    if kind == "by-name" and not weights_only and not config.checkpoint.no_load_optim:
-        by_name = collective(f"reading the optimizer state of {ckpt}", lambda: _read_optimizer_by_name(ckpt, engine))
     engine.module.load_state_dict(weights, strict=True)
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO keeps its own fp32 master copy of the weights
@@ -260,8 +268,9 @@ def load_checkpoint(engine, config: DominoConfig, ckpt: Checkpoint, padded_vocab
     if kind is None:
         logger.info("%s holds weights only (no optimizer or RNG state): continuing with a fresh optimizer", ckpt)
         return meta["iteration"], meta["consumed_samples"]
-    if by_name is not None:  # after the weights: the master weights are the checkpoint's, not rounded copies
-        optimizer_state.scatter(engine, by_name, optimizer_state.Scalars.from_json(meta["optimizer"], str(ckpt)))
+    if kind == "by-name" and not config.checkpoint.no_load_optim:
+        # After the weights: the master weights are the checkpoint's, not copies of the rounded model weights.
+        collective(f"reading the optimizer state of {ckpt}", lambda: _load_optimizer_by_name(ckpt, engine))
     if optim is not None:
         per_rank_state.restore_optimizer(engine, optim)
     if rng is not None:

@@ -35,6 +35,7 @@ def main(out: str, argv) -> None:
     with state.collective_device():
         model = recipe.model_builder(config)
     engine = engine_setup.build_engine(model, config)
+    resume.READ_BATCH_BYTES = 1  # every parameter its own collective read: the batched path is what is compared
     resume.load_checkpoint(engine, config, ckpt, recipe.padded_vocab_size)
     local, scalars = optimizer_state.gather(engine)
     shards = [None] * state.get_tensor_model_parallel_world_size()

@@ -47,6 +47,10 @@ def _old_and_new(rank, world_size, out_dir):
     from domino.checkpoint import optimizer_state
     from domino.config import ConfigError
 
+    from domino.config import parse_config
+    from domino.train.engine import initialize_runtime
+
+    initialize_runtime(parse_config(ARGS))  # once per process: every _train below is a run of this process
     out = Path(out_dir)
     reference = _train(out, "reference", 6)
     old = out / "old"
