@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from domino.launch import defaults, naming
-from domino.launch.spec import CONTAINER_NAME, MASTER_PORT, JobSpec
+from domino.launch.spec import CONTAINER_NAME, MASTER_PORT, JobSpec, env_entries
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "PyTorchJob"
@@ -92,14 +92,14 @@ def pod_placement(spec: JobSpec) -> Dict[str, Any]:
 
 def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, Any]:
     """The pod template shared by Master and Workers (PSS restricted, shared volume, /dev/shm)."""
-    env = [{"name": "DOMINO_JOB_NAME", "value": name}]
-    env += [{"name": k, "value": str(v)} for k, v in defaults.environment(spec).items()]
+    env = env_entries(spec, {"DOMINO_JOB_NAME": name, **defaults.environment(spec)})
     container: Dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": container_command(spec, name),
         "env": env,
+        **({"envFrom": [{"secretRef": {"name": s}} for s in spec.env_from_secrets]} if spec.env_from_secrets else {}),
         "ports": [{"name": "pytorchjob-port", "containerPort": MASTER_PORT, "protocol": "TCP"}],
         "resources": resources(spec),
         "volumeMounts": [

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 #: Where the shared ReadWriteMany volume (data, checkpoints) is mounted in every pod.
 DEFAULT_MOUNT_PATH = "/mnt/domino"
@@ -33,6 +33,7 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")  # a Secret's data keys (apimachinery IsConfigMapKey)
 
 
 def default_namespace() -> str:
@@ -135,7 +136,12 @@ class JobSpec:
     service_account: Optional[str] = None
     """ServiceAccount of the training pods (they need no API access; the token is not mounted)."""
     env: Dict[str, str] = field(default_factory=dict)
-    """Extra environment variables of the training container."""
+    """Extra environment variables of the training container (literal values: nothing secret)."""
+    secret_env: Dict[str, str] = field(default_factory=dict)
+    """Environment variables read from Secrets when the pod starts: ``NAME -> "SECRET:KEY"``
+    (``valueFrom.secretKeyRef``); the value never appears in the job, its flags or the run's parameters."""
+    env_from_secrets: List[str] = field(default_factory=list)
+    """Secrets whose every key becomes an environment variable of the training container (``envFrom``)."""
     labels: Dict[str, str] = field(default_factory=dict)
     """Extra labels on the job and its pods."""
     annotations: Dict[str, str] = field(default_factory=dict)
@@ -228,6 +234,14 @@ class JobSpec:
             check(bool(_DNS1123_SUBDOMAIN.match(secret)), "--image-pull-secret", f"{secret!r} is not a valid name")
         for key in self.env:
             check(bool(_ENV_NAME.match(key)), "--env", f"{key!r} is not a valid environment variable name")
+        for key, ref in self.secret_env.items():
+            check(bool(_ENV_NAME.match(key)), "--env-secret", f"{key!r} is not a valid environment variable name")
+            check(key not in self.env, "--env-secret", f"{key} is also given a literal value by --env")
+            secret, colon, secret_key = ref.partition(":")
+            check(bool(colon and _DNS1123_SUBDOMAIN.match(secret) and _SECRET_KEY.match(secret_key)), "--env-secret",
+                  f"{key}={ref!r}: expected SECRET:KEY (a Secret's name and one of its keys)")
+        for secret in self.env_from_secrets:
+            check(bool(_DNS1123_SUBDOMAIN.match(secret)), "--env-from-secret", f"{secret!r} is not a valid Secret name")
         for attr, flag in (("labels", "--label"), ("node_selector", "--node-selector")):
             for key, value in getattr(self, attr).items():
                 check(_valid_label_key(key), flag, f"{key!r} is not a valid label key")
@@ -258,6 +272,15 @@ def _valid_label_key(key: str) -> bool:
     if slash and not (len(prefix) <= 253 and _DNS1123_SUBDOMAIN.match(prefix)):
         return False
     return len(name) <= 63 and bool(_LABEL_NAME.match(name))
+
+
+def env_entries(spec: "JobSpec", literal: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The container's ``env``: ``literal`` values, then the spec's Secret references (``secretKeyRef``)."""
+    entries: List[Dict[str, Any]] = [{"name": k, "value": str(v)} for k, v in literal.items()]
+    for name, ref in spec.secret_env.items():
+        secret, _, key = ref.partition(":")
+        entries.append({"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
+    return entries
 
 
 def parse_key_values(items: List[str], flag: str) -> Dict[str, str]:
