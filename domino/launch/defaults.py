@@ -28,7 +28,7 @@ Each rule and where it comes from:
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 from domino.launch.spec import JobSpec, Toleration
 
@@ -76,6 +76,19 @@ def backoff_limit(spec: JobSpec) -> int:
 def environment(spec: JobSpec) -> Dict[str, str]:
     """The training container's extra environment: :data:`GPU_ENV` on GPU pods, overridden by the spec's."""
     return {**(GPU_ENV if spec.gpus_per_node > 0 else {}), **spec.env}
+
+
+def secret_environment(spec: JobSpec) -> List[Dict[str, Any]]:
+    """The container's ``env`` entries read from Secrets (``valueFrom.secretKeyRef``): ``SECRET:KEY`` is
+    required (the kubelet does not start the container without it: CreateContainerConfigError), ``SECRET``
+    alone names the key like the variable and is optional (a missing Secret or key leaves the variable
+    unset; Kubernetes ``SecretKeySelector.optional``)."""
+    entries = []
+    for name, ref in sorted(spec.secret_env.items()):
+        secret, colon, key = ref.partition(":")
+        selector = {"name": secret, "key": key} if colon else {"name": secret, "key": name, "optional": True}
+        entries.append({"name": name, "valueFrom": {"secretKeyRef": selector}})
+    return entries
 
 
 def tolerations(spec: JobSpec) -> List[Toleration]:

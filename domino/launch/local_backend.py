@@ -175,9 +175,11 @@ class LocalLauncher:
         """Runs all replicas until Succeeded or Failed; returns the result."""
         spec.validate()
         self.api.check(spec)
-        if spec.secret_env or spec.env_from_secrets:  # no API server here to read a Secret from
-            raise LaunchSpecError("--env-secret/--env-from-secret read Kubernetes Secrets, which the local backend "
-                                  "does not have; run on a cluster, or export the variables before launching")
+        # No API server here to read a Secret from: a required reference cannot be met (optional ones are left
+        # unset, as the kubelet leaves them when the Secret is missing).
+        if any(":" in ref for ref in spec.secret_env.values()) or spec.env_from_secrets:
+            raise LaunchSpecError("--env-secret SECRET:KEY/--env-from-secret read Kubernetes Secrets, which the local "
+                                  "backend does not have; run on a cluster, or give the values another way")
         run_id = run_id or naming.new_run_id()
         name = naming.job_name(spec.name, run_id, spec.nodes)
         workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix=f"domino-{name}-"))

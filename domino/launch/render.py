@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from domino.launch import defaults, naming
-from domino.launch.spec import CONTAINER_NAME, MASTER_PORT, JobSpec, env_entries
+from domino.launch.spec import CONTAINER_NAME, MASTER_PORT, JobSpec
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "PyTorchJob"
@@ -92,7 +92,9 @@ def pod_placement(spec: JobSpec) -> Dict[str, Any]:
 
 def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, Any]:
     """The pod template shared by Master and Workers (PSS restricted, shared volume, /dev/shm)."""
-    env = env_entries(spec, {"DOMINO_JOB_NAME": name, **defaults.environment(spec)})
+    env = [{"name": "DOMINO_JOB_NAME", "value": name}]
+    env += [{"name": k, "value": str(v)} for k, v in defaults.environment(spec).items()]
+    env += defaults.secret_environment(spec)
     container: Dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image,

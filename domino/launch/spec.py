@@ -136,10 +136,13 @@ class JobSpec:
     service_account: Optional[str] = None
     """ServiceAccount of the training pods (they need no API access; the token is not mounted)."""
     env: Dict[str, str] = field(default_factory=dict)
-    """Extra environment variables of the training container (literal values: nothing secret)."""
+    """Extra environment variables of the training container (literal values, written into the job: nothing
+    secret)."""
     secret_env: Dict[str, str] = field(default_factory=dict)
-    """Environment variables read from Secrets when the pod starts: ``NAME -> "SECRET:KEY"``
-    (``valueFrom.secretKeyRef``); the value never appears in the job, its flags or the run's parameters."""
+    """Environment variables read from Secrets when the pod starts (``valueFrom.secretKeyRef``):
+    ``NAME -> "SECRET:KEY"`` (required: the pod does not start without it), or ``NAME -> "SECRET"`` (the key
+    named like the variable, optional: a missing Secret or key leaves it unset). Credentials go here, never
+    into ``env``: the job holds only the reference."""
     env_from_secrets: List[str] = field(default_factory=list)
     """Secrets whose every key becomes an environment variable of the training container (``envFrom``)."""
     labels: Dict[str, str] = field(default_factory=dict)
@@ -238,8 +241,8 @@ class JobSpec:
             check(bool(_ENV_NAME.match(key)), "--env-secret", f"{key!r} is not a valid environment variable name")
             check(key not in self.env, "--env-secret", f"{key} is also given a literal value by --env")
             secret, colon, secret_key = ref.partition(":")
-            check(bool(colon and _DNS1123_SUBDOMAIN.match(secret) and _SECRET_KEY.match(secret_key)), "--env-secret",
-                  f"{key}={ref!r}: expected SECRET:KEY (a Secret's name and one of its keys)")
+            check(bool(_DNS1123_SUBDOMAIN.match(secret)) and (not colon or bool(_SECRET_KEY.match(secret_key))),
+                  "--env-secret", f"{key}={ref!r}: expected SECRET:KEY or SECRET (a Secret's name, one of its keys)")
         for secret in self.env_from_secrets:
             check(bool(_DNS1123_SUBDOMAIN.match(secret)), "--env-from-secret", f"{secret!r} is not a valid Secret name")
         for attr, flag in (("labels", "--label"), ("node_selector", "--node-selector")):
@@ -272,15 +275,6 @@ def _valid_label_key(key: str) -> bool:
     if slash and not (len(prefix) <= 253 and _DNS1123_SUBDOMAIN.match(prefix)):
         return False
     return len(name) <= 63 and bool(_LABEL_NAME.match(name))
-
-
-def env_entries(spec: "JobSpec", literal: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The container's ``env``: ``literal`` values, then the spec's Secret references (``secretKeyRef``)."""
-    entries: List[Dict[str, Any]] = [{"name": k, "value": str(v)} for k, v in literal.items()]
-    for name, ref in spec.secret_env.items():
-        secret, _, key = ref.partition(":")
-        entries.append({"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
-    return entries
 
 
 def parse_key_values(items: List[str], flag: str) -> Dict[str, str]:

@@ -56,7 +56,7 @@ from typing import Any, Dict, List, Optional
 from domino.launch import defaults, naming
 from domino.launch.job_api_base import JobApi, JobState, highest_phase
 from domino.launch.render import ISTIO_INJECT, container_command, job_metadata, pod_placement, resources
-from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, LaunchSpecError, env_entries
+from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, LaunchSpecError
 
 API_VERSION = "trainer.kubeflow.org/v1alpha1"
 KIND = "TrainJob"
@@ -161,7 +161,7 @@ def render_trainjob(spec: JobSpec, run_id: str, owner_reference: Optional[Dict[s
         "command": container_command(spec, name),
         "numNodes": spec.nodes,
         "resourcesPerNode": resources(spec),
-        "env": env_entries(spec, env),
+        "env": [{"name": k, "value": str(v)} for k, v in env.items()] + defaults.secret_environment(spec),
     }
     if isinstance(spec.nproc_per_node, int):
         trainer["numProcPerNode"] = spec.nproc_per_node  # else "auto": the torch plugin's default

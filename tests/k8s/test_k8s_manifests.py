@@ -112,7 +112,14 @@ def _launcher_requests() -> set:
                 options = {"scheduling_timeout_s": 10, "timeout_s": 30, **kwargs}
                 sc.launcher(server, [], api=api).run(scripts.spec(), run_id="rbac", **options)
                 seen |= server.cluster.verbs()
-    return seen
+        with FakeKubeServer() as server:  # `domino launch check`, with a queue
+            from domino.launch.check import ClusterCheck
+
+            ClusterCheck(job_api(api), server.api_client()).run(scripts.spec(queue="team-a"))
+            seen |= server.cluster.verbs()
+    # Every authenticated user may discover APIs (system:discovery) and review their own access
+    # (system:basic-user): no Role needed for those.
+    return {c for c in seen if c[0] != "discovery" and c[1] != "selfsubjectaccessreviews"}
 
 
 def test_role_grants_exactly_the_calls_the_launcher_makes():
@@ -125,7 +132,9 @@ def test_role_grants_exactly_the_calls_the_launcher_makes():
     expected_calls = {(group, plural, v) for group, plural in (("kubeflow.org", "pytorchjobs"),
                                                                ("trainer.kubeflow.org", "trainjobs"))
                       for v in ("create", "get", "list", "watch", "patch", "delete")}
-    expected_calls |= {("", "pods", "list"), ("", "pods/log", "get"), ("", "events", "list")}
+    expected_calls |= {("", "pods", "list"), ("", "pods/log", "get"), ("", "events", "list"),
+                       ("", "persistentvolumeclaims", "get"), ("trainer.kubeflow.org", "trainingruntimes", "get"),
+                       ("kueue.x-k8s.io", "localqueues", "get")}
     assert expected_calls <= used  # every code path above was exercised
     # Nothing beyond the documented minimum (read-only pods/log and pods watch are harmless extras).
     allowed_extra = {("", "pods", "get"), ("", "pods", "watch"), ("", "pods/log", "list"), ("", "pods/log", "watch")}
