@@ -336,7 +336,7 @@ def test_secrets_reach_the_container_as_references_never_as_values(capsys):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("secret_env", {"HF_TOKEN": "hf-credentials"}, "expected SECRET:KEY"),
+    ("secret_env", {"HF_TOKEN": "hf-credentials:"}, "expected SECRET:KEY"),
     ("secret_env", {"HF_TOKEN": "Bad_Name:token"}, "expected SECRET:KEY"),
     ("secret_env", {"1X": "s:k"}, "not a valid environment variable name"),
     ("env_from_secrets", ["Not_A_Name"], "not a valid Secret name"),
