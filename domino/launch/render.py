@@ -130,6 +130,7 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
         "imagePullPolicy": spec.image_pull_policy,
         "command": container_command(spec, name),
         "env": env,
+        **({"envFrom": [{"secretRef": {"name": s}} for s in spec.env_from_secrets]} if spec.env_from_secrets else {}),
         "ports": [{"name": "pytorchjob-port", "containerPort": MASTER_PORT, "protocol": "TCP"}] + (
             [{"name": "metrics", "containerPort": metrics_port(spec), "protocol": "TCP"}] if metrics_port(spec) else []),
         "resources": resources(spec),
