@@ -67,6 +67,7 @@ def exclusive_lock(path: str, blocking: bool = True) -> Iterator[None]:
 
     Raises:
         LockBusy: ``blocking`` is False and another process or thread holds the lock.
+        OSError: the file system has no record locks (ENOLCK), with what to do about it.
     """
     path = os.path.abspath(path)
     guard = _thread_lock(path)
@@ -76,10 +77,17 @@ def exclusive_lock(path: str, blocking: bool = True) -> Iterator[None]:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # lockf's exclusive lock needs write access
         try:
-            if blocking:
-                fcntl.lockf(descriptor, fcntl.LOCK_EX)
-            elif not try_lock_descriptor(descriptor):
-                raise LockBusy(path)
+            try:
+                if blocking:
+                    fcntl.lockf(descriptor, fcntl.LOCK_EX)
+                elif not try_lock_descriptor(descriptor):
+                    raise LockBusy(path)
+            except OSError as error:
+                if error.errno != errno.ENOLCK:
+                    raise
+                # NFSv3 locks go through the node's lockd/rpc.statd (NLM); without them the kernel says ENOLCK.
+                raise OSError(error.errno, f"{path}: the file system refuses record locks ({error.strerror}); on "
+                              "NFSv3 the node needs rpc.statd running, or mount with NFSv4") from None
             yield
         finally:
             os.close(descriptor)  # releases the record lock
