@@ -307,3 +307,18 @@ def test_every_service_account_the_docs_name_is_one_an_overlay_creates_or_binds(
         text = (REPO / "docs" / page).read_text()
         for name in re.findall(r"--service-account[ =]([a-z0-9][-a-z0-9]*)", text):
             assert name in known, f"docs/{page} names service account {name!r}, which nothing creates"
+
+
+def test_the_metrics_component_admits_the_monitoring_namespace_on_the_port_the_pods_declare(tmp_path):
+    from domino.launch.render import render_job
+
+    policies = {o["metadata"]["name"]: o for o in _with_components(tmp_path, "overlays/gpu", ["metrics"])
+                if o["kind"] == "NetworkPolicy"}
+    assert set(policies) == {"domino-training-isolation", "domino-training-metrics"}
+    metrics = policies["domino-training-metrics"]
+    validate_core(metrics)
+    (rule,) = metrics["spec"]["ingress"]
+    job = render_job(JobSpec(name="gpt", image="i", pretrain_args=["--metrics-port", "9400"]), run_id="r")
+    pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    assert metrics["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert rule["ports"][0]["port"] in {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
