@@ -15,7 +15,8 @@ in every configuration we can rely on (Linux, torvalds/linux):
   nodes could both hold it.
 
 Record locks belong to a process (fcntl(2)): the kernel releases them when the process exits, also on
-SIGKILL (on NFSv4 a dead *node's* locks go when its lease expires, 90 s by default on a Linux server);
+SIGKILL (on NFSv4 a dead *node*'s locks go when its lease expires: 90 s by default on a Linux server,
+``nfsd4_init_leases_net`` in ``fs/nfsd/nfs4state.c``);
 closing *any* descriptor of the file releases them too, and the threads of one process never exclude
 each other. So a lock file here is opened by this module only, one descriptor per holder, and an
 in-process lock per path keeps threads apart as well.
