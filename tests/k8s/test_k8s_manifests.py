@@ -322,3 +322,36 @@ def test_the_metrics_component_admits_the_monitoring_namespace_on_the_port_the_p
     pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
     assert metrics["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     assert rule["ports"][0]["port"] in {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+
+
+def test_the_guides_launch_commands_parse_and_make_valid_jobs(monkeypatch):
+    """Every `domino launch render|check|submit` line of the README's and the cluster guide's shell blocks (not the
+    `...` abbreviations) parses with the real CLI and gives a valid spec with the image the guide's story says."""
+    import argparse
+    import re
+
+    from domino import images
+    from domino.cli.launch import register
+    from domino.launch.flags import spec_from_args
+    from domino.launch.pretrain_args import check_pretrain_args
+
+    monkeypatch.delenv("DOMINO_IMAGE_REPOSITORY", raising=False)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    seen = 0
+    for page in (REPO / "README.md", REPO / "docs" / "cluster.md"):
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split("#", 1)[0].strip()
+                if not re.match(r"domino launch (render|check|submit) ", line) or "..." in line:
+                    continue
+                argv = shlex.split(line)[1:]
+                if "--command" in argv:  # the envcheck walkthrough: a command override, no pretrain args
+                    continue
+                args = parser.parse_args(argv)
+                spec = spec_from_args(args)
+                if argv[1] != "check":  # check asks the cluster only; render and submit check the training flags
+                    check_pretrain_args(spec)
+                assert spec.image == images.for_gpus(spec.gpus_per_node), line
+                seen += 1
+    assert seen >= 3  # README: check + render; the guide: render (the rest abbreviate with ...)
