@@ -171,7 +171,7 @@ def pretrain(
 
     Args:
         dataset: The preprocess step's manifest (its ``prefix`` becomes ``--data-path``).
-        model: Manifest of the final checkpoint (on the shared volume); metadata: iterations, tokens_seen, final losses, checkpoint_dir, job.
+        model: Manifest of the final checkpoint (on the shared volume); metadata: iterations, tokens_seen, final losses, checkpoint_dir, checkpoint_uri (pvc://<claim>/<path>), job, mlflow_run_id (with mlflow_tracking_uri).
         metrics: final_train_loss, final_valid_loss, tokens_per_s, mfu, tflops_per_device, iterations.
         shared_root: Mount path of the shared volume (or a local folder with backend=local).
         run_id: Unique run id; the run's folders and its training job's name derive from it.
