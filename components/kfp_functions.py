@@ -149,6 +149,7 @@ def pretrain(
     memory_request: str = '',
     memory_limit: str = '',
     shm_size: str = '16Gi',
+    rdma_resources: str = '{}',
     node_selector: str = '{}',
     tolerations: str = '[]',
     priority_class: str = '',
@@ -206,6 +207,7 @@ def pretrain(
         memory_request: Memory request per training pod ('': sized from nproc_per_node).
         memory_limit: Memory limit per training pod ('': none).
         shm_size: Size limit of /dev/shm in the training pods (memory emptyDir).
+        rdma_resources: JSON object RESOURCE -> count: an RDMA device plugin's resources per training pod, plus IPC_LOCK (the fast network: docs/cluster.md; the namespace must allow it).
         node_selector: JSON object of node labels for the training pods.
         tolerations: JSON array of tolerations for the training pods ('key=value:effect' strings or objects).
         priority_class: PriorityClass of the training pods ('': none).

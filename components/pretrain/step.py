@@ -167,6 +167,7 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
         pvc=s.pvc_name, mount_path=s.shared_root if s.backend == "cluster" else DEFAULT_MOUNT_PATH,
         checkpoint_dir=RunLayout(s.shared_root, s.run_id).checkpoint_dir,
         node_selector=text(_json_param(s, "node_selector")), tolerations=tolerations,
+        rdma_resources=text(_json_param(s, "rdma_resources")),
         priority_class=s.priority_class or None, service_account=s.service_account or None,
         image_pull_secrets=[str(x) for x in _json_param(s, "image_pull_secrets")],
         env={**env, **_literal_env(text(_json_param(s, "env")))},
