@@ -19,8 +19,8 @@ loss (``cross_entropy``)    ``[tokens, V/tp]`` allocation is mapped and   alloca
 GeLU + fc2                  one autograd node whose backward reuses the  ``F.gelu`` then the linear: allocations are
 (``parallel/layers``)       activation's buffer (no ``[tokens, ffn/tp]``  free with the caching allocator, and the
                             page faults)                                 graph can be walked twice
-bias + dropout + residual   eager: two or three elementwise passes       ``torch.compile``-d into one kernel, as
-(``model/transformer``)                                                  Megatron-LM's ``jit_fuser``
+bias + dropout + residual,  eager: two or three elementwise passes       ``torch.compile``-d into one kernel, as
+SwiGLU, RoPE (``island``)                                                Megatron-LM's ``jit_fuser``
                                                                          (``megatron/core/jit.py``: torch.compile
                                                                          for torch >= 2.2); compiling costs more
                                                                          than it saves on CPU
@@ -115,6 +115,15 @@ def forced_kernels(kernels: Kernels) -> Iterator[None]:
         yield
     finally:
         _forced.reset(token)
+
+
+def island(fn: Callable, device: torch.device) -> Callable:
+    """``fn`` as the kernels of ``device`` run it: compiled into fused kernels where they have a compile backend
+    (CUDA with a C compiler), else ``fn`` itself. For the elementwise islands between the GEMMs (bias + dropout +
+    residual, SwiGLU, RoPE), as torchtitan compiles its blocks and Megatron-LM ``jit_fuser``-s its
+    ``megatron/core/fusions/`` functions."""
+    backend = kernels_for(device).compile_backend
+    return compiled(fn, backend) if backend is not None else fn
 
 
 @functools.lru_cache(maxsize=None)
