@@ -69,7 +69,8 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, 
     if base is bool:
         group.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction, help=doc)
     elif typing.get_origin(base) in (list, List):
-        group.add_argument(*names, dest=dest, nargs="+", metavar="VALUE", help=doc)
+        item = typing.get_args(base)[0]
+        group.add_argument(*names, dest=dest, nargs="+", type=item, metavar=item.__name__.upper(), help=doc)
     else:
         group.add_argument(*names, dest=dest, type=base, metavar=base.__name__.upper(), help=doc)
 

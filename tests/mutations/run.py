@@ -46,8 +46,8 @@ class Mutation:
 
 MUTATIONS: List[Mutation] = [
     Mutation("atomic-write-in-place", "domino/atomic_files.py",
-             "    temporary = temporary_name(path)\n    try:\n        with open(temporary, mode)",
-             "    temporary = path\n    try:\n        with open(temporary, mode)",
+             "    temporary, handle = open_owned_temporary(path, mode)\n    try:",
+             "    temporary, handle = path, open(path, mode)\n    try:",
              ["tests/test_atomic_files.py"]),
     Mutation("checkpoint-latest-before-rename", "domino/checkpoint/checkpointing.py",
              "    os.replace(tmp, final)\n    fsync_directory(root)\n"
@@ -133,8 +133,13 @@ def run_one(mutation: Mutation, timeout: float) -> dict:
     """Applies ``mutation`` in a fresh copy, runs its tests; returns a row of the table."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutation.name}-") as tmp:
-        copy = Path(tmp)
+        copy = Path(tmp) / REPO.name
+        copy.mkdir()
         copy_repository(copy)
+        # Tests read ../shared (the CRD schemas, the upstream manifests the fake API server is modelled on), as
+        # CI's clone does: without it they would fail by crashing and count a mutant as caught.
+        if (REPO.parent / "shared").is_dir():
+            os.symlink(REPO.parent / "shared", Path(tmp) / "shared")
         target = copy / mutation.path
         stale = stale_reason(mutation, copy)
         if stale:
@@ -149,13 +154,16 @@ def run_one(mutation: Mutation, timeout: float) -> dict:
             output, code = proc.stdout + proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as expired:
             output, code = f"{expired.stdout or ''}", -1
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.M)
+    failed = re.findall(r"^FAILED (\S+)", output, flags=re.M)
+    errors = re.findall(r"^ERROR (\S+)", output, flags=re.M)
     if code == 0:
         caught, by = "NOT CAUGHT", "every targeted test passed"
     elif code == -1:
         caught, by = "timeout", f"no verdict within {timeout:.0f} s"
     elif failed:
         caught, by = "caught", failed[0]
+    elif errors:  # a test that could not even start (collection, fixture) is no verdict on the mutant
+        caught, by = "error", errors[0]
     else:
         caught, by = "caught", f"pytest exit {code}: " + (output.strip().splitlines() or [""])[-1][:80]
     return {"mutation": mutation.name, "caught": caught, "by": by, "seconds": round(time.perf_counter() - started, 1)}
