@@ -1,0 +1,52 @@
+"""Test helper, run under torchrun: builds a run's engine from `domino pretrain` flags, resumes ``--load`` into it
+and writes what the optimizer then holds, gathered to whole tensors, to ``OUT`` (a safetensors file, rank 0).
+
+``python optimizer_probe.py OUT PRETRAIN-FLAGS...``; used to prove that a resume on another layout leaves the
+optimizer state equal to the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from domino.checkpoint import discovery, optimizer_state, resume, sharding
+from domino.cli.main import build_parser
+from domino.config import config_from_args
+from domino.config.validate import resolve_zero_stage
+from domino.parallel import random as tp_random
+from domino.runtime import state
+from domino.train import engine as engine_setup
+from domino.train.gpt_recipe import GPTRecipe
+
+
+def main(out: str, argv) -> None:
+    args = build_parser().parse_args(["pretrain", *argv])
+    config = config_from_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")), for_training=True)
+    engine_setup.initialize_runtime(config)
+    ckpt, warm = discovery.find_checkpoint(config)
+    resolve_zero_stage(config, state.get_data_parallel_world_size(), resume.resumed_zero_stage(ckpt, config, warm))
+    recipe = GPTRecipe(config)
+    tp_random.model_parallel_seed(config.train.seed)
+    with state.collective_device():
+        model = recipe.model_builder(config)
+    engine = engine_setup.build_engine(model, config)
+    resume.READ_BATCH_BYTES = 1  # every parameter its own collective read: the batched path is what is compared
+    resume.load_checkpoint(engine, config, ckpt, recipe.padded_vocab_size)
+    local, scalars = optimizer_state.gather(engine)
+    shards = [None] * state.get_tensor_model_parallel_world_size()
+    dist.all_gather_object(shards, local, group=state.get_tensor_model_parallel_group())
+    if dist.get_rank() == 0:
+        full = shards[0] if len(shards) == 1 else sharding.merge_tp_shards(shards)
+        save_file({k: v.contiguous() for k, v in full.items()}, out, metadata={"step": str(scalars.step)})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
