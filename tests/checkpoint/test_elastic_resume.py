@@ -15,14 +15,13 @@ Without the optimizer state stored by name (format 1), every resume here on anot
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-
-import subprocess
-import sys
 
 from distributed_helpers import free_port
 from train.train_helpers import child_env, run_pretrain, train_losses
