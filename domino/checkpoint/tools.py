@@ -76,7 +76,10 @@ def _resumable_on(meta: dict, kind: Optional[str]) -> List[str]:
     model, train = cfg["model"], cfg["train"]
     dp = meta.get("data_parallel_size") or 1
     gbs = meta.get("global_batch_size") or train.get("global_batch_size") or train["micro_batch_size"] * dp
-    if kind != "by-name":
+    if kind is None:
+        return [f"weights only (no optimizer state): tensor-model-parallel size "
+                f"{', '.join(map(str, tensor_parallel_sizes(meta)))}, any data-parallel size, with a fresh optimizer"]
+    if kind == "per-rank":
         return [f"TP={tp} x DP={dp} only (the optimizer state is per rank); any layout with --no-load-optim"]
     multiple, tps = model["make_vocab_size_divisible_by"] * tp, tensor_parallel_sizes(meta)
     return [f"tensor-model-parallel size {', '.join(map(str, tps))} (keep the vocabulary padding: "
