@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from domino.config import padded_vocab_size, parse_config  # noqa: E402
 from domino.model import GPTModel  # noqa: E402
+from domino.overlap.schedule import apply_domino  # noqa: E402
 from domino.train import engine as engine_setup  # noqa: E402
 from domino.train.throughput import detect_peak_tflops, training_flops_per_token  # noqa: E402
 
@@ -67,7 +68,7 @@ class _Run:
         self.config = _config(args, micro_batch, chunks, llama)
         self.vocab = padded_vocab_size(args.vocab_size, self.config)
         torch.manual_seed(args.seed)
-        model = GPTModel(self.config.model, self.vocab, domino_chunks=chunks)
+        model = apply_domino(GPTModel(self.config.model, self.vocab), chunks)
         self.engine = engine_setup.build_engine(model, self.config)
         self.set_batch(micro_batch)
 

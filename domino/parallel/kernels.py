@@ -1,8 +1,9 @@
 """Which implementation of an op runs on which device: the one place that decides.
 
-Five ops have two implementations of the same maths, one tuned for CPUs (measured in
-``benchmarks/model_step.py``) and one for CUDA GPUs. Each op asks :func:`kernels_for` with its input's device
-at its one call site and takes the branch it is told:
+Six ops have more than one implementation of the same maths: one tuned for CPUs (measured in
+``benchmarks/model_step.py``), one for CUDA GPUs, and the plain one to read first (``PLAIN_KERNELS``: the textbook
+formula of every op, no buffer tricks, nothing compiled; ``DOMINO_KERNELS=plain`` runs it on every device). Each op
+asks :func:`kernels_for` with its input's device at its one call site and takes the branch it is told:
 
 ==========================  ===========================================  =============================================
 op                          CPU (``CPU_KERNELS``)                        CUDA (``CUDA_KERNELS``)
@@ -30,7 +31,11 @@ loss at TP=1                ``-log(softmax[target])``: no pass over the  ``logsu
                             needs its log-sum-exp fallback               no host read (a read drains the GPU queue)
 ==========================  ===========================================  =============================================
 
-Both sides of every row compute the same values (``tests/model/test_model_kernels.py`` forces the CUDA choices
+The sixth op, the output layer and its loss, is one fused autograd node on both devices
+(:func:`~domino.parallel.cross_entropy.vocab_parallel_linear_cross_entropy`: the logits' buffer becomes the
+softmax, then the gradient); the plain choice computes the logits with a linear, then the loss from them.
+
+Every choice computes the same values (``tests/model/test_model_kernels.py`` forces the CUDA and the plain choices
 on CPU tensors and compares outputs and gradients). Devices other than ``cuda`` take the CPU choices.
 """
 
@@ -39,10 +44,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
+
+from domino.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -60,12 +68,32 @@ class Kernels:
     loss_from_softmax: bool
     """At TP=1 the loss is ``-log(softmax[target])`` with a host-checked fallback for tiny probabilities (else the
     log-sum-exp of the logits, which needs no host read)."""
+    fused_output_loss: bool = True
+    """The output layer and the loss as one node sharing the logits' buffer (else a linear, then the loss)."""
 
 
 CPU_KERNELS = Kernels(split_qkv=True, keep_logits_buffer=True, fused_gelu_fc2=True, compile_backend=None,
                       loss_from_softmax=True)
 CUDA_KERNELS = Kernels(split_qkv=False, keep_logits_buffer=False, fused_gelu_fc2=False, compile_backend="inductor",
                        loss_from_softmax=False)
+#: The textbook form of every op: read it first; ``DOMINO_KERNELS=plain`` runs it everywhere.
+PLAIN_KERNELS = Kernels(split_qkv=False, keep_logits_buffer=False, fused_gelu_fc2=False, compile_backend=None,
+                        loss_from_softmax=False, fused_output_loss=False)
+
+ENV_VAR = "DOMINO_KERNELS"
+
+
+def _from_environment(environ=os.environ) -> Optional[Kernels]:
+    """``DOMINO_KERNELS``: ``plain`` (every device), or unset / ``auto`` (chosen by device type)."""
+    value = environ.get(ENV_VAR, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value == "plain":
+        return PLAIN_KERNELS
+    raise ConfigError(f"{ENV_VAR}={value!r}: expected plain or auto")
+
+
+_CHOSEN = _from_environment()  # read once, when the process imports the model code
 
 _forced: contextvars.ContextVar[Optional[Kernels]] = contextvars.ContextVar("domino_forced_kernels", default=None)
 
@@ -75,6 +103,8 @@ def kernels_for(device: torch.device) -> Kernels:
     forced = _forced.get()
     if forced is not None:
         return forced
+    if _CHOSEN is not None:
+        return _CHOSEN
     return CUDA_KERNELS if device.type == "cuda" else CPU_KERNELS
 
 
