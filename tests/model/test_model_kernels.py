@@ -121,31 +121,19 @@ LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=Tru
              num_query_groups=2)
 
 
+@pytest.mark.parametrize("choice", [CUDA_ON_CPU, PLAIN_KERNELS], ids=["cuda", "plain"])
 @pytest.mark.parametrize("architecture", [{}, LLAMA], ids=["gpt", "llama"])
 @pytest.mark.parametrize("chunks", [1, 2])
-def test_whole_model_cuda_choices_equal_cpu_choices(chunks, architecture):
-    """All four ops at once, through the synchronous and the Domino layer paths, with a reset-attention mask."""
+def test_whole_model_choices_equal_cpu_choices(chunks, architecture, choice):
+    """Every op at once, through the synchronous and the Domino stacks, with a reset-attention mask: the CUDA
+    choices, and the plain one (one QKV GEMM, F.gelu then fc2, eager bias-dropout-add, logits then the loss)."""
     torch.manual_seed(7)
     model = build_model(tiny_config(**architecture), VOCAB, chunks)
     batch = random_batch(seed=3)
     expected = _step(model, batch, masked=True)
-    with forced_kernels(CUDA_ON_CPU):
+    with forced_kernels(choice):
         got = _step(model, batch, masked=True)
     _compare(got, expected, f"chunks={chunks}")
-
-
-@pytest.mark.parametrize("architecture", [{}, LLAMA], ids=["gpt", "llama"])
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_whole_model_plain_choices_equal_cpu_choices(chunks, architecture):
-    """The readable path (one QKV GEMM, F.gelu then fc2, eager bias-dropout-add, logits then the loss) computes
-    what the CPU's fast path computes, through the synchronous and the Domino stacks."""
-    torch.manual_seed(7)
-    model = build_model(tiny_config(**architecture), VOCAB, chunks)
-    batch = random_batch(seed=3)
-    expected = _step(model, batch, masked=True)
-    with forced_kernels(PLAIN_KERNELS):
-        got = _step(model, batch, masked=True)
-    _compare(got, expected, f"plain, chunks={chunks}")
 
 
 def _tp2_body(rank, world_size, full_sd, batch):
