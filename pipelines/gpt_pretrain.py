@@ -26,11 +26,13 @@ from typing import Any, Dict, List, Optional
 from kfp import compiler, dsl, kubernetes
 
 from components import declare, default_image
+from domino import images
 from components.cleanup import component as cleanup_component
 from components.evaluate import component as evaluate_component
 from components.pretrain import component as pretrain_component
 from components.promote import component as promote_component
 from components.tokenizer import component as tokenizer_component
+from domino.tracking import CREDENTIAL_KEYS, CREDENTIAL_SECRET
 from pipelines.preprocess_stage import PreprocessStage
 
 PIPELINE_NAME = "gpt-pretrain"
@@ -44,7 +46,8 @@ COMPILED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt_pr
 WIRED = {"train_tokenizer": {"run_id"}, "plan_preprocess": {"tokenizer"}, "preprocess": {"group"},
          "merge_datasets": {"parts"}, "pretrain": {"run_id", "tokenizer"}, "evaluate": {"run_id"},
          "promote_model": {"run_id"}, "cleanup_job": {"run_id"}}
-#: Pipeline parameters whose default differs from the component's (``image``'s is the build's image).
+#: Pipeline parameters whose default differs from the component's (``image``'s is the build's image, or ''
+#: when the build uses the default images).
 PIPELINE_DEFAULTS = {"shared_root": MOUNT_PATH}
 
 
@@ -88,6 +91,9 @@ class StepPlacement:
         run_as_user: Non-root UID (and GID) of every step's container (the image works under any UID).
         pretrain_retries: kfp retries of the pretrain step (a retry adopts the run's job and resumes it).
         pretrain_timeout_s: The pretrain step pod's activeDeadlineSeconds (a bound on the whole training).
+        mlflow_credentials: Every step reads MLflow's credential variables from the Secret ``domino-mlflow``
+            (``secretAsEnv``, optional keys: needs a KFP backend whose driver knows that field,
+            kubeflow/pipelines#12495); the training pods read them from it whenever tracking is on.
     """
 
     node_selector: Dict[str, str] = field(default_factory=dict)
@@ -96,6 +102,7 @@ class StepPlacement:
     run_as_user: int = 1000
     pretrain_retries: int = 2
     pretrain_timeout_s: int = 7 * 24 * 3600
+    mlflow_credentials: bool = False
 
 
 def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacement] = None,
@@ -103,8 +110,9 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
     """Builds the pipeline with every component running in ``image``.
 
     Args:
-        image: Image of the steps and default image of the training job (default: ``$DOMINO_IMAGE`` or
-            ``components.DEFAULT_IMAGE``).
+        image: Image of every step and default image of the training job (default: the domino images,
+            :mod:`domino.images`: the CPU variant for the steps, the CUDA one for an evaluate step with
+            GPUs, and the training job's chosen at run time by its GPUs).
         placement: Node selector and tolerations for the step pods (default: none).
         preprocess_parallelism: Most preprocess tasks running at once (0: one per shard group); kfp
             compiles it into the ParallelFor, so it is a compile-time setting.
@@ -112,11 +120,13 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
     Returns:
         The kfp pipeline (a ``GraphComponent``): call it under ``kfp.local`` or compile it.
     """
-    image = image or default_image()
+    job_image = image or ""  # '': the pretrain step picks the variant for the job's GPUs
     placement = placement or StepPlacement()
+    eval_image = image or (images.image("cuda") if placement.eval_gpus > 0 else None)
+    image = image or default_image()
     preprocess_stage = PreprocessStage(image, preprocess_parallelism)
     pretrain_op = pretrain_component.build(image)
-    evaluate_op = evaluate_component.build(image)
+    evaluate_op = evaluate_component.build(eval_image or image)
     promote_op = promote_component.build(image)
     tokenizer_op = tokenizer_component.build(image)
     cleanup_op = cleanup_component.build(image)
@@ -131,6 +141,9 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
             kubernetes.add_node_selector(task, label_key=key, label_value=value)
         for toleration in placement.tolerations:
             kubernetes.add_toleration(task, **toleration)
+        if placement.mlflow_credentials:  # from a Secret, never a run parameter; a missing key is left unset
+            kubernetes.use_secret_as_env(task, CREDENTIAL_SECRET, {key: key for key in CREDENTIAL_KEYS},
+                                         optional=True)
         task.set_caching_options(False)
         return task
 
@@ -170,7 +183,7 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
 
     # kfp reads the pipeline's parameters from this signature and calls the function with them positionally
     # (a pipeline function is compiled here, never shipped to a container, so __signature__ is enough).
-    defaults = {**PIPELINE_DEFAULTS, "image": image}
+    defaults = {**PIPELINE_DEFAULTS, "image": job_image}
     gpt_pretrain.__signature__ = inspect.Signature([
         inspect.Parameter(q.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=q.kind,
                           default=defaults.get(q.name, inspect.Parameter.empty if q.required else q.default))

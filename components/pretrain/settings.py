@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from components.declare import config_field
-from components.run_settings import JobTargetSettings, RunSettings
+from components.run_settings import JobTargetSettings, RunSettings, TrackingSettings
 
 
 @dataclass(kw_only=True)
-class PretrainSettings(JobTargetSettings, RunSettings):
+class PretrainSettings(TrackingSettings, JobTargetSettings, RunSettings):
     """Everything the pretrain step needs besides the dataset (one field per component parameter)."""
 
     preset: str = "tiny"
@@ -52,7 +52,7 @@ class PretrainSettings(JobTargetSettings, RunSettings):
     warm_start: bool = False
     """Initialise from the promoted model's weights (fresh start when none)."""
     image: str = ""
-    """Image of the training job ('': the components' image)."""
+    """Image of the training job ('': the domino CUDA image with GPUs, else the CPU one)."""
     job_name: str = "gpt-pretrain"
     """Base name of the training job (the run id is appended)."""
     pvc_name: str = "domino-data"

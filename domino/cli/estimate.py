@@ -14,6 +14,7 @@ DEFAULT_PEAK_TFLOPS = 989.0
 
 def run(args: argparse.Namespace) -> int:
     from domino.config import ConfigError, config_from_args
+    from domino.config.deepspeed_memory import VALIDATION
     from domino.config.estimate import USABLE_FRACTION, describe, estimate_layout, fitting_layouts, layout_of
 
     if args.gpus < 1:
@@ -38,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
         f" -> {'fits' if asked.fits else 'does NOT fit'} in {args.gpu_memory_gb:g} GiB "
         f"({100 * USABLE_FRACTION:g}% usable)")
     print(f"asked:  {describe(asked)}{verdict}")
+    print(f"validated: {VALIDATION['validated']}; NOT validated: {VALIDATION['not_validated']}")
     if args.gpu_memory_gb is not None:
         print(f"layouts that fit in {args.gpu_memory_gb:g} GiB x {args.gpus} GPUs, best first "
               f"({len(fitting)} in all):" if fitting else "no layout fits")

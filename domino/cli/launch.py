@@ -1,4 +1,4 @@
-"""``domino launch render|submit``: run ``domino pretrain`` as a Kubeflow PyTorchJob or, with ``--api trainjob``,
+"""``domino launch render|submit|check``: run ``domino pretrain`` as a Kubeflow PyTorchJob or, with ``--api trainjob``,
 a Kubeflow Trainer v2 TrainJob, on a cluster or locally (``--backend local``).
 
 The logic lives in :mod:`domino.launch`; this module only maps flags to calls.
@@ -9,18 +9,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from domino.launch.api import BACKENDS, CLEANUP_MODES, DEFAULT_QUEUE_TIMEOUT_S
+from domino.atomic_files import atomic_write
+from domino.launch import naming
+from domino.launch.api import BACKENDS, CLEANUP_MODES, DEFAULT_QUEUE_TIMEOUT_S, run_job
 from domino.launch.flags import add_spec_flags, spec_from_args
-from domino.launch.job_api import DEFAULT_JOB_API, JOB_APIS
+from domino.launch.job_api import DEFAULT_JOB_API, JOB_APIS, job_api
+from domino.launch.pretrain_args import check_pretrain_args
+from domino.launch.render import to_yaml
 from domino.launch.spec import LaunchSpecError
 
 
 def _render(args: argparse.Namespace) -> int:
-    from domino.launch import naming
-    from domino.launch.job_api import job_api
-    from domino.launch.pretrain_args import check_pretrain_args
-    from domino.launch.render import to_yaml
-
     try:
         spec = spec_from_args(args)
         check_pretrain_args(spec)
@@ -29,8 +28,6 @@ def _render(args: argparse.Namespace) -> int:
         print(f"domino launch render: error: {error}", file=sys.stderr)
         return 2
     if args.output:
-        from domino.atomic_files import atomic_write
-
         with atomic_write(args.output, "w") as handle:
             handle.write(text)
     else:
@@ -39,8 +36,6 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from domino.launch.api import run_job
-
     try:
         spec = spec_from_args(args)
     except LaunchSpecError as error:
@@ -62,6 +57,33 @@ def _submit(args: argparse.Namespace) -> int:
     return 0 if result.succeeded else 1
 
 
+def _check(args: argparse.Namespace) -> int:
+    from domino.launch.check import ClusterCheck
+    from domino.launch.kube_backend import load_api_client
+
+    try:
+        spec = spec_from_args(args)
+        api = job_api(args.api)
+        api.check(spec)
+    except LaunchSpecError as error:
+        print(f"domino launch check: error: {error}", file=sys.stderr)
+        return 2
+    from urllib3.exceptions import HTTPError
+
+    try:
+        problems = ClusterCheck(api, load_api_client()).run(spec)
+    except HTTPError as error:
+        print(f"ApiUnreachable: the Kubernetes API did not answer: {error}", file=sys.stderr)
+        return 1
+    for line in problems:
+        print(line, flush=True)
+    if not problems:
+        print(f"ok: namespace {spec.namespace} has what a {api.kind} of this spec needs "
+              f"(CRD, {'runtime, ' if api.name == 'trainjob' else ''}claim {spec.pvc}"
+              f"{', queue ' + spec.queue if spec.queue else ''}, RBAC)")
+    return 1 if problems else 0
+
+
 def _add_api_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api", choices=sorted(JOB_APIS), default=DEFAULT_JOB_API,
                         help="pytorchjob (Kubeflow training operator v1, default) or trainjob (Kubeflow Trainer v2.3; "
@@ -69,20 +91,20 @@ def _add_api_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> None:
-    """Adds ``domino launch render`` and ``domino launch submit``."""
+    """Adds ``domino launch render``, ``submit`` and ``check``."""
     launch = subparsers.add_parser("launch", help="Run domino pretrain as a PyTorchJob or TrainJob (or locally).",
                                    description=__doc__)
-    verbs = launch.add_subparsers(dest="launch_command", metavar="{render,submit}", required=True)
+    verbs = launch.add_subparsers(dest="launch_command", metavar="{render,submit,check}", required=True)
 
     render = verbs.add_parser("render", help="Print the job's YAML (a PyTorchJob or a TrainJob).",
-                              usage="domino launch render --name NAME --image IMAGE [flags] -- [pretrain flags]")
+                              usage="domino launch render --name NAME [--image IMAGE] [flags] -- [pretrain flags]")
     add_spec_flags(render)
     _add_api_flag(render)
     render.add_argument("--output", "-o", default=None, help="Write the YAML to this file instead of stdout.")
     render.set_defaults(func=_render)
 
     submit = verbs.add_parser("submit", help="Create the job, stream the master's log, wait for the end.",
-                              usage="domino launch submit --name NAME --image IMAGE [flags] -- [pretrain flags]")
+                              usage="domino launch submit --name NAME [--image IMAGE] [flags] -- [pretrain flags]")
     add_spec_flags(submit)
     _add_api_flag(submit)
     run = submit.add_argument_group("run")
@@ -101,3 +123,10 @@ def register(subparsers) -> None:
     run.add_argument("--workdir", default=None, help="local backend: directory standing in for the PVC.")
     run.add_argument("--tail-lines", type=int, default=20, help="Log lines shown with a failure (default 20).")
     submit.set_defaults(func=_submit)
+
+    check = verbs.add_parser("check", help="Ask the cluster whether the job's CRD, runtime, claim, queue and RBAC "
+                             "are there; print what is missing, one line each.",
+                             usage="domino launch check --name NAME [flags as for submit]")
+    add_spec_flags(check)
+    _add_api_flag(check)
+    check.set_defaults(func=_check)

@@ -41,12 +41,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = verbs.add_parser("compile", help="Write the compiled pipeline YAML.")
     p.add_argument("--output", help="Output file (default: pipelines/gpt_pretrain.yaml).")
-    p.add_argument("--image", help="Image of every step (default: $DOMINO_IMAGE or the release image).")
+    p.add_argument("--image", help="Image of every step and of the training job (default: the domino images of this version in "
+                        "$DOMINO_IMAGE_REPOSITORY, see domino/images.py).")
     p.add_argument("--step-node-selector", action="append", metavar="KEY=VALUE",
                    help="Node selector of the step pods (repeatable).")
     p.add_argument("--step-toleration", action="append", metavar="KEY[=VALUE][:EFFECT]",
                    help="Toleration of the step pods (repeatable).")
     p.add_argument("--eval-gpus", type=int, default=0, help="GPUs for the evaluate step (default: 0, CPU).")
+    p.add_argument("--mlflow-credentials", action="store_true",
+                   help="Steps read MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN from the Secret domino-mlflow.")
     p.add_argument("--preprocess-parallelism", type=int, default=0, metavar="N",
                    help="most preprocess tasks of the shard-group ParallelFor running at once (default: 0, one "
                         "per group)")

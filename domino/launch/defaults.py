@@ -11,6 +11,12 @@ Each rule and where it comes from:
   (kubeflow/trainer release-1.9, ``pkg/core/job.go`` ``PastBackoffLimit``), and one lost pod makes
   every other rank fail too, so one fault costs ``nodes`` restarts: the default allows
   :data:`FAULTS_TOLERATED` faults.
+* **GPU toleration** (:data:`GPU_TOLERATION`): GPU node pools are commonly tainted
+  ``nvidia.com/gpu:NoSchedule`` so that other pods stay off them; the NVIDIA device plugin tolerates
+  exactly that (NVIDIA/k8s-device-plugin ``deployments/static/nvidia-device-plugin.yml``: key
+  ``nvidia.com/gpu``, operator Exists, effect NoSchedule), and so do GPU pods here unless
+  ``gpu_toleration`` is off or the spec tolerates that key itself. Where no node carries the taint it
+  changes nothing.
 * **Environment on GPU pods** (:data:`GPU_ENV`, each overridable by ``--env``):
   ``CUDA_DEVICE_MAX_CONNECTIONS=1`` makes kernels launch in issue order, which tensor-parallel
   communication/compute overlap relies on (Megatron-LM refuses sequence parallelism and async TP
@@ -22,9 +28,9 @@ Each rule and where it comes from:
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
-from domino.launch.spec import JobSpec
+from domino.launch.spec import JobSpec, Toleration
 
 #: (CPU, memory) requested per training process on GPU pods.
 GPU_PROCESS_REQUESTS: Tuple[int, int] = (4, 16)
@@ -32,6 +38,14 @@ GPU_PROCESS_REQUESTS: Tuple[int, int] = (4, 16)
 CPU_PROCESS_REQUESTS: Tuple[int, int] = (1, 2)
 #: Faults (each restarting every pod once) the default backoffLimit tolerates.
 FAULTS_TOLERATED = 3
+#: The same restart budget for a TrainJob, as its runtime's JobSet ``failurePolicy.maxRestarts``: the
+#: operator fails a PyTorchJob when the summed restarts *reach* backoffLimit (``>=``), i.e. at the
+#: FAULTS_TOLERATED-th fault after FAULTS_TOLERATED - 1 recoveries; JobSet v0.12.0 recreates the whole set
+#: on a failed Job until ``status.restarts`` reaches maxRestarts (``failure_policy.go``
+#: ``restartJobSetActionApplier``), i.e. it fails at fault maxRestarts + 1. Both end at the same fault.
+JOBSET_MAX_RESTARTS = FAULTS_TOLERATED - 1
+#: The toleration GPU pods get by default.
+GPU_TOLERATION = Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
 #: Environment of GPU training pods unless ``--env`` sets the variable.
 GPU_ENV: Dict[str, str] = {
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",
@@ -62,3 +76,19 @@ def backoff_limit(spec: JobSpec) -> int:
 def environment(spec: JobSpec) -> Dict[str, str]:
     """The training container's extra environment: :data:`GPU_ENV` on GPU pods, overridden by the spec's."""
     return {**(GPU_ENV if spec.gpus_per_node > 0 else {}), **spec.env}
+
+
+def secret_environment(spec: JobSpec) -> List[Dict[str, Any]]:
+    """The container's ``env`` entries read from Secrets (``valueFrom.secretKeyRef``, optional: a pod whose
+    Secret or key is missing starts without the variable; Kubernetes ``SecretKeySelector``)."""
+    return [{"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": name, "optional": True}}}
+            for name, secret in sorted(spec.secret_env.items())]
+
+
+def tolerations(spec: JobSpec) -> List[Toleration]:
+    """The pod's tolerations: the spec's, plus :data:`GPU_TOLERATION` on GPU pods unless turned off or
+    the spec already tolerates ``nvidia.com/gpu``."""
+    out = list(spec.tolerations)
+    if spec.gpus_per_node > 0 and spec.gpu_toleration and not any(t.key == GPU_TOLERATION.key for t in out):
+        out.append(GPU_TOLERATION)
+    return out

@@ -75,12 +75,14 @@ def resources(spec: JobSpec) -> Dict[str, Dict[str, str]]:
 
 
 def pod_placement(spec: JobSpec) -> Dict[str, Any]:
-    """The pod fields the spec sets only when asked: node selector, tolerations, pull secrets, service account."""
+    """The pod fields set only when asked (or, for the GPU toleration, by default on GPU pods): node selector,
+    tolerations, pull secrets, service account."""
     out: Dict[str, Any] = {}
     if spec.node_selector:
         out["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        out["tolerations"] = [t.to_dict() for t in spec.tolerations]
+    tolerations = defaults.tolerations(spec)
+    if tolerations:
+        out["tolerations"] = [t.to_dict() for t in tolerations]
     if spec.image_pull_secrets:
         out["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
     if spec.service_account:
@@ -92,6 +94,7 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
     """The pod template shared by Master and Workers (PSS restricted, shared volume, /dev/shm)."""
     env = [{"name": "DOMINO_JOB_NAME", "value": name}]
     env += [{"name": k, "value": str(v)} for k, v in defaults.environment(spec).items()]
+    env += defaults.secret_environment(spec)
     container: Dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image,

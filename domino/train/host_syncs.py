@@ -20,7 +20,7 @@ those too.
 
 Run a probed ``domino pretrain`` (alone or under torchrun; each rank writes ``OUT.rank<R>.json``)::
 
-    python -m domino.train.host_syncs OUT pretrain --preset tiny --mock-data ...
+    python -m domino.cli.host_syncs OUT pretrain --preset tiny --mock-data ...
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ import importlib
 import json
 import os
 import sys
+import traceback
 import types
+import warnings
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -207,26 +209,62 @@ def explicit_synchronizes(record: Callable[[], None], guard=None) -> Iterator[No
             setattr(owner, attribute, original)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m domino.train.host_syncs OUT <domino CLI args>``: runs the CLI under the probe."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 2:
-        print("usage: python -m domino.train.host_syncs OUT <domino arguments, e.g. pretrain --preset tiny>",
-              file=sys.stderr)
-        return 2
-    out, args = argv[0], argv[1:]
-    from domino.cli.main import main as domino_main
+def _caller() -> str:
+    """``file:line`` of the innermost frame outside torch and this file."""
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(_TORCH_DIR) and os.path.abspath(frame.filename) != _THIS_FILE:
+            return f"{os.path.relpath(frame.filename)}:{frame.lineno}"
+    return "?"
 
+
+def syncs_per_step(step: Callable[[], object], steps: int) -> Dict[str, object]:
+    """Runs ``step()`` ``steps`` times and counts the device syncs it makes, with their sites.
+
+    On CUDA: the warnings of ``torch.cuda.set_sync_debug_mode("warn")`` (syncs inside ops, value reads
+    included) plus the explicit synchronize calls that mode does not see (:func:`explicit_synchronizes`).
+    Elsewhere: the host reads and synchronize calls of :class:`HostSyncProbe`.
+
+    Returns:
+        ``{"per_iteration": float, "where": {site: per iteration}, "method": str}``.
+    """
+    where: collections.Counter = collections.Counter()
+    if not torch.cuda.is_available():
+        with HostSyncProbe() as probe:
+            for _ in range(steps):
+                step()
+        for event in probe.to_json():
+            where[f"{event['where']} ({event['method']})"] += event["count"]
+        method = "host-read probe (CPU)"
+    else:
+        explicit: collections.Counter = collections.Counter()
+        with warnings.catch_warnings(record=True) as caught, explicit_synchronizes(
+                lambda: explicit.update([_caller()])):
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for w in caught:
+            if "synchroniz" in str(w.message).lower():
+                where[f"{os.path.relpath(w.filename)}:{w.lineno}"] += 1
+        for site, n in explicit.items():
+            where[f"{site} (synchronize)"] += n
+        method = "torch.cuda.set_sync_debug_mode('warn') + explicit synchronize calls"
+    return {"per_iteration": sum(where.values()) / steps,
+            "where": {k: v / steps for k, v in where.most_common(12)}, "method": method}
+
+
+def run_probed(out: str, entry: Callable[[List[str]], object], args: List[str]) -> int:
+    """Runs ``entry(args)`` (the ``domino`` CLI's ``main``, see ``domino/cli/host_syncs.py``) under the probe
+    and writes this rank's counts to ``OUT.rank<R>.json``; returns the entry's exit status."""
     code = 0
     with HostSyncProbe() as probe:
         try:
-            domino_main(args)
+            entry(args)
         except SystemExit as done:  # the CLI always exits with its verb's status
             code = done.code
     with open(f"{out}.rank{os.environ.get('RANK', '0')}.json", "w") as f:
         json.dump(probe.to_json(), f, indent=1)
     return code or 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,7 +21,7 @@ def _compile(tmp_path, **kwargs):
 
 
 def test_committed_yaml_matches_a_fresh_compile(tmp_path, monkeypatch):
-    monkeypatch.delenv("DOMINO_IMAGE", raising=False)
+    monkeypatch.delenv("DOMINO_IMAGE_REPOSITORY", raising=False)
     text, _, _ = _compile(tmp_path)
     with open(COMPILED_PATH, encoding="utf-8") as handle:
         committed = handle.read()
@@ -38,7 +38,7 @@ def test_compilation_is_deterministic_across_processes(tmp_path):
     for seed in ("1", "2"):
         out = tmp_path / f"p{seed}.yaml"
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        env.pop("DOMINO_IMAGE", None)
+        env.pop("DOMINO_IMAGE_REPOSITORY", None)
         subprocess.run([sys.executable, "-c", f"import pipelines; pipelines.compile_pipeline({str(out)!r})"],
                        check=True, env=env)
         outputs.append(out.read_text())
@@ -58,14 +58,15 @@ def test_every_step_runs_the_image_without_installing_anything(tmp_path):
 
 
 def test_image_defaults_to_env_then_release(monkeypatch, tmp_path):
-    monkeypatch.delenv("DOMINO_IMAGE", raising=False)
+    monkeypatch.delenv("DOMINO_IMAGE_REPOSITORY", raising=False)
     _, spec, _ = _compile(tmp_path)
     assert {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()} == {DEFAULT_IMAGE}
-    monkeypatch.setenv("DOMINO_IMAGE", "other/domino:dev")
+    monkeypatch.setenv("DOMINO_IMAGE_REPOSITORY", "other/domino")
     _, spec, _ = _compile(tmp_path)
-    assert {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()} == {"other/domino:dev"}
+    assert {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()} == {
+        "other/domino:" + DEFAULT_IMAGE.split(":", 1)[1]}
     params = spec["root"]["inputDefinitions"]["parameters"]
-    assert params["image"]["defaultValue"] == "other/domino:dev"
+    assert params["image"]["defaultValue"] == ""  # the pretrain step picks the job's variant from its GPUs
 
 
 def test_structure_exit_handler_gate_and_no_caching(tmp_path):

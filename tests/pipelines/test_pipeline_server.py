@@ -26,7 +26,7 @@ def _run_cli(argv):
 def kfp_server(httpserver, monkeypatch, tmp_path):
     """A fake KFP API: healthz, experiments (none exist yet), runs, recurring runs."""
     monkeypatch.setenv("HOME", str(tmp_path))  # kfp.Client reads ~/.config/kfp/context.json
-    monkeypatch.delenv("DOMINO_IMAGE", raising=False)
+    monkeypatch.delenv("DOMINO_IMAGE_REPOSITORY", raising=False)
     httpserver.expect_request(f"{API}/healthz", method="GET").respond_with_json({"multi_user": False})
     httpserver.expect_request(f"{API}/experiments", method="GET").respond_with_json({"experiments": []})
     httpserver.expect_request(f"{API}/experiments", method="POST").respond_with_json(
