@@ -46,8 +46,8 @@ class Mutation:
 
 MUTATIONS: List[Mutation] = [
     Mutation("atomic-write-in-place", "domino/atomic_files.py",
-             "    temporary = temporary_name(path)\n    try:\n        with open(temporary, mode)",
-             "    temporary = path\n    try:\n        with open(temporary, mode)",
+             "        temporary = temporary_name(path)\n        handle = open(temporary, mode.replace(\"w\", \"x\", 1))",
+             "        temporary = path\n        handle = open(temporary, mode)",
              ["tests/test_atomic_files.py"]),
     Mutation("checkpoint-latest-before-rename", "domino/checkpoint/checkpointing.py",
              "    os.replace(tmp, final)\n    fsync_directory(root)\n"
@@ -105,7 +105,7 @@ MUTATIONS: List[Mutation] = [
     Mutation("manifest-checks-sizes-only", "domino/checkpoint/manifest.py",
              "        if actual != expected:", "        if actual[\"size\"] != expected[\"size\"]:",
              ["tests/train/test_checkpoint_integrity.py::test_manifest_records_and_detects"]),
-    Mutation("launcher-deletes-failed-jobs", "domino/launch/api.py",
+    Mutation("launcher-deletes-failed-jobs", "domino/launch/outcome.py",
              "        return succeeded or stopped", "        return True",
              ["tests/launch/test_launch_kube.py"]),
     Mutation("step-reads-loss-on-host", "domino/train/pretrain.py",
@@ -118,6 +118,7 @@ MUTATIONS: List[Mutation] = [
 def copy_repository(destination: Path) -> None:
     """Copies what the tests need (no .git, virtual environment or caches) to ``destination``."""
     ignore = shutil.ignore_patterns("__pycache__", ".pytest_cache", "*.egg-info", "build")
+    destination.mkdir(parents=True, exist_ok=True)
     for name in COPIED:
         source = REPO / name
         if source.is_dir():
@@ -140,8 +141,11 @@ def run_one(mutation: Mutation, timeout: float) -> dict:
     """Applies ``mutation`` in a fresh copy, runs its tests; returns a row of the table."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutation.name}-") as tmp:
-        copy = Path(tmp)
+        copy = Path(tmp) / REPO.name
         copy_repository(copy)
+        shared = REPO.parent / "shared"  # the upstream manifests and schemas some tests read beside the checkout
+        if shared.is_dir():
+            (copy.parent / "shared").symlink_to(shared)
         target = copy / mutation.path
         stale = stale_reason(mutation, copy)
         if stale:
