@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from domino.data.builtin_corpora import list_builtin_corpora
 from domino.data.limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
 
 
@@ -24,8 +25,6 @@ def _add_input_flags(parser: argparse.ArgumentParser, input_flag: str) -> None:
 
 
 def _list_corpora() -> int:
-    from domino.data.builtin_corpora import list_builtin_corpora
-
     for name, description in list_builtin_corpora().items():
         print(f"{name:20s} {description}")
     return 0

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from domino.cli.checkpoint_flags import add_checkpoint_flags
+from domino.tracking import evaluation_scalars, tracker_of_checkpoint
 
 #: Tokens evaluated unless --eval-tokens/--eval-iters/--max-samples say otherwise: enough for a perplexity
 #: good to about 1 % on a small model, and seconds of work on a CPU (docs/evaluation.md).
@@ -35,8 +36,6 @@ def _held_out_split(load: str) -> str:
 def _log_to_training_run(load: str, result) -> None:
     """With ``MLFLOW_TRACKING_URI`` set, the result goes to the MLflow run that trained the checkpoint, at its
     iteration (bounded wait; a failure is said, never raised)."""
-    from domino.tracking import evaluation_scalars, tracker_of_checkpoint
-
     tracker = tracker_of_checkpoint(load, "evaluation")
     if tracker is not None:
         numbers = {key: result[key] for key in ("loss", "ppl", "accuracy")}

@@ -61,6 +61,9 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
                        help="Pod node selector entry (repeatable).")
     sched.add_argument("--toleration", action="append", default=[], metavar="KEY[=VALUE][:EFFECT]",
                        help="Pod toleration (repeatable); without =VALUE the operator is Exists.")
+    res.add_argument("--rdma-resource", action="append", default=[], metavar="RESOURCE=COUNT",
+                     help="Fast network: an RDMA device plugin's resource per pod (e.g. rdma/rdma_shared_device_a=1; "
+                          "repeatable); adds IPC_LOCK, so the namespace must allow it (k8s/overlays/gpu-fast-network).")
     sched.add_argument("--no-gpu-toleration", dest="gpu_toleration", action="store_false",
                        help="Do not add the default nvidia.com/gpu:NoSchedule toleration to GPU pods.")
     sched.add_argument("--priority-class", default=None, help="PriorityClass of the training pods.")
@@ -112,7 +115,7 @@ def spec_from_args(args: argparse.Namespace, pretrain_args: Optional[List[str]] 
         memory_limit=args.memory_limit, shm_size=args.shm_size or None, pvc=args.pvc, mount_path=args.mount_path,
         checkpoint_dir=args.checkpoint_dir,
         node_selector=parse_key_values(args.node_selector, "--node-selector"), tolerations=tolerations,
-        gpu_toleration=args.gpu_toleration,
+        gpu_toleration=args.gpu_toleration, rdma_resources=parse_key_values(args.rdma_resource, "--rdma-resource"),
         priority_class=args.priority_class, image_pull_secrets=list(args.image_pull_secret),
         image_pull_policy=args.image_pull_policy, service_account=args.service_account,
         env=parse_key_values(args.env, "--env"), labels=parse_key_values(args.label, "--label"),

@@ -68,6 +68,8 @@ def resources(spec: JobSpec) -> Dict[str, Dict[str, str]]:
     if spec.gpus_per_node:
         # Extended resources must have request == limit.
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(spec.gpus_per_node)
+    for name, count in sorted(spec.rdma_resources.items()):
+        requests[name] = limits[name] = str(count)
     out = {"requests": requests}
     if limits:
         out["limits"] = limits
@@ -90,6 +92,22 @@ def pod_placement(spec: JobSpec) -> Dict[str, Any]:
     return out
 
 
+def container_security(spec: JobSpec) -> Dict[str, Any]:
+    """The training container's securityContext: restricted, or with ``IPC_LOCK`` on the fast network
+    (RDMA registers pinned memory, which needs it; all else still dropped)."""
+    capabilities: Dict[str, Any] = {"drop": ["ALL"]}
+    if spec.rdma_resources:
+        capabilities["add"] = ["IPC_LOCK"]
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": capabilities,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": spec.run_as_user,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, Any]:
     """The pod template shared by Master and Workers (PSS restricted, shared volume, /dev/shm)."""
     env = [{"name": "DOMINO_JOB_NAME", "value": name}]
@@ -109,14 +127,7 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "home", "mountPath": HOME_DIR},
         ],
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "runAsUser": spec.run_as_user,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": container_security(spec),
     }
     shm: Dict[str, Any] = {"medium": "Memory"}
     if spec.shm_size:

@@ -166,6 +166,10 @@ class JobSpec:
     scheduling_policy: bool = False
     """Fill ``runPolicy.schedulingPolicy`` (minAvailable = all pods, queue, priorityClass) for gang
     scheduling by volcano or scheduler-plugins (the operator's ``--gang-scheduler-name``)."""
+    rdma_resources: Dict[str, str] = field(default_factory=dict)
+    """The fast network (docs/cluster.md, "Fast network"): extended resources of an RDMA device plugin per
+    pod (e.g. ``rdma/rdma_shared_device_a: "1"``); the container also gets the ``IPC_LOCK`` capability RDMA
+    memory registration needs, which Pod Security "restricted" and "baseline" both refuse."""
     gpu_memory_gb: Optional[float] = None
     """Memory of one GPU in GiB: refuse, before creating anything, a layout whose memory estimate
     (``domino estimate``) does not fit; None: no check."""
@@ -239,6 +243,11 @@ class JobSpec:
                 check(_valid_label_key(key), flag, f"{key!r} is not a valid label key")
                 check(len(value) <= 63 and bool(_LABEL_VALUE.match(value)), flag,
                       f"{value!r} (for {key!r}) is not a valid label value")
+        for key, value in self.rdma_resources.items():
+            check("/" in key and _valid_label_key(key), "--rdma-resource",
+                  f"{key!r} is not an extended resource name (domain/name, e.g. rdma/rdma_shared_device_a)")
+            check(str(value).isdigit() and int(value) > 0, "--rdma-resource", f"{key}={value!r}: the count must "
+                  "be a positive integer")
         for key in self.annotations:
             check(_valid_label_key(key), "--annotation", f"{key!r} is not a valid annotation key")
         for tol in self.tolerations:

@@ -55,7 +55,8 @@ from typing import Any, Dict, List, Optional
 
 from domino.launch import defaults, naming
 from domino.launch.job_api_base import JobApi, JobState, highest_phase
-from domino.launch.render import ISTIO_INJECT, container_command, job_metadata, pod_placement, resources
+from domino.launch.render import (ISTIO_INJECT, container_command, container_security, job_metadata, pod_placement,
+                                   resources)
 from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, LaunchSpecError
 
 API_VERSION = "trainer.kubeflow.org/v1alpha1"
@@ -122,8 +123,13 @@ def _volume_patch(spec: JobSpec) -> Dict[str, Any]:
             {"sizeLimit": spec.shm_size} if spec.shm_size else {})}})
     if volumes:
         out["volumes"] = volumes
+    container: Dict[str, Any] = {}
     if spec.mount_path != RUNTIME_MOUNT_PATH:  # mounts merge by mountPath: the runtime's stays, this one is added
-        out["containers"] = [{"name": NODE, "volumeMounts": [{"name": "domino-data", "mountPath": spec.mount_path}]}]
+        container["volumeMounts"] = [{"name": "domino-data", "mountPath": spec.mount_path}]
+    if spec.rdma_resources:  # the fast network: the runtime's securityContext with IPC_LOCK added
+        container["securityContext"] = container_security(spec)
+    if container:
+        out["containers"] = [{"name": NODE, **container}]
     return out
 
 

@@ -29,11 +29,15 @@ loss at TP=1                ``-log(softmax[target])``: no pass over the  ``logsu
 (``cross_entropy``)         logits besides the softmax; one host read    and the target logit read before the
                             per micro-batch decides whether any row      softmax (the TP>1 formula): one more pass,
                             needs its log-sum-exp fallback               no host read (a read drains the GPU queue)
+output layer + loss         all tokens' logits in one kept buffer (the   row chunks of ~1 GiB of fp32 logits,
+(``chunked_cross_entropy``) buffer becomes softmax, then gradient)       recomputed in backward: the ``[tokens, V]``
+                                                                         logits never exist whole (9 GiB at 1.3B,
+                                                                         micro-batch 16)
 ==========================  ===========================================  =============================================
 
-The sixth op, the output layer and its loss, is one fused autograd node on both devices
-(:func:`~domino.parallel.cross_entropy.vocab_parallel_linear_cross_entropy`: the logits' buffer becomes the
-softmax, then the gradient); the plain choice computes the logits with a linear, then the loss from them.
+The plain choice takes the textbook form of every op: one QKV GEMM over the stored weight, ``F.gelu`` then fc2,
+bias + dropout + residual eagerly, the loss as ``logsumexp - target logit``, and the logits computed by a linear
+before a separate vocab-parallel cross-entropy (no fused output layer + loss, no kept or chunked buffer).
 
 Every choice computes the same values (``tests/model/test_model_kernels.py`` forces the CUDA and the plain choices
 on CPU tensors and compares outputs and gradients). Devices other than ``cuda`` take the CPU choices.
@@ -70,6 +74,9 @@ class Kernels:
     loss_from_softmax: bool
     """At TP=1 the loss is ``-log(softmax[target])`` with a host-checked fallback for tiny probabilities (else the
     log-sum-exp of the logits, which needs no host read)."""
+    loss_chunk_bytes: Optional[int] = None
+    """The fused output layer + loss computes its fp32 logits in row chunks of about this many bytes, recomputing
+    them in backward (:mod:`domino.parallel.chunked_cross_entropy`); None keeps all of them in one buffer."""
     fused_output_loss: bool = True
     """The output layer and the loss as one node sharing the logits' buffer (else a linear, then the loss)."""
 
@@ -77,7 +84,7 @@ class Kernels:
 CPU_KERNELS = Kernels(split_qkv=True, keep_logits_buffer=True, fused_gelu_fc2=True, compile_backend=None,
                       loss_from_softmax=True)
 CUDA_KERNELS = Kernels(split_qkv=False, keep_logits_buffer=False, fused_gelu_fc2=False, compile_backend="inductor",
-                       loss_from_softmax=False)
+                       loss_from_softmax=False, loss_chunk_bytes=2**30)
 #: CUDA on a machine without a C compiler (:func:`c_compiler`): the same, but the fusions run eagerly.
 CUDA_KERNELS_WITHOUT_COMPILER = dataclasses.replace(CUDA_KERNELS, compile_backend=None)
 #: The textbook form of every op: read it first; ``DOMINO_KERNELS=plain`` runs it everywhere.

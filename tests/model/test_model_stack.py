@@ -48,32 +48,37 @@ def test_model_files_import_no_overlap_code():
 
 _BUILD = """
 import json, sys
-from domino.config import DominoConfig
-from domino.train.gpt_recipe import GPTRecipe
+import torch
+from domino.config import ModelConfig
+from domino.model import GPTModel
 
-config = DominoConfig()
-config.model.num_layers, config.model.hidden_size, config.model.num_attention_heads = 2, 32, 4
-config.model.vocab_size, config.data.mock_data = 64, True
-config.parallel.domino_chunks, config.parallel.sequence_parallel = int(sys.argv[1]), sys.argv[2] == "sp"
-model = GPTRecipe(config).model_builder(config)
-print(json.dumps({"stack": type(model.stack).__name__,
-                  "loaded": sorted(m for m in sys.modules if m.startswith("domino.overlap"))}))
+model = GPTModel(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8), 64)
+model(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).sum().backward()
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("domino.overlap"))))
 """
 
 
-@pytest.mark.parametrize("chunks, sp, stack, loaded", [
-    (1, "", "SynchronousStack", []),
-    (1, "sp", "SynchronousStack", ["domino.overlap", "domino.overlap.sequence_collectives",
-                                   "domino.overlap.sequence_parallel", "domino.overlap.slots", "domino.overlap.steps"]),
-    (2, "", "DominoStack", ["domino.overlap", "domino.overlap.schedule", "domino.overlap.sequence_collectives",
-                            "domino.overlap.slots", "domino.overlap.steps"]),
-])
-def test_the_training_model_loads_only_the_overlap_code_it_runs(chunks, sp, stack, loaded):
-    """``domino pretrain``'s model builder: one chunk loads no Domino code (sequence parallelism at TP=1 is a no-op
-    whose module is loaded, but not the Domino schedule)."""
-    out = subprocess.run([sys.executable, "-c", _BUILD, str(chunks), sp], capture_output=True, text=True, check=True,
-                         cwd=REPO)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"stack": stack, "loaded": loaded}
+def test_the_model_trains_without_loading_any_overlap_code():
+    """One chunk, no sequence parallelism: the model as built runs (and loads) nothing of ``domino.overlap``."""
+    out = subprocess.run([sys.executable, "-c", _BUILD], capture_output=True, text=True, check=True, cwd=REPO)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.parametrize("chunks, sp, stack", [(1, False, "SynchronousStack"), (2, False, "DominoStack"),
+                                               (1, True, "SynchronousStack")])
+def test_the_training_recipe_applies_what_the_config_asks_for(chunks, sp, stack):
+    """``domino pretrain``'s model builder (at TP=1 sequence parallelism is a no-op)."""
+    from domino.config import DominoConfig
+    from domino.train.gpt_recipe import GPTRecipe
+
+    config = DominoConfig()
+    config.model.num_layers, config.model.hidden_size, config.model.num_attention_heads = 2, 32, 4
+    config.model.vocab_size, config.data.mock_data = 64, True
+    config.parallel.domino_chunks, config.parallel.sequence_parallel = chunks, sp
+    config.train.recompute_granularity, config.train.recompute_method = "full", "uniform"
+    model = GPTRecipe(config).model_builder(config)
+    assert type(model.stack).__name__ == stack
+    assert model.stack.units == [(0, 1, True), (1, 2, True)]  # recompute reached the stack that runs
 
 
 def _outputs(model, tokens):
