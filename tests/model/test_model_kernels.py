@@ -36,13 +36,13 @@ def test_choices_by_device_type():
         assert kernels_for(torch.device("cpu")) == CUDA_ON_CPU
     assert kernels_for(torch.device("cpu")) == CPU_KERNELS
     # Every op has more than one implementation among the choices (a field equal in all would decide nothing),
-    # and the plain choice takes none of the CPU's fast paths.
+    # and the plain choice takes none of the CPU's fast paths, compiles nothing and chunks nothing.
     for field in dataclasses.fields(CPU_KERNELS):
         values = {getattr(k, field.name) for k in (CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS)}
         assert len(values) > 1, field.name
-        if field.name != "compile_backend":
+        if field.name not in ("compile_backend", "loss_chunk_bytes"):
             assert getattr(PLAIN_KERNELS, field.name) != getattr(CPU_KERNELS, field.name), field.name
-    assert PLAIN_KERNELS.compile_backend is None
+    assert PLAIN_KERNELS.compile_backend is None and PLAIN_KERNELS.loss_chunk_bytes is None
 
 
 def test_plain_choice_from_the_environment():
