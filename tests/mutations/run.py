@@ -51,19 +51,20 @@ MUTATIONS: List[Mutation] = [
              ["tests/test_atomic_files.py"]),
     Mutation("checkpoint-latest-before-rename", "domino/checkpoint/checkpointing.py",
              "    os.replace(tmp, final)\n    fsync_directory(root)\n"
-             "    weights_io.write_latest(root, tag)\n",
-             "    weights_io.write_latest(root, tag)\n"
+             "    on_disk.write_latest(root, tag)\n",
+             "    on_disk.write_latest(root, tag)\n"
              "    os.replace(tmp, final)\n    fsync_directory(root)\n",
-             ["tests/train/test_checkpoint_commit.py"]),
+             ["tests/checkpoint/test_checkpoint_commit.py"]),
     Mutation("checkpoint-prune-before-latest", "domino/checkpoint/checkpointing.py",
-             "    weights_io.write_latest(root, tag)\n"
+             "    on_disk.write_latest(root, tag)\n"
              "    _prune(root, config.checkpoint.keep_last, keep=tag, iteration=iteration)\n",
              "    _prune(root, config.checkpoint.keep_last, keep=tag, iteration=iteration)\n"
-             "    weights_io.write_latest(root, tag)\n",
-             ["tests/train/test_checkpoint_commit.py"]),
+             "    on_disk.write_latest(root, tag)\n",
+             ["tests/checkpoint/test_checkpoint_commit.py"]),
     Mutation("checkpoint-rng-not-restored", "domino/checkpoint/resume.py",
-             "    if not c.no_load_rng and same_layout:", "    if False:",
-             ["tests/train/test_checkpoint_commit.py"]),
+             "    if not c.no_load_rng and _same_layout(meta):\n        rng = torch.load(",
+             "    if False:\n        rng = torch.load(",
+             ["tests/checkpoint/test_checkpoint_commit.py"]),
     Mutation("ce-skips-global-max", "domino/parallel/cross_entropy.py",
              "    global_max = all_reduce_max_(local_max.clone())", "    global_max = local_max.clone()",
              ["tests/parallel/test_parallel_cross_entropy.py::"
@@ -96,7 +97,7 @@ MUTATIONS: List[Mutation] = [
              ["tests/launch/test_launch_kube.py"]),
     Mutation("manifest-checks-sizes-only", "domino/checkpoint/manifest.py",
              "        if actual != expected:", "        if actual[\"size\"] != expected[\"size\"]:",
-             ["tests/train/test_checkpoint_integrity.py::test_manifest_records_and_detects"]),
+             ["tests/checkpoint/test_checkpoint_integrity.py::test_manifest_records_and_detects"]),
     Mutation("launcher-deletes-failed-jobs", "domino/launch/outcome.py",
              "        return succeeded or stopped", "        return True",
              ["tests/launch/test_launch_kube.py"]),
