@@ -122,8 +122,10 @@ def _json_param(settings: PretrainSettings, name: str) -> Any:
 
 
 #: Names that say a value is a credential. Run parameters are stored and shown in plain text by KFP (the
-#: run's details page, its API, the pipeline's database), so such a value must come from a Secret.
-_SECRET_NAME = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL", re.I)
+#: run's details page, its API, the pipeline's database), so such a value must come from a Secret. The words
+#: stand between underscores or the name's ends: HF_TOKEN is one, TOKENIZERS_PARALLELISM is not.
+_SECRET_NAME = re.compile(r"(?:^|_)(?:TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIALS?)"
+                          r"(?:_|$)", re.I)
 
 
 def _literal_env(env: Dict[str, str]) -> Dict[str, str]:
