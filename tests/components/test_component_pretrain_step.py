@@ -200,3 +200,17 @@ def test_credentials_come_from_secrets_and_never_from_literal_run_parameters():
                  "GOOGLE_APPLICATION_CREDENTIALS", "openai_api_key"):
         with pytest.raises(ValueError, match=f"env: {name} look\\(s\\) like credentials.*env_secrets"):
             job_spec(PretrainSettings(shared_root="/mnt/domino", run_id="r", env=f'{{"{name}": "hunter2"}}'), [])
+
+
+def test_the_runs_own_mlflow_credentials_win_over_the_default_secret():
+    """With a tracking URI the job reads MLflow's credentials from the Secret domino-mlflow unless the run names
+    its own: an env_secrets entry (another Secret) or a literal env entry (a user name is no credential)."""
+    from domino.tracking import CREDENTIAL_SECRET
+
+    settings = PretrainSettings(shared_root="/mnt/domino", run_id="r", mlflow_tracking_uri="http://mlflow:5000",
+                                env='{"MLFLOW_TRACKING_USERNAME": "trainer"}',
+                                env_secrets='{"MLFLOW_TRACKING_PASSWORD": "team-mlflow:password"}')
+    spec = job_spec(settings, [])
+    assert spec.env["MLFLOW_TRACKING_USERNAME"] == "trainer"
+    assert spec.secret_env == {"MLFLOW_TRACKING_PASSWORD": "team-mlflow:password",
+                               "MLFLOW_TRACKING_TOKEN": CREDENTIAL_SECRET}
