@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 from typing import Any, Callable, Dict, List
 
@@ -87,7 +88,7 @@ def pretrain_argv(settings: PretrainSettings, data_prefix: str, layout: RunLayou
 def load_argv(warm_start: bool, layout: RunLayout) -> List[str]:
     """``--load`` flags: this run's own checkpoints when a retried job left some (resume), else the promoted
     model's weights with ``--finetune`` when warm-starting and one exists, else this run's (empty) save dir."""
-    from domino.checkpoint.weights_io import find_latest_checkpoint  # imports torch: not at pipeline compile time
+    from domino.checkpoint.on_disk import find_latest_checkpoint  # imports torch: not at pipeline compile time
 
     if find_latest_checkpoint(layout.checkpoint_dir) is None and warm_start:
         promoted = current_model(layout.registry_path)
@@ -120,6 +121,23 @@ def _json_param(settings: PretrainSettings, name: str) -> Any:
     return value
 
 
+#: Names that say a value is a credential. Run parameters are stored and shown in plain text by KFP (the
+#: run's details page, its API, the pipeline's database), so such a value must come from a Secret. The words
+#: stand between underscores or the name's ends: HF_TOKEN is one, TOKENIZERS_PARALLELISM is not.
+_SECRET_NAME = re.compile(r"(?:^|_)(?:TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIALS?)"
+                          r"(?:_|$)", re.I)
+
+
+def _literal_env(env: Dict[str, str]) -> Dict[str, str]:
+    """The literal ``env`` parameter, refusing a variable whose name says it holds a credential."""
+    secret = sorted(name for name, value in env.items() if value and _SECRET_NAME.search(name))
+    if secret:
+        raise ValueError(f"env: {', '.join(secret)} look(s) like credentials, and run parameters are stored in plain "
+                         "text: put the value in a Kubernetes Secret and name it in env_secrets "
+                         '({"NAME": "SECRET:KEY"}) or env_from_secrets')
+    return env
+
+
 def job_spec(settings: PretrainSettings, argv: List[str]):
     """The :class:`domino.launch.JobSpec` of this run's training job (validated).
 
@@ -141,6 +159,10 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
     tracked = bool(s.mlflow_tracking_uri)  # the job's rank 0 logs to MLflow, its run tagged with this pipeline run
     if tracked:
         env.update({TRACKING_URI_ENV: s.mlflow_tracking_uri, KFP_RUN_ID_ENV: s.run_id})
+    literal_env = _literal_env(text(_json_param(s, "env")))
+    # The tracking credentials: optional references (the Secret may hold none of them); a variable the run's
+    # env or env_secrets sets itself is the user's.
+    tracking_credentials = {key: CREDENTIAL_SECRET for key in CREDENTIAL_KEYS if tracked and key not in literal_env}
     spec = JobSpec(
         name=s.job_name, image=s.image or images.for_gpus(s.gpus_per_node), pretrain_args=argv,
         namespace=s.namespace or default_namespace(), nodes=s.nodes, nproc_per_node=s.nproc_per_node,
@@ -151,10 +173,12 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
         pvc=s.pvc_name, mount_path=s.shared_root if s.backend == "cluster" else DEFAULT_MOUNT_PATH,
         checkpoint_dir=RunLayout(s.shared_root, s.run_id).checkpoint_dir,
         node_selector=text(_json_param(s, "node_selector")), tolerations=tolerations,
+        rdma_resources=text(_json_param(s, "rdma_resources")),
         priority_class=s.priority_class or None, service_account=s.service_account or None,
         image_pull_secrets=[str(x) for x in _json_param(s, "image_pull_secrets")],
-        env={**env, **text(_json_param(s, "env"))},
-        secret_env={key: CREDENTIAL_SECRET for key in CREDENTIAL_KEYS} if tracked else {},
+        env={**env, **literal_env},
+        secret_env={**tracking_credentials, **text(_json_param(s, "env_secrets"))},
+        env_from_secrets=[str(x) for x in _json_param(s, "env_from_secrets")],
         labels={**text(_json_param(s, "labels")), "pipelines.kubeflow.org/run-id": label_value(s.run_id)},
         annotations=text(_json_param(s, "annotations")), queue=s.queue or None,
         backoff_limit=None if s.backoff_limit < 0 else s.backoff_limit,
@@ -167,7 +191,7 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
 def summarize(layout: RunLayout, seq_length: int) -> Dict[str, Any]:
     """Facts about the finished run: final checkpoint, iterations, tokens, final losses, throughput."""
     # torch and matplotlib: only where a run is summarised, not when the pipeline is compiled.
-    from domino.checkpoint.weights_io import find_latest_checkpoint, read_checkpoint_meta
+    from domino.checkpoint.on_disk import find_latest_checkpoint, read_checkpoint_meta
     from domino.eval.report_plots import read_metrics
 
     ckpt = find_latest_checkpoint(layout.checkpoint_dir)

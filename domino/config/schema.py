@@ -142,6 +142,9 @@ class TrainConfig:
     """Number of optimizer steps to train for."""
     train_samples: Optional[int] = None
     """Number of samples to train for (alternative to --train-iters)."""
+    rampup_batch_size: Optional[List[int]] = None
+    """Megatron's batch-size ramp-up START INCR SAMPLES (with --train-samples): refused for now; its schedule is
+    computed by domino/train/batch_rampup.py but not yet run by the training loop."""
     lr: float = 3e-4
     """Peak learning rate."""
     min_lr: float = 0.0
@@ -290,6 +293,9 @@ class LoggingConfig:
     """0: no timers; 1: step-level timers; 2: every timer."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s of one device for MFU (default: detected for known GPUs)."""
+    metrics_port: int = 0
+    """Rank 0 serves Prometheus metrics (tokens/s, loss, MFU, iteration time) on this port (0: off; needs the
+    metrics extra, prometheus-client); the job's pods declare it as the container port `metrics`."""
     mlflow_experiment_name: Optional[str] = None
     """MLflow experiment when MLFLOW_TRACKING_URI is set (default: $MLFLOW_EXPERIMENT_NAME, else domino)."""
     mlflow_run_name: Optional[str] = None

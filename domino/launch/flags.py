@@ -73,11 +73,18 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
                        help="(default: IfNotPresent)")
     sched.add_argument("--service-account", default=None, help="ServiceAccount of the training pods.")
     sched.add_argument("--queue", default=None, metavar="LOCALQUEUE",
-                       help="Kueue LocalQueue: label the job kueue.x-k8s.io/queue-name (Kueue suspends it until admitted).")
+                       help="Kueue LocalQueue: label the job kueue.x-k8s.io/queue-name (Kueue suspends it until "
+                            "admitted).")
     sched.add_argument("--scheduling-policy", action="store_true",
                        help="Fill runPolicy.schedulingPolicy (minAvailable = all pods) for volcano/scheduler-plugins.")
     meta = parser.add_argument_group("metadata")
-    meta.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="Extra container env.")
+    meta.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                      help="Extra container env (repeatable); a literal value, visible in the job: nothing secret.")
+    meta.add_argument("--env-secret", action="append", default=[], metavar="NAME=SECRET:KEY",
+                      help="Container env NAME read from key KEY of Secret SECRET when the pod starts "
+                           "(valueFrom.secretKeyRef; repeatable).")
+    meta.add_argument("--env-from-secret", action="append", default=[], metavar="SECRET",
+                      help="Every key of Secret SECRET as container env (envFrom; PyTorchJob only; repeatable).")
     meta.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
                       help="Extra label on the job and its pods (repeatable).")
     meta.add_argument("--annotation", action="append", default=[], metavar="KEY=VALUE",
@@ -118,7 +125,8 @@ def spec_from_args(args: argparse.Namespace, pretrain_args: Optional[List[str]] 
         gpu_toleration=args.gpu_toleration, rdma_resources=parse_key_values(args.rdma_resource, "--rdma-resource"),
         priority_class=args.priority_class, image_pull_secrets=list(args.image_pull_secret),
         image_pull_policy=args.image_pull_policy, service_account=args.service_account,
-        env=parse_key_values(args.env, "--env"), labels=parse_key_values(args.label, "--label"),
+        env=parse_key_values(args.env, "--env"), secret_env=parse_key_values(args.env_secret, "--env-secret"),
+        env_from_secrets=list(args.env_from_secret), labels=parse_key_values(args.label, "--label"),
         annotations=parse_key_values(args.annotation, "--annotation"), owner=args.owner,
         restart_policy=args.restart_policy, backoff_limit=args.backoff_limit,
         active_deadline_seconds=args.active_deadline_seconds,

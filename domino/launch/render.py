@@ -44,6 +44,17 @@ def _has_flag(args: List[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def metrics_port(spec: JobSpec) -> Optional[int]:
+    """The ``--metrics-port`` of the pretrain arguments (rank 0's Prometheus endpoint), if any and not 0."""
+    args = list(spec.pretrain_args)
+    for i, arg in enumerate(args):
+        value = arg.split("=", 1)[1] if arg.startswith("--metrics-port=") else (
+            args[i + 1] if arg == "--metrics-port" and i + 1 < len(args) else None)
+        if value is not None and value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
 def container_command(spec: JobSpec, name: str) -> List[str]:
     """The training container's command: the override verbatim, else torchrun + pretrain + resume flags
     (``--save``/``--load`` on the volume, ``--exit-signal-handler`` unless the arguments say otherwise)."""
@@ -113,13 +124,16 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
     env = [{"name": "DOMINO_JOB_NAME", "value": name}]
     env += [{"name": k, "value": str(v)} for k, v in defaults.environment(spec).items()]
     env += defaults.secret_environment(spec)
+    port = metrics_port(spec)  # rank 0's Prometheus endpoint, declared so a PodMonitor can name it
     container: Dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": container_command(spec, name),
         "env": env,
-        "ports": [{"name": "pytorchjob-port", "containerPort": MASTER_PORT, "protocol": "TCP"}],
+        **({"envFrom": [{"secretRef": {"name": s}} for s in spec.env_from_secrets]} if spec.env_from_secrets else {}),
+        "ports": [{"name": "pytorchjob-port", "containerPort": MASTER_PORT, "protocol": "TCP"}] + (
+            [{"name": "metrics", "containerPort": port, "protocol": "TCP"}] if port else []),
         "resources": resources(spec),
         "volumeMounts": [
             {"name": "domino-data", "mountPath": spec.mount_path},

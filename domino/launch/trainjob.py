@@ -106,7 +106,11 @@ def check_trainjob_spec(spec: JobSpec) -> None:
            f"{RUNTIME_GRACE_PERIOD_S} s applies; edit k8s/trainer for another")
     refuse(spec.clean_pod_policy != "Running", "--clean-pod-policy", "a TrainJob has no pod cleanup policy")
     refuse(spec.scheduling_policy, "--scheduling-policy", "use the runtime's podGroupPolicy for gang scheduling")
-    reserved = sorted(set(spec.env) & set(RESERVED_ENV))
+    # trainer v2.3.0's TrainJob has .spec.trainer.env (valueFrom included) but no envFrom, and a runtime
+    # patch may not set env of the `node` container (trainer.kubeflow.org_trainjobs.yaml, ContainerPatch.env).
+    refuse(bool(spec.env_from_secrets), "--env-from-secret", "a TrainJob cannot take envFrom (trainer v2.3.0 has "
+           "no such field for the trainer); name each variable with --env-secret NAME=SECRET:KEY")
+    reserved = sorted((set(spec.env) | set(spec.secret_env)) & set(RESERVED_ENV))
     refuse(bool(reserved), "--env", f"{', '.join(reserved)} are set by the Trainer's torch plugin")
     if problems:
         raise LaunchSpecError("invalid job spec for --api trainjob: " + "; ".join(problems))

@@ -20,8 +20,8 @@ loss (``cross_entropy``)    ``[tokens, V/tp]`` allocation is mapped and   alloca
 GeLU + fc2                  one autograd node whose backward reuses the  ``F.gelu`` then the linear: allocations are
 (``parallel/layers``)       activation's buffer (no ``[tokens, ffn/tp]``  free with the caching allocator, and the
                             page faults)                                 graph can be walked twice
-bias + dropout + residual   eager: two or three elementwise passes       ``torch.compile``-d into one kernel, as
-(``model/transformer``)                                                  Megatron-LM's ``jit_fuser``
+bias + dropout + residual,  eager: two or three elementwise passes       ``torch.compile``-d into one kernel, as
+SwiGLU, RoPE (``island``)                                                Megatron-LM's ``jit_fuser``
                                                                          (``megatron/core/jit.py``: torch.compile
                                                                          for torch >= 2.2); compiling costs more
                                                                          than it saves on CPU
@@ -38,6 +38,13 @@ output layer + loss         all tokens' logits in one kept buffer (the   row chu
 The plain choice takes the textbook form of every op: one QKV GEMM over the stored weight, ``F.gelu`` then fc2,
 bias + dropout + residual eagerly, the loss as ``logsumexp - target logit``, and the logits computed by a linear
 before a separate vocab-parallel cross-entropy (no fused output layer + loss, no kept or chunked buffer).
+
+Attention's backend is left to torch on both sides, on purpose: on CUDA, SDPA already prefers cuDNN attention on
+Hopper and Blackwell where the bundled cuDNN is one its developers trust (``check_prefer_cudnn_attention`` in
+pytorch's ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: cuDNN > 9.15, sm90/sm100), else FlashAttention;
+forcing cuDNN first (``sdpa_kernel(..., set_priority=True)``, torch >= 2.6) would override the guard pytorch added
+after the 2.5 bugs (pytorch PR #138522, issue #139298; the same reasoning closed transformers PR #48163).
+``benchmarks/gpu_check.py`` records the device's cuDNN version so the choice can be read off a real run.
 
 Every choice computes the same values (``tests/model/test_model_kernels.py`` forces the CUDA and the plain choices
 on CPU tensors and compares outputs and gradients). Devices other than ``cuda`` take the CPU choices.
@@ -144,6 +151,15 @@ def forced_kernels(kernels: Kernels) -> Iterator[None]:
         yield
     finally:
         _forced.reset(token)
+
+
+def island(fn: Callable, device: torch.device) -> Callable:
+    """``fn`` as the kernels of ``device`` run it: compiled into fused kernels where they have a compile backend
+    (CUDA with a C compiler), else ``fn`` itself. For the elementwise islands between the GEMMs (bias + dropout +
+    residual, SwiGLU, RoPE), as torchtitan compiles its blocks and Megatron-LM ``jit_fuser``-s its
+    ``megatron/core/fusions/`` functions."""
+    backend = kernels_for(device).compile_backend
+    return compiled(fn, backend) if backend is not None else fn
 
 
 @functools.lru_cache(maxsize=None)
