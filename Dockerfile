@@ -1,9 +1,11 @@
 # syntax=docker/dockerfile:1
 #
-# The domino image: the image of every pipeline component and of the PyTorchJob's pods.
+# The domino image: the image of every pipeline component and of the training jobs' pods.
 #
-#   docker build -t REGISTRY/domino:0.1.0-cuda .               # CUDA (default target), NVIDIA PyTorch base
-#   docker build -t REGISTRY/domino:0.1.0-cpu --target cpu .   # CPU only (smoke tests, kfp steps without GPUs)
+#   make image        # both variants, tagged as every default expects (domino/images.py):
+#                     #   ghcr.io/domino-ml/domino:<version>-cuda  (the default target, NVIDIA PyTorch base)
+#                     #   ghcr.io/domino-ml/domino:<version>-cpu   (--target cpu: kfp steps, CPU-only jobs)
+#   DOMINO_IMAGE_REPOSITORY=REGISTRY/domino make image image-push   # the one override: your registry
 #
 # Both variants install the domino wheel, so the dependency set is exactly pyproject.toml's
 # `dependencies` (plus the demo corpus, as in the Makefile). Nothing is pip-installed at run time.

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from domino.config import DominoConfig, ModelConfig
 from domino.config.estimate import Layout, estimate_layout
 from domino.model.recompute import RecomputePlan
-from domino.parallel import state
+from domino.runtime import state
 from domino.train.memory_probe import measure_training_memory
 
 CONFIGS = [

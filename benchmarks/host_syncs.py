@@ -22,6 +22,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "domino" / "train" / "host_syncs.py"
+#: The runner script written beside the probe's copy (its folder is first on sys.path when run as a script).
+RUNNER = """import sys
+
+from probe import run_probed
+from domino.cli.main import main
+
+sys.exit(run_probed(sys.argv[1], main, sys.argv[2:]))
+"""
 TINY = ["--preset", "tiny", "--mock-data", "--vocab-size", "512", "--num-workers", "0", "--seed", "7",
         "--eval-iters", "0", "--eval-interval", "0", "--log-interval", "5"]
 LAYOUTS = {
@@ -44,9 +52,13 @@ def _free_port() -> int:
 def _probe(source: Path, nproc: int, args, iters: int, out_dir: str) -> list:
     """Runs the probe over ``source``'s domino; returns the per-rank event lists."""
     prefix = os.path.join(out_dir, "syncs")
-    probe = os.path.join(out_dir, "probe.py")  # a copy outside the package, so it measures ``source``'s domino
-    shutil.copy(PROBE, probe)
-    command = [sys.executable, probe, prefix, "pretrain", *TINY, "--train-iters", str(iters), *args]
+    # A copy of the probe outside the package, so that it measures ``source``'s domino (an older one too),
+    # and a runner beside it that calls that domino's CLI under it.
+    shutil.copy(PROBE, os.path.join(out_dir, "probe.py"))
+    runner = os.path.join(out_dir, "run_probed.py")
+    with open(runner, "w", encoding="utf-8") as handle:
+        handle.write(RUNNER)
+    command = [sys.executable, runner, prefix, "pretrain", *TINY, "--train-iters", str(iters), *args]
     if nproc > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
                    str(_free_port()), *command[1:]]

@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from domino.config import ModelConfig  # noqa: E402
 from domino.model import GPTModel  # noqa: E402
-from domino.parallel import state  # noqa: E402
+from domino.runtime import state  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, SEQ, BATCH, VOCAB = 4, 256, 4, 256, 8, 8192
 

@@ -46,8 +46,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from domino.config import ModelConfig  # noqa: E402
 from domino.model import GPTModel  # noqa: E402
-from domino.parallel import collectives, state  # noqa: E402
-from domino.parallel.network_emulator import LinkEmulator, parse_spec  # noqa: E402
+from domino.parallel import collectives  # noqa: E402
+from domino.runtime import state  # noqa: E402
+from domino.runtime.network_emulator import LinkEmulator, parse_spec  # noqa: E402
 
 LAYERS, SEQ, MICRO_BATCH, VOCAB, HEAD_DIM = 4, 128, 8, 2048, 64
 HIDDEN = 512  # --hidden-size; heads = HIDDEN / HEAD_DIM. Why 512, not 256: see set_shape()
@@ -257,7 +258,7 @@ def main() -> None:
                         help="pretrain mode: rounds of the three layouts per link (medians and paired speed-up)")
     parser.add_argument("--transfer", choices=("launch", "wait"), default="launch",
                         help="when gloo moves an async collective's data on the emulated link: launch (competing "
-                             "with the computation for the 2 cores) or wait (see domino/parallel/network_emulator.py)")
+                             "with the computation for the 2 cores) or wait (see domino/runtime/network_emulator.py)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also print the blocked time by call site, and compute time vs sync's")
     parser.add_argument("--hidden-size", type=int, default=HIDDEN,

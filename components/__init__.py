@@ -3,20 +3,17 @@
 One folder per component. ``component.py`` holds the kfp wrapper: a lightweight component whose body
 only imports and calls the plain-Python ``step.py`` beside it, so the logic is testable without kfp and
 runs the same under ``kfp.local`` and in a cluster (where the image has this package installed).
-Components run in the domino image: :func:`default_image` reads ``DOMINO_IMAGE``.
+Components run in the domino image's CPU variant (:func:`default_image`, see :mod:`domino.images`).
 """
 
 from __future__ import annotations
 
-import os
+from domino import images
 
-#: The image every component runs in unless ``DOMINO_IMAGE`` names another one.
-DEFAULT_IMAGE = "ghcr.io/domino-ml/domino:0.1.0"
-
-#: Environment variable that overrides :data:`DEFAULT_IMAGE` when components are built.
-IMAGE_ENV = "DOMINO_IMAGE"
+#: The image every component runs in unless ``$DOMINO_IMAGE_REPOSITORY`` names another repository.
+DEFAULT_IMAGE = images.image("cpu", repo=images.DEFAULT_REPOSITORY)
 
 
 def default_image() -> str:
-    """The image for components: ``$DOMINO_IMAGE`` if set and non-empty, else :data:`DEFAULT_IMAGE`."""
-    return os.environ.get(IMAGE_ENV) or DEFAULT_IMAGE
+    """The image for components: the CPU variant in ``$DOMINO_IMAGE_REPOSITORY`` (else the default repository)."""
+    return images.image("cpu")

@@ -8,12 +8,10 @@ retried step finds its own earlier output. (The training job's name comes from
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
 
-from domino.atomic_files import atomic_write_text
+from domino.data.dataset_store import DatasetStore
 
 
 @dataclass(frozen=True)
@@ -60,50 +58,4 @@ class RunLayout:
         return os.path.join(self.root, "promoted.json")
 
 
-
-@dataclass(frozen=True)
-class DatasetStore:
-    """Preprocessed datasets kept across runs on the shared volume, named by their dataset key.
-
-    ``<root>/datasets/<key>/corpus_<json key>_document.{bin,idx}`` is a whole dataset and
-    ``<root>/datasets/parts/<group key>/part_<json key>_document.{bin,idx}`` the output of one shard
-    group before the merge. Each is complete once its record (a JSON file written last, atomically)
-    exists; a run whose key is already complete reuses it instead of tokenising again. The keys come
-    from :func:`domino.data.provenance.dataset_key` (input files' names, sizes and mtimes, tokenizer).
-
-    Attributes:
-        root: The shared root.
-    """
-
-    root: str
-
-    def dataset_prefix(self, key: str) -> str:
-        """Output prefix of the whole dataset ``key``."""
-        return os.path.join(self.root, "datasets", key, "corpus")
-
-    def part_prefix(self, group_key: str) -> str:
-        """Output prefix of one shard group's dataset."""
-        return os.path.join(self.root, "datasets", "parts", group_key, "part")
-
-    @staticmethod
-    def record_path(output_prefix: str) -> str:
-        """The completion record of the dataset written under ``output_prefix``."""
-        return output_prefix + ".record.json"
-
-    @classmethod
-    def read_record(cls, output_prefix: str) -> Optional[Dict[str, Any]]:
-        """The record of the dataset under ``output_prefix`` if it and all its files exist, else None."""
-        from domino.data.indexed_dataset import dataset_exists
-
-        try:
-            with open(cls.record_path(output_prefix), encoding="utf-8") as handle:
-                record = json.load(handle)
-        except (OSError, ValueError):
-            return None
-        prefixes = record.get("prefixes") or {}
-        return record if prefixes and all(dataset_exists(p) for p in prefixes.values()) else None
-
-    @classmethod
-    def write_record(cls, output_prefix: str, record: Dict[str, Any]) -> None:
-        """Marks the dataset under ``output_prefix`` complete (written last, atomically)."""
-        atomic_write_text(cls.record_path(output_prefix), json.dumps(record, indent=2, sort_keys=True) + "\n")
+__all__ = ["DatasetStore", "RunLayout"]  # the datasets' layout and rules: domino/data/dataset_store.py

@@ -3,14 +3,27 @@
 A reader never sees a half-written file under the final name: either the old file, no file, or the
 complete new one. Every layer writes through here: datasets and their index cache, tokenizer files,
 checkpoint shards and metadata, the promotion registry, reports and rendered manifests.
+
+A writer holds a record lock on its temporary (:func:`open_owned_temporary`) until the rename, so that a
+process killed mid-write (SIGKILL, OOM) leaves a temporary that no live process owns, and
+:func:`sweep_temporaries` can remove exactly those: a record lock is released by the kernel when its
+process dies (fcntl(2); on NFS the server does it, see :mod:`domino.file_lock`). On a file system without
+record locks the temporary is written unowned and never swept.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
+import logging
 import os
 import uuid
-from typing import IO, Iterator
+from typing import IO, Iterator, List, Optional, Sequence, Tuple
+
+from domino.file_lock import try_lock_descriptor
+
+logger = logging.getLogger(__name__)
 
 
 def temporary_name(path: str) -> str:
@@ -47,6 +60,73 @@ def remove_quietly(path: str) -> None:
         os.remove(path)
 
 
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # a file system without record locks
+
+
+def _lock(descriptor: int) -> Optional[bool]:
+    """A record lock without waiting: True taken, False held by another process, None not supported here."""
+    try:
+        return try_lock_descriptor(descriptor)
+    except OSError as error:
+        if error.errno in _NO_LOCKS:
+            return None
+        raise
+
+
+def open_owned_temporary(path: str, mode: str = "wb") -> Tuple[str, IO]:
+    """Creates a new temporary sibling of ``path`` and opens it, record-locked by this process.
+
+    Keep the handle open until the temporary is renamed: closing *any* descriptor of the file releases the
+    process's lock (fcntl(2)), so reopen it for nothing else (fsync through this handle).
+
+    Returns:
+        ``(temporary path, open handle)``.
+    """
+    for _ in range(8):
+        temporary = temporary_name(path)
+        handle = open(temporary, mode.replace("w", "x", 1))  # a new file: never someone else's
+        locked = _lock(handle.fileno())
+        try:
+            ours = os.stat(temporary).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:  # a sweep took it between our create and our lock
+            ours = False
+        if ours and locked is not False:
+            return temporary, handle
+        handle.close()  # a sweep holds it and is deleting it: take another name
+    raise OSError(f"{path}: could not create a temporary file of our own")
+
+
+def sweep_temporaries(paths: Sequence[str]) -> List[str]:
+    """Deletes the temporaries of ``paths`` (``.<name>.tmp-*`` beside each) that no live writer owns.
+
+    A temporary is removed only when this process can take its record lock (its writer is gone) and it is
+    still the file we locked; this process's own temporaries are never touched (its own lock would not stop
+    us, and closing our descriptor would drop it). Returns the removed paths.
+    """
+    removed = []
+    mine = f".tmp-{os.getpid()}-"
+    for path in paths:
+        directory, base = os.path.split(os.path.abspath(path))
+        for temporary in sorted(glob.glob(os.path.join(glob.escape(directory), glob.escape(f".{base}.tmp-") + "*"))):
+            if mine in os.path.basename(temporary):
+                continue
+            try:
+                descriptor = os.open(temporary, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                if _lock(descriptor) and os.stat(temporary).st_ino == os.fstat(descriptor).st_ino:
+                    os.remove(temporary)
+                    removed.append(temporary)
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(descriptor)
+    if removed:
+        logger.warning("removed %d temporary file(s) left by killed writers: %s", len(removed), ", ".join(removed))
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_write(path: str, mode: str = "wb") -> Iterator[IO]:
     """Opens a temporary file for writing; on success it replaces ``path``, on error it is deleted.
@@ -56,13 +136,13 @@ def atomic_write(path: str, mode: str = "wb") -> Iterator[IO]:
         with atomic_write("out.json", "w") as f:
             f.write("{}")
     """
-    temporary = temporary_name(path)
+    temporary, handle = open_owned_temporary(path, mode)
     try:
-        with open(temporary, mode) as handle:
+        with handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(temporary, path)
+            os.replace(temporary, path)  # still open, so still owned: a sweep cannot take it before this
         fsync_directory(os.path.dirname(os.path.abspath(path)))
     except BaseException:
         remove_quietly(temporary)

@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
-from pipelines.params import check_training_config, parse_param_args, pipeline_parameters
+from pipelines.params import check_training_config, markdown_table, parse_param_args, pipeline_parameters
 
 
 def _params(args: argparse.Namespace) -> Dict[str, Any]:
@@ -21,9 +21,16 @@ def _params(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def compile_command(args: argparse.Namespace) -> int:
-    """``domino pipeline compile``: writes the compiled pipeline YAML."""
+    """``domino pipeline compile``: regenerates ``components/kfp_functions.py`` from the component
+    declarations, then writes the compiled pipeline YAML."""
+    import importlib
+
+    from components import declare, kfp_functions
     from domino.launch.spec import Toleration, parse_key_values
     from pipelines.gpt_pretrain import COMPILED_PATH, StepPlacement, compile_pipeline
+
+    declare.write(kfp_functions.__file__)
+    importlib.reload(kfp_functions)  # the components build from the module's new functions
 
     placement = StepPlacement(
         node_selector=parse_key_values(args.step_node_selector or [], "--step-node-selector"),
@@ -109,6 +116,8 @@ def params_command(args: argparse.Namespace) -> int:
             for p in pipeline_parameters().values()]
     if args.json:
         print(json.dumps(rows, indent=2))
+    elif getattr(args, "markdown", False):
+        print(markdown_table(), end="")
     else:
         _print_table(rows, ["name", "type", "default", "description"])
     return 0

@@ -17,19 +17,19 @@ schedule never collide. Defaults train the tiny preset (the local demo); ``docs/
 settings. Compilation is deterministic: the committed ``gpt_pretrain.yaml`` is checked by a test.
 """
 
+import functools
 import inspect
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from kfp import compiler, dsl, kubernetes
 
-from components import default_image
+from components import declare, default_image
+from domino import images
 from components.cleanup import component as cleanup_component
 from components.evaluate import component as evaluate_component
-from components.evaluate.step import DEFAULT_PROMPTS
 from components.pretrain import component as pretrain_component
-from components.pretrain import settings as pretrain_settings
 from components.promote import component as promote_component
 from components.tokenizer import component as tokenizer_component
 from pipelines.preprocess_stage import PreprocessStage
@@ -40,32 +40,42 @@ MOUNT_PATH = "/mnt/domino"
 #: The compiled pipeline committed beside this module.
 COMPILED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt_pretrain.yaml")
 
-#: The pipeline's own parameters (name, type, default); the pretrain step's come from its settings.
-OWN_PARAMETERS = [
-    ("corpus", str, "shakespeare"),
-    ("input_uri", str, ""),
-    ("preprocess_groups", int, 1),
-    ("reuse_dataset", bool, True),
-    ("tokenizer_vocab_size", int, 0),
-    ("eval_batches", int, 8),
-    ("sample_prompts", str, DEFAULT_PROMPTS),
-    ("sample_tokens", int, 24),
-    ("min_improvement", float, 0.0),
-    ("keep_failed_jobs", bool, True),
-]
-OWN_DOCS = {
-    "corpus": "Built-in corpus to train on when input_uri is empty (shakespeare, kjv).",
-    "input_uri": "Comma-separated files, directories or globs on the shared volume (overrides corpus): "
-                 ".jsonl/.txt, optionally .gz or .zst, and .parquet.",
-    "preprocess_groups": "Shard groups tokenized in parallel, one task each, then merged.",
-    "reuse_dataset": "Reuse the dataset an earlier run made from the same files and tokenizer.",
-    "eval_batches": "Test batches per evaluated model.",
-    "sample_prompts": "Prompts of the report's sample generations, separated by '|' ('\\n': line break).",
-    "tokenizer_vocab_size": "Train a byte-level BPE of this many tokens on the corpus (0: use tokenizer).",
-    "sample_tokens": "Tokens generated per report prompt (0: no samples).",
-    "min_improvement": "Fraction by which the test perplexity must beat the promoted model's.",
-    "keep_failed_jobs": "Keep a failed training job for debugging (its TTL removes it later).",
-}
+#: Parameters of each component that the pipeline supplies itself (the run id, another task's output, an
+#: artifact); every other parameter of every component is the pipeline parameter of the same name.
+WIRED = {"train_tokenizer": {"run_id"}, "plan_preprocess": {"tokenizer"}, "preprocess": {"group"},
+         "merge_datasets": {"parts"}, "pretrain": {"run_id", "tokenizer"}, "evaluate": {"run_id"},
+         "promote_model": {"run_id"}, "cleanup_job": {"run_id"}}
+#: Pipeline parameters whose default differs from the component's (``image``'s is the build's image, or ''
+#: when the build uses the default images).
+PIPELINE_DEFAULTS = {"shared_root": MOUNT_PATH}
+
+
+def pipeline_parameters() -> List[declare.Parameter]:
+    """The pipeline's parameters: every component parameter the pipeline does not wire, each once.
+
+    Raises:
+        TypeError: two components declare a parameter of the same name differently (one name, one meaning:
+            declare it once in ``components/run_settings.py`` and inherit it).
+    """
+    out: Dict[str, declare.Parameter] = {}
+    for component in declare.declarations():
+        for param in component.parameters():
+            if param.name in WIRED.get(component.function, ()):
+                continue
+            if param.name in out and out[param.name] != param:
+                raise TypeError(f"pipeline parameter {param.name}: {component.function} declares it as {param}, "
+                                f"another component as {out[param.name]}")
+            out.setdefault(param.name, param)
+    return list(out.values())
+
+
+def task_arguments(values: Dict[str, Any], function: str, **wired: Any) -> Dict[str, Any]:
+    """The arguments of a task of component ``function``: ``values`` (pipeline parameters, by name) of its
+    parameters that the pipeline does not wire, then ``wired`` (what the pipeline supplies itself)."""
+    (component,) = [c for c in declare.declarations() if c.function == function]
+    own = {q.name: values[q.name] for q in component.parameters()
+           if q.name not in WIRED.get(function, ()) and q.name in values}
+    return {**own, **wired}
 
 
 @dataclass
@@ -95,8 +105,9 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
     """Builds the pipeline with every component running in ``image``.
 
     Args:
-        image: Image of the steps and default image of the training job (default: ``$DOMINO_IMAGE`` or
-            ``components.DEFAULT_IMAGE``).
+        image: Image of every step and default image of the training job (default: the domino images,
+            :mod:`domino.images`: the CPU variant for the steps, the CUDA one for an evaluate step with
+            GPUs, and the training job's chosen at run time by its GPUs).
         placement: Node selector and tolerations for the step pods (default: none).
         preprocess_parallelism: Most preprocess tasks running at once (0: one per shard group); kfp
             compiles it into the ParallelFor, so it is a compile-time setting.
@@ -104,11 +115,13 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
     Returns:
         The kfp pipeline (a ``GraphComponent``): call it under ``kfp.local`` or compile it.
     """
-    image = image or default_image()
+    job_image = image or ""  # '': the pretrain step picks the variant for the job's GPUs
     placement = placement or StepPlacement()
+    eval_image = image or (images.image("cuda") if placement.eval_gpus > 0 else None)
+    image = image or default_image()
     preprocess_stage = PreprocessStage(image, preprocess_parallelism)
     pretrain_op = pretrain_component.build(image)
-    evaluate_op = evaluate_component.build(image)
+    evaluate_op = evaluate_component.build(eval_image or image)
     promote_op = promote_component.build(image)
     tokenizer_op = tokenizer_component.build(image)
     cleanup_op = cleanup_component.build(image)
@@ -126,33 +139,23 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
         task.set_caching_options(False)
         return task
 
-    # The pipeline's parameters: every pretrain setting (components/pretrain/settings.py, the one
-    # declaration) except what the run supplies, then its own. kfp reads them from the signature and
-    # calls the function with them positionally.
-    names = [param.name for param in pretrain_settings.parameters(skip=pretrain_settings.RUN_SUPPLIED)]
-    names += [name for name, _, _ in OWN_PARAMETERS]
-    pretrain_names = [name for name in names if name in pretrain_settings.PretrainSettings.__dataclass_fields__]
+    params = pipeline_parameters()
+    names = [param.name for param in params]
 
     def gpt_pretrain(*values):
         p = dict(zip(names, values))
         run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
-        cleanup = on_shared_volume(cleanup_op(run_id=run_id, namespace=p["namespace"], backend=p["backend"],
-                                              job_api=p["job_api"], keep_failed=p["keep_failed_jobs"]), p["pvc_name"])
+        arguments = functools.partial(task_arguments, p)
+        cleanup = on_shared_volume(cleanup_op(**arguments("cleanup_job", run_id=run_id)), p["pvc_name"])
         cleanup.set_display_name("cleanup-job")
         kubernetes.use_field_path_as_env(cleanup, env_name="POD_NAMESPACE", field_path="metadata.namespace")
         with dsl.ExitHandler(cleanup, name="train-and-gate"):
-            tok = on_shared_volume(tokenizer_op(
-                shared_root=p["shared_root"], run_id=run_id, corpus=p["corpus"], input_uri=p["input_uri"],
-                tokenizer=p["tokenizer"], vocab_size=p["tokenizer_vocab_size"],
-            ), p["pvc_name"])
+            tok = on_shared_volume(tokenizer_op(**arguments("train_tokenizer", run_id=run_id)), p["pvc_name"])
             tok.set_display_name("train-tokenizer")
-            prep = preprocess_stage(lambda task: on_shared_volume(task, p["pvc_name"]), shared_root=p["shared_root"],
-                                    corpus=p["corpus"], input_uri=p["input_uri"], tokenizer=tok.output,
-                                    groups=p["preprocess_groups"], reuse=p["reuse_dataset"])
+            prep = preprocess_stage(lambda task: on_shared_volume(task, p["pvc_name"]), arguments, tok.output)
             train = on_shared_volume(pretrain_op(
-                dataset=prep.outputs["dataset"], run_id=run_id, tokenizer=tok.output,
-                **{name: p[name] for name in pretrain_names if name != "tokenizer"},
-            ), p["pvc_name"])
+                **arguments("pretrain", run_id=run_id, dataset=prep.outputs["dataset"], tokenizer=tok.output)),
+                p["pvc_name"])
             # The launcher sets its pod as the job's owner, so deleting the run's pods removes the job too;
             # the job goes to the step's namespace unless the namespace parameter says otherwise.
             for env, path in (("POD_NAME", "metadata.name"), ("POD_UID", "metadata.uid"),
@@ -161,26 +164,24 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
             # A retried step adopts its own job (same run id, same name) and resumes from its checkpoints.
             train.set_retry(num_retries=placement.pretrain_retries, backoff_duration="60s", backoff_factor=2.0)
             kubernetes.set_timeout(train, placement.pretrain_timeout_s)
-            evaluation = on_shared_volume(evaluate_op(
-                model=train.outputs["model"], dataset=prep.outputs["dataset"], shared_root=p["shared_root"],
-                run_id=run_id, eval_batches=p["eval_batches"], sample_prompts=p["sample_prompts"],
-                sample_tokens=p["sample_tokens"], min_improvement=p["min_improvement"],
-            ), p["pvc_name"])
+            evaluation = on_shared_volume(evaluate_op(**arguments(
+                "evaluate", run_id=run_id, model=train.outputs["model"], dataset=prep.outputs["dataset"])), p["pvc_name"])
             if placement.eval_gpus > 0:
                 evaluation.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(placement.eval_gpus)
             with dsl.If(evaluation.outputs["Output"] == True, name="beats-promoted-model"):  # noqa: E712
-                on_shared_volume(promote_op(
-                    model=train.outputs["model"], decision=evaluation.outputs["decision"],
-                    shared_root=p["shared_root"], run_id=run_id,
-                ), p["pvc_name"])
+                on_shared_volume(promote_op(**arguments(
+                    "promote_model", run_id=run_id, model=train.outputs["model"], decision=evaluation.outputs["decision"],
+                )), p["pvc_name"])
 
-    defaults = {"image": image, "shared_root": MOUNT_PATH}
-    params = [param.replace(default=defaults.get(param.name, param.default))
-              for param in pretrain_settings.parameters(skip=pretrain_settings.RUN_SUPPLIED)]
-    params += [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=kind)
-               for name, kind, default in OWN_PARAMETERS]
-    gpt_pretrain.__signature__ = inspect.Signature(params)
-    docs = {**OWN_DOCS, **pretrain_settings.parameter_docs(), "image": "Image of the training job."}
+    # kfp reads the pipeline's parameters from this signature and calls the function with them positionally
+    # (a pipeline function is compiled here, never shipped to a container, so __signature__ is enough).
+    defaults = {**PIPELINE_DEFAULTS, "image": job_image}
+    gpt_pretrain.__signature__ = inspect.Signature([
+        inspect.Parameter(q.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=q.kind,
+                          default=defaults.get(q.name, inspect.Parameter.empty if q.required else q.default))
+        for q in params])
+    docs = {q.name: q.doc for q in params}
+
     gpt_pretrain.__doc__ = ("Pretrain, evaluate and conditionally promote a GPT model.\n\nArgs:\n"
                             + "".join(f"    {name}: {docs[name]}\n" for name in names))
     return dsl.pipeline(name=PIPELINE_NAME, description="Pretrain a GPT model with Domino tensor parallelism, "

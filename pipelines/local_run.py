@@ -30,7 +30,7 @@ DEMO_PARAMS: Dict[str, Any] = {
     "corpus": "shakespeare", "tokenizer_vocab_size": 2048, "preset": "demo", "split": "90,5,5",
     "train_iters": 600, "micro_batch_size": 16, "global_batch_size": 16,
     "eval_interval": 100, "eval_iters": 4, "log_interval": 20,
-    "nodes": 1, "nproc_per_node": 2, "tensor_parallel": 2, "domino_chunks": 2, "zero_stage": -1,
+    "nodes": 1, "nproc_per_node": 2, "tensor_model_parallel_size": 2, "domino_chunks": 2,
     "eval_batches": 40, "sample_tokens": 60,
     "sample_prompts": "Romeo.\\n|KING HENRY.\\nMy lords,|To be, or not to be|First Witch.\\n",
 }

@@ -21,7 +21,7 @@ from domino.launch.job_api import JOB_APIS
 #: Parameters whose values are JSON, with the JSON type they must have.
 JSON_PARAMETERS = JSON_SETTINGS
 #: Parameters with a fixed set of values.
-CHOICES = {"backend": BACKENDS, "job_api": tuple(JOB_APIS), "zero_stage": (-1, 0, 1, 2)}
+CHOICES = {"backend": BACKENDS, "job_api": tuple(JOB_APIS)}
 
 
 class ParamError(ValueError):
@@ -48,6 +48,15 @@ def pipeline_parameters(pipeline: Any = None) -> Dict[str, ParamInfo]:
         name: ParamInfo(name, spec.type, spec.default, " ".join((spec.description or "").split()))
         for name, spec in pipeline.component_spec.inputs.items()
     }
+
+
+def markdown_table(parameters: Optional[Dict[str, ParamInfo]] = None) -> str:
+    """The parameters as the Markdown table of ``docs/pipeline.md`` (``domino pipeline params --markdown``)."""
+    parameters = parameters if parameters is not None else pipeline_parameters()
+    rows = ["| parameter | type | default | meaning |", "|---|---|---|---|"]
+    rows += [f"| `{p.name}` | {p.type.lower()} | `{json.dumps(p.default)}` | {p.description} |"
+             for p in parameters.values()]
+    return "\n".join(rows) + "\n"
 
 
 def convert(info: ParamInfo, text: str) -> Any:
@@ -104,12 +113,12 @@ def check_params(values: Dict[str, Any]) -> None:
     for name, choices in CHOICES.items():
         if name in values and values[name] not in choices:
             problems.append(f"--param {name}={values[name]}: expected one of {', '.join(map(str, choices))}")
-    for name in ("train_iters", "micro_batch_size", "nodes", "nproc_per_node", "tensor_parallel", "domino_chunks",
-                 "eval_batches", "preprocess_groups"):
+    # The config fields' ranges are checked with the whole training config (check_training_config).
+    for name in ("nodes", "nproc_per_node", "eval_batches", "eval_micro_batch_size", "preprocess_groups",
+                 "preprocess_workers"):
         if name in values and values[name] < 1:
             problems.append(f"--param {name}={values[name]}: must be at least 1")
-    for name in ("global_batch_size", "gpus_per_node", "save_interval", "eval_interval", "eval_iters",
-                 "job_timeout_s", "sample_tokens", "lr", "queue_timeout_s", "termination_grace_period_s"):
+    for name in ("gpus_per_node", "job_timeout_s", "sample_tokens", "queue_timeout_s", "termination_grace_period_s"):
         if name in values and values[name] < 0:
             problems.append(f"--param {name}={values[name]}: must not be negative")
     if "backoff_limit" in values and values["backoff_limit"] < -1:
@@ -130,11 +139,12 @@ def check_training_config(values: Dict[str, Any]) -> None:
         ParamError: the message names the offending flag (e.g. ``--micro-batch-size``).
     """
     from components.layout import RunLayout
-    from components.pretrain.step import PretrainSettings, check_config, pretrain_argv, settings_from_kwargs
+    from components.declare import settings_from_values
+    from components.pretrain.step import PretrainSettings, check_config, pretrain_argv
     from domino.config import ConfigError
 
     defaults = {name: info.default for name, info in pipeline_parameters().items()}
-    settings: PretrainSettings = settings_from_kwargs({**defaults, **values, "run_id": "check", "warm_start": False})
+    settings = settings_from_values(PretrainSettings, {**defaults, **values, "run_id": "check", "warm_start": False})
     layout = RunLayout(settings.shared_root, settings.run_id)
     try:
         check_config(pretrain_argv(settings, "dataset", layout), world_size=settings.nodes * settings.nproc_per_node)

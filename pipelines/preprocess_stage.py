@@ -42,17 +42,16 @@ class PreprocessStage:
         self.preprocess_op = preprocess_component.build(image)
         self.merge_op = merge_component.build(image)
 
-    def __call__(self, configure: Callable, shared_root, corpus, input_uri, tokenizer, groups, reuse):
+    def __call__(self, configure: Callable, arguments: Callable, tokenizer):
         """Adds the stage to the pipeline being defined; returns the merge task (its ``dataset`` output).
 
-        ``configure`` is applied to every task (volume mounts, placement, caching). The other arguments
-        are pipeline parameters (or constants).
+        ``configure`` is applied to every task (volume mounts, placement, caching); ``arguments(function,
+        **wired)`` gives a task's pipeline parameters plus ``wired``; ``tokenizer`` is train-tokenizer's output.
         """
-        plan = configure(self.plan_op(shared_root=shared_root, corpus=corpus, input_uri=input_uri,
-                                      tokenizer=tokenizer, groups=groups))
-        # Each group item carries the tokenizer the plan keyed it with, so the loop body takes no second
-        # task output: kfp.local 2.17 handed the loop item to such an input (seen in tests/pipelines/
-        # test_pipeline_local_e2e.py with the train-tokenizer output; the compiled spec itself was right).
+        plan = configure(self.plan_op(**arguments("plan_preprocess", tokenizer=tokenizer)))
+        # Each group item carries the tokenizer and the JSON keys the plan keyed it with, so the loop body
+        # takes no second task output: kfp.local 2.17 handed the loop item to such an input (seen in
+        # tests/pipelines/test_pipeline_local_e2e.py with the train-tokenizer output; the compiled spec was right).
         with dsl.ParallelFor(plan.output, parallelism=self.parallelism, name="shard-groups") as group:
-            part = configure(self.preprocess_op(shared_root=shared_root, group=group, reuse=reuse))
-        return configure(self.merge_op(shared_root=shared_root, parts=dsl.Collected(part.output), reuse=reuse))
+            part = configure(self.preprocess_op(**arguments("preprocess", group=group)))
+        return configure(self.merge_op(**arguments("merge_datasets", parts=dsl.Collected(part.output))))

@@ -42,7 +42,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         torch.save({"ok": False, "error": traceback.format_exc()}, path)
         raise
     finally:
-        from domino.parallel import state
+        from domino.runtime import state
 
         state.destroy_model_parallel()
         if dist.is_initialized():

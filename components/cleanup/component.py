@@ -1,33 +1,47 @@
-"""kfp wrapper of the exit handler (see ``step.py``)."""
+"""kfp declaration and glue of the exit handler (logic in ``step.py``).
 
-from typing import Optional
+The kfp function, ``components.kfp_functions.cleanup_job``, is generated from :data:`COMPONENTS` (see
+``components/declare.py``).
+"""
+
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from kfp import dsl
-from kfp.dsl import PipelineTaskFinalStatus
 
-from components import default_image
+from components import default_image, kfp_functions
+from components.cleanup.step import cleanup_jobs
+from components.declare import Component, Input, settings_from_values
+from components.run_settings import JobTargetSettings, RunIdSettings
 
 
-def cleanup_job(status: PipelineTaskFinalStatus, run_id: str, namespace: str, backend: str = "cluster",
-                job_api: str = "pytorchjob", keep_failed: bool = True):
-    """Deletes the run's training job if it is still there (cancelled or crashed launcher).
+@dataclass(kw_only=True)
+class CleanupSettings(JobTargetSettings, RunIdSettings):
+    """Parameters of the cleanup-job exit handler."""
 
-    Args:
-        status: Final status of the tasks inside the exit handler (filled in by kfp).
-        run_id: Unique run id (the job's ``domino/run-id`` label).
-        namespace: Namespace of the job.
-        backend: cluster, or local (local jobs end with their step; nothing to do).
-        job_api: pytorchjob or trainjob: the kind of job the pretrain step created.
-        keep_failed: Keep a Failed job for debugging (its TTL removes it).
-    """
-    if backend != "cluster":
-        print(f"cleanup: backend {backend}: training processes ended with their step (pipeline {status.state})")
+    keep_failed_jobs: bool = True
+    """Keep a failed training job for debugging (its TTL removes it later)."""
+
+
+COMPONENTS = (Component(
+    function="cleanup_job",
+    summary="Deletes the run's training job if it is still there (cancelled or crashed launcher).",
+    settings=CleanupSettings,
+    run="components.cleanup.component:run",
+    inputs=(Input("status", "PipelineTaskFinalStatus", "Final status of the tasks inside the exit handler (filled "
+                  "in by kfp)."),),
+),)
+
+
+def run(status: Any, **values: Any) -> None:
+    """The cleanup-job component's body: local jobs end with their step, so there is nothing to do."""
+    s = settings_from_values(CleanupSettings, values)
+    if s.backend != "cluster":
+        print(f"cleanup: backend {s.backend}: training processes ended with their step (pipeline {status.state})")
         return
-    from components.cleanup.step import cleanup_jobs
-
-    cleanup_jobs(run_id, namespace, status.state, keep_failed=keep_failed, job_api=job_api)
+    cleanup_jobs(s.run_id, s.namespace, status.state, keep_failed=s.keep_failed_jobs, job_api=s.job_api)
 
 
 def build(image: Optional[str] = None):
     """The cleanup component running in ``image`` (default: :func:`components.default_image`)."""
-    return dsl.component(cleanup_job, base_image=image or default_image(), install_kfp_package=False)
+    return dsl.component(kfp_functions.cleanup_job, base_image=image or default_image(), install_kfp_package=False)

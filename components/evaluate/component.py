@@ -1,63 +1,48 @@
-"""kfp wrapper of the evaluate step (see ``step.py`` for the logic and ``README.md`` for usage)."""
+"""kfp declaration and glue of the evaluate step (logic in ``step.py``, usage in ``README.md``).
 
-from typing import Optional
+The kfp function, ``components.kfp_functions.evaluate``, is generated from :data:`COMPONENTS` (see
+``components/declare.py``).
+"""
+
+from typing import Any, Optional
 
 from kfp import dsl
-from kfp.dsl import HTML, Artifact, Dataset, Input, Metrics, Model, Output
 
-from components import default_image
+from components import default_image, kfp_functions
+from components.declare import Component, Input, settings_from_values
+from components.evaluate.step import EvaluateSettings, run_evaluate
+from components.manifest import write_manifest
+
+#: The decision's numbers that go to the ``Metrics`` artifact (when not None).
+METRICS = ("test_loss", "test_ppl", "token_accuracy", "test_tokens", "incumbent_ppl", "unigram_ppl",
+           "sample_word_fraction")
+
+COMPONENTS = (Component(
+    function="evaluate",
+    summary="Measures test loss, perplexity and token accuracy, writes the HTML report, and gates promotion.",
+    settings=EvaluateSettings,
+    run="components.evaluate.component:run",
+    inputs=(
+        Input("model", "Input[Model]", "The pretrain step's manifest (checkpoint on the shared volume)."),
+        Input("dataset", "Input[Dataset]", "The preprocess step's manifest; its test split is evaluated."),
+        Input("metrics", "Output[Metrics]", "test_loss, test_ppl, token_accuracy, test_tokens, incumbent_ppl (when "
+              "a model was promoted before), unigram_ppl (the baseline), sample_word_fraction (corpus words in "
+              "the samples), promote (1/0)."),
+        Input("report", "Output[HTML]", "HTML report: what ran, loss curves, evaluation table with a unigram "
+              "baseline, sample generations with the share of their words found in the corpus, configuration."),
+        Input("decision", "Output[Artifact]", "JSON with every result and the gate's decision and reason (read by "
+              "the promote step)."),
+    ),
+    returns=("bool", "True when the new model should replace the promoted one (the pipeline's gate)."),
+),)
 
 
-def evaluate(
-    model: Input[Model],
-    dataset: Input[Dataset],
-    metrics: Output[Metrics],
-    report: Output[HTML],
-    decision: Output[Artifact],
-    shared_root: str,
-    run_id: str,
-    eval_batches: int = 8,
-    # kfp runs this function's source alone, so the default is written out (= step.DEFAULT_PROMPTS, tested).
-    sample_prompts: str = "To be, or not to be|In the beginning",
-    sample_tokens: int = 24,
-    sample_temperature: float = 0.8,
-    sample_top_k: int = 40,
-    min_improvement: float = 0.0,
-) -> bool:
-    """Measures test loss, perplexity and token accuracy, writes the HTML report, and gates promotion.
-
-    Args:
-        model: The pretrain step's manifest (checkpoint on the shared volume).
-        dataset: The preprocess step's manifest; its test split is evaluated.
-        metrics: test_loss, test_ppl, token_accuracy, test_tokens, incumbent_ppl (when a model was promoted before),
-            unigram_ppl (the baseline), sample_word_fraction (corpus words in the samples), promote (1/0).
-        report: HTML report: what ran, loss curves, evaluation table with a unigram baseline, sample
-            generations with the share of their words found in the corpus, configuration.
-        decision: JSON with every result and the gate's decision and reason (read by the promote step).
-        shared_root: Mount path of the shared volume (holds the promotion registry).
-        run_id: Unique run id.
-        eval_batches: Test batches per evaluated model.
-        sample_prompts: Prompts for the report's sample generations, separated by '|' ('\\n': line break).
-        sample_tokens: Tokens generated per prompt (0: no samples).
-        sample_temperature: Sampling temperature of the report's generations.
-        sample_top_k: Sample among the k most likely tokens (0: all).
-        min_improvement: Fraction by which the perplexity must beat the promoted model's (0: any).
-
-    Returns:
-        True when the new model should replace the promoted one (the pipeline's gate).
-    """
-    from components.evaluate.step import EvaluateSettings, run_evaluate
-    from components.manifest import write_manifest
-
-    settings = EvaluateSettings(shared_root=shared_root, run_id=run_id, eval_batches=eval_batches,
-                                sample_prompts=sample_prompts, sample_tokens=sample_tokens,
-                                sample_temperature=sample_temperature, sample_top_k=sample_top_k,
-                                min_improvement=min_improvement)
-    result = run_evaluate(settings, model.path, dataset.path, report.path)
+def run(model: Any, dataset: Any, metrics: Any, report: Any, decision: Any, **values: Any) -> bool:
+    """The component's body: evaluates, writes the decision and the metrics, returns the gate."""
+    result = run_evaluate(settings_from_values(EvaluateSettings, values), model.path, dataset.path, report.path)
     write_manifest(decision.path, result)
     decision.metadata.update(result)
-    for name in ("test_loss", "test_ppl", "token_accuracy", "test_tokens", "incumbent_ppl", "unigram_ppl",
-                 "sample_word_fraction"):
+    for name in METRICS:
         if result[name] is not None:
             metrics.log_metric(name, float(result[name]))
     metrics.log_metric("promote", 1.0 if result["promote"] else 0.0)
@@ -66,4 +51,4 @@ def evaluate(
 
 def build(image: Optional[str] = None):
     """The evaluate component running in ``image`` (default: :func:`components.default_image`)."""
-    return dsl.component(evaluate, base_image=image or default_image(), install_kfp_package=False)
+    return dsl.component(kfp_functions.evaluate, base_image=image or default_image(), install_kfp_package=False)

@@ -15,31 +15,34 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from components.layout import RunLayout
+from components.run_settings import RunSettings
 from components.manifest import read_manifest
 from components.registry import PromotedModel, current_model
 
 logger = logging.getLogger(__name__)
 
-#: The report's default prompts (also the component's and the pipeline's ``sample_prompts`` default).
-DEFAULT_PROMPTS = "To be, or not to be|In the beginning"
 
+@dataclass(kw_only=True)
+class EvaluateSettings(RunSettings):
+    """Parameters of the evaluate step (one field per component parameter)."""
 
-@dataclass
-class EvaluateSettings:
-    """Parameters of the evaluate step: the component's parameters (see ``component.py``), plus the
-    evaluation micro-batch (16 samples: forward-only throughput on 2 CPU cores is flat from 16 up, see
-    docs/evaluation.md) and the sampling seed."""
-
-    shared_root: str
-    run_id: str
     eval_batches: int = 8
-    micro_batch_size: int = 16
-    sample_prompts: str = DEFAULT_PROMPTS
+    """Test batches per evaluated model."""
+    # 16 samples: forward-only throughput on 2 CPU cores is flat from 16 up (docs/evaluation.md).
+    eval_micro_batch_size: int = 16
+    """Samples per evaluation batch."""
+    sample_prompts: str = "To be, or not to be|In the beginning"
+    """Prompts of the report's sample generations, separated by '|' ('\\n': line break)."""
     sample_tokens: int = 24
+    """Tokens generated per report prompt (0: no samples)."""
     sample_temperature: float = 0.8
+    """Sampling temperature of the report's generations."""
     sample_top_k: int = 40
+    """Sample among the k most likely tokens (0: all)."""
     sample_seed: int = 1
+    """Seed of the report's sample generations."""
     min_improvement: float = 0.0
+    """Fraction by which the test perplexity must beat the promoted model's (0: any)."""
 
 
 @dataclass
@@ -76,7 +79,7 @@ def _evaluate(load: str, data_prefix: str, settings: EvaluateSettings, eval_opti
     from domino.eval.evaluate import evaluate_checkpoint
 
     return dict(evaluate_checkpoint(load, data_prefix, max_batches=settings.eval_batches,
-                                    micro_batch_size=settings.micro_batch_size, **eval_options))
+                                    micro_batch_size=settings.eval_micro_batch_size, **eval_options))
 
 
 def _prompts(settings: EvaluateSettings) -> List[str]:
@@ -109,7 +112,7 @@ def run_evaluate(
     from domino.eval.report import write_report
     from domino.eval.sampling import SamplingConfig
 
-    for name in ("eval_batches", "micro_batch_size"):
+    for name in ("eval_batches", "eval_micro_batch_size"):
         if getattr(settings, name) < 1:
             raise ValueError(f"{name}: {getattr(settings, name)} must be at least 1")
     sampling = SamplingConfig(temperature=settings.sample_temperature, top_k=settings.sample_top_k)

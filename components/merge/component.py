@@ -1,33 +1,45 @@
-"""kfp wrapper of the merge step (see ``step.py`` for the logic and ``README.md`` for usage)."""
+"""kfp declaration and glue of the merge step (logic in ``step.py``, usage in ``README.md``).
 
-from typing import List, Optional
+The kfp function, ``components.kfp_functions.merge_datasets``, is generated from :data:`COMPONENTS` (see
+``components/declare.py``).
+"""
+
+from dataclasses import dataclass
+from typing import Any, List, Optional
 
 from kfp import dsl
-from kfp.dsl import Dataset, Output
 
-from components import default_image
+from components import default_image, kfp_functions
+from components.declare import Component, Input, settings_from_values
+from components.merge.step import run_merge
+from components.run_settings import ReuseSettings, VolumeSettings
 
 
-def merge_datasets(
-    dataset: Output[Dataset],
-    shared_root: str,
-    parts: List[str],
-    reuse: bool = True,
-):
-    """Concatenates the shard groups' datasets in order into the run's dataset.
+@dataclass(kw_only=True)
+class MergeSettings(ReuseSettings, VolumeSettings):
+    """Parameters of the merge-datasets step."""
 
-    Args:
-        dataset: Manifest naming the tokenized files on the shared volume; its metadata holds prefix,
-            documents, tokens, tokenizer, vocab_size, idx_sha256, dataset_key, reused, groups, groups_tokenized.
-        shared_root: Mount path of the shared volume (or a local folder when run locally).
-        parts: The preprocess tasks' results (dsl.Collected over the ParallelFor).
-        reuse: Reuse a complete dataset of the same key instead of merging again.
-    """
-    from components.merge.step import run_merge
 
-    dataset.metadata.update(run_merge(dataset.path, shared_root, parts, reuse=reuse))
+COMPONENTS = (Component(
+    function="merge_datasets",
+    summary="Concatenates the shard groups' datasets in order into the run's dataset.",
+    settings=MergeSettings,
+    run="components.merge.component:run",
+    inputs=(
+        Input("dataset", "Output[Dataset]", "Manifest naming the tokenized files on the shared volume; its metadata "
+              "holds prefix, documents, tokens, tokenizer, vocab_size, idx_sha256, dataset_key, reused, groups, "
+              "groups_tokenized."),
+        Input("parts", "List[str]", "The preprocess tasks' results (dsl.Collected over the ParallelFor)."),
+    ),
+),)
+
+
+def run(dataset: Any, parts: List[str], **values: Any) -> None:
+    """The merge-datasets component's body."""
+    s = settings_from_values(MergeSettings, values)
+    dataset.metadata.update(run_merge(dataset.path, s.shared_root, parts, reuse=s.reuse_dataset))
 
 
 def build(image: Optional[str] = None):
     """The merge-datasets component running in ``image`` (default: :func:`components.default_image`)."""
-    return dsl.component(merge_datasets, base_image=image or default_image(), install_kfp_package=False)
+    return dsl.component(kfp_functions.merge_datasets, base_image=image or default_image(), install_kfp_package=False)

@@ -2,8 +2,8 @@
 
 Plain Python, no kfp. The groups' results arrive as ``dsl.Collected`` values, whose order is not relied
 on: they are sorted by their ``index``. The whole dataset is complete once its record exists
-(:meth:`components.layout.DatasetStore.write_record`); a run that finds it complete merges nothing and
-says so in the manifest (``reused: true``).
+(:meth:`domino.data.dataset_store.Build.publish`); a run that finds it complete merges nothing and says so
+in the manifest (``reused: true``).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Sequence
 
-from components.layout import DatasetStore
 from components.manifest import write_manifest
+from domino.data.dataset_store import Build, DatasetStore
 
 
 def _ordered(parts: Sequence[str]) -> List[Dict[str, Any]]:
@@ -46,26 +46,26 @@ def run_merge(manifest_path: str, shared_root: str, parts: Sequence[str], reuse:
 
     results = _ordered(parts)
     first = results[0]
-    output_prefix = DatasetStore(shared_root).dataset_prefix(first["dataset_key"])
+    store = DatasetStore(shared_root)
+    output_prefix = store.dataset_prefix(first["dataset_key"])
     tokenized = sum(1 for r in results if not r["reused"])
-    record = DatasetStore.read_record(output_prefix) if reuse and tokenized == 0 else None
-    reused = record is not None
-    if record is None and len(results) == 1:
-        record = DatasetStore.read_record(output_prefix)  # the only group wrote the whole dataset in place
-        if record is None:
-            raise ValueError(f"merge: the only group's dataset {output_prefix} is incomplete")
-    elif record is None:
-        prefixes = {}
-        for json_key in first["prefixes"]:
-            prefixes[json_key] = f"{output_prefix}_{json_key}_document"
-            merge_datasets([r["prefixes"][json_key] for r in results], prefixes[json_key])
-        record = {
-            "prefixes": prefixes, "documents": sum(r["documents"] for r in results),
-            "tokens": sum(r["tokens"] for r in results), "tokenizer": first["tokenizer"],
-            "vocab_size": first["vocab_size"], "idx_sha256": file_sha256(next(iter(prefixes.values())) + ".idx"),
-            "key": first["dataset_key"],
-        }
-        DatasetStore.write_record(output_prefix, record)
+    if len(results) == 1:  # the only group is the whole dataset: its task found or published it
+        record, reused = first, bool(first["reused"])
+    else:
+        record = store.read_record(output_prefix) if reuse else None
+        reused = record is not None and tokenized == 0
+    if record is None:
+        with Build(output_prefix) as build:  # a folder of this run's own, published below
+            prefixes = {}
+            for json_key in first["prefixes"]:
+                prefixes[json_key] = f"{build.prefix}_{json_key}_document"
+                merge_datasets([r["prefixes"][json_key] for r in results], prefixes[json_key])
+            record = build.publish({
+                "prefixes": prefixes, "documents": sum(r["documents"] for r in results),
+                "tokens": sum(r["tokens"] for r in results), "tokenizer": first["tokenizer"],
+                "vocab_size": first["vocab_size"], "idx_sha256": file_sha256(next(iter(prefixes.values())) + ".idx"),
+                "key": first["dataset_key"],
+            }, replace=not reuse)
     prefixes = record["prefixes"]
     manifest = {
         "prefix": prefixes[next(iter(prefixes))], "prefixes": dict(prefixes), "documents": int(record["documents"]),

@@ -7,9 +7,10 @@ call them directly. The stage (``pipelines/preprocess_stage.py``) is::
     ParallelFor group:   preprocess   tokenise one group (or find it already done)
     merge-datasets       concatenate the groups in order (components/merge), write the Dataset manifest
 
-Datasets live in the :class:`~components.layout.DatasetStore` on the shared volume, named by
+Datasets live in the :class:`~domino.data.dataset_store.DatasetStore` on the shared volume, named by
 :func:`~domino.data.provenance.dataset_key`, so that a run whose inputs and tokenizer have not changed
-finds its dataset complete and tokenises nothing.
+finds its dataset complete and tokenises nothing; each run tokenises into a build folder of its own and
+publishes it under the key's lock (the rules are in :mod:`domino.data.dataset_store`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import os
 from typing import Any, Dict, List, Sequence, Tuple
 from urllib.parse import urlparse
 
-from components.layout import DatasetStore
 from components.merge.step import run_merge
+from domino.data.dataset_store import Build, DatasetStore
 
 
 def resolve_inputs(input_uri: str) -> List[str]:
@@ -122,6 +123,7 @@ def plan_groups(shared_root: str, corpus: str = "shakespeare", input_uri: str = 
         plan.append({
             "index": index, "count": len(ranges), "dataset_key": key, "group_key": group_key,
             "inputs": files[start:end], "builtin": "" if files else corpus, "source": source, "tokenizer": tokenizer,
+            "json_keys": ",".join(keys),
             "output_prefix": store.dataset_prefix(key) if len(ranges) == 1 else store.part_prefix(group_key),
         })
     return plan
@@ -138,25 +140,27 @@ def run_group(shared_root: str, group: Dict[str, Any], tokenizer: str = "gpt2", 
     """
     from domino.data.preprocess import preprocess
 
-    keys = parse_keys(json_keys)
+    # The plan names the JSON keys it keyed the dataset with; they win over the argument.
+    keys = parse_keys(group.get("json_keys") or json_keys)
     if workers < 1:
-        raise ValueError(f"workers: {workers} must be at least 1")
+        raise ValueError(f"preprocess_workers: {workers} must be at least 1")
     header = {k: group[k] for k in ("index", "count", "dataset_key", "source")}
-    whole = DatasetStore(shared_root).dataset_prefix(group["dataset_key"])
-    for prefix in (whole, group["output_prefix"]):
-        record = DatasetStore.read_record(prefix) if reuse else None
-        if record is not None:
-            return {**record, **header, "reused": True}
+    store = DatasetStore(shared_root)
+    if reuse:
+        for prefix in (store.dataset_prefix(group["dataset_key"]), group["output_prefix"]):
+            record = store.read_record(prefix)
+            if record is not None:
+                return {**record, **header, "reused": True}
     # The plan names the tokenizer it keyed the dataset with; it wins over the argument.
     tokenizer = group.get("tokenizer") or tokenizer
-    result = preprocess(group["inputs"] or None, group["output_prefix"], tokenizer=tokenizer, json_keys=keys,
-                        workers=workers, builtin_corpus=group["builtin"] or None, progress=False)
-    record = {
-        "prefixes": dict(result.prefixes), "documents": int(result.documents), "tokens": int(result.tokens),
-        "tokenizer": str(result.tokenizer), "vocab_size": int(result.vocab_size),
-        "idx_sha256": result.idx_sha256[keys[0]], "key": group["group_key"],
-    }
-    DatasetStore.write_record(group["output_prefix"], record)
+    with Build(group["output_prefix"]) as build:  # a folder of this run's own, published below
+        result = preprocess(group["inputs"] or None, build.prefix, tokenizer=tokenizer, json_keys=keys,
+                            workers=workers, builtin_corpus=group["builtin"] or None, progress=False)
+        record = build.publish({
+            "prefixes": dict(result.prefixes), "documents": int(result.documents), "tokens": int(result.tokens),
+            "tokenizer": str(result.tokenizer), "vocab_size": int(result.vocab_size),
+            "idx_sha256": result.idx_sha256[keys[0]], "key": group["group_key"],
+        }, replace=not reuse)
     return {**record, **header, "reused": False}
 
 

@@ -13,21 +13,25 @@ import os
 import time
 from typing import Any, Callable, Dict, List
 
+from domino import images
+from components.declare import config_values, settings_parameters
 from components.layout import RunLayout
 from components.manifest import read_manifest, write_manifest
-from components.pretrain.settings import JSON_SETTINGS, PretrainSettings, settings_from_kwargs
+from components.pretrain.settings import JSON_SETTINGS, PretrainSettings
 from components.registry import current_model
+from domino.config import add_config_flags, config_from_args
+from domino.config.flags import flag_name
+from domino.launch import run_job
+from domino.launch.api import BACKENDS
+from domino.launch.job_api import job_api
+from domino.launch.naming import label_value
+from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, Toleration, default_namespace
 
 __all__ = ["PretrainFailed", "PretrainSettings", "check_config", "job_spec", "load_argv", "metric_values",
-           "parse_overrides", "pretrain_argv", "run_pretrain", "settings_from_kwargs", "summarize"]
+           "parse_overrides", "pretrain_argv", "run_pretrain"]
 
-#: Settings the pipeline sets through parameters of their own; ``config_overrides`` may not repeat them.
-OWN_PARAMETERS = {
-    "tensor_model_parallel_size": "tensor_parallel", "domino_chunks": "domino_chunks", "zero_stage": "zero_stage",
-    "train_iters": "train_iters", "micro_batch_size": "micro_batch_size", "data_path": "dataset",
-    "save": "(run layout)", "load": "warm_start", "finetune": "warm_start", "metrics_file": "(run layout)",
-    "split": "split", "tokenizer": "tokenizer",
-}
+#: Config fields the run's layout sets (``config_overrides`` may not set them either).
+LAYOUT_FIELDS = ("data_path", "save", "load", "finetune", "metrics_file")
 
 
 class PretrainFailed(RuntimeError):
@@ -35,24 +39,26 @@ class PretrainFailed(RuntimeError):
 
 
 def parse_overrides(text: str) -> Dict[str, Any]:
-    """``config_overrides`` (a JSON object of config fields) as a dict; rejects the pipeline's own settings."""
+    """``config_overrides`` (a JSON object of config fields) as a dict; rejects the step's own settings."""
     try:
         overrides = json.loads(text or "{}")
     except json.JSONDecodeError as error:
         raise ValueError(f"config_overrides: not JSON ({error}); expected e.g. {{\"num_layers\": 4}}") from None
     if not isinstance(overrides, dict):
         raise ValueError(f"config_overrides: expected a JSON object, got {type(overrides).__name__}")
+    own = {p.name for p in settings_parameters(PretrainSettings) if p.config}
     for key in overrides:
-        own = OWN_PARAMETERS.get(key.replace("-", "_"))
-        if own:
-            raise ValueError(f"config_overrides: '{key}' is set by the pipeline parameter '{own}', not here")
+        name = key.replace("-", "_")
+        if name in own:
+            raise ValueError(f"config_overrides: '{key}' is a parameter of its own; set the parameter '{name}'")
+        if name in LAYOUT_FIELDS:
+            raise ValueError(f"config_overrides: '{key}' is set by the run's layout (warm_start, the dataset, "
+                             "<shared_root>/runs/<run_id>), not here")
     return overrides
 
 
 def overrides_to_argv(overrides: Dict[str, Any]) -> List[str]:
     """``{"num_layers": 4, "bf16": True}`` -> ``["--num-layers", "4", "--bf16"]``."""
-    from domino.config.flags import flag_name
-
     argv: List[str] = []
     for key, value in overrides.items():
         flag = flag_name(key.replace("-", "_"))
@@ -66,25 +72,12 @@ def overrides_to_argv(overrides: Dict[str, Any]) -> List[str]:
 
 
 def pretrain_argv(settings: PretrainSettings, data_prefix: str, layout: RunLayout) -> List[str]:
-    """The ``domino pretrain`` flags of this run (warm start resolved against the registry)."""
+    """The ``domino pretrain`` flags of this run (warm start resolved against the registry): the preset, the
+    overrides, every config parameter that is given, and the run's layout."""
     s = settings
-    argv = ["--preset", s.preset, *overrides_to_argv(parse_overrides(s.config_overrides))]
-    argv += [
-        "--tensor-model-parallel-size", str(s.tensor_parallel), "--domino-chunks", str(s.domino_chunks),
-        "--train-iters", str(s.train_iters), "--micro-batch-size", str(s.micro_batch_size),
-    ]
-    if s.zero_stage >= 0:  # -1: domino pretrain chooses (domino.config.validate.resolve_zero_stage)
-        argv += ["--zero-stage", str(s.zero_stage)]
-    if s.global_batch_size > 0:
-        argv += ["--global-batch-size", str(s.global_batch_size)]
-    if s.lr > 0:
-        argv += ["--lr", str(s.lr)]
-    argv += ["--data-path", data_prefix, "--split", s.split, "--tokenizer", s.tokenizer]
-    argv += ["--eval-interval", str(s.eval_interval), "--eval-iters", str(s.eval_iters),
-             "--log-interval", str(s.log_interval), "--metrics-file", layout.metrics_file]
-    argv += ["--save", layout.checkpoint_dir]
-    if s.save_interval > 0:
-        argv += ["--save-interval", str(s.save_interval)]
+    argv = ["--preset", s.preset, *overrides_to_argv(parse_overrides(s.config_overrides)),
+            *overrides_to_argv(config_values(s))]
+    argv += ["--data-path", data_prefix, "--metrics-file", layout.metrics_file, "--save", layout.checkpoint_dir]
     argv += load_argv(s.warm_start, layout)
     return argv
 
@@ -92,7 +85,7 @@ def pretrain_argv(settings: PretrainSettings, data_prefix: str, layout: RunLayou
 def load_argv(warm_start: bool, layout: RunLayout) -> List[str]:
     """``--load`` flags: this run's own checkpoints when a retried job left some (resume), else the promoted
     model's weights with ``--finetune`` when warm-starting and one exists, else this run's (empty) save dir."""
-    from domino.checkpoint.weights_io import find_latest_checkpoint
+    from domino.checkpoint.weights_io import find_latest_checkpoint  # imports torch: not at pipeline compile time
 
     if find_latest_checkpoint(layout.checkpoint_dir) is None and warm_start:
         promoted = current_model(layout.registry_path)
@@ -103,8 +96,6 @@ def load_argv(warm_start: bool, layout: RunLayout) -> List[str]:
 
 def check_config(argv: List[str], world_size: int):
     """Parses and validates ``argv`` as ``domino pretrain`` would; raises ``ConfigError`` naming the flag."""
-    from domino.config import add_config_flags, config_from_args
-
     parser = argparse.ArgumentParser(prog="domino pretrain", exit_on_error=False, allow_abbrev=False)
     add_config_flags(parser)
     try:
@@ -133,9 +124,6 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
     The restart policy is the launcher's default (OnFailure with a backoffLimit scaled by the node
     count): a lost pod makes its peers exit 1, which ExitCode would treat as permanent.
     """
-    from components import default_image
-    from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, Toleration, default_namespace
-
     s = settings
     tolerations = []
     for item in _json_param(s, "tolerations"):
@@ -149,7 +137,7 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
     # Without GPUs DeepSpeed must be told to use its CPU accelerator.
     env = {"DS_ACCELERATOR": "cpu"} if s.gpus_per_node == 0 else {}
     spec = JobSpec(
-        name=s.job_name, image=s.image or default_image(), pretrain_args=argv,
+        name=s.job_name, image=s.image or images.for_gpus(s.gpus_per_node), pretrain_args=argv,
         namespace=s.namespace or default_namespace(), nodes=s.nodes, nproc_per_node=s.nproc_per_node,
         gpus_per_node=s.gpus_per_node, cpu_request=s.cpu_request or None, cpu_limit=s.cpu_limit or None,
         memory_request=s.memory_request or None, memory_limit=s.memory_limit or None, shm_size=s.shm_size or None,
@@ -161,7 +149,7 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
         priority_class=s.priority_class or None, service_account=s.service_account or None,
         image_pull_secrets=[str(x) for x in _json_param(s, "image_pull_secrets")],
         env={**env, **text(_json_param(s, "env"))},
-        labels={**text(_json_param(s, "labels")), "pipelines.kubeflow.org/run-id": _label(s.run_id)},
+        labels={**text(_json_param(s, "labels")), "pipelines.kubeflow.org/run-id": label_value(s.run_id)},
         annotations=text(_json_param(s, "annotations")), queue=s.queue or None,
         backoff_limit=None if s.backoff_limit < 0 else s.backoff_limit,
         termination_grace_period_s=s.termination_grace_period_s, gpu_memory_gb=s.gpu_memory_gb or None,
@@ -170,16 +158,11 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
     return spec
 
 
-def _label(text: str) -> str:
-    from domino.launch.naming import label_value
-
-    return label_value(text)
-
-
 def summarize(layout: RunLayout, seq_length: int) -> Dict[str, Any]:
     """Facts about the finished run: final checkpoint, iterations, tokens, final losses, throughput."""
-    from domino.eval.report_plots import read_metrics
+    # torch and matplotlib: only where a run is summarised, not when the pipeline is compiled.
     from domino.checkpoint.weights_io import find_latest_checkpoint, read_checkpoint_meta
+    from domino.eval.report_plots import read_metrics
 
     ckpt = find_latest_checkpoint(layout.checkpoint_dir)
     if ckpt is None:
@@ -225,10 +208,6 @@ def run_pretrain(
         ValueError / ConfigError / LaunchSpecError: bad settings, before any job exists.
         PretrainFailed: the job failed, timed out or was interrupted.
     """
-    from domino.launch import run_job
-    from domino.launch.api import BACKENDS
-    from domino.launch.job_api import job_api
-
     layout = RunLayout(settings.shared_root, settings.run_id)
     if settings.backend not in BACKENDS:
         raise ValueError(f"backend: {settings.backend!r} is not one of {', '.join(BACKENDS)}")

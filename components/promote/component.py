@@ -1,30 +1,45 @@
-"""kfp wrapper of the promote step (runs only when the evaluation gate says so)."""
+"""kfp declaration and glue of the promote step (runs only when the evaluation gate says so).
 
-from typing import Optional
+The kfp function, ``components.kfp_functions.promote_model``, is generated from :data:`COMPONENTS` (see
+``components/declare.py``).
+"""
+
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from kfp import dsl
-from kfp.dsl import Artifact, Input, Model
 
-from components import default_image
+from components import default_image, kfp_functions
+from components.declare import Component, Input, settings_from_values
+from components.promote.step import run_promote
+from components.run_settings import RunSettings
 
 
-def promote_model(model: Input[Model], decision: Input[Artifact], shared_root: str, run_id: str) -> str:
-    """Makes ``model`` the promoted model in ``<shared_root>/promoted.json`` (written atomically).
+@dataclass(kw_only=True)
+class PromoteSettings(RunSettings):
+    """Parameters of the promote-model step."""
 
-    Args:
-        model: The pretrain step's manifest.
-        shared_root: Mount path of the shared volume.
-        run_id: Unique run id.
-        decision: The evaluate step's decision (test perplexity and loss of the new model).
 
-    Returns:
-        The promoted checkpoint directory.
-    """
-    from components.promote.step import run_promote
+COMPONENTS = (Component(
+    function="promote_model",
+    summary="Makes ``model`` the promoted model in ``<shared_root>/promoted.json`` (written atomically).",
+    settings=PromoteSettings,
+    run="components.promote.component:run",
+    inputs=(
+        Input("model", "Input[Model]", "The pretrain step's manifest."),
+        Input("decision", "Input[Artifact]", "The evaluate step's decision (test perplexity and loss of the new "
+              "model)."),
+    ),
+    returns=("str", "The promoted checkpoint directory."),
+),)
 
-    return run_promote(shared_root, run_id, model.path, decision.path)["checkpoint_dir"]
+
+def run(model: Any, decision: Any, **values: Any) -> str:
+    """The promote-model component's body."""
+    s = settings_from_values(PromoteSettings, values)
+    return run_promote(s.shared_root, s.run_id, model.path, decision.path)["checkpoint_dir"]
 
 
 def build(image: Optional[str] = None):
     """The promote component running in ``image`` (default: :func:`components.default_image`)."""
-    return dsl.component(promote_model, base_image=image or default_image(), install_kfp_package=False)
+    return dsl.component(kfp_functions.promote_model, base_image=image or default_image(), install_kfp_package=False)

@@ -9,10 +9,14 @@ and passes the named tokenizer on, so the preprocess and pretrain steps always r
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable
 
+from components.declare import config_field, config_values
 from components.layout import RunLayout
-from components.preprocess.step import resolve_inputs
+from components.preprocess.step import parse_keys, resolve_inputs
+from components.run_settings import CorpusSettings, RunSettings
+from domino.config.schema import DataConfig
 
 
 def tokenizer_dir(shared_root: str, run_id: str) -> str:
@@ -20,26 +24,21 @@ def tokenizer_dir(shared_root: str, run_id: str) -> str:
     return os.path.join(RunLayout(shared_root, run_id).data_dir, "tokenizer")
 
 
-def run_train_tokenizer(
-    shared_root: str,
-    run_id: str,
-    corpus: str = "shakespeare",
-    input_uri: str = "",
-    tokenizer: str = "gpt2",
-    vocab_size: int = 0,
-    json_keys: str = "text",
-    log: Callable[[str], None] = print,
-) -> str:
-    """Trains a byte-level BPE of ``vocab_size`` tokens on the input, or passes ``tokenizer`` on.
+@dataclass(kw_only=True)
+class TokenizerSettings(CorpusSettings, RunSettings):
+    """Parameters of the train-tokenizer step (one field per component parameter)."""
+
+    # Passed on as it is when tokenizer_vocab_size is 0.
+    tokenizer: str = config_field("gpt2")
+    tokenizer_vocab_size: int = 0
+    """Train a byte-level BPE of this many tokens on the corpus (0: use tokenizer)."""
+
+
+def run_train_tokenizer(settings: TokenizerSettings, log: Callable[[str], None] = print) -> str:
+    """Trains a byte-level BPE of ``tokenizer_vocab_size`` tokens on the input, or passes ``tokenizer`` on.
 
     Args:
-        shared_root: Shared volume root (see :class:`components.layout.RunLayout`).
-        run_id: Pipeline run id.
-        corpus: Built-in corpus name, used when ``input_uri`` is empty.
-        input_uri: Comma-separated paths or ``file://`` URIs of JSON-lines or text files.
-        tokenizer: The tokenizer to use when ``vocab_size`` is 0 (returned unchanged).
-        vocab_size: Tokens of the BPE to train (0: train none).
-        json_keys: Comma-separated JSON keys whose texts the BPE is trained on.
+        settings: The step's parameters.
         log: Receives one line about what was done.
 
     Returns:
@@ -51,9 +50,9 @@ def run_train_tokenizer(
     from domino.data.errors import DataError
     from domino.data.tokenizer_training import MIN_VOCAB_SIZE, train_tokenizer
 
+    vocab_size, input_uri, corpus = settings.tokenizer_vocab_size, settings.input_uri, settings.corpus
     if vocab_size == 0:
-        if not tokenizer:
-            raise ValueError("tokenizer: empty; name a tokenizer (gpt2) or set tokenizer_vocab_size > 0")
+        tokenizer = config_values(settings).get("tokenizer", DataConfig().tokenizer)  # not given: domino's default
         log(f"train-tokenizer: tokenizer_vocab_size is 0, using {tokenizer}")
         return tokenizer
     if vocab_size < MIN_VOCAB_SIZE:
@@ -62,8 +61,8 @@ def run_train_tokenizer(
     inputs = resolve_inputs(input_uri) if input_uri.strip() else None
     if inputs is None and not corpus:
         raise ValueError("train-tokenizer: give input_uri or a built-in corpus name")
-    keys = tuple(key.strip() for key in json_keys.split(",") if key.strip())
-    output = tokenizer_dir(shared_root, run_id)
+    keys = parse_keys(settings.json_keys)
+    output = tokenizer_dir(settings.shared_root, settings.run_id)
     try:
         trained = train_tokenizer(inputs, vocab_size, output, json_keys=keys,
                                   builtin_corpus=None if inputs else corpus)

@@ -33,8 +33,8 @@ from domino.atomic_files import atomic_write, fsync_directory
 from domino.checkpoint import manifest, weights_io
 from domino.config import DominoConfig, config_to_dict
 from domino.parallel import random as tp_random
-from domino.parallel import state
-from domino.parallel.agreement import AgreedFailure, agree
+from domino.runtime import state
+from domino.runtime.agreement import AgreedFailure, agree
 
 logger = logging.getLogger(__name__)
 

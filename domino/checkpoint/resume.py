@@ -18,8 +18,8 @@ import torch.distributed as dist
 from domino.checkpoint import manifest, weights_io
 from domino.config import ConfigError, DominoConfig
 from domino.parallel import random as tp_random
-from domino.parallel import state
-from domino.parallel.agreement import AgreedFailure, agree
+from domino.runtime import state
+from domino.runtime.agreement import AgreedFailure, agree
 
 logger = logging.getLogger(__name__)
 

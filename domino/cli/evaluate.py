@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from domino.cli.checkpoint_flags import add_checkpoint_flags
 
 #: Tokens evaluated unless --eval-tokens/--eval-iters/--max-samples say otherwise: enough for a perplexity
 #: good to about 1 % on a small model, and seconds of work on a CPU (docs/evaluation.md).
@@ -81,7 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "evaluate", help="Loss, perplexity and token accuracy of a checkpoint.",
         description="Evaluates a checkpoint (saved with any TP size) on --data-path, or on the test split of the "
                     "data it was trained on. Under torchrun the model runs tensor-parallel over the processes.")
-    parser.add_argument("--load", required=True, metavar="DIR", help="Save root (its latest) or iter_* directory.")
+    add_checkpoint_flags(parser, tensor_model_parallel_size=True, dtype=True)
     parser.add_argument("--data-path", nargs="+", metavar="PREFIX",
                         help="Dataset prefix(es), optionally weighted (default: the checkpoint's test split).")
     parser.add_argument("--split", metavar="SPLIT",
@@ -101,12 +102,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        ("reset-attention-mask", "Stop attention across end-of-document tokens")):
         parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None,
                             help=f"{what} (default: the checkpoint's setting).")
-    parser.add_argument("--tensor-model-parallel-size", type=int, metavar="TP",
-                        help="TP size to load at (default: the number of processes).")
-    parser.add_argument("--tokenizer", metavar="SPEC", help="Override the checkpoint's tokenizer.")
     parser.add_argument("--seed", type=int, help="Sample-order seed (default: the checkpoint's).")
     parser.add_argument("--data-cache-path", metavar="DIR", help="Where to cache sample indices.")
-    parser.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32).")
     parser.add_argument("--json", action="store_true", help="Print the result as one JSON object.")
     parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
     parser.set_defaults(func=run)

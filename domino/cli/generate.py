@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from domino.cli.checkpoint_flags import add_checkpoint_flags
 from domino.config import ConfigError
 
 
@@ -54,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Generates tokens after a prompt with a domino checkpoint (any TP size; run under torchrun "
                     "for tensor parallelism). Each new token costs one position thanks to the KV cache; "
                     "generation stops at the end-of-document token.")
-    parser.add_argument("--load", required=True, metavar="DIR", help="Save root (its latest) or iter_* directory.")
+    add_checkpoint_flags(parser, tensor_model_parallel_size=True, dtype=True)
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="Prompt text (encoded with the checkpoint's tokenizer).")
     prompt.add_argument("--prompt-ids", metavar="IDS", help="Prompt token ids, comma-separated: 1,2,3.")
@@ -65,10 +66,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-p", type=float, metavar="P", help="Nucleus sampling probability mass (1.0: all).")
     parser.add_argument("--seed", type=int, default=0, help="Sampling seed (same seed, same tokens).")
     parser.add_argument("--json", action="store_true", help='Print {"token_ids": [...], "text": "..."}.')
-    parser.add_argument("--tokenizer", metavar="SPEC", help="Override the checkpoint's tokenizer.")
-    parser.add_argument("--tensor-model-parallel-size", type=int, metavar="TP",
-                        help="TP size to load at (default: the number of processes).")
-    parser.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32).")
     parser.add_argument("--no-cache", action="store_true", help="Recompute the whole sequence every step (slow).")
     parser.add_argument("--no-stop-at-eod", action="store_true", help="Keep going past end-of-document.")
     parser.set_defaults(func=run)

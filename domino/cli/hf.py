@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from domino.cli.checkpoint_flags import add_checkpoint_flags
+
 
 def run_export(args: argparse.Namespace) -> int:
     from domino.checkpoint.hf_interop import export_hf
@@ -30,9 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "tokenizer files; a GPT model as GPT2LMHeadModel, a LLaMA-family one (rope, RMSNorm, "
                     "SwiGLU) as LlamaForCausalLM; transformers.AutoModelForCausalLM.from_pretrained(OUTPUT) "
                     "loads it offline.")
-    export.add_argument("--load", required=True, metavar="DIR", help="Save root (its latest) or iter_* directory.")
+    add_checkpoint_flags(export)
     export.add_argument("--output", required=True, metavar="DIR", help="Directory to create.")
-    export.add_argument("--tokenizer", metavar="SPEC", help="Override the checkpoint's tokenizer.")
     export.add_argument("--overwrite", action="store_true", help="Replace a non-empty --output.")
     export.set_defaults(func=run_export)
 

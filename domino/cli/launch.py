@@ -9,18 +9,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from domino.launch.api import BACKENDS, CLEANUP_MODES, DEFAULT_QUEUE_TIMEOUT_S
+from domino.atomic_files import atomic_write
+from domino.launch import naming
+from domino.launch.api import BACKENDS, CLEANUP_MODES, DEFAULT_QUEUE_TIMEOUT_S, run_job
 from domino.launch.flags import add_spec_flags, spec_from_args
-from domino.launch.job_api import DEFAULT_JOB_API, JOB_APIS
+from domino.launch.job_api import DEFAULT_JOB_API, JOB_APIS, job_api
+from domino.launch.pretrain_args import check_pretrain_args
+from domino.launch.render import to_yaml
 from domino.launch.spec import LaunchSpecError
 
 
 def _render(args: argparse.Namespace) -> int:
-    from domino.launch import naming
-    from domino.launch.job_api import job_api
-    from domino.launch.pretrain_args import check_pretrain_args
-    from domino.launch.render import to_yaml
-
     try:
         spec = spec_from_args(args)
         check_pretrain_args(spec)
@@ -29,8 +28,6 @@ def _render(args: argparse.Namespace) -> int:
         print(f"domino launch render: error: {error}", file=sys.stderr)
         return 2
     if args.output:
-        from domino.atomic_files import atomic_write
-
         with atomic_write(args.output, "w") as handle:
             handle.write(text)
     else:
@@ -39,8 +36,6 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from domino.launch.api import run_job
-
     try:
         spec = spec_from_args(args)
     except LaunchSpecError as error:
@@ -75,14 +70,14 @@ def register(subparsers) -> None:
     verbs = launch.add_subparsers(dest="launch_command", metavar="{render,submit}", required=True)
 
     render = verbs.add_parser("render", help="Print the job's YAML (a PyTorchJob or a TrainJob).",
-                              usage="domino launch render --name NAME --image IMAGE [flags] -- [pretrain flags]")
+                              usage="domino launch render --name NAME [--image IMAGE] [flags] -- [pretrain flags]")
     add_spec_flags(render)
     _add_api_flag(render)
     render.add_argument("--output", "-o", default=None, help="Write the YAML to this file instead of stdout.")
     render.set_defaults(func=_render)
 
     submit = verbs.add_parser("submit", help="Create the job, stream the master's log, wait for the end.",
-                              usage="domino launch submit --name NAME --image IMAGE [flags] -- [pretrain flags]")
+                              usage="domino launch submit --name NAME [--image IMAGE] [flags] -- [pretrain flags]")
     add_spec_flags(submit)
     _add_api_flag(submit)
     run = submit.add_argument_group("run")

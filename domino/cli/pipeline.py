@@ -41,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = verbs.add_parser("compile", help="Write the compiled pipeline YAML.")
     p.add_argument("--output", help="Output file (default: pipelines/gpt_pretrain.yaml).")
-    p.add_argument("--image", help="Image of every step (default: $DOMINO_IMAGE or the release image).")
+    p.add_argument("--image", help="Image of every step and of the training job (default: the domino images of this version in "
+                        "$DOMINO_IMAGE_REPOSITORY, see domino/images.py).")
     p.add_argument("--step-node-selector", action="append", metavar="KEY=VALUE",
                    help="Node selector of the step pods (repeatable).")
     p.add_argument("--step-toleration", action="append", metavar="KEY[=VALUE][:EFFECT]",
@@ -91,4 +92,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = verbs.add_parser("params", help="List the pipeline's run parameters.")
     p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    p.add_argument("--markdown", action="store_true", help="Print the Markdown table of docs/pipeline.md.")
     p.set_defaults(func=_lazy("params_command"))

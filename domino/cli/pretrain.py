@@ -18,7 +18,7 @@ def _run(args: argparse.Namespace) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Every rank checks the flags and the device before torch.distributed, DeepSpeed or the data start.
     config = config_from_args(args, world_size=world_size, for_training=True)
-    from domino.parallel.agreement import agree
+    from domino.runtime.agreement import agree
     from domino.train.engine import initialize_runtime
     from domino.train.gpt_recipe import GPTRecipe
     from domino.train.pretrain import pretrain

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from domino.cli.checkpoint_flags import add_checkpoint_flags
+
 DEFAULT_PROMPTS = ["To be, or not to be", "In the beginning"]
 
 
@@ -33,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "evaluation table, the checkpoint's config and a few greedy generations; no external assets.")
     parser.add_argument("--metrics-file", metavar="FILE", help="The run's metrics JSONL (from domino pretrain).")
     parser.add_argument("--eval-json", metavar="FILE", help="Output of `domino evaluate --json`.")
-    parser.add_argument("--load", metavar="DIR", help="Checkpoint for the config and sample generations.")
+    add_checkpoint_flags(parser, required=False, tokenizer=False)  # the config and the sample generations
     parser.add_argument("--sample-prompt", action="append", metavar="TEXT",
                         help="Prompt for a sample generation (repeatable; default: two stock prompts).")
     parser.add_argument("--sample-tokens", type=int, default=24, metavar="N",

@@ -31,12 +31,14 @@ The LLaMA-family fields (``swiglu``, grouped-query attention, ``untie_embeddings
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from domino.config.schema import DominoConfig, ModelConfig
-from domino.config.validate import padded_vocab_size, zero_stage_for
+from domino.config.validate import ConfigError, padded_vocab_size, resolve_domino_chunks, validate, zero_stage_for
 
 GB = 2**30
 #: Vocabulary assumed when neither --vocab-size nor a tokenizer says (the GPT-2 BPE, domino's default tokenizer).
@@ -309,28 +311,46 @@ def layout_of(config: DominoConfig, gpus: int) -> Layout:
                   sequence_parallel=p.sequence_parallel and tp > 1, domino_chunks=p.domino_chunks or 1)
 
 
+def config_with_layout(config: DominoConfig, layout: Layout) -> DominoConfig:
+    """A copy of ``config`` that asks for ``layout`` (the inverse of :func:`layout_of`), Domino's chunks left to
+    domino's default for that TP size and micro-batch (:func:`domino.config.validate.resolve_domino_chunks`)."""
+    out = copy.deepcopy(config)
+    p, t = out.parallel, out.train
+    p.tensor_model_parallel_size, p.zero_stage = layout.tensor_model_parallel_size, layout.zero_stage
+    p.sequence_parallel, p.domino_chunks = layout.sequence_parallel, None
+    t.micro_batch_size = layout.micro_batch_size
+    t.recompute_activations = False
+    t.recompute_granularity = None if layout.recompute == "none" else layout.recompute
+    full = layout.recompute == "full"
+    t.recompute_method = layout.recompute_method if full else None
+    t.recompute_num_layers = layout.recompute_num_layers if full else None
+    resolve_domino_chunks(out)
+    return out
+
+
 def candidate_layouts(config: DominoConfig, gpus: int) -> List[Layout]:
-    """Every layout worth trying on ``gpus`` GPUs: TP dividing the heads (and the GPUs, within 8 per node), ZeRO
-    0-2, micro-batch 1..the config's (powers of two), no/selective/full recompute, SP on or off at TP > 1; not
-    full recompute with ZeRO 2 at TP > 1, which Domino's chunks cannot run (``domino.config.validate``)."""
-    m = config.model
-    tps = [t for t in (1, 2, 4, 8) if t <= gpus and gpus % t == 0 and m.num_attention_heads % t == 0
-           and m.ffn_size % t == 0]
+    """Every layout worth trying on ``gpus`` GPUs that ``config``'s model can run: TP within one 8-GPU node, ZeRO
+    0-2, micro-batch 1..the config's (powers of two), no/selective/full recompute, SP on or off at TP > 1, each
+    kept only when the config asking for it passes :func:`domino.config.validate.validate` (the layout rules
+    live there alone: TP dividing the GPUs, heads, query groups, MLP and, with SP, the sequence; the global
+    batch; ZeRO with recomputed chunks)."""
     micro, micros = 1, []
     while micro <= max(1, config.train.micro_batch_size):
         micros.append(micro)
         micro *= 2
     out = []
-    for tp in tps:
-        for zero in (0, 1, 2):
-            for mb in micros:
-                for recompute in RECOMPUTE_CHOICES:
-                    if recompute == "full" and zero == 2 and tp > 1:
-                        continue
-                    for sp in ((False, True) if tp > 1 else (False,)):
-                        chunks = 2 if tp > 1 and mb % 2 == 0 else 1  # domino's default (validate.py)
-                        out.append(Layout(tp, gpus // tp, zero, mb, recompute, sequence_parallel=sp,
-                                          domino_chunks=chunks))
+    for tp, zero, mb, recompute, sp in itertools.product((1, 2, 4, 8), (0, 1, 2), micros, RECOMPUTE_CHOICES,
+                                                         (False, True)):
+        if tp > gpus or (sp and tp == 1):
+            continue
+        layout = Layout(tp, max(1, gpus // tp), zero, mb, recompute, sequence_parallel=sp)
+        candidate = config_with_layout(config, layout)
+        try:
+            validate(candidate, world_size=gpus)
+        except ConfigError:
+            continue
+        layout.domino_chunks = candidate.parallel.domino_chunks
+        out.append(layout)
     return out
 
 

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 import typing
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from domino.config import preset_store
 from domino.config.schema import DominoConfig, field_docs, flag_name
@@ -74,12 +74,27 @@ def _group_classes() -> Dict[str, type]:
     return {group: hints[group] for group in DominoConfig.GROUPS}
 
 
+def _base_type(hint: Any) -> Any:
+    """``Optional[int]`` -> ``int``; other hints unchanged."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) is typing.Union and args else hint
+
+
+def config_field_types() -> Dict[str, Tuple[Any, str]]:
+    """``{field: (its type without Optional, its docstring)}`` over every config group (what the kfp
+    parameters that stand for config fields are checked against, see ``components/declare.py``)."""
+    out = {}
+    for cls in _group_classes().values():
+        hints, docs = typing.get_type_hints(cls), field_docs(cls)
+        for f in dataclasses.fields(cls):
+            out[f.name] = (_base_type(hints[f.name]), docs.get(f.name, ""))
+    return out
+
+
 def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, doc: str) -> None:
     dest = f.name
     names = (flag_name(f.name), *FLAG_ALIASES.get(f.name, ()))
-    origin = typing.get_origin(hint)
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    base = args[0] if origin is typing.Union and args else hint
+    base = _base_type(hint)
     if base is bool:
         group.add_argument(*names, dest=dest, action=BooleanFlag, help=doc)
     elif typing.get_origin(base) in (list, List):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import textwrap
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -341,7 +342,7 @@ class DominoConfig:
 @functools.lru_cache(maxsize=None)
 def field_docs(cls: type) -> Dict[str, str]:
     """Returns ``{field name: docstring}`` read from the string literal below each field of ``cls``."""
-    tree = ast.parse(inspect.getsource(cls))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))  # dedented: a class may be defined in a function
     body = tree.body[0].body
     docs = {}
     for node, following in zip(body, body[1:]):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from domino.config import DataConfig
-from domino.parallel import state
+from domino.runtime import state
 
 
 def get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int, reset_position_ids: bool,

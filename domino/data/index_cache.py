@@ -9,7 +9,7 @@ each array file: an entry whose description is missing, different, or whose arra
 recorded digests is stale or corrupt, and is rebuilt.
 
 With ``torch.distributed`` initialised, global rank 0 builds a missing entry while the other ranks wait
-in an agreement (``domino.parallel.agreement``: a failure on rank 0 stops every rank), then every rank loads it (a rank that still cannot load it, e.g. on a node that does not
+in an agreement (``domino.runtime.agreement``: a failure on rank 0 stops every rank), then every rank loads it (a rank that still cannot load it, e.g. on a node that does not
 share the cache directory, builds its own copy).
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from domino.atomic_files import atomic_write
 from domino.data.provenance import file_sha256
-from domino.parallel.agreement import agree
+from domino.runtime.agreement import agree
 
 logger = logging.getLogger(__name__)
 

@@ -12,14 +12,15 @@ and its ``MMapIndexedDataset`` reads, so datasets move freely between the two pr
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
-from typing import Dict, Iterator, List, Optional, Sequence, Union
+from typing import BinaryIO, Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
-from domino.atomic_files import commit, fsync_directory, remove_quietly, temporary_name
+from domino.atomic_files import commit, fsync_directory, open_owned_temporary, remove_quietly
 from domino.data.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -56,25 +57,45 @@ def index_header(dtype: np.dtype, count: int, document_index_length: int) -> byt
             + struct.pack("<QQ", count, document_index_length))
 
 
-def commit_dataset(bin_temp: str, idx_temp: str, prefix: str) -> None:
-    """Moves a finished ``.bin``/``.idx`` pair from temporary names to ``prefix`` (``.bin`` first, fsynced)."""
+def commit_dataset(bin_temp: str, idx_temp: str, prefix: str, synced: bool = False) -> None:
+    """Moves a finished ``.bin``/``.idx`` pair from temporary names to ``prefix`` (``.bin`` first).
+
+    Args:
+        bin_temp: The temporary ``.bin``.
+        idx_temp: The temporary ``.idx``.
+        prefix: The final prefix.
+        synced: The caller fsynced both temporaries through the handles it still holds open (and owns:
+            see :func:`domino.atomic_files.open_owned_temporary`); else each is fsynced here.
+
+    Replacing a prefix that other processes read is not atomic for the pair: use a new prefix for each
+    build and publish it (:mod:`domino.data.dataset_store`) where readers share a dataset.
+    """
     # Drop an old .idx first: between the two renames there is a new .bin and no .idx, never a
     # new .bin beside a stale .idx that might still look valid.
     remove_quietly(index_file_path(prefix))
-    commit(bin_temp, data_file_path(prefix))
-    commit(idx_temp, index_file_path(prefix))
+    if synced:
+        os.replace(bin_temp, data_file_path(prefix))
+        os.replace(idx_temp, index_file_path(prefix))
+    else:
+        commit(bin_temp, data_file_path(prefix))
+        commit(idx_temp, index_file_path(prefix))
     fsync_directory(os.path.dirname(os.path.abspath(prefix)))
 
 
-def write_index(path: str, dtype: np.dtype, sizes: np.ndarray, document_index: np.ndarray) -> None:
-    """Writes an ``.idx`` file (not atomically: callers write to a temporary name) for contiguous sequences."""
+def temporary_paths(prefix: str) -> List[str]:
+    """The final names whose temporaries a writer of ``prefix`` creates (for :func:`sweep_temporaries`)."""
+    return [data_file_path(prefix), index_file_path(prefix)]
+
+
+def write_index(target: Union[str, BinaryIO], dtype: np.dtype, sizes: np.ndarray, document_index: np.ndarray) -> None:
+    """Writes an ``.idx`` (to a path, or an open binary file; not atomically: callers write to a temporary)."""
     dtype = np.dtype(dtype)
     sizes = np.asarray(sizes, dtype=np.int32)
     pointers = np.zeros(len(sizes), dtype=np.int64)
     if len(sizes) > 1:
         np.cumsum(sizes[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
     document_index = np.asarray(document_index, dtype=np.int64)
-    with open(path, "wb") as handle:
+    with (open(target, "wb") if isinstance(target, str) else contextlib.nullcontext(target)) as handle:
         handle.write(index_header(dtype, len(sizes), len(document_index)))
         handle.write(sizes.astype("<i4").tobytes(order="C"))
         handle.write(pointers.astype("<i8").tobytes(order="C"))
@@ -101,9 +122,9 @@ class IndexedDatasetWriter:
         if self.dtype not in _CODES:
             raise DataError(f"{prefix}: unsupported token dtype {self.dtype} (supported: {sorted(map(str, _CODES))})")
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-        self._bin_temp = temporary_name(data_file_path(prefix))
-        self._idx_temp = temporary_name(index_file_path(prefix))
-        self._bin = open(self._bin_temp, "wb")
+        # Owned (record-locked) until renamed, so that only a dead writer's temporaries are ever swept.
+        self._bin_temp, self._bin = open_owned_temporary(data_file_path(prefix))
+        self._idx_temp, self._idx = "", None
         self._sizes: List[np.ndarray] = []
         self._document_ends: List[np.ndarray] = [np.zeros(1, dtype=np.int64)]
         self.sequences = 0
@@ -144,17 +165,25 @@ class IndexedDatasetWriter:
         """Writes the ``.idx`` and moves both files to their final names (``.bin`` first, each fsynced)."""
         self._bin.flush()
         os.fsync(self._bin.fileno())
-        self._bin.close()
         sizes = np.concatenate(self._sizes) if self._sizes else np.zeros(0, dtype=np.int32)
-        write_index(self._idx_temp, self.dtype, sizes, np.concatenate(self._document_ends))
-        commit_dataset(self._bin_temp, self._idx_temp, self.prefix)
+        self._idx_temp, self._idx = open_owned_temporary(index_file_path(self.prefix))
+        write_index(self._idx, self.dtype, sizes, np.concatenate(self._document_ends))
+        self._idx.flush()
+        os.fsync(self._idx.fileno())
+        commit_dataset(self._bin_temp, self._idx_temp, self.prefix, synced=True)  # renamed while still owned
+        self._close()
+
+    def _close(self) -> None:
+        for handle in (self._bin, self._idx):
+            if handle is not None and not handle.closed:
+                handle.close()
 
     def abort(self) -> None:
         """Closes and deletes the temporary files; the final names are left untouched."""
-        if not self._bin.closed:
-            self._bin.close()
+        self._close()
         remove_quietly(self._bin_temp)
-        remove_quietly(self._idx_temp)
+        if self._idx_temp:
+            remove_quietly(self._idx_temp)
 
     def __enter__(self) -> "IndexedDatasetWriter":
         return self

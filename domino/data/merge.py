@@ -27,10 +27,10 @@ from typing import BinaryIO, List, Optional, Sequence
 
 import numpy as np
 
-from domino.atomic_files import remove_quietly, temporary_name
+from domino.atomic_files import open_owned_temporary, remove_quietly, sweep_temporaries
 from domino.data.errors import DataError
 from domino.data.indexed_dataset import (HEADER_SIZE, commit_dataset, data_file_path, index_file_path,
-                                         index_header, read_index)
+                                         index_header, read_index, temporary_paths)
 from domino.data.provenance import DatasetMeta, check_same_tokenizer, meta_path, read_meta, write_meta
 
 logger = logging.getLogger(__name__)
@@ -169,37 +169,41 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str) -> MergeResult:
     sequences = sum(item.sequences for item in items)
     documents = sum(item.documents for item in items)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    bin_temp = temporary_name(data_file_path(output_prefix))
-    idx_temp = temporary_name(index_file_path(output_prefix))
+    sweep_temporaries(temporary_paths(output_prefix) + [meta_path(output_prefix)])  # a killed merge's leftovers; live writers' are kept
+    # Owned (record-locked) until renamed: see domino.atomic_files.open_owned_temporary.
+    bin_temp, out_bin = open_owned_temporary(data_file_path(output_prefix))
+    idx_temp, out_idx = open_owned_temporary(index_file_path(output_prefix))
     try:
-        with open(bin_temp, "wb") as out:
+        with out_bin, out_idx:
             for item in items:
                 with open(data_file_path(item.prefix), "rb") as source:
-                    shutil.copyfileobj(source, out, _COPY_BUFFER)
-        with open(idx_temp, "wb") as out:
-            out.write(index_header(dtype, sequences, documents + 1))
+                    shutil.copyfileobj(source, out_bin, _COPY_BUFFER)
+            out_idx.write(index_header(dtype, sequences, documents + 1))
             # The three sections in file order: lengths as they are, pointers shifted by the bytes of the
             # inputs before, document ends shifted by their sequences (Megatron's offset + doc_idx[1:]).
             handles = [open(index_file_path(item.prefix), "rb") for item in items]
             try:
                 for handle, item in zip(handles, items):
-                    _copy_section(handle, item, HEADER_SIZE, item.sequences, "<i4", out)
+                    _copy_section(handle, item, HEADER_SIZE, item.sequences, "<i4", out_idx)
                 byte_offset = 0
                 for handle, item in zip(handles, items):
-                    _copy_section(handle, item, HEADER_SIZE + 4 * item.sequences, item.sequences, "<i8", out,
+                    _copy_section(handle, item, HEADER_SIZE + 4 * item.sequences, item.sequences, "<i8", out_idx,
                                   add=byte_offset)
                     byte_offset += item.bin_bytes
-                out.write(np.zeros(1, dtype="<i8").tobytes())
+                out_idx.write(np.zeros(1, dtype="<i8").tobytes())
                 sequence_offset = 0
                 for handle, item in zip(handles, items):
-                    _copy_section(handle, item, HEADER_SIZE + 12 * item.sequences + 8, item.documents, "<i8", out,
-                                  add=sequence_offset)
+                    _copy_section(handle, item, HEADER_SIZE + 12 * item.sequences + 8, item.documents, "<i8",
+                                  out_idx, add=sequence_offset)
                     sequence_offset += item.sequences
             finally:
                 for handle in handles:
                     handle.close()
-        remove_quietly(meta_path(output_prefix))
-        commit_dataset(bin_temp, idx_temp, output_prefix)
+            for out in (out_bin, out_idx):
+                out.flush()
+                os.fsync(out.fileno())
+            remove_quietly(meta_path(output_prefix))
+            commit_dataset(bin_temp, idx_temp, output_prefix, synced=True)  # renamed while still owned
     except BaseException:
         remove_quietly(bin_temp)
         remove_quietly(idx_temp)

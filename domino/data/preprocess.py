@@ -27,10 +27,10 @@ from typing import Deque, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
-from domino.atomic_files import remove_quietly
+from domino.atomic_files import remove_quietly, sweep_temporaries
 from domino.data.builtin_corpora import builtin_corpus_bytes, builtin_documents
 from domino.data.errors import DataError
-from domino.data.indexed_dataset import IndexedDatasetWriter, index_file_path, token_dtype
+from domino.data.indexed_dataset import IndexedDatasetWriter, index_file_path, temporary_paths, token_dtype
 from domino.data.limits import MAX_DOCUMENT_CHARS
 from domino.data.provenance import DatasetMeta, file_sha256, meta_path, tokenizer_sha256, write_meta
 from domino.data.text_inputs import BadLineCounter, Document, expand_inputs, input_bytes, read_documents
@@ -254,6 +254,8 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
     tok = build_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
     prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
+    for prefix in prefixes.values():  # what a killed run left; a live writer's temporaries are its own
+        sweep_temporaries(temporary_paths(prefix) + [meta_path(prefix)])
     writers = {key: IndexedDatasetWriter(prefix, dtype) for key, prefix in prefixes.items()}
     written, empty, tokens = 0, 0, 0
     try:

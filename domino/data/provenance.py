@@ -8,8 +8,8 @@ dataset's counts. ``domino merge-datasets`` refuses to concatenate datasets whos
 Megatron ignores the sidecar, and datasets without one (written by Megatron) still merge, by dtype only.
 
 :func:`dataset_key` names a preprocessed dataset by everything that determines its bytes: the inputs'
-identity (absolute path, size and modification time of every file, in order; not their contents, which
-would mean reading a terabyte corpus to decide whether to read it), the tokenizer's hash and the
+identity (absolute path, size, modification time, inode and status-change time of every file, in order;
+not their contents, which would mean reading a terabyte corpus to decide whether to read it), the tokenizer's hash and the
 preprocessing options. The pipeline stores datasets under that key and reuses them (``docs/pipeline.md``).
 """
 
@@ -98,9 +98,17 @@ def read_meta(prefix: str) -> Optional[DatasetMeta]:
 
 
 def file_identity(path: str) -> Dict[str, Any]:
-    """``{"path", "size", "mtime_ns"}`` of ``path`` (absolute path), without reading the file."""
+    """``{"path", "size", "mtime_ns", "inode", "ctime_ns"}`` of ``path`` (absolute path), without reading it.
+
+    The inode changes when a file is replaced (written elsewhere and renamed over, as most tools do), and
+    the status-change time on every write, ``touch -m`` or ``os.utime`` included: a file rewritten with the
+    same size and its old mtime restored still gets a new key. (``chmod`` or a rename change the ctime too,
+    which costs one needless re-tokenisation.) The device number is left out: NFS clients number a mount
+    each their own way, and the key must be the same on every node.
+    """
     stat = os.stat(path)
-    return {"path": os.path.abspath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return {"path": os.path.abspath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "inode": stat.st_ino, "ctime_ns": stat.st_ctime_ns}
 
 
 def dataset_key(sources: Sequence[Dict[str, Any]], tokenizer_hash: str, json_keys: Sequence[str],

@@ -19,7 +19,7 @@ import torch
 from domino.config import ConfigError, DominoConfig, config_from_dict
 from domino.eval.metrics import evaluate_batches
 from domino.eval.runtime import default_device, setup_tensor_parallel
-from domino.parallel import state
+from domino.runtime import state
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from domino.config import ConfigError
 from domino.eval.sampling import SamplingConfig, sample_next_token
-from domino.parallel import state
+from domino.runtime import state
 from domino.parallel.collectives import gather_from_tp_region
 
 logger = logging.getLogger(__name__)

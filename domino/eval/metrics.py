@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from domino.parallel import state
+from domino.runtime import state
 from domino.parallel.collectives import all_reduce_max_, tp_rank_and_size
 from domino.parallel.cross_entropy import vocab_parallel_cross_entropy
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from domino.config import ConfigError
-from domino.parallel import state
+from domino.runtime import state
 
 
 def world_size_from_env() -> int:

@@ -11,6 +11,12 @@ Each rule and where it comes from:
   (kubeflow/trainer release-1.9, ``pkg/core/job.go`` ``PastBackoffLimit``), and one lost pod makes
   every other rank fail too, so one fault costs ``nodes`` restarts: the default allows
   :data:`FAULTS_TOLERATED` faults.
+* **GPU toleration** (:data:`GPU_TOLERATION`): GPU node pools are commonly tainted
+  ``nvidia.com/gpu:NoSchedule`` so that other pods stay off them; the NVIDIA device plugin tolerates
+  exactly that (NVIDIA/k8s-device-plugin ``deployments/static/nvidia-device-plugin.yml``: key
+  ``nvidia.com/gpu``, operator Exists, effect NoSchedule), and so do GPU pods here unless
+  ``gpu_toleration`` is off or the spec tolerates that key itself. Where no node carries the taint it
+  changes nothing.
 * **Environment on GPU pods** (:data:`GPU_ENV`, each overridable by ``--env``):
   ``CUDA_DEVICE_MAX_CONNECTIONS=1`` makes kernels launch in issue order, which tensor-parallel
   communication/compute overlap relies on (Megatron-LM refuses sequence parallelism and async TP
@@ -32,9 +38,9 @@ Each rule and where it comes from:
 from __future__ import annotations
 
 import math
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
-from domino.launch.spec import JobSpec
+from domino.launch.spec import JobSpec, Toleration
 
 #: (CPU, memory) requested per training process on GPU pods.
 GPU_PROCESS_REQUESTS: Tuple[int, int] = (4, 16)
@@ -44,6 +50,8 @@ CPU_PROCESS_REQUESTS: Tuple[int, int] = (1, 2)
 FAULTS_TOLERATED = 3
 #: The variable torchrun reads its workers' shutdown timeout from (torch ``distributed/launcher/api.py``).
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+#: The toleration GPU pods get by default.
+GPU_TOLERATION = Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
 #: Environment of GPU training pods unless ``--env`` sets the variable.
 GPU_ENV: Dict[str, str] = {
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",
@@ -86,3 +94,12 @@ def environment(spec: JobSpec) -> Dict[str, str]:
     overridden by the spec's."""
     shutdown = {SHUTDOWN_TIMEOUT_ENV: str(shutdown_timeout_s(spec.termination_grace_period_s))}
     return {**shutdown, **(GPU_ENV if spec.gpus_per_node > 0 else {}), **spec.env}
+
+
+def tolerations(spec: JobSpec) -> List[Toleration]:
+    """The pod's tolerations: the spec's, plus :data:`GPU_TOLERATION` on GPU pods unless turned off or
+    the spec already tolerates ``nvidia.com/gpu``."""
+    out = list(spec.tolerations)
+    if spec.gpus_per_node > 0 and spec.gpu_toleration and not any(t.key == GPU_TOLERATION.key for t in out):
+        out.append(GPU_TOLERATION)
+    return out

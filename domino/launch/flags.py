@@ -6,6 +6,7 @@ import argparse
 import shlex
 from typing import List, Optional
 
+from domino import images
 from domino.launch.spec import (
     CLEAN_POD_POLICIES,
     DEFAULT_MOUNT_PATH,
@@ -27,7 +28,9 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     """Adds one flag per :class:`JobSpec` field; ``-- ARGS`` after them are the ``domino pretrain`` flags."""
     job = parser.add_argument_group("job")
     job.add_argument("--name", required=True, help="Base job name (DNS-1035, <= 40 chars); a run suffix is added.")
-    job.add_argument("--image", required=True, help="Container image with the domino package.")
+    job.add_argument("--image", default=None,
+                     help="Container image with the domino package (default: the domino image of this version, "
+                          "CUDA with --gpus-per-node, else CPU, in $DOMINO_IMAGE_REPOSITORY; domino/images.py).")
     job.add_argument("--namespace", default=None,
                      help="Namespace of the job and the PVC (default: $POD_NAMESPACE, else domino).")
     job.add_argument("--run-id", default=None,
@@ -58,6 +61,8 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
                        help="Pod node selector entry (repeatable).")
     sched.add_argument("--toleration", action="append", default=[], metavar="KEY[=VALUE][:EFFECT]",
                        help="Pod toleration (repeatable); without =VALUE the operator is Exists.")
+    sched.add_argument("--no-gpu-toleration", dest="gpu_toleration", action="store_false",
+                       help="Do not add the default nvidia.com/gpu:NoSchedule toleration to GPU pods.")
     sched.add_argument("--priority-class", default=None, help="PriorityClass of the training pods.")
     sched.add_argument("--image-pull-secret", action="append", default=[], metavar="SECRET",
                        help="Secret for a private registry (repeatable).")
@@ -99,7 +104,7 @@ def spec_from_args(args: argparse.Namespace, pretrain_args: Optional[List[str]] 
     for text in args.toleration:
         tolerations.append(Toleration.parse(text))
     spec = JobSpec(
-        name=args.name, image=args.image, pretrain_args=extra,
+        name=args.name, image=args.image or images.for_gpus(args.gpus_per_node), pretrain_args=extra,
         command=shlex.split(args.command) if args.command else None,
         namespace=args.namespace or default_namespace(),
         nodes=args.nodes, nproc_per_node=args.nproc_per_node, gpus_per_node=args.gpus_per_node,
@@ -107,6 +112,7 @@ def spec_from_args(args: argparse.Namespace, pretrain_args: Optional[List[str]] 
         memory_limit=args.memory_limit, shm_size=args.shm_size or None, pvc=args.pvc, mount_path=args.mount_path,
         checkpoint_dir=args.checkpoint_dir,
         node_selector=parse_key_values(args.node_selector, "--node-selector"), tolerations=tolerations,
+        gpu_toleration=args.gpu_toleration,
         priority_class=args.priority_class, image_pull_secrets=list(args.image_pull_secret),
         image_pull_policy=args.image_pull_policy, service_account=args.service_account,
         env=parse_key_values(args.env, "--env"), labels=parse_key_values(args.label, "--label"),

@@ -6,8 +6,9 @@ from the :class:`~domino.launch.job_api_base.JobApi` the launcher is given. What
 
 1. Renders the job for the run id (the same run id gives the same name) with an owner reference to
    the launching pod when ``POD_NAME``/``POD_UID`` are set (downward API).
-2. Creates it; on 409 adopts the existing job only if its ``domino/run-id`` annotation is this run's,
-   and refuses (never touches) a job of another run.
+2. Creates it; on 409 adopts the existing job only if its ``domino/run-id`` annotation is this run's
+   (and makes the launching pod its owner in place of the earlier attempt's pod), and refuses (never
+   touches) a job of another run.
 3. Watches the job (field selector on its name) with resourceVersion bookkeeping: a dropped connection
    resumes from the last version, a 410 Gone relists. Condition changes are reported as they happen;
    the rank-0 pod's log is streamed by :class:`~domino.launch.kube_pods.MasterLogStreamer`.
@@ -22,15 +23,15 @@ from the :class:`~domino.launch.job_api_base.JobApi` the launcher is given. What
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from domino.launch import naming
-from domino.launch.api import JobResult, LaunchInterrupted, interrupt_on_signals, should_delete
+from domino.launch.outcome import JobResult, LaunchInterrupted, interrupt_on_signals, should_delete
 from domino.launch.job_api import DEFAULT_JOB_API, JobApi, job_api
 from domino.launch.job_api_base import STARTED_PHASES
 from domino.launch.kube_pods import MasterLogStreamer, exit_code, explain_pending, failed_pod_logs, list_job_pods
+from domino.launch.ownership import adopt_owner, owner_reference
 from domino.launch.spec import JobSpec
 
 #: Reasons for which the launcher gives up on a job that may still hold or wait for resources.
@@ -92,20 +93,6 @@ class JobTracker:
 
     def failure_reason(self) -> str:
         return self.failure or "Failed: the job failed"
-
-
-def owner_reference(namespace: str, log: Callable[[str], None]) -> Optional[Dict[str, Any]]:
-    """An ownerReference to the launching pod (``POD_NAME``, ``POD_UID``), if in the job's namespace."""
-    name, uid = os.environ.get("POD_NAME"), os.environ.get("POD_UID")
-    if not (name and uid):
-        return None
-    pod_namespace = os.environ.get("POD_NAMESPACE")
-    if pod_namespace and pod_namespace != namespace:
-        log(f"not setting an owner reference: launcher pod is in namespace {pod_namespace}, job in {namespace}")
-        return None
-    # blockOwnerDeletion needs delete rights on the owner's finalizers; garbage collection works without it.
-    return {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid, "controller": False,
-            "blockOwnerDeletion": False}
 
 
 def load_api_client():
@@ -185,6 +172,9 @@ class JobLauncher:
         theirs = (meta.get("annotations") or {}).get(naming.RUN_ID_ANNOTATION)
         if theirs == run_id and (meta.get("labels") or {}).get(naming.RUN_ID_LABEL) == naming.label_value(run_id):
             self.log(f"adopting existing {self.api.kind} {ns}/{name} of this run ({run_id}): a retry resumes it")
+            owner = (body["metadata"].get("ownerReferences") or [None])[0]
+            if owner:
+                existing = adopt_owner(self.custom, self.api, existing, owner, self.log, self.request_timeout_s)
             return existing, False
         raise JobConflict(f"a {self.api.kind} named {name} already exists in namespace {ns} and belongs to run "
                           f"{theirs!r}, not to this run {run_id!r}; refusing to reuse it (delete it, or use "

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Callable, Deque, Dict, List, Optional
 
 from domino.launch import naming
-from domino.launch.api import JobResult, LaunchInterrupted, interrupt_on_signals
+from domino.launch.outcome import JobResult, LaunchInterrupted, interrupt_on_signals
 from domino.launch.job_api import DEFAULT_JOB_API, JobApi, job_api
 from domino.launch.render import container_command
 from domino.launch.spec import JobSpec

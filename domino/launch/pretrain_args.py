@@ -8,6 +8,7 @@ the same config flags ``domino pretrain`` uses and validates them for training a
 from __future__ import annotations
 
 from domino.config import ConfigError, DominoConfig, add_config_flags, config_from_args
+from domino.config.estimate import USABLE_FRACTION, describe, estimate_layout, fitting_layouts, layout_of
 from domino.config.flags import ArgumentParser
 from domino.launch.render import container_command
 from domino.launch.spec import JobSpec, LaunchSpecError
@@ -47,8 +48,6 @@ def check_pretrain_args(spec: JobSpec) -> None:
 def check_memory_fits(config: DominoConfig, world_size: int, gpu_memory_gb: float) -> None:
     """Raises :class:`LaunchSpecError` with the numbers when the memory estimate of ``config``'s layout on
     ``world_size`` GPUs exceeds the usable share of ``gpu_memory_gb``; names the best layout that fits."""
-    from domino.config.estimate import USABLE_FRACTION, describe, estimate_layout, fitting_layouts, layout_of
-
     estimate = estimate_layout(config, layout_of(config, world_size), gpu_memory_gb=gpu_memory_gb)
     if estimate.fits:
         return

@@ -93,12 +93,14 @@ def resources(spec: JobSpec) -> Dict[str, Dict[str, str]]:
 
 
 def pod_placement(spec: JobSpec) -> Dict[str, Any]:
-    """The pod fields the spec sets only when asked: node selector, tolerations, pull secrets, service account."""
+    """The pod fields set only when asked (or, for the GPU toleration, by default on GPU pods): node selector,
+    tolerations, pull secrets, service account."""
     out: Dict[str, Any] = {}
     if spec.node_selector:
         out["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        out["tolerations"] = [t.to_dict() for t in spec.tolerations]
+    tolerations = defaults.tolerations(spec)
+    if tolerations:
+        out["tolerations"] = [t.to_dict() for t in tolerations]
     if spec.image_pull_secrets:
         out["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
     if spec.service_account:

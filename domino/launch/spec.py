@@ -123,6 +123,9 @@ class JobSpec:
     """Pod node selector."""
     tolerations: List[Toleration] = field(default_factory=list)
     """Pod tolerations."""
+    gpu_toleration: bool = True
+    """GPU pods tolerate the ``nvidia.com/gpu`` taint GPU node pools carry (see domino.launch.defaults);
+    a toleration of your own for that key replaces it."""
     priority_class: Optional[str] = None
     """PriorityClass name of the pods."""
     image_pull_secrets: List[str] = field(default_factory=list)

@@ -1,1 +1,1 @@
-"""Tensor parallelism: process groups, collectives as autograd functions, TP layers, vocab-parallel CE, RNG."""
+"""Tensor-parallel maths: collectives as autograd functions, TP layers, vocab-parallel CE, RNG, kernel choices."""

@@ -28,8 +28,8 @@ collective, on the emulated link when there is one); sequence parallelism's spli
 :mod:`domino.parallel.sequence_async`.
 
 Every collective here runs over the TP group, counts the host time it blocks (the ``comm-wait`` timer,
-:mod:`domino.parallel.comm_timing`) and, when ``DOMINO_SIMULATED_NETWORK`` is set, lasts at least the time
-of the emulated link (:mod:`domino.parallel.network_emulator`): synchronous ones sleep the remainder before
+:mod:`domino.runtime.comm_timing`) and, when ``DOMINO_SIMULATED_NETWORK`` is set, lasts at least the time
+of the emulated link (:mod:`domino.runtime.network_emulator`): synchronous ones sleep the remainder before
 returning, asynchronous ones in ``wait()``.
 """
 
@@ -40,12 +40,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from domino.parallel import state
-from domino.parallel.comm_timing import (  # noqa: F401  (the timers are read through this module too)
+from domino.runtime import state
+from domino.runtime.comm_timing import (  # noqa: F401  (the timers are read through this module too)
     TimedWork, comm_site, count_blocked, current_site, pop_comm_wait_by_site, pop_comm_wait_seconds,
     pop_modelled_comm_seconds,
 )
-from domino.parallel.network_emulator import (
+from domino.runtime.network_emulator import (
     DeferredWork, EmulatedWork, all_gather_wire_bytes, all_reduce_wire_bytes,
 )
 

@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator
 import numpy as np
 import torch
 
-from domino.parallel import state
+from domino.runtime import state
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 """Name of the tracker state used inside tensor-parallel regions."""

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from domino.parallel import state
+from domino.runtime import state
 from domino.parallel.collectives import DONE, gather_sequence, launch_async, sequence_first
-from domino.parallel.network_emulator import all_gather_wire_bytes
+from domino.runtime.network_emulator import all_gather_wire_bytes
 
 
 def _tp_size() -> int:

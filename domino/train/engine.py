@@ -13,7 +13,7 @@ import torch
 
 from domino.config import ConfigError, DominoConfig
 from domino.config.validate import check_device, zero_stage_for
-from domino.parallel import state
+from domino.runtime import state
 from domino.parallel.layers import is_tensor_model_parallel
 from domino.train import bf16_step
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from domino.config import DominoConfig, padded_vocab_size
-from domino.parallel import state
+from domino.runtime import state
 
 logger = logging.getLogger(__name__)
 

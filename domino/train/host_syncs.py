@@ -20,7 +20,7 @@ those too.
 
 Run a probed ``domino pretrain`` (alone or under torchrun; each rank writes ``OUT.rank<R>.json``)::
 
-    python -m domino.train.host_syncs OUT pretrain --preset tiny --mock-data ...
+    python -m domino.cli.host_syncs OUT pretrain --preset tiny --mock-data ...
 """
 
 from __future__ import annotations
@@ -207,26 +207,15 @@ def explicit_synchronizes(record: Callable[[], None], guard=None) -> Iterator[No
             setattr(owner, attribute, original)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m domino.train.host_syncs OUT <domino CLI args>``: runs the CLI under the probe."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 2:
-        print("usage: python -m domino.train.host_syncs OUT <domino arguments, e.g. pretrain --preset tiny>",
-              file=sys.stderr)
-        return 2
-    out, args = argv[0], argv[1:]
-    from domino.cli.main import main as domino_main
-
+def run_probed(out: str, entry: Callable[[List[str]], object], args: List[str]) -> int:
+    """Runs ``entry(args)`` (the ``domino`` CLI's ``main``, see ``domino/cli/host_syncs.py``) under the probe
+    and writes this rank's counts to ``OUT.rank<R>.json``; returns the entry's exit status."""
     code = 0
     with HostSyncProbe() as probe:
         try:
-            domino_main(args)
+            entry(args)
         except SystemExit as done:  # the CLI always exits with its verb's status
             code = done.code
     with open(f"{out}.rank{os.environ.get('RANK', '0')}.json", "w") as f:
         json.dump(probe.to_json(), f, indent=1)
     return code or 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -28,8 +28,8 @@ from domino.config.validate import resolve_zero_stage
 from domino.data.loader import build_pretraining_data_loader
 from domino.parallel import random as tp_random
 from domino.parallel.collectives import pop_comm_wait_by_site, pop_comm_wait_seconds, pop_modelled_comm_seconds
-from domino.parallel import state
-from domino.parallel.agreement import PeerLostError, agree, find_lost_ranks, hosts, is_lost_peer_error
+from domino.runtime import state
+from domino.runtime.agreement import PeerLostError, agree, find_lost_ranks, hosts, is_lost_peer_error
 from domino.train import bf16_step, engine as engine_setup
 from domino.train.evaluation import evaluate, perplexity
 from domino.train.interval_stats import IntervalReading, IntervalStats

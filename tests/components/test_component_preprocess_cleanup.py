@@ -26,7 +26,9 @@ def test_preprocess_builtin_corpus_writes_dataset_and_manifest_then_reuses_it(tm
         assert json.load(handle) == manifest
     prefix = manifest["prefix"]
     key = manifest["dataset_key"]
-    assert prefix == str(tmp_path / "shared" / "datasets" / key / "corpus_text_document")
+    build = os.path.dirname(prefix)  # a build folder of its own, named by the record
+    assert os.path.dirname(build) == str(tmp_path / "shared" / "datasets" / key / "builds")
+    assert os.path.basename(prefix) == "corpus_text_document"
     with open(prefix + ".idx", "rb") as handle:
         assert hashlib.sha256(handle.read()).hexdigest() == manifest["idx_sha256"]
     dataset = IndexedDataset(prefix)
@@ -44,6 +46,10 @@ def test_preprocess_builtin_corpus_writes_dataset_and_manifest_then_reuses_it(tm
     forced = run_preprocess(str(tmp_path / "artifact3"), str(tmp_path / "shared"), corpus="shakespeare-small",
                             reuse=False)
     assert not forced["reused"] and forced["groups_tokenized"] == 1 and forced["idx_sha256"] == manifest["idx_sha256"]
+    # reuse_dataset=false published a new build; the one other runs may be reading is left as it was.
+    assert forced["prefix"] != prefix and os.stat(prefix + ".bin").st_mtime_ns == written
+    record = json.load(open(tmp_path / "shared" / "datasets" / key / "corpus.record.json"))
+    assert record["prefixes"]["text"] == forced["prefix"] and record["superseded"] == [os.path.basename(build)]
 
 
 def _records(count, start=0):

@@ -16,7 +16,7 @@ def test_a_failing_job_raises_pretrain_failed_with_exit_code_and_log_tail(tmp_pa
     dataset = tmp_path / "dataset.json"
     write_manifest(str(dataset), {"prefix": str(prefix)})
     settings = PretrainSettings(shared_root=str(tmp_path / "shared"), run_id="failing-run", backend="local",
-                                nproc_per_node=1, tensor_parallel=1, domino_chunks=1, train_iters=2,
+                                nproc_per_node=1, tensor_model_parallel_size=1, domino_chunks=1, train_iters=2,
                                 eval_iters=0, eval_interval=0, job_timeout_s=600)
     model = tmp_path / "model.json"
     lines = []

@@ -25,7 +25,7 @@ def _flag(argv, name):
 
 def test_argv_carries_parallelism_training_and_run_paths(tmp_path):
     settings = PretrainSettings(shared_root=str(tmp_path), run_id="run-1", preset="tiny", train_iters=7,
-                                tensor_parallel=2, domino_chunks=2, zero_stage=1, global_batch_size=8, lr=0.01,
+                                tensor_model_parallel_size=2, domino_chunks=2, zero_stage=1, global_batch_size=8, lr=0.01,
                                 config_overrides=json.dumps({"num_layers": 3, "bf16": False, "seed": 5}))
     layout = RunLayout(str(tmp_path), "run-1")
     argv = pretrain_argv(settings, "/data/corpus_text_document", layout)
@@ -42,15 +42,29 @@ def test_argv_carries_parallelism_training_and_run_paths(tmp_path):
     assert config.model.num_layers == 3 and config.parallel.tensor_model_parallel_size == 2
 
 
-def test_zero_means_preset_value():
-    settings = PretrainSettings(shared_root="/mnt/domino", run_id="r")
-    argv = pretrain_argv(settings, "p", RunLayout("/mnt/domino", "r"))
-    assert "--lr" not in argv and "--global-batch-size" not in argv and "--save-interval" not in argv
+def test_a_config_parameter_not_given_leaves_its_flag_out():
+    """Not given (None from Python, NOT_SET from kfp): no flag, so the preset's value or domino's default holds."""
+    layout = RunLayout("/mnt/domino", "r")
+    for settings in (PretrainSettings(shared_root="/mnt/domino", run_id="r"),
+                     PretrainSettings(shared_root="/mnt/domino", run_id="r", lr=-1.0, global_batch_size=-1,
+                                      save_interval=-1, zero_stage=-1, split="", domino_chunks=-1)):
+        argv = pretrain_argv(settings, "p", layout)
+        for flag in ("--lr", "--global-batch-size", "--save-interval", "--zero-stage", "--split", "--domino-chunks",
+                     "--micro-batch-size", "--eval-interval", "--tokenizer"):
+            assert flag not in argv, flag
+        config = check_config(argv, world_size=2)
+        assert config.train.lr == 0.003 and config.data.split == "90,5,5"  # the tiny preset's
+        assert config.parallel.zero_stage is None and config.parallel.domino_chunks == 2  # domino's choice
+    given = pretrain_argv(PretrainSettings(shared_root="/mnt/domino", run_id="r", zero_stage=0, save_interval=0),
+                          "p", layout)
+    assert _flag(given, "--zero-stage") == "0" and _flag(given, "--save-interval") == "0"  # 0 is a value
 
 
 def test_overrides_may_not_shadow_pipeline_parameters():
-    with pytest.raises(ValueError, match="'tensor_model_parallel_size' is set by the pipeline parameter 'tensor_parallel'"):
+    with pytest.raises(ValueError, match="'tensor_model_parallel_size' is a parameter of its own"):
         parse_overrides('{"tensor_model_parallel_size": 4}')
+    with pytest.raises(ValueError, match="'save' is set by the run's layout"):
+        parse_overrides('{"save": "/elsewhere"}')
     with pytest.raises(ValueError, match="config_overrides: not JSON"):
         parse_overrides("{num_layers: 4}")
     with pytest.raises(ValueError, match="expected a JSON object"):
@@ -59,7 +73,7 @@ def test_overrides_may_not_shadow_pipeline_parameters():
 
 def test_invalid_combinations_fail_before_launch(tmp_path):
     layout = RunLayout(str(tmp_path), "r")
-    bad_tp = pretrain_argv(PretrainSettings(shared_root=str(tmp_path), run_id="r", tensor_parallel=3), "p", layout)
+    bad_tp = pretrain_argv(PretrainSettings(shared_root=str(tmp_path), run_id="r", tensor_model_parallel_size=3), "p", layout)
     with pytest.raises(ConfigError, match="world size 2 is not divisible by --tensor-model-parallel-size 3"):
         check_config(bad_tp, world_size=2)
     unknown = pretrain_argv(PretrainSettings(shared_root=str(tmp_path), run_id="r",
@@ -86,7 +100,7 @@ def test_warm_start_uses_the_promoted_model_then_resumes_its_own(tmp_path):
 def test_gpu_tolerations_node_selector_and_pvc_reach_the_pytorchjob():
     settings = PretrainSettings(
         shared_root="/mnt/domino", run_id="3f1c2b7e-aaaa-bbbb-cccc-0123456789ab", nodes=2, nproc_per_node=8,
-        gpus_per_node=8, tensor_parallel=8, image="registry.example/domino:1", namespace="team-a",
+        gpus_per_node=8, tensor_model_parallel_size=8, image="registry.example/domino:1", namespace="team-a",
         pvc_name="shared-rwx", memory_limit="512Gi", node_selector='{"nvidia.com/gpu.product": "H100"}',
         tolerations='["nvidia.com/gpu:NoSchedule", {"key": "dedicated", "value": "ml", "effect": "NoExecute"}]',
     )
@@ -134,7 +148,7 @@ def test_job_api_trainjob_gives_a_crd_valid_trainjob_and_refusals_come_before_an
     from k8s_schemas import validate_trainer_object
 
     settings = PretrainSettings(shared_root="/mnt/domino", run_id="r1", nodes=4, nproc_per_node=8, gpus_per_node=8,
-                                tensor_parallel=8, job_api="trainjob", tolerations='["nvidia.com/gpu:NoSchedule"]')
+                                tensor_model_parallel_size=8, job_api="trainjob", tolerations='["nvidia.com/gpu:NoSchedule"]')
     argv = pretrain_argv(settings, "/mnt/domino/data/c", RunLayout(settings.shared_root, settings.run_id))
     job = job_api(settings.job_api).render(job_spec(settings, argv), settings.run_id)
     validate_trainer_object(job, "trainjobs")
@@ -165,7 +179,7 @@ def test_gpu_memory_gb_refuses_a_layout_that_cannot_fit_before_any_job(tmp_path)
     for ext in (".bin", ".idx"):
         (tmp_path / f"corpus_text_document{ext}").write_bytes(b"")
     settings = PretrainSettings(shared_root=str(tmp_path / "shared"), run_id="r", backend="local", nproc_per_node=2,
-                                tensor_parallel=2, gpu_memory_gb=0.001)
+                                tensor_model_parallel_size=2, gpu_memory_gb=0.001)
     assert job_spec(settings, ["--preset", "tiny"]).gpu_memory_gb == 0.001
     with pytest.raises(LaunchSpecError, match=r"--gpu-memory-gb 0.001: the estimate \(domino estimate\) is"):
         run_pretrain(settings, str(dataset), str(tmp_path / "model.json"), log=lambda line: None)

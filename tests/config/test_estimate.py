@@ -52,7 +52,7 @@ def test_estimate_matches_measured_cpu_peak_with_recompute(plan):
 
 
 def _tp2_peaks(rank, world_size, cases):
-    from domino.parallel import state
+    from domino.runtime import state
 
     state.initialize_model_parallel(2)
     config = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=512,
@@ -175,3 +175,24 @@ def test_cli_output_cut_short_by_its_reader_ends_quietly():
         "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
     assert "Traceback" not in reader.stderr and "BrokenPipe" not in reader.stderr, reader.stderr
     assert reader.returncode == 141
+
+
+def test_candidate_layouts_are_the_layouts_domino_pretrain_accepts():
+    """The layout rules live in domino.config.validate alone: every candidate passes them, and the ones they
+    refuse are not proposed (TP dividing the query groups, SP dividing the sequence, the global batch, bf16's
+    ZeRO stage)."""
+    from domino.config.estimate import candidate_layouts, config_with_layout
+    from domino.config.validate import validate
+
+    config = parse_config(["--preset", "tiny-llama", "--seq-length", "63", "--micro-batch-size", "4",
+                           "--global-batch-size", "8", "--bf16", "--zero-stage", "1"])
+    layouts = candidate_layouts(config, 4)
+    assert layouts
+    for layout in layouts:
+        validate(config_with_layout(config, layout), world_size=4)
+    assert {lay.tensor_model_parallel_size for lay in layouts} == {1, 2}  # 2 query groups: not TP 4
+    assert not any(lay.sequence_parallel for lay in layouts)  # 63 positions do not split over 2 ranks
+    assert not any(lay.zero_stage == 0 for lay in layouts)  # bf16 needs ZeRO 1 or 2
+    for lay in layouts:
+        assert 8 % (lay.micro_batch_size * lay.data_parallel_size) == 0
+        assert lay.domino_chunks == (2 if lay.tensor_model_parallel_size > 1 and lay.micro_batch_size % 2 == 0 else 1)

@@ -13,7 +13,7 @@ def _body(rank, world_size, prefix, cache_dir):
     from domino.data.batch import get_batch
     from domino.data.dataset_builder import build_train_valid_test_datasets
     from domino.data.loader import build_pretraining_data_loader
-    from domino.parallel import state
+    from domino.runtime import state
 
     state.initialize_model_parallel(2)
     builds = []

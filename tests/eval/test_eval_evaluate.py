@@ -51,7 +51,7 @@ def test_single_process_metrics(setup):
 
 
 def _distributed_body(rank, world, ckpts, prefix, root):
-    from domino.parallel import state
+    from domino.runtime import state
 
     out = {name: _eval(ckpt, prefix, root) for name, ckpt in ckpts.items()}  # TP=2
     state.destroy_model_parallel()

@@ -4,6 +4,7 @@ installs exactly pyproject.toml's dependency set (through the package's own whee
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -141,3 +142,101 @@ def test_dockerfile_passes_hadolint():
     assert out.returncode == 0, out.stdout + out.stderr
     ignores = re.findall(r"# hadolint ignore=(\S+)", (REPO / "Dockerfile").read_text())
     assert sorted(ignores) == ["DL3008", "DL3013"]
+
+
+# -- one image story: one repository, tags <version>-cuda / <version>-cpu, one override --------------------
+
+def _make(*args, env=None):
+    base = {k: v for k, v in os.environ.items() if k != "DOMINO_IMAGE_REPOSITORY"}
+    return subprocess.run(["make", "--no-print-directory", "-C", str(REPO), *args], capture_output=True, text=True,
+                          timeout=60, env={**base, **(env or {})})
+
+
+def test_the_version_in_every_tag_is_the_packages():
+    import domino
+
+    assert tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"] == domino.__version__
+    out = subprocess.run(["make", "-s", "-C", str(REPO), "--eval", "show-version: ; @echo $(VERSION)", "show-version"],
+                         capture_output=True, text=True, timeout=60).stdout.strip()
+    assert out == domino.__version__
+
+
+def test_make_image_builds_both_variants_with_the_tags_every_default_uses(tmp_path, monkeypatch):
+    from domino import images
+
+    monkeypatch.delenv("DOMINO_IMAGE_REPOSITORY", raising=False)
+    engine = tmp_path / "engine"
+    calls = tmp_path / "calls"
+    engine.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    engine.chmod(0o755)
+    done = _make("image", env={"CONTAINER_ENGINE": str(engine)})
+    assert done.returncode == 0, done.stderr
+    assert calls.read_text().splitlines() == [f"build --target cpu -t {images.image('cpu')} .",
+                                              f"build --target cuda -t {images.image('cuda')} ."]
+    calls.unlink()
+    done = _make("image-push", env={"CONTAINER_ENGINE": str(engine), "DOMINO_IMAGE_REPOSITORY": "reg.example/ml/domino"})
+    assert done.returncode == 0, done.stderr
+    monkeypatch.setenv("DOMINO_IMAGE_REPOSITORY", "reg.example/ml/domino")
+    assert calls.read_text().splitlines()[-2:] == [f"push {images.image('cpu')}", f"push {images.image('cuda')}"]
+    assert images.image("cuda").startswith("reg.example/ml/domino:")
+
+
+def test_make_image_without_a_container_engine_says_so_and_builds_nothing(tmp_path):
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for tool in ("sh", "sed", "make"):  # a PATH without docker or podman
+        os.symlink(shutil.which(tool), bare / tool)
+    done = subprocess.run([str(bare / "make"), "--no-print-directory", "-C", str(REPO), "image"], capture_output=True,
+                          text=True, timeout=60, env={"PATH": str(bare)})
+    assert done.returncode != 0
+    assert "make image: no container engine: install docker or podman, or set CONTAINER_ENGINE" in done.stderr
+    assert "build" not in done.stdout
+
+
+def test_every_default_image_is_the_one_repository_with_the_version_tag(monkeypatch, tmp_path):
+    import argparse
+
+    import yaml
+
+    from components import DEFAULT_IMAGE, default_image
+    from components.pretrain.settings import PretrainSettings
+    from components.pretrain.step import job_spec
+    from domino import images
+    from domino.cli.launch import register
+    from pipelines import StepPlacement, compile_pipeline
+
+    monkeypatch.delenv("DOMINO_IMAGE_REPOSITORY", raising=False)
+    cuda, cpu = images.image("cuda"), images.image("cpu")
+    assert cuda == f"ghcr.io/domino-ml/domino:{images.__version__}-cuda" and DEFAULT_IMAGE == default_image() == cpu
+    # The launcher: the CUDA image for GPU pods, the CPU one otherwise.
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    for gpus, expected in (("8", cuda), ("0", cpu)):
+        args = parser.parse_args(["launch", "render", "--name", "a", "--gpus-per-node", gpus, "--nproc-per-node", "1"])
+        from domino.launch.flags import spec_from_args
+
+        assert spec_from_args(args).image == expected
+    # The pipeline: steps on the CPU image (the evaluate step on the CUDA one when it has GPUs); the training
+    # job's image '' means: chosen by the pretrain step from the job's GPUs.
+    path = compile_pipeline(str(tmp_path / "p.yaml"), placement=StepPlacement(eval_gpus=1))
+    spec = next(yaml.safe_load_all(open(path)))
+    executors = {name: e["container"]["image"] for name, e in spec["deploymentSpec"]["executors"].items()}
+    assert executors.pop("exec-evaluate") == cuda and set(executors.values()) == {cpu}
+    assert spec["root"]["inputDefinitions"]["parameters"]["image"]["defaultValue"] == ""
+    for gpus, expected in ((8, cuda), (0, cpu)):
+        settings = PretrainSettings(job_name="gpt", run_id="r", gpus_per_node=gpus, nproc_per_node=1, shared_root="/s")
+        assert job_spec(settings, ["--preset", "tiny"]).image == expected
+    # The shipped manifests: the reference template and the TrainingRuntime.
+    template = yaml.safe_load((REPO / "k8s/templates/pytorchjob-gpu.yaml").read_text())
+    assert {r["template"]["spec"]["containers"][0]["image"]
+            for r in template["spec"]["pytorchReplicaSpecs"].values()} == {cuda}
+    runtime = yaml.safe_load((REPO / "k8s/trainer/trainingruntime.yaml").read_text())
+    (node,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    assert node["template"]["spec"]["template"]["spec"]["containers"][0]["image"] == cuda
+    # The one override moves every default at once.
+    monkeypatch.setenv("DOMINO_IMAGE_REPOSITORY", "reg.example/ml/domino")
+    assert default_image() == "reg.example/ml/domino:" + cpu.split(":", 1)[1]
+    args = parser.parse_args(["launch", "render", "--name", "a", "--gpus-per-node", "8", "--nproc-per-node", "1"])
+    assert spec_from_args(args).image == "reg.example/ml/domino:" + cuda.split(":", 1)[1]
+    text = (REPO / "docs" / "cluster.md").read_text()
+    assert "DOMINO_IMAGE_REPOSITORY=REGISTRY/domino make image image-push" in text

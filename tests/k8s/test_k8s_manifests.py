@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shlex
 import subprocess
 import sys
@@ -73,6 +75,20 @@ def test_pytorchjob_template_is_current_and_valid(capsys):
     assert yaml.safe_load(capsys.readouterr().out) == job
 
 
+@contextlib.contextmanager
+def _launcher_pod(inside: bool):
+    """The downward-API variables of a launcher running in a pod (a retried pipeline step), if ``inside``."""
+    names = {"POD_NAME": "attempt-2", "POD_UID": "uid-2", "POD_NAMESPACE": "domino"}
+    saved = {name: os.environ.get(name) for name in names}
+    if inside:
+        os.environ.update(names)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+
+
 def _launcher_requests() -> set:
     """(group, resource, verb) of every API call the launcher makes across its code paths, both job APIs."""
     import threading
@@ -86,9 +102,10 @@ def _launcher_requests() -> set:
         for script, kwargs, plant in ((scripts.succeed, {}, False), (scripts.fail, {}, False),
                                       (pending, {"scheduling_timeout_s": 1.5, "cleanup": "always"}, False),
                                       (scripts.disconnect_then_410, {}, False), (scripts.succeed, {}, True)):
-            with FakeKubeServer() as server:
-                if plant:  # a retry: the job exists (409), gets adopted
-                    job = server.cluster.add_job(job_api(api).render(scripts.spec(), "rbac"))
+            with FakeKubeServer() as server, _launcher_pod(plant):
+                if plant:  # a retry: the job exists (409), owned by the first attempt's pod, gets adopted
+                    owner = {"apiVersion": "v1", "kind": "Pod", "name": "attempt-1", "uid": "uid-1"}
+                    job = server.cluster.add_job(job_api(api).render(scripts.spec(), "rbac", owner))
                     threading.Thread(target=script, args=(server.cluster, job), daemon=True).start()
                 else:
                     server.cluster.on_create = script
@@ -107,7 +124,7 @@ def test_role_grants_exactly_the_calls_the_launcher_makes():
     assert used <= granted, f"launcher calls not granted by the Role: {used - granted}"
     expected_calls = {(group, plural, v) for group, plural in (("kubeflow.org", "pytorchjobs"),
                                                                ("trainer.kubeflow.org", "trainjobs"))
-                      for v in ("create", "get", "list", "watch", "delete")}
+                      for v in ("create", "get", "list", "watch", "patch", "delete")}
     expected_calls |= {("", "pods", "list"), ("", "pods/log", "get"), ("", "events", "list")}
     assert expected_calls <= used  # every code path above was exercised
     # Nothing beyond the documented minimum (read-only pods/log and pods watch are harmless extras).
@@ -158,3 +175,119 @@ def test_network_policy_selects_the_training_pods_and_allows_only_them_and_dns()
     dns = policy["spec"]["egress"][1]
     assert {p["port"] for p in dns["ports"]} == {53} and dns["to"][0]["podSelector"]["matchLabels"] == {
         "k8s-app": "kube-dns"}
+
+
+def test_multi_user_overlay_names_its_profile_namespace_in_one_place(tmp_path):
+    """Editing only `namespace:` moves every object and the RoleBinding's default-editor subject."""
+    import shutil
+
+    shutil.copytree(REPO / "k8s", tmp_path / "k8s")
+    overlay = tmp_path / "k8s/overlays/kfp-multi-user/kustomization.yaml"
+    text = overlay.read_text()
+    assert text.count("kubeflow-user-example-com") == 1
+    overlay.write_text(text.replace("namespace: kubeflow-user-example-com", "namespace: team-alice"))
+    out = subprocess.run([str(kubectl_path()), "kustomize", str(overlay.parent)], check=True, capture_output=True,
+                         text=True, timeout=60).stdout
+    objects = [doc for doc in yaml.safe_load_all(out) if doc]
+    assert {o["metadata"]["namespace"] for o in objects} == {"team-alice"}
+    (binding,) = [o for o in objects if o["kind"] == "RoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "default-editor", "namespace": "team-alice"}]
+    assert "kubeflow-user-example-com" not in out
+
+
+def test_the_gpu_overlay_leaves_the_storage_class_to_the_cluster():
+    (pvc,) = [o for o in build("overlays/gpu") if o["kind"] == "PersistentVolumeClaim"]
+    assert "storageClassName" not in pvc["spec"] and pvc["spec"]["resources"]["requests"]["storage"] == "2Ti"
+
+
+def _with_components(tmp_path, overlay: str, components: list) -> list:
+    import shutil
+
+    shutil.copytree(REPO / "k8s", tmp_path / "k8s")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine/kustomization.yaml").write_text(yaml.safe_dump(
+        {"resources": [f"../k8s/{overlay}"], "components": [f"../k8s/{c}" for c in components]}))
+    out = subprocess.run([str(kubectl_path()), "kustomize", str(tmp_path / "mine")], check=True, capture_output=True,
+                         text=True, timeout=60).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+@pytest.mark.parametrize("component,expected", [
+    ("dns/node-local-dns", [{"to": [{"ipBlock": {"cidr": "169.254.20.10/32"}}],
+                             "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}]),
+    ("dns/openshift", [{"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "openshift-dns"}},
+                                "podSelector": {"matchLabels": {"dns.operator.openshift.io/daemonset-dns": "default"}}}],
+                        "ports": [{"protocol": "UDP", "port": "dns"}, {"protocol": "TCP", "port": "dns-tcp"}]}]),
+])
+def test_dns_egress_components_allow_the_clusters_dns_and_keep_the_training_rule(tmp_path, component, expected):
+    base_policy = yaml.safe_load((REPO / "k8s/base/networkpolicy.yaml").read_text())
+    (policy,) = [o for o in _with_components(tmp_path, "overlays/gpu", [component]) if o["kind"] == "NetworkPolicy"]
+    validate_core(policy)
+    egress = policy["spec"]["egress"]
+    assert egress[0] == base_policy["spec"]["egress"][0]  # training pods to training pods, unchanged
+    dns = egress[1:] if component.endswith("openshift") else egress[2:]
+    assert dns == expected
+    if component.endswith("node-local-dns"):
+        assert egress[1] == base_policy["spec"]["egress"][1]  # kube-dns kept beside the node-local cache
+
+
+def _quantity(value) -> float:
+    from kubernetes.utils import parse_quantity
+
+    return float(parse_quantity(str(value)))
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_cpu_smoke_limit_range_and_quota_admit_a_two_node_job(nproc):
+    """The LimitRanger's defaults (plugin/pkg/admission/limitranger: a missing limit gets ``default``, a
+    missing request ``defaultRequest``), then API validation (request <= limit) and the quota (sum over
+    pods of max(sum of containers, each init container)) on every pod the operator creates."""
+    from operator_model import OperatorConfig, operator_pods
+
+    smoke = build("overlays/cpu-smoke")
+    (limits,) = [o["spec"]["limits"][0] for o in smoke if o["kind"] == "LimitRange"]
+    (quota,) = [o["spec"]["hard"] for o in smoke if o["kind"] == "ResourceQuota"]
+    from domino.launch.render import render_job
+
+    job = render_job(JobSpec(name="smoke", image="i", namespace="domino-smoke", nodes=2, nproc_per_node=nproc,
+                             pretrain_args=["--preset", "tiny"]), run_id="r")
+    totals = {}
+    for pod in operator_pods(job, OperatorConfig()):
+        effective = {}
+        for group in ("containers", "initContainers"):
+            sums = {}
+            for container in pod["spec"].get(group, []):
+                res = container.setdefault("resources", {})
+                lim, req = res.setdefault("limits", {}), res.setdefault("requests", {})
+                for name, value in limits["default"].items():
+                    lim.setdefault(name, value)
+                for name, value in limits["defaultRequest"].items():
+                    req.setdefault(name, value)
+                for name in ("cpu", "memory"):
+                    assert _quantity(req[name]) <= _quantity(lim[name]), (container["name"], name, req, lim)
+                    for kind, source in (("requests", req), ("limits", lim)):
+                        key = f"{kind}.{name}"
+                        value = _quantity(source[name])
+                        sums[key] = sums.get(key, 0) + value if group == "containers" else max(sums.get(key, 0), value)
+            for key, value in sums.items():
+                effective[key] = max(effective.get(key, 0), value)
+        for key, value in effective.items():
+            totals[key] = totals.get(key, 0) + value
+    for key, value in totals.items():
+        assert value <= _quantity(quota[key]), (key, value, quota[key])
+
+
+def test_every_service_account_the_docs_name_is_one_an_overlay_creates_or_binds():
+    import re
+
+    known = set()
+    for path in KUSTOMIZATIONS + sorted(KFP_MODES):
+        for obj in build(path):
+            if obj["kind"] == "ServiceAccount":
+                known.add(obj["metadata"]["name"])
+            if obj["kind"] == "RoleBinding":
+                known |= {s["name"] for s in obj["subjects"]}
+    for page in ("cluster.md", "pipeline.md"):
+        text = (REPO / "docs" / page).read_text()
+        for name in re.findall(r"--service-account[ =]([a-z0-9][-a-z0-9]*)", text):
+            assert name in known, f"docs/{page} names service account {name!r}, which nothing creates"

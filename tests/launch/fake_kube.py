@@ -1,7 +1,7 @@
 """A tiny Kubernetes API server for the launcher tests, driven by the real ``kubernetes`` client.
 
 It implements only what the launcher calls: PyTorchJobs and TrainJobs (create, get, list, watch,
-delete), pods (list by label selector, ``k=v[,k=v]``), pod logs (plain, tail and follow, with
+patch, delete), pods (list by label selector, ``k=v[,k=v]``), pod logs (plain, tail and follow, with
 timestamps) and events (list by involved object). Tests script a job's life with :class:`FakeCluster`
 methods (conditions, pods, log lines, watch disconnects, history compaction); every request is recorded
 as (group, resource, verb) for the RBAC check. A TrainJob naming a runtime the cluster does not have
@@ -45,6 +45,21 @@ def kueue_frameworks(config_text: Optional[str] = None) -> set:
     return set((config.get("integrations") or {}).get("frameworks") or [])
 
 
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch, as ``evanphx/json-patch``'s ``MergePatch`` (which the API server applies
+    for ``application/merge-patch+json``, ``apiserver/pkg/endpoints/handlers/patch.go``): objects merge key
+    by key, ``null`` deletes a key, anything else (lists included) replaces the old value whole."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -73,6 +88,8 @@ class FakeCluster:
         self.sent: List[Dict[str, Any]] = []  # job bodies as created by the client, before any webhook
         self.on_create = None  # callable(cluster, job) run in a thread after a create
         self.forbid_create = False  # answer creates with 403 (RBAC missing)
+        self.forbid_patch = False  # answer patches with 403 (RBAC without patch)
+        self.before_patch = None  # callable(cluster, ns, name) run before a patch applies (a concurrent writer)
         self.runtimes = {"domino-torch-distributed"}  # TrainingRuntimes installed in every namespace
         self.kueue_frameworks = kueue_frameworks()  # Kueue installed with its default integrations
         self._pod_suffix: Dict[Tuple[str, str], str] = {}
@@ -348,6 +365,53 @@ class _Handler(BaseHTTPRequestHandler):
         if c.on_create:
             threading.Thread(target=c.on_create, args=(c, job), daemon=True).start()
         self._send(201, job)
+
+    def do_PATCH(self) -> None:
+        """A patch of a job, as the API server answers it for a custom resource (see :func:`merge_patch`)."""
+        group, parts, _ = self._route()
+        c = self.cluster
+        c.requests.append((group, self.resource, "patch"))
+        ns, name = parts[0], parts[2]
+        kind = self.headers.get("Content-Type", "").split(";")[0].strip()
+        patch = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if c.forbid_patch:
+            return self._send(403, _status(403, "Forbidden", f'{self.resource}.{group} "{name}" is forbidden: User '
+                                           '"system:serviceaccount:domino:default" cannot patch resource'))
+        if c.before_patch:
+            c.before_patch(c, ns, name)
+        if kind != "application/merge-patch+json":
+            # customresource_handler.go serves json-patch, merge-patch and apply for custom resources;
+            # handlers/patch.go answers any other type 415 (strategic merge needs a Go type, which a CR lacks).
+            # The launcher sends only merge patches, so json-patch and apply are not modelled here.
+            return self._send(415, _status(415, "UnsupportedMediaType",
+                                           "the body of the request was in an unknown format - accepted media "
+                                           "types include: application/json-patch+json, "
+                                           "application/merge-patch+json, application/apply-patch+yaml"))
+        with c.cond:
+            job = c.jobs.get((ns, name))
+            if job is None:
+                return self._send(404, _status(404, "NotFound", f'{self.resource}.{group} "{name}" not found'))
+            patched = merge_patch(job, patch)
+            meta = patched["metadata"]
+            # A resourceVersion (or uid) in the patch is a precondition: the store's GuaranteedUpdate refuses a
+            # stale one with a Conflict (apiserver/pkg/registry/generic/registry/store.go, OptimisticLockErrorMsg).
+            if meta.get("resourceVersion") not in (None, "", job["metadata"]["resourceVersion"]) or \
+                    meta.get("uid") != job["metadata"]["uid"]:
+                return self._send(409, _status(409, "Conflict", f'Operation cannot be fulfilled on '
+                                               f'{self.resource}.{group} "{name}": the object has been modified; '
+                                               'please apply your changes to the latest version and try again'))
+            for ref in meta.get("ownerReferences") or []:  # ValidateOwnerReferences (apimachinery validation)
+                missing = [field for field in ("apiVersion", "kind", "name", "uid") if not ref.get(field)]
+                if missing:
+                    return self._send(422, _status(422, "Invalid", f"metadata.ownerReferences.{missing[0]}: "
+                                                   "Invalid value: \"\": must not be empty"))
+            patched["status"] = copy.deepcopy(job.get("status"))  # the status subresource: the main resource's
+            if patched["status"] is None:                           # patch leaves status alone
+                patched.pop("status")
+            c.jobs[(ns, name)] = patched
+            c._record("MODIFIED", patched)
+            answer = copy.deepcopy(patched)
+        self._send(200, answer)
 
     def do_DELETE(self) -> None:
         group, parts, _ = self._route()

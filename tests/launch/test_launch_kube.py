@@ -96,6 +96,82 @@ def test_409_adopts_the_same_runs_job(server):
     assert ("kubeflow.org", "pytorchjobs", "get") in server.cluster.verbs()
 
 
+OLD_OWNER = {"apiVersion": "v1", "kind": "Pod", "name": "pretrain-attempt-1", "uid": "uid-attempt-1",
+             "controller": False, "blockOwnerDeletion": False}
+WORKFLOW = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "name": "run", "uid": "uid-workflow"}
+
+
+def _plant_owned(server, run_id):
+    body = sc.job_api("pytorchjob").render(sc.spec(), run_id, OLD_OWNER)
+    body["metadata"]["ownerReferences"].append(WORKFLOW)
+    return server.cluster.add_job(body)
+
+
+def test_adoption_makes_this_pod_the_owner_in_place_of_the_first_attempts(server, monkeypatch):
+    """Else the garbage collector deletes the job when the first attempt's pod is collected. A status update
+    between the launcher's read and its patch makes the patch stale: a 409, read again, patched again."""
+    monkeypatch.setenv("POD_NAME", "pretrain-attempt-2")
+    monkeypatch.setenv("POD_UID", "uid-attempt-2")
+    monkeypatch.setenv("POD_NAMESPACE", "domino")
+    job = _plant_owned(server, "run-7")
+    patches = []
+
+    def operator_writes_first(c, ns, name):
+        patches.append(name)
+        if len(patches) == 1:
+            c.set_condition(ns, name, "Created", "PyTorchJobCreated", "created")
+
+    server.cluster.before_patch = operator_writes_first
+    threading.Thread(target=sc.succeed, args=(server.cluster, job), daemon=True).start()
+    lines = []
+    result = sc.launcher(server, lines).run(sc.spec(), run_id="run-7", scheduling_timeout_s=10, timeout_s=30,
+                                            cleanup="never")
+    assert result.succeeded, result.reason
+    owners = server.cluster.jobs[("domino", "gpt-run-7")]["metadata"]["ownerReferences"]
+    assert owners == [WORKFLOW, {**OLD_OWNER, "name": "pretrain-attempt-2", "uid": "uid-attempt-2"}]
+    assert len(patches) == 2  # the first was refused as stale, the second applied
+    assert "PyTorchJob domino/gpt-run-7 is now owned by this pod, pretrain-attempt-2" in lines
+    assert server.cluster.jobs[("domino", "gpt-run-7")]["status"]["conditions"]  # status untouched by the patch
+
+
+def test_adoption_without_patch_rights_says_so_and_follows_the_job(server, monkeypatch):
+    monkeypatch.setenv("POD_NAME", "pretrain-attempt-2")
+    monkeypatch.setenv("POD_UID", "uid-attempt-2")
+    job = _plant_owned(server, "run-8")
+    server.cluster.forbid_patch = True
+    threading.Thread(target=sc.succeed, args=(server.cluster, job), daemon=True).start()
+    lines = []
+    result = sc.launcher(server, lines).run(sc.spec(), run_id="run-8", scheduling_timeout_s=10, timeout_s=30)
+    assert result.succeeded
+    assert any(line.startswith("warning: could not make pod pretrain-attempt-2 the owner of PyTorchJob "
+                               "domino/gpt-run-8 (403 Forbidden)") and "'patch'" in line for line in lines)
+
+
+def test_the_fake_api_server_patches_custom_resources_as_kubernetes_does(server):
+    """Merge patch only (415 for strategic merge), lists replaced whole, null deletes, stale versions 409."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    job = _plant_owned(server, "run-9")
+    custom = client.CustomObjectsApi(server.api_client())
+    args = ("kubeflow.org", "v1", "domino", "pytorchjobs", job["metadata"]["name"])
+    patched = custom.patch_namespaced_custom_object(*args, {"metadata": {"ownerReferences": [WORKFLOW],
+                                                                         "annotations": {"a": "1"}}})
+    assert patched["metadata"]["ownerReferences"] == [WORKFLOW] and patched["metadata"]["annotations"]["a"] == "1"
+    patched = custom.patch_namespaced_custom_object(*args, {"metadata": {"annotations": {"a": None}}})
+    assert "a" not in patched["metadata"]["annotations"]
+    with pytest.raises(ApiException) as stale:
+        custom.patch_namespaced_custom_object(*args, {"metadata": {"resourceVersion": job["metadata"]["resourceVersion"],
+                                                                   "labels": {"x": "y"}}})
+    assert stale.value.status == 409
+    api = server.api_client()
+    with pytest.raises(ApiException) as strategic:
+        api.call_api(f"/apis/kubeflow.org/v1/namespaces/domino/pytorchjobs/{args[-1]}", "PATCH",
+                     header_params={"Content-Type": "application/strategic-merge-patch+json"},
+                     body={"metadata": {"labels": {"x": "y"}}}, response_type="object")
+    assert strategic.value.status == 415
+
+
 def test_409_refuses_another_runs_job_and_leaves_it_alone(server):
     sc.plant(server, "pytorchjob", sc.spec(), "someone-else", "run-6")
     result = sc.launcher(server, []).run(sc.spec(), run_id="run-6", scheduling_timeout_s=10, timeout_s=30,

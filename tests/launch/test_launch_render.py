@@ -295,3 +295,24 @@ def test_namespace_defaults_to_the_launching_pods(monkeypatch):
     assert JobSpec(**{**BASE, "namespace": "other"}).namespace == "other"
     monkeypatch.delenv("POD_NAMESPACE")
     assert JobSpec(**BASE).namespace == "domino"
+
+
+def test_gpu_pods_tolerate_the_nvidia_gpu_taint_by_default_for_both_apis():
+    from domino.launch.trainjob import render_trainjob
+
+    def tolerations(job):
+        if job["kind"] == "PyTorchJob":
+            return [r["template"]["spec"].get("tolerations") for r in job["spec"]["pytorchReplicaSpecs"].values()]
+        patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+        return [patch["template"]["spec"]["template"]["spec"].get("tolerations")]
+
+    gpu = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    for render in (render_job, render_trainjob):
+        four_by_eight = dict(name="gpt", image="i", nodes=4, nproc_per_node=8, gpus_per_node=8)
+        assert all(t == [gpu] for t in tolerations(render(JobSpec(**four_by_eight), run_id="r")))
+        assert tolerations(render(JobSpec(name="gpt", image="i", nodes=2), run_id="r")) in ([None, None], [None])
+        off = render(JobSpec(**four_by_eight, gpu_toleration=False), run_id="r")
+        assert all(t is None for t in tolerations(off))
+        own = Toleration(key="nvidia.com/gpu", value="a100", effect="NoExecute")
+        mine = render(JobSpec(**four_by_eight, tolerations=[own]), run_id="r")
+        assert all(t == [own.to_dict()] for t in tolerations(mine))  # yours replaces the default

@@ -17,7 +17,8 @@ from domino.model import GPTModel
 from domino.model.qkv_projection import qkv_projection
 from domino.checkpoint.sharding import merge_tp_shards, shard_state_dict
 from domino.model.transformer import bias_dropout_add
-from domino.parallel import cross_entropy, state
+from domino.parallel import cross_entropy
+from domino.runtime import state
 from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, forced_kernels, kernels_for
 from model_fixtures import VOCAB, assert_close_rel, random_batch, tiny_config
 

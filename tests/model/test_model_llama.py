@@ -13,7 +13,7 @@ import torch
 from distributed_helpers import run_distributed
 from domino.model import GPTModel
 from domino.checkpoint.sharding import merge_tp_shards
-from domino.parallel import state
+from domino.runtime import state
 from model_fixtures import VOCAB, assert_close_rel, logits_losses_grads, random_batch, tiny_config
 
 REL = 1e-5

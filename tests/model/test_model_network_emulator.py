@@ -8,8 +8,8 @@ import torch
 from distributed_helpers import run_distributed
 from domino.model import GPTModel
 from domino.parallel import collectives as C
-from domino.parallel import state
-from domino.parallel.network_emulator import LinkEmulator, LinkSpec
+from domino.runtime import state
+from domino.runtime.network_emulator import LinkEmulator, LinkSpec
 from model_fixtures import VOCAB, random_batch, tiny_config
 
 

@@ -11,7 +11,7 @@ from domino.config import ModelConfig
 from domino.model import GPTModel
 from domino.model.recompute import RecomputePlan, apply_activation_recompute
 from domino.model.sequence_parallel import apply_sequence_parallel
-from domino.parallel import state
+from domino.runtime import state
 from domino.parallel.random import model_parallel_seed
 from model_fixtures import train_and_measure
 

@@ -12,7 +12,7 @@ import torch
 from distributed_helpers import run_distributed
 from domino.model import GPTModel
 from domino.checkpoint.sharding import merge_tp_shards, shard_state_dict
-from domino.parallel import state
+from domino.runtime import state
 from model_fixtures import VOCAB, assert_close_rel, logits_losses_grads, random_batch, tiny_config
 
 CHUNKS = (1, 2, 4)

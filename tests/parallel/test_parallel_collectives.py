@@ -6,7 +6,7 @@ import torch
 
 from distributed_helpers import run_distributed
 from domino.parallel import collectives as C
-from domino.parallel import state
+from domino.runtime import state
 
 FUNCS = (C.copy_to_tp_region, C.reduce_from_tp_region, C.scatter_to_tp_region, C.gather_from_tp_region)
 

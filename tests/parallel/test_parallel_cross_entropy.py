@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed_helpers import run_distributed
-from domino.parallel import state
+from domino.runtime import state
 from domino.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from distributed_helpers import run_distributed
 from domino.model import GPTModel
 from domino.checkpoint.sharding import partition_dim, shard_state_dict
-from domino.parallel import state
+from domino.runtime import state
 from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 from domino.config import ModelConfig

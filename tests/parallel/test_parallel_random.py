@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distributed_helpers import run_distributed
-from domino.parallel import state
+from domino.runtime import state
 from domino.parallel.random import (
     get_rng_state,
     get_rng_tracker,

@@ -21,7 +21,7 @@ def _compile(tmp_path, **kwargs):
 
 
 def test_committed_yaml_matches_a_fresh_compile(tmp_path, monkeypatch):
-    monkeypatch.delenv("DOMINO_IMAGE", raising=False)
+    monkeypatch.delenv("DOMINO_IMAGE_REPOSITORY", raising=False)
     text, _, _ = _compile(tmp_path)
     with open(COMPILED_PATH, encoding="utf-8") as handle:
         committed = handle.read()
@@ -38,7 +38,7 @@ def test_compilation_is_deterministic_across_processes(tmp_path):
     for seed in ("1", "2"):
         out = tmp_path / f"p{seed}.yaml"
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        env.pop("DOMINO_IMAGE", None)
+        env.pop("DOMINO_IMAGE_REPOSITORY", None)
         subprocess.run([sys.executable, "-c", f"import pipelines; pipelines.compile_pipeline({str(out)!r})"],
                        check=True, env=env)
         outputs.append(out.read_text())
@@ -58,14 +58,15 @@ def test_every_step_runs_the_image_without_installing_anything(tmp_path):
 
 
 def test_image_defaults_to_env_then_release(monkeypatch, tmp_path):
-    monkeypatch.delenv("DOMINO_IMAGE", raising=False)
+    monkeypatch.delenv("DOMINO_IMAGE_REPOSITORY", raising=False)
     _, spec, _ = _compile(tmp_path)
     assert {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()} == {DEFAULT_IMAGE}
-    monkeypatch.setenv("DOMINO_IMAGE", "other/domino:dev")
+    monkeypatch.setenv("DOMINO_IMAGE_REPOSITORY", "other/domino")
     _, spec, _ = _compile(tmp_path)
-    assert {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()} == {"other/domino:dev"}
+    assert {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()} == {
+        "other/domino:" + DEFAULT_IMAGE.split(":", 1)[1]}
     params = spec["root"]["inputDefinitions"]["parameters"]
-    assert params["image"]["defaultValue"] == "other/domino:dev"
+    assert params["image"]["defaultValue"] == ""  # the pretrain step picks the job's variant from its GPUs
 
 
 def test_structure_exit_handler_gate_and_no_caching(tmp_path):
@@ -103,7 +104,7 @@ def test_preprocess_fans_out_over_shard_groups_then_merges(tmp_path):
     assert loop["iteratorPolicy"] == {"parallelismLimit": 3}
     assert loop["parameterIterator"]["items"]["inputParameter"] == "pipelinechannel--plan-preprocess-Output"
     assert loop["dependentTasks"] == ["plan-preprocess"] and loop["taskInfo"]["name"] == "shard-groups"
-    assert inner["plan-preprocess"]["inputs"]["parameters"]["groups"]["componentInputParameter"] == (
+    assert inner["plan-preprocess"]["inputs"]["parameters"]["preprocess_groups"]["componentInputParameter"] == (
         "pipelinechannel--preprocess_groups")
     body = spec["components"]["comp-for-loop-2"]["dag"]["tasks"]
     assert set(body) == {"preprocess"} and body["preprocess"]["cachingOptions"] == {}
@@ -146,19 +147,11 @@ def test_evaluate_step_can_get_gpus(tmp_path):
     assert "resources" not in spec["deploymentSpec"]["executors"]["exec-evaluate"]["container"]
 
 
-def test_report_prompts_are_declared_once():
-    from components.evaluate import component
-    from components.evaluate.step import DEFAULT_PROMPTS
-
-    evaluate = component.build("img:1").component_spec.inputs
-    assert evaluate["sample_prompts"].default == DEFAULT_PROMPTS
-    assert build_pipeline().component_spec.inputs["sample_prompts"].default == DEFAULT_PROMPTS
-
-
 def test_default_parameters_are_the_local_tiny_run():
     inputs = build_pipeline().component_spec.inputs
     assert inputs["preset"].default == "tiny"
-    assert inputs["tensor_parallel"].default == 2 and inputs["domino_chunks"].default == 2
+    assert inputs["tensor_model_parallel_size"].default == 2
+    assert inputs["domino_chunks"].default == -1  # not given: Domino's own choice, 2 chunks at TP 2
     assert inputs["shared_root"].default == MOUNT_PATH
     assert inputs["warm_start"].default is False
 
@@ -194,32 +187,3 @@ def test_every_step_runs_non_root_and_pretrain_retries_with_a_timeout(tmp_path):
     envs = {e["name"] for e in executors["exec-pretrain"]["fieldPathAsEnv"]}
     assert envs == {"POD_NAME", "POD_UID", "POD_NAMESPACE"}  # the job goes to the step's namespace
     assert {e["name"] for e in executors["exec-cleanup-job"]["fieldPathAsEnv"]} == {"POD_NAMESPACE"}
-
-
-def test_pretrain_parameters_are_derived_from_the_one_declaration():
-    """The component's inputs and the pipeline's pretrain parameters are PretrainSettings' fields, with
-    the same types, defaults and descriptions (only run_id comes from the run; shared_root and image
-    get pipeline defaults)."""
-    import dataclasses
-
-    from components.pretrain import component
-    from components.pretrain.settings import PretrainSettings, parameter_docs
-
-    kinds = {"str": "STRING", "int": "NUMBER_INTEGER", "float": "NUMBER_DOUBLE", "bool": "BOOLEAN"}
-    op = component.build("img:1")
-    pipeline_inputs = build_pipeline().component_spec.inputs
-    docs = parameter_docs()
-    for f in dataclasses.fields(PretrainSettings):
-        spec = op.component_spec.inputs[f.name]
-        assert spec.type == {"STRING": "String", "NUMBER_INTEGER": "Integer", "NUMBER_DOUBLE": "Float",
-                             "BOOLEAN": "Boolean"}[kinds[f.type]], f.name
-        assert spec.description == docs[f.name]
-        if f.default is not dataclasses.MISSING:
-            assert spec.default == f.default, f.name
-        if f.name == "run_id":
-            assert f.name not in pipeline_inputs
-            continue
-        assert pipeline_inputs[f.name].type == spec.type, f.name
-        if f.name not in ("shared_root", "image"):
-            assert pipeline_inputs[f.name].default == f.default, f.name
-    assert {"dataset", "model", "metrics"} <= set(op.component_spec.inputs) | set(op.component_spec.outputs)

@@ -20,7 +20,7 @@ from pipelines.local_run import QUICK_PARAMS, run_local
 
 PARAMS = {
     **QUICK_PARAMS, "corpus": "shakespeare-small", "tokenizer_vocab_size": 512, "train_iters": 6, "micro_batch_size": 4, "eval_interval": 3, "eval_iters": 1,
-    "log_interval": 2, "eval_batches": 2, "sample_tokens": 4, "tensor_parallel": 2, "nproc_per_node": 2,
+    "log_interval": 2, "eval_batches": 2, "sample_tokens": 4, "tensor_model_parallel_size": 2, "nproc_per_node": 2,
     "domino_chunks": 2,
 }
 

@@ -5,6 +5,7 @@ pipeline of its own so that the test runs no training. kfp.local 2.17 runs ``dsl
 task's list output and ``dsl.Collected`` (``kfp/local/orchestrator/enhanced_dag_orchestrator.py``).
 """
 
+import functools
 import gzip
 import json
 import os
@@ -16,6 +17,7 @@ import zstandard
 from kfp import dsl, local
 
 from domino.data.preprocess import preprocess
+from pipelines.gpt_pretrain import task_arguments
 from pipelines.preprocess_stage import PreprocessStage
 
 RECORDS = [{"text": f"shard test document {i} " + "token " * (i % 13)} for i in range(120)]
@@ -29,9 +31,10 @@ def _stage_pipeline():
     stage = PreprocessStage(parallelism=2)
 
     @dsl.pipeline(name="preprocess-stage")
-    def pipeline(shared_root: str, input_uri: str, groups: int = 2, reuse: bool = True):
-        stage(lambda task: task.set_caching_options(False), shared_root=shared_root, corpus="",
-              input_uri=input_uri, tokenizer="gpt2", groups=groups, reuse=reuse)
+    def pipeline(shared_root: str, input_uri: str, preprocess_groups: int = 2, reuse_dataset: bool = True):
+        values = {"shared_root": shared_root, "corpus": "", "input_uri": input_uri,
+                  "preprocess_groups": preprocess_groups, "reuse_dataset": reuse_dataset}
+        stage(lambda task: task.set_caching_options(False), functools.partial(task_arguments, values), "gpt2")
 
     return pipeline
 

@@ -26,7 +26,7 @@ def _run_cli(argv):
 def kfp_server(httpserver, monkeypatch, tmp_path):
     """A fake KFP API: healthz, experiments (none exist yet), runs, recurring runs."""
     monkeypatch.setenv("HOME", str(tmp_path))  # kfp.Client reads ~/.config/kfp/context.json
-    monkeypatch.delenv("DOMINO_IMAGE", raising=False)
+    monkeypatch.delenv("DOMINO_IMAGE_REPOSITORY", raising=False)
     httpserver.expect_request(f"{API}/healthz", method="GET").respond_with_json({"multi_user": False})
     httpserver.expect_request(f"{API}/experiments", method="GET").respond_with_json({"experiments": []})
     httpserver.expect_request(f"{API}/experiments", method="POST").respond_with_json(
@@ -118,10 +118,10 @@ def test_bad_cron_is_rejected_before_anything_is_sent(kfp_server, capsys, cron, 
 
 
 def test_bad_param_is_rejected_before_anything_is_sent(kfp_server, capsys):
-    code = _run_cli(["pipeline", "submit", "--host", kfp_server.url_for("/"), "--param", "tensor_paralel=2"])
+    code = _run_cli(["pipeline", "submit", "--host", kfp_server.url_for("/"), "--param", "tensor_model_paralel_size=2"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "--param tensor_paralel: the pipeline has no such parameter; did you mean tensor_parallel" in err
+    assert "--param tensor_model_paralel_size: the pipeline has no such parameter; did you mean tensor_model_parallel_size" in err
     code = _run_cli(["pipeline", "submit", "--host", kfp_server.url_for("/"), "--param", "warm_start=maybe"])
     assert code == 2
     assert "--param warm_start=maybe: expected true or false" in capsys.readouterr().err

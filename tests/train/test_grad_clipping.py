@@ -11,7 +11,7 @@ from distributed_helpers import run_distributed
 from domino.config import ModelConfig
 from domino.model import GPTModel
 from domino.checkpoint.sharding import merge_tp_shards, shard_state_dict
-from domino.parallel import state
+from domino.runtime import state
 
 MAX_NORM = 0.05  # well below the unclipped norm, so clipping really scales
 VOCAB = 64  # divisible by TP=2

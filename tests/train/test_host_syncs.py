@@ -26,7 +26,7 @@ DEEPSPEED_ZERO_READS_PER_ITERATION = 3
 
 def _probed_run(tmp_path, nproc, extra):
     out = tmp_path / "syncs"
-    command = [sys.executable, "-m", "domino.train.host_syncs", str(out), "pretrain", *RUN, *extra]
+    command = [sys.executable, "-m", "domino.cli.host_syncs", str(out), "pretrain", *RUN, *extra]
     if nproc > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
                    "127.0.0.1", "--master-port", str(free_port()), *command[1:]]

@@ -13,7 +13,7 @@ from distributed_helpers import run_distributed
 
 
 def _outcome(fn):
-    from domino.parallel.agreement import AgreedFailure
+    from domino.runtime.agreement import AgreedFailure
 
     try:
         return {"result": fn()}
@@ -23,7 +23,7 @@ def _outcome(fn):
 
 def _one_rank_fails(rank, world_size):
     from domino.config import ConfigError
-    from domino.parallel.agreement import agree
+    from domino.runtime.agreement import agree
 
     def step():
         if rank == 1:
@@ -46,7 +46,7 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank():
 
 def _nested(rank, world_size):
     from domino.config import ConfigError
-    from domino.parallel.agreement import agree
+    from domino.runtime.agreement import agree
 
     def outer():
         if rank == 0:
@@ -64,7 +64,7 @@ def test_a_rank_failing_before_an_inner_agreement_meets_its_peers_there():
 
 def _datasets(rank, world_size, prefixes, cache_dir):
     from domino.data.dataset_builder import build_train_valid_test_datasets
-    from domino.parallel.agreement import agree
+    from domino.runtime.agreement import agree
 
     return _outcome(lambda: agree("building the datasets", lambda: len(build_train_valid_test_datasets(
         [prefixes[rank]], "1", [16, 0, 0], 8, 5, True, data_cache_path=cache_dir)[0])))
@@ -90,7 +90,7 @@ def test_a_dataset_damaged_on_one_rank_stops_both_while_rank_0_builds_the_index_
 def _group_timeouts(rank, world_size):
     import torch
 
-    from domino.parallel import state
+    from domino.runtime import state
 
     state.initialize_model_parallel(1, timeout_minutes=3)
     # The gloo backend's options hold the group's timeout (no public getter in torch 2.13).
@@ -104,7 +104,7 @@ def test_distributed_timeout_minutes_bounds_the_tp_and_dp_groups_too():
 
 
 def test_nccl_async_error_handling_is_switched_on_unless_the_user_chose(caplog):
-    from domino.parallel.state import _check_nccl_error_handling
+    from domino.runtime.state import _check_nccl_error_handling
 
     environ = {}
     _check_nccl_error_handling(environ)

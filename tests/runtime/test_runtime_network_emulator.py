@@ -13,8 +13,8 @@ import torch
 from distributed_helpers import run_distributed
 from domino.config import ConfigError
 from domino.parallel import collectives as C
-from domino.parallel import state
-from domino.parallel.network_emulator import (ENV_VAR, EmulatedWork, LinkEmulator, LinkSpec, all_gather_wire_bytes,
+from domino.runtime import state
+from domino.runtime.network_emulator import (ENV_VAR, EmulatedWork, LinkEmulator, LinkSpec, all_gather_wire_bytes,
                                               all_reduce_wire_bytes, install_from_environment, parse_spec)
 
 

@@ -11,7 +11,7 @@ import contextlib
 import time
 from typing import Dict, Iterator, Optional
 
-from domino.parallel import state
+from domino.runtime import state
 
 # Host seconds this process spent blocked in tensor-parallel collectives: inside synchronous ones, and
 # in ``wait()`` of Domino's asynchronous ones. The training loop reports it as the ``comm-wait`` timer.

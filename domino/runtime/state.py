@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from domino.config import ConfigError
-from domino.parallel.network_emulator import LinkEmulator, install_from_environment
+from domino.runtime.network_emulator import LinkEmulator, install_from_environment
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, timeout_minut
     ``distributed_c10d._new_group_with_tag`` -> ``_get_default_timeout``), not the world group's.
 
     Also reads ``DOMINO_SIMULATED_NETWORK`` (once, here) and emulates that link
-    for the TP collectives (:mod:`domino.parallel.network_emulator`).
+    for the TP collectives (:mod:`domino.runtime.network_emulator`).
 
     Raises:
         ConfigError: when the world size is not divisible by ``tensor_model_parallel_size``, or
