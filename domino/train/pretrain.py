@@ -303,12 +303,7 @@ class _Trainer:
         return bool(flag.item())
 
     def run(self, iteration: int, consumed: int, resumed_checkpoint: Optional[str] = None) -> TrainingResult:
-        """Trains from ``iteration`` (``consumed`` samples done) to ``--train-iters``.
-
-        Args:
-            resumed_checkpoint: the checkpoint of ``iteration`` in ``--save`` this run resumed from (it is not
-                saved again).
-        """
+        """Trains from ``iteration`` (``consumed`` samples done, ``resumed_checkpoint`` not saved again) on."""
         self.sigterm_received = False
         self.completed = iteration  # the last iteration every rank finished, for a lost-peer report
         previous = None
@@ -344,10 +339,9 @@ class _Trainer:
 
     def _run(self, iteration: int, consumed: int, resumed_checkpoint: Optional[str]) -> TrainingResult:
         config, t, lg, c = self.config, self.config.train, self.config.logging, self.config.checkpoint
-        train_iter = None
-        if iteration < self.train_iters:
-            train_iter = self._loader(self.train_ds, consumed, config.data.num_workers)
-        else:  # a restart after the last iteration (a pod restarted during the final evaluation)
+        left = iteration < self.train_iters  # not after a restart past the end (a pod restarted in the final eval)
+        train_iter = self._loader(self.train_ds, consumed, config.data.num_workers) if left else None
+        if not left:
             logger.info("resumed at iteration %d of %d: nothing left to train, finishing the evaluation",
                         iteration, self.train_iters)
         train_iter = _TimedIterator(train_iter, self.timers) if train_iter is not None else None
