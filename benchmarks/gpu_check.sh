@@ -1,15 +1,31 @@
 #!/usr/bin/env bash
-# GPU readiness check: bf16 MFU of gpt3-1.3b at the largest micro-batch that fits, peak memory, tokens/s with
-# --domino-chunks 1 vs 2 at TP=1, host syncs per iteration and a 20-step loss curve, then the loss curve, tokens/s
-# and MFU of a LLaMA-architecture model (llama2-7b cut to 4 layers), printed as one JSON object (--budget-s bounds
-# the micro-batch search; estimated at ~8 minutes on one H200 before the LLaMA steps; never run on a GPU yet).
-# Exit status 1 when a loss does not fall. `--dry-run` runs the same script on CPU with the tiny and tiny-llama
-# presets in seconds (CI runs it).
+# GPU readiness check, one command on an offline GPU machine that has a CUDA build of torch: unpacks what the
+# machine lacks from .gpu-bundle (prepared here by `python benchmarks/gpu_check_bundle.py prepare`; refuses a
+# torch outside pyproject's range or a Python the bundle has no wheels for), then runs benchmarks/gpu_check.py:
+# bf16 tokens/s, MFU and memory (allocated and reserved) of gpt3-1.3b at the largest micro-batch that fits,
+# --domino-chunks 1 vs 2, host syncs per iteration (including explicit synchronize calls) and a 20-step loss
+# curve, then a LLaMA-architecture model (llama2-7b cut to 4 layers) at TP=1; one JSON object on stdout, also
+# written to $OUT/gpu_check.json when OUT is set (the device tool's output folder). Every stage halves its
+# micro-batch on out-of-memory; the whole check keeps to --budget-s (default 420 s, printed per stage).
+# Exit status 1 when a loss does not fall, 2 when the machine cannot run the check.
 #
 #   bash benchmarks/gpu_check.sh [--dry-run] [--preset NAME] [--llama-preset NAME] [--llama-layers N]
 #                                [--max-micro-batch N] [--budget-s S]
 #
+# `--dry-run` runs the same script on CPU with the tiny presets in seconds, from this checkout's environment
+# (CI runs it). Then record the result here: python benchmarks/gpu_check_bundle.py record gpu_check.json
+#
 # PYTHON selects the interpreter (default: python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" benchmarks/gpu_check.py "$@"
+PY="${PYTHON:-python3}"
+if [[ " $* " != *" --dry-run "* ]]; then
+  if [[ ! -f .gpu-bundle/manifest.json ]]; then
+    echo "gpu_check: no .gpu-bundle here: run 'python benchmarks/gpu_check_bundle.py prepare' on a machine with a" \
+         "registry and carry .gpu-bundle along" >&2
+    exit 2
+  fi
+  "$PY" benchmarks/gpu_check_bundle.py install --bundle .gpu-bundle --target .gpu-bundle/site || exit 2
+  export PYTHONPATH="$PWD/.gpu-bundle/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+exec "$PY" benchmarks/gpu_check.py "$@"

@@ -120,6 +120,7 @@ def pretrain(
     backend: str = 'cluster',
     job_api: str = 'pytorchjob',
     namespace: str = '',
+    mlflow_tracking_uri: str = '',
     preset: str = 'tiny',
     config_overrides: str = '{}',
     train_iters: int = 20,
@@ -174,6 +175,7 @@ def pretrain(
         backend: cluster (a job created through the Kubernetes API) or local (processes in the step's pod).
         job_api: pytorchjob (Kubeflow training operator v1) or trainjob (Kubeflow Trainer v2.3, runtime from k8s/trainer).
         namespace: Namespace of the training job ('': the step's own namespace, POD_NAMESPACE).
+        mlflow_tracking_uri: MLflow server that training, evaluation and promotion log to ('': none; credentials: a Secret, see docs).
         preset: Model and training preset (tiny, gpt2-125m, gpt3-350m, gpt3-1.3b, ...).
         config_overrides: JSON object of further domino config fields, e.g. {"num_layers": 4, "bf16": true}.
         train_iters: Number of optimizer steps to train for. (-1: not given, the preset's value or domino's default)
@@ -232,6 +234,7 @@ def evaluate(
     decision: Output[Artifact],
     shared_root: str,
     run_id: str,
+    mlflow_tracking_uri: str = '',
     eval_batches: int = 8,
     eval_micro_batch_size: int = 16,
     sample_prompts: str = 'To be, or not to be|In the beginning',
@@ -251,6 +254,7 @@ def evaluate(
         decision: JSON with every result and the gate's decision and reason (read by the promote step).
         shared_root: Mount path of the shared volume (or a local folder with backend=local).
         run_id: Unique run id; the run's folders and its training job's name derive from it.
+        mlflow_tracking_uri: MLflow server that training, evaluation and promotion log to ('': none; credentials: a Secret, see docs).
         eval_batches: Test batches per evaluated model.
         eval_micro_batch_size: Samples per evaluation batch.
         sample_prompts: Prompts of the report's sample generations, separated by '|' ('\n': line break).
@@ -275,14 +279,18 @@ def promote_model(
     decision: Input[Artifact],
     shared_root: str,
     run_id: str,
+    mlflow_tracking_uri: str = '',
+    registered_model_name: str = 'domino-gpt',
 ) -> str:
-    r"""Makes ``model`` the promoted model in ``<shared_root>/promoted.json`` (written atomically).
+    r"""Makes ``model`` the promoted model in ``<shared_root>/promoted.json`` (written atomically) and, with a tracking URI, the alias ``champion`` of a new version in MLflow's registry.
 
     Args:
         model: The pretrain step's manifest.
         decision: The evaluate step's decision (test perplexity and loss of the new model).
         shared_root: Mount path of the shared volume (or a local folder with backend=local).
         run_id: Unique run id; the run's folders and its training job's name derive from it.
+        mlflow_tracking_uri: MLflow server that training, evaluation and promotion log to ('': none; credentials: a Secret, see docs).
+        registered_model_name: MLflow registered model that gets a version per promotion (with mlflow_tracking_uri).
 
     Returns:
         The promoted checkpoint directory.

@@ -7,16 +7,15 @@ Datasets and checkpoints stay on the shared volume where training pods can reach
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Dict
+
+from domino.atomic_files import atomic_write_text
 
 
 def write_manifest(path: str, manifest: Dict[str, Any]) -> None:
-    """Writes an artifact manifest (sorted JSON) at ``path``, creating its folder."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(manifest, handle, indent=2, sort_keys=True)
-        handle.write("\n")
+    """Writes an artifact manifest (sorted JSON) at ``path``, creating its folder, atomically: a reader (or
+    the kfp launcher uploading the artifact) sees the old file or the whole new one."""
+    atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
 def read_manifest(path: str, kind: str) -> Dict[str, Any]:

@@ -20,7 +20,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from domino.atomic_files import atomic_write_text
 from domino.file_lock import exclusive_lock
@@ -95,7 +95,8 @@ def lock_path(path: str) -> str:
     return os.path.join(folder, f".{name}.lock")
 
 
-def promote(path: str, entry: PromotedModel, gate_incumbent: Optional[str] = None) -> Dict[str, Any]:
+def promote(path: str, entry: PromotedModel, gate_incumbent: Optional[str] = None,
+            mirror: Optional[Callable[[PromotedModel], None]] = None) -> Dict[str, Any]:
     """Makes ``entry`` the current model and appends it to the history, atomically and under a lock.
 
     Args:
@@ -103,6 +104,8 @@ def promote(path: str, entry: PromotedModel, gate_incumbent: Optional[str] = Non
         entry: The model to promote; ``promoted_at`` is set to now when zero.
         gate_incumbent: run id of the incumbent the gate compared against (``""``: none); None skips the
             re-check.
+        mirror: Called with the entry after the file is written, still under the lock, so a mirror of the
+            registry (MLflow's model registry) changes in the same order as the file; it must not raise.
 
     Returns:
         The registry as written (plain JSON data).
@@ -124,4 +127,6 @@ def promote(path: str, entry: PromotedModel, gate_incumbent: Optional[str] = Non
         history: List[PromotedModel] = registry["history"] + [entry]
         data = {"current": dataclasses.asdict(entry), "history": [dataclasses.asdict(item) for item in history]}
         atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+        if mirror is not None:
+            mirror(entry)
     return data

@@ -33,6 +33,14 @@ class RunSettings(RunIdSettings, VolumeSettings):
 
 
 @dataclass(kw_only=True)
+class TrackingSettings:
+    """Where runs and promotions are tracked."""
+
+    mlflow_tracking_uri: str = ""
+    """MLflow server that training, evaluation and promotion log to ('': none; credentials: a Secret, see docs)."""
+
+
+@dataclass(kw_only=True)
 class CorpusSettings:
     """What text the run tokenizes."""
 

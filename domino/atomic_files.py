@@ -149,6 +149,22 @@ def atomic_write(path: str, mode: str = "wb") -> Iterator[IO]:
         raise
 
 
+def staging_directory(final: str) -> str:
+    """A new hidden directory beside ``final`` to fill and then rename to it, with the umask's permissions.
+
+    ``tempfile.mkdtemp`` creates its directory with mode 0700 (it is private until published); a folder
+    published by renaming it would keep that mode, and other users of a shared volume could not read it.
+    """
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(final))}.",
+                                 dir=os.path.dirname(os.path.abspath(final)))
+    umask = os.umask(0)  # reading the umask means setting it; put it straight back
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    return directory
+
+
 def atomic_write_text(path: str, text: str) -> None:
     """Writes ``text`` (UTF-8) to ``path`` atomically, creating the parent directory if needed."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -35,7 +35,7 @@ def compile_command(args: argparse.Namespace) -> int:
     placement = StepPlacement(
         node_selector=parse_key_values(args.step_node_selector or [], "--step-node-selector"),
         tolerations=[_toleration_kwargs(Toleration.parse(t)) for t in args.step_toleration or []],
-        eval_gpus=args.eval_gpus,
+        eval_gpus=args.eval_gpus, mlflow_credentials=args.mlflow_credentials,
     )
     if args.eval_gpus < 0:
         raise ValueError(f"--eval-gpus: must be >= 0, got {args.eval_gpus}")

@@ -32,6 +32,7 @@ from components.evaluate import component as evaluate_component
 from components.pretrain import component as pretrain_component
 from components.promote import component as promote_component
 from components.tokenizer import component as tokenizer_component
+from domino.tracking import CREDENTIAL_KEYS, CREDENTIAL_SECRET
 from pipelines.preprocess_stage import PreprocessStage
 
 PIPELINE_NAME = "gpt-pretrain"
@@ -90,6 +91,9 @@ class StepPlacement:
         run_as_user: Non-root UID (and GID) of every step's container (the image works under any UID).
         pretrain_retries: kfp retries of the pretrain step (a retry adopts the run's job and resumes it).
         pretrain_timeout_s: The pretrain step pod's activeDeadlineSeconds (a bound on the whole training).
+        mlflow_credentials: Every step reads MLflow's credential variables from the Secret ``domino-mlflow``
+            (``secretAsEnv``, optional keys: needs a KFP backend whose driver knows that field,
+            kubeflow/pipelines#12495); the training pods read them from it whenever tracking is on.
     """
 
     node_selector: Dict[str, str] = field(default_factory=dict)
@@ -98,6 +102,7 @@ class StepPlacement:
     run_as_user: int = 1000
     pretrain_retries: int = 2
     pretrain_timeout_s: int = 7 * 24 * 3600
+    mlflow_credentials: bool = False
 
 
 def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacement] = None,
@@ -136,6 +141,9 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
             kubernetes.add_node_selector(task, label_key=key, label_value=value)
         for toleration in placement.tolerations:
             kubernetes.add_toleration(task, **toleration)
+        if placement.mlflow_credentials:  # from a Secret, never a run parameter; a missing key is left unset
+            kubernetes.use_secret_as_env(task, CREDENTIAL_SECRET, {key: key for key in CREDENTIAL_KEYS},
+                                         optional=True)
         task.set_caching_options(False)
         return task
 

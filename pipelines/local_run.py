@@ -16,12 +16,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
+from components.manifest import write_manifest
+from domino.atomic_files import atomic_write
 from pipelines.gpt_pretrain import PIPELINE_NAME, build_pipeline
 
 #: ``make demo``: every setting the demo's result depends on, explicitly (the model and optimizer in the
@@ -109,11 +112,11 @@ class LocalRunResult:
             quality = f"test perplexity {ppl:.1f} on {held_out}"
         if e.get("sample_word_fraction") is not None:
             quality += f"; {e['sample_word_fraction']:.0%} of the sampled words are words of the corpus"
-        # A prompt that a shell passes as typed (no line break) for the command to copy.
+        # A prompt without line breaks, quoted for a POSIX shell: pasted, the command runs nothing but domino.
         prompts = [s["prompt"] for s in e.get("samples") or [] if "\n" not in s["prompt"]]
         prompt = (prompts or ["To be, or not to be"])[0]
         return [f"model: {quality}.",
-                f"continue: domino generate --load {self.checkpoint_dir} --prompt {json.dumps(prompt)} "
+                f"continue: domino generate --load {shlex.quote(self.checkpoint_dir)} --prompt {shlex.quote(prompt)} "
                 "--max-new-tokens 100 --temperature 0.8 --top-k 40"]
 
 
@@ -175,9 +178,8 @@ def run_local(output_dir: str, params: Optional[Dict[str, Any]] = None,
         train={k: v for k, v in train.items() if k != "config"}, test=test,
         promoted=current.get("run_id") == train["run_id"], seconds=time.time() - started,
     )
-    shutil.copyfile(os.path.join(run_folder, "evaluate", "report"), result.report)
-    with open(result.summary_file, "w", encoding="utf-8") as handle:
-        json.dump(dataclasses.asdict(result), handle, indent=2, sort_keys=True)
-        handle.write("\n")
+    with open(os.path.join(run_folder, "evaluate", "report"), "rb") as source, atomic_write(result.report) as out:
+        shutil.copyfileobj(source, out)
+    write_manifest(result.summary_file, dataclasses.asdict(result))
     log(result.describe())
     return result

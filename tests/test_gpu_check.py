@@ -1,4 +1,5 @@
-"""benchmarks/gpu_check.sh --dry-run: the GPU check runs end to end on CPU (tiny preset) and prints valid JSON."""
+"""benchmarks/gpu_check.sh --dry-run: the GPU check runs end to end on CPU (tiny presets), retries out-of-memory
+at half the micro-batch, and prints valid JSON."""
 
 import importlib.util
 import json
@@ -19,43 +20,89 @@ def _gpu_check_module():
     return module
 
 
-def test_dry_run_prints_one_valid_json_object_and_the_loss_falls():
-    env = dict(os.environ, PYTHON=sys.executable, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+def test_dry_run_prints_one_valid_json_object_retries_out_of_memory_and_the_loss_falls(tmp_path):
+    """The CPU rehearsal of the device check: every stage, the out-of-memory retry (the main stage's first step
+    raises torch.cuda.OutOfMemoryError: it runs again at half the micro-batch), the sync count, the JSON file
+    in $OUT."""
+    env = dict(os.environ, PYTHON=sys.executable, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", OUT=str(tmp_path),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run"], cwd="/", env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run", "--simulate-oom", "main"],
+                          cwd="/", env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)  # stdout holds the JSON object and nothing else
+    assert json.loads((tmp_path / "gpu_check.json").read_text()) == result
+    assert "time budget 420 s" in proc.stderr
     _gpu_check_module().check_result(result)
     assert result["dry_run"] is True and result["device"] == "cpu" and result["precision"] == "bf16"
-    assert result["micro_batch"] == {"largest_that_fits": 2, "tried": {"1": True, "2": True}}
-    assert set(result["tokens_per_s"]) == {"chunks_1", "chunks_2"}
+    assert result["micro_batch"] == {"largest_that_fits": 4, "tried": {"1": True, "2": True, "4": True},
+                                     "measured": 2}
+    assert [(r["stage"], r["micro_batch"]) for r in result["oom_retries"]] == [("main", 4)]
+    assert result["skipped"] == {} and set(result["tokens_per_s"]) == {"chunks_1", "chunks_2"}
     assert result["loss_falls"] and result["loss_curve"][-1] < result["loss_curve"][0]
+    # bf16 ZeRO 1 at TP=1 on CPU: the one read is the CPU loss's fallback check (the CUDA choice has none).
+    assert result["syncs_per_iteration"] <= 1.0
+    assert all("cross_entropy.py" in site for site in result["syncs"]["where"]), result["syncs"]
     llama = result["llama"]
     assert llama["preset"] == "tiny-llama" and llama["tokens_per_s"] > 0
     assert llama["loss_falls"] and llama["loss_curve"][-1] < llama["loss_curve"][0]
 
 
+def test_a_stage_that_never_fits_is_skipped_and_reported():
+    import torch
+
+    module = _gpu_check_module()
+    report, tried = {"oom_retries": [], "skipped": {}}, []
+
+    def never_fits(micro_batch):
+        tried.append(micro_batch)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    assert module.with_halving("chunks_2", 6, never_fits, report, minimum=2, even=True) is None
+    assert tried == [6, 2]  # halved to an even micro-batch, down to 2
+    assert report["skipped"] == {"chunks_2": "out of memory down to micro-batch 2"}
+    assert module.with_halving("llama", 4, lambda mb: mb * 10, report) == 40
+
+
+def test_the_llama_entry_runs_at_tp1_with_its_own_vocabulary():
+    module = _gpu_check_module()
+    args = module.argparse.Namespace(preset="gpt3-1.3b", llama_preset="llama2-7b", llama_layers=4, vocab_size=50257,
+                                     llama_vocab_size=32000)
+    config = module._config(args, 1, 1, llama=True)
+    assert config.parallel.tensor_model_parallel_size == 1 and config.model.num_layers == 4
+    assert module.padded_vocab_size(config.model.vocab_size, config) == 32000  # padded for TP=1, not 8
+
+
+def _result():
+    return {"device": "cpu", "dry_run": True, "preset": "tiny", "precision": "bf16", "tensor_model_parallel_size": 1,
+            "seq_length": 64, "padded_vocab_size": 256,
+            "micro_batch": {"largest_that_fits": 2, "tried": {"1": True, "2": True}, "measured": 2},
+            "tokens_per_s": {"chunks_1": 10.0, "chunks_2": 9.0}, "chunks_2_over_chunks_1": 0.9,
+            "tflops_per_device": 0.1, "peak_tflops": None, "mfu": None, "peak_memory_gb": None,
+            "peak_reserved_gb": None, "syncs_per_iteration": 0.0, "syncs": {},
+            "loss_curve": [float(20 - i) for i in range(20)], "loss_falls": True, "torch": "2", "seconds": 1.0,
+            "compile_backend": None, "c_compiler": None, "oom_retries": [], "skipped": {}, "budget_s": 420.0,
+            "llama": {"preset": "tiny-llama", "num_layers": 2, "micro_batch": 1, "tokens_per_s": 5.0,
+                      "tflops_per_device": 0.1, "mfu": None, "loss_curve": [float(20 - i) for i in range(20)],
+                      "loss_falls": True}}
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda r: r.pop("mfu"), "'mfu' is missing"),
+    (lambda r: r.pop("peak_reserved_gb"), "'peak_reserved_gb' is missing"),
     (lambda r: r.update(loss_curve=[1.0] * 3), "'loss_curve' must hold 20 floats"),
     (lambda r: r.update(tokens_per_s={"chunks_1": 0.0}), "'tokens_per_s' must be positive"),
     (lambda r: r.update(peak_memory_gb="12"), "'peak_memory_gb' is str, expected float or NoneType"),
     (lambda r: r["llama"].update(loss_curve=[1.0]), "'llama' must hold a 20-step 'loss_curve'"),
     (lambda r: r["llama"].update(tokens_per_s=0.0), "'llama' tokens_per_s must be positive"),
+    (lambda r: r.update(llama={"skipped": "time budget spent"}), "'llama' was skipped but 'skipped' does not say"),
 ])
 def test_check_result_names_what_is_wrong(change, message):
     module = _gpu_check_module()
-    result = {"device": "cpu", "dry_run": True, "preset": "tiny", "precision": "bf16", "seq_length": 64,
-              "padded_vocab_size": 256, "micro_batch": {"largest_that_fits": 2, "tried": {"1": True, "2": True}},
-              "tokens_per_s": {"chunks_1": 10.0, "chunks_2": 9.0}, "chunks_2_over_chunks_1": 0.9,
-              "tflops_per_device": 0.1, "peak_tflops": None, "mfu": None, "peak_memory_gb": None,
-              "syncs_per_iteration": None, "syncs": {}, "loss_curve": [float(20 - i) for i in range(20)],
-              "loss_falls": True, "torch": "2", "seconds": 1.0,
-              "llama": {"preset": "tiny-llama", "num_layers": 2, "micro_batch": 1, "tokens_per_s": 5.0,
-                        "tflops_per_device": 0.1, "mfu": None, "loss_curve": [float(20 - i) for i in range(20)],
-                        "loss_falls": True}}
-    module.check_result(dict(result))
+    result = _result()
+    module.check_result(_result())
+    skipped = _result()
+    skipped.update(llama={"skipped": "time budget spent"}, skipped={"llama": "time budget spent"})
+    module.check_result(skipped)
     change(result)
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         module.check_result(result)

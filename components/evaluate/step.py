@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from components.layout import RunLayout
-from components.run_settings import RunSettings
+from components.run_settings import RunSettings, TrackingSettings
 from components.manifest import read_manifest
 from components.registry import PromotedModel, current_model
 
@@ -23,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
-class EvaluateSettings(RunSettings):
+class EvaluateSettings(TrackingSettings, RunSettings):
     """Parameters of the evaluate step (one field per component parameter)."""
 
     eval_batches: int = 8
@@ -115,6 +117,11 @@ def run_evaluate(
     for name in ("eval_batches", "eval_micro_batch_size"):
         if getattr(settings, name) < 1:
             raise ValueError(f"{name}: {getattr(settings, name)} must be at least 1")
+    # Checked here, not only by `domino pipeline` (pipelines/params.py): a run started from the KFP UI or
+    # API reaches this step with whatever value was typed, and 1 or more would make promotion impossible.
+    if not 0.0 <= settings.min_improvement < 1.0:
+        raise ValueError(f"min_improvement: {settings.min_improvement} must be in [0, 1) (a fraction of the "
+                         "promoted model's perplexity)")
     sampling = SamplingConfig(temperature=settings.sample_temperature, top_k=settings.sample_top_k)
     try:
         sampling.check()
@@ -156,7 +163,7 @@ def run_evaluate(
                  samples=quality["samples"], title=f"domino run {settings.run_id}",
                  run_info=run_facts(model, dataset, new, quality["parameters"]), notes=quality["notes"])
     unigram_ppl = float(quality["unigram"]["ppl"]) if quality["unigram"] is not None else None
-    return {
+    result = {
         "test_loss": float(new["loss"]), "test_ppl": float(new["ppl"]),
         "token_accuracy": float(new["accuracy"]), "test_tokens": int(new.get("tokens", 0)),
         "promote": decision.promote, "incumbent_ppl": decision.incumbent_ppl,
@@ -164,3 +171,27 @@ def run_evaluate(
         "test_data": str(new.get("data", "")), "unigram_ppl": unigram_ppl,
         "sample_word_fraction": quality["word_fraction"], "samples": quality["samples"],
     }
+    result["mlflow_run_id"] = _log_to_training_run(settings, model, result, report_path)
+    return result
+
+
+def _log_to_training_run(settings: EvaluateSettings, model: Dict[str, Any], result: Dict[str, Any],
+                         report_path: str) -> str:
+    """The evaluation, the gate's decision and the report, logged to the MLflow run that trained the model (with
+    a tracking URI; bounded, never raised); returns that run's id ('' when there is none)."""
+    from domino.tracking import evaluation_scalars, tracker_of_checkpoint
+
+    tracker = tracker_of_checkpoint(model["checkpoint_dir"], "evaluation", settings.mlflow_tracking_uri)
+    if tracker is None:
+        return ""
+    step = int(model.get("iterations", 0))
+    tracker.log_metrics(evaluation_scalars({"loss": result["test_loss"], "ppl": result["test_ppl"],
+                                            "accuracy": result["token_accuracy"], "unigram_ppl": result["unigram_ppl"],
+                                            "incumbent_ppl": result["incumbent_ppl"]}, step))
+    tracker.set_tags({"domino.promote": result["promote"], "domino.gate_reason": result["reason"],
+                      "domino.incumbent_run": result["incumbent_run"]})
+    with tempfile.TemporaryDirectory() as folder:  # the artifact keeps the .html name a browser needs
+        report = os.path.join(folder, "report.html")
+        shutil.copyfile(report_path, report)
+        tracker.log_artifact(report)
+        return tracker.finish(completed=False) or ""

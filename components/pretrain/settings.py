@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from components.declare import config_field
-from components.run_settings import JobTargetSettings, RunSettings
+from components.run_settings import JobTargetSettings, RunSettings, TrackingSettings
 
 
 @dataclass(kw_only=True)
-class PretrainSettings(JobTargetSettings, RunSettings):
+class PretrainSettings(TrackingSettings, JobTargetSettings, RunSettings):
     """Everything the pretrain step needs besides the dataset (one field per component parameter)."""
 
     preset: str = "tiny"

@@ -26,6 +26,8 @@ from domino.launch.api import BACKENDS
 from domino.launch.job_api import job_api
 from domino.launch.naming import label_value
 from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, Toleration, default_namespace
+from domino.tracking import CREDENTIAL_KEYS, CREDENTIAL_SECRET, KFP_RUN_ID_ENV, TRACKING_URI_ENV, read_pointer
+from domino.tracking.registry import volume_uri
 
 __all__ = ["PretrainFailed", "PretrainSettings", "check_config", "job_spec", "load_argv", "metric_values",
            "parse_overrides", "pretrain_argv", "run_pretrain"]
@@ -136,6 +138,9 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
     text = lambda d: {str(k): str(v) for k, v in d.items()}  # noqa: E731 - JSON scalars -> strings
     # Without GPUs DeepSpeed must be told to use its CPU accelerator.
     env = {"DS_ACCELERATOR": "cpu"} if s.gpus_per_node == 0 else {}
+    tracked = bool(s.mlflow_tracking_uri)  # the job's rank 0 logs to MLflow, its run tagged with this pipeline run
+    if tracked:
+        env.update({TRACKING_URI_ENV: s.mlflow_tracking_uri, KFP_RUN_ID_ENV: s.run_id})
     spec = JobSpec(
         name=s.job_name, image=s.image or images.for_gpus(s.gpus_per_node), pretrain_args=argv,
         namespace=s.namespace or default_namespace(), nodes=s.nodes, nproc_per_node=s.nproc_per_node,
@@ -149,6 +154,7 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
         priority_class=s.priority_class or None, service_account=s.service_account or None,
         image_pull_secrets=[str(x) for x in _json_param(s, "image_pull_secrets")],
         env={**env, **text(_json_param(s, "env"))},
+        secret_env={key: CREDENTIAL_SECRET for key in CREDENTIAL_KEYS} if tracked else {},
         labels={**text(_json_param(s, "labels")), "pipelines.kubeflow.org/run-id": label_value(s.run_id)},
         annotations=text(_json_param(s, "annotations")), queue=s.queue or None,
         backoff_limit=None if s.backoff_limit < 0 else s.backoff_limit,
@@ -177,6 +183,9 @@ def summarize(layout: RunLayout, seq_length: int) -> Dict[str, Any]:
         "tokens_seen": int(meta["consumed_samples"]) * seq_length, "metrics_file": layout.metrics_file,
         "config": meta["config"],
     }
+    pointer = read_pointer(layout.checkpoint_dir)
+    if pointer is not None:  # the MLflow run of the training, on the KFP outputs
+        summary["mlflow_run_id"] = pointer.run_id
     if train:
         summary["final_train_loss"] = float(train[-1]["lm_loss"])
     valid = [e for e in evals if e.get("eval") == "valid"]
@@ -232,7 +241,9 @@ def run_pretrain(
     summary = summarize(layout, config.model.seq_length)
     summary.update(job=result.name, warm_start_from=warm_from, run_id=settings.run_id,
                    world_size=settings.nodes * settings.nproc_per_node,
-                   train_wall_s=round(time.monotonic() - started, 1))
+                   train_wall_s=round(time.monotonic() - started, 1),
+                   # Where the final checkpoint lies, as any namespace that mounts the claim finds it.
+                   checkpoint_uri=volume_uri(summary["checkpoint"], settings.shared_root, settings.pvc_name))
     write_manifest(model_path, summary)
     return summary
 

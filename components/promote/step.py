@@ -8,13 +8,25 @@ from typing import Any, Callable, Dict, Tuple
 from components.layout import RunLayout
 from components.manifest import read_manifest
 from components.registry import PromotedModel, promote
+from domino.tracking import KFP_RUN_TAG
+from domino.tracking.registry import Promotion, register_promotion, volume_uri
+
+
+#: The registered model of the pipeline's promotions (the pipeline's ``registered_model_name`` default).
+DEFAULT_MODEL_NAME = "domino-gpt"
+#: Decision fields recorded as tags of the model version.
+DECISION_TAGS = ("test_ppl", "test_loss", "token_accuracy", "test_tokens", "unigram_ppl", "incumbent_ppl",
+                 "incumbent_run", "reason")
 
 
 def run_promote(
     shared_root: str, run_id: str, model_manifest: str, decision_manifest: str,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = print, tracking_uri: str = "", model_name: str = DEFAULT_MODEL_NAME,
 ) -> Dict[str, Any]:
-    """Writes the model of ``model_manifest`` as the current entry of ``<shared_root>/promoted.json``.
+    """Writes the model of ``model_manifest`` as the current entry of ``<shared_root>/promoted.json`` and,
+    with ``tracking_uri``, registers it as a new version of ``model_name`` in MLflow, still under the
+    registry's lock (the version's source: the manifest's ``checkpoint_uri``; the decision as tags; the
+    alias ``champion`` moved to it).
 
     Raises:
         ValueError: the decision does not say promote (the pipeline's gate should have skipped this step), or
@@ -31,8 +43,15 @@ def run_promote(
         run_id=run_id, checkpoint_dir=model["checkpoint_dir"], test_ppl=test_ppl, test_loss=test_loss,
         iteration=int(model.get("iterations", 0)), tokens=int(model.get("tokens_seen", 0)),
     )
-    # Re-checked under the registry's lock: another run may have been promoted since this run's gate.
-    written = promote(layout.registry_path, entry, gate_incumbent=str(decision.get("incumbent_run") or ""))
+    promotion = Promotion(
+        model_name=model_name, source=model.get("checkpoint_uri") or volume_uri(model["checkpoint_dir"], shared_root),
+        run_id=str(model.get("mlflow_run_id") or ""),
+        tags={**{name: decision.get(name) for name in DECISION_TAGS}, KFP_RUN_TAG: run_id,
+              "checkpoint_dir": model["checkpoint_dir"], "iterations": entry.iteration, "tokens_seen": entry.tokens})
+    # Re-checked under the registry's lock: another run may have been promoted since this run's gate. MLflow's
+    # registry follows under the same lock, so its alias moves in the order promoted.json changes.
+    written = promote(layout.registry_path, entry, gate_incumbent=str(decision.get("incumbent_run") or ""),
+                      mirror=lambda _: register_promotion(tracking_uri, promotion))
     log(f"promote: run {run_id} is now the promoted model (perplexity {test_ppl:.4f}) in {layout.registry_path}")
     return written["current"]
 

@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from domino.atomic_files import staging_directory
 from domino.checkpoint import manifest
 from domino.config import ConfigError, DominoConfig, ModelConfig, config_from_dict, padded_vocab_size
 from domino.checkpoint import weights_io as wio
@@ -76,7 +77,12 @@ def family_of(config: ModelConfig) -> Family:
     return FAMILIES["llama" if llama else "gpt2"]
 
 
-def _prepare_output(output: Path, overwrite: bool) -> None:
+def _prepare_output(output: Path, overwrite: bool, source: Path, source_flag: str) -> None:
+    # Publishing replaces --output whole: it must neither be the source nor hold it.
+    resolved, source_resolved = output.resolve(), source.resolve()
+    if resolved == source_resolved or resolved in source_resolved.parents:
+        raise ConfigError(f"--output {output} is or contains {source_flag} {source}: replacing it would delete the "
+                          "input; write to another folder")
     if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
         raise ConfigError(f"--output {output} already exists and is not empty (pass --overwrite to replace it)")
 
@@ -117,7 +123,7 @@ def export_hf(load: PathLike, output: PathLike, tokenizer_spec: Optional[str] = 
     config = config_from_dict(meta["config"])
     wio.check_checkpoint_fits(ckpt_dir, meta, config)
     output = Path(output)
-    _prepare_output(output, overwrite)
+    _prepare_output(output, overwrite, Path(ckpt_dir), "--load")
     tokenizer = wio.load_checkpoint_tokenizer(ckpt_dir, meta, tokenizer_spec)
     vocab = tokenizer.vocab_size
     if vocab > meta["padded_vocab_size"]:
@@ -133,7 +139,7 @@ def export_hf(load: PathLike, output: PathLike, tokenizer_spec: Optional[str] = 
         hf_sd.pop(family.output, None)
 
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    staging = Path(staging_directory(str(output)))
     try:
         config_json = {"architectures": [family.architecture], "model_type": family.model_type, **hf_config,
                        "domino": {"checkpoint": str(ckpt_dir), "iteration": meta["iteration"],
@@ -223,7 +229,7 @@ def import_hf(input_dir: PathLike, output: PathLike, tokenizer_spec: Optional[st
     config_path = input_dir / "config.json"
     if not config_path.is_file():
         raise ConfigError(f"--input {input_dir} has no config.json (is it a Hugging Face model directory?)")
-    _prepare_output(output, overwrite)
+    _prepare_output(output, overwrite, input_dir, "--input")
     try:
         hf_config = json.loads(config_path.read_text())
     except json.JSONDecodeError as error:
@@ -252,7 +258,7 @@ def import_hf(input_dir: PathLike, output: PathLike, tokenizer_spec: Optional[st
             rows = full[name]
             full[name] = torch.cat([rows, rows.new_zeros(padded - rows.shape[0], rows.shape[1])])
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    staging = Path(staging_directory(str(output)))
     try:
         written = wio.write_weights_only_checkpoint(staging, config, full, padded, tokenizer=tokenizer)
         manifest.seal(written)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from domino.data.limits import MAX_DOCUMENT_CHARS
+from domino.data.builtin_corpora import list_builtin_corpora
+from domino.data.limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
 
 
 def _add_input_flags(parser: argparse.ArgumentParser, input_flag: str) -> None:
@@ -24,8 +25,6 @@ def _add_input_flags(parser: argparse.ArgumentParser, input_flag: str) -> None:
 
 
 def _list_corpora() -> int:
-    from domino.data.builtin_corpora import list_builtin_corpora
-
     for name, description in list_builtin_corpora().items():
         print(f"{name:20s} {description}")
     return 0
@@ -41,7 +40,8 @@ def _run_preprocess(args: argparse.Namespace) -> int:
     result = preprocess(args.input, args.output_prefix, tokenizer=args.tokenizer, json_keys=args.json_keys,
                         append_eod=args.append_eod, workers=args.workers, skip_bad_lines=args.skip_bad_lines,
                         builtin_corpus=args.builtin_corpus, txt_document_per_file=args.txt_document_per_file,
-                        progress=False if args.no_progress else None, max_document_chars=args.max_document_chars)
+                        progress=False if args.no_progress else None, max_document_chars=args.max_document_chars,
+                        max_line_bytes=args.max_line_bytes)
     if args.json:
         print(json.dumps({**result.__dict__, "tokens_per_second": result.tokens_per_second}, indent=2))
     else:
@@ -95,6 +95,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pre.add_argument("--max-document-chars", type=int, default=MAX_DOCUMENT_CHARS, metavar="N",
                      help="the most text the tokenizer takes in one call (~130 bytes of memory per character); "
                           f"longer documents are encoded N characters at a time (default: {MAX_DOCUMENT_CHARS:,})")
+    pre.add_argument("--max-line-bytes", type=int, default=MAX_LINE_BYTES, metavar="N",
+                     help="the longest input line read into memory (decompressed); a longer one is an error naming "
+                          f"the file and line, or is skipped with --skip-bad-lines (default: {MAX_LINE_BYTES:,})")
     pre.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     pre.add_argument("--json", action="store_true", help="print the result as JSON")
     pre.set_defaults(func=_run_preprocess, parser=pre)

@@ -8,14 +8,15 @@ from __future__ import annotations
 import argparse
 import json
 
+from domino.config import ConfigError, add_config_flags, config_from_args
+from domino.config.deepspeed_memory import VALIDATION
+from domino.config.estimate import DEVICES, USABLE_FRACTION, describe, estimate_layout, fitting_layouts, layout_of
+
 #: Peak dense bf16 TFLOP/s assumed without --peak-tflops: an H100/H200 SXM (domino.train.throughput's table).
 DEFAULT_PEAK_TFLOPS = 989.0
 
 
 def run(args: argparse.Namespace) -> int:
-    from domino.config import ConfigError, config_from_args
-    from domino.config.estimate import USABLE_FRACTION, describe, estimate_layout, fitting_layouts, layout_of
-
     if args.gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
     if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
@@ -38,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
         f" -> {'fits' if asked.fits else 'does NOT fit'} in {args.gpu_memory_gb:g} GiB "
         f"({100 * USABLE_FRACTION:g}% usable)")
     print(f"asked:  {describe(asked)}{verdict}")
+    print(f"validated: {VALIDATION['validated']}; NOT validated: {VALIDATION['not_validated']}")
     if args.gpu_memory_gb is not None:
         print(f"layouts that fit in {args.gpu_memory_gb:g} GiB x {args.gpus} GPUs, best first "
               f"({len(fitting)} in all):" if fitting else "no layout fits")
@@ -48,9 +50,6 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``domino estimate``."""
-    from domino.config import add_config_flags
-    from domino.config.estimate import DEVICES
-
     parser = subparsers.add_parser(
         "estimate", help="Per-GPU memory and step time of a run, and the layouts that fit.",
         description="Estimates per-GPU memory (weights, gradients, optimizer state per ZeRO stage, activations per "

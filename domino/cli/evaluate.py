@@ -6,6 +6,7 @@ import argparse
 import json
 
 from domino.cli.checkpoint_flags import add_checkpoint_flags
+from domino.tracking import evaluation_scalars, tracker_of_checkpoint
 
 #: Tokens evaluated unless --eval-tokens/--eval-iters/--max-samples say otherwise: enough for a perplexity
 #: good to about 1 % on a small model, and seconds of work on a CPU (docs/evaluation.md).
@@ -34,14 +35,11 @@ def _held_out_split(load: str) -> str:
 
 def _log_to_training_run(load: str, result) -> None:
     """With ``MLFLOW_TRACKING_URI`` set, the result goes to the MLflow run that trained the checkpoint, at its
-    iteration, under the names of training's test record (bounded wait; a failure is said, never raised)."""
-    from domino.tracking import tracker_of_checkpoint
-
+    iteration (bounded wait; a failure is said, never raised)."""
     tracker = tracker_of_checkpoint(load, "evaluation")
     if tracker is not None:
-        step = int(result["iteration"])
-        tracker.log_metrics([("lm loss test", result["loss"], step), ("lm loss test ppl", result["ppl"], step),
-                             ("token accuracy test", result["accuracy"], step)])
+        numbers = {key: result[key] for key in ("loss", "ppl", "accuracy")}
+        tracker.log_metrics(evaluation_scalars(numbers, int(result["iteration"])))
         tracker.set_tags({"domino.evaluated_data": result["data"], "domino.evaluated_tokens": result["tokens"]})
         tracker.finish(completed=False)
 

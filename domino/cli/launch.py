@@ -1,4 +1,4 @@
-"""``domino launch render|submit``: run ``domino pretrain`` as a Kubeflow PyTorchJob or, with ``--api trainjob``,
+"""``domino launch render|submit|check``: run ``domino pretrain`` as a Kubeflow PyTorchJob or, with ``--api trainjob``,
 a Kubeflow Trainer v2 TrainJob, on a cluster or locally (``--backend local``).
 
 The logic lives in :mod:`domino.launch`; this module only maps flags to calls.
@@ -57,6 +57,33 @@ def _submit(args: argparse.Namespace) -> int:
     return 0 if result.succeeded else 1
 
 
+def _check(args: argparse.Namespace) -> int:
+    from domino.launch.check import ClusterCheck
+    from domino.launch.kube_backend import load_api_client
+
+    try:
+        spec = spec_from_args(args)
+        api = job_api(args.api)
+        api.check(spec)
+    except LaunchSpecError as error:
+        print(f"domino launch check: error: {error}", file=sys.stderr)
+        return 2
+    from urllib3.exceptions import HTTPError
+
+    try:
+        problems = ClusterCheck(api, load_api_client()).run(spec)
+    except HTTPError as error:
+        print(f"ApiUnreachable: the Kubernetes API did not answer: {error}", file=sys.stderr)
+        return 1
+    for line in problems:
+        print(line, flush=True)
+    if not problems:
+        print(f"ok: namespace {spec.namespace} has what a {api.kind} of this spec needs "
+              f"(CRD, {'runtime, ' if api.name == 'trainjob' else ''}claim {spec.pvc}"
+              f"{', queue ' + spec.queue if spec.queue else ''}, RBAC)")
+    return 1 if problems else 0
+
+
 def _add_api_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api", choices=sorted(JOB_APIS), default=DEFAULT_JOB_API,
                         help="pytorchjob (Kubeflow training operator v1, default) or trainjob (Kubeflow Trainer v2.3; "
@@ -64,10 +91,10 @@ def _add_api_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> None:
-    """Adds ``domino launch render`` and ``domino launch submit``."""
+    """Adds ``domino launch render``, ``submit`` and ``check``."""
     launch = subparsers.add_parser("launch", help="Run domino pretrain as a PyTorchJob or TrainJob (or locally).",
                                    description=__doc__)
-    verbs = launch.add_subparsers(dest="launch_command", metavar="{render,submit}", required=True)
+    verbs = launch.add_subparsers(dest="launch_command", metavar="{render,submit,check}", required=True)
 
     render = verbs.add_parser("render", help="Print the job's YAML (a PyTorchJob or a TrainJob).",
                               usage="domino launch render --name NAME [--image IMAGE] [flags] -- [pretrain flags]")
@@ -96,3 +123,10 @@ def register(subparsers) -> None:
     run.add_argument("--workdir", default=None, help="local backend: directory standing in for the PVC.")
     run.add_argument("--tail-lines", type=int, default=20, help="Log lines shown with a failure (default 20).")
     submit.set_defaults(func=_submit)
+
+    check = verbs.add_parser("check", help="Ask the cluster whether the job's CRD, runtime, claim, queue and RBAC "
+                             "are there; print what is missing, one line each.",
+                             usage="domino launch check --name NAME [flags as for submit]")
+    add_spec_flags(check)
+    _add_api_flag(check)
+    check.set_defaults(func=_check)

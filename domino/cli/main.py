@@ -17,6 +17,7 @@ from typing import List, NoReturn, Optional, Sequence
 from domino import __version__
 from domino.config import ConfigError
 from domino.config.flags import ArgumentParser
+from domino.logging_utils import setup_logging
 
 #: Modules under ``domino.cli`` that register sub-commands, in ``--help`` order.
 VERB_MODULES: List[str] = [
@@ -85,8 +86,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    from domino.logging_utils import setup_logging
-
     setup_logging(args.log_level)
     try:
         code = args.func(args)

@@ -48,6 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--step-toleration", action="append", metavar="KEY[=VALUE][:EFFECT]",
                    help="Toleration of the step pods (repeatable).")
     p.add_argument("--eval-gpus", type=int, default=0, help="GPUs for the evaluate step (default: 0, CPU).")
+    p.add_argument("--mlflow-credentials", action="store_true",
+                   help="Steps read MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN from the Secret domino-mlflow.")
     p.add_argument("--preprocess-parallelism", type=int, default=0, metavar="N",
                    help="most preprocess tasks of the shard-group ParallelFor running at once (default: 0, one "
                         "per group)")

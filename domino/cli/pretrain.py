@@ -29,8 +29,9 @@ def _run(args: argparse.Namespace) -> int:
     result = pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step,
                       recipe.padded_vocab_size, recipe.tokenizer)
     if int(os.environ.get("RANK", "0")) == 0 and args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump(vars(result), f, indent=2)
+        from domino.atomic_files import atomic_write_text
+
+        atomic_write_text(args.result_json, json.dumps(vars(result), indent=2))
     # 128 + SIGTERM: a retryable exit for the training operator's ExitCode restart policy.
     return 143 if result.interrupted else 0
 

@@ -20,6 +20,9 @@ Memory per GPU is the sum of six parts, each a closed form in the architecture f
 * **logits**: the vocabulary-parallel cross-entropy keeps an fp32 softmax ``[s, b, V/t]`` (plus the 16-bit logits).
 * **buffers**: DeepSpeed's ZeRO reduce/all-gather buckets (sizes from ``domino/train/engine.py``), the per-layer
   regrouped QKV weight copy of :mod:`domino.model.qkv_projection` and full recompute's RNG snapshots.
+* **deepspeed**: what DeepSpeed's optimizers keep beyond the paper's count (the fp32 gradient buffer of bf16 ZeRO 1,
+  fp32 gradient partitions, the engine's flattening all-reduce buffer): :mod:`domino.config.deepspeed_memory`,
+  which also says which of these figures have been measured (:data:`VALIDATION`: none on a GPU yet).
 
 FLOPs per token follow Megatron's count (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
 GPU Clusters", appendix: ``72 B s L h^2 (1 + s/6h + V/12Lh)`` per batch), written per matrix so SwiGLU and GQA
@@ -37,6 +40,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from domino.config.deepspeed_memory import VALIDATION, deepspeed_buffer_bytes
 from domino.config.schema import DominoConfig, ModelConfig
 from domino.config.validate import ConfigError, padded_vocab_size, resolve_domino_chunks, validate, zero_stage_for
 
@@ -87,6 +91,7 @@ class Estimate:
     logits: float
     buffers: float
     flops_per_token: float
+    deepspeed: float = 0.0
     step_time_s: Optional[float] = None
     gpu_memory_gb: Optional[float] = None
     parameters: int = 0
@@ -99,7 +104,7 @@ class Estimate:
         gradients backward makes first, the output layer's) and all gradients: backward frees each layer's
         activations as it makes that layer's gradients (optimizers set gradients to None after the step)."""
         overlapping = max(self.activations + self.first_gradients, self.gradients)
-        return self.weights + self.optimizer + self.logits + self.buffers + overlapping
+        return self.weights + self.optimizer + self.logits + self.buffers + self.deepspeed + overlapping
 
     @property
     def fits(self) -> bool:
@@ -108,7 +113,7 @@ class Estimate:
 
     def memory_gb(self) -> Dict[str, float]:
         """The parts in GiB, rounded for printing."""
-        parts = ("weights", "gradients", "optimizer", "activations", "logits", "buffers", "total")
+        parts = ("weights", "gradients", "optimizer", "activations", "logits", "buffers", "deepspeed", "total")
         return {p: round(getattr(self, p) / GB, 3) for p in parts}
 
     def to_json(self) -> Dict[str, object]:
@@ -116,7 +121,7 @@ class Estimate:
         return {"fits": self.fits, "layout": dataclasses.asdict(self.layout), "memory_gb_per_gpu": self.memory_gb(),
                 "gpu_memory_gb": self.gpu_memory_gb, "usable_fraction": USABLE_FRACTION,
                 "parameters": self.parameters, "flops_per_token": self.flops_per_token,
-                "step_time_s": self.step_time_s}
+                "step_time_s": self.step_time_s, "validation": VALIDATION}
 
 
 @dataclass
@@ -274,7 +279,9 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
     gradients = per_rank * grad_b / (dp if layout.zero_stage >= 2 else 1)
     optimizer = per_rank * optim_b / (dp if layout.zero_stage >= 1 else 1)
     output_layer = shape.V * shape.h / layout.tensor_model_parallel_size / (dp if layout.zero_stage >= 2 else 1)
-    buckets = 2 * ZERO_BUCKET_ELEMENTS * grad_b if layout.zero_stage >= 1 and dp > 1 else 0.0
+    # The ZeRO optimizer's two reduction buckets (overlap_comm); bf16 ZeRO 1's BF16_Optimizer has none.
+    zero_optimizer = layout.zero_stage >= 1 and not (config.train.bf16 and layout.zero_stage == 1)
+    buckets = 2 * ZERO_BUCKET_ELEMENTS * grad_b if zero_optimizer and dp > 1 else 0.0
     qkv_copies = shape.L * shape.h * shape.qkv_width / layout.tensor_model_parallel_size * act
     buckets += rng_record_bytes(shape.L, layout)
     flops = model_flops_per_token(shape)
@@ -287,7 +294,10 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
         global_batch = config.train.global_batch_size or layout.micro_batch_size * dp
         gpus = layout.tensor_model_parallel_size * dp
         step = global_batch * shape.s * train_flops / (gpus * peak_tflops * 1e12 * mfu)
+    deepspeed = deepspeed_buffer_bytes(per_rank, dp, layout.zero_stage, bool(config.train.bf16),
+                                       bool(config.train.fp16))
     return Estimate(layout=layout, weights=per_rank * weight_b, gradients=gradients, optimizer=optimizer,
+                    deepspeed=sum(deepspeed.values()),
                     activations=activation_bytes(shape, layout, act, device),
                     logits=logits_bytes(shape, layout, act), buffers=buckets + qkv_copies,
                     flops_per_token=3 * flops, step_time_s=step, gpu_memory_gb=gpu_memory_gb,

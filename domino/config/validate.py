@@ -41,6 +41,14 @@ def _check(problems: List[str], ok: bool, message: str) -> None:
         problems.append(message)
 
 
+def check_tensor_parallel_size(world_size: int, tensor_model_parallel_size: int) -> None:
+    """Raises :class:`ConfigError` unless ``tensor_model_parallel_size`` >= 1 divides ``world_size``: the one
+    place this rule is written (the config, the process groups and evaluation's start-up all call it)."""
+    tp = tensor_model_parallel_size
+    if tp < 1 or world_size % tp != 0:
+        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}")
+
+
 def data_parallel_size(config: DominoConfig, world_size: int) -> int:
     """Number of data-parallel replicas for ``world_size`` processes."""
     return world_size // config.parallel.tensor_model_parallel_size
@@ -219,8 +227,10 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
     _check(problems, t.eval_interval >= 0 and t.eval_iters >= 0, "--eval-interval and --eval-iters must be >= 0")
 
     if world_size is not None:
-        if world_size % tp != 0:
-            problems.append(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}")
+        try:
+            check_tensor_parallel_size(world_size, tp)
+        except ConfigError as error:
+            problems.append(str(error))
         else:
             dp = data_parallel_size(config, world_size)
             if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0:

@@ -29,6 +29,7 @@ import os
 from typing import Callable, Iterator, Optional, Sequence, Tuple
 
 from domino.data.errors import DataError
+from domino.data.limits import MAX_LINE_BYTES
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".txt", ".text")
@@ -61,11 +62,13 @@ def input_format(path: str) -> Optional[Tuple[str, Optional[str]]]:
 
 
 @contextlib.contextmanager
-def open_lines(path: str) -> Iterator[Tuple[Iterator[bytes], Callable[[], int]]]:
-    """Opens a line-based input (plain or compressed) for reading.
+def open_lines(path: str, max_line_bytes: int = MAX_LINE_BYTES
+               ) -> Iterator[Tuple[Iterator[Optional[bytes]], Callable[[], int]]]:
+    """Opens a line-based input (plain or compressed) for reading, one bounded line at a time.
 
     Yields:
-        ``(lines, consumed)``: an iterator over the decompressed lines (bytes, with their ``\\n``) and a
+        ``(lines, consumed)``: an iterator over the decompressed lines (bytes, with their ``\\n``; None for a
+        line longer than ``max_line_bytes``, whose rest is read through and dropped in bounded blocks) and a
         function returning how many bytes of the file on disk have been read so far.
 
     Raises:
@@ -74,7 +77,7 @@ def open_lines(path: str) -> Iterator[Tuple[Iterator[bytes], Callable[[], int]]]
     _, compression = input_format(path) or ("", None)
     with open(path, "rb", buffering=0 if compression else -1) as raw:
         if compression is None:
-            yield iter(raw), raw.tell
+            yield _bounded(raw, max_line_bytes), raw.tell
             return
         if compression == "gzip":
             stream = gzip.GzipFile(fileobj=raw, mode="rb")
@@ -84,10 +87,24 @@ def open_lines(path: str) -> Iterator[Tuple[Iterator[bytes], Callable[[], int]]]
             reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
             stream = io.BufferedReader(reader, buffer_size=_READ_BUFFER)
         with stream:
-            yield _checked(stream, path, compression), raw.tell
+            yield _checked(_bounded(stream, max_line_bytes), path, compression), raw.tell
 
 
-def _checked(stream: io.BufferedIOBase, path: str, compression: str) -> Iterator[bytes]:
+def _bounded(stream, limit: int) -> Iterator[Optional[bytes]]:
+    """The lines of ``stream``, never holding more than ``limit`` + 1 bytes of one (None for a longer line)."""
+    while True:
+        line = stream.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit:
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):  # read through the rest of the over-long line
+            line = stream.readline(_READ_BUFFER)
+        yield None
+
+
+def _checked(stream: Iterator[Optional[bytes]], path: str, compression: str) -> Iterator[Optional[bytes]]:
     # Corrupt or truncated data surfaces while iterating (gzip: BadGzipFile/EOFError/zlib.error,
     # zstandard: ZstdError); name the file instead of passing on the codec's bare message.
     try:

@@ -5,5 +5,11 @@
 #: at this cap; a longer document (one huge JSON line, a ``.txt`` without blank lines) is encoded slice by slice.
 MAX_DOCUMENT_CHARS = 10_000_000
 
+#: Default of ``domino preprocess --max-line-bytes``: the longest input line (decompressed, newline included)
+#: read into memory. A JSON line is parsed whole, so it is the one bound on what one line can cost (~3-4x its
+#: size while it is decoded and parsed); a longer line (a one-line ``.jsonl.gz`` bomb) is a clear error, or is
+#: skipped, read through in bounded blocks, with ``--skip-bad-lines``.
+MAX_LINE_BYTES = 64 << 20
+
 #: Tokens read per block when a dataset's token ids are checked against the vocabulary (16 MiB of int32).
 TOKEN_CHECK_BLOCK = 1 << 22

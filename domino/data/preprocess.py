@@ -31,7 +31,7 @@ from domino.atomic_files import remove_quietly, sweep_temporaries
 from domino.data.builtin_corpora import builtin_corpus_bytes, builtin_documents
 from domino.data.errors import DataError
 from domino.data.indexed_dataset import IndexedDatasetWriter, index_file_path, temporary_paths, token_dtype
-from domino.data.limits import MAX_DOCUMENT_CHARS
+from domino.data.limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
 from domino.data.provenance import DatasetMeta, file_sha256, meta_path, tokenizer_sha256, write_meta
 from domino.data.text_inputs import BadLineCounter, Document, expand_inputs, input_bytes, read_documents
 from domino.data.tokenizer import Tokenizer, build_tokenizer
@@ -199,7 +199,7 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
                json_keys: Sequence[str] = ("text",), append_eod: bool = True, workers: int = 1,
                skip_bad_lines: bool = False, builtin_corpus: Optional[str] = None,
                progress: Optional[bool] = None, txt_document_per_file: bool = False,
-               max_document_chars: int = MAX_DOCUMENT_CHARS) -> PreprocessResult:
+               max_document_chars: int = MAX_DOCUMENT_CHARS, max_line_bytes: int = MAX_LINE_BYTES) -> PreprocessResult:
     """Tokenises documents into Megatron-compatible indexed datasets.
 
     Args:
@@ -215,6 +215,8 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
         txt_document_per_file: a whole ``.txt`` file is one document (default: blank-line-separated blocks).
         max_document_chars: the most text the tokenizer gets in one call; a longer document (one huge JSON
             line, a ``.txt`` without blank lines) is encoded slice by slice into the same one document.
+        max_line_bytes: the longest input line read (decompressed); a longer one is an error naming the file
+            and line (skipped with ``skip_bad_lines``), read through in bounded blocks, never held whole.
 
     Returns:
         a :class:`PreprocessResult`.
@@ -236,6 +238,8 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
         raise DataError(f"--workers must be >= 1, got {workers}")
     if max_document_chars < 1:
         raise DataError(f"--max-document-chars must be >= 1, got {max_document_chars}")
+    if max_line_bytes < 1:
+        raise DataError(f"--max-line-bytes must be >= 1, got {max_line_bytes}")
     if workers > _available_cpus():  # more threads than cores only adds memory (2 batches in flight each)
         logger.warning("--workers %d capped at the %d CPUs available", workers, _available_cpus())
         workers = _available_cpus()
@@ -250,7 +254,7 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
     else:
         files = expand_inputs(inputs)
         total_bytes = input_bytes(files)
-        documents = read_documents(files, json_keys, txt_document_per_file, skip_bad_lines, bad)
+        documents = read_documents(files, json_keys, txt_document_per_file, skip_bad_lines, bad, max_line_bytes)
     tok = build_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
     prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}

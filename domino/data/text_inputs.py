@@ -27,6 +27,7 @@ from typing import Iterable, Iterator, List, Sequence, Tuple, Union
 
 from domino.data.errors import DataError
 from domino.data.input_files import SUPPORTED, input_format, open_lines, parquet_rows
+from domino.data.limits import MAX_LINE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -138,14 +139,22 @@ def _json_texts(line: str, path: str, line_number: int, keys: Sequence[str]) -> 
     return tuple(texts)
 
 
-def read_jsonl(path: str, keys: Sequence[str], bad: BadLineCounter, skip_bad_lines: bool) -> Iterator[Document]:
+def _too_long(path: str, line_number: int, limit: int) -> DataError:
+    return DataError(f"{path}:{line_number}: line longer than {limit:,} bytes (--max-line-bytes); a JSON-lines "
+                     "file holds one document per line")
+
+
+def read_jsonl(path: str, keys: Sequence[str], bad: BadLineCounter, skip_bad_lines: bool,
+               max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Document]:
     """Documents of a JSON-lines file, plain or compressed (one per non-blank line)."""
-    with open_lines(path) as (lines, consumed):
+    with open_lines(path, max_line_bytes) as (lines, consumed):
         reported = 0
         for line_number, raw in enumerate(lines, start=1):
-            if not raw.strip():
+            if raw is not None and not raw.strip():
                 continue
             try:
+                if raw is None:
+                    raise _too_long(path, line_number, max_line_bytes)
                 texts = _json_texts(_decode(raw, path, line_number), path, line_number, keys)
             except DataError as error:
                 if not skip_bad_lines:
@@ -157,13 +166,16 @@ def read_jsonl(path: str, keys: Sequence[str], bad: BadLineCounter, skip_bad_lin
             reported = position
 
 
-def read_text(path: str, document_per_file: bool, bad: BadLineCounter, skip_bad_lines: bool) -> Iterator[Document]:
+def read_text(path: str, document_per_file: bool, bad: BadLineCounter, skip_bad_lines: bool,
+              max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Document]:
     """Documents of a plain-text file, plain or compressed: blank-line-separated blocks, or the whole file."""
     block: List[str] = []
     start, reported = 0, 0
-    with open_lines(path) as (lines, consumed):
+    with open_lines(path, max_line_bytes) as (lines, consumed):
         for line_number, raw in enumerate(lines, start=1):
             try:
+                if raw is None:
+                    raise _too_long(path, line_number, max_line_bytes)
                 line = _decode(raw, path, line_number)
             except DataError as error:
                 if not skip_bad_lines:
@@ -198,20 +210,21 @@ def read_parquet(path: str, keys: Sequence[str], bad: BadLineCounter, skip_bad_l
 
 
 def _reader(path: str, keys: Sequence[str], document_per_file: bool, bad: BadLineCounter,
-            skip_bad_lines: bool) -> Iterable[Document]:
+            skip_bad_lines: bool, max_line_bytes: int) -> Iterable[Document]:
     kind, _ = input_format(path) or ("", None)
     if kind == "jsonl":
-        return read_jsonl(path, keys, bad, skip_bad_lines)
+        return read_jsonl(path, keys, bad, skip_bad_lines, max_line_bytes)
     if kind == "parquet":
         return read_parquet(path, keys, bad, skip_bad_lines)
     if len(keys) != 1:
         raise DataError(f"input {path}: a .txt file has one text per document; give a single --json-keys "
                         f"name for it (got {', '.join(keys)})")
-    return read_text(path, document_per_file, bad, skip_bad_lines)
+    return read_text(path, document_per_file, bad, skip_bad_lines, max_line_bytes)
 
 
 def read_documents(files: Sequence[str], keys: Sequence[str], document_per_file: bool = False,
-                   skip_bad_lines: bool = False, bad: BadLineCounter = None) -> Iterator[Document]:
+                   skip_bad_lines: bool = False, bad: BadLineCounter = None,
+                   max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Document]:
     """Documents of every file in order; a file that yields none is an error (a warning when skipping).
 
     Each document's ``nbytes`` is its share of the file on disk (compressed bytes for compressed files),
@@ -223,7 +236,7 @@ def read_documents(files: Sequence[str], keys: Sequence[str], document_per_file:
     bad = bad if bad is not None else BadLineCounter()
     for path in files:
         held, counted = None, 0
-        for document in _reader(path, keys, document_per_file, bad, skip_bad_lines):
+        for document in _reader(path, keys, document_per_file, bad, skip_bad_lines, max_line_bytes):
             if held is not None:
                 yield held
             held, counted = document, counted + document.nbytes

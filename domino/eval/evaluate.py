@@ -17,6 +17,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 
 from domino.config import ConfigError, DominoConfig, config_from_dict
+from domino.data.batch import get_batch
+from domino.data.dataset_builder import build_train_valid_test_datasets, parse_data_prefix
+from domino.data.loader import build_pretraining_data_loader
 from domino.eval.metrics import evaluate_batches
 from domino.eval.runtime import default_device, setup_tensor_parallel
 from domino.runtime import state
@@ -27,8 +30,6 @@ PathLike = Union[str, Path]
 
 
 def _is_blend(selection: Dict[str, Any]) -> bool:
-    from domino.data.dataset_builder import parse_data_prefix
-
     spec = selection.get("data_prefix") or selection.get("test_data_prefix")
     return len(parse_data_prefix(spec)[0]) > 1
 
@@ -76,8 +77,6 @@ def _open_test_data(selection: Dict[str, Any], what: str, seq: int, seed: int, d
 
     ``vocab_size``: the checkpoint tokenizer's; a dataset holding a larger token id is refused when it is opened
     (it was tokenised with another tokenizer, and would index past the embedding)."""
-    from domino.data.dataset_builder import build_train_valid_test_datasets
-
     per_step = micro_batch_size * state.get_data_parallel_world_size()
     # One pass over a single dataset: ask for one sample, get one whole epoch. An explicit amount larger
     # than an epoch repeats documents, as training does. A blend is exactly as long as asked for, so it
@@ -143,8 +142,6 @@ def evaluate_checkpoint(
     Raises:
         ConfigError: for a bad checkpoint or data path, an empty selection, or impossible settings.
     """
-    from domino.data.batch import get_batch
-    from domino.data.loader import build_pretraining_data_loader
     from domino.checkpoint.weights_io import build_model_from_checkpoint, read_checkpoint_meta, resolve_checkpoint_dir
 
     if micro_batch_size < 1:

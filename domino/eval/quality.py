@@ -15,6 +15,9 @@ from typing import Any, Dict, Iterable, Set, Tuple
 
 import numpy as np
 
+from domino.data.indexed_dataset import IndexedDataset
+from domino.data.sample_index import split_boundaries
+
 #: A word: letters, with inner apostrophes ("cross'd", "o'er"); hyphens and digits separate words.
 WORD = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)*")
 
@@ -25,9 +28,6 @@ def words(text: str) -> list:
 
 
 def _split_documents(prefix: str, split: str) -> Tuple[Any, range, range]:
-    from domino.data.indexed_dataset import IndexedDataset
-    from domino.data.sample_index import split_boundaries
-
     dataset = IndexedDataset(prefix)
     bounds = split_boundaries(split, dataset.num_documents)
     return dataset, range(bounds[0], bounds[1]), range(bounds[2], bounds[3])
@@ -66,8 +66,6 @@ def unigram_baseline(prefix: str, split: str, vocab_size: int) -> Dict[str, Any]
 
 def corpus_words(prefix: str, tokenizer) -> Set[str]:
     """Every word (see :data:`WORD`) of the tokenized corpus at ``prefix``, decoded document by document."""
-    from domino.data.indexed_dataset import IndexedDataset
-
     vocabulary: Set[str] = set()
     for tokens in IndexedDataset(prefix).iter_documents():
         vocabulary.update(words(tokenizer.decode(tokens.tolist())))

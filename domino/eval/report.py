@@ -61,17 +61,35 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[Any]], table_id: str) 
     return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 
-def _normalise_eval_results(eval_results: Any) -> List[Dict[str, Any]]:
-    """Accepts one result dict, a list of them, or ``{name: result}``; returns named rows."""
+def _normalise_eval_results(eval_results: Any, source: str = "evaluation results") -> List[Dict[str, Any]]:
+    """Accepts one result dict, a list of them, or ``{name: result}``; returns named rows.
+
+    Raises:
+        ConfigError: naming ``source`` and the entry, for anything else (a value of a column that is not a
+            number, an entry that is not an object).
+    """
     if eval_results is None:
         return []
     if isinstance(eval_results, Mapping) and any(k in eval_results for k in EVAL_COLUMNS):
-        return [{**eval_results, "name": eval_results.get("name") or eval_results.get("data") or "evaluation"}]
-    if isinstance(eval_results, Mapping):
-        return [{"name": str(name), **dict(result)} for name, result in eval_results.items()]
-    if isinstance(eval_results, (list, tuple)):
-        return [{"name": r.get("name", f"evaluation {i + 1}"), **r} for i, r in enumerate(eval_results)]
-    raise ConfigError(f"evaluation results must be a dict or a list of dicts, got {type(eval_results).__name__}")
+        rows = [{**eval_results, "name": eval_results.get("name") or eval_results.get("data") or "evaluation"}]
+    elif isinstance(eval_results, (Mapping, list, tuple)):
+        named = eval_results.items() if isinstance(eval_results, Mapping) else (
+            (r.get("name", f"evaluation {i + 1}") if isinstance(r, Mapping) else f"{i + 1}", r)
+            for i, r in enumerate(eval_results))
+        rows = []
+        for name, result in named:
+            if not isinstance(result, Mapping):
+                raise ConfigError(f"{source}: entry {str(name)!r} is a {type(result).__name__}, expected an object")
+            rows.append({"name": str(name), **result})
+    else:
+        raise ConfigError(f"{source}: expected an evaluation result (an object with {', '.join(EVAL_COLUMNS)}), a "
+                          f"list of them or an object of them by name, got {type(eval_results).__name__}")
+    for row in rows:
+        for column in EVAL_COLUMNS:
+            value = row.get(column)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ConfigError(f"{source}: entry {row['name']!r} has {column}={value!r}, expected a number")
+    return rows
 
 
 def _eval_section(eval_results: Any, metric_evals: Sequence[Dict[str, Any]]) -> str:
@@ -221,6 +239,8 @@ def load_eval_json(path: Union[str, Path]) -> Any:
     if not path.is_file():
         raise ConfigError(f"--eval-json {path} does not exist")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ConfigError(f"--eval-json {path} is not valid JSON: {error}") from None
+    _normalise_eval_results(results, f"--eval-json {path}")  # checked before any work
+    return results

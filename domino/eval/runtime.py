@@ -12,13 +12,8 @@ from domino.config import ConfigError
 from domino.runtime import state
 
 
-def world_size_from_env() -> int:
-    """Number of processes torchrun (or the training operator) started; 1 when run directly."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def setup_tensor_parallel(tensor_model_parallel_size: Optional[int] = None) -> Tuple[int, int]:
-    """Initialises ``torch.distributed`` when needed and creates the TP/DP groups.
+    """Starts the run's process groups (:func:`domino.runtime.state.start`, the start-up training uses too).
 
     A lone process uses no ``torch.distributed`` at all. Under torchrun, or when a test already
     initialised ``torch.distributed``, the TP size defaults to the world size.
@@ -29,15 +24,7 @@ def setup_tensor_parallel(tensor_model_parallel_size: Optional[int] = None) -> T
     Raises:
         ConfigError: when the world size is not divisible by ``tensor_model_parallel_size``.
     """
-    world = dist.get_world_size() if dist.is_initialized() else world_size_from_env()
-    tp = tensor_model_parallel_size or world
-    if tp < 1 or world % tp:
-        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the {world} processes")
-    if world > 1 or dist.is_initialized():
-        state.initialize_distributed()
-        state.initialize_model_parallel(tp)
-    else:
-        state.initialize_model_parallel(1)
+    state.start(tensor_model_parallel_size)
     return state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
 
 

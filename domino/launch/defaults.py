@@ -38,7 +38,7 @@ Each rule and where it comes from:
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 from domino.launch.spec import JobSpec, Toleration
 
@@ -50,6 +50,12 @@ CPU_PROCESS_REQUESTS: Tuple[int, int] = (1, 2)
 FAULTS_TOLERATED = 3
 #: The variable torchrun reads its workers' shutdown timeout from (torch ``distributed/launcher/api.py``).
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+#: The same restart budget for a TrainJob, as its runtime's JobSet ``failurePolicy.maxRestarts``: the
+#: operator fails a PyTorchJob when the summed restarts *reach* backoffLimit (``>=``), i.e. at the
+#: FAULTS_TOLERATED-th fault after FAULTS_TOLERATED - 1 recoveries; JobSet v0.12.0 recreates the whole set
+#: on a failed Job until ``status.restarts`` reaches maxRestarts (``failure_policy.go``
+#: ``restartJobSetActionApplier``), i.e. it fails at fault maxRestarts + 1. Both end at the same fault.
+JOBSET_MAX_RESTARTS = FAULTS_TOLERATED - 1
 #: The toleration GPU pods get by default.
 GPU_TOLERATION = Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
 #: Environment of GPU training pods unless ``--env`` sets the variable.
@@ -94,6 +100,13 @@ def environment(spec: JobSpec) -> Dict[str, str]:
     overridden by the spec's."""
     shutdown = {SHUTDOWN_TIMEOUT_ENV: str(shutdown_timeout_s(spec.termination_grace_period_s))}
     return {**shutdown, **(GPU_ENV if spec.gpus_per_node > 0 else {}), **spec.env}
+
+
+def secret_environment(spec: JobSpec) -> List[Dict[str, Any]]:
+    """The container's ``env`` entries read from Secrets (``valueFrom.secretKeyRef``, optional: a pod whose
+    Secret or key is missing starts without the variable; Kubernetes ``SecretKeySelector``)."""
+    return [{"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": name, "optional": True}}}
+            for name, secret in sorted(spec.secret_env.items())]
 
 
 def tolerations(spec: JobSpec) -> List[Toleration]:

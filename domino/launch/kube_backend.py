@@ -17,7 +17,8 @@ from the :class:`~domino.launch.job_api_base.JobApi` the launcher is given. What
    its Master runs, and pods a controller could not create show only as events); on the queue
    timeout while Kueue holds the job suspended; on the overall wall-clock timeout; or on
    SIGTERM/SIGINT. Then it collects the failed pods' logs and deletes the job per the cleanup mode (a
-   job given up on is deleted unless ``never``).
+   job given up on is deleted unless ``never``). The scheduling clock stands still while pods pull their
+   image or wait for a node scale-up (:mod:`domino.launch.deadlines`).
 """
 
 from __future__ import annotations
@@ -30,35 +31,14 @@ from domino.launch import naming
 from domino.launch.outcome import JobResult, LaunchInterrupted, interrupt_on_signals, should_delete
 from domino.launch.job_api import DEFAULT_JOB_API, JobApi, job_api
 from domino.launch.job_api_base import STARTED_PHASES
-from domino.launch.kube_pods import MasterLogStreamer, exit_code, explain_pending, failed_pod_logs, list_job_pods
+from domino.launch.deadlines import MAX_PAUSE_S, Deadlines
+from domino.launch.kube_pods import (MasterLogStreamer, exit_code, explain_pending, failed_pod_logs, list_job_pods,
+                                     pod_waits)
 from domino.launch.ownership import adopt_owner, owner_reference
 from domino.launch.spec import JobSpec
 
 #: Reasons for which the launcher gives up on a job that may still hold or wait for resources.
 GIVEN_UP = ("Timeout", "SchedulingTimeout", "QueueTimeout", "IncompleteReplicas", "NotQueued")
-
-
-class Deadlines:
-    """The launcher's clocks: the overall timeout from the start; the queue timeout while the job is
-    suspended (waiting for Kueue); the scheduling timeout from the moment it is admitted."""
-
-    def __init__(self, start: float, timeout_s: Optional[float], scheduling_timeout_s: float,
-                 queue_timeout_s: Optional[float]) -> None:
-        self.timeout_s, self.scheduling_timeout_s, self.queue_timeout_s = timeout_s, scheduling_timeout_s, queue_timeout_s
-        self.end = start + timeout_s if timeout_s is not None else None
-        self.queue_end = start + queue_timeout_s if queue_timeout_s is not None else None
-        self.scheduling_end: Optional[float] = start + scheduling_timeout_s
-
-    def passed(self) -> bool:
-        """Whether the overall timeout has passed."""
-        return self.end is not None and time.monotonic() >= self.end
-
-    def read_timeout(self, tracker: "JobTracker", all_running: bool, watch_s: float, poll_s: float) -> float:
-        """How long one watch read may block: until the next deadline that applies, at most ``watch_s``."""
-        now = time.monotonic()
-        upcoming = [self.end, self.queue_end if tracker.suspended else None,
-                    None if (tracker.suspended or all_running) else self.scheduling_end]
-        return min([watch_s] + [max(poll_s, d - now) for d in upcoming if d is not None])
 
 
 class JobTracker:
@@ -132,11 +112,13 @@ class JobLauncher:
         request_timeout_s: timeout of each non-streaming API request.
         log_tail_lines: log lines kept for the result.
         log_grace_s: how long the log stream may drain after the job ended.
+        max_pause_s: the most the scheduling clock stands still for image pulls and scale-ups, in all.
     """
 
     def __init__(self, api: Optional[JobApi] = None, api_client=None, log: Callable[[str], None] = print,
                  poll_s: float = 2.0, watch_timeout_s: float = 60.0, request_timeout_s: float = 30.0,
-                 log_tail_lines: int = 50, log_grace_s: float = 10.0) -> None:
+                 log_tail_lines: int = 50, log_grace_s: float = 10.0, max_pause_s: float = MAX_PAUSE_S) -> None:
+        self.max_pause_s = max_pause_s
         self.api = api or job_api(DEFAULT_JOB_API)
         self.log = log
         self.poll_s, self.watch_timeout_s, self.request_timeout_s = poll_s, watch_timeout_s, request_timeout_s
@@ -229,7 +211,8 @@ class JobLauncher:
                     result = self._not_queued(name)
                     return result
                 streamer.start()
-                result = self._follow(job, tracker, Deadlines(start, timeout_s, scheduling_timeout_s, queue_timeout_s),
+                result = self._follow(job, tracker, Deadlines(start, timeout_s, scheduling_timeout_s, queue_timeout_s,
+                                                                self.max_pause_s),
                                       spec.nodes)
             except ApiException as error:
                 result = JobResult(name, False, tracker.phase, f"ApiError: {api_error_text(error)}", [], None)
@@ -293,7 +276,7 @@ class JobLauncher:
             if result is not None:
                 return result
             was_suspended = tracker.suspended
-            read_timeout = clock.read_timeout(tracker, all_running, self.watch_timeout_s, self.poll_s)
+            read_timeout = clock.read_timeout(tracker.suspended, all_running, self.watch_timeout_s, self.poll_s)
             try:
                 stream = watch.Watch().stream(
                     self.custom.list_namespaced_custom_object, *self._resource(ns),
@@ -330,7 +313,8 @@ class JobLauncher:
 
     def _check(self, clock: "Deadlines", tracker: JobTracker, ns: str, name: str, nodes: int, all_running: bool):
         """A result when a deadline has passed, True when every pod is Running (checked once, at the
-        scheduling deadline), else None."""
+        scheduling deadline), else None. At the scheduling deadline, pods pulling their image or waiting for a
+        scale-up stop the clock for a step (domino.launch.deadlines)."""
         now = time.monotonic()
         if clock.end is not None and now >= clock.end:
             return JobResult(name, False, tracker.phase, f"Timeout: the job did not finish within "
@@ -345,21 +329,25 @@ class JobLauncher:
             clock.scheduling_end = now + clock.scheduling_timeout_s
         if all_running or now < clock.scheduling_end:
             return None
+        # A job shows Running as soon as one pod runs (the training operator: its Master; a TrainJob: any
+        # active pod); pods a controller could not create appear only as events.
+        pods = list_job_pods(self.core, ns, self.api, name, self.request_timeout_s)
+        running = [p for p in pods if (p.get("status") or {}).get("phase") in ("Running", "Succeeded")]
+        if tracker.started and len(running) >= nodes:
+            return True
+        waits = pod_waits(self.core, ns, pods, self.request_timeout_s)
+        if waits and clock.pause(waits[0][0]):  # pulling or scaling up: the clock stands still
+            for _, text in waits:
+                self.log(f"[{name}] scheduling clock paused: {text}")
+            return None
+        why = "; ".join(explain_pending(self.core, ns, self.api, name, self.request_timeout_s)) or "no events explain it"
+        after = f"{clock.scheduling_timeout_s:g} s{clock.not_counted()}"
         if tracker.started:
-            # A job shows Running as soon as one pod runs (the training operator: its Master; a TrainJob:
-            # any active pod); pods a controller could not create appear only as events.
-            pods = list_job_pods(self.core, ns, self.api, name, self.request_timeout_s)
-            running = [p for p in pods if (p.get("status") or {}).get("phase") in ("Running", "Succeeded")]
-            if len(running) >= nodes:
-                return True
-            why = explain_pending(self.core, ns, self.api, name, self.request_timeout_s)
             return JobResult(name, False, tracker.phase, f"IncompleteReplicas: only {len(running)} of {nodes} pods "
-                             f"were running after {clock.scheduling_timeout_s:g} s: "
-                             + ("; ".join(why) or "no events explain it"), [], None)
-        why = explain_pending(self.core, ns, self.api, name, self.request_timeout_s)
+                             f"were running after {after}: {why}", [], None)
         return JobResult(name, False, tracker.phase,
-                         f"SchedulingTimeout: the job was still {tracker.phase} (not Running) after "
-                         f"{clock.scheduling_timeout_s:g} s: " + ("; ".join(why) or "no events explain it"), [], None)
+                         f"SchedulingTimeout: the job was still {tracker.phase} (not Running) after {after}: {why}",
+                         [], None)
 
     def _complete(self, result: JobResult, streamer: MasterLogStreamer, ns: str, name: str) -> None:
         """Fills the log tail and the Master's exit code into ``result`` (best effort)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import socket
 import threading
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
@@ -72,9 +73,52 @@ def failed_pod_logs(core, namespace: str, pods: List[Dict[str, Any]], container:
     return out
 
 
+#: Normal events that explain a pod that waits: the cluster autoscaler's (see domino.launch.deadlines).
+EXPLAINING_NORMAL_EVENTS = ("NotTriggerScaleUp", "TriggeredScaleUp")
+_PULL_IMAGE = re.compile(r'image "([^"]+)"')
+
+
+def _pod_events(core, namespace: str, obj: str, timeout_s: float) -> List[Dict[str, Any]]:
+    """The events of one object, oldest first (``lastTimestamp``, else ``eventTime``: events.k8s.io).
+
+    client-go's recorder stamps events to the second, so a wait and its end may tie: the end sorts last
+    (a wait that already ended must not stop the clock)."""
+    resp = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={obj}",
+                                      _preload_content=False, _request_timeout=timeout_s)
+    events = _json(resp).get("items", [])
+    return sorted(events, key=lambda e: (e.get("lastTimestamp") or e.get("eventTime") or "",
+                                         e.get("reason") not in ("Pulling", "TriggeredScaleUp")))
+
+
+def pod_waits(core, namespace: str, pods: List[Dict[str, Any]], timeout_s: float) -> List[Tuple[str, str]]:
+    """What the job's not-yet-running pods are visibly waiting for, as (wait, text) with wait ``pull``
+    (an image whose latest kubelet event is ``Pulling``) or ``scale-up`` (an unscheduled pod whose latest
+    autoscaler event is ``TriggeredScaleUp``); see domino.launch.deadlines for the sources."""
+    out: List[Tuple[str, str]] = []
+    for pod in pods:
+        status = pod.get("status") or {}
+        if status.get("phase") in ("Running", "Succeeded", "Failed"):
+            continue
+        name = pod["metadata"]["name"]
+        events = _pod_events(core, namespace, name, timeout_s)
+        pulls: Dict[str, str] = {}  # image -> its latest pull event's reason
+        for event in events:
+            match = _PULL_IMAGE.search(event.get("message") or "")
+            if event.get("reason") in ("Pulling", "Pulled", "Failed", "BackOff") and match:
+                pulls[match.group(1)] = event["reason"]
+        out += [("pull", f"pod {name} is pulling image {image}") for image, reason in pulls.items()
+                if reason == "Pulling"]
+        unscheduled = any(c.get("type") == "PodScheduled" and c.get("status") == "False"
+                          for c in status.get("conditions") or [])
+        scale = [e for e in events if e.get("reason") in EXPLAINING_NORMAL_EVENTS]
+        if unscheduled and scale and scale[-1]["reason"] == "TriggeredScaleUp":
+            out.append(("scale-up", f"pod {name} waits for a new node: {scale[-1].get('message', '')}"))
+    return out
+
+
 def explain_pending(core, namespace: str, api: JobApi, job: str, timeout_s: float) -> List[str]:
-    """Why the job's pods don't run: unschedulable conditions, waiting containers, Warning events on the
-    job's objects (:meth:`JobApi.event_objects`) and pods."""
+    """Why the job's pods don't run: unschedulable conditions, waiting containers, Warning events (and the
+    autoscaler's scale-up events) on the job's objects (:meth:`JobApi.event_objects`) and pods."""
     lines: List[str] = []
     pods = list_job_pods(core, namespace, api, job, timeout_s)
     if not pods:
@@ -92,10 +136,8 @@ def explain_pending(core, namespace: str, api: JobApi, job: str, timeout_s: floa
                              f"{waiting.get('message', '')}")
     seen = set()
     for obj in api.event_objects(job) + [p["metadata"]["name"] for p in pods]:
-        resp = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={obj}",
-                                          _preload_content=False, _request_timeout=timeout_s)
-        for event in _json(resp).get("items", []):
-            if event.get("type") != "Warning":
+        for event in _pod_events(core, namespace, obj, timeout_s):
+            if event.get("type") != "Warning" and event.get("reason") not in EXPLAINING_NORMAL_EVENTS:
                 continue
             key = (obj, event.get("reason"), event.get("message"))
             if key not in seen:

@@ -7,9 +7,9 @@ nodes, node rank and master from ``PET_*`` as it does in the cluster. The one di
 host name does not resolve here, so the master address is ``127.0.0.1`` and the port a free local one.
 The shared volume's mount path is mapped to ``workdir`` in the command and the env.
 
-Restarts follow the operator (kubeflow/trainer release-1.9) and the kubelet (a TrainJob's node Job
-restarts pods the same way as ``OnFailure``, counted against the Job's backoffLimit, see
-:meth:`~domino.launch.job_api_base.JobApi.backoff_limit`):
+Restarts follow the operator (kubeflow/trainer release-1.9) and the kubelet (a TrainJob's JobSet recreates
+every pod per fault, which this backend counts the same way: one restart per node, failing at the fault
+the JobSet's maxRestarts is reached, see :meth:`~domino.launch.job_api_base.JobApi.backoff_limit`):
 
 * ``OnFailure``: the operator gives the pods ``restartPolicy: OnFailure`` (``pkg/core/pod.go``
   ``SetRestartPolicy``), so the kubelet restarts a failed container in place, keeping the pod's address.

@@ -112,6 +112,7 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
     """The pod template shared by Master and Workers (PSS restricted, shared volume, /dev/shm)."""
     env = [{"name": "DOMINO_JOB_NAME", "value": name}]
     env += [{"name": k, "value": str(v)} for k, v in defaults.environment(spec).items()]
+    env += defaults.secret_environment(spec)
     container: Dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image,

@@ -136,6 +136,9 @@ class JobSpec:
     """ServiceAccount of the training pods (they need no API access; the token is not mounted)."""
     env: Dict[str, str] = field(default_factory=dict)
     """Extra environment variables of the training container."""
+    secret_env: Dict[str, str] = field(default_factory=dict)
+    """Environment variables read from a Secret, ``{variable: secret name}`` (the key is the variable's name;
+    optional: a missing Secret or key leaves the variable unset). Credentials go here, never into ``env``."""
     labels: Dict[str, str] = field(default_factory=dict)
     """Extra labels on the job and its pods."""
     annotations: Dict[str, str] = field(default_factory=dict)
@@ -228,6 +231,9 @@ class JobSpec:
             check(bool(_DNS1123_SUBDOMAIN.match(secret)), "--image-pull-secret", f"{secret!r} is not a valid name")
         for key in self.env:
             check(bool(_ENV_NAME.match(key)), "--env", f"{key!r} is not a valid environment variable name")
+        for key, secret in self.secret_env.items():
+            check(bool(_ENV_NAME.match(key)), "secret_env", f"{key!r} is not a valid environment variable name")
+            check(bool(_DNS1123_SUBDOMAIN.match(secret)), "secret_env", f"{secret!r} is not a valid Secret name")
         for attr, flag in (("labels", "--label"), ("node_selector", "--node-selector")):
             for key, value in getattr(self, attr).items():
                 check(_valid_label_key(key), flag, f"{key!r} is not a valid label key")

@@ -5,9 +5,13 @@ ships (:data:`RUNTIME_NAME`: the domino image, the shared volume at :data:`RUNTI
 restricted security context). What goes where, per the v2.3.0 CRD (``../shared/schemas/trainer-v2.3.0``):
 
 * ``spec.trainer``: numNodes, numProcPerNode, resourcesPerNode (GPUs included), image, command, env;
-* ``spec.runtimePatches`` (one entry owned by :data:`PATCH_MANAGER`): the pod fields a patch may set
-  and the runtime leaves unset: labels/annotations, nodeSelector, tolerations, imagePullSecrets,
-  serviceAccountName, terminationGracePeriodSeconds;
+* ``spec.runtimePatches`` (one entry owned by :data:`PATCH_MANAGER`): labels/annotations, nodeSelector,
+  tolerations, imagePullSecrets, serviceAccountName, terminationGracePeriodSeconds, and, when they differ
+  from the runtime's, the claim and /dev/shm volumes and the ``node`` container's mount. v2.3.0 applies
+  each patch to the runtime's JobSet spec as a strategic merge patch (``pkg/runtime/core/trainingruntime.go``
+  ``mergeRuntimePatches``), so volumes merge by name (``merge,retainKeys``) and mounts by mountPath;
+  its webhook allows volumes and the ``node`` container's volumeMounts (``plugins/jobset`` ``Validate``:
+  only env is refused for that container);
 * the Kueue queue label with ``--queue`` (Kueue's webhook sets ``spec.suspend``, see
   :func:`domino.launch.render.job_metadata`); ``spec.activeDeadlineSeconds``.
 
@@ -62,6 +66,8 @@ RUNTIME_NAME = "domino-torch-distributed"
 RUNTIME_KIND = "TrainingRuntime"
 #: The claim, mount path and /dev/shm size baked into that runtime's pod template.
 RUNTIME_PVC, RUNTIME_MOUNT_PATH, RUNTIME_SHM_SIZE = "domino-data", DEFAULT_MOUNT_PATH, "16Gi"
+#: The runtime's terminationGracePeriodSeconds (the JobSpec default), what a queued TrainJob gets.
+RUNTIME_GRACE_PERIOD_S = 180
 #: The replicated job and container the torch plugin configures (``constants.Node`` upstream).
 NODE = "node"
 #: ``manager`` of our runtime patch (the list is keyed by manager; Kueue uses ``kueue.x-k8s.io/manager``).
@@ -74,9 +80,12 @@ RESERVED_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER
 def check_trainjob_spec(spec: JobSpec) -> None:
     """Raises :class:`LaunchSpecError` for settings a v2.3.0 TrainJob cannot carry.
 
-    The runtime patches of v2.3.0 cannot set ``priorityClassName``; restarts and pod cleanup are the
-    runtime's JobSet policies, not per-job fields; and volumes stay the runtime's, so the claim, mount
-    path and /dev/shm size must be the ones it mounts.
+    The runtime patches of v2.3.0 (``PodSpecPatch``) cannot set ``priorityClassName``; restarts and pod
+    cleanup are the runtime's JobSet policies, which no TrainJob field reaches (``JobSetSpecPatch`` holds
+    only replicatedJobs, ``JobSpecPatch`` only the pod template); and a queued TrainJob keeps only the
+    runtime's grace period: Kueue v0.19.2 is built against trainer v2.2.1, whose ``PodSpecPatch`` has no
+    ``terminationGracePeriodSeconds``, and rewrites the TrainJob from that type when it admits it
+    (``pkg/controller/jobs/trainjob/trainjob_controller.go`` ``RunWithPodSetsInfo``: ``c.Update``).
     """
     problems: List[str] = []
 
@@ -86,12 +95,14 @@ def check_trainjob_spec(spec: JobSpec) -> None:
 
     refuse(isinstance(spec.nproc_per_node, str) and spec.nproc_per_node != "auto", "--nproc-per-node",
            f"{spec.nproc_per_node!r}: a TrainJob takes an integer or auto (numProcPerNode is int32 in v2.3.0)")
-    refuse(spec.pvc != RUNTIME_PVC, "--pvc", f"the TrainJob API mounts the runtime's claim {RUNTIME_PVC!r}")
-    refuse(spec.mount_path != RUNTIME_MOUNT_PATH, "--mount-path", f"the runtime mounts the claim at {RUNTIME_MOUNT_PATH}")
-    refuse(spec.shm_size != RUNTIME_SHM_SIZE, "--shm-size", f"the runtime's /dev/shm is {RUNTIME_SHM_SIZE}")
     refuse(spec.priority_class is not None, "--priority-class", "runtime patches cannot set priorityClassName")
-    refuse(spec.restart_policy != "OnFailure", "--restart-policy", "restarts follow the runtime's JobSet policy")
-    refuse(spec.backoff_limit is not None, "--backoff-limit", "restarts follow the runtime's JobSet policy")
+    refuse(spec.restart_policy != "OnFailure", "--restart-policy", "restarts follow the runtime's JobSet "
+           f"failurePolicy (maxRestarts {defaults.JOBSET_MAX_RESTARTS}: the whole set is recreated per fault)")
+    refuse(spec.backoff_limit is not None, "--backoff-limit", "no TrainJob field reaches the runtime's JobSet "
+           f"failurePolicy (maxRestarts {defaults.JOBSET_MAX_RESTARTS}); edit k8s/trainer for another limit")
+    refuse(bool(spec.queue) and spec.termination_grace_period_s != RUNTIME_GRACE_PERIOD_S, "--termination-grace-period",
+           f"Kueue v0.19.2 drops a queued TrainJob's grace period at admission, so the runtime's "
+           f"{RUNTIME_GRACE_PERIOD_S} s applies; edit k8s/trainer for another")
     refuse(spec.clean_pod_policy != "Running", "--clean-pod-policy", "a TrainJob has no pod cleanup policy")
     refuse(spec.scheduling_policy, "--scheduling-policy", "use the runtime's podGroupPolicy for gang scheduling")
     reserved = sorted(set(spec.env) & set(RESERVED_ENV))
@@ -100,9 +111,26 @@ def check_trainjob_spec(spec: JobSpec) -> None:
         raise LaunchSpecError("invalid job spec for --api trainjob: " + "; ".join(problems))
 
 
+def _volume_patch(spec: JobSpec) -> Dict[str, Any]:
+    """Volumes and the ``node`` container's mount where the spec differs from the runtime's (else nothing)."""
+    out: Dict[str, Any] = {}
+    volumes = []
+    if spec.pvc != RUNTIME_PVC:
+        volumes.append({"name": "domino-data", "persistentVolumeClaim": {"claimName": spec.pvc}})
+    if spec.shm_size != RUNTIME_SHM_SIZE:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", **(
+            {"sizeLimit": spec.shm_size} if spec.shm_size else {})}})
+    if volumes:
+        out["volumes"] = volumes
+    if spec.mount_path != RUNTIME_MOUNT_PATH:  # mounts merge by mountPath: the runtime's stays, this one is added
+        out["containers"] = [{"name": NODE, "volumeMounts": [{"name": "domino-data", "mountPath": spec.mount_path}]}]
+    return out
+
+
 def _pod_patch(spec: JobSpec, labels: Dict[str, str]) -> Dict[str, Any]:
-    """The pod template patch for the ``node`` replicated job: only fields the runtime leaves unset."""
-    pod = {"terminationGracePeriodSeconds": spec.termination_grace_period_s, **pod_placement(spec)}
+    """The pod template patch for the ``node`` replicated job (see the module docstring)."""
+    pod = {"terminationGracePeriodSeconds": spec.termination_grace_period_s, **pod_placement(spec),
+           **_volume_patch(spec)}
     metadata = {"labels": {ISTIO_INJECT: "false", **labels}, "annotations": {ISTIO_INJECT: "false", **spec.annotations}}
     return {"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
         {"name": NODE, "template": {"spec": {"template": {"metadata": metadata, "spec": pod}}}}]}}}}
@@ -129,7 +157,7 @@ def render_trainjob(spec: JobSpec, run_id: str, owner_reference: Optional[Dict[s
         "command": container_command(spec, name),
         "numNodes": spec.nodes,
         "resourcesPerNode": resources(spec),
-        "env": [{"name": k, "value": str(v)} for k, v in env.items()],
+        "env": [{"name": k, "value": str(v)} for k, v in env.items()] + defaults.secret_environment(spec),
     }
     if isinstance(spec.nproc_per_node, int):
         trainer["numProcPerNode"] = spec.nproc_per_node  # else "auto": the torch plugin's default
@@ -152,10 +180,10 @@ RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 #: The torch plugin's master port (``constants.ContainerTrainerPort``).
 MASTER_PORT = 29500
-#: Restarts before the node Job fails: the runtime's Job sets no backoffLimit, so Kubernetes' default
-#: (batch/v1 JobSpec) applies; the Job controller sums the pods' restarts under restartPolicy
-#: OnFailure, which the JobSet webhook defaults the pods to (jobset v0.12.0 ``jobset_webhook.go``).
-RUNTIME_BACKOFF_LIMIT = 6
+#: The runtime's node Job: ``backoffLimit: 0`` and pods ``restartPolicy: Never``, so a failed pod fails
+#: its Job at once and the JobSet's failurePolicy recreates every pod (a fresh rendezvous), up to
+#: ``failurePolicy.maxRestarts`` = :data:`domino.launch.defaults.JOBSET_MAX_RESTARTS` times.
+RUNTIME_JOB_BACKOFF_LIMIT = 0
 
 
 def _cpu_ceil(quantity: str) -> int:
@@ -243,4 +271,6 @@ class TrainJobApi(JobApi):
         return env
 
     def backoff_limit(self, spec: JobSpec) -> int:
-        return RUNTIME_BACKOFF_LIMIT
+        """In the local backend's count (one restart per node per fault), the fault at which the JobSet
+        reaches maxRestarts: (maxRestarts + 1) x nodes."""
+        return (defaults.JOBSET_MAX_RESTARTS + 1) * spec.nodes

@@ -38,7 +38,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
+import os
+import shutil
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -66,6 +69,8 @@ CPU_KERNELS = Kernels(split_qkv=True, keep_logits_buffer=True, fused_gelu_fc2=Tr
                       loss_from_softmax=True)
 CUDA_KERNELS = Kernels(split_qkv=False, keep_logits_buffer=False, fused_gelu_fc2=False, compile_backend="inductor",
                        loss_from_softmax=False)
+#: CUDA on a machine without a C compiler (:func:`c_compiler`): the same, but the fusions run eagerly.
+CUDA_KERNELS_WITHOUT_COMPILER = dataclasses.replace(CUDA_KERNELS, compile_backend=None)
 
 _forced: contextvars.ContextVar[Optional[Kernels]] = contextvars.ContextVar("domino_forced_kernels", default=None)
 
@@ -75,7 +80,24 @@ def kernels_for(device: torch.device) -> Kernels:
     forced = _forced.get()
     if forced is not None:
         return forced
-    return CUDA_KERNELS if device.type == "cuda" else CPU_KERNELS
+    if device.type != "cuda":
+        return CPU_KERNELS
+    return CUDA_KERNELS if c_compiler() is not None else CUDA_KERNELS_WITHOUT_COMPILER
+
+
+@functools.lru_cache(maxsize=1)
+def c_compiler() -> Optional[str]:
+    """The C compiler inductor would call, or None: ``$CC``, else ``cc``, ``gcc`` or ``clang`` on the PATH.
+
+    Inductor compiles the host-side wrapper of every graph with a C++ compiler, and Triton builds its CUDA
+    launcher stubs with a C compiler (``triton/runtime/build.py``: ``$CC``, else ``cc``/``gcc``/``clang``); a
+    machine without one (a slim runtime image) would fail on the first compiled call, so the CUDA choice
+    falls back to eager there."""
+    for name in ([os.environ["CC"]] if os.environ.get("CC") else []) + ["cc", "gcc", "clang"]:
+        path = shutil.which(name)
+        if path is not None:
+            return path
+    return None
 
 
 @contextlib.contextmanager

@@ -21,7 +21,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from domino.config import ConfigError
+from domino.config import ConfigError, ParallelConfig
+from domino.config.validate import check_tensor_parallel_size
 from domino.runtime.network_emulator import LinkEmulator, install_from_environment
 
 logger = logging.getLogger(__name__)
@@ -122,8 +123,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, timeout_minut
     global _STATE
     tp = tensor_model_parallel_size
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if tp < 1 or world % tp != 0:
-        raise ConfigError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp}")
+    check_tensor_parallel_size(world, tp)
     link = install_from_environment()  # before any group exists, so bad values fail early
     if not dist.is_initialized():
         _STATE = _Groups(None, [0], None, [0])
@@ -144,6 +144,36 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, timeout_minut
             mine.dp_group, mine.dp_ranks = group, ranks
     mine.tp_link = link
     _STATE = mine
+
+
+def launched_world_size() -> int:
+    """The processes of this run: torch.distributed's world once initialised, else what the launcher
+    (torchrun, the training operator) says in ``WORLD_SIZE``; 1 for a lone process."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def start(tensor_model_parallel_size: Optional[int] = None, *, backend: Optional[str] = None,
+          timeout_minutes: int = ParallelConfig.distributed_timeout_minutes, lone_process_group: bool = False) -> None:
+    """The start-up of every entry point (``domino pretrain`` through
+    :func:`domino.train.engine.initialize_runtime`, evaluation through :mod:`domino.eval.runtime`): checks the
+    layout, starts ``torch.distributed`` and creates the TP x DP groups. Call it once per process.
+
+    Args:
+        tensor_model_parallel_size: The TP size (None: every process, evaluation's default).
+        backend: torch.distributed backend (None: nccl with CUDA, else gloo).
+        timeout_minutes: Timeout of every collective of the world and of the groups.
+        lone_process_group: Start torch.distributed for a lone process too (DeepSpeed needs a process group);
+            otherwise a lone process runs without it.
+
+    Raises:
+        ConfigError: the TP size does not divide the processes, or the launcher's environment is incomplete.
+    """
+    world = launched_world_size()
+    tp = tensor_model_parallel_size or world
+    check_tensor_parallel_size(world, tp)  # before any process group exists
+    if world > 1 or lone_process_group or dist.is_initialized():
+        initialize_distributed(backend, timeout_minutes)
+    initialize_model_parallel(tp, timeout_minutes=timeout_minutes)
 
 
 def model_parallel_is_initialized() -> bool:

@@ -8,8 +8,9 @@ beside a checkpoint and names parameters; ``training`` is what ``domino pretrain
 """
 
 from domino.tracking.runs import KFP_RUN_ID_ENV, KFP_RUN_TAG, RunPointer, read_pointer
-from domino.tracking.session import TRACKING_URI_ENV, TrackingSession, tracking_uri
-from domino.tracking.training import RunTracker, start_training_run, tracker_of_checkpoint
+from domino.tracking.session import (CREDENTIAL_KEYS, CREDENTIAL_SECRET, TRACKING_URI_ENV, TrackingSession,
+                                     tracking_uri)
+from domino.tracking.training import RunTracker, evaluation_scalars, start_training_run, tracker_of_checkpoint
 
-__all__ = ["KFP_RUN_ID_ENV", "KFP_RUN_TAG", "RunPointer", "RunTracker", "TRACKING_URI_ENV", "TrackingSession",
-           "read_pointer", "start_training_run", "tracker_of_checkpoint", "tracking_uri"]
+__all__ = ["CREDENTIAL_KEYS", "CREDENTIAL_SECRET", "KFP_RUN_ID_ENV", "KFP_RUN_TAG", "RunPointer", "RunTracker",
+           "TRACKING_URI_ENV", "TrackingSession", "evaluation_scalars", "read_pointer", "start_training_run", "tracker_of_checkpoint", "tracking_uri"]

@@ -21,6 +21,10 @@ logger = logging.getLogger(__name__)
 
 #: MLflow's own convention: tracking is on when this is set (``mlflow/environment_variables.py``).
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+#: The Kubernetes Secret that gives pipeline steps and training pods their MLflow credentials, when it exists:
+#: each key, named as MLflow's variable (``mlflow/environment_variables.py``), becomes that variable.
+CREDENTIAL_SECRET = "domino-mlflow"
+CREDENTIAL_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 #: MLflow's HTTP settings and the bounded values domino uses unless the environment sets them: a request
 #: waits at most 10 s and is retried twice after 1 s and 2 s (urllib3 ``Retry``, plus up to 1 s of jitter).
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",

@@ -58,6 +58,16 @@ class RunTracker:
         return self.session.run_id
 
 
+def evaluation_scalars(result: Dict[str, Any], step: int) -> List[Scalar]:
+    """The metric points of a standalone evaluation (``domino evaluate``, the pipeline's gate) at the checkpoint's
+    iteration: ``evaluate lm loss``, ``evaluate lm loss ppl``, ``evaluate token accuracy`` from the result's
+    ``loss``, ``ppl`` and ``accuracy``, and ``evaluate <name>`` for any other number given (apart from training's
+    own ``lm loss test``, measured on its own batches)."""
+    names = {"loss": "evaluate lm loss", "ppl": "evaluate lm loss ppl", "accuracy": "evaluate token accuracy"}
+    return [(names.get(key, f"evaluate {key.replace('_', ' ')}"), float(value), step) for key, value in result.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)]
+
+
 def _metrics(points: List[Scalar], stamp: int):
     from mlflow.entities import Metric
 
@@ -133,11 +143,12 @@ def _open_training_run(client, uri: str, params: Dict[str, str], save_root: Opti
     return run_id
 
 
-def tracker_of_checkpoint(load: str, what: str) -> Optional[RunTracker]:
+def tracker_of_checkpoint(load: str, what: str, uri: Optional[str] = None) -> Optional[RunTracker]:
     """A tracker of the MLflow run that trained the checkpoint at ``load`` (its save root's pointer); None when
-    tracking is off or the checkpoint has no run on this server (said in one line)."""
-    uri = tracking_uri()
-    if uri is None:
+    tracking is off (``uri``, default ``$MLFLOW_TRACKING_URI``, empty) or the checkpoint has no run on this
+    server (said in one line)."""
+    uri = uri or tracking_uri()
+    if not uri:
         return None
     pointer = read_pointer(load, uri)
     if pointer is None:

@@ -66,19 +66,20 @@ def check_this_device(config: DominoConfig) -> None:
 
 
 def initialize_runtime(config: DominoConfig) -> None:
-    """Initialises torch.distributed, DeepSpeed's comm layer and the TP x DP groups for ``config`` (once)."""
-    if (state.model_parallel_is_initialized()
-            and state.get_tensor_model_parallel_world_size() == config.parallel.tensor_model_parallel_size):
-        return  # `domino pretrain` initialises before its agreed data checks, then calls pretrain()
+    """Initialises torch.distributed, DeepSpeed's comm layer and the TP x DP groups for ``config``: once per
+    process, by whoever starts the run (``domino pretrain`` before its agreed data checks), before
+    :func:`domino.train.pretrain.pretrain`."""
     set_overlap_environment()
     check_this_device(config)
     _skip_shared_memory_op()
+    # Only now, with DS_ACCELERATOR set: DeepSpeed picks its accelerator once, at import (deepspeed 0.19.8
+    # runtime/utils.py calls get_accelerator() at module level; accelerator/real_accelerator.py caches it).
     import deepspeed
 
-    state.initialize_distributed(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
+    p = config.parallel
+    state.start(p.tensor_model_parallel_size, backend=p.distributed_backend,
+                timeout_minutes=p.distributed_timeout_minutes, lone_process_group=True)  # DeepSpeed needs a group
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
-    state.initialize_model_parallel(config.parallel.tensor_model_parallel_size,
-                                    timeout_minutes=config.parallel.distributed_timeout_minutes)
 
 
 def gradient_accumulation_steps(config: DominoConfig) -> int:
@@ -253,7 +254,7 @@ def build_engine(model: torch.nn.Module, config: DominoConfig):
     no JIT build; its fused kernel wherever torch has one (:func:`fused_optimizer_supported`), which also lets
     a non-finite step be skipped on the device (:func:`flag_overflow`).
     """
-    import deepspeed
+    import deepspeed  # after initialize_runtime set DS_ACCELERATOR (DeepSpeed picks its accelerator at import)
 
     t = config.train
     device = state.collective_device()

@@ -7,13 +7,21 @@ follow Megatron-LM's ``pretrain_gpt.py`` contracts.
 from __future__ import annotations
 
 import logging
+import os
 from functools import partial
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from domino.config import DominoConfig, padded_vocab_size
+from domino.config import ConfigError, DominoConfig, padded_vocab_size
+from domino.data.batch import get_batch
+from domino.data.dataset_builder import build_train_valid_test_datasets, parse_data_prefix
+from domino.data.mock import MockGPTDataset
+from domino.data.tokenizer import tokenizer_for_run
+from domino.model import GPTModel
+from domino.model.recompute import RecomputePlan, apply_activation_recompute
+from domino.model.sequence_parallel import apply_sequence_parallel
 from domino.runtime import state
 
 logger = logging.getLogger(__name__)
@@ -43,11 +51,6 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> Tuple[tor
 
 def check_data_prefixes(config: DominoConfig) -> None:
     """Fails before any work when a ``--*data-path`` prefix lacks its ``.bin`` or ``.idx`` file."""
-    import os
-
-    from domino.config import ConfigError
-    from domino.data.dataset_builder import parse_data_prefix
-
     d = config.data
     for flag, values in (("--data-path", d.data_path), ("--train-data-path", d.train_data_path),
                          ("--valid-data-path", d.valid_data_path), ("--test-data-path", d.test_data_path)):
@@ -74,14 +77,10 @@ class GPTRecipe:
         self.tokenizer = None
         null = config.data.tokenizer_type == "NullTokenizer"
         if not (config.data.mock_data and config.model.vocab_size) and not null:
-            from domino.data.tokenizer import tokenizer_for_run
-
             self.tokenizer = tokenizer_for_run(config.data)
         # Megatron's NullTokenizer: ids below --vocab-size, end-of-document id --vocab-size, one more in the vocabulary.
         vocab = config.model.vocab_size + 1 if null else config.model.vocab_size or self.tokenizer.vocab_size
         if self.tokenizer is not None and self.tokenizer.vocab_size > vocab:  # its ids would index past the table
-            from domino.config import ConfigError
-
             name = config.data.tokenizer_model or config.data.tokenizer
             raise ConfigError(f"--vocab-size {vocab} is smaller than tokenizer {name}'s {self.tokenizer.vocab_size} "
                               "ids (a LLaMA preset's "
@@ -94,10 +93,6 @@ class GPTRecipe:
     def model_builder(self, config: DominoConfig) -> torch.nn.Module:
         """A ``GPTModel`` of ``config``'s shape with the Domino chunks, sequence parallelism and activation
         recompute of ``config``."""
-        from domino.model import GPTModel
-        from domino.model.recompute import RecomputePlan, apply_activation_recompute
-        from domino.model.sequence_parallel import apply_sequence_parallel
-
         model = GPTModel(config.model, self.padded_vocab_size, domino_chunks=config.parallel.domino_chunks)
         if config.parallel.sequence_parallel:
             apply_sequence_parallel(model)
@@ -107,14 +102,10 @@ class GPTRecipe:
         """Train/valid/test datasets holding at least ``num_samples`` samples each."""
         d, seq = self.config.data, self.config.model.seq_length
         if d.mock_data:
-            from domino.data.mock import MockGPTDataset
-
             return tuple(  # type: ignore[return-value]
                 MockGPTDataset(n, seq, self.padded_vocab_size if self.tokenizer is None else self.tokenizer.vocab_size,
                                self.config.train.seed + i) if n else None
                 for i, n in enumerate(num_samples))
-        from domino.data.dataset_builder import build_train_valid_test_datasets
-
         return build_train_valid_test_datasets(
             data_prefix=d.data_path or None, splits_string=d.split, train_valid_test_num_samples=list(num_samples),
             seq_length=seq, seed=self.config.train.seed, skip_warmup=not d.mmap_warmup,
@@ -123,8 +114,6 @@ class GPTRecipe:
 
     def forward_step(self, data_iterator, model):
         """One micro-batch forward: ``(per-token losses, partial(loss_func, loss_mask))``."""
-        from domino.data.batch import get_batch
-
         shape = (self.config.train.micro_batch_size, self.config.model.seq_length + 1)  # fixed: no shape broadcast
         tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, self.config.data, self.eod,
                                                                             shape)

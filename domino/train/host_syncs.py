@@ -32,7 +32,9 @@ import importlib
 import json
 import os
 import sys
+import traceback
 import types
+import warnings
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -205,6 +207,53 @@ def explicit_synchronizes(record: Callable[[], None], guard=None) -> Iterator[No
     finally:
         for owner, attribute, original in reversed(saved):
             setattr(owner, attribute, original)
+
+
+def _caller() -> str:
+    """``file:line`` of the innermost frame outside torch and this file."""
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(_TORCH_DIR) and os.path.abspath(frame.filename) != _THIS_FILE:
+            return f"{os.path.relpath(frame.filename)}:{frame.lineno}"
+    return "?"
+
+
+def syncs_per_step(step: Callable[[], object], steps: int) -> Dict[str, object]:
+    """Runs ``step()`` ``steps`` times and counts the device syncs it makes, with their sites.
+
+    On CUDA: the warnings of ``torch.cuda.set_sync_debug_mode("warn")`` (syncs inside ops, value reads
+    included) plus the explicit synchronize calls that mode does not see (:func:`explicit_synchronizes`).
+    Elsewhere: the host reads and synchronize calls of :class:`HostSyncProbe`.
+
+    Returns:
+        ``{"per_iteration": float, "where": {site: per iteration}, "method": str}``.
+    """
+    where: collections.Counter = collections.Counter()
+    if not torch.cuda.is_available():
+        with HostSyncProbe() as probe:
+            for _ in range(steps):
+                step()
+        for event in probe.to_json():
+            where[f"{event['where']} ({event['method']})"] += event["count"]
+        method = "host-read probe (CPU)"
+    else:
+        explicit: collections.Counter = collections.Counter()
+        with warnings.catch_warnings(record=True) as caught, explicit_synchronizes(
+                lambda: explicit.update([_caller()])):
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for w in caught:
+            if "synchroniz" in str(w.message).lower():
+                where[f"{os.path.relpath(w.filename)}:{w.lineno}"] += 1
+        for site, n in explicit.items():
+            where[f"{site} (synchronize)"] += n
+        method = "torch.cuda.set_sync_debug_mode('warn') + explicit synchronize calls"
+    return {"per_iteration": sum(where.values()) / steps,
+            "where": {k: v / steps for k, v in where.most_common(12)}, "method": method}
 
 
 def run_probed(out: str, entry: Callable[[List[str]], object], args: List[str]) -> int:

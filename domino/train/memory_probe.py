@@ -17,6 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from domino.model import GPTModel
+from domino.model.recompute import apply_activation_recompute
+from domino.model.sequence_parallel import apply_sequence_parallel
+
 
 class LiveTensorBytes(TorchDispatchMode):
     """Counts the bytes of tensor storages created inside the ``with`` block that are still alive.
@@ -69,10 +73,6 @@ def measure_training_memory(model_config, vocab_size: int, batch: int, steps: in
         ``(forward, peak)`` in bytes: what the first forward added (activations, logits, saved copies), and the
         peak over ``steps`` full steps (weights, optimizer state, activations, gradients).
     """
-    from domino.model import GPTModel
-    from domino.model.recompute import apply_activation_recompute
-    from domino.model.sequence_parallel import apply_sequence_parallel
-
     torch.manual_seed(seed)
     tokens, labels = (torch.randint(0, vocab_size, (batch, model_config.seq_length)) for _ in range(2))
     with LiveTensorBytes() as mode:

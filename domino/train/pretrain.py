@@ -89,7 +89,8 @@ def _set_lr(engine, lr: float) -> None:
 
 def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Callable, forward_step: Callable,
              padded_vocab_size: int, tokenizer=None) -> TrainingResult:
-    """Trains according to ``config`` (call it on every rank; torch.distributed is set up here).
+    """Trains according to ``config`` (call it on every rank, after
+    :func:`domino.train.engine.initialize_runtime`).
 
     Args:
         config: the resolved run configuration.
@@ -103,7 +104,8 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
         ConfigError: for settings that cannot work, before training starts.
         TrainingDivergedError: after ``--max-nan-steps`` consecutive non-finite losses.
     """
-    engine_setup.initialize_runtime(config)
+    if not state.model_parallel_is_initialized():
+        raise RuntimeError("pretrain(): call domino.train.engine.initialize_runtime(config) first, once per process")
     # Each check ends in an agreement: a rank that fails stops every rank with the same one-line error.
     agree("checking the configuration", lambda: validate(config, world_size=dist.get_world_size(),
                                                          for_training=True))

@@ -90,3 +90,18 @@ def test_gate_reevaluates_the_promoted_model_on_the_same_samples(workspace, tmp_
     fallback = run_evaluate(_settings(root, "b2"), models["b"], dataset, str(tmp_path / "r4.html"),
                             log=lambda _: None)
     assert fallback["incumbent_ppl"] == pytest.approx(current_model(registry).test_ppl)
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.0, 2.5, float("nan")])
+def test_min_improvement_is_checked_by_the_step_a_kfp_run_calls(tmp_path, value):
+    """A run from the KFP UI or API skips `domino pipeline`'s parameter checks and calls the component
+    directly: the step refuses the value, naming it, before reading anything."""
+    from types import SimpleNamespace
+
+    from components.evaluate.component import run
+
+    missing = SimpleNamespace(path=str(tmp_path / "missing"), metadata={})
+    with pytest.raises(ValueError, match=r"^min_improvement: .* must be in \[0, 1\)"):
+        run(model=missing, dataset=missing, metrics=missing, report=missing, decision=missing,
+            shared_root=str(tmp_path), run_id="r", min_improvement=value)
+    assert not (tmp_path / "missing").exists()

@@ -196,3 +196,48 @@ def test_candidate_layouts_are_the_layouts_domino_pretrain_accepts():
     for lay in layouts:
         assert 8 % (lay.micro_batch_size * lay.data_parallel_size) == 0
         assert lay.domino_chunks == (2 if lay.tensor_model_parallel_size > 1 and lay.micro_batch_size % 2 == 0 else 1)
+
+
+def _bf16_zero1_buffers(rank, world_size, flags):
+    from domino.model import GPTModel
+    from domino.train import engine as engine_setup
+
+    config = parse_config(flags)
+    engine_setup.initialize_runtime(config)
+    model = GPTModel(config.model, 256)
+    engine = engine_setup.build_engine(model, config)
+    fp32_gradients = sum(t.numel() * t.element_size() for t in engine.optimizer.fp32_groups_gradients_flat)
+    return fp32_gradients, sum(p.numel() for p in model.parameters())
+
+
+def test_bf16_zero1_counts_deepspeeds_fp32_gradient_buffer_as_deepspeed_allocates_it():
+    """The BF16_Optimizer's fp32 gradient buffer, read off a real DeepSpeed engine (deepspeed 0.19.8,
+    runtime/bf16_optimizer.py), is what the estimate's ``deepspeed`` part says: 4 bytes per parameter on every rank
+    (the ZeRO paper's 16 bytes per parameter leave it out)."""
+    from distributed_helpers import run_distributed
+
+    flags = ["--preset", "tiny", "--bf16", "--zero-stage", "1", "--vocab-size", "256", "--mock-data",
+             "--train-iters", "1", "--tensor-model-parallel-size", "1"]
+    (fp32_gradients, parameters), = run_distributed(_bf16_zero1_buffers, 1, flags)
+    config = parse_config(flags)
+    estimate = estimate_layout(config, Layout(zero_stage=1), vocab=256)
+    assert estimate.parameters == parameters
+    assert estimate.deepspeed == pytest.approx(fp32_gradients, rel=1e-3)  # DeepSpeed pads to its alignment
+    assert estimate.deepspeed == 4 * parameters
+
+
+def test_deepspeed_part_by_precision_stage_and_replicas_and_what_is_validated():
+    gpt = parse_config(["--preset", "gpt3-1.3b", "--vocab-size", "50257"])
+    bf16 = parse_config(["--preset", "gpt3-1.3b", "--vocab-size", "50257", "--bf16"])
+    one = estimate_layout(bf16, Layout(zero_stage=1))
+    assert one.deepspeed == 4 * one.parameters and 4.8 < one.deepspeed / 2**30 < 5.0  # the 4.9 GiB at 1.3B
+    assert estimate_layout(gpt, Layout(zero_stage=1)).deepspeed == 0  # fp32: the paper's count is complete
+    zero2 = estimate_layout(bf16, Layout(data_parallel_size=4, zero_stage=2))
+    assert zero2.deepspeed == pytest.approx(4 * zero2.parameters / 4, rel=1e-3)  # the fp32 partition only
+    dp2 = estimate_layout(bf16, Layout(data_parallel_size=2, zero_stage=1))
+    # every rank's full fp32 buffer, plus the engine's flattened all-reduce of up to 5e8 fp32 elements
+    assert dp2.deepspeed == pytest.approx(4 * dp2.parameters + 4 * 5e8, rel=1e-3)
+    assert dp2.total - one.total == pytest.approx(4 * 5e8 - (one.optimizer - dp2.optimizer), rel=1e-3)
+    out = one.to_json()
+    assert "deepspeed" in out["memory_gb_per_gpu"]
+    assert "on CPU, fp32" in out["validation"]["validated"] and "GPU" in out["validation"]["not_validated"]

@@ -85,3 +85,32 @@ def test_refusals(saved, tmp_path):
     with pytest.raises(ConfigError, match="pickled pytorch_model.bin files are not read"):
         import_hf(hf_dir, tmp_path / "imp")
     assert not (tmp_path / "imp").exists()
+
+
+def test_an_output_that_is_or_holds_the_input_is_refused_and_nothing_is_deleted(saved, tmp_path):
+    root, _, _ = saved
+    hf_dir = export_hf(root / "ckpt", tmp_path / "models" / "hf")
+    (tmp_path / "models" / "notes.txt").write_text("unrelated")
+    before = sorted(p.name for p in hf_dir.iterdir())
+    for output in (hf_dir, tmp_path / "models"):  # the input itself, or a folder holding it
+        with pytest.raises(ConfigError, match=f"--output {output} is or contains --input {hf_dir}"):
+            import_hf(hf_dir, output, overwrite=True)
+    assert sorted(p.name for p in hf_dir.iterdir()) == before and (tmp_path / "models" / "notes.txt").exists()
+    with pytest.raises(ConfigError, match="is or contains --load"):
+        export_hf(root / "ckpt", root / "ckpt", overwrite=True)
+    assert wio.resolve_checkpoint_dir(root / "ckpt").is_dir()
+
+
+def test_published_folders_are_readable_by_others_per_the_umask(saved, tmp_path):
+    import os
+    import stat
+
+    root, _, _ = saved
+    previous = os.umask(0o022)
+    try:
+        exported = export_hf(root / "ckpt", tmp_path / "hf")
+        imported = import_hf(exported, tmp_path / "imported")
+    finally:
+        os.umask(previous)
+    for folder in (exported, tmp_path / "imported", imported):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o755, folder

@@ -112,7 +112,14 @@ def _launcher_requests() -> set:
                 options = {"scheduling_timeout_s": 10, "timeout_s": 30, **kwargs}
                 sc.launcher(server, [], api=api).run(scripts.spec(), run_id="rbac", **options)
                 seen |= server.cluster.verbs()
-    return seen
+        with FakeKubeServer() as server:  # `domino launch check`, with a queue
+            from domino.launch.check import ClusterCheck
+
+            ClusterCheck(job_api(api), server.api_client()).run(scripts.spec(queue="team-a"))
+            seen |= server.cluster.verbs()
+    # Every authenticated user may discover APIs (system:discovery) and review their own access
+    # (system:basic-user): no Role needed for those.
+    return {c for c in seen if c[0] != "discovery" and c[1] != "selfsubjectaccessreviews"}
 
 
 def test_role_grants_exactly_the_calls_the_launcher_makes():
@@ -125,7 +132,9 @@ def test_role_grants_exactly_the_calls_the_launcher_makes():
     expected_calls = {(group, plural, v) for group, plural in (("kubeflow.org", "pytorchjobs"),
                                                                ("trainer.kubeflow.org", "trainjobs"))
                       for v in ("create", "get", "list", "watch", "patch", "delete")}
-    expected_calls |= {("", "pods", "list"), ("", "pods/log", "get"), ("", "events", "list")}
+    expected_calls |= {("", "pods", "list"), ("", "pods/log", "get"), ("", "events", "list"),
+                       ("", "persistentvolumeclaims", "get"), ("trainer.kubeflow.org", "trainingruntimes", "get"),
+                       ("kueue.x-k8s.io", "localqueues", "get")}
     assert expected_calls <= used  # every code path above was exercised
     # Nothing beyond the documented minimum (read-only pods/log and pods watch are harmless extras).
     allowed_extra = {("", "pods", "get"), ("", "pods", "watch"), ("", "pods/log", "list"), ("", "pods/log", "watch")}
@@ -143,12 +152,19 @@ def test_kfp_overlays_give_the_step_service_account_the_launcher_role_in_the_ste
     """The job is created in the step's namespace (POD_NAMESPACE) by the step's service account: the
     overlay puts the claim, the trainer account and the policy there and binds the Role to that account,
     without creating or relabelling a namespace KFP or the profile controller owns."""
+    from k8s_schemas import validate_trainer_object
+
     namespace, account = KFP_MODES[path]
     objects = build(path)
     assert "Namespace" not in {o["kind"] for o in objects}
     for obj in objects:
-        validate_core(obj)
+        if obj["kind"] == "TrainingRuntime":  # job_api=trainjob runs need it beside the claim
+            validate_trainer_object(obj, "trainingruntimes")
+            assert obj["metadata"]["name"] == "domino-torch-distributed"
+        else:
+            validate_core(obj)
         assert obj["metadata"]["namespace"] == namespace, obj["metadata"]["name"]
+    assert "TrainingRuntime" in {o["kind"] for o in objects}
     (binding,) = [o for o in objects if o["kind"] == "RoleBinding"]
     assert binding["roleRef"]["name"] == "domino-launcher"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]

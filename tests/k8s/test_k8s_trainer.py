@@ -101,11 +101,39 @@ def node_pod(job, rt, index=0):
     ]
     patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
     patched = patch["template"]["spec"]["template"]
-    assert not set(patched["spec"]) & set(template["spec"]), "a patch field the runtime also sets"
-    template["spec"].update(patched["spec"])
-    for key in ("labels", "annotations"):
-        template["metadata"].setdefault(key, {}).update(patched["metadata"][key])
+    template = strategic_merge(template, patched)
     return as_pod(template, f"{name}-node-0-{index}")
+
+
+#: patchMergeKey (and retainKeys) of the lists a runtime patch touches, from k8s.io/api core/v1 types.go:
+#: containers/initContainers by name, volumes by name (merge,retainKeys), volumeMounts by mountPath, env and
+#: imagePullSecrets by name; tolerations have no merge key (the patch's list replaces the runtime's).
+MERGE_KEYS = {"containers": ("name", False), "initContainers": ("name", False), "volumes": ("name", True),
+              "volumeMounts": ("mountPath", False), "env": ("name", False), "imagePullSecrets": ("name", False)}
+
+
+def strategic_merge(base, patch, field=None):
+    """What apimachinery's StrategicMergePatch does to a pod template for the fields above (the Trainer
+    v2.3.0 merges each runtime patch so, pkg/runtime/core/trainingruntime.go ``mergeRuntimePatches``)."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = copy.deepcopy(base)
+        for key, value in patch.items():
+            out[key] = strategic_merge(base[key], value, key) if key in base else copy.deepcopy(value)
+        return out
+    if isinstance(base, list) and isinstance(patch, list) and field in MERGE_KEYS:
+        key, retain = MERGE_KEYS[field]
+        out = copy.deepcopy(base)
+        for item in patch:
+            index = next((i for i, old in enumerate(out) if old[key] == item[key]), None)
+            if index is None:
+                out.append(copy.deepcopy(item))
+            elif retain:  # retainKeys: the entry keeps only the keys the patch names, merged
+                out[index] = {k: strategic_merge(out[index][k], v, k) if k in out[index] else copy.deepcopy(v)
+                              for k, v in item.items()}
+            else:
+                out[index] = strategic_merge(out[index], item)
+        return out
+    return copy.deepcopy(patch)
 
 
 def test_four_by_eight_gpu_trainjob_pods_are_restricted_and_valid():
@@ -141,10 +169,43 @@ def test_gpu_trainer_overlay_builds_with_the_runtime_in_the_namespace():
     assert re.match(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", rt["metadata"]["name"])
 
 
-def test_the_runtime_leaves_restarts_to_the_defaults_the_launcher_models():
-    """No restartPolicy (the JobSet webhook defaults pods to OnFailure) and no backoffLimit on the node Job
-    (Kubernetes' default), which is what the local backend and the docs assume for a TrainJob."""
-    job_template = node_job(runtime())["template"]["spec"]
-    assert "backoffLimit" not in job_template and "restartPolicy" not in job_template["template"]["spec"]
-    assert trainjob.RUNTIME_BACKOFF_LIMIT == 6  # batch/v1 JobSpec.backoffLimit default
-    assert "failurePolicy" not in runtime()["spec"]["template"]["spec"]  # a failed node Job fails the JobSet
+def test_the_runtime_restarts_the_whole_jobset_per_fault_with_the_pytorchjob_budget():
+    """A failed pod fails its Job at once (backoffLimit 0, restartPolicy Never); the JobSet recreates the set
+    up to failurePolicy.maxRestarts (jobset v0.12.0 failure_policy.go), derived from the PyTorchJob budget:
+    both end the job at the FAULTS_TOLERATED-th fault. The grace period is the JobSpec default (Kueue)."""
+    from domino.launch import defaults
+
+    rt = runtime()
+    assert rt["spec"]["template"]["spec"]["failurePolicy"] == {"maxRestarts": defaults.JOBSET_MAX_RESTARTS}
+    job_template = node_job(rt)["template"]["spec"]
+    assert job_template["backoffLimit"] == trainjob.RUNTIME_JOB_BACKOFF_LIMIT == 0
+    pod = job_template["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    assert pod["terminationGracePeriodSeconds"] == trainjob.RUNTIME_GRACE_PERIOD_S == JobSpec(name="a", image="b").termination_grace_period_s
+    # PyTorchJob: the operator fails the job when the summed restarts reach backoffLimit = FAULTS x nodes,
+    # one restart per pod per fault: at fault FAULTS. JobSet: fails at fault maxRestarts + 1.
+    nodes = 4
+    pytorchjob_end = next(f for f in range(1, 10) if f * nodes >= defaults.backoff_limit(JobSpec(name="a", image="b",
+                                                                                                 nodes=nodes)))
+    assert pytorchjob_end == defaults.JOBSET_MAX_RESTARTS + 1
+    assert trainjob.TrainJobApi().backoff_limit(JobSpec(name="a", image="b", nodes=nodes)) == pytorchjob_end * nodes
+
+
+def test_another_claim_mount_path_and_shm_go_through_the_trainjobs_own_runtime_patch():
+    spec = JobSpec(name="gpt", image="i", namespace="domino", nodes=2, nproc_per_node=8, gpus_per_node=8,
+                   pvc="team-data", mount_path="/data", shm_size="64Gi", pretrain_args=["--preset", "tiny"])
+    job = trainjob.render_trainjob(spec, run_id="r1")
+    validate_trainer_object(job, "trainjobs")
+    pod = node_pod(job, runtime())
+    validate_core(pod)
+    assert restricted_violations(pod) == []
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["domino-data"] == {"name": "domino-data", "persistentVolumeClaim": {"claimName": "team-data"}}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+    (container,) = pod["spec"]["containers"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts["/data"] == "domino-data" and mounts["/mnt/domino"] == "domino-data"
+    assert "--save" in container["command"] and "/data/checkpoints/gpt-r1" in container["command"]
+    plain = trainjob.render_trainjob(JobSpec(name="gpt", image="i", nodes=2), run_id="r1")
+    patch = plain["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    assert "volumes" not in patch["template"]["spec"]["template"]["spec"]  # the runtime's own, untouched

@@ -92,6 +92,13 @@ class FakeCluster:
         self.before_patch = None  # callable(cluster, ns, name) run before a patch applies (a concurrent writer)
         self.runtimes = {"domino-torch-distributed"}  # TrainingRuntimes installed in every namespace
         self.kueue_frameworks = kueue_frameworks()  # Kueue installed with its default integrations
+        # What `domino launch check` reads (the API server's answers modelled below, see _check_get):
+        self.served = {("kubeflow.org", "v1"): ["pytorchjobs"],  # API discovery: group/version -> resources
+                       ("trainer.kubeflow.org", "v1alpha1"): ["trainjobs", "trainingruntimes"],
+                       ("kueue.x-k8s.io", "v1beta2"): ["localqueues", "clusterqueues", "workloads"]}
+        self.pvcs = {"domino-data": {"phase": "Bound", "accessModes": ["ReadWriteMany"]}}  # claim -> status
+        self.local_queues = {"team-a": ("True", "Ready", "Can submit new workloads to localQueue")}
+        self.denied = set()  # (group, resource[/subresource], verb) the caller's RBAC does not allow
         self._pod_suffix: Dict[Tuple[str, str], str] = {}
 
     # -- scripting --------------------------------------------------------------------------------------
@@ -230,10 +237,13 @@ class FakeCluster:
             self._record("MODIFIED", job)
 
     def add_event(self, ns: str, obj: str, reason: str, message: str, etype: str = "Warning") -> None:
+        """A core/v1 Event as client-go's recorder writes it (firstTimestamp/lastTimestamp, second precision
+        in RFC 3339, so two events of one second tie: the list order breaks the tie, as here)."""
         with self.cond:
+            stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
             self.events.append({"metadata": {"name": f"{obj}.{uuid.uuid4().hex[:8]}", "namespace": ns},
                                 "involvedObject": {"name": obj, "namespace": ns}, "reason": reason,
-                                "message": message, "type": etype})
+                                "message": message, "type": etype, "firstTimestamp": stamp, "lastTimestamp": stamp})
 
     def log(self, pod: str, *lines: str) -> None:
         with self.cond:
@@ -347,6 +357,8 @@ class _Handler(BaseHTTPRequestHandler):
         group, parts, _ = self._route()
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         c = self.cluster
+        if self.path.startswith("/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"):
+            return self._access_review(body)
         c.sent.append(copy.deepcopy(body))
         c.requests.append((group, self.resource, "create"))
         ns, name = parts[0], body["metadata"]["name"]
@@ -427,7 +439,73 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(404, _status(404, "NotFound", f'{self.resource}.{group} "{name}" not found'))
         self._send(200, {"kind": "Status", "apiVersion": "v1", "status": "Success"})
 
+    def _check_get(self) -> bool:
+        """The reads of ``domino launch check``, answered as the API server answers them: discovery
+        (``/apis/<group>/<version>``: an APIResourceList, or 404 NotFound "the server could not find the
+        requested resource" for a group version nobody serves), PersistentVolumeClaims, TrainingRuntimes and
+        Kueue LocalQueues (404 NotFound ``<plural>.<group> "<name>" not found`` when missing)."""
+        c, path = self.cluster, urlparse(self.path).path.rstrip("/")
+        parts = path.split("/")
+        not_found = "the server could not find the requested resource"
+        if len(parts) == 4 and parts[1] == "apis":  # discovery
+            group, version = parts[2], parts[3]
+            c.requests.append(("discovery", f"{group}/{version}", "get"))
+            if (group, version) not in c.served:
+                self._send(404, _status(404, "NotFound", not_found))
+            else:
+                self._send(200, {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": f"{group}/{version}",
+                                 "resources": [{"name": r, "namespaced": True, "kind": r.rstrip("s").title()}
+                                               for r in c.served[(group, version)]]})
+            return True
+        if len(parts) == 7 and parts[1:3] == ["api", "v1"] and parts[5] == "persistentvolumeclaims":
+            c.requests.append(("", "persistentvolumeclaims", "get"))
+            status = c.pvcs.get(parts[6])
+            if status is None:
+                self._send(404, _status(404, "NotFound", f'persistentvolumeclaims "{parts[6]}" not found'))
+            else:
+                self._send(200, {"kind": "PersistentVolumeClaim", "apiVersion": "v1",
+                                 "metadata": {"name": parts[6], "namespace": parts[4]},
+                                 "spec": {"accessModes": status["accessModes"]},
+                                 "status": status if status["phase"] == "Bound" else {"phase": status["phase"]}})
+            return True
+        if len(parts) == 8 and parts[1] == "apis" and parts[6] in ("trainingruntimes", "localqueues"):
+            group, plural, name = parts[2], parts[6], parts[7]
+            c.requests.append((group, plural, "get"))
+            if (group, parts[3]) not in c.served or plural not in c.served[(group, parts[3])]:
+                self._send(404, _status(404, "NotFound", not_found))
+            elif plural == "trainingruntimes":
+                if name not in c.runtimes:
+                    self._send(404, _status(404, "NotFound", f'{plural}.{group} "{name}" not found'))
+                    return True
+                self._send(200, {"apiVersion": f"{group}/{parts[3]}", "kind": "TrainingRuntime",
+                                 "metadata": {"name": name, "namespace": parts[5]}, "spec": {}})
+            elif name not in c.local_queues:
+                self._send(404, _status(404, "NotFound", f'{plural}.{group} "{name}" not found'))
+            else:
+                status, reason, message = c.local_queues[name]
+                self._send(200, {"apiVersion": f"{group}/{parts[3]}", "kind": "LocalQueue",
+                                 "metadata": {"name": name, "namespace": parts[5]},
+                                 "spec": {"clusterQueue": "cluster-queue"},
+                                 "status": {"conditions": [{"type": "Active", "status": status, "reason": reason,
+                                                            "message": message}]}})
+            return True
+        return False
+
+    def _access_review(self, body: Dict[str, Any]) -> None:
+        """A SelfSubjectAccessReview: ``status.allowed`` from :attr:`FakeCluster.denied` (RBAC's answer)."""
+        c = self.cluster
+        c.requests.append(("authorization.k8s.io", "selfsubjectaccessreviews", "create"))
+        attrs = body["spec"]["resourceAttributes"]
+        resource = attrs["resource"] + (f"/{attrs['subresource']}" if attrs.get("subresource") else "")
+        allowed = (attrs.get("group", ""), resource, attrs["verb"]) not in c.denied
+        status = {"allowed": allowed}
+        if allowed:
+            status["reason"] = 'RBAC: allowed by RoleBinding "domino-launcher/domino" of Role "domino-launcher"'
+        self._send(201, {**body, "metadata": {"creationTimestamp": None}, "status": status})
+
     def do_GET(self) -> None:
+        if self._check_get():
+            return
         group, parts, query = self._route()
         c = self.cluster
         if group in ("kubeflow.org", "trainer.kubeflow.org"):

@@ -121,8 +121,7 @@ def test_queue_labels_the_trainjob_for_kueue_and_leaves_suspending_it_to_kueue()
 
 
 @pytest.mark.parametrize("field,value,flag", [
-    ("nproc_per_node", "gpu", "--nproc-per-node"), ("pvc", "other-claim", "--pvc"), ("mount_path", "/data", "--mount-path"),
-    ("shm_size", "64Gi", "--shm-size"), ("priority_class", "high", "--priority-class"),
+    ("nproc_per_node", "gpu", "--nproc-per-node"), ("priority_class", "high", "--priority-class"),
     ("restart_policy", "ExitCode", "--restart-policy"), ("backoff_limit", 2, "--backoff-limit"),
     ("clean_pod_policy", "All", "--clean-pod-policy"), ("scheduling_policy", True, "--scheduling-policy"),
     ("env", {"PET_NNODES": "2"}, "--env"),
@@ -132,6 +131,14 @@ def test_what_a_trainjob_cannot_carry_is_refused_naming_the_flag(field, value, f
     spec.validate()  # fine for a PyTorchJob
     with pytest.raises(LaunchSpecError, match=f"--api trainjob: {flag}"):
         render_trainjob(spec, run_id="r1")
+
+
+def test_a_queued_trainjob_refuses_a_grace_period_kueue_would_drop():
+    spec = JobSpec(**{**BASE, "queue": "team-a", "termination_grace_period_s": 600})
+    with pytest.raises(LaunchSpecError, match="--termination-grace-period: Kueue v0.19.2 drops"):
+        render_trainjob(spec, run_id="r1")
+    render_trainjob(JobSpec(**{**BASE, "termination_grace_period_s": 600}), run_id="r1")  # unqueued: the patch's
+    render_trainjob(JobSpec(**{**BASE, "queue": "team-a"}), run_id="r1")  # queued, the runtime's value
 
 
 def test_cli_refusal_is_one_line_and_exit_code_2(capsys):

@@ -37,6 +37,26 @@ def test_choices_by_device_type():
         assert getattr(CPU_KERNELS, field.name) != getattr(CUDA_KERNELS, field.name), field.name
 
 
+def test_cuda_runs_the_fusions_eagerly_without_a_c_compiler(monkeypatch, tmp_path):
+    """Inductor and Triton need a C compiler; on a CUDA machine without one the compiled islands run eagerly."""
+    from domino.parallel import kernels
+
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no cc, gcc or clang
+    kernels.c_compiler.cache_clear()
+    try:
+        assert kernels.c_compiler() is None
+        assert kernels_for(torch.device("cuda")) == dataclasses.replace(CUDA_KERNELS, compile_backend=None)
+        compiler = tmp_path / "cc"
+        compiler.write_text("#!/bin/sh\n")
+        compiler.chmod(0o755)
+        kernels.c_compiler.cache_clear()
+        assert kernels.c_compiler() == str(compiler)
+        assert kernels_for(torch.device("cuda")) == CUDA_KERNELS
+    finally:
+        kernels.c_compiler.cache_clear()
+
+
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_qkv_one_gemm_equals_three_gemms(with_bias):
     g = torch.Generator().manual_seed(0)

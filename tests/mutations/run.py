@@ -97,7 +97,7 @@ MUTATIONS: List[Mutation] = [
     Mutation("manifest-checks-sizes-only", "domino/checkpoint/manifest.py",
              "        if actual != expected:", "        if actual[\"size\"] != expected[\"size\"]:",
              ["tests/train/test_checkpoint_integrity.py::test_manifest_records_and_detects"]),
-    Mutation("launcher-deletes-failed-jobs", "domino/launch/api.py",
+    Mutation("launcher-deletes-failed-jobs", "domino/launch/outcome.py",
              "        return succeeded or stopped", "        return True",
              ["tests/launch/test_launch_kube.py"]),
     Mutation("step-reads-loss-on-host", "domino/train/pretrain.py",

@@ -67,8 +67,8 @@ def test_tp2_run_logs_params_and_loss_curve_and_its_resume_continues_the_run(tmp
                                timeout=300)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     result = json.loads(evaluated.stdout.strip().splitlines()[-1])
-    assert mlflow_server.history(run_id, "lm loss test ppl")[8] == pytest.approx(result["ppl"])
-    assert mlflow_server.history(run_id, "token accuracy test")[8] == pytest.approx(result["accuracy"])
+    assert mlflow_server.history(run_id, "evaluate lm loss ppl")[8] == pytest.approx(result["ppl"])
+    assert mlflow_server.history(run_id, "evaluate token accuracy")[8] == pytest.approx(result["accuracy"])
 
 
 @pytest.mark.timeout(600)

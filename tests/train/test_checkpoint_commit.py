@@ -105,6 +105,10 @@ def _losses(path: Path) -> dict:
 def _crash_then_resume(rank, world_size, out_dir, points):
     import pytest
 
+    from domino.config import parse_config
+    from domino.train.engine import initialize_runtime
+
+    initialize_runtime(parse_config(ARGS))  # once per process: every _train below is a run of this process
     out = Path(out_dir)
     _train(out, "reference")
     reference = _losses(out / "reference.jsonl")

@@ -94,3 +94,28 @@ def test_the_probe_counts_reads_by_owner_and_restores_torch():
     methods = sorted(e["method"] for e in probe.to_json())
     assert methods == ["__bool__", "__float__", "__getitem__[bool mask]", "tolist"]
     assert probe.count(owner="other") == 4  # called from this test, outside domino and deepspeed
+
+
+def test_the_cuda_count_adds_explicit_synchronizes_to_the_debug_modes_warnings(monkeypatch):
+    """The CUDA branch of ``syncs_per_step``, rehearsed on CPU: torch's sync debug mode warns from inside
+    synchronising ops but not on ``torch.cuda.synchronize()``, so both are counted, each with its site."""
+    import warnings
+
+    from domino.train import host_syncs
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    def step():
+        warnings.warn("called a synchronizing CUDA operation")  # what the debug mode raises inside an op
+        torch.cuda.synchronize()
+        torch.cuda.synchronize()
+
+    counted = host_syncs.syncs_per_step(step, 2)
+    assert modes == ["warn", "default"]
+    assert counted["per_iteration"] == 3.0
+    sites = counted["where"]
+    assert sum(v for k, v in sites.items() if k.endswith("(synchronize)")) == 2.0
+    assert all("test_host_syncs.py" in k for k in sites), sites

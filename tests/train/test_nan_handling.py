@@ -26,6 +26,7 @@ def _train_with_poisoned_steps(rank, world_size, prefix, out_dir, poisoned, max_
                            "--eval-iters", "0", "--eval-interval", "0", "--num-workers", "0", "--save", out_dir,
                            "--save-interval", "1", "--metrics-file", f"{out_dir}/metrics.jsonl",
                            "--max-nan-steps", str(max_nan_steps), *extra])
+    engine.initialize_runtime(config)
     recipe = GPTRecipe(config)
     calls = []
 

@@ -9,12 +9,14 @@ def _train_signalled(rank, world_size, signal_rank, signal_at_call):
     import signal
 
     from domino.config import parse_config
+    from domino.train.engine import initialize_runtime
     from domino.train.gpt_recipe import GPTRecipe
     from domino.train.pretrain import pretrain
 
     config = parse_config(["--preset", "tiny", "--mock-data", "--vocab-size", "512", "--train-iters", "8",
                            "--log-interval", "4", "--eval-iters", "0", "--eval-interval", "0", "--num-workers", "0",
                            "--exit-signal-handler"])
+    initialize_runtime(config)
     recipe = GPTRecipe(config)
     calls = []
 

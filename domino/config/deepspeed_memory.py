@@ -1,0 +1,64 @@
+"""DeepSpeed's own allocations beyond the ZeRO paper's accounting, and what of the estimate has been measured.
+
+The ZeRO paper counts 2 + 2 + 12 bytes per parameter in mixed precision (:mod:`domino.config.estimate`). The
+engines DeepSpeed 0.19.8 builds for domino's config (``domino/train/engine.py``) keep more, read from its source:
+
+* **bf16, ZeRO 1** (``BF16_Optimizer``, ``deepspeed/runtime/bf16_optimizer.py`` ``_setup_for_real_optimizer``):
+  ``fp32_groups_gradients_flat``, an fp32 gradient buffer the size of *all* this rank's parameters (``zeros_like``
+  of the flat bf16 group, not partitioned), into which every micro-batch's bf16 gradients are summed: 4 bytes per
+  parameter on every rank, beside the 2-byte bf16 gradients backward writes first. At GPT-1.3B and TP=1 that is
+  4.9 GiB the paper's figure leaves out.
+* **fp16, ZeRO 0** (``FP16_Optimizer``, ``deepspeed/runtime/fp16/fused_optimizer.py`` ``step``): the 16-bit
+  gradients flattened and cast into one fp32 gradient of the fp32 master weights: 4 bytes per parameter.
+* **fp16/bf16, ZeRO 1/2 otherwise** (``DeepSpeedZeroOptimizer``, ``deepspeed/runtime/zero/stage_1_and_2.py``):
+  the fp32 gradients of this rank's partition (``averaged_gradients`` in ``gradient_accumulation_dtype``, or the
+  fp32 copy ``step`` makes of the flat 16-bit partition): 4 bytes per parameter / DP.
+* **the engine's flattening all-reduce** (``deepspeed/runtime/engine.py`` ``allreduce_gradients`` ->
+  ``buffered_allreduce_fallback(elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE)``, 5e8 elements): with more than
+  one data-parallel replica, ZeRO 0 and the BF16_Optimizer flatten the gradients into one buffer of up to 5e8
+  elements per all-reduce (fp32: domino reduces fp32-accumulated gradients in fp32), i.e. up to 1.9 GB. domino
+  turns that all-reduce off at one replica.
+* **ZeRO 1/2 reduction buckets** (``DeepSpeedZeroOptimizer``'s ``ipg_buckets``, two of ``reduce_bucket_size``
+  with ``overlap_comm``): counted with the other buffers in :mod:`domino.config.estimate`.
+
+None of this has been measured on a GPU: see :data:`VALIDATION`.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+#: Elements per flattening all-reduce of DeepSpeed's engine (``MEMORY_OPT_ALLREDUCE_SIZE``, runtime/engine.py).
+ENGINE_ALLREDUCE_ELEMENTS = 5e8
+
+#: Which figures of ``domino estimate`` have been checked against a measurement, and where.
+VALIDATION: Dict[str, str] = {
+    "validated": "on CPU, fp32, TP 1 and 2, ZeRO 0/1 at one replica: weights, gradients, optimizer state, "
+                 "activations (every recompute setting, sequence parallelism), logits and buffers, against live "
+                 "tensor bytes within 6% (TP 1) and 10% (TP 2) (benchmarks/estimate_check.py, RESULTS.md)",
+    "not_validated": "anything on a GPU (no GPU has run it yet): 1-byte dropout masks, fused attention's saved "
+                     "tensors, bf16/fp16 tensors, DeepSpeed's buffers (counted from deepspeed 0.19.8's source), "
+                     "the CUDA caching allocator's reserve beyond the usable fraction, and the step time (an "
+                     "assumed MFU)",
+}
+
+
+def deepspeed_buffer_bytes(parameters_per_rank: float, data_parallel_size: int, zero_stage: int, bf16: bool,
+                           fp16: bool) -> Dict[str, float]:
+    """DeepSpeed's allocations per GPU beyond the ZeRO paper's, in bytes, by name (see the module doc).
+
+    Args:
+        parameters_per_rank: this TP rank's parameters.
+        data_parallel_size: replicas.
+        zero_stage: 0, 1 or 2.
+        bf16, fp16: the run's precision (fp32 when neither).
+    """
+    parts = {"fp32_gradient_accumulation": 0.0, "flatten_allreduce": 0.0}
+    if (bf16 and zero_stage == 1) or (fp16 and zero_stage == 0):
+        parts["fp32_gradient_accumulation"] = 4 * parameters_per_rank
+    elif (bf16 or fp16) and zero_stage >= 1:
+        parts["fp32_gradient_accumulation"] = 4 * parameters_per_rank / data_parallel_size
+    if data_parallel_size > 1 and (zero_stage == 0 or (bf16 and zero_stage == 1)):
+        element_bytes = 2 if fp16 else 4  # fp32 gradients, or bf16's fp32 buffers reduced in fp32
+        parts["flatten_allreduce"] = min(parameters_per_rank, ENGINE_ALLREDUCE_ELEMENTS) * element_bytes
+    return parts

@@ -1,0 +1,141 @@
+"""``domino launch check``: asks the API server, before anything is submitted, whether what the job needs is there.
+
+Each check is one read the API server answers for any authenticated user or through the launcher Role
+(``k8s/base/launcher-rbac.yaml``), and each problem is one line naming the object and what is wrong:
+
+* the job API's custom resource is served: API discovery, ``GET /apis/<group>/<version>`` (allowed to
+  every authenticated user by the ``system:discovery`` ClusterRole), lists ``pytorchjobs`` or ``trainjobs``;
+* with ``--api trainjob``, the TrainingRuntime the TrainJob names exists in the namespace (else the
+  Trainer's webhook refuses the TrainJob, see domino.launch.trainjob);
+* the claim exists, is ``Bound`` (``status.phase``) and offers ``ReadWriteMany`` (``status.accessModes``,
+  what the bound volume provides; ``spec.accessModes`` while it is unbound), since every node mounts it;
+* with ``--queue``, Kueue's LocalQueue exists and is ``Active`` (kueue v0.19.2 ``apis/kueue/v1beta2``
+  ``LocalQueueActive``; False with ``ClusterQueueDoesNotExist`` when its ClusterQueue is missing);
+* every call the launcher makes is allowed: one SelfSubjectAccessReview (authorization.k8s.io/v1, which
+  any authenticated user may create) per (group, resource, verb) of :data:`LAUNCHER_CALLS`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from domino.launch.job_api_base import JobApi
+from domino.launch.spec import JobSpec
+
+#: Kueue's LocalQueue (served as v1beta2 and v1beta1 by v0.19.2; v1beta2 is the storage version).
+KUEUE_GROUP, KUEUE_VERSION, LOCAL_QUEUES = "kueue.x-k8s.io", "v1beta2", "localqueues"
+#: TrainingRuntimes (the Trainer v2.3.0 CRD).
+RUNTIMES = "trainingruntimes"
+#: The core calls the launcher makes in the job's namespace (its job API's are added per API).
+CORE_CALLS: Tuple[Tuple[str, str, str], ...] = (
+    ("", "pods", "list"), ("", "pods/log", "get"), ("", "events", "list"))
+#: The verbs the launcher uses on its job resource (create, adopt, follow, re-parent on adoption, delete).
+JOB_VERBS = ("create", "get", "list", "watch", "patch", "delete")
+
+
+def launcher_calls(api: JobApi) -> List[Tuple[str, str, str]]:
+    """(group, resource, verb) of every call the launcher makes for ``api`` (what its Role must grant)."""
+    return [(api.group, api.plural, verb) for verb in JOB_VERBS] + list(CORE_CALLS)
+
+
+def _body(error) -> str:
+    try:
+        return json.loads(error.body or "{}").get("message", "") or str(error.reason)
+    except (ValueError, AttributeError):
+        return str(getattr(error, "reason", error))
+
+
+class ClusterCheck:
+    """Runs the checks of the module docstring against one API server (``api_client``)."""
+
+    def __init__(self, api: JobApi, api_client, request_timeout_s: float = 30.0) -> None:
+        from kubernetes import client
+
+        self.api, self.timeout = api, request_timeout_s
+        self.custom = client.CustomObjectsApi(api_client)
+        self.core = client.CoreV1Api(api_client)
+        self.authz = client.AuthorizationV1Api(api_client)
+
+    def _get(self, call: Callable, *args) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+        """(object, None), or (None, ``"404 Not Found: ..."``) when the API server refuses the read."""
+        from kubernetes.client.rest import ApiException
+
+        try:
+            response = call(*args, _preload_content=False, _request_timeout=self.timeout)
+            return json.loads(response.data), None
+        except ApiException as error:
+            return None, f"{error.status} {error.reason}: {_body(error)}"
+
+    def served(self, group: str, version: str, plural: str, what: str) -> List[str]:
+        found, error = self._get(self.custom.get_api_resources, group, version)
+        names = {r.get("name") for r in (found or {}).get("resources") or []}
+        if plural in names:
+            return []
+        return [f"{what}: the API server does not serve {plural}.{group}/{version} "
+                f"({error or 'not in the group version'}): is it installed?"]
+
+    def runtime(self, spec: JobSpec, name: str) -> List[str]:
+        from domino.launch.trainjob import GROUP, VERSION
+
+        _, error = self._get(self.custom.get_namespaced_custom_object, GROUP, VERSION, spec.namespace, RUNTIMES, name)
+        return [] if error is None else [f"TrainingRuntime {spec.namespace}/{name}: {error} (kubectl apply -k "
+                                         "k8s/overlays/gpu-trainer, or a kfp overlay, installs it)"]
+
+    def claim(self, spec: JobSpec) -> List[str]:
+        pvc, error = self._get(self.core.read_namespaced_persistent_volume_claim, spec.pvc, spec.namespace)
+        where = f"PersistentVolumeClaim {spec.namespace}/{spec.pvc}"
+        if error is not None:
+            return [f"{where}: {error}"]
+        status = pvc.get("status") or {}
+        out = []
+        if status.get("phase") != "Bound":
+            out.append(f"{where}: not Bound (phase {status.get('phase') or 'unknown'}): no volume provisioned yet; "
+                       "check its events and that its storage class exists")
+        modes = status.get("accessModes") or (pvc.get("spec") or {}).get("accessModes") or []
+        if "ReadWriteMany" not in modes:
+            out.append(f"{where}: access modes {modes} lack ReadWriteMany: every node of the job mounts it")
+        return out
+
+    def queue(self, spec: JobSpec) -> List[str]:
+        queue, error = self._get(self.custom.get_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION,
+                                 spec.namespace, LOCAL_QUEUES, spec.queue)
+        where = f"LocalQueue {spec.namespace}/{spec.queue}"
+        if error is not None:
+            return [f"{where}: {error}"]
+        active = next((c for c in (queue.get("status") or {}).get("conditions") or [] if c.get("type") == "Active"),
+                      None)
+        if active is None or active.get("status") != "True":
+            why = f"{active.get('reason')}: {active.get('message', '')}" if active else "no Active condition"
+            return [f"{where}: not Active ({why})"]
+        return []
+
+    def access(self, namespace: str) -> List[str]:
+        out = []
+        for group, resource, verb in launcher_calls(self.api):
+            resource, _, subresource = resource.partition("/")
+            attributes = {"namespace": namespace, "verb": verb, "group": group, "resource": resource}
+            if subresource:
+                attributes["subresource"] = subresource
+            body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+                    "spec": {"resourceAttributes": attributes}}
+            review, error = self._get(self.authz.create_self_subject_access_review, body)
+            allowed = (review or {}).get("status", {}).get("allowed")
+            if not allowed:
+                name = f"{resource}/{subresource}" if subresource else resource
+                why = error or (review or {}).get("status", {}).get("reason") or "not allowed"
+                out.append(f"RBAC: cannot {verb} {name}" + (f".{group}" if group else "")
+                           + f" in namespace {namespace} ({why}): bind the domino-launcher Role (k8s/base)")
+        return out
+
+    def run(self, spec: JobSpec) -> List[str]:
+        """Every problem found, one line each (empty: the cluster has what the job needs)."""
+        from domino.launch.trainjob import RUNTIME_NAME
+
+        problems = self.served(self.api.group, self.api.version, self.api.plural, self.api.kind)
+        if self.api.name == "trainjob":
+            problems += self.runtime(spec, RUNTIME_NAME)
+        problems += self.claim(spec)
+        if spec.queue:
+            problems += self.served(KUEUE_GROUP, KUEUE_VERSION, LOCAL_QUEUES, "Kueue") or self.queue(spec)
+        return problems + self.access(spec.namespace)

@@ -1,0 +1,174 @@
+"""The import layering of ``domino/``: every import of every module (function-local ones and constant
+``importlib.import_module`` names included), read with ``ast``, goes down the floors of :data:`FLOORS`, so no
+package imports one above it or beside it and no circle between packages exists; and ``launch/``'s modules
+import each other without a circle."""
+
+import ast
+import os
+from collections import defaultdict
+from typing import Dict, List, Set, Tuple
+
+import domino
+
+ROOT = os.path.dirname(os.path.abspath(domino.__file__))
+
+#: The floors, lowest first: a package may import packages of lower floors only (not its neighbours on the
+#: same floor). ``domino`` is the package root (its ``__version__``).
+FLOORS: List[Tuple[str, ...]] = [
+    ("domino", "file_lock", "logging_utils"),
+    ("atomic_files", "images"),
+    ("config",),                      # typed configs, flags, presets, validation
+    ("runtime", "launch", "tracking"),  # process groups; jobs on a cluster (no torch model); MLflow
+    ("parallel",),                    # tensor-parallel maths
+    ("model", "data"),                # the model takes tensors: it never imports data, nor data the model
+    ("overlap",),                     # the Domino schedule, applied to a model from outside
+    ("checkpoint",),                  # the format, and building a model from it
+    ("train", "eval"),
+    ("cli",),
+    ("__main__",),
+]
+FLOOR = {package: level for level, packages in enumerate(FLOORS) for package in packages}
+#: Imports that go against the floors on purpose, each with its reason.
+ALLOWED = {
+    # `domino pipeline ...` is the kfp layer's own command line; only this verb module reaches it, when the
+    # verb runs, so the core installs and runs without kfp (tests/pipelines/test_pipeline_params.py checks).
+    ("domino/cli/pipeline.py", "pipelines"),
+}
+
+
+def _modules() -> Dict[str, str]:
+    """``{dotted module name: file path}`` of every module under domino/."""
+    out = {}
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = "domino." + os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                out[dotted.removesuffix(".__init__")] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imported(tree: ast.AST, module: str) -> List[Tuple[str, int]]:
+    """Every module ``module``'s source imports, with its line: ``import``, ``from`` (a name that is a
+    submodule counts as that submodule), relative imports, and constant ``importlib.import_module`` names."""
+    package = module if MODULES.get(module, "").endswith("__init__.py") else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.append((sub if sub in MODULES else base, node.lineno))
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            out.append((node.args[0].value, node.lineno))
+    return out
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "domino"
+
+
+def _graph() -> Dict[str, List[Tuple[str, int]]]:
+    graph = {}
+    for module, path in MODULES.items():
+        with open(path, encoding="utf-8") as handle:
+            graph[module] = _imported(ast.parse(handle.read(), path), module)
+    return graph
+
+
+GRAPH = _graph()
+
+
+def _where(module: str, line: int) -> str:
+    return f"{os.path.relpath(MODULES[module], os.path.dirname(ROOT))}:{line}"
+
+
+def test_every_package_has_a_floor():
+    packages = {_package(m) for m in MODULES}
+    assert packages <= set(FLOOR), f"add {sorted(packages - set(FLOOR))} to FLOORS"
+
+
+def test_no_package_imports_one_above_or_beside_it():
+    wrong = []
+    for module, imports in GRAPH.items():
+        source = _package(module)
+        for target, line in imports:
+            top = target.split(".")[0]
+            if top in ("components", "pipelines"):
+                if (os.path.relpath(MODULES[module], os.path.dirname(ROOT)), top) not in ALLOWED:
+                    wrong.append(f"{_where(module, line)}: {module} imports {target} (the core never imports the "
+                                 "kfp layer)")
+                continue
+            if top != "domino":
+                continue
+            package = _package(target)
+            if package != source and FLOOR[package] >= FLOOR[source]:
+                wrong.append(f"{_where(module, line)}: {source} (floor {FLOOR[source]}) imports {target} "
+                             f"(floor {FLOOR[package]})")
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def _cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
+    """The strongly connected components with more than one node (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    out = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in edges.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return out
+
+
+def test_no_import_circle_between_packages():
+    edges: Dict[str, Set[str]] = defaultdict(set)
+    for module, imports in GRAPH.items():
+        for target, _ in imports:
+            if target.split(".")[0] == "domino" and _package(target) != _package(module):
+                edges[_package(module)].add(_package(target))
+    assert _cycles(edges) == []
+
+
+def test_no_import_circle_within_launch():
+    edges: Dict[str, Set[str]] = defaultdict(set)
+    for module, imports in GRAPH.items():
+        if module.startswith("domino.launch."):
+            edges[module] |= {t for t, _ in imports if t.startswith("domino.launch.") and t != module}
+    assert _cycles(edges) == []
+
+
+def test_the_reader_sees_what_a_circle_looks_like():
+    """The cycle finder itself: a two-module circle and a self-contained chain."""
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}}) == []
