@@ -360,8 +360,8 @@ class _Trainer:
         pop_comm_wait_seconds(), pop_modelled_comm_seconds(), pop_comm_wait_by_site()
         run_start, start_iteration = time.perf_counter(), iteration
         interval_start, interval_first = time.perf_counter(), iteration
-        last_valid = tokens_per_s = None
-        checkpoint_path, saved_at = resumed_checkpoint, (iteration if resumed_checkpoint else None)
+        last_valid, tokens_per_s, checkpoint_path = None, None, resumed_checkpoint
+        saved_at = iteration if resumed_checkpoint else None
 
         while iteration < self.train_iters:
             lr = self.schedule.lr_at(iteration)

@@ -31,7 +31,7 @@ def test_a_restart_after_the_last_iteration_evaluates_and_saves_nothing(tmp_path
     before = _snapshot(save / "iter_0000004")
     again = run_pretrain(_args(save, metrics), check=False, env={"DOMINO_FAULT_INJECT": "kill-in-delete@4"})
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "nothing left to train" in again.stderr and "test loss at iteration 4" in again.stderr
+    assert "nothing left to train at iteration 4 of 4" in again.stderr and "test loss at iteration 4" in again.stderr
     assert "fault injection" not in again.stderr
     assert (save / "latest").read_text().strip() == "iter_0000004"
     assert _snapshot(save / "iter_0000004") == before  # not rewritten
