@@ -344,8 +344,7 @@ class _Trainer:
         left = iteration < self.train_iters  # not after a restart past the end (a pod restarted in the final eval)
         train_iter = self._loader(self.train_ds, consumed, config.data.num_workers) if left else None
         if not left:
-            logger.info("resumed at iteration %d of %d: nothing left to train, finishing the evaluation",
-                        iteration, self.train_iters)
+            logger.info("nothing left to train at iteration %d of %d: evaluating", iteration, self.train_iters)
         train_iter = _TimedIterator(train_iter, self.timers) if train_iter is not None else None
         self.writer.drop_after(iteration)
         self.writer.track(config_to_dict(config), lg, c.save, iteration, {
