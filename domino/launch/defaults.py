@@ -9,8 +9,8 @@ Each rule and where it comes from:
   pinned host buffers per rank), :data:`CPU_PROCESS_REQUESTS` on CPU-only pods (the cpu-smoke quota).
 * **backoffLimit**: the operator compares it with the sum of container restart counts over all pods
   (kubeflow/trainer release-1.9, ``pkg/core/job.go`` ``PastBackoffLimit``), and one lost pod makes
-  every other rank fail too, so one fault costs ``nodes`` restarts: the default allows
-  :data:`FAULTS_TOLERATED` faults.
+  every other rank fail too, so one fault costs ``nodes`` restarts; the job fails when the sum *reaches* the
+  limit (``>=``), so the default survives :data:`FAULTS_TOLERATED` - 1 faults and fails at the next.
 * **GPU toleration** (:data:`GPU_TOLERATION`): GPU node pools are commonly tainted
   ``nvidia.com/gpu:NoSchedule`` so that other pods stay off them; the NVIDIA device plugin tolerates
   exactly that (NVIDIA/k8s-device-plugin ``deployments/static/nvidia-device-plugin.yml``: key
@@ -46,7 +46,7 @@ from domino.launch.spec import JobSpec, Toleration
 GPU_PROCESS_REQUESTS: Tuple[int, int] = (4, 16)
 #: (CPU, memory in Gi) requested per training process on CPU-only pods.
 CPU_PROCESS_REQUESTS: Tuple[int, int] = (1, 2)
-#: Faults (each restarting every pod once) the default backoffLimit tolerates.
+#: The fault (each restarting every pod once) at which the default backoffLimit fails the job.
 FAULTS_TOLERATED = 3
 #: The variable torchrun reads its workers' shutdown timeout from (torch ``distributed/launcher/api.py``).
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
