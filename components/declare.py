@@ -173,6 +173,9 @@ def function_source(component: Component) -> str:
     for p in component.parameters():
         params.append(f"{p.name}: {_KFP_TYPES[p.kind]}" + ("" if p.required else f" = {p.default!r}"))
         docs.append((p.name, p.doc))
+    for name, doc in docs:
+        if '"""' in doc or doc.endswith("\\"):
+            raise ValueError(f"{component.function}.{name}: its description would end the generated docstring")
     module, function = component.run.split(":")
     lines = [f"def {component.function}(", "    *,", *(f"    {p}," for p in params),
              f") -> {component.returns[0]}:", f'    r"""{component.summary}', "", "    Args:"]

@@ -155,6 +155,8 @@ def pretrain(
     service_account: str = '',
     image_pull_secrets: str = '[]',
     env: str = '{}',
+    env_secrets: str = '{}',
+    env_from_secrets: str = '[]',
     labels: str = '{}',
     annotations: str = '{}',
     queue: str = '',
@@ -209,7 +211,9 @@ def pretrain(
         priority_class: PriorityClass of the training pods ('': none).
         service_account: ServiceAccount of the training pods ('': the namespace's default; no token is mounted).
         image_pull_secrets: JSON array of Secret names for pulling the training image.
-        env: JSON object of extra environment variables of the training container (overrides NCCL defaults).
+        env: JSON object of extra environment variables of the training container (overrides NCCL defaults); literal values, stored with the run: nothing secret (use env_secrets).
+        env_secrets: JSON object NAME -> "SECRET:KEY": environment variables read from Kubernetes Secrets when the pods start.
+        env_from_secrets: JSON array of Secret names whose every key becomes an environment variable (PyTorchJob only).
         labels: JSON object of extra labels on the training job and its pods.
         annotations: JSON object of extra annotations on the training job and its pods.
         queue: Kueue LocalQueue of the training job ('': none); Kueue holds it suspended until admitted.

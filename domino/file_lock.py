@@ -15,7 +15,8 @@ in every configuration we can rely on (Linux, torvalds/linux):
   nodes could both hold it.
 
 Record locks belong to a process (fcntl(2)): the kernel releases them when the process exits, also on
-SIGKILL (on NFSv4 a dead *node's* locks go when its lease expires, 90 s by default on a Linux server);
+SIGKILL (on NFSv4 a dead *node*'s locks go when its lease expires: 90 s by default on a Linux server,
+``nfsd4_init_leases_net`` in ``fs/nfsd/nfs4state.c``);
 closing *any* descriptor of the file releases them too, and the threads of one process never exclude
 each other. So a lock file here is opened by this module only, one descriptor per holder, and an
 in-process lock per path keeps threads apart as well.
@@ -67,6 +68,7 @@ def exclusive_lock(path: str, blocking: bool = True) -> Iterator[None]:
 
     Raises:
         LockBusy: ``blocking`` is False and another process or thread holds the lock.
+        OSError: the file system has no record locks (ENOLCK), with what to do about it.
     """
     path = os.path.abspath(path)
     guard = _thread_lock(path)
@@ -76,10 +78,17 @@ def exclusive_lock(path: str, blocking: bool = True) -> Iterator[None]:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # lockf's exclusive lock needs write access
         try:
-            if blocking:
-                fcntl.lockf(descriptor, fcntl.LOCK_EX)
-            elif not try_lock_descriptor(descriptor):
-                raise LockBusy(path)
+            try:
+                if blocking:
+                    fcntl.lockf(descriptor, fcntl.LOCK_EX)
+                elif not try_lock_descriptor(descriptor):
+                    raise LockBusy(path)
+            except OSError as error:
+                if error.errno != errno.ENOLCK:
+                    raise
+                # NFSv3 locks go through the node's lockd/rpc.statd (NLM); without them the kernel says ENOLCK.
+                raise OSError(error.errno, f"{path}: the file system refuses record locks ({error.strerror}); on "
+                              "NFSv3 the node needs rpc.statd running, or mount with NFSv4") from None
             yield
         finally:
             os.close(descriptor)  # releases the record lock

@@ -78,7 +78,12 @@ class PretrainSettings(TrackingSettings, JobTargetSettings, RunSettings):
     image_pull_secrets: str = "[]"
     """JSON array of Secret names for pulling the training image."""
     env: str = "{}"
-    """JSON object of extra environment variables of the training container (overrides NCCL defaults)."""
+    """JSON object of extra environment variables of the training container (overrides NCCL defaults); literal
+    values, stored with the run: nothing secret (use env_secrets)."""
+    env_secrets: str = "{}"
+    """JSON object NAME -> "SECRET:KEY": environment variables read from Kubernetes Secrets when the pods start."""
+    env_from_secrets: str = "[]"
+    """JSON array of Secret names whose every key becomes an environment variable (PyTorchJob only)."""
     labels: str = "{}"
     """JSON object of extra labels on the training job and its pods."""
     annotations: str = "{}"
@@ -99,4 +104,4 @@ class PretrainSettings(TrackingSettings, JobTargetSettings, RunSettings):
 
 #: Settings that hold JSON, with the JSON type they must have.
 JSON_SETTINGS = {"config_overrides": dict, "node_selector": dict, "tolerations": list, "image_pull_secrets": list,
-                 "env": dict, "labels": dict, "annotations": dict}
+                 "env": dict, "env_secrets": dict, "env_from_secrets": list, "labels": dict, "annotations": dict}

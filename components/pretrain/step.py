@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 from typing import Any, Callable, Dict, List
 
@@ -120,6 +121,21 @@ def _json_param(settings: PretrainSettings, name: str) -> Any:
     return value
 
 
+#: Names that say a value is a credential. Run parameters are stored and shown in plain text by KFP (the
+#: run's details page, its API, the pipeline's database), so such a value must come from a Secret.
+_SECRET_NAME = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL", re.I)
+
+
+def _literal_env(env: Dict[str, str]) -> Dict[str, str]:
+    """The literal ``env`` parameter, refusing a variable whose name says it holds a credential."""
+    secret = sorted(name for name, value in env.items() if value and _SECRET_NAME.search(name))
+    if secret:
+        raise ValueError(f"env: {', '.join(secret)} look(s) like credentials, and run parameters are stored in plain "
+                         "text: put the value in a Kubernetes Secret and name it in env_secrets "
+                         '({"NAME": "SECRET:KEY"}) or env_from_secrets')
+    return env
+
+
 def job_spec(settings: PretrainSettings, argv: List[str]):
     """The :class:`domino.launch.JobSpec` of this run's training job (validated).
 
@@ -153,8 +169,11 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
         node_selector=text(_json_param(s, "node_selector")), tolerations=tolerations,
         priority_class=s.priority_class or None, service_account=s.service_account or None,
         image_pull_secrets=[str(x) for x in _json_param(s, "image_pull_secrets")],
-        env={**env, **text(_json_param(s, "env"))},
-        secret_env={key: CREDENTIAL_SECRET for key in CREDENTIAL_KEYS} if tracked else {},
+        env={**env, **_literal_env(text(_json_param(s, "env")))},
+        # The tracking credentials: optional references (the Secret may hold none of them).
+        secret_env={**text(_json_param(s, "env_secrets")),
+                    **({key: CREDENTIAL_SECRET for key in CREDENTIAL_KEYS} if tracked else {})},
+        env_from_secrets=[str(x) for x in _json_param(s, "env_from_secrets")],
         labels={**text(_json_param(s, "labels")), "pipelines.kubeflow.org/run-id": label_value(s.run_id)},
         annotations=text(_json_param(s, "annotations")), queue=s.queue or None,
         backoff_limit=None if s.backoff_limit < 0 else s.backoff_limit,

@@ -17,7 +17,8 @@ Memory per GPU is the sum of six parts, each a closed form in the architecture f
   Tensor parallelism divides the attention and MLP terms by t (``10 + 24/t`` in the paper); sequence parallelism
   divides the rest too; selective recompute drops the attention core; full recompute keeps only layer inputs
   (Korthikanti's ``2 s b h L``) plus one recomputed unit.
-* **logits**: the vocabulary-parallel cross-entropy keeps an fp32 softmax ``[s, b, V/t]`` (plus the 16-bit logits).
+* **logits**: the vocabulary-parallel cross-entropy keeps an fp32 softmax ``[s, b, V/t]`` (plus the 16-bit logits);
+  on GPUs one row chunk of it at a time (the chunked loss of ``domino/parallel/chunked_cross_entropy.py``).
 * **buffers**: DeepSpeed's ZeRO reduce/all-gather buckets (sizes from ``domino/train/engine.py``), the per-layer
   regrouped QKV weight copy of :mod:`domino.model.qkv_projection` and full recompute's RNG snapshots.
 * **deepspeed**: what DeepSpeed's optimizers keep beyond the paper's count (the fp32 gradient buffer of bf16 ZeRO 1,
@@ -235,10 +236,19 @@ def rng_record_bytes(num_layers: int, layout: Layout) -> float:
     return groups * RNG_SNAPSHOT_BYTES
 
 
-def logits_bytes(shape: _Shape, layout: Layout, act_bytes: int) -> float:
-    """The fp32 softmax of the fused vocabulary-parallel cross-entropy, plus the 16-bit logits it came from."""
-    tokens = shape.s * layout.micro_batch_size
-    return tokens * shape.V / layout.tensor_model_parallel_size * (4 + (act_bytes if act_bytes != 4 else 0))
+#: fp32 logits per chunk of the GPUs' chunked loss (kernels.CUDA_KERNELS.loss_chunk_bytes; a test keeps them equal).
+GPU_LOSS_CHUNK_BYTES = 2**30
+
+
+def logits_bytes(shape: _Shape, layout: Layout, act_bytes: int, device: str = "gpu") -> float:
+    """The fp32 softmax of the fused vocabulary-parallel cross-entropy, plus the 16-bit logits it came from; on
+    GPUs only one row chunk of them (domino/parallel/chunked_cross_entropy.py) plus, in 16-bit, the output layer's
+    fp32 gradient accumulator and one 16-bit chunk product."""
+    tokens, columns = shape.s * layout.micro_batch_size, shape.V / layout.tensor_model_parallel_size
+    extra = act_bytes if act_bytes != 4 else 0
+    rows = tokens if device != "gpu" else min(tokens, max(1, GPU_LOSS_CHUNK_BYTES // (4 * columns)))
+    accumulator = columns * shape.h * (4 + act_bytes) if extra and rows < tokens else 0
+    return rows * columns * (4 + extra) + accumulator
 
 
 def model_flops_per_token(shape: _Shape) -> float:
@@ -299,7 +309,7 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
     return Estimate(layout=layout, weights=per_rank * weight_b, gradients=gradients, optimizer=optimizer,
                     deepspeed=sum(deepspeed.values()),
                     activations=activation_bytes(shape, layout, act, device),
-                    logits=logits_bytes(shape, layout, act), buffers=buckets + qkv_copies,
+                    logits=logits_bytes(shape, layout, act, device), buffers=buckets + qkv_copies,
                     flops_per_token=3 * flops, step_time_s=step, gpu_memory_gb=gpu_memory_gb,
                     parameters=int(counts["total"]), first_gradients=min(gradients, output_layer * grad_b))
 

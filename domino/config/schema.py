@@ -290,6 +290,9 @@ class LoggingConfig:
     """0: no timers; 1: step-level timers; 2: every timer."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s of one device for MFU (default: detected for known GPUs)."""
+    metrics_port: int = 0
+    """Rank 0 serves Prometheus metrics (tokens/s, loss, MFU, iteration time) on this port (0: off; needs the
+    metrics extra, prometheus-client); the job's pods declare it as the container port `metrics`."""
     mlflow_experiment_name: Optional[str] = None
     """MLflow experiment when MLFLOW_TRACKING_URI is set (default: $MLFLOW_EXPERIMENT_NAME, else domino)."""
     mlflow_run_name: Optional[str] = None

@@ -242,6 +242,8 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
            f"--save-interval must be >= 1, got {c.save_interval}")
     _check(problems, c.keep_last is None or c.keep_last >= 1, f"--keep-last must be >= 1, got {c.keep_last}")
     _check(problems, lg.log_interval >= 1, f"--log-interval must be >= 1, got {lg.log_interval}")
+    _check(problems, 0 <= lg.metrics_port <= 65535, f"--metrics-port must be a TCP port (1-65535) or 0, got "
+           f"{lg.metrics_port}")
     _check(problems, lg.timing_log_level in (0, 1, 2), f"--timing-log-level must be 0, 1 or 2, got {lg.timing_log_level}")
     _check(problems, d.num_workers >= 0, f"--num-workers must be >= 0, got {d.num_workers}")
     _check_tokenizer_and_data(problems, config)

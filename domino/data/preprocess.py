@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Deque, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from domino.atomic_files import remove_quietly, sweep_temporaries
 from domino.data.builtin_corpora import builtin_corpus_bytes, builtin_documents
@@ -188,8 +189,6 @@ def _serial_tokenizer() -> Iterator[None]:
 
 
 def _progress_bar(total: int, progress: Optional[bool]):
-    from tqdm import tqdm
-
     enabled = sys.stderr.isatty() if progress is None else progress
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled,
                 desc="preprocess", dynamic_ncols=True)

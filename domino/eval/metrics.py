@@ -15,6 +15,7 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from domino.runtime import state
 from domino.parallel.collectives import all_reduce_max_, tp_rank_and_size
@@ -102,8 +103,6 @@ def evaluate_batches(model: torch.nn.Module, batches: Iterable[Batch], total: Op
         total: the number of batches, for the progress bar.
         progress: show a progress bar (on global rank 0 only).
     """
-    from tqdm import tqdm
-
     show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
     was_training = model.training
     model.eval()

@@ -19,7 +19,7 @@ from domino.launch.outcome import CLEANUP_MODES, JobResult, check_cleanup
 from domino.launch.pretrain_args import check_pretrain_args
 from domino.launch.spec import JobSpec
 
-__all__ = ["BACKENDS", "CLEANUP_MODES", "DEFAULT_QUEUE_TIMEOUT_S", "JobResult", "run_job"]
+__all__ = ["BACKENDS", "CLEANUP_MODES", "DEFAULT_QUEUE_TIMEOUT_S", "run_job"]
 
 #: Where a job runs: ``cluster`` (the Kubernetes API of the in-cluster config or kubeconfig) or
 #: ``local`` (each node a process on this machine); the job API (``api``) is a separate choice.

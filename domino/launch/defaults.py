@@ -103,10 +103,16 @@ def environment(spec: JobSpec) -> Dict[str, str]:
 
 
 def secret_environment(spec: JobSpec) -> List[Dict[str, Any]]:
-    """The container's ``env`` entries read from Secrets (``valueFrom.secretKeyRef``, optional: a pod whose
-    Secret or key is missing starts without the variable; Kubernetes ``SecretKeySelector``)."""
-    return [{"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": name, "optional": True}}}
-            for name, secret in sorted(spec.secret_env.items())]
+    """The container's ``env`` entries read from Secrets (``valueFrom.secretKeyRef``): ``SECRET:KEY`` is
+    required (the kubelet does not start the container without it: CreateContainerConfigError), ``SECRET``
+    alone names the key like the variable and is optional (a missing Secret or key leaves the variable
+    unset; Kubernetes ``SecretKeySelector.optional``)."""
+    entries = []
+    for name, ref in sorted(spec.secret_env.items()):
+        secret, colon, key = ref.partition(":")
+        selector = {"name": secret, "key": key} if colon else {"name": secret, "key": name, "optional": True}
+        entries.append({"name": name, "valueFrom": {"secretKeyRef": selector}})
+    return entries
 
 
 def tolerations(spec: JobSpec) -> List[Toleration]:

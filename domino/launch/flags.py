@@ -61,6 +61,9 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
                        help="Pod node selector entry (repeatable).")
     sched.add_argument("--toleration", action="append", default=[], metavar="KEY[=VALUE][:EFFECT]",
                        help="Pod toleration (repeatable); without =VALUE the operator is Exists.")
+    res.add_argument("--rdma-resource", action="append", default=[], metavar="RESOURCE=COUNT",
+                     help="Fast network: an RDMA device plugin's resource per pod (e.g. rdma/rdma_shared_device_a=1; "
+                          "repeatable); adds IPC_LOCK, so the namespace must allow it (k8s/overlays/gpu-fast-network).")
     sched.add_argument("--no-gpu-toleration", dest="gpu_toleration", action="store_false",
                        help="Do not add the default nvidia.com/gpu:NoSchedule toleration to GPU pods.")
     sched.add_argument("--priority-class", default=None, help="PriorityClass of the training pods.")
@@ -74,7 +77,13 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--scheduling-policy", action="store_true",
                        help="Fill runPolicy.schedulingPolicy (minAvailable = all pods) for volcano/scheduler-plugins.")
     meta = parser.add_argument_group("metadata")
-    meta.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="Extra container env.")
+    meta.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                      help="Extra container env (repeatable); a literal value, visible in the job: nothing secret.")
+    meta.add_argument("--env-secret", action="append", default=[], metavar="NAME=SECRET:KEY",
+                      help="Container env NAME read from key KEY of Secret SECRET when the pod starts "
+                           "(valueFrom.secretKeyRef; repeatable).")
+    meta.add_argument("--env-from-secret", action="append", default=[], metavar="SECRET",
+                      help="Every key of Secret SECRET as container env (envFrom; PyTorchJob only; repeatable).")
     meta.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
                       help="Extra label on the job and its pods (repeatable).")
     meta.add_argument("--annotation", action="append", default=[], metavar="KEY=VALUE",
@@ -112,10 +121,11 @@ def spec_from_args(args: argparse.Namespace, pretrain_args: Optional[List[str]] 
         memory_limit=args.memory_limit, shm_size=args.shm_size or None, pvc=args.pvc, mount_path=args.mount_path,
         checkpoint_dir=args.checkpoint_dir,
         node_selector=parse_key_values(args.node_selector, "--node-selector"), tolerations=tolerations,
-        gpu_toleration=args.gpu_toleration,
+        gpu_toleration=args.gpu_toleration, rdma_resources=parse_key_values(args.rdma_resource, "--rdma-resource"),
         priority_class=args.priority_class, image_pull_secrets=list(args.image_pull_secret),
         image_pull_policy=args.image_pull_policy, service_account=args.service_account,
-        env=parse_key_values(args.env, "--env"), labels=parse_key_values(args.label, "--label"),
+        env=parse_key_values(args.env, "--env"), secret_env=parse_key_values(args.env_secret, "--env-secret"),
+        env_from_secrets=list(args.env_from_secret), labels=parse_key_values(args.label, "--label"),
         annotations=parse_key_values(args.annotation, "--annotation"), owner=args.owner,
         restart_policy=args.restart_policy, backoff_limit=args.backoff_limit,
         active_deadline_seconds=args.active_deadline_seconds,

@@ -49,7 +49,7 @@ from domino.launch import naming
 from domino.launch.outcome import JobResult, LaunchInterrupted, interrupt_on_signals
 from domino.launch.job_api import DEFAULT_JOB_API, JobApi, job_api
 from domino.launch.render import container_command
-from domino.launch.spec import JobSpec
+from domino.launch.spec import JobSpec, LaunchSpecError
 
 
 def free_port() -> int:
@@ -180,6 +180,11 @@ class LocalLauncher:
         spec.validate()
         self.api.check(spec)
         self.grace_s = self.kill_grace_s if self.kill_grace_s is not None else spec.termination_grace_period_s
+        # No API server here to read a Secret from: a required reference cannot be met (optional ones are left
+        # unset, as the kubelet leaves them when the Secret is missing).
+        if any(":" in ref for ref in spec.secret_env.values()) or spec.env_from_secrets:
+            raise LaunchSpecError("--env-secret SECRET:KEY/--env-from-secret read Kubernetes Secrets, which the local "
+                                  "backend does not have; run on a cluster, or give the values another way")
         run_id = run_id or naming.new_run_id()
         name = naming.job_name(spec.name, run_id, spec.nodes)
         workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix=f"domino-{name}-"))

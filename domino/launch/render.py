@@ -45,7 +45,7 @@ def _has_flag(args: List[str], flag: str) -> bool:
 
 
 def _flag_value(args: List[str], flag: str) -> Optional[str]:
-    """The value of the last ``flag V`` or ``flag=V`` in ``args``, or None."""
+    """The value of the last ``flag V`` or ``flag=V`` in ``args`` (argparse keeps the last), or None."""
     value = None
     for i, arg in enumerate(args):
         if arg == flag and i + 1 < len(args):
@@ -53,6 +53,12 @@ def _flag_value(args: List[str], flag: str) -> Optional[str]:
         elif arg.startswith(flag + "="):
             value = arg[len(flag) + 1:]
     return value
+
+
+def metrics_port(spec: JobSpec) -> Optional[int]:
+    """The ``--metrics-port`` of the pretrain arguments (rank 0's Prometheus endpoint), if any and not 0."""
+    value = _flag_value(list(spec.pretrain_args), "--metrics-port")
+    return int(value) if value is not None and value.isdigit() and int(value) > 0 else None
 
 
 def container_command(spec: JobSpec, name: str) -> List[str]:
@@ -86,6 +92,8 @@ def resources(spec: JobSpec) -> Dict[str, Dict[str, str]]:
     if spec.gpus_per_node:
         # Extended resources must have request == limit.
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(spec.gpus_per_node)
+    for name, count in sorted(spec.rdma_resources.items()):
+        requests[name] = limits[name] = str(count)
     out = {"requests": requests}
     if limits:
         out["limits"] = limits
@@ -108,6 +116,22 @@ def pod_placement(spec: JobSpec) -> Dict[str, Any]:
     return out
 
 
+def container_security(spec: JobSpec) -> Dict[str, Any]:
+    """The training container's securityContext: restricted, or with ``IPC_LOCK`` on the fast network
+    (RDMA registers pinned memory, which needs it; all else still dropped)."""
+    capabilities: Dict[str, Any] = {"drop": ["ALL"]}
+    if spec.rdma_resources:
+        capabilities["add"] = ["IPC_LOCK"]
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": capabilities,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": spec.run_as_user,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, Any]:
     """The pod template shared by Master and Workers (PSS restricted, shared volume, /dev/shm)."""
     env = [{"name": "DOMINO_JOB_NAME", "value": name}]
@@ -119,7 +143,9 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
         "imagePullPolicy": spec.image_pull_policy,
         "command": container_command(spec, name),
         "env": env,
-        "ports": [{"name": "pytorchjob-port", "containerPort": MASTER_PORT, "protocol": "TCP"}],
+        **({"envFrom": [{"secretRef": {"name": s}} for s in spec.env_from_secrets]} if spec.env_from_secrets else {}),
+        "ports": [{"name": "pytorchjob-port", "containerPort": MASTER_PORT, "protocol": "TCP"}] + (
+            [{"name": "metrics", "containerPort": metrics_port(spec), "protocol": "TCP"}] if metrics_port(spec) else []),
         "resources": resources(spec),
         "volumeMounts": [
             {"name": "domino-data", "mountPath": spec.mount_path},
@@ -127,14 +153,7 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "home", "mountPath": HOME_DIR},
         ],
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "runAsUser": spec.run_as_user,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": container_security(spec),
     }
     shm: Dict[str, Any] = {"medium": "Memory"}
     if spec.shm_size:

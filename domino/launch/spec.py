@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 #: Where the shared ReadWriteMany volume (data, checkpoints) is mounted in every pod.
 DEFAULT_MOUNT_PATH = "/mnt/domino"
@@ -33,6 +33,7 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")  # a Secret's data keys (apimachinery IsConfigMapKey)
 
 
 def default_namespace() -> str:
@@ -135,10 +136,15 @@ class JobSpec:
     service_account: Optional[str] = None
     """ServiceAccount of the training pods (they need no API access; the token is not mounted)."""
     env: Dict[str, str] = field(default_factory=dict)
-    """Extra environment variables of the training container."""
+    """Extra environment variables of the training container (literal values, written into the job: nothing
+    secret)."""
     secret_env: Dict[str, str] = field(default_factory=dict)
-    """Environment variables read from a Secret, ``{variable: secret name}`` (the key is the variable's name;
-    optional: a missing Secret or key leaves the variable unset). Credentials go here, never into ``env``."""
+    """Environment variables read from Secrets when the pod starts (``valueFrom.secretKeyRef``):
+    ``NAME -> "SECRET:KEY"`` (required: the pod does not start without it), or ``NAME -> "SECRET"`` (the key
+    named like the variable, optional: a missing Secret or key leaves it unset). Credentials go here, never
+    into ``env``: the job holds only the reference."""
+    env_from_secrets: List[str] = field(default_factory=list)
+    """Secrets whose every key becomes an environment variable of the training container (``envFrom``)."""
     labels: Dict[str, str] = field(default_factory=dict)
     """Extra labels on the job and its pods."""
     annotations: Dict[str, str] = field(default_factory=dict)
@@ -166,6 +172,10 @@ class JobSpec:
     scheduling_policy: bool = False
     """Fill ``runPolicy.schedulingPolicy`` (minAvailable = all pods, queue, priorityClass) for gang
     scheduling by volcano or scheduler-plugins (the operator's ``--gang-scheduler-name``)."""
+    rdma_resources: Dict[str, str] = field(default_factory=dict)
+    """The fast network (docs/cluster.md, "Fast network"): extended resources of an RDMA device plugin per
+    pod (e.g. ``rdma/rdma_shared_device_a: "1"``); the container also gets the ``IPC_LOCK`` capability RDMA
+    memory registration needs, which Pod Security "restricted" and "baseline" both refuse."""
     gpu_memory_gb: Optional[float] = None
     """Memory of one GPU in GiB: refuse, before creating anything, a layout whose memory estimate
     (``domino estimate``) does not fit; None: no check."""
@@ -231,14 +241,24 @@ class JobSpec:
             check(bool(_DNS1123_SUBDOMAIN.match(secret)), "--image-pull-secret", f"{secret!r} is not a valid name")
         for key in self.env:
             check(bool(_ENV_NAME.match(key)), "--env", f"{key!r} is not a valid environment variable name")
-        for key, secret in self.secret_env.items():
-            check(bool(_ENV_NAME.match(key)), "secret_env", f"{key!r} is not a valid environment variable name")
-            check(bool(_DNS1123_SUBDOMAIN.match(secret)), "secret_env", f"{secret!r} is not a valid Secret name")
+        for key, ref in self.secret_env.items():
+            check(bool(_ENV_NAME.match(key)), "--env-secret", f"{key!r} is not a valid environment variable name")
+            check(key not in self.env, "--env-secret", f"{key} is also given a literal value by --env")
+            secret, colon, secret_key = ref.partition(":")
+            check(bool(_DNS1123_SUBDOMAIN.match(secret)) and (not colon or bool(_SECRET_KEY.match(secret_key))),
+                  "--env-secret", f"{key}={ref!r}: expected SECRET:KEY or SECRET (a Secret's name, one of its keys)")
+        for secret in self.env_from_secrets:
+            check(bool(_DNS1123_SUBDOMAIN.match(secret)), "--env-from-secret", f"{secret!r} is not a valid Secret name")
         for attr, flag in (("labels", "--label"), ("node_selector", "--node-selector")):
             for key, value in getattr(self, attr).items():
                 check(_valid_label_key(key), flag, f"{key!r} is not a valid label key")
                 check(len(value) <= 63 and bool(_LABEL_VALUE.match(value)), flag,
                       f"{value!r} (for {key!r}) is not a valid label value")
+        for key, value in self.rdma_resources.items():
+            check("/" in key and _valid_label_key(key), "--rdma-resource",
+                  f"{key!r} is not an extended resource name (domain/name, e.g. rdma/rdma_shared_device_a)")
+            check(str(value).isdigit() and int(value) > 0, "--rdma-resource", f"{key}={value!r}: the count must "
+                  "be a positive integer")
         for key in self.annotations:
             check(_valid_label_key(key), "--annotation", f"{key!r} is not a valid annotation key")
         for tol in self.tolerations:

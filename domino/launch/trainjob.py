@@ -55,7 +55,8 @@ from typing import Any, Dict, List, Optional
 
 from domino.launch import defaults, naming
 from domino.launch.job_api_base import JobApi, JobState, highest_phase
-from domino.launch.render import ISTIO_INJECT, container_command, job_metadata, pod_placement, resources
+from domino.launch.render import (ISTIO_INJECT, container_command, container_security, job_metadata, pod_placement,
+                                   resources)
 from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, LaunchSpecError
 
 API_VERSION = "trainer.kubeflow.org/v1alpha1"
@@ -105,7 +106,11 @@ def check_trainjob_spec(spec: JobSpec) -> None:
            f"{RUNTIME_GRACE_PERIOD_S} s applies; edit k8s/trainer for another")
     refuse(spec.clean_pod_policy != "Running", "--clean-pod-policy", "a TrainJob has no pod cleanup policy")
     refuse(spec.scheduling_policy, "--scheduling-policy", "use the runtime's podGroupPolicy for gang scheduling")
-    reserved = sorted(set(spec.env) & set(RESERVED_ENV))
+    # trainer v2.3.0's TrainJob has .spec.trainer.env (valueFrom included) but no envFrom, and a runtime
+    # patch may not set env of the `node` container (trainer.kubeflow.org_trainjobs.yaml, ContainerPatch.env).
+    refuse(bool(spec.env_from_secrets), "--env-from-secret", "a TrainJob cannot take envFrom (trainer v2.3.0 has "
+           "no such field for the trainer); name each variable with --env-secret NAME=SECRET:KEY")
+    reserved = sorted((set(spec.env) | set(spec.secret_env)) & set(RESERVED_ENV))
     refuse(bool(reserved), "--env", f"{', '.join(reserved)} are set by the Trainer's torch plugin")
     if problems:
         raise LaunchSpecError("invalid job spec for --api trainjob: " + "; ".join(problems))
@@ -122,8 +127,13 @@ def _volume_patch(spec: JobSpec) -> Dict[str, Any]:
             {"sizeLimit": spec.shm_size} if spec.shm_size else {})}})
     if volumes:
         out["volumes"] = volumes
+    container: Dict[str, Any] = {}
     if spec.mount_path != RUNTIME_MOUNT_PATH:  # mounts merge by mountPath: the runtime's stays, this one is added
-        out["containers"] = [{"name": NODE, "volumeMounts": [{"name": "domino-data", "mountPath": spec.mount_path}]}]
+        container["volumeMounts"] = [{"name": "domino-data", "mountPath": spec.mount_path}]
+    if spec.rdma_resources:  # the fast network: the runtime's securityContext with IPC_LOCK added
+        container["securityContext"] = container_security(spec)
+    if container:
+        out["containers"] = [{"name": NODE, **container}]
     return out
 
 

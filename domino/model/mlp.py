@@ -26,6 +26,7 @@ from domino.config import ModelConfig
 from domino.model.domino_ops import column_parallel_async
 from domino.model.qkv_projection import grouped_projection
 from domino.parallel.collectives import copy_to_tp_region
+from domino.parallel.kernels import island
 from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 Output = Tuple[torch.Tensor, Optional[torch.Tensor]]
@@ -78,12 +79,22 @@ class SwiGLUMLP(nn.Module):
     def partial(self, inner: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``(silu(gate) * up) W2_r^T``, un-reduced."""
         gate, up = inner
-        return self.dense_4h_to_h.partial(F.silu(gate) * up)
+        return self.dense_4h_to_h.partial(swiglu(gate, up))
 
     def forward(self, x: torch.Tensor) -> Output:
         """Returns ``(output, bias)`` like :meth:`ParallelSelfAttention.forward`."""
         gate, up = self.inner(x)
-        return self.dense_4h_to_h(F.silu(gate) * up)
+        return self.dense_4h_to_h(swiglu(gate, up))
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``: two kernels and a saved ``silu(gate)`` eagerly; one kernel each way, saving only
+    ``gate`` and ``up``, where the device's kernels compile (Megatron-LM's ``fused_bias_swiglu.py``)."""
+    return island(_swiglu, gate.device)(gate, up)
 
 
 def build_mlp(config: ModelConfig, output_std: float) -> nn.Module:

@@ -133,5 +133,7 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         q, k, v = grouped_projection(x, weight, bias, groups, (queries_per_group * d, d, d), slot)
         return q.view(*lead, groups * queries_per_group, d), k.view(*lead, groups, d), v.view(*lead, groups, d)
     mixed = linear(x, weight, bias, grad_slot=slot).view(*lead, groups, per_group, d)
-    q = mixed[..., :queries_per_group, :].reshape(*lead, groups * queries_per_group, d)
-    return q, mixed[..., queries_per_group, :], mixed[..., queries_per_group + 1, :]
+    # One split, not three indexings: its backward concatenates the three gradients into the product's gradient
+    # (one [.., 3h] write), where each index's backward would zero-fill a [.., 3h] tensor and add its slice.
+    q, k, v = torch.split(mixed, (queries_per_group, 1, 1), dim=-2)
+    return q.reshape(*lead, groups * queries_per_group, d), k.squeeze(-2), v.squeeze(-2)

@@ -20,6 +20,8 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
+from domino.parallel.kernels import island
+
 #: Llama 3.x rope scaling's fixed parameters: Megatron-LM's ``RotaryEmbedding._apply_scaling`` defaults
 #: (``megatron/core/models/common/embeddings/rotary_pos_embedding.py``) and every Llama 3.1/3.2 ``config.json``.
 LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_POSITIONS = 1.0, 4.0, 8192
@@ -72,10 +74,15 @@ class RotaryTables(NamedTuple):
         return [RotaryTables(c, s) for c, s in zip(self.cos.split(sizes), self.sin.split(sizes))]
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """``[b, heads, s, head_dim]`` queries or keys -> the same, the first ``rotated_dims`` of each head rotated."""
-        r = self.cos.shape[-1]
-        rotated, passed = x[..., :r], x[..., r:]
-        x1, x2 = rotated.chunk(2, dim=-1)
-        cos, sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)  # broadcast over heads
-        out = rotated * cos + torch.cat((-x2, x1), dim=-1) * sin
-        return out if passed.shape[-1] == 0 else torch.cat((out, passed), dim=-1)
+        """``[b, heads, s, head_dim]`` queries or keys -> the same, the first ``rotated_dims`` of each head rotated
+        (one fused kernel where the device's kernels compile: :func:`domino.parallel.kernels.island`)."""
+        return island(_rotate, x.device)(x, self.cos, self.sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    r = cos.shape[-1]
+    rotated, passed = x[..., :r], x[..., r:]
+    x1, x2 = rotated.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    out = rotated * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return out if passed.shape[-1] == 0 else torch.cat((out, passed), dim=-1)

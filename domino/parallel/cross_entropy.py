@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
+from domino.parallel.chunked_cross_entropy import chunked_linear_cross_entropy
 from domino.parallel.collectives import all_reduce_max_, all_reduce_sum_, tp_rank_and_size
 from domino.parallel.kernels import kernels_for
 
@@ -246,4 +247,9 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
     """
     _check_shapes((*hidden.shape[:-1], weight.shape[0]), target)
     graph = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    chunk_bytes = kernels_for(hidden.device).loss_chunk_bytes
+    if chunk_bytes is not None and graph:
+        chunk_rows = max(1, chunk_bytes // (4 * weight.shape[0]))  # fp32 logits of chunk_rows tokens
+        if chunk_rows < target.numel():
+            return chunked_linear_cross_entropy(hidden, weight, target, chunk_rows, grad_slot)
     return _LinearVocabParallelCrossEntropy.apply(hidden, weight, target, graph, grad_slot)

@@ -1,6 +1,6 @@
 """Which implementation of an op runs on which device: the one place that decides.
 
-Five ops have two implementations of the same maths, one tuned for CPUs (measured in
+Six ops have two implementations of the same maths, one tuned for CPUs (measured in
 ``benchmarks/model_step.py``) and one for CUDA GPUs. Each op asks :func:`kernels_for` with its input's device
 at its one call site and takes the branch it is told:
 
@@ -19,8 +19,8 @@ loss (``cross_entropy``)    ``[tokens, V/tp]`` allocation is mapped and   alloca
 GeLU + fc2                  one autograd node whose backward reuses the  ``F.gelu`` then the linear: allocations are
 (``parallel/layers``)       activation's buffer (no ``[tokens, ffn/tp]``  free with the caching allocator, and the
                             page faults)                                 graph can be walked twice
-bias + dropout + residual   eager: two or three elementwise passes       ``torch.compile``-d into one kernel, as
-(``model/transformer``)                                                  Megatron-LM's ``jit_fuser``
+bias + dropout + residual,  eager: two or three elementwise passes       ``torch.compile``-d into one kernel, as
+SwiGLU, RoPE (``island``)                                                Megatron-LM's ``jit_fuser``
                                                                          (``megatron/core/jit.py``: torch.compile
                                                                          for torch >= 2.2); compiling costs more
                                                                          than it saves on CPU
@@ -28,6 +28,10 @@ loss at TP=1                ``-log(softmax[target])``: no pass over the  ``logsu
 (``cross_entropy``)         logits besides the softmax; one host read    and the target logit read before the
                             per micro-batch decides whether any row      softmax (the TP>1 formula): one more pass,
                             needs its log-sum-exp fallback               no host read (a read drains the GPU queue)
+output layer + loss         all tokens' logits in one kept buffer (the   row chunks of ~1 GiB of fp32 logits,
+(``chunked_cross_entropy``) buffer becomes softmax, then gradient)       recomputed in backward: the ``[tokens, V]``
+                                                                         logits never exist whole (9 GiB at 1.3B,
+                                                                         micro-batch 16)
 ==========================  ===========================================  =============================================
 
 Both sides of every row compute the same values (``tests/model/test_model_kernels.py`` forces the CUDA choices
@@ -63,12 +67,15 @@ class Kernels:
     loss_from_softmax: bool
     """At TP=1 the loss is ``-log(softmax[target])`` with a host-checked fallback for tiny probabilities (else the
     log-sum-exp of the logits, which needs no host read)."""
+    loss_chunk_bytes: Optional[int] = None
+    """The fused output layer + loss computes its fp32 logits in row chunks of about this many bytes, recomputing
+    them in backward (:mod:`domino.parallel.chunked_cross_entropy`); None keeps all of them in one buffer."""
 
 
 CPU_KERNELS = Kernels(split_qkv=True, keep_logits_buffer=True, fused_gelu_fc2=True, compile_backend=None,
                       loss_from_softmax=True)
 CUDA_KERNELS = Kernels(split_qkv=False, keep_logits_buffer=False, fused_gelu_fc2=False, compile_backend="inductor",
-                       loss_from_softmax=False)
+                       loss_from_softmax=False, loss_chunk_bytes=2**30)
 #: CUDA on a machine without a C compiler (:func:`c_compiler`): the same, but the fusions run eagerly.
 CUDA_KERNELS_WITHOUT_COMPILER = dataclasses.replace(CUDA_KERNELS, compile_backend=None)
 
@@ -108,6 +115,15 @@ def forced_kernels(kernels: Kernels) -> Iterator[None]:
         yield
     finally:
         _forced.reset(token)
+
+
+def island(fn: Callable, device: torch.device) -> Callable:
+    """``fn`` as the kernels of ``device`` run it: compiled into fused kernels where they have a compile backend
+    (CUDA with a C compiler), else ``fn`` itself. For the elementwise islands between the GEMMs (bias + dropout +
+    residual, SwiGLU, RoPE), as torchtitan compiles its blocks and Megatron-LM ``jit_fuser``-s its
+    ``megatron/core/fusions/`` functions."""
+    backend = kernels_for(device).compile_backend
+    return compiled(fn, backend) if backend is not None else fn
 
 
 @functools.lru_cache(maxsize=None)

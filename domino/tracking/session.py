@@ -26,13 +26,15 @@ TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 CREDENTIAL_SECRET = "domino-mlflow"
 CREDENTIAL_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 #: MLflow's HTTP settings and the bounded values domino uses unless the environment sets them: a request
-#: waits at most 10 s and is retried twice after 1 s and 2 s (urllib3 ``Retry``, plus up to 1 s of jitter).
+#: waits at most 10 s and is retried twice after 1 s and 2 s (urllib3 ``Retry`` with connect, read and status
+#: retries of MAX_RETRIES each, plus up to 1 s of jitter: ``mlflow/utils/request_utils.py``), and a server's
+#: ``Retry-After`` (unbounded in urllib3) is not obeyed.
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-                 "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+                 "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_RESPECT_RETRY_AFTER_HEADER": "false"}
 #: Tasks waiting for the server before the oldest are dropped (one task is one log interval's metrics).
 MAX_PENDING = 1000
 #: How long :meth:`TrackingSession.close` waits for the queue to drain by default.
-CLOSE_TIMEOUT_S = 30.0
+CLOSE_TIMEOUT_S = 15.0
 _THREAD_NAME = "domino-mlflow"
 
 #: A task: called on the worker thread with the MLflow client and the run id.

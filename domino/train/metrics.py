@@ -106,11 +106,17 @@ class MetricsWriter:
         tensorboard_dir: ``--tensorboard-dir``.
         enabled: Whether this process writes (global rank 0).
         log_timers: ``--log-timers-to-tensorboard``.
+        metrics_port: ``--metrics-port``: serve the records' numbers to Prometheus (0: off).
     """
 
     def __init__(self, metrics_file: Optional[str], tensorboard_dir: Optional[str], enabled: bool,
-                 log_timers: bool = False) -> None:
+                 log_timers: bool = False, metrics_port: int = 0) -> None:
         self.enabled = enabled
+        self.exporter = None
+        if enabled and metrics_port:
+            from domino.train.prometheus import PrometheusExporter
+
+            self.exporter = PrometheusExporter(metrics_port)
         self.log_timers = log_timers
         self.tracker: Optional[RunTracker] = None
         self.metrics_file = metrics_file if enabled else None
@@ -172,12 +178,17 @@ class MetricsWriter:
             self._tb.flush()
         if self.tracker is not None:  # queued: the tracker's thread talks to the server
             self.tracker.log_metrics(tracking_scalars(record))
+        if self.exporter is not None and "eval" not in record:
+            self.exporter.update(record)
 
     def close(self, completed: bool = True) -> None:
         """Flushes and closes TensorBoard; attaches the metrics file to the MLflow run and ends it (a completed
         run is marked finished; waiting for the server is bounded)."""
         if self._tb is not None:
             self._tb.close()
+        if self.exporter is not None:
+            self.exporter.close()
+            self.exporter = None
         if self.tracker is not None:
             self.tracker.log_artifact(self.metrics_file)
             self.tracker.finish(completed)

@@ -153,7 +153,7 @@ class _Trainer:
         self.hosts = hosts()  # to name the node of a rank lost later
         self.timers = Timers(lg.timing_log_level)
         self.writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, enabled=dist.get_rank() == 0,
-                                    log_timers=lg.log_timers_to_tensorboard)
+                                    log_timers=lg.log_timers_to_tensorboard, metrics_port=lg.metrics_port)
         self.peak = lg.peak_tflops or detect_peak_tflops()
         self.flops_per_token = training_flops_per_token(config.model, padded_vocab_size)
         self.paused = 0.0  # seconds spent evaluating or saving, kept out of the throughput numbers

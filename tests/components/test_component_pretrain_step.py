@@ -184,3 +184,16 @@ def test_gpu_memory_gb_refuses_a_layout_that_cannot_fit_before_any_job(tmp_path)
     with pytest.raises(LaunchSpecError, match=r"--gpu-memory-gb 0.001: the estimate \(domino estimate\) is"):
         run_pretrain(settings, str(dataset), str(tmp_path / "model.json"), log=lambda line: None)
     assert not os.path.exists(RunLayout(settings.shared_root, "r").checkpoint_dir)  # no training process ran
+
+
+def test_credentials_come_from_secrets_and_never_from_literal_run_parameters():
+    settings = PretrainSettings(shared_root="/mnt/domino", run_id="r", env='{"NCCL_DEBUG": "INFO"}',
+                                env_secrets='{"HF_TOKEN": "hf-credentials:token"}',
+                                env_from_secrets='["mlflow-credentials"]')
+    spec = job_spec(settings, [])
+    assert spec.secret_env == {"HF_TOKEN": "hf-credentials:token"} and spec.env_from_secrets == ["mlflow-credentials"]
+    (container,) = render_job(spec, "r")["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-credentials", "key": "token"}}} in container["env"]
+    for name in ("HF_TOKEN", "WANDB_API_KEY", "MLFLOW_TRACKING_PASSWORD", "AWS_SECRET_ACCESS_KEY"):
+        with pytest.raises(ValueError, match=f"env: {name} look\\(s\\) like credentials.*env_secrets"):
+            job_spec(PretrainSettings(shared_root="/mnt/domino", run_id="r", env=f'{{"{name}": "hunter2"}}'), [])

@@ -36,8 +36,9 @@ real_add = indexed_dataset.IndexedDatasetWriter.add_documents
 
 def init(self, prefix, dtype):
     real_init(self, prefix, dtype)
-    with open(log, "a") as handle:
-        handle.write(os.path.abspath(prefix) + "\\n")
+    if log != "-":
+        with open(log, "a") as handle:
+            handle.write(os.path.abspath(prefix) + "\\n")
 
 def add(self, *args, **kwargs):
     if started != "-":

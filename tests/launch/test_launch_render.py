@@ -36,6 +36,9 @@ VARIANTS = {
     "meta": dict(env={"NCCL_DEBUG": "INFO", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},
                  labels={"team": "nlp", "example.com/cost-center": "42"},
                  annotations={"example.com/note": "anything: goes here"}, owner="alice"),
+    "secrets": dict(env={"NCCL_DEBUG": "INFO"}, secret_env={"HF_TOKEN": "hf-credentials:token",
+                                                            "WANDB_API_KEY": "wandb.team-a:api-key"},
+                    env_from_secrets=["mlflow-credentials"]),
     "command": dict(command=["torchrun", "-m", "domino.launch.envcheck", "--out", "/mnt/domino/envcheck"]),
     "custom-storage": dict(pvc="shared-rwx", mount_path="/data", checkpoint_dir="/data/ckpt/gpt"),
     "long-name": dict(name="a" * 40, nodes=1000),
@@ -318,3 +321,35 @@ def test_gpu_pods_tolerate_the_nvidia_gpu_taint_by_default_for_both_apis():
         own = Toleration(key="nvidia.com/gpu", value="a100", effect="NoExecute")
         mine = render(JobSpec(**four_by_eight, tolerations=[own]), run_id="r")
         assert all(t == [own.to_dict()] for t in tolerations(mine))  # yours replaces the default
+
+
+def test_secrets_reach_the_container_as_references_never_as_values(capsys):
+    """What the API server validates (the Pod schema) and what the kubelet resolves: secretKeyRef / envFrom."""
+    with pytest.raises(SystemExit) as exit_info:
+        domino_main(["launch", "render", "--name", "gpt", "--image", "registry.example/domino:1",
+                     "--env", "NCCL_DEBUG=INFO", "--env-secret", "HF_TOKEN=hf-credentials:token",
+                     "--env-from-secret", "mlflow-credentials", "--", "--preset", "tiny", "--train-iters", "4",
+                     "--mock-data"])
+    assert exit_info.value.code == 0
+    job = yaml.safe_load(capsys.readouterr().out)
+    validate_job(job)
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        (container,) = replica["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["HF_TOKEN"] == {"name": "HF_TOKEN",
+                                   "valueFrom": {"secretKeyRef": {"name": "hf-credentials", "key": "token"}}}
+        assert env["NCCL_DEBUG"] == {"name": "NCCL_DEBUG", "value": "INFO"}
+        assert container["envFrom"] == [{"secretRef": {"name": "mlflow-credentials"}}]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("secret_env", {"HF_TOKEN": "hf-credentials:"}, "expected SECRET:KEY"),
+    ("secret_env", {"HF_TOKEN": "Bad_Name:token"}, "expected SECRET:KEY"),
+    ("secret_env", {"1X": "s:k"}, "not a valid environment variable name"),
+    ("env_from_secrets", ["Not_A_Name"], "not a valid Secret name"),
+])
+def test_bad_secret_references_name_the_flag(field, value, message):
+    with pytest.raises(LaunchSpecError, match=message):
+        JobSpec(**{**BASE, field: value}).validate()
+    with pytest.raises(LaunchSpecError, match="also given a literal value"):
+        JobSpec(**{**BASE, "env": {"HF_TOKEN": "x"}, "secret_env": {"HF_TOKEN": "s:k"}}).validate()

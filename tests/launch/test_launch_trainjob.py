@@ -124,7 +124,7 @@ def test_queue_labels_the_trainjob_for_kueue_and_leaves_suspending_it_to_kueue()
     ("nproc_per_node", "gpu", "--nproc-per-node"), ("priority_class", "high", "--priority-class"),
     ("restart_policy", "ExitCode", "--restart-policy"), ("backoff_limit", 2, "--backoff-limit"),
     ("clean_pod_policy", "All", "--clean-pod-policy"), ("scheduling_policy", True, "--scheduling-policy"),
-    ("env", {"PET_NNODES": "2"}, "--env"),
+    ("env", {"PET_NNODES": "2"}, "--env"), ("env_from_secrets", ["mlflow-credentials"], "--env-from-secret"),
 ])
 def test_what_a_trainjob_cannot_carry_is_refused_naming_the_flag(field, value, flag):
     spec = JobSpec(**{**BASE, "gpus_per_node": 1, field: value})
@@ -178,3 +178,12 @@ def test_the_local_node_env_sets_exactly_the_variables_the_plugin_reserves():
         "PET_NPROC_PER_NODE"] == "auto"
     assert api.node_env(JobSpec(**{**BASE, "nproc_per_node": "auto", "cpu_limit": "3"}), "g", 0, 1)[
         "PET_NPROC_PER_NODE"] == "1"  # the request (1, from defaults) wins over the limit
+
+
+def test_a_trainjob_reads_secret_env_through_the_trainer_env():
+    """trainer.env takes valueFrom (the v2.3.0 CRD's EnvVar), so --env-secret works for a TrainJob too."""
+    spec = JobSpec(**{**BASE, "secret_env": {"HF_TOKEN": "hf-credentials:token"}})
+    job = render_trainjob(spec, run_id="r1")
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-credentials", "key": "token"}}} in \
+        job["spec"]["trainer"]["env"]
+    validate_trainer_object(job, "trainjobs")

@@ -71,3 +71,29 @@ def test_grouped_query_layout_matches_fused_linear(with_bias, kernels):
     got = torch.autograd.grad(sum((o * u).sum() for o, u in zip(got_out, upstream)), [w] + ([b] if with_bias else []))
     for a, e in zip(got, want):
         torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("queries_per_group", [1, 2])
+def test_cuda_views_backward_is_one_concatenation_bit_identical_to_indexing(queries_per_group):
+    """The CUDA choice's q, k, v come from one ``torch.split`` of the product: backward is one node that
+    concatenates their gradients (SplitWithSizesBackward), no zero-filled ``[.., 3h]`` tensor per slice, and the
+    weight and input gradients are bit for bit those of indexing the product three times."""
+    g = torch.Generator().manual_seed(2)
+    groups, d, hidden, per_group = 2, 4, 6, queries_per_group + 2
+    x = torch.randn(3, 5, hidden, generator=g, requires_grad=True)
+    w = torch.randn(groups * per_group * d, hidden, generator=g, requires_grad=True)
+    upstream = None
+    with forced_kernels(CUDA_KERNELS):
+        outs = qkv_projection(x, w, None, groups, queries_per_group=queries_per_group)
+    upstream = [torch.randn(o.shape, generator=g) for o in outs]
+    got = torch.autograd.grad(sum((o * u).sum() for o, u in zip(outs, upstream)), [x, w])
+    for out in outs[1:]:  # k and v: a squeeze of one split output
+        assert type(out.grad_fn.next_functions[0][0]).__name__ == "SplitWithSizesBackward0"
+    mixed = F.linear(x, w).view(3, 5, groups, per_group, d)
+    ref = (mixed[..., :queries_per_group, :].reshape(3, 5, -1, d), mixed[..., queries_per_group, :],
+           mixed[..., queries_per_group + 1, :])
+    want = torch.autograd.grad(sum((r * u).sum() for r, u in zip(ref, upstream)), [x, w])
+    for o, r in zip(outs, ref):
+        assert torch.equal(o, r)
+    for a, e in zip(got, want):
+        assert torch.equal(a, e)

@@ -10,6 +10,7 @@ end and says so once.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -83,3 +84,19 @@ def test_training_with_the_server_stopped_finishes_and_says_so_once(tmp_path, co
     assert f"MLflow at {stopped} unavailable while opening the training run" in said[0]
     assert "Retrying" not in proc.stderr  # urllib3's per-retry warnings are not repeated to the user
     assert not (tmp_path / "ckpt" / ".mlflow-run.json").exists()
+
+
+@pytest.mark.timeout(600)
+def test_training_without_the_mlflow_client_finishes_and_says_so_once(tmp_path, corpus_prefix):
+    """The core trains without MLflow installed: an ``mlflow`` that cannot be imported shadows the real one."""
+    shadow = tmp_path / "shadow" / "mlflow"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named mlflow (shadowed by the test)')\n")
+    metrics = tmp_path / "metrics.jsonl"
+    pythonpath = os.pathsep.join(p for p in (str(shadow.parent), os.environ.get("PYTHONPATH")) if p)
+    proc = run_pretrain([*BASE, "--data-path", corpus_prefix, "--train-iters", "2", "--eval-interval", "0",
+                         "--metrics-file", str(metrics)], timeout=300,
+                        env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:1", "PYTHONPATH": pythonpath})
+    assert sorted(train_losses(metrics)) == [1, 2]
+    said = [line for line in proc.stderr.splitlines() if "unavailable" in line]
+    assert len(said) == 1 and "while importing the client (pip install 'domino[tracking]')" in said[0], said

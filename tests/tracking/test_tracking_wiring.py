@@ -69,3 +69,15 @@ def test_a_version_source_names_the_claim_and_the_path_inside_it():
     assert volume_uri("/mnt/domino/runs/r1/checkpoints/iter_0000004", "/mnt/domino", "domino-data") == \
         "pvc://domino-data/runs/r1/checkpoints/iter_0000004"
     assert volume_uri("/elsewhere/ckpt", "/mnt/domino", "domino-data") == "file:///elsewhere/ckpt"
+
+
+def test_http_bounds_are_domino_s_unless_the_environment_sets_mlflow_s(monkeypatch):
+    from domino.tracking.session import HTTP_DEFAULTS, apply_http_defaults
+
+    for name in HTTP_DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
+    assert apply_http_defaults() == {**HTTP_DEFAULTS, "MLFLOW_HTTP_REQUEST_TIMEOUT": "60"}
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_RESPECT_RETRY_AFTER_HEADER
+
+    assert MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() == 2 and MLFLOW_HTTP_RESPECT_RETRY_AFTER_HEADER.get() is False
