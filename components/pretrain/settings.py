@@ -67,6 +67,9 @@ class PretrainSettings(TrackingSettings, JobTargetSettings, RunSettings):
     """Memory limit per training pod ('': none)."""
     shm_size: str = "16Gi"
     """Size limit of /dev/shm in the training pods (memory emptyDir)."""
+    rdma_resources: str = "{}"
+    """JSON object RESOURCE -> count: an RDMA device plugin's resources per training pod, plus IPC_LOCK (the fast
+    network: docs/cluster.md; the namespace must allow it)."""
     node_selector: str = "{}"
     """JSON object of node labels for the training pods."""
     tolerations: str = "[]"
@@ -103,5 +106,6 @@ class PretrainSettings(TrackingSettings, JobTargetSettings, RunSettings):
 
 
 #: Settings that hold JSON, with the JSON type they must have.
-JSON_SETTINGS = {"config_overrides": dict, "node_selector": dict, "tolerations": list, "image_pull_secrets": list,
+JSON_SETTINGS = {"config_overrides": dict, "node_selector": dict, "rdma_resources": dict, "tolerations": list,
+                 "image_pull_secrets": list,
                  "env": dict, "env_secrets": dict, "env_from_secrets": list, "labels": dict, "annotations": dict}

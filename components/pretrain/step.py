@@ -88,7 +88,7 @@ def pretrain_argv(settings: PretrainSettings, data_prefix: str, layout: RunLayou
 def load_argv(warm_start: bool, layout: RunLayout) -> List[str]:
     """``--load`` flags: this run's own checkpoints when a retried job left some (resume), else the promoted
     model's weights with ``--finetune`` when warm-starting and one exists, else this run's (empty) save dir."""
-    from domino.checkpoint.weights_io import find_latest_checkpoint  # imports torch: not at pipeline compile time
+    from domino.checkpoint.on_disk import find_latest_checkpoint  # imports torch: not at pipeline compile time
 
     if find_latest_checkpoint(layout.checkpoint_dir) is None and warm_start:
         promoted = current_model(layout.registry_path)
@@ -167,6 +167,7 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
         pvc=s.pvc_name, mount_path=s.shared_root if s.backend == "cluster" else DEFAULT_MOUNT_PATH,
         checkpoint_dir=RunLayout(s.shared_root, s.run_id).checkpoint_dir,
         node_selector=text(_json_param(s, "node_selector")), tolerations=tolerations,
+        rdma_resources=text(_json_param(s, "rdma_resources")),
         priority_class=s.priority_class or None, service_account=s.service_account or None,
         image_pull_secrets=[str(x) for x in _json_param(s, "image_pull_secrets")],
         env={**env, **_literal_env(text(_json_param(s, "env")))},
@@ -186,7 +187,7 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
 def summarize(layout: RunLayout, seq_length: int) -> Dict[str, Any]:
     """Facts about the finished run: final checkpoint, iterations, tokens, final losses, throughput."""
     # torch and matplotlib: only where a run is summarised, not when the pipeline is compiled.
-    from domino.checkpoint.weights_io import find_latest_checkpoint, read_checkpoint_meta
+    from domino.checkpoint.on_disk import find_latest_checkpoint, read_checkpoint_meta
     from domino.eval.report_plots import read_metrics
 
     ckpt = find_latest_checkpoint(layout.checkpoint_dir)

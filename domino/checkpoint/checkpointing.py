@@ -1,23 +1,26 @@
 """Atomic training checkpoints: model shards, ZeRO optimizer state, RNG states, position in the data.
 
-Layout of a save root (model weights and ``checkpoint.json`` are ``domino.checkpoint.weights_io``'s format)::
+Layout of a save root (model weights and ``checkpoint.json`` are ``domino.checkpoint.on_disk``'s format)::
 
     DIR/latest                         tag of the newest complete checkpoint, replaced last, atomically
     DIR/iter_0000100/checkpoint.json   iteration, consumed samples, TP size, padded vocab, resolved config
     DIR/iter_0000100/model/            one safetensors file per TP rank
-    DIR/iter_0000100/optim/rank_00003.pt   this rank's optimizer (ZeRO partition) state
+    DIR/iter_0000100/optimizer/        the optimizer state by parameter name and global shape, any layout
+                                       reads it (domino.checkpoint.optimizer_state, distributed_io)
     DIR/iter_0000100/rng/rank_00003.pt     this rank's RNG states
     DIR/iter_0000100/tokenizer/        the tokenizer, so the checkpoint is self-contained
 
+(DeepSpeed's fp16 optimizer without ZeRO keeps format 1's ``optim/rank_00003.pt`` instead of ``optimizer/``:
+this rank's state, read back on the same layout only.)
+
 Every rank writes into ``DIR/.tmp-iter_0000100``; once all ranks agree that their writes succeeded, rank 0
 renames it into place and only then moves ``latest``. A kill at any moment, or a failed write on any rank
-(disk full), therefore leaves the previous checkpoint intact and pointed to. Optimizer states are saved
-as plain tensors and numbers, so :mod:`domino.checkpoint.resume` loads them with ``torch.load(weights_only=True)``.
+(disk full), therefore leaves the previous checkpoint intact and pointed to. Nothing saved needs unpickling
+to be read back: safetensors, JSON, and plain tensors and numbers for ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import shutil
@@ -30,13 +33,38 @@ import torch
 import torch.distributed as dist
 
 from domino.atomic_files import atomic_write, fsync_directory
-from domino.checkpoint import manifest, weights_io
+from domino.checkpoint import distributed_io, manifest, optimizer_state, per_rank_state, on_disk
 from domino.config import DominoConfig, config_to_dict
-from domino.parallel import random as tp_random
 from domino.runtime import state
 from domino.runtime.agreement import AgreedFailure, agree
 
 logger = logging.getLogger(__name__)
+
+def collective(step: str, fn):
+    """Runs ``fn``, a step made of collectives that fail on every rank alike, and turns a failure into the same
+    one-line :class:`AgreedFailure` on every rank, naming the ranks that failed, as :func:`agree` does.
+
+    DCP raises ``CheckpointException`` (a ``BaseException``) on every rank when any rank's reads or writes
+    failed, with each failed rank's own exception in ``failures`` (``torch/distributed/checkpoint/api.py``);
+    each rank reports only its own.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        result, error = fn(), None
+    except CheckpointException as caught:
+        own = caught.failures.get(dist.get_rank() if dist.is_initialized() else 0)
+        result, error = None, (own[0] if own else None)
+    except Exception as caught:  # noqa: BLE001  (re-raised inside the agreement, which names it per rank)
+        result, error = None, caught
+
+    def report():
+        if error is not None:
+            raise error
+        return result
+
+    return agree(step, report)
+
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
     try:
@@ -75,38 +103,16 @@ def _maybe_slow_down() -> None:
         time.sleep(float(spec.split(":", 1)[1]))
 
 
-def _plain_rng_state() -> Dict[str, Any]:
-    """All RNG states with numpy's array turned into a tensor (loadable with ``weights_only=True``)."""
-    snapshot = dict(tp_random.get_rng_state())
-    kind, keys, pos, has_gauss, cached = snapshot.pop("numpy")
-    snapshot["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
-    return snapshot
-
-
-def _plain_optimizer_state(engine) -> Dict[str, Any]:
-    """The optimizer's state dict reduced to tensors, numbers, strings and containers of them.
-
-    DeepSpeed's ZeRO state holds a loss-scaler object, an enum and slice-mapping objects; keeping them
-    out lets loading use ``weights_only=True`` (no arbitrary unpickling).
-    """
-    sd = dict(engine.optimizer.state_dict())
-    scaler = sd.pop("loss_scaler", None)
-    if scaler is not None:
-        sd["loss_scaler_fields"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
-    sd.pop("param_slice_mappings", None)
-    for key, value in list(sd.items()):
-        if isinstance(value, enum.Enum):
-            sd[key] = value.value
-    return sd
-
-
 def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_samples: int,
-                    padded_vocab_size: int, tokenizer=None) -> Path:
+                    padded_vocab_size: int, tokenizer=None, global_batch_size: Optional[int] = None) -> Path:
     """Writes checkpoint ``iter_{iteration:07d}`` under ``--save`` from every rank (collective).
 
     Three agreed phases (rank 0 prepares the temporary directory; every rank writes its files; rank 0
     commits): a write that fails on any rank (disk full, quota, I/O error) stops every rank with the same
     one-line error, before the commit, so the previous checkpoint and ``latest`` are untouched.
+
+    Args:
+        global_batch_size: samples per iteration, recorded so a resume with another one is refused.
 
     Returns:
         The final checkpoint directory.
@@ -115,31 +121,43 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
         AgreedFailure: on every rank when any rank's part of the save failed.
     """
     root = Path(config.checkpoint.save)
-    tag = weights_io.checkpoint_tag(iteration)
+    tag = on_disk.checkpoint_tag(iteration)
     tmp, final = root / f".tmp-{tag}", root / tag
     rank = dist.get_rank() if dist.is_initialized() else 0
+
+    by_name = optimizer_state.supports(engine)
 
     def prepare() -> None:
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a run killed mid-save
-            (tmp / "optim").mkdir(parents=True)
+            (tmp / (on_disk.OPTIMIZER_DIR if by_name else on_disk.LEGACY_OPTIMIZER_DIR)).mkdir(parents=True)
             (tmp / "rng").mkdir()
 
-    def write() -> None:
-        written = [tmp / "optim" / f"rank_{rank:05d}.pt", tmp / "rng" / f"rank_{rank:05d}.pt"]
+    def write_optimizer_state():
+        # Each data-parallel replica writes (and holds on the host) every DP-size-th parameter's state.
+        dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
+        tensors, scalars = optimizer_state.gather(engine, keep=lambda index: index % dp == dp_rank)
+        return distributed_io.save(tmp / on_disk.OPTIMIZER_DIR, tensors), scalars.to_json()
+
+    def write(optimizer_files, scalars) -> None:
+        written = [tmp / "rng" / f"rank_{rank:05d}.pt", *optimizer_files]
         if state.get_data_parallel_rank() == 0:
-            written.append(weights_io.save_model_shard(tmp, engine.module.state_dict(),
+            written.append(on_disk.save_model_shard(tmp, engine.module.state_dict(),
                                                        state.get_tensor_model_parallel_rank()))
-        _atomic_torch_save(_plain_optimizer_state(engine), written[0])
-        _atomic_torch_save(_plain_rng_state(), written[1])
+        _atomic_torch_save(per_rank_state.rng_snapshot(), written[0])
+        if not by_name:
+            written.append(tmp / "optim" / f"rank_{rank:05d}.pt")
+            _atomic_torch_save(per_rank_state.optimizer_snapshot(engine), written[-1])
         manifest.write_part(tmp, rank, written)  # each rank digests its own files: the work is spread
         if rank == 0:
-            weights_io.write_checkpoint_meta(tmp, {
-                "format_version": 1, "iteration": iteration, "consumed_samples": consumed_samples,
+            on_disk.write_checkpoint_meta(tmp, {
+                "iteration": iteration, "consumed_samples": consumed_samples,
                 "tensor_model_parallel_size": state.get_tensor_model_parallel_world_size(),
                 "data_parallel_size": state.get_data_parallel_world_size(),
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "global_batch_size": global_batch_size,
+                "optimizer": {"format": "by-name", **scalars} if by_name else {"format": "per-rank"},
                 "padded_vocab_size": padded_vocab_size, "tokenizer": config.data.tokenizer,
                 "config": config_to_dict(config),
             })
@@ -148,7 +166,9 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
 
     try:
         agree(f"saving checkpoint {tag} (preparing {tmp})", prepare)
-        agree(f"saving checkpoint {tag}", write)
+        optimizer_files, scalars = ([], {}) if not by_name else collective(
+            f"saving checkpoint {tag} (optimizer state)", write_optimizer_state)
+        agree(f"saving checkpoint {tag}", lambda: write(optimizer_files, scalars))
     except AgreedFailure as failure:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # free the space; the next save starts clean anyway
@@ -165,12 +185,12 @@ def _commit(tmp: Path, final: Path, config: DominoConfig, iteration: int) -> Non
     Nothing is deleted before the new checkpoint is in place and ``latest`` names it: a checkpoint of the
     same iteration that already exists (a torn one that resume fell back past, or one that ``latest`` never
     reached) is first renamed aside and deleted last. A kill between those two renames leaves ``latest``
-    naming a missing directory for an instant, and :func:`domino.checkpoint.resume.find_checkpoint` then
+    naming a missing directory for an instant, and :func:`domino.checkpoint.discovery.find_checkpoint` then
     resumes from the newest complete checkpoint; a kill in any delete (slow on NFS) leaves the new one named.
     """
     root, tag = final.parent, final.name
     manifest.seal(tmp)  # before the rename: a checkpoint under its final name has its manifest
-    for sub in ("", "optim", "rng", "model"):
+    for sub in ("", on_disk.OPTIMIZER_DIR, on_disk.LEGACY_OPTIMIZER_DIR, on_disk.RNG_DIR, on_disk.MODEL_DIR):
         if (tmp / sub).exists():
             fsync_directory(tmp / sub)
     trash = root / f".trash-{tag}"
@@ -179,7 +199,7 @@ def _commit(tmp: Path, final: Path, config: DominoConfig, iteration: int) -> Non
         os.replace(final, trash)
     os.replace(tmp, final)
     fsync_directory(root)
-    weights_io.write_latest(root, tag)
+    on_disk.write_latest(root, tag)
     _prune(root, config.checkpoint.keep_last, keep=tag, iteration=iteration)
     for leftover in root.glob(".trash-iter_*"):  # this one, and those of saves killed while deleting
         _remove_checkpoint(leftover, iteration)
@@ -190,7 +210,7 @@ def _remove_checkpoint(path: Path, iteration: int) -> None:
     """Deletes a replaced or pruned checkpoint directory (the fault hook cuts it short halfway)."""
     if not path.exists():
         return
-    _maybe_inject_fault("kill-in-delete", iteration, partial=lambda: shutil.rmtree(path / weights_io.MODEL_DIR,
+    _maybe_inject_fault("kill-in-delete", iteration, partial=lambda: shutil.rmtree(path / on_disk.MODEL_DIR,
                                                                                  ignore_errors=True))
     shutil.rmtree(path, ignore_errors=True)
 
@@ -201,7 +221,7 @@ def resume_hint(config: DominoConfig) -> str:
     if not save:
         return "nothing is saved (no --save): a restart begins again"
     try:
-        latest = weights_io.find_latest_checkpoint(save)
+        latest = on_disk.find_latest_checkpoint(save)
     except (ValueError, OSError):
         latest = None
     if latest is None:

@@ -27,7 +27,8 @@ from safetensors.torch import save_file
 from domino.atomic_files import staging_directory
 from domino.checkpoint import manifest
 from domino.config import ConfigError, DominoConfig, ModelConfig, config_from_dict, padded_vocab_size
-from domino.checkpoint import weights_io as wio
+from domino.checkpoint import on_disk
+from domino.checkpoint import model_loading
 from domino.model import hf_gpt2, hf_llama
 
 logger = logging.getLogger(__name__)
@@ -118,20 +119,20 @@ def export_hf(load: PathLike, output: PathLike, tokenizer_spec: Optional[str] = 
     Raises:
         ConfigError: for a bad checkpoint, a non-empty output, or a model neither family can express.
     """
-    ckpt_dir = wio.resolve_checkpoint_dir(load)
-    meta = wio.read_checkpoint_meta(ckpt_dir)
+    ckpt_dir = on_disk.resolve_checkpoint_dir(load)
+    meta = on_disk.read_checkpoint_meta(ckpt_dir)
     config = config_from_dict(meta["config"])
-    wio.check_checkpoint_fits(ckpt_dir, meta, config)
+    model_loading.check_checkpoint_fits(ckpt_dir, meta, config)
     output = Path(output)
     _prepare_output(output, overwrite, Path(ckpt_dir), "--load")
-    tokenizer = wio.load_checkpoint_tokenizer(ckpt_dir, meta, tokenizer_spec)
+    tokenizer = model_loading.load_checkpoint_tokenizer(ckpt_dir, meta, tokenizer_spec)
     vocab = tokenizer.vocab_size
     if vocab > meta["padded_vocab_size"]:
         raise ConfigError(f"the tokenizer has {vocab} ids but checkpoint {ckpt_dir} only "
                           f"{meta['padded_vocab_size']} embedding rows")
     family = family_of(config.model)
     hf_config = family.hf_config(config.model, vocab, eos_token_id=tokenizer.eod)
-    hf_sd = family.to_hf(wio.load_full_state_dict(ckpt_dir), config.model)
+    hf_sd = family.to_hf(on_disk.load_full_state_dict(ckpt_dir), config.model)
     hf_sd[family.embedding] = hf_sd[family.embedding][:vocab].contiguous()
     if config.model.untie_embeddings_and_output_weights:
         hf_sd[family.output] = hf_sd[family.output][:vocab].contiguous()
@@ -188,7 +189,7 @@ def _check_weights_fit(files: List[Path], config: ModelConfig, family: Family, s
 
     stored: Dict[str, Tuple[int, ...]] = {}
     for path in files:
-        stored.update(wio.read_header_shapes(path))
+        stored.update(on_disk.read_header_shapes(path))
     if family.model_type == "gpt2" and not any(k.startswith("transformer.") for k in stored):
         stored = {"transformer." + k: v for k, v in stored.items()}  # GPT2Model's names lack the prefix
     depth = len(family.layer_prefix.split(".")) - 1
@@ -260,7 +261,7 @@ def import_hf(input_dir: PathLike, output: PathLike, tokenizer_spec: Optional[st
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(staging_directory(str(output)))
     try:
-        written = wio.write_weights_only_checkpoint(staging, config, full, padded, tokenizer=tokenizer)
+        written = on_disk.write_weights_only_checkpoint(staging, config, full, padded, tokenizer=tokenizer)
         manifest.seal(written)
         _publish(staging, output)
     finally:

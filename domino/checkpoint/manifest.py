@@ -31,6 +31,8 @@ MANIFEST_FILE = "manifest.json"
 PARTS_DIR = ".manifest-parts"
 FORMAT_VERSION = 1
 _BLOCK = 8 << 20
+#: About 80 bytes per file: room for hundreds of thousands of files.
+MAX_MANIFEST_BYTES = 64 << 20
 
 PathLike = Union[str, os.PathLike]
 Digest = Dict[str, int]
@@ -81,6 +83,9 @@ def read_manifest(ckpt_dir: PathLike) -> Optional[Dict[str, Digest]]:
     path = Path(ckpt_dir) / MANIFEST_FILE
     if not path.is_file():
         return None
+    if path.stat().st_size > MAX_MANIFEST_BYTES:  # untrusted: bounded before it is read
+        raise ValueError(f"{path} is not a checkpoint manifest ({path.stat().st_size} bytes; at most "
+                         f"{MAX_MANIFEST_BYTES})")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         files = data["files"]

@@ -1,9 +1,10 @@
-"""Resuming a training run: choosing an intact checkpoint, verifying it on every rank, loading it.
+"""Resuming a training run from the checkpoint :mod:`domino.checkpoint.discovery` chose: checking it fits the
+run, verifying it on every rank, loading it.
 
-The counterpart of :mod:`domino.checkpoint.checkpointing` (same layout). ``--load DIR`` resumes from
-``DIR/latest``; a damaged checkpoint falls back to the newest intact one (``--strict-load`` refuses), and
-every rank verifies and reads its files before anything is applied, in agreements, so all ranks reach one
-outcome. Loading uses ``torch.load(weights_only=True)`` and safetensors: nothing arbitrary is unpickled.
+The counterpart of :mod:`domino.checkpoint.checkpointing` (same layout). A checkpoint whose files fail their
+checksums falls back to the newest intact one (``--strict-load`` refuses), and every rank verifies and reads its
+files before anything is applied, in agreements, so all ranks reach one outcome. Loading uses
+``torch.load(weights_only=True)``, safetensors and DCP's safetensors reader: nothing arbitrary is unpickled.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from domino.checkpoint import manifest, weights_io
+from domino.checkpoint import distributed_io, manifest, optimizer_state, per_rank_state, on_disk
+from domino.checkpoint.checkpointing import collective
+from domino.checkpoint.discovery import fall_back
+from domino.checkpoint.on_disk import Checkpoint
 from domino.config import ConfigError, DominoConfig
-from domino.parallel import random as tp_random
 from domino.runtime import state
 from domino.runtime.agreement import AgreedFailure, agree
 
@@ -27,163 +30,6 @@ logger = logging.getLogger(__name__)
 #: parameters exist: learned position table, norm biases, linear biases, SwiGLU's gate, key/value heads, output).
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_size", "num_positions", "rope",
                 "normalization", "disable_bias_linear", "swiglu", "query_groups", "untie_embeddings_and_output_weights")
-
-
-def _restore_rng_state(snapshot: Dict[str, Any]) -> None:
-    kind, keys, pos, has_gauss, cached = snapshot["numpy"]
-    snapshot["numpy"] = (kind, keys.numpy().astype("uint32"), pos, has_gauss, cached)
-    tp_random.set_rng_state(snapshot)
-
-
-def _restore_optimizer_state(engine, sd: Dict[str, Any]) -> None:
-    optimizer = engine.optimizer
-    live_scaler = getattr(optimizer, "loss_scaler", None)
-    fields = sd.pop("loss_scaler_fields", None)
-    if live_scaler is not None:
-        for key, value in (fields or {}).items():
-            setattr(live_scaler, key, value)
-        sd["loss_scaler"] = live_scaler
-    # ZeRO's and the BF16 optimizer's states (deepspeed 0.19.8: runtime/zero/stage_1_and_2.py, runtime/bf16_optimizer.py)
-    # hold this DP rank's partition of the fp32 master weights; both load from a per-DP-rank list and must take
-    # those fp32 weights (load_from_fp32_weights) or resuming would restart from the rounded bf16/fp16 weights.
-    partitioned = "zero_stage" in sd or "single_partition_of_fp32_groups" in sd
-    if "zero_stage" in sd:
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-
-        sd["zero_stage"] = ZeroStageEnum(sd["zero_stage"])
-    if partitioned:
-        sd["param_slice_mappings"] = getattr(optimizer, "_param_slice_mappings", None)
-        state_list = [None] * state.get_data_parallel_world_size()
-        state_list[state.get_data_parallel_rank()] = sd
-        optimizer.load_state_dict(state_list, load_optimizer_states=True, load_from_fp32_weights=True)
-    else:
-        optimizer.load_state_dict(sd)
-
-
-def find_checkpoint(config: DominoConfig) -> Tuple[Optional[Path], bool]:
-    """The checkpoint to start from and whether to take its weights only (a warm start).
-
-    The run's own checkpoint comes first: when ``--save`` already holds one (a restarted pod, a retried
-    step, the same command run again), it is resumed whatever ``--load`` names, so a restart never throws
-    progress away and never reloads another run's model over its own. Otherwise ``--load DIR`` resumes from
-    ``DIR/latest`` (with ``--finetune``: takes its weights as a warm start); an absent or empty ``DIR``, or
-    one holding only what a run writes beside its checkpoints (metrics, logs), means a fresh start. Without
-    ``--load`` a run starts fresh (as in Megatron-LM). Anything else that is not a readable checkpoint (a
-    file, another kind of model) is a :class:`ConfigError`, raised before any training work.
-    """
-    c = config.checkpoint
-    if c.load is None:
-        return None, False
-    if c.save and Path(c.save).resolve() != Path(c.load).resolve():
-        own = _resolve(c.save, "--save", c.strict_load)
-        if own is not None:
-            logger.info("--save %s already holds this run's checkpoint %s: resuming it instead of %s --load %s",
-                        c.save, own.name, "warm-starting from" if c.finetune else "loading", c.load)
-            return choose_intact(own, c.strict_load), False
-    found = _resolve(c.load, "--load", c.strict_load)
-    return (choose_intact(found, c.strict_load) if found is not None else None), c.finetune
-
-
-def own_checkpoint(config: DominoConfig, resumed: Optional[Path], warm_start: bool, iteration: int) -> Optional[str]:
-    """The checkpoint of ``iteration`` under ``--save`` that the run resumed (from ``resumed``'s folder), if any.
-
-    The training loop does not save that iteration again (a restart after the last iteration saves nothing).
-    """
-    save = config.checkpoint.save
-    if resumed is None or warm_start or not save:
-        return None
-    own = Path(save) / weights_io.checkpoint_tag(iteration)
-    return str(own) if own.is_dir() and resumed.parent.resolve() == own.parent.resolve() else None
-
-
-def _resolve(directory: str, flag: str, strict: bool = False) -> Optional[Path]:
-    path = Path(directory)
-    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
-        return None
-    if path.is_dir() and not (path / "latest").exists() and not (path / "checkpoint.json").exists():
-        if any(_checkpoints_below(path, None)):  # killed after the first rename in, before `latest` was written
-            return _newest_complete(path, None, f"{flag} {directory} has no 'latest' file", strict)
-        foreign = [p.name for p in path.iterdir() if _looks_like_a_model(p.name)]
-        if not foreign:
-            return None  # temporaries of a save that never completed, metrics or logs of a run not saved yet
-        raise ConfigError(f"{flag} {directory}: not a domino checkpoint directory (no 'latest' file; found "
-                          f"{', '.join(sorted(foreign)[:5])})")
-    try:
-        return weights_io.resolve_checkpoint_dir(path)
-    except (ValueError, OSError) as error:
-        try:
-            pointed = weights_io.read_latest(path)
-        except ValueError:
-            pointed = None
-        if pointed is not None and pointed.is_dir():
-            return pointed  # a torn checkpoint that `latest` names: choose_intact judges it and falls back
-        if pointed is not None:  # killed while a checkpoint of the same iteration was being replaced
-            return _newest_complete(path, pointed.name, f"{flag} {directory}: 'latest' names {pointed.name}, "
-                                    "which does not exist", strict)
-        raise ConfigError(f"{flag} {directory}: {error}") from error
-
-
-#: Names that mark another kind of model (Hugging Face, Megatron-LM, torch files), not a run's metrics or logs.
-_MODEL_FILES = ("config.json", "latest_checkpointed_iteration.txt")
-_MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
-
-
-def _looks_like_a_model(name: str) -> bool:
-    return name in _MODEL_FILES or name.endswith(_MODEL_SUFFIXES)
-
-
-def _checkpoints_below(root: Path, tag: Optional[str]):
-    """The ``iter_*`` directories of ``root`` before ``tag`` (all of them for ``None``), newest first."""
-    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_")
-                   and (tag is None or p.name < tag)), key=lambda p: p.name, reverse=True)
-
-
-def _newest_complete(root: Path, below: Optional[str], problem: str, strict: bool) -> Path:
-    """The newest intact checkpoint of ``root`` (before ``below``), when ``latest`` cannot be followed."""
-    if strict:
-        raise ConfigError(f"{problem} (--strict-load refuses to fall back)")
-    for ckpt in _checkpoints_below(root, below):
-        if _damage(ckpt) is None:
-            logger.warning("%s: resuming from the newest complete checkpoint, %s (pass --strict-load to refuse "
-                           "instead).", problem, ckpt.name)
-            return ckpt
-    raise ConfigError(f"{problem}, and no complete checkpoint exists in {root}")
-
-
-def _older_checkpoints(ckpt: Path):
-    """The checkpoints beside ``ckpt`` with a lower iteration, newest first."""
-    return _checkpoints_below(ckpt.parent, ckpt.name)
-
-
-def _damage(ckpt: Path) -> Optional[str]:
-    """Why ``ckpt`` cannot be resumed, from its metadata, manifest and file sizes (no data read)."""
-    try:
-        weights_io.read_checkpoint_meta(ckpt)
-    except ValueError as error:
-        return str(error)
-    return manifest.find_damage(ckpt)
-
-
-def _fall_back(ckpt: Path, problem: str, strict: bool) -> Path:
-    """The newest intact checkpoint older than the damaged ``ckpt``, or a ConfigError when there is none.
-
-    Every rank reaches the same answer: the candidates and their sizes come from the same shared volume.
-    """
-    if strict:
-        raise ConfigError(f"--load: checkpoint {ckpt} is damaged: {problem} (--strict-load refuses to fall back)")
-    for older in _older_checkpoints(ckpt):
-        if _damage(older) is None:
-            logger.warning("CHECKPOINT %s IS DAMAGED: %s. Resuming from the newest intact checkpoint, %s "
-                           "(pass --strict-load to refuse instead).", ckpt, problem, older.name)
-            return older
-    raise ConfigError(f"--load: checkpoint {ckpt} is damaged ({problem}) and no older intact checkpoint exists "
-                      f"in {ckpt.parent}")
-
-
-def choose_intact(ckpt: Path, strict: bool) -> Path:
-    """``ckpt`` when its files are all present at their recorded sizes, else the newest intact older one."""
-    problem = _damage(ckpt)
-    return ckpt if problem is None else _fall_back(ckpt, problem, strict)
 
 
 def check_compatible(meta: Dict[str, Any], config: DominoConfig, padded_vocab_size: int, where: Path,
@@ -202,26 +48,41 @@ def check_compatible(meta: Dict[str, Any], config: DominoConfig, padded_vocab_si
     diffs = [f"{name}: checkpoint {getattr(saved, name)} vs run {getattr(config.model, name)}"
              for name in fields if getattr(saved, name) != getattr(config.model, name)]
     if meta["padded_vocab_size"] != padded_vocab_size and not warm_start:
-        diffs.append(f"padded vocabulary: checkpoint {meta['padded_vocab_size']} vs run {padded_vocab_size}")
+        diffs.append(f"padded vocabulary: checkpoint {meta['padded_vocab_size']} vs run {padded_vocab_size}"
+                     f"{_padding_hint(meta, config)}")
     if diffs:
         raise ConfigError(f"--load {where}: the checkpoint's model has a different shape ({'; '.join(diffs)})")
+
+
+def _padding_hint(meta: Dict[str, Any], config: DominoConfig) -> str:
+    """How to keep a checkpoint's vocabulary padding on another TP size (its rows take part in the softmax, so
+    a resume cannot drop or add them and continue the same losses)."""
+    try:
+        saved = meta["config"]["model"]["make_vocab_size_divisible_by"] * meta["tensor_model_parallel_size"]
+    except (KeyError, TypeError):
+        return ""
+    tp = config.parallel.tensor_model_parallel_size
+    if saved % tp:
+        return f" (TP={tp} cannot keep it: the padding multiple {saved} is not divisible by {tp})"
+    return f" (to keep it at TP={tp}: --make-vocab-size-divisible-by {saved // tp})"
 
 
 #: Parameters with one row per vocabulary entry (the output layer exists only in a last pipeline stage).
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def _model_weights(ckpt: Path, meta: Dict[str, Any], module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def _model_weights(ckpt: Checkpoint, module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """This TP rank's weights from ``ckpt``, resharded and re-padded to ``module``'s vocabulary if needed."""
     from domino.checkpoint import sharding
 
+    meta = ckpt.meta
     tp_rank, tp = state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
     local = module.state_dict().get(VOCAB_ROWS[0])
     rows = local.shape[0] * tp if local is not None else meta["padded_vocab_size"]
     if meta["padded_vocab_size"] == rows:
-        return weights_io.load_model_shard(ckpt, tp_rank, tp)
+        return on_disk.load_model_shard(ckpt, tp_rank, tp)
     logger.info("re-padding the vocabulary from %d to %d rows", meta["padded_vocab_size"], rows)
-    full = weights_io.load_full_state_dict(ckpt)
+    full = on_disk.load_full_state_dict(ckpt)
     for name in VOCAB_ROWS:
         if name in full:
             weight = full[name][:rows]
@@ -230,92 +91,162 @@ def _model_weights(ckpt: Path, meta: Dict[str, Any], module: torch.nn.Module) ->
     return sharding.shard_state_dict(full, tp_rank, tp)
 
 
-def _files_to_read(meta: Dict[str, Any], config: DominoConfig, weights_only: bool) -> list:
-    """The checkpoint files this rank reads when loading (names relative to the checkpoint)."""
+def _same_layout(meta: Dict[str, Any]) -> bool:
+    return (meta["tensor_model_parallel_size"] == state.get_tensor_model_parallel_world_size()
+            and meta.get("data_parallel_size") == state.get_data_parallel_world_size())
+
+
+def _files_to_read(ckpt: Checkpoint, config: DominoConfig, weights_only: bool) -> list:
+    """The checkpoint files this rank verifies before loading (names relative to the checkpoint).
+
+    The optimizer state by name is read by whichever ranks need each slice, so its files are verified once,
+    spread over the ranks (rank r takes every world-size-th file); the agreement after the check makes each
+    verdict every rank's.
+    """
     tp, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
-    saved_tp = meta["tensor_model_parallel_size"]
+    meta, saved_tp = ckpt.meta, ckpt.tensor_model_parallel_size
     shards = [tp_rank] if saved_tp == tp else range(saved_tp)
-    names = [f"{weights_io.MODEL_DIR}/{weights_io.shard_file_name(r)}" for r in shards]
+    names = [f"{on_disk.MODEL_DIR}/{on_disk.shard_file_name(r)}" for r in shards]
     rank = dist.get_rank() if dist.is_initialized() else 0
-    c = config.checkpoint
-    if not weights_only and not c.no_load_optim:
-        names.append(f"optim/rank_{rank:05d}.pt")
-    if not weights_only and not c.no_load_rng:
-        names.append(f"rng/rank_{rank:05d}.pt")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    c, kind = config.checkpoint, ckpt.optimizer_format
+    if weights_only or kind is None:
+        return names
+    if not c.no_load_optim and kind == "by-name":
+        stored = distributed_io.files(ckpt.path / on_disk.OPTIMIZER_DIR)
+        names += [f"{on_disk.OPTIMIZER_DIR}/{p.name}" for p in stored[rank::world]]
+    elif not c.no_load_optim:
+        names.append(f"{on_disk.LEGACY_OPTIMIZER_DIR}/rank_{rank:05d}.pt")
+    if not c.no_load_rng and _same_layout(meta):
+        names.append(f"{on_disk.RNG_DIR}/rank_{rank:05d}.pt")
     return names
 
 
-def _verified(ckpt: Path, config: DominoConfig, weights_only: bool) -> Tuple[Path, Dict[str, Any]]:
-    """``ckpt`` and its metadata once every rank has checked the checksums of the files it will read; else
-    an intact older one.
+def _verified(ckpt: Checkpoint, config: DominoConfig, weights_only: bool) -> Checkpoint:
+    """``ckpt`` once every rank has checked the checksums of the files it will read; else an intact older one.
 
     Each rank verifies only its own files, then all ranks agree, so they reach one outcome: all load
     ``ckpt``, all fall back to the same older checkpoint, or all stop with the same message.
     """
     while True:
-        def check() -> Dict[str, Any]:
-            meta = weights_io.read_checkpoint_meta(ckpt)
-            problem = manifest.verify(ckpt, _files_to_read(meta, config, weights_only))
+        def check() -> None:
+            problem = manifest.verify(ckpt.path, _files_to_read(ckpt, config, weights_only))
             if problem:
                 raise ConfigError(problem)
-            return meta
 
         try:
-            return ckpt, agree(f"verifying checkpoint {ckpt.name}", check)
+            agree(f"verifying checkpoint {ckpt.name}", check)
+            return ckpt
         except AgreedFailure as failure:
-            ckpt = _fall_back(ckpt, str(failure), config.checkpoint.strict_load)
+            ckpt = fall_back(ckpt, str(failure), config.checkpoint.strict_load)
 
 
-def resumed_zero_stage(ckpt: Optional[Path], config: DominoConfig, weights_only: bool) -> Optional[int]:
+def resumed_zero_stage(ckpt: Optional[Checkpoint], config: DominoConfig, weights_only: bool) -> Optional[int]:
     """The ZeRO stage of the optimizer state this run would resume from ``ckpt``; ``None`` when it resumes none.
 
-    A stage-0 optimizer state is torch AdamW's (per parameter), a stage 1/2 one DeepSpeed's ZeRO partitions: the
-    run must use a stage of the same kind to load it (:func:`_read_state` refuses otherwise).
+    Without ``--zero-stage`` a resumed run keeps its checkpoint's stage (any stage reads a state stored by name;
+    a per-rank state of format 1 only a stage of its own kind, :func:`_check_per_rank`).
     """
-    if ckpt is None or weights_only or config.checkpoint.no_load_optim or not (ckpt / "optim").is_dir():
+    if ckpt is None or weights_only or config.checkpoint.no_load_optim or ckpt.optimizer_format is None:
         return None
-    try:
-        return weights_io.read_checkpoint_meta(ckpt)["config"]["parallel"]["zero_stage"]
-    except (weights_io.CheckpointError, OSError, KeyError, TypeError):
-        return None  # a damaged checkpoint: _verified reports it (or falls back) when loading
+    parallel = ckpt.meta["config"].get("parallel")
+    return parallel.get("zero_stage") if isinstance(parallel, dict) else None
 
 
-def _read_state(ckpt: Path, meta: Dict[str, Any], engine, config: DominoConfig, padded_vocab_size: int,
-                weights_only: bool) -> Tuple[Dict[str, torch.Tensor], Optional[dict], Optional[dict]]:
-    """This rank's model weights, optimizer state and RNG state from ``ckpt`` (read only, nothing applied)."""
-    check_compatible(meta, config, padded_vocab_size, ckpt, warm_start=weights_only)
-    weights = _model_weights(ckpt, meta, engine.module)
-    if weights_only or not (ckpt / "optim").is_dir():
-        return weights, None, None
+def check_resumable(ckpt: Optional[Checkpoint], config: DominoConfig, data_parallel_size: int,
+                    weights_only: bool, padded_vocab_size: int) -> None:
+    """Refuses, in one line and before anything is built, a checkpoint this run cannot continue exactly.
+
+    The model's shape and padded vocabulary must match (:func:`check_compatible`). The data position (consumed
+    samples) and the learning-rate schedule count whole global batches; another ``--global-batch-size`` would
+    continue neither exactly. The micro-batch size and the layout may change: each global batch holds the same
+    samples, split otherwise.
+    """
+    if ckpt is None:
+        return
+    meta = ckpt.meta
+    check_compatible(meta, config, padded_vocab_size, ckpt.path, warm_start=weights_only)
+    if weights_only:
+        return
+    saved = meta.get("global_batch_size")
+    if saved is None:  # format 1: derive it from the saved settings
+        train = meta["config"].get("train", {})
+        saved = train.get("global_batch_size") or train.get("micro_batch_size", 0) * meta.get("data_parallel_size", 1)
+    run = config.train.global_batch_size or config.train.micro_batch_size * data_parallel_size
+    if saved and saved != run:
+        raise ConfigError(f"--load {ckpt}: saved with a global batch of {saved} samples, this run's is {run} "
+                          f"(--global-batch-size); its data position and schedule count batches of {saved}: "
+                          f"resume with --global-batch-size {saved}, or warm-start with --finetune")
+
+
+def _check_per_rank(ckpt: Checkpoint, config: DominoConfig) -> None:
+    """Refuses to load format 1's per-rank optimizer state on another layout or another kind of optimizer."""
+    meta = ckpt.meta
     tp, dp = state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size()
-    same_layout = meta["tensor_model_parallel_size"] == tp and meta.get("data_parallel_size") == dp
+    if not _same_layout(meta):
+        raise ConfigError(
+            f"--load {ckpt}: its optimizer state is per rank (format {meta['format_version']}), saved with "
+            f"TP={meta['tensor_model_parallel_size']} x DP={meta.get('data_parallel_size')}, this run is TP={tp} x "
+            f"DP={dp}; resume it once on its own layout (the next save stores the state by name, which any layout "
+            "reads), or use --no-load-optim to take the weights only")
+    saved_stage = meta["config"]["parallel"].get("zero_stage")
+    stage = config.parallel.zero_stage
+    if saved_stage is not None and (saved_stage == 0) != (stage == 0):
+        raise ConfigError(
+            f"--load {ckpt}: its optimizer state is from --zero-stage {saved_stage}, this run uses --zero-stage "
+            f"{stage} (a plain and a ZeRO optimizer save different per-rank states); resume with --zero-stage "
+            f"{saved_stage} (or without --zero-stage), or use --no-load-optim to take the weights only.")
+
+
+def _read_state(ckpt: Checkpoint, engine, config: DominoConfig, padded_vocab_size: int,
+                weights_only: bool) -> Tuple[Dict[str, torch.Tensor], Optional[dict], Optional[dict]]:
+    """This rank's model weights, per-rank optimizer state and RNG state from ``ckpt`` (nothing applied; the
+    optimizer state by name is read afterwards, by all ranks together)."""
+    meta, kind = ckpt.meta, ckpt.optimizer_format
+    check_compatible(meta, config, padded_vocab_size, ckpt.path, warm_start=weights_only)
+    weights = _model_weights(ckpt, engine.module)
+    if weights_only or kind is None:
+        return weights, None, None
     rank = dist.get_rank() if dist.is_initialized() else 0
     c, optim, rng = config.checkpoint, None, None
-    if not c.no_load_optim:
-        if not same_layout:
-            raise ConfigError(
-                f"--load {ckpt}: saved with TP={meta['tensor_model_parallel_size']} x DP={meta.get('data_parallel_size')}"
-                f", this run is TP={tp} x DP={dp}; the optimizer state cannot be resharded. Use --finetune or "
-                "--no-load-optim to take the weights only.")
-        saved_stage = meta["config"]["parallel"].get("zero_stage")
-        stage = config.parallel.zero_stage
-        if saved_stage is not None and (saved_stage == 0) != (stage == 0):
-            raise ConfigError(
-                f"--load {ckpt}: its optimizer state is from --zero-stage {saved_stage}, this run uses --zero-stage "
-                f"{stage} (a plain and a ZeRO optimizer save different states); resume with --zero-stage "
-                f"{saved_stage} (or without --zero-stage), or use --no-load-optim to take the weights only.")
-        optim = torch.load(ckpt / "optim" / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)
-    if not c.no_load_rng and same_layout:
-        rng = torch.load(ckpt / "rng" / f"rank_{rank:05d}.pt", weights_only=True)
+    if not c.no_load_optim and kind == "per-rank":
+        _check_per_rank(ckpt, config)
+        optim = torch.load(ckpt.path / on_disk.LEGACY_OPTIMIZER_DIR / f"rank_{rank:05d}.pt", map_location="cpu",
+                           weights_only=True)
+    elif not c.no_load_optim and not optimizer_state.supports(engine):
+        raise ConfigError(f"--load {ckpt}: this run's optimizer (--fp16 without ZeRO) cannot take an optimizer "
+                          "state stored by name; resume with --zero-stage 1, or use --no-load-optim")
+    elif not c.no_load_optim:
+        optimizer_state.Scalars.from_json(meta["optimizer"], str(ckpt.path / on_disk.META_FILE))
+    if not c.no_load_rng and _same_layout(meta):
+        rng = torch.load(ckpt.path / on_disk.RNG_DIR / f"rank_{rank:05d}.pt", weights_only=True)
     return weights, optim, rng
 
 
-def load_checkpoint(engine, config: DominoConfig, ckpt: Path, padded_vocab_size: int,
+#: Host memory for the optimizer state read at once (three fp32 tensors per parameter): 1 GiB.
+READ_BATCH_BYTES = 1 << 30
+
+
+def _load_optimizer_by_name(ckpt: Checkpoint, engine) -> None:
+    """Reads every rank's slices of the optimizer state stored by name and sets them, a batch of parameters at a
+    time (each read is collective: DCP plans and reads together; the host holds one batch)."""
+    optimizer_state.prepare(engine, optimizer_state.Scalars.from_json(ckpt.meta["optimizer"], str(ckpt)))
+    directory = ckpt.path / on_disk.OPTIMIZER_DIR
+    distributed_io.stored_tensors(directory)  # every header checked once, before the first read
+    for names in optimizer_state.batches(engine, READ_BATCH_BYTES):
+        tensors = optimizer_state.empty_like_state(engine, names)
+        distributed_io.load(directory, tensors)
+        optimizer_state.fill(engine, tensors)
+
+
+def load_checkpoint(engine, config: DominoConfig, ckpt: Checkpoint, padded_vocab_size: int,
                     weights_only: bool = False) -> Tuple[int, int]:
     """Checks that ``ckpt`` fits this run, then restores model, optimizer and RNG state into this rank.
 
     Every rank first verifies and reads what it needs; only when all ranks succeeded (an agreement) is
-    anything applied, so a file that fails on one rank stops every rank with the same message.
+    anything applied, so a file that fails on one rank stops every rank with the same message. The optimizer
+    state stored by name is then read by all ranks together and applied a batch of parameters at a time (host
+    memory bounded by :data:`READ_BATCH_BYTES`); a failure there stops every rank too, before any step.
 
     Args:
         padded_vocab_size: this run's padded vocabulary (see :func:`check_compatible`).
@@ -324,22 +255,26 @@ def load_checkpoint(engine, config: DominoConfig, ckpt: Path, padded_vocab_size:
     Returns:
         ``(iteration, consumed_samples)`` to continue from; ``(0, 0)`` for a warm start.
     """
-    ckpt, meta = _verified(ckpt, config, weights_only)
+    ckpt = _verified(ckpt, config, weights_only)
+    meta, kind = ckpt.meta, ckpt.optimizer_format
     weights, optim, rng = agree(f"reading checkpoint {ckpt}", lambda: _read_state(
-        ckpt, meta, engine, config, padded_vocab_size, weights_only))
+        ckpt, engine, config, padded_vocab_size, weights_only))
     engine.module.load_state_dict(weights, strict=True)
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO keeps its own fp32 master copy of the weights
     if weights_only:
         logger.info("warm start from %s (weights only, iteration 0)", ckpt)
         return 0, 0
-    if not (ckpt / "optim").is_dir():
+    if kind is None:
         logger.info("%s holds weights only (no optimizer or RNG state): continuing with a fresh optimizer", ckpt)
         return meta["iteration"], meta["consumed_samples"]
+    if kind == "by-name" and not config.checkpoint.no_load_optim:
+        # After the weights: the master weights are the checkpoint's, not copies of the rounded model weights.
+        collective(f"reading the optimizer state of {ckpt}", lambda: _load_optimizer_by_name(ckpt, engine))
     if optim is not None:
-        _restore_optimizer_state(engine, optim)
+        per_rank_state.restore_optimizer(engine, optim)
     if rng is not None:
-        _restore_rng_state(rng)
+        per_rank_state.restore_rng(rng)
     logger.info("resumed from %s at iteration %d (%d samples consumed)", ckpt, meta["iteration"],
                 meta["consumed_samples"])
     return meta["iteration"], meta["consumed_samples"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-#: Help of ``--load`` (a save root resolves to its ``latest`` checkpoint, domino.checkpoint.weights_io).
+#: Help of ``--load`` (a save root resolves to its ``latest`` checkpoint, domino.checkpoint.on_disk).
 LOAD_HELP = "Save root (its latest) or iter_* directory."
 
 

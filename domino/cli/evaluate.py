@@ -28,7 +28,7 @@ def _eval_tokens(text: str):
 
 def _held_out_split(load: str) -> str:
     """The checkpoint's own ``--split``: with --data-path, its test part is what training held out."""
-    from domino.checkpoint.weights_io import read_checkpoint_meta, resolve_checkpoint_dir
+    from domino.checkpoint.on_disk import read_checkpoint_meta, resolve_checkpoint_dir
 
     return read_checkpoint_meta(resolve_checkpoint_dir(load))["config"]["data"]["split"]
 

@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     from domino.eval.generate import generate
     from domino.eval.runtime import default_device, is_output_rank, parse_dtype, setup_tensor_parallel, teardown
     from domino.eval.sampling import SamplingConfig
-    from domino.checkpoint.weights_io import build_model_from_checkpoint
+    from domino.checkpoint.model_loading import build_model_from_checkpoint
 
     sampled = any(v is not None for v in (args.temperature, args.top_k, args.top_p))
     if args.greedy and sampled:

@@ -16,7 +16,7 @@ def run(args: argparse.Namespace) -> int:
     config, samples = None, None
     if args.load:
         from domino.eval.generate import generate_samples
-        from domino.checkpoint.weights_io import read_checkpoint_meta, resolve_checkpoint_dir
+        from domino.checkpoint.on_disk import read_checkpoint_meta, resolve_checkpoint_dir
 
         config = read_checkpoint_meta(resolve_checkpoint_dir(args.load))["config"]
         if args.sample_tokens > 0:

@@ -15,7 +15,7 @@ import os
 import typing
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from domino.config import preset_store
+from domino.config import legacy_flags, preset_store
 from domino.config.schema import DominoConfig, field_docs, flag_name
 from domino.config.validate import ConfigError, advisories, resolve_domino_chunks, validate
 
@@ -98,7 +98,8 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, 
     if base is bool:
         group.add_argument(*names, dest=dest, action=BooleanFlag, help=doc)
     elif typing.get_origin(base) in (list, List):
-        group.add_argument(*names, dest=dest, nargs="+", metavar="VALUE", help=doc)
+        item = typing.get_args(base)[0]
+        group.add_argument(*names, dest=dest, nargs="+", type=item, metavar=item.__name__.upper(), help=doc)
     else:
         group.add_argument(*names, dest=dest, type=base, metavar=base.__name__.upper(), help=doc)
 
@@ -123,6 +124,7 @@ def add_config_flags(parser: argparse.ArgumentParser, groups: Iterable[str] = Do
         group = parser.add_argument_group(f"{name} ({cls.__doc__.strip()})", argument_default=argparse.SUPPRESS)
         for f in dataclasses.fields(cls):
             _add_field(group, f, hints[f.name], docs.get(f.name, ""))
+    legacy_flags.add_legacy_flags(parser, groups)
 
 
 def _owner_of_fields() -> Dict[str, str]:
@@ -155,13 +157,17 @@ def config_from_args(
         apply_overrides(config, preset_store.load(preset), f"preset '{preset}'")
         config.preset = preset
     owners = _owner_of_fields()
-    apply_overrides(config, {k: v for k, v in values.items() if k in owners}, "command line")
+    explicit = {k: v for k, v in values.items() if k in owners}
+    renamed, notes = legacy_flags.translate(values, explicit)
+    apply_overrides(config, {**explicit, **renamed}, "command line")
     chosen = resolve_domino_chunks(config)
     if check:
         validate(config, world_size=world_size, for_training=for_training)
         if os.environ.get("RANK", "0") == "0":  # one copy of each note, not one per process
             if chosen:
                 logger.info("%s", chosen)
+            for note in notes:
+                logger.warning("%s", note)
             for note in advisories(config):
                 logger.warning("%s", note)
     return config

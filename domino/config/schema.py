@@ -142,6 +142,9 @@ class TrainConfig:
     """Number of optimizer steps to train for."""
     train_samples: Optional[int] = None
     """Number of samples to train for (alternative to --train-iters)."""
+    rampup_batch_size: Optional[List[int]] = None
+    """Megatron's batch-size ramp-up START INCR SAMPLES (with --train-samples): refused for now; its schedule is
+    computed by domino/train/batch_rampup.py but not yet run by the training loop."""
     lr: float = 3e-4
     """Peak learning rate."""
     min_lr: float = 0.0

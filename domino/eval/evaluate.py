@@ -142,7 +142,8 @@ def evaluate_checkpoint(
     Raises:
         ConfigError: for a bad checkpoint or data path, an empty selection, or impossible settings.
     """
-    from domino.checkpoint.weights_io import build_model_from_checkpoint, read_checkpoint_meta, resolve_checkpoint_dir
+    from domino.checkpoint.model_loading import build_model_from_checkpoint
+    from domino.checkpoint.on_disk import read_checkpoint_meta, resolve_checkpoint_dir
 
     if micro_batch_size < 1:
         raise ConfigError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")

@@ -183,7 +183,7 @@ def generate_samples(
         if tokenizer is None:
             raise ConfigError("generate_samples needs the tokenizer along with a model")
     else:
-        from domino.checkpoint.weights_io import build_model_from_checkpoint
+        from domino.checkpoint.model_loading import build_model_from_checkpoint
 
         model, _, checkpoint_tokenizer = build_model_from_checkpoint(model_or_load)
         tokenizer = tokenizer or checkpoint_tokenizer

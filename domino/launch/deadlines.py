@@ -36,7 +36,8 @@ class Deadlines:
 
     def __init__(self, start: float, timeout_s: Optional[float], scheduling_timeout_s: float,
                  queue_timeout_s: Optional[float], max_pause_s: float = MAX_PAUSE_S) -> None:
-        self.timeout_s, self.scheduling_timeout_s, self.queue_timeout_s = timeout_s, scheduling_timeout_s, queue_timeout_s
+        self.timeout_s, self.queue_timeout_s = timeout_s, queue_timeout_s
+        self.scheduling_timeout_s = scheduling_timeout_s
         self.end = start + timeout_s if timeout_s is not None else None
         self.queue_end = start + queue_timeout_s if queue_timeout_s is not None else None
         self.scheduling_end: Optional[float] = start + scheduling_timeout_s

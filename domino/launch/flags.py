@@ -73,7 +73,8 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
                        help="(default: IfNotPresent)")
     sched.add_argument("--service-account", default=None, help="ServiceAccount of the training pods.")
     sched.add_argument("--queue", default=None, metavar="LOCALQUEUE",
-                       help="Kueue LocalQueue: label the job kueue.x-k8s.io/queue-name (Kueue suspends it until admitted).")
+                       help="Kueue LocalQueue: label the job kueue.x-k8s.io/queue-name (Kueue suspends it until "
+                            "admitted).")
     sched.add_argument("--scheduling-policy", action="store_true",
                        help="Fill runPolicy.schedulingPolicy (minAvailable = all pods) for volcano/scheduler-plugins.")
     meta = parser.add_argument_group("metadata")

@@ -340,7 +340,8 @@ class JobLauncher:
             for _, text in waits:
                 self.log(f"[{name}] scheduling clock paused: {text}")
             return None
-        why = "; ".join(explain_pending(self.core, ns, self.api, name, self.request_timeout_s)) or "no events explain it"
+        why = "; ".join(explain_pending(self.core, ns, self.api, name, self.request_timeout_s))
+        why = why or "no events explain it"
         after = f"{clock.scheduling_timeout_s:g} s{clock.not_counted()}"
         if tracker.started:
             return JobResult(name, False, tracker.phase, f"IncompleteReplicas: only {len(running)} of {nodes} pods "

@@ -137,6 +137,7 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
     env = [{"name": "DOMINO_JOB_NAME", "value": name}]
     env += [{"name": k, "value": str(v)} for k, v in defaults.environment(spec).items()]
     env += defaults.secret_environment(spec)
+    port = metrics_port(spec)  # rank 0's Prometheus endpoint, declared so a PodMonitor can name it
     container: Dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image,
@@ -145,7 +146,7 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
         "env": env,
         **({"envFrom": [{"secretRef": {"name": s}} for s in spec.env_from_secrets]} if spec.env_from_secrets else {}),
         "ports": [{"name": "pytorchjob-port", "containerPort": MASTER_PORT, "protocol": "TCP"}] + (
-            [{"name": "metrics", "containerPort": metrics_port(spec), "protocol": "TCP"}] if metrics_port(spec) else []),
+            [{"name": "metrics", "containerPort": port, "protocol": "TCP"}] if port else []),
         "resources": resources(spec),
         "volumeMounts": [
             {"name": "domino-data", "mountPath": spec.mount_path},

@@ -122,13 +122,12 @@ def _open_training_run(client, uri: str, params: Dict[str, str], save_root: Opti
     from mlflow.entities import Param
 
     pointer = read_pointer(save_root, uri) if save_root else None
-    if pointer is not None:
-        run = client.get_run(pointer.run_id)
-        if run.info.lifecycle_stage == "active":
-            client.update_run(pointer.run_id, status="RUNNING")
-            client.set_tag(pointer.run_id, "domino.resumed_at_iteration", str(resumed_iteration))
-            logger.info("MLflow: continuing run %s at iteration %d (%s)", pointer.run_id, resumed_iteration, uri)
-            return pointer.run_id
+    run = _existing_run(client, pointer.run_id) if pointer is not None else None
+    if run is not None and run.info.lifecycle_stage == "active":  # else deleted: a resume starts a new run
+        client.update_run(run.info.run_id, status="RUNNING")
+        client.set_tag(run.info.run_id, "domino.resumed_at_iteration", str(resumed_iteration))
+        logger.info("MLflow: continuing run %s at iteration %d (%s)", run.info.run_id, resumed_iteration, uri)
+        return run.info.run_id
     kfp_run = os.environ.get(KFP_RUN_ID_ENV)
     name = experiment_name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
     experiment_id = _experiment_id(client, name)
@@ -141,6 +140,18 @@ def _open_training_run(client, uri: str, params: Dict[str, str], save_root: Opti
         write_pointer(save_root, RunPointer(uri, experiment_id, run_id))
     logger.info("MLflow: run %s in experiment '%s' (%s)", run_id, name, uri)
     return run_id
+
+
+def _existing_run(client, run_id: str):
+    """The run, or None when the server no longer has it (deleted for good: a resume then starts a new run)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_run(run_id)
+    except MlflowException as error:
+        if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
 
 
 def tracker_of_checkpoint(load: str, what: str, uri: Optional[str] = None) -> Optional[RunTracker]:

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from domino.checkpoint import checkpointing, resume
+from domino.checkpoint import checkpointing, discovery, resume
 from domino.config import ConfigError, DominoConfig, config_to_dict, validate
 from domino.config.validate import resolve_zero_stage
 from domino.data.loader import build_pretraining_data_loader
@@ -111,7 +111,9 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
                                                          for_training=True))
     # Fail on a garbage --load before building anything.
     resume_from, warm_start = agree("choosing the checkpoint to resume",
-                                    lambda: resume.find_checkpoint(config))
+                                    lambda: discovery.find_checkpoint(config))
+    agree("checking the checkpoint against this run", lambda: resume.check_resumable(
+        resume_from, config, state.get_data_parallel_world_size(), warm_start, padded_vocab_size))
     chosen = resolve_zero_stage(config, state.get_data_parallel_world_size(),
                                 resume.resumed_zero_stage(resume_from, config, warm_start))
     if chosen and dist.get_rank() == 0:
@@ -128,7 +130,7 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     elif config.checkpoint.load:
         logger.info("--load %s holds no checkpoint yet: starting from scratch", config.checkpoint.load)
     trainer = _Trainer(config, engine, dataset_builder, forward_step, padded_vocab_size, tokenizer)
-    return trainer.run(iteration, consumed, resume.own_checkpoint(config, resume_from, warm_start, iteration))
+    return trainer.run(iteration, consumed, discovery.own_checkpoint(config, resume_from, warm_start, iteration))
 
 
 
@@ -289,7 +291,7 @@ class _Trainer:
     def _save(self, iteration: int, consumed: int) -> str:
         started = time.perf_counter()
         path = checkpointing.save_checkpoint(self.engine, self.config, iteration, consumed, self.padded_vocab_size,
-                                             self.tokenizer)
+                                             self.tokenizer, global_batch_size=self.gbs)
         self.paused += time.perf_counter() - started
         return str(path)
 

@@ -10,7 +10,8 @@ import pytest
 
 from domino.cli.main import build_parser
 from domino.config import ConfigError, DominoConfig, parse_config
-from domino.config.flags import flag_name
+from domino.config.flags import config_to_dict, flag_name
+from domino.config.legacy_flags import LEGACY_FLAGS
 from domino.config.schema import KernelConfig
 from domino.config.validate import advisories, check_device
 
@@ -149,3 +150,59 @@ def test_device_checks():
     check_device(fp16, cuda=False, cpu_fp16=True)
     check_device(nccl, cuda=True)
     check_device(parse_config(["--bf16"]), cuda=False)  # DeepSpeed's CPU accelerator supports bf16
+
+
+_FULL = ["--recompute-granularity", "full"]
+
+
+@pytest.mark.parametrize("old, new", [
+    (["--checkpoint-activations"], [*_FULL, "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+    (["--checkpoint-activations", "--checkpoint-num-layers", "2"],
+     [*_FULL, "--recompute-method", "uniform", "--recompute-num-layers", "2"]),
+    (["--activations-checkpoint-method", "block"], [*_FULL, "--recompute-method", "block", "--recompute-num-layers", "1"]),
+    (["--activations-checkpoint-method", "uniform", "--activations-checkpoint-num-layers", "2"],
+     [*_FULL, "--recompute-method", "uniform", "--recompute-num-layers", "2"]),
+    (["--checkpoint-activations", "--activations-checkpoint-num-layers", "4"],
+     [*_FULL, "--recompute-method", "uniform", "--recompute-num-layers", "4"]),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--checkpoint-num-layers", "3"],
+     [*_FULL, "--recompute-method", "block", "--recompute-num-layers", "3"]),
+    (["--checkpoint-num-layers", "2"], []),  # Megatron v2.0: no effect without --checkpoint-activations
+    (["--model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"]),
+    (["--batch-size", "2"], ["--micro-batch-size", "2"]),
+    (["--warmup", "0.05"], ["--lr-warmup-fraction", "0.05"]),
+], ids=lambda argv: " ".join(argv))
+def test_older_megatron_spellings_parse_as_the_modern_ones_with_one_note(old, new, caplog):
+    with caplog.at_level(logging.WARNING, logger="domino.config.flags"):
+        modern = parse_config([*new, "--num-layers", "4"], world_size=2)
+    assert not [r for r in caplog.records if "older Megatron-LM spelling" in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="domino.config.flags"):
+        legacy = parse_config([*old, "--num-layers", "4"], world_size=2)
+    assert config_to_dict(legacy) == config_to_dict(modern)
+    notes = [r.getMessage() for r in caplog.records if "older Megatron-LM spelling" in r.getMessage()]
+    given = [arg for arg in old if arg in {flag.flag for flag in LEGACY_FLAGS}]
+    assert sorted(note.split()[0] for note in notes) == sorted(given)  # one note per old flag, said once
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--checkpoint-activations", "--recompute-method", "block", "--recompute-granularity", "full",
+      "--recompute-num-layers", "1"], "--checkpoint-activations means --recompute-method uniform; it contradicts "
+                                      "--recompute-method block"),
+    (["--checkpoint-activations", "--activations-checkpoint-method", "block"],
+     "--checkpoint-activations means --activations-checkpoint-method uniform; it contradicts"),
+    (["--model-parallel-size", "2", "--tensor-model-parallel-size", "1"],
+     "--model-parallel-size means --tensor-model-parallel-size 2; it contradicts --tensor-model-parallel-size 1"),
+    (["--activations-checkpoint-method", "all"], None),
+])
+def test_older_spellings_that_contradict_the_modern_ones_are_refused(argv, message):
+    if message is None:  # Megatron's own choices: argparse's one-line error
+        with pytest.raises(SystemExit):
+            parse_config(argv)
+        return
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(argv, world_size=2)
+
+
+def test_every_older_spelling_is_documented():
+    text = DOCS.read_text()
+    assert all(f"`{flag.flag}" in text for flag in LEGACY_FLAGS)

@@ -15,7 +15,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from domino.config import DominoConfig, config_to_dict, padded_vocab_size
 from domino.data.tokenizer import Tokenizer
 from domino.model import GPTModel
-from domino.checkpoint import weights_io as wio
+from domino.checkpoint import on_disk as wio
 
 TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
         "arrows of outrageous fortune, or to take arms against a sea of troubles and by opposing end them. ") * 4

@@ -9,7 +9,8 @@ import transformers
 from domino.config import ConfigError
 from domino.eval.generate import generate_ids
 from domino.checkpoint.hf_interop import export_hf, import_hf
-from domino.checkpoint import weights_io as wio
+from domino.checkpoint import on_disk as wio
+from domino.checkpoint import model_loading
 from eval_checkpoints import save_checkpoint, tiny_config, tiny_model, tiny_tokenizer
 
 
@@ -53,7 +54,7 @@ def test_import_round_trip(saved):
     assert wio.resolve_checkpoint_dir(root / "imported") == ckpt
     meta = wio.read_checkpoint_meta(ckpt)
     assert meta["tensor_model_parallel_size"] == 1 and meta["padded_vocab_size"] == model.vocab_size
-    imported, _, imported_tok = wio.build_model_from_checkpoint(root / "imported")
+    imported, _, imported_tok = model_loading.build_model_from_checkpoint(root / "imported")
     assert imported_tok.encode("whether 'tis") == tokenizer.encode("whether 'tis")
     original = model.state_dict()
     for name, tensor in imported.state_dict().items():

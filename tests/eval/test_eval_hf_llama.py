@@ -12,7 +12,8 @@ from domino.config import ConfigError
 from domino.eval.evaluate import evaluate_checkpoint
 from domino.eval.generate import generate_ids
 from domino.checkpoint.hf_interop import export_hf, import_hf
-from domino.checkpoint import weights_io as wio
+from domino.checkpoint import on_disk as wio
+from domino.checkpoint import model_loading
 from eval_checkpoints import run_cli, save_checkpoint, tiny_config, tiny_model, tiny_tokenizer, write_token_dataset
 
 # The tiny LLaMA: rotary positions, SwiGLU, RMSNorm, no biases, GQA (2 key/value heads), untied output.
@@ -61,7 +62,7 @@ def test_export_is_a_llama_that_transformers_agrees_with(saved, monkeypatch):
 def test_import_round_trip_generate_and_evaluate(saved, capsys):
     root, model, tokenizer, out = saved
     ckpt = import_hf(out, root / "imported", make_vocab_size_divisible_by=8)
-    imported, meta, _ = wio.build_model_from_checkpoint(root / "imported")
+    imported, meta, _ = model_loading.build_model_from_checkpoint(root / "imported")
     assert meta["config"]["model"]["num_query_groups"] == 2 and meta["padded_vocab_size"] == model.vocab_size
     original = model.state_dict()
     assert imported.state_dict().keys() == original.keys()
@@ -144,7 +145,7 @@ def test_llama3_rope_scaling_matches_transformers(saved, tmp_path, monkeypatch):
     torch.testing.assert_close(theirs, ours_logits[..., :tokenizer.vocab_size], rtol=1e-4,
                                atol=1e-5 * theirs.abs().max().item())
     imported = import_hf(out, tmp_path / "imported", make_vocab_size_divisible_by=8)
-    _, meta, _ = wio.build_model_from_checkpoint(imported)
+    _, meta, _ = model_loading.build_model_from_checkpoint(imported)
     assert meta["config"]["model"]["use_rope_scaling"] is True and meta["config"]["model"]["rope_scaling_factor"] == 8
     bad = json.loads((out / "config.json").read_text())
     bad["rope_parameters"]["low_freq_factor"] = 2.0

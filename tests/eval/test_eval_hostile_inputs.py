@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 
 from domino.config import ConfigError
 from domino.checkpoint.hf_interop import export_hf, import_hf
-from domino.checkpoint import weights_io as wio
+from domino.checkpoint import on_disk as wio
+from domino.checkpoint import model_loading
 from eval_checkpoints import run_cli, save_checkpoint, tiny_config, tiny_model, tiny_tokenizer
 
 
@@ -52,14 +53,14 @@ def test_checkpoint_metadata_is_checked_against_shard_headers(saved, edit, messa
     try:
         start = time.perf_counter()
         with pytest.raises(wio.CheckpointError, match=message):
-            wio.build_model_from_checkpoint(saved / "ckpt", load_tokenizer=False)
+            model_loading.build_model_from_checkpoint(saved / "ckpt", load_tokenizer=False)
         assert time.perf_counter() - start < 30  # a bound on the damage, not a speed claim: the old code ran for minutes
         with pytest.raises(wio.CheckpointError, match=message):
             export_hf(saved / "ckpt", saved / "never-written")
         assert not (saved / "never-written").exists()
     finally:
         path.write_text(original)
-    model, meta, _ = wio.build_model_from_checkpoint(saved / "ckpt", load_tokenizer=False)
+    model, meta, _ = model_loading.build_model_from_checkpoint(saved / "ckpt", load_tokenizer=False)
     assert meta["tensor_model_parallel_size"] == 2 and model.vocab_size == meta["padded_vocab_size"]
 
 

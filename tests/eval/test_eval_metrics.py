@@ -11,7 +11,8 @@ from domino.eval.generate import generate_ids
 from domino.eval.metrics import MetricTotals, evaluate_batches, vocab_parallel_argmax
 from domino.eval.runtime import setup_tensor_parallel
 from domino.eval.sampling import SamplingConfig
-from domino.checkpoint import weights_io as wio
+from domino.checkpoint import on_disk as wio
+from domino.checkpoint import model_loading
 from eval_checkpoints import save_checkpoint, tiny_config, tiny_model
 
 VOCAB = 100
@@ -49,7 +50,7 @@ def _tp_body(rank, world, ckpt_dirs, batch):
     tp_rank, tp_size = setup_tensor_parallel()
     out = {}
     for name, ckpt in ckpt_dirs.items():
-        model, _, _ = wio.build_model_from_checkpoint(ckpt, tp_rank, tp_size, load_tokenizer=False)
+        model, _, _ = model_loading.build_model_from_checkpoint(ckpt, tp_rank, tp_size, load_tokenizer=False)
         with torch.no_grad():
             logits = model(batch[0])
         out[name] = {"metrics": evaluate_batches(model, [batch]), "argmax": vocab_parallel_argmax(logits),
@@ -68,7 +69,7 @@ def test_tp2_matches_single_process(tmp_path):
     with torch.no_grad():
         ref_argmax = model(batch[0]).argmax(-1)
     # Single process, checkpoint saved at TP=2: merged on load.
-    merged, _, _ = wio.build_model_from_checkpoint(ckpts["saved_tp2"], load_tokenizer=False)
+    merged, _, _ = model_loading.build_model_from_checkpoint(ckpts["saved_tp2"], load_tokenizer=False)
     assert evaluate_batches(merged, [batch]) == reference
     for rank_result in run_distributed(_tp_body, 2, ckpts, batch):
         for name, got in rank_result.items():

@@ -92,3 +92,15 @@ def test_the_overlay_enforces_privileged_and_keeps_the_stricter_levels_as_audit_
 def test_a_bad_rdma_resource_is_refused_naming_the_flag(resources, message):
     with pytest.raises(LaunchSpecError, match=f"--rdma-resource: .*{message}"):
         spec(rdma_resources=resources).validate()
+
+
+def test_the_pipeline_parameter_reaches_the_training_job():
+    from components.pretrain.settings import PretrainSettings
+    from components.pretrain.step import job_spec
+
+    settings = PretrainSettings(job_name="gpt", run_id="r", gpus_per_node=8, nproc_per_node=8, shared_root="/s",
+                                rdma_resources='{"rdma/rdma_shared_device_a": 1}')
+    spec = job_spec(settings, ["--preset", "tiny"])
+    assert spec.rdma_resources == {"rdma/rdma_shared_device_a": "1"}
+    container = render_job(spec, run_id="r")["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]

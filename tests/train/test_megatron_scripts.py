@@ -100,6 +100,21 @@ def test_megatron_distributed_with_mp_runs_with_one_pipeline_stage_and_its_seque
     _check_run(metrics, proc.stderr)
 
 
+def test_megatron_2021_script_runs_with_its_checkpoint_activations(tmp_path, corpus_prefix, gpt2_files):
+    """Megatron v2.0's `python pretrain_gpt.py ...` (one process): --checkpoint-activations is read as a full,
+    uniform recompute of one layer at a time, said once in the log; gloo stands in for its nccl on CPU."""
+    script = SCRIPTS["megatron-pretrain-gpt-2021"]
+    metrics = tmp_path / "metrics.jsonl"
+    argv = without_fp16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files)))
+    proc = run_pretrain([*argv, *SIZE_OVERRIDES, "--tensor-model-parallel-size", "1", "--distributed-backend", "gloo",
+                         "--metrics-file", str(metrics)], nproc=1, timeout=600)
+    assert sorted(train_losses(metrics)) == [1, 2, 3]
+    notes = [line for line in proc.stderr.splitlines() if "--checkpoint-activations is an older" in line]
+    assert len(notes) == 1 and "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1" \
+        in notes[0]
+    assert (tmp_path / "checkpoints" / "latest").is_file()
+
+
 def test_ds_domino_gpt3_script_runs_under_the_deepspeed_launcher(tmp_path, corpus_prefix, gpt2_files):
     """`deepspeed --num_gpus 2 --module domino pretrain ...` (the launcher passes --local_rank=N before `pretrain`)."""
     script = SCRIPTS["ds-domino-gpt3-2.7b"]

@@ -121,7 +121,7 @@ def test_a_restart_resumes_its_own_checkpoint_not_load_other(tmp_path):
 def test_a_folder_with_only_a_runs_metrics_is_a_fresh_start_and_a_model_folder_an_error(tmp_path):
     """A run killed before its first save leaves ``--metrics-file ckpt/metrics.jsonl`` (the README's layout)
     in ``--load ckpt``: the restart starts fresh instead of crash-looping; a Hugging Face folder is refused."""
-    from domino.checkpoint.resume import find_checkpoint
+    from domino.checkpoint.discovery import find_checkpoint
     from domino.config import ConfigError, parse_config
 
     ckpt = tmp_path / "ckpt"

@@ -1,8 +1,9 @@
 """The default ZeRO stage: 0 at one data-parallel replica, 1 otherwise, the resumed checkpoint's when resuming.
 
 With one replica ZeRO 1 has nothing to shard (``domino.config.validate.zero_stage_for``), so the default is the
-plain optimizer; these runs check that the choice does not change the maths, and that a checkpoint's optimizer
-state is either resumed with a stage that can read it or refused with one line before training.
+plain optimizer; these runs check that the choice does not change the maths, that a resumed run keeps its
+checkpoint's stage unless told otherwise, and that another stage reads the same state (it is stored by parameter
+name: ``domino/checkpoint/optimizer_state.py``).
 
 The learning rate is constant (no warm-up, no decay) so a run that stops at iteration 4 and one that goes on to
 6 follow the same schedule: a resumed run's losses can then be compared with an uninterrupted one's.
@@ -24,13 +25,7 @@ def _run(tmp_path, name, iters, *flags, nproc=1, check=True):
     return proc, (train_losses(metrics) if metrics.exists() else {})
 
 
-def _refused(proc, losses, message):
-    assert proc.returncode != 0
-    assert message in proc.stderr, proc.stderr[-3000:]
-    assert not losses  # refused before the first iteration
-
-
-def test_default_at_one_replica_is_zero_0_with_the_losses_of_zero_1_and_old_checkpoints_resume(tmp_path):
+def test_default_at_one_replica_is_zero_0_with_the_losses_of_zero_1_and_checkpoints_resume_on_either(tmp_path):
     proc, auto = _run(tmp_path, "auto", 6)
     assert "--zero-stage not given: 0 (one data-parallel replica" in proc.stderr
     assert "ZeRO 0" in proc.stderr
@@ -49,17 +44,8 @@ def test_default_at_one_replica_is_zero_0_with_the_losses_of_zero_1_and_old_chec
     proc, resumed = _run(tmp_path, "resumed", 6, "--load", str(save), "--save", str(save))
     assert "--zero-stage not given: 1 (the stage of the checkpoint whose optimizer state is resumed)" in proc.stderr
     assert resumed == {i: zero1[i] for i in (5, 6)}  # exact: the same optimizer, the same state
-    # ... and an explicit stage of the other kind is refused with one line naming both.
-    _refused(*_run(tmp_path, "refused", 8, "--load", str(save), "--zero-stage", "0", check=False),
-             "its optimizer state is from --zero-stage 1, this run uses --zero-stage 0")
-
-
-def test_a_checkpoint_does_not_resume_its_optimizer_across_data_parallel_sizes(tmp_path):
-    """DP=1 (default ZeRO 0) -> DP=2 (default ZeRO 1) and back: refused with one line, before training."""
-    one, two = tmp_path / "dp1", tmp_path / "dp2"
-    _run(tmp_path, "dp1", 2, "--save", str(one))
-    _run(tmp_path, "dp2", 2, "--save", str(two), nproc=2)
-    _refused(*_run(tmp_path, "dp1-to-dp2", 4, "--load", str(one), nproc=2, check=False),
-             "saved with TP=1 x DP=1, this run is TP=1 x DP=2; the optimizer state cannot be resharded")
-    _refused(*_run(tmp_path, "dp2-to-dp1", 4, "--load", str(two), check=False),
-             "saved with TP=1 x DP=2, this run is TP=1 x DP=1; the optimizer state cannot be resharded")
+    # ... and an explicit stage of the other kind (the plain AdamW) continues from the same state.
+    _, plain = _run(tmp_path, "plain", 6, "--load", str(save / "iter_0000004"), "--zero-stage", "0")
+    assert sorted(plain) == [5, 6]
+    for i in plain:
+        assert abs(plain[i] - zero1[i]) <= 1e-6 * abs(zero1[i]), (i, plain[i], zero1[i])

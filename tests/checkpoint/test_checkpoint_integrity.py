@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from domino.checkpoint import manifest
-from train_helpers import TINY, run_pretrain, train_losses
+from train.train_helpers import TINY, run_pretrain, train_losses
 
 
 def _flip_byte(path: Path, offset: int = -100) -> None:
@@ -49,6 +49,11 @@ def test_a_bad_manifest_is_damage_not_a_crash(tmp_path, content):
     assert "is not a checkpoint manifest" in manifest.find_damage(tmp_path)
 
 
+#: The optimizer state's files: DCP names the one rank r writes shard-{r+1:05d}-... (each rank verifies every
+#: world-size-th of them when loading: rank 1 of 2 the second).
+SHARD = "shard-{:05d}-model-00001-of-00001.safetensors"
+
+
 def _args(prefix, save, metrics, iters, *extra):
     return [*TINY, "--data-path", prefix, "--train-iters", str(iters), "--save-interval", "2", "--save", str(save),
             "--load", str(save), "--metrics-file", str(metrics), "--eval-iters", "0", "--eval-interval", "0", *extra]
@@ -58,8 +63,9 @@ def test_damaged_latest_falls_back_to_the_newest_intact_checkpoint(tmp_path, cor
     save, first = tmp_path / "ckpt", tmp_path / "first.jsonl"
     run_pretrain(_args(corpus_prefix, save, first, 4))
     files = manifest.read_manifest(save / "iter_0000004")
-    assert {"checkpoint.json", "model/tp_rank_00.safetensors", "optim/rank_00000.pt", "rng/rank_00000.pt"} <= set(files)
-    _flip_byte(save / "iter_0000004" / "optim" / "rank_00000.pt")
+    assert {"checkpoint.json", "model/tp_rank_00.safetensors", f"optimizer/{SHARD.format(1)}",
+            "rng/rank_00000.pt"} <= set(files)
+    _flip_byte(save / "iter_0000004" / "optimizer" / SHARD.format(1))
 
     strict = run_pretrain(_args(corpus_prefix, save, tmp_path / "strict.jsonl", 6, "--strict-load"), check=False)
     assert strict.returncode != 0 and "Traceback" not in strict.stderr
@@ -67,7 +73,7 @@ def test_damaged_latest_falls_back_to_the_newest_intact_checkpoint(tmp_path, cor
 
     resumed = tmp_path / "resumed.jsonl"
     proc = run_pretrain(_args(corpus_prefix, save, resumed, 6))
-    assert "CHECKPOINT" in proc.stderr and "rank_00000.pt is damaged" in proc.stderr
+    assert "CHECKPOINT" in proc.stderr and f"{SHARD.format(1)} is damaged" in proc.stderr
     assert "iter_0000002" in proc.stderr
     losses, reference = train_losses(resumed), train_losses(first)
     assert sorted(losses) == [3, 4, 5, 6]  # resumed after iteration 2, not 4
@@ -86,13 +92,13 @@ def test_torn_latest_is_skipped_when_choosing(tmp_path, corpus_prefix):
 
 
 def test_ranks_agree_when_only_one_ranks_file_is_damaged(tmp_path, corpus_prefix):
-    """DP=2: only rank 1's optimizer file is damaged; both ranks fall back to the same checkpoint."""
+    """DP=2: only the optimizer file rank 1 verifies is damaged; both ranks fall back to the same checkpoint."""
     save, first = tmp_path / "ckpt", tmp_path / "first.jsonl"
     run_pretrain(_args(corpus_prefix, save, first, 4, "--zero-stage", "1"), nproc=2)
-    _flip_byte(save / "iter_0000004" / "optim" / "rank_00001.pt")
+    _flip_byte(save / "iter_0000004" / "optimizer" / SHARD.format(2))
     resumed = tmp_path / "resumed.jsonl"
     proc = run_pretrain(_args(corpus_prefix, save, resumed, 6, "--zero-stage", "1"), nproc=2)
-    assert "rank 1 (node " in proc.stderr and "rank_00001.pt is damaged" in proc.stderr
+    assert "rank 1 (node " in proc.stderr and f"{SHARD.format(2)} is damaged" in proc.stderr
     losses, reference = train_losses(resumed), train_losses(first)
     assert sorted(losses) == [3, 4, 5, 6]
     assert losses[3] == reference[3] and losses[4] == reference[4]

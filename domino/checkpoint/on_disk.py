@@ -1,4 +1,4 @@
-"""The model-weights part of the domino checkpoint format.
+"""The domino checkpoint format on disk: the save root, ``checkpoint.json`` and the model shards.
 
 A save root ``DIR`` holds ``DIR/latest`` (a text file naming the newest checkpoint, e.g. ``iter_0000100``,
 replaced last by an atomic rename) and one directory per checkpoint::
@@ -8,7 +8,8 @@ replaced last by an atomic rename) and one directory per checkpoint::
         model/tp_rank_00.safetensors each tensor-parallel rank's ``model.state_dict()``
         model/tp_rank_01.safetensors ...
         tokenizer/                   optional: the tokenizer, so the checkpoint is self-contained
-        optim/, rng/                 training state (owned by ``domino.train``; not read here)
+        optimizer/                   the optimizer state by parameter name (``domino.checkpoint.distributed_io``)
+        rng/                         each rank's RNG streams (``domino.checkpoint.per_rank_state``)
 
 Weights are stored with safetensors, so loading never unpickles anything. Every file is written to a
 temporary name, fsynced and renamed, so an interrupted save never leaves a half-written file under the
@@ -21,6 +22,7 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -34,17 +36,23 @@ from domino.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+#: Version 2 stores the optimizer state by parameter name (``optimizer/``, any layout reads it); version 1 kept
+#: each rank's optimizer state (``optim/rank_NNNNN.pt``, read on the layout that wrote it). Both are read.
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 LATEST_FILE = "latest"
 META_FILE = "checkpoint.json"
 MODEL_DIR = "model"
+OPTIMIZER_DIR = "optimizer"
+LEGACY_OPTIMIZER_DIR = "optim"
+RNG_DIR = "rng"
 TOKENIZER_DIR = "tokenizer"
+#: ``checkpoint.json`` holds a config and a few numbers (a few kB); anything far larger is not one.
+MAX_META_BYTES = 16 << 20
 REQUIRED_META_KEYS = ("format_version", "iteration", "consumed_samples", "tensor_model_parallel_size",
                       "padded_vocab_size", "tokenizer", "config")
 _TAG_PATTERN = re.compile(r"^iter_\d{7,}$")
 _SHARD_PATTERN = re.compile(r"^tp_rank_(\d{2,})\.safetensors$")
-_LAYER_PATTERN = re.compile(r"^layers\.(\d+)\.")
-_EMBEDDING = "embedding.word_embeddings.weight"
 
 PathLike = Union[str, os.PathLike]
 
@@ -129,9 +137,9 @@ def _check_meta(meta: Dict[str, Any], source: str) -> None:
     missing = [k for k in REQUIRED_META_KEYS if k not in meta]
     if missing:
         raise CheckpointError(f"{source}: missing field(s) {', '.join(missing)}")
-    if meta["format_version"] != FORMAT_VERSION:
+    if meta["format_version"] not in READABLE_FORMAT_VERSIONS:
         raise CheckpointError(f"{source}: format_version {meta['format_version']!r} is not supported "
-                              f"(this domino reads version {FORMAT_VERSION})")
+                              f"(this domino reads versions {', '.join(map(str, READABLE_FORMAT_VERSIONS))})")
     for key in ("iteration", "consumed_samples", "tensor_model_parallel_size", "padded_vocab_size"):
         if not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 0:
             raise CheckpointError(f"{source}: field {key} must be a non-negative integer, got {meta[key]!r}")
@@ -150,6 +158,9 @@ def read_checkpoint_meta(ckpt_dir: PathLike) -> Dict[str, Any]:
     path = Path(ckpt_dir) / META_FILE
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist (is {ckpt_dir} a checkpoint directory?)")
+    if path.stat().st_size > MAX_META_BYTES:  # untrusted: bounded before it is read
+        raise CheckpointError(f"{path} has {path.stat().st_size} bytes; checkpoint metadata is at most "
+                              f"{MAX_META_BYTES} bytes")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -163,6 +174,54 @@ def write_checkpoint_meta(ckpt_dir: PathLike, meta: Dict[str, Any]) -> None:
     meta = {"format_version": FORMAT_VERSION, **meta}
     _check_meta(meta, f"checkpoint metadata for {ckpt_dir}")
     atomic_write_text(str(Path(ckpt_dir) / META_FILE), json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint directory and its ``checkpoint.json``, checked once and passed along from discovery to the
+    shard readers (nothing downstream reads the file again).
+
+    Attributes:
+        path: the ``iter_*`` directory.
+        meta: its checked ``checkpoint.json``.
+    """
+
+    path: Path
+    meta: Dict[str, Any]
+
+    @classmethod
+    def read(cls, ckpt_dir: PathLike) -> "Checkpoint":
+        """The checkpoint directory ``ckpt_dir`` (its metadata read and checked, :func:`read_checkpoint_meta`)."""
+        return cls(Path(ckpt_dir), read_checkpoint_meta(ckpt_dir))
+
+    @classmethod
+    def open(cls, path: "Union[PathLike, Checkpoint]") -> "Checkpoint":
+        """The checkpoint ``path`` designates: a save root (its ``latest``), an ``iter_*`` directory, or one
+        already read."""
+        return path if isinstance(path, Checkpoint) else cls.read(resolve_checkpoint_dir(path))
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def tensor_model_parallel_size(self) -> int:
+        return self.meta["tensor_model_parallel_size"]
+
+    @property
+    def optimizer_format(self) -> Optional[str]:
+        """How the optimizer state is stored: ``"by-name"`` (any layout reads it), ``"per-rank"`` (format 1: the
+        layout that wrote it), or ``None`` (weights only: ``import-hf`` output)."""
+        recorded = self.meta.get("optimizer")
+        if isinstance(recorded, dict) and recorded.get("format") in ("by-name", "per-rank"):
+            return recorded["format"]
+        return "per-rank" if (self.path / LEGACY_OPTIMIZER_DIR).is_dir() else None
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+CheckpointLike = Union[PathLike, Checkpoint]
 
 
 def save_model_shard(ckpt_dir: PathLike, state_dict: Dict[str, torch.Tensor], tp_rank: int) -> Path:
@@ -181,7 +240,7 @@ def save_model_shard(ckpt_dir: PathLike, state_dict: Dict[str, torch.Tensor], tp
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(str(final))
     try:
-        save_file(tensors, tmp, metadata={"format_version": str(FORMAT_VERSION), "tp_rank": str(tp_rank)})
+        save_file(tensors, tmp, metadata={"format_version": "1", "tp_rank": str(tp_rank)})  # the shards' own
         commit(tmp, str(final))
     finally:
         remove_quietly(tmp)
@@ -234,72 +293,21 @@ def shard_paths(ckpt_dir: PathLike, meta: Optional[Dict[str, Any]] = None) -> Li
     return [model_dir / shard_file_name(r) for r in range(tp)]
 
 
-def merged_header_shapes(ckpt_dir: PathLike, meta: Dict[str, Any]) -> Dict[str, Tuple[int, ...]]:
-    """The unsharded shape of every tensor of a checkpoint, from its shard headers alone (no tensor data)."""
-    from domino.checkpoint.sharding import partition_dim
-
-    merged: Dict[str, Tuple[int, ...]] = {}
-    for rank, path in enumerate(shard_paths(ckpt_dir, meta)):
-        for name, shape in read_header_shapes(path).items():
-            dim = partition_dim(name)
-            if name not in merged or dim is None or dim >= len(shape):
-                merged.setdefault(name, shape)
-            elif rank:
-                merged[name] = merged[name][:dim] + (merged[name][dim] + shape[dim],) + merged[name][dim + 1:]
-    return merged
+def load_tp_shards(ckpt: CheckpointLike) -> Tuple[List[Dict[str, torch.Tensor]], Dict[str, Any]]:
+    """All TP shards of a checkpoint directory (as saved) and its metadata."""
+    ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint.read(ckpt)
+    return [_read_safetensors(p) for p in shard_paths(ckpt.path, ckpt.meta)], ckpt.meta
 
 
-def check_checkpoint_fits(ckpt_dir: PathLike, meta: Dict[str, Any], config, tp_size: int = 1) -> None:
-    """Checks ``checkpoint.json`` against the shard headers before a model is built from it.
-
-    The metadata is untrusted (a hand-edited or foreign file can claim any vocabulary, width or depth);
-    the headers are backed by bytes on disk. The layer count and vocabulary are compared first, then every
-    tensor shape of a skeleton model built on the meta device (no memory) at ``tp_size`` with the shapes the
-    shards would be cut to.
-
-    Raises:
-        CheckpointError: naming the first field or tensor where metadata and shards disagree.
-    """
-    from domino.model import GPTModel
-    from domino.checkpoint.sharding import partition_dim
-
-    source = Path(ckpt_dir) / META_FILE
-    stored = merged_header_shapes(ckpt_dir, meta)
-    layer_ids = {int(m.group(1)) for m in map(_LAYER_PATTERN.match, stored) if m}
-    stored_layers = max(layer_ids) + 1 if layer_ids else 0
-    if config.model.num_layers != stored_layers:
-        raise CheckpointError(f"{source}: config.model.num_layers is {config.model.num_layers} but the shards "
-                              f"hold {stored_layers} layers")
-    vocab = meta["padded_vocab_size"]
-    rows = stored.get(_EMBEDDING, (vocab,))[0]
-    if rows != vocab:
-        raise CheckpointError(f"{source}: padded_vocab_size is {vocab} but the shards' {_EMBEDDING} has {rows} rows")
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in GPTModel(config.model, vocab).state_dict().items()}
-    for name in sorted(set(expected) | set(stored)):
-        shape, dim = stored.get(name), partition_dim(name)
-        if shape is not None and dim is not None and dim < len(shape):
-            shape = shape[:dim] + (shape[dim] / tp_size,) + shape[dim + 1:]
-        if expected.get(name) != shape:
-            raise CheckpointError(f"{source}: its config describes {name} as {expected.get(name)} but the shards "
-                                  f"hold {stored.get(name)} (at tensor_model_parallel_size={tp_size})")
-
-
-def load_tp_shards(ckpt_dir: PathLike) -> Tuple[List[Dict[str, torch.Tensor]], Dict[str, Any]]:
-    """All TP shards of a checkpoint (as saved) and its metadata."""
-    meta = read_checkpoint_meta(ckpt_dir)
-    return [_read_safetensors(p) for p in shard_paths(ckpt_dir, meta)], meta
-
-
-def load_full_state_dict(ckpt_dir: PathLike) -> Dict[str, torch.Tensor]:
-    """The unsharded state dict of a checkpoint (TP shards merged)."""
+def load_full_state_dict(ckpt: CheckpointLike) -> Dict[str, torch.Tensor]:
+    """The unsharded state dict of a checkpoint directory (TP shards merged)."""
     from domino.checkpoint.sharding import merge_tp_shards
 
-    shards, _ = load_tp_shards(ckpt_dir)
+    shards, _ = load_tp_shards(ckpt)
     return shards[0] if len(shards) == 1 else merge_tp_shards(shards)
 
 
-def load_model_shard(ckpt_dir: PathLike, tp_rank: int, tp_size: int) -> Dict[str, torch.Tensor]:
+def load_model_shard(ckpt: CheckpointLike, tp_rank: int, tp_size: int) -> Dict[str, torch.Tensor]:
     """The state dict for TP rank ``tp_rank`` of ``tp_size``, resharded if the checkpoint used another TP size.
 
     Raises:
@@ -307,83 +315,17 @@ def load_model_shard(ckpt_dir: PathLike, tp_rank: int, tp_size: int) -> Dict[str
     """
     if not 0 <= tp_rank < tp_size:
         raise CheckpointError(f"tp_rank {tp_rank} is outside [0, {tp_size})")
-    meta = read_checkpoint_meta(ckpt_dir)
-    if meta["tensor_model_parallel_size"] == tp_size:
-        return _read_safetensors(shard_paths(ckpt_dir, meta)[tp_rank])
-    if meta["padded_vocab_size"] % tp_size:
+    ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint.read(ckpt)
+    if ckpt.tensor_model_parallel_size == tp_size:
+        return _read_safetensors(shard_paths(ckpt.path, ckpt.meta)[tp_rank])
+    if ckpt.meta["padded_vocab_size"] % tp_size:
         raise CheckpointError(
-            f"checkpoint {ckpt_dir}: padded vocabulary {meta['padded_vocab_size']} cannot be split over "
+            f"checkpoint {ckpt}: padded vocabulary {ckpt.meta['padded_vocab_size']} cannot be split over "
             f"tensor_model_parallel_size={tp_size}")
     from domino.checkpoint.sharding import shard_state_dict
 
-    logger.info("resharding %s from TP=%d to TP=%d", ckpt_dir, meta["tensor_model_parallel_size"], tp_size)
-    return shard_state_dict(load_full_state_dict(ckpt_dir), tp_rank, tp_size)
-
-
-def load_checkpoint_tokenizer(ckpt_dir: PathLike, meta: Dict[str, Any], tokenizer_spec: Optional[str] = None):
-    """The tokenizer of a checkpoint: ``tokenizer_spec`` if given, else its ``tokenizer/`` copy, else its spec."""
-    from domino.data.tokenizer import build_tokenizer
-
-    saved = Path(ckpt_dir) / TOKENIZER_DIR
-    spec = tokenizer_spec or (str(saved) if saved.is_dir() else meta["tokenizer"])
-    try:
-        return build_tokenizer(spec)
-    except ConfigError:
-        raise
-    except Exception as error:  # a spec recorded on another machine may not resolve here
-        raise CheckpointError(f"checkpoint {ckpt_dir}: cannot build tokenizer {spec!r} ({error}); "
-                              "pass the tokenizer explicitly") from None
-
-
-def build_model_from_checkpoint(
-    path: PathLike,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    *,
-    domino_chunks: int = 1,
-    parallel_output: bool = True,
-    device: Union[str, torch.device] = "cpu",
-    dtype: torch.dtype = torch.float32,
-    load_tokenizer: bool = True,
-    tokenizer_spec: Optional[str] = None,
-):
-    """Builds a ``GPTModel`` in eval mode holding TP rank ``tp_rank``'s slice of a checkpoint.
-
-    With ``tp_size > 1`` the TP process groups must already exist (``initialize_model_parallel``).
-
-    Args:
-        path: a save root (its ``latest`` checkpoint is used) or an ``iter_*`` directory.
-        tp_rank: this process's tensor-parallel rank.
-        tp_size: the tensor-parallel size to load at (any; the checkpoint is resharded if needed).
-        domino_chunks: Domino micro-chunks of the built model.
-        parallel_output: keep logits vocab-parallel (False gathers the full vocabulary on every rank).
-        device: where the model lives.
-        dtype: parameter dtype.
-        load_tokenizer: also build the checkpoint's tokenizer (``None`` is returned otherwise).
-        tokenizer_spec: a tokenizer spec that overrides the checkpoint's own.
-
-    Returns:
-        ``(model, meta, tokenizer)``: the model, the checkpoint metadata (plus ``"checkpoint_dir"``),
-        and the tokenizer or ``None``.
-    """
-    from domino.config import config_from_dict
-    from domino.model import GPTModel
-
-    ckpt_dir = resolve_checkpoint_dir(path)
-    meta = read_checkpoint_meta(ckpt_dir)
-    config = config_from_dict(meta["config"])
-    config.parallel.tensor_model_parallel_size = tp_size
-    check_checkpoint_fits(ckpt_dir, meta, config, tp_size)
-    state_dict = load_model_shard(ckpt_dir, tp_rank, tp_size)
-    model = GPTModel(config.model, meta["padded_vocab_size"], domino_chunks=domino_chunks,
-                     parallel_output=parallel_output)
-    try:
-        model.load_state_dict(state_dict, strict=True)
-    except RuntimeError as error:
-        raise CheckpointError(f"checkpoint {ckpt_dir} does not fit the model its config describes: {error}") from None
-    model.to(device=device, dtype=dtype).eval()
-    tokenizer = load_checkpoint_tokenizer(ckpt_dir, meta, tokenizer_spec) if load_tokenizer else None
-    return model, {**meta, "checkpoint_dir": str(ckpt_dir)}, tokenizer
+    logger.info("resharding %s from TP=%d to TP=%d", ckpt, ckpt.tensor_model_parallel_size, tp_size)
+    return shard_state_dict(load_full_state_dict(ckpt), tp_rank, tp_size)
 
 
 def write_weights_only_checkpoint(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from domino.config import DominoConfig, config_to_dict
-from domino.checkpoint import weights_io as wio
+from domino.checkpoint import on_disk as wio
 
 
 def _meta(tp=1, iteration=7):
@@ -78,8 +78,8 @@ def test_bad_meta_and_missing_shard(tmp_path):
     (ckpt / "checkpoint.json").write_text(json.dumps({"format_version": 1}))
     with pytest.raises(wio.CheckpointError, match="missing field"):
         wio.read_checkpoint_meta(ckpt)
-    with pytest.raises(wio.CheckpointError, match="format_version 2"):
-        wio.write_checkpoint_meta(ckpt, {**_meta(), "format_version": 2})
+    with pytest.raises(wio.CheckpointError, match="format_version 9"):
+        wio.write_checkpoint_meta(ckpt, {**_meta(), "format_version": 9})
 
 
 def test_corrupt_shard_is_reported(tmp_path):
@@ -87,3 +87,16 @@ def test_corrupt_shard_is_reported(tmp_path):
     (ckpt / "model" / "tp_rank_00.safetensors").write_bytes(b"\x80\x03garbage pickle")
     with pytest.raises(wio.CheckpointError, match="not a readable safetensors"):
         wio.load_model_shard(ckpt, 0, 1)
+
+
+def test_oversized_metadata_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    from domino.checkpoint import manifest
+
+    ckpt = _write(tmp_path)
+    monkeypatch.setattr(wio, "MAX_META_BYTES", 64)
+    with pytest.raises(wio.CheckpointError, match="checkpoint metadata is at most 64 bytes"):
+        wio.read_checkpoint_meta(ckpt)
+    (ckpt / "manifest.json").write_text('{"format_version": 1, "files": {}}' + " " * 100)
+    monkeypatch.setattr(manifest, "MAX_MANIFEST_BYTES", 64)
+    with pytest.raises(ValueError, match="at most 64"):
+        manifest.read_manifest(ckpt)

@@ -48,24 +48,25 @@ def _crash_when(monkeypatch, owner, name: str, point: str, condition) -> None:
 def _install_fault(point: str, monkeypatch) -> None:
     """Makes step ``point`` of the save of :data:`CRASH_AT` crash (after a partial effect where a real crash
     could leave one)."""
-    from domino.checkpoint import weights_io
-    from domino.checkpoint import checkpointing
+    from domino.checkpoint import on_disk
+    from domino.checkpoint import checkpointing, distributed_io
 
     def saving(path) -> bool:
         return f".tmp-{CRASH_AT}" in str(path)
 
     if point == "model-shard":
-        _crash_when(monkeypatch, weights_io, "save_model_shard", point, lambda ckpt_dir, *_: saving(ckpt_dir))
-    elif point in ("optimizer-state", "rng-state"):
-        sub = {"optimizer-state": "optim", "rng-state": "rng"}[point]
+        _crash_when(monkeypatch, on_disk, "save_model_shard", point, lambda ckpt_dir, *_: saving(ckpt_dir))
+    elif point == "optimizer-state":
+        _crash_when(monkeypatch, distributed_io, "save", point, lambda directory, tensors: saving(directory))
+    elif point == "rng-state":
         _crash_when(monkeypatch, checkpointing, "_atomic_torch_save", point,
-                    lambda obj, path: saving(path) and Path(path).parent.name == sub)
+                    lambda obj, path: saving(path) and Path(path).parent.name == "rng")
     elif point == "meta":
-        _crash_when(monkeypatch, weights_io, "write_checkpoint_meta", point, lambda ckpt_dir, meta: saving(ckpt_dir))
+        _crash_when(monkeypatch, on_disk, "write_checkpoint_meta", point, lambda ckpt_dir, meta: saving(ckpt_dir))
     elif point == "rename":
         _crash_when(monkeypatch, os, "replace", point, lambda src, dst: Path(dst).name == CRASH_AT)
     elif point == "latest":
-        _crash_when(monkeypatch, weights_io, "write_latest", point, lambda root, tag: tag == CRASH_AT)
+        _crash_when(monkeypatch, on_disk, "write_latest", point, lambda root, tag: tag == CRASH_AT)
     elif point == "prune":
         real_rmtree = shutil.rmtree
 

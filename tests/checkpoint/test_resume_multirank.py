@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from train_helpers import read_metrics, run_pretrain, train_losses
+from train.train_helpers import read_metrics, run_pretrain, train_losses
 
 BASE = ["--preset", "tiny", "--mock-data", "--vocab-size", "256", "--log-interval", "1", "--num-workers", "0",
         "--seed", "7", "--train-iters", "8", "--save-interval", "4", "--eval-iters", "0", "--eval-interval", "0",

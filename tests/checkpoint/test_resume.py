@@ -4,7 +4,7 @@ import signal
 import subprocess
 import time
 
-from train_helpers import TINY, child_env, pretrain_command, run_pretrain, train_losses
+from train.train_helpers import TINY, child_env, pretrain_command, run_pretrain, train_losses
 
 
 def _args(prefix, save, metrics):

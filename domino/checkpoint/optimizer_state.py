@@ -1,0 +1,221 @@
+"""The optimizer's state by parameter name, whichever optimizer holds it: what a layout-free checkpoint stores.
+
+For every trainable parameter ``NAME`` (its name in the model's state dict) three fp32 tensors, each this
+tensor-parallel rank's whole slice of the parameter, whatever the data-parallel size or ZeRO stage::
+
+    fp32.NAME         the master weight
+    exp_avg.NAME      Adam's first moment
+    exp_avg_sq.NAME   Adam's second moment
+
+and, shared by all parameters, Adam's step count and the loss scaler's fields (:class:`Scalars`).
+:mod:`domino.checkpoint.distributed_io` stores these slices by their global shape.
+
+Two kinds of optimizer hold them (checked against DeepSpeed 0.19.8 and torch 2.13):
+
+* ZeRO stages 1 and 2, and DeepSpeed's ``BF16_Optimizer``: each data-parallel rank owns a fragment of a flat
+  fp32 partition; every parameter carries ``_hp_mapping``. DeepSpeed's own accessors,
+  ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` (an all-reduce over the parameter's
+  data-parallel group) and ``safe_set_full_*`` (each rank copies its fragment out of the full tensor), convert
+  between the fragments and the full slice (``deepspeed/utils/tensor_fragment.py``). Adam's state exists only
+  after the first step (``_lazy_init_hp_params_optimizer_state``, ``runtime/zero/stage_1_and_2.py``), so
+  loading creates it first, as torch's Adam would.
+* torch AdamW itself (ZeRO stage 0 in fp32): the parameter is its own master weight, the moments live in
+  ``optimizer.state[param]`` (``torch/optim/adam.py``).
+
+DeepSpeed's fp16 optimizer without ZeRO (``FP16_Optimizer``) offers neither: its runs keep the per-rank
+optimizer files of format 1 (:func:`supports`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+#: What each parameter's slice is stored as, in this order.
+STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+
+TensorsByName = Dict[str, torch.Tensor]
+
+
+@dataclass
+class Scalars:
+    """The optimizer state that is one number per run, not a tensor per parameter (``checkpoint.json``)."""
+
+    step: int = 0
+    """Adam's step count (the same for every parameter: domino has no frozen or late-added parameters)."""
+    loss_scaler: Dict[str, float] = field(default_factory=dict)
+    """The loss scaler's plain fields (``cur_scale``, ``cur_iter``, ``last_overflow_iter``, ...), fp16 only."""
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "loss_scaler": dict(self.loss_scaler)}
+
+    @classmethod
+    def from_json(cls, data: dict, source: str) -> "Scalars":
+        """Reads the ``optimizer`` object of ``checkpoint.json``; ``ValueError`` names ``source`` when malformed."""
+        step, scaler = data.get("step"), data.get("loss_scaler", {})
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0 or not isinstance(scaler, dict) or not all(
+                isinstance(v, (bool, int, float)) for v in scaler.values()):
+            raise ValueError(f"{source}: field optimizer must hold a non-negative integer step and a loss_scaler "
+                             f"object of numbers, got {str(data)[:120]}")
+        return cls(step, scaler)
+
+
+def _zero_like(engine) -> bool:
+    return any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
+
+
+def supports(engine) -> bool:
+    """Whether this run's optimizer state can be stored by name (ZeRO 1/2, BF16_Optimizer or plain AdamW)."""
+    return _zero_like(engine) or isinstance(engine.optimizer, torch.optim.Optimizer)
+
+
+def trainable(engine) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+    """The parameters the optimizer updates, by state-dict name, in the model's order (the same on every rank)."""
+    return ((name, p) for name, p in engine.module.named_parameters() if p.requires_grad)
+
+
+def _base_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer doing the update: ZeRO's and BF16_Optimizer's inner one, or the plain AdamW."""
+    return engine.optimizer.optimizer if _zero_like(engine) else engine.optimizer
+
+
+def _step_count(optimizer: torch.optim.Optimizer) -> int:
+    for entry in optimizer.state.values():
+        if "step" in entry:
+            return int(entry["step"])  # one host read per save
+    return 0  # no step taken yet (or every one skipped before the optimizer ever ran)
+
+
+def _loss_scaler_fields(engine) -> Dict[str, float]:
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is None:
+        return {}
+    return {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
+
+
+def _link_stepped_groups(engine) -> Dict[int, bool]:
+    """Points every parameter's fragment at Adam's moments; returns, by ``id(param)``, whether it has any.
+
+    DeepSpeed 0.19.8's ZeRO links the fragments once, after stepping the first parameter group only
+    (``stage_1_and_2.py``: ``_optimizer_step(group_no)`` runs ``_lazy_init_hp_params_optimizer_state`` after each
+    group's step, and the first call marks all groups linked), so the parameters of domino's second group (biases
+    and norms) never see their moments through ``safe_get_full_optimizer_state``. Linking again once every group
+    has its state mends that; BF16_Optimizer steps all groups at once and links them all anyway.
+    """
+    zero = engine.optimizer
+    base = zero.optimizer
+    groups = getattr(zero, "bit16_groups", None) or zero.bf16_groups
+    stepped = [all("exp_avg" in base.state.get(p, {}) for p in group["params"]) for group in base.param_groups]
+    if all(stepped):
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+    return {id(p): stepped[i] for i, group in enumerate(groups) for p in group}
+
+
+def gather(engine, keep: Callable[[int], bool] = lambda index: True) -> Tuple[TensorsByName, Scalars]:
+    """The optimizer state of the parameters this rank keeps, each as its whole TP-local slices, on the CPU.
+
+    Collective over each data-parallel group: with ZeRO every rank of the group takes part in every parameter's
+    gathering (its fragments are summed over the group), and every rank could keep the result. ``keep(index)``
+    (the parameter's position in :func:`trainable`) chooses which to keep, so the replicas of a group can share
+    the writing and each hold only its share on the host.
+    """
+    optimizer, tensors = _base_optimizer(engine), {}
+    zero = _zero_like(engine)
+    stepped = _link_stepped_groups(engine) if zero else {}
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    for index, (name, param) in enumerate(trainable(engine)):
+        if zero:
+            values = [safe_get_full_fp32_param(param)]
+            for key in STATE_KEYS[1:]:
+                # A group never stepped has no moments yet: zeros, as torch's Adam creates them. The choice is the
+                # same on every rank of the group (they step together), so the all-reduce inside is matched.
+                values.append(safe_get_full_optimizer_state(param, key) if stepped[id(param)]
+                              else torch.zeros_like(param, dtype=torch.float32))
+        else:
+            entry = optimizer.state.get(param, {})
+            values = [param.detach()] + [entry.get(key, torch.zeros_like(param)) for key in STATE_KEYS[1:]]
+        if keep(index):
+            for key, value in zip(STATE_KEYS, values):
+                tensors[f"{key}.{name}"] = value.detach().to("cpu", torch.float32, copy=True)
+    return tensors, Scalars(_step_count(optimizer), _loss_scaler_fields(engine))
+
+
+def empty_like_state(engine, names: Optional[Iterable[str]] = None) -> TensorsByName:
+    """CPU fp32 tensors of the shapes :func:`gather` returns (for the parameters ``names``, default all), to be
+    filled by a checkpoint read."""
+    wanted = None if names is None else set(names)
+    return {f"{key}.{name}": torch.zeros(param.shape, dtype=torch.float32)
+            for name, param in trainable(engine) if wanted is None or name in wanted for key in STATE_KEYS}
+
+
+def batches(engine, max_bytes: int) -> List[List[str]]:
+    """The trainable parameters' names in consecutive groups of at most ``max_bytes`` of state (or one parameter),
+    the same on every rank of the run (the same model order and TP-local shapes), so each group is one collective
+    read whose host memory stays bounded."""
+    groups: List[List[str]] = [[]]
+    size = 0
+    for name, param in trainable(engine):
+        nbytes = len(STATE_KEYS) * param.numel() * 4
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return [g for g in groups if g]
+
+
+def _fresh_step(group: dict, param: torch.Tensor, step: int) -> torch.Tensor:
+    """A step tensor as torch's Adam creates it (``torch/optim/adam.py`` ``_init_group``: on the parameter's
+    device for fused or capturable groups, else a CPU scalar)."""
+    if group.get("fused") or group.get("capturable"):
+        return torch.full((), float(step), dtype=torch.float32, device=param.device)
+    return torch.tensor(float(step), dtype=torch.float32)
+
+
+def _create_state(optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Gives every parameter of ``optimizer`` Adam's state (zero moments) at ``step``, replacing what it had."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            optimizer.state[param] = {"step": _fresh_step(group, param, step),
+                                      "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                                      "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
+
+
+def prepare(engine, scalars: Scalars) -> None:
+    """Gives the optimizer fresh Adam state at the checkpoint's step and the loss scaler its fields; :func:`fill`
+    then sets the tensors. Call after the model's weights are loaded (ZeRO's ``refresh_fp32_params`` would
+    overwrite the master weights with the rounded model weights otherwise)."""
+    _create_state(_base_optimizer(engine), scalars.step)
+    if _zero_like(engine):
+        engine.optimizer._hp_optimizer_states_linked = False
+        engine.optimizer._lazy_init_hp_params_optimizer_state()  # points each fragment at the new moments
+    scaler: Optional[object] = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is not None:
+        for key, value in scalars.loss_scaler.items():
+            if hasattr(scaler, key):
+                setattr(scaler, key, value)
+
+
+def fill(engine, tensors: TensorsByName) -> None:
+    """Loads the slices :func:`gather` produced (possibly on another layout) for the parameters ``tensors`` holds
+    into this run's optimizer, after :func:`prepare`. Nothing here is collective."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    optimizer, zero = _base_optimizer(engine), _zero_like(engine)
+    with torch.no_grad():
+        for name, param in trainable(engine):
+            if f"fp32.{name}" not in tensors:
+                continue
+            fp32, exp_avg, exp_avg_sq = (tensors[f"{key}.{name}"].to(param.device) for key in STATE_KEYS)
+            if zero:
+                safe_set_full_fp32_param(param, fp32)
+                safe_set_full_optimizer_state(param, exp_avg, "exp_avg")
+                safe_set_full_optimizer_state(param, exp_avg_sq, "exp_avg_sq")
+            else:
+                param.copy_(fp32)
+                optimizer.state[param]["exp_avg"].copy_(exp_avg)
+                optimizer.state[param]["exp_avg_sq"].copy_(exp_avg_sq)
