@@ -36,7 +36,7 @@ from domino.train.interval_stats import IntervalReading, IntervalStats
 from domino.train.metrics import MetricsWriter, format_iteration_line
 from domino.train.schedules import LearningRateSchedule
 from domino.train.throughput import detect_peak_tflops, memory_gb, training_flops_per_token
-from domino.train.timers import Timers
+from domino.train.timers import TimedIterator, Timers
 
 logger = logging.getLogger(__name__)
 
@@ -58,23 +58,6 @@ class TrainingResult:
     checkpoint: Optional[str]
     interrupted: bool = False
     """True when ``--exit-signal-handler`` stopped the run early on SIGTERM (after saving)."""
-
-
-class _TimedIterator:
-    """Wraps a data iterator so time spent waiting for batches lands in the ``batch-generator`` timer."""
-
-    def __init__(self, iterator, timers: Timers) -> None:
-        self.iterator, self.timers = iterator, timers
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self.timers.start("batch-generator")
-        try:
-            return next(self.iterator)
-        finally:
-            self.timers.stop("batch-generator")
 
 
 def _train_iters(config: DominoConfig, global_batch: int) -> int:
@@ -347,7 +330,7 @@ class _Trainer:
         train_iter = self._loader(self.train_ds, consumed, config.data.num_workers) if left else None
         if not left:
             logger.info("nothing left to train at iteration %d of %d: evaluating", iteration, self.train_iters)
-        train_iter = _TimedIterator(train_iter, self.timers) if train_iter is not None else None
+        train_iter = TimedIterator(train_iter, self.timers) if train_iter is not None else None
         self.writer.drop_after(iteration)
         self.writer.track(config_to_dict(config), lg, c.save, iteration, {
             "world_size": dist.get_world_size(), "global_batch_size": self.gbs, "train_iters": self.train_iters,
