@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 
-from domino.checkpoint import resume, weights_io
+from domino.checkpoint import discovery, on_disk
 from domino.launch import JobSpec, defaults
 from domino.launch.local_backend import LocalLauncher
 from domino.launch.pytorchjob import PyTorchJobApi
@@ -76,9 +76,9 @@ def test_a_sigterm_save_longer_than_30_s_completes_through_torchrun(tmp_path):
     assert "SIGTERM: saving at iteration" in output, output[-3000:]
     assert stopped - signalled[0] > SLOW_SAVE_S  # the save outlived torchrun's default 30 s
     save = tmp_path / "checkpoints" / "term-t"
-    latest = weights_io.find_latest_checkpoint(save)
+    latest = on_disk.find_latest_checkpoint(save)
     assert latest is not None, output[-3000:]
-    assert resume.choose_intact(latest, strict=True) == latest  # complete: every file at its recorded size
+    assert discovery.choose_intact(latest, strict=True).path == latest  # complete: every file at its recorded size
     saved = json.loads((latest / "checkpoint.json").read_text())["iteration"]
     logged = [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()]
     assert saved == logged[-1]  # saved where training stood
