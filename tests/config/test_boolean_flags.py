@@ -14,6 +14,7 @@ from typing import Iterator, List, Tuple
 
 from domino.cli.main import build_parser
 from domino.config import parse_config
+from domino.config.flags import FLAG_ALIASES
 
 BOOLEAN_ACTIONS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)
 
@@ -55,8 +56,8 @@ def _required(parser: argparse.ArgumentParser, tested: argparse.Action) -> List[
 
 def _expected(action: argparse.Action, option: str) -> bool:
     """What the spelling means by its name: the field's name sets True, ``--no-`` + the field's name False."""
-    field = action.dest.replace("_", "-")
-    if option == f"--{field}":
+    field = action.dest.removeprefix("legacy_").replace("_", "-")  # LegacyFlag.dest: "legacy_" + the old flag
+    if option == f"--{field}" or option in FLAG_ALIASES.get(action.dest, ()):
         return True
     if option == f"--no-{field}" or (field.startswith("no-") and option == f"--{field[3:]}"):
         return False
@@ -83,7 +84,7 @@ def test_every_spelling_of_every_boolean_flag_sets_what_its_name_says():
         if got is not want:
             wrong.append(f"domino {' '.join(path)} {option}: {action.dest} = {got!r}, its name says {want}")
         usage = parser.format_help()
-        if option not in usage:
+        if action.help != argparse.SUPPRESS and option not in usage:
             wrong.append(f"domino {' '.join(path)} --help does not show {option}")
     assert seen > 100, f"only {seen} boolean spellings found: the walk over the verbs is broken"
     assert not wrong, "\n".join(wrong)

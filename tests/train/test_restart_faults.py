@@ -50,7 +50,7 @@ def test_a_kill_while_deleting_the_replaced_checkpoint_leaves_the_new_one_named(
     save, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     run_pretrain(_args(save, tmp_path / "reference.jsonl"))
     reference = train_losses(tmp_path / "reference.jsonl")
-    _flip_byte(save / "iter_0000004" / "optim" / "rank_00000.pt")
+    _flip_byte(save / "iter_0000004" / "rng" / "rank_00000.pt")
     killed = run_pretrain(_args(save, metrics), check=False, env={"DOMINO_FAULT_INJECT": "kill-in-delete@4"})
     assert killed.returncode != 0 and "fault injection: killing this process in kill-in-delete" in killed.stderr
     assert (save / ".trash-iter_0000004").is_dir()  # the kill came while deleting the replaced copy
