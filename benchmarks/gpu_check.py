@@ -288,6 +288,7 @@ def measure(args) -> Dict[str, Any]:
         "loss_curve": main["losses"], "loss_falls": _loss_falls(main["losses"]),
         "llama": llama if llama is not None else {"skipped": report["skipped"].get("llama", "?")},
         "compile_backend": kernels_for(device).compile_backend, "c_compiler": c_compiler(),
+        "cudnn_version": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         "oom_retries": report["oom_retries"], "skipped": report["skipped"],
         "budget_s": args.budget_s, "torch": torch.__version__, "seconds": time.perf_counter() - started,
     }
@@ -300,7 +301,8 @@ RESULT_SHAPE = {
     "chunks_2_over_chunks_1": (float, type(None)), "tflops_per_device": (float,), "peak_tflops": (float, type(None)),
     "mfu": (float, type(None)), "peak_memory_gb": (float, type(None)), "peak_reserved_gb": (float, type(None)),
     "syncs_per_iteration": (float,), "syncs": (dict,), "loss_curve": (list,), "loss_falls": (bool,),
-    "llama": (dict,), "compile_backend": (str, type(None)), "c_compiler": (str, type(None)), "oom_retries": (list,),
+    "llama": (dict,), "compile_backend": (str, type(None)), "c_compiler": (str, type(None)),
+    "cudnn_version": (int, type(None)), "oom_retries": (list,),
     "skipped": (dict,), "budget_s": (float,), "torch": (str,), "seconds": (float,),
 }
 

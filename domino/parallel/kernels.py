@@ -34,6 +34,13 @@ output layer + loss         all tokens' logits in one kept buffer (the   row chu
                                                                          micro-batch 16)
 ==========================  ===========================================  =============================================
 
+Attention's backend is left to torch on both sides, on purpose: on CUDA, SDPA already prefers cuDNN attention on
+Hopper and Blackwell where the bundled cuDNN is one its developers trust (``check_prefer_cudnn_attention`` in
+pytorch's ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: cuDNN > 9.15, sm90/sm100), else FlashAttention;
+forcing cuDNN first (``sdpa_kernel(..., set_priority=True)``, torch >= 2.6) would override the guard pytorch added
+after the 2.5 bugs (pytorch PR #138522, issue #139298; the same reasoning closed transformers PR #48163).
+``benchmarks/gpu_check.py`` records the device's cuDNN version so the choice can be read off a real run.
+
 Both sides of every row compute the same values (``tests/model/test_model_kernels.py`` forces the CUDA choices
 on CPU tensors and compares outputs and gradients). Devices other than ``cuda`` take the CPU choices.
 """

@@ -105,6 +105,14 @@ MUTATIONS: List[Mutation] = [
              '            iteration_loss += stats["lm loss"].detach()',
              '            iteration_loss += float(stats["lm loss"])',
              ["tests/train/test_host_syncs.py::test_tp2_domino_iterations_read_nothing_on_the_host"]),
+    Mutation("bf16-step-never-skips", "domino/train/bf16_step.py",
+             "    self.optimizer.found_inf = self.found_inf", "    self.optimizer.found_inf = None",
+             ["tests/train/test_bf16_step.py::test_device_decided_step_equals_deepspeeds_bit_for_bit[0.05]"]),
+    Mutation("chunked-loss-forgets-the-one-hot", "domino/parallel/chunked_cross_entropy.py",
+             "-inside.to(probs.dtype).unsqueeze(-1))  # minus the one-hot",
+             "0 * inside.to(probs.dtype).unsqueeze(-1))",
+             ["tests/parallel/test_parallel_chunked_cross_entropy.py::"
+              "test_chunked_equals_the_one_buffer_loss_and_f_cross_entropy_in_fp32[5]"]),
 ]
 
 
