@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from domino.config import padded_vocab_size, parse_config  # noqa: E402
 from domino.model import GPTModel  # noqa: E402
+from domino.overlap.schedule import apply_domino  # noqa: E402
 from domino.parallel.kernels import c_compiler, kernels_for  # noqa: E402
 from domino.train import engine as engine_setup  # noqa: E402
 from domino.train.host_syncs import syncs_per_step  # noqa: E402
@@ -82,7 +83,7 @@ class _Run:
         self.config = _config(args, micro_batch, chunks, llama)
         self.vocab = padded_vocab_size(self.config.model.vocab_size, self.config)
         torch.manual_seed(args.seed)
-        model = GPTModel(self.config.model, self.vocab, domino_chunks=chunks)
+        model = apply_domino(GPTModel(self.config.model, self.vocab), chunks)
         self.engine = engine_setup.build_engine(model, self.config)
         self.set_batch(micro_batch)
 
@@ -288,6 +289,7 @@ def measure(args) -> Dict[str, Any]:
         "loss_curve": main["losses"], "loss_falls": _loss_falls(main["losses"]),
         "llama": llama if llama is not None else {"skipped": report["skipped"].get("llama", "?")},
         "compile_backend": kernels_for(device).compile_backend, "c_compiler": c_compiler(),
+        "cudnn_version": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         "oom_retries": report["oom_retries"], "skipped": report["skipped"],
         "budget_s": args.budget_s, "torch": torch.__version__, "seconds": time.perf_counter() - started,
     }
@@ -300,7 +302,8 @@ RESULT_SHAPE = {
     "chunks_2_over_chunks_1": (float, type(None)), "tflops_per_device": (float,), "peak_tflops": (float, type(None)),
     "mfu": (float, type(None)), "peak_memory_gb": (float, type(None)), "peak_reserved_gb": (float, type(None)),
     "syncs_per_iteration": (float,), "syncs": (dict,), "loss_curve": (list,), "loss_falls": (bool,),
-    "llama": (dict,), "compile_backend": (str, type(None)), "c_compiler": (str, type(None)), "oom_retries": (list,),
+    "llama": (dict,), "compile_backend": (str, type(None)), "c_compiler": (str, type(None)),
+    "cudnn_version": (int, type(None)), "oom_retries": (list,),
     "skipped": (dict,), "budget_s": (float,), "torch": (str,), "seconds": (float,),
 }
 

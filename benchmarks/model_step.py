@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from domino.config import ModelConfig  # noqa: E402
 from domino.model import GPTModel  # noqa: E402
+from domino.overlap.schedule import apply_domino  # noqa: E402
 from domino.runtime import state  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, SEQ, BATCH, VOCAB = 4, 256, 4, 256, 8, 8192
@@ -178,7 +179,7 @@ def _tp_worker(rank, world, port, threads, chunks_list, repeats, steps, warmup, 
     runs = {}
     for chunks in chunks_list:
         torch.manual_seed(0)
-        model = GPTModel(model_config(), VOCAB, domino_chunks=chunks)
+        model = apply_domino(GPTModel(model_config(), VOCAB), chunks)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         runs[chunks] = (lambda m=model, o=opt: _ours_step(m, o, tokens, labels))
     for step in runs.values():

@@ -22,7 +22,7 @@ TP=8 ring that crosses nodes). Peak FLOP/s make these upper bounds: a real step 
                                  [--sequence-parallel] [--json]
 
 ``--breakdown`` also prints, per link and layout, the blocked time by call site (the labels of
-``domino.parallel.collectives.comm_site``: forward waits per layer position and chunk, backward input-gradient
+``domino.runtime.comm_timing.comm_site``: forward waits per layer position and chunk, backward input-gradient
 guards, embedding, output layer, cross-entropy), means over the measured steps.
 """
 
@@ -46,7 +46,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from domino.config import ModelConfig  # noqa: E402
 from domino.model import GPTModel  # noqa: E402
-from domino.parallel import collectives  # noqa: E402
+from domino.overlap.schedule import apply_domino  # noqa: E402
+from domino.runtime import comm_timing  # noqa: E402
 from domino.runtime import state  # noqa: E402
 from domino.runtime.network_emulator import LinkEmulator, parse_spec  # noqa: E402
 
@@ -179,23 +180,23 @@ def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: s
     runs = {}
     for name, chunks in LAYOUTS.items():
         torch.manual_seed(0)
-        model = GPTModel(config, VOCAB, domino_chunks=chunks)
+        model = apply_domino(GPTModel(config, VOCAB), chunks)
         runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True))
 
     def step(name: str) -> tuple:
         model, opt = runs[name]
         dist.barrier()
-        collectives.pop_comm_wait_seconds(), collectives.pop_modelled_comm_seconds()
-        collectives.pop_comm_wait_by_site()
+        comm_timing.pop_comm_wait_seconds(), comm_timing.pop_modelled_comm_seconds()
+        comm_timing.pop_comm_wait_by_site()
         started = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = model(tokens, labels=labels).mean()
         loss.backward()
         opt.step()
         elapsed = time.perf_counter() - started
-        return (1000 * elapsed, 1000 * collectives.pop_comm_wait_seconds(),
-                1000 * collectives.pop_modelled_comm_seconds(), loss.item(),
-                {k: 1000 * v for k, v in collectives.pop_comm_wait_by_site().items()})
+        return (1000 * elapsed, 1000 * comm_timing.pop_comm_wait_seconds(),
+                1000 * comm_timing.pop_modelled_comm_seconds(), loss.item(),
+                {k: 1000 * v for k, v in comm_timing.pop_comm_wait_by_site().items()})
 
     out = {"settings": {}}
     for setting in ["real gloo only", *settings]:

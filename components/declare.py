@@ -173,7 +173,7 @@ def function_source(component: Component) -> str:
     for p in component.parameters():
         params.append(f"{p.name}: {_KFP_TYPES[p.kind]}" + ("" if p.required else f" = {p.default!r}"))
         docs.append((p.name, p.doc))
-    for name, doc in docs:
+    for name, doc in docs + [("summary", component.summary), ("returns", component.returns[1])]:
         if '"""' in doc or doc.endswith("\\"):
             raise ValueError(f"{component.function}.{name}: its description would end the generated docstring")
     module, function = component.run.split(":")

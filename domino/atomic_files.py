@@ -19,7 +19,7 @@ import glob
 import logging
 import os
 import uuid
-from typing import IO, Iterator, List, Optional, Sequence, Tuple
+from typing import IO, Iterator, List, Optional, Sequence, Set, Tuple
 
 from domino.file_lock import try_lock_descriptor
 
@@ -96,19 +96,46 @@ def open_owned_temporary(path: str, mode: str = "wb") -> Tuple[str, IO]:
     raise OSError(f"{path}: could not create a temporary file of our own")
 
 
+def _open_files() -> Optional[Set[Tuple[int, int]]]:
+    """(device, inode) of every file this process has open (``/proc/self/fd``, else ``/dev/fd``), or None
+    where neither lists them."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        found = set()
+        for name in names:
+            with contextlib.suppress(OSError, ValueError):  # the listing's own descriptor is gone by now
+                status = os.fstat(int(name))
+                found.add((status.st_dev, status.st_ino))
+        return found
+    return None
+
+
 def sweep_temporaries(paths: Sequence[str]) -> List[str]:
     """Deletes the temporaries of ``paths`` (``.<name>.tmp-*`` beside each) that no live writer owns.
 
     A temporary is removed only when this process can take its record lock (its writer is gone) and it is
-    still the file we locked; this process's own temporaries are never touched (its own lock would not stop
-    us, and closing our descriptor would drop it). Returns the removed paths.
+    still the file we locked; a file this process has open is never touched (its own lock would not stop
+    us, and closing our descriptor would drop it). That is asked of the open descriptors, not read from the
+    name's pid: pods have pid namespaces of their own, so a retried step's process often has the pid of
+    the killed one whose temporaries it finds. Returns the removed paths.
     """
     removed = []
-    mine = f".tmp-{os.getpid()}-"
     for path in paths:
         directory, base = os.path.split(os.path.abspath(path))
-        for temporary in sorted(glob.glob(os.path.join(glob.escape(directory), glob.escape(f".{base}.tmp-") + "*"))):
-            if mine in os.path.basename(temporary):
+        candidates = sorted(glob.glob(os.path.join(glob.escape(directory), glob.escape(f".{base}.tmp-") + "*")))
+        # Listed after the glob: a temporary of a live thread of ours was created with its descriptor open.
+        mine = _open_files()
+        if mine is None:  # our own temporaries cannot be told from the others': leave them all
+            continue
+        for temporary in candidates:
+            try:
+                status = os.stat(temporary)
+            except OSError:
+                continue
+            if (status.st_dev, status.st_ino) in mine:
                 continue
             try:
                 descriptor = os.open(temporary, os.O_RDWR)

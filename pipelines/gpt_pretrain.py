@@ -169,6 +169,8 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
             for env, path in (("POD_NAME", "metadata.name"), ("POD_UID", "metadata.uid"),
                               ("POD_NAMESPACE", "metadata.namespace")):
                 kubernetes.use_field_path_as_env(train, env_name=env, field_path=path)
+            # The job's default image is chosen in the step's pod, which must know the repository chosen here.
+            train.set_env_variable(images.REPOSITORY_ENV, images.repository())
             # A retried step adopts its own job (same run id, same name) and resumes from its checkpoints.
             train.set_retry(num_retries=placement.pretrain_retries, backoff_duration="60s", backoff_factor=2.0)
             kubernetes.set_timeout(train, placement.pretrain_timeout_s)

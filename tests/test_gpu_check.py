@@ -1,7 +1,6 @@
 """benchmarks/gpu_check.sh --dry-run: the GPU check runs end to end on CPU (tiny presets), retries out-of-memory
 at half the micro-batch, and prints valid JSON."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmark_helpers import load_benchmark
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _gpu_check_module():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_check")
 
 
 def test_dry_run_prints_one_valid_json_object_retries_out_of_memory_and_the_loss_falls(tmp_path):
@@ -80,7 +78,8 @@ def _result():
             "tflops_per_device": 0.1, "peak_tflops": None, "mfu": None, "peak_memory_gb": None,
             "peak_reserved_gb": None, "syncs_per_iteration": 0.0, "syncs": {},
             "loss_curve": [float(20 - i) for i in range(20)], "loss_falls": True, "torch": "2", "seconds": 1.0,
-            "compile_backend": None, "c_compiler": None, "oom_retries": [], "skipped": {}, "budget_s": 420.0,
+            "compile_backend": None, "c_compiler": None, "cudnn_version": None, "oom_retries": [], "skipped": {},
+            "budget_s": 420.0,
             "llama": {"preset": "tiny-llama", "num_layers": 2, "micro_batch": 1, "tokens_per_s": 5.0,
                       "tflops_per_device": 0.1, "mfu": None, "loss_curve": [float(20 - i) for i in range(20)],
                       "loss_falls": True}}

@@ -3,7 +3,6 @@ offline install there (real wheel files, unpacked and imported in a fresh interp
 recording of a result into RESULTS.md."""
 
 import importlib.metadata
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,14 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmark_helpers import load_benchmark
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _bundle_module():
-    spec = importlib.util.spec_from_file_location("gpu_check_bundle", REPO / "benchmarks" / "gpu_check_bundle.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_check_bundle")
 
 
 def test_prepare_dry_run_plans_pinned_binary_wheels_for_each_python_and_downloads_nothing(tmp_path):

@@ -122,8 +122,10 @@ def _json_param(settings: PretrainSettings, name: str) -> Any:
 
 
 #: Names that say a value is a credential. Run parameters are stored and shown in plain text by KFP (the
-#: run's details page, its API, the pipeline's database), so such a value must come from a Secret.
-_SECRET_NAME = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL", re.I)
+#: run's details page, its API, the pipeline's database), so such a value must come from a Secret. The words
+#: stand between underscores or the name's ends: HF_TOKEN is one, TOKENIZERS_PARALLELISM is not.
+_SECRET_NAME = re.compile(r"(?:^|_)(?:TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIALS?)"
+                          r"(?:_|$)", re.I)
 
 
 def _literal_env(env: Dict[str, str]) -> Dict[str, str]:
@@ -157,6 +159,10 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
     tracked = bool(s.mlflow_tracking_uri)  # the job's rank 0 logs to MLflow, its run tagged with this pipeline run
     if tracked:
         env.update({TRACKING_URI_ENV: s.mlflow_tracking_uri, KFP_RUN_ID_ENV: s.run_id})
+    literal_env = _literal_env(text(_json_param(s, "env")))
+    # The tracking credentials: optional references (the Secret may hold none of them); a variable the run's
+    # env or env_secrets sets itself is the user's.
+    tracking_credentials = {key: CREDENTIAL_SECRET for key in CREDENTIAL_KEYS if tracked and key not in literal_env}
     spec = JobSpec(
         name=s.job_name, image=s.image or images.for_gpus(s.gpus_per_node), pretrain_args=argv,
         namespace=s.namespace or default_namespace(), nodes=s.nodes, nproc_per_node=s.nproc_per_node,
@@ -170,10 +176,8 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
         rdma_resources=text(_json_param(s, "rdma_resources")),
         priority_class=s.priority_class or None, service_account=s.service_account or None,
         image_pull_secrets=[str(x) for x in _json_param(s, "image_pull_secrets")],
-        env={**env, **_literal_env(text(_json_param(s, "env")))},
-        # The tracking credentials: optional references (the Secret may hold none of them).
-        secret_env={**text(_json_param(s, "env_secrets")),
-                    **({key: CREDENTIAL_SECRET for key in CREDENTIAL_KEYS} if tracked else {})},
+        env={**env, **literal_env},
+        secret_env={**tracking_credentials, **text(_json_param(s, "env_secrets"))},
         env_from_secrets=[str(x) for x in _json_param(s, "env_from_secrets")],
         labels={**text(_json_param(s, "labels")), "pipelines.kubeflow.org/run-id": label_value(s.run_id)},
         annotations=text(_json_param(s, "annotations")), queue=s.queue or None,

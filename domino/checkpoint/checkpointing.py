@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
@@ -91,6 +92,15 @@ def _maybe_inject_fault(point: str, iteration: int, partial: Optional[Callable[[
             partial()
         logger.warning("fault injection: killing this process in %s at iteration %d", point, iteration)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _maybe_slow_down() -> None:
+    """Test hook: ``DOMINO_FAULT_INJECT=slow-save:SECONDS`` makes rank 0 take SECONDS longer before each commit,
+    like a save to a slow volume (the SIGTERM test needs one longer than torchrun's default 30 s)."""
+    spec = os.environ.get("DOMINO_FAULT_INJECT", "")
+    if spec.startswith("slow-save:") and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning("fault injection: this save takes %s s longer", spec.split(":", 1)[1])
+        time.sleep(float(spec.split(":", 1)[1]))
 
 
 def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_samples: int,
@@ -163,6 +173,7 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # free the space; the next save starts clean anyway
         raise AgreedFailure(f"{failure}; {resume_hint(config)}") from None
+    _maybe_slow_down()
     _maybe_inject_fault("kill-in-save", iteration)
     agree(f"saving checkpoint {tag} (committing it)", lambda: _commit(tmp, final, config, iteration) if rank == 0 else None)
     return final

@@ -22,20 +22,22 @@ logger = logging.getLogger(__name__)
 def find_checkpoint(config: DominoConfig) -> Tuple[Optional[Checkpoint], bool]:
     """The checkpoint to start from and whether to take its weights only (a warm start).
 
-    ``--load DIR`` resumes from ``DIR/latest``; an absent or empty ``DIR`` means a fresh start. With
-    ``--finetune`` the weights of ``--load`` are a warm start, unless ``--save`` already holds a checkpoint
-    of this run (a restarted pod of a warm-started job): then that checkpoint is resumed, so a restart
-    never throws progress away. Anything that is not a readable checkpoint (a file, a ``latest`` pointing
-    nowhere, a directory of unrelated files) is a :class:`ConfigError`, raised before any training work.
+    The run's own checkpoint comes first: when ``--save`` already holds one (a restarted pod, a retried
+    step, the same command run again), it is resumed whatever ``--load`` names, so a restart never throws
+    progress away and never reloads another run's model over its own. Otherwise ``--load DIR`` resumes from
+    ``DIR/latest`` (with ``--finetune``: takes its weights as a warm start); an absent or empty ``DIR``, or
+    one holding only what a run writes beside its checkpoints (metrics, logs), means a fresh start. Without
+    ``--load`` a run starts fresh (as in Megatron-LM). Anything else that is not a readable checkpoint (a
+    file, another kind of model) is a :class:`ConfigError`, raised before any training work.
     """
     c = config.checkpoint
     if c.load is None:
         return None, False
-    if c.finetune and c.save and Path(c.save).resolve() != Path(c.load).resolve():
+    if c.save and Path(c.save).resolve() != Path(c.load).resolve():
         own = _resolve(c.save, "--save", c.strict_load)
         if own is not None:
-            logger.info("--save %s already holds this run's checkpoint %s: resuming it instead of warm-starting "
-                        "from --load", c.save, own.name)
+            logger.info("--save %s already holds this run's checkpoint %s: resuming it instead of %s --load %s",
+                        c.save, Path(str(own)).name, "warm-starting from" if c.finetune else "loading", c.load)
             return choose_intact(own, c.strict_load), False
     found = _resolve(c.load, "--load", c.strict_load)
     return (choose_intact(found, c.strict_load) if found is not None else None), c.finetune
@@ -62,11 +64,11 @@ def _resolve(directory: str, flag: str, strict: bool = False) -> Union[None, Pat
     if path.is_dir() and not (path / "latest").exists() and not (path / "checkpoint.json").exists():
         if any(_checkpoints_below(path, None)):  # killed after the first rename in, before `latest` was written
             return _newest_complete(path, None, f"{flag} {directory} has no 'latest' file", strict)
-        leftovers = [p.name for p in path.iterdir() if not p.name.startswith(".")]
-        if not leftovers:
-            return None  # only temporaries of a save that never completed
+        foreign = [p.name for p in path.iterdir() if _looks_like_a_model(p.name)]
+        if not foreign:
+            return None  # temporaries of a save that never completed, metrics or logs of a run not saved yet
         raise ConfigError(f"{flag} {directory}: not a domino checkpoint directory (no 'latest' file; found "
-                          f"{', '.join(sorted(leftovers)[:5])})")
+                          f"{', '.join(sorted(foreign)[:5])})")
     try:
         return on_disk.resolve_checkpoint_dir(path)
     except (ValueError, OSError) as error:
@@ -80,6 +82,15 @@ def _resolve(directory: str, flag: str, strict: bool = False) -> Union[None, Pat
             return _newest_complete(path, pointed.name, f"{flag} {directory}: 'latest' names {pointed.name}, "
                                     "which does not exist", strict)
         raise ConfigError(f"{flag} {directory}: {error}") from error
+
+
+#: Names that mark another kind of model (Hugging Face, Megatron-LM, torch files), not a run's metrics or logs.
+_MODEL_FILES = ("config.json", "latest_checkpointed_iteration.txt")
+_MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+def _looks_like_a_model(name: str) -> bool:
+    return name in _MODEL_FILES or name.endswith(_MODEL_SUFFIXES)
 
 
 def _checkpoints_below(root: Path, tag: Optional[str]):

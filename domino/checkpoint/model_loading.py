@@ -88,7 +88,6 @@ def build_model_from_checkpoint(
     tp_rank: int = 0,
     tp_size: int = 1,
     *,
-    domino_chunks: int = 1,
     parallel_output: bool = True,
     device: Union[str, torch.device] = "cpu",
     dtype: torch.dtype = torch.float32,
@@ -103,7 +102,6 @@ def build_model_from_checkpoint(
         path: a save root (its ``latest`` checkpoint is used) or an ``iter_*`` directory.
         tp_rank: this process's tensor-parallel rank.
         tp_size: the tensor-parallel size to load at (any; the checkpoint is resharded if needed).
-        domino_chunks: Domino micro-chunks of the built model.
         parallel_output: keep logits vocab-parallel (False gathers the full vocabulary on every rank).
         device: where the model lives.
         dtype: parameter dtype.
@@ -123,8 +121,7 @@ def build_model_from_checkpoint(
     config.parallel.tensor_model_parallel_size = tp_size
     check_checkpoint_fits(ckpt_dir, meta, config, tp_size)
     state_dict = load_model_shard(ckpt, tp_rank, tp_size)
-    model = GPTModel(config.model, meta["padded_vocab_size"], domino_chunks=domino_chunks,
-                     parallel_output=parallel_output)
+    model = GPTModel(config.model, meta["padded_vocab_size"], parallel_output=parallel_output)
     try:
         model.load_state_dict(state_dict, strict=True)
     except RuntimeError as error:

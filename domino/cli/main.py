@@ -90,8 +90,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     setup_logging(args.log_level)
     try:
         code = args.func(args)
-    except ConfigError as error:
-        logging.getLogger("domino").error("%s", error)
+    except ConfigError as error:  # one line, as argparse reports a bad flag (not logged as well)
         print(f"domino {args.command}: error: {error}", file=sys.stderr)
         code = getattr(error, "exit_code", 2)  # 2: fix the input; a lost peer says 128 (retryable)
     except BrokenPipeError:  # the reader (`| head`) closed the pipe: stop quietly, as the Python docs advise

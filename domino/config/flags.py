@@ -40,6 +40,35 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+def negated_flag(option: str) -> str:
+    """The spelling that sets a boolean flag to False: ``--no-fp16`` for ``--fp16``, ``--load-optim`` for
+    Megatron's ``--no-load-optim`` (whose field is ``no_load_optim``, True when the flag is given)."""
+    return "--" + option[len("--no-"):] if option.startswith("--no-") else "--no-" + option[2:]
+
+
+class BooleanFlag(argparse.Action):
+    """A boolean flag: each spelling of the field sets True, each :func:`negated_flag` spelling sets False.
+
+    Not ``argparse.BooleanOptionalAction``: its ``__call__`` sets ``not option_string.startswith('--no-')``
+    (CPython 3.11 ``Lib/argparse.py``, ``BooleanOptionalAction.__call__``), so Megatron's ``--no-load-optim``
+    and ``--no-load-rng`` (fields that mean "skip") parsed to False and were silently ignored.
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        self.spellings: Dict[str, bool] = {}
+        for option in option_strings:
+            self.spellings[option] = True
+            if option.startswith("--"):
+                self.spellings[negated_flag(option)] = False
+        super().__init__(list(self.spellings), dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, self.spellings[option_string])
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
 def _group_classes() -> Dict[str, type]:
     hints = typing.get_type_hints(DominoConfig)
     return {group: hints[group] for group in DominoConfig.GROUPS}
@@ -67,7 +96,7 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, 
     names = (flag_name(f.name), *FLAG_ALIASES.get(f.name, ()))
     base = _base_type(hint)
     if base is bool:
-        group.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction, help=doc)
+        group.add_argument(*names, dest=dest, action=BooleanFlag, help=doc)
     elif typing.get_origin(base) in (list, List):
         item = typing.get_args(base)[0]
         group.add_argument(*names, dest=dest, nargs="+", type=item, metavar=item.__name__.upper(), help=doc)
@@ -177,7 +206,7 @@ def config_to_argv(config: DominoConfig, groups: Iterable[str] = DominoConfig.GR
             if value == getattr(getattr(defaults, group), f.name):
                 continue
             if isinstance(value, bool):
-                argv.append(flag_name(f.name) if value else "--no-" + f.name.replace("_", "-"))
+                argv.append(flag_name(f.name) if value else negated_flag(flag_name(f.name)))
             elif isinstance(value, list):
                 argv += [flag_name(f.name), *map(str, value)]
             elif value is not None:

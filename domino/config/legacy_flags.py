@@ -13,8 +13,9 @@ NVIDIA/Megatron-LM:
   3860e995, 2021-08): ``--recompute-granularity full --recompute-method uniform|block --recompute-num-layers N``
   (default 1); there ``--checkpoint-activations`` meant ``--activations-checkpoint-method uniform``.
 - ``--model-parallel-size``, ``--batch-size``, ``--warmup`` (v1.0, 2020-04): renamed ``--tensor-model-parallel-size``
-  (commit 52a5f2f2), ``--micro-batch-size`` (9019bbf4) and ``--lr-warmup-fraction`` (22ab91bb: both a fraction of
-  ``--lr-decay-iters``, else of ``--train-iters``); Megatron v2.0 on stops on them, domino reads them as renamed.
+  (commits 7abd3e90, 52a5f2f2), ``--micro-batch-size`` (9019bbf4) and ``--lr-warmup-fraction`` (22ab91bb, 9321d5c6;
+  both a fraction of ``--lr-decay-iters``, else of ``--train-iters``); Megatron v2.0 on stops on them, domino reads
+  them as renamed.
 """
 
 from __future__ import annotations

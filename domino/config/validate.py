@@ -21,6 +21,17 @@ TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 
 
+#: Lower bounds of the numeric settings that no rule below covers (``None``, "not given", always passes).
+MINIMUMS = {
+    "model": {"ffn_hidden_size": 1, "max_position_embeddings": 1, "rotary_base": 1, "num_query_groups": 1},
+    "train": {"global_batch_size": 1, "train_iters": 1, "train_samples": 1, "lr_decay_iters": 1,
+              "lr_decay_samples": 1, "lr_warmup_samples": 0, "lr_wsd_decay_iters": 0, "lr_wsd_decay_samples": 0,
+              "weight_decay": 0, "seed": 0, "exit_interval": 1},
+}
+#: Settings that must be greater than zero when given.
+POSITIVE = {"train": ("adam_eps", "initial_loss_scale"), "logging": ("peak_tflops",)}
+
+
 class ConfigError(ValueError):
     """A setting (or a combination of settings) that cannot work; the message names the flags."""
 
@@ -112,6 +123,17 @@ def _unsupported_features(config: DominoConfig) -> List[str]:
     return messages
 
 
+def _check_bounds(problems: List[str], config: DominoConfig) -> None:
+    for group, minimums in MINIMUMS.items():
+        for name, minimum in minimums.items():
+            value = getattr(getattr(config, group), name)
+            _check(problems, value is None or value >= minimum, f"{flag_name(name)} must be >= {minimum}, got {value}")
+    for group, names in POSITIVE.items():
+        for name in names:
+            value = getattr(getattr(config, group), name)
+            _check(problems, value is None or value > 0, f"{flag_name(name)} must be > 0, got {value}")
+
+
 def validate(config: DominoConfig, world_size: Optional[int] = None, for_training: bool = False) -> None:
     """Raises :class:`ConfigError` listing every problem in ``config``.
 
@@ -130,6 +152,7 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
         value = getattr(m, name)
         _check(problems, value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
     _check(problems, tp >= 1, f"--tensor-model-parallel-size must be >= 1, got {tp}")
+    _check_bounds(problems, config)
     if problems:
         raise ConfigError("; ".join(problems))
 

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 BUILDS = "builds"
 OWNER = ".owner"
+_TRASH = ".trash-"  # an orphan build renamed aside, being deleted
 _LIVE_BUILDS: Set[str] = set()  # this process's unpublished builds: its own record locks would not stop a sweep
 
 
@@ -93,7 +94,8 @@ def sweep_orphans(prefix: str) -> List[str]:
     Under the key's lock (a publisher holds it while it writes the record and gives up its ``.owner``), a
     build is an orphan when its ``.owner`` file still exists, is the file we locked, no other process holds
     its record lock, and the record does not name the build. Orphans are renamed aside under the lock and
-    deleted after it.
+    deleted after it; so is what a sweeper killed while deleting left aside (``.trash-*``: two sweepers
+    deleting the same one at once do no harm).
     """
     folder = builds_folder(prefix)
     if not os.path.isdir(folder):
@@ -103,16 +105,19 @@ def sweep_orphans(prefix: str) -> List[str]:
         kept = _kept_builds(_read_record_file(prefix))
         for name in sorted(os.listdir(folder)):
             build = os.path.join(folder, name)
+            if name.startswith(_TRASH):
+                doomed.append((build, build))
+                continue
             if name.startswith(".") or name in kept or build in _LIVE_BUILDS:
                 continue
             if _writer_is_gone(os.path.join(build, OWNER)):
-                trash = os.path.join(folder, f".trash-{name}")
+                trash = os.path.join(folder, f"{_TRASH}{name}")
                 os.rename(build, trash)
                 doomed.append((build, trash))
     for build, trash in doomed:
         shutil.rmtree(trash, ignore_errors=True)
         logger.warning("removed the unfinished dataset build %s (its writer is gone)", build)
-    return [build for build, _ in doomed]
+    return [build for build, trash in doomed if build != trash]
 
 
 def _writer_is_gone(owner: str) -> bool:

@@ -9,8 +9,8 @@ Each rule and where it comes from:
   pinned host buffers per rank), :data:`CPU_PROCESS_REQUESTS` on CPU-only pods (the cpu-smoke quota).
 * **backoffLimit**: the operator compares it with the sum of container restart counts over all pods
   (kubeflow/trainer release-1.9, ``pkg/core/job.go`` ``PastBackoffLimit``), and one lost pod makes
-  every other rank fail too, so one fault costs ``nodes`` restarts: the default allows
-  :data:`FAULTS_TOLERATED` faults.
+  every other rank fail too, so one fault costs ``nodes`` restarts; the job fails when the sum *reaches* the
+  limit (``>=``), so the default survives :data:`FAULTS_TOLERATED` - 1 faults and fails at the next.
 * **GPU toleration** (:data:`GPU_TOLERATION`): GPU node pools are commonly tainted
   ``nvidia.com/gpu:NoSchedule`` so that other pods stay off them; the NVIDIA device plugin tolerates
   exactly that (NVIDIA/k8s-device-plugin ``deployments/static/nvidia-device-plugin.yml``: key
@@ -24,10 +24,20 @@ Each rule and where it comes from:
   tears a rank down when NCCL fails (a dead peer) instead of hanging, so the pod exits and is
   restarted (PyTorch docs, "PYTORCH ProcessGroupNCCL Environment Variables"; 3 is the default of
   recent torch, set for older ones); ``NCCL_DEBUG=WARN`` prints NCCL's reason on failure.
+* **torchrun's shutdown timeout** (:func:`shutdown_timeout_s`, every pod, overridable by ``--env``): on
+  SIGTERM torchrun forwards the signal to its workers, waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds
+  (default 30) and then SIGKILLs them, whatever the pod's grace period (torch 2.13
+  ``distributed/launcher/api.py`` ``LaunchConfig.__post_init__`` reads the variable;
+  ``elastic/agent/server/api.py`` ``SimpleElasticAgent.run`` calls ``_shutdown(e.sigval,
+  timeout=self._shutdown_timeout)`` on ``SignalException``; ``elastic/multiprocessing/api.py``
+  ``SubprocessContext._close`` waits that long, then sends SIGKILL). So a save after SIGTERM that needs
+  more than 30 s never finished. The timeout is derived from ``terminationGracePeriodSeconds`` minus
+  :func:`shutdown_margin_s`, the time torchrun needs to kill what is left and exit before the kubelet's SIGKILL.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Tuple
 
 from domino.launch.spec import JobSpec, Toleration
@@ -36,8 +46,10 @@ from domino.launch.spec import JobSpec, Toleration
 GPU_PROCESS_REQUESTS: Tuple[int, int] = (4, 16)
 #: (CPU, memory in Gi) requested per training process on CPU-only pods.
 CPU_PROCESS_REQUESTS: Tuple[int, int] = (1, 2)
-#: Faults (each restarting every pod once) the default backoffLimit tolerates.
+#: The fault (each restarting every pod once) at which the default backoffLimit fails the job.
 FAULTS_TOLERATED = 3
+#: The variable torchrun reads its workers' shutdown timeout from (torch ``distributed/launcher/api.py``).
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 #: The same restart budget for a TrainJob, as its runtime's JobSet ``failurePolicy.maxRestarts``: the
 #: operator fails a PyTorchJob when the summed restarts *reach* backoffLimit (``>=``), i.e. at the
 #: FAULTS_TOLERATED-th fault after FAULTS_TOLERATED - 1 recoveries; JobSet v0.12.0 recreates the whole set
@@ -73,9 +85,21 @@ def backoff_limit(spec: JobSpec) -> int:
     return spec.backoff_limit if spec.backoff_limit is not None else FAULTS_TOLERATED * spec.nodes
 
 
+def shutdown_margin_s(grace_period_s: int) -> int:
+    """Seconds of the grace period left to torchrun after its workers' shutdown timeout: a tenth, at least 5."""
+    return max(5, math.ceil(grace_period_s / 10))
+
+
+def shutdown_timeout_s(grace_period_s: int) -> int:
+    """torchrun's ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` for a pod with this grace period (180 s -> 162 s)."""
+    return max(1, grace_period_s - shutdown_margin_s(grace_period_s))
+
+
 def environment(spec: JobSpec) -> Dict[str, str]:
-    """The training container's extra environment: :data:`GPU_ENV` on GPU pods, overridden by the spec's."""
-    return {**(GPU_ENV if spec.gpus_per_node > 0 else {}), **spec.env}
+    """The training container's extra environment: torchrun's shutdown timeout, :data:`GPU_ENV` on GPU pods,
+    overridden by the spec's."""
+    shutdown = {SHUTDOWN_TIMEOUT_ENV: str(shutdown_timeout_s(spec.termination_grace_period_s))}
+    return {**shutdown, **(GPU_ENV if spec.gpus_per_node > 0 else {}), **spec.env}
 
 
 def secret_environment(spec: JobSpec) -> List[Dict[str, Any]]:

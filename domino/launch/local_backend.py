@@ -155,7 +155,9 @@ class LocalLauncher:
         log: receives status messages and the Master's output lines.
         poll_s: how often the replicas are checked.
         log_tail_lines: output lines kept for the result.
-        kill_grace_s: time between SIGTERM and SIGKILL when stopping replicas.
+        kill_grace_s: time between SIGTERM and SIGKILL when stopping replicas (default: the spec's
+            ``termination_grace_period_s``, as the kubelet gives a deleted pod; the replicas' torchrun gets
+            its shutdown timeout from it, :func:`domino.launch.defaults.shutdown_timeout_s`).
         restart_delay_s: wait before a failed replica is restarted (stands for the kubelet's back-off, which
             starts at 10 s and doubles).
 
@@ -164,9 +166,11 @@ class LocalLauncher:
     """
 
     def __init__(self, api: Optional[JobApi] = None, log: Callable[[str], None] = print, poll_s: float = 0.1,
-                 log_tail_lines: int = 50, kill_grace_s: float = 5.0, restart_delay_s: float = 2.0) -> None:
+                 log_tail_lines: int = 50, kill_grace_s: Optional[float] = None,
+                 restart_delay_s: float = 2.0) -> None:
         self.api = api or job_api(DEFAULT_JOB_API)
         self.log, self.poll_s, self.log_tail_lines, self.kill_grace_s = log, poll_s, log_tail_lines, kill_grace_s
+        self.grace_s = kill_grace_s if kill_grace_s is not None else 0.0  # per run: run() sets the spec's
         self.restart_delay_s = restart_delay_s
         self.processes: Dict[str, subprocess.Popen] = {}
 
@@ -175,6 +179,7 @@ class LocalLauncher:
         """Runs all replicas until Succeeded or Failed; returns the result."""
         spec.validate()
         self.api.check(spec)
+        self.grace_s = self.kill_grace_s if self.kill_grace_s is not None else spec.termination_grace_period_s
         # No API server here to read a Secret from: a required reference cannot be met (optional ones are left
         # unset, as the kubelet leaves them when the Secret is missing).
         if any(":" in ref for ref in spec.secret_env.values()) or spec.env_from_secrets:
@@ -201,7 +206,7 @@ class LocalLauncher:
                     why = "Timeout" if timeout_s is not None and min(limits) == timeout_s else "DeadlineExceeded"
                     outcome = JobResult(name, False, "Failed", f"{why}: the job did not finish within "
                                         f"{min(limits):g} s", [], None)
-                _kill(list(self.processes.values()), self.kill_grace_s)
+                _kill(list(self.processes.values()), self.grace_s)
                 self._drain(replicas[0])
                 outcome.log_tail = list(tail)
                 return outcome
@@ -209,7 +214,7 @@ class LocalLauncher:
                 return JobResult(name, False, "Failed", f"Interrupted: the launcher {error}", list(tail), None)
             finally:
                 shield()
-                _kill(list(self.processes.values()), self.kill_grace_s)
+                _kill(list(self.processes.values()), self.grace_s)
 
     def _supervise(self, spec: JobSpec, name: str, replicas: List[str], workdir: str, tail: Deque[str], port: int,
                    deadline: Optional[float]) -> Optional[JobResult]:
@@ -232,7 +237,7 @@ class LocalLauncher:
                                  f"{code} (exit codes 1-127 are permanent under ExitCode)", [], code)
             # The peers lose the rank and fail too; stop them now instead of waiting (module docstring).
             peers = [r for r, p in self.processes.items() if r != replica and p.poll() is None]
-            _kill([self.processes[r] for r in peers], self.kill_grace_s)
+            _kill([self.processes[r] for r in peers], self.grace_s)
             if spec.restart_policy == "OnFailure":
                 restarts += 1 + len(peers)
                 if restarts >= limit:
@@ -272,7 +277,7 @@ class LocalLauncher:
         """Lets the Master's output reach the tail (its last lines belong in the result)."""
         pump = getattr(self.processes.get(master), "pump", None)
         if pump is not None:
-            pump.join(self.kill_grace_s)
+            pump.join(self.grace_s)
 
     def _pump(self, proc: subprocess.Popen, tail: Deque[str]) -> None:
         for raw in proc.stdout:

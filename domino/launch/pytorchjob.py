@@ -52,7 +52,8 @@ class PyTorchJobApi(JobApi):
 
     def node_env(self, spec: JobSpec, job_name: str, node_rank: int, master_port: int) -> Dict[str, str]:
         """The operator's variables (master ``<job>-master-0``:23456 in the cluster; WORLD_SIZE counts
-        pods when nprocPerNode is not an integer), ``DOMINO_JOB_NAME`` and the spec's env."""
+        pods when nprocPerNode is not an integer), ``DOMINO_JOB_NAME`` and the container's env
+        (:func:`domino.launch.defaults.environment`)."""
         nproc = spec.nproc_per_node
         env = {
             "MASTER_ADDR": "127.0.0.1",
@@ -67,7 +68,7 @@ class PyTorchJobApi(JobApi):
             "PYTHONUNBUFFERED": "1",
             "DOMINO_JOB_NAME": job_name,
         }
-        env.update({k: str(v) for k, v in spec.env.items()})
+        env.update({k: str(v) for k, v in defaults.environment(spec).items()})  # what the rendered pod sets
         return env
 
     def backoff_limit(self, spec: JobSpec) -> int:

@@ -3,8 +3,8 @@
 The job has one Master and ``nodes - 1`` Workers sharing one pod template. The container named
 ``pytorch`` runs ``torchrun -m domino pretrain ...``; torchrun reads the ``PET_*`` variables the
 training operator injects (nodes, node rank, master address), so the command carries no rendezvous
-flags. ``--save`` and ``--load`` point at the same directory on the shared volume, so a restarted pod
-(or a retried run that adopts its job) resumes from the latest checkpoint. Settings the spec leaves
+flags. ``--save`` and ``--load`` point at the same directory on the shared volume (``--load`` follows a
+given ``--save``), so a restarted pod (or a retried run that adopts its job) resumes from the latest checkpoint. Settings the spec leaves
 unset (requests, backoffLimit, GPU environment) come from :mod:`domino.launch.defaults`.
 
 The pods pass the Pod Security "restricted" profile (tests/k8s/pod_security.py checks every container
@@ -44,27 +44,40 @@ def _has_flag(args: List[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def _flag_value(args: List[str], flag: str) -> Optional[str]:
+    """The value of the last ``flag V`` or ``flag=V`` in ``args`` (argparse keeps the last), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
 def metrics_port(spec: JobSpec) -> Optional[int]:
     """The ``--metrics-port`` of the pretrain arguments (rank 0's Prometheus endpoint), if any and not 0."""
-    args = list(spec.pretrain_args)
-    for i, arg in enumerate(args):
-        value = arg.split("=", 1)[1] if arg.startswith("--metrics-port=") else (
-            args[i + 1] if arg == "--metrics-port" and i + 1 < len(args) else None)
-        if value is not None and value.isdigit() and int(value) > 0:
-            return int(value)
-    return None
+    value = _flag_value(list(spec.pretrain_args), "--metrics-port")
+    return int(value) if value is not None and value.isdigit() and int(value) > 0 else None
 
 
 def container_command(spec: JobSpec, name: str) -> List[str]:
     """The training container's command: the override verbatim, else torchrun + pretrain + resume flags
-    (``--save``/``--load`` on the volume, ``--exit-signal-handler`` unless the arguments say otherwise)."""
+    (``--exit-signal-handler`` unless the arguments say otherwise, and ``--save``/``--load``).
+
+    A restart must resume the run's own checkpoint: without ``--save`` the job saves into its folder on the
+    volume; without ``--load`` it loads from where it saves (``-- --save X`` gets ``--load X``, not an
+    empty folder). With ``--load OTHER``, ``domino pretrain`` resumes ``--save``'s checkpoint once one
+    exists (:func:`domino.checkpoint.resume.find_checkpoint`), so a restart never reloads OTHER."""
     if spec.command is not None:
         return list(spec.command)
     args = list(spec.pretrain_args)
-    ckpt = checkpoint_dir(spec, name)
-    for flag in ("--save", "--load"):
-        if not _has_flag(args, flag):
-            args += [flag, ckpt]
+    save = _flag_value(args, "--save")
+    if save is None:
+        save = checkpoint_dir(spec, name)
+        args += ["--save", save]
+    if not _has_flag(args, "--load"):
+        args += ["--load", save]
     # A pod being evicted gets SIGTERM: save where training stands before the grace period ends.
     if not _has_flag(args, "--exit-signal-handler") and not _has_flag(args, "--no-exit-signal-handler"):
         args.append("--exit-signal-handler")

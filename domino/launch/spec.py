@@ -155,8 +155,8 @@ class JobSpec:
     """OnFailure (restart any failed pod, counted against backoff_limit) or ExitCode (retry exit codes
     128-255 without counting them; 1-127 are permanent). See docs/cluster.md, "Restarts"."""
     backoff_limit: Optional[int] = None
-    """Container restarts, summed over all pods, before the job is Failed; default 3 x nodes (one
-    fault restarts every pod of the job, so this tolerates three faults)."""
+    """Container restarts, summed over all pods, at which the job is Failed; default 3 x nodes (one
+    fault restarts every pod of the job, so the job survives two faults and fails at the third)."""
     active_deadline_seconds: Optional[int] = None
     """Cluster-side time limit of the job."""
     ttl_seconds_after_finished: Optional[int] = 86400

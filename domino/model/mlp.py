@@ -2,10 +2,10 @@
 
 Both are ``fc2(act(fc1(x)))`` with fc1 column-parallel (each TP rank owns a slice of the inner width) and fc2
 row-parallel (partial sums, all-reduced). They expose the same three pieces, so the synchronous layer and
-Domino's overlapped schedule (:mod:`domino.model.domino_stack`) drive either without knowing which it is:
+the overlapped stacks (:mod:`domino.overlap.steps`) drive either without knowing which it is:
 
 * ``inner(x, slot)``: fc1 (step D). Without ``slot`` the input gradient is all-reduced synchronously; with
-  Domino's slot the backward launches that all-reduce asynchronously.
+  a slot (:class:`~domino.parallel.linear_ops.GradSlot`) the backward launches that reduction asynchronously.
 * ``partial(inner)``: the activation and this rank's un-reduced fc2 product (step E).
 * ``forward(x)``: the synchronous layer, returning ``(output, bias)`` with the bias left for bias-dropout-add.
 
@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from domino.config import ModelConfig
-from domino.model.domino_ops import column_parallel_async
 from domino.model.qkv_projection import grouped_projection
 from domino.parallel.collectives import copy_to_tp_region
 from domino.parallel.kernels import island
 from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from domino.parallel.linear_ops import GradSlot, linear
 
 Output = Tuple[torch.Tensor, Optional[torch.Tensor]]
 
@@ -43,10 +43,10 @@ class ParallelMLP(nn.Module):
         self.dense_4h_to_h = RowParallelLinear(config.ffn_size, config.hidden_size, bias=bias, input_is_parallel=True,
                                                init_std=output_std, skip_bias_add=True)
 
-    def inner(self, x: torch.Tensor, slot=None) -> torch.Tensor:
+    def inner(self, x: torch.Tensor, slot: Optional[GradSlot] = None) -> torch.Tensor:
         """fc1: ``[b, s, h]`` -> ``[b, s, f/tp]`` pre-activations."""
         fc1 = self.dense_h_to_4h
-        return fc1(x) if slot is None else column_parallel_async((x, slot), fc1)
+        return fc1(x) if slot is None else linear(x, fc1.weight, fc1.bias, grad_slot=slot)
 
     def partial(self, inner: torch.Tensor) -> torch.Tensor:
         """``gelu(inner) W2_r^T``, un-reduced (GeLU fused into the product's autograd node)."""
@@ -69,7 +69,7 @@ class SwiGLUMLP(nn.Module):
         self.dense_4h_to_h = RowParallelLinear(config.ffn_size, config.hidden_size, bias=bias, input_is_parallel=True,
                                                init_std=output_std, skip_bias_add=True)
 
-    def inner(self, x: torch.Tensor, slot=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def inner(self, x: torch.Tensor, slot: Optional[GradSlot] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """fc1: ``[b, s, h]`` -> ``(gate, up)``, each ``[b, s, f/tp]``."""
         fc1 = self.dense_h_to_4h
         if slot is None:

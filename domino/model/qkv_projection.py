@@ -16,9 +16,9 @@ decided by :mod:`domino.parallel.kernels`:
   ``get_query_key_value_tensors``): no regrouped weight copy is made and kept alive for backward.
 
 Every output is the same dot product either way. The input's gradient still has to be summed over the TP
-ranks: synchronous TP passes ``x`` through ``copy_to_tp_region`` first; Domino passes a
-:class:`~domino.model.domino_ops.GradAllReduceSlot` and the backward launches the all-reduce asynchronously,
-as :func:`~domino.parallel.linear_ops.linear` does for the other column-parallel linears.
+ranks: synchronous TP passes ``x`` through ``copy_to_tp_region`` first; the overlapped stacks pass a
+:class:`~domino.parallel.linear_ops.GradSlot` and the backward launches the reduction asynchronously, as
+:func:`~domino.parallel.linear_ops.linear` does for the other column-parallel linears.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from domino.parallel.kernels import kernels_for
-from domino.parallel.linear_ops import full_input, linear, saved_input
+from domino.parallel.linear_ops import GradSlot, full_input, linear, saved_input
 
 
 def _split_rows(t: torch.Tensor, groups: int, widths: Tuple[int, ...]) -> Tuple[torch.Tensor, ...]:
@@ -75,7 +75,7 @@ class _GroupedProjection(torch.autograd.Function):
         grad_x = grad_x.view(ctx.input_shape)
         if ctx.slot is not None:
             # Async launch (Domino): the all-reduce runs during the weight-gradient GEMMs below; the slot's
-            # wait node (domino_ops.wait_for_input_grad) waits for it before LayerNorm's backward reads it.
+            # wait node (overlap.slots.wait_for_input_grad) waits for it before LayerNorm's backward reads it.
             ctx.slot.launch(grad_x)
         x2 = x().reshape(-1, ctx.input_shape[-1])
         grad_w = _join_rows([g.t().mm(x2) for g in grads], ctx.groups, ctx.widths)
@@ -84,7 +84,7 @@ class _GroupedProjection(torch.autograd.Function):
 
 
 def grouped_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int,
-                       widths: Tuple[int, ...], slot=None) -> Tuple[torch.Tensor, ...]:
+                       widths: Tuple[int, ...], slot: Optional[GradSlot] = None) -> Tuple[torch.Tensor, ...]:
     """``F.linear(x, weight, bias)`` whose rows are ``[group, part, width]``, returned as one dense output per part.
 
     Computed as one GEMM per part over a regrouped copy of the weight (the CPU choice for the QKV projection;
@@ -96,7 +96,7 @@ def grouped_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         bias: ``[groups * sum(widths)]`` or None.
         groups: row groups in ``weight`` (this rank's).
         widths: rows of each part within a group.
-        slot: Domino's ``GradAllReduceSlot``: the input gradient's all-reduce is launched into it.
+        slot: a :class:`~domino.parallel.linear_ops.GradSlot`: the input gradient's reduction is launched into it.
 
     Returns:
         One ``[..., groups * widths[i]]`` tensor per part.
@@ -107,7 +107,7 @@ def grouped_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 
 
 def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int,
-                   slot=None, queries_per_group: int = 1) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   slot: Optional[GradSlot] = None, queries_per_group: int = 1) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``F.linear(x, weight, bias)`` split into its q, k and v columns, per head.
 
     Args:
@@ -116,7 +116,7 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
             ``[group, (q_1 .. q_n, k, v), head_dim]`` (Megatron-LM's layout; MHA has one query per group).
         bias: matching bias or None.
         groups: key/value heads (query groups) in ``weight`` (this rank's); the attention heads without GQA.
-        slot: Domino's ``GradAllReduceSlot``: the input gradient's all-reduce is launched into it.
+        slot: a :class:`~domino.parallel.linear_ops.GradSlot`: the input gradient's reduction is launched into it.
         queries_per_group: query heads sharing one key/value head (1 without GQA).
 
     Returns:

@@ -13,22 +13,20 @@
 The recomputed blocks restore every RNG state first (:mod:`domino.parallel.recompute`), so dropout masks, the TP
 tracker's included, are the ones of the first run and the losses equal those without recompute. With Domino
 chunks, full recompute records the RNG state before every step of the overlapped schedule, because the chunks'
-dropout draws interleave (``DominoLayerStack.units``).
+dropout draws interleave (:meth:`domino.overlap.steps.StepStack.chunk_steps`).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional
 
 import torch
 
 from domino.config.schema import TrainConfig
-from domino.model.rotary import RotaryTables
+from domino.model.stack import Unit
 from domino.parallel.recompute import checkpoint
-
-Unit = Tuple[int, int, bool]
 
 
 @dataclass(frozen=True)
@@ -70,9 +68,10 @@ def _checkpointed_core(core, q, k, v, attend_mask=None, kv_cache=None, rotary=No
 def apply_activation_recompute(model: torch.nn.Module, plan: Optional[RecomputePlan]) -> torch.nn.Module:
     """Makes ``model`` (a ``GPTModel``) recompute activations as ``plan`` says; returns it. None: unchanged.
 
-    Selective recompute wraps each layer's ``attention.context`` (the synchronous layers and Domino's step A both
-    call it); full recompute hands the layer groups to the model's synchronous loop and to its Domino stack.
-    Parameter names, checkpoints and results are unchanged.
+    Selective recompute wraps each layer's ``attention.context`` (the synchronous layers and the overlapped
+    stacks' step A all call it); full recompute sets the layer groups on the model's stack and on every stack it
+    falls back to (so apply it before or after :mod:`domino.overlap`'s). Parameter names, checkpoints and results
+    are unchanged.
     """
     if plan is None:
         return model
@@ -82,20 +81,9 @@ def apply_activation_recompute(model: torch.nn.Module, plan: Optional[RecomputeP
             attention.context = functools.partial(_checkpointed_core, attention.context)
     else:
         units = plan.units(len(model.layers))
-        model.recompute_units = units
-        if model.domino is not None:
-            model.domino.units = units
+        stack = model.stack
+        while stack is not None:
+            stack.units = list(units)
+            stack = stack.fallback
     return model
 
-
-def run_layers(layers: Sequence[torch.nn.Module], units: Sequence[Unit], hidden: torch.Tensor,
-               attend_mask: Optional[torch.Tensor], rotary: Optional[RotaryTables] = None) -> torch.Tensor:
-    """The synchronous layer loop over ``units``, checkpointing the groups marked so (full recompute)."""
-    for start, end, checkpointed in units:
-        def group(h: torch.Tensor, start: int = start, end: int = end) -> torch.Tensor:
-            for layer in layers[start:end]:
-                h = layer(h, attend_mask, rotary=rotary)
-            return h
-
-        hidden = checkpoint(group, hidden) if checkpointed else group(hidden)
-    return hidden

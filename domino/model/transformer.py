@@ -15,8 +15,8 @@ Tensor parallelism lives in the layer classes: the fused QKV (computed as separa
 :mod:`domino.model.qkv_projection`) and the MLP's first linear are column-parallel
 (each rank computes its own heads / its slice of the inner width), the attention output projection and the
 MLP's second linear are row-parallel (their partial sums are all-reduced). The pieces (``qkv``, ``context``,
-``partial`` ...) are exposed so that :mod:`domino.model.domino_stack` can run the same parameters on an
-overlapped schedule.
+``partial`` ...) are exposed so that the overlapped stacks of :mod:`domino.overlap` can run the same parameters
+on their schedules.
 
 Fused QKV layout: output rows are ordered ``[group, (q_1 .. q_n, k, v), head_dim]`` (Megatron-LM's layout; one
 query per group without GQA), so a contiguous split of the rows across TP ranks hands each rank whole query groups
@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from domino.config import ModelConfig
-from domino.model.domino_ops import GradAllReduceSlot
 from domino.model.kv_cache import KVCache
 from domino.model.mlp import build_mlp
 from domino.model.qkv_projection import qkv_projection
@@ -41,6 +40,7 @@ from domino.model.rotary import RotaryTables
 from domino.parallel.collectives import copy_to_tp_region, tp_rank_and_size
 from domino.parallel.kernels import compiled, kernels_for
 from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from domino.parallel.linear_ops import GradSlot
 from domino.parallel.random import tp_region_rng
 
 
@@ -82,12 +82,13 @@ class ParallelSelfAttention(nn.Module):
         self.dense = RowParallelLinear(config.hidden_size, config.hidden_size, bias=bias, input_is_parallel=True,
                                        init_std=output_init_std(config), skip_bias_add=True)
 
-    def qkv(self, x: torch.Tensor, slot: Optional[GradAllReduceSlot] = None) -> Tuple[torch.Tensor, ...]:
+    def qkv(self, x: torch.Tensor, slot: Optional[GradSlot] = None) -> Tuple[torch.Tensor, ...]:
         """This rank's queries ``[b, s, heads/tp, head_dim]``, keys and values ``[b, s, groups/tp, head_dim]`` from
         the fused ``query_key_value``.
 
-        Without ``slot`` (synchronous TP) the input's gradient is all-reduced inside backward; Domino passes
-        the slot of its gradient guard and the all-reduce is launched into it (:mod:`domino.model.domino_ops`).
+        Without ``slot`` (synchronous TP) the input's gradient is all-reduced inside backward; the overlapped
+        stacks pass the slot of their gradient guard and the reduction is launched into it
+        (:mod:`domino.overlap.slots`).
         """
         layer = self.query_key_value
         if slot is None:

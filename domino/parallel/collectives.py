@@ -1,6 +1,12 @@
-"""Tensor-parallel collectives as small autograd functions (Megatron's "regions").
+"""Tensor-parallel collectives: each written once, asynchronously, and Megatron's "regions" built on them.
 
-Each function names what happens in the forward pass; the backward pass is its adjoint:
+Every collective is one ``*_async`` function that launches it over an explicit process group and returns a handle
+(:class:`domino.runtime.comm_timing.CommHandle`, which times the wait and rides the emulated link); its synchronous
+form is that launch followed by the wait. Domino's schedule (:mod:`domino.overlap`) calls the asynchronous forms
+and waits where it reads the result; everything else uses the synchronous ones or the regions below.
+
+The regions are small autograd functions naming what happens in the forward pass; the backward pass is its
+adjoint:
 
 ==========================  ==========================  ==========================
 function                    forward                     backward
@@ -18,98 +24,46 @@ reduce_scatter_to_sequence  reduce-scatter along         all-gather along sequen
 _region                     sequence
 ==========================  ==========================  ==========================
 
-The sequence functions are Megatron's sequence parallelism (``megatron/core/tensor_parallel/mappings.py``: the
-``*_sequence_parallel_region`` functions), along dimension 1 of our ``[b, s, h]`` tensors.
-
-All of them are identities when the tensor-parallel group has one rank, so a single process needs no
-``torch.distributed`` at all. ``all_reduce_async`` is the building block of the Domino schedule: it launches
-an in-place all-reduce and hands back a handle to wait on later (:func:`launch_async` launches every such
-collective, on the emulated link when there is one); sequence parallelism's split-phase collectives are in
-:mod:`domino.parallel.sequence_async`.
-
-Every collective here runs over the TP group, counts the host time it blocks (the ``comm-wait`` timer,
-:mod:`domino.runtime.comm_timing`) and, when ``DOMINO_SIMULATED_NETWORK`` is set, lasts at least the time
-of the emulated link (:mod:`domino.runtime.network_emulator`): synchronous ones sleep the remainder before
-returning, asynchronous ones in ``wait()``.
+As in Megatron-LM's ``megatron/core/tensor_parallel/mappings.py`` (NVIDIA/Megatron-LM 00caa53a:
+``copy_to_tensor_model_parallel_region(input_, group=None)`` resolves ``group`` to the TP group once and the
+autograd function keeps it in ``ctx.group``), every region takes the group as an argument, defaulting to this
+rank's TP group, and the collectives below it take it explicitly; the sequence functions are Megatron's
+``*_sequence_parallel_region`` along dimension 1 of our ``[b, s, h]`` tensors. All of them are identities when
+the group has one rank, so a single process needs no ``torch.distributed`` at all.
 """
 
 from __future__ import annotations
 
-import time
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from domino.runtime import state
-from domino.runtime.comm_timing import (  # noqa: F401  (the timers are read through this module too)
-    TimedWork, comm_site, count_blocked, current_site, pop_comm_wait_by_site, pop_comm_wait_seconds,
-    pop_modelled_comm_seconds,
-)
-from domino.runtime.network_emulator import (
-    DeferredWork, EmulatedWork, all_gather_wire_bytes, all_reduce_wire_bytes,
-)
+from domino.runtime.comm_timing import DONE, CommHandle, comm_site, launch  # noqa: F401  (comm_site: one import)
+from domino.runtime.network_emulator import all_gather_wire_bytes, all_reduce_wire_bytes
+
+Group = Optional[dist.ProcessGroup]
 
 
-class _DoneHandle:
-    """Stands in for a ``dist.Work`` when nothing was launched (one rank): ``wait()`` returns at once."""
-
-    def wait(self) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
+def tp_group() -> Group:
+    """This rank's tensor-parallel group (None for a single process): the regions' default."""
+    return state.get_tensor_model_parallel_group()
 
 
-DONE = _DoneHandle()
-
-def _tp_size() -> int:
-    return state.get_tensor_model_parallel_world_size()
-
-
-def _blocking(run, wire_bytes: float, kind: str) -> None:
-    """Runs the synchronous collective ``run()``, for at least the emulated link's time; counts the blocking
-    under the current :func:`comm_site`, else under ``kind``."""
-    link = state.get_tensor_model_parallel_link()
-    started = time.perf_counter()
-    due = link.launch(wire_bytes) if link is not None else None
-    run()
-    if due is not None:
-        link.wait_until(due)
-    count_blocked(time.perf_counter() - started, current_site(kind))
+def group_size(group: Group) -> int:
+    """Ranks in ``group`` (1 for None: a single process)."""
+    return 1 if group is None else group.size()
 
 
-def _all_reduce_in_place(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
-                         kind: str = "cross-entropy") -> torch.Tensor:
-    _blocking(lambda: dist.all_reduce(x, op=op, group=state.get_tensor_model_parallel_group()),
-              all_reduce_wire_bytes(x.numel() * x.element_size(), _tp_size()), kind)
-    return x
+def group_rank(group: Group) -> int:
+    """This process's position in ``group`` (0 for None)."""
+    return 0 if group is None else group.rank()
 
 
-def _all_reduce(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """Sums ``x`` in place over the TP group (contiguous first, since collectives need dense memory)."""
-    if _tp_size() == 1:
-        return x
-    return _all_reduce_in_place(x.contiguous(), kind=kind)
-
-
-def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
-    world = _tp_size()
-    if world == 1:
-        return x
-    if x.shape[-1] % world:
-        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by the TP size {world}")
-    return x.chunk(world, dim=-1)[state.get_tensor_model_parallel_rank()].contiguous()
-
-
-def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    world = _tp_size()
-    if world == 1:
-        return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(world)]
-    _blocking(lambda: dist.all_gather(parts, x, group=state.get_tensor_model_parallel_group()),
-              all_gather_wire_bytes(x.numel() * x.element_size(), world), "all-gather")
-    return torch.cat(parts, dim=-1)
+def tp_rank_and_size() -> tuple:
+    """``(rank, world_size)`` of this process inside its tensor-parallel group."""
+    return state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
 
 
 def sequence_first(x: torch.Tensor) -> torch.Tensor:
@@ -117,170 +71,11 @@ def sequence_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).contiguous()
 
 
-def _split_sequence(x: torch.Tensor) -> torch.Tensor:
-    world = _tp_size()
-    if x.shape[1] % world:
-        raise ValueError(f"sequence length {x.shape[1]} is not divisible by the TP size {world}")
-    return x.chunk(world, dim=1)[state.get_tensor_model_parallel_rank()].contiguous()
+# ---- the collectives: launched asynchronously; the synchronous form waits at once -------------------------------
 
-
-def gather_sequence(x: torch.Tensor) -> torch.Tensor:
-    """All-gathers ``[b, s/tp, ...]`` along the sequence (synchronously, outside autograd): ``[b, s, ...]``."""
-    world, part = _tp_size(), sequence_first(x)
-    out = part.new_empty((world * part.shape[0], *part.shape[1:]))
-    _blocking(lambda: dist.all_gather_single(out, part, group=state.get_tensor_model_parallel_group()),
-              all_gather_wire_bytes(part.numel() * part.element_size(), world), "sequence all-gather")
-    return out.transpose(0, 1)
-
-
-def _reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
-    world, full = _tp_size(), sequence_first(x)
-    if full.shape[0] % world:
-        raise ValueError(f"sequence length {full.shape[0]} is not divisible by the TP size {world}")
-    out = full.new_empty((full.shape[0] // world, *full.shape[1:]))
-    _blocking(lambda: dist.reduce_scatter_single(out, full, group=state.get_tensor_model_parallel_group()),
-              all_gather_wire_bytes(out.numel() * out.element_size(), world), "sequence reduce-scatter")
-    return out.transpose(0, 1)
-
-
-class _ScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _split_sequence(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_sequence(grad)
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return gather_sequence(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_sequence(grad)
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _reduce_scatter_sequence(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_sequence(grad)
-
-
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad.clone(), "all-reduce bwd")
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _all_reduce(x.clone(), "all-reduce fwd")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _split_last_dim(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last_dim(grad)
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _gather_last_dim(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last_dim(grad)
-
-
-def copy_to_tp_region(x: torch.Tensor) -> torch.Tensor:
-    """Identity forward; all-reduces the gradient (the input of a column-parallel layer)."""
-    return x if _tp_size() == 1 else _CopyToRegion.apply(x)
-
-
-def reduce_from_tp_region(x: torch.Tensor) -> torch.Tensor:
-    """All-reduces forward; identity backward (the output of a row-parallel layer)."""
-    return x if _tp_size() == 1 else _ReduceFromRegion.apply(x)
-
-
-def scatter_to_tp_region(x: torch.Tensor) -> torch.Tensor:
-    """Keeps this rank's slice of the last dimension; gathers the gradient."""
-    return x if _tp_size() == 1 else _ScatterToRegion.apply(x)
-
-
-def gather_from_tp_region(x: torch.Tensor) -> torch.Tensor:
-    """Concatenates the ranks' slices along the last dimension; splits the gradient."""
-    return x if _tp_size() == 1 else _GatherFromRegion.apply(x)
-
-
-def scatter_to_sequence_region(x: torch.Tensor) -> torch.Tensor:
-    """Keeps this rank's slice of the sequence (dimension 1); all-gathers the gradient."""
-    return x if _tp_size() == 1 else _ScatterToSequence.apply(x)
-
-
-def gather_from_sequence_region(x: torch.Tensor) -> torch.Tensor:
-    """All-gathers the sequence (the input of a column-parallel layer); reduce-scatters the gradient."""
-    return x if _tp_size() == 1 else _GatherFromSequence.apply(x)
-
-
-def reduce_scatter_to_sequence_region(x: torch.Tensor) -> torch.Tensor:
-    """Sums over the TP ranks keeping this rank's sequence slice (the output of a row-parallel layer)."""
-    return x if _tp_size() == 1 else _ReduceScatterToSequence.apply(x)
-
-
-class PendingWork(TimedWork):
-    """A timed work that also keeps the collective's send buffer alive until it is waited on."""
-
-    __slots__ = ("source",)
-
-    def __init__(self, work, source: torch.Tensor, kind: str = "async") -> None:
-        super().__init__(work, kind)
-        self.source = source
-
-    def wait(self) -> bool:
-        try:
-            return super().wait()
-        finally:
-            self.source = None  # the collective has read it: let the send buffer go
-
-
-def launch_async(collective, wire_bytes: float, source: torch.Tensor, kind: str = "async") -> PendingWork:
-    """Launches ``collective(async_op)`` over the TP group, on the emulated link when there is one.
-
-    Returns its handle (keeping ``source``, the send buffer, alive until waited on). With an emulated link whose
-    transfer happens in ``wait()``, gloo runs the collective there, synchronously, after the link's time.
-    """
-    link = state.get_tensor_model_parallel_link()
-    due = link.launch(wire_bytes) if link is not None else None
-    if link is not None and link.spec.transfer == "wait":  # emulated link, gloo moves the data in wait()
-        return PendingWork(DeferredWork(lambda: collective(False), link, due), source, kind)
-    # Async launch: the caller computes meanwhile and reads the result only after the handle's wait().
-    work = collective(True)
-    return PendingWork(work if link is None else EmulatedWork(work, link, due), source, kind)
-
-
-def all_reduce_async(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM):
-    """Launches an in-place all-reduce of ``x`` over the TP group and returns its handle.
+def all_reduce_async(x: torch.Tensor, group: Group = None, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                     kind: str = "async", blocking: bool = False):
+    """Launches an in-place all-reduce of ``x`` over ``group`` (default: the TP group) and returns its handle.
 
     Outside autograd on purpose: Domino uses it on a row-parallel partial sum, whose gradient with respect
     to each rank's partial is the incoming gradient itself, so autograd must see an identity. The caller must
@@ -288,31 +83,231 @@ def all_reduce_async(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM):
 
     Args:
         x: a contiguous tensor, reduced in place.
+        group: the process group; None: this rank's TP group.
         op: the reduction.
-
-    Returns:
-        An object with ``wait()``: a ``torch.distributed.Work`` or a completed stand-in.
+        kind: the comm-wait label outside any ``comm_site``.
+        blocking: the caller waits at once (the synchronous form).
     """
-    if _tp_size() == 1:
+    group = tp_group() if group is None else group
+    world = group_size(group)
+    if world == 1:
         return DONE
     if not x.is_contiguous():
         raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
-    group = state.get_tensor_model_parallel_group()
-    # Async launch: the caller computes another chunk meanwhile and waits right before it reads x.
-    return launch_async(lambda async_op: dist.all_reduce(x.detach(), op=op, group=group, async_op=async_op),
-                        all_reduce_wire_bytes(x.numel() * x.element_size(), _tp_size()), x)
+    data = x.detach()
+    return launch(lambda async_op: dist.all_reduce(data, op=op, group=group, async_op=async_op),
+                  all_reduce_wire_bytes(x.numel() * x.element_size(), world), x, group, kind, blocking)
 
 
-def all_reduce_max_(x: torch.Tensor) -> torch.Tensor:
-    """In-place max over the TP group, outside autograd (used by the vocab-parallel cross-entropy)."""
-    return _all_reduce_in_place(x, dist.ReduceOp.MAX) if _tp_size() > 1 else x
+def all_reduce_(x: torch.Tensor, group: Group = None, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                kind: str = "cross-entropy") -> torch.Tensor:
+    """Sums (``op``) the contiguous ``x`` in place over ``group``, outside autograd; returns ``x``."""
+    all_reduce_async(x, group, op, kind, blocking=True).wait()  # synchronous: launch and wait at once
+    return x
 
 
-def all_reduce_sum_(x: torch.Tensor) -> torch.Tensor:
-    """In-place sum over the TP group, outside autograd."""
-    return _all_reduce_in_place(x) if _tp_size() > 1 else x
+def all_reduce_sum_(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """In-place sum over ``group`` (default: the TP group), outside autograd."""
+    return all_reduce_(x, group)
 
 
-def tp_rank_and_size() -> tuple:
-    """``(rank, world_size)`` of this process inside its tensor-parallel group."""
-    return state.get_tensor_model_parallel_rank(), _tp_size()
+def all_reduce_max_(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """In-place max over ``group`` (default: the TP group), outside autograd (the vocab-parallel cross-entropy)."""
+    return all_reduce_(x, group, dist.ReduceOp.MAX)
+
+
+def all_gather_sequence_async(x: torch.Tensor, group: Group = None, kind: str = "sequence all-gather",
+                              blocking: bool = False) -> Tuple[object, torch.Tensor]:
+    """Launches the all-gather of ``[b, s/tp, h]`` along the sequence, outside autograd; ``(handle, [b, s, h])``.
+
+    The result is allocated as ``[b, s, h]`` with sequence-first strides, and the collective writes through its
+    contiguous ``[s, b, h]`` transpose, detached: so the tensor handed back is a base, not a view, and gloo's
+    in-place write into it after the launch (by its worker thread, or inside ``wait()`` on an emulated link
+    with ``transfer=wait``) is no change autograd would refuse. ``x``'s slice is the send buffer (a view of
+    ``x`` when ``b == 1``): do not write into ``x`` before the wait. With one rank nothing is launched and the
+    result is ``x``.
+    """
+    group = tp_group() if group is None else group
+    world = group_size(group)
+    if world == 1:
+        return DONE, x
+    part = sequence_first(x.detach())
+    b, s, h = part.shape[1], world * part.shape[0], part.shape[2]
+    gathered = torch.empty_strided((b, s, h), (h, b * h, 1), dtype=part.dtype, device=part.device)
+    out = gathered.detach().transpose(0, 1)
+    handle = launch(lambda async_op: dist.all_gather_single(out, part, group=group, async_op=async_op),
+                    all_gather_wire_bytes(part.numel() * part.element_size(), world), part, group, kind, blocking)
+    return handle, gathered
+
+
+def all_gather_sequence(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """All-gathers ``[b, s/tp, h]`` along the sequence, synchronously and outside autograd: ``[b, s, h]``."""
+    handle, gathered = all_gather_sequence_async(x, group, blocking=True)
+    handle.wait()  # synchronous: launched and waited for at once
+    return gathered
+
+
+def reduce_scatter_sequence_async(x: torch.Tensor, group: Group = None, kind: str = "async",
+                                  blocking: bool = False) -> Tuple[object, torch.Tensor]:
+    """Launches the reduce-scatter of ``[b, s, ...]`` along the sequence, outside autograd; returns
+    ``(handle, [b, s/tp, ...])``, this rank's slice of the sum, not to be read before ``handle.wait()``.
+
+    The send buffer is ``x`` sequence-first: a copy, or ``x`` itself when ``b == 1``, so do not write into ``x``
+    before the wait. With one rank nothing is launched and the slice is ``x`` itself.
+    """
+    group = tp_group() if group is None else group
+    world = group_size(group)
+    if world == 1:
+        return DONE, x
+    full = sequence_first(x.detach())
+    if full.shape[0] % world:
+        raise ValueError(f"sequence length {full.shape[0]} is not divisible by the TP size {world}")
+    out = full.new_empty((full.shape[0] // world, *full.shape[1:]))
+    handle = launch(lambda async_op: dist.reduce_scatter_single(out, full, group=group, async_op=async_op),
+                    all_gather_wire_bytes(out.numel() * out.element_size(), world), full, group, kind, blocking)
+    return handle, out.transpose(0, 1)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Reduce-scatters ``[b, s, ...]`` along the sequence, synchronously and outside autograd: ``[b, s/tp, ...]``."""
+    handle, part = reduce_scatter_sequence_async(x, group, "sequence reduce-scatter", blocking=True)
+    handle.wait()  # synchronous: launched and waited for at once
+    return part
+
+
+def all_gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Concatenates every rank's ``x`` along the last dimension (synchronously, outside autograd)."""
+    world = group_size(group)
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    handle = launch(lambda async_op: dist.all_gather(parts, x, group=group, async_op=async_op),
+                    all_gather_wire_bytes(x.numel() * x.element_size(), world), x, group, "all-gather",
+                    blocking=True)
+    handle.wait()  # synchronous: launched and waited for at once
+    return torch.cat(parts, dim=-1)
+
+
+def _split(x: torch.Tensor, dim: int, group: Group, what: str) -> torch.Tensor:
+    """This rank's contiguous slice of ``x`` along ``dim`` (no communication)."""
+    world = group_size(group)
+    if x.shape[dim] % world:
+        raise ValueError(f"{what} {x.shape[dim]} is not divisible by the TP size {world}")
+    return x.chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+# ---- the regions ------------------------------------------------------------------------------------------------
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_(grad.contiguous().clone(), ctx.group, kind="all-reduce bwd"), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce_(x.contiguous().clone(), group, kind="all-reduce fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, -1, group, "last dimension")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_last_dim(grad, ctx.group), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, -1, ctx.group, "last dimension"), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, 1, group, "sequence length")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad, ctx.group), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad, ctx.group), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad, ctx.group), None
+
+
+def _region(function, x: torch.Tensor, group: Group) -> torch.Tensor:
+    group = tp_group() if group is None else group
+    return x if group_size(group) == 1 else function.apply(x, group)
+
+
+def copy_to_tp_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Identity forward; all-reduces the gradient (the input of a column-parallel layer)."""
+    return _region(_CopyToRegion, x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """All-reduces forward; identity backward (the output of a row-parallel layer)."""
+    return _region(_ReduceFromRegion, x, group)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Keeps this rank's slice of the last dimension; gathers the gradient."""
+    return _region(_ScatterToRegion, x, group)
+
+
+def gather_from_tp_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Concatenates the ranks' slices along the last dimension; splits the gradient."""
+    return _region(_GatherFromRegion, x, group)
+
+
+def scatter_to_sequence_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Keeps this rank's slice of the sequence (dimension 1); all-gathers the gradient."""
+    return _region(_ScatterToSequence, x, group)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """All-gathers the sequence (the input of a column-parallel layer); reduce-scatters the gradient."""
+    return _region(_GatherFromSequence, x, group)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Sums over the TP ranks keeping this rank's sequence slice (the output of a row-parallel layer)."""
+    return _region(_ReduceScatterToSequence, x, group)

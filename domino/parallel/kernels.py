@@ -1,8 +1,9 @@
 """Which implementation of an op runs on which device: the one place that decides.
 
-Six ops have two implementations of the same maths, one tuned for CPUs (measured in
-``benchmarks/model_step.py``) and one for CUDA GPUs. Each op asks :func:`kernels_for` with its input's device
-at its one call site and takes the branch it is told:
+Six ops have more than one implementation of the same maths: one tuned for CPUs (measured in
+``benchmarks/model_step.py``), one for CUDA GPUs, and the plain one to read first (``PLAIN_KERNELS``: the textbook
+formula of every op, no buffer tricks, nothing compiled; ``DOMINO_KERNELS=plain`` runs it on every device). Each op
+asks :func:`kernels_for` with its input's device at its one call site and takes the branch it is told:
 
 ==========================  ===========================================  =============================================
 op                          CPU (``CPU_KERNELS``)                        CUDA (``CUDA_KERNELS``)
@@ -34,7 +35,18 @@ output layer + loss         all tokens' logits in one kept buffer (the   row chu
                                                                          micro-batch 16)
 ==========================  ===========================================  =============================================
 
-Both sides of every row compute the same values (``tests/model/test_model_kernels.py`` forces the CUDA choices
+The plain choice takes the textbook form of every op: one QKV GEMM over the stored weight, ``F.gelu`` then fc2,
+bias + dropout + residual eagerly, the loss as ``logsumexp - target logit``, and the logits computed by a linear
+before a separate vocab-parallel cross-entropy (no fused output layer + loss, no kept or chunked buffer).
+
+Attention's backend is left to torch on both sides, on purpose: on CUDA, SDPA already prefers cuDNN attention on
+Hopper and Blackwell where the bundled cuDNN is one its developers trust (``check_prefer_cudnn_attention`` in
+pytorch's ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: cuDNN > 9.15, sm90/sm100), else FlashAttention;
+forcing cuDNN first (``sdpa_kernel(..., set_priority=True)``, torch >= 2.6) would override the guard pytorch added
+after the 2.5 bugs (pytorch PR #138522, issue #139298; the same reasoning closed transformers PR #48163).
+``benchmarks/gpu_check.py`` records the device's cuDNN version so the choice can be read off a real run.
+
+Every choice computes the same values (``tests/model/test_model_kernels.py`` forces the CUDA and the plain choices
 on CPU tensors and compares outputs and gradients). Devices other than ``cuda`` take the CPU choices.
 """
 
@@ -50,6 +62,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
+
+from domino.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,8 @@ class Kernels:
     loss_chunk_bytes: Optional[int] = None
     """The fused output layer + loss computes its fp32 logits in row chunks of about this many bytes, recomputing
     them in backward (:mod:`domino.parallel.chunked_cross_entropy`); None keeps all of them in one buffer."""
+    fused_output_loss: bool = True
+    """The output layer and the loss as one node sharing the logits' buffer (else a linear, then the loss)."""
 
 
 CPU_KERNELS = Kernels(split_qkv=True, keep_logits_buffer=True, fused_gelu_fc2=True, compile_backend=None,
@@ -78,6 +94,24 @@ CUDA_KERNELS = Kernels(split_qkv=False, keep_logits_buffer=False, fused_gelu_fc2
                        loss_from_softmax=False, loss_chunk_bytes=2**30)
 #: CUDA on a machine without a C compiler (:func:`c_compiler`): the same, but the fusions run eagerly.
 CUDA_KERNELS_WITHOUT_COMPILER = dataclasses.replace(CUDA_KERNELS, compile_backend=None)
+#: The textbook form of every op: read it first; ``DOMINO_KERNELS=plain`` runs it everywhere.
+PLAIN_KERNELS = Kernels(split_qkv=False, keep_logits_buffer=False, fused_gelu_fc2=False, compile_backend=None,
+                        loss_from_softmax=False, fused_output_loss=False)
+
+ENV_VAR = "DOMINO_KERNELS"
+
+
+def _from_environment(environ=os.environ) -> Optional[Kernels]:
+    """``DOMINO_KERNELS``: ``plain`` (every device), or unset / ``auto`` (chosen by device type)."""
+    value = environ.get(ENV_VAR, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value == "plain":
+        return PLAIN_KERNELS
+    raise ConfigError(f"{ENV_VAR}={value!r}: expected plain or auto")
+
+
+_CHOSEN = _from_environment()  # read once, when the process imports the model code
 
 _forced: contextvars.ContextVar[Optional[Kernels]] = contextvars.ContextVar("domino_forced_kernels", default=None)
 
@@ -87,6 +121,8 @@ def kernels_for(device: torch.device) -> Kernels:
     forced = _forced.get()
     if forced is not None:
         return forced
+    if _CHOSEN is not None:
+        return _CHOSEN
     if device.type != "cuda":
         return CPU_KERNELS
     return CUDA_KERNELS if c_compiler() is not None else CUDA_KERNELS_WITHOUT_COMPILER

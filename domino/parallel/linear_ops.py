@@ -2,9 +2,9 @@
 
 Two reasons to write the backward ourselves rather than let autograd derive it from ``F.linear``:
 
-* **Asynchronous input-gradient all-reduce.** A column-parallel linear's input gradient must be summed over the
-  TP ranks. :func:`linear` accepts a *slot* (any object with ``launch(tensor)``, e.g. Domino's
-  ``GradAllReduceSlot``); its backward launches the all-reduce into the slot right after computing the input
+* **Asynchronous input-gradient reduction.** A column-parallel linear's input gradient must be summed over the
+  TP ranks. :func:`linear` accepts a *slot*, a :class:`GradSlot` (the overlapped stacks' slots,
+  :mod:`domino.overlap.slots`); its backward launches the reduction into the slot right after computing the input
   gradient, so it runs while the weight gradient is computed, and the slot's owner waits for it later.
 * **Fewer buffers.** :func:`gelu_linear` (GeLU followed by a linear, the MLP's second half) turns the saved
   activation's buffer into the activation's gradient in place, so its backward allocates no
@@ -16,7 +16,7 @@ GEMM may differ, as between any two BLAS calls).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,25 +27,34 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def saved_input(x: torch.Tensor, slot) -> torch.Tensor:
-    """What a column-parallel linear saves of its input ``x`` for the weight gradient.
+class GradSlot(Protocol):
+    """What a column-parallel linear's backward hands its input gradient to, instead of reducing it itself.
 
-    ``x`` itself, unless the slot knows ``x``'s sequence slice (sequence parallelism: ``x`` is the all-gathered
-    sequence): then the slice, which :func:`full_input` gathers again in backward.
+    Declared here, beside the linears that call it (:func:`linear`, and the QKV and SwiGLU projections of
+    :mod:`domino.model.qkv_projection`); implemented by the overlapped stacks' slots (:mod:`domino.overlap.slots`).
     """
-    part = getattr(slot, "part", None)
-    return x if part is None else part
+
+    def keep(self, x: torch.Tensor) -> torch.Tensor:
+        """What the linear saves of its input ``x`` for the weight gradient: ``x``, or less that :meth:`restore`
+        turns back into ``x`` (sequence parallelism keeps this rank's slice of the gathered sequence)."""
+
+    def restore(self, kept: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Backward's access to what :meth:`keep` returned: launches what rebuilding the input takes (an
+        all-gather, which then runs during the input-gradient GEMM) and returns a callable that waits and
+        returns the input."""
+
+    def launch(self, grad_input: torch.Tensor) -> None:
+        """Starts the reduction of the input gradient over the TP ranks; the slot's owner waits for it."""
 
 
-def full_input(saved: torch.Tensor, slot) -> Callable[[], torch.Tensor]:
-    """Backward's access to what :func:`saved_input` kept: call the result when the input is needed.
+def saved_input(x: torch.Tensor, slot: Optional[GradSlot]) -> torch.Tensor:
+    """What a column-parallel linear saves of its input ``x`` for the weight gradient (``x`` without a slot)."""
+    return x if slot is None else slot.keep(x)
 
-    For a sequence slice the all-gather is launched now and waited for in the call, so it runs during whatever
-    the backward computes in between (the input-gradient GEMM), as Megatron's column-parallel backward does.
-    """
-    if getattr(slot, "part", None) is None:
-        return lambda: saved
-    return slot.regather(saved)
+
+def full_input(saved: torch.Tensor, slot: Optional[GradSlot]) -> Callable[[], torch.Tensor]:
+    """Backward's access to what :func:`saved_input` kept: call the result when the input is needed."""
+    return (lambda: saved) if slot is None else slot.restore(saved)
 
 
 class _Linear(torch.autograd.Function):
@@ -72,15 +81,16 @@ class _Linear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, grad_slot=None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` whose backward may launch the input-gradient all-reduce asynchronously.
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           grad_slot: Optional[GradSlot] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` whose backward may launch the input-gradient reduction asynchronously.
 
     Args:
         x: ``[..., in]`` input.
         weight: ``[out, in]``.
         bias: ``[out]`` or None.
-        grad_slot: None (the caller handles the input gradient, e.g. with ``copy_to_tp_region``), or an object
-            whose ``launch(grad)`` starts the TP all-reduce of the input gradient (Domino's gradient guard).
+        grad_slot: None (the caller handles the input gradient, e.g. with ``copy_to_tp_region``), or the
+            :class:`GradSlot` whose ``launch(grad)`` starts the TP reduction of the input gradient.
     """
     return _Linear.apply(x, weight, bias, grad_slot)
 

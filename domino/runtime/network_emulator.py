@@ -6,7 +6,7 @@ nothing about a GPU cluster's links, and nothing about how much of it a schedule
     DOMINO_SIMULATED_NETWORK="latency_us=L,gbps=B"
 
 every tensor-parallel collective of :mod:`domino.parallel.collectives` also costs the time a modelled link
-would take: it completes no earlier than ``start + L + wire_bytes / B`` (``B`` in GB/s, 10^9 bytes/s), where
+would take (its handle, :class:`domino.runtime.comm_timing.CommHandle`, sleeps the rest in ``wait()``): it completes no earlier than ``start + L + wire_bytes / B`` (``B`` in GB/s, 10^9 bytes/s), where
 
 * ``wire_bytes`` is what one rank sends: ``2 (n-1)/n x bytes`` for a ring all-reduce of ``bytes`` over ``n``
   ranks, ``(n-1) x bytes`` for an all-gather of ``bytes`` per rank;
@@ -139,48 +139,6 @@ class LinkEmulator:
         """Link time of the collectives launched since the last call (the sum of their durations)."""
         seconds, self._modelled_seconds = self._modelled_seconds, 0.0
         return seconds
-
-
-class DeferredWork:
-    """``transfer=wait``: the collective ``run()`` (synchronous gloo) is issued in ``wait()``, then the rest of the
-    modelled link time is slept; ``is_completed()`` is False until then."""
-
-    __slots__ = ("run", "emulator", "due", "done")
-
-    def __init__(self, run: Callable[[], None], emulator: LinkEmulator, due: float) -> None:
-        self.run = run
-        self.emulator = emulator
-        self.due = due
-        self.done = False
-
-    def wait(self) -> bool:
-        if not self.done:
-            self.run()
-            self.done = True
-        self.emulator.wait_until(self.due)
-        return True
-
-    def is_completed(self) -> bool:
-        return self.done and self.emulator.clock() >= self.due
-
-
-class EmulatedWork:
-    """Wraps a ``dist.Work``: ``wait()`` returns once the data arrived *and* the modelled link time passed."""
-
-    __slots__ = ("work", "emulator", "due")
-
-    def __init__(self, work, emulator: LinkEmulator, due: float) -> None:
-        self.work = work
-        self.emulator = emulator
-        self.due = due
-
-    def wait(self) -> bool:
-        done = self.work.wait()
-        self.emulator.wait_until(self.due)
-        return done
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed() and self.emulator.clock() >= self.due
 
 
 def install_from_environment(environ: Optional[dict] = None) -> Optional[LinkEmulator]:

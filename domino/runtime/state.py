@@ -197,6 +197,12 @@ def get_tensor_model_parallel_link() -> Optional[LinkEmulator]:
     return _STATE.tp_link if _STATE else None
 
 
+def link_for(group: Optional[dist.ProcessGroup]) -> Optional[LinkEmulator]:
+    """The emulated link the collectives over ``group`` ride on: the TP group's, else None (the data-parallel
+    collectives are DeepSpeed's and not emulated)."""
+    return _STATE.tp_link if _STATE is not None and group is _STATE.tp_group else None
+
+
 def set_tensor_model_parallel_link(link: Optional[LinkEmulator]) -> None:
     """Replaces the emulated TP link (None switches emulation off); for tests and benchmarks."""
     if _STATE is None:

@@ -21,7 +21,8 @@ from domino.data.mock import MockGPTDataset
 from domino.data.tokenizer import tokenizer_for_run
 from domino.model import GPTModel
 from domino.model.recompute import RecomputePlan, apply_activation_recompute
-from domino.model.sequence_parallel import apply_sequence_parallel
+from domino.overlap.schedule import apply_domino
+from domino.overlap.sequence_parallel import apply_sequence_parallel
 from domino.runtime import state
 
 logger = logging.getLogger(__name__)
@@ -91,11 +92,12 @@ class GPTRecipe:
         self.eod = self.tokenizer.eod if self.tokenizer is not None else vocab - 1
 
     def model_builder(self, config: DominoConfig) -> torch.nn.Module:
-        """A ``GPTModel`` of ``config``'s shape with the Domino chunks, sequence parallelism and activation
-        recompute of ``config``."""
-        model = GPTModel(config.model, self.padded_vocab_size, domino_chunks=config.parallel.domino_chunks)
+        """A ``GPTModel`` of ``config``'s shape with the sequence parallelism, Domino chunks and activation
+        recompute of ``config``, applied in that order (:mod:`domino.overlap`, :mod:`domino.model.recompute`)."""
+        model = GPTModel(config.model, self.padded_vocab_size)
         if config.parallel.sequence_parallel:
             apply_sequence_parallel(model)
+        apply_domino(model, config.parallel.domino_chunks or 1)
         return apply_activation_recompute(model, RecomputePlan.from_config(config.train))
 
     def dataset_builder(self, num_samples: Tuple[int, int, int]) -> Tuple[Any, Optional[Any], Optional[Any]]:

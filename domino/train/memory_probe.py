@@ -19,7 +19,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from domino.model import GPTModel
 from domino.model.recompute import apply_activation_recompute
-from domino.model.sequence_parallel import apply_sequence_parallel
+from domino.overlap.schedule import apply_domino
+from domino.overlap.sequence_parallel import apply_sequence_parallel
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -76,10 +77,10 @@ def measure_training_memory(model_config, vocab_size: int, batch: int, steps: in
     torch.manual_seed(seed)
     tokens, labels = (torch.randint(0, vocab_size, (batch, model_config.seq_length)) for _ in range(2))
     with LiveTensorBytes() as mode:
-        model = GPTModel(model_config, vocab_size, domino_chunks=domino_chunks)
+        model = GPTModel(model_config, vocab_size)
         if sequence_parallel:
             apply_sequence_parallel(model)
-        model = apply_activation_recompute(model, recompute)
+        model = apply_activation_recompute(apply_domino(model, domino_chunks), recompute)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         mode.reset_peak()
         forward = None

@@ -27,7 +27,7 @@ from domino.config import ConfigError, DominoConfig, config_to_dict, validate
 from domino.config.validate import resolve_zero_stage
 from domino.data.loader import build_pretraining_data_loader
 from domino.parallel import random as tp_random
-from domino.parallel.collectives import pop_comm_wait_by_site, pop_comm_wait_seconds, pop_modelled_comm_seconds
+from domino.runtime.comm_timing import pop_comm_wait_by_site, pop_comm_wait_seconds, pop_modelled_comm_seconds
 from domino.runtime import state
 from domino.runtime.agreement import PeerLostError, agree, find_lost_ranks, hosts, is_lost_peer_error
 from domino.train import bf16_step, engine as engine_setup
@@ -36,7 +36,7 @@ from domino.train.interval_stats import IntervalReading, IntervalStats
 from domino.train.metrics import MetricsWriter, format_iteration_line
 from domino.train.schedules import LearningRateSchedule
 from domino.train.throughput import detect_peak_tflops, memory_gb, training_flops_per_token
-from domino.train.timers import Timers
+from domino.train.timers import TimedIterator, Timers
 
 logger = logging.getLogger(__name__)
 
@@ -58,23 +58,6 @@ class TrainingResult:
     checkpoint: Optional[str]
     interrupted: bool = False
     """True when ``--exit-signal-handler`` stopped the run early on SIGTERM (after saving)."""
-
-
-class _TimedIterator:
-    """Wraps a data iterator so time spent waiting for batches lands in the ``batch-generator`` timer."""
-
-    def __init__(self, iterator, timers: Timers) -> None:
-        self.iterator, self.timers = iterator, timers
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self.timers.start("batch-generator")
-        try:
-            return next(self.iterator)
-        finally:
-            self.timers.stop("batch-generator")
 
 
 def _train_iters(config: DominoConfig, global_batch: int) -> int:
@@ -307,12 +290,7 @@ class _Trainer:
         return bool(flag.item())
 
     def run(self, iteration: int, consumed: int, resumed_checkpoint: Optional[str] = None) -> TrainingResult:
-        """Trains from ``iteration`` (``consumed`` samples done) to ``--train-iters``.
-
-        Args:
-            resumed_checkpoint: the checkpoint of ``iteration`` in ``--save`` this run resumed from (it is not
-                saved again).
-        """
+        """Trains from ``iteration`` (``consumed`` samples done, ``resumed_checkpoint`` not saved again) on."""
         self.sigterm_received = False
         self.completed = iteration  # the last iteration every rank finished, for a lost-peer report
         previous = None
@@ -348,13 +326,11 @@ class _Trainer:
 
     def _run(self, iteration: int, consumed: int, resumed_checkpoint: Optional[str]) -> TrainingResult:
         config, t, lg, c = self.config, self.config.train, self.config.logging, self.config.checkpoint
-        train_iter = None
-        if iteration < self.train_iters:
-            train_iter = self._loader(self.train_ds, consumed, config.data.num_workers)
-        else:  # a restart after the last iteration (a pod restarted during the final evaluation)
-            logger.info("resumed at iteration %d of %d: nothing left to train, finishing the evaluation",
-                        iteration, self.train_iters)
-        train_iter = _TimedIterator(train_iter, self.timers) if train_iter is not None else None
+        left = iteration < self.train_iters  # not after a restart past the end (a pod restarted in the final eval)
+        train_iter = self._loader(self.train_ds, consumed, config.data.num_workers) if left else None
+        if not left:
+            logger.info("nothing left to train at iteration %d of %d: evaluating", iteration, self.train_iters)
+        train_iter = TimedIterator(train_iter, self.timers) if train_iter is not None else None
         self.writer.drop_after(iteration)
         self.writer.track(config_to_dict(config), lg, c.save, iteration, {
             "world_size": dist.get_world_size(), "global_batch_size": self.gbs, "train_iters": self.train_iters,
@@ -368,8 +344,8 @@ class _Trainer:
         pop_comm_wait_seconds(), pop_modelled_comm_seconds(), pop_comm_wait_by_site()
         run_start, start_iteration = time.perf_counter(), iteration
         interval_start, interval_first = time.perf_counter(), iteration
-        last_valid = tokens_per_s = None
-        checkpoint_path, saved_at = resumed_checkpoint, (iteration if resumed_checkpoint else None)
+        last_valid, tokens_per_s, checkpoint_path = None, None, resumed_checkpoint
+        saved_at = iteration if resumed_checkpoint else None
 
         while iteration < self.train_iters:
             lr = self.schedule.lr_at(iteration)

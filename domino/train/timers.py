@@ -56,3 +56,20 @@ class Timers:
         """One line of per-iteration milliseconds: ``forward: 12.3 | backward: 20.1``."""
         parts: List[str] = [f"{k}: {1000 * v / max(iterations, 1):.1f}" for k, v in sorted(totals.items())]
         return "time (ms/iter) " + " | ".join(parts) if parts else ""
+
+
+class TimedIterator:
+    """Wraps a data iterator so time spent waiting for batches lands in the ``batch-generator`` timer."""
+
+    def __init__(self, iterator, timers: Timers) -> None:
+        self.iterator, self.timers = iterator, timers
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.timers.start("batch-generator")
+        try:
+            return next(self.iterator)
+        finally:
+            self.timers.stop("batch-generator")

@@ -131,3 +131,26 @@ def test_config_values_leave_out_what_is_not_given():
     assert not {"lr", "split", "global_batch_size", "micro_batch_size"} & set(values)
     hints = typing.get_type_hints(PretrainSettings)
     assert all(hints[f.name] in KFP_TYPES for f in dataclasses.fields(PretrainSettings))
+
+
+@dataclass(kw_only=True)
+class _PlainSettings:
+    knob: int = 1
+    """A knob."""
+
+
+@dataclass(kw_only=True)
+class _QuotingSettings:
+    knob: int = 1
+    """A knob whose description holds \"\"\" quotes."""
+
+
+@pytest.mark.parametrize("where", ["parameter", "summary", "returns"])
+def test_a_text_that_would_end_the_generated_docstring_is_refused(where):
+    """Every text that goes into the generated function's docstring: a parameter's, the summary, the returns."""
+    bad = 'Quotes """ inside.'
+    component = declare.Component(function="f", settings=_QuotingSettings if where == "parameter" else _PlainSettings,
+                                  run="m:f", summary=bad if where == "summary" else "Does f.",
+                                  returns=("str", bad) if where == "returns" else ("None", ""))
+    with pytest.raises(ValueError, match="would end the generated docstring"):
+        declare.function_source(component)

@@ -187,13 +187,30 @@ def test_gpu_memory_gb_refuses_a_layout_that_cannot_fit_before_any_job(tmp_path)
 
 
 def test_credentials_come_from_secrets_and_never_from_literal_run_parameters():
-    settings = PretrainSettings(shared_root="/mnt/domino", run_id="r", env='{"NCCL_DEBUG": "INFO"}',
+    # A name that merely contains a credential word (the Hugging Face tokenizers' switch) is no credential.
+    settings = PretrainSettings(shared_root="/mnt/domino", run_id="r",
+                                env='{"NCCL_DEBUG": "INFO", "TOKENIZERS_PARALLELISM": "false"}',
                                 env_secrets='{"HF_TOKEN": "hf-credentials:token"}',
                                 env_from_secrets='["mlflow-credentials"]')
     spec = job_spec(settings, [])
     assert spec.secret_env == {"HF_TOKEN": "hf-credentials:token"} and spec.env_from_secrets == ["mlflow-credentials"]
     (container,) = render_job(spec, "r")["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-credentials", "key": "token"}}} in container["env"]
-    for name in ("HF_TOKEN", "WANDB_API_KEY", "MLFLOW_TRACKING_PASSWORD", "AWS_SECRET_ACCESS_KEY"):
+    for name in ("HF_TOKEN", "WANDB_API_KEY", "MLFLOW_TRACKING_PASSWORD", "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID",
+                 "GOOGLE_APPLICATION_CREDENTIALS", "openai_api_key"):
         with pytest.raises(ValueError, match=f"env: {name} look\\(s\\) like credentials.*env_secrets"):
             job_spec(PretrainSettings(shared_root="/mnt/domino", run_id="r", env=f'{{"{name}": "hunter2"}}'), [])
+
+
+def test_the_runs_own_mlflow_credentials_win_over_the_default_secret():
+    """With a tracking URI the job reads MLflow's credentials from the Secret domino-mlflow unless the run names
+    its own: an env_secrets entry (another Secret) or a literal env entry (a user name is no credential)."""
+    from domino.tracking import CREDENTIAL_SECRET
+
+    settings = PretrainSettings(shared_root="/mnt/domino", run_id="r", mlflow_tracking_uri="http://mlflow:5000",
+                                env='{"MLFLOW_TRACKING_USERNAME": "trainer"}',
+                                env_secrets='{"MLFLOW_TRACKING_PASSWORD": "team-mlflow:password"}')
+    spec = job_spec(settings, [])
+    assert spec.env["MLFLOW_TRACKING_USERNAME"] == "trainer"
+    assert spec.secret_env == {"MLFLOW_TRACKING_PASSWORD": "team-mlflow:password",
+                               "MLFLOW_TRACKING_TOKEN": CREDENTIAL_SECRET}

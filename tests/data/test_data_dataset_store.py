@@ -190,3 +190,16 @@ def test_a_file_rewritten_with_the_same_size_and_mtime_gets_a_new_key(tmp_path):
     os.replace(replaced, path)  # replaced by a rename: a new inode
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert file_identity(str(path))["inode"] != before.st_ino
+
+
+def test_what_a_killed_sweeper_left_aside_is_deleted_by_the_next_sweep(tmp_path):
+    """A sweeper renames an orphan to ``.trash-<build>`` under the key's lock and deletes it after; killed in
+    between, it leaves a hidden build-sized folder that no build or sweep would otherwise remove."""
+    from domino.data.dataset_store import builds_folder, sweep_orphans
+
+    prefix = DatasetStore(str(tmp_path)).dataset_prefix("k")
+    trash = Path(builds_folder(prefix)) / ".trash-20260101T000000Z-host-7-0123abcd"
+    trash.mkdir(parents=True)
+    (trash / "corpus_text_document.bin").write_bytes(b"\0" * 64)
+    assert sweep_orphans(prefix) == []  # no build of a writer was removed: this one was already aside
+    assert not trash.exists()

@@ -84,3 +84,18 @@ def test_a_killed_writers_temporaries_are_swept_and_a_live_writers_are_kept(tmp_
     assert paused.returncode == 0 and stdout.strip() == "300", stderr
     assert _temporaries(out) == set()
     assert IndexedDataset(prefix + "_text_document").num_documents == 300
+
+
+def test_a_temporary_with_this_processes_pid_is_swept_unless_this_process_has_it_open(tmp_path):
+    """Pods have pid namespaces of their own: a retried step's process often has the pid of the killed one
+    whose temporaries it finds. What tells ours apart is that we have them open (and locked)."""
+    from domino.atomic_files import open_owned_temporary, sweep_temporaries
+
+    final = tmp_path / "web_text_document.bin"
+    left = tmp_path / f".{final.name}.tmp-{os.getpid()}-0123abcd"  # a killed writer's, same pid as ours
+    left.write_bytes(b"partial corpus")
+    live_path, live = open_owned_temporary(str(final))  # a live writer in this process
+    with live:
+        assert sweep_temporaries([str(final)]) == [str(left)]
+        assert os.path.exists(live_path)
+    os.remove(live_path)

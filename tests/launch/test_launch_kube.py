@@ -101,6 +101,10 @@ OLD_OWNER = {"apiVersion": "v1", "kind": "Pod", "name": "pretrain-attempt-1", "u
 WORKFLOW = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "name": "run", "uid": "uid-workflow"}
 
 
+def _owner_uids(job):
+    return [ref["uid"] for ref in job["metadata"].get("ownerReferences") or []]
+
+
 def _plant_owned(server, run_id):
     body = sc.job_api("pytorchjob").render(sc.spec(), run_id, OLD_OWNER)
     body["metadata"]["ownerReferences"].append(WORKFLOW)
@@ -121,8 +125,16 @@ def test_adoption_makes_this_pod_the_owner_in_place_of_the_first_attempts(server
         if len(patches) == 1:
             c.set_condition(ns, name, "Created", "PyTorchJobCreated", "created")
 
+    def succeed_once_adopted(c, job):
+        # The job's life starts after the adoption, so the scripted write above is the only one between the
+        # launcher's reads and its patches (the life's own status writes would make further patches stale).
+        key = (job["metadata"]["namespace"], job["metadata"]["name"])
+        with c.cond:
+            assert c.cond.wait_for(lambda: "uid-attempt-2" in _owner_uids(c.jobs[key]), timeout=30)
+        sc.succeed(c, job)
+
     server.cluster.before_patch = operator_writes_first
-    threading.Thread(target=sc.succeed, args=(server.cluster, job), daemon=True).start()
+    threading.Thread(target=succeed_once_adopted, args=(server.cluster, job), daemon=True).start()
     lines = []
     result = sc.launcher(server, lines).run(sc.spec(), run_id="run-7", scheduling_timeout_s=10, timeout_s=30,
                                             cleanup="never")

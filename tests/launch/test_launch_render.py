@@ -84,6 +84,11 @@ def test_save_and_load_point_at_one_directory_on_the_pvc_unless_given():
     spec = JobSpec(**{**BASE, "pretrain_args": ["--preset", "tiny", "--load=/mnt/domino/base"]})
     cmd = container_command(spec, "gpt-r1")
     assert "--load" not in cmd and "--load=/mnt/domino/base" in cmd and "--save" in cmd
+    # A --save of one's own: --load follows it (a restart resumes it), not the job's empty default folder.
+    for given in (["--save", "/mnt/domino/mine"], ["--save=/mnt/domino/mine"]):
+        cmd = container_command(JobSpec(**{**BASE, "pretrain_args": ["--preset", "tiny", *given]}), "gpt-r1")
+        assert cmd[cmd.index("--load") + 1] == "/mnt/domino/mine"
+        assert "/mnt/domino/checkpoints/gpt-r1" not in cmd
 
 
 def test_validators_reject_what_the_cluster_would_reject():
@@ -268,7 +273,9 @@ def test_defaults_pass_the_restart_grace_requests_and_network_rules():
     pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["requests"] == {"cpu": "3", "memory": "4Gi"}
     assert job["spec"]["runPolicy"]["backoffLimit"] == 1 and pod["terminationGracePeriodSeconds"] == 600
-    assert {e["name"] for e in pod["containers"][0]["env"]} == {"DOMINO_JOB_NAME", "NCCL_DEBUG"}
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    assert env.keys() == {"DOMINO_JOB_NAME", "NCCL_DEBUG", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "540"  # torchrun's SIGKILL comes 60 s before the kubelet's
 
 
 def test_queue_labels_the_job_for_kueue_and_leaves_suspending_it_to_kueue():

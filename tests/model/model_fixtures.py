@@ -7,6 +7,9 @@ from typing import Dict
 import torch
 
 from domino.config import ModelConfig
+from domino.model import GPTModel
+from domino.overlap.schedule import apply_domino
+from domino.overlap.sequence_parallel import apply_sequence_parallel
 
 VOCAB = 64  # already "padded": divisible by TP 2
 
@@ -17,6 +20,15 @@ def tiny_config(**overrides) -> ModelConfig:
                   hidden_dropout=0.0, attention_dropout=0.0)
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def build_model(config: ModelConfig, vocab: int = VOCAB, chunks: int = 1, sequence_parallel: bool = False,
+                **kwargs) -> GPTModel:
+    """A ``GPTModel`` with sequence parallelism and ``chunks`` Domino chunks applied as training applies them."""
+    model = GPTModel(config, vocab, **kwargs)
+    if sequence_parallel:
+        apply_sequence_parallel(model)
+    return apply_domino(model, chunks)
 
 
 def random_batch(seed: int, batch: int = 4, seq: int = 8) -> Dict[str, torch.Tensor]:

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import domino.model.domino_ops as domino_ops
-import domino.model.domino_stack as domino_stack
-from domino.model import GPTModel
-from model_fixtures import VOCAB, tiny_config
+import domino.overlap.schedule as schedule
+import domino.overlap.slots as slots
+import domino.overlap.steps as steps
+from model_fixtures import VOCAB, build_model, tiny_config
 
 _HEAVY = ("aten.mm", "aten.addmm", "aten.bmm", "flash_attention")
 
@@ -56,15 +56,15 @@ def recorded(monkeypatch):
         log.append(("launch", count[0]))
         return _Handle(log, count[0])
 
-    monkeypatch.setattr(domino_stack, "all_reduce_async", fake_all_reduce_async)
-    monkeypatch.setattr(domino_ops, "all_reduce_async", fake_all_reduce_async)
+    for module in (schedule, steps, slots):  # the embedding rows', the row-parallel sums' and the gradients'
+        monkeypatch.setattr(module, "all_reduce_async", fake_all_reduce_async)
     return log
 
 
 @pytest.mark.parametrize("chunks", [2, 3])
 def test_forward_and_backward_all_reduces_are_overlapped(recorded, chunks):
     torch.manual_seed(0)
-    model = GPTModel(tiny_config(), VOCAB, domino_chunks=chunks)
+    model = build_model(tiny_config(), VOCAB, chunks)
     tokens = torch.randint(0, VOCAB, (6, 8))
     with _Recorder(recorded):
         loss = model(tokens, labels=tokens).sum()
@@ -96,7 +96,7 @@ def test_embedding_dropout_keeps_the_whole_batch_embedding_all_reduce(recorded):
     """With embedding dropout in training the mask is drawn for the whole batch (as without Domino), so the
     embeddings are all-reduced before the stack; in evaluation (no dropout) per chunk, inside the stack."""
     torch.manual_seed(0)
-    model = GPTModel(tiny_config(hidden_dropout=0.1), VOCAB, domino_chunks=2)
+    model = build_model(tiny_config(hidden_dropout=0.1), VOCAB, 2)
     tokens = torch.randint(0, VOCAB, (4, 8))
     launches = lambda: sum(1 for kind, _ in recorded if kind == "launch")  # noqa: E731
     model.train()
@@ -110,7 +110,7 @@ def test_embedding_dropout_keeps_the_whole_batch_embedding_all_reduce(recorded):
 
 
 def test_sync_path_issues_no_async_collectives(recorded):
-    model = GPTModel(tiny_config(), VOCAB, domino_chunks=1)
+    model = build_model(tiny_config(), VOCAB, 1)
     tokens = torch.randint(0, VOCAB, (2, 8))
     model(tokens, labels=tokens).sum().backward()
     assert recorded == []
@@ -118,12 +118,13 @@ def test_sync_path_issues_no_async_collectives(recorded):
 
 def test_batch_smaller_than_chunks_runs_synchronously(recorded):
     torch.manual_seed(0)
-    model = GPTModel(tiny_config(), VOCAB, domino_chunks=4)
+    model = build_model(tiny_config(), VOCAB, 4)
     tokens = torch.randint(0, VOCAB, (2, 8))
     model(tokens, labels=tokens).sum().backward()
     assert recorded == []
+    positions = torch.arange(8).unsqueeze(0)
     with pytest.raises(ValueError, match="micro-batch size 2 is smaller than --domino-chunks 4"):
-        model.domino(model.embedding(tokens, torch.arange(8).unsqueeze(0)), None, model.final_layernorm)
+        model.stack(model.embedding(tokens, positions), positions, None, None, None)
 
 
 class _LateHandle:
@@ -144,15 +145,15 @@ def test_every_sum_is_read_only_after_its_wait(monkeypatch, chunks):
     """With all-reduces that complete late, the Domino schedule gives the synchronous path's loss and
     gradients exactly: nothing reads a partial sum or a gradient before waiting for its all-reduce."""
     torch.manual_seed(0)
-    model = GPTModel(tiny_config(), VOCAB, domino_chunks=chunks)
+    model = build_model(tiny_config(), VOCAB, chunks)
     tokens = torch.randint(0, VOCAB, (6, 8))
-    reference = GPTModel(tiny_config(), VOCAB, domino_chunks=1)
+    reference = build_model(tiny_config(), VOCAB, 1)
     reference.load_state_dict(model.state_dict())
     expected = reference(tokens, labels=tokens).sum()
     expected.backward()
 
-    monkeypatch.setattr(domino_stack, "all_reduce_async", _LateHandle)
-    monkeypatch.setattr(domino_ops, "all_reduce_async", _LateHandle)
+    for module in (schedule, steps, slots):
+        monkeypatch.setattr(module, "all_reduce_async", _LateHandle)
     loss = model(tokens, labels=tokens).sum()
     loss.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
@@ -182,7 +183,7 @@ def test_reset_attention_mask_is_built_once_per_batch(monkeypatch, chunks):
     import domino.model.transformer as transformer
 
     batch = random_batch(seed=3, batch=4)
-    model = GPTModel(tiny_config(num_layers=3), VOCAB, domino_chunks=chunks)
+    model = build_model(tiny_config(num_layers=3), VOCAB, chunks)
     storages = []
     sdpa = transformer.F.scaled_dot_product_attention
 

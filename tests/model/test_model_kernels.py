@@ -1,4 +1,5 @@
-"""The CUDA kernel choices (domino.parallel.kernels), forced on CPU tensors, compute what the CPU choices compute.
+"""The CUDA and the plain kernel choices (domino.parallel.kernels), forced on CPU tensors, compute what the CPU
+choices compute.
 
 The compiled bias-dropout-add is compiled with torch's ``aot_eager`` backend here: the same Dynamo capture and
 AOT-autograd graph as on CUDA, run with eager kernels (Inductor's CPU code generation would take ~40 s on this
@@ -19,8 +20,10 @@ from domino.checkpoint.sharding import merge_tp_shards, shard_state_dict
 from domino.model.transformer import bias_dropout_add
 from domino.parallel import cross_entropy
 from domino.runtime import state
-from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, forced_kernels, kernels_for
-from model_fixtures import VOCAB, assert_close_rel, random_batch, tiny_config
+from domino.config import ConfigError
+from domino.parallel import kernels as kernel_choice
+from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS, forced_kernels, kernels_for
+from model_fixtures import VOCAB, assert_close_rel, build_model, random_batch, tiny_config
 
 CUDA_ON_CPU = dataclasses.replace(CUDA_KERNELS, compile_backend="aot_eager")
 REL = 1e-5
@@ -32,9 +35,22 @@ def test_choices_by_device_type():
     with forced_kernels(CUDA_ON_CPU):
         assert kernels_for(torch.device("cpu")) == CUDA_ON_CPU
     assert kernels_for(torch.device("cpu")) == CPU_KERNELS
-    # Every op has a different implementation on the two sides (a field equal on both would decide nothing).
+    # Every op has more than one implementation among the choices (a field equal in all would decide nothing),
+    # and the plain choice takes none of the CPU's fast paths, compiles nothing and chunks nothing.
     for field in dataclasses.fields(CPU_KERNELS):
-        assert getattr(CPU_KERNELS, field.name) != getattr(CUDA_KERNELS, field.name), field.name
+        values = {getattr(k, field.name) for k in (CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS)}
+        assert len(values) > 1, field.name
+        if field.name not in ("compile_backend", "loss_chunk_bytes"):
+            assert getattr(PLAIN_KERNELS, field.name) != getattr(CPU_KERNELS, field.name), field.name
+    assert PLAIN_KERNELS.compile_backend is None and PLAIN_KERNELS.loss_chunk_bytes is None
+
+
+def test_plain_choice_from_the_environment():
+    assert kernel_choice._from_environment({}) is None
+    assert kernel_choice._from_environment({"DOMINO_KERNELS": "auto"}) is None
+    assert kernel_choice._from_environment({"DOMINO_KERNELS": " Plain "}) == PLAIN_KERNELS
+    with pytest.raises(ConfigError, match="DOMINO_KERNELS='fast': expected plain or auto"):
+        kernel_choice._from_environment({"DOMINO_KERNELS": "fast"})
 
 
 def test_cuda_runs_the_fusions_eagerly_without_a_c_compiler(monkeypatch, tmp_path):
@@ -125,15 +141,17 @@ LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=Tru
              num_query_groups=2)
 
 
+@pytest.mark.parametrize("choice", [CUDA_ON_CPU, PLAIN_KERNELS], ids=["cuda", "plain"])
 @pytest.mark.parametrize("architecture", [{}, LLAMA], ids=["gpt", "llama"])
 @pytest.mark.parametrize("chunks", [1, 2])
-def test_whole_model_cuda_choices_equal_cpu_choices(chunks, architecture):
-    """All four ops at once, through the synchronous and the Domino layer paths, with a reset-attention mask."""
+def test_whole_model_choices_equal_cpu_choices(chunks, architecture, choice):
+    """Every op at once, through the synchronous and the Domino stacks, with a reset-attention mask: the CUDA
+    choices, and the plain one (one QKV GEMM, F.gelu then fc2, eager bias-dropout-add, logits then the loss)."""
     torch.manual_seed(7)
-    model = GPTModel(tiny_config(**architecture), VOCAB, domino_chunks=chunks)
+    model = build_model(tiny_config(**architecture), VOCAB, chunks)
     batch = random_batch(seed=3)
     expected = _step(model, batch, masked=True)
-    with forced_kernels(CUDA_ON_CPU):
+    with forced_kernels(choice):
         got = _step(model, batch, masked=True)
     _compare(got, expected, f"chunks={chunks}")
 
@@ -144,7 +162,7 @@ def _tp2_body(rank, world_size, full_sd, batch):
     from domino.parallel.kernels import CUDA_KERNELS as cuda, forced_kernels as forced
 
     state.initialize_model_parallel(2)
-    model = GPTModel(tiny_config(), VOCAB, domino_chunks=2)
+    model = build_model(tiny_config(), VOCAB, 2)
     model.load_state_dict(shard_state_dict(full_sd, rank, 2))
     with forced(dc.replace(cuda, compile_backend="aot_eager")):
         return _step(model, batch, masked=False)

@@ -14,7 +14,7 @@ from distributed_helpers import run_distributed
 from domino.model import GPTModel
 from domino.checkpoint.sharding import merge_tp_shards
 from domino.runtime import state
-from model_fixtures import VOCAB, assert_close_rel, logits_losses_grads, random_batch, tiny_config
+from model_fixtures import VOCAB, assert_close_rel, build_model, logits_losses_grads, random_batch, tiny_config
 
 REL = 1e-5
 VARIANTS = {
@@ -37,7 +37,7 @@ def _tp2_body(rank, world_size, variants, references):
     for name, overrides in variants.items():
         full_sd, batch, _ = references[name]
         for chunks in CHUNKS:
-            model = GPTModel(tiny_config(**overrides), VOCAB, domino_chunks=chunks, parallel_output=False)
+            model = build_model(tiny_config(**overrides), VOCAB, chunks, parallel_output=False)
             model.load_state_dict(shard_state_dict(full_sd, rank, 2))
             for masked in (False, True):
                 results[(name, chunks, masked)] = logits_losses_grads(model, batch, masked)
@@ -90,7 +90,7 @@ def test_tp2_matches_unsharded_reference(references, tp2_results, variant, chunk
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tp1_domino_matches_reference(references, variant):
     full_sd, batch, expected = references[variant]
-    model = GPTModel(tiny_config(**VARIANTS[variant]), VOCAB, domino_chunks=2)
+    model = build_model(tiny_config(**VARIANTS[variant]), VOCAB, 2)
     model.load_state_dict(full_sd)
     for masked in (False, True):
         _compare(logits_losses_grads(model, batch, masked), expected[masked],

@@ -6,25 +6,20 @@ import pytest
 import torch
 
 from distributed_helpers import run_distributed
-from domino.model import GPTModel
-from domino.parallel import collectives as C
+from domino.runtime import comm_timing as C
 from domino.runtime import state
 from domino.runtime.network_emulator import LinkEmulator, LinkSpec
-from model_fixtures import VOCAB, random_batch, tiny_config
+from model_fixtures import VOCAB, build_model, random_batch, tiny_config
 
 
 def _training_body(rank, world_size, chunks_list, spec, sequence_parallel=False):
-    from domino.model.sequence_parallel import apply_sequence_parallel
-
     state.initialize_model_parallel(2)
     out = {}
     for chunks in chunks_list:
         for emulated in (False, True):
             state.set_tensor_model_parallel_link(LinkEmulator(spec) if emulated else None)
             torch.manual_seed(11)
-            model = GPTModel(tiny_config(), VOCAB, domino_chunks=chunks)
-            if sequence_parallel:
-                apply_sequence_parallel(model)
+            model = build_model(tiny_config(), VOCAB, chunks, sequence_parallel)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             C.pop_modelled_comm_seconds()
             losses, modelled = [], []

@@ -8,11 +8,10 @@ import torch
 
 from distributed_helpers import run_distributed
 from domino.config import ModelConfig
-from domino.model import GPTModel
 from domino.model.recompute import RecomputePlan, apply_activation_recompute
 from domino.runtime import state
 from domino.parallel.random import model_parallel_seed
-from model_fixtures import train_and_measure
+from model_fixtures import build_model, train_and_measure
 
 VOCAB = 128
 PLANS = {
@@ -32,7 +31,7 @@ def _config() -> ModelConfig:
 def _train(plan, chunks: int, steps: int = 3):
     """Losses of ``steps`` SGD steps, the last gradients, and the tensor bytes the first forward kept."""
     model_parallel_seed(11)  # same weights, same dropout streams (the TP stream per rank) for every plan
-    model = apply_activation_recompute(GPTModel(_config(), VOCAB, domino_chunks=chunks), plan)
+    model = apply_activation_recompute(build_model(_config(), VOCAB, chunks), plan)
     g = torch.Generator().manual_seed(5)
     tokens, labels = (torch.randint(0, VOCAB, (4, 16), generator=g) for _ in range(2))
     model.eval()  # without dropout (eval mode draws nothing, so the streams stay where they are)

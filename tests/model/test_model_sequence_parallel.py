@@ -8,12 +8,10 @@ import torch
 
 from distributed_helpers import run_distributed
 from domino.config import ModelConfig
-from domino.model import GPTModel
 from domino.model.recompute import RecomputePlan, apply_activation_recompute
-from domino.model.sequence_parallel import apply_sequence_parallel
 from domino.runtime import state
 from domino.parallel.random import model_parallel_seed
-from model_fixtures import train_and_measure
+from model_fixtures import build_model, train_and_measure
 
 VOCAB = 128
 REL = 1e-4  # the issue's bound; measured: identical to the last printed digit
@@ -27,9 +25,7 @@ def _config(dropout: float = 0.0) -> ModelConfig:
 
 def _train(chunks: int, sp: bool, recompute: bool, dropout: float = 0.0):
     model_parallel_seed(3)
-    model = GPTModel(_config(dropout), VOCAB, domino_chunks=chunks)
-    if sp:
-        apply_sequence_parallel(model)
+    model = build_model(_config(dropout), VOCAB, chunks, sequence_parallel=sp)
     apply_activation_recompute(model, RecomputePlan("full", "uniform", 1) if recompute else None)
     return train_and_measure(model, VOCAB)
 
@@ -43,9 +39,9 @@ def _overlap_logs(chunks: int) -> dict:
     in backward."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import domino.model.domino_ops as domino_ops
-    import domino.parallel.collectives as collectives
-    import domino.parallel.sequence_async as sequence_async
+    import domino.overlap.sequence_collectives as sequence_collectives
+    import domino.overlap.slots as slots
+    import domino.runtime.comm_timing as comm_timing
 
     logs = {"forward": [], "backward": []}
     log = logs["forward"]
@@ -67,27 +63,31 @@ def _overlap_logs(chunks: int) -> dict:
     def logged(real, name):
         def launch(tensor):
             handle, result = real(tensor)
-            label = name if "output grad" not in collectives.current_site("") else "output-grad all-gather"
+            label = name if "output grad" not in comm_timing.current_site("") else "output-grad all-gather"
             ident = (label, sum(1 for kind, _ in log if kind == "launch"))
             log.append(("launch", ident))
             return LoggedHandle(handle, ident, log), result
         return launch
 
-    real_gather = sequence_async._launch_all_gather_sequence
-    real_scatter = domino_ops.reduce_scatter_sequence_grad_async
-    sequence_async._launch_all_gather_sequence = logged(real_gather, "all-gather")
-    domino_ops.reduce_scatter_sequence_grad_async = logged(real_scatter, "reduce-scatter")
+    # The norm outputs' all-gathers (forward), the kept slices' and the row-parallel gradients' all-gathers and
+    # the input gradients' reduce-scatters (backward).
+    patched = [(sequence_collectives, "all_gather_sequence_async", "all-gather"),
+               (slots, "all_gather_sequence_async", "all-gather"),
+               (slots, "reduce_scatter_sequence_async", "reduce-scatter")]
+    real = [getattr(module, name) for module, name, _ in patched]
+    for (module, name, label), function in zip(patched, real):
+        setattr(module, name, logged(function, label))
     try:
         model_parallel_seed(3)
-        model = apply_sequence_parallel(GPTModel(_config(), VOCAB, domino_chunks=chunks))
+        model = build_model(_config(), VOCAB, chunks, sequence_parallel=True)
         tokens = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
         with Recorder():
             loss = model(tokens, labels=tokens).mean()
             log = logs["backward"]
             loss.backward()
     finally:
-        sequence_async._launch_all_gather_sequence = real_gather
-        domino_ops.reduce_scatter_sequence_grad_async = real_scatter
+        for (module, name, _), function in zip(patched, real):
+            setattr(module, name, function)
     return logs
 
 

@@ -13,7 +13,7 @@ from distributed_helpers import run_distributed
 from domino.model import GPTModel
 from domino.checkpoint.sharding import merge_tp_shards, shard_state_dict
 from domino.runtime import state
-from model_fixtures import VOCAB, assert_close_rel, logits_losses_grads, random_batch, tiny_config
+from model_fixtures import VOCAB, assert_close_rel, build_model, logits_losses_grads, random_batch, tiny_config
 
 CHUNKS = (1, 2, 4)
 REL = 1e-5
@@ -25,7 +25,7 @@ def _tp2_body(rank, world_size, full_sd, batch):
     state.initialize_model_parallel(2)
     results = {}
     for chunks in CHUNKS:
-        model = GPTModel(tiny_config(), VOCAB, domino_chunks=chunks, parallel_output=False)
+        model = build_model(tiny_config(), VOCAB, chunks, parallel_output=False)
         model.load_state_dict(shard(full_sd, rank, 2))
         for masked in (False, True):
             results[(chunks, masked)] = logits_losses_grads(model, batch, masked)
@@ -61,7 +61,7 @@ def _compare(got, expected, label):
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "reset-mask"])
 def test_tp1_domino_two_chunks_matches_reference(reference, masked):
     full_sd, batch, expected = reference
-    model = GPTModel(tiny_config(), VOCAB, domino_chunks=2)
+    model = build_model(tiny_config(), VOCAB, 2)
     model.load_state_dict(full_sd)
     _compare(logits_losses_grads(model, batch, masked), expected[masked], f"TP=1 chunks=2 masked={masked}")
 

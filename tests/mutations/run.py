@@ -76,15 +76,23 @@ MUTATIONS: List[Mutation] = [
              "    if new_ppl < threshold:", "    if new_ppl <= threshold:",
              ["tests/components/test_component_registry_gate.py"]),
     Mutation("collectives-copy-backward-no-all-reduce", "domino/parallel/collectives.py",
-             "    def backward(ctx, grad):\n        return _all_reduce(grad.clone(), \"all-reduce bwd\")",
-             "    def backward(ctx, grad):\n        return grad.clone()",
+             "        return all_reduce_(grad.contiguous().clone(), ctx.group, kind=\"all-reduce bwd\"), None",
+             "        return grad.contiguous().clone(), None",
              ["tests/parallel/test_parallel_collectives.py"]),
-    Mutation("domino-reads-sum-before-wait", "domino/model/domino_stack.py",
+    Mutation("domino-reads-sum-before-wait", "domino/overlap/steps.py",
              "        self.handle.wait()  # wait for the all-reduce launched in __init__: its sum is read right here\n"
              "        return bias_dropout_add(self.partial, self.bias, residual, layer.hidden_dropout, layer.training)",
              "        out = bias_dropout_add(self.partial, self.bias, residual, layer.hidden_dropout, layer.training)\n"
              "        self.handle.wait()\n        return out",
              ["tests/model/test_model_domino_schedule.py::test_every_sum_is_read_only_after_its_wait"]),
+    Mutation("sequence-parallel-linear-keeps-the-gathered-sequence", "domino/overlap/slots.py",
+             "        return self.part\n\n    def restore(self, kept: torch.Tensor) -> Callable[[], torch.Tensor]:\n"
+             "        \"\"\"Launches the all-gather of the kept slice; returns a callable that waits and returns the "
+             "sequence.\"\"\"\n",
+             "        return x\n\n    def restore(self, kept: torch.Tensor) -> Callable[[], torch.Tensor]:\n"
+             "        return lambda: kept\n",
+             ["tests/model/test_model_sequence_parallel.py::"
+              "test_sequence_parallel_keeps_less_per_rank_and_trains_with_dropout"]),
     Mutation("sample-index-document-off-by-one", "domino/data/sample_index.py",
              'holder = np.searchsorted(ends, positions, side="right")',
              'holder = np.searchsorted(ends, positions, side="left")',
@@ -105,6 +113,14 @@ MUTATIONS: List[Mutation] = [
              '            iteration_loss += stats["lm loss"].detach()',
              '            iteration_loss += float(stats["lm loss"])',
              ["tests/train/test_host_syncs.py::test_tp2_domino_iterations_read_nothing_on_the_host"]),
+    Mutation("bf16-step-never-skips", "domino/train/bf16_step.py",
+             "    self.optimizer.found_inf = self.found_inf", "    self.optimizer.found_inf = None",
+             ["tests/train/test_bf16_step.py::test_device_decided_step_equals_deepspeeds_bit_for_bit[0.05]"]),
+    Mutation("chunked-loss-forgets-the-one-hot", "domino/parallel/chunked_cross_entropy.py",
+             "-inside.to(probs.dtype).unsqueeze(-1))  # minus the one-hot",
+             "0 * inside.to(probs.dtype).unsqueeze(-1))",
+             ["tests/parallel/test_parallel_chunked_cross_entropy.py::"
+              "test_chunked_equals_the_one_buffer_loss_and_f_cross_entropy_in_fp32[5]"]),
 ]
 
 

@@ -15,8 +15,16 @@ def _tensors(*shapes, seed=0, dtype=torch.float64):
 
 
 class _RecordingSlot:
+    """A :class:`~domino.parallel.linear_ops.GradSlot` that keeps the whole input and records the launches."""
+
     def __init__(self) -> None:
         self.launched = []
+
+    def keep(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def restore(self, kept: torch.Tensor):
+        return lambda: kept
 
     def launch(self, grad: torch.Tensor) -> None:
         self.launched.append(grad.clone())

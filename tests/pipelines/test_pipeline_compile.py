@@ -67,6 +67,9 @@ def test_image_defaults_to_env_then_release(monkeypatch, tmp_path):
         "other/domino:" + DEFAULT_IMAGE.split(":", 1)[1]}
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert params["image"]["defaultValue"] == ""  # the pretrain step picks the job's variant from its GPUs
+    # ... in the repository chosen at compile time: the step's pod has no DOMINO_IMAGE_REPOSITORY of its own.
+    env = spec["deploymentSpec"]["executors"]["exec-pretrain"]["container"]["env"]
+    assert {"name": "DOMINO_IMAGE_REPOSITORY", "value": "other/domino"} in env
 
 
 def test_structure_exit_handler_gate_and_no_caching(tmp_path):

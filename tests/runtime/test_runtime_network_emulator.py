@@ -13,8 +13,9 @@ import torch
 from distributed_helpers import run_distributed
 from domino.config import ConfigError
 from domino.parallel import collectives as C
-from domino.runtime import state
-from domino.runtime.network_emulator import (ENV_VAR, EmulatedWork, LinkEmulator, LinkSpec, all_gather_wire_bytes,
+from domino.runtime import comm_timing, state
+from domino.runtime.comm_timing import CommHandle
+from domino.runtime.network_emulator import (ENV_VAR, LinkEmulator, LinkSpec, all_gather_wire_bytes,
                                               all_reduce_wire_bytes, install_from_environment, parse_spec)
 
 
@@ -78,7 +79,7 @@ def test_link_carries_one_collective_at_a_time_and_counts_link_time():
     assert link.pop_modelled_seconds() == 0.0
 
 
-def test_emulated_work_waits_for_the_data_then_the_link():
+def test_handle_waits_for_the_data_then_the_link_and_counts_the_blocking():
     clock, order = FakeClock(), []
 
     class Work:
@@ -91,11 +92,13 @@ def test_emulated_work_waits_for_the_data_then_the_link():
             return True
 
     link = _emulator(clock, latency_us=0.0, gbps=1.0)
-    handle = EmulatedWork(Work(), link, link.launch(1e6))
+    comm_timing.pop_comm_wait_by_site()
+    handle = CommHandle(Work(), None, link, link.launch(1e6), "fwd mlp, chunk 1", None, None)
     assert not handle.is_completed()  # the data are there, the modelled link is not done yet
     assert handle.wait()
     assert order == ["data"] and clock.sleeps == [pytest.approx(0.8e-3)]
     assert handle.is_completed()
+    assert list(comm_timing.pop_comm_wait_by_site()) == ["fwd mlp, chunk 1"]
 
 
 @pytest.mark.parametrize("text, field", [
@@ -143,15 +146,13 @@ def _fake_clock_body(rank, world_size, transfer):
     clock.now += 1e-6  # 1 us of "compute" before the schedule waits
     completed_before_wait = handle.is_completed()
     handle.wait()
-    modelled = C.pop_modelled_comm_seconds()
+    modelled = comm_timing.pop_modelled_comm_seconds()
     sleeps = list(clock.sleeps)
     # Sequence parallelism's asynchronous reduce-scatter takes the same path.
-    from domino.parallel.sequence_async import reduce_scatter_to_sequence_async
-
-    scatter, finish = reduce_scatter_to_sequence_async(torch.full((1, 2, 3), float(rank + 1)))
+    scatter, scattered = C.reduce_scatter_sequence_async(torch.full((1, 2, 3), float(rank + 1)))
     scatter.wait()
-    C.pop_modelled_comm_seconds()
-    return {"sleeps": sleeps, "scattered": finish().detach(), "slept_at_launch": slept_at_launch, "x": x,
+    comm_timing.pop_modelled_comm_seconds()
+    return {"sleeps": sleeps, "scattered": scattered, "slept_at_launch": slept_at_launch, "x": x,
             "modelled": modelled,
             "x_before_wait": x_before_wait, "completed_before_wait": completed_before_wait}
 

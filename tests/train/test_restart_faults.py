@@ -31,7 +31,7 @@ def test_a_restart_after_the_last_iteration_evaluates_and_saves_nothing(tmp_path
     before = _snapshot(save / "iter_0000004")
     again = run_pretrain(_args(save, metrics), check=False, env={"DOMINO_FAULT_INJECT": "kill-in-delete@4"})
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "nothing left to train" in again.stderr and "test loss at iteration 4" in again.stderr
+    assert "nothing left to train at iteration 4 of 4" in again.stderr and "test loss at iteration 4" in again.stderr
     assert "fault injection" not in again.stderr
     assert (save / "latest").read_text().strip() == "iter_0000004"
     assert _snapshot(save / "iter_0000004") == before  # not rewritten
@@ -50,7 +50,7 @@ def test_a_kill_while_deleting_the_replaced_checkpoint_leaves_the_new_one_named(
     save, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     run_pretrain(_args(save, tmp_path / "reference.jsonl"))
     reference = train_losses(tmp_path / "reference.jsonl")
-    _flip_byte(save / "iter_0000004" / "optim" / "rank_00000.pt")
+    _flip_byte(save / "iter_0000004" / "rng" / "rank_00000.pt")
     killed = run_pretrain(_args(save, metrics), check=False, env={"DOMINO_FAULT_INJECT": "kill-in-delete@4"})
     assert killed.returncode != 0 and "fault injection: killing this process in kill-in-delete" in killed.stderr
     assert (save / ".trash-iter_0000004").is_dir()  # the kill came while deleting the replaced copy
@@ -96,3 +96,44 @@ def test_a_save_root_without_latest_resumes_its_complete_checkpoint(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "has no 'latest' file: resuming from the newest complete checkpoint, iter_0000002" in resumed.stderr
     assert sorted(train_losses(metrics)) == [3, 4]
+
+
+def test_a_restart_resumes_its_own_checkpoint_not_load_other(tmp_path):
+    """``--load OTHER --save OWN`` (continuing another run, as the cluster guide suggests): once OWN holds a
+    checkpoint, a restart resumes it; it neither reloads OTHER (losing iterations 5-6) nor fails."""
+    other, own = tmp_path / "other", tmp_path / "own"
+    run_pretrain([*MOCK, "--train-iters", "4", "--save", str(other), "--metrics-file", str(tmp_path / "o.jsonl")])
+    args = [*MOCK, "--train-iters", "8", "--save-interval", "2", "--load", str(other), "--save", str(own)]
+    run_pretrain([*args, "--metrics-file", str(tmp_path / "reference.jsonl"), "--save", str(tmp_path / "ref")])
+    reference = train_losses(tmp_path / "reference.jsonl")
+
+    metrics = tmp_path / "m.jsonl"
+    killed = run_pretrain([*args, "--metrics-file", str(metrics)], check=False,
+                          env={"DOMINO_FAULT_INJECT": "kill-in-save@8"})
+    assert killed.returncode != 0 and (own / "latest").read_text().strip() == "iter_0000006"
+    restarted = run_pretrain([*args, "--metrics-file", str(metrics)], check=False)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert f"--save {own} already holds this run's checkpoint iter_0000006" in restarted.stderr
+    losses = train_losses(metrics)
+    assert sorted(losses) == [5, 6, 7, 8] and losses == {i: reference[i] for i in (5, 6, 7, 8)}
+
+
+def test_a_folder_with_only_a_runs_metrics_is_a_fresh_start_and_a_model_folder_an_error(tmp_path):
+    """A run killed before its first save leaves ``--metrics-file ckpt/metrics.jsonl`` (the README's layout)
+    in ``--load ckpt``: the restart starts fresh instead of crash-looping; a Hugging Face folder is refused."""
+    from domino.checkpoint.discovery import find_checkpoint
+    from domino.config import ConfigError, parse_config
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    (ckpt / "tensorboard").mkdir()
+    config = parse_config(["--preset", "tiny", "--mock-data", "--save", str(ckpt), "--load", str(ckpt)])
+    assert find_checkpoint(config) == (None, False)
+    (ckpt / "model.safetensors").write_bytes(b"x")
+    try:
+        find_checkpoint(config)
+    except ConfigError as error:
+        assert "not a domino checkpoint directory" in str(error) and "model.safetensors" in str(error)
+    else:
+        raise AssertionError("a folder holding another kind of model was taken for a fresh start")

@@ -1,4 +1,5 @@
-"""Autograd pieces of Domino's backward overlap for column-parallel linears.
+"""Gradient slots: where a column-parallel linear's backward launches its input gradient's reduction, and the
+no-op nodes that wait for it later.
 
 A column-parallel linear's input gradient must be summed over the TP ranks. Synchronous TP does that inside
 the linear's backward; Domino instead *launches* the all-reduce there, computes the weight and bias gradients
@@ -8,29 +9,40 @@ waits for it. Between launch and wait, autograd is free to run nodes of the othe
 
     LN -> wait_for_input_grad(x, slot) -> ... other chunks' work ... -> linear(x, W, b, grad_slot=slot)
 
-The two share a :class:`GradAllReduceSlot`, which carries the handle from launch to wait; the linear is
-:func:`domino.parallel.linear_ops.linear`, whose backward launches into the slot.
+The two share a slot, which carries the handle from launch to wait. Every slot handed to a linear implements
+:class:`domino.parallel.linear_ops.GradSlot`, the protocol declared beside the linears that call it:
+:class:`GradAllReduceSlot` (plain TP), :class:`GradReduceScatterSlot` (sequence parallelism: the input was
+all-gathered, so its gradient is reduce-scattered and only the input's slice is kept) and
+:class:`ChunkedGradSlots` (the output layer after the Domino stack: one all-reduce per chunk).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-from domino.parallel.collectives import all_reduce_async, comm_site
-from domino.parallel.sequence_async import gather_sequence_async, reduce_scatter_sequence_grad_async
-from domino.parallel.linear_ops import linear
+from domino.parallel.collectives import (
+    all_gather_sequence_async, all_reduce_async, comm_site, reduce_scatter_sequence_async,
+)
 
 
 class GradAllReduceSlot:
-    """Holds the handle of one in-flight input-gradient all-reduce."""
+    """Holds the handle of one in-flight input-gradient all-reduce (a :class:`~domino.parallel.linear_ops.GradSlot`)."""
 
     __slots__ = ("handle", "site")
 
     def __init__(self, site: Optional[str] = None) -> None:
         self.handle = None
         self.site = site
+
+    def keep(self, x: torch.Tensor) -> torch.Tensor:
+        """The linear keeps its whole input."""
+        return x
+
+    def restore(self, kept: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The kept input, as it is."""
+        return lambda: kept
 
     def launch(self, grad: torch.Tensor) -> None:
         """Starts the in-place all-reduce of ``grad`` over the TP group; :meth:`wait` waits for it."""
@@ -60,14 +72,18 @@ class GradReduceScatterSlot:
 
     def __init__(self, part: torch.Tensor, site: Optional[str] = None) -> None:
         self.handle = self.launched = self.result = None
-        #: This rank's slice of the linear's input: the linear saves it instead of the gathered sequence.
+        #: This rank's slice of the linear's input: the linear keeps it instead of the gathered sequence.
         self.part = part
         self.site = site
 
-    def regather(self, part: torch.Tensor):
-        """Launches the all-gather of a saved input slice; returns a callable that waits and returns the sequence."""
+    def keep(self, x: torch.Tensor) -> torch.Tensor:
+        """The linear keeps this rank's slice, not the gathered ``x`` (Megatron's choice: ``sbh / t`` per norm)."""
+        return self.part
+
+    def restore(self, kept: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Launches the all-gather of the kept slice; returns a callable that waits and returns the sequence."""
         with comm_site(self.site):
-            handle, gathered = gather_sequence_async(part)
+            handle, gathered = all_gather_sequence_async(kept)
 
         def ready() -> torch.Tensor:
             handle.wait()  # wait for the slice's all-gather launched before the input-gradient GEMM
@@ -78,7 +94,7 @@ class GradReduceScatterSlot:
     def launch(self, grad: torch.Tensor) -> None:
         """Starts the reduce-scatter of ``grad`` (``[b, s, h]``) along the sequence over the TP group."""
         with comm_site(self.site):
-            self.handle, self.result = reduce_scatter_sequence_grad_async(grad)
+            self.handle, self.result = reduce_scatter_sequence_async(grad)
         self.launched = grad
 
     def reduced(self, grad: torch.Tensor) -> torch.Tensor:
@@ -94,7 +110,7 @@ class GradReduceScatterSlot:
             if handle is not None:
                 handle.wait()  # a launched but unused reduce-scatter still has to finish on every rank
             with comm_site(self.site):
-                handle, result = reduce_scatter_sequence_grad_async(grad)
+                handle, result = reduce_scatter_sequence_async(grad)
         # Wait for the reduce-scatter launched by the linear's backward: the slice is LayerNorm's input gradient.
         handle.wait()
         return result
@@ -112,7 +128,7 @@ class GradGatherSlot(GradAllReduceSlot):
     def launch(self, grad: torch.Tensor) -> torch.Tensor:
         """Starts the all-gather of ``grad`` (``[b, s/tp, h]``); returns the ``[b, s, h]`` buffer it fills."""
         with comm_site(self.site):
-            self.handle, gathered = gather_sequence_async(grad)
+            self.handle, gathered = all_gather_sequence_async(grad)
         return gathered
 
 
@@ -129,6 +145,14 @@ class ChunkedGradSlots:
     def __init__(self, slots: Sequence[GradAllReduceSlot], sizes: Sequence[int]) -> None:
         self.slots = list(slots)
         self.sizes = list(sizes)
+
+    def keep(self, x: torch.Tensor) -> torch.Tensor:
+        """The linear keeps its whole input."""
+        return x
+
+    def restore(self, kept: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The kept input, as it is."""
+        return lambda: kept
 
     def launch(self, grad: torch.Tensor) -> None:
         """Starts the all-reduce of each chunk's rows (dimension 0) of ``grad``: contiguous views, in place."""
@@ -150,14 +174,14 @@ class _WaitInputGrad(torch.autograd.Function):
 
 
 def wait_for_input_grad(x: torch.Tensor, slot: GradAllReduceSlot) -> torch.Tensor:
-    """Identity forward; in backward, waits for the gradient all-reduce registered in ``slot``."""
+    """Identity forward; in backward, waits for the gradient collective registered in ``slot``."""
     return _WaitInputGrad.apply(x, slot)
 
 
 def guard_input_grad(x: torch.Tensor, site: Optional[str] = None) -> Tuple[torch.Tensor, GradAllReduceSlot]:
     """Places the wait node on ``x`` (a LayerNorm output) and returns it with the slot a linear will fill.
 
-    ``site`` labels the all-reduce's blocked time (:func:`domino.parallel.collectives.comm_site`).
+    ``site`` labels the all-reduce's blocked time (:func:`domino.runtime.comm_timing.comm_site`).
 
     Create the guard as soon as ``x`` exists and run the consuming linear later: autograd runs nodes in
     reverse creation order, so whatever is created in between (the other chunks' work) runs in backward
@@ -165,9 +189,3 @@ def guard_input_grad(x: torch.Tensor, site: Optional[str] = None) -> Tuple[torch
     """
     slot = GradAllReduceSlot(site)
     return wait_for_input_grad(x, slot), slot
-
-
-def column_parallel_async(guarded: Tuple[torch.Tensor, GradAllReduceSlot], layer) -> torch.Tensor:
-    """Runs a :class:`~domino.parallel.layers.ColumnParallelLinear` on a guarded input (Domino backward)."""
-    x, slot = guarded
-    return linear(x, layer.weight, layer.bias, grad_slot=slot)

@@ -1,0 +1,85 @@
+"""SIGTERM through real torchrun: a save that needs longer than torchrun's default 30 s still completes.
+
+torchrun (torch 2.13) forwards SIGTERM to its workers and SIGKILLs them ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``
+seconds later (default 30: ``distributed/launcher/api.py`` ``LaunchConfig``, ``elastic/agent/server/api.py``
+``SimpleElasticAgent.run``, ``elastic/multiprocessing/api.py`` ``SubprocessContext._close``), whatever the
+pod's grace period. The job's environment derives the timeout from ``terminationGracePeriodSeconds``
+(:func:`domino.launch.defaults.shutdown_timeout_s`) on every backend; the local backend also waits the
+grace period before its SIGKILL, as the kubelet does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+from domino.checkpoint import discovery, on_disk
+from domino.launch import JobSpec, defaults
+from domino.launch.local_backend import LocalLauncher
+from domino.launch.pytorchjob import PyTorchJobApi
+from domino.launch.render import render_job
+from domino.launch.trainjob import TrainJobApi, render_trainjob
+
+GRACE_S = 60
+SLOW_SAVE_S = 35  # longer than torchrun's default shutdown timeout
+
+TRAIN = ["--preset", "tiny", "--mock-data", "--vocab-size", "256", "--num-workers", "0", "--seed", "7",
+         "--train-iters", "100000", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "0",
+         "--metrics-file", "/mnt/domino/metrics.jsonl"]
+
+
+def _container_env(container) -> dict:
+    return {e["name"]: e["value"] for e in container["env"]}
+
+
+def test_every_backend_derives_torchruns_shutdown_timeout_from_the_grace_period():
+    spec = JobSpec(name="gpt", image="i", nodes=2, termination_grace_period_s=180)
+    assert defaults.shutdown_timeout_s(180) == 162 and defaults.shutdown_timeout_s(30) == 25
+    assert defaults.shutdown_timeout_s(3) == 1
+    pod = render_job(spec, "r")["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 180
+    assert _container_env(pod["containers"][0])["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "162"
+    trainjob = render_trainjob(spec, "r")["spec"]["trainer"]
+    assert _container_env(trainjob)["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "162"
+    for api in (PyTorchJobApi(), TrainJobApi()):  # what the local backend gives each replica
+        assert api.node_env(spec, "gpt-r", 1, 29500)["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "162"
+    mine = JobSpec(name="gpt", image="i", env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "100"})
+    assert PyTorchJobApi().node_env(mine, "g", 0, 1)["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "100"  # --env wins
+
+
+def test_a_sigterm_save_longer_than_30_s_completes_through_torchrun(tmp_path):
+    """The launcher is cancelled (SIGTERM) mid-training; it SIGTERMs torchrun, which forwards it; the rank
+    saves at the next log interval, and that save takes 35 s. Without the derived timeout torchrun kills
+    the rank at 30 s and no checkpoint is committed."""
+    spec = JobSpec(name="term", image="i", nodes=1, nproc_per_node=1, termination_grace_period_s=GRACE_S,
+                   pretrain_args=TRAIN, env={"DOMINO_FAULT_INJECT": f"slow-save:{SLOW_SAVE_S}",
+                                             "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    metrics = tmp_path / "metrics.jsonl"
+    signalled = []
+
+    def cancel_once_training():  # like a pod deleted mid-run: SIGTERM, then the grace period
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            time.sleep(0.05)
+        signalled.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=cancel_once_training, daemon=True).start()
+    lines = []
+    result = LocalLauncher(log=lines.append).run(spec, run_id="t", workdir=str(tmp_path))
+    stopped = time.monotonic()
+    output = "\n".join(lines)
+    assert signalled and result.reason.startswith("Interrupted: "), output[-3000:]
+    assert "SIGTERM: saving at iteration" in output, output[-3000:]
+    assert stopped - signalled[0] > SLOW_SAVE_S  # the save outlived torchrun's default 30 s
+    save = tmp_path / "checkpoints" / "term-t"
+    latest = on_disk.find_latest_checkpoint(save)
+    assert latest is not None, output[-3000:]
+    assert discovery.choose_intact(latest, strict=True).path == latest  # complete: every file at its recorded size
+    saved = json.loads((latest / "checkpoint.json").read_text())["iteration"]
+    logged = [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()]
+    assert saved == logged[-1]  # saved where training stood
+    assert f"saved checkpoint {latest}" in output
