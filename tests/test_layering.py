@@ -172,3 +172,19 @@ def test_the_reader_sees_what_a_circle_looks_like():
     """The cycle finder itself: a two-module circle and a self-contained chain."""
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     assert _cycles({"a": {"b"}, "b": {"c"}}) == []
+
+
+def test_no_production_module_is_over_400_lines():
+    """The house rule (modules of 150-400 lines): a file past it holds more than one concept and is split."""
+    repo = os.path.dirname(ROOT)
+    long = []
+    for top in ("domino", "components", "pipelines"):
+        for folder, _, files in os.walk(os.path.join(repo, top)):
+            for name in files:
+                path = os.path.join(folder, name)
+                if name.endswith(".py"):
+                    with open(path) as handle:
+                        count = sum(1 for _ in handle)
+                    if count > 400:
+                        long.append(f"{os.path.relpath(path, repo)}: {count} lines")
+    assert long == []

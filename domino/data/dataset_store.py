@@ -69,11 +69,13 @@ def builds_folder(prefix: str) -> str:
 
 def read_record(prefix: str) -> Optional[Dict[str, Any]]:
     """The published record of the logical ``prefix`` if it and every dataset it names exist, else None."""
-    from domino.data.indexed_dataset import dataset_exists
+    from domino.data.indexed_dataset import data_file_path, index_file_path  # numpy only when a record is read
 
     record = _read_record_file(prefix)
     prefixes = record.get("prefixes") if record else None
-    return record if prefixes and all(dataset_exists(p) for p in prefixes.values()) else None
+    complete = prefixes and all(os.path.isfile(data_file_path(p)) and os.path.isfile(index_file_path(p))
+                                for p in prefixes.values())
+    return record if complete else None
 
 
 def _build_name() -> str:

@@ -396,8 +396,3 @@ def warmup(path: str, chunk_bytes: int = 100 * 1024 * 1024) -> None:
     with open(path, "rb") as handle:
         while handle.read(chunk_bytes):
             pass
-
-
-def dataset_exists(prefix: str) -> bool:
-    """Whether both ``{prefix}.bin`` and ``{prefix}.idx`` exist."""
-    return os.path.isfile(data_file_path(prefix)) and os.path.isfile(index_file_path(prefix))
