@@ -29,7 +29,9 @@ def test_the_checkpoint_verbs_take_the_same_flags():
 
 def test_no_other_cli_module_declares_a_checkpoint_flag():
     """``--load`` and friends appear as literals in checkpoint_flags.py only (preprocess's and import-hf's
-    --tokenizer name the tokenizer of text or of a Hugging Face directory, not a checkpoint's, and stay their own)."""
+    --tokenizer name the tokenizer of text or of a Hugging Face directory, not a checkpoint's, and
+    ``checkpoint convert``'s --tensor-model-parallel-size the layout to write, not the one to load at: they stay
+    their own)."""
     folder = os.path.dirname(domino.cli.__file__)
     found = []
     for name in sorted(os.listdir(folder)):
@@ -41,4 +43,5 @@ def test_no_other_cli_module_declares_a_checkpoint_flag():
             if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
                 literals = [a.value for a in node.args if isinstance(a, ast.Constant)]
                 found += [(name, flag) for flag in literals if flag in CHECKPOINT_FLAGS]
-    assert found == [("data.py", "--tokenizer"), ("hf.py", "--tokenizer")]
+    assert found == [("checkpoint.py", "--tensor-model-parallel-size"), ("data.py", "--tokenizer"),
+                     ("hf.py", "--tokenizer")]
