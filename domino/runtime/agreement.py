@@ -84,7 +84,8 @@ def agree(step: str, fn: Callable[[], T]) -> T:
 
     Args:
         step: what the ranks are doing, for the message ("building the datasets").
-        fn: the step; it may contain nested :func:`agree` calls but no other collectives.
+        fn: the step; it may contain nested :func:`agree` calls, and collectives whose loss of a peer is
+            re-raised as it is (the transport's error, for the caller's lost-peer report).
 
     Raises:
         AgreedFailure: on every rank when ``fn`` raised on any rank, naming each failed rank, its node,
@@ -98,6 +99,8 @@ def agree(step: str, fn: Callable[[], T]) -> T:
     except EXPECTED_ERRORS as error:
         finding = (step, socket.gethostname(), _one_line(error))
     except Exception as error:  # a bug on one rank: stop every rank, keep the traceback in this rank's log
+        if is_lost_peer_error(error):
+            raise  # a collective inside the step lost its peer: no agreement can follow; the caller reports it
         logger.exception("unexpected error while %s", step)
         finding = (step, socket.gethostname(), _one_line(error))
     findings: List[Optional[tuple]] = [finding]
