@@ -14,6 +14,14 @@ from domino import images
 DEFAULT_IMAGE = images.image("cpu", repo=images.DEFAULT_REPOSITORY)
 
 
+def kfp_component(function, image=None):
+    """``function`` (from :mod:`components.kfp_functions`) as a kfp component running in ``image`` (default:
+    :func:`default_image`); the image carries domino and kfp, so kfp is not installed at start."""
+    from kfp import dsl  # the kfp layer only: the package's settings modules import without kfp
+
+    return dsl.component(function, base_image=image or default_image(), install_kfp_package=False)
+
+
 def default_image() -> str:
     """The image for components: the CPU variant in ``$DOMINO_IMAGE_REPOSITORY`` (else the default repository)."""
     return images.image("cpu")

@@ -7,9 +7,7 @@ The kfp function, ``components.kfp_functions.cleanup_job``, is generated from :d
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kfp import dsl
-
-from components import default_image, kfp_functions
+from components import kfp_component, kfp_functions
 from components.cleanup.step import cleanup_jobs
 from components.declare import Component, Input, settings_from_values
 from components.run_settings import JobTargetSettings, RunIdSettings
@@ -44,4 +42,4 @@ def run(status: Any, **values: Any) -> None:
 
 def build(image: Optional[str] = None):
     """The cleanup component running in ``image`` (default: :func:`components.default_image`)."""
-    return dsl.component(kfp_functions.cleanup_job, base_image=image or default_image(), install_kfp_package=False)
+    return kfp_component(kfp_functions.cleanup_job, image)

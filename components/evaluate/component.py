@@ -6,9 +6,7 @@ The kfp function, ``components.kfp_functions.evaluate``, is generated from :data
 
 from typing import Any, Optional
 
-from kfp import dsl
-
-from components import default_image, kfp_functions
+from components import kfp_component, kfp_functions
 from components.declare import Component, Input, settings_from_values
 from components.evaluate.step import EvaluateSettings, run_evaluate
 from components.manifest import write_manifest
@@ -51,4 +49,4 @@ def run(model: Any, dataset: Any, metrics: Any, report: Any, decision: Any, **va
 
 def build(image: Optional[str] = None):
     """The evaluate component running in ``image`` (default: :func:`components.default_image`)."""
-    return dsl.component(kfp_functions.evaluate, base_image=image or default_image(), install_kfp_package=False)
+    return kfp_component(kfp_functions.evaluate, image)

@@ -9,7 +9,7 @@ from typing import Any, List, Optional
 
 from kfp import dsl
 
-from components import default_image, kfp_functions
+from components import kfp_component, kfp_functions
 from components.declare import Component, Input, settings_from_values
 from components.merge.step import run_merge
 from components.run_settings import ReuseSettings, VolumeSettings
@@ -42,4 +42,4 @@ def run(dataset: Any, parts: List[str], **values: Any) -> None:
 
 def build(image: Optional[str] = None):
     """The merge-datasets component running in ``image`` (default: :func:`components.default_image`)."""
-    return dsl.component(kfp_functions.merge_datasets, base_image=image or default_image(), install_kfp_package=False)
+    return kfp_component(kfp_functions.merge_datasets, image)

@@ -9,9 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from kfp import dsl
-
-from components import default_image, kfp_functions
+from components import kfp_component, kfp_functions
 from components.declare import Component, Input, settings_from_values
 from components.preprocess.step import plan_groups, run_group
 from components.run_settings import CorpusSettings, ReuseSettings, VolumeSettings
@@ -71,9 +69,9 @@ def run_one_group(group: str, **values: Any) -> str:
 
 def build_plan(image: Optional[str] = None):
     """The plan-preprocess component running in ``image`` (default: :func:`components.default_image`)."""
-    return dsl.component(kfp_functions.plan_preprocess, base_image=image or default_image(), install_kfp_package=False)
+    return kfp_component(kfp_functions.plan_preprocess, image)
 
 
 def build(image: Optional[str] = None):
     """The preprocess (one shard group) component running in ``image``."""
-    return dsl.component(kfp_functions.preprocess, base_image=image or default_image(), install_kfp_package=False)
+    return kfp_component(kfp_functions.preprocess, image)

@@ -6,9 +6,7 @@ The kfp function itself, ``components.kfp_functions.pretrain``, is generated fro
 
 from typing import Any, Optional
 
-from kfp import dsl
-
-from components import default_image, kfp_functions
+from components import kfp_component, kfp_functions
 from components.declare import Component, Input, settings_from_values
 from components.pretrain.settings import PretrainSettings
 from components.pretrain.step import metric_values, run_pretrain
@@ -39,4 +37,4 @@ def run(dataset: Any, model: Any, metrics: Any, **values: Any) -> None:
 
 def build(image: Optional[str] = None):
     """The pretrain component running in ``image`` (default: :func:`components.default_image`)."""
-    return dsl.component(kfp_functions.pretrain, base_image=image or default_image(), install_kfp_package=False)
+    return kfp_component(kfp_functions.pretrain, image)

@@ -7,9 +7,7 @@ The kfp function, ``components.kfp_functions.promote_model``, is generated from 
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kfp import dsl
-
-from components import default_image, kfp_functions
+from components import kfp_component, kfp_functions
 from components.declare import Component, Input, settings_from_values
 from components.promote.step import DEFAULT_MODEL_NAME, run_promote
 from components.run_settings import RunSettings, TrackingSettings
@@ -47,4 +45,4 @@ def run(model: Any, decision: Any, **values: Any) -> str:
 
 def build(image: Optional[str] = None):
     """The promote component running in ``image`` (default: :func:`components.default_image`)."""
-    return dsl.component(kfp_functions.promote_model, base_image=image or default_image(), install_kfp_package=False)
+    return kfp_component(kfp_functions.promote_model, image)

@@ -6,9 +6,7 @@ The kfp function, ``components.kfp_functions.train_tokenizer``, is generated fro
 
 from typing import Any, Optional
 
-from kfp import dsl
-
-from components import default_image, kfp_functions
+from components import kfp_component, kfp_functions
 from components.declare import Component, settings_from_values
 from components.tokenizer.step import TokenizerSettings, run_train_tokenizer
 
@@ -28,4 +26,4 @@ def run(**values: Any) -> str:
 
 def build(image: Optional[str] = None):
     """The train-tokenizer component running in ``image`` (default: :func:`components.default_image`)."""
-    return dsl.component(kfp_functions.train_tokenizer, base_image=image or default_image(), install_kfp_package=False)
+    return kfp_component(kfp_functions.train_tokenizer, image)
