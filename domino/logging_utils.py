@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 
 class _RankFilter(logging.Filter):
@@ -19,6 +20,25 @@ class _RankFilter(logging.Filter):
         return self.all_ranks or self.rank == 0 or record.levelno >= logging.WARNING
 
 
+class _CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at each record, not the stream it was made with.
+
+    A caller that swaps ``sys.stderr`` (pytest's capture, a notebook) and closes the old one would otherwise
+    leave the handler writing to a closed file; ``logging.lastResort`` is built the same way for this reason.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; the property above wins
+        pass
+
+
 def setup_logging(level: str = "INFO") -> None:
     """Configures the ``domino`` logger once per process.
 
@@ -30,7 +50,7 @@ def setup_logging(level: str = "INFO") -> None:
     if getattr(logger, "_domino_configured", False):
         logger.setLevel(level.upper())
         return
-    handler = logging.StreamHandler()
+    handler = _CurrentStderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s [rank %(rank)s] %(levelname)s %(name)s: %(message)s",
                                            "%H:%M:%S"))
     handler.addFilter(_RankFilter(rank, os.environ.get("DOMINO_LOG_ALL_RANKS") == "1"))

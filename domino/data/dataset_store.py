@@ -9,7 +9,7 @@ Layout under the shared root, for a dataset named by its key (:func:`domino.data
 
 The rules that make it safe to share:
 
-* **A build is written in a folder of its own** (``<UTC time>-<host>-<pid>-<random>``), so two runs that
+* **A build is written in a folder of its own** (``<UTC time to the microsecond>-<host>-<pid>-<random>``), so two runs that
   compute the same key never write the same paths, and nothing a reader may have open is ever rewritten.
 * **Publishing writes the record last**, atomically, under the key's lock (:func:`domino.file_lock.exclusive_lock`,
   an ``fcntl`` record lock that NFS clients share). A reader reads only the record and then the build it
@@ -79,8 +79,12 @@ def read_record(prefix: str) -> Optional[Dict[str, Any]]:
 
 
 def _build_name() -> str:
+    # Microseconds so that the names of one host's builds sort in the order they were made (two builds of
+    # one process within a second sorted by their random part before); the random part keeps names unique.
     host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
-    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    now = time.time_ns() // 1000
+    stamp = time.strftime('%Y%m%dT%H%M%S', time.gmtime(now // 1_000_000)) + f".{now % 1_000_000:06d}Z"
+    return f"{stamp}-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def _kept_builds(record: Optional[Dict[str, Any]]) -> Set[str]:

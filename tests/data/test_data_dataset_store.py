@@ -120,9 +120,12 @@ def test_a_reader_never_misses_the_dataset_while_another_process_rebuilds_it(tmp
         reader.wait(timeout=120)
     reads, *failures = out.read_text().splitlines()
     assert failures == ["failures=0"] and int(reads) > 0, failures
-    builds = sorted(os.listdir(os.path.join(os.path.dirname(group["output_prefix"]), "builds")))
+    folder = os.path.join(os.path.dirname(group["output_prefix"]), "builds")
+    builds = sorted(os.listdir(folder))
     assert len(builds) == 13  # every build a reader may have opened is still there (superseded, not deleted)
     record = json.loads(Path(DatasetStore.record_path(group["output_prefix"])).read_text())
+    made = sorted(builds, key=lambda name: os.stat(os.path.join(folder, name)).st_mtime_ns)
+    assert builds == made  # names sort in the order the builds were made, also within one second
     assert record["build"] == builds[-1] and record["superseded"] == builds[:-1]
 
 
