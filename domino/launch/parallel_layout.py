@@ -16,7 +16,8 @@ smallest that the model admits (heads, query groups, MLP width, the global batch
 replicas: :func:`domino.config.validate.validate`) and, given ``gpu_memory_gb``, whose memory estimate fits
 (:mod:`domino.config.estimate`, which ranks layouts the same way: smallest TP first). A
 ``--tensor-model-parallel-size`` in the pretrain arguments is the largest allowed. GPU pods need
-``gpu_memory_gb``: without it nothing says that a small TP fits.
+``gpu_memory_gb``: without it nothing says that a small TP fits. A ``--pipeline-model-parallel-size`` is kept as
+given; DP takes the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import List, Optional
 
 from domino.config import ConfigError, config_from_args
 from domino.config.estimate import USABLE_FRACTION, estimate_layout, layout_of
+from domino.config.layout import data_parallel_size
 from domino.launch.pretrain_flags import flag_value, parse_pretrain_args
 from domino.launch.spec import JobSpec, LaunchSpecError
 
@@ -38,7 +40,7 @@ class DerivedLayout:
 
     Attributes:
         tensor_model_parallel_size: TP, a divisor of the processes of one pod.
-        data_parallel_size: DP, the job's processes over TP.
+        data_parallel_size: DP, the job's processes over TP (x PP, the pretrain arguments' own).
         why: One line: the pods, the choice, and why smaller TP sizes were passed over.
     """
 
@@ -89,8 +91,10 @@ def derive_layout(spec: JobSpec) -> DerivedLayout:
                 passed_over.append(f"TP {tp}: the estimate is {estimate.total / 2**30:.1f} GiB per GPU, over "
                                    f"{USABLE_FRACTION:.0%} of {spec.gpu_memory_gb:g} GiB (domino estimate)")
                 continue
-        why = f"{pods}: TP {tp} x DP {world // tp}" + (f" ({'; '.join(passed_over)})" if passed_over else "")
-        return DerivedLayout(tp, world // tp, why)
+        pp, dp = config.parallel.pipeline_model_parallel_size, data_parallel_size(config, world)
+        why = f"{pods}: TP {tp}{f' x PP {pp}' if pp > 1 else ''} x DP {dp}" + (
+            f" ({'; '.join(passed_over)})" if passed_over else "")
+        return DerivedLayout(tp, dp, why)
     if not passed_over:
         passed_over.append(f"{TP_FLAG} {largest} allows none of the sizes that divide {per_pod}")
     raise LaunchSpecError(f"--parallel-layout derive: {pods} cannot hold this run: " + "; ".join(passed_over))
