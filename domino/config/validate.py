@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional
 
-from domino.config.pipeline_schedule import layer_split_problems
+from domino.config.errors import ConfigError  # noqa: F401  (its home for the callers that import it from here)
+from domino.config.layout import check_tensor_parallel_size, data_parallel_size, pipeline_problems
 from domino.config.schema import DominoConfig, KernelConfig, field_docs, flag_name
 
 #: Megatron's --lr-decay-style choices.
@@ -33,28 +34,9 @@ MINIMUMS = {
 POSITIVE = {"train": ("adam_eps", "initial_loss_scale"), "logging": ("peak_tflops",)}
 
 
-class ConfigError(ValueError):
-    """A setting (or a combination of settings) that cannot work; the message names the flags."""
-
-
 def _check(problems: List[str], ok: bool, message: str) -> None:
     if not ok:
         problems.append(message)
-
-
-def check_tensor_parallel_size(world_size: int, tensor_model_parallel_size: int,
-                               pipeline_model_parallel_size: int = 1) -> None:
-    """Raises :class:`ConfigError` unless TP >= 1 and PP >= 1 and TP x PP divides ``world_size`` (world = TP x PP x DP
-    as in Megatron-LM's ``validate_args``): the rule's one home (the config, process groups, launcher call it)."""
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
-        sizes = f"--tensor-model-parallel-size {tp}" + (f" x --pipeline-model-parallel-size {pp}" if pp != 1 else "")
-        raise ConfigError(f"world size {world_size} is not divisible by {sizes}")
-
-
-def data_parallel_size(config: DominoConfig, world_size: int) -> int:
-    """Number of data-parallel replicas for ``world_size`` processes: world / (TP x PP)."""
-    return world_size // (config.parallel.tensor_model_parallel_size * config.parallel.pipeline_model_parallel_size)
 
 
 def resolve_domino_chunks(config: DominoConfig) -> Optional[str]:
@@ -186,6 +168,8 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
     _check(problems, p.zero_stage in (None, 0, 1, 2), f"--zero-stage must be 0, 1 or 2, got {p.zero_stage}")
     _check(problems, p.distributed_backend in (None, "gloo", "nccl"),
            f"--distributed-backend must be gloo or nccl, got {p.distributed_backend!r}")
+    _check(problems, p.pipeline_model_parallel_size >= 1,
+           f"--pipeline-model-parallel-size must be >= 1, got {p.pipeline_model_parallel_size}")
     _check(problems, p.distributed_timeout_minutes >= 1,
            f"--distributed-timeout-minutes must be >= 1, got {p.distributed_timeout_minutes}")
 
@@ -230,7 +214,6 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
     _check(problems, t.max_nan_steps >= 1, f"--max-nan-steps must be >= 1, got {t.max_nan_steps}")
     _check(problems, t.eval_interval >= 0 and t.eval_iters >= 0, "--eval-interval and --eval-iters must be >= 0")
 
-    problems += layer_split_problems(m.num_layers, p.pipeline_model_parallel_size)
     if world_size is not None:
         try:
             check_tensor_parallel_size(world_size, tp, p.pipeline_model_parallel_size)
@@ -243,6 +226,7 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
                     f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
                     f"{t.micro_batch_size} x data-parallel size {dp}")
 
+    problems += pipeline_problems(config, world_size)
     _check(problems, c.save_interval is None or c.save_interval >= 1,
            f"--save-interval must be >= 1, got {c.save_interval}")
     _check(problems, c.keep_last is None or c.keep_last >= 1, f"--keep-last must be >= 1, got {c.keep_last}")
@@ -281,7 +265,8 @@ def _check_architecture(problems: List[str], config: DominoConfig) -> None:
            f"--ffn-hidden-size must be >= 1, got {m.ffn_size}" + (swiglu_note if m.swiglu else ""))
     if m.rope:
         rotated = int(m.head_dim * m.rotary_percent)
-        _check(problems, 0.0 < m.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {m.rotary_percent}")
+        _check(problems, 0.0 < m.rotary_percent <= 1.0,
+               f"--rotary-percent must be in (0, 1], got {m.rotary_percent}")
         _check(problems, rotated >= 2 and rotated % 2 == 0,
                f"--rotary-percent {m.rotary_percent} rotates {rotated} of the {m.head_dim} dimensions of a head "
                "(--hidden-size / --num-attention-heads); rotary embeddings need an even number >= 2")
