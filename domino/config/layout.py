@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from domino.config.errors import ConfigError
+from domino.config.pipeline_schedule import layer_split_problems
 from domino.config.schema import DominoConfig
 
 
@@ -41,10 +42,7 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
     pp = p.pipeline_model_parallel_size
     if pp <= 1:
         return []
-    problems = []
-    if m.num_layers % pp:
-        problems.append(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp} "
-                        "(each stage runs the same number of layers)")
+    problems = layer_split_problems(m.num_layers, pp)
     if p.zero_stage == 2:
         # DeepSpeed's own pipeline engine refuses it too (deepspeed 0.19.8 runtime/pipe/engine.py: "ZeRO-2 and
         # ZeRO-3 are incompatible with pipeline parallelism"): ZeRO-2 reduces each gradient in a backward hook
