@@ -99,9 +99,6 @@ def _unsupported_features(config: DominoConfig) -> List[str]:
     """One message per model-changing feature asked for but not built: never trained around silently."""
     p = config.parallel
     messages = []
-    if p.pipeline_model_parallel_size > 1:
-        messages.append(f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: pipeline parallelism: "
-                        "not supported (use tensor and data parallelism; --pipeline-model-parallel-size 1 is accepted)")
     if config.train.rampup_batch_size is not None:
         messages.append("--rampup-batch-size: batch-size ramp-up: not supported yet (train at the final "
                         "--global-batch-size, or drop the flag)")

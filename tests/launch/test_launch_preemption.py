@@ -33,7 +33,7 @@ from domino.launch.pretrain_flags import flag_value
 from domino.launch.render import render_job
 
 GRACE_S = 60
-ITERS = 16  # cheap iterations (tens of ms); the SIGTERM lands a few iterations after the second
+ITERS = 24  # cheap iterations (tens of ms); the SIGTERM lands a few iterations after the second
 PRETRAIN = ["--preset", "tiny", "--mock-data", "--vocab-size", "256", "--num-workers", "0", "--seed", "7",
             "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "0", "--hidden-dropout", "0",
             "--attention-dropout", "0", "--global-batch-size", "8", "--train-iters", str(ITERS),
