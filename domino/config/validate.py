@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional
 
+from domino.config.batch_schedule import batch_schedule_problems, check_batch_flags
+from domino.config.errors import ConfigError
 from domino.config.schema import DominoConfig, KernelConfig, field_docs, flag_name
 
 #: Megatron's --lr-decay-style choices.
@@ -30,10 +32,6 @@ MINIMUMS = {
 }
 #: Settings that must be greater than zero when given.
 POSITIVE = {"train": ("adam_eps", "initial_loss_scale"), "logging": ("peak_tflops",)}
-
-
-class ConfigError(ValueError):
-    """A setting (or a combination of settings) that cannot work; the message names the flags."""
 
 
 def _check(problems: List[str], ok: bool, message: str) -> None:
@@ -117,9 +115,6 @@ def _unsupported_features(config: DominoConfig) -> List[str]:
     if p.pipeline_model_parallel_size > 1:
         messages.append(f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: pipeline parallelism: "
                         "not supported (use tensor and data parallelism; --pipeline-model-parallel-size 1 is accepted)")
-    if config.train.rampup_batch_size is not None:
-        messages.append("--rampup-batch-size: batch-size ramp-up: not supported yet (train at the final "
-                        "--global-batch-size, or drop the flag)")
     return messages
 
 
@@ -197,6 +192,7 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
            "optimizers; at --zero-stage 0 they would be summed in bf16)")
     _check(problems, not (t.train_iters is not None and t.train_samples is not None),
            "--train-iters and --train-samples are mutually exclusive")
+    problems.extend(check_batch_flags(config))
     _check(problems, t.lr_decay_style in LR_DECAY_STYLES,
            f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got {t.lr_decay_style!r}")
     _check(problems, t.lr_wsd_decay_style in ("exponential", "linear", "cosine"),
@@ -240,6 +236,8 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
                 problems.append(
                     f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
                     f"{t.micro_batch_size} x data-parallel size {dp}")
+            elif not problems:
+                problems.extend(batch_schedule_problems(config, dp))
 
     _check(problems, c.save_interval is None or c.save_interval >= 1,
            f"--save-interval must be >= 1, got {c.save_interval}")
