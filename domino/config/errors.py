@@ -1,4 +1,4 @@
-"""The one error type of configuration checks (its own module so that every checker can raise it)."""
+"""The one error type of configuration problems."""
 
 
 class ConfigError(ValueError):
