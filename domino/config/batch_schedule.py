@@ -274,6 +274,11 @@ def check_batch_flags(config: DominoConfig) -> List[str]:
         # iteration-based training".
         problems.append(f"{RAMPUP_FLAG} needs --train-samples, not --train-iters (Megatron refuses ramp-up for "
                         "iteration-based training: the learning-rate schedule counts samples)")
+    ramped = next((flag for flag, value in ((RAMPUP_FLAG, t.rampup_batch_size),
+                                            (STEP_FLAG, t.step_batch_size_schedule)) if value is not None), None)
+    if ramped and config.parallel.pipeline_model_parallel_size > 1:
+        problems.append(f"{ramped} with --pipeline-model-parallel-size {config.parallel.pipeline_model_parallel_size}"
+                        ": not supported yet (the pipeline schedule's micro-batch count is fixed when it is built)")
     if t.step_batch_size_schedule is not None:
         if t.global_batch_size is not None:
             # megatron/training/arguments.py since 532ad926, validate_args.

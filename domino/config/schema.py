@@ -114,7 +114,8 @@ class ParallelConfig:
     """Micro-chunks per layer input for Domino overlap; 1 means plain synchronous tensor parallelism (default: 2
     when --tensor-model-parallel-size > 1 and --micro-batch-size is even, else 1)."""
     pipeline_model_parallel_size: int = 1
-    """Pipeline stages; only 1 (pipeline parallelism is not supported)."""
+    """Pipeline stages: the transformer layers divided evenly among them, run on the 1F1B schedule of
+    torch.distributed.pipelining; ranks in Megatron's order (TP fastest, then data parallel, then pipeline)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: LayerNorm, dropout and residual regions split along the sequence over the TP
     ranks (reduce-scatter after row-parallel, all-gather before column-parallel linears); no effect at TP 1."""

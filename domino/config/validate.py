@@ -96,16 +96,6 @@ def resolve_zero_stage(config: DominoConfig, data_parallel_size: int,
     return f"--zero-stage not given: 1 ({reason})"
 
 
-def _unsupported_features(config: DominoConfig) -> List[str]:
-    """One message per model-changing feature asked for but not built: never trained around silently."""
-    p = config.parallel
-    messages = []
-    if p.pipeline_model_parallel_size > 1:
-        messages.append(f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: pipeline parallelism: "
-                        "not supported (use tensor and data parallelism; --pipeline-model-parallel-size 1 is accepted)")
-    return messages
-
-
 def _check_bounds(problems: List[str], config: DominoConfig) -> None:
     for group, minimums in MINIMUMS.items():
         for name, minimum in minimums.items():
@@ -127,9 +117,7 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
         for_training: also require what ``domino pretrain`` needs (a length, a data source).
     """
     m, p, t, d, c, lg = config.model, config.parallel, config.train, config.data, config.checkpoint, config.logging
-    problems: List[str] = _unsupported_features(config)
-    if problems:  # the missing feature is the whole story; other complaints would only distract from it
-        raise ConfigError("; ".join(problems))
+    problems: List[str] = []
     tp = p.tensor_model_parallel_size
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
         value = getattr(m, name)

@@ -34,6 +34,7 @@ from domino.train import bf16_step, engine as engine_setup
 from domino.train.evaluation import evaluate, perplexity
 from domino.train.interval_stats import IntervalReading, IntervalStats
 from domino.train.metrics import MetricsWriter, format_iteration_line
+from domino.train.pipeline_step import PipelineStep
 from domino.train.schedules import LearningRateSchedule
 from domino.train.throughput import detect_peak_tflops, memory_gb, training_flops_per_token
 from domino.train.timers import TimedIterator, Timers
@@ -66,7 +67,7 @@ def _set_lr(engine, lr: float) -> None:
 
 
 def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Callable, forward_step: Callable,
-             padded_vocab_size: int, tokenizer=None) -> TrainingResult:
+             padded_vocab_size: int, tokenizer=None, get_batch: Optional[Callable] = None) -> TrainingResult:
     """Trains according to ``config`` (call it on every rank, after
     :func:`domino.train.engine.initialize_runtime`).
 
@@ -77,6 +78,8 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
         forward_step: one micro-batch forward returning ``(output, loss_fn)``.
         padded_vocab_size: recorded in checkpoints so loading can check the shape.
         tokenizer: saved into every checkpoint when given.
+        get_batch: one micro-batch's tensors by name from a data iterator; pipelined runs need it, as the pipeline
+            schedule, not ``forward_step``, runs the stages (:mod:`domino.train.pipeline_step`).
 
     Raises:
         ConfigError: for settings that cannot work, before training starts.
@@ -107,7 +110,7 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
                                                             weights_only=warm_start)
     elif config.checkpoint.load:
         logger.info("--load %s holds no checkpoint yet: starting from scratch", config.checkpoint.load)
-    trainer = _Trainer(config, engine, dataset_builder, forward_step, padded_vocab_size, tokenizer)
+    trainer = _Trainer(config, engine, dataset_builder, forward_step, padded_vocab_size, tokenizer, get_batch)
     return trainer.run(iteration, consumed, discovery.own_checkpoint(config, resume_from, warm_start, iteration))
 
 
@@ -116,8 +119,9 @@ class _Trainer:
     """The loop of one run: steps, NaN accounting, interval logging, evaluation and saving."""
 
     def __init__(self, config: DominoConfig, engine, dataset_builder: Callable, forward_step: Callable,
-                 padded_vocab_size: int, tokenizer) -> None:
+                 padded_vocab_size: int, tokenizer, get_batch: Optional[Callable] = None) -> None:
         self.config, self.engine, self.forward_step = config, engine, forward_step
+        self.pipeline = PipelineStep(config, engine, get_batch) if engine_setup.pipelined(config) else None
         self.padded_vocab_size, self.tokenizer = padded_vocab_size, tokenizer
         t, lg = config.train, config.logging
         # The batch of each iteration, from the samples consumed before it (constant unless ramped up).
@@ -160,6 +164,11 @@ class _Trainer:
         (:func:`engine.flag_overflow`), the bf16 ZeRO-1 optimizer from its own (:mod:`domino.train.bf16_step`).
         """
         engine, timers = self.engine, self.timers
+        if self.pipeline is not None:  # the schedule runs every micro-batch (domino.train.pipeline_step)
+            loss, self.grad_norm, skipped = self.pipeline(train_iter, timers)
+            if skipped is not None:
+                self.stats.add_optimizer_skip(skipped)
+            return loss
         gas = batch // (self.batches.micro_batch_size * self.batches.data_parallel_size)
         # DeepSpeed 0.19.8 (runtime/engine.py) divides each micro-batch's loss by the engine's accumulation steps,
         # which set_train_batch_size sets; its own boundary test, (micro_steps + 1) % gas == 0 over the run's

@@ -39,17 +39,21 @@ def _parse(argv, world_size):
 
 #: What each script asks for that domino refuses, and the words of the refusal.
 REFUSED = {
-    "megatron-pretrain-gpt-distributed-with-mp": "--pipeline-model-parallel-size 2: pipeline parallelism",
-    "megatron-gpt3-175b": "--pipeline-model-parallel-size 16: pipeline parallelism: not supported",
-    "megatron-gpt3-175b-157006d": "--pipeline-model-parallel-size 16: pipeline parallelism: not supported",
+    "megatron-pretrain-gpt-distributed-with-mp": "--save with --pipeline-model-parallel-size 2: checkpoints of "
+                                                 "pipeline stages are not supported yet",
+    "megatron-gpt3-175b": "--save with --pipeline-model-parallel-size 16: checkpoints of pipeline stages are not "
+                          "supported yet",
+    "megatron-gpt3-175b-157006d": "--save with --pipeline-model-parallel-size 16: checkpoints of pipeline stages "
+                                  "are not supported yet",
 }
 
 
 @pytest.mark.parametrize("name", list(SCRIPTS))
 def test_every_script_parses_as_written_or_names_the_missing_feature(name, tmp_path, gpt2_files):
-    """The scripts' own sizes, at their own world size (TP x DP), before any process starts."""
+    """The scripts' own sizes, at their own world size (TP x PP x DP), before any process starts."""
     argv = without_fp16(SCRIPTS[name].argv(_variables(tmp_path, "corpus_text_document", gpt2_files)))
-    world_size = 8 if name.startswith("megatron-gpt3-175b") else 2
+    world_size = {"megatron-gpt3-175b": 128, "megatron-gpt3-175b-157006d": 128,
+                  "megatron-pretrain-gpt-distributed-with-mp": 4}.get(name, 2)
     if name in REFUSED:
         with pytest.raises(ConfigError) as error:
             _parse(argv, world_size)
@@ -184,7 +188,8 @@ def test_refused_script_fails_on_every_rank_with_one_line(tmp_path, corpus_prefi
                           timeout=300)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("domino pretrain: error:")]
-    assert len(lines) == 2 and all("pipeline parallelism: not supported" in line for line in lines)  # one per rank
+    assert len(lines) == 2 and all("checkpoints of pipeline stages are not supported yet" in line
+                                   for line in lines)  # one per rank
     assert not re.search(r'File ".*/domino/', proc.stderr)  # no traceback through domino's code
     assert "torch.distributed initialised" not in proc.stderr  # refused before any work
 

@@ -1,0 +1,100 @@
+"""One optimizer step of a pipelined run: the 1F1B schedule, the gradients made whole, DeepSpeed's step.
+
+With ``--pipeline-model-parallel-size`` > 1 the schedule of :mod:`domino.pipeline.schedule` runs every forward and
+backward of the step, so DeepSpeed never sees a loss: the engine is built with one "micro-batch" per step (the
+step's micro-batches together, :func:`domino.train.engine.deepspeed_config`) and its hooks that reduce gradients
+inside its own backward off, and here, after the schedule, in this order:
+
+1. the tied embeddings' gradient is summed over the first and last stage
+   (:func:`domino.pipeline.gradients.sync_tied_embeddings`);
+2. the gradients are averaged over the data-parallel replicas, so the norm is that of the step's gradient;
+3. domino clips them with the norm over every stage (:func:`domino.train.engine.clip_gradients`);
+4. ZeRO-1 moves them into its partitions (``engine.allreduce_gradients``: DeepSpeed's ``reduce_gradients``, the
+   call its own PipelineEngine makes, ``_exec_reduce_grads`` in deepspeed 0.19.8 ``runtime/pipe/engine.py``;
+   the replicas' gradients are already equal, so its averaging changes nothing), and the optimizer steps.
+
+Step 2 costs one more data-parallel all-reduce of the gradients than a run without pipeline stages under ZeRO-1
+(stage 0 reduces only here); it is what lets the norm be taken before ZeRO partitions the gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from domino.config import ConfigError, DominoConfig
+from domino.pipeline.gradients import sync_tied_embeddings
+from domino.pipeline.schedule import StageSchedule
+from domino.runtime import state
+from domino.train import engine as engine_setup
+from domino.train.gpt_recipe import average_across_data_parallel_group
+
+
+def average_over_data_parallel(params: List[torch.nn.Parameter]) -> None:
+    """Replaces every gradient of ``params`` by its mean over the data-parallel replicas (one flat all-reduce)."""
+    dp = state.get_data_parallel_world_size()
+    grads = [p.grad for p in params if p.grad is not None]
+    if dp == 1 or not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=state.get_data_parallel_group())  # synchronous: the norm reads it next
+    flat /= dp
+    for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        grad.copy_(reduced)
+
+
+class PipelineStep:
+    """Runs a pipelined run's optimizer steps.
+
+    Args:
+        config: the run's configuration.
+        engine: the DeepSpeed engine around this rank's stage.
+        get_batch: ``get_batch(data_iterator) -> {tokens, labels, loss_mask, attention_mask, position_ids}`` for one
+            micro-batch (:meth:`domino.train.gpt_recipe.GPTRecipe.batch`).
+    """
+
+    def __init__(self, config: DominoConfig, engine, get_batch: Optional[Callable[..., Dict[str, torch.Tensor]]]
+                 ) -> None:
+        if get_batch is None:
+            raise ConfigError("--pipeline-model-parallel-size > 1 needs pretrain(get_batch=...): the pipeline "
+                              "schedule, not forward_step, runs the stages")
+        m, t = config.model, config.train
+        self.config, self.engine, self.get_batch = config, engine, get_batch
+        self.micro_batches = engine_setup.gradient_accumulation_steps(config)
+        dtype = next(engine.module.parameters()).dtype
+        self.schedule = StageSchedule(engine.module, num_microbatches=self.micro_batches,
+                                      micro_batch_size=t.micro_batch_size, seq_length=m.seq_length,
+                                      hidden_size=m.hidden_size, sequence_parallel=config.parallel.sequence_parallel,
+                                      dtype=dtype)
+
+    def _step_batch(self, data_iterator) -> Dict[str, torch.Tensor]:
+        """The step's micro-batches, each tensor concatenated along the batch (the schedule splits them again)."""
+        micro = [self.get_batch(data_iterator) for _ in range(self.micro_batches)]
+        return {name: None if micro[0][name] is None else torch.cat([mb[name] for mb in micro])
+                for name in micro[0]}
+
+    def __call__(self, data_iterator, timers) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """One step. Returns the mean loss over the step's micro-batches averaged over the replicas, the gradient
+        norm (0-d tensors on the device), and the optimizer's 0/1 skip flag of a non-finite norm (None where
+        DeepSpeed's ZeRO optimizer decides the skip itself)."""
+        timers.start("forward-backward")
+        batch = self._step_batch(data_iterator)
+        loss = self.schedule.train_step(batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"],
+                                        batch["attention_mask"])
+        timers.stop("forward-backward")
+        timers.start("optimizer")
+        module = self.engine.module
+        sync_tied_embeddings(module)
+        average_over_data_parallel(list(module.parameters()))
+        grad_norm = engine_setup.clip_gradients(self.engine, self.config.train.clip_grad)
+        skipped = None
+        if engine_setup.zero_stage(self.config) == 0:
+            skipped = engine_setup.flag_overflow(self.engine, grad_norm)  # fused AdamW skips on the device
+        else:
+            self.engine.allreduce_gradients()
+        self.engine.step()
+        timers.stop("optimizer")
+        return average_across_data_parallel_group(loss), grad_norm, skipped

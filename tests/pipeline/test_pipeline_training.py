@@ -1,0 +1,41 @@
+"""`domino pretrain` with pipeline stages trains the model the one-stage run trains.
+
+Tied embeddings (the tiny preset with ``--no-untie-embeddings-and-output-weights``), mock data, fp32, no dropout,
+and a ``--clip-grad`` small enough to clip every step, so the logged gradient norm (summed over the stages, the tied
+copy counted once) and the update it scales both enter the losses of the later steps. The one-stage run is the
+reference; the pipelined runs must log the same loss and gradient norm at every iteration:
+
+2 stages x 2 data-parallel replicas (4 processes), ZeRO stage 1: DeepSpeed's optimizer over each stage, the
+gradients reduced after the schedule (:mod:`domino.train.pipeline_step`). (The schedule alone, with TP and Domino,
+is tests/pipeline/test_pipeline_equivalence.py's; one launch here keeps CI's time.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from train.train_helpers import TINY, read_metrics, run_pretrain
+
+COMMON = [*TINY, "--mock-data", "--vocab-size", "512", "--train-iters", "3", "--eval-iters", "0",
+          "--eval-interval", "0", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "0",
+          "--num-layers", "4", "--no-untie-embeddings-and-output-weights", "--clip-grad", "0.05"]
+
+
+def _records(tmp_path, name, nproc, layout):
+    metrics = tmp_path / f"{name}.jsonl"
+    run_pretrain([*COMMON, "--metrics-file", str(metrics), *layout], nproc=nproc)
+    return [r for r in read_metrics(metrics) if "eval" not in r]
+
+
+def _assert_same_training(reference, records):
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    for ref, got in zip(reference, records):
+        assert got["grad_norm"] > 0.05  # clipped: the clip factor is part of every update
+        assert got["lm_loss"] == pytest.approx(ref["lm_loss"], rel=1e-5), got["iteration"]
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), got["iteration"]
+
+
+def test_two_stages_by_two_replicas_with_zero1_train_as_one(tmp_path):
+    reference = _records(tmp_path, "pp1", 1, ["--zero-stage", "0"])
+    records = _records(tmp_path, "pp2dp2", 4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"])
+    _assert_same_training(reference, records)
