@@ -124,8 +124,7 @@ class _Trainer:
         self.pipeline = PipelineStep(config, engine, get_batch) if engine_setup.pipelined(config) else None
         self.padded_vocab_size, self.tokenizer = padded_vocab_size, tokenizer
         t, lg = config.train, config.logging
-        # The batch of each iteration, from the samples consumed before it (constant unless ramped up).
-        self.batches = batch_schedule(config, state.get_data_parallel_world_size())
+        self.batches = batch_schedule(config, state.get_data_parallel_world_size())  # the batch of each iteration
         self.gbs = self.batches.global_batch_size
         self.train_iters = t.train_iters if t.train_iters is not None else self.batches.train_iters(t.train_samples)
         self.schedule = LearningRateSchedule.from_config(t, self.train_iters, self.gbs)
@@ -169,15 +168,10 @@ class _Trainer:
             if skipped is not None:
                 self.stats.add_optimizer_skip(skipped)
             return loss
-        gas = batch // (self.batches.micro_batch_size * self.batches.data_parallel_size)
-        # DeepSpeed 0.19.8 (runtime/engine.py) divides each micro-batch's loss by the engine's accumulation steps,
-        # which set_train_batch_size sets; its own boundary test, (micro_steps + 1) % gas == 0 over the run's
-        # micro-step count, goes wrong once gas changes, so the boundary is set here for each micro-batch.
-        engine.set_train_batch_size(batch)
+        per_micro_batch = self.batches.micro_batch_size * self.batches.data_parallel_size
         iteration_loss = torch.zeros((), device=self.device)
         timers.start("forward-backward")
-        for micro in range(gas):
-            engine.set_gradient_accumulation_boundary(micro == gas - 1)
+        for last in engine_setup.accumulate(engine, batch, per_micro_batch):
             timers.start("forward")
             output, loss_fn = self.forward_step(train_iter, engine)
             loss, stats = loss_fn(output)
@@ -186,7 +180,7 @@ class _Trainer:
             timers.start("backward")
             engine.backward(loss)
             timers.stop("backward")
-            if micro == gas - 1:
+            if last:
                 timers.stop("forward-backward")
                 timers.start("optimizer")
                 if engine_setup.clips_itself(self.config):
@@ -197,7 +191,7 @@ class _Trainer:
         if skipped is not None:  # bf16 ZeRO 1 skipped on the device: counted with the interval's numbers
             self.stats.add_optimizer_skip(skipped)
         timers.stop("optimizer")
-        return iteration_loss / gas
+        return iteration_loss / (batch // per_micro_batch)
 
     def _flag_overflow(self, grad_norm: torch.Tensor) -> None:
         flag = engine_setup.flag_overflow(self.engine, grad_norm)
@@ -376,10 +370,10 @@ class _Trainer:
             if t.eval_interval and iteration % t.eval_interval == 0 and iteration < self.train_iters:
                 last_valid = self._evaluate("valid", self.valid_ds, iteration, consumed)
             # Megatron's train() also saves when the number of micro-batches changes (a step-up of the batch).
-            step_up = iteration < self.train_iters and self.batches.global_batch_size_at(consumed) != batch
+            next_batch = self.batches.global_batch_size_at(consumed)
+            step_up = iteration < self.train_iters and next_batch != batch
             if step_up:
-                logger.info("iteration %d: global batch %d -> %d (%d samples consumed)", iteration, batch,
-                            self.batches.global_batch_size_at(consumed), consumed)
+                logger.info("iteration %d: global batch %d -> %d at %d samples", iteration, batch, next_batch, consumed)
             if c.save and (c.save_interval and iteration % c.save_interval == 0 or step_up):
                 checkpoint_path, saved_at = self._save(iteration, consumed), iteration
             if t.exit_interval and iteration % t.exit_interval == 0:

@@ -48,7 +48,7 @@ def test_ramp_runs_megatrons_batches_and_resumes_across_a_step_up_bit_for_bit(tm
         consumed, logged_batch, _, _, lr = records[iteration]
         assert (consumed, logged_batch) == (before + batch, batch)
         assert lr == _megatron_lr(before)  # the rate at the samples consumed, not at iteration x 16
-    assert "iteration 3: global batch 8 -> 12 (16 samples consumed)" in proc.stderr
+    assert "iteration 3: global batch 8 -> 12 at 16 samples" in proc.stderr
     # Megatron saves when the micro-batch count changes: after iterations 2, 3 and 4, then the final one.
     assert sorted(p.name for p in ref_save.glob("iter_*")) == [f"iter_000000{i}" for i in (2, 3, 4, 7)]
 
