@@ -60,9 +60,6 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
         if value:
             problems.append(f"{flag} with --pipeline-model-parallel-size {pp}: checkpoints of pipeline stages are "
                             "not supported yet (train without it, or with one stage)")
-    if t.eval_iters > 0:
-        problems.append(f"--eval-iters {t.eval_iters} with --pipeline-model-parallel-size {pp}: evaluation under "
-                        "pipeline parallelism is not supported yet (pass --eval-iters 0)")
     if world_size is not None and world_size % (p.tensor_model_parallel_size * pp) == 0:
         dp = data_parallel_size(config, world_size)
         global_batch = t.global_batch_size or t.micro_batch_size * dp

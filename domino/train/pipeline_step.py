@@ -70,9 +70,10 @@ class PipelineStep:
                                       hidden_size=m.hidden_size, sequence_parallel=config.parallel.sequence_parallel,
                                       dtype=dtype)
 
-    def _step_batch(self, data_iterator) -> Dict[str, torch.Tensor]:
-        """The step's micro-batches, each tensor concatenated along the batch (the schedule splits them again)."""
-        micro = [self.get_batch(data_iterator) for _ in range(self.micro_batches)]
+    def _step_batch(self, data_iterator, count: Optional[int] = None) -> Dict[str, torch.Tensor]:
+        """``count`` micro-batches (default: a step's), each tensor concatenated along the batch (the schedule
+        splits them again)."""
+        micro = [self.get_batch(data_iterator) for _ in range(count or self.micro_batches)]
         return {name: None if micro[0][name] is None else torch.cat([mb[name] for mb in micro])
                 for name in micro[0]}
 
@@ -98,3 +99,24 @@ class PipelineStep:
         self.engine.step()
         timers.stop("optimizer")
         return average_across_data_parallel_group(loss), grad_norm, skipped
+
+    @torch.no_grad()
+    def evaluate(self, make_iterator: Callable, eval_iters: int) -> float:
+        """The mean loss of ``eval_iters`` micro-batches of a fresh iterator, averaged over the replicas: the number
+        :func:`domino.train.evaluation.evaluate` gives at one stage. Runs them a step's worth at a time (whatever is
+        left in the last group)."""
+        module = self.engine.module
+        was_training = module.training
+        module.eval()
+        iterator, total, done = make_iterator(), None, 0
+        while done < eval_iters:
+            count = min(self.micro_batches, eval_iters - done)
+            batch = self._step_batch(iterator, count)
+            loss = self.schedule.eval_step(batch["tokens"], batch["labels"], batch["loss_mask"],
+                                           batch["position_ids"], batch["attention_mask"])
+            loss = average_across_data_parallel_group(loss).double() * count
+            total = loss if total is None else total + loss  # summed on the device: one host read at the end
+            done += count
+        if was_training:
+            module.train()
+        return float(total) / eval_iters if total is not None else 0.0

@@ -266,8 +266,9 @@ class _Trainer:
             return None
         started, training_comm = time.perf_counter(), pop_comm_wait_seconds()
         training_modelled, training_sites = pop_modelled_comm_seconds(), pop_comm_wait_by_site()
-        loss = evaluate(self.forward_step, lambda: self._loader(dataset, 0, 0), self.engine,
-                        self.config.train.eval_iters)
+        make_iterator, iters = lambda: self._loader(dataset, 0, 0), self.config.train.eval_iters
+        loss = (evaluate(self.forward_step, make_iterator, self.engine, iters) if self.pipeline is None
+                else self.pipeline.evaluate(make_iterator, iters))
         pop_comm_wait_seconds(), pop_modelled_comm_seconds(), pop_comm_wait_by_site()  # not training's
         self.timers.add("comm-wait", training_comm)
         for site, seconds in training_sites.items():
