@@ -86,8 +86,9 @@ class Estimate:
     """Share of the step each stage idles (pipeline_schedule.bubble_fraction)."""
     p2p_bytes_per_step: float = 0.0
     """Bytes the busiest stage sends to its pipeline neighbours per step."""
-    time_flops_per_token: float = 0.0
-    """What a token costs in time, in FLOPs: the training passes (recompute's included) over 1 - bubble."""
+    forward_passes_per_token: float = 0.0
+    """What a token costs in time, in forward passes: 3 (forward and backward), more with recompute, over 1 - the
+    pipeline bubble (the same at every TP size, whose vocabulary padding changes the FLOPs a little)."""
 
     @property
     def total(self) -> float:
@@ -219,7 +220,7 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
     p2p = max(schedule.p2p_bytes_per_step(rank, p, m, message, v) for rank in range(p))
     return dataclasses.replace(
         stages[worst], flops_per_token=3 * flops, step_time_s=step, stage=worst,
-        time_flops_per_token=train_flops / (1 - bubble),
+        forward_passes_per_token=train_flops / flops / (1 - bubble),
         parameters=int(parameter_counts(shape, 1)["total"]), stage_totals=[s.total for s in stages],
         num_microbatches=m, bubble_fraction=bubble, p2p_bytes_per_step=p2p)
 
@@ -294,7 +295,7 @@ def rank_key(estimate: Estimate) -> tuple:
     smallest TP (least communication); no SP; largest micro-batch (fuller GEMMs); lowest ZeRO stage (least
     communication); then the least memory."""
     lay = estimate.layout
-    return (not estimate.fits, round(estimate.time_flops_per_token, 3), lay.tensor_model_parallel_size,
+    return (not estimate.fits, round(estimate.forward_passes_per_token, 3), lay.tensor_model_parallel_size,
             lay.sequence_parallel, -lay.micro_batch_size, lay.zero_stage, estimate.total)
 
 

@@ -3,6 +3,8 @@ schedule tables, and per-stage memory against figures computed by hand."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from domino.config import DominoConfig, ModelConfig, parse_config
@@ -184,6 +186,28 @@ def test_layouts_rank_by_time_per_token_so_a_pipeline_comes_before_recompute_onl
     estimates = {name: estimate_layout(config, layout, device="cpu") for name, layout in layouts.items()}
     ranked = sorted(estimates, key=lambda name: rank_key(estimates[name]))
     assert ranked == ["plain", "pp2, 8 micro-batches", "full recompute", "pp2, 2 micro-batches"]
-    plain = estimates["plain"].time_flops_per_token
-    assert estimates["pp2, 8 micro-batches"].time_flops_per_token == pytest.approx(plain * 9 / 8)
-    assert estimates["full recompute"].time_flops_per_token == pytest.approx(plain * 4 / 3)
+    plain = estimates["plain"].forward_passes_per_token
+    assert estimates["pp2, 8 micro-batches"].forward_passes_per_token == pytest.approx(plain * 9 / 8)
+    assert estimates["full recompute"].forward_passes_per_token == pytest.approx(plain * 4 / 3)
+
+
+def test_cli_lists_a_pipeline_first_where_every_one_stage_layout_needs_full_recompute(capsys):
+    """A 52B GPT in fp32 on 16 x 80 GB GPUs: at one stage only full recompute fits (TP 8 x DP 2, ZeRO 2: 4 forward
+    passes per token); TP 8 x PP 2 with SP fits without recompute, and 1F1B over 64 micro-batches costs
+    3 x 65/64 passes (bubble 1/65): the listing puts it first, and the JSON gives each stage's total."""
+    from domino.cli.main import main as domino_main
+
+    flags = ["estimate", "--num-layers", "64", "--hidden-size", "8192", "--num-attention-heads", "64",
+             "--seq-length", "2048", "--vocab-size", "50257", "--eval-iters", "0", "--global-batch-size", "64",
+             "--micro-batch-size", "1", "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2",
+             "--sequence-parallel", "--gpus", "16", "--gpu-memory-gb", "80", "--top", "100", "--json"]
+    with pytest.raises(SystemExit) as exit_info:
+        domino_main(flags)
+    assert exit_info.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and len(out["pipeline"]["total_gb_per_stage"]) == 2
+    assert out["pipeline"]["num_microbatches"] == 64 and out["pipeline"]["bubble_fraction"] == pytest.approx(1 / 65)
+    listed = [(e["layout"]["pipeline_model_parallel_size"], e["layout"]["tensor_model_parallel_size"],
+               e["layout"]["recompute"]) for e in out["layouts_that_fit"]]
+    assert listed[0] == (2, 8, "none")
+    assert {recompute for pp, _, recompute in listed if pp == 1} == {"full"}
