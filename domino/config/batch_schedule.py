@@ -51,6 +51,11 @@ class BatchSizeSchedule(ABC):
     def global_batch_size_at(self, consumed_samples: int) -> int:
         """The global batch of the iteration that starts after ``consumed_samples`` samples."""
 
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches per data-parallel rank once the schedule has reached :attr:`global_batch_size`."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
     def num_micro_batches_at(self, consumed_samples: int) -> int:
         """Micro-batches each data-parallel rank runs in that iteration."""
         return self.global_batch_size_at(consumed_samples) // (self.micro_batch_size * self.data_parallel_size)
@@ -274,11 +279,6 @@ def check_batch_flags(config: DominoConfig) -> List[str]:
         # iteration-based training".
         problems.append(f"{RAMPUP_FLAG} needs --train-samples, not --train-iters (Megatron refuses ramp-up for "
                         "iteration-based training: the learning-rate schedule counts samples)")
-    ramped = next((flag for flag, value in ((RAMPUP_FLAG, t.rampup_batch_size),
-                                            (STEP_FLAG, t.step_batch_size_schedule)) if value is not None), None)
-    if ramped and config.parallel.pipeline_model_parallel_size > 1:
-        problems.append(f"{ramped} with --pipeline-model-parallel-size {config.parallel.pipeline_model_parallel_size}"
-                        ": not supported yet (the pipeline schedule's micro-batch count is fixed when it is built)")
     if t.step_batch_size_schedule is not None:
         if t.global_batch_size is not None:
             # megatron/training/arguments.py since 532ad926, validate_args.
@@ -300,9 +300,14 @@ def check_batch_flags(config: DominoConfig) -> List[str]:
 def batch_schedule_problems(config: DominoConfig, data_parallel_size: int) -> List[str]:
     """:func:`batch_schedule`'s refusal as a list of messages (empty when the schedule fits the layout)."""
     try:
-        batch_schedule(config, data_parallel_size)
+        schedule = batch_schedule(config, data_parallel_size)
     except ConfigError as error:
         return [str(error)]
+    pp, first = config.parallel.pipeline_model_parallel_size, schedule.num_micro_batches_at(0)
+    if pp > 1 and first < pp:
+        return [f"the first global batch {schedule.global_batch_size_at(0)} gives {first} micro-batches of "
+                f"--micro-batch-size {schedule.micro_batch_size} per data-parallel rank (DP {data_parallel_size}), "
+                f"fewer than --pipeline-model-parallel-size {pp} (the 1F1B schedule needs one per stage)"]
     return []
 
 

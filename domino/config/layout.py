@@ -65,7 +65,8 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
         if value:
             problems.append(f"{flag} with --pipeline-model-parallel-size {pp}: checkpoints of pipeline stages are "
                             "not supported yet (train without it, or with one stage)")
-    if world_size is not None and world_size % (p.tensor_model_parallel_size * pp) == 0:
+    ramped = t.rampup_batch_size is not None or t.step_batch_size_schedule is not None  # checked with the ramp
+    if world_size is not None and world_size % (p.tensor_model_parallel_size * pp) == 0 and not ramped:
         dp = data_parallel_size(config, world_size)
         global_batch = t.global_batch_size or t.micro_batch_size * dp
         micro_batches = global_batch // (t.micro_batch_size * dp)

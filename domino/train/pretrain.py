@@ -121,10 +121,11 @@ class _Trainer:
     def __init__(self, config: DominoConfig, engine, dataset_builder: Callable, forward_step: Callable,
                  padded_vocab_size: int, tokenizer, get_batch: Optional[Callable] = None) -> None:
         self.config, self.engine, self.forward_step = config, engine, forward_step
-        self.pipeline = PipelineStep(config, engine, get_batch) if engine_setup.pipelined(config) else None
         self.padded_vocab_size, self.tokenizer = padded_vocab_size, tokenizer
         t, lg = config.train, config.logging
         self.batches = batch_schedule(config, state.get_data_parallel_world_size())  # the batch of each iteration
+        self.pipeline = PipelineStep(config, engine, get_batch, self.batches.micro_batches_per_step
+                                     ) if engine_setup.pipelined(config) else None
         self.gbs = self.batches.global_batch_size
         self.train_iters = t.train_iters if t.train_iters is not None else self.batches.train_iters(t.train_samples)
         self.schedule = LearningRateSchedule.from_config(t, self.train_iters, self.gbs)
@@ -163,12 +164,12 @@ class _Trainer:
         (:func:`engine.flag_overflow`), the bf16 ZeRO-1 optimizer from its own (:mod:`domino.train.bf16_step`).
         """
         engine, timers = self.engine, self.timers
+        per_micro_batch = self.batches.micro_batch_size * self.batches.data_parallel_size
         if self.pipeline is not None:  # the schedule runs every micro-batch (domino.train.pipeline_step)
-            loss, self.grad_norm, skipped = self.pipeline(train_iter, timers)
+            loss, self.grad_norm, skipped = self.pipeline(train_iter, timers, batch // per_micro_batch)
             if skipped is not None:
                 self.stats.add_optimizer_skip(skipped)
             return loss
-        per_micro_batch = self.batches.micro_batch_size * self.batches.data_parallel_size
         iteration_loss = torch.zeros((), device=self.device)
         timers.start("forward-backward")
         for last in engine_setup.accumulate(engine, batch, per_micro_batch):

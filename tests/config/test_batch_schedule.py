@@ -210,8 +210,10 @@ def test_step_schedule_errors_are_one_line(text, message):
      "--step-batch-size-schedule: the global batch 6 is not divisible by --micro-batch-size 2 x 2 data-parallel"),
     (["--rampup-batch-size", "4", "2", "8", "--global-batch-size", "8", "--train-samples", "100",
       "--micro-batch-size", "2"], "--rampup-batch-size 4 2 8: the global batch 6 is not divisible by"),
-    (["--step-batch-size-schedule", "0:4 64:8", "--train-samples", "10", "--pipeline-model-parallel-size", "2"],
-     "--step-batch-size-schedule with --pipeline-model-parallel-size 2: not supported yet"),
+    (["--rampup-batch-size", "4", "4", "8", "--global-batch-size", "16", "--train-samples", "10",
+      "--pipeline-model-parallel-size", "2", "--micro-batch-size", "4"],
+     "the first global batch 4 gives 1 micro-batches of --micro-batch-size 4 per data-parallel rank (DP 1), fewer "
+     "than --pipeline-model-parallel-size 2 (the 1F1B schedule needs one per stage)"),
 ])
 def test_megatrons_flag_rules_are_checked_before_work(argv, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as error:

@@ -11,6 +11,7 @@ Megatron's in tests/config/test_batch_schedule.py.
 import math
 import shutil
 
+import pytest
 from safetensors.torch import load_file
 
 from train_helpers import read_metrics, run_pretrain
@@ -67,3 +68,21 @@ def test_ramp_runs_megatrons_batches_and_resumes_across_a_step_up_bit_for_bit(tm
     run_weights = load_file(save / "iter_0000007" / "model" / "tp_rank_00.safetensors")
     assert sorted(ref_weights) == sorted(run_weights)
     assert all(ref_weights[name].equal(run_weights[name]) for name in ref_weights)
+
+
+def test_two_pipeline_stages_run_the_ramp_as_one_stage(tmp_path):
+    """Under pipeline parallelism each step's micro-batch count runs on its own 1F1B schedule (2, then 4 here)."""
+    flags = ["--preset", "tiny", "--log-interval", "1", "--num-workers", "0", "--seed", "7", "--mock-data",
+             "--vocab-size", "256", "--eval-iters", "0", "--eval-interval", "0", "--micro-batch-size", "2",
+             "--lr-warmup-iters", "0", "--train-samples", "24", "--global-batch-size", "8",
+             "--rampup-batch-size", "4", "4", "8"]
+    one, two = tmp_path / "pp1.jsonl", tmp_path / "pp2.jsonl"
+    run_pretrain([*flags, "--metrics-file", str(one)])
+    run_pretrain([*flags, "--metrics-file", str(two), "--pipeline-model-parallel-size", "2"], nproc=2)
+    reference, records = _records(one), _records(two)
+    assert [(r[0], r[1]) for r in reference.values()] == [(4, 4), (8, 4), (16, 8), (24, 8)]
+    for iteration, (consumed, batch, loss, grad_norm, lr) in records.items():
+        ref = reference[iteration]
+        assert (consumed, batch, lr) == (ref[0], ref[1], ref[4])
+        assert loss == pytest.approx(ref[2], rel=1e-5) and grad_norm == pytest.approx(ref[3], rel=1e-4), iteration
+    assert sorted(records) == [1, 2, 3, 4]
