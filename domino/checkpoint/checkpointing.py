@@ -35,6 +35,7 @@ import torch.distributed as dist
 from domino.atomic_files import atomic_write, fsync_directory
 from domino.checkpoint import distributed_io, manifest, optimizer_state, per_rank_state, on_disk
 from domino.config import DominoConfig, config_to_dict
+from domino.pipeline.stages import stored_name
 from domino.runtime import state
 from domino.runtime.agreement import AgreedFailure, agree
 
@@ -103,6 +104,23 @@ def _maybe_slow_down() -> None:
         time.sleep(float(spec.split(":", 1)[1]))
 
 
+def _whole_model_shard(module: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
+    """This TP rank's slice of the whole model, by the whole model's names: the module's state dict, or with
+    pipeline stages every stage's gathered onto the first stage (None on the others), the last stage's tied copy
+    left out. So a checkpoint's weights are the same files whatever the pipeline size.
+
+    Collective over the pipeline group (call it on every stage of it)."""
+    group = state.get_pipeline_model_parallel_group()
+    if group is None:
+        return module.state_dict()  # save_model_shard copies it to the host
+    shared = {name for name, p in module.named_parameters() if stored_name(name, p) != name}
+    local = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items() if k not in shared}
+    first = dist.get_global_rank(group, 0)
+    parts = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    dist.gather_object(local, parts, dst=first, group=group)  # each stage's slice, onto the first stage's host
+    return {k: v for part in parts for k, v in part.items()} if parts is not None else None
+
+
 def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_samples: int,
                     padded_vocab_size: int, tokenizer=None, global_batch_size: Optional[int] = None) -> Path:
     """Writes checkpoint ``iter_{iteration:07d}`` under ``--save`` from every rank (collective).
@@ -143,8 +161,9 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
     def write(optimizer_files, scalars) -> None:
         written = [tmp / "rng" / f"rank_{rank:05d}.pt", *optimizer_files]
         if state.get_data_parallel_rank() == 0:
-            written.append(on_disk.save_model_shard(tmp, engine.module.state_dict(),
-                                                       state.get_tensor_model_parallel_rank()))
+            shard = _whole_model_shard(engine.module)
+            if shard is not None:
+                written.append(on_disk.save_model_shard(tmp, shard, state.get_tensor_model_parallel_rank()))
         _atomic_torch_save(per_rank_state.rng_snapshot(), written[0])
         if not by_name:
             written.append(tmp / "optim" / f"rank_{rank:05d}.pt")
@@ -154,6 +173,7 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
             on_disk.write_checkpoint_meta(tmp, {
                 "iteration": iteration, "consumed_samples": consumed_samples,
                 "tensor_model_parallel_size": state.get_tensor_model_parallel_world_size(),
+                "pipeline_model_parallel_size": state.get_pipeline_model_parallel_world_size(),
                 "data_parallel_size": state.get_data_parallel_world_size(),
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "global_batch_size": global_batch_size,

@@ -55,11 +55,14 @@ class StoredTensor:
 
 
 def _mesh() -> DeviceMesh:
-    """The (data-parallel, tensor-parallel) mesh of this run's existing groups: rank = dp_rank * TP + tp_rank."""
+    """The (data-parallel, tensor-parallel) mesh of this rank's pipeline stage, from the run's existing groups:
+    rank = stage * DP * TP + dp_rank * TP + tp_rank (:mod:`domino.runtime.state`)."""
     tp, dp = state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size()
+    first = state.get_pipeline_model_parallel_rank() * dp * tp
     device_type = state.collective_device().type
     return DeviceMesh.from_group([state.get_data_parallel_group(), state.get_tensor_model_parallel_group()],
-                                 device_type, mesh=torch.arange(dp * tp).reshape(dp, tp), mesh_dim_names=("dp", "tp"))
+                                 device_type, mesh=torch.arange(first, first + dp * tp).reshape(dp, tp),
+                                 mesh_dim_names=("dp", "tp"))
 
 
 def global_shape(name: str, local: torch.Tensor, tp: int) -> Tuple[int, ...]:

@@ -33,6 +33,8 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
+from domino.pipeline.stages import stored_name
+
 #: What each parameter's slice is stored as, in this order.
 STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -72,8 +74,10 @@ def supports(engine) -> bool:
 
 
 def trainable(engine) -> Iterator[Tuple[str, torch.nn.Parameter]]:
-    """The parameters the optimizer updates, by state-dict name, in the model's order (the same on every rank)."""
-    return ((name, p) for name, p in engine.module.named_parameters() if p.requires_grad)
+    """The parameters the optimizer updates, by state-dict name, in the model's order (the same on every rank of a
+    pipeline stage); a last pipeline stage's copy of the tied embeddings goes by the embeddings' name (its state
+    is theirs: :func:`domino.pipeline.stages.stored_name`)."""
+    return ((stored_name(name, p), p) for name, p in engine.module.named_parameters() if p.requires_grad)
 
 
 def _base_optimizer(engine) -> torch.optim.Optimizer:

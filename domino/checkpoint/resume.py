@@ -22,6 +22,7 @@ from domino.checkpoint.discovery import fall_back
 from domino.checkpoint.on_disk import Checkpoint
 from domino.config import ConfigError, DominoConfig
 from domino.config.batch_schedule import batch_schedule
+from domino.pipeline.stages import stored_name
 from domino.runtime import state
 from domino.runtime.agreement import AgreedFailure, agree
 
@@ -74,11 +75,27 @@ VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 def _model_weights(ckpt: Checkpoint, module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """This TP rank's weights from ``ckpt``, resharded and re-padded to ``module``'s vocabulary if needed."""
+    return _stage_weights(_whole_model_weights(ckpt, module), module)
+
+
+def _stage_weights(whole: Dict[str, torch.Tensor], module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The entries of the whole model's ``whole`` that ``module`` (a pipeline stage, or the whole model) holds; a
+    last stage's tied copy takes the embeddings'."""
+    if state.get_pipeline_model_parallel_world_size() == 1:
+        return whole
+    params = dict(module.named_parameters())
+    return {name: whole[stored_name(name, params[name]) if name in params else name]
+            for name in module.state_dict()}
+
+
+def _whole_model_weights(ckpt: Checkpoint, module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """This TP rank's slice of the whole model from ``ckpt``, re-padded to this run's vocabulary if needed."""
     from domino.checkpoint import sharding
 
     meta = ckpt.meta
     tp_rank, tp = state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
-    local = module.state_dict().get(VOCAB_ROWS[0])
+    params = dict(module.named_parameters())
+    local = next((p for name, p in params.items() if stored_name(name, p) == VOCAB_ROWS[0]), None)
     rows = local.shape[0] * tp if local is not None else meta["padded_vocab_size"]
     if meta["padded_vocab_size"] == rows:
         return on_disk.load_model_shard(ckpt, tp_rank, tp)
@@ -94,7 +111,8 @@ def _model_weights(ckpt: Checkpoint, module: torch.nn.Module) -> Dict[str, torch
 
 def _same_layout(meta: Dict[str, Any]) -> bool:
     return (meta["tensor_model_parallel_size"] == state.get_tensor_model_parallel_world_size()
-            and meta.get("data_parallel_size") == state.get_data_parallel_world_size())
+            and meta.get("data_parallel_size") == state.get_data_parallel_world_size()
+            and meta.get("pipeline_model_parallel_size", 1) == state.get_pipeline_model_parallel_world_size())
 
 
 def _files_to_read(ckpt: Checkpoint, config: DominoConfig, weights_only: bool) -> list:
@@ -234,7 +252,13 @@ def _load_optimizer_by_name(ckpt: Checkpoint, engine) -> None:
     optimizer_state.prepare(engine, optimizer_state.Scalars.from_json(ckpt.meta["optimizer"], str(ckpt)))
     directory = ckpt.path / on_disk.OPTIMIZER_DIR
     distributed_io.stored_tensors(directory)  # every header checked once, before the first read
-    for names in optimizer_state.batches(engine, READ_BATCH_BYTES):
+    groups = optimizer_state.batches(engine, READ_BATCH_BYTES)
+    if state.get_pipeline_model_parallel_world_size() > 1:
+        # Each read is collective over the world; stages hold different parameters: as many reads on every rank.
+        count = torch.tensor([len(groups)], device=state.collective_device())
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        groups += [[] for _ in range(int(count.item()) - len(groups))]
+    for names in groups:
         tensors = optimizer_state.empty_like_state(engine, names)
         distributed_io.load(directory, tensors)
         optimizer_state.fill(engine, tensors)

@@ -55,11 +55,6 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
         if on:
             problems.append(f"{flag} with --pipeline-model-parallel-size {pp}: not supported yet (DeepSpeed's "
                             "mixed-precision optimizers accumulate inside their own backward; train in fp32)")
-    c = config.checkpoint
-    for flag, value in (("--save", c.save), ("--load", c.load)):
-        if value:
-            problems.append(f"{flag} with --pipeline-model-parallel-size {pp}: checkpoints of pipeline stages are "
-                            "not supported yet (train without it, or with one stage)")
     ramped = t.rampup_batch_size is not None or t.step_batch_size_schedule is not None  # checked with the ramp
     if world_size is not None and world_size % (p.tensor_model_parallel_size * pp) == 0 and not ramped:
         dp = data_parallel_size(config, world_size)

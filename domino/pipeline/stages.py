@@ -106,3 +106,13 @@ def split_model(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
 def is_shared_copy(param: nn.Parameter) -> bool:
     """Whether ``param`` is the last stage's copy of the tied word embeddings (counted once, on the first stage)."""
     return bool(getattr(param, SHARED_COPY, False))
+
+
+#: The name the tied embeddings have in the whole model (and in checkpoints), whichever stage holds a copy.
+TIED_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def stored_name(name: str, param: nn.Parameter) -> str:
+    """``name`` as checkpoints store it: the last stage's tied copy is stored (and read) as the first stage's
+    embeddings, so a checkpoint holds the one matrix whatever the pipeline size."""
+    return TIED_EMBEDDING if is_shared_copy(param) else name

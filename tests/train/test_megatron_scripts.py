@@ -39,12 +39,8 @@ def _parse(argv, world_size):
 
 #: What each script asks for that domino refuses, and the words of the refusal.
 REFUSED = {
-    "megatron-pretrain-gpt-distributed-with-mp": "--save with --pipeline-model-parallel-size 2: checkpoints of "
-                                                 "pipeline stages are not supported yet",
-    "megatron-gpt3-175b": "--save with --pipeline-model-parallel-size 16: checkpoints of pipeline stages are not "
-                          "supported yet",
-    "megatron-gpt3-175b-157006d": "--save with --pipeline-model-parallel-size 16: checkpoints of pipeline stages "
-                                  "are not supported yet",
+    "megatron-gpt3-175b": "--step-batch-size-schedule and --global-batch-size are mutually exclusive",
+    "megatron-gpt3-175b-157006d": "--rampup-batch-size needs --train-samples, not --train-iters",
 }
 
 
@@ -129,16 +125,17 @@ def test_megatron_pretrain_gpt_runs_under_torchrun(tmp_path, corpus_prefix, gpt2
     assert (tmp_path / "checkpoints" / "latest").is_file()  # its --save, written at the end
 
 
-def test_megatron_distributed_with_mp_runs_with_one_pipeline_stage_and_its_sequence_parallelism(
+def test_megatron_distributed_with_mp_runs_its_two_pipeline_stages_and_sequence_parallelism(
         tmp_path, corpus_prefix, gpt2_files):
-    """Unchanged it stops on PP 2 (see the parse test); on 2 CPU processes it also needs gloo, so the appended
-    flags are the pipeline size and the backend; its --sequence-parallel runs (TP 2, Domino 2 chunks)."""
+    """Its TP 2 x PP 2 on 4 CPU processes: the one flag appended is the backend (gloo for its nccl); its
+    --sequence-parallel runs inside each stage (TP 2, Domino 2 chunks), as do its evaluation and its --save."""
     script = SCRIPTS["megatron-pretrain-gpt-distributed-with-mp"]
     metrics = tmp_path / "metrics.jsonl"
     argv = without_fp16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files)))
-    proc = run_pretrain([*argv, *SIZE_OVERRIDES, "--pipeline-model-parallel-size", "1",
-                         "--distributed-backend", "gloo", "--metrics-file", str(metrics)], nproc=2, timeout=600)
+    proc = run_pretrain([*argv, *SIZE_OVERRIDES, "--distributed-backend", "gloo", "--metrics-file", str(metrics)],
+                        nproc=4, timeout=600)
     _check_run(metrics, proc.stderr)
+    assert (tmp_path / "checkpoints" / "latest").is_file()  # its --save, written by the two stages
 
 
 def test_megatron_2021_script_runs_with_its_checkpoint_activations(tmp_path, corpus_prefix, gpt2_files):
@@ -188,8 +185,8 @@ def test_refused_script_fails_on_every_rank_with_one_line(tmp_path, corpus_prefi
                           timeout=300)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("domino pretrain: error:")]
-    assert len(lines) == 2 and all("checkpoints of pipeline stages are not supported yet" in line
-                                   for line in lines)  # one per rank
+    assert len(lines) == 2 and all("world size 2 is not divisible by --tensor-model-parallel-size 2 x "
+                                   "--pipeline-model-parallel-size 2" in line for line in lines)  # one per rank
     assert not re.search(r'File ".*/domino/', proc.stderr)  # no traceback through domino's code
     assert "torch.distributed initialised" not in proc.stderr  # refused before any work
 
