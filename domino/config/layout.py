@@ -55,12 +55,18 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
         if on:
             problems.append(f"{flag} with --pipeline-model-parallel-size {pp}: not supported yet (DeepSpeed's "
                             "mixed-precision optimizers accumulate inside their own backward; train in fp32)")
+    for flag, value in (("--rampup-batch-size", t.rampup_batch_size),
+                        ("--step-batch-size-schedule", t.step_batch_size_schedule)):
+        if value:  # the schedule is built for one micro-batch count (domino.train.pipeline_step)
+            problems.append(f"{flag} with --pipeline-model-parallel-size {pp}: not supported yet (the pipeline "
+                            "schedule runs a fixed number of micro-batches per step)")
     c = config.checkpoint
     for flag, value in (("--save", c.save), ("--load", c.load)):
         if value:
             problems.append(f"{flag} with --pipeline-model-parallel-size {pp}: checkpoints of pipeline stages are "
                             "not supported yet (train without it, or with one stage)")
-    if world_size is not None and world_size % (p.tensor_model_parallel_size * pp) == 0:
+    ramped = t.rampup_batch_size is not None or t.step_batch_size_schedule is not None  # checked with the ramp
+    if world_size is not None and world_size % (p.tensor_model_parallel_size * pp) == 0 and not ramped:
         dp = data_parallel_size(config, world_size)
         global_batch = t.global_batch_size or t.micro_batch_size * dp
         micro_batches = global_batch // (t.micro_batch_size * dp)

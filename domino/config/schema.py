@@ -144,8 +144,11 @@ class TrainConfig:
     train_samples: Optional[int] = None
     """Number of samples to train for (alternative to --train-iters)."""
     rampup_batch_size: Optional[List[int]] = None
-    """Megatron's batch-size ramp-up START INCR SAMPLES (with --train-samples): refused for now; its schedule is
-    computed by domino/train/batch_rampup.py but not yet run by the training loop."""
+    """Megatron's batch-size ramp-up START INCR SAMPLES (needs --train-samples): the global batch starts at START
+    and grows by INCR, evenly over the first SAMPLES consumed samples, up to --global-batch-size."""
+    step_batch_size_schedule: Optional[str] = None
+    """Megatron's step schedule "THRESHOLD:BS ..." (needs --train-samples, no --global-batch-size): the global
+    batch is BS from THRESHOLD consumed tokens on (K/M/B/T suffixes; the first threshold is 0)."""
     lr: float = 3e-4
     """Peak learning rate."""
     min_lr: float = 0.0

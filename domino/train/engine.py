@@ -7,7 +7,7 @@ import math
 import logging
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -104,6 +104,22 @@ def zero_stage(config: DominoConfig) -> int:
 def pipelined(config: DominoConfig) -> bool:
     """Whether the run has more than one pipeline stage (the pipeline schedule runs forward and backward)."""
     return config.parallel.pipeline_model_parallel_size > 1
+
+
+def accumulate(engine, batch: int, samples_per_micro_batch: int) -> Iterator[bool]:
+    """Sets ``engine`` up for an optimizer step over a ``batch``-sample global batch and yields, for each of its
+    micro-batches (``batch // samples_per_micro_batch``, DP ranks together), whether it ends the step.
+
+    DeepSpeed 0.19.8 (``runtime/engine.py``) divides each micro-batch's loss by the engine's accumulation steps,
+    which ``set_train_batch_size`` sets; its own boundary test, ``(micro_steps + 1) % gas == 0`` over the run's
+    micro-step count, goes wrong once the batch grows, so the boundary is set before each micro-batch
+    (``set_gradient_accumulation_boundary``).
+    """
+    steps = batch // samples_per_micro_batch
+    engine.set_train_batch_size(batch)
+    for micro in range(steps):
+        engine.set_gradient_accumulation_boundary(micro == steps - 1)
+        yield micro == steps - 1
 
 
 def clips_itself(config: DominoConfig) -> bool:

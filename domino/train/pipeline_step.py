@@ -56,19 +56,27 @@ class PipelineStep:
             micro-batch (:meth:`domino.train.gpt_recipe.GPTRecipe.batch`).
     """
 
-    def __init__(self, config: DominoConfig, engine, get_batch: Optional[Callable[..., Dict[str, torch.Tensor]]]
-                 ) -> None:
+    def __init__(self, config: DominoConfig, engine, get_batch: Optional[Callable[..., Dict[str, torch.Tensor]]],
+                 micro_batches: int) -> None:
         if get_batch is None:
             raise ConfigError("--pipeline-model-parallel-size > 1 needs pretrain(get_batch=...): the pipeline "
                               "schedule, not forward_step, runs the stages")
-        m, t = config.model, config.train
         self.config, self.engine, self.get_batch = config, engine, get_batch
-        self.micro_batches = engine_setup.gradient_accumulation_steps(config)
-        dtype = next(engine.module.parameters()).dtype
-        self.schedule = StageSchedule(engine.module, num_microbatches=self.micro_batches,
-                                      micro_batch_size=t.micro_batch_size, seq_length=m.seq_length,
-                                      hidden_size=m.hidden_size, sequence_parallel=config.parallel.sequence_parallel,
-                                      dtype=dtype)
+        self.micro_batches = micro_batches
+        self._schedules: Dict[int, StageSchedule] = {}
+        self.schedule = self._schedule(micro_batches)
+
+    def _schedule(self, micro_batches: int) -> StageSchedule:
+        """The 1F1B schedule of a step of ``micro_batches``, one per count a batch-size ramp reaches (a stage's
+        buffers are sized for its schedule's micro-batch count)."""
+        if micro_batches not in self._schedules:
+            m, t = self.config.model, self.config.train
+            self._schedules[micro_batches] = StageSchedule(
+                self.engine.module, num_microbatches=micro_batches, micro_batch_size=t.micro_batch_size,
+                seq_length=m.seq_length, hidden_size=m.hidden_size,
+                sequence_parallel=self.config.parallel.sequence_parallel,
+                dtype=next(self.engine.module.parameters()).dtype)
+        return self._schedules[micro_batches]
 
     def _step_batch(self, data_iterator, count: Optional[int] = None) -> Dict[str, torch.Tensor]:
         """``count`` micro-batches (default: a step's), each tensor concatenated along the batch (the schedule
@@ -77,13 +85,14 @@ class PipelineStep:
         return {name: None if micro[0][name] is None else torch.cat([mb[name] for mb in micro])
                 for name in micro[0]}
 
-    def __call__(self, data_iterator, timers) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """One step. Returns the mean loss over the step's micro-batches averaged over the replicas, the gradient
+    def __call__(self, data_iterator, timers, micro_batches: int
+                 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """One step of ``micro_batches`` per data-parallel rank. Returns the mean loss over the step's micro-batches averaged over the replicas, the gradient
         norm (0-d tensors on the device), and the optimizer's 0/1 skip flag of a non-finite norm (None where
         DeepSpeed's ZeRO optimizer decides the skip itself)."""
         timers.start("forward-backward")
-        batch = self._step_batch(data_iterator)
-        loss = self.schedule.train_step(batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"],
+        batch = self._step_batch(data_iterator, micro_batches)
+        loss = self._schedule(micro_batches).train_step(batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"],
                                         batch["attention_mask"])
         timers.stop("forward-backward")
         timers.start("optimizer")
