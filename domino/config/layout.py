@@ -55,11 +55,6 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
         if on:
             problems.append(f"{flag} with --pipeline-model-parallel-size {pp}: not supported yet (DeepSpeed's "
                             "mixed-precision optimizers accumulate inside their own backward; train in fp32)")
-    for flag, value in (("--rampup-batch-size", t.rampup_batch_size),
-                        ("--step-batch-size-schedule", t.step_batch_size_schedule)):
-        if value:  # the schedule is built for one micro-batch count (domino.train.pipeline_step)
-            problems.append(f"{flag} with --pipeline-model-parallel-size {pp}: not supported yet (the pipeline "
-                            "schedule runs a fixed number of micro-batches per step)")
     c = config.checkpoint
     for flag, value in (("--save", c.save), ("--load", c.load)):
         if value:

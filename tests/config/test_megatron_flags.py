@@ -118,8 +118,6 @@ def test_every_kernel_flag_is_documented():
      "--zero-stage 2 with --pipeline-model-parallel-size 2: not supported (ZeRO-2 reduces gradients inside"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "3"],
      "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
-    (["--pipeline-model-parallel-size", "2", "--rampup-batch-size", "4", "4", "100", "--global-batch-size", "16"],
-     "--rampup-batch-size with --pipeline-model-parallel-size 2: not supported yet"),
     (["--position-embedding-type", "alibi"], "--position-embedding-type must be learned_absolute or rope"),
     (["--attention-backend", "magic"], "--attention-backend must be one of flash, fused, unfused, local, auto"),
     (["--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
