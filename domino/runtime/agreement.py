@@ -79,13 +79,15 @@ def _render(findings: Sequence[Optional[tuple]]) -> str:
                      for rank, (step, host, message) in failed)
 
 
-def agree(step: str, fn: Callable[[], T]) -> T:
+def agree(step: str, fn: Callable[[], T], group: Optional[dist.ProcessGroup] = None) -> T:
     """Runs ``fn`` on this rank; returns its result once every rank has succeeded (collective).
 
     Args:
         step: what the ranks are doing, for the message ("building the datasets").
         fn: the step; it may contain nested :func:`agree` calls, and collectives whose loss of a peer is
             re-raised as it is (the transport's error, for the caller's lost-peer report).
+        group: the process group (spanning every rank) that carries the findings; default the world's. A
+            CPU (gloo) group keeps the agreement off the device, so it costs no device synchronisation.
 
     Raises:
         AgreedFailure: on every rank when ``fn`` raised on any rank, naming each failed rank, its node,
@@ -106,7 +108,7 @@ def agree(step: str, fn: Callable[[], T]) -> T:
     findings: List[Optional[tuple]] = [finding]
     if _world() > 1:
         findings = [None] * _world()
-        dist.all_gather_object(findings, finding)
+        dist.all_gather_object(findings, finding, group=group)
     if any(f is not None for f in findings):
         raise AgreedFailure(_render(findings))
     return result  # type: ignore[return-value]

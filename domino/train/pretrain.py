@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from domino.checkpoint import checkpointing, discovery, resume
+from domino.checkpoint.async_save import make_saver
 from domino.config import ConfigError, DominoConfig, config_to_dict, validate
 from domino.config.validate import resolve_zero_stage
 from domino.data.loader import build_pretraining_data_loader
@@ -146,6 +147,7 @@ class _Trainer:
         self.stats = IntervalStats(self.device, t.max_nan_steps)
         self.grad_norm: Optional[torch.Tensor] = None  # on the device; read at log intervals
         self.last_train_loss: Optional[float] = None
+        self.saver = make_saver(config)
 
     def _loader(self, dataset, consumed_samples: int, workers: int):
         if dataset is None or not self.is_data_rank:
@@ -273,10 +275,15 @@ class _Trainer:
 
     def _save(self, iteration: int, consumed: int) -> str:
         started = time.perf_counter()
-        path = checkpointing.save_checkpoint(self.engine, self.config, iteration, consumed, self.padded_vocab_size,
-                                             self.tokenizer, global_batch_size=self.gbs)
+        path = self.saver.save(self.engine, iteration, consumed, self.padded_vocab_size, self.tokenizer, self.gbs)
         self.paused += time.perf_counter() - started
         return str(path)
+
+    def _commit_finished_save(self) -> None:
+        """Every step: an asynchronous save whose parts every rank has written is committed now."""
+        started = time.perf_counter()
+        if self.saver.poll() is not None:
+            self.paused += time.perf_counter() - started
 
     def _termination_requested(self) -> bool:
         """Whether any rank received SIGTERM; every rank must agree, so the flag is max-reduced.
@@ -361,6 +368,7 @@ class _Trainer:
                 interval_start, interval_first = time.perf_counter(), iteration
             if t.eval_interval and iteration % t.eval_interval == 0 and iteration < self.train_iters:
                 last_valid = self._evaluate("valid", self.valid_ds, iteration, consumed)
+            self._commit_finished_save()
             if c.save and c.save_interval and iteration % c.save_interval == 0:
                 checkpoint_path, saved_at = self._save(iteration, consumed), iteration
             if t.exit_interval and iteration % t.exit_interval == 0:
@@ -370,6 +378,7 @@ class _Trainer:
                 logger.warning("SIGTERM: saving at iteration %d and exiting", iteration)
                 if c.save and saved_at != iteration:
                     checkpoint_path = self._save(iteration, consumed)
+                self.saver.wait()  # the save in flight is committed before the process exits
                 self.writer.close(completed=False)
                 return TrainingResult(iteration, consumed, self.last_train_loss, last_valid, None, tokens_per_s,
                                       checkpoint_path, interrupted=True)
@@ -379,6 +388,7 @@ class _Trainer:
         if t.eval_interval or t.eval_iters:
             last_valid = self._evaluate("valid", self.valid_ds, iteration, consumed)
         last_test = self._evaluate("test", self.test_ds, iteration, consumed)
+        self.saver.wait()  # an asynchronous final save is written while the model is evaluated
         self.writer.close()
         logger.info("done: %d iterations in %.1f s", iteration - start_iteration, time.perf_counter() - run_start)
         return TrainingResult(iteration, consumed, self.last_train_loss, last_valid, last_test, tokens_per_s,

@@ -61,6 +61,13 @@ MUTATIONS: List[Mutation] = [
              "    _prune(root, config.checkpoint.keep_last, keep=tag, iteration=iteration)\n"
              "    on_disk.write_latest(root, tag)\n",
              ["tests/checkpoint/test_checkpoint_commit.py"]),
+    Mutation("async-save-commits-before-every-part-is-durable", "domino/checkpoint/async_save.py",
+             "        flag = torch.tensor([1 if self._pending.done.is_set() else 0], dtype=torch.int32)",
+             "        flag = torch.tensor([1], dtype=torch.int32)",
+             ["tests/checkpoint/test_async_save.py"]),
+    Mutation("async-save-two-in-flight", "domino/checkpoint/async_save.py",
+             "        self.wait()  # at most one save in flight\n", "",
+             ["tests/checkpoint/test_async_save.py"]),
     Mutation("checkpoint-rng-not-restored", "domino/checkpoint/resume.py",
              "    if not c.no_load_rng and _same_layout(meta):\n        rng = torch.load(",
              "    if False:\n        rng = torch.load(",
