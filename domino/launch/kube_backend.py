@@ -230,8 +230,10 @@ class JobLauncher:
                 if result is not None:
                     self._complete(result, streamer, ns, name)
                 # A job given up on (timeout, never scheduled) still holds or waits for GPUs: stop it too.
-                stopped = interrupted or (result is not None and result.reason.partition(":")[0] in GIVEN_UP)
-                if owned and should_delete(cleanup, bool(result and result.succeeded), stopped):
+                reason = result.reason.partition(":")[0] if result is not None else ""
+                stopped = interrupted or reason in GIVEN_UP
+                if owned and should_delete(cleanup, bool(result and result.succeeded), stopped,
+                                           outside_quota=reason == "NotQueued"):
                     try:
                         self.delete(ns, name)
                     except (ApiException, HTTPError) as error:  # report it; the job outcome stands
@@ -319,11 +321,11 @@ class JobLauncher:
         if clock.end is not None and now >= clock.end:
             return JobResult(name, False, tracker.phase, f"Timeout: the job did not finish within "
                              f"{clock.timeout_s:g} s (phase {tracker.phase})", [], None)
+        if clock.queue_timed_out(tracker.suspended, now):
+            return JobResult(name, False, "Suspended", f"QueueTimeout: the job waited in queue (suspended, "
+                             f"not admitted) for {clock.queue_timeout_s:g} s", [], None)
         if tracker.suspended:  # waiting in the queue: the scheduling clock starts when admitted
             clock.scheduling_end = None
-            if clock.queue_end is not None and now >= clock.queue_end:
-                return JobResult(name, False, "Suspended", f"QueueTimeout: the job waited in queue (suspended, "
-                                 f"not admitted) for {clock.queue_timeout_s:g} s", [], None)
             return None
         if clock.scheduling_end is None:
             clock.scheduling_end = now + clock.scheduling_timeout_s

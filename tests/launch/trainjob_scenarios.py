@@ -79,6 +79,24 @@ def queued_then_admitted(c, job, wait_s=1.5):
     succeed(c, job)
 
 
+def preempted_then_readmitted(c, job, run_s=1.3, wait_s=0.7):
+    """Runs for ``run_s``, then Kueue preempts it (``spec.suspend``; the JobSet suspends its Jobs, whose pods
+    are deleted); after ``wait_s`` Kueue re-admits it and the new pods resume and finish."""
+    ns, name = _ids(job)
+    c.set_trainjob_suspend(ns, name, False)  # admitted at once
+    master = start_running(c, job, ("iteration 1/8",))
+    time.sleep(run_s)
+    c.log(master, "SIGTERM: saving at iteration 4 and exiting")
+    c.close_log(master)
+    c.set_trainjob_suspend(ns, name, True)
+    c.delete_pods(ns, name)
+    c.set_trainjob_status(ns, name, suspended=1)
+    time.sleep(wait_s)
+    c.set_trainjob_suspend(ns, name, False)
+    c.close_log(master, False)
+    succeed(c, job)
+
+
 def queued_forever(c, job):
     ns, name = _ids(job)
     time.sleep(0.05)
