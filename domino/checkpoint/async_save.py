@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from domino.checkpoint import checkpointing
+from domino.checkpoint import checkpointing, on_disk
 from domino.config import DominoConfig
 from domino.runtime import state
 from domino.runtime.agreement import AgreedFailure, agree
@@ -117,11 +117,6 @@ class AsyncCheckpointSaver(CheckpointSaver):
             self._write_group = dist.new_group(backend="gloo", timeout=timeout)
             self._agree_group = dist.new_group(backend="gloo", timeout=timeout)
 
-    @property
-    def in_flight(self) -> bool:
-        """Whether a save is being written or waits for its commit."""
-        return self._pending is not None
-
     def save(self, engine, iteration: int, consumed_samples: int, padded_vocab_size: int, tokenizer=None,
              global_batch_size: Optional[int] = None) -> Path:
         """Waits for the previous save, snapshots this one and starts writing it (collective); returns the
@@ -137,8 +132,8 @@ class AsyncCheckpointSaver(CheckpointSaver):
             snapshot.copied = _copies_landed()
 
         try:
-            checkpointing.collective(f"saving checkpoint iter_{iteration:07d} (copying its state)", take,
-                                     group=self._agree_group)
+            checkpointing.collective(f"saving checkpoint {on_disk.checkpoint_tag(iteration)} (copying its state)",
+                                     take, group=self._agree_group)
         except AgreedFailure as failure:
             raise checkpointing.discard(snapshot or checkpointing.empty_snapshot(self.config, iteration), failure,
                                       self.config) from None
@@ -205,4 +200,5 @@ class AsyncCheckpointSaver(CheckpointSaver):
 
 def make_saver(config: DominoConfig) -> CheckpointSaver:
     """The saver ``--async-save`` asks for (call on every rank: the asynchronous one creates process groups)."""
-    return AsyncCheckpointSaver(config) if config.checkpoint.async_save else CheckpointSaver(config)
+    c = config.checkpoint
+    return AsyncCheckpointSaver(config) if c.async_save and c.save else CheckpointSaver(config)
