@@ -33,7 +33,7 @@ from domino.launch.pretrain_flags import flag_value
 from domino.launch.render import render_job
 
 GRACE_S = 60
-ITERS = 16  # cheap iterations (tens of ms); the SIGTERM lands a few iterations after the second
+ITERS = 24  # cheap iterations (tens of ms); the SIGTERM lands a few iterations after the second
 PRETRAIN = ["--preset", "tiny", "--mock-data", "--vocab-size", "256", "--num-workers", "0", "--seed", "7",
             "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "0", "--hidden-dropout", "0",
             "--attention-dropout", "0", "--global-batch-size", "8", "--train-iters", str(ITERS),
@@ -135,6 +135,10 @@ def test_derive_keeps_tp_within_a_pod_smallest_that_fits_and_refuses_in_one_line
     assert flag_value(container_command_of(one_pod), "--tensor-model-parallel-size") == "1"
     assert flag_value(container_command_of(JobSpec(name="gpt", image="i", nproc_per_node=2, pretrain_args=PRETRAIN)),
                       "--tensor-model-parallel-size") == "2"  # given: the run's own
+    # A size the run's other settings refuse is passed over, saying why; a given pipeline size is kept.
+    pipeline = [*PRETRAIN, "--pipeline-model-parallel-size", "2"]
+    assert derive_layout(_derive(nodes=2, args=pipeline)).why.startswith(
+        "2 pod(s) x 2 process(es): TP 2 x PP 2 x DP 1 (TP 1: --global-batch-size 8 gives 1 micro-batches")
     # GPU pods: the smallest TP within the 8 GPUs of a pod whose memory estimate fits (domino estimate).
     gpus = dict(nodes=2, nproc=8, args=BIG, gpus_per_node=8)
     assert derive_layout(_derive(**gpus, gpu_memory_gb=24.0)).why.startswith("2 pod(s) x 8 process(es): TP 4 x DP 4")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from domino.launch import JobSpec
-from launch_scenarios import _ids, break_watch_and_history
+from launch_scenarios import _ids, break_watch_and_history, preempt_then_readmit
 
 COMPLETE = ("Complete", "AllJobsCompleted", "jobset completed successfully")
 
@@ -79,22 +79,12 @@ def queued_then_admitted(c, job, wait_s=1.5):
     succeed(c, job)
 
 
-def preempted_then_readmitted(c, job, run_s=1.3, wait_s=0.7):
-    """Runs for ``run_s``, then Kueue preempts it (``spec.suspend``; the JobSet suspends its Jobs, whose pods
-    are deleted); after ``wait_s`` Kueue re-admits it and the new pods resume and finish."""
+def preempted_then_readmitted(c, job):
+    """A TrainJob preempted while it runs (``spec.suspend``; the JobSet suspends its Jobs, whose pods are
+    deleted), then re-admitted."""
     ns, name = _ids(job)
-    c.set_trainjob_suspend(ns, name, False)  # admitted at once
-    master = start_running(c, job, ("iteration 1/8",))
-    time.sleep(run_s)
-    c.log(master, "SIGTERM: saving at iteration 4 and exiting")
-    c.close_log(master)
-    c.set_trainjob_suspend(ns, name, True)
-    c.delete_pods(ns, name)
-    c.set_trainjob_status(ns, name, suspended=1)
-    time.sleep(wait_s)
-    c.set_trainjob_suspend(ns, name, False)
-    c.close_log(master, False)
-    succeed(c, job)
+    preempt_then_readmit(c, job, c.set_trainjob_suspend, start_running, succeed,
+                         while_suspended=lambda: c.set_trainjob_status(ns, name, suspended=1))
 
 
 def queued_forever(c, job):

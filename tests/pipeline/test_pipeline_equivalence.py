@@ -131,8 +131,9 @@ def _run(world_size, tp, variants, sync=True):
     return per_rank, reference
 
 
-def test_two_stages_match_the_unsplit_model():
-    per_rank, reference = _run(2, 1, [(1, False)])
+def test_four_stages_match_the_unsplit_model():
+    """One layer per stage: the middle stages hold neither embeddings nor output layer."""
+    per_rank, reference = _run(4, 1, [(1, False)])
     _check(per_rank, 1, reference, (1, False))
 
 
