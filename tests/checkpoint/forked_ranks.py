@@ -73,8 +73,13 @@ class Zygote:
         import deepspeed  # noqa: F401
         import torch._dynamo  # noqa: F401  (torch's optimizers import it on first use: half a second per rank)
         import torch.distributed.checkpoint  # noqa: F401
-        import domino.cli.main  # noqa: F401
+        # DeepSpeed's ZeRO optimizer check imports its Muon optimizer, whose torch.compile decorators import
+        # inductor (deepspeed 0.19.8 runtime/zero/utils.py is_zero_supported_optimizer): 2 s per rank.
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+        import domino.cli.main
         import domino.train.pretrain  # noqa: F401
+
+        domino.cli.main.build_parser()  # imports what the verbs' flags need
         self.runs = 0
 
     def start(self, args: Sequence[str], world_size: int, log_dir: Path,
