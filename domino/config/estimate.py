@@ -131,6 +131,25 @@ def num_microbatches(config: DominoConfig, layout: Layout) -> int:
     return max(1, (config.train.global_batch_size or per_pass) // per_pass)
 
 
+def message_bytes(shape: ModelShape, layout: Layout, act_bytes: int) -> float:
+    """One micro-batch's activation between two stages, per TP rank: ``[b, s, h]``, ``[b, s/t, h]`` with SP."""
+    sp = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
+    return shape.s * layout.micro_batch_size * shape.h / sp * act_bytes
+
+
+def pipeline_buffer_bytes(shape: ModelShape, layout: Layout, act_bytes: int, rank: int, microbatches: int) -> float:
+    """What torch's ``PipelineStage`` keeps besides the model's own tensors (torch 2.13
+    ``torch/distributed/pipelining/stage.py``): a receive buffer per micro-batch (and model chunk) of the step for
+    the activations on every stage but the first (``_setup_forward_recv_info``) and for their gradients on every
+    stage but the last (``_create_grad_recv_info``), and, on every stage but the last, each micro-batch's output
+    kept in ``fwd_cache`` until its backward."""
+    p, v = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    first, last = rank == 0, rank == p - 1
+    receives = 2 * v * microbatches - (microbatches if first else 0) - (microbatches if last else 0)
+    outputs = 0 if last else schedule.in_flight_chunks(rank, p, microbatches, v)
+    return (receives + outputs) * message_bytes(shape, layout, act_bytes)
+
+
 def _stage(config: DominoConfig, layout: Layout, shape: ModelShape, rank: int, microbatches: int,
            device: str) -> Dict[str, float]:
     """The memory parts (bytes) of pipeline rank ``rank``; see the module doc."""
@@ -153,6 +172,7 @@ def _stage(config: DominoConfig, layout: Layout, shape: ModelShape, rank: int, m
     zero_optimizer = layout.zero_stage >= 1 and not (config.train.bf16 and layout.zero_stage == 1)
     buckets = 2 * ZERO_BUCKET_ELEMENTS * grad_b if zero_optimizer and dp > 1 else 0.0
     qkv_copies = layers * shape.h * shape.qkv_width / t * act
+    p2p = pipeline_buffer_bytes(shape, layout, act, rank, microbatches) if p > 1 else 0.0
     chunk = dataclasses.replace(shape, L=layers // v)
     stored, peak = layer_activation_bytes(chunk, layout, act, device)
     in_flight = schedule.in_flight_chunks(rank, p, microbatches, v)
@@ -169,7 +189,8 @@ def _stage(config: DominoConfig, layout: Layout, shape: ModelShape, rank: int, m
         dp if layout.zero_stage >= 1 else 1), deepspeed=sum(deepspeed.values()),
         activations=alive(in_flight), activations_beside_gradients=alive(beside) if beside else 0.0,
         logits=logits_bytes(shape, layout, act, device) if last else 0.0,
-        buffers=buckets + qkv_copies + rng_record_bytes(layers, layout), first_gradients=min(gradients, made_first))
+        buffers=buckets + qkv_copies + rng_record_bytes(layers, layout) + p2p,
+        first_gradients=min(gradients, made_first))
 
 
 def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] = None,
@@ -215,8 +236,7 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
         global_batch = config.train.global_batch_size or layout.micro_batch_size * dp
         gpus = layout.tensor_model_parallel_size * p * dp
         step = global_batch * shape.s * train_flops / (1 - bubble) / (gpus * peak_tflops * 1e12 * mfu)
-    sp = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
-    message = shape.s * layout.micro_batch_size * shape.h / sp * (2 if config.train.bf16 or config.train.fp16 else 4)
+    message = message_bytes(shape, layout, 2 if config.train.bf16 or config.train.fp16 else 4)
     p2p = max(schedule.p2p_bytes_per_step(rank, p, m, message, v) for rank in range(p))
     return dataclasses.replace(
         stages[worst], flops_per_token=3 * flops, step_time_s=step, stage=worst,

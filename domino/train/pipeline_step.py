@@ -87,13 +87,13 @@ class PipelineStep:
 
     def __call__(self, data_iterator, timers, micro_batches: int
                  ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """One step of ``micro_batches`` per data-parallel rank. Returns the mean loss over the step's micro-batches averaged over the replicas, the gradient
-        norm (0-d tensors on the device), and the optimizer's 0/1 skip flag of a non-finite norm (None where
-        DeepSpeed's ZeRO optimizer decides the skip itself)."""
+        """One step of ``micro_batches`` per data-parallel rank. Returns the mean loss over the step's micro-batches
+        averaged over the replicas, the gradient norm (0-d tensors on the device), and the optimizer's 0/1 skip flag
+        of a non-finite norm (None where DeepSpeed's ZeRO optimizer decides the skip itself)."""
         timers.start("forward-backward")
         batch = self._step_batch(data_iterator, micro_batches)
-        loss = self._schedule(micro_batches).train_step(batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"],
-                                        batch["attention_mask"])
+        loss = self._schedule(micro_batches).train_step(batch["tokens"], batch["labels"], batch["loss_mask"],
+                                                        batch["position_ids"], batch["attention_mask"])
         timers.stop("forward-backward")
         timers.start("optimizer")
         module = self.engine.module

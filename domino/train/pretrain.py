@@ -156,8 +156,7 @@ class _Trainer:
             state.get_data_parallel_world_size(), workers))
 
     def _step(self, train_iter, batch: int) -> torch.Tensor:
-        """One optimizer step over the micro-batches of a ``batch``-sample global batch; returns the mean loss, a
-        0-d tensor on the device.
+        """One optimizer step over a ``batch``-sample global batch; returns the mean loss, a 0-d tensor on the device.
 
         Nothing here reads a tensor value on the host (each read would wait for the device to drain): a
         non-finite loss makes non-finite gradients, and the optimizer skips that update by itself, DeepSpeed's
@@ -165,6 +164,7 @@ class _Trainer:
         (:func:`engine.flag_overflow`), the bf16 ZeRO-1 optimizer from its own (:mod:`domino.train.bf16_step`).
         """
         engine, timers = self.engine, self.timers
+        self.batch = batch  # Megatron logs the batch of the iteration at the log point as batch-size
         per_micro_batch = self.batches.micro_batch_size * self.batches.data_parallel_size
         if self.pipeline is not None:  # the schedule runs every micro-batch (domino.train.pipeline_step)
             loss, self.grad_norm, skipped = self.pipeline(train_iter, timers, batch // per_micro_batch)
@@ -233,7 +233,7 @@ class _Trainer:
             self.grad_norm = engine.get_global_grad_norm()
         scaler = getattr(engine.optimizer, "loss_scaler", None)
         record = {
-            "iteration": iteration, "consumed_samples": consumed, "batch_size": samples // max(iterations, 1),
+            "iteration": iteration, "consumed_samples": consumed, "batch_size": self.batch,
             "lm_loss": reading.mean_loss,
             "lr": lr, "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
             "loss_scale": float(scaler.cur_scale) if scaler is not None and t.fp16 else None,

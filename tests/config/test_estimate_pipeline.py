@@ -112,9 +112,12 @@ def test_per_stage_memory_by_hand():
     first_activations = 2 * (2 * act_layer)  # 1F1B: stage 0 holds p - 0 = 2 micro-batches of its two layers
     last_activations = 2 * act_layer + 4 * sbh * 2  # one micro-batch; the final norm's input and output
     logits = s * b * V * 4  # the fp32 softmax of the last stage (CPU: all rows)
+    # torch's PipelineStage: on stage 0 a gradient receive buffer per micro-batch and the 2 outputs in flight,
+    # kept for their backward; on stage 1 an activation receive buffer per micro-batch ([b, s, h] fp32 each)
+    torch_first, torch_last = (4 + 2) * 4 * sbh, 4 * 4 * sbh
     # a backward after the first runs beside all gradients (they accumulate over the 4 micro-batches)
-    total_first = 16 * first + qkv_copies + first_activations
-    total_last = 16 * last + qkv_copies + last_activations + logits
+    total_first = 16 * first + qkv_copies + torch_first + first_activations
+    total_last = 16 * last + qkv_copies + torch_last + last_activations + logits
 
     config = _tiny()
     pp2 = Layout(zero_stage=0, micro_batch_size=2, pipeline_model_parallel_size=2)
