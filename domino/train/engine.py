@@ -15,7 +15,7 @@ from domino.config import ConfigError, DominoConfig
 from domino.config.validate import check_device, zero_stage_for
 from domino.runtime import state
 from domino.parallel.layers import is_tensor_model_parallel
-from domino.train import bf16_step
+from domino.train import bf16_step, zero_step
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,14 @@ def flag_overflow(engine, grad_norm: torch.Tensor) -> Optional[torch.Tensor]:
     return found_inf
 
 
+def device_skip_flag(engine) -> Optional[torch.Tensor]:
+    """The 0/1 device flag of the last step's on-device skip by a DeepSpeed optimizer whose step domino decides
+    on the device (:mod:`domino.train.bf16_step`, :mod:`domino.train.zero_step`), else None (DeepSpeed then
+    counts its skips in ``engine.skipped_steps``)."""
+    flag = bf16_step.skip_flag(engine)
+    return flag if flag is not None else zero_step.skip_flag(engine)
+
+
 #: Elements per ZeRO gradient-reduction / parameter all-gather bucket (DeepSpeed's default is 5e8).
 ZERO_BUCKET_ELEMENTS = 5e7
 
@@ -265,7 +273,9 @@ def build_engine(model: torch.nn.Module, config: DominoConfig):
         eps=t.adam_eps, fused=fused or None, foreach=None if fused else True)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(config),
                                            mpu=state)
-    bf16_step.install(engine)  # bf16 ZeRO 1: overflow and clipping decided on the device
+    # Overflow, loss scale and clipping decided on the device: bf16 ZeRO 1 (BF16_Optimizer), fp16 ZeRO 1/2 and
+    # bf16 ZeRO 2 (DeepSpeedZeroOptimizer, which also skips its collectives over a one-rank DP group).
+    bf16_step.install(engine) or zero_step.install(engine)
     if state.get_data_parallel_world_size() == 1 and (zero_stage(config) == 0
                                                       or bf16_step.is_bf16_optimizer(engine.optimizer)):
         # DeepSpeed 0.19.8 (runtime/engine.py, `_backward_epilogue` -> `allreduce_gradients` ->

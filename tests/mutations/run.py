@@ -115,7 +115,12 @@ MUTATIONS: List[Mutation] = [
              ["tests/train/test_host_syncs.py::test_tp2_domino_iterations_read_nothing_on_the_host"]),
     Mutation("bf16-step-never-skips", "domino/train/bf16_step.py",
              "    self.optimizer.found_inf = self.found_inf", "    self.optimizer.found_inf = None",
-             ["tests/train/test_bf16_step.py::test_device_decided_step_equals_deepspeeds_bit_for_bit[0.05]"]),
+             ["tests/train/test_device_decided_steps.py::test_bf16_zero1_step_equals_deepspeeds_clipped_or_not"]),
+    Mutation("zero-step-unscales-with-the-updated-scale", "domino/train/zero_step.py",
+             "    prev_scale = prev_scale.clone() if isinstance(prev_scale, torch.Tensor) else prev_scale",
+             "    prev_scale = prev_scale",
+             ["tests/train/test_device_decided_steps.py::"
+              "test_fp16_zero1_loss_scaling_on_the_device_equals_deepspeeds"]),
     Mutation("chunked-loss-forgets-the-one-hot", "domino/parallel/chunked_cross_entropy.py",
              "-inside.to(probs.dtype).unsqueeze(-1))  # minus the one-hot",
              "0 * inside.to(probs.dtype).unsqueeze(-1))",
