@@ -137,6 +137,7 @@ def pretrain(
     nproc_per_node: int = 2,
     gpus_per_node: int = 0,
     gpu_memory_gb: float = 0.0,
+    parallel_layout: str = 'given',
     tensor_model_parallel_size: int = 2,
     domino_chunks: int = -1,
     zero_stage: int = -1,
@@ -195,6 +196,7 @@ def pretrain(
         nproc_per_node: Processes per pod.
         gpus_per_node: GPUs per pod (0 trains on CPU).
         gpu_memory_gb: Memory of one GPU in GiB: refuse a layout whose memory estimate does not fit (0: no check).
+        parallel_layout: given: tensor_model_parallel_size as set; derive: the smallest TP within one pod that the model admits and (with gpu_memory_gb) fits, tensor_model_parallel_size the largest allowed, DP across the pods (a run resumed on other nodes continues on the layout they hold; docs/cluster.md).
         tensor_model_parallel_size: Number of processes that split every layer (tensor parallelism). (-1: not given, the preset's value or domino's default)
         domino_chunks: Micro-chunks per layer input for Domino overlap; 1 means plain synchronous tensor parallelism (default: 2 when --tensor-model-parallel-size > 1 and --micro-batch-size is even, else 1). (-1: not given, the preset's value or domino's default)
         zero_stage: DeepSpeed ZeRO stage for data parallelism (0, 1 or 2; default: the stage of the checkpoint resumed, else 0 with one data-parallel replica and neither --bf16 nor --fp16, where ZeRO has nothing to shard, else 1). (-1: not given, the preset's value or domino's default)

@@ -17,11 +17,12 @@ _FALSE = {"false", "0", "no", "off"}
 from components.pretrain.settings import JSON_SETTINGS
 from domino.launch.api import BACKENDS
 from domino.launch.job_api import JOB_APIS
+from domino.launch.spec import PARALLEL_LAYOUTS
 
 #: Parameters whose values are JSON, with the JSON type they must have.
 JSON_PARAMETERS = JSON_SETTINGS
 #: Parameters with a fixed set of values.
-CHOICES = {"backend": BACKENDS, "job_api": tuple(JOB_APIS)}
+CHOICES = {"backend": BACKENDS, "job_api": tuple(JOB_APIS), "parallel_layout": PARALLEL_LAYOUTS}
 
 
 class ParamError(ValueError):
@@ -140,13 +141,16 @@ def check_training_config(values: Dict[str, Any]) -> None:
     """
     from components.layout import RunLayout
     from components.declare import settings_from_values
-    from components.pretrain.step import PretrainSettings, check_config, pretrain_argv
+    from components.pretrain.step import PretrainSettings, check_config, job_spec, pretrain_argv
+    from domino.launch.parallel_layout import layout_flags
     from domino.config import ConfigError
 
     defaults = {name: info.default for name, info in pipeline_parameters().items()}
     settings = settings_from_values(PretrainSettings, {**defaults, **values, "run_id": "check", "warm_start": False})
     layout = RunLayout(settings.shared_root, settings.run_id)
     try:
-        check_config(pretrain_argv(settings, "dataset", layout), world_size=settings.nodes * settings.nproc_per_node)
+        argv = pretrain_argv(settings, "dataset", layout)
+        check_config([*argv, *layout_flags(job_spec(settings, argv))],
+                     world_size=settings.nodes * settings.nproc_per_node)
     except (ConfigError, ValueError) as error:
         raise ParamError(f"the parameters give an invalid training config: {error}") from None

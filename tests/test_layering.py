@@ -21,7 +21,7 @@ FLOORS: List[Tuple[str, ...]] = [
     ("runtime", "launch", "tracking"),  # process groups; jobs on a cluster (no torch model); MLflow
     ("parallel",),                    # tensor-parallel maths
     ("model", "data"),                # the model takes tensors: it never imports data, nor data the model
-    ("overlap",),                     # the Domino schedule, applied to a model from outside
+    ("overlap", "pipeline"),          # the Domino schedule, pipeline stages: applied to a model from outside
     ("checkpoint",),                  # the format, and building a model from it
     ("train", "eval"),
     ("cli",),

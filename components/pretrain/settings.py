@@ -45,6 +45,10 @@ class PretrainSettings(TrackingSettings, JobTargetSettings, RunSettings):
     """GPUs per pod (0 trains on CPU)."""
     gpu_memory_gb: float = 0.0
     """Memory of one GPU in GiB: refuse a layout whose memory estimate does not fit (0: no check)."""
+    parallel_layout: str = "given"
+    """given: tensor_model_parallel_size as set; derive: the smallest TP within one pod that the model admits and
+    (with gpu_memory_gb) fits, tensor_model_parallel_size the largest allowed, DP across the pods (a run resumed on
+    other nodes continues on the layout they hold; docs/cluster.md)."""
     # The default run's two processes (nproc_per_node) split every layer: tensor parallelism with Domino.
     tensor_model_parallel_size: int = config_field(2)
     domino_chunks: int = config_field()

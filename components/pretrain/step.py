@@ -26,6 +26,7 @@ from domino.launch import run_job
 from domino.launch.api import BACKENDS
 from domino.launch.job_api import job_api
 from domino.launch.naming import label_value
+from domino.launch.parallel_layout import layout_flags
 from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, Toleration, default_namespace
 from domino.tracking import CREDENTIAL_KEYS, CREDENTIAL_SECRET, KFP_RUN_ID_ENV, TRACKING_URI_ENV, read_pointer
 from domino.tracking.registry import volume_uri
@@ -183,6 +184,7 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
         annotations=text(_json_param(s, "annotations")), queue=s.queue or None,
         backoff_limit=None if s.backoff_limit < 0 else s.backoff_limit,
         termination_grace_period_s=s.termination_grace_period_s, gpu_memory_gb=s.gpu_memory_gb or None,
+        parallel_layout=s.parallel_layout,
     )
     spec.validate()
     return spec
@@ -246,8 +248,8 @@ def run_pretrain(
         raise ValueError(f"backend: {settings.backend!r} is not one of {', '.join(BACKENDS)}")
     data_prefix = read_manifest(dataset_manifest, "dataset")["prefix"]
     argv = pretrain_argv(settings, data_prefix, layout)
-    config = check_config(argv, world_size=settings.nodes * settings.nproc_per_node)
     spec = job_spec(settings, argv)
+    config = check_config([*argv, *layout_flags(spec)], world_size=settings.nodes * settings.nproc_per_node)
     job_api(settings.job_api).check(spec)  # an unknown job_api, or what it cannot carry, fails before any work
     os.makedirs(layout.run_dir, exist_ok=True)
     warm_from = argv[argv.index("--load") + 1] if "--finetune" in argv else ""

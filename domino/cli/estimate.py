@@ -10,7 +10,9 @@ import json
 
 from domino.config import ConfigError, add_config_flags, config_from_args
 from domino.config.deepspeed_memory import VALIDATION
-from domino.config.estimate import DEVICES, USABLE_FRACTION, describe, estimate_layout, fitting_layouts, layout_of
+from domino.config.estimate import (
+    DEVICES, USABLE_FRACTION, describe, describe_pipeline, estimate_layout, fitting_layouts, layout_of,
+)
 
 #: Peak dense bf16 TFLOP/s assumed without --peak-tflops: an H100/H200 SXM (domino.train.throughput's table).
 DEFAULT_PEAK_TFLOPS = 989.0
@@ -39,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
         f" -> {'fits' if asked.fits else 'does NOT fit'} in {args.gpu_memory_gb:g} GiB "
         f"({100 * USABLE_FRACTION:g}% usable)")
     print(f"asked:  {describe(asked)}{verdict}")
+    if asked.layout.pipeline_model_parallel_size > 1:
+        print(f"pipeline: {describe_pipeline(asked)}")
     print(f"validated: {VALIDATION['validated']}; NOT validated: {VALIDATION['not_validated']}")
     if args.gpu_memory_gb is not None:
         print(f"layouts that fit in {args.gpu_memory_gb:g} GiB x {args.gpus} GPUs, best first "
@@ -53,8 +57,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "estimate", help="Per-GPU memory and step time of a run, and the layouts that fit.",
         description="Estimates per-GPU memory (weights, gradients, optimizer state per ZeRO stage, activations per "
-                    "recompute and sequence-parallel setting, logits, buffers), FLOPs per token and the step time "
-                    "at a stated MFU, for a preset or flags; with --gpu-memory-gb, lists the layouts (TP, DP, ZeRO, "
+                    "recompute and sequence-parallel setting and, with a pipeline, per stage with its micro-batches "
+                    "in flight, logits, buffers), FLOPs per token, the pipeline bubble and the step time at a "
+                    "stated MFU, for a preset or flags; with --gpu-memory-gb, lists the layouts (TP, PP, DP, ZeRO, "
                     "micro-batch, recompute, SP) that fit, best first. Formulas: docs/model.md, 'Memory estimate'.")
     parser.add_argument("--gpus", type=int, default=8, help="GPUs of the run (default 8).")
     parser.add_argument("--gpu-memory-gb", type=float, default=None, help="Memory of one GPU in GiB (e.g. 80).")

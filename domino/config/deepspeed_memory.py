@@ -38,8 +38,9 @@ VALIDATION: Dict[str, str] = {
                  "tensor bytes within 6% (TP 1) and 10% (TP 2) (benchmarks/estimate_check.py, RESULTS.md)",
     "not_validated": "anything on a GPU (no GPU has run it yet): 1-byte dropout masks, fused attention's saved "
                      "tensors, bf16/fp16 tensors, DeepSpeed's buffers (counted from deepspeed 0.19.8's source), "
-                     "the CUDA caching allocator's reserve beyond the usable fraction, and the step time (an "
-                     "assumed MFU)",
+                     "the CUDA caching allocator's reserve beyond the usable fraction, the step time (an "
+                     "assumed MFU), and pipeline stages (micro-batches in flight checked against torch's schedule "
+                     "tables, memory not measured)",
 }
 
 

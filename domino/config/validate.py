@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional
 
+from domino.config.errors import ConfigError  # noqa: F401  (its home for the callers that import it from here)
+from domino.config.layout import check_tensor_parallel_size, data_parallel_size, pipeline_problems
 from domino.config.schema import DominoConfig, KernelConfig, field_docs, flag_name
 
 #: Megatron's --lr-decay-style choices.
@@ -32,26 +34,9 @@ MINIMUMS = {
 POSITIVE = {"train": ("adam_eps", "initial_loss_scale"), "logging": ("peak_tflops",)}
 
 
-class ConfigError(ValueError):
-    """A setting (or a combination of settings) that cannot work; the message names the flags."""
-
-
 def _check(problems: List[str], ok: bool, message: str) -> None:
     if not ok:
         problems.append(message)
-
-
-def check_tensor_parallel_size(world_size: int, tensor_model_parallel_size: int) -> None:
-    """Raises :class:`ConfigError` unless ``tensor_model_parallel_size`` >= 1 divides ``world_size``: the one
-    place this rule is written (the config, the process groups and evaluation's start-up all call it)."""
-    tp = tensor_model_parallel_size
-    if tp < 1 or world_size % tp != 0:
-        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}")
-
-
-def data_parallel_size(config: DominoConfig, world_size: int) -> int:
-    """Number of data-parallel replicas for ``world_size`` processes."""
-    return world_size // config.parallel.tensor_model_parallel_size
 
 
 def resolve_domino_chunks(config: DominoConfig) -> Optional[str]:
@@ -235,7 +220,7 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
 
     if world_size is not None:
         try:
-            check_tensor_parallel_size(world_size, tp)
+            check_tensor_parallel_size(world_size, tp, p.pipeline_model_parallel_size)
         except ConfigError as error:
             problems.append(str(error))
         else:
@@ -245,6 +230,7 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
                     f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
                     f"{t.micro_batch_size} x data-parallel size {dp}")
 
+    problems += pipeline_problems(config, world_size)
     _check(problems, c.save_interval is None or c.save_interval >= 1,
            f"--save-interval must be >= 1, got {c.save_interval}")
     _check(problems, c.keep_last is None or c.keep_last >= 1, f"--keep-last must be >= 1, got {c.keep_last}")

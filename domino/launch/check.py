@@ -10,7 +10,7 @@ Each check is one read the API server answers for any authenticated user or thro
 * the claim exists, is ``Bound`` (``status.phase``) and offers ``ReadWriteMany`` (``status.accessModes``,
   what the bound volume provides; ``spec.accessModes`` while it is unbound), since every node mounts it;
 * with ``--queue``, Kueue's LocalQueue exists and is ``Active`` (kueue v0.19.2 ``apis/kueue/v1beta2``
-  ``LocalQueueActive``; False with ``ClusterQueueDoesNotExist`` when its ClusterQueue is missing);
+  ``LocalQueueActive``; v1beta1 on a Kueue older than v0.15; False with ``ClusterQueueDoesNotExist`` when its ClusterQueue is missing);
 * every call the launcher makes is allowed: one SelfSubjectAccessReview (authorization.k8s.io/v1, which
   any authenticated user may create) per (group, resource, verb) of :data:`LAUNCHER_CALLS`.
 """
@@ -23,8 +23,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from domino.launch.job_api_base import JobApi
 from domino.launch.spec import JobSpec
 
-#: Kueue's LocalQueue (served as v1beta2 and v1beta1 by v0.19.2; v1beta2 is the storage version).
-KUEUE_GROUP, KUEUE_VERSION, LOCAL_QUEUES = "kueue.x-k8s.io", "v1beta2", "localqueues"
+#: Kueue's LocalQueue, newest version first: v1beta2 exists from Kueue v0.15.0 on (v0.19.2 serves both, v1beta2
+#: stored), v1beta1 alone before it (kubernetes-sigs/kueue#7626, the v0.15.0 release notes, plan to drop v1beta1
+#: in v0.17). Both carry the ``Active`` condition read below.
+KUEUE_GROUP, KUEUE_VERSIONS, LOCAL_QUEUES = "kueue.x-k8s.io", ("v1beta2", "v1beta1"), "localqueues"
 #: TrainingRuntimes (the Trainer v2.3.0 CRD).
 RUNTIMES = "trainingruntimes"
 #: The core calls the launcher makes in the job's namespace (its job API's are added per API).
@@ -97,8 +99,15 @@ class ClusterCheck:
             out.append(f"{where}: access modes {modes} lack ReadWriteMany: every node of the job mounts it")
         return out
 
-    def queue(self, spec: JobSpec) -> List[str]:
-        queue, error = self._get(self.custom.get_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION,
+    def kueue_version(self) -> Tuple[Optional[str], List[str]]:
+        """The newest LocalQueue version the API server serves, or None and the one-line problem."""
+        for version in KUEUE_VERSIONS:
+            if not self.served(KUEUE_GROUP, version, LOCAL_QUEUES, "Kueue"):
+                return version, []
+        return None, self.served(KUEUE_GROUP, KUEUE_VERSIONS[0], LOCAL_QUEUES, "Kueue")
+
+    def queue(self, spec: JobSpec, version: str) -> List[str]:
+        queue, error = self._get(self.custom.get_namespaced_custom_object, KUEUE_GROUP, version,
                                  spec.namespace, LOCAL_QUEUES, spec.queue)
         where = f"LocalQueue {spec.namespace}/{spec.queue}"
         if error is not None:
@@ -137,5 +146,6 @@ class ClusterCheck:
             problems += self.runtime(spec, RUNTIME_NAME)
         problems += self.claim(spec)
         if spec.queue:
-            problems += self.served(KUEUE_GROUP, KUEUE_VERSION, LOCAL_QUEUES, "Kueue") or self.queue(spec)
+            version, missing = self.kueue_version()
+            problems += missing or self.queue(spec, version)
         return problems + self.access(spec.namespace)

@@ -10,6 +10,7 @@ from domino import images
 from domino.launch.spec import (
     CLEAN_POD_POLICIES,
     DEFAULT_MOUNT_PATH,
+    PARALLEL_LAYOUTS,
     PULL_POLICIES,
     RESTART_POLICIES,
     JobSpec,
@@ -50,6 +51,10 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     res.add_argument("--gpu-memory-gb", type=float, default=None,
                      help="Memory of one GPU in GiB: refuse a layout whose estimate (domino estimate) does not fit "
                           "(default: no check).")
+    res.add_argument("--parallel-layout", default="given", choices=PARALLEL_LAYOUTS,
+                     help="given: the pretrain arguments' --tensor-model-parallel-size; derive: the smallest TP "
+                          "within one pod that the model admits and (with --gpu-memory-gb) fits, DP across pods, "
+                          "for a run resubmitted on other pods (default: given).")
     res.add_argument("--shm-size", default="16Gi", help="Size limit of /dev/shm (memory emptyDir; default 16Gi).")
     storage = parser.add_argument_group("storage")
     storage.add_argument("--pvc", default="domino-data", help="RWX PersistentVolumeClaim for data and checkpoints.")
@@ -133,6 +138,7 @@ def spec_from_args(args: argparse.Namespace, pretrain_args: Optional[List[str]] 
         ttl_seconds_after_finished=args.ttl_seconds_after_finished, clean_pod_policy=args.clean_pod_policy,
         termination_grace_period_s=args.termination_grace_period, queue=args.queue,
         scheduling_policy=args.scheduling_policy, gpu_memory_gb=args.gpu_memory_gb,
+        parallel_layout=args.parallel_layout,
     )
     spec.validate()
     return spec

@@ -230,8 +230,10 @@ class JobLauncher:
                 if result is not None:
                     self._complete(result, streamer, ns, name)
                 # A job given up on (timeout, never scheduled) still holds or waits for GPUs: stop it too.
-                stopped = interrupted or (result is not None and result.reason.partition(":")[0] in GIVEN_UP)
-                if owned and should_delete(cleanup, bool(result and result.succeeded), stopped):
+                reason = result.reason.partition(":")[0] if result is not None else ""
+                stopped = interrupted or reason in GIVEN_UP
+                if owned and should_delete(cleanup, bool(result and result.succeeded), stopped,
+                                           outside_quota=reason == "NotQueued"):
                     try:
                         self.delete(ns, name)
                     except (ApiException, HTTPError) as error:  # report it; the job outcome stands

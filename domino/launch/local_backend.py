@@ -28,6 +28,9 @@ backend therefore stops the peers at once and restarts every replica together af
 In a cluster with ``ExitCode`` the peers exit 1, which is permanent: prefer ``OnFailure``.
 
 The job Succeeds when every replica has exited 0; ``active_deadline_seconds`` and ``timeout_s`` stop it.
+:meth:`LocalLauncher.preempt` does what Kueue's preemption does to a running job (suspend it, delete every
+pod with its grace period) and the run ends ``Suspended``; Kueue re-admits a job with the pods it had, so a
+run continued on other pods is another submission (:mod:`domino.launch.parallel_layout`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from typing import Callable, Deque, Dict, List, Optional
 
 from domino.launch import naming
 from domino.launch.outcome import JobResult, LaunchInterrupted, interrupt_on_signals
+from domino.launch.parallel_layout import derive_layout
 from domino.launch.job_api import DEFAULT_JOB_API, JobApi, job_api
 from domino.launch.render import container_command
 from domino.launch.spec import JobSpec, LaunchSpecError
@@ -129,22 +133,41 @@ def signal_tree(pids: List[int], sig: int) -> None:
             pass
 
 
-def _kill(procs: List[subprocess.Popen], grace_s: float) -> None:
+def _alive(pids: List[int]) -> List[int]:
+    """The processes of ``pids`` that still run (not gone, not a zombie waiting to be reaped)."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as handle:
+                if handle.read().rsplit(b")", 1)[1].split()[0] != b"Z":
+                    out.append(pid)
+        except (OSError, IndexError):
+            continue
+    return out
+
+
+def _kill(procs: List[subprocess.Popen], grace_s: float) -> List[int]:
     """SIGTERM every replica (torchrun forwards it to its ranks), then SIGKILL every process of the
-    replicas' trees that is left after ``grace_s``, like a pod deleted with a grace period."""
+    replicas' trees that is left after ``grace_s``, like a pod deleted with a grace period (the kubelet's
+    ``killContainer`` asks the runtime to stop the container with that timeout: the signal to its main
+    process, SIGKILL when the timeout ends; kubernetes ``pkg/kubelet/kuberuntime/kuberuntime_container.go``).
+    Returns the processes that were still running at the end of the grace period."""
     trees = {proc.pid: process_tree(proc.pid) for proc in procs if proc.poll() is None}
     for proc in procs:
         if proc.pid in trees:
             signal_tree(trees[proc.pid][:1], signal.SIGTERM)
     end = time.monotonic() + grace_s
+    overdue: List[int] = []
     for proc in procs:
         try:
             proc.wait(max(0.0, end - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-        signal_tree(trees.get(proc.pid, [])[1:] if proc.poll() is not None else trees.get(proc.pid, []),
-                    signal.SIGKILL)
+        left = _alive(trees.get(proc.pid, []))
+        overdue += left
+        signal_tree(left, signal.SIGKILL)
         proc.wait()
+    return overdue
 
 
 class LocalLauncher:
@@ -173,6 +196,7 @@ class LocalLauncher:
         self.grace_s = kill_grace_s if kill_grace_s is not None else 0.0  # per run: run() sets the spec's
         self.restart_delay_s = restart_delay_s
         self.processes: Dict[str, subprocess.Popen] = {}
+        self._preempted = threading.Event()
 
     def run(self, spec: JobSpec, run_id: Optional[str] = None, timeout_s: Optional[float] = None,
             workdir: Optional[str] = None) -> JobResult:
@@ -185,6 +209,8 @@ class LocalLauncher:
         if any(":" in ref for ref in spec.secret_env.values()) or spec.env_from_secrets:
             raise LaunchSpecError("--env-secret SECRET:KEY/--env-from-secret read Kubernetes Secrets, which the local "
                                   "backend does not have; run on a cluster, or give the values another way")
+        if spec.parallel_layout == "derive" and spec.command is None:
+            self.log(f"parallel layout derived for {derive_layout(spec).why}")
         run_id = run_id or naming.new_run_id()
         name = naming.job_name(spec.name, run_id, spec.nodes)
         workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix=f"domino-{name}-"))
@@ -197,6 +223,7 @@ class LocalLauncher:
         port = free_port()  # the master's port stays the same across restarts, as its Service's does
         replicas = self.api.node_names(name, spec.nodes)
         self.processes = {}
+        self._preempted.clear()
         with interrupt_on_signals() as shield:
             try:
                 for rank, replica in enumerate(replicas):
@@ -222,6 +249,8 @@ class LocalLauncher:
         limit = self.api.backoff_limit(spec)
         restarts = 0  # container restarts summed over replicas (OnFailure), as PastBackoffLimit counts them
         while deadline is None or time.monotonic() < deadline:
+            if self._preempted.is_set():
+                return self._suspend(name, replicas[0])
             failed = next(((replica, _exit_code(proc.poll())) for replica, proc in self.processes.items()
                            if proc.poll() not in (None, 0)), None)
             if failed is None:
@@ -268,6 +297,33 @@ class LocalLauncher:
         else:
             out.close()
         self.processes[replica] = proc
+
+    def preempt(self) -> None:
+        """Preempts the running job as Kueue does: the job is suspended and every pod deleted with its grace
+        period; :meth:`run` then returns a ``Suspended`` result instead of restarting anything.
+
+        Kueue evicts the job's Workload and suspends the job (kubernetes-sigs/kueue v0.19.2
+        ``pkg/controller/jobframework/reconciler.go``: an ``Evicted`` Workload -> ``stopJob`` -> ``job.Suspend()``,
+        ``runPolicy.suspend`` for a PyTorchJob, ``spec.suspend`` for a TrainJob); the training operator then
+        deletes every pod of the suspended job (kubeflow/training-operator v1.9.0
+        ``pkg/controller.v1/common/job.go``: ``IsJobSuspended`` -> ``CleanUpResources`` ->
+        ``DeletePodsAndServices``), and the kubelet stops each pod's containers: SIGTERM, the pod's
+        ``terminationGracePeriodSeconds``, then SIGKILL. Safe to call from another thread.
+        """
+        self._preempted.set()
+
+    def _suspend(self, name: str, master: str) -> JobResult:
+        """Deletes every pod with the grace period (see :meth:`preempt`) and reports the job Suspended."""
+        started = time.monotonic()
+        self.log(f"[{name}] Suspended: preempted; deleting every pod with a {self.grace_s:g} s grace period")
+        overdue = _kill(list(self.processes.values()), self.grace_s)
+        took = time.monotonic() - started
+        self._drain(master)
+        how = (f"{len(overdue)} process(es) still ran at its end and were SIGKILLed" if overdue
+               else f"every pod exited within it, after {took:.1f} s")
+        self.log(f"[{name}] Suspended: pods gone; {how}")
+        return JobResult(name, False, "Suspended", f"Preempted: the job was suspended and its pods deleted with a "
+                         f"{self.grace_s:g} s grace period; {how}", [], _exit_code(self.processes[master].poll()))
 
     def kill_replica(self, replica: str, sig: int = signal.SIGKILL) -> None:
         """Sends ``sig`` to every process of ``replica`` at once: what losing its pod (its node) does."""

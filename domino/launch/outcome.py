@@ -92,14 +92,16 @@ def check_cleanup(cleanup: str) -> None:
         raise ValueError(f"--cleanup: {cleanup!r} is not one of {', '.join(CLEANUP_MODES)}")
 
 
-def should_delete(cleanup: str, succeeded: bool, stopped: bool) -> bool:
+def should_delete(cleanup: str, succeeded: bool, stopped: bool, outside_quota: bool = False) -> bool:
     """Whether to delete the job: ``always``; ``on-success`` after success or when the launcher stopped
     following it (interrupted, timed out, never scheduled); ``never``.
 
     A job the launcher gives up on is deleted unless told ``never``: nobody would otherwise stop the pods
-    holding (or waiting for) the GPUs. A Failed job is kept by ``on-success`` for debugging.
+    holding (or waiting for) the GPUs. A Failed job is kept by ``on-success`` for debugging. A job asked
+    to queue that no queue manages (``outside_quota``, ``NotQueued``) is deleted whatever the mode: kept,
+    it would run on GPUs its queue never granted.
     """
-    if cleanup == "always":
+    if cleanup == "always" or outside_quota:
         return True
     if cleanup == "on-success":
         return succeeded or stopped

@@ -7,19 +7,11 @@ the same config flags ``domino pretrain`` uses and validates them for training a
 
 from __future__ import annotations
 
-from domino.config import ConfigError, DominoConfig, add_config_flags, config_from_args
+from domino.config import ConfigError, DominoConfig, config_from_args
 from domino.config.estimate import USABLE_FRACTION, describe, estimate_layout, fitting_layouts, layout_of
-from domino.config.flags import ArgumentParser
+from domino.launch.pretrain_flags import parse_pretrain_args
 from domino.launch.render import container_command
 from domino.launch.spec import JobSpec, LaunchSpecError
-
-#: Flags ``domino pretrain`` takes besides the config flags.
-PRETRAIN_EXTRA_FLAGS = ("--result-json",)
-
-
-class _RaisingParser(ArgumentParser):
-    def error(self, message: str):  # argparse would print and exit; the launcher reports instead
-        raise LaunchSpecError(f"domino pretrain arguments: {message}")
 
 
 def check_pretrain_args(spec: JobSpec) -> None:
@@ -30,13 +22,10 @@ def check_pretrain_args(spec: JobSpec) -> None:
     """
     if spec.command is not None:
         return
-    parser = _RaisingParser(prog="domino pretrain", add_help=False)
-    add_config_flags(parser)
-    for flag in PRETRAIN_EXTRA_FLAGS:
-        parser.add_argument(flag)
-    # Check what the container will run: the arguments plus the --save/--load the renderer adds.
+    # Check what the container will run: the arguments plus the --save/--load (and a derived layout's
+    # --tensor-model-parallel-size) the renderer adds.
     command = container_command(spec, spec.name)
-    args = parser.parse_args(command[command.index("pretrain") + 1:])
+    args = parse_pretrain_args(command[command.index("pretrain") + 1:])
     try:
         config = config_from_args(args, world_size=spec.world_size, for_training=True)
     except ConfigError as error:

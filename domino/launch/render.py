@@ -22,6 +22,8 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from domino.launch import defaults, naming
+from domino.launch.parallel_layout import layout_flags
+from domino.launch.pretrain_flags import flag_value, has_flag
 from domino.launch.spec import CONTAINER_NAME, MASTER_PORT, JobSpec
 
 API_VERSION = "kubeflow.org/v1"
@@ -40,30 +42,16 @@ def checkpoint_dir(spec: JobSpec, name: str) -> str:
     return spec.checkpoint_dir or f"{spec.mount_path.rstrip('/')}/checkpoints/{name}"
 
 
-def _has_flag(args: List[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
-
-
-def _flag_value(args: List[str], flag: str) -> Optional[str]:
-    """The value of the last ``flag V`` or ``flag=V`` in ``args`` (argparse keeps the last), or None."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg[len(flag) + 1:]
-    return value
-
-
 def metrics_port(spec: JobSpec) -> Optional[int]:
     """The ``--metrics-port`` of the pretrain arguments (rank 0's Prometheus endpoint), if any and not 0."""
-    value = _flag_value(list(spec.pretrain_args), "--metrics-port")
+    value = flag_value(list(spec.pretrain_args), "--metrics-port")
     return int(value) if value is not None and value.isdigit() and int(value) > 0 else None
 
 
 def container_command(spec: JobSpec, name: str) -> List[str]:
     """The training container's command: the override verbatim, else torchrun + pretrain + resume flags
-    (``--exit-signal-handler`` unless the arguments say otherwise, and ``--save``/``--load``).
+    (``--exit-signal-handler`` unless the arguments say otherwise, ``--save``/``--load``, and with
+    ``--parallel-layout derive`` the tensor-parallel size derived for the job's pods).
 
     A restart must resume the run's own checkpoint: without ``--save`` the job saves into its folder on the
     volume; without ``--load`` it loads from where it saves (``-- --save X`` gets ``--load X``, not an
@@ -71,15 +59,15 @@ def container_command(spec: JobSpec, name: str) -> List[str]:
     exists (:func:`domino.checkpoint.resume.find_checkpoint`), so a restart never reloads OTHER."""
     if spec.command is not None:
         return list(spec.command)
-    args = list(spec.pretrain_args)
-    save = _flag_value(args, "--save")
+    args = [*spec.pretrain_args, *layout_flags(spec)]
+    save = flag_value(args, "--save")
     if save is None:
         save = checkpoint_dir(spec, name)
         args += ["--save", save]
-    if not _has_flag(args, "--load"):
+    if not has_flag(args, "--load"):
         args += ["--load", save]
     # A pod being evicted gets SIGTERM: save where training stands before the grace period ends.
-    if not _has_flag(args, "--exit-signal-handler") and not _has_flag(args, "--no-exit-signal-handler"):
+    if not has_flag(args, "--exit-signal-handler") and not has_flag(args, "--no-exit-signal-handler"):
         args.append("--exit-signal-handler")
     return ["torchrun", "-m", "domino", "pretrain", *args]
 

@@ -25,6 +25,9 @@ CLEAN_POD_POLICIES = ("All", "Running", "None")
 TOLERATION_OPERATORS = ("Equal", "Exists")
 TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+#: Who chooses the tensor-parallel size: the pretrain arguments, or the launcher from the pods granted
+#: (see domino.launch.parallel_layout).
+PARALLEL_LAYOUTS = ("given", "derive")
 
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -179,6 +182,12 @@ class JobSpec:
     gpu_memory_gb: Optional[float] = None
     """Memory of one GPU in GiB: refuse, before creating anything, a layout whose memory estimate
     (``domino estimate``) does not fit; None: no check."""
+    parallel_layout: str = "given"
+    """Who picks the layout: ``given`` (the pretrain arguments' ``--tensor-model-parallel-size``, DP the rest)
+    or ``derive`` (the launcher picks the smallest tensor-parallel size within one pod that the model admits
+    and, with ``gpu_memory_gb``, fits; DP across the pods; a given ``--tensor-model-parallel-size`` is the
+    largest allowed). The checkpoint is layout-free, so a run resubmitted on other pods with ``derive``
+    continues on the layout those pods hold (docs/cluster.md, "Preemption and another layout")."""
     run_as_user: int = 1000
     """Non-root UID of the training container (the image works under any UID, see the Dockerfile)."""
 
@@ -218,6 +227,8 @@ class JobSpec:
               f"{self.mount_path!r} must be an absolute path other than / and /dev/shm")
         check(self.restart_policy in RESTART_POLICIES, "--restart-policy",
               f"{self.restart_policy!r} is not one of {', '.join(RESTART_POLICIES)}")
+        check(self.parallel_layout in PARALLEL_LAYOUTS, "--parallel-layout",
+              f"{self.parallel_layout!r} is not one of {', '.join(PARALLEL_LAYOUTS)}")
         check(self.clean_pod_policy in CLEAN_POD_POLICIES, "--clean-pod-policy",
               f"{self.clean_pod_policy!r} is not one of {', '.join(CLEAN_POD_POLICIES)}")
         check(self.image_pull_policy in PULL_POLICIES, "--image-pull-policy",

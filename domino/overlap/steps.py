@@ -101,9 +101,10 @@ class StepStack:
         self.units: List[Unit] = list(fallback.units)
 
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """The embeddings; with sequence parallelism this rank's sequence slice of them (after their dropout)."""
+        """The embeddings; with sequence parallelism this rank's sequence slice of them (after their dropout). A
+        later pipeline stage's input is already the slice the previous stage's stack returned."""
         hidden = embed_tokens(self.model, tokens, position_ids)
-        return scatter_to_sequence_region(hidden) if self.sequence_parallel else hidden
+        return scatter_to_sequence_region(hidden) if self.sequence_parallel and self.model.pre_process else hidden
 
     def output(self, hidden: torch.Tensor, grad_slot=None) -> StackOutput:
         """The final norm's output made ready for the output layer (none without an output layer)."""

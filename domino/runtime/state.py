@@ -1,9 +1,14 @@
-"""Process groups for a tensor-parallel x data-parallel grid.
+"""Process groups for a tensor-parallel x pipeline-parallel x data-parallel grid.
 
-Ranks are laid out as in Megatron-LM: the ``tp`` consecutive ranks ``[k*tp, (k+1)*tp)`` form one
-tensor-parallel group (they share one copy of the model, each holding a slice of every layer), and ranks
-with the same position inside their TP group form a data-parallel group (ZeRO shards across them).
+Ranks are laid out as in Megatron-LM's default order ``tp-cp-ep-dp-pp`` (``RankGenerator`` and
+``generate_masked_orthogonal_rank_groups`` in NVIDIA/Megatron-LM ``megatron/core/parallel_state.py``, commit
+00caa53), which without context or expert parallelism reads ``global = tp_rank + dp_rank * tp + pp_rank * tp * dp``:
+the ``tp`` consecutive ranks form one tensor-parallel group (each holds a slice of every layer of its stage), ranks
+with the same TP position and stage form a data-parallel group (ZeRO shards across them), and ranks ``tp * dp``
+apart form a pipeline group (one per stage). The embedding group joins the first and the last stage of each pipeline
+(Megatron's ``default_embedding_ranks``): the tied word embeddings' gradients are summed over it.
 
+At pipeline size 1 no pipeline or embedding group is created and the grid is Megatron's TP x DP as before.
 When nothing is initialised every getter answers as a single process (rank 0, size 1, group ``None``),
 so the model runs on one device without ``torch.distributed``. This module also serves as the ``mpu``
 object DeepSpeed expects (``get_model_parallel_*`` / ``get_data_parallel_*``).
@@ -15,7 +20,7 @@ import datetime
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
@@ -34,7 +39,39 @@ class _Groups:
     tp_ranks: List[int]
     dp_group: Optional[dist.ProcessGroup]
     dp_ranks: List[int]
+    pp_group: Optional[dist.ProcessGroup] = None  # None at pipeline size 1
+    pp_ranks: List[int] = field(default_factory=list)  # this rank's pipeline, stage 0 first ([rank] at size 1)
+    embedding_group: Optional[dist.ProcessGroup] = None  # first + last stage; None at pipeline size 1
+    embedding_ranks: List[int] = field(default_factory=list)
     tp_link: Optional[LinkEmulator] = None  # the emulated TP interconnect (DOMINO_SIMULATED_NETWORK), if any
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """Every group of a ``tp x pp x dp`` world as lists of global ranks, in Megatron's order (module docstring)."""
+
+    tp: List[List[int]]
+    dp: List[List[int]]
+    pp: List[List[int]]
+    embedding: List[List[int]]
+
+    @classmethod
+    def build(cls, world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1
+              ) -> "RankGrid":
+        """The groups of ``world_size`` ranks; the sizes must divide it (:func:`check_tensor_parallel_size`)."""
+        tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+        check_tensor_parallel_size(world_size, tp, pp)
+        dp = world_size // (tp * pp)
+        per_stage = tp * dp
+
+        def rank(t: int, d: int, p: int) -> int:
+            return t + d * tp + p * per_stage
+
+        pipelines = [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
+        return cls(tp=[[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
+                   dp=[[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+                   pp=sorted(pipelines),
+                   embedding=sorted([ranks[0], ranks[-1]] if len(ranks) > 1 else ranks[:1] for ranks in pipelines))
 
 
 _STATE: Optional[_Groups] = None
@@ -106,8 +143,9 @@ def initialize_distributed(backend: Optional[str] = None, timeout_minutes: int =
     logger.info("torch.distributed initialised: backend=%s world_size=%d", backend, dist.get_world_size())
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1, timeout_minutes: Optional[int] = None) -> None:
-    """Creates the TP and DP groups over the current world.
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, timeout_minutes: Optional[int] = None,
+                              pipeline_model_parallel_size: int = 1) -> None:
+    """Creates the TP, DP and (at pipeline size > 1) pipeline and embedding groups over the current world.
 
     ``timeout_minutes`` bounds every collective of these groups. It must be passed: ``dist.new_group``
     without a timeout takes torch's default (30 minutes for gloo, 10 for NCCL; torch 2.13
@@ -117,33 +155,33 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, timeout_minut
     for the TP collectives (:mod:`domino.runtime.network_emulator`).
 
     Raises:
-        ConfigError: when the world size is not divisible by ``tensor_model_parallel_size``, or
-            ``DOMINO_SIMULATED_NETWORK`` is malformed.
+        ConfigError: when the world size is not divisible by TP x PP, or ``DOMINO_SIMULATED_NETWORK`` is malformed.
     """
     global _STATE
-    tp = tensor_model_parallel_size
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     world = dist.get_world_size() if dist.is_initialized() else 1
-    check_tensor_parallel_size(world, tp)
+    grid = RankGrid.build(world, tp, pp)
     link = install_from_environment()  # before any group exists, so bad values fail early
     if not dist.is_initialized():
-        _STATE = _Groups(None, [0], None, [0])
+        _STATE = _Groups(None, [0], None, [0], pp_ranks=[0], embedding_ranks=[0])
         return
     rank = dist.get_rank()
     timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
-    mine = None
-    # Every rank must create every group, in the same order (new_group is collective).
-    for start in range(0, world, tp):
-        ranks = list(range(start, start + tp))
-        group = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            mine = _Groups(group, ranks, None, [])
-    for offset in range(tp):
-        ranks = list(range(offset, world, tp))
-        group = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            mine.dp_group, mine.dp_ranks = group, ranks
-    mine.tp_link = link
-    _STATE = mine
+
+    def mine(all_ranks: List[List[int]]):
+        # Every rank must create every group, in the same order (new_group is collective).
+        found = None
+        for ranks in all_ranks:
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                found = (group, ranks)
+        return found
+
+    groups = _Groups(*mine(grid.tp), *mine(grid.dp), pp_ranks=[rank], embedding_ranks=[rank], tp_link=link)
+    if pp > 1:
+        groups.pp_group, groups.pp_ranks = mine(grid.pp)
+        groups.embedding_group, groups.embedding_ranks = mine(grid.embedding)
+    _STATE = groups
 
 
 def launched_world_size() -> int:
@@ -153,27 +191,29 @@ def launched_world_size() -> int:
 
 
 def start(tensor_model_parallel_size: Optional[int] = None, *, backend: Optional[str] = None,
-          timeout_minutes: int = ParallelConfig.distributed_timeout_minutes, lone_process_group: bool = False) -> None:
+          timeout_minutes: int = ParallelConfig.distributed_timeout_minutes, lone_process_group: bool = False,
+          pipeline_model_parallel_size: int = 1) -> None:
     """The start-up of every entry point (``domino pretrain`` through
     :func:`domino.train.engine.initialize_runtime`, evaluation through :mod:`domino.eval.runtime`): checks the
-    layout, starts ``torch.distributed`` and creates the TP x DP groups. Call it once per process.
+    layout, starts ``torch.distributed`` and creates the TP x PP x DP groups. Call it once per process.
 
     Args:
         tensor_model_parallel_size: The TP size (None: every process, evaluation's default).
+        pipeline_model_parallel_size: The number of pipeline stages.
         backend: torch.distributed backend (None: nccl with CUDA, else gloo).
         timeout_minutes: Timeout of every collective of the world and of the groups.
         lone_process_group: Start torch.distributed for a lone process too (DeepSpeed needs a process group);
             otherwise a lone process runs without it.
 
     Raises:
-        ConfigError: the TP size does not divide the processes, or the launcher's environment is incomplete.
+        ConfigError: TP x PP does not divide the processes, or the launcher's environment is incomplete.
     """
     world = launched_world_size()
-    tp = tensor_model_parallel_size or world
-    check_tensor_parallel_size(world, tp)  # before any process group exists
+    tp, pp = tensor_model_parallel_size or world, pipeline_model_parallel_size
+    check_tensor_parallel_size(world, tp, pp)  # before any process group exists
     if world > 1 or lone_process_group or dist.is_initialized():
         initialize_distributed(backend, timeout_minutes)
-    initialize_model_parallel(tp, timeout_minutes=timeout_minutes)
+    initialize_model_parallel(tp, timeout_minutes=timeout_minutes, pipeline_model_parallel_size=pp)
 
 
 def model_parallel_is_initialized() -> bool:
@@ -242,6 +282,41 @@ def get_data_parallel_rank() -> int:
     if not _STATE or not dist.is_initialized():
         return 0
     return _STATE.dp_ranks.index(dist.get_rank())
+
+
+def get_pipeline_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    """This rank's pipeline group, stage 0 first (``None`` at pipeline size 1)."""
+    return _STATE.pp_group if _STATE else None
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    """Number of pipeline stages."""
+    return len(_STATE.pp_ranks) if _STATE else 1
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """This rank's stage (0 = the one with the embeddings)."""
+    if not _STATE or not dist.is_initialized():
+        return 0
+    return _STATE.pp_ranks.index(dist.get_rank())
+
+
+def is_pipeline_first_stage() -> bool:
+    """Whether this rank's stage holds the embeddings (always at pipeline size 1)."""
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    """Whether this rank's stage holds the final norm, the output layer and the loss (always at pipeline size 1)."""
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def get_embedding_group() -> Optional[dist.ProcessGroup]:
+    """The group of this pipeline's first and last stage when this rank is on one of them, else None (and None
+    at pipeline size 1, where one stage holds the embedding and the output layer)."""
+    if not _STATE or not dist.is_initialized() or dist.get_rank() not in _STATE.embedding_ranks:
+        return None
+    return _STATE.embedding_group
 
 
 # DeepSpeed's ``mpu`` interface uses "model parallel" for what we call tensor parallel.

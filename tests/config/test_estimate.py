@@ -9,9 +9,8 @@ import pytest
 
 from domino.cli.main import main as domino_main
 from domino.config import DominoConfig, ModelConfig, parse_config
-from domino.config.estimate import (
-    Layout, _Shape, activation_bytes, estimate_layout, fitting_layouts, model_flops_per_token, parameter_counts,
-)
+from domino.config.estimate import Layout, estimate_layout, fitting_layouts
+from domino.config.memory_formulas import ModelShape, activation_bytes, model_flops_per_token, parameter_counts
 from domino.model.recompute import RecomputePlan
 from domino.train.memory_probe import measure_training_memory
 
@@ -91,7 +90,7 @@ def test_activations_per_layer_are_korthikanti_table_2(tp):
     config = _gpt()
     m = config.model
     s, b, h = m.seq_length, 2, m.hidden_size
-    shape = _Shape.of(m, 51200)
+    shape = ModelShape.of(m, 51200)
     per_layer = {}
     for name, layout in {"selective": Layout(tp, 1, 1, b, "selective"),
                          "selective-sp": Layout(tp, 1, 1, b, "selective", sequence_parallel=True),
@@ -107,21 +106,21 @@ def test_activations_per_layer_are_korthikanti_table_2(tp):
 def test_parameters_and_flops_follow_the_architecture_fields():
     base = _gpt()
     h, L, f = 1024, 4, 4096
-    counts = parameter_counts(_Shape.of(base.model, 51200), 1)
+    counts = parameter_counts(ModelShape.of(base.model, 51200), 1)
     # 12 L h^2 + 13 L h (Megatron's count) + embeddings + final norm
     assert counts["total"] == 12 * L * h * h + 13 * L * h + 51200 * h + 2048 * h + 2 * h
     swiglu = _gpt(swiglu=True, ffn_hidden_size=f)
-    assert parameter_counts(_Shape.of(swiglu.model, 51200), 1)["total"] - counts["total"] == L * (h * f + f)
+    assert parameter_counts(ModelShape.of(swiglu.model, 51200), 1)["total"] - counts["total"] == L * (h * f + f)
     gqa = _gpt(group_query_attention=True, num_query_groups=4)
     head_dim = h // 16
-    fewer = counts["total"] - parameter_counts(_Shape.of(gqa.model, 51200), 1)["total"]
+    fewer = counts["total"] - parameter_counts(ModelShape.of(gqa.model, 51200), 1)["total"]
     assert fewer == L * 2 * (16 - 4) * head_dim * (h + 1)  # 12 fewer K and V heads, weights and biases
     untied = _gpt(untie_embeddings_and_output_weights=True)
-    assert parameter_counts(_Shape.of(untied.model, 51200), 1)["total"] - counts["total"] == 51200 * h
+    assert parameter_counts(ModelShape.of(untied.model, 51200), 1)["total"] - counts["total"] == 51200 * h
     # Megatron: 72 L h^2 s (1 + s/6h + V/12Lh) per sequence for training (3 passes)
     s = 2048
     expected = 72 * L * h * h * (1 + s / (6 * h) + 51200 / (12 * L * h))
-    assert 3 * model_flops_per_token(_Shape.of(base.model, 51200)) == pytest.approx(expected)
+    assert 3 * model_flops_per_token(ModelShape.of(base.model, 51200)) == pytest.approx(expected)
 
 
 def test_memory_levers_order_and_zero_stages():

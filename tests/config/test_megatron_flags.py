@@ -42,7 +42,7 @@ def test_pipeline_config_overrides_refuse_abbreviations():
 
 
 def test_launch_check_refuses_abbreviations():
-    from domino.launch.pretrain_args import _RaisingParser
+    from domino.launch.pretrain_flags import _RaisingParser
 
     assert _RaisingParser().allow_abbrev is False
 

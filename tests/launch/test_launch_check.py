@@ -35,6 +35,13 @@ def test_a_cluster_with_everything_passes(server, api):
     assert ("authorization.k8s.io", "selfsubjectaccessreviews", "create") in server.cluster.verbs()
 
 
+
+def test_a_kueue_older_than_v0_15_serving_only_v1beta1_passes(server):
+    kueue = server.cluster.served.pop(("kueue.x-k8s.io", "v1beta2"))
+    server.cluster.served[("kueue.x-k8s.io", "v1beta1")] = kueue
+    assert check(server, queue="team-a") == []
+
+
 MISSING = [  # (api, spec, how the cluster lacks it, the one line expected)
     ("pytorchjob", {}, lambda c: c.served.pop(("kubeflow.org", "v1")),
      "PyTorchJob: the API server does not serve pytorchjobs.kubeflow.org/v1 (404 Not Found: the server could not "
@@ -56,6 +63,9 @@ MISSING = [  # (api, spec, how the cluster lacks it, the one line expected)
      "LocalQueue domino/team-a: not Active (ClusterQueueDoesNotExist: Can't submit new workloads to clusterQueue)"),
     ("pytorchjob", {"queue": "team-a"}, lambda c: c.served.pop(("kueue.x-k8s.io", "v1beta2")),
      "Kueue: the API server does not serve localqueues.kueue.x-k8s.io/v1beta2"),
+    ("trainjob", {"queue": "team-b"},  # a Kueue before v0.15 serves v1beta1 only: the queue is looked up there
+     lambda c: c.served.update({("kueue.x-k8s.io", "v1beta1"): c.served.pop(("kueue.x-k8s.io", "v1beta2"))}),
+     'LocalQueue domino/team-b: 404 Not Found: localqueues.kueue.x-k8s.io "team-b" not found'),
     ("pytorchjob", {}, lambda c: c.denied.add(("kubeflow.org", "pytorchjobs", "create")),
      "RBAC: cannot create pytorchjobs.kubeflow.org in namespace domino (not allowed): bind the domino-launcher Role"),
     ("trainjob", {}, lambda c: c.denied.add(("", "pods/log", "get")),

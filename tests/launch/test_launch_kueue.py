@@ -69,6 +69,14 @@ def test_a_queued_pytorchjob_under_the_shipped_kueue_config_fails_at_once_and_is
     assert server.cluster.deleted == ["gpt-run-nq"]  # given up on: deleted under on-success
 
 
+def test_a_job_no_queue_manages_is_deleted_even_under_cleanup_never(server):
+    server.cluster.on_create = sc.succeed  # kept, it would run outside the queue's quota
+    result = sc.launcher(server, []).run(sc.spec(queue="team-a"), run_id="run-nq2", scheduling_timeout_s=10,
+                                         timeout_s=60, cleanup="never")
+    assert result.reason.startswith("NotQueued")
+    assert server.cluster.deleted == ["gpt-run-nq2"]
+
+
 def test_a_trainjob_without_kueue_installed_fails_not_queued(server):
     server.cluster.kueue_frameworks = set()
     server.cluster.on_create = tj.succeed

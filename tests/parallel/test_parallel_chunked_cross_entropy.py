@@ -113,7 +113,8 @@ def test_two_ranks_equal_the_full_logits_loss():
 
 def test_the_estimate_counts_one_chunk_of_logits_on_gpus():
     from domino.config import parse_config
-    from domino.config.estimate import GPU_LOSS_CHUNK_BYTES, Layout, estimate_layout
+    from domino.config.estimate import Layout, estimate_layout
+    from domino.config.memory_formulas import GPU_LOSS_CHUNK_BYTES
 
     assert GPU_LOSS_CHUNK_BYTES == CUDA_KERNELS.loss_chunk_bytes
     config = parse_config(["--preset", "gpt3-1.3b", "--vocab-size", "50257", "--bf16"])

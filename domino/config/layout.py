@@ -1,0 +1,63 @@
+"""The rules of a parallel layout: which TP x PP x DP grids a world can hold and what a pipeline needs.
+
+Called by :func:`domino.config.validate.validate` (with the world size when it is known) and by the process groups
+(:mod:`domino.runtime.state`), so each rule is written once.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from domino.config.errors import ConfigError
+from domino.config.pipeline_schedule import layer_split_problems
+from domino.config.schema import DominoConfig
+
+
+def check_tensor_parallel_size(world_size: int, tensor_model_parallel_size: int,
+                               pipeline_model_parallel_size: int = 1) -> None:
+    """Raises :class:`ConfigError` unless ``tensor_model_parallel_size`` x ``pipeline_model_parallel_size`` (each
+    >= 1) divides ``world_size``: the one place this rule is written (the config, the process groups and
+    evaluation's start-up all call it)."""
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if tp < 1 or world_size % tp != 0:
+        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}")
+    if pp < 1 or world_size % (tp * pp) != 0:
+        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                          f"--pipeline-model-parallel-size {pp}")
+
+
+def data_parallel_size(config: DominoConfig, world_size: int) -> int:
+    """Number of data-parallel replicas for ``world_size`` processes."""
+    p = config.parallel
+    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+
+
+def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) -> List[str]:
+    """What a run with ``--pipeline-model-parallel-size`` > 1 cannot do, one message each (none at one stage).
+
+    ``world_size`` (when known) enables the micro-batch count check: torch's 1F1B schedule needs at least one
+    micro-batch per stage (``Schedule1F1B.__init__``, torch 2.13 ``torch/distributed/pipelining/schedules.py``).
+    """
+    p, m, t = config.parallel, config.model, config.train
+    pp = p.pipeline_model_parallel_size
+    if pp <= 1:
+        return []
+    problems = layer_split_problems(m.num_layers, pp)
+    if p.zero_stage == 2:
+        # DeepSpeed's own pipeline engine refuses it too (deepspeed 0.19.8 runtime/pipe/engine.py: "ZeRO-2 and
+        # ZeRO-3 are incompatible with pipeline parallelism"): ZeRO-2 reduces each gradient in a backward hook
+        # of DeepSpeed's backward, and the pipeline schedule runs the backward itself.
+        problems.append(f"--zero-stage 2 with --pipeline-model-parallel-size {pp}: not supported (ZeRO-2 reduces "
+                        "gradients inside DeepSpeed's backward, the pipeline schedule runs its own; use --zero-stage 1)")
+    if t.fp16:
+        problems.append(f"--fp16 with --pipeline-model-parallel-size {pp}: not supported yet (the loss scale is "
+                        "not applied inside the pipeline schedule; use --bf16 or fp32)")
+    if world_size is not None and world_size % (p.tensor_model_parallel_size * pp) == 0:
+        dp = data_parallel_size(config, world_size)
+        global_batch = t.global_batch_size or t.micro_batch_size * dp
+        micro_batches = global_batch // (t.micro_batch_size * dp)
+        if micro_batches < pp:
+            problems.append(f"--global-batch-size {global_batch} gives {micro_batches} micro-batches of "
+                            f"--micro-batch-size {t.micro_batch_size} per data-parallel rank (DP {dp}), fewer than "
+                            f"--pipeline-model-parallel-size {pp} (the 1F1B schedule needs one per stage)")
+    return problems

@@ -1,0 +1,114 @@
+"""One rank's pipeline stage on ``torch.distributed.pipelining``'s 1F1B schedule.
+
+What the library does for us (torch 2.13, ``torch/distributed/pipelining/schedules.py`` and ``stage.py``):
+``Schedule1F1B.step`` splits the batch it is given along dimension 0 into ``n_microbatches`` equal micro-batches
+(``tensor_split``), runs ``num_stages - stage`` warm-up forwards, then one backward per forward, sending
+activations forward and their gradients back over the pipeline group with batched point-to-point ops
+(``batch_isend_irecv``: gloo on CPU, NCCL on GPUs); the last stage applies ``loss_fn`` to each micro-batch's output,
+backward runs ``torch.autograd.backward`` on the stage's outputs, and at the end every gradient of the stage
+module is divided by the micro-batch count (``scale_grads=True``, ``perform_reduce_grad``), so a loss that is each
+micro-batch's mean gives the gradient of the mean over the step, as DeepSpeed's gradient accumulation does.
+It needs at least as many micro-batches as stages (``Schedule1F1B.__init__``). Shapes are given up front
+(static metadata, ``PipelineStage(input_args=..., output_args=...)``): without them the library would run an
+extra forward and backward on the first step only to learn them (``_forward_metadata_inference``).
+
+Inputs: the first stage reads token ids; every stage reads the position ids (rotary positions, reset ones) and the
+attention mask (None: causal), passed as keyword arguments split like the batch; the last stage also reads the
+labels, and the loss mask is the schedule's ``target``. Between stages travels the residual stream
+``[b, s, h]`` (``[b, s/tp, h]`` with sequence parallelism, Megatron's choice too: the slice is what each rank has).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+from domino.runtime import state
+
+
+def masked_mean_loss(per_token_losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's loss: the mean of its per-token losses where ``loss_mask`` is 1 (as
+    :func:`domino.train.gpt_recipe.loss_func`)."""
+    mask = loss_mask.reshape(-1).float()
+    return torch.sum(per_token_losses.float().reshape(-1) * mask) / mask.sum().clamp(min=1.0)
+
+
+class StageSchedule:
+    """Runs this rank's stage (a ``GPTModel`` cut by :func:`domino.pipeline.stages.split_model`) on the 1F1B
+    schedule over the pipeline group.
+
+    Args:
+        model: the stage.
+        num_microbatches: micro-batches per optimizer step on this data-parallel rank (>= the stage count).
+        micro_batch_size: samples per micro-batch.
+        seq_length: tokens per sample.
+        hidden_size: width of the residual stream.
+        sequence_parallel: the residual stream is this rank's sequence slice.
+        dtype: dtype of the residual stream (the model's parameters').
+    """
+
+    def __init__(self, model: nn.Module, *, num_microbatches: int, micro_batch_size: int, seq_length: int,
+                 hidden_size: int, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32) -> None:
+        stages = state.get_pipeline_model_parallel_world_size()
+        if num_microbatches < stages:
+            raise ValueError(f"{num_microbatches} micro-batches per step are fewer than the {stages} pipeline stages "
+                             "(1F1B needs one per stage)")
+        self.model = model
+        self.num_microbatches = num_microbatches
+        device = state.collective_device(state.get_pipeline_model_parallel_group())
+        tp = state.get_tensor_model_parallel_world_size()
+        local_seq = seq_length // tp if sequence_parallel and tp > 1 else seq_length
+        hidden = torch.empty(micro_batch_size, local_seq, hidden_size, dtype=dtype, device="meta", requires_grad=True)
+        first, last = state.is_pipeline_first_stage(), state.is_pipeline_last_stage()
+        inputs = torch.empty(micro_batch_size, seq_length, dtype=torch.long, device="meta") if first else hidden
+        outputs = torch.empty(micro_batch_size, seq_length, dtype=torch.float32, device="meta") if last else hidden
+        self.stage = PipelineStage(model, state.get_pipeline_model_parallel_rank(), stages, device,
+                                   input_args=(inputs,), output_args=(outputs,),
+                                   group=state.get_pipeline_model_parallel_group())
+        self.schedule = Schedule1F1B(self.stage, num_microbatches, loss_fn=masked_mean_loss, scale_grads=True)
+
+    def _arguments(self, tokens: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor],
+                   attention_mask: Optional[torch.Tensor]):
+        """The positional and keyword arguments of this stage's ``step`` (each split into micro-batches)."""
+        b, s = tokens.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=tokens.device).unsqueeze(0)
+        kwargs: Dict[str, torch.Tensor] = {"position_ids": position_ids.expand(b, s)}  # split with the batch
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask.expand(b, *attention_mask.shape[1:])
+        if self.stage.is_last:
+            kwargs["labels"] = labels
+        args = (tokens,) if self.stage.is_first else ()
+        return args, kwargs
+
+    def train_step(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+                   position_ids: Optional[torch.Tensor] = None,
+                   attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Forward and backward over one step's micro-batches (``[num_microbatches * micro_batch_size, s]`` each;
+        every stage passes the whole batch, each uses what it reads); leaves the gradients of the mean loss in the
+        stage's ``.grad`` (not yet reduced over data-parallel ranks nor tied copies:
+        :mod:`domino.pipeline.gradients`). Returns the mean loss over the micro-batches, a 0-d tensor, on every
+        stage (broadcast from the last over the pipeline group)."""
+        args, kwargs = self._arguments(tokens, labels, position_ids, attention_mask)
+        losses: List[torch.Tensor] = []
+        if self.stage.is_last:
+            self.schedule.step(*args, target=loss_mask, losses=losses, return_outputs=False, **kwargs)
+        else:
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+        return self._broadcast_mean(losses)
+
+    def _broadcast_mean(self, losses: List[torch.Tensor]) -> torch.Tensor:
+        """The mean of the last stage's micro-batch losses, on every stage of the pipeline."""
+        device = state.collective_device(state.get_pipeline_model_parallel_group())
+        if self.stage.is_last:
+            mean = torch.stack([loss.detach().float() for loss in losses]).mean().reshape(1)
+        else:
+            mean = torch.zeros(1, device=device)
+        group = state.get_pipeline_model_parallel_group()
+        last = dist.get_global_rank(group, self.stage.num_stages - 1)
+        dist.broadcast(mean, src=last, group=group)
+        return mean[0]

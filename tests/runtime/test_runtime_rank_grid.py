@@ -1,0 +1,31 @@
+"""The TP x PP x DP grid in Megatron-LM's rank order (``tp-cp-ep-dp-pp``), checked against Megatron's own example.
+
+The example is the docstring of ``initialize_model_parallel`` in NVIDIA/Megatron-LM
+``megatron/core/parallel_state.py`` (commit 00caa53): 16 GPUs, tensor parallel 2, pipeline parallel 4.
+"""
+
+import pytest
+
+from domino.config import ConfigError
+from domino.runtime.state import RankGrid
+
+
+def test_megatron_docstring_example():
+    grid = RankGrid.build(16, 2, 4)
+    assert grid.dp == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert grid.tp == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert grid.pp == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    # Megatron's default_embedding_ranks: the first and the last stage of each pipeline.
+    assert grid.embedding == [[0, 12], [1, 13], [2, 14], [3, 15]]
+
+
+def test_one_stage_is_the_tp_by_dp_grid():
+    grid = RankGrid.build(8, 2, 1)
+    assert grid.tp == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.dp == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert grid.pp == [[r] for r in range(8)] and grid.embedding == [[r] for r in range(8)]
+
+
+def test_sizes_that_do_not_divide_the_world_are_refused():
+    with pytest.raises(ConfigError, match="--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 3"):
+        RankGrid.build(8, 2, 3)
