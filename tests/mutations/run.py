@@ -76,8 +76,8 @@ MUTATIONS: List[Mutation] = [
              "    if new_ppl < threshold:", "    if new_ppl <= threshold:",
              ["tests/components/test_component_registry_gate.py"]),
     Mutation("collectives-copy-backward-no-all-reduce", "domino/parallel/collectives.py",
-             "        return all_reduce_(grad.contiguous().clone(), ctx.group, kind=\"all-reduce bwd\"), None",
-             "        return grad.contiguous().clone(), None",
+             "        return all_reduce_(grad.contiguous(), ctx.group, kind=\"all-reduce bwd\"), None",
+             "        return grad.contiguous(), None",
              ["tests/parallel/test_parallel_collectives.py"]),
     Mutation("domino-reads-sum-before-wait", "domino/overlap/steps.py",
              "        self.handle.wait()  # wait for the all-reduce launched in __init__: its sum is read right here\n"
