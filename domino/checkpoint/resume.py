@@ -21,6 +21,7 @@ from domino.checkpoint.checkpointing import collective
 from domino.checkpoint.discovery import fall_back
 from domino.checkpoint.on_disk import Checkpoint
 from domino.config import ConfigError, DominoConfig
+from domino.config.batch_schedule import batch_schedule
 from domino.runtime import state
 from domino.runtime.agreement import AgreedFailure, agree
 
@@ -172,7 +173,7 @@ def check_resumable(ckpt: Optional[Checkpoint], config: DominoConfig, data_paral
     if saved is None:  # format 1: derive it from the saved settings
         train = meta["config"].get("train", {})
         saved = train.get("global_batch_size") or train.get("micro_batch_size", 0) * meta.get("data_parallel_size", 1)
-    run = config.train.global_batch_size or config.train.micro_batch_size * data_parallel_size
+    run = batch_schedule(config, data_parallel_size).global_batch_size  # a ramp's final batch
     if saved and saved != run:
         raise ConfigError(f"--load {ckpt}: saved with a global batch of {saved} samples, this run's is {run} "
                           f"(--global-batch-size); its data position and schedule count batches of {saved}: "

@@ -117,7 +117,8 @@ def register(subparsers) -> None:
                           "seconds (default 600).")
     run.add_argument("--queue-timeout", type=float, default=DEFAULT_QUEUE_TIMEOUT_S,
                      help="Fail when a --queue job is still waiting in the queue (suspended) after this many "
-                          f"seconds (default {DEFAULT_QUEUE_TIMEOUT_S:g}; 0: no limit but --timeout).")
+                          "seconds, counted from each suspension (queued, or preempted) "
+                          f"(default {DEFAULT_QUEUE_TIMEOUT_S:g}; 0: no limit but --timeout).")
     run.add_argument("--cleanup", choices=CLEANUP_MODES, default="on-success",
                      help="Delete the job: always, on-success (also when interrupted or timed out; default), never.")
     run.add_argument("--workdir", default=None, help="local backend: directory standing in for the PVC.")

@@ -27,7 +27,7 @@ def _run(args: argparse.Namespace) -> int:
     initialize_runtime(config)
     recipe = agree("checking the data and the tokenizer", lambda: GPTRecipe(config))
     result = pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step,
-                      recipe.padded_vocab_size, recipe.tokenizer)
+                      recipe.padded_vocab_size, recipe.tokenizer, get_batch=recipe.batch)
     if int(os.environ.get("RANK", "0")) == 0 and args.result_json:
         from domino.atomic_files import atomic_write_text
 

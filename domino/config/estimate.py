@@ -86,6 +86,9 @@ class Estimate:
     """Share of the step each stage idles (pipeline_schedule.bubble_fraction)."""
     p2p_bytes_per_step: float = 0.0
     """Bytes the busiest stage sends to its pipeline neighbours per step."""
+    forward_passes_per_token: float = 0.0
+    """What a token costs in time, in forward passes: 3 (forward and backward), more with recompute, over 1 - the
+    pipeline bubble (the same at every TP size, whose vocabulary padding changes the FLOPs a little)."""
 
     @property
     def total(self) -> float:
@@ -128,6 +131,25 @@ def num_microbatches(config: DominoConfig, layout: Layout) -> int:
     return max(1, (config.train.global_batch_size or per_pass) // per_pass)
 
 
+def message_bytes(shape: ModelShape, layout: Layout, act_bytes: int) -> float:
+    """One micro-batch's activation between two stages, per TP rank: ``[b, s, h]``, ``[b, s/t, h]`` with SP."""
+    sp = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
+    return shape.s * layout.micro_batch_size * shape.h / sp * act_bytes
+
+
+def pipeline_buffer_bytes(shape: ModelShape, layout: Layout, act_bytes: int, rank: int, microbatches: int) -> float:
+    """What torch's ``PipelineStage`` keeps besides the model's own tensors (torch 2.13
+    ``torch/distributed/pipelining/stage.py``): a receive buffer per micro-batch (and model chunk) of the step for
+    the activations on every stage but the first (``_setup_forward_recv_info``) and for their gradients on every
+    stage but the last (``_create_grad_recv_info``), and, on every stage but the last, each micro-batch's output
+    kept in ``fwd_cache`` until its backward."""
+    p, v = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    first, last = rank == 0, rank == p - 1
+    receives = 2 * v * microbatches - (microbatches if first else 0) - (microbatches if last else 0)
+    outputs = 0 if last else schedule.in_flight_chunks(rank, p, microbatches, v)
+    return (receives + outputs) * message_bytes(shape, layout, act_bytes)
+
+
 def _stage(config: DominoConfig, layout: Layout, shape: ModelShape, rank: int, microbatches: int,
            device: str) -> Dict[str, float]:
     """The memory parts (bytes) of pipeline rank ``rank``; see the module doc."""
@@ -150,6 +172,7 @@ def _stage(config: DominoConfig, layout: Layout, shape: ModelShape, rank: int, m
     zero_optimizer = layout.zero_stage >= 1 and not (config.train.bf16 and layout.zero_stage == 1)
     buckets = 2 * ZERO_BUCKET_ELEMENTS * grad_b if zero_optimizer and dp > 1 else 0.0
     qkv_copies = layers * shape.h * shape.qkv_width / t * act
+    p2p = pipeline_buffer_bytes(shape, layout, act, rank, microbatches) if p > 1 else 0.0
     chunk = dataclasses.replace(shape, L=layers // v)
     stored, peak = layer_activation_bytes(chunk, layout, act, device)
     in_flight = schedule.in_flight_chunks(rank, p, microbatches, v)
@@ -166,7 +189,8 @@ def _stage(config: DominoConfig, layout: Layout, shape: ModelShape, rank: int, m
         dp if layout.zero_stage >= 1 else 1), deepspeed=sum(deepspeed.values()),
         activations=alive(in_flight), activations_beside_gradients=alive(beside) if beside else 0.0,
         logits=logits_bytes(shape, layout, act, device) if last else 0.0,
-        buffers=buckets + qkv_copies + rng_record_bytes(layers, layout), first_gradients=min(gradients, made_first))
+        buffers=buckets + qkv_copies + rng_record_bytes(layers, layout) + p2p,
+        first_gradients=min(gradients, made_first))
 
 
 def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] = None,
@@ -185,15 +209,18 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
             (:func:`domino.config.memory_formulas.layer_activation_bytes`).
 
     Raises:
-        ValueError: when ``layout``'s pipeline cannot split the layers (:func:`pipeline_schedule.stage_layers`).
+        ValueError: when ``layout``'s pipeline cannot split the layers or schedule the micro-batches
+            (:func:`~domino.config.pipeline_schedule.layer_split_problems`, ``microbatch_problems``).
     """
     padded = padded_vocab_size(vocab or config.model.vocab_size or DEFAULT_VOCAB,
                                dataclasses.replace(config, parallel=dataclasses.replace(
                                    config.parallel, tensor_model_parallel_size=layout.tensor_model_parallel_size)))
     shape = ModelShape.of(config.model, padded)
     p, v = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
-    schedule.stage_layers(shape.L, p, v)  # raises on a split Megatron refuses
     m = num_microbatches(config, layout)
+    problems = schedule.layer_split_problems(shape.L, p, v) + schedule.microbatch_problems(m, p, v)
+    if problems:  # a pipeline Megatron refuses to build or to schedule
+        raise ValueError("; ".join(problems))
     stages = [Estimate(layout=layout, flops_per_token=0.0, gpu_memory_gb=gpu_memory_gb,
                        **_stage(config, layout, shape, rank, m, device)) for rank in range(p)]
     worst = max(range(p), key=lambda rank: stages[rank].total)
@@ -208,12 +235,12 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
         dp = layout.data_parallel_size
         global_batch = config.train.global_batch_size or layout.micro_batch_size * dp
         gpus = layout.tensor_model_parallel_size * p * dp
-        step = global_batch * shape.s * train_flops / (gpus * peak_tflops * 1e12 * mfu) / (1 - bubble)
-    sp = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
-    message = shape.s * layout.micro_batch_size * shape.h / sp * (2 if config.train.bf16 or config.train.fp16 else 4)
+        step = global_batch * shape.s * train_flops / (1 - bubble) / (gpus * peak_tflops * 1e12 * mfu)
+    message = message_bytes(shape, layout, 2 if config.train.bf16 or config.train.fp16 else 4)
     p2p = max(schedule.p2p_bytes_per_step(rank, p, m, message, v) for rank in range(p))
     return dataclasses.replace(
         stages[worst], flops_per_token=3 * flops, step_time_s=step, stage=worst,
+        forward_passes_per_token=train_flops / flops / (1 - bubble),
         parameters=int(parameter_counts(shape, 1)["total"]), stage_totals=[s.total for s in stages],
         num_microbatches=m, bubble_fraction=bubble, p2p_bytes_per_step=p2p)
 
@@ -283,14 +310,13 @@ def candidate_layouts(config: DominoConfig, gpus: int) -> List[Layout]:
 
 
 def rank_key(estimate: Estimate) -> tuple:
-    """Best first: fits; least recompute (fewest FLOPs); fewest pipeline stages, then the smallest bubble (PP only
-    where TP within a node is not enough, as Narayanan et al. 2021 conclude, section 5.4); smallest TP (least
-    communication); no SP; largest micro-batch (fuller GEMMs); lowest ZeRO stage (least communication); then the
-    least memory."""
+    """Best first: fits; the least modelled time per token (recompute's extra passes and the pipeline bubble, so a
+    pipeline ranks where its bubble costs less than recomputing would, and never where no stage is needed);
+    smallest TP (least communication); no SP; largest micro-batch (fuller GEMMs); lowest ZeRO stage (least
+    communication); then the least memory."""
     lay = estimate.layout
-    return (not estimate.fits, RECOMPUTE_CHOICES.index(lay.recompute), lay.pipeline_model_parallel_size,
-            estimate.bubble_fraction, lay.tensor_model_parallel_size, lay.sequence_parallel, -lay.micro_batch_size,
-            lay.zero_stage, estimate.total)
+    return (not estimate.fits, round(estimate.forward_passes_per_token, 3), lay.tensor_model_parallel_size,
+            lay.sequence_parallel, -lay.micro_batch_size, lay.zero_stage, estimate.total)
 
 
 def fitting_layouts(config: DominoConfig, gpus: int, gpu_memory_gb: float, **kwargs) -> List[Estimate]:

@@ -49,10 +49,19 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
         # of DeepSpeed's backward, and the pipeline schedule runs the backward itself.
         problems.append(f"--zero-stage 2 with --pipeline-model-parallel-size {pp}: not supported (ZeRO-2 reduces "
                         "gradients inside DeepSpeed's backward, the pipeline schedule runs its own; use --zero-stage 1)")
-    if t.fp16:
-        problems.append(f"--fp16 with --pipeline-model-parallel-size {pp}: not supported yet (the loss scale is "
-                        "not applied inside the pipeline schedule; use --bf16 or fp32)")
-    if world_size is not None and world_size % (p.tensor_model_parallel_size * pp) == 0:
+    for flag, on in (("--fp16", t.fp16), ("--bf16", t.bf16)):
+        # DeepSpeed's fp16 and bf16 optimizers move gradients to their fp32 buffers in their own backward's
+        # epilogue (deepspeed 0.19.8 runtime/bf16_optimizer.py `backward_epilogue`), which the schedule never runs.
+        if on:
+            problems.append(f"{flag} with --pipeline-model-parallel-size {pp}: not supported yet (DeepSpeed's "
+                            "mixed-precision optimizers accumulate inside their own backward; train in fp32)")
+    c = config.checkpoint
+    for flag, value in (("--save", c.save), ("--load", c.load)):
+        if value:
+            problems.append(f"{flag} with --pipeline-model-parallel-size {pp}: checkpoints of pipeline stages are "
+                            "not supported yet (train without it, or with one stage)")
+    ramped = t.rampup_batch_size is not None or t.step_batch_size_schedule is not None  # checked with the ramp
+    if world_size is not None and world_size % (p.tensor_model_parallel_size * pp) == 0 and not ramped:
         dp = data_parallel_size(config, world_size)
         global_batch = t.global_batch_size or t.micro_batch_size * dp
         micro_batches = global_batch // (t.micro_batch_size * dp)

@@ -76,21 +76,6 @@ def microbatch_problems(num_microbatches: int, pipeline_model_parallel_size: int
     return []
 
 
-def stage_layers(num_layers: int, pipeline_model_parallel_size: int,
-                 virtual_pipeline_model_parallel_size: int = 1) -> List[List[range]]:
-    """``out[r]``: the layer ranges of rank ``r``'s model chunks, in order (one range per chunk).
-
-    Raises:
-        ValueError: when :func:`layer_split_problems` finds the split impossible.
-    """
-    p, v = pipeline_model_parallel_size, virtual_pipeline_model_parallel_size
-    problems = layer_split_problems(num_layers, p, v)
-    if problems:
-        raise ValueError("; ".join(problems))
-    per_chunk = num_layers // (p * v)
-    return [[range((c * p + r) * per_chunk, (c * p + r + 1) * per_chunk) for c in range(v)] for r in range(p)]
-
-
 def warmup_microbatches(rank: int, pipeline_model_parallel_size: int, num_microbatches: int,
                         virtual_pipeline_model_parallel_size: int = 1,
                         microbatch_group_size: Optional[int] = None) -> int:

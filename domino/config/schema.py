@@ -114,7 +114,8 @@ class ParallelConfig:
     """Micro-chunks per layer input for Domino overlap; 1 means plain synchronous tensor parallelism (default: 2
     when --tensor-model-parallel-size > 1 and --micro-batch-size is even, else 1)."""
     pipeline_model_parallel_size: int = 1
-    """Pipeline stages; only 1 (pipeline parallelism is not supported)."""
+    """Pipeline stages: the transformer layers divided evenly among them, run on the 1F1B schedule of
+    torch.distributed.pipelining; ranks in Megatron's order (TP fastest, then data parallel, then pipeline)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: LayerNorm, dropout and residual regions split along the sequence over the TP
     ranks (reduce-scatter after row-parallel, all-gather before column-parallel linears); no effect at TP 1."""
@@ -143,8 +144,11 @@ class TrainConfig:
     train_samples: Optional[int] = None
     """Number of samples to train for (alternative to --train-iters)."""
     rampup_batch_size: Optional[List[int]] = None
-    """Megatron's batch-size ramp-up START INCR SAMPLES (with --train-samples): refused for now; its schedule is
-    computed by domino/train/batch_rampup.py but not yet run by the training loop."""
+    """Megatron's batch-size ramp-up START INCR SAMPLES (needs --train-samples): the global batch starts at START
+    and grows by INCR, evenly over the first SAMPLES consumed samples, up to --global-batch-size."""
+    step_batch_size_schedule: Optional[str] = None
+    """Megatron's step schedule "THRESHOLD:BS ..." (needs --train-samples, no --global-batch-size): the global
+    batch is BS from THRESHOLD consumed tokens on (K/M/B/T suffixes; the first threshold is 0)."""
     lr: float = 3e-4
     """Peak learning rate."""
     min_lr: float = 0.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional
 
+from domino.config.batch_schedule import batch_schedule_problems, check_batch_flags
 from domino.config.errors import ConfigError  # noqa: F401  (its home for the callers that import it from here)
 from domino.config.layout import check_tensor_parallel_size, data_parallel_size, pipeline_problems
 from domino.config.schema import DominoConfig, KernelConfig, field_docs, flag_name
@@ -99,19 +100,6 @@ def resolve_zero_stage(config: DominoConfig, data_parallel_size: int,
     return f"--zero-stage not given: 1 ({reason})"
 
 
-def _unsupported_features(config: DominoConfig) -> List[str]:
-    """One message per model-changing feature asked for but not built: never trained around silently."""
-    p = config.parallel
-    messages = []
-    if p.pipeline_model_parallel_size > 1:
-        messages.append(f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: pipeline parallelism: "
-                        "not supported (use tensor and data parallelism; --pipeline-model-parallel-size 1 is accepted)")
-    if config.train.rampup_batch_size is not None:
-        messages.append("--rampup-batch-size: batch-size ramp-up: not supported yet (train at the final "
-                        "--global-batch-size, or drop the flag)")
-    return messages
-
-
 def _check_bounds(problems: List[str], config: DominoConfig) -> None:
     for group, minimums in MINIMUMS.items():
         for name, minimum in minimums.items():
@@ -133,9 +121,7 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
         for_training: also require what ``domino pretrain`` needs (a length, a data source).
     """
     m, p, t, d, c, lg = config.model, config.parallel, config.train, config.data, config.checkpoint, config.logging
-    problems: List[str] = _unsupported_features(config)
-    if problems:  # the missing feature is the whole story; other complaints would only distract from it
-        raise ConfigError("; ".join(problems))
+    problems: List[str] = []
     tp = p.tensor_model_parallel_size
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
         value = getattr(m, name)
@@ -186,6 +172,7 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
            "optimizers; at --zero-stage 0 they would be summed in bf16)")
     _check(problems, not (t.train_iters is not None and t.train_samples is not None),
            "--train-iters and --train-samples are mutually exclusive")
+    problems.extend(check_batch_flags(config))
     _check(problems, t.lr_decay_style in LR_DECAY_STYLES,
            f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got {t.lr_decay_style!r}")
     _check(problems, t.lr_wsd_decay_style in ("exponential", "linear", "cosine"),
@@ -229,6 +216,8 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
                 problems.append(
                     f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
                     f"{t.micro_batch_size} x data-parallel size {dp}")
+            elif not problems:
+                problems.extend(batch_schedule_problems(config, dp))
 
     problems += pipeline_problems(config, world_size)
     _check(problems, c.save_interval is None or c.save_interval >= 1,

@@ -16,6 +16,7 @@ from domino.launch.job_api import DEFAULT_JOB_API, job_api
 from domino.launch.kube_backend import JobLauncher
 from domino.launch.local_backend import LocalLauncher
 from domino.launch.outcome import CLEANUP_MODES, JobResult, check_cleanup
+from domino.launch.parallel_layout import derive_layout
 from domino.launch.pretrain_args import check_pretrain_args
 from domino.launch.spec import JobSpec
 
@@ -77,6 +78,8 @@ def run_job(
     if timeout_s is not None and spec.active_deadline_seconds is None:
         spec = dataclasses.replace(spec, active_deadline_seconds=max(1, math.ceil(timeout_s)))
     if backend == "cluster":
+        if spec.parallel_layout == "derive" and spec.command is None:  # the local backend says it itself
+            log(f"parallel layout derived for {derive_layout(spec).why}")
         return JobLauncher(job_kind, log=log).run(
             spec, run_id=run_id, timeout_s=timeout_s, scheduling_timeout_s=scheduling_timeout_s, cleanup=cleanup,
             queue_timeout_s=queue_timeout_s)

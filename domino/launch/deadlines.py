@@ -30,8 +30,8 @@ WAITS = {"pull": "image pulls", "scale-up": "waiting for a node scale-up"}
 
 
 class Deadlines:
-    """The overall timeout from the start; the queue timeout while the job is suspended (waiting for
-    Kueue); the scheduling timeout from the moment it is admitted, standing still during image pulls
+    """The overall timeout from the start; the queue timeout from each suspension (waiting for Kueue's
+    admission); the scheduling timeout from the moment it is admitted, standing still during image pulls
     and scale-ups."""
 
     def __init__(self, start: float, timeout_s: Optional[float], scheduling_timeout_s: float,
@@ -39,10 +39,22 @@ class Deadlines:
         self.timeout_s, self.queue_timeout_s = timeout_s, queue_timeout_s
         self.scheduling_timeout_s = scheduling_timeout_s
         self.end = start + timeout_s if timeout_s is not None else None
-        self.queue_end = start + queue_timeout_s if queue_timeout_s is not None else None
+        self.queue_end: Optional[float] = None  # set while the job is suspended (see queue_timed_out)
         self.scheduling_end: Optional[float] = start + scheduling_timeout_s
         self.max_pause_s = max_pause_s
         self.paused: Dict[str, float] = {}
+
+    def queue_timed_out(self, suspended: bool, now: float) -> bool:
+        """Whether the job has waited for Kueue longer than the queue timeout. The clock starts each time the
+        job is seen suspended, at creation (queued) or later (preempted: Kueue suspends an evicted job and
+        re-admits it when quota frees up), so a job preempted after running for days gets the whole timeout
+        to be re-admitted."""
+        if not suspended:
+            self.queue_end = None
+            return False
+        if self.queue_end is None and self.queue_timeout_s is not None:
+            self.queue_end = now + self.queue_timeout_s
+        return self.queue_end is not None and now >= self.queue_end
 
     def passed(self) -> bool:
         """Whether the overall timeout has passed."""

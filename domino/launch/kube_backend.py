@@ -321,11 +321,11 @@ class JobLauncher:
         if clock.end is not None and now >= clock.end:
             return JobResult(name, False, tracker.phase, f"Timeout: the job did not finish within "
                              f"{clock.timeout_s:g} s (phase {tracker.phase})", [], None)
+        if clock.queue_timed_out(tracker.suspended, now):
+            return JobResult(name, False, "Suspended", f"QueueTimeout: the job waited in queue (suspended, "
+                             f"not admitted) for {clock.queue_timeout_s:g} s", [], None)
         if tracker.suspended:  # waiting in the queue: the scheduling clock starts when admitted
             clock.scheduling_end = None
-            if clock.queue_end is not None and now >= clock.queue_end:
-                return JobResult(name, False, "Suspended", f"QueueTimeout: the job waited in queue (suspended, "
-                                 f"not admitted) for {clock.queue_timeout_s:g} s", [], None)
             return None
         if clock.scheduling_end is None:
             clock.scheduling_end = now + clock.scheduling_timeout_s

@@ -134,7 +134,8 @@ def signal_tree(pids: List[int], sig: int) -> None:
 
 
 def _alive(pids: List[int]) -> List[int]:
-    """The processes of ``pids`` that still run (not gone, not a zombie waiting to be reaped)."""
+    """The processes of ``pids`` that still run (not gone, not a zombie waiting to be reaped); where there is no
+    /proc, every process that still exists."""
     out = []
     for pid in pids:
         try:
@@ -142,7 +143,12 @@ def _alive(pids: List[int]) -> List[int]:
                 if handle.read().rsplit(b")", 1)[1].split()[0] != b"Z":
                     out.append(pid)
         except (OSError, IndexError):
-            continue
+            if not os.path.isdir("/proc"):
+                try:
+                    os.kill(pid, 0)
+                    out.append(pid)
+                except OSError:
+                    pass
     return out
 
 
@@ -304,8 +310,8 @@ class LocalLauncher:
 
         Kueue evicts the job's Workload and suspends the job (kubernetes-sigs/kueue v0.19.2
         ``pkg/controller/jobframework/reconciler.go``: an ``Evicted`` Workload -> ``stopJob`` -> ``job.Suspend()``,
-        ``runPolicy.suspend`` for a PyTorchJob, ``spec.suspend`` for a TrainJob); the training operator then
-        deletes every pod of the suspended job (kubeflow/training-operator v1.9.0
+        ``runPolicy.suspend`` for a PyTorchJob; a TrainJob's own ``Stop`` sets ``spec.suspend``); the training
+        operator then deletes every pod of the suspended job (kubeflow/training-operator v1.9.0
         ``pkg/controller.v1/common/job.go``: ``IsJobSuspended`` -> ``CleanUpResources`` ->
         ``DeletePodsAndServices``), and the kubelet stops each pod's containers: SIGTERM, the pod's
         ``terminationGracePeriodSeconds``, then SIGKILL. Safe to call from another thread.

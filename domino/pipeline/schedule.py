@@ -8,7 +8,10 @@ activations forward and their gradients back over the pipeline group with batche
 backward runs ``torch.autograd.backward`` on the stage's outputs, and at the end every gradient of the stage
 module is divided by the micro-batch count (``scale_grads=True``, ``perform_reduce_grad``), so a loss that is each
 micro-batch's mean gives the gradient of the mean over the step, as DeepSpeed's gradient accumulation does.
-It needs at least as many micro-batches as stages (``Schedule1F1B.__init__``). Shapes are given up front
+It needs at least as many micro-batches as stages (``Schedule1F1B.__init__``); evaluation, forward only, runs on
+``ScheduleGPipe``, which takes any number (each evaluation batch is one or more micro-batches, fewer than the
+stages included), through its own ``PipelineStage`` (a stage's buffers are sized for its schedule's micro-batch
+count). Shapes are given up front
 (static metadata, ``PipelineStage(input_args=..., output_args=...)``): without them the library would run an
 extra forward and backward on the first step only to learn them (``_forward_metadata_inference``).
 
@@ -25,7 +28,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from domino.runtime import state
 
@@ -59,17 +62,23 @@ class StageSchedule:
                              "(1F1B needs one per stage)")
         self.model = model
         self.num_microbatches = num_microbatches
-        device = state.collective_device(state.get_pipeline_model_parallel_group())
+        self.micro_batch_size = micro_batch_size
         tp = state.get_tensor_model_parallel_world_size()
         local_seq = seq_length // tp if sequence_parallel and tp > 1 else seq_length
         hidden = torch.empty(micro_batch_size, local_seq, hidden_size, dtype=dtype, device="meta", requires_grad=True)
         first, last = state.is_pipeline_first_stage(), state.is_pipeline_last_stage()
         inputs = torch.empty(micro_batch_size, seq_length, dtype=torch.long, device="meta") if first else hidden
         outputs = torch.empty(micro_batch_size, seq_length, dtype=torch.float32, device="meta") if last else hidden
-        self.stage = PipelineStage(model, state.get_pipeline_model_parallel_rank(), stages, device,
-                                   input_args=(inputs,), output_args=(outputs,),
-                                   group=state.get_pipeline_model_parallel_group())
+        self._shapes = dict(input_args=(inputs,), output_args=(outputs,))
+        self.stage = self._new_stage()
         self.schedule = Schedule1F1B(self.stage, num_microbatches, loss_fn=masked_mean_loss, scale_grads=True)
+        self._eval_schedules: Dict[int, ScheduleGPipe] = {}
+
+    def _new_stage(self) -> PipelineStage:
+        group = state.get_pipeline_model_parallel_group()
+        return PipelineStage(self.model, state.get_pipeline_model_parallel_rank(),
+                             state.get_pipeline_model_parallel_world_size(), state.collective_device(group),
+                             group=group, **self._shapes)
 
     def _arguments(self, tokens: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor],
                    attention_mask: Optional[torch.Tensor]):
@@ -99,6 +108,23 @@ class StageSchedule:
             self.schedule.step(*args, target=loss_mask, losses=losses, return_outputs=False, **kwargs)
         else:
             self.schedule.step(*args, return_outputs=False, **kwargs)
+        return self._broadcast_mean(losses)
+
+    def eval_step(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+                  position_ids: Optional[torch.Tensor] = None,
+                  attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Forward only over the micro-batches of ``tokens`` (any number of them); returns their mean loss on every
+        stage, as :meth:`train_step` does."""
+        count = tokens.shape[0] // self.micro_batch_size
+        if count not in self._eval_schedules:
+            self._eval_schedules[count] = ScheduleGPipe(self._new_stage(), count, loss_fn=masked_mean_loss)
+        schedule = self._eval_schedules[count]
+        args, kwargs = self._arguments(tokens, labels, position_ids, attention_mask)
+        losses: List[torch.Tensor] = []
+        if self.stage.is_last:
+            schedule.eval(*args, target=loss_mask, losses=losses, **kwargs)
+        else:
+            schedule.eval(*args, **kwargs)
         return self._broadcast_mean(losses)
 
     def _broadcast_mean(self, losses: List[torch.Tensor]) -> torch.Tensor:

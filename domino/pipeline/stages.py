@@ -18,14 +18,15 @@ zeroes the copy and all-reduces it from the first stage; here both stages built 
 from the start.
 
 The stage keeps the model's class and forward: the first stage reads token ids and returns hidden states, the
-others read hidden states (``pre_process=False``), the last returns per-token losses. Layers are renumbered from 0
-in the stage; :func:`global_layer_name` maps a stage's parameter name to the unsplit model's.
+others read hidden states (``pre_process=False``), the last returns per-token losses. Its parameters keep their
+names in the whole model (``layers.{i}`` with ``i`` the layer's index in the whole model, :class:`StageLayers`, as
+torchtitan keeps its ``ModuleDict`` keys), so stages' state dicts, optimizer state by name and gradients never
+collide and join into the whole model's.
 """
 
 from __future__ import annotations
 
-import re
-from typing import Tuple
+from typing import Iterable, List, Tuple, Union
 
 from torch import nn
 
@@ -33,6 +34,30 @@ from domino.model.stack import SynchronousStack
 
 #: Attribute set (True) on the last stage's copy of the tied word embeddings (Megatron's name).
 SHARED_COPY = "shared"
+
+
+class StageLayers(nn.ModuleList):
+    """A stage's transformer layers, indexed from 0 like any list but registered under their index in the whole
+    model (``offset + i``), which is what their parameter names carry.
+
+    Args:
+        layers: the stage's layers, in order.
+        offset: the whole model's index of the first one.
+    """
+
+    def __init__(self, layers: Iterable[nn.Module], offset: int) -> None:
+        nn.Module.__init__(self)
+        self.offset = offset
+        for i, layer in enumerate(layers):
+            self.add_module(str(offset + i), layer)
+
+    def _get_abs_string_index(self, idx) -> str:
+        return str(int(super()._get_abs_string_index(idx)) + self.offset)
+
+    def __getitem__(self, idx: Union[int, slice]) -> Union[nn.Module, List[nn.Module]]:
+        if isinstance(idx, slice):  # the layer loops iterate over slices; a plain list keeps the modules' names
+            return list(self._modules.values())[idx]
+        return super().__getitem__(idx)
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> Tuple[int, int]:
@@ -63,8 +88,7 @@ def split_model(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
         raise ValueError("split_model needs a whole GPTModel with its plain stack (split before applying overlap)")
     start, end = stage_layers(len(model.layers), num_stages, stage)
     first, last = stage == 0, stage == num_stages - 1
-    model.layers = nn.ModuleList(list(model.layers)[start:end])
-    model.layer_offset = start
+    model.layers = StageLayers(list(model.layers)[start:end], start)
     if not last:
         del model.final_layernorm
         if hasattr(model, "output_layer"):
@@ -82,11 +106,3 @@ def split_model(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
 def is_shared_copy(param: nn.Parameter) -> bool:
     """Whether ``param`` is the last stage's copy of the tied word embeddings (counted once, on the first stage)."""
     return bool(getattr(param, SHARED_COPY, False))
-
-
-_LAYER = re.compile(r"^layers\.(\d+)\.")
-
-
-def global_layer_name(name: str, layer_offset: int) -> str:
-    """A stage's parameter name in the unsplit model: ``layers.{i}.`` becomes ``layers.{i + layer_offset}.``."""
-    return _LAYER.sub(lambda m: f"layers.{int(m.group(1)) + layer_offset}.", name)

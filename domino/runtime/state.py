@@ -194,7 +194,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, timeout_minut
                      embedding_ranks=[rank], tp_link=link)
     if pp > 1:
         groups.pp_group, groups.pp_ranks = mine(grid.pp)
-        groups.embedding_group, groups.embedding_ranks = mine(grid.embedding)
+        embedding = mine(grid.embedding)  # None on a middle stage: it holds no copy of the embeddings
+        groups.embedding_group, groups.embedding_ranks = embedding or (None, [])
     _STATE = groups
 
 

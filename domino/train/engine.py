@@ -7,7 +7,7 @@ import math
 import logging
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -15,6 +15,7 @@ from domino.config import ConfigError, DominoConfig
 from domino.config.validate import check_device, zero_stage_for
 from domino.runtime import state
 from domino.parallel.layers import is_tensor_model_parallel
+from domino.pipeline.gradients import norm_parameters
 from domino.train import bf16_step, zero_step
 
 logger = logging.getLogger(__name__)
@@ -77,8 +78,8 @@ def initialize_runtime(config: DominoConfig) -> None:
     import deepspeed
 
     p = config.parallel
-    state.start(p.tensor_model_parallel_size, backend=p.distributed_backend,
-                timeout_minutes=p.distributed_timeout_minutes, lone_process_group=True)  # DeepSpeed needs a group
+    state.start(p.tensor_model_parallel_size, backend=p.distributed_backend, timeout_minutes=p.distributed_timeout_minutes,
+                lone_process_group=True, pipeline_model_parallel_size=p.pipeline_model_parallel_size)  # DeepSpeed needs a group
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
 
 
@@ -100,9 +101,31 @@ def zero_stage(config: DominoConfig) -> int:
     return zero_stage_for(config, state.get_data_parallel_world_size())
 
 
+def pipelined(config: DominoConfig) -> bool:
+    """Whether the run has more than one pipeline stage (the pipeline schedule runs forward and backward)."""
+    return config.parallel.pipeline_model_parallel_size > 1
+
+
+def accumulate(engine, batch: int, samples_per_micro_batch: int) -> Iterator[bool]:
+    """Sets ``engine`` up for an optimizer step over a ``batch``-sample global batch and yields, for each of its
+    micro-batches (``batch // samples_per_micro_batch``, DP ranks together), whether it ends the step.
+
+    DeepSpeed 0.19.8 (``runtime/engine.py``) divides each micro-batch's loss by the engine's accumulation steps,
+    which ``set_train_batch_size`` sets; its own boundary test, ``(micro_steps + 1) % gas == 0`` over the run's
+    micro-step count, goes wrong once the batch grows, so the boundary is set before each micro-batch
+    (``set_gradient_accumulation_boundary``).
+    """
+    steps = batch // samples_per_micro_batch
+    engine.set_train_batch_size(batch)
+    for micro in range(steps):
+        engine.set_gradient_accumulation_boundary(micro == steps - 1)
+        yield micro == steps - 1
+
+
 def clips_itself(config: DominoConfig) -> bool:
-    """Whether domino (not DeepSpeed) clips gradients: plain fp32 data parallelism (ZeRO stage 0)."""
-    return zero_stage(config) == 0 and not (config.train.fp16 or config.train.bf16)
+    """Whether domino (not DeepSpeed) clips gradients: plain fp32 data parallelism (ZeRO stage 0), and every
+    pipelined run (DeepSpeed's norm would sum over one stage only)."""
+    return pipelined(config) or (zero_stage(config) == 0 and not (config.train.fp16 or config.train.bf16))
 
 
 def clip_gradients(engine, max_norm: float) -> torch.Tensor:
@@ -111,7 +134,9 @@ def clip_gradients(engine, max_norm: float) -> torch.Tensor:
     The maths of DeepSpeed's ``clip_grad_norm_`` (``deepspeed/runtime/utils.py``, 0.19.8): the 2-norm of every
     gradient in fp32, a parameter counted once across tensor-parallel ranks unless it carries
     ``tensor_model_parallel=True`` (so replicated LayerNorm weights are not double counted), the squares summed
-    over the TP group and the result averaged over the data-parallel group, then every gradient scaled by
+    over the TP group (and over the pipeline stages, leaving out the last stage's copy of the tied embeddings as
+    Megatron's ``param_is_not_shared`` does) and the result averaged over the data-parallel group, then every
+    gradient scaled by
     ``min(1, max_norm / (norm + 1e-6))``. Here with torch's multi-tensor kernels (``_foreach_norm``,
     ``_foreach_mul_``: one call each instead of a Python iteration per parameter; 2.2 ms instead of 3.0 per call at
     the end-to-end benchmark's shape, ``benchmarks/RESULTS.md``) and each collective only where its group has more
@@ -121,11 +146,13 @@ def clip_gradients(engine, max_norm: float) -> torch.Tensor:
     params = [p for p in engine.module.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
     first_tp_rank = state.get_tensor_model_parallel_rank() == 0
-    counted = [p.grad.float() for p in params if first_tp_rank or is_tensor_model_parallel(p)]
+    counted = [p.grad.float() for p in norm_parameters(params) if first_tp_rank or is_tensor_model_parallel(p)]
     squares = (torch.stack(torch._foreach_norm(counted)).pow(2).sum() if counted
                else torch.zeros((), device=grads[0].device))
     if state.get_tensor_model_parallel_world_size() > 1:
         torch.distributed.all_reduce(squares, group=state.get_tensor_model_parallel_group())
+    if state.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(squares, group=state.get_pipeline_model_parallel_group())
     norm = squares.pow(0.5)
     dp = state.get_data_parallel_world_size()
     if dp > 1:  # as DeepSpeed: the mean of the replicas' norms (equal, as their gradients are already reduced)
@@ -184,16 +211,23 @@ def zero_optimization(config: DominoConfig) -> Dict[str, Any]:
     reach link bandwidth, and ten times smaller than DeepSpeed's default so the first reduction starts early
     in backward and the double-buffered overlap costs little memory.
     """
-    return {"stage": zero_stage(config), "overlap_comm": True, "contiguous_gradients": True,
+    overlapped = not pipelined(config)
+    # Pipelined, neither: both make ZeRO hook every gradient and reduce it inside backward (deepspeed 0.19.8
+    # stage_1_and_2.py `create_gradient_handling_hooks`), here after every micro-batch of the schedule; without them
+    # the step's `allreduce_gradients` reduces the accumulated gradients once (as DeepSpeed's PipelineEngine does).
+    return {"stage": zero_stage(config), "overlap_comm": overlapped, "contiguous_gradients": overlapped,
             "reduce_bucket_size": ZERO_BUCKET_ELEMENTS, "allgather_bucket_size": ZERO_BUCKET_ELEMENTS}
 
 
 def deepspeed_config(config: DominoConfig) -> Dict[str, Any]:
     """The DeepSpeed config for ``config``; keys from ``--deepspeed-config FILE`` override ours."""
     t = config.train
+    gas = gradient_accumulation_steps(config)
+    # Pipelined, the schedule runs every micro-batch of a step: DeepSpeed sees one of gas x the micro-batch.
+    micro, gas = (t.micro_batch_size * gas, 1) if pipelined(config) else (t.micro_batch_size, gas)
     ds: Dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": gradient_accumulation_steps(config),
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
         "train_batch_size": global_batch_size(config),
         # Without ZeRO or mixed precision DeepSpeed clips but does not report the norm: domino clips then.
         "gradient_clipping": 0.0 if clips_itself(config) else t.clip_grad,
@@ -273,7 +307,7 @@ def build_engine(model: torch.nn.Module, config: DominoConfig):
         eps=t.adam_eps, fused=fused or None, foreach=None if fused else True)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(config),
                                            mpu=state)
-    # Overflow, loss scale and clipping decided on the device: bf16 ZeRO 1 (BF16_Optimizer), fp16 ZeRO 1/2 and
+    # Overflow, loss scale and clipping decided on the device: bf16 ZeRO 1 (BF16_Optimizer), fp16/fp32 ZeRO 1/2 and
     # bf16 ZeRO 2 (DeepSpeedZeroOptimizer, which also skips its collectives over a one-rank DP group).
     bf16_step.install(engine) or zero_step.install(engine)
     if state.get_data_parallel_world_size() == 1 and (zero_stage(config) == 0

@@ -23,6 +23,7 @@ from domino.model import GPTModel
 from domino.model.recompute import RecomputePlan, apply_activation_recompute
 from domino.overlap.schedule import apply_domino
 from domino.overlap.sequence_parallel import apply_sequence_parallel
+from domino.pipeline.stages import split_model
 from domino.runtime import state
 
 logger = logging.getLogger(__name__)
@@ -92,9 +93,11 @@ class GPTRecipe:
         self.eod = self.tokenizer.eod if self.tokenizer is not None else vocab - 1
 
     def model_builder(self, config: DominoConfig) -> torch.nn.Module:
-        """A ``GPTModel`` of ``config``'s shape with the sequence parallelism, Domino chunks and activation
-        recompute of ``config``, applied in that order (:mod:`domino.overlap`, :mod:`domino.model.recompute`)."""
+        """A ``GPTModel`` of ``config``'s shape (this rank's pipeline stage of it) with the sequence parallelism,
+        Domino chunks and activation recompute of ``config``, applied in that order (:mod:`domino.overlap`, :mod:`domino.model.recompute`)."""
         model = GPTModel(config.model, self.padded_vocab_size)
+        # This rank's pipeline stage, cut before the stacks below are built over its layers (one stage: unchanged).
+        split_model(model, state.get_pipeline_model_parallel_rank(), state.get_pipeline_model_parallel_world_size())
         if config.parallel.sequence_parallel:
             apply_sequence_parallel(model)
         apply_domino(model, config.parallel.domino_chunks or 1)
@@ -113,6 +116,14 @@ class GPTRecipe:
             seq_length=seq, seed=self.config.train.seed, skip_warmup=not d.mmap_warmup,
             train_data_prefix=d.train_data_path or None, valid_data_prefix=d.valid_data_path or None,
             test_data_prefix=d.test_data_path or None, data_cache_path=d.data_cache_path, vocab_size=self.vocab_size)
+
+    def batch(self, data_iterator) -> Dict[str, torch.Tensor]:
+        """One micro-batch's tensors by name (what a pipeline stage reads: :mod:`domino.train.pipeline_step`)."""
+        shape = (self.config.train.micro_batch_size, self.config.model.seq_length + 1)  # fixed: no shape broadcast
+        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, self.config.data, self.eod,
+                                                                            shape)
+        return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, attention_mask=attention_mask,
+                    position_ids=position_ids)
 
     def forward_step(self, data_iterator, model):
         """One micro-batch forward: ``(per-token losses, partial(loss_func, loss_mask))``."""

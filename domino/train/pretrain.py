@@ -13,7 +13,6 @@ callables follow Megatron-LM's contracts, so a user can swap in their own model 
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import time
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 from domino.checkpoint import checkpointing, discovery, resume
 from domino.config import ConfigError, DominoConfig, config_to_dict, validate
+from domino.config.batch_schedule import batch_schedule
 from domino.config.validate import resolve_zero_stage
 from domino.data.loader import build_pretraining_data_loader
 from domino.parallel import random as tp_random
@@ -34,6 +34,7 @@ from domino.train import engine as engine_setup
 from domino.train.evaluation import evaluate, perplexity
 from domino.train.interval_stats import IntervalReading, IntervalStats
 from domino.train.metrics import MetricsWriter, format_iteration_line
+from domino.train.pipeline_step import PipelineStep
 from domino.train.schedules import LearningRateSchedule
 from domino.train.throughput import detect_peak_tflops, memory_gb, training_flops_per_token
 from domino.train.timers import TimedIterator, Timers
@@ -60,18 +61,13 @@ class TrainingResult:
     """True when ``--exit-signal-handler`` stopped the run early on SIGTERM (after saving)."""
 
 
-def _train_iters(config: DominoConfig, global_batch: int) -> int:
-    t = config.train
-    return t.train_iters if t.train_iters is not None else math.ceil(t.train_samples / global_batch)
-
-
 def _set_lr(engine, lr: float) -> None:
     for group in engine.optimizer.param_groups:
         group["lr"] = lr
 
 
 def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Callable, forward_step: Callable,
-             padded_vocab_size: int, tokenizer=None) -> TrainingResult:
+             padded_vocab_size: int, tokenizer=None, get_batch: Optional[Callable] = None) -> TrainingResult:
     """Trains according to ``config`` (call it on every rank, after
     :func:`domino.train.engine.initialize_runtime`).
 
@@ -82,6 +78,8 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
         forward_step: one micro-batch forward returning ``(output, loss_fn)``.
         padded_vocab_size: recorded in checkpoints so loading can check the shape.
         tokenizer: saved into every checkpoint when given.
+        get_batch: one micro-batch's tensors by name from a data iterator; pipelined runs need it, as the pipeline
+            schedule, not ``forward_step``, runs the stages (:mod:`domino.train.pipeline_step`).
 
     Raises:
         ConfigError: for settings that cannot work, before training starts.
@@ -112,7 +110,7 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
                                                             weights_only=warm_start)
     elif config.checkpoint.load:
         logger.info("--load %s holds no checkpoint yet: starting from scratch", config.checkpoint.load)
-    trainer = _Trainer(config, engine, dataset_builder, forward_step, padded_vocab_size, tokenizer)
+    trainer = _Trainer(config, engine, dataset_builder, forward_step, padded_vocab_size, tokenizer, get_batch)
     return trainer.run(iteration, consumed, discovery.own_checkpoint(config, resume_from, warm_start, iteration))
 
 
@@ -121,20 +119,22 @@ class _Trainer:
     """The loop of one run: steps, NaN accounting, interval logging, evaluation and saving."""
 
     def __init__(self, config: DominoConfig, engine, dataset_builder: Callable, forward_step: Callable,
-                 padded_vocab_size: int, tokenizer) -> None:
+                 padded_vocab_size: int, tokenizer, get_batch: Optional[Callable] = None) -> None:
         self.config, self.engine, self.forward_step = config, engine, forward_step
         self.padded_vocab_size, self.tokenizer = padded_vocab_size, tokenizer
         t, lg = config.train, config.logging
-        self.gbs = engine_setup.global_batch_size(config)
-        self.gas = engine_setup.gradient_accumulation_steps(config)
-        self.train_iters = _train_iters(config, self.gbs)
+        self.batches = batch_schedule(config, state.get_data_parallel_world_size())  # the batch of each iteration
+        self.pipeline = PipelineStep(config, engine, get_batch, self.batches.micro_batches_per_step
+                                     ) if engine_setup.pipelined(config) else None
+        self.gbs = self.batches.global_batch_size
+        self.train_iters = t.train_iters if t.train_iters is not None else self.batches.train_iters(t.train_samples)
         self.schedule = LearningRateSchedule.from_config(t, self.train_iters, self.gbs)
         eval_samples = t.eval_iters * self.gbs if t.eval_interval or t.eval_iters else 0
         # Every rank builds the datasets (index caches are built once, behind a world-wide agreement), so every
         # rank knows which splits are empty; only TP rank 0 reads batches and broadcasts them to its TP group.
         self.is_data_rank = state.get_tensor_model_parallel_rank() == 0
         self.train_ds, self.valid_ds, self.test_ds = agree("building the datasets", lambda: dataset_builder(
-            (self.train_iters * self.gbs, eval_samples, eval_samples)))
+            (self.batches.consumed_samples_after(self.train_iters), eval_samples, eval_samples)))
         self.hosts = hosts()  # to name the node of a rank lost later
         self.timers = Timers(lg.timing_log_level)
         self.writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, enabled=dist.get_rank() == 0,
@@ -154,8 +154,9 @@ class _Trainer:
             dataset, consumed_samples, self.config.train.micro_batch_size, state.get_data_parallel_rank(),
             state.get_data_parallel_world_size(), workers))
 
-    def _step(self, train_iter) -> torch.Tensor:
-        """One optimizer step over ``gas`` micro-batches; returns the mean loss, a 0-d tensor on the device.
+    def _step(self, train_iter, batch: int) -> torch.Tensor:
+        """One optimizer step over the micro-batches of a ``batch``-sample global batch; returns the mean loss, a
+        0-d tensor on the device.
 
         Nothing here reads a tensor value on the host (each read would wait for the device to drain): a
         non-finite loss makes non-finite gradients, and the optimizer skips that update by itself, DeepSpeed's
@@ -164,9 +165,15 @@ class _Trainer:
         (:mod:`domino.train.bf16_step`, :mod:`domino.train.zero_step`).
         """
         engine, timers = self.engine, self.timers
+        per_micro_batch = self.batches.micro_batch_size * self.batches.data_parallel_size
+        if self.pipeline is not None:  # the schedule runs every micro-batch (domino.train.pipeline_step)
+            loss, self.grad_norm, skipped = self.pipeline(train_iter, timers, batch // per_micro_batch)
+            if skipped is not None:
+                self.stats.add_optimizer_skip(skipped)
+            return loss
         iteration_loss = torch.zeros((), device=self.device)
         timers.start("forward-backward")
-        for micro in range(self.gas):
+        for last in engine_setup.accumulate(engine, batch, per_micro_batch):
             timers.start("forward")
             output, loss_fn = self.forward_step(train_iter, engine)
             loss, stats = loss_fn(output)
@@ -175,7 +182,7 @@ class _Trainer:
             timers.start("backward")
             engine.backward(loss)
             timers.stop("backward")
-            if micro == self.gas - 1:
+            if last:
                 timers.stop("forward-backward")
                 timers.start("optimizer")
                 if engine_setup.clips_itself(self.config):
@@ -186,7 +193,7 @@ class _Trainer:
         if skipped is not None:  # skipped on the device: counted with the interval's numbers
             self.stats.add_optimizer_skip(skipped)
         timers.stop("optimizer")
-        return iteration_loss / self.gas
+        return iteration_loss / (batch // per_micro_batch)
 
     def _flag_overflow(self, grad_norm: torch.Tensor) -> None:
         flag = engine_setup.flag_overflow(self.engine, grad_norm)
@@ -208,7 +215,7 @@ class _Trainer:
                 f"{reading.streak_limit_at}; --max-nan-steps {limit}); last finite loss {reading.last_finite_loss}. "
                 "Lower --lr, use --bf16 instead of --fp16, or check the data.")
 
-    def _log(self, iteration: int, consumed: int, lr: float, iterations: int, elapsed: float) -> float:
+    def _log(self, iteration: int, consumed: int, lr: float, iterations: int, samples: int, elapsed: float) -> float:
         """Reads the interval's numbers from the device, writes its record and log line; returns tokens/s.
 
         Raises:
@@ -220,13 +227,13 @@ class _Trainer:
             self.last_train_loss = reading.last_finite_loss
         self._check_nan_streak(iteration, iterations, reading)
         iter_time = (elapsed - self.paused) / max(iterations, 1)
-        tokens_per_s = self.gbs * self.config.model.seq_length / iter_time
+        tokens_per_s = samples / max(iterations, 1) * self.config.model.seq_length / iter_time
         tflops = self.flops_per_token * tokens_per_s / dist.get_world_size() / 1e12
         if not engine_setup.clips_itself(self.config):
             self.grad_norm = engine.get_global_grad_norm()
         scaler = getattr(engine.optimizer, "loss_scaler", None)
         record = {
-            "iteration": iteration, "consumed_samples": consumed, "batch_size": self.gbs,
+            "iteration": iteration, "consumed_samples": consumed, "batch_size": samples // max(iterations, 1),
             "lm_loss": reading.mean_loss,
             "lr": lr, "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
             "loss_scale": float(scaler.cur_scale) if scaler is not None and t.fp16 else None,
@@ -258,8 +265,9 @@ class _Trainer:
             return None
         started, training_comm = time.perf_counter(), pop_comm_wait_seconds()
         training_modelled, training_sites = pop_modelled_comm_seconds(), pop_comm_wait_by_site()
-        loss = evaluate(self.forward_step, lambda: self._loader(dataset, 0, 0), self.engine,
-                        self.config.train.eval_iters)
+        make_iterator, iters = lambda: self._loader(dataset, 0, 0), self.config.train.eval_iters
+        loss = (evaluate(self.forward_step, make_iterator, self.engine, iters) if self.pipeline is None
+                else self.pipeline.evaluate(make_iterator, iters))
         pop_comm_wait_seconds(), pop_modelled_comm_seconds(), pop_comm_wait_by_site()  # not training's
         self.timers.add("comm-wait", training_comm)
         for site, seconds in training_sites.items():
@@ -337,32 +345,39 @@ class _Trainer:
             "world_size": dist.get_world_size(), "global_batch_size": self.gbs, "train_iters": self.train_iters,
             "padded_vocab_size": self.padded_vocab_size})
         logger.info("training %d iterations: global batch %d (micro %d x DP %d x accumulation %d), TP %d, "
-                    "Domino chunks %d, ZeRO %d", self.train_iters, self.gbs, t.micro_batch_size,
-                    state.get_data_parallel_world_size(), self.gas, state.get_tensor_model_parallel_world_size(),
+                    "Domino chunks %d, ZeRO %d", self.train_iters, self.batches.global_batch_size_at(consumed),
+                    t.micro_batch_size, state.get_data_parallel_world_size(),
+                    self.batches.num_micro_batches_at(consumed), state.get_tensor_model_parallel_world_size(),
                     config.parallel.domino_chunks, config.parallel.zero_stage)
         self.engine.train()
         # Set-up collectives are not part of any interval.
         pop_comm_wait_seconds(), pop_modelled_comm_seconds(), pop_comm_wait_by_site()
         run_start, start_iteration = time.perf_counter(), iteration
-        interval_start, interval_first = time.perf_counter(), iteration
+        interval_start, interval_first, interval_consumed = time.perf_counter(), iteration, consumed
         last_valid, tokens_per_s, checkpoint_path = None, None, resumed_checkpoint
         saved_at = iteration if resumed_checkpoint else None
 
         while iteration < self.train_iters:
-            lr = self.schedule.lr_at(iteration)
+            batch = self.batches.global_batch_size_at(consumed)
+            lr = self.schedule.lr_at_samples(consumed)
             _set_lr(self.engine, lr)
-            self.stats.add(self._step(train_iter), iteration + 1)
+            self.stats.add(self._step(train_iter, batch), iteration + 1)
             iteration += 1
             self.completed = iteration
-            consumed += self.gbs
+            consumed += batch
             logged = iteration % lg.log_interval == 0 or iteration == self.train_iters
             if logged:
                 tokens_per_s = self._log(iteration, consumed, lr, iteration - interval_first,
-                                         time.perf_counter() - interval_start)
-                interval_start, interval_first = time.perf_counter(), iteration
+                                         consumed - interval_consumed, time.perf_counter() - interval_start)
+                interval_start, interval_first, interval_consumed = time.perf_counter(), iteration, consumed
             if t.eval_interval and iteration % t.eval_interval == 0 and iteration < self.train_iters:
                 last_valid = self._evaluate("valid", self.valid_ds, iteration, consumed)
-            if c.save and c.save_interval and iteration % c.save_interval == 0:
+            # Megatron's train() also saves when the number of micro-batches changes (a step-up of the batch).
+            next_batch = self.batches.global_batch_size_at(consumed)
+            step_up = iteration < self.train_iters and next_batch != batch
+            if step_up:
+                logger.info("iteration %d: global batch %d -> %d at %d samples", iteration, batch, next_batch, consumed)
+            if c.save and (c.save_interval and iteration % c.save_interval == 0 or step_up):
                 checkpoint_path, saved_at = self._save(iteration, consumed), iteration
             if t.exit_interval and iteration % t.exit_interval == 0:
                 logger.info("--exit-interval %d reached at iteration %d", t.exit_interval, iteration)

@@ -6,8 +6,9 @@ batch after every iteration, so its first step runs at ``--lr-warmup-init``, 0 b
 ``megatron/core/optimizer_param_scheduler.py`` and ``get_optimizer_param_scheduler`` in
 ``megatron/training/training.py``, NVIDIA/Megatron-LM core_r0.11.0 (commit 7c00175e6b24b3cd835d21a9d287c35a07e275b3).
 
-The schedule is a pure function of the iteration, so resuming needs no schedule state: the checkpoint's
-iteration determines the rate.
+The schedule is a pure function of the consumed samples (the iteration times the batch, unless the batch grows:
+:mod:`domino.config.batch_schedule`), so resuming needs no schedule state: the checkpoint's consumed samples
+determine the rate.
 """
 
 from __future__ import annotations
@@ -83,8 +84,12 @@ class LearningRateSchedule:
         return self.decay_steps / self.global_batch_size
 
     def lr_at(self, iteration: int) -> float:
-        """Learning rate of the optimizer step taken after ``iteration`` completed iterations."""
-        num_steps = iteration * self.global_batch_size
+        """Learning rate of the optimizer step taken after ``iteration`` completed iterations of a constant batch."""
+        return self.lr_at_samples(iteration * self.global_batch_size)
+
+    def lr_at_samples(self, num_steps: int) -> float:
+        """Learning rate of the optimizer step taken after ``num_steps`` consumed samples (what Megatron's
+        scheduler has counted then; with a growing batch the iteration alone does not say it)."""
         if self.warmup_steps > 0 and num_steps <= self.warmup_steps:
             return self.init_lr + (self.max_lr - self.init_lr) * num_steps / self.warmup_steps
         if self.style == "constant":

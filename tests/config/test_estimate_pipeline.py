@@ -3,6 +3,8 @@ schedule tables, and per-stage memory against figures computed by hand."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from domino.config import DominoConfig, ModelConfig, parse_config
@@ -56,9 +58,6 @@ def test_bubble_fraction_and_bytes_between_stages():
 
 
 def test_layer_split_follows_megatron_and_refuses_what_it_refuses():
-    # Megatron's get_transformer_layer_offset: chunk c of rank r holds virtual stage c p + r
-    assert schedule.stage_layers(8, 2, 2) == [[range(0, 2), range(4, 6)], [range(2, 4), range(6, 8)]]
-    assert schedule.stage_layers(8, 4) == [[range(0, 2)], [range(2, 4)], [range(4, 6)], [range(6, 8)]]
     assert schedule.layer_split_problems(24, 4, 3) == []
     assert schedule.layer_split_problems(24, 5) == [
         "--num-layers 24 is not divisible by --pipeline-model-parallel-size 5 (every stage holds the same number of "
@@ -69,6 +68,9 @@ def test_layer_split_follows_megatron_and_refuses_what_it_refuses():
     assert "multiple of --pipeline-model-parallel-size 4" in schedule.microbatch_problems(6, 4, 2)[0]
     with pytest.raises(ValueError, match="--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"):
         estimate_layout(_tiny(), Layout(pipeline_model_parallel_size=3))
+    with pytest.raises(ValueError, match=r"micro-batches per step \(1: global batch"):  # 8 / (micro 8 x DP 1)
+        estimate_layout(_tiny(), Layout(micro_batch_size=8, pipeline_model_parallel_size=2,
+                                        virtual_pipeline_model_parallel_size=2))
 
 
 def test_world_is_tp_x_pp_x_dp():
@@ -110,9 +112,12 @@ def test_per_stage_memory_by_hand():
     first_activations = 2 * (2 * act_layer)  # 1F1B: stage 0 holds p - 0 = 2 micro-batches of its two layers
     last_activations = 2 * act_layer + 4 * sbh * 2  # one micro-batch; the final norm's input and output
     logits = s * b * V * 4  # the fp32 softmax of the last stage (CPU: all rows)
+    # torch's PipelineStage: on stage 0 a gradient receive buffer per micro-batch and the 2 outputs in flight,
+    # kept for their backward; on stage 1 an activation receive buffer per micro-batch ([b, s, h] fp32 each)
+    torch_first, torch_last = (4 + 2) * 4 * sbh, 4 * 4 * sbh
     # a backward after the first runs beside all gradients (they accumulate over the 4 micro-batches)
-    total_first = 16 * first + qkv_copies + first_activations
-    total_last = 16 * last + qkv_copies + last_activations + logits
+    total_first = 16 * first + qkv_copies + torch_first + first_activations
+    total_last = 16 * last + qkv_copies + torch_last + last_activations + logits
 
     config = _tiny()
     pp2 = Layout(zero_stage=0, micro_batch_size=2, pipeline_model_parallel_size=2)
@@ -168,3 +173,44 @@ def test_pipeline_brings_a_model_that_does_not_fit_under_the_launchers_memory_ch
     assert staged.optimizer == pytest.approx(alone.optimizer / 2, rel=0.02)  # half, and the embedding
     assert staged.activations == pytest.approx(alone.activations, rel=0.01)
     check_memory_fits(config, 16, 80.0)
+
+
+def test_layouts_rank_by_time_per_token_so_a_pipeline_comes_before_recompute_only_when_its_bubble_costs_less():
+    """1F1B at PP 2 costs 3 passes / (1 - bubble): with 8 micro-batches (bubble 1/9) less than full recompute's 4
+    passes, with 2 (bubble 1/3) more; with neither lever the plain layout comes first."""
+    from domino.config.estimate import rank_key
+
+    config = _tiny()
+    config.train.global_batch_size = 16
+    layouts = {"plain": Layout(micro_batch_size=2, zero_stage=0),
+               "pp2, 8 micro-batches": Layout(micro_batch_size=2, zero_stage=0, pipeline_model_parallel_size=2),
+               "full recompute": Layout(micro_batch_size=2, zero_stage=0, recompute="full"),
+               "pp2, 2 micro-batches": Layout(micro_batch_size=8, zero_stage=0, pipeline_model_parallel_size=2)}
+    estimates = {name: estimate_layout(config, layout, device="cpu") for name, layout in layouts.items()}
+    ranked = sorted(estimates, key=lambda name: rank_key(estimates[name]))
+    assert ranked == ["plain", "pp2, 8 micro-batches", "full recompute", "pp2, 2 micro-batches"]
+    plain = estimates["plain"].forward_passes_per_token
+    assert estimates["pp2, 8 micro-batches"].forward_passes_per_token == pytest.approx(plain * 9 / 8)
+    assert estimates["full recompute"].forward_passes_per_token == pytest.approx(plain * 4 / 3)
+
+
+def test_cli_lists_a_pipeline_first_where_every_one_stage_layout_needs_full_recompute(capsys):
+    """A 52B GPT in fp32 on 16 x 80 GB GPUs: at one stage only full recompute fits (TP 8 x DP 2, ZeRO 2: 4 forward
+    passes per token); TP 8 x PP 2 with SP fits without recompute, and 1F1B over 64 micro-batches costs
+    3 x 65/64 passes (bubble 1/65): the listing puts it first, and the JSON gives each stage's total."""
+    from domino.cli.main import main as domino_main
+
+    flags = ["estimate", "--num-layers", "64", "--hidden-size", "8192", "--num-attention-heads", "64",
+             "--seq-length", "2048", "--vocab-size", "50257", "--eval-iters", "0", "--global-batch-size", "64",
+             "--micro-batch-size", "1", "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2",
+             "--sequence-parallel", "--gpus", "16", "--gpu-memory-gb", "80", "--top", "100", "--json"]
+    with pytest.raises(SystemExit) as exit_info:
+        domino_main(flags)
+    assert exit_info.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and len(out["pipeline"]["total_gb_per_stage"]) == 2
+    assert out["pipeline"]["num_microbatches"] == 64 and out["pipeline"]["bubble_fraction"] == pytest.approx(1 / 65)
+    listed = [(e["layout"]["pipeline_model_parallel_size"], e["layout"]["tensor_model_parallel_size"],
+               e["layout"]["recompute"]) for e in out["layouts_that_fit"]]
+    assert listed[0] == (2, 8, "none")
+    assert {recompute for pp, _, recompute in listed if pp == 1} == {"full"}

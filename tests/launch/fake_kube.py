@@ -153,12 +153,23 @@ class FakeCluster:
                 return
             job["spec"].setdefault("runPolicy", {})["suspend"] = suspend
             conds = job.setdefault("status", {}).setdefault("conditions", [])
+            for c in conds:  # a running job that is suspended stops Running (common/job.go, same branch)
+                if suspend and c["type"] == "Running":
+                    c["status"] = "False"
             conds[:] = [c for c in conds if c["type"] != "Suspended"]
             conds.append({"type": "Suspended", "status": "True" if suspend else "False",
                           "reason": "PyTorchJobSuspended" if suspend else "PyTorchJobResumed",
                           "message": f"PyTorchJob {name} is {'suspended' if suspend else 'resumed'}.",
                           "lastTransitionTime": _now()})
             self._record("MODIFIED", job)
+
+    def delete_pods(self, ns: str, job: str) -> None:
+        """Deletes every pod of ``job``, as the controllers do when it is suspended (the training operator's
+        ``DeletePodsAndServices``; a suspended JobSet's Jobs)."""
+        with self.cond:
+            for key in [k for k in self.pods if k[0] == ns and k[1].startswith(job + "-")]:
+                del self.pods[key]
+            self.cond.notify_all()
 
     def add_pod(self, ns: str, job: str, replica: str, index: int, phase: str = "Pending",
                 state: Optional[Dict[str, Any]] = None, conditions: Optional[List[Dict[str, Any]]] = None,

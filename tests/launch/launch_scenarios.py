@@ -156,6 +156,31 @@ def queued_then_admitted(c, job, wait_s=1.5):
     succeed(c, job)
 
 
+def preempt_then_readmit(c, job, set_suspend, start, finish, while_suspended=lambda: None, run_s=1.3, wait_s=0.7):
+    """Admitted at once, runs for ``run_s``, then Kueue preempts it (kueue v0.19.2 jobframework: the job is
+    suspended) and its controller deletes the pods; after ``wait_s`` Kueue re-admits it, and ``finish`` runs
+    the new pods to the end. ``set_suspend``, ``start`` and ``finish`` are the job API's."""
+    ns, name = _ids(job)
+    set_suspend(ns, name, False)
+    master = start(c, job, ("iteration 1/8",))
+    time.sleep(run_s)
+    c.log(master, "SIGTERM: saving at iteration 4 and exiting")
+    c.close_log(master)
+    set_suspend(ns, name, True)
+    c.delete_pods(ns, name)
+    while_suspended()
+    time.sleep(wait_s)
+    set_suspend(ns, name, False)
+    c.close_log(master, False)
+    finish(c, job)
+
+
+def preempted_then_readmitted(c, job):
+    """A PyTorchJob preempted while it runs (runPolicy.suspend; the operator marks it Suspended, not Running,
+    and deletes its pods: training-operator v1.9.0 ``common/job.go``), then re-admitted."""
+    preempt_then_readmit(c, job, c.set_suspend, start_running, succeed)
+
+
 def queued_forever(c, job):
     ns, name = _ids(job)
     time.sleep(0.05)

@@ -103,6 +103,22 @@ def test_queue_timeout_fails_and_deletes_a_job_never_admitted(server, api):
     assert server.cluster.deleted == ["gpt-run-qt"]
 
 
+@pytest.mark.parametrize("api", ["pytorchjob", "trainjob"])
+def test_a_job_preempted_after_the_queue_timeout_waits_for_readmission_and_finishes(server, api):
+    """Kueue preempts a job that has run longer than the queue timeout: the launcher follows it through its
+    suspension (the queue timeout counted from the moment it is suspended again, the scheduling timeout not
+    at all) and back to Running, to Succeeded."""
+    server.cluster.kueue_frameworks = guide_frameworks()
+    scripts = SCRIPTS[api]
+    server.cluster.on_create = scripts.preempted_then_readmitted
+    lines = []
+    result = sc.launcher(server, lines, api=api).run(scripts.spec(queue="team-a"), run_id="run-pre",
+                                                    scheduling_timeout_s=0.5, timeout_s=60, queue_timeout_s=1.0)
+    assert result.succeeded, result.reason
+    running = next(i for i, line in enumerate(lines) if "] Running: " in line)
+    assert any("] Suspended: " in line for line in lines[running:]), lines  # preempted while it ran
+
+
 def test_the_default_queue_timeout_is_finite_everywhere():
     import inspect
 

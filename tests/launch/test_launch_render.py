@@ -217,6 +217,20 @@ def test_gpu_memory_gb_refuses_a_layout_the_estimate_says_cannot_fit(capsys):
         JobSpec(**{**BASE, "gpu_memory_gb": 0.0}).validate()
 
 
+def test_a_pipeline_layout_the_pods_cannot_hold_is_refused_in_one_line(capsys):
+    """world = TP x PP x DP over nodes x processes per node: 3 pods of 4 processes cannot hold 8 stages; refused in
+    one line before any object exists. (The memory check of a pipeline layout: tests/config/
+    test_estimate_pipeline.py; a PP job is refused today anyway for the --save the renderer adds.)"""
+    with pytest.raises(SystemExit) as exit_info:
+        domino_main(["launch", "render", "--name", "gpt", "--image", "img:1", "--run-id", "abc", "--nodes", "3",
+                     "--nproc-per-node", "4", "--", "--preset", "tiny", "--pipeline-model-parallel-size", "8",
+                     "--mock-data", "--train-iters", "4", "--eval-iters", "0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "(world size 12): world size 12 is not divisible by --tensor-model-parallel-size 1 x " \
+                              "--pipeline-model-parallel-size 8" in err[0]
+
+
 def test_run_job_rejects_bad_args_before_any_backend_work(tmp_path):
     from domino.launch import run_job
 

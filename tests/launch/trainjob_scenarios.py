@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from domino.launch import JobSpec
-from launch_scenarios import _ids, break_watch_and_history
+from launch_scenarios import _ids, break_watch_and_history, preempt_then_readmit
 
 COMPLETE = ("Complete", "AllJobsCompleted", "jobset completed successfully")
 
@@ -77,6 +77,14 @@ def queued_then_admitted(c, job, wait_s=1.5):
     time.sleep(wait_s)
     c.set_trainjob_suspend(ns, name, False)
     succeed(c, job)
+
+
+def preempted_then_readmitted(c, job):
+    """A TrainJob preempted while it runs (``spec.suspend``; the JobSet suspends its Jobs, whose pods are
+    deleted), then re-admitted."""
+    ns, name = _ids(job)
+    preempt_then_readmit(c, job, c.set_trainjob_suspend, start_running, succeed,
+                         while_suspended=lambda: c.set_trainjob_status(ns, name, suspended=1))
 
 
 def queued_forever(c, job):

@@ -4,7 +4,8 @@ Reference: the whole ``GPTModel`` on one process (TP=1, PP=1), the mean over fou
 masked mean loss, then a torch AdamW step. The pipelined runs load the same weights, cut the model into stages
 (:func:`domino.pipeline.stages.split_model`), run the 1F1B schedule of ``torch.distributed.pipelining``, sum the
 tied embeddings' gradient over the first and last stage and take the same AdamW step per stage. Each rank returns
-its gradients under the unsplit model's names; tensor-parallel shards are joined back (``merge_tp_shards``).
+its gradients under its parameters' names, the unsplit model's; tensor-parallel shards are joined back
+(``merge_tp_shards``).
 fp32, no dropout: equal within float rounding (1e-5 relative on the first step; AdamW's division by the root of
 the second moment magnifies rounding in later steps' weights, hence 1e-4 there). Without the tied-embedding sum the
 embedding gradients are off by the output layer's whole share.
@@ -22,7 +23,7 @@ from domino.config import ModelConfig
 from domino.model import GPTModel
 from domino.pipeline.gradients import sync_tied_embeddings
 from domino.pipeline.schedule import StageSchedule, masked_mean_loss
-from domino.pipeline.stages import global_layer_name, split_model
+from domino.pipeline.stages import split_model
 from domino.runtime import state
 
 VOCAB, SEQ, MICRO, MICROBATCHES, STEPS, LR = 64, 8, 2, 4, 3, 1e-2
@@ -89,8 +90,7 @@ def _pipelined_body(rank, world_size, tp, full_sd, batches, variants, sync):
                                               batch["position_ids"]))
             if sync:
                 sync_tied_embeddings(model)
-            grads.append({global_layer_name(n, model.layer_offset): p.grad.clone()
-                          for n, p in model.named_parameters()})
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})  # the whole model's names
             optimizer.step()
         results[(chunks, sequence_parallel)] = (losses, grads)
     return results
@@ -131,8 +131,9 @@ def _run(world_size, tp, variants, sync=True):
     return per_rank, reference
 
 
-def test_two_stages_match_the_unsplit_model():
-    per_rank, reference = _run(2, 1, [(1, False)])
+def test_four_stages_match_the_unsplit_model():
+    """One layer per stage: the middle stages hold neither embeddings nor output layer."""
+    per_rank, reference = _run(4, 1, [(1, False)])
     _check(per_rank, 1, reference, (1, False))
 
 

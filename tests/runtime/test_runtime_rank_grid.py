@@ -6,7 +6,9 @@ The example is the docstring of ``initialize_model_parallel`` in NVIDIA/Megatron
 
 import pytest
 
+from distributed_helpers import run_distributed
 from domino.config import ConfigError
+from domino.runtime import state
 from domino.runtime.state import RankGrid
 
 
@@ -29,3 +31,13 @@ def test_one_stage_is_the_tp_by_dp_grid():
 def test_sizes_that_do_not_divide_the_world_are_refused():
     with pytest.raises(ConfigError, match="--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 3"):
         RankGrid.build(8, 2, 3)
+
+
+def _stage_groups(rank, world_size):
+    state.initialize_model_parallel(1, pipeline_model_parallel_size=world_size)
+    return state.get_pipeline_model_parallel_rank(), state.get_embedding_group() is not None
+
+
+def test_a_middle_stage_has_no_embedding_group():
+    """Three stages: the first and the last sum the tied embeddings' gradient, the middle one holds no copy."""
+    assert run_distributed(_stage_groups, 3) == [(0, True), (1, False), (2, True)]

@@ -33,6 +33,16 @@ class Script:
 DS_DOMINO = "microsoft/DeepSpeedExamples"
 MEGATRON = "NVIDIA/Megatron-LM"
 
+#: The 175B example's flags after its batch flags, the same at both commits below.
+_GPT3_175B_REST = """
+    --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine
+    --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000
+    --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16
+    --data-path $DATA_PATH --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE --split 949,50,1
+    --log-interval 100 --save-interval 10000 --eval-interval 1000 --save $CHECKPOINT_PATH --load $CHECKPOINT_PATH
+    --eval-iters 10 --tensorboard-dir $TENSORBOARD_LOGS_PATH
+    """
+
 SCRIPTS: Dict[str, Script] = {
     # GPT_ARGS, DATA_ARGS, OUTPUT_ARGS of `deepspeed --num_gpus $WORLD_SIZE pretrain_gpt.py ...`.
     "ds-domino-gpt3-2.7b": Script(DS_DOMINO, "training/DeepSpeed-Domino/pretrain_gpt3_2.7b.sh", "faa0420554bce4d463a993ddc02de611ecc1404c", """
@@ -102,18 +112,21 @@ SCRIPTS: Dict[str, Script] = {
     --data-path $DATA_PATH --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE --split 949,50,1
     --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 1
     """),
-    # Megatron-LM's current GPT-3 example minus --step-batch-size-schedule (batch-size ramp-up, not supported).
+    # Megatron-LM's current GPT-3 example, with PR #4411's step schedule.
     "megatron-gpt3-175b": Script(MEGATRON, "examples/gpt3/train_gpt3_175b_distributed.sh", "d98e8a64ddf34856e74b24714e3bedb2f5a39553", """
     --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048
     --attention-backend auto
-    --micro-batch-size 1 --global-batch-size 1536 --train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9
-    --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine
-    --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000
-    --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16
-    --data-path $DATA_PATH --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE --split 949,50,1
-    --log-interval 100 --save-interval 10000 --eval-interval 1000 --save $CHECKPOINT_PATH --load $CHECKPOINT_PATH
-    --eval-iters 10 --tensorboard-dir $TENSORBOARD_LOGS_PATH
-    """),
+    --micro-batch-size 1 --global-batch-size 1536
+    --step-batch-size-schedule "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536"
+    --train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9
+    """ + _GPT3_175B_REST),
+    # The same example before PR #4411, with Megatron's batch-size ramp-up.
+    "megatron-gpt3-175b-157006d": Script(MEGATRON, "examples/gpt3/train_gpt3_175b_distributed.sh", "157006d6d9bf4f55c0d4d7dacbd2b65e7bd84dc9", """
+    --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048
+    --attention-backend auto
+    --micro-batch-size 1 --global-batch-size 1536 --rampup-batch-size 16 16 5859375
+    --train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9
+    """ + _GPT3_175B_REST),
 }
 
 #: Flags appended to shrink a script to a few-second CPU run with 2 processes (later flags win in argparse).

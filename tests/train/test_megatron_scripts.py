@@ -39,16 +39,21 @@ def _parse(argv, world_size):
 
 #: What each script asks for that domino refuses, and the words of the refusal.
 REFUSED = {
-    "megatron-pretrain-gpt-distributed-with-mp": "--pipeline-model-parallel-size 2: pipeline parallelism",
-    "megatron-gpt3-175b": "--pipeline-model-parallel-size 16: pipeline parallelism: not supported",
+    "megatron-pretrain-gpt-distributed-with-mp": "--save with --pipeline-model-parallel-size 2: checkpoints of "
+                                                 "pipeline stages are not supported yet",
+    "megatron-gpt3-175b": "--save with --pipeline-model-parallel-size 16: checkpoints of pipeline stages are not "
+                          "supported yet",
+    "megatron-gpt3-175b-157006d": "--save with --pipeline-model-parallel-size 16: checkpoints of pipeline stages "
+                                  "are not supported yet",
 }
 
 
 @pytest.mark.parametrize("name", list(SCRIPTS))
 def test_every_script_parses_as_written_or_names_the_missing_feature(name, tmp_path, gpt2_files):
-    """The scripts' own sizes, at their own world size (TP x DP), before any process starts."""
+    """The scripts' own sizes, at their own world size (TP x PP x DP), before any process starts."""
     argv = without_fp16(SCRIPTS[name].argv(_variables(tmp_path, "corpus_text_document", gpt2_files)))
-    world_size = 8 if name == "megatron-gpt3-175b" else 2
+    world_size = {"megatron-gpt3-175b": 128, "megatron-gpt3-175b-157006d": 128,
+                  "megatron-pretrain-gpt-distributed-with-mp": 4}.get(name, 2)
     if name in REFUSED:
         with pytest.raises(ConfigError) as error:
             _parse(argv, world_size)
@@ -57,9 +62,45 @@ def test_every_script_parses_as_written_or_names_the_missing_feature(name, tmp_p
     config = _parse(argv, world_size)
     assert config.data.vocab_file == gpt2_files["VOCAB_FILE"] and config.data.merge_file == gpt2_files["MERGE_FILE"]
     assert config.train.lr_decay_style == "cosine" and config.train.lr_warmup_fraction is not None
-    assert config.train.adam_beta2 == (0.95 if name == "megatron-gpt3-175b" else 0.999)  # Megatron's default
+    assert config.train.adam_beta2 == (0.95 if name.startswith("megatron-gpt3-175b") else 0.999)  # Megatron's default
     tp = config.parallel.tensor_model_parallel_size
     assert config.parallel.domino_chunks == (2 if tp > 1 else 1)  # as DeepSpeed-Domino, without naming it
+
+
+def _swap(argv, flag, new_flag=None, value=None):
+    """``argv`` with ``flag VALUE`` replaced by ``new_flag value`` (or dropped)."""
+    i = argv.index(flag)
+    return argv[:i] + ([new_flag, value] if new_flag else []) + argv[i + 2:]
+
+
+def _as_samples(argv):
+    """--train-iters 500000 and --lr-decay-iters 430000 as the samples of 1536-sample batches."""
+    argv = _swap(argv, "--train-iters", "--train-samples", str(500000 * 1536))
+    return _swap(argv, "--lr-decay-iters", "--lr-decay-samples", str(430000 * 1536))
+
+
+@pytest.mark.parametrize("name, refusal, fix", [
+    # Megatron 157006d6, arguments.py validate_args: "expected no batch-size rampup for iteration-based training".
+    ("megatron-gpt3-175b-157006d", "--rampup-batch-size needs --train-samples, not --train-iters", _as_samples),
+    # Megatron d98e8a64, arguments.py validate_args: "Cannot specify both --step-batch-size-schedule and
+    # --global-batch-size"; its --train-iters domino refuses too (the learning rate counts samples).
+    ("megatron-gpt3-175b", "--step-batch-size-schedule and --global-batch-size are mutually exclusive",
+     lambda argv: _as_samples(_swap(argv, "--global-batch-size"))),
+])
+def test_the_175b_scripts_batch_flags_meet_megatrons_own_refusals(name, refusal, fix, tmp_path, gpt2_files):
+    """Past pipeline parallelism, both 175B examples stop where Megatron's validate_args stops them; with the
+    change Megatron needs they ramp 16 -> 1536 as Megatron's calculators do (tests/config/test_batch_schedule.py)."""
+    from domino.config.batch_schedule import batch_schedule
+
+    argv = without_fp16(SCRIPTS[name].argv(_variables(tmp_path, "corpus_text_document", gpt2_files)))
+    argv += ["--pipeline-model-parallel-size", "1"]
+    with pytest.raises(ConfigError, match=re.escape(refusal)) as error:
+        _parse(argv, world_size=8)
+    assert "\n" not in str(error.value)
+    schedule = batch_schedule(_parse(fix(argv), world_size=8), data_parallel_size=1)
+    assert schedule.global_batch_size_at(0) == 16 and schedule.global_batch_size == 1536
+    # 2B tokens in: 15 of the ramp's 95 step-ups (one per 61677.6 samples) done; the schedule steps at 2.4B.
+    assert schedule.global_batch_size_at(2 * 10**9 // 2048) == (256 if name.endswith("157006d") else 16)
 
 
 def test_size_overrides_win(tmp_path, gpt2_files):
@@ -147,7 +188,8 @@ def test_refused_script_fails_on_every_rank_with_one_line(tmp_path, corpus_prefi
                           timeout=300)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("domino pretrain: error:")]
-    assert len(lines) == 2 and all("pipeline parallelism: not supported" in line for line in lines)  # one per rank
+    assert len(lines) == 2 and all("checkpoints of pipeline stages are not supported yet" in line
+                                   for line in lines)  # one per rank
     assert not re.search(r'File ".*/domino/', proc.stderr)  # no traceback through domino's code
     assert "torch.distributed initialised" not in proc.stderr  # refused before any work
 
