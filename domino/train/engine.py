@@ -251,12 +251,15 @@ def deepspeed_config(config: DominoConfig) -> Dict[str, Any]:
         # fp32 gradient partitions (deepspeed 0.19.8, runtime/engine.py `_do_optimizer_sanity_check` and
         # `_configure_zero_optimizer`). Without it bf16 gradients accumulate in bf16 and lose small updates.
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
-        if zero_stage(config) == 1:
-            # BF16_Optimizer all-reduces its accumulated fp32 gradient buffers once per step; DeepSpeed casts
-            # them to bf16 for it unless told otherwise (runtime/engine.py, `communication_data_type`: bf16 when
-            # bf16 is enabled and the key unset), rounding away what the fp32 accumulation kept. (ZeRO 2 reduces
-            # each micro-batch's bf16 gradients before accumulating them: nothing is lost there in bf16.)
-            ds["communication_data_type"] = "fp32"
+        # The data-parallel sums in fp32 too: DeepSpeed reduces in bf16 unless told otherwise (runtime/engine.py,
+        # `communication_data_type`: bf16 when bf16 is enabled and the key unset). ZeRO 1's BF16_Optimizer would
+        # round its accumulated fp32 buffers to bf16 for the all-reduce; ZeRO 2 reduces each micro-batch's bf16
+        # gradients as they come and adds the fp32 result to its fp32 partition (runtime/zero/stage_1_and_2.py,
+        # `_add_full_reduction_to_compact_grad_partition`), where a bf16 reduction would round every partial sum
+        # of the ranks' gradients. Megatron-LM reduces bf16 gradients in fp32 unless `--grad-reduce-in-bf16`
+        # (which its examples/llama/train_llama3_8b_h100_fp8.sh at 157006d opts into); ZeRO 2 sends twice the
+        # bytes for it.
+        ds["communication_data_type"] = "fp32"
     if t.deepspeed_config:
         try:
             with open(t.deepspeed_config) as f:

@@ -159,10 +159,9 @@ class _Trainer:
         0-d tensor on the device.
 
         Nothing here reads a tensor value on the host (each read would wait for the device to drain): a
-        non-finite loss makes non-finite gradients, and the optimizer skips that update by itself, DeepSpeed's
-        wrappers from their ``overflow`` flag, the plain fused AdamW from ``found_inf``
-        (:func:`engine.flag_overflow`), DeepSpeed's bf16 ZeRO-1 and ZeRO 1/2 optimizers from their own device flag
-        (:mod:`domino.train.bf16_step`, :mod:`domino.train.zero_step`).
+        non-finite loss makes non-finite gradients, and the optimizer skips that update by itself: DeepSpeed's
+        from a device flag (:mod:`~domino.train.bf16_step`, :mod:`~domino.train.zero_step`; fp16 at ZeRO 0 from
+        its ``overflow``), the plain fused AdamW from ``found_inf`` (:func:`engine.flag_overflow`).
         """
         engine, timers = self.engine, self.timers
         per_micro_batch = self.batches.micro_batch_size * self.batches.data_parallel_size
