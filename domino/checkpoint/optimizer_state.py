@@ -124,13 +124,20 @@ def _link_stepped_groups(engine) -> Dict[int, bool]:
     return {id(p): stepped[i] for i, group in enumerate(groups) for p in group}
 
 
-def gather(engine, keep: Callable[[int], bool] = lambda index: True) -> Tuple[TensorsByName, Scalars]:
-    """The optimizer state of the parameters this rank keeps, each as its whole TP-local slices, on the CPU.
+def copy_to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A synchronous fp32 copy on the CPU, sharing no memory with ``tensor`` (the next step updates it in place)."""
+    return tensor.detach().to("cpu", torch.float32, copy=True)
+
+
+def gather(engine, keep: Callable[[int], bool] = lambda index: True,
+           to_host: Callable[[torch.Tensor], torch.Tensor] = copy_to_cpu) -> Tuple[TensorsByName, Scalars]:
+    """The optimizer state of the parameters this rank keeps, each as its whole TP-local slices, on the host.
 
     Collective over each data-parallel group: with ZeRO every rank of the group takes part in every parameter's
     gathering (its fragments are summed over the group), and every rank could keep the result. ``keep(index)``
     (the parameter's position in :func:`trainable`) chooses which to keep, so the replicas of a group can share
-    the writing and each hold only its share on the host.
+    the writing and each hold only its share on the host. ``to_host`` makes each kept fp32 host copy (an
+    asynchronous save passes one into pinned memory that does not wait for the device).
     """
     optimizer, tensors = _base_optimizer(engine), {}
     zero = _zero_like(engine)
@@ -150,7 +157,7 @@ def gather(engine, keep: Callable[[int], bool] = lambda index: True) -> Tuple[Te
             values = [param.detach()] + [entry.get(key, torch.zeros_like(param)) for key in STATE_KEYS[1:]]
         if keep(index):
             for key, value in zip(STATE_KEYS, values):
-                tensors[f"{key}.{name}"] = value.detach().to("cpu", torch.float32, copy=True)
+                tensors[f"{key}.{name}"] = to_host(value.detach().to(torch.float32))
     return tensors, Scalars(_step_count(optimizer), _loss_scaler_fields(engine))
 
 

@@ -16,11 +16,12 @@ allocations) are in :mod:`domino.config.memory_formulas`, the pipeline schedule'
   recomputed block: ``(c - 1) stored + peak`` of one chunk. The embedding's mask counts on the first stage for
   each micro-batch in flight, the final norm and the logits on the last stage for one (its forward is followed by
   that micro-batch's backward).
-* **the peak**: weights, optimizer state, logits, buffers and DeepSpeed's buffers, plus the larger of (the
-  activations at their peak and the gradients backward makes first) and (all gradients and the activations alive
-  at the stage's second backward, :func:`~domino.config.pipeline_schedule.chunks_beside_gradients`): gradients
+* **the peak**: weights, optimizer state, logits, buffers and DeepSpeed's buffers, plus the largest of (the
+  activations at their peak and the gradients backward makes first), (all gradients and the activations alive
+  at the stage's second backward, :func:`~domino.config.pipeline_schedule.chunks_beside_gradients`: gradients
   accumulate over a step's micro-batches, so every backward but the first runs beside them; with one micro-batch
-  and one stage there is no second. A GPU's figure is its stage's; the layout's is the largest stage's, and
+  and one stage there is no second) and, for a pipelined step with DP > 1, (all gradients twice: domino averages
+  them over the replicas through one flat copy, ``domino/train/pipeline_step.py``). A GPU's figure is its stage's; the layout's is the largest stage's, and
   ``fits`` reads that one.
 * **step time**: training FLOPs per token x tokens per step / (GPUs x peak TFLOP/s x MFU), the MFU being that of
   the busy time, divided by ``1 - bubble`` (:func:`~domino.config.pipeline_schedule.bubble_fraction`).
@@ -76,6 +77,9 @@ class Estimate:
     first_gradients: float = 0.0
     activations_beside_gradients: float = 0.0
     """Activations alive at the stage's second backward, beside the first one's gradients (0: a single backward)."""
+    step_gradient_copy: float = 0.0
+    """Another copy of the gradients at the optimizer step, after the activations are gone: the flat data-parallel
+    all-reduce of a pipelined step (``domino.train.pipeline_step.average_over_data_parallel``), with DP > 1."""
     stage: int = 0
     """The pipeline rank whose figures these are (the one that needs the most memory)."""
     stage_totals: List[float] = field(default_factory=list)
@@ -94,7 +98,7 @@ class Estimate:
     def total(self) -> float:
         """The peak, bytes (see the module doc)."""
         overlapping = max(self.activations + self.first_gradients,
-                          self.activations_beside_gradients + self.gradients)
+                          self.activations_beside_gradients + self.gradients, self.gradients + self.step_gradient_copy)
         return self.weights + self.optimizer + self.logits + self.buffers + self.deepspeed + overlapping
 
     @property
@@ -190,6 +194,7 @@ def _stage(config: DominoConfig, layout: Layout, shape: ModelShape, rank: int, m
         activations=alive(in_flight), activations_beside_gradients=alive(beside) if beside else 0.0,
         logits=logits_bytes(shape, layout, act, device) if last else 0.0,
         buffers=buckets + qkv_copies + rng_record_bytes(layers, layout) + p2p,
+        step_gradient_copy=params * grad_b if p > 1 and dp > 1 else 0.0,
         first_gradients=min(gradients, made_first))
 
 

@@ -270,6 +270,10 @@ class CheckpointConfig:
     """Directory to resume from (its latest checkpoint); starts fresh when it holds none."""
     keep_last: Optional[int] = None
     """Keep only this many most recent checkpoints."""
+    async_save: bool = False
+    """Write checkpoints in the background while training goes on (Megatron's flag): the step pays only for
+    copying the state to host memory; the checkpoint is committed (and `latest` moved) at a later step, once
+    every rank's files are durable. At most one save is in flight; SIGTERM and the end of training wait for it."""
     finetune: bool = False
     """With --load: take the model weights only and start at iteration 0 (warm start)."""
     no_load_optim: bool = False

@@ -14,8 +14,9 @@ from domino.config.validate import ConfigError, check_tensor_parallel_size, data
 
 
 def _peak_chunks_in_torchs_table(name: str, p: int, m: int, v: int) -> list:
-    """Per rank, the most forwards without their backward yet in torch's own schedule (the action lists its
-    Schedule1F1B / ScheduleInterleaved1F1B run, built by torch's schedule visualiser without processes)."""
+    """Per rank, the most forwards without their backward yet in torch's own schedule table (``pipeline_order`` of
+    Schedule1F1B / ScheduleInterleaved1F1B, built by torch's schedule visualiser without processes; the
+    interleaved runtime executes that table)."""
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     out = []
@@ -214,3 +215,20 @@ def test_cli_lists_a_pipeline_first_where_every_one_stage_layout_needs_full_reco
                e["layout"]["recompute"]) for e in out["layouts_that_fit"]]
     assert listed[0] == (2, 8, "none")
     assert {recompute for pp, _, recompute in listed if pp == 1} == {"full"}
+
+
+def test_a_pipelined_step_with_replicas_holds_the_gradients_twice():
+    """domino averages a pipelined stage's gradients over the data-parallel replicas through one flat copy
+    (domino/train/pipeline_step.py) after the schedule: with small activations that is the stage's peak."""
+    config = _tiny()
+    config.model.seq_length, config.train.micro_batch_size = 4, 1
+    layout = Layout(data_parallel_size=2, zero_stage=0, micro_batch_size=1, pipeline_model_parallel_size=2)
+    est = estimate_layout(config, layout, device="cpu")
+    assert est.gradients > est.activations
+    assert est.step_gradient_copy == est.gradients
+    assert est.total == est.weights + est.optimizer + est.logits + est.buffers + est.deepspeed + 2 * est.gradients
+    one_replica = estimate_layout(config, Layout(zero_stage=0, micro_batch_size=1, pipeline_model_parallel_size=2),
+                                  device="cpu")
+    no_pipeline = estimate_layout(config, Layout(data_parallel_size=2, zero_stage=0, micro_batch_size=1),
+                                  device="cpu")
+    assert one_replica.step_gradient_copy == no_pipeline.step_gradient_copy == 0
