@@ -14,8 +14,9 @@ from domino.config.validate import ConfigError, check_tensor_parallel_size, data
 
 
 def _peak_chunks_in_torchs_table(name: str, p: int, m: int, v: int) -> list:
-    """Per rank, the most forwards without their backward yet in torch's own schedule (the action lists its
-    Schedule1F1B / ScheduleInterleaved1F1B run, built by torch's schedule visualiser without processes)."""
+    """Per rank, the most forwards without their backward yet in torch's own schedule table (``pipeline_order`` of
+    Schedule1F1B / ScheduleInterleaved1F1B, built by torch's schedule visualiser without processes; the
+    interleaved runtime executes that table)."""
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     out = []
