@@ -10,7 +10,7 @@ included. The cost of one save is the time of the iterations from the first save
 (the last holds the final save) minus the same iterations without saving, divided by the saves among them;
 "on the training thread" is the part of it spent inside the saver (``save``, ``poll``, ``wait``).
 
-    python benchmarks/async_save.py [--iters 19] [--save-at 6] [--repeats 3] [--json]
+    python benchmarks/async_save.py [--iters 13] [--save-at 4] [--repeats 3] [--json]
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def _state_mb(config_args: List[str]) -> float:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=19)
-    parser.add_argument("--save-at", type=int, default=6)
+    parser.add_argument("--iters", type=int, default=13)
+    parser.add_argument("--save-at", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

@@ -5,6 +5,8 @@
    save is almost always in flight): each run but the last gets SIGKILLs at a random moment (seeded: a
    random delay after its second new iteration, then its ranks in a random order, a random 0-100 ms apart),
    and the next run resumes from what the kill left. The last one trains to the end.
+3. The same job continued to 10 iterations with a full disk on rank 1 (``RLIMIT_FSIZE``): its background
+   write of iteration 9 fails there.
 
 Per kill the state on disk is recorded (``latest``, the directories, whether each checkpoint directory passes a
 full CRC check); per run its losses and log lines.
@@ -96,4 +98,16 @@ def run(zygote, out, seeds: str) -> dict:
                                 for m in re.finditer(r"(iteration)\s+(\d+)/|saved checkpoint \S*iter_(\d{7})",
                                                      logs[0])]
         result["runs"].append(run_record)
+    # Then a full disk on rank 1: half of its optimizer file fits (DCP names rank 1's shard-00002-...).
+    limit = next((save / "iter_0000008" / "optimizer").glob("shard-00002-*")).stat().st_size // 2
+    before = {str(p.relative_to(save)): p.read_bytes() for p in (save / "iter_0000008").rglob("*") if p.is_file()}
+    job = zygote.start([*ARGS, "--async-save", "--save", str(save), "--load", str(save), "--train-iters", "10"],
+                       WORLD, out / "logs", env={"DOMINO_TEST_FSIZE_RANK1": str(limit)})
+    status = job.wait(120)
+    after = {str(p.relative_to(save)): p.read_bytes() for p in (save / "iter_0000008").rglob("*") if p.is_file()}
+    logs = [job.log(r) for r in range(WORLD)]
+    result["disk_full"] = {"status": status, "after": _disk_state(save), "unchanged": before == after,
+                           "errors": [[line for line in log.splitlines() if line.startswith("domino pretrain: error:")]
+                                      for log in logs],
+                           "tracebacks": ["Traceback" in log for log in logs]}
     return result

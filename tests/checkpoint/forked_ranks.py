@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import resource
 import signal
 import socket
 import sys
@@ -84,7 +85,11 @@ class Zygote:
 
     def start(self, args: Sequence[str], world_size: int, log_dir: Path,
               env: Optional[Dict[str, str]] = None) -> Job:
-        """Forks ``world_size`` ranks running ``domino pretrain ARGS``; their output goes to ``log_dir``."""
+        """Forks ``world_size`` ranks running ``domino pretrain ARGS``; their output goes to ``log_dir``.
+
+        ``env`` is added to each rank's environment; ``DOMINO_TEST_FSIZE_RANK<r>=BYTES`` in it makes rank r
+        unable to write files larger than BYTES (``RLIMIT_FSIZE``, SIGXFSZ ignored), as on a full disk.
+        """
         self.runs += 1
         log_dir.mkdir(parents=True, exist_ok=True)
         port, pids, logs = _free_port(), [], []
@@ -105,6 +110,10 @@ class Zygote:
             os.dup2(fd, 2)
             os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                               LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            limit = env.get(f"DOMINO_TEST_FSIZE_RANK{rank}")
+            if limit:  # a full disk, as tests/train/rank_faults.py makes one: writes past it fail with EFBIG
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), int(limit)))
             from domino.cli.main import main
 
             main(["pretrain", *args])

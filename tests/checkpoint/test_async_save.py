@@ -8,7 +8,8 @@ below) while saves are in flight, each resumed by the next. The tests read what 
 * after every kill, ``latest`` names an intact checkpoint, no checkpoint under its final name is torn, and
   the next run resumes from the checkpoint ``latest`` names, the newest complete one, repeating the
   reference's losses bit for bit;
-* training went on while a checkpoint was written (a commit is logged after a later iteration).
+* training went on while a checkpoint was written (a commit is logged after a later iteration);
+* a background write failing on one rank (a full disk) stops every rank with the same one-line error.
 """
 
 from __future__ import annotations
@@ -111,3 +112,18 @@ def test_training_goes_on_while_a_checkpoint_is_written(scenario):
             elif stepped > number:
                 later.append((number, stepped))
     assert later, [r["events"] for r in scenario["runs"]]
+
+
+def test_a_background_write_failing_on_one_rank_stops_every_rank_with_one_line(scenario):
+    """A full disk on rank 1 while iteration 9 is written in the background: at a later step every rank exits
+    with the same agreed line naming rank 1, and the previous checkpoint and ``latest`` stay as they were."""
+    full, save = scenario["disk_full"], scenario["out"] / "async"
+    assert full["status"] == [2, 2], full
+    (line,), (other,) = full["errors"]
+    assert line == other
+    assert "rank 1 (node " in line and "rank 0 (node " not in line
+    assert "failed while saving checkpoint iter_0000009 (optimizer state)" in line and "File too large" in line
+    assert f"`latest` in {save} names iter_0000008: a restart resumes from it" in line
+    assert full["tracebacks"] == [False, False]
+    assert full["after"]["latest"] == "iter_0000008" and full["unchanged"]
+    assert not [n for n in full["after"]["names"] if n.startswith(".")]  # the temporary directory was removed
