@@ -10,7 +10,9 @@ are compared with :func:`domino.config.estimate.estimate_layout` (``device="cpu"
 
 A second table does the same for each activation-recompute setting of one config (dropout on): the forward
 keeps less, and the peak moves into backward, where one recomputed group is alive at a time. A third measures
-that config per TP rank at TP=2 (two gloo processes): plain TP, Domino, sequence parallelism, recompute.
+that config per TP rank at TP=2 (two gloo processes): plain TP, Domino, sequence parallelism, recompute. A fourth
+measures the peak of each stage of 1F1B at PP=2 (the same two processes, ``StageSchedule``, no dropout) against
+the estimate's per-stage totals.
 
 Memory is deterministic, so one run suffices. Usage::
 
@@ -33,7 +35,7 @@ from domino.config import DominoConfig, ModelConfig
 from domino.config.estimate import Layout, estimate_layout
 from domino.model.recompute import RecomputePlan
 from domino.runtime import state
-from domino.train.memory_probe import measure_training_memory
+from domino.train.memory_probe import measure_pipeline_training_memory, measure_training_memory
 
 CONFIGS = [
     # (layers, hidden, heads, seq, micro-batch, vocab, hidden dropout, attention dropout)
@@ -92,19 +94,45 @@ def _tp2_worker(rank, port, out_dir):
     for name, (chunks, sp, plan) in TP_SETTINGS.items():
         row = check(*RECOMPUTE_CONFIG, plan=plan, tp=2, chunks=chunks, sp=sp)
         rows.append(dict(row, config=name))
-    if rank == 0:
-        torch.save(rows, os.path.join(out_dir, "rows.pt"))
+    state.initialize_model_parallel(1, pipeline_model_parallel_size=2)
+    stages = [measure_pipeline_training_memory(ModelConfig(**PIPELINE_MODEL), PIPELINE_MODEL["vocab_size"], micro,
+                                               count) for micro, count in PIPELINE_RUNS]
+    torch.save((rows, stages), os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def tensor_parallel_rows() -> list:
-    """The TP=2 settings, measured on rank 0 of two gloo processes."""
+#: The pipeline runs: 4 layers without dropout, (micro-batch, micro-batches per step).
+PIPELINE_MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=512,
+                      make_vocab_size_divisible_by=1, hidden_dropout=0.0, attention_dropout=0.0)
+PIPELINE_RUNS = [(2, 4), (4, 2), (1, 8)]
+
+
+def pipeline_rows(measured) -> list:
+    """Per PP run and stage: the measured peak against the estimate's stage total."""
+    rows = []
+    config = DominoConfig()
+    config.model = ModelConfig(**PIPELINE_MODEL)
+    for run, (micro, count) in enumerate(PIPELINE_RUNS):
+        config.train.micro_batch_size, config.train.global_batch_size = micro, micro * count
+        est = estimate_layout(config, Layout(micro_batch_size=micro, zero_stage=0, pipeline_model_parallel_size=2),
+                              device="cpu")
+        for stage in range(2):
+            peak = measured[stage][run]
+            rows.append({"config": f"PP2 stage {stage}, b{micro} x {count} micro-batches", "forward_mib": None,
+                         "peak_mib": peak / 2**20, "peak_est_mib": est.stage_totals[stage] / 2**20,
+                         "peak_error": est.stage_totals[stage] / peak - 1})
+    return rows
+
+
+def two_process_rows() -> tuple:
+    """The TP=2 settings, measured on rank 0 of two gloo processes, and the PP=2 runs' rows."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_tp2_worker, args=(port, out_dir), nprocs=2, join=True, start_method="spawn")
-        return torch.load(os.path.join(out_dir, "rows.pt"))
+        ranks = [torch.load(os.path.join(out_dir, f"rank{rank}.pt")) for rank in range(2)]
+    return ranks[0][0], pipeline_rows([stages for _, stages in ranks])
 
 
 def main() -> None:
@@ -114,9 +142,9 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = [check(*c) for c in CONFIGS]
     recompute = [dict(check(*RECOMPUTE_CONFIG, plan=plan), config=name) for name, plan in RECOMPUTE.items()]
-    tp2 = tensor_parallel_rows()
+    tp2, pp2 = two_process_rows()
     if args.json:
-        print(json.dumps({"configs": rows, "recompute": recompute, "tp2_rank0": tp2}, indent=2))
+        print(json.dumps({"configs": rows, "recompute": recompute, "tp2_rank0": tp2, "pp2_stages": pp2}, indent=2))
         return
     _table(rows)
     layers, hidden, heads, seq = RECOMPUTE_CONFIG[:4]
@@ -125,13 +153,16 @@ def main() -> None:
     _table(recompute, peak_only=True)
     print("\nsame config at TP=2, rank 0 of 2 gloo processes (peak only):")
     _table(tp2, peak_only=True)
+    print("\n1F1B at PP=2, each stage of 2 gloo processes, L4 h64 a4 s128 V512, no dropout (peak only):")
+    _table(pp2, peak_only=True)
 
 
 def _table(rows, peak_only: bool = False) -> None:
     print(f"{'config':44s} {'fwd MiB':>8s} {'est':>8s} {'err':>7s} {'peak MiB':>9s} {'est':>8s} {'err':>7s}")
     for r in rows:
         forward = ("" if peak_only else f"{r['forward_est_mib']:8.2f} {r['forward_error']:+7.1%}").rjust(16)
-        print(f"{r['config']:44s} {r['forward_mib']:8.2f} {forward} "
+        measured = "-" if r["forward_mib"] is None else f"{r['forward_mib']:.2f}"
+        print(f"{r['config']:44s} {measured:>8s} {forward} "
               f"{r['peak_mib']:9.2f} {r['peak_est_mib']:8.2f} {r['peak_error']:+7.1%}")
     worst = max(max(0 if peak_only else abs(r["forward_error"]), abs(r["peak_error"])) for r in rows)
     print(f"largest error: {worst:.1%}")

@@ -9,12 +9,14 @@ For PP = 2 and 4 and m = 4, 8, 16 micro-batches per step it prints the share of 
   ``ScheduleInterleaved1F1B`` its ``pipeline_order``, the table its runtime executes), replayed with a forward of
   one chunk taking 1 time unit, its backward 2 (Megatron's assumption t_b = 2 t_f) and communication none: what
   the order alone costs, against the formula's ideal;
-* **measured** (1F1B only, ``--measure``: domino runs no interleaved schedule yet): domino's
-  :class:`domino.pipeline.schedule.StageSchedule` on gloo processes (one thread each) with a tiny GPT of 4 layers;
-  per rank ``1 - busy / step`` where busy is the time inside the stage's ``forward_one_chunk`` and
-  ``backward_one_chunk`` (torch's per-micro-batch compute; the waits for point-to-point transfers are outside
-  them), the mean over ranks and the timed steps. On a CPU with fewer cores than processes the ranks share cores:
-  the measured figure then also holds time a rank waited for a core.
+* **measured** (``--measure``, PP 2 only: two processes are what the 2-core development machine holds without
+  ranks waiting for a core): a tiny GPT of 4 layers on gloo processes (one thread each), 1F1B through domino's
+  :class:`domino.pipeline.schedule.StageSchedule`, interleaved through torch's ``ScheduleInterleaved1F1B`` over
+  the same model cut by :func:`domino.pipeline.stages.split_model` into ``p v`` virtual stages, chunk ``c`` of rank
+  ``r`` being virtual stage ``c p + r`` (domino's training loop runs no interleaved schedule yet); per rank
+  ``1 - busy / step`` where busy is the time inside the stages' ``forward_one_chunk`` and ``backward_one_chunk``
+  (torch's per-micro-batch compute; the waits for point-to-point transfers are outside them), the mean over ranks
+  and the timed steps.
 
     python benchmarks/pipeline_bubble.py [--measure] [--steps 3] [--json]
 """
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from domino.config.pipeline_schedule import bubble_fraction  # noqa: E402
 
 STAGES, MICROBATCHES, CHUNKS = (2, 4), (4, 8, 16), 2
+MEASURED_STAGES = (2,)  # what --measure runs (see the module doc)
 FORWARD, BACKWARD = 1.0, 2.0  # time units of one chunk's forward and backward in the replay
 LAYERS, HIDDEN, HEADS, SEQ, MICRO, VOCAB = 4, 256, 4, 128, 2, 512  # the measured model
 
@@ -88,55 +91,88 @@ def replay(orders: List[List[Tuple[str, int, int]]], num_stages: int) -> float:
     return statistics.mean(1 - b / span for b in busy)
 
 
-def _measure_rank(rank: int, world: int, port: int, m: int, steps: int, out: str) -> None:
+def _stages(rank: int, world: int, m: int, chunks: int):
+    """``(stages to time, run one step)`` for this rank: domino's 1F1B StageSchedule, or with ``chunks`` > 1 torch's
+    interleaved schedule over ``chunks`` virtual stages of the same model."""
+    import copy
+
+    import torch
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    from domino.config import ModelConfig
+    from domino.model import GPTModel
+    from domino.pipeline.schedule import StageSchedule, masked_mean_loss
+    from domino.pipeline.stages import split_model
+    from domino.runtime import state
+
+    torch.manual_seed(0)
+    config = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
+                         hidden_dropout=0.0, attention_dropout=0.0)
+    whole = GPTModel(config, VOCAB)
+    g = torch.Generator().manual_seed(1)
+    tokens, labels = (torch.randint(0, VOCAB, (m * MICRO, SEQ), generator=g) for _ in range(2))
+    mask, positions = torch.ones(m * MICRO, SEQ), torch.arange(SEQ).expand(m * MICRO, SEQ)
+    if chunks == 1:
+        pipeline = StageSchedule(split_model(whole, rank, world), num_microbatches=m, micro_batch_size=MICRO,
+                                 seq_length=SEQ, hidden_size=HIDDEN)
+        return [pipeline.stage], lambda: pipeline.train_step(tokens, labels, mask)
+    total, group = world * chunks, state.get_pipeline_model_parallel_group()
+    hidden = torch.empty(MICRO, SEQ, HIDDEN, device="meta", requires_grad=True)
+    stages = []
+    for index in (c * world + rank for c in range(chunks)):  # torch's loop placement: stage k on rank k mod p
+        inputs = torch.empty(MICRO, SEQ, dtype=torch.long, device="meta") if index == 0 else hidden
+        outputs = torch.empty(MICRO, SEQ, device="meta") if index == total - 1 else hidden
+        stages.append(PipelineStage(split_model(copy.deepcopy(whole), index, total), index, total,
+                                    torch.device("cpu"), input_args=(inputs,), output_args=(outputs,), group=group))
+    schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=masked_mean_loss)
+    first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
+    kwargs = dict(position_ids=positions, **({"labels": labels} if last else {}))
+
+    def step():
+        schedule.step(*((tokens,) if first else ()), **({"target": mask, "losses": []} if last else {}), **kwargs)
+
+    return stages, step
+
+
+def _measure_rank(rank: int, world: int, port: int, m: int, chunks: int, steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from domino.config import ModelConfig
-    from domino.model import GPTModel
-    from domino.pipeline.schedule import StageSchedule
-    from domino.pipeline.stages import split_model
     from domino.runtime import state
 
     state.initialize_model_parallel(1, pipeline_model_parallel_size=world)
-    torch.manual_seed(0)
-    config = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
-                         hidden_dropout=0.0, attention_dropout=0.0)
-    model = split_model(GPTModel(config, VOCAB), rank, world)
-    pipeline = StageSchedule(model, num_microbatches=m, micro_batch_size=MICRO, seq_length=SEQ, hidden_size=HIDDEN)
+    stages, step = _stages(rank, world, m, chunks)
     busy = [0.0]
-    for name in ("forward_one_chunk", "backward_one_chunk"):  # time torch's per-micro-batch compute
-        inner = getattr(pipeline.stage, name)
+    for stage in stages:
+        for name in ("forward_one_chunk", "backward_one_chunk"):  # time torch's per-micro-batch compute
+            inner = getattr(stage, name)
 
-        def timed(*args, _inner=inner, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _inner(*args, **kwargs)
-            finally:
-                busy[0] += time.perf_counter() - start
+            def timed(*args, _inner=inner, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _inner(*args, **kwargs)
+                finally:
+                    busy[0] += time.perf_counter() - start
 
-        setattr(pipeline.stage, name, timed)
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (m * MICRO, SEQ), generator=g)
-    labels, mask = torch.randint(0, VOCAB, (m * MICRO, SEQ), generator=g), torch.ones(m * MICRO, SEQ)
+            setattr(stage, name, timed)
     shares = []
-    for step in range(steps + 1):  # the first step warms up (allocations, gloo pairs)
+    for n in range(steps + 1):  # the first step warms up (allocations, gloo pairs)
         dist.barrier()
         busy[0], start = 0.0, time.perf_counter()
-        pipeline.train_step(tokens, labels, mask)
+        step()
         dist.barrier()
         wall = time.perf_counter() - start
-        if step:
+        if n:
             shares.append(1 - busy[0] / wall)
     torch.save(shares, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def measure(p: int, m: int, steps: int) -> float:
-    """Mean over ranks and timed steps of domino's measured 1F1B idle share (see the module doc)."""
+def measure(p: int, m: int, chunks: int, steps: int) -> float:
+    """Mean over ranks and timed steps of the measured idle share (see the module doc)."""
     import torch
     import torch.multiprocessing as mp
 
@@ -144,7 +180,7 @@ def measure(p: int, m: int, steps: int) -> float:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_measure_rank, args=(p, port, m, steps, out), nprocs=p, join=True)
+        mp.spawn(_measure_rank, args=(p, port, m, chunks, steps, out), nprocs=p, join=True)
         return statistics.mean(x for r in range(p) for x in torch.load(os.path.join(out, f"rank{r}.pt")))
 
 
@@ -162,8 +198,9 @@ def main() -> None:
                    "1f1b_schedule": replay([one_f_one_b_order(p, m, r) for r in range(p)], p),
                    "interleaved_formula": bubble_fraction(p, m, CHUNKS),
                    "interleaved_schedule": replay(interleaved_order(p, m, CHUNKS), p * CHUNKS)}
-            if args.measure:
-                row["1f1b_measured"] = measure(p, m, args.steps)
+            if args.measure and p in MEASURED_STAGES:
+                row["1f1b_measured"] = measure(p, m, 1, args.steps)
+                row["interleaved_measured"] = measure(p, m, CHUNKS, args.steps)
             rows.append(row)
     if args.json:
         print(json.dumps({"chunks_per_stage": CHUNKS, "cores": os.cpu_count(), "load_average": os.getloadavg(),
@@ -171,14 +208,13 @@ def main() -> None:
         return
     if args.measure:
         print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end of the measurements")
-    measured = " | 1F1B measured" if args.measure else ""
-    print(f"| PP | m | 1F1B formula | 1F1B schedule | interleaved v={CHUNKS} formula | interleaved schedule{measured} |")
-    print("|---|---|---|---|---|---|" + ("---|" if args.measure else ""))
+    columns = ["1f1b_formula", "1f1b_schedule"] + (["1f1b_measured"] if args.measure else []) + [
+        "interleaved_formula", "interleaved_schedule"] + (["interleaved_measured"] if args.measure else [])
+    print("| PP | m | " + " | ".join(c.replace("1f1b", "1F1B").replace("interleaved", f"interleaved v={CHUNKS}")
+                                    .replace("_", " ") for c in columns) + " |")
+    print("|---|---|" + "---|" * len(columns))
     for row in rows:
-        cells = [f"{row[k]:.3f}" for k in ("1f1b_formula", "1f1b_schedule", "interleaved_formula",
-                                          "interleaved_schedule")]
-        if args.measure:
-            cells.append(f"{row['1f1b_measured']:.3f}")
+        cells = [f"{row[c]:.3f}" if c in row else "-" for c in columns]
         print(f"| {row['pp']} | {row['micro_batches']} | " + " | ".join(cells) + " |")
 
 

@@ -13,8 +13,11 @@ Layout of a save root (model weights and ``checkpoint.json`` are ``domino.checkp
 (DeepSpeed's fp16 optimizer without ZeRO keeps format 1's ``optim/rank_00003.pt`` instead of ``optimizer/``:
 this rank's state, read back on the same layout only.)
 
-Every rank writes into ``DIR/.tmp-iter_0000100``; once all ranks agree that their writes succeeded, rank 0
-renames it into place and only then moves ``latest``. A kill at any moment, or a failed write on any rank
+A save is three phases: every rank takes a :class:`Snapshot` of its part (the optimizer state gathered and
+copied to the host), writes it into ``DIR/.tmp-iter_0000100``, and once all ranks agree that their writes
+succeeded, rank 0 seals and renames it into place and only then moves ``latest`` (:func:`commit`).
+:func:`save_checkpoint` runs them in a row; ``--async-save`` (:mod:`domino.checkpoint.async_save`) writes in
+the background while training goes on. A kill at any moment, or a failed write on any rank
 (disk full), therefore leaves the previous checkpoint intact and pointed to. Nothing saved needs unpickling
 to be read back: safetensors, JSON, and plain tensors and numbers for ``torch.load(weights_only=True)``.
 """
@@ -26,8 +29,9 @@ import os
 import shutil
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,7 +45,7 @@ from domino.runtime.agreement import AgreedFailure, agree
 
 logger = logging.getLogger(__name__)
 
-def collective(step: str, fn):
+def collective(step: str, fn, group=None):
     """Runs ``fn``, a step made of collectives that fail on every rank alike, and turns a failure into the same
     one-line :class:`AgreedFailure` on every rank, naming the ranks that failed, as :func:`agree` does.
 
@@ -54,8 +58,7 @@ def collective(step: str, fn):
     try:
         result, error = fn(), None
     except CheckpointException as caught:
-        own = caught.failures.get(dist.get_rank() if dist.is_initialized() else 0)
-        result, error = None, (own[0] if own else None)
+        result, error = None, own_failure(caught)
     except Exception as caught:  # noqa: BLE001  (re-raised inside the agreement, which names it per rank)
         result, error = None, caught
 
@@ -64,7 +67,7 @@ def collective(step: str, fn):
             raise error
         return result
 
-    return agree(step, report)
+    return agree(step, report, group=group)
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
@@ -114,11 +117,175 @@ def _whole_model_shard(module: torch.nn.Module) -> Optional[Dict[str, torch.Tens
     if group is None:
         return module.state_dict()  # save_model_shard copies it to the host
     shared = {name for name, p in module.named_parameters() if stored_name(name, p) != name}
-    local = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items() if k not in shared}
+    local = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in module.state_dict().items() if k not in shared}
     first = dist.get_global_rank(group, 0)
     parts = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
     dist.gather_object(local, parts, dst=first, group=group)  # each stage's slice, onto the first stage's host
     return {k: v for part in parts for k, v in part.items()} if parts is not None else None
+
+
+@dataclass
+class Snapshot:
+    """This rank's part of one checkpoint, copied off the training buffers: everything its writer needs."""
+
+    tag: str
+    tmp: Path
+    """The temporary directory every rank writes into (``DIR/.tmp-iter_NNNNNNN``)."""
+    final: Path
+    iteration: int
+    rng: Dict[str, Any]
+    """This rank's RNG states."""
+    model: Optional[Dict[str, torch.Tensor]] = None
+    """The model's state dict (data-parallel rank 0 of each tensor-parallel group writes it)."""
+    model_is_copy: bool = False
+    """Whether ``model`` holds host copies of its own (an asynchronous save) or the live tensors."""
+    optimizer: Optional[Dict[str, torch.Tensor]] = None
+    """This rank's share of the optimizer state by name (None: the per-rank format, or nothing to write)."""
+    per_rank_optimizer: Optional[Dict[str, Any]] = None
+    """Format 1's optimizer state of this rank (DeepSpeed's fp16 optimizer without ZeRO)."""
+    meta: Optional[Dict[str, Any]] = None
+    """``checkpoint.json`` (rank 0)."""
+    tokenizer: Any = None
+    """Saved into the checkpoint (rank 0)."""
+    copied: Optional[Callable[[], None]] = None
+    """Waits until asynchronous device-to-host copies into the fields above have landed."""
+
+
+def _paths(config: DominoConfig, iteration: int):
+    root = Path(config.checkpoint.save)
+    tag = on_disk.checkpoint_tag(iteration)
+    return root, tag, root / f".tmp-{tag}", root / tag
+
+
+def empty_snapshot(config: DominoConfig, iteration: int) -> Snapshot:
+    """A snapshot of ``iter_{iteration}`` holding nothing yet: its names, for :func:`discard`."""
+    _, tag, tmp, final = _paths(config, iteration)
+    return Snapshot(tag, tmp, final, iteration, {})
+
+
+def prepare(config: DominoConfig, iteration: int, engine, group=None) -> None:
+    """Rank 0 creates the empty temporary directory of ``iter_{iteration}``, removing leftovers (agreed)."""
+    root, tag, tmp, _ = _paths(config, iteration)
+    by_name = optimizer_state.supports(engine)
+
+    def make() -> None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a run killed mid-save
+            (tmp / (on_disk.OPTIMIZER_DIR if by_name else on_disk.LEGACY_OPTIMIZER_DIR)).mkdir(parents=True)
+            (tmp / "rng").mkdir()
+
+    agree(f"saving checkpoint {tag} (preparing {tmp})", make, group=group)
+
+
+def take_snapshot(engine, config: DominoConfig, iteration: int, consumed_samples: int, padded_vocab_size: int,
+                  tokenizer=None, global_batch_size: Optional[int] = None,
+                  to_host: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Snapshot:
+    """This rank's part of checkpoint ``iter_{iteration}`` (collective over each data-parallel group: the
+    optimizer state is gathered from its ZeRO fragments).
+
+    Args:
+        to_host: copies a tensor to host memory the training cannot change; by default the optimizer state is
+            copied synchronously and the model's live tensors are taken as they are (written before the next
+            step). An asynchronous save passes its own, for both.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    snapshot = empty_snapshot(config, iteration)
+    snapshot.rng = per_rank_state.rng_snapshot()
+    scalars = optimizer_state.Scalars()
+    if optimizer_state.supports(engine):
+        # Each data-parallel replica writes (and holds on the host) every DP-size-th parameter's state.
+        dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
+        snapshot.optimizer, scalars = optimizer_state.gather(
+            engine, keep=lambda index: index % dp == dp_rank, to_host=to_host or optimizer_state.copy_to_cpu)
+    else:
+        snapshot.per_rank_optimizer = per_rank_state.optimizer_snapshot(engine)
+        if to_host is not None:
+            snapshot.per_rank_optimizer = _map_tensors(snapshot.per_rank_optimizer, to_host)
+    if state.get_data_parallel_rank() == 0:
+        model = _whole_model_shard(engine.module)  # None on a later pipeline stage: the first one writes it
+        pipelined = state.get_pipeline_model_parallel_world_size() > 1  # then already host copies
+        if model is not None:
+            snapshot.model = model if to_host is None or pipelined else {k: to_host(v) for k, v in model.items()}
+            snapshot.model_is_copy = to_host is not None or pipelined
+    if rank == 0:
+        snapshot.tokenizer = tokenizer
+        snapshot.meta = {
+            "iteration": iteration, "consumed_samples": consumed_samples,
+            "tensor_model_parallel_size": state.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": state.get_pipeline_model_parallel_world_size(),
+            "data_parallel_size": state.get_data_parallel_world_size(),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "global_batch_size": global_batch_size,
+            "optimizer": ({"format": "by-name", **scalars.to_json()} if snapshot.optimizer is not None
+                          else {"format": "per-rank"}),
+            "padded_vocab_size": padded_vocab_size, "tokenizer": config.data.tokenizer,
+            "config": config_to_dict(config),
+        }
+    return snapshot
+
+
+def _map_tensors(value, fn):
+    """``value`` (nested dicts, lists, tuples) with ``fn`` applied to every tensor in it."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value
+
+
+def own_failure(caught: BaseException) -> Optional[BaseException]:
+    """This rank's own error inside DCP's ``CheckpointException`` (raised on every rank when any rank's writes
+    failed, each failed rank's exception in ``failures``: ``torch/distributed/checkpoint/api.py``); None when
+    this rank's part succeeded."""
+    own = caught.failures.get(dist.get_rank() if dist.is_initialized() else 0)
+    return own[0] if own else None
+
+
+def write_optimizer(snapshot: Snapshot, group=None) -> List[Path]:
+    """Writes the optimizer state by name (collective over ``group``, the world's by default); returns this
+    rank's files."""
+    if snapshot.optimizer is None:
+        return []
+    return distributed_io.save(snapshot.tmp / on_disk.OPTIMIZER_DIR, snapshot.optimizer, process_group=group)
+
+
+def write_rest(snapshot: Snapshot, optimizer_files: List[Path]) -> None:
+    """Writes this rank's other files and their manifest part (not collective)."""
+    tmp, rank = snapshot.tmp, dist.get_rank() if dist.is_initialized() else 0
+    written = [tmp / "rng" / f"rank_{rank:05d}.pt", *optimizer_files]
+    if snapshot.model is not None:
+        written.append(on_disk.save_model_shard(tmp, snapshot.model, state.get_tensor_model_parallel_rank(),
+                                                host_copies=snapshot.model_is_copy))
+    _atomic_torch_save(snapshot.rng, written[0])
+    if snapshot.per_rank_optimizer is not None:
+        written.append(tmp / "optim" / f"rank_{rank:05d}.pt")
+        _atomic_torch_save(snapshot.per_rank_optimizer, written[-1])
+    manifest.write_part(tmp, rank, written)  # each rank digests its own files: the work is spread
+    if snapshot.meta is not None:
+        on_disk.write_checkpoint_meta(tmp, snapshot.meta)
+        if snapshot.tokenizer is not None:
+            snapshot.tokenizer.save(str(tmp / "tokenizer"))
+
+
+def discard(snapshot: Snapshot, failure: AgreedFailure, config: DominoConfig) -> AgreedFailure:
+    """Removes a failed save's temporary directory (rank 0) and returns the error to raise, with where a
+    restart resumes."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        shutil.rmtree(snapshot.tmp, ignore_errors=True)  # free the space; the next save starts clean anyway
+    return AgreedFailure(f"{failure}; {resume_hint(config)}")
+
+
+def commit(snapshot: Snapshot, config: DominoConfig, group=None) -> Path:
+    """Seals and commits a checkpoint every rank has written (agreed; rank 0 renames it and moves ``latest``)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    _maybe_slow_down()
+    _maybe_inject_fault("kill-in-save", snapshot.iteration)
+    agree(f"saving checkpoint {snapshot.tag} (committing it)", lambda: _commit(
+        snapshot.tmp, snapshot.final, config, snapshot.iteration) if rank == 0 else None, group=group)
+    return snapshot.final
 
 
 def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_samples: int,
@@ -128,6 +295,7 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
     Three agreed phases (rank 0 prepares the temporary directory; every rank writes its files; rank 0
     commits): a write that fails on any rank (disk full, quota, I/O error) stops every rank with the same
     one-line error, before the commit, so the previous checkpoint and ``latest`` are untouched.
+    :mod:`domino.checkpoint.async_save` runs the same phases with the writing in the background.
 
     Args:
         global_batch_size: samples per iteration, recorded so a resume with another one is refused.
@@ -138,65 +306,22 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
     Raises:
         AgreedFailure: on every rank when any rank's part of the save failed.
     """
-    root = Path(config.checkpoint.save)
-    tag = on_disk.checkpoint_tag(iteration)
-    tmp, final = root / f".tmp-{tag}", root / tag
-    rank = dist.get_rank() if dist.is_initialized() else 0
-
-    by_name = optimizer_state.supports(engine)
-
-    def prepare() -> None:
-        if rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a run killed mid-save
-            (tmp / (on_disk.OPTIMIZER_DIR if by_name else on_disk.LEGACY_OPTIMIZER_DIR)).mkdir(parents=True)
-            (tmp / "rng").mkdir()
-
-    def write_optimizer_state():
-        # Each data-parallel replica writes (and holds on the host) every DP-size-th parameter's state.
-        dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
-        tensors, scalars = optimizer_state.gather(engine, keep=lambda index: index % dp == dp_rank)
-        return distributed_io.save(tmp / on_disk.OPTIMIZER_DIR, tensors), scalars.to_json()
-
-    def write(optimizer_files, scalars) -> None:
-        written = [tmp / "rng" / f"rank_{rank:05d}.pt", *optimizer_files]
-        if state.get_data_parallel_rank() == 0:
-            shard = _whole_model_shard(engine.module)
-            if shard is not None:
-                written.append(on_disk.save_model_shard(tmp, shard, state.get_tensor_model_parallel_rank()))
-        _atomic_torch_save(per_rank_state.rng_snapshot(), written[0])
-        if not by_name:
-            written.append(tmp / "optim" / f"rank_{rank:05d}.pt")
-            _atomic_torch_save(per_rank_state.optimizer_snapshot(engine), written[-1])
-        manifest.write_part(tmp, rank, written)  # each rank digests its own files: the work is spread
-        if rank == 0:
-            on_disk.write_checkpoint_meta(tmp, {
-                "iteration": iteration, "consumed_samples": consumed_samples,
-                "tensor_model_parallel_size": state.get_tensor_model_parallel_world_size(),
-                "pipeline_model_parallel_size": state.get_pipeline_model_parallel_world_size(),
-                "data_parallel_size": state.get_data_parallel_world_size(),
-                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "global_batch_size": global_batch_size,
-                "optimizer": {"format": "by-name", **scalars} if by_name else {"format": "per-rank"},
-                "padded_vocab_size": padded_vocab_size, "tokenizer": config.data.tokenizer,
-                "config": config_to_dict(config),
-            })
-            if tokenizer is not None:
-                tokenizer.save(str(tmp / "tokenizer"))
-
+    snapshot = empty_snapshot(config, iteration)
+    tag = snapshot.tag
     try:
-        agree(f"saving checkpoint {tag} (preparing {tmp})", prepare)
-        optimizer_files, scalars = ([], {}) if not by_name else collective(
-            f"saving checkpoint {tag} (optimizer state)", write_optimizer_state)
-        agree(f"saving checkpoint {tag}", lambda: write(optimizer_files, scalars))
+        prepare(config, iteration, engine)
+
+        def snapshot_and_write_optimizer():
+            nonlocal snapshot
+            snapshot = take_snapshot(engine, config, iteration, consumed_samples, padded_vocab_size, tokenizer,
+                                     global_batch_size)
+            return write_optimizer(snapshot)
+
+        optimizer_files = collective(f"saving checkpoint {tag} (optimizer state)", snapshot_and_write_optimizer)
+        agree(f"saving checkpoint {tag}", lambda: write_rest(snapshot, optimizer_files))
     except AgreedFailure as failure:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # free the space; the next save starts clean anyway
-        raise AgreedFailure(f"{failure}; {resume_hint(config)}") from None
-    _maybe_slow_down()
-    _maybe_inject_fault("kill-in-save", iteration)
-    agree(f"saving checkpoint {tag} (committing it)", lambda: _commit(tmp, final, config, iteration) if rank == 0 else None)
-    return final
+        raise discard(snapshot, failure, config) from None
+    return commit(snapshot, config)
 
 
 def _commit(tmp: Path, final: Path, config: DominoConfig, iteration: int) -> None:

@@ -25,7 +25,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,12 +54,17 @@ class StoredTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _mesh() -> DeviceMesh:
+def _mesh(device_type: Optional[str] = None) -> DeviceMesh:
     """The (data-parallel, tensor-parallel) mesh of this rank's pipeline stage, from the run's existing groups:
-    rank = stage * DP * TP + dp_rank * TP + tp_rank (:mod:`domino.runtime.state`)."""
+    rank = stage * DP * TP + dp_rank * TP + tp_rank (:mod:`domino.runtime.state`).
+
+    ``device_type`` defaults to the collectives' device. ``DTensor.from_local`` moves a local tensor to its mesh's
+    device type (torch 2.13 ``distributed/tensor/_api.py``), so host copies being saved get a ``"cpu"`` mesh: it
+    only describes where each slice lies (DCP's save runs no collective on the mesh's groups).
+    """
     tp, dp = state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size()
     first = state.get_pipeline_model_parallel_rank() * dp * tp
-    device_type = state.collective_device().type
+    device_type = device_type or state.collective_device().type
     return DeviceMesh.from_group([state.get_data_parallel_group(), state.get_tensor_model_parallel_group()],
                                  device_type, mesh=torch.arange(first, first + dp * tp).reshape(dp, tp),
                                  mesh_dim_names=("dp", "tp"))
@@ -87,19 +92,25 @@ def _as_dtensors(tensors: Dict[str, torch.Tensor], mesh: DeviceMesh) -> Dict[str
     return out
 
 
-def save(directory: Path, tensors: Dict[str, torch.Tensor]) -> List[Path]:
-    """Writes every rank's TP-local ``tensors`` into ``directory`` (collective).
+def save(directory: Path, tensors: Dict[str, torch.Tensor],
+         process_group: Optional[dist.ProcessGroup] = None) -> List[Path]:
+    """Writes every rank's TP-local host ``tensors`` into ``directory`` (collective over ``process_group``).
 
     The ranks of a tensor-parallel group pass the same names; data-parallel replicas may pass the same tensors
     (DCP writes one copy) or share them out (DCP merges every rank's plan into one set of files).
+
+    Args:
+        process_group: the group (spanning every rank) for DCP's planning and finishing collectives; default
+            the world's. A background writer passes a group of its own, so these never interleave with the
+            training's collectives on one group.
 
     Returns:
         The files this rank wrote (fsynced by DCP's writer, ``sync_files=True``).
     """
     directory.mkdir(parents=True, exist_ok=True)
     before = set(directory.iterdir())
-    dcp.save(_as_dtensors(tensors, _mesh()), storage_writer=HuggingFaceStorageWriter(str(directory),
-                                                                                     save_distributed=True))
+    dcp.save(_as_dtensors(tensors, _mesh("cpu")), process_group=process_group,
+             storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True))
     rank = dist.get_rank() if dist.is_initialized() else 0
     # DCP names rank r's file shard-{r+1:05d}-...; a rank whose slices were all written by a replica writes none.
     mine = f"shard-{rank + 1:05d}-"

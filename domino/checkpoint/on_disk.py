@@ -224,10 +224,12 @@ class Checkpoint:
 CheckpointLike = Union[PathLike, Checkpoint]
 
 
-def save_model_shard(ckpt_dir: PathLike, state_dict: Dict[str, torch.Tensor], tp_rank: int) -> Path:
+def save_model_shard(ckpt_dir: PathLike, state_dict: Dict[str, torch.Tensor], tp_rank: int,
+                     host_copies: bool = False) -> Path:
     """Writes one TP rank's ``model.state_dict()`` to ``ckpt_dir/model/tp_rank_NN.safetensors`` atomically.
 
-    Tensors are copied to CPU first (safetensors refuses tensors that share memory, e.g. tied weights).
+    Tensors are copied to CPU first (safetensors refuses tensors that share memory, e.g. tied weights), unless
+    ``host_copies`` says they already are contiguous CPU copies of their own (an asynchronous save's snapshot).
 
     Returns:
         The path of the written file.
@@ -235,7 +237,8 @@ def save_model_shard(ckpt_dir: PathLike, state_dict: Dict[str, torch.Tensor], tp
     not_tensors = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
     if not_tensors:
         raise CheckpointError(f"state dict entries {not_tensors[:5]} are not tensors; only tensors can be saved")
-    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
+    tensors = state_dict if host_copies else {k: v.detach().to("cpu", copy=True).contiguous()
+                                              for k, v in state_dict.items()}
     final = Path(ckpt_dir) / MODEL_DIR / shard_file_name(tp_rank)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(str(final))

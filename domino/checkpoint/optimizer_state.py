@@ -92,11 +92,21 @@ def _step_count(optimizer: torch.optim.Optimizer) -> int:
     return 0  # no step taken yet (or every one skipped before the optimizer ever ran)
 
 
+def loss_scaler_fields(scaler) -> Dict[str, float]:
+    """A loss scaler's numbers by field name (``{}`` for None): DeepSpeed's keep Python numbers, domino's device
+    scaler 0-d tensors (:mod:`domino.train.device_loss_scale`), read here once per save. Assigning them back by
+    name restores either kind."""
+    fields: Dict[str, float] = {}
+    for key, value in (vars(scaler).items() if scaler is not None else ()):
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            value = value.item()
+        if isinstance(value, (bool, int, float)):
+            fields[key] = value
+    return fields
+
+
 def _loss_scaler_fields(engine) -> Dict[str, float]:
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
-    if scaler is None:
-        return {}
-    return {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
+    return loss_scaler_fields(getattr(engine.optimizer, "loss_scaler", None))
 
 
 def _link_stepped_groups(engine) -> Dict[int, bool]:
@@ -118,13 +128,20 @@ def _link_stepped_groups(engine) -> Dict[int, bool]:
     return {id(p): stepped[i] for i, group in enumerate(groups) for p in group}
 
 
-def gather(engine, keep: Callable[[int], bool] = lambda index: True) -> Tuple[TensorsByName, Scalars]:
-    """The optimizer state of the parameters this rank keeps, each as its whole TP-local slices, on the CPU.
+def copy_to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A synchronous fp32 copy on the CPU, sharing no memory with ``tensor`` (the next step updates it in place)."""
+    return tensor.detach().to("cpu", torch.float32, copy=True)
+
+
+def gather(engine, keep: Callable[[int], bool] = lambda index: True,
+           to_host: Callable[[torch.Tensor], torch.Tensor] = copy_to_cpu) -> Tuple[TensorsByName, Scalars]:
+    """The optimizer state of the parameters this rank keeps, each as its whole TP-local slices, on the host.
 
     Collective over each data-parallel group: with ZeRO every rank of the group takes part in every parameter's
     gathering (its fragments are summed over the group), and every rank could keep the result. ``keep(index)``
     (the parameter's position in :func:`trainable`) chooses which to keep, so the replicas of a group can share
-    the writing and each hold only its share on the host.
+    the writing and each hold only its share on the host. ``to_host`` makes each kept fp32 host copy (an
+    asynchronous save passes one into pinned memory that does not wait for the device).
     """
     optimizer, tensors = _base_optimizer(engine), {}
     zero = _zero_like(engine)
@@ -144,7 +161,7 @@ def gather(engine, keep: Callable[[int], bool] = lambda index: True) -> Tuple[Te
             values = [param.detach()] + [entry.get(key, torch.zeros_like(param)) for key in STATE_KEYS[1:]]
         if keep(index):
             for key, value in zip(STATE_KEYS, values):
-                tensors[f"{key}.{name}"] = value.detach().to("cpu", torch.float32, copy=True)
+                tensors[f"{key}.{name}"] = to_host(value.detach().to(torch.float32))
     return tensors, Scalars(_step_count(optimizer), _loss_scaler_fields(engine))
 
 

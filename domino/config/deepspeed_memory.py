@@ -35,12 +35,13 @@ ENGINE_ALLREDUCE_ELEMENTS = 5e8
 VALIDATION: Dict[str, str] = {
     "validated": "on CPU, fp32, TP 1 and 2, ZeRO 0/1 at one replica: weights, gradients, optimizer state, "
                  "activations (every recompute setting, sequence parallelism), logits and buffers, against live "
-                 "tensor bytes within 6% (TP 1) and 10% (TP 2) (benchmarks/estimate_check.py, RESULTS.md)",
+                 "tensor bytes within 6% (TP 1) and 10% (TP 2), and each stage of 1F1B at PP 2 within 5% "
+                 "(benchmarks/estimate_check.py, RESULTS.md)",
     "not_validated": "anything on a GPU (no GPU has run it yet): 1-byte dropout masks, fused attention's saved "
                      "tensors, bf16/fp16 tensors, DeepSpeed's buffers (counted from deepspeed 0.19.8's source), "
                      "the CUDA caching allocator's reserve beyond the usable fraction, the step time (an "
-                     "assumed MFU), and pipeline stages (micro-batches in flight checked against torch's schedule "
-                     "tables, memory not measured)",
+                     "assumed MFU), and the interleaved schedule's stages (their micro-batches in flight checked "
+                     "against torch's schedule tables only)",
 }
 
 

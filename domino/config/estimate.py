@@ -16,11 +16,12 @@ allocations) are in :mod:`domino.config.memory_formulas`, the pipeline schedule'
   recomputed block: ``(c - 1) stored + peak`` of one chunk. The embedding's mask counts on the first stage for
   each micro-batch in flight, the final norm and the logits on the last stage for one (its forward is followed by
   that micro-batch's backward).
-* **the peak**: weights, optimizer state, logits, buffers and DeepSpeed's buffers, plus the larger of (the
-  activations at their peak and the gradients backward makes first) and (all gradients and the activations alive
-  at the stage's second backward, :func:`~domino.config.pipeline_schedule.chunks_beside_gradients`): gradients
+* **the peak**: weights, optimizer state, logits, buffers and DeepSpeed's buffers, plus the largest of (the
+  activations at their peak and the gradients backward makes first), (all gradients and the activations alive
+  at the stage's second backward, :func:`~domino.config.pipeline_schedule.chunks_beside_gradients`: gradients
   accumulate over a step's micro-batches, so every backward but the first runs beside them; with one micro-batch
-  and one stage there is no second. A GPU's figure is its stage's; the layout's is the largest stage's, and
+  and one stage there is no second) and, for a pipelined step with DP > 1, (all gradients twice: domino averages
+  them over the replicas through one flat copy, ``domino/train/pipeline_step.py``). A GPU's figure is its stage's; the layout's is the largest stage's, and
   ``fits`` reads that one.
 * **step time**: training FLOPs per token x tokens per step / (GPUs x peak TFLOP/s x MFU), the MFU being that of
   the busy time, divided by ``1 - bubble`` (:func:`~domino.config.pipeline_schedule.bubble_fraction`).
@@ -76,6 +77,9 @@ class Estimate:
     first_gradients: float = 0.0
     activations_beside_gradients: float = 0.0
     """Activations alive at the stage's second backward, beside the first one's gradients (0: a single backward)."""
+    step_gradient_copy: float = 0.0
+    """Another copy of the gradients at the optimizer step, after the activations are gone: the flat data-parallel
+    all-reduce of a pipelined step (``domino.train.pipeline_step.average_over_data_parallel``), with DP > 1."""
     stage: int = 0
     """The pipeline rank whose figures these are (the one that needs the most memory)."""
     stage_totals: List[float] = field(default_factory=list)
@@ -94,7 +98,7 @@ class Estimate:
     def total(self) -> float:
         """The peak, bytes (see the module doc)."""
         overlapping = max(self.activations + self.first_gradients,
-                          self.activations_beside_gradients + self.gradients)
+                          self.activations_beside_gradients + self.gradients, self.gradients + self.step_gradient_copy)
         return self.weights + self.optimizer + self.logits + self.buffers + self.deepspeed + overlapping
 
     @property
@@ -131,6 +135,25 @@ def num_microbatches(config: DominoConfig, layout: Layout) -> int:
     return max(1, (config.train.global_batch_size or per_pass) // per_pass)
 
 
+def message_bytes(shape: ModelShape, layout: Layout, act_bytes: int) -> float:
+    """One micro-batch's activation between two stages, per TP rank: ``[b, s, h]``, ``[b, s/t, h]`` with SP."""
+    sp = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
+    return shape.s * layout.micro_batch_size * shape.h / sp * act_bytes
+
+
+def pipeline_buffer_bytes(shape: ModelShape, layout: Layout, act_bytes: int, rank: int, microbatches: int) -> float:
+    """What torch's ``PipelineStage`` keeps besides the model's own tensors (torch 2.13
+    ``torch/distributed/pipelining/stage.py``): a receive buffer per micro-batch (and model chunk) of the step for
+    the activations on every stage but the first (``_setup_forward_recv_info``) and for their gradients on every
+    stage but the last (``_create_grad_recv_info``), and, on every stage but the last, each micro-batch's output
+    kept in ``fwd_cache`` until its backward."""
+    p, v = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    first, last = rank == 0, rank == p - 1
+    receives = 2 * v * microbatches - (microbatches if first else 0) - (microbatches if last else 0)
+    outputs = 0 if last else schedule.in_flight_chunks(rank, p, microbatches, v)
+    return (receives + outputs) * message_bytes(shape, layout, act_bytes)
+
+
 def _stage(config: DominoConfig, layout: Layout, shape: ModelShape, rank: int, microbatches: int,
            device: str) -> Dict[str, float]:
     """The memory parts (bytes) of pipeline rank ``rank``; see the module doc."""
@@ -153,6 +176,7 @@ def _stage(config: DominoConfig, layout: Layout, shape: ModelShape, rank: int, m
     zero_optimizer = layout.zero_stage >= 1 and not (config.train.bf16 and layout.zero_stage == 1)
     buckets = 2 * ZERO_BUCKET_ELEMENTS * grad_b if zero_optimizer and dp > 1 else 0.0
     qkv_copies = layers * shape.h * shape.qkv_width / t * act
+    p2p = pipeline_buffer_bytes(shape, layout, act, rank, microbatches) if p > 1 else 0.0
     chunk = dataclasses.replace(shape, L=layers // v)
     stored, peak = layer_activation_bytes(chunk, layout, act, device)
     in_flight = schedule.in_flight_chunks(rank, p, microbatches, v)
@@ -169,7 +193,9 @@ def _stage(config: DominoConfig, layout: Layout, shape: ModelShape, rank: int, m
         dp if layout.zero_stage >= 1 else 1), deepspeed=sum(deepspeed.values()),
         activations=alive(in_flight), activations_beside_gradients=alive(beside) if beside else 0.0,
         logits=logits_bytes(shape, layout, act, device) if last else 0.0,
-        buffers=buckets + qkv_copies + rng_record_bytes(layers, layout), first_gradients=min(gradients, made_first))
+        buffers=buckets + qkv_copies + rng_record_bytes(layers, layout) + p2p,
+        step_gradient_copy=params * grad_b if p > 1 and dp > 1 else 0.0,
+        first_gradients=min(gradients, made_first))
 
 
 def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] = None,
@@ -215,8 +241,7 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
         global_batch = config.train.global_batch_size or layout.micro_batch_size * dp
         gpus = layout.tensor_model_parallel_size * p * dp
         step = global_batch * shape.s * train_flops / (1 - bubble) / (gpus * peak_tflops * 1e12 * mfu)
-    sp = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
-    message = shape.s * layout.micro_batch_size * shape.h / sp * (2 if config.train.bf16 or config.train.fp16 else 4)
+    message = message_bytes(shape, layout, 2 if config.train.bf16 or config.train.fp16 else 4)
     p2p = max(schedule.p2p_bytes_per_step(rank, p, m, message, v) for rank in range(p))
     return dataclasses.replace(
         stages[worst], flops_per_token=3 * flops, step_time_s=step, stage=worst,

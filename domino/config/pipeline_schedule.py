@@ -11,8 +11,9 @@ x data-parallel size)), ``r`` the stage's rank in the pipeline (0 = the first st
   divisible by ``n`` and ``v = L / p / n``; the interleaved schedule needs ``p > 1`` (``> 2`` with
   ``--no-overlap-p2p-communication``). Virtual stage ``k`` holds layers ``[k L/(p v), (k+1) L/(p v))`` and runs on
   rank ``k mod p`` (``get_transformer_layer_offset`` in ``megatron/core/transformer/transformer_layer.py``).
-* **Micro-batches in flight**: Megatron's ``get_pp_rank_microbatches``
-  (``megatron/core/pipeline_parallel/schedules.py``) warms rank ``r`` up with ``p - r - 1`` forwards under 1F1B and
+* **Micro-batches in flight**: Megatron (``megatron/core/pipeline_parallel/schedules.py``: core_r0.11.0 in
+  ``forward_backward_pipelining_without_interleaving`` / ``_with_interleaving``, main at d98e8a64 (2026-08) in
+  ``get_pp_rank_microbatches``) warms rank ``r`` up with ``p - r - 1`` forwards under 1F1B and
   ``2 (p - r - 1) + (v - 1) g`` under the interleaved schedule (``g``: ``--microbatch-group-size-per-virtual-
   pipeline-stage``, default ``p``, ``ModelParallelConfig.__post_init__``), at most ``v m``; the steady state then
   runs one forward before each backward, so ``warm-up + 1`` forwards' activations are alive at once (at most

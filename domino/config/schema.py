@@ -121,7 +121,7 @@ class ParallelConfig:
     ranks (reduce-scatter after row-parallel, all-gather before column-parallel linears); no effect at TP 1."""
     zero_stage: Optional[int] = None
     """DeepSpeed ZeRO stage for data parallelism (0, 1 or 2; default: the stage of the checkpoint resumed, else 0
-    with one data-parallel replica and no --bf16, where ZeRO has nothing to shard, else 1)."""
+    with one data-parallel replica and neither --bf16 nor --fp16, where ZeRO has nothing to shard, else 1)."""
     distributed_backend: Optional[str] = None
     """torch.distributed backend (default: nccl with CUDA, else gloo)."""
     distributed_timeout_minutes: int = 10
@@ -270,6 +270,10 @@ class CheckpointConfig:
     """Directory to resume from (its latest checkpoint); starts fresh when it holds none."""
     keep_last: Optional[int] = None
     """Keep only this many most recent checkpoints."""
+    async_save: bool = False
+    """Write checkpoints in the background while training goes on (Megatron's flag): the step pays only for
+    copying the state to host memory; the checkpoint is committed (and `latest` moved) at a later step, once
+    every rank's files are durable. At most one save is in flight; SIGTERM and the end of training wait for it."""
     finetune: bool = False
     """With --load: take the model weights only and start at iteration 0 (warm start)."""
     no_load_optim: bool = False

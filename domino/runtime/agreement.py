@@ -16,7 +16,8 @@ Rules that keep ranks in step:
 
 A peer that disappears in the middle of training (its process killed, its node gone) is recognised from
 the transport's error by :func:`is_lost_peer_error`; :func:`find_lost_ranks` then asks the rendezvous store
-which ranks still answer, so the report names the lost rank and its node rather than the transport.
+which ranks still answer, so the report (:func:`lost_peer_error`) names the lost rank and its node rather
+than the transport.
 """
 
 from __future__ import annotations
@@ -79,13 +80,15 @@ def _render(findings: Sequence[Optional[tuple]]) -> str:
                      for rank, (step, host, message) in failed)
 
 
-def agree(step: str, fn: Callable[[], T]) -> T:
+def agree(step: str, fn: Callable[[], T], group: Optional[dist.ProcessGroup] = None) -> T:
     """Runs ``fn`` on this rank; returns its result once every rank has succeeded (collective).
 
     Args:
         step: what the ranks are doing, for the message ("building the datasets").
         fn: the step; it may contain nested :func:`agree` calls, and collectives whose loss of a peer is
             re-raised as it is (the transport's error, for the caller's lost-peer report).
+        group: the process group (spanning every rank) that carries the findings; default the world's. A
+            CPU (gloo) group keeps the agreement off the device, so it costs no device synchronisation.
 
     Raises:
         AgreedFailure: on every rank when ``fn`` raised on any rank, naming each failed rank, its node,
@@ -106,7 +109,7 @@ def agree(step: str, fn: Callable[[], T]) -> T:
     findings: List[Optional[tuple]] = [finding]
     if _world() > 1:
         findings = [None] * _world()
-        dist.all_gather_object(findings, finding)
+        dist.all_gather_object(findings, finding, group=group)
     if any(f is not None for f in findings):
         raise AgreedFailure(_render(findings))
     return result  # type: ignore[return-value]
@@ -148,3 +151,25 @@ def find_lost_ranks(wait_s: float = 10.0) -> Optional[List[int]]:
     except Exception as error:  # the store is gone with its host
         logger.debug("rendezvous store unreachable: %s", error)
         return None
+
+
+def lost_peer_error(error: RuntimeError, hosts: Sequence[str], completed: int, resume_hint: str) -> PeerLostError:
+    """The one-line report of a peer that went away during training: who (asking the rendezvous store which
+    ranks still answer), the last iteration every rank ``completed``, and where a restart resumes.
+
+    Args:
+        error: the transport's error (:func:`is_lost_peer_error`).
+        hosts: every rank's node, from :func:`hosts` while all ranks were alive.
+        resume_hint: where a restart resumes, in words.
+    """
+    lost = find_lost_ranks()
+    if lost is None:
+        who = f"rank 0's node {hosts[0]} (it holds the rendezvous store)"
+    elif lost:
+        who = ", ".join(f"rank {r} (node {hosts[r]})" for r in lost)
+    else:
+        who = "a peer (every rank still answers the rendezvous store)"
+    transport = next((m for m in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+                      if m in str(error)), " ".join(str(error).split())[:120])
+    return PeerLostError(f"lost {who} during training after iteration {completed} (rank {dist.get_rank()} saw: "
+                         f"{transport}); {resume_hint}")

@@ -21,6 +21,10 @@ from domino.model import GPTModel
 from domino.model.recompute import apply_activation_recompute
 from domino.overlap.schedule import apply_domino
 from domino.overlap.sequence_parallel import apply_sequence_parallel
+from domino.pipeline.gradients import sync_tied_embeddings
+from domino.pipeline.schedule import StageSchedule
+from domino.pipeline.stages import split_model
+from domino.runtime import state
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -93,3 +97,27 @@ def measure_training_memory(model_config, vocab_size: int, batch: int, steps: in
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return forward, mode.peak
+
+
+def measure_pipeline_training_memory(model_config, vocab_size: int, micro_batch_size: int, num_microbatches: int,
+                                     steps: int = 2, seed: int = 0) -> int:
+    """The peak tensor bytes of this rank's pipeline stage over ``steps`` AdamW steps (fp32) of the 1F1B schedule
+    (:class:`domino.pipeline.schedule.StageSchedule`), measured with :class:`LiveTensorBytes` from after the model
+    is cut to the stage (it is built whole first); the pipeline groups must be initialised."""
+    torch.manual_seed(seed)
+    batch = micro_batch_size * num_microbatches
+    tokens, labels = (torch.randint(0, vocab_size, (batch, model_config.seq_length)) for _ in range(2))
+    loss_mask = torch.ones(batch, model_config.seq_length)
+    with LiveTensorBytes() as mode:
+        model = split_model(GPTModel(model_config, vocab_size), state.get_pipeline_model_parallel_rank(),
+                            state.get_pipeline_model_parallel_world_size())
+        pipeline = StageSchedule(model, num_microbatches=num_microbatches, micro_batch_size=micro_batch_size,
+                                 seq_length=model_config.seq_length, hidden_size=model_config.hidden_size)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        mode.reset_peak()
+        for _ in range(steps):
+            pipeline.train_step(tokens, labels, loss_mask)
+            sync_tied_embeddings(model)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return mode.peak

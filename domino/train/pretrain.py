@@ -21,7 +21,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from domino.checkpoint import checkpointing, discovery, resume
+from domino.checkpoint import async_save, checkpointing, discovery, resume
 from domino.config import ConfigError, DominoConfig, config_to_dict, validate
 from domino.config.batch_schedule import batch_schedule
 from domino.config.validate import resolve_zero_stage
@@ -29,8 +29,8 @@ from domino.data.loader import build_pretraining_data_loader
 from domino.parallel import random as tp_random
 from domino.runtime.comm_timing import pop_comm_wait_by_site, pop_comm_wait_seconds, pop_modelled_comm_seconds
 from domino.runtime import state
-from domino.runtime.agreement import PeerLostError, agree, find_lost_ranks, hosts, is_lost_peer_error
-from domino.train import bf16_step, engine as engine_setup
+from domino.runtime.agreement import agree, hosts, is_lost_peer_error, lost_peer_error
+from domino.train import engine as engine_setup
 from domino.train.evaluation import evaluate, perplexity
 from domino.train.interval_stats import IntervalReading, IntervalStats
 from domino.train.metrics import MetricsWriter, format_iteration_line
@@ -146,6 +146,7 @@ class _Trainer:
         self.stats = IntervalStats(self.device, t.max_nan_steps)
         self.grad_norm: Optional[torch.Tensor] = None  # on the device; read at log intervals
         self.last_train_loss: Optional[float] = None
+        self.saver = async_save.make_saver(config)
 
     def _loader(self, dataset, consumed_samples: int, workers: int):
         if dataset is None or not self.is_data_rank:
@@ -155,15 +156,15 @@ class _Trainer:
             state.get_data_parallel_world_size(), workers))
 
     def _step(self, train_iter, batch: int) -> torch.Tensor:
-        """One optimizer step over the micro-batches of a ``batch``-sample global batch; returns the mean loss, a
-        0-d tensor on the device.
+        """One optimizer step over a ``batch``-sample global batch; returns the mean loss, a 0-d tensor on the device.
 
         Nothing here reads a tensor value on the host (each read would wait for the device to drain): a
-        non-finite loss makes non-finite gradients, and the optimizer skips that update by itself, DeepSpeed's
-        wrappers from their ``overflow`` flag, the plain fused AdamW from ``found_inf``
-        (:func:`engine.flag_overflow`), the bf16 ZeRO-1 optimizer from its own (:mod:`domino.train.bf16_step`).
+        non-finite loss makes non-finite gradients, and the optimizer skips that update by itself: DeepSpeed's
+        from a device flag (:mod:`~domino.train.bf16_step`, :mod:`~domino.train.zero_step`; fp16 at ZeRO 0 from
+        its ``overflow``), the plain fused AdamW from ``found_inf`` (:func:`engine.flag_overflow`).
         """
         engine, timers = self.engine, self.timers
+        self.batch = batch  # Megatron logs the batch of the iteration at the log point as batch-size
         per_micro_batch = self.batches.micro_batch_size * self.batches.data_parallel_size
         if self.pipeline is not None:  # the schedule runs every micro-batch (domino.train.pipeline_step)
             loss, self.grad_norm, skipped = self.pipeline(train_iter, timers, batch // per_micro_batch)
@@ -188,8 +189,8 @@ class _Trainer:
                     self.grad_norm = engine_setup.clip_gradients(engine, self.config.train.clip_grad)
                     self._flag_overflow(self.grad_norm)
             engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
-        skipped = bf16_step.skip_flag(engine)
-        if skipped is not None:  # bf16 ZeRO 1 skipped on the device: counted with the interval's numbers
+        skipped = engine_setup.device_skip_flag(engine)
+        if skipped is not None:  # skipped on the device: counted with the interval's numbers
             self.stats.add_optimizer_skip(skipped)
         timers.stop("optimizer")
         return iteration_loss / (batch // per_micro_batch)
@@ -232,7 +233,7 @@ class _Trainer:
             self.grad_norm = engine.get_global_grad_norm()
         scaler = getattr(engine.optimizer, "loss_scaler", None)
         record = {
-            "iteration": iteration, "consumed_samples": consumed, "batch_size": samples // max(iterations, 1),
+            "iteration": iteration, "consumed_samples": consumed, "batch_size": self.batch,
             "lm_loss": reading.mean_loss,
             "lr": lr, "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
             "loss_scale": float(scaler.cur_scale) if scaler is not None and t.fp16 else None,
@@ -281,10 +282,15 @@ class _Trainer:
 
     def _save(self, iteration: int, consumed: int) -> str:
         started = time.perf_counter()
-        path = checkpointing.save_checkpoint(self.engine, self.config, iteration, consumed, self.padded_vocab_size,
-                                             self.tokenizer, global_batch_size=self.gbs)
+        path = self.saver.save(self.engine, iteration, consumed, self.padded_vocab_size, self.tokenizer, self.gbs)
         self.paused += time.perf_counter() - started
         return str(path)
+
+    def _commit_finished_save(self) -> None:
+        """Every step: an asynchronous save whose parts every rank has written is committed now."""
+        started = time.perf_counter()
+        if self.saver.poll() is not None:
+            self.paused += time.perf_counter() - started
 
     def _termination_requested(self) -> bool:
         """Whether any rank received SIGTERM; every rank must agree, so the flag is max-reduced.
@@ -312,25 +318,10 @@ class _Trainer:
         except RuntimeError as error:
             if not is_lost_peer_error(error):
                 raise
-            raise self._lost_peer(error) from None
+            raise lost_peer_error(error, self.hosts, self.completed, checkpointing.resume_hint(self.config)) from None
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
-
-    def _lost_peer(self, error: RuntimeError) -> PeerLostError:
-        """The one-line report of a peer that went away: who, the last iteration, where a restart resumes."""
-        lost = find_lost_ranks()
-        if lost is None:
-            who = f"rank 0's node {self.hosts[0]} (it holds the rendezvous store)"
-        elif lost:
-            who = ", ".join(f"rank {r} (node {self.hosts[r]})" for r in lost)
-        else:
-            who = "a peer (every rank still answers the rendezvous store)"
-        transport = next((m for m in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-                          if m in str(error)), " ".join(str(error).split())[:120])
-        return PeerLostError(
-            f"lost {who} during training after iteration {self.completed} (rank {dist.get_rank()} saw: "
-            f"{transport}); {checkpointing.resume_hint(self.config)}")
 
     def _run(self, iteration: int, consumed: int, resumed_checkpoint: Optional[str]) -> TrainingResult:
         config, t, lg, c = self.config, self.config.train, self.config.logging, self.config.checkpoint
@@ -371,6 +362,7 @@ class _Trainer:
                 interval_start, interval_first, interval_consumed = time.perf_counter(), iteration, consumed
             if t.eval_interval and iteration % t.eval_interval == 0 and iteration < self.train_iters:
                 last_valid = self._evaluate("valid", self.valid_ds, iteration, consumed)
+            self._commit_finished_save()
             # Megatron's train() also saves when the number of micro-batches changes (a step-up of the batch).
             next_batch = self.batches.global_batch_size_at(consumed)
             step_up = iteration < self.train_iters and next_batch != batch
@@ -385,6 +377,7 @@ class _Trainer:
                 logger.warning("SIGTERM: saving at iteration %d and exiting", iteration)
                 if c.save and saved_at != iteration:
                     checkpoint_path = self._save(iteration, consumed)
+                self.saver.wait()  # the save in flight is committed before the process exits
                 self.writer.close(completed=False)
                 return TrainingResult(iteration, consumed, self.last_train_loss, last_valid, None, tokens_per_s,
                                       checkpoint_path, interrupted=True)
@@ -394,6 +387,7 @@ class _Trainer:
         if t.eval_interval or t.eval_iters:
             last_valid = self._evaluate("valid", self.valid_ds, iteration, consumed)
         last_test = self._evaluate("test", self.test_ds, iteration, consumed)
+        self.saver.wait()  # an asynchronous final save is written while the model is evaluated
         self.writer.close()
         logger.info("done: %d iterations in %.1f s", iteration - start_iteration, time.perf_counter() - run_start)
         return TrainingResult(iteration, consumed, self.last_train_loss, last_valid, last_test, tokens_per_s,

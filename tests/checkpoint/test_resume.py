@@ -76,11 +76,12 @@ def test_keep_last_prunes_older_checkpoints(tmp_path, corpus_prefix):
 
 def test_sigterm_saves_and_the_restart_continues_exactly(tmp_path, corpus_prefix):
     """--exit-signal-handler: SIGTERM (a preempted pod) saves after the current iteration, exits 143, and the
-    same command resumes to the uninterrupted run's losses."""
+    same command resumes to the uninterrupted run's losses. The signalled run saves with --async-save (the
+    reference synchronously): SIGTERM waits for the save in flight and commits its own before exiting."""
     reference = tmp_path / "reference.jsonl"
     run_pretrain([*_args(corpus_prefix, tmp_path / "ref-ckpt", reference), "--exit-signal-handler"])
     save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    args = [*_args(corpus_prefix, save, metrics), "--exit-signal-handler"]
+    args = [*_args(corpus_prefix, save, metrics), "--exit-signal-handler", "--async-save"]
     proc = subprocess.Popen(pretrain_command(args), env=child_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
@@ -95,5 +96,6 @@ def test_sigterm_saves_and_the_restart_continues_exactly(tmp_path, corpus_prefix
         proc.kill()
     stopped_at = int((save / "latest").read_text().strip().split("_")[1])
     assert 5 <= stopped_at < 12  # the run stopped early, after saving where it stood
+    assert not list(save.glob(".tmp-*"))  # and committed every save it had started
     run_pretrain(args)
     assert train_losses(metrics) == train_losses(reference)

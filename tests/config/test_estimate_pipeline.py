@@ -14,8 +14,9 @@ from domino.config.validate import ConfigError, check_tensor_parallel_size, data
 
 
 def _peak_chunks_in_torchs_table(name: str, p: int, m: int, v: int) -> list:
-    """Per rank, the most forwards without their backward yet in torch's own schedule (the action lists its
-    Schedule1F1B / ScheduleInterleaved1F1B run, built by torch's schedule visualiser without processes)."""
+    """Per rank, the most forwards without their backward yet in torch's own schedule table (``pipeline_order`` of
+    Schedule1F1B / ScheduleInterleaved1F1B, built by torch's schedule visualiser without processes; the
+    interleaved runtime executes that table)."""
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     out = []
@@ -112,9 +113,12 @@ def test_per_stage_memory_by_hand():
     first_activations = 2 * (2 * act_layer)  # 1F1B: stage 0 holds p - 0 = 2 micro-batches of its two layers
     last_activations = 2 * act_layer + 4 * sbh * 2  # one micro-batch; the final norm's input and output
     logits = s * b * V * 4  # the fp32 softmax of the last stage (CPU: all rows)
+    # torch's PipelineStage: on stage 0 a gradient receive buffer per micro-batch and the 2 outputs in flight,
+    # kept for their backward; on stage 1 an activation receive buffer per micro-batch ([b, s, h] fp32 each)
+    torch_first, torch_last = (4 + 2) * 4 * sbh, 4 * 4 * sbh
     # a backward after the first runs beside all gradients (they accumulate over the 4 micro-batches)
-    total_first = 16 * first + qkv_copies + first_activations
-    total_last = 16 * last + qkv_copies + last_activations + logits
+    total_first = 16 * first + qkv_copies + torch_first + first_activations
+    total_last = 16 * last + qkv_copies + torch_last + last_activations + logits
 
     config = _tiny()
     pp2 = Layout(zero_stage=0, micro_batch_size=2, pipeline_model_parallel_size=2)
@@ -211,3 +215,20 @@ def test_cli_lists_a_pipeline_first_where_every_one_stage_layout_needs_full_reco
                e["layout"]["recompute"]) for e in out["layouts_that_fit"]]
     assert listed[0] == (2, 8, "none")
     assert {recompute for pp, _, recompute in listed if pp == 1} == {"full"}
+
+
+def test_a_pipelined_step_with_replicas_holds_the_gradients_twice():
+    """domino averages a pipelined stage's gradients over the data-parallel replicas through one flat copy
+    (domino/train/pipeline_step.py) after the schedule: with small activations that is the stage's peak."""
+    config = _tiny()
+    config.model.seq_length, config.train.micro_batch_size = 4, 1
+    layout = Layout(data_parallel_size=2, zero_stage=0, micro_batch_size=1, pipeline_model_parallel_size=2)
+    est = estimate_layout(config, layout, device="cpu")
+    assert est.gradients > est.activations
+    assert est.step_gradient_copy == est.gradients
+    assert est.total == est.weights + est.optimizer + est.logits + est.buffers + est.deepspeed + 2 * est.gradients
+    one_replica = estimate_layout(config, Layout(zero_stage=0, micro_batch_size=1, pipeline_model_parallel_size=2),
+                                  device="cpu")
+    no_pipeline = estimate_layout(config, Layout(data_parallel_size=2, zero_stage=0, micro_batch_size=1),
+                                  device="cpu")
+    assert one_replica.step_gradient_copy == no_pipeline.step_gradient_copy == 0
