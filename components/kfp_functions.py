@@ -199,7 +199,7 @@ def pretrain(
         parallel_layout: given: tensor_model_parallel_size as set; derive: the smallest TP within one pod that the model admits and (with gpu_memory_gb) fits, tensor_model_parallel_size the largest allowed, DP across the pods (a run resumed on other nodes continues on the layout they hold; docs/cluster.md).
         tensor_model_parallel_size: Number of processes that split every layer (tensor parallelism). (-1: not given, the preset's value or domino's default)
         domino_chunks: Micro-chunks per layer input for Domino overlap; 1 means plain synchronous tensor parallelism (default: 2 when --tensor-model-parallel-size > 1 and --micro-batch-size is even, else 1). (-1: not given, the preset's value or domino's default)
-        zero_stage: DeepSpeed ZeRO stage for data parallelism (0, 1 or 2; default: the stage of the checkpoint resumed, else 0 with one data-parallel replica and no --bf16, where ZeRO has nothing to shard, else 1). (-1: not given, the preset's value or domino's default)
+        zero_stage: DeepSpeed ZeRO stage for data parallelism (0, 1 or 2; default: the stage of the checkpoint resumed, else 0 with one data-parallel replica and neither --bf16 nor --fp16, where ZeRO has nothing to shard, else 1). (-1: not given, the preset's value or domino's default)
         warm_start: Initialise from the promoted model's weights (fresh start when none).
         image: Image of the training job ('': the domino CUDA image with GPUs, else the CPU one).
         job_name: Base name of the training job (the run id is appended).

@@ -88,11 +88,21 @@ def _step_count(optimizer: torch.optim.Optimizer) -> int:
     return 0  # no step taken yet (or every one skipped before the optimizer ever ran)
 
 
+def loss_scaler_fields(scaler) -> Dict[str, float]:
+    """A loss scaler's numbers by field name (``{}`` for None): DeepSpeed's keep Python numbers, domino's device
+    scaler 0-d tensors (:mod:`domino.train.device_loss_scale`), read here once per save. Assigning them back by
+    name restores either kind."""
+    fields: Dict[str, float] = {}
+    for key, value in (vars(scaler).items() if scaler is not None else ()):
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            value = value.item()
+        if isinstance(value, (bool, int, float)):
+            fields[key] = value
+    return fields
+
+
 def _loss_scaler_fields(engine) -> Dict[str, float]:
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
-    if scaler is None:
-        return {}
-    return {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
+    return loss_scaler_fields(getattr(engine.optimizer, "loss_scaler", None))
 
 
 def _link_stepped_groups(engine) -> Dict[int, bool]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Dict
 
+from domino.checkpoint.optimizer_state import loss_scaler_fields
 from domino.parallel import random as tp_random
 from domino.runtime import state
 
@@ -41,7 +42,7 @@ def optimizer_snapshot(engine) -> Dict[str, Any]:
     sd = dict(engine.optimizer.state_dict())
     scaler = sd.pop("loss_scaler", None)
     if scaler is not None:
-        sd["loss_scaler_fields"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
+        sd["loss_scaler_fields"] = loss_scaler_fields(scaler)
     sd.pop("param_slice_mappings", None)
     for key, value in list(sd.items()):
         if isinstance(value, enum.Enum):

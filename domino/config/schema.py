@@ -121,7 +121,7 @@ class ParallelConfig:
     ranks (reduce-scatter after row-parallel, all-gather before column-parallel linears); no effect at TP 1."""
     zero_stage: Optional[int] = None
     """DeepSpeed ZeRO stage for data parallelism (0, 1 or 2; default: the stage of the checkpoint resumed, else 0
-    with one data-parallel replica and no --bf16, where ZeRO has nothing to shard, else 1)."""
+    with one data-parallel replica and neither --bf16 nor --fp16, where ZeRO has nothing to shard, else 1)."""
     distributed_backend: Optional[str] = None
     """torch.distributed backend (default: nccl with CUDA, else gloo)."""
     distributed_timeout_minutes: int = 10

@@ -68,10 +68,13 @@ def zero_stage_for(config: DominoConfig, data_parallel_size: int) -> int:
     copies every gradient into its flat fp32 partition and the updated partition back into the weights each step
     (``deepspeed/runtime/zero/stage_1_and_2.py``: ``DeepSpeedZeroOptimizer.reduce_gradients`` and ``step``), so
     stage 0 does the same maths with less work. bf16 keeps stage 1: DeepSpeed accumulates bf16 gradients in fp32
-    only through its ZeRO or BF16 optimizers (see :func:`validate`).
+    only through its ZeRO or BF16 optimizers (see :func:`validate`). So does fp16: at stage 0 DeepSpeed wraps the
+    optimizer in its ``FP16_UnfusedOptimizer`` (``deepspeed/runtime/engine.py``, ``_configure_fp16_optimizer``:
+    our torch AdamW is not its FusedAdam), whose step decides overflow on the host, where the ZeRO optimizer's is
+    decided on the device (:mod:`domino.train.zero_step`).
     """
     return config.parallel.zero_stage if config.parallel.zero_stage is not None else (
-        0 if data_parallel_size == 1 and not config.train.bf16 else 1)
+        0 if data_parallel_size == 1 and not (config.train.bf16 or config.train.fp16) else 1)
 
 
 def resolve_zero_stage(config: DominoConfig, data_parallel_size: int,
@@ -92,7 +95,8 @@ def resolve_zero_stage(config: DominoConfig, data_parallel_size: int,
     if p.zero_stage == 0:
         return ("--zero-stage not given: 0 (one data-parallel replica: ZeRO would shard nothing, only copy gradients "
                 "and weights between flat buffers)")
-    reason = "--bf16" if config.train.bf16 else f"{data_parallel_size} data-parallel replicas"
+    reason = ("--bf16" if config.train.bf16 else "--fp16" if config.train.fp16
+              else f"{data_parallel_size} data-parallel replicas")
     return f"--zero-stage not given: 1 ({reason})"
 
 

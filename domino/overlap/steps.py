@@ -25,7 +25,7 @@ import torch
 
 from domino.model.rotary import RotaryTables
 from domino.model.stack import StackOutput, Unit, embed_tokens
-from domino.model.transformer import TransformerLayer, bias_dropout_add
+from domino.model.transformer import TransformerLayer, bias_dropout_add, bias_dropout_add_norm
 from domino.overlap.sequence_collectives import gather_from_sequence_region_async, reduce_scatter_to_sequence_async
 from domino.overlap.slots import GradGatherSlot, GradReduceScatterSlot, guard_input_grad, wait_for_input_grad
 from domino.parallel.collectives import (
@@ -52,6 +52,11 @@ class _Pending:
         self.handle.wait()  # wait for the all-reduce launched in __init__: its sum is read right here
         return bias_dropout_add(self.partial, self.bias, residual, layer.hidden_dropout, layer.training)
 
+    def finish_norm(self, residual: torch.Tensor, layer: TransformerLayer, norm: torch.nn.Module):
+        """:meth:`finish` and ``norm`` of its result, as one island: ``(hidden, norm(hidden))``."""
+        self.handle.wait()  # wait for the all-reduce launched in __init__: its sum is read right here
+        return bias_dropout_add_norm(self.partial, self.bias, residual, layer.hidden_dropout, layer.training, norm)
+
 
 class _PendingScatter:
     """Sequence parallelism's counterpart of :class:`_Pending`: a reduce-scatter along the sequence in flight.
@@ -76,6 +81,13 @@ class _PendingScatter:
         self.handle.wait()  # wait for the reduce-scatter launched in __init__: its slice is read right here
         with tp_region_rng(layer.hidden_dropout > 0 and layer.training):
             return bias_dropout_add(self.result(), self.bias, residual, layer.hidden_dropout, layer.training)
+
+    def finish_norm(self, residual: torch.Tensor, layer: TransformerLayer, norm: torch.nn.Module):
+        """:meth:`finish` and ``norm`` of its result, as one island: ``(hidden, norm(hidden))``."""
+        self.handle.wait()  # wait for the reduce-scatter launched in __init__: its slice is read right here
+        with tp_region_rng(layer.hidden_dropout > 0 and layer.training):
+            return bias_dropout_add_norm(self.result(), self.bias, residual, layer.hidden_dropout, layer.training,
+                                         norm)
 
 
 class StepStack:
@@ -168,8 +180,8 @@ class StepStack:
         yield
         pending = self._reduce(attention.dense.partial(ctx), attention.dense.bias, f"fwd attention, {site}")  # B
         yield
-        h = pending.finish(h, layer)  # C
-        ready = self._column_input(layer.post_attention_layernorm(h), f"bwd mlp input grad, {site}")
+        h, normed = pending.finish_norm(h, layer, layer.post_attention_layernorm)  # C
+        ready = self._column_input(normed, f"bwd mlp input grad, {site}")
         yield
         inner = mlp.inner(*ready())  # D
         del ready

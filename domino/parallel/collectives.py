@@ -205,13 +205,25 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce_(grad.contiguous().clone(), ctx.group, kind="all-reduce bwd"), None
+        # In place, as Megatron-LM's _reduce: what arrives is the input gradient the column-parallel linear after
+        # this region just computed (or autograd's sum of several), a tensor nothing else holds. (A tensor handed
+        # to backward() as this region's own output gradient would be summed in place too.)
+        return all_reduce_(grad.contiguous(), ctx.group, kind="all-reduce bwd"), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce_(x.contiguous().clone(), group, kind="all-reduce fwd")
+        # In place, as Megatron-LM's _reduce: x is a row-parallel GEMM's partial sum, which no backward saves
+        # (a linear keeps its input and weight). mark_dirty bumps x's version, so an input some backward did
+        # save fails loudly there instead of reading the sum; a leaf that requires grad cannot change, and is
+        # copied.
+        if x.is_leaf and x.requires_grad:
+            x = x.clone()
+        reduced = all_reduce_(x.contiguous(), group, kind="all-reduce fwd")
+        if reduced is x:
+            ctx.mark_dirty(x)
+        return reduced
 
     @staticmethod
     def backward(ctx, grad):

@@ -20,8 +20,9 @@ loss (``cross_entropy``)    ``[tokens, V/tp]`` allocation is mapped and   alloca
 GeLU + fc2                  one autograd node whose backward reuses the  ``F.gelu`` then the linear: allocations are
 (``parallel/layers``)       activation's buffer (no ``[tokens, ffn/tp]``  free with the caching allocator, and the
                             page faults)                                 graph can be walked twice
-bias + dropout + residual,  eager: two or three elementwise passes       ``torch.compile``-d into one kernel, as
-SwiGLU, RoPE (``island``)                                                Megatron-LM's ``jit_fuser``
+bias + dropout + residual   eager: two or three elementwise passes       ``torch.compile``-d into one kernel, as
+(+ the next norm), SwiGLU,                                               Megatron-LM's ``jit_fuser``
+RoPE (``island``)
                                                                          (``megatron/core/jit.py``: torch.compile
                                                                          for torch >= 2.2); compiling costs more
                                                                          than it saves on CPU
@@ -44,7 +45,12 @@ Hopper and Blackwell where the bundled cuDNN is one its developers trust (``chec
 pytorch's ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: cuDNN > 9.15, sm90/sm100), else FlashAttention;
 forcing cuDNN first (``sdpa_kernel(..., set_priority=True)``, torch >= 2.6) would override the guard pytorch added
 after the 2.5 bugs (pytorch PR #138522, issue #139298; the same reasoning closed transformers PR #48163).
-``benchmarks/gpu_check.py`` records the device's cuDNN version so the choice can be read off a real run.
+``benchmarks/gpu_check.py`` records the device's cuDNN version so the choice can be read off a real run. The GPT-3
+presets keep attention dropout 0.1 (domino's default) as Megatron-LM's current GPT-3 examples do: they set no
+dropout flag, so Megatron's defaults, ``--attention-dropout 0.1 --hidden-dropout 0.1``, apply
+(``examples/gpt3/train_gpt3_175b_distributed.sh`` at 157006d and ``train_gpt3_857m_distributed.sh`` at d60f07c;
+``megatron/training/arguments.py``, ``_add_regularization_args``); its LLaMA examples, like our LLaMA presets, set
+both to 0 (``examples/llama/train_llama3_8b_h100_fp8.sh`` at 157006d).
 
 Every choice computes the same values (``tests/model/test_model_kernels.py`` forces the CUDA and the plain choices
 on CPU tensors and compares outputs and gradients). Devices other than ``cuda`` take the CPU choices.

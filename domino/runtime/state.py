@@ -143,6 +143,19 @@ def initialize_distributed(backend: Optional[str] = None, timeout_minutes: int =
     logger.info("torch.distributed initialised: backend=%s world_size=%d", backend, dist.get_world_size())
 
 
+def _tensor_parallel_options():
+    """The TP groups' backend options: with NCCL, their collectives on a high-priority CUDA stream, so that a
+    Domino chunk's all-reduce is scheduled ahead of the other chunk's GEMMs queued beside it; None (the
+    backend's defaults) otherwise. torch 2.13 ``distributed_c10d._new_process_group_helper`` takes a
+    ``ProcessGroupNCCL.Options`` as ``pg_options`` and otherwise builds one with ``is_high_priority_stream =
+    False``; the group's ``timeout`` still overrides the options' own."""
+    if dist.get_backend() != dist.Backend.NCCL:
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return options
+
+
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, timeout_minutes: Optional[int] = None,
                               pipeline_model_parallel_size: int = 1) -> None:
     """Creates the TP, DP and (at pipeline size > 1) pipeline and embedding groups over the current world.
@@ -168,16 +181,17 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, timeout_minut
     rank = dist.get_rank()
     timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
 
-    def mine(all_ranks: List[List[int]]):
+    def mine(all_ranks: List[List[int]], options=None):
         # Every rank must create every group, in the same order (new_group is collective).
         found = None
         for ranks in all_ranks:
-            group = dist.new_group(ranks, timeout=timeout)
+            group = dist.new_group(ranks, timeout=timeout, pg_options=options)
             if rank in ranks:
                 found = (group, ranks)
         return found
 
-    groups = _Groups(*mine(grid.tp), *mine(grid.dp), pp_ranks=[rank], embedding_ranks=[rank], tp_link=link)
+    groups = _Groups(*mine(grid.tp, _tensor_parallel_options()), *mine(grid.dp), pp_ranks=[rank],
+                     embedding_ranks=[rank], tp_link=link)
     if pp > 1:
         groups.pp_group, groups.pp_ranks = mine(grid.pp)
         embedding = mine(grid.embedding)  # None on a middle stage: it holds no copy of the embeddings

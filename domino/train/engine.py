@@ -16,7 +16,7 @@ from domino.config.validate import check_device, zero_stage_for
 from domino.runtime import state
 from domino.parallel.layers import is_tensor_model_parallel
 from domino.pipeline.gradients import norm_parameters
-from domino.train import bf16_step
+from domino.train import bf16_step, zero_step
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +188,14 @@ def flag_overflow(engine, grad_norm: torch.Tensor) -> Optional[torch.Tensor]:
     return found_inf
 
 
+def device_skip_flag(engine) -> Optional[torch.Tensor]:
+    """The 0/1 device flag of the last step's on-device skip by a DeepSpeed optimizer whose step domino decides
+    on the device (:mod:`domino.train.bf16_step`, :mod:`domino.train.zero_step`), else None (DeepSpeed then
+    counts its skips in ``engine.skipped_steps``)."""
+    flag = bf16_step.skip_flag(engine)
+    return flag if flag is not None else zero_step.skip_flag(engine)
+
+
 #: Elements per ZeRO gradient-reduction / parameter all-gather bucket (DeepSpeed's default is 5e8).
 ZERO_BUCKET_ELEMENTS = 5e7
 
@@ -243,12 +251,15 @@ def deepspeed_config(config: DominoConfig) -> Dict[str, Any]:
         # fp32 gradient partitions (deepspeed 0.19.8, runtime/engine.py `_do_optimizer_sanity_check` and
         # `_configure_zero_optimizer`). Without it bf16 gradients accumulate in bf16 and lose small updates.
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
-        if zero_stage(config) == 1:
-            # BF16_Optimizer all-reduces its accumulated fp32 gradient buffers once per step; DeepSpeed casts
-            # them to bf16 for it unless told otherwise (runtime/engine.py, `communication_data_type`: bf16 when
-            # bf16 is enabled and the key unset), rounding away what the fp32 accumulation kept. (ZeRO 2 reduces
-            # each micro-batch's bf16 gradients before accumulating them: nothing is lost there in bf16.)
-            ds["communication_data_type"] = "fp32"
+        # The data-parallel sums in fp32 too: DeepSpeed reduces in bf16 unless told otherwise (runtime/engine.py,
+        # `communication_data_type`: bf16 when bf16 is enabled and the key unset). ZeRO 1's BF16_Optimizer would
+        # round its accumulated fp32 buffers to bf16 for the all-reduce; ZeRO 2 reduces each micro-batch's bf16
+        # gradients as they come and adds the fp32 result to its fp32 partition (runtime/zero/stage_1_and_2.py,
+        # `_add_full_reduction_to_compact_grad_partition`), where a bf16 reduction would round every partial sum
+        # of the ranks' gradients. Megatron-LM reduces bf16 gradients in fp32 unless `--grad-reduce-in-bf16`
+        # (which its examples/llama/train_llama3_8b_h100_fp8.sh at 157006d opts into); ZeRO 2 sends twice the
+        # bytes for it.
+        ds["communication_data_type"] = "fp32"
     if t.deepspeed_config:
         try:
             with open(t.deepspeed_config) as f:
@@ -299,7 +310,9 @@ def build_engine(model: torch.nn.Module, config: DominoConfig):
         eps=t.adam_eps, fused=fused or None, foreach=None if fused else True)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(config),
                                            mpu=state)
-    bf16_step.install(engine)  # bf16 ZeRO 1: overflow and clipping decided on the device
+    # Overflow, loss scale and clipping decided on the device: bf16 ZeRO 1 (BF16_Optimizer), fp16/fp32 ZeRO 1/2 and
+    # bf16 ZeRO 2 (DeepSpeedZeroOptimizer, which also skips its collectives over a one-rank DP group).
+    bf16_step.install(engine) or zero_step.install(engine)
     if state.get_data_parallel_world_size() == 1 and (zero_stage(config) == 0
                                                       or bf16_step.is_bf16_optimizer(engine.optimizer)):
         # DeepSpeed 0.19.8 (runtime/engine.py, `_backward_epilogue` -> `allreduce_gradients` ->

@@ -30,7 +30,7 @@ from domino.parallel import random as tp_random
 from domino.runtime.comm_timing import pop_comm_wait_by_site, pop_comm_wait_seconds, pop_modelled_comm_seconds
 from domino.runtime import state
 from domino.runtime.agreement import agree, hosts, is_lost_peer_error, lost_peer_error
-from domino.train import bf16_step, engine as engine_setup
+from domino.train import engine as engine_setup
 from domino.train.evaluation import evaluate, perplexity
 from domino.train.interval_stats import IntervalReading, IntervalStats
 from domino.train.metrics import MetricsWriter, format_iteration_line
@@ -159,9 +159,9 @@ class _Trainer:
         """One optimizer step over a ``batch``-sample global batch; returns the mean loss, a 0-d tensor on the device.
 
         Nothing here reads a tensor value on the host (each read would wait for the device to drain): a
-        non-finite loss makes non-finite gradients, and the optimizer skips that update by itself, DeepSpeed's
-        wrappers from their ``overflow`` flag, the plain fused AdamW from ``found_inf``
-        (:func:`engine.flag_overflow`), the bf16 ZeRO-1 optimizer from its own (:mod:`domino.train.bf16_step`).
+        non-finite loss makes non-finite gradients, and the optimizer skips that update by itself: DeepSpeed's
+        from a device flag (:mod:`~domino.train.bf16_step`, :mod:`~domino.train.zero_step`; fp16 at ZeRO 0 from
+        its ``overflow``), the plain fused AdamW from ``found_inf`` (:func:`engine.flag_overflow`).
         """
         engine, timers = self.engine, self.timers
         self.batch = batch  # Megatron logs the batch of the iteration at the log point as batch-size
@@ -189,8 +189,8 @@ class _Trainer:
                     self.grad_norm = engine_setup.clip_gradients(engine, self.config.train.clip_grad)
                     self._flag_overflow(self.grad_norm)
             engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
-        skipped = bf16_step.skip_flag(engine)
-        if skipped is not None:  # bf16 ZeRO 1 skipped on the device: counted with the interval's numbers
+        skipped = engine_setup.device_skip_flag(engine)
+        if skipped is not None:  # skipped on the device: counted with the interval's numbers
             self.stats.add_optimizer_skip(skipped)
         timers.stop("optimizer")
         return iteration_loss / (batch // per_micro_batch)

@@ -31,13 +31,26 @@ def _body(rank, world_size):
     upstream = torch.full((2, 4), float(rank + 1))
 
     y = C.copy_to_tp_region(x)
-    y.backward(upstream)
+    y.backward(upstream.clone())  # the region sums its output gradient in place: here the one handed to backward
     out["copy"] = (y.detach(), x.grad.clone())
     x.grad = None
 
     y = C.reduce_from_tp_region(x)
     y.backward(upstream)
     out["reduce"] = (y.detach(), x.grad.clone(), x.detach().clone())
+    x.grad = None
+
+    # A GEMM's partial sum is reduced in place (no copy); an input a backward saved fails loudly instead.
+    partial = x * 1.0
+    y = C.reduce_from_tp_region(partial)
+    y.backward(upstream)
+    out["reduce in place"] = (y.detach(), x.grad.clone(), y.data_ptr() == partial.data_ptr())
+    x.grad = None
+    try:
+        C.reduce_from_tp_region(x.exp()).backward(upstream)  # exp's backward reads its own output
+        out["saved input"] = "no error"
+    except RuntimeError as error:
+        out["saved input"] = str(error)
     x.grad = None
 
     y = C.scatter_to_tp_region(x)
@@ -69,7 +82,11 @@ def test_two_rank_semantics():
         y, g, x_after = r["reduce"]
         assert torch.equal(y, base * 3)
         assert torch.equal(g, torch.full((2, 4), float(rank + 1)))  # identity backward
-        assert torch.equal(x_after, base * (rank + 1))  # the input itself is not reduced in place
+        assert torch.equal(x_after, base * (rank + 1))  # a leaf input itself is not reduced in place
+        y, g, same_storage = r["reduce in place"]
+        assert torch.equal(y, base * 3) and same_storage
+        assert torch.equal(g, torch.full((2, 4), float(rank + 1)))
+        assert "modified by an inplace operation" in r["saved input"]
         y, g = r["scatter"]
         assert torch.equal(y, (base * (rank + 1))[:, 2 * rank:2 * rank + 2])
         # x is replicated, so its gradient is every rank's slice gradient gathered back together.

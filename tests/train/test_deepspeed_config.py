@@ -69,12 +69,13 @@ def test_pretrain_sets_one_cuda_connection_unless_the_environment_chose(monkeypa
 
 
 @pytest.mark.parametrize("flags, communication", [(["--bf16", "--zero-stage", "1"], "fp32"),
-                                                  (["--bf16", "--zero-stage", "2"], None),
+                                                  (["--bf16", "--zero-stage", "2"], "fp32"),
                                                   (["--zero-stage", "1"], None)])
 def test_no_throughput_timer_and_fp32_reduction_of_fp32_accumulated_gradients(flags, communication):
     """Parsed by DeepSpeed's own config code (deepspeed 0.19.8 utils/config.py, runtime/config.py): its
-    ThroughputTimer is off (it would synchronise the device twice per micro-batch), and bf16 ZeRO 1, whose
-    BF16_Optimizer all-reduces fp32 gradient buffers, reduces them in fp32 (DeepSpeed's default is bf16)."""
+    ThroughputTimer is off (it would synchronise the device twice per micro-batch), and bf16, whose gradients
+    DeepSpeed accumulates in fp32 (ZeRO 1's BF16_Optimizer buffers, ZeRO 2's partitions), reduces them in fp32
+    (DeepSpeed's default is bf16)."""
     import torch
     from deepspeed.runtime.config import get_communication_data_type
     from deepspeed.utils.config import get_timers_config

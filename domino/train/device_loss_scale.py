@@ -1,0 +1,97 @@
+"""fp16 dynamic loss scaling with the scale's update decided on the device (no host read per step).
+
+DeepSpeed 0.19.8's ``DynamicLossScaler`` (``deepspeed/runtime/fp16/loss_scaler.py``) keeps the scale, the
+hysteresis and the iteration of the last overflow as Python numbers, so its ``update_scale(overflow)`` needs the
+overflow as a Python ``bool``: every fp16 optimizer of DeepSpeed reads it on the host each step (the ZeRO
+optimizer's ``has_overflow``, ``deepspeed/runtime/zero/stage_1_and_2.py``: ``overflow_gpu[0].item()``; the fp16
+optimizers' ``CheckOverflow.check``, ``deepspeed/runtime/utils.py``). :class:`DeviceLossScaler` is the same
+scaler with those three numbers as 0-d tensors on the device and the same rule written as ``torch.where``:
+
+* on an overflow, with hysteresis 1 (or ``delayed_shift`` 1): the scale halves, not below ``min_scale``;
+  otherwise the hysteresis drops by one; either way the overflow's iteration is remembered;
+* without one: the scale doubles when the iterations since the last overflow, minus one, are a positive
+  multiple of ``scale_window``, which also refills the hysteresis (refilled every clean step with
+  ``consecutive_hysteresis``).
+
+Scales are powers of two, exact in fp32, so the scaled loss, the unscaled gradients and the scale sequence
+are DeepSpeed's bit for bit (``tests/train/test_zero_step.py``). One difference: at ``min_scale`` an overflow
+makes DeepSpeed raise ``Current loss scale already at minimum`` (``raise_error_at_min_scale``); the device
+cannot raise, so the scale stays at the minimum and the step is skipped like any other (the interval's
+statistics count it, ``domino.train.zero_step.skip_flag``).
+
+The checkpoint code saves a scaler's fields by name (``domino.checkpoint.optimizer_state.loss_scaler_fields``
+reads these tensors as numbers at save time) and assigns them back by name on load: a number assigned to a
+device field is copied into its tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: The scaler fields that live on the device, with their dtypes.
+DEVICE_FIELDS = {"cur_scale": torch.float32, "cur_hysteresis": torch.int64, "last_overflow_iter": torch.int64}
+
+
+def _dynamic_loss_scaler_class():
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    return DynamicLossScaler
+
+
+def is_dynamic(scaler) -> bool:
+    """Whether ``scaler`` is (a subclass of) DeepSpeed's DynamicLossScaler."""
+    return isinstance(scaler, _dynamic_loss_scaler_class())
+
+
+def _update_scale(self, overflow) -> None:
+    """DeepSpeed's ``DynamicLossScaler.update_scale`` with ``overflow`` a 0-d bool tensor (module docstring)."""
+    overflow = torch.as_tensor(overflow, device=self.cur_scale.device).reshape(())
+    shrink = overflow & ((self.cur_hysteresis == 1) | (self.delayed_shift == 1))
+    stable_interval = self.cur_iter - self.last_overflow_iter - 1
+    grow = ~overflow & (stable_interval > 0) & (stable_interval % self.scale_window == 0)
+    halved = torch.clamp(self.cur_scale / self.scale_factor, min=self.min_scale)
+    self.cur_scale.copy_(torch.where(shrink, halved, torch.where(grow, self.cur_scale * self.scale_factor,
+                                                                 self.cur_scale)))
+    refill = grow | (~overflow & self.consecutive_hysteresis)
+    hysteresis = torch.where(overflow & ~shrink, self.cur_hysteresis - 1, self.cur_hysteresis)
+    self.cur_hysteresis.copy_(torch.where(refill, torch.full_like(hysteresis, self.delayed_shift), hysteresis))
+    self.last_overflow_iter.copy_(torch.where(overflow, torch.full_like(self.last_overflow_iter, self.cur_iter),
+                                              self.last_overflow_iter))
+    self.cur_iter += 1  # the host counts iterations itself: no value comes back
+
+
+def _setattr(self, name: str, value: Any) -> None:
+    """A number assigned to a device field (a checkpoint being restored) is copied into its tensor."""
+    current = self.__dict__.get(name)
+    if name in DEVICE_FIELDS and isinstance(current, torch.Tensor) and not isinstance(value, torch.Tensor):
+        current.fill_(value)
+        return
+    object.__setattr__(self, name, value)
+
+
+_CLASS = None
+
+
+def device_loss_scaler_class():
+    """The subclass of DeepSpeed's ``DynamicLossScaler`` whose update stays on the device (built lazily, so
+    importing this module does not import DeepSpeed)."""
+    global _CLASS
+    if _CLASS is None:
+        _CLASS = type("DeviceLossScaler", (_dynamic_loss_scaler_class(),), {
+            "__doc__": "DeepSpeed's DynamicLossScaler with the scale, hysteresis and last overflow on the device.",
+            "update_scale": torch.no_grad()(_update_scale),
+            "__setattr__": _setattr,
+        })
+        globals()["DeviceLossScaler"] = _CLASS  # importable by name, so a pickled optimizer state unpickles
+    return _CLASS
+
+
+def move_to_device(scaler, device: torch.device) -> None:
+    """Turns DeepSpeed's DynamicLossScaler ``scaler`` into a :func:`device_loss_scaler_class` in place: its
+    scale, hysteresis and last overflow become device tensors with the same values."""
+    values = {name: getattr(scaler, name) for name in DEVICE_FIELDS}
+    scaler.__class__ = device_loss_scaler_class()
+    for name, dtype in DEVICE_FIELDS.items():
+        object.__setattr__(scaler, name, torch.tensor(values[name], dtype=dtype, device=device))

@@ -1,0 +1,217 @@
+"""DeepSpeed's ZeRO 1/2 optimizer step with overflow, loss scale and clipping decided on the device.
+
+DeepSpeed 0.19.8 wraps our torch AdamW in ``DeepSpeedZeroOptimizer`` (``deepspeed/runtime/zero/stage_1_and_2.py``)
+at ZeRO 1 and 2 for fp16 and fp32, and at ZeRO 2 for bf16 (bf16 ZeRO 1 is ``BF16_Optimizer``:
+:mod:`domino.train.bf16_step`). Its ``step`` reads on the host, every step:
+
+* ``has_overflow`` (fp16 and bf16, ``check_grad_overflow``): the inf/NaN count of the gradient partitions,
+  all-reduced, then ``overflow_gpu[0].item()``;
+* ``is_invalid_grad_norm(scaled_global_grad_norm)``: ``bool(~isfinite(norm) | (norm < 0))``;
+* ``loss_scaler.update_scale(overflow)``: needs that ``bool`` (``deepspeed/runtime/fp16/loss_scaler.py``);
+* ``unscale_and_clip_grads``: ``if self.clip_grad == 0.0 and self.loss_scale == 1.0``, once per parameter
+  group, a read as soon as the scale is a device number.
+
+:class:`DeviceDecidedZeroOptimizer` replaces ``step`` with the same sequence as tensor maths and keeps everything
+else of DeepSpeed's class (gradient partitions and buckets, fp32 master partitions, state dict, all-gather):
+
+* the skip is torch's fused AdamW's own: with the optimizer attribute ``found_inf`` non-zero it leaves
+  parameters, moments and step count unchanged (``torch/optim/adam.py`` ``_fused_adam``, torch 2.13), so the
+  copy of the unchanged fp32 master partition into the 16-bit weights that follows changes nothing either;
+* the scale update is :class:`domino.train.device_loss_scale.DeviceLossScaler` (fp16 dynamic scaling);
+* the gradients are multiplied by ``1 / (max(1, (norm / scale + 1e-6) / clip) * scale)``, DeepSpeed's factor;
+  where DeepSpeed skips the multiplication (no clipping, scale 1) we multiply by exactly 1.0. ``scale`` is the
+  one the gradients were computed with: DeepSpeed updates the scale first and unscales with the new one, so on
+  a step where the scale doubles its unclipped gradients come out halved (clipped ones almost unchanged:
+  the factor is ``norm / clip`` then, but for the ``1e-6`` term); Megatron-LM unscales before it updates
+  (``megatron/core/optimizer/optimizer.py`` at 0011998, ``MixedPrecisionOptimizer.prepare_grads``), and so do
+  we.
+
+With one data-parallel replica DeepSpeed still reduces every gradient bucket over the one-rank group (the
+``dist.all_reduce``/``dist.reduce`` of ``allreduce_bucket`` and ``gradient_reduction_w_predivide``), only to
+move gradients into the partition; the subclass does the same copies and casts without the collective (the
+mean over one replica is the identity; gradient averaging divides by ``world size / sequence-parallel size``,
+1.0, skipped as DeepSpeed's own ``gradient_predivide_factor`` branch skips it).
+
+The swap is only made where it is exact (:func:`can_decide_on_device`): a fused torch Adam/AdamW, no CPU
+offload, MoE, ZenFlow, torch autocast scaler, external loss scale or DeepSpeed sequence parallelism. The
+engine's ``skipped_steps`` no longer counts skips; :func:`skip_flag` hands the 0/1 device flag to the interval
+statistics, which read it with the rest of the interval's numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from domino.train import device_loss_scale
+
+
+def _zero_optimizer_class():
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return DeepSpeedZeroOptimizer
+
+
+def _one_rank(group) -> bool:
+    from deepspeed import comm as dist
+
+    return dist.get_world_size(group=group) == 1
+
+
+def _device_decided_step(self, closure=None):
+    """``DeepSpeedZeroOptimizer.step`` (no offload) with the skip, scale and clip decided on the device."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.utils import all_gather_dp_groups
+    from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+    if closure is not None:
+        raise NotImplementedError(f"{type(self).__name__} does not support closure.")
+    self.micro_step_id = INITIAL_MICRO_STEP_ID
+    self.overflow = False  # the host does not know: a skip happens on the device (``found_inf``)
+    prev_scale = self.loss_scale  # the scale this step's gradients carry: a copy, the update below is in place
+    prev_scale = prev_scale.clone() if isinstance(prev_scale, torch.Tensor) else prev_scale
+    scaled_norm = self.scaled_global_norm()  # inf when any group's norm is not finite
+    # DeepSpeed skips on an invalid norm unless the weights are bf16 with check_grad_overflow off.
+    invalid = (~torch.isfinite(scaled_norm) | (scaled_norm < 0)) & (
+        self.dtype != torch.bfloat16 or self.check_grad_overflow)
+    if self.check_grad_overflow:
+        # DeepSpeed's has_overflow without its .item(): the partitions' inf/NaN count, the max over DP and TP.
+        overflow = self.has_overflow_partitioned_grads_serial().to(torch.uint8)
+        if not _one_rank(self.dp_process_group):
+            dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+        self._model_parallel_all_reduce(tensor=overflow, op=dist.ReduceOp.MAX)
+        invalid = invalid | overflow.reshape(()).bool()
+    if device_loss_scale.is_dynamic(self.loss_scaler):
+        self._update_scale(invalid)  # a static scaler (bf16's 1.0) has nothing to update
+    self._global_grad_norm = torch.where(invalid, torch.full_like(scaled_norm, float("inf")),
+                                         scaled_norm / prev_scale)
+    self.found_inf = invalid.to(torch.float32)
+    self.optimizer.found_inf = self.found_inf  # the fused kernel leaves everything unchanged when non-zero
+    for i in range(len(self.bit16_groups)):
+        partition_id = dist.get_rank(group=self.real_dp_process_group[i])
+        self.free_grad_in_param_list(self.params_not_in_partition[i])
+        flat_grad_partition = self._get_preflattened_grad_partition(i)
+        if flat_grad_partition is None:
+            if partition_id == dist.get_world_size(group=self.real_dp_process_group[i]) - 1:
+                flat_grad_partition = self.flatten_dense_tensors_aligned(self.averaged_gradients[i],
+                                                                         int(self.partition_size[i]))
+            else:
+                flat_grad_partition = self.flatten(self.averaged_gradients[i])
+        single_grad_partition = flat_grad_partition.to(self.single_partition_of_fp32_groups[i].dtype)
+        del flat_grad_partition
+        self.single_partition_of_fp32_groups[i].grad = single_grad_partition
+        self.free_grad_in_param_list(self.params_in_partition[i])
+        self._release_preflattened_grad_buffers(i)
+        self.averaged_gradients[i] = None
+        self.all_grad_tensors[i] = None
+        self._unscale_and_clip(single_grad_partition, scaled_norm, prev_scale)
+        self._optimizer_step(i)
+        self.single_partition_of_fp32_groups[i].grad = None
+        del single_grad_partition
+        self.parallel_partitioned_bit16_groups[i][partition_id].data.copy_(
+            self.single_partition_of_fp32_groups[i].data)
+    all_gather_dp_groups(groups_flat=self.bit16_groups_flat, partitioned_param_groups=self.parallel_partitioned_bit16_groups,
+                         dp_process_group=self.real_dp_process_group,
+                         start_alignment_factor=self.nccl_start_alignment_factor,
+                         allgather_bucket_size=self.allgather_bucket_size)
+    for i in range(len(self.bit16_groups)):
+        self._update_model_bit16_weights(i)
+
+
+def _unscale_and_clip(self, grad: torch.Tensor, scaled_norm: torch.Tensor, scale) -> None:
+    """DeepSpeed's ``unscale_and_clip_grads`` factor, applied without asking the host whether it is 1."""
+    if self.clip_grad == 0.0 and not isinstance(scale, torch.Tensor) and scale == 1.0:
+        return  # a Python 1.0 (bf16's static scaler): known on the host, nothing to do
+    combined = scale
+    if self.clip_grad > 0.0:
+        clip = torch.clamp(((scaled_norm / scale) + 1e-6) / self.clip_grad, min=1.0)  # the norm is norm * scale
+        combined = clip * scale
+    grad.data.mul_(1.0 / combined)
+
+
+def _allreduce_bucket(self, bucket, communication_data_type, rank=None, log=None, divide=True, process_group=None):
+    """``allreduce_bucket`` without the collective when the group is this rank alone."""
+    from deepspeed.runtime.zero.stage_1_and_2 import pg_correctness_test
+
+    group = self.dp_process_group if process_group is None else process_group
+    if not _one_rank(group) or self.sequence_parallel_size != 1:
+        return _zero_optimizer_class().allreduce_bucket(self, bucket, communication_data_type, rank=rank, log=log,
+                                                        divide=divide, process_group=process_group)
+    tensor = self.flatten(bucket)
+    reduced = tensor.to(torch.float32 if pg_correctness_test else communication_data_type)
+    if reduced is not tensor:  # DeepSpeed's cast there and back, kept: the same rounding as with the collective
+        tensor.copy_(reduced)
+    return reduced
+
+
+def _gradient_reduction_w_predivide(self, tensor, communication_data_type):
+    """``gradient_reduction_w_predivide`` without the collective when the data-parallel group is this rank."""
+    if not (_one_rank(self.dp_process_group) and self.sequence_parallel_size == 1
+            and self.gradient_predivide_factor == 1.0):
+        return _zero_optimizer_class().gradient_reduction_w_predivide(self, tensor, communication_data_type)
+    if tensor.numel() == 0:
+        return tensor
+    reduced = tensor.to(communication_data_type)
+    if reduced is not tensor:
+        tensor.copy_(reduced)
+    return reduced
+
+
+def _muon_update_lacks_loss_scale(self, group_index) -> bool:
+    """DeepSpeed's test with its two conditions swapped: the set, filled only by Muon updates (never with the
+    fused Adam this class requires), first, so the device scale is not compared on the host."""
+    return group_index in self.groups_lacking_loss_scale and bool(self.loss_scale != 1.0)
+
+
+_CLASS = None
+
+
+def device_decided_class():
+    """The subclass of DeepSpeed's ``DeepSpeedZeroOptimizer`` whose ``step`` reads nothing on the host (built
+    lazily, so importing this module does not import DeepSpeed)."""
+    global _CLASS
+    if _CLASS is None:
+        _CLASS = type("DeviceDecidedZeroOptimizer", (_zero_optimizer_class(),), {
+            "__doc__": "DeepSpeed's ZeRO 1/2 optimizer whose step decides overflow, loss scale and clipping on "
+                       "the device, and whose reductions over a one-rank group skip the collective.",
+            "step": torch.no_grad()(_device_decided_step),
+            "_unscale_and_clip": _unscale_and_clip,
+            "allreduce_bucket": _allreduce_bucket,
+            "gradient_reduction_w_predivide": _gradient_reduction_w_predivide,
+            "_muon_update_lacks_loss_scale": _muon_update_lacks_loss_scale,
+            "found_inf": None,
+        })
+    return _CLASS
+
+
+def can_decide_on_device(optimizer) -> bool:
+    """Whether ``optimizer`` (the engine's) is DeepSpeed's plain ZeRO 1/2 optimizer over a fused torch Adam(W)
+    with none of the features :func:`install` does not handle."""
+    if type(optimizer) is not _zero_optimizer_class():
+        return False
+    inner = optimizer.optimizer
+    return (isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) and bool(inner.defaults.get("fused"))
+            and optimizer.compute_grad_norm and not optimizer.cpu_offload
+            and not optimizer.has_moe_layers and not optimizer.zenflow and not optimizer.custom_loss_scaler
+            and optimizer.torch_autocast_gradscaler is None and optimizer.sequence_parallel_size == 1)
+
+
+def install(engine) -> bool:
+    """Gives ``engine``'s ZeRO optimizer the device-decided step (and its loss scaler the device update) where
+    :func:`can_decide_on_device`; returns whether it did. The objects keep their state: only their classes
+    change."""
+    optimizer = engine.optimizer
+    if not can_decide_on_device(optimizer):
+        return False
+    if device_loss_scale.is_dynamic(optimizer.loss_scaler):
+        device_loss_scale.move_to_device(optimizer.loss_scaler, optimizer.single_partition_of_fp32_groups[0].device)
+    optimizer.__class__ = device_decided_class()
+    return True
+
+
+def skip_flag(engine) -> Optional[torch.Tensor]:
+    """The 0/1 device flag of the last step's on-device skip, or None when the engine's optimizer is not the
+    device-decided ZeRO optimizer."""
+    return getattr(engine.optimizer, "found_inf", None) if _CLASS is not None and isinstance(
+        engine.optimizer, _CLASS) else None

@@ -1,0 +1,62 @@
+"""The comm-wait count: host blocking without CUDA; on CUDA the stall of the current stream between two timing
+events around the wait, read at the log interval (rehearsed here with stand-ins for CUDA's events and tensors:
+a NCCL wait returns to the host at once, so only the events see how long the stream waited)."""
+
+import types
+
+import torch
+
+from domino.runtime import comm_timing
+
+
+class _Clock:
+    now_ms = 0.0
+
+
+class _FakeEvent:
+    """``torch.cuda.Event(enable_timing=True)`` on a fake device clock."""
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.at = None
+
+    def record(self):
+        self.at = _Clock.now_ms
+
+    def synchronize(self):
+        assert self.at is not None
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+class _Work:
+    def __init__(self, stall_ms):
+        self.stall_ms = stall_ms
+
+    def wait(self):  # NCCL's: the stream waits for the collective; here the fake device clock moves on
+        _Clock.now_ms += self.stall_ms
+        return True
+
+
+def test_cuda_waits_count_the_streams_stall_and_host_waits_the_hosts(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    comm_timing.pop_comm_wait_seconds(), comm_timing.pop_comm_wait_by_site()
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+    with comm_timing.comm_site("fwd attention, first layer, chunk 0"):
+        handle = comm_timing.launch(lambda async_op: _Work(5.0), 0.0, on_gpu, None)
+    assert handle.wait()
+    with comm_timing.comm_site("fwd mlp, first layer, chunk 0"):
+        # A synchronous collective counts from its launch: 2 ms of queued work, then a 3 ms stall.
+        handle = comm_timing.launch(lambda async_op: _Work(3.0), 0.0, on_gpu, None, blocking=True)
+        _Clock.now_ms += 2.0
+        handle.wait()
+    assert comm_timing._device_waits  # nothing read on the host until the log interval
+    by_site = comm_timing.pop_comm_wait_by_site()
+    assert by_site == {"fwd attention, first layer, chunk 0": 0.005, "fwd mlp, first layer, chunk 0": 0.005}
+    assert comm_timing.pop_comm_wait_seconds() == 0.010 and not comm_timing._device_waits
+
+    on_cpu = torch.zeros(2)  # gloo: the host's own blocking, no events
+    handle = comm_timing.launch(lambda async_op: _Work(7.0), 0.0, on_cpu, None)
+    handle.wait()
+    assert not comm_timing._device_waits and 0.0 <= comm_timing.pop_comm_wait_seconds() < 0.5
