@@ -84,6 +84,7 @@ def device_loss_scaler_class():
             "update_scale": torch.no_grad()(_update_scale),
             "__setattr__": _setattr,
         })
+        globals()["DeviceLossScaler"] = _CLASS  # importable by name, so a pickled optimizer state unpickles
     return _CLASS
 
 

@@ -3,10 +3,10 @@
 1. The reference: a 2-rank (DP=2, ZeRO-1) run saving synchronously at every iteration.
 2. A chain of asynchronous runs of the same command (``--save DIR --load DIR``, a save every iteration, so a
    save is almost always in flight): each run but the last gets SIGKILLs at a random moment (seeded: a
-   random delay after its second new iteration, then its ranks in a random order, a random 0-100 ms apart),
+   random delay after its first commit, then its ranks in a random order, a random 0-100 ms apart),
    and the next run resumes from what the kill left. The last one trains to the end.
-3. The same job continued to 10 iterations with a full disk on rank 1 (``RLIMIT_FSIZE``): its background
-   write of iteration 9 fails there.
+3. The same job continued by two iterations with a full disk on rank 1 (``RLIMIT_FSIZE``): its background
+   write of the first of them fails there.
 
 Per kill the state on disk is recorded (``latest``, the directories, whether each checkpoint directory passes a
 full CRC check); per run its losses and log lines.
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-TRAIN_ITERS = 8
+TRAIN_ITERS = 12  # each killed run advances a few iterations: the chain ends well before the last
 ARGS = ["--preset", "tiny", "--mock-data", "--vocab-size", "256", "--log-interval", "1", "--num-workers", "0",
         "--seed", "7", "--train-iters", str(TRAIN_ITERS), "--eval-iters", "0", "--eval-interval", "0",
         "--hidden-dropout", "0.1", "--zero-stage", "1", "--save-interval", "1"]
@@ -29,15 +29,28 @@ WORLD = 2
 
 
 def _losses(path: Path) -> Dict[int, float]:
-    if not path.exists():
-        return {}
-    return {r["iteration"]: r["lm_loss"] for r in map(json.loads, path.read_text().splitlines()) if "eval" not in r}
+    """The training losses a metrics file holds so far (a line still being written is skipped)."""
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return {r["iteration"]: r["lm_loss"] for r in records if "eval" not in r}
 
 
-def _wait_for_iteration(metrics: Path, iteration: int, job, timeout: float = 60.0) -> bool:
+def _latest_iteration(save: Path) -> int:
+    try:
+        return int((save / "latest").read_text().strip()[5:])
+    except (OSError, ValueError):  # none yet, or being replaced
+        return 0
+
+
+def _wait_for_commit(save: Path, after: int, job, timeout: float = 60.0) -> bool:
+    """Waits until ``latest`` names a checkpoint newer than ``after`` (this run committed one)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(i >= iteration for i in _losses(metrics)):
+        if _latest_iteration(save) > after:
             return True
         if any(job.status.get(r) is not None for r in range(WORLD)):
             return False
@@ -77,10 +90,8 @@ def run(zygote, out, seeds: str) -> dict:
         run_record: dict = {"seed": seed}
         if seed is not None:
             rng = random.Random(seed)
-            before = _disk_state(save)["latest"]
-            start = int(before[5:]) if before else 0
-            reached = _wait_for_iteration(metrics, start + 2, job)
-            time.sleep(rng.uniform(0.0, 0.3))
+            reached = _wait_for_commit(save, _latest_iteration(save), job)
+            time.sleep(rng.uniform(0.0, 0.15))
             first = rng.randrange(WORLD)
             job.kill(first)
             time.sleep(rng.uniform(0.0, 0.1))
@@ -99,12 +110,14 @@ def run(zygote, out, seeds: str) -> dict:
                                                      logs[0])]
         result["runs"].append(run_record)
     # Then a full disk on rank 1: half of its optimizer file fits (DCP names rank 1's shard-00002-...).
-    limit = next((save / "iter_0000008" / "optimizer").glob("shard-00002-*")).stat().st_size // 2
-    before = {str(p.relative_to(save)): p.read_bytes() for p in (save / "iter_0000008").rglob("*") if p.is_file()}
-    job = zygote.start([*ARGS, "--async-save", "--save", str(save), "--load", str(save), "--train-iters", "10"],
+    last = save / f"iter_{TRAIN_ITERS:07d}"
+    limit = next((last / "optimizer").glob("shard-00002-*")).stat().st_size // 2
+    before = {str(p.relative_to(save)): p.read_bytes() for p in last.rglob("*") if p.is_file()}
+    job = zygote.start([*ARGS, "--async-save", "--save", str(save), "--load", str(save),
+                        "--train-iters", str(TRAIN_ITERS + 2)],
                        WORLD, out / "logs", env={"DOMINO_TEST_FSIZE_RANK1": str(limit)})
     status = job.wait(120)
-    after = {str(p.relative_to(save)): p.read_bytes() for p in (save / "iter_0000008").rglob("*") if p.is_file()}
+    after = {str(p.relative_to(save)): p.read_bytes() for p in last.rglob("*") if p.is_file()}
     logs = [job.log(r) for r in range(WORLD)]
     result["disk_full"] = {"status": status, "after": _disk_state(save), "unchanged": before == after,
                            "errors": [[line for line in log.splitlines() if line.startswith("domino pretrain: error:")]

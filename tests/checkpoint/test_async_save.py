@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from checkpoint.async_save_scenario import TRAIN_ITERS as ITERS
+
 SEEDS = "11,12,13"
 
 
@@ -67,7 +69,7 @@ def test_async_checkpoints_equal_the_synchronous_ones(scenario):
     assert scenario["reference"]["status"] == [0, 0]
     assert scenario["runs"][-1]["status"] == [0, 0], scenario["runs"][-1]["log_tail"]
     tags = sorted(p.name for p in asynchronous.glob("iter_*"))
-    assert tags == sorted(p.name for p in sync.glob("iter_*")) == [f"iter_{i:07d}" for i in range(1, 9)]
+    assert tags == sorted(p.name for p in sync.glob("iter_*")) == [f"iter_{i:07d}" for i in range(1, ITERS + 1)]
     for tag in tags:
         names = sorted(str(p.relative_to(sync / tag)) for p in (sync / tag).rglob("*") if p.is_file())
         assert names == sorted(str(p.relative_to(asynchronous / tag)) for p in (asynchronous / tag).rglob("*")
@@ -81,24 +83,28 @@ def test_sigkill_during_async_saves_resumes_the_newest_complete_checkpoint(scena
     reference = scenario["reference"]["losses"]
     runs = scenario["runs"]
     assert [r["seed"] for r in runs] == [int(s) for s in SEEDS.split(",")] + [None]
+    previous = None
     for killed, resumed in zip(runs, runs[1:]):
         seed, after = killed["seed"], killed["after"]
+        # Each killed run committed a checkpoint of its own first (the kill waits for one): every restart
+        # resumes from an asynchronous checkpoint, and the kills land in later saves.
+        assert after["latest"] is not None and (previous is None or after["latest"] > previous), (seed, after)
+        previous = after["latest"]
         # Both ranks killed, or the second one gone first with domino's lost-peer report (exit status 128).
         first, second = killed["status"][killed["killed_first"]], killed["status"][1 - killed["killed_first"]]
         assert killed["reached"] and first == -9 and second in (-9, 128), (seed, killed["status"])
         # Nothing under a final name is torn: every iter_ directory is sealed and passes its CRC-32 check.
         assert all(after["intact"].values()), (seed, after)
-        if after["latest"] is not None:
-            assert after["latest"] in after["intact"], (seed, after)
-            newer = [t for t in after["intact"] if t > after["latest"]]
-            # At most the checkpoint whose commit the kill cut short between its rename and `latest`.
-            assert len(newer) <= 1, (seed, after)
+        assert after["latest"] in after["intact"], (seed, after)
+        newer = [t for t in after["intact"] if t > after["latest"]]
+        # At most the checkpoint whose commit the kill cut short between its rename and `latest`.
+        assert len(newer) <= 1, (seed, after)
         assert resumed["resumed_from"] == after["latest"], (seed, after, resumed["log_tail"])
         assert not resumed["damaged"], resumed["log_tail"]
-        start = int(after["latest"][5:]) if after["latest"] else 0
+        start = int(after["latest"][5:])
         assert sorted(int(i) for i in resumed["losses"])[0] == start + 1
         assert resumed["losses"] == {i: reference[i] for i in resumed["losses"]}, seed  # bit for bit
-    assert runs[-1]["after"]["latest"] == "iter_0000008"
+    assert runs[-1]["after"]["latest"] == f"iter_{ITERS:07d}"
 
 
 def test_training_goes_on_while_a_checkpoint_is_written(scenario):
@@ -115,15 +121,16 @@ def test_training_goes_on_while_a_checkpoint_is_written(scenario):
 
 
 def test_a_background_write_failing_on_one_rank_stops_every_rank_with_one_line(scenario):
-    """A full disk on rank 1 while iteration 9 is written in the background: at a later step every rank exits
-    with the same agreed line naming rank 1, and the previous checkpoint and ``latest`` stay as they were."""
+    """A full disk on rank 1 while the iteration after the last is written in the background: at a later step
+    every rank exits with the same agreed line naming rank 1, and the previous checkpoint and ``latest`` stay."""
     full, save = scenario["disk_full"], scenario["out"] / "async"
     assert full["status"] == [2, 2], full
     (line,), (other,) = full["errors"]
     assert line == other
     assert "rank 1 (node " in line and "rank 0 (node " not in line
-    assert "failed while saving checkpoint iter_0000009 (optimizer state)" in line and "File too large" in line
-    assert f"`latest` in {save} names iter_0000008: a restart resumes from it" in line
+    assert f"failed while saving checkpoint iter_{ITERS + 1:07d} (optimizer state)" in line
+    assert "File too large" in line
+    assert f"`latest` in {save} names iter_{ITERS:07d}: a restart resumes from it" in line
     assert full["tracebacks"] == [False, False]
-    assert full["after"]["latest"] == "iter_0000008" and full["unchanged"]
+    assert full["after"]["latest"] == f"iter_{ITERS:07d}" and full["unchanged"]
     assert not [n for n in full["after"]["names"] if n.startswith(".")]  # the temporary directory was removed

@@ -74,6 +74,11 @@ MUTATIONS: List[Mutation] = [
     Mutation("async-save-training-ends-without-waiting", "domino/train/pretrain.py",
              "        self.saver.wait()  # an asynchronous final save is written while the model is evaluated\n", "",
              ["tests/checkpoint/test_async_save.py"]),
+    Mutation("async-save-forgets-a-ranks-write-error", "domino/checkpoint/async_save.py",
+             "                pending.error = checkpointing.own_failure(caught)\n",
+             "                pending.error = None\n",
+             ["tests/checkpoint/test_async_save.py::"
+              "test_a_background_write_failing_on_one_rank_stops_every_rank_with_one_line"]),
     Mutation("checkpoint-rng-not-restored", "domino/checkpoint/resume.py",
              "    if not c.no_load_rng and _same_layout(meta):\n        rng = torch.load(",
              "    if False:\n        rng = torch.load(",

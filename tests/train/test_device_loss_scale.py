@@ -2,6 +2,7 @@
 ``DynamicLossScaler.update_scale`` (``deepspeed/runtime/fp16/loss_scaler.py``) step for step, for both hysteresis
 modes and at the minimum scale, and its fields survive the checkpoint code's save-by-name and restore-by-name."""
 
+import pickle
 import random
 from unittest import mock
 
@@ -43,3 +44,5 @@ def test_the_device_update_follows_deepspeeds_and_restores_by_name(consecutive_h
     for key, value in loss_scaler_fields(ours).items():  # what domino/checkpoint does on load
         setattr(restored, key, value)
     assert restored.cur_scale is scale and loss_scaler_fields(restored) == loss_scaler_fields(ours)
+    copied = pickle.loads(pickle.dumps(ours))  # DeepSpeed's own state_dict holds the scaler object
+    assert type(copied) is type(ours) and loss_scaler_fields(copied) == loss_scaler_fields(ours)
