@@ -48,7 +48,8 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
         # ZeRO-3 are incompatible with pipeline parallelism"): ZeRO-2 reduces each gradient in a backward hook
         # of DeepSpeed's backward, and the pipeline schedule runs the backward itself.
         problems.append(f"--zero-stage 2 with --pipeline-model-parallel-size {pp}: not supported (ZeRO-2 reduces "
-                        "gradients inside DeepSpeed's backward, the pipeline schedule runs its own; use --zero-stage 1)")
+                        "gradients inside DeepSpeed's backward, the pipeline schedule runs its own; "
+                        "use --zero-stage 1)")
     for flag, on in (("--fp16", t.fp16), ("--bf16", t.bf16)):
         # DeepSpeed's fp16 and bf16 optimizers move gradients to their fp32 buffers in their own backward's
         # epilogue (deepspeed 0.19.8 runtime/bf16_optimizer.py `backward_epilogue`), which the schedule never runs.

@@ -89,7 +89,8 @@ class PipelineStep:
                  ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """One step of ``micro_batches`` per data-parallel rank. Returns the mean loss over the step's micro-batches
         averaged over the replicas, the gradient norm (0-d tensors on the device), and the optimizer's 0/1 skip flag
-        of a non-finite norm (the ZeRO optimizer's device flag at ZeRO 1/2; None where DeepSpeed decides on the host)."""
+        of a non-finite norm (the ZeRO optimizer's device flag at ZeRO 1/2; None where DeepSpeed decides on the
+        host)."""
         timers.start("forward-backward")
         batch = self._step_batch(data_iterator, micro_batches)
         loss = self._schedule(micro_batches).train_step(batch["tokens"], batch["labels"], batch["loss_mask"],

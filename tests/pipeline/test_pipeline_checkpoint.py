@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from train.train_helpers import TINY, read_metrics, run_pretrain
+from pipeline_runs import run_records
 
-COMMON = [*TINY, "--mock-data", "--vocab-size", "512", "--eval-iters", "0", "--eval-interval", "0",
-          "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "0", "--num-layers", "4",
-          "--no-untie-embeddings-and-output-weights", "--clip-grad", "0.05", "--zero-stage", "0"]
+COMMON = ["--eval-iters", "0", "--eval-interval", "0", "--global-batch-size", "4", "--zero-stage", "0"]
 
 
 def _losses(tmp_path, name, nproc, args):
-    metrics = tmp_path / f"{name}.jsonl"
-    run_pretrain([*COMMON, "--metrics-file", str(metrics), *args], nproc=nproc)
-    return {r["iteration"]: r["lm_loss"] for r in read_metrics(metrics) if "eval" not in r}
+    return {r["iteration"]: r["lm_loss"] for r in run_records(tmp_path, name, nproc, [*COMMON, *args])
+            if "eval" not in r}
 
 
 def test_two_stage_checkpoint_resumes_at_two_stages_and_at_one(tmp_path):

@@ -116,7 +116,8 @@ def _check(per_rank, tp, reference, variant):
             merged.update(merge_tp_shards(shards))
         # The last stage's output layer is its copy of the tied embeddings: it must carry the same gradient.
         tied = merged.pop("output_layer.weight")
-        _assert_close(tied, ref_grads[step]["embedding.word_embeddings.weight"], step, f"{variant} step {step} tied copy")
+        _assert_close(tied, ref_grads[step]["embedding.word_embeddings.weight"], step,
+                      f"{variant} step {step} tied copy")
         assert merged.keys() == ref_grads[step].keys()
         for name, grad in merged.items():
             _assert_close(grad, ref_grads[step][name], step, f"{variant} step {step} grad {name}")

@@ -1,10 +1,10 @@
 """`domino pretrain` with pipeline stages trains the model the one-stage run trains.
 
-Tied embeddings (the tiny preset with ``--no-untie-embeddings-and-output-weights``), mock data, fp32, no dropout,
-and a ``--clip-grad`` small enough to clip every step, so the logged gradient norm (summed over the stages, the tied
-copy counted once) and the update it scales both enter the losses of the later steps. The one-stage run at the
-same data-parallel size is the reference; 2 stages x 2 data-parallel replicas (4 processes) under ZeRO stage 1
-(DeepSpeed's optimizer over each stage, the gradients reduced after the schedule, :mod:`domino.train.pipeline_step`)
+The model of :data:`pipeline_runs.TIED_TINY` (tied embeddings, clipped every step), so the logged gradient norm
+(summed over the stages, the tied copy counted once) and the update it scales both enter the later losses. The
+one-stage run at the same data-parallel size is the reference; 2 stages x 2 data-parallel replicas (4 processes)
+under ZeRO stage 1 (DeepSpeed's optimizer over each stage, the gradients reduced after the schedule,
+:mod:`domino.train.pipeline_step`)
 must log the same loss and gradient norm at every iteration, and the same validation and test losses: 3 evaluation
 micro-batches run as a step's 2 on the 1F1B stages' forward-only GPipe schedule, then 1, fewer than the stages.
 (The schedule alone, with TP and Domino, is tests/pipeline/test_pipeline_equivalence.py's.)
@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import pytest
 
-from train.train_helpers import TINY, read_metrics, run_pretrain
+from pipeline_runs import run_records
 
-COMMON = [*TINY, "--mock-data", "--vocab-size", "512", "--train-iters", "3", "--eval-iters", "3",
-          "--eval-interval", "2", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "0",
-          "--num-layers", "4", "--no-untie-embeddings-and-output-weights", "--clip-grad", "0.05"]
+COMMON = ["--train-iters", "3", "--eval-iters", "3", "--eval-interval", "2", "--global-batch-size", "8"]
 
 
 def _records(tmp_path, name, nproc, layout):
-    metrics = tmp_path / f"{name}.jsonl"
-    run_pretrain([*COMMON, "--metrics-file", str(metrics), *layout], nproc=nproc)
-    return read_metrics(metrics)
+    return run_records(tmp_path, name, nproc, [*COMMON, *layout])
 
 
 def _assert_same_training(reference, records):
