@@ -217,18 +217,33 @@ def test_gpu_memory_gb_refuses_a_layout_the_estimate_says_cannot_fit(capsys):
         JobSpec(**{**BASE, "gpu_memory_gb": 0.0}).validate()
 
 
-def test_a_pipeline_layout_the_pods_cannot_hold_is_refused_in_one_line(capsys):
-    """world = TP x PP x DP over nodes x processes per node: 3 pods of 4 processes cannot hold 8 stages; refused in
-    one line before any object exists. (The memory check of a pipeline layout: tests/config/
-    test_estimate_pipeline.py; a PP job is refused today anyway for the --save the renderer adds.)"""
+def test_pipeline_layouts_are_checked_against_the_pods_and_the_gpus_memory(capsys):
+    """world = TP x PP x DP over nodes x processes per node: 3 pods of 4 processes cannot hold 8 stages; a 52B GPT in
+    fp32 at TP 8 x PP 2 on 2 pods of 8 GPUs fits 80 GB GPUs (its fuller, first stage 61 GiB) and not 40 GB ones.
+    Each refusal is one line, before any object exists."""
+    job = ["launch", "render", "--name", "gpt", "--image", "img:1", "--run-id", "abc"]
+    run = ["--mock-data", "--train-iters", "4"]
     with pytest.raises(SystemExit) as exit_info:
-        domino_main(["launch", "render", "--name", "gpt", "--image", "img:1", "--run-id", "abc", "--nodes", "3",
-                     "--nproc-per-node", "4", "--", "--preset", "tiny", "--pipeline-model-parallel-size", "8",
-                     "--mock-data", "--train-iters", "4", "--eval-iters", "0"])
+        domino_main([*job, "--nodes", "3", "--nproc-per-node", "4", "--", "--preset", "tiny",
+                     "--pipeline-model-parallel-size", "8", *run])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "(world size 12): world size 12 is not divisible by --tensor-model-parallel-size 1 x " \
                               "--pipeline-model-parallel-size 8" in err[0]
+    big = ["--num-layers", "64", "--hidden-size", "8192", "--num-attention-heads", "64", "--seq-length", "2048",
+           "--vocab-size", "50257", "--global-batch-size", "64", "--micro-batch-size", "1",
+           "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2", "--sequence-parallel", *run]
+    gpus = ["--nodes", "2", "--nproc-per-node", "8", "--gpus-per-node", "8"]
+    with pytest.raises(SystemExit) as exit_info:
+        domino_main([*job, *gpus, "--gpu-memory-gb", "40", "--", *big])
+    assert exit_info.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]  # not the start-up notes
+    assert len(err) == 1 and "--gpu-memory-gb 40: the estimate (domino estimate) is 61.4 GiB per GPU" in err[0]
+    assert "TP 8 x PP 2 x DP 1, ZeRO 0, micro-batch 1, recompute none, SP on" in err[0]
+    assert "on stage 0 of 2, 64 micro-batches, bubble 1.5%" in err[0]
+    with pytest.raises(SystemExit) as exit_info:
+        domino_main([*job, *gpus, "--gpu-memory-gb", "80", "--", *big])
+    assert exit_info.value.code == 0, capsys.readouterr().err
 
 
 def test_run_job_rejects_bad_args_before_any_backend_work(tmp_path):
