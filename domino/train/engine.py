@@ -21,6 +21,26 @@ from domino.train import bf16_step, zero_step
 logger = logging.getLogger(__name__)
 
 
+def _import_deepspeed_without_its_autotuners_mlflow() -> None:
+    """Imports DeepSpeed, hiding MLflow from its autotuner for the length of the import.
+
+    deepspeed 0.19.8 imports ``autotuning/autotuner.py`` with the package, which tries ``import mlflow`` at
+    module level for its own autotuning experiments (domino never runs the autotuner). Where MLflow is
+    installed (the ``tracking`` extra) that import alone took 1.5 s of every process's start-up here; domino's
+    tracking imports MLflow itself when ``MLFLOW_TRACKING_URI`` asks for it, so it is hidden only when nothing
+    imported it yet, and only during DeepSpeed's import (``sys.modules[name] = None`` makes an import raise
+    ImportError, which the autotuner catches).
+    """
+    hide = "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]
+    try:
+        import deepspeed  # noqa: F401
+    finally:
+        if hide and sys.modules.get("mlflow", 0) is None:
+            del sys.modules["mlflow"]
+
+
 def _skip_shared_memory_op() -> None:
     """Keeps DeepSpeed on plain gloo on CPU.
 
@@ -30,6 +50,7 @@ def _skip_shared_memory_op() -> None:
     if torch.cuda.is_available():
         return
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    _import_deepspeed_without_its_autotuners_mlflow()
     import deepspeed.comm.torch  # noqa: F401  (make sure the module object exists)
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *args, **kwargs: None
@@ -75,6 +96,7 @@ def initialize_runtime(config: DominoConfig) -> None:
     _skip_shared_memory_op()
     # Only now, with DS_ACCELERATOR set: DeepSpeed picks its accelerator once, at import (deepspeed 0.19.8
     # runtime/utils.py calls get_accelerator() at module level; accelerator/real_accelerator.py caches it).
+    _import_deepspeed_without_its_autotuners_mlflow()
     import deepspeed
 
     p = config.parallel

@@ -84,3 +84,18 @@ def test_no_throughput_timer_and_fp32_reduction_of_fp32_accumulated_gradients(fl
     assert get_timers_config({}).enabled is True  # DeepSpeed's default, without our key
     assert get_timers_config(ds).enabled is False
     assert get_communication_data_type(ds) == (torch.float32 if communication else None)
+
+
+def test_deepspeed_is_imported_without_mlflow_which_stays_importable_after():
+    """DeepSpeed's autotuner imports MLflow at import time if it can (0.19.8 ``autotuning/autotuner.py``): about a
+    second of every rank's start-up; domino hides it during that import only."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from domino.train import engine; engine._import_deepspeed_without_its_autotuners_mlflow(); "
+            "from deepspeed.autotuning import autotuner; print('mlflow' in sys.modules, autotuner.has_mlflow); "
+            "import mlflow; print(mlflow.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False", "mlflow"], out.stdout
