@@ -101,10 +101,13 @@ class ClusterCheck:
 
     def kueue_version(self) -> Tuple[Optional[str], List[str]]:
         """The newest LocalQueue version the API server serves, or None and the one-line problem."""
+        newest_missing: List[str] = []
         for version in KUEUE_VERSIONS:
-            if not self.served(KUEUE_GROUP, version, LOCAL_QUEUES, "Kueue"):
+            missing = self.served(KUEUE_GROUP, version, LOCAL_QUEUES, "Kueue")
+            if not missing:
                 return version, []
-        return None, self.served(KUEUE_GROUP, KUEUE_VERSIONS[0], LOCAL_QUEUES, "Kueue")
+            newest_missing = newest_missing or missing  # reported for the newest version, asked once
+        return None, newest_missing
 
     def queue(self, spec: JobSpec, version: str) -> List[str]:
         queue, error = self._get(self.custom.get_namespaced_custom_object, KUEUE_GROUP, version,
