@@ -30,6 +30,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def warm_imports() -> None:
+    """Imports what every rank of ``domino pretrain`` imports, once, without initialising anything."""
+    import torch  # noqa: F401  (imported once here, inherited by every fork)
+    import deepspeed  # noqa: F401
+    import torch._dynamo  # noqa: F401  (torch's optimizers import it on first use: half a second per rank)
+    import torch.distributed.checkpoint  # noqa: F401
+    # DeepSpeed's ZeRO optimizer check imports its Muon optimizer, whose torch.compile decorators import
+    # inductor (deepspeed 0.19.8 runtime/zero/utils.py is_zero_supported_optimizer): 2 s per rank.
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    import domino.cli.main
+    import domino.train.pretrain  # noqa: F401
+
+    domino.cli.main.build_parser()  # imports what the verbs' flags need
+
+
 class Job:
     """The ranks of one forked ``domino pretrain`` run."""
 
@@ -70,17 +85,7 @@ class Zygote:
 
     def __init__(self) -> None:
         os.environ.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        import torch  # noqa: F401  (imported once here, inherited by every fork)
-        import deepspeed  # noqa: F401
-        import torch._dynamo  # noqa: F401  (torch's optimizers import it on first use: half a second per rank)
-        import torch.distributed.checkpoint  # noqa: F401
-        # DeepSpeed's ZeRO optimizer check imports its Muon optimizer, whose torch.compile decorators import
-        # inductor (deepspeed 0.19.8 runtime/zero/utils.py is_zero_supported_optimizer): 2 s per rank.
-        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
-        import domino.cli.main
-        import domino.train.pretrain  # noqa: F401
-
-        domino.cli.main.build_parser()  # imports what the verbs' flags need
+        warm_imports()
         self.runs = 0
 
     def start(self, args: Sequence[str], world_size: int, log_dir: Path,

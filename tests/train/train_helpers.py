@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from distributed_helpers import free_port
+from train.pretrain_zygote import can_serve, shared_server
 
 TINY = ["--preset", "tiny", "--log-interval", "1", "--num-workers", "0", "--seed", "7"]
 
@@ -32,10 +33,19 @@ def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 
 def run_pretrain(args: List[str], nproc: int = 1, timeout: float = 300, check: bool = True,
-                 env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
-    """Runs `domino pretrain` to completion; on ``check`` a failure shows the child's output."""
-    proc = subprocess.run(pretrain_command(args, nproc), env=child_env(env), capture_output=True, text=True,
-                          timeout=timeout)
+                 env: Optional[Dict[str, str]] = None, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """Runs `domino pretrain` to completion; on ``check`` a failure shows the child's output.
+
+    The ranks are forked from a warm server (tests/train/pretrain_zygote.py: the same processes and exit
+    status without 3-5 s of imports per job). ``torchrun=True``, or an environment that would change what the
+    server imported, runs the command itself: `python -m domino`, under torchrun for several processes.
+    """
+    command, job_env = pretrain_command(args, nproc), child_env(env)
+    server = None if torchrun else shared_server(child_env())
+    if server is not None and can_serve(job_env, server.env):
+        proc = server.run(command, args, nproc, job_env, timeout)
+    else:
+        proc = subprocess.run(command, env=job_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"domino pretrain failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
