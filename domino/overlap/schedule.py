@@ -87,6 +87,7 @@ class DominoStack(StepStack):
         return m.pre_process and not self.sequence_parallel and not (m.embedding.dropout > 0 and m.training)
 
     def _sizes(self, batch: int) -> List[int]:
+        """The chunks' batch sizes (``tensor_split``'s: the first ones one larger when ``batch`` does not divide)."""
         if batch < self.chunks:
             raise ValueError(f"micro-batch size {batch} is smaller than --domino-chunks {self.chunks}")
         return [len(idx) for idx in torch.arange(batch).tensor_split(self.chunks)]
@@ -122,8 +123,8 @@ class DominoStack(StepStack):
 
     def __call__(self, hidden: torch.Tensor, position_ids: torch.Tensor, attend_mask: Optional[torch.Tensor],
                  rotary: Optional[RotaryTables], kv_cache: Optional[KVCache] = None) -> StackOutput:
-        """What :meth:`embed` returned (``[s, b, h]`` embeddings) -> the final norm's output (``kv_cache`` must be
-        None: see :meth:`select`).
+        """What :meth:`embed` returned (``[s, b, h]`` embeddings, or the chunk-ordered lookup) -> the final norm's
+        ``[s, b, h]`` output (``kv_cache`` must be None: see :meth:`select`).
 
         ``attend_mask`` (True = may attend, or None for causal) is split into per-chunk views, not copied;
         ``rotary``: the rotary tables of the positions (rope models), split along the batch like the mask.
