@@ -137,7 +137,7 @@ def num_microbatches(config: DominoConfig, layout: Layout) -> int:
 
 
 def message_bytes(shape: ModelShape, layout: Layout, act_bytes: int) -> float:
-    """One micro-batch's activation between two stages, per TP rank: ``[b, s, h]``, ``[b, s/t, h]`` with SP."""
+    """One micro-batch's activation between two stages, per TP rank: ``[s, b, h]``, ``[s/t, b, h]`` with SP."""
     sp = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
     return shape.s * layout.micro_batch_size * shape.h / sp * act_bytes
 

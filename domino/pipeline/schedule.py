@@ -21,7 +21,7 @@ extra forward and backward on the first step only to learn them (``_forward_meta
 Inputs: the first stage reads token ids; every stage reads the position ids (rotary positions, reset ones) and the
 attention mask (None: causal), passed as keyword arguments split like the batch; the last stage also reads the
 labels, and the loss mask is the schedule's ``target``. Between stages travels the residual stream
-``[b, s, h]`` (``[b, s/tp, h]`` with sequence parallelism, Megatron's choice too: the slice is what each rank has).
+``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism, Megatron's choice too: the slice is what each rank has).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class StageSchedule:
         self.is_first, self.is_last = self.indices[0] == 0, self.indices[-1] == self.num_virtual_stages - 1
         tp = state.get_tensor_model_parallel_world_size()
         local_seq = seq_length // tp if sequence_parallel and tp > 1 else seq_length
-        self._hidden = torch.empty(micro_batch_size, local_seq, hidden_size, dtype=dtype, device="meta",
+        self._hidden = torch.empty(local_seq, micro_batch_size, hidden_size, dtype=dtype, device="meta",
                                    requires_grad=True)
         self._tokens = torch.empty(micro_batch_size, seq_length, dtype=torch.long, device="meta")
         self._losses = torch.empty(micro_batch_size, seq_length, dtype=torch.float32, device="meta")
