@@ -9,16 +9,18 @@ For PP = 2 and 4 and m = 4, 8, 16 micro-batches per step it prints the share of 
   ``ScheduleInterleaved1F1B`` its ``pipeline_order``, the table its runtime executes), replayed with a forward of
   one chunk taking 1 time unit, its backward 2 (Megatron's assumption t_b = 2 t_f) and communication none: what
   the order alone costs, against the formula's ideal;
-* **measured** (``--measure``, PP 2 only: two processes are what the 2-core development machine holds without
-  ranks waiting for a core): a tiny GPT of 4 layers on gloo processes (one thread each), 1F1B through domino's
-  :class:`domino.pipeline.schedule.StageSchedule`, interleaved through torch's ``ScheduleInterleaved1F1B`` over
-  the same model cut by :func:`domino.pipeline.stages.split_model` into ``p v`` virtual stages, chunk ``c`` of rank
-  ``r`` being virtual stage ``c p + r`` (domino's training loop runs no interleaved schedule yet); per rank
+* **measured** (``--measure``, at the PP sizes of ``--measure-stages``, default 2: two processes are what the
+  2-core development machine holds without ranks waiting for a core; ``--measure-stages 2 4`` adds PP 4 on 4
+  processes, for a machine with a core per process): a tiny GPT of ``p v`` layers (4 at PP 2, 8 at PP 4: one
+  layer per virtual stage, two per 1F1B stage, whatever p) on gloo processes (one thread each), 1F1B through
+  domino's :class:`domino.pipeline.schedule.StageSchedule`, interleaved through torch's ``ScheduleInterleaved1F1B``
+  over the same model cut by :func:`domino.pipeline.stages.split_model` into ``p v`` virtual stages, chunk ``c``
+  of rank ``r`` being virtual stage ``c p + r`` (domino's training loop runs no interleaved schedule yet); per rank
   ``1 - busy / step`` where busy is the time inside the stages' ``forward_one_chunk`` and ``backward_one_chunk``
   (torch's per-micro-batch compute; the waits for point-to-point transfers are outside them), the mean over ranks
   and the timed steps.
 
-    python benchmarks/pipeline_bubble.py [--measure] [--steps 3] [--json]
+    python benchmarks/pipeline_bubble.py [--measure] [--measure-stages 2 [4]] [--steps 3] [--json]
 """
 
 from __future__ import annotations
@@ -38,9 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from domino.config.pipeline_schedule import bubble_fraction  # noqa: E402
 
 STAGES, MICROBATCHES, CHUNKS = (2, 4), (4, 8, 16), 2
-MEASURED_STAGES = (2,)  # what --measure runs (see the module doc)
 FORWARD, BACKWARD = 1.0, 2.0  # time units of one chunk's forward and backward in the replay
-LAYERS, HIDDEN, HEADS, SEQ, MICRO, VOCAB = 4, 256, 4, 128, 2, 512  # the measured model
+HIDDEN, HEADS, SEQ, MICRO, VOCAB = 256, 4, 128, 2, 512  # the measured model; p x CHUNKS layers at PP p
 
 
 def one_f_one_b_order(p: int, m: int, rank: int) -> List[Tuple[str, int, int]]:
@@ -106,7 +107,7 @@ def _stages(rank: int, world: int, m: int, chunks: int):
     from domino.runtime import state
 
     torch.manual_seed(0)
-    config = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
+    config = ModelConfig(num_layers=world * CHUNKS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
                          hidden_dropout=0.0, attention_dropout=0.0)
     whole = GPTModel(config, VOCAB)
     g = torch.Generator().manual_seed(1)
@@ -134,6 +135,26 @@ def _stages(rank: int, world: int, m: int, chunks: int):
     return stages, step
 
 
+def time_stage_compute(stages) -> List[float]:
+    """Times torch's per-micro-batch compute of ``stages`` (their ``forward_one_chunk`` and ``backward_one_chunk``,
+    wrapped): returns a one-element list that those calls add their seconds to (reset it between steps). The waits
+    for the pipeline's point-to-point transfers happen outside them."""
+    busy = [0.0]
+    for stage in stages:
+        for name in ("forward_one_chunk", "backward_one_chunk"):
+            inner = getattr(stage, name)
+
+            def timed(*args, _inner=inner, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _inner(*args, **kwargs)
+                finally:
+                    busy[0] += time.perf_counter() - start
+
+            setattr(stage, name, timed)
+    return busy
+
+
 def _measure_rank(rank: int, world: int, port: int, m: int, chunks: int, steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -145,19 +166,7 @@ def _measure_rank(rank: int, world: int, port: int, m: int, chunks: int, steps: 
 
     state.initialize_model_parallel(1, pipeline_model_parallel_size=world)
     stages, step = _stages(rank, world, m, chunks)
-    busy = [0.0]
-    for stage in stages:
-        for name in ("forward_one_chunk", "backward_one_chunk"):  # time torch's per-micro-batch compute
-            inner = getattr(stage, name)
-
-            def timed(*args, _inner=inner, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return _inner(*args, **kwargs)
-                finally:
-                    busy[0] += time.perf_counter() - start
-
-            setattr(stage, name, timed)
+    busy = time_stage_compute(stages)
     shares = []
     for n in range(steps + 1):  # the first step warms up (allocations, gloo pairs)
         dist.barrier()
@@ -187,6 +196,8 @@ def measure(p: int, m: int, chunks: int, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--measure", action="store_true", help="also measure domino's 1F1B on gloo processes")
+    parser.add_argument("--measure-stages", type=int, nargs="+", default=[2], choices=STAGES,
+                        help="PP sizes --measure runs, each on that many processes (default 2; see the module doc)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measured setting (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
@@ -198,7 +209,7 @@ def main() -> None:
                    "1f1b_schedule": replay([one_f_one_b_order(p, m, r) for r in range(p)], p),
                    "interleaved_formula": bubble_fraction(p, m, CHUNKS),
                    "interleaved_schedule": replay(interleaved_order(p, m, CHUNKS), p * CHUNKS)}
-            if args.measure and p in MEASURED_STAGES:
+            if args.measure and p in args.measure_stages:
                 row["1f1b_measured"] = measure(p, m, 1, args.steps)
                 row["interleaved_measured"] = measure(p, m, CHUNKS, args.steps)
             rows.append(row)
