@@ -13,9 +13,9 @@ For PP = 2 and 4 and m = 4, 8, 16 micro-batches per step it prints the share of 
   2-core development machine holds without ranks waiting for a core; ``--measure-stages 2 4`` adds PP 4 on 4
   processes, for a machine with a core per process): a tiny GPT of ``p v`` layers (4 at PP 2, 8 at PP 4: one
   layer per virtual stage, two per 1F1B stage, whatever p) on gloo processes (one thread each), 1F1B through
-  domino's :class:`domino.pipeline.schedule.StageSchedule`, interleaved through torch's ``ScheduleInterleaved1F1B``
-  over the same model cut by :func:`domino.pipeline.stages.split_model` into ``p v`` virtual stages, chunk ``c``
-  of rank ``r`` being virtual stage ``c p + r`` (domino's training loop runs no interleaved schedule yet); per rank
+  domino's :class:`domino.pipeline.schedule.StageSchedule` (torch's ``Schedule1F1B``), interleaved through the
+  same class over the same model cut by :func:`domino.pipeline.stages.split_model` into ``p v`` virtual stages
+  (torch's ``ScheduleInterleaved1F1B``), chunk ``c`` of rank ``r`` being virtual stage ``c p + r``; per rank
   ``1 - busy / step`` where busy is the time inside the stages' ``forward_one_chunk`` and ``backward_one_chunk``
   (torch's per-micro-batch compute; the waits for point-to-point transfers are outside them), the mean over ranks
   and the timed steps.
@@ -93,46 +93,24 @@ def replay(orders: List[List[Tuple[str, int, int]]], num_stages: int) -> float:
 
 
 def _stages(rank: int, world: int, m: int, chunks: int):
-    """``(stages to time, run one step)`` for this rank: domino's 1F1B StageSchedule, or with ``chunks`` > 1 torch's
-    interleaved schedule over ``chunks`` virtual stages of the same model."""
-    import copy
-
+    """``(stages to time, run one step)`` for this rank: domino's StageSchedule over this rank's stage (1F1B) or,
+    with ``chunks`` > 1, over its ``chunks`` virtual stages of the same model (interleaved 1F1B)."""
     import torch
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
     from domino.config import ModelConfig
     from domino.model import GPTModel
-    from domino.pipeline.schedule import StageSchedule, masked_mean_loss
+    from domino.pipeline.schedule import StageSchedule
     from domino.pipeline.stages import split_model
-    from domino.runtime import state
 
     torch.manual_seed(0)
     config = ModelConfig(num_layers=world * CHUNKS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
                          hidden_dropout=0.0, attention_dropout=0.0)
-    whole = GPTModel(config, VOCAB)
     g = torch.Generator().manual_seed(1)
     tokens, labels = (torch.randint(0, VOCAB, (m * MICRO, SEQ), generator=g) for _ in range(2))
-    mask, positions = torch.ones(m * MICRO, SEQ), torch.arange(SEQ).expand(m * MICRO, SEQ)
-    if chunks == 1:
-        pipeline = StageSchedule(split_model(whole, rank, world), num_microbatches=m, micro_batch_size=MICRO,
-                                 seq_length=SEQ, hidden_size=HIDDEN)
-        return [pipeline.stage], lambda: pipeline.train_step(tokens, labels, mask)
-    total, group = world * chunks, state.get_pipeline_model_parallel_group()
-    hidden = torch.empty(MICRO, SEQ, HIDDEN, device="meta", requires_grad=True)
-    stages = []
-    for index in (c * world + rank for c in range(chunks)):  # torch's loop placement: stage k on rank k mod p
-        inputs = torch.empty(MICRO, SEQ, dtype=torch.long, device="meta") if index == 0 else hidden
-        outputs = torch.empty(MICRO, SEQ, device="meta") if index == total - 1 else hidden
-        stages.append(PipelineStage(split_model(copy.deepcopy(whole), index, total), index, total,
-                                    torch.device("cpu"), input_args=(inputs,), output_args=(outputs,), group=group))
-    schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=masked_mean_loss)
-    first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
-    kwargs = dict(position_ids=positions, **({"labels": labels} if last else {}))
-
-    def step():
-        schedule.step(*((tokens,) if first else ()), **({"target": mask, "losses": []} if last else {}), **kwargs)
-
-    return stages, step
+    mask = torch.ones(m * MICRO, SEQ)
+    pipeline = StageSchedule(split_model(GPTModel(config, VOCAB), rank, world, chunks), num_microbatches=m,
+                             micro_batch_size=MICRO, seq_length=SEQ, hidden_size=HIDDEN)
+    return pipeline.stages, lambda: pipeline.train_step(tokens, labels, mask)
 
 
 def time_stage_compute(stages) -> List[float]:

@@ -94,7 +94,7 @@ class Shape:
         return self.hidden // overlap.HEAD_DIM
 
 
-#: ``--quick``: a run of seconds that goes through every part (not a measurement).
+#: ``--quick``: a tiny run that goes through every part (not a measurement; 20-60 s, mostly 5 processes starting).
 QUICK = Shape(hidden=128, seq=32, vocab=256, micro_batch_size=2, micro_batches=2, steps=2, warmup=1)
 
 
@@ -125,7 +125,7 @@ class Layout:
         self.pipeline = StageSchedule(self.model, num_microbatches=shape.micro_batches,
                                       micro_batch_size=shape.micro_batch_size, seq_length=shape.seq,
                                       hidden_size=shape.hidden, sequence_parallel=sequence_parallel)
-        self.busy = time_stage_compute([self.pipeline.stage])
+        self.busy = time_stage_compute(self.pipeline.stages)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, fused=True)
 
     def step(self, batch) -> Dict[str, float]:
@@ -192,8 +192,8 @@ def _calibration(link: CountingLink, records: List[Dict[str, float]]) -> Dict[st
     compute = statistics.median(r["busy_ms"] - r["blocked_ms"] for r in records)
     totals = torch.tensor([compute, link.wire_bytes, link.collectives], dtype=torch.float64)
     dist.all_reduce(totals)
-    return {"sync_compute_ms": totals[0].item(), "wire_bytes": totals[1].item(), "collectives": round(totals[2].item()),
-            "wire_bytes_per_rank": link.wire_bytes}
+    return {"sync_compute_ms": totals[0].item(), "wire_bytes": totals[1].item(),
+            "collectives": round(totals[2].item())}
 
 
 def run(shape: Shape, layouts: List[str], settings: List[str], transfer: str) -> Dict:
@@ -211,7 +211,7 @@ def summarize(ranks: List[Dict], shape: Shape) -> Dict:
     """Per link and layout: the step, speed-ups, and per stage the blocked, modelled, hidden and idle figures."""
     out = {"shape": asdict(shape), "tp": TP, "pp": PP, "cores": os.cpu_count(), "load_average": os.getloadavg(),
            "bubble_formula": bubble_fraction(PP, shape.micro_batches), "settings": {}}
-    out.update({k: ranks[0][k] for k in ("sync_compute_ms", "wire_bytes", "collectives", "wire_bytes_per_rank")})
+    out.update({k: ranks[0][k] for k in ("sync_compute_ms", "wire_bytes", "collectives")})
     for setting, first in ranks[0]["settings"].items():
         per_rank = [r["settings"][setting]["records"] for r in ranks]
         step = {name: [max(r[name][i]["step_ms"] for r in per_rank) for i in range(shape.steps)]
@@ -260,8 +260,8 @@ def print_table(out: Dict) -> None:
           f"{out['load_average'][0]:.1f} at the end), GPT {sh['layers']} layers ({sh['layers'] // PP} per stage) / "
           f"hidden {sh['hidden']} / seq {sh['seq']} / vocab {sh['vocab']}, fp32, {sh['micro_batches']} micro-batches "
           f"of {sh['micro_batch_size']} per step (1F1B); {sh['steps']} timed steps per layout after {sh['warmup']} "
-          f"warm-up; synchronous TP sends {out['wire_bytes_per_rank'] / 2**20:.2f} MiB per rank per step in "
-          f"{out['collectives'] // WORLD} collectives; its stages compute {out['sync_compute_ms'] / WORLD:.0f} ms "
+          f"warm-up; synchronous TP sends {out['wire_bytes'] / WORLD / 2**20:.2f} MiB per rank per step in "
+          f"{out['collectives'] / WORLD:.0f} collectives (means over the ranks); its stages compute {out['sync_compute_ms'] / WORLD:.0f} ms "
           f"per rank and step")
     print()
     print(f"| link (r) | layout | step | speed-up (medians / paired) | blocked in TP collectives, stage 0 / 1 | "
@@ -287,7 +287,7 @@ def print_table(out: Dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="a tiny model and 2 steps: checks that every part runs, in seconds (no figures)")
+                        help="a tiny model and 2 steps: checks that every part runs (no figures)")
     parser.add_argument("--steps", type=int, help=f"timed steps per layout and link (default {Shape.steps})")
     parser.add_argument("--micro-batches", type=int, help=f"micro-batches per step (default {Shape.micro_batches})")
     parser.add_argument("--micro-batch-size", type=int,
