@@ -163,14 +163,21 @@ def empty_snapshot(config: DominoConfig, iteration: int) -> Snapshot:
     return Snapshot(tag, tmp, final, iteration, {})
 
 
-def prepare(config: DominoConfig, iteration: int, engine, group=None) -> None:
-    """Rank 0 creates the empty temporary directory of ``iter_{iteration}``, removing leftovers (agreed)."""
+def prepare(config: DominoConfig, iteration: int, engine, group=None, claim=None) -> None:
+    """Rank 0 creates the empty temporary directory of ``iter_{iteration}``, removing leftovers (agreed).
+
+    Args:
+        claim: the run's :class:`~domino.checkpoint.leftovers.SaveRootClaim`, taken at its first save (which
+            sweeps the temporaries of interrupted saves when no other live run writes into the root).
+    """
     root, tag, tmp, _ = _paths(config, iteration)
     by_name = optimizer_state.supports(engine)
 
     def make() -> None:
         if not dist.is_initialized() or dist.get_rank() == 0:
             root.mkdir(parents=True, exist_ok=True)
+            if claim is not None:
+                claim.claim()
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a run killed mid-save
             (tmp / (on_disk.OPTIMIZER_DIR if by_name else on_disk.LEGACY_OPTIMIZER_DIR)).mkdir(parents=True)
             (tmp / "rng").mkdir()
@@ -289,7 +296,8 @@ def commit(snapshot: Snapshot, config: DominoConfig, group=None) -> Path:
 
 
 def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_samples: int,
-                    padded_vocab_size: int, tokenizer=None, global_batch_size: Optional[int] = None) -> Path:
+                    padded_vocab_size: int, tokenizer=None, global_batch_size: Optional[int] = None,
+                    claim=None) -> Path:
     """Writes checkpoint ``iter_{iteration:07d}`` under ``--save`` from every rank (collective).
 
     Three agreed phases (rank 0 prepares the temporary directory; every rank writes its files; rank 0
@@ -299,6 +307,7 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
 
     Args:
         global_batch_size: samples per iteration, recorded so a resume with another one is refused.
+        claim: the run's claim on the save root (:func:`prepare`).
 
     Returns:
         The final checkpoint directory.
@@ -309,7 +318,7 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
     snapshot = empty_snapshot(config, iteration)
     tag = snapshot.tag
     try:
-        prepare(config, iteration, engine)
+        prepare(config, iteration, engine, claim=claim)
 
         def snapshot_and_write_optimizer():
             nonlocal snapshot
