@@ -164,12 +164,8 @@ def empty_snapshot(config: DominoConfig, iteration: int) -> Snapshot:
 
 
 def prepare(config: DominoConfig, iteration: int, engine, group=None, claim=None) -> None:
-    """Rank 0 creates the empty temporary directory of ``iter_{iteration}``, removing leftovers (agreed).
-
-    Args:
-        claim: the run's :class:`~domino.checkpoint.leftovers.SaveRootClaim`, taken at its first save (which
-            sweeps the temporaries of interrupted saves when no other live run writes into the root).
-    """
+    """Rank 0 creates the empty temporary directory of ``iter_{iteration}``, removing leftovers (agreed), and
+    at the run's first save takes ``claim`` (:class:`~domino.checkpoint.leftovers.SaveRootClaim`)."""
     root, tag, tmp, _ = _paths(config, iteration)
     by_name = optimizer_state.supports(engine)
 
@@ -199,22 +195,33 @@ def take_snapshot(engine, config: DominoConfig, iteration: int, consumed_samples
     rank = dist.get_rank() if dist.is_initialized() else 0
     snapshot = empty_snapshot(config, iteration)
     snapshot.rng = per_rank_state.rng_snapshot()
-    scalars = optimizer_state.Scalars()
+    scalars, failed = optimizer_state.Scalars(), []
+
+    def copy(tensor, fn=to_host or optimizer_state.copy_to_cpu):
+        # A copy that fails (pinned host memory exhausted) is raised once this rank has reached every collective
+        # below: leaving at once would leave its peers waiting in the next parameter's gather.
+        try:
+            return tensor if failed else fn(tensor)
+        except Exception as error:  # noqa: BLE001  (re-raised below)
+            failed.append(error)
+            return tensor
+
     if optimizer_state.supports(engine):
         # Each data-parallel replica writes (and holds on the host) every DP-size-th parameter's state.
         dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
-        snapshot.optimizer, scalars = optimizer_state.gather(
-            engine, keep=lambda index: index % dp == dp_rank, to_host=to_host or optimizer_state.copy_to_cpu)
+        snapshot.optimizer, scalars = optimizer_state.gather(engine, keep=lambda i: i % dp == dp_rank, to_host=copy)
     else:
         snapshot.per_rank_optimizer = per_rank_state.optimizer_snapshot(engine)
         if to_host is not None:
-            snapshot.per_rank_optimizer = _map_tensors(snapshot.per_rank_optimizer, to_host)
+            snapshot.per_rank_optimizer = _map_tensors(snapshot.per_rank_optimizer, copy)
     if state.get_data_parallel_rank() == 0:
         model = _whole_model_shard(engine.module)  # None on a later pipeline stage: the first one writes it
         pipelined = state.get_pipeline_model_parallel_world_size() > 1  # then already host copies
         if model is not None:
-            snapshot.model = model if to_host is None or pipelined else {k: to_host(v) for k, v in model.items()}
+            snapshot.model = model if to_host is None or pipelined else {k: copy(v) for k, v in model.items()}
             snapshot.model_is_copy = to_host is not None or pipelined
+    if failed:
+        raise failed[0]
     if rank == 0:
         snapshot.tokenizer = tokenizer
         snapshot.meta = {
