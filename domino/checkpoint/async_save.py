@@ -25,8 +25,9 @@ covers only DCP's files (here the optimizer state), while the model's safetensor
 manifest digests must be written in the background too; and its default stager copies the state to the CPU a
 second time, after domino's gather has already copied it off the device. Megatron-LM's ``--async-save``
 (``megatron/core/dist_checkpointing/strategies/async_utils.py``: ``AsyncCallsQueue``) follows the same
-pattern: a background writer, a done flag all-reduced at each step (``maybe_finalize_async_save`` in
-``megatron/training/training.py``), rank 0's finalisation writing the tracker file once every rank is done.
+pattern: a background writer, a done flag all-reduced at each step (``maybe_finalize_async_save`` of
+``megatron/training/async_utils.py``, called from ``train`` in ``megatron/training/training.py``), rank 0's
+finalisation writing the tracker file once every rank is done.
 """
 
 from __future__ import annotations
