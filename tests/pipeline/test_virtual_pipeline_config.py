@@ -14,9 +14,10 @@ import re
 
 import pytest
 
-from domino.config import ConfigError, parse_config
+from domino.config import ConfigError, config_from_args, parse_config
 from domino.config.estimate import candidate_layouts, config_with_layout, estimate_layout, layout_of
 from domino.config.validate import validate
+from domino.launch.pretrain_flags import parse_pretrain_args
 
 SHAPE = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--vocab-size", "512", "--micro-batch-size", "1"]
@@ -56,6 +57,10 @@ def test_what_the_interleaved_schedule_cannot_run_is_refused_in_one_line(flags, 
 
 def test_estimate_and_layout_search_see_the_chunks_and_list_only_what_pretrain_accepts():
     config = parse_config([*PP2, "--num-layers-per-virtual-pipeline-stage", "2"], world_size=2)
+    # The launcher parses a job's pretrain arguments as `domino pretrain` does (its layout and memory checks).
+    launched = config_from_args(parse_pretrain_args([*PP2, "--num-layers-per-virtual-pipeline-stage", "2"]),
+                                world_size=2)
+    assert launched.parallel.virtual_pipeline_model_parallel_size == 2
     asked = estimate_layout(config, layout_of(config, 2), device="cpu")
     assert asked.layout.virtual_pipeline_model_parallel_size == 2
     assert asked.bubble_fraction == pytest.approx(1 / (2 * 8 + 1))  # (p - 1) / (v m + p - 1)

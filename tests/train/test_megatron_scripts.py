@@ -141,8 +141,9 @@ def test_megatron_distributed_with_mp_runs_its_two_pipeline_stages_and_sequence_
 
 #: SIZE_OVERRIDES for a script with a batch-size ramp: the script's --global-batch-size stays (the ramp's increments
 #: are counted up to it), and --train-samples 32 is 3 iterations of the ramp's first batch, 16 (8 micro-batches of
-#: 2): Megatron's update_train_iters counts ramp iterations while the consumed samples are <= --train-samples
-#: (``BatchSizeRampup.train_iters``), so the third starts at 32 and the run consumes 48.
+#: 2): Megatron's update_train_iters (157006d6 megatron/training/training.py, transcribed in
+#: tests/config/test_batch_schedule.py) counts ramp iterations while the consumed samples are <= --train-samples,
+#: so the third starts at 32 and the run consumes 48.
 RAMP_SIZE_OVERRIDES = _swap(_swap(SIZE_OVERRIDES, "--global-batch-size"), "--train-iters") + [
     "--train-samples", "32", "--pipeline-model-parallel-size", "2"]
 
