@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -145,10 +146,14 @@ def run(chunks: int, network: str, data: tuple, iters: int, work: Path, breakdow
 SITE = "comm-wait: "  # prefix of the breakdown's timers in the metrics file (domino/train/pretrain.py)
 
 
-def network_for(ratio: float, compute_ms: float, transfer: str = "launch") -> str:
-    """The ``DOMINO_SIMULATED_NETWORK`` value whose link time is ``ratio`` x ``compute_ms`` per sync step."""
-    transfer_s = ratio * compute_ms / 1000 - (2 + 4 * LAYERS + 3) * LATENCY_US * 1e-6
-    return f"latency_us={LATENCY_US:g},gbps={wire_bytes_per_step() / transfer_s / 1e9:.4f},transfer={transfer}"
+def network_for(ratio: float, compute_ms: float, transfer: str = "launch", wire_bytes: Optional[float] = None,
+                collectives: Optional[int] = None) -> str:
+    """The ``DOMINO_SIMULATED_NETWORK`` value whose link time is ``ratio`` x ``compute_ms`` per sync step that sends
+    ``wire_bytes`` in ``collectives`` (default: this script's TP=2 step, :func:`wire_bytes_per_step`)."""
+    wire_bytes = wire_bytes_per_step() if wire_bytes is None else wire_bytes
+    collectives = 2 + 4 * LAYERS + 3 if collectives is None else collectives
+    transfer_s = ratio * compute_ms / 1000 - collectives * LATENCY_US * 1e-6
+    return f"latency_us={LATENCY_US:g},gbps={wire_bytes / transfer_s / 1e9:.4f},transfer={transfer}"
 
 
 def summary(step_ms: list, blocked_ms: list, modelled_ms: list, losses: list, sites: list = ()) -> dict:

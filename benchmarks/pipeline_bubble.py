@@ -9,16 +9,18 @@ For PP = 2 and 4 and m = 4, 8, 16 micro-batches per step it prints the share of 
   ``ScheduleInterleaved1F1B`` its ``pipeline_order``, the table its runtime executes), replayed with a forward of
   one chunk taking 1 time unit, its backward 2 (Megatron's assumption t_b = 2 t_f) and communication none: what
   the order alone costs, against the formula's ideal;
-* **measured** (``--measure``, PP 2 only: two processes are what the 2-core development machine holds without
-  ranks waiting for a core): a tiny GPT of 4 layers on gloo processes (one thread each), 1F1B through domino's
-  :class:`domino.pipeline.schedule.StageSchedule`, interleaved through torch's ``ScheduleInterleaved1F1B`` over
-  the same model cut by :func:`domino.pipeline.stages.split_model` into ``p v`` virtual stages, chunk ``c`` of rank
-  ``r`` being virtual stage ``c p + r`` (domino's training loop runs no interleaved schedule yet); per rank
+* **measured** (``--measure``, at the PP sizes of ``--measure-stages``, default 2: two processes are what the
+  2-core development machine holds without ranks waiting for a core; ``--measure-stages 2 4`` adds PP 4 on 4
+  processes, for a machine with a core per process): a tiny GPT of ``p v`` layers (4 at PP 2, 8 at PP 4: one
+  layer per virtual stage, two per 1F1B stage, whatever p) on gloo processes (one thread each), 1F1B through
+  domino's :class:`domino.pipeline.schedule.StageSchedule` (torch's ``Schedule1F1B``), interleaved through the
+  same class over the same model cut by :func:`domino.pipeline.stages.split_model` into ``p v`` virtual stages
+  (torch's ``ScheduleInterleaved1F1B``), chunk ``c`` of rank ``r`` being virtual stage ``c p + r``; per rank
   ``1 - busy / step`` where busy is the time inside the stages' ``forward_one_chunk`` and ``backward_one_chunk``
   (torch's per-micro-batch compute; the waits for point-to-point transfers are outside them), the mean over ranks
   and the timed steps.
 
-    python benchmarks/pipeline_bubble.py [--measure] [--steps 3] [--json]
+    python benchmarks/pipeline_bubble.py [--measure] [--measure-stages 2 [4]] [--steps 3] [--json]
 """
 
 from __future__ import annotations
@@ -38,9 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from domino.config.pipeline_schedule import bubble_fraction  # noqa: E402
 
 STAGES, MICROBATCHES, CHUNKS = (2, 4), (4, 8, 16), 2
-MEASURED_STAGES = (2,)  # what --measure runs (see the module doc)
 FORWARD, BACKWARD = 1.0, 2.0  # time units of one chunk's forward and backward in the replay
-LAYERS, HIDDEN, HEADS, SEQ, MICRO, VOCAB = 4, 256, 4, 128, 2, 512  # the measured model
+HIDDEN, HEADS, SEQ, MICRO, VOCAB = 256, 4, 128, 2, 512  # the measured model; p x CHUNKS layers at PP p
 
 
 def one_f_one_b_order(p: int, m: int, rank: int) -> List[Tuple[str, int, int]]:
@@ -92,46 +93,44 @@ def replay(orders: List[List[Tuple[str, int, int]]], num_stages: int) -> float:
 
 
 def _stages(rank: int, world: int, m: int, chunks: int):
-    """``(stages to time, run one step)`` for this rank: domino's 1F1B StageSchedule, or with ``chunks`` > 1 torch's
-    interleaved schedule over ``chunks`` virtual stages of the same model."""
-    import copy
-
+    """``(stages to time, run one step)`` for this rank: domino's StageSchedule over this rank's stage (1F1B) or,
+    with ``chunks`` > 1, over its ``chunks`` virtual stages of the same model (interleaved 1F1B)."""
     import torch
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
     from domino.config import ModelConfig
     from domino.model import GPTModel
-    from domino.pipeline.schedule import StageSchedule, masked_mean_loss
+    from domino.pipeline.schedule import StageSchedule
     from domino.pipeline.stages import split_model
-    from domino.runtime import state
 
     torch.manual_seed(0)
-    config = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
+    config = ModelConfig(num_layers=world * CHUNKS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
                          hidden_dropout=0.0, attention_dropout=0.0)
-    whole = GPTModel(config, VOCAB)
     g = torch.Generator().manual_seed(1)
     tokens, labels = (torch.randint(0, VOCAB, (m * MICRO, SEQ), generator=g) for _ in range(2))
-    mask, positions = torch.ones(m * MICRO, SEQ), torch.arange(SEQ).expand(m * MICRO, SEQ)
-    if chunks == 1:
-        pipeline = StageSchedule(split_model(whole, rank, world), num_microbatches=m, micro_batch_size=MICRO,
-                                 seq_length=SEQ, hidden_size=HIDDEN)
-        return [pipeline.stage], lambda: pipeline.train_step(tokens, labels, mask)
-    total, group = world * chunks, state.get_pipeline_model_parallel_group()
-    hidden = torch.empty(MICRO, SEQ, HIDDEN, device="meta", requires_grad=True)
-    stages = []
-    for index in (c * world + rank for c in range(chunks)):  # torch's loop placement: stage k on rank k mod p
-        inputs = torch.empty(MICRO, SEQ, dtype=torch.long, device="meta") if index == 0 else hidden
-        outputs = torch.empty(MICRO, SEQ, device="meta") if index == total - 1 else hidden
-        stages.append(PipelineStage(split_model(copy.deepcopy(whole), index, total), index, total,
-                                    torch.device("cpu"), input_args=(inputs,), output_args=(outputs,), group=group))
-    schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=masked_mean_loss)
-    first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
-    kwargs = dict(position_ids=positions, **({"labels": labels} if last else {}))
+    mask = torch.ones(m * MICRO, SEQ)
+    pipeline = StageSchedule(split_model(GPTModel(config, VOCAB), rank, world, chunks), num_microbatches=m,
+                             micro_batch_size=MICRO, seq_length=SEQ, hidden_size=HIDDEN)
+    return pipeline.stages, lambda: pipeline.train_step(tokens, labels, mask)
 
-    def step():
-        schedule.step(*((tokens,) if first else ()), **({"target": mask, "losses": []} if last else {}), **kwargs)
 
-    return stages, step
+def time_stage_compute(stages) -> List[float]:
+    """Times torch's per-micro-batch compute of ``stages`` (their ``forward_one_chunk`` and ``backward_one_chunk``,
+    wrapped): returns a one-element list that those calls add their seconds to (reset it between steps). The waits
+    for the pipeline's point-to-point transfers happen outside them."""
+    busy = [0.0]
+    for stage in stages:
+        for name in ("forward_one_chunk", "backward_one_chunk"):
+            inner = getattr(stage, name)
+
+            def timed(*args, _inner=inner, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _inner(*args, **kwargs)
+                finally:
+                    busy[0] += time.perf_counter() - start
+
+            setattr(stage, name, timed)
+    return busy
 
 
 def _measure_rank(rank: int, world: int, port: int, m: int, chunks: int, steps: int, out: str) -> None:
@@ -145,19 +144,7 @@ def _measure_rank(rank: int, world: int, port: int, m: int, chunks: int, steps: 
 
     state.initialize_model_parallel(1, pipeline_model_parallel_size=world)
     stages, step = _stages(rank, world, m, chunks)
-    busy = [0.0]
-    for stage in stages:
-        for name in ("forward_one_chunk", "backward_one_chunk"):  # time torch's per-micro-batch compute
-            inner = getattr(stage, name)
-
-            def timed(*args, _inner=inner, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return _inner(*args, **kwargs)
-                finally:
-                    busy[0] += time.perf_counter() - start
-
-            setattr(stage, name, timed)
+    busy = time_stage_compute(stages)
     shares = []
     for n in range(steps + 1):  # the first step warms up (allocations, gloo pairs)
         dist.barrier()
@@ -187,6 +174,8 @@ def measure(p: int, m: int, chunks: int, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--measure", action="store_true", help="also measure domino's 1F1B on gloo processes")
+    parser.add_argument("--measure-stages", type=int, nargs="+", default=[2], choices=STAGES,
+                        help="PP sizes --measure runs, each on that many processes (default 2; see the module doc)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measured setting (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
@@ -198,7 +187,7 @@ def main() -> None:
                    "1f1b_schedule": replay([one_f_one_b_order(p, m, r) for r in range(p)], p),
                    "interleaved_formula": bubble_fraction(p, m, CHUNKS),
                    "interleaved_schedule": replay(interleaved_order(p, m, CHUNKS), p * CHUNKS)}
-            if args.measure and p in MEASURED_STAGES:
+            if args.measure and p in args.measure_stages:
                 row["1f1b_measured"] = measure(p, m, 1, args.steps)
                 row["interleaved_measured"] = measure(p, m, CHUNKS, args.steps)
             rows.append(row)

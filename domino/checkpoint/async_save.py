@@ -18,15 +18,16 @@ asynchronous saver moves the write off the critical path:
 At most one save is in flight: the next save, SIGTERM and the end of training wait for it. A crash at any
 moment leaves ``latest`` naming the previous complete checkpoint (nothing is renamed before every part is
 durable). A run that fails otherwise abandons the save in flight (its writer thread is a daemon): the
-temporary directory stays uncommitted and the next save of that iteration removes it.
+temporary directory stays uncommitted and the next run's first save sweeps it (:mod:`domino.checkpoint.leftovers`).
 
 Why a thread and not DCP's ``async_save`` (torch 2.13 ``state_dict_saver.py``, marked experimental): that
 covers only DCP's files (here the optimizer state), while the model's safetensors shards, the RNG files and the
 manifest digests must be written in the background too; and its default stager copies the state to the CPU a
 second time, after domino's gather has already copied it off the device. Megatron-LM's ``--async-save``
 (``megatron/core/dist_checkpointing/strategies/async_utils.py``: ``AsyncCallsQueue``) follows the same
-pattern: a background writer, a done flag all-reduced at each step (``maybe_finalize_async_save`` in
-``megatron/training/training.py``), rank 0's finalisation writing the tracker file once every rank is done.
+pattern: a background writer, a done flag all-reduced at each step (``maybe_finalize_async_save`` of
+``megatron/training/async_utils.py``, called from ``train`` in ``megatron/training/training.py``), rank 0's
+finalisation writing the tracker file once every rank is done.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from domino.checkpoint import checkpointing, on_disk
+from domino.checkpoint.leftovers import SaveRootClaim
 from domino.config import DominoConfig
 from domino.runtime import state
 from domino.runtime.agreement import AgreedFailure, agree
@@ -54,12 +56,14 @@ class CheckpointSaver:
 
     def __init__(self, config: DominoConfig) -> None:
         self.config = config
+        # Rank 0's lock on --save from the first save on (it sweeps interrupted saves' temporaries first).
+        self.claim = SaveRootClaim(config.checkpoint.save) if config.checkpoint.save else None
 
     def save(self, engine, iteration: int, consumed_samples: int, padded_vocab_size: int, tokenizer=None,
              global_batch_size: Optional[int] = None) -> Path:
         """Saves checkpoint ``iter_{iteration}`` (collective); returns its final directory."""
         return checkpointing.save_checkpoint(engine, self.config, iteration, consumed_samples, padded_vocab_size,
-                                             tokenizer, global_batch_size=global_batch_size)
+                                             tokenizer, global_batch_size=global_batch_size, claim=self.claim)
 
     def poll(self) -> Optional[Path]:
         """Called at every step boundary on every rank: commits a finished background save (none here)."""
@@ -68,6 +72,11 @@ class CheckpointSaver:
     def wait(self) -> Optional[Path]:
         """Waits for the save in flight and commits it (none here)."""
         return None
+
+    def close(self) -> None:
+        """Releases the save root at the end of the run (after :meth:`wait`, or when the run failed)."""
+        if self.claim is not None:
+            self.claim.release()
 
 
 class _Pending:
@@ -122,7 +131,7 @@ class AsyncCheckpointSaver(CheckpointSaver):
         """Waits for the previous save, snapshots this one and starts writing it (collective); returns the
         directory it will have once committed."""
         self.wait()  # at most one save in flight
-        checkpointing.prepare(self.config, iteration, engine, group=self._agree_group)
+        checkpointing.prepare(self.config, iteration, engine, group=self._agree_group, claim=self.claim)
         snapshot = None
 
         def take():

@@ -163,14 +163,17 @@ def empty_snapshot(config: DominoConfig, iteration: int) -> Snapshot:
     return Snapshot(tag, tmp, final, iteration, {})
 
 
-def prepare(config: DominoConfig, iteration: int, engine, group=None) -> None:
-    """Rank 0 creates the empty temporary directory of ``iter_{iteration}``, removing leftovers (agreed)."""
+def prepare(config: DominoConfig, iteration: int, engine, group=None, claim=None) -> None:
+    """Rank 0 creates the empty temporary directory of ``iter_{iteration}``, removing leftovers (agreed), and
+    at the run's first save takes ``claim`` (:class:`~domino.checkpoint.leftovers.SaveRootClaim`)."""
     root, tag, tmp, _ = _paths(config, iteration)
     by_name = optimizer_state.supports(engine)
 
     def make() -> None:
         if not dist.is_initialized() or dist.get_rank() == 0:
             root.mkdir(parents=True, exist_ok=True)
+            if claim is not None:
+                claim.claim()
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a run killed mid-save
             (tmp / (on_disk.OPTIMIZER_DIR if by_name else on_disk.LEGACY_OPTIMIZER_DIR)).mkdir(parents=True)
             (tmp / "rng").mkdir()
@@ -192,22 +195,33 @@ def take_snapshot(engine, config: DominoConfig, iteration: int, consumed_samples
     rank = dist.get_rank() if dist.is_initialized() else 0
     snapshot = empty_snapshot(config, iteration)
     snapshot.rng = per_rank_state.rng_snapshot()
-    scalars = optimizer_state.Scalars()
+    scalars, failed = optimizer_state.Scalars(), []
+
+    def copy(tensor, fn=to_host or optimizer_state.copy_to_cpu):
+        # A copy that fails (pinned host memory exhausted) is raised once this rank has reached every collective
+        # below: leaving at once would leave its peers waiting in the next parameter's gather.
+        try:
+            return tensor if failed else fn(tensor)
+        except Exception as error:  # noqa: BLE001  (re-raised below)
+            failed.append(error)
+            return tensor
+
     if optimizer_state.supports(engine):
         # Each data-parallel replica writes (and holds on the host) every DP-size-th parameter's state.
         dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
-        snapshot.optimizer, scalars = optimizer_state.gather(
-            engine, keep=lambda index: index % dp == dp_rank, to_host=to_host or optimizer_state.copy_to_cpu)
+        snapshot.optimizer, scalars = optimizer_state.gather(engine, keep=lambda i: i % dp == dp_rank, to_host=copy)
     else:
         snapshot.per_rank_optimizer = per_rank_state.optimizer_snapshot(engine)
         if to_host is not None:
-            snapshot.per_rank_optimizer = _map_tensors(snapshot.per_rank_optimizer, to_host)
+            snapshot.per_rank_optimizer = _map_tensors(snapshot.per_rank_optimizer, copy)
     if state.get_data_parallel_rank() == 0:
         model = _whole_model_shard(engine.module)  # None on a later pipeline stage: the first one writes it
         pipelined = state.get_pipeline_model_parallel_world_size() > 1  # then already host copies
         if model is not None:
-            snapshot.model = model if to_host is None or pipelined else {k: to_host(v) for k, v in model.items()}
+            snapshot.model = model if to_host is None or pipelined else {k: copy(v) for k, v in model.items()}
             snapshot.model_is_copy = to_host is not None or pipelined
+    if failed:
+        raise failed[0]
     if rank == 0:
         snapshot.tokenizer = tokenizer
         snapshot.meta = {
@@ -289,7 +303,8 @@ def commit(snapshot: Snapshot, config: DominoConfig, group=None) -> Path:
 
 
 def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_samples: int,
-                    padded_vocab_size: int, tokenizer=None, global_batch_size: Optional[int] = None) -> Path:
+                    padded_vocab_size: int, tokenizer=None, global_batch_size: Optional[int] = None,
+                    claim=None) -> Path:
     """Writes checkpoint ``iter_{iteration:07d}`` under ``--save`` from every rank (collective).
 
     Three agreed phases (rank 0 prepares the temporary directory; every rank writes its files; rank 0
@@ -299,6 +314,7 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
 
     Args:
         global_batch_size: samples per iteration, recorded so a resume with another one is refused.
+        claim: the run's claim on the save root (:func:`prepare`).
 
     Returns:
         The final checkpoint directory.
@@ -309,7 +325,7 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
     snapshot = empty_snapshot(config, iteration)
     tag = snapshot.tag
     try:
-        prepare(config, iteration, engine)
+        prepare(config, iteration, engine, claim=claim)
 
         def snapshot_and_write_optimizer():
             nonlocal snapshot

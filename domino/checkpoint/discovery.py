@@ -70,7 +70,7 @@ def _resolve(directory: str, flag: str, strict: bool = False) -> Union[None, Pat
         raise ConfigError(f"{flag} {directory}: not a domino checkpoint directory (no 'latest' file; found "
                           f"{', '.join(sorted(foreign)[:5])})")
     try:
-        return on_disk.resolve_checkpoint_dir(path)
+        found = on_disk.resolve_checkpoint_dir(path)
     except (ValueError, OSError) as error:
         try:
             pointed = on_disk.read_latest(path)
@@ -82,6 +82,27 @@ def _resolve(directory: str, flag: str, strict: bool = False) -> Union[None, Pat
             return _newest_complete(path, pointed.name, f"{flag} {directory}: 'latest' names {pointed.name}, "
                                     "which does not exist", strict)
         raise ConfigError(f"{flag} {directory}: {error}") from error
+    _report_newer(path, found)
+    return found
+
+
+def _report_newer(root: Path, named: Path) -> None:
+    """Warns of checkpoints under their final names in save root ``root`` newer than ``named``, the one ``latest``
+    names: their commit was cut short between the rename and ``latest`` (or they belong to another run's history).
+
+    ``latest`` decides, as Megatron-LM's tracker file does (``megatron/training/checkpointing.py``: the iteration is
+    read from ``latest_checkpointed_iteration.txt`` only): a run started without ``--load`` into a used save root,
+    or one whose ``latest`` was moved back by hand, leaves newer sealed checkpoints that must not be resumed, and a
+    directory alone cannot tell those from an interrupted commit. The run replaces such a checkpoint when it saves
+    that iteration again (the old one renamed aside and deleted last, :func:`checkpointing._commit`)."""
+    if named.parent != root:
+        return
+    newer = [p.name for p in _checkpoints_below(root, None) if p.name > named.name
+             and (p / manifest.MANIFEST_FILE).is_file()]
+    if newer:
+        logger.warning("%s: `latest` names %s, but newer sealed checkpoints exist: %s (a save killed between its "
+                       "rename and `latest`, or another run's); resuming %s, as `latest` says (a save of the same "
+                       "iteration replaces one)", root, named.name, ", ".join(newer), named.name)
 
 
 #: Names that mark another kind of model (Hugging Face, Megatron-LM, torch files), not a run's metrics or logs.

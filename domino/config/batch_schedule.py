@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from domino.config.errors import ConfigError
+from domino.config.layout import virtual_stages
+from domino.config.pipeline_schedule import microbatch_problems
 from domino.config.schema import DominoConfig
 
 RAMPUP_FLAG = "--rampup-batch-size"
@@ -308,7 +310,24 @@ def batch_schedule_problems(config: DominoConfig, data_parallel_size: int) -> Li
         return [f"the first global batch {schedule.global_batch_size_at(0)} gives {first} micro-batches of "
                 f"--micro-batch-size {schedule.micro_batch_size} per data-parallel rank (DP {data_parallel_size}), "
                 f"fewer than --pipeline-model-parallel-size {pp} (the 1F1B schedule needs one per stage)"]
+    v = virtual_stages(config)
+    if pp > 1 and v > 1:  # the interleaved schedule's rule holds for every batch the schedule reaches
+        per_step = schedule.micro_batch_size * data_parallel_size
+        for batch in reached_global_batches(schedule):
+            problems = microbatch_problems(batch // per_step, pp, v)
+            if problems:
+                return [f"the global batch {batch} the batch-size schedule reaches: {problems[0]}"]
     return []
+
+
+def reached_global_batches(schedule: BatchSizeSchedule) -> List[int]:
+    """Every global batch ``schedule`` can run, smallest first (a ramp's steps, the step schedule's batches)."""
+    if isinstance(schedule, BatchSizeRampup):
+        return sorted({*range(schedule.start, schedule.global_batch_size, schedule.increment),
+                       schedule.global_batch_size})
+    if isinstance(schedule, StepBatchSizeSchedule):
+        return sorted({batch for _, batch in schedule.steps})
+    return [schedule.global_batch_size]
 
 
 def batch_schedule(config: DominoConfig, data_parallel_size: int) -> BatchSizeSchedule:

@@ -37,6 +37,7 @@ from typing import Dict, List, Optional
 
 from domino.config import pipeline_schedule as schedule
 from domino.config.deepspeed_memory import VALIDATION, deepspeed_buffer_bytes
+from domino.config.layout import virtual_stages
 from domino.config.memory_formulas import (
     DEVICES, RECOMPUTE_CHOICES, Layout, ModelShape, embedding_activation_bytes, final_norm_activation_bytes,
     layer_activation_bytes, logits_bytes, model_flops_per_token, parameter_counts, rng_record_bytes,
@@ -136,7 +137,7 @@ def num_microbatches(config: DominoConfig, layout: Layout) -> int:
 
 
 def message_bytes(shape: ModelShape, layout: Layout, act_bytes: int) -> float:
-    """One micro-batch's activation between two stages, per TP rank: ``[b, s, h]``, ``[b, s/t, h]`` with SP."""
+    """One micro-batch's activation between two stages, per TP rank: ``[s, b, h]``, ``[s/t, b, h]`` with SP."""
     sp = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
     return shape.s * layout.micro_batch_size * shape.h / sp * act_bytes
 
@@ -265,7 +266,7 @@ def layout_of(config: DominoConfig, gpus: int) -> Layout:
                   micro_batch_size=t.micro_batch_size, recompute=recompute,
                   recompute_method=t.recompute_method or "uniform", recompute_num_layers=t.recompute_num_layers or 1,
                   sequence_parallel=p.sequence_parallel and tp > 1, domino_chunks=p.domino_chunks or 1,
-                  pipeline_model_parallel_size=pp)
+                  pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=virtual_stages(config))
 
 
 def config_with_layout(config: DominoConfig, layout: Layout) -> DominoConfig:
@@ -275,6 +276,7 @@ def config_with_layout(config: DominoConfig, layout: Layout) -> DominoConfig:
     p, t = out.parallel, out.train
     p.tensor_model_parallel_size, p.zero_stage = layout.tensor_model_parallel_size, layout.zero_stage
     p.pipeline_model_parallel_size = layout.pipeline_model_parallel_size
+    p.virtual_pipeline_model_parallel_size = layout.virtual_pipeline_model_parallel_size
     p.sequence_parallel, p.domino_chunks = layout.sequence_parallel, None
     t.micro_batch_size = layout.micro_batch_size
     t.recompute_activations = False
@@ -288,7 +290,8 @@ def config_with_layout(config: DominoConfig, layout: Layout) -> DominoConfig:
 
 def candidate_layouts(config: DominoConfig, gpus: int) -> List[Layout]:
     """Every layout worth trying on ``gpus`` GPUs that ``config``'s model can run: TP within one 8-GPU node, PP
-    (:data:`PIPELINE_SIZES`), ZeRO 0-2, micro-batch 1..the config's (powers of two), no/selective/full recompute,
+    (:data:`PIPELINE_SIZES`; 1F1B, and the interleaved schedule at the config's chunk count when it asks for
+    one), ZeRO 0-2, micro-batch 1..the config's (powers of two), no/selective/full recompute,
     SP on or off at TP > 1, each kept only when the config asking for it passes
     :func:`domino.config.validate.validate` (the layout rules live there alone: TP x PP dividing the GPUs; TP
     dividing heads, query groups, MLP and, with SP, the sequence; PP dividing the layers; the global batch; ZeRO
@@ -298,12 +301,13 @@ def candidate_layouts(config: DominoConfig, gpus: int) -> List[Layout]:
         micros.append(micro)
         micro *= 2
     out = []
-    for tp, pp, zero, mb, recompute, sp in itertools.product((1, 2, 4, 8), PIPELINE_SIZES, (0, 1, 2), micros,
-                                                             RECOMPUTE_CHOICES, (False, True)):
+    chunk_counts = sorted({1, virtual_stages(config)})  # the interleaved schedule where the config asks for it
+    for tp, pp, v, zero, mb, recompute, sp in itertools.product((1, 2, 4, 8), PIPELINE_SIZES, chunk_counts, (0, 1, 2),
+                                                                micros, RECOMPUTE_CHOICES, (False, True)):
         if tp * pp > gpus or (sp and tp == 1):
             continue
         layout = Layout(tp, max(1, gpus // (tp * pp)), zero, mb, recompute, sequence_parallel=sp,
-                        pipeline_model_parallel_size=pp)
+                        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=v)
         candidate = config_with_layout(config, layout)
         try:
             validate(candidate, world_size=gpus)

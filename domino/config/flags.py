@@ -16,6 +16,7 @@ import typing
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from domino.config import legacy_flags, preset_store
+from domino.config.layout import LAYERS_PER_VIRTUAL_STAGE_FLAG, virtual_stages_from_layers
 from domino.config.schema import DominoConfig, field_docs, flag_name
 from domino.config.validate import ConfigError, advisories, resolve_domino_chunks, validate
 
@@ -23,7 +24,12 @@ logger = logging.getLogger(__name__)
 
 #: Extra spellings of a field's flag: the deepspeed launcher passes ``--local_rank=N``; Megatron-LM before 2023
 #: and DeepSpeed-Domino (``domino/arguments.py``) spell ``--norm-epsilon`` as ``--layernorm-epsilon``.
-FLAG_ALIASES: Dict[str, tuple] = {"local_rank": ("--local_rank",), "norm_epsilon": ("--layernorm-epsilon",)}
+#: Megatron-LM since ef490839 (2025-02) spells the chunk count --num-virtual-stages-per-pipeline-rank
+#: (``megatron/training/arguments.py``); its config field, Megatron-Core's too, is virtual_pipeline_model_parallel_size.
+FLAG_ALIASES: Dict[str, tuple] = {"local_rank": ("--local_rank",), "norm_epsilon": ("--layernorm-epsilon",),
+                                  "virtual_pipeline_model_parallel_size": ("--num-virtual-stages-per-pipeline-rank",)}
+#: The namespace attribute of --num-layers-per-virtual-pipeline-stage (no field: it derives one).
+LAYERS_PER_VIRTUAL_STAGE = "num_layers_per_virtual_pipeline_stage"
 #: Older names of renamed fields, still read from presets and from the configs stored in checkpoints.
 RENAMED_FIELDS: Dict[str, str] = {"layernorm_epsilon": "norm_epsilon"}
 
@@ -124,6 +130,10 @@ def add_config_flags(parser: argparse.ArgumentParser, groups: Iterable[str] = Do
         group = parser.add_argument_group(f"{name} ({cls.__doc__.strip()})", argument_default=argparse.SUPPRESS)
         for f in dataclasses.fields(cls):
             _add_field(group, f, hints[f.name], docs.get(f.name, ""))
+        if name == "parallel":
+            group.add_argument(LAYERS_PER_VIRTUAL_STAGE_FLAG, dest=LAYERS_PER_VIRTUAL_STAGE, type=int, metavar="INT",
+                               help="Layers per model chunk of the interleaved schedule (Megatron's spelling): "
+                                    "sets --virtual-pipeline-model-parallel-size to num-layers / (PP x this).")
     legacy_flags.add_legacy_flags(parser, groups)
 
 
@@ -160,6 +170,9 @@ def config_from_args(
     explicit = {k: v for k, v in values.items() if k in owners}
     renamed, notes = legacy_flags.translate(values, explicit)
     apply_overrides(config, {**explicit, **renamed}, "command line")
+    if values.get(LAYERS_PER_VIRTUAL_STAGE) is not None:
+        config.parallel.virtual_pipeline_model_parallel_size = virtual_stages_from_layers(
+            config, values[LAYERS_PER_VIRTUAL_STAGE], "virtual_pipeline_model_parallel_size" in explicit)
     chosen = resolve_domino_chunks(config)
     if check:
         validate(config, world_size=world_size, for_training=for_training)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from domino.config.errors import ConfigError
-from domino.config.pipeline_schedule import layer_split_problems
+from domino.config.pipeline_schedule import layer_split_problems, microbatch_problems
 from domino.config.schema import DominoConfig
 
 
@@ -32,17 +32,53 @@ def data_parallel_size(config: DominoConfig, world_size: int) -> int:
     return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
 
 
+def virtual_stages(config: DominoConfig) -> int:
+    """Model chunks per pipeline stage: ``--virtual-pipeline-model-parallel-size``, 1 when not given."""
+    v = config.parallel.virtual_pipeline_model_parallel_size
+    return 1 if v is None else v
+
+
+#: Megatron's other spelling of the chunk count, as layers per chunk (``megatron/training/arguments.py``).
+LAYERS_PER_VIRTUAL_STAGE_FLAG = "--num-layers-per-virtual-pipeline-stage"
+
+
+def virtual_stages_from_layers(config: DominoConfig, layers_per_virtual_stage: int, chunks_given: bool) -> int:
+    """The chunk count ``--num-layers-per-virtual-pipeline-stage N`` means: ``num_layers / PP / N``, by Megatron's
+    rules (NVIDIA/Megatron-LM ``megatron/training/arguments.py`` ``validate_args`` at d98e8a64: the layers divide
+    by PP, the layers per stage by N, and at most one of it and ``--num-virtual-stages-per-pipeline-rank``, here
+    also spelt ``--virtual-pipeline-model-parallel-size``, is given).
+
+    Raises:
+        ConfigError: one line naming the flag and the rule broken.
+    """
+    layers, pp, n = config.model.num_layers, config.parallel.pipeline_model_parallel_size, layers_per_virtual_stage
+    flag = f"{LAYERS_PER_VIRTUAL_STAGE_FLAG} {n}"
+    if chunks_given:
+        raise ConfigError(f"{flag} and --virtual-pipeline-model-parallel-size (--num-virtual-stages-per-pipeline-"
+                          "rank) are mutually exclusive: give one")
+    if n < 1:
+        raise ConfigError(f"{flag}: must be >= 1")
+    if pp < 1 or layers % pp or (layers // pp) % n:
+        raise ConfigError(f"{flag}: --num-layers {layers} / --pipeline-model-parallel-size {pp} is not a whole "
+                          f"number of stages of {n}-layer chunks")
+    return layers // pp // n
+
+
 def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) -> List[str]:
     """What a run with ``--pipeline-model-parallel-size`` > 1 cannot do, one message each (none at one stage).
 
     ``world_size`` (when known) enables the micro-batch count check: torch's 1F1B schedule needs at least one
-    micro-batch per stage (``Schedule1F1B.__init__``, torch 2.13 ``torch/distributed/pipelining/schedules.py``).
+    micro-batch per stage (``Schedule1F1B.__init__``, torch 2.13 ``torch/distributed/pipelining/schedules.py``);
+    the interleaved schedule a multiple of the stages (Megatron's rule, stricter than torch's
+    ``ScheduleInterleaved1F1B``: :func:`~domino.config.pipeline_schedule.microbatch_problems`).
     """
     p, m, t = config.parallel, config.model, config.train
-    pp = p.pipeline_model_parallel_size
-    if pp <= 1:
+    pp, v = p.pipeline_model_parallel_size, virtual_stages(config)
+    if pp <= 1 and v == 1:
         return []
-    problems = layer_split_problems(m.num_layers, pp)
+    problems = layer_split_problems(m.num_layers, pp, v)
+    if pp <= 1:
+        return problems
     if p.zero_stage == 2:
         # DeepSpeed's own pipeline engine refuses it too (deepspeed 0.19.8 runtime/pipe/engine.py: "ZeRO-2 and
         # ZeRO-3 are incompatible with pipeline parallelism"): ZeRO-2 reduces each gradient in a backward hook
@@ -65,4 +101,7 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
             problems.append(f"--global-batch-size {global_batch} gives {micro_batches} micro-batches of "
                             f"--micro-batch-size {t.micro_batch_size} per data-parallel rank (DP {dp}), fewer than "
                             f"--pipeline-model-parallel-size {pp} (the 1F1B schedule needs one per stage)")
+        else:
+            problems += [f"--global-batch-size {global_batch}: {problem}"
+                         for problem in microbatch_problems(micro_batches, pp, v)]
     return problems

@@ -53,7 +53,7 @@ def layer_split_problems(num_layers: int, pipeline_model_parallel_size: int,
     problems = []
     if p < 1 or v < 1:
         return [f"--pipeline-model-parallel-size must be >= 1, got {p}" if p < 1 else
-                f"virtual pipeline stages per stage must be >= 1, got {v}"]
+                f"--virtual-pipeline-model-parallel-size must be >= 1, got {v}"]
     if num_layers % p:
         problems.append(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {p} "
                         "(every stage holds the same number of layers, as Megatron requires)")
@@ -61,7 +61,7 @@ def layer_split_problems(num_layers: int, pipeline_model_parallel_size: int,
         problems.append(f"--num-layers {num_layers} / --pipeline-model-parallel-size {p} = {num_layers // p} layers "
                         f"per stage do not split into {v} virtual stages")
     if v > 1 and p < INTERLEAVED_MIN_STAGES:
-        problems.append(f"the interleaved schedule ({v} virtual stages per stage) needs "
+        problems.append(f"--virtual-pipeline-model-parallel-size {v}: the interleaved schedule needs "
                         f"--pipeline-model-parallel-size >= {INTERLEAVED_MIN_STAGES}, got {p}")
     return problems
 

@@ -116,6 +116,11 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline stages: the transformer layers divided evenly among them, run on the 1F1B schedule of
     torch.distributed.pipelining; ranks in Megatron's order (TP fastest, then data parallel, then pipeline)."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline stage, run on the interleaved 1F1B schedule (stage r holds virtual stages r,
+    r + PP, r + 2 PP, ...); needs --pipeline-model-parallel-size >= 2 and a multiple of it micro-batches per step.
+    Also spelt --num-virtual-stages-per-pipeline-rank, or derived from --num-layers-per-virtual-pipeline-stage N as
+    num-layers / (PP x N) (default: 1, plain 1F1B)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: LayerNorm, dropout and residual regions split along the sequence over the TP
     ranks (reduce-scatter after row-parallel, all-gather before column-parallel linears); no effect at TP 1."""

@@ -7,6 +7,20 @@ pieces are swapped in :mod:`domino.model.transformer`). Tensor parallelism happe
 (:mod:`domino.model.stack`) that the overlapped schedules replace from outside (sequence parallelism and Domino,
 :mod:`domino.overlap`; activation recompute, :mod:`domino.model.recompute`), with the same parameters and results.
 
+Activation layout: token ids and what the model returns are batch-first (``[b, s]``, ``[b, s, ...]``), but
+between the embedding and the output layer the residual stream is sequence-first, ``[s, b, h]``, as in
+Megatron-LM (``LanguageModelEmbedding.forward`` turns ``[b s h]`` into ``[s b h]`` "to avoid explicit
+transposes", ``megatron/core/models/common/embeddings/language_model_embedding.py``; ``TransformerBlock`` works
+in ``[s, b, h]``; NVIDIA/Megatron-LM d98e8a64). The reason is tensor parallelism: sequence parallelism splits,
+gathers and reduce-scatters the sequence, which is then dimension 0, so every collective's buffer is a
+contiguous activation or block of one (no transpose, no copy), and Domino's batch chunks split dimension 1, as
+DeepSpeed-Domino does (``torch.tensor_split(encoder_input, 2, dim=1)`` in microsoft/DeepSpeedExamples
+``training/DeepSpeed-Domino/domino/language_model.py``, 7114c08e). On one device nothing else changes: the
+layers are position-wise except attention, which views its ``[s, b, heads, d]`` queries, keys and values as
+SDPA's ``[b, heads, s, d]``. There is one transpose in, of the token ids (the lookup then writes ``[s, b, h]``
+directly), and one out: of the labels (``[b, s] -> [s, b]``, as Megatron's ``compute_language_model_loss``) and
+the per-token losses back, or a ``[b, s, V]`` view of the ``[s, b, V]`` logits.
+
 Parameter names (stable; checkpoints and :mod:`domino.checkpoint.sharding` rely on them)::
 
     embedding.word_embeddings.weight            [V/tp, h]   split on dim 0
@@ -58,13 +72,15 @@ class Embedding(nn.Module):
         self.dropout = config.hidden_dropout
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """``[b, s]`` tokens and positions -> ``[b, s, h]``."""
-        return self.finish(self.word_embeddings(tokens), position_ids)
+        """``[b, s]`` tokens and ``[b or 1, s]`` positions -> ``[s, b, h]`` (the ids are transposed, not the
+        embeddings: the lookup writes sequence-first rows)."""
+        return self.finish(self.word_embeddings(tokens.t()), position_ids)
 
     def finish(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """The (all-reduced) word embeddings ``[b, s, h]`` -> plus position embeddings, then dropout."""
+        """The (all-reduced) word embeddings ``[s, b, h]`` -> plus the embeddings of ``[b or 1, s]`` positions,
+        then dropout."""
         if hasattr(self, "position_embeddings"):
-            hidden = hidden + self.position_embeddings(position_ids)
+            hidden = hidden + self.position_embeddings(position_ids.t())
         return F.dropout(hidden, p=self.dropout, training=self.training) if self.dropout > 0 else hidden
 
 
@@ -112,7 +128,7 @@ class GPTModel(nn.Module):
         """Runs the model: embed -> layer stack -> head.
 
         Args:
-            tokens: ``[b, s]`` int64 token ids (``[b, s, h]`` hidden states when ``pre_process=False``).
+            tokens: ``[b, s]`` int64 token ids (``[s, b, h]`` hidden states when ``pre_process=False``).
             position_ids: ``[b or 1, s]``; default ``arange`` (continuing after the cached tokens).
             attention_mask: None for causal attention; else bool ``[b or 1, 1, s, s_total]``, True = masked.
             labels: ``[b, s]`` int64 targets; when given, per-token losses are returned instead of logits.
@@ -120,22 +136,24 @@ class GPTModel(nn.Module):
 
         Returns:
             ``[b, s]`` fp32 losses with ``labels``; else logits ``[b, s, V/tp]`` (``[b, s, V]`` when
-            ``parallel_output=False``); ``[b, s, h]`` hidden states when ``post_process=False``.
+            ``parallel_output=False``), a view of the sequence-first ``[s, b, ...]`` result; ``[s, b, h]`` hidden
+            states when ``post_process=False`` (what the next pipeline stage reads).
         """
-        position_ids = self._position_ids(tokens, position_ids, kv_cache)
-        stack = self.stack.select(tokens.shape[0], kv_cache)  # generation and unsplittable batches: synchronous
-        hidden = stack.embed(tokens, position_ids)  # [b, s, h] (or what the stack finishes: a slice, a partial)
+        batch, seq = tokens.shape[:2] if self.pre_process else tokens.shape[1::-1]
+        position_ids = self._position_ids(seq, tokens.device, position_ids, kv_cache)
+        stack = self.stack.select(batch, kv_cache)  # generation and unsplittable batches: synchronous
+        hidden = stack.embed(tokens, position_ids)  # [s, b, h] (or what the stack finishes: a slice, a partial)
         rotary = self._rotary(position_ids, hidden.dtype)  # None without rope
         attend_mask = None if attention_mask is None else ~attention_mask  # SDPA: True = may attend; made once
-        hidden, grad_slot = stack(hidden, position_ids, attend_mask, rotary, kv_cache)  # [b, s, h] after the norm
+        hidden, grad_slot = stack(hidden, position_ids, attend_mask, rotary, kv_cache)  # [s, b, h] after the norm
         if not self.post_process:
             return hidden
         return self._head(hidden, grad_slot, labels)
 
-    def _position_ids(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor],
+    def _position_ids(self, s: int, device: torch.device, position_ids: Optional[torch.Tensor],
                       kv_cache: Optional[KVCache]) -> torch.Tensor:
         """``position_ids``, or ``[1, s]`` positions continuing after the cached tokens (room checked first)."""
-        s, past = tokens.shape[1], 0
+        past = 0
         if kv_cache is not None:
             kv_cache.check_room(s)
             past = kv_cache.length
@@ -143,7 +161,7 @@ class GPTModel(nn.Module):
             return position_ids
         if past + s > self.config.num_positions:
             raise ValueError(f"{past + s} tokens exceed --max-position-embeddings {self.config.num_positions}")
-        return torch.arange(past, past + s, device=tokens.device).unsqueeze(0)
+        return torch.arange(past, past + s, device=device).unsqueeze(0)
 
     def _rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Optional[RotaryTables]:
         """The rotary tables of ``position_ids`` (--position-embedding-type rope), else None."""
@@ -154,15 +172,20 @@ class GPTModel(nn.Module):
                                           c.rope_scaling_factor if c.use_rope_scaling else None)
 
     def _head(self, hidden: torch.Tensor, grad_slot: Optional[GradSlot], labels: Optional[torch.Tensor]) -> torch.Tensor:
-        """The output layer: per-token losses with ``labels`` (the fused vocab-parallel loss), else logits.
+        """The output layer on ``[s, b, h]``: ``[b, s]`` per-token losses with ``[b, s]`` ``labels`` (the fused
+        vocab-parallel loss), else ``[b, s, V/tp]`` (or gathered ``[b, s, V]``) logits.
 
+        The labels are transposed to the activations' ``[s, b]`` and the losses back (tokens, not ``h``-wide rows:
+        Megatron's ``compute_language_model_loss`` does the same); the logits are returned as a batch-first view.
         ``grad_slot`` (from an overlapped stack) receives the launch of the input gradient's reduction.
         """
         weight = self.output_weight()
+        if labels is not None:
+            labels = labels.t().contiguous()  # [b, s] -> [s, b]
         if labels is not None and kernels_for(hidden.device).fused_output_loss:
             # One node: the logits' buffer becomes the softmax, then the gradient (domino.parallel.kernels).
-            return vocab_parallel_linear_cross_entropy(hidden, weight, labels, grad_slot=grad_slot)
+            return vocab_parallel_linear_cross_entropy(hidden, weight, labels, grad_slot=grad_slot).t().contiguous()
         logits = F.linear(hidden, weight) if grad_slot is None else linear(hidden, weight, grad_slot=grad_slot)
         if labels is not None:
-            return vocab_parallel_cross_entropy(logits, labels)
-        return logits if self.parallel_output else gather_from_tp_region(logits)
+            return vocab_parallel_cross_entropy(logits, labels).t().contiguous()
+        return (logits if self.parallel_output else gather_from_tp_region(logits)).transpose(0, 1)

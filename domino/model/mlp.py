@@ -44,7 +44,7 @@ class ParallelMLP(nn.Module):
                                                init_std=output_std, skip_bias_add=True)
 
     def inner(self, x: torch.Tensor, slot: Optional[GradSlot] = None) -> torch.Tensor:
-        """fc1: ``[b, s, h]`` -> ``[b, s, f/tp]`` pre-activations."""
+        """fc1: ``[s, b, h]`` -> ``[s, b, f/tp]`` pre-activations."""
         fc1 = self.dense_h_to_4h
         return fc1(x) if slot is None else linear(x, fc1.weight, fc1.bias, grad_slot=slot)
 
@@ -70,7 +70,7 @@ class SwiGLUMLP(nn.Module):
                                                init_std=output_std, skip_bias_add=True)
 
     def inner(self, x: torch.Tensor, slot: Optional[GradSlot] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """fc1: ``[b, s, h]`` -> ``(gate, up)``, each ``[b, s, f/tp]``."""
+        """fc1: ``[s, b, h]`` -> ``(gate, up)``, each ``[s, b, f/tp]``."""
         fc1 = self.dense_h_to_4h
         if slot is None:
             x = copy_to_tp_region(x)

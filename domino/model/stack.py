@@ -36,7 +36,7 @@ class StackOutput(NamedTuple):
     """What every stack returns."""
 
     hidden: torch.Tensor
-    """``[b, s, h]`` after the final norm, ready for the output layer (without one: the last layer's output)."""
+    """``[s, b, h]`` after the final norm, ready for the output layer (without one: the last layer's output)."""
     grad_slot: Optional[GradSlot]
     """Where the output layer launches its input gradient's reduction; None when the stack reduces it."""
 
@@ -55,7 +55,9 @@ class LayerStack(Protocol):
         """The stack that runs a batch of ``batch`` sequences (``kv_cache``: generation): this one or a fallback."""
 
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """The stack's input from ``[b, s]`` tokens (``[b, s, h]`` hidden states without an embedding)."""
+        """The stack's input from ``[b, s]`` tokens: ``[s, b, h]`` embeddings, or what the stack's call finishes
+        (this rank's sequence slice; Domino's unreduced lookups); ``tokens`` itself (``[s, b, h]`` hidden states)
+        without an embedding."""
 
     def __call__(self, hidden: torch.Tensor, position_ids: torch.Tensor, attend_mask: Optional[torch.Tensor],
                  rotary: Optional[RotaryTables], kv_cache: Optional[KVCache]) -> StackOutput:
@@ -103,12 +105,12 @@ class SynchronousStack:
         return self
 
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """The all-reduced embeddings ``[b, s, h]``."""
+        """The all-reduced embeddings ``[s, b, h]``."""
         return embed_tokens(self.model, tokens, position_ids)
 
     def __call__(self, hidden: torch.Tensor, position_ids: torch.Tensor, attend_mask: Optional[torch.Tensor],
                  rotary: Optional[RotaryTables], kv_cache: Optional[KVCache]) -> StackOutput:
-        """``[b, s, h] -> [b, s, h]``: every layer, then the final norm; recompute groups only without a cache."""
+        """``[s, b, h] -> [s, b, h]``: every layer, then the final norm; recompute groups only without a cache."""
         model = self.model
         if kv_cache is None:
             hidden = run_layers(model.layers, self.units, hidden, attend_mask, rotary)

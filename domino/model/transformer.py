@@ -83,8 +83,8 @@ class ParallelSelfAttention(nn.Module):
                                        init_std=output_init_std(config), skip_bias_add=True)
 
     def qkv(self, x: torch.Tensor, slot: Optional[GradSlot] = None) -> Tuple[torch.Tensor, ...]:
-        """This rank's queries ``[b, s, heads/tp, head_dim]``, keys and values ``[b, s, groups/tp, head_dim]`` from
-        the fused ``query_key_value``.
+        """This rank's queries ``[s, b, heads/tp, head_dim]``, keys and values ``[s, b, groups/tp, head_dim]`` from
+        the fused ``query_key_value`` applied to ``[s, b, h]``.
 
         Without ``slot`` (synchronous TP) the input's gradient is all-reduced inside backward; the overlapped
         stacks pass the slot of their gradient guard and the reduction is launched into it
@@ -99,7 +99,12 @@ class ParallelSelfAttention(nn.Module):
     def context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attend_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None,
                 rotary: Optional[RotaryTables] = None) -> torch.Tensor:
-        """Attention of this rank's heads: the outputs of :meth:`qkv` -> ``[b, s, h/tp]`` context.
+        """Attention of this rank's heads: the outputs of :meth:`qkv` -> ``[s, b, h/tp]`` context.
+
+        SDPA reads ``[b, heads, s, d]``: q, k and v are permuted views of the ``[s, b, heads, d]`` projections, not
+        copies, and the context comes back as a view too (SDPA's CPU flash kernel lays its output out as its query
+        is laid out, so ``[s, b, heads, d]`` memory is viewed as ``[s, b, h/tp]``; the math kernel's output is
+        copied once, as it would be batch-first).
 
         Args:
             q, k, v: outputs of :meth:`qkv`.
@@ -108,8 +113,8 @@ class ParallelSelfAttention(nn.Module):
             kv_cache: when given, the new keys/values are appended and attention spans all cached tokens.
             rotary: the rotary tables of the new tokens' positions (--position-embedding-type rope), else None.
         """
-        b, s = q.shape[:2]
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        s, b = q.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, heads, d] -> [b, heads, s, d], views
         if rotary is not None:  # before caching: the cache holds rotated keys, as transformers' does
             q, k = rotary.rotate(q), rotary.rotate(k)
         past = 0
@@ -126,7 +131,7 @@ class ParallelSelfAttention(nn.Module):
             # enable_gqa: key/value head j serves query heads j n .. (j + 1) n - 1, as transformers' repeat_kv.
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
                                                  enable_gqa=self.groups_per_rank != self.heads_per_rank)
-        return ctx.transpose(1, 2).reshape(b, s, self.heads_per_rank * self.head_dim)
+        return ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
 
     def forward(self, x: torch.Tensor, attend_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None,
@@ -169,7 +174,7 @@ def bias_dropout_add_norm(x: torch.Tensor, bias: Optional[torch.Tensor], residua
     input, as :func:`bias_dropout_add` then ``norm``.
 
     Eager on CPU (the same two calls, bit for bit); one compiled island on CUDA (:mod:`domino.parallel.kernels`),
-    where the norm reads ``hidden`` from registers instead of from memory: one pass over the ``[b, s, h]``
+    where the norm reads ``hidden`` from registers instead of from memory: one pass over the ``[s, b, h]``
     stream fewer, forward and backward, as Megatron-LM fuses the residual with the next norm in its Transformer
     Engine layers.
     """
@@ -195,7 +200,7 @@ class TransformerLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, attend_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None, rotary: Optional[RotaryTables] = None) -> torch.Tensor:
-        """``[b, s, h] -> [b, s, h]`` with synchronous tensor-parallel all-reduces (``attend_mask``: True = may
+        """``[s, b, h] -> [s, b, h]`` with synchronous tensor-parallel all-reduces (``attend_mask``: True = may
         attend, as in :meth:`ParallelSelfAttention.context`)."""
         out, bias = self.attention(self.input_layernorm(hidden), attend_mask, kv_cache, rotary)
         hidden, normed = bias_dropout_add_norm(out, bias, hidden, self.hidden_dropout, self.training,

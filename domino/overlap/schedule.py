@@ -1,6 +1,8 @@
 """The Domino schedule: the same transformer layers, run on batch chunks so communication overlaps computation.
 
-The micro-batch is split along the batch dimension into N chunks; each chunk runs the step program of
+The micro-batch is split along the batch dimension (dimension 1 of the ``[s, b, h]`` activations, as
+DeepSpeed-Domino splits it: ``torch.tensor_split(encoder_input, 2, dim=1)`` in microsoft/DeepSpeedExamples
+``training/DeepSpeed-Domino/domino/language_model.py``, 7114c08e) into N chunks; each chunk runs the step program of
 :mod:`domino.overlap.steps` (six steps A-F per layer), and the chunks advance as a wavefront: chunk ``c`` runs
 ``c`` steps behind chunk 0, and at every tick each chunk does one step, chunk 0 first. For N=2 this is exactly
 the reference order (A0 F1 B0 A1 C0 B1 D0 C1 E0 D1 F0 E1 per layer): every all-reduce launched by one chunk is
@@ -27,13 +29,13 @@ import torch
 from domino.model.kv_cache import KVCache
 from domino.model.rotary import RotaryTables
 from domino.model.stack import LayerStack, StackOutput
-from domino.overlap.slots import ChunkedGradSlots, guard_input_grad
+from domino.overlap.slots import guard_input_grad
 from domino.overlap.steps import StepStack
 from domino.parallel.collectives import all_reduce_async, comm_site
 
 
 class _PendingInput:
-    """A chunk's rows of the stack's input while their all-reduce is in flight (the word embeddings)."""
+    """A chunk's word embeddings while their all-reduce is in flight."""
 
     __slots__ = ("partial", "complete", "rows", "handle")
 
@@ -84,45 +86,62 @@ class DominoStack(StepStack):
         m = self.model
         return m.pre_process and not self.sequence_parallel and not (m.embedding.dropout > 0 and m.training)
 
+    def _sizes(self, batch: int) -> List[int]:
+        """The chunks' batch sizes (``tensor_split``'s: the first ones one larger when ``batch`` does not divide)."""
+        if batch < self.chunks:
+            raise ValueError(f"micro-batch size {batch} is smaller than --domino-chunks {self.chunks}")
+        return [len(idx) for idx in torch.arange(batch).tensor_split(self.chunks)]
+
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """The embeddings, or this rank's unreduced lookup when the stack reduces it per chunk."""
-        if self._embeds_per_chunk():
-            return self.model.embedding.word_embeddings.partial(tokens)
-        return super().embed(tokens, position_ids)
+        """The embeddings, or this rank's unreduced lookup when the stack reduces it per chunk.
+
+        That lookup is one ``[tokens, h]`` tensor whose rows are chunk 0's ``[s, b_0]``, then chunk 1's, ...: one
+        lookup (one gradient for the table) in which every chunk's ``[s, b_c, h]`` is a contiguous block, so its
+        all-reduce runs in place (a batch slice of ``[s, b, h]`` would be strided).
+        """
+        if not self._embeds_per_chunk():
+            return super().embed(tokens, position_ids)
+        ids = torch.cat([part.t().reshape(-1) for part in torch.split(tokens, self._sizes(tokens.shape[0]))])
+        return self.model.embedding.word_embeddings.partial(ids)
+
+    def _starts(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+                sizes: List[int]) -> List[Callable[[], torch.Tensor]]:
+        """Per chunk, what returns its ``[s, b_c, h]`` input when the chunk starts (a batch slice, views)."""
+        if not self._embeds_per_chunk():
+            return [lambda h=h: h for h in torch.split(hidden, sizes, dim=1)]
+        embedding, seq = self.model.embedding, position_ids.shape[-1]
+        offsets = [0, *itertools.accumulate(sizes)]
+
+        def complete(words: torch.Tensor, rows: slice) -> torch.Tensor:
+            return embedding.finish(words, position_ids[rows] if position_ids.shape[0] > 1 else position_ids)
+
+        # Each chunk's all-reduce is launched at once; chunk c waits for its own when it starts. narrow, not split:
+        # a single view may be reduced in place (and a late handle may write into it).
+        return [_PendingInput(hidden.narrow(0, seq * offsets[c], seq * sizes[c]).view(seq, sizes[c], -1), complete,
+                              slice(offsets[c], offsets[c + 1]), f"fwd embedding, chunk {c}").finish
+                for c in range(self.chunks)]
 
     def __call__(self, hidden: torch.Tensor, position_ids: torch.Tensor, attend_mask: Optional[torch.Tensor],
                  rotary: Optional[RotaryTables], kv_cache: Optional[KVCache] = None) -> StackOutput:
-        """``[b, s, h]`` embeddings -> the final norm's output (``kv_cache`` must be None: see :meth:`select`).
+        """What :meth:`embed` returned (``[s, b, h]`` embeddings, or the chunk-ordered lookup) -> the final norm's
+        ``[s, b, h]`` output (``kv_cache`` must be None: see :meth:`select`).
 
         ``attend_mask`` (True = may attend, or None for causal) is split into per-chunk views, not copied;
         ``rotary``: the rotary tables of the positions (rope models), split along the batch like the mask.
-        With an output layer (and without sequence parallelism) each chunk's output is guarded as it is produced,
-        and the returned :class:`ChunkedGradSlots` make the output layer all-reduce its input gradient chunk by
-        chunk, each waited on by its own chunk. When :meth:`embed` returned the unreduced lookup, each chunk's
-        all-reduce of it is launched at once and each chunk waits for its own as it starts (chunk 0 right away,
-        the others behind the chunks started before them), then adds its positions and dropout.
+        With an output layer (and without sequence parallelism) the joined output is guarded, so the output
+        layer's backward launches its input gradient's all-reduce before its weight-gradient GEMM and the guard
+        waits for it (one all-reduce: a batch chunk of the ``[s, b, h]`` gradient is strided). When :meth:`embed`
+        returned the unreduced lookup, each chunk's all-reduce of it is launched at once and each chunk waits for
+        its own as it starts (chunk 0 right away, the others behind the chunks started before them), then adds its
+        positions and dropout.
         """
-        b = hidden.shape[0]
-        if b < self.chunks:
-            raise ValueError(f"micro-batch size {b} is smaller than --domino-chunks {self.chunks}")
-        sizes = [len(idx) for idx in torch.arange(b).tensor_split(self.chunks)]
+        lookup = self._embeds_per_chunk()  # hidden: [b s, h] lookups (position ids: [b or 1, s]), else [s, b, h]
+        sizes = self._sizes(hidden.shape[0] // position_ids.shape[-1] if lookup else hidden.shape[1])
         masks = _split_mask(attend_mask, sizes)
         tables = rotary.split(sizes) if rotary is not None else [None] * self.chunks
-        starts: List[Callable[[], torch.Tensor]] = [lambda h=h: h for h in torch.split(hidden, sizes, dim=0)]
-        if self._embeds_per_chunk():
-            embedding, offsets = self.model.embedding, [0, *itertools.accumulate(sizes)]
-
-            def complete(words: torch.Tensor, rows: slice) -> torch.Tensor:
-                return embedding.finish(words, position_ids[rows] if position_ids.shape[0] > 1 else position_ids)
-
-            # narrow, not split: a single view may be reduced in place (and a late handle may write into it).
-            starts = [_PendingInput(hidden.narrow(0, offsets[c], sizes[c]), complete,
-                                    slice(offsets[c], offsets[c + 1]), f"fwd embedding, chunk {c}").finish
-                      for c in range(self.chunks)]
-        guard_output = self.model.post_process and not self.sequence_parallel
+        starts = self._starts(hidden, position_ids, sizes)
         programs = [self.chunk_steps(start, m, r, c) for c, (start, m, r) in enumerate(zip(starts, masks, tables))]
         outputs: List[Optional[torch.Tensor]] = [None] * self.chunks
-        slots: List = [None] * self.chunks
         running, tick = self.chunks, 0
         while running:
             for c, program in enumerate(programs):
@@ -132,12 +151,13 @@ class DominoStack(StepStack):
                     next(program)
                 except StopIteration as done:
                     outputs[c] = done.value
-                    if guard_output:  # created as the chunk finishes: the other chunks' tail runs in between
-                        outputs[c], slots[c] = guard_input_grad(outputs[c], f"bwd output layer input grad, chunk {c}")
                     running -= 1
             tick += 1
-        out = torch.cat(outputs, dim=0)
-        return self.output(out, ChunkedGradSlots(slots, sizes) if guard_output else None)
+        out = torch.cat(outputs, dim=1)
+        if self.model.post_process and not self.sequence_parallel:
+            out, slot = guard_input_grad(out, "bwd output layer input grad")
+            return self.output(out, slot)
+        return self.output(out)
 
 
 def apply_domino(model: torch.nn.Module, chunks: int) -> torch.nn.Module:

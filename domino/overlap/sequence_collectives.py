@@ -60,9 +60,9 @@ class _ReducedScatter(torch.autograd.Function):
 
 
 def gather_from_sequence_region_async(x: torch.Tensor, slot: GradReduceScatterSlot) -> Tuple[object, torch.Tensor]:
-    """Launches the all-gather of ``x`` (``[b, s/tp, h]``) along the sequence: the input of a column-parallel linear.
+    """Launches the all-gather of ``x`` (``[s/tp, b, h]``) along the sequence: the input of a column-parallel linear.
 
-    Returns ``(handle, gathered)``: ``gathered`` (``[b, s, h]``, joined to ``x``'s graph) must not be read before
+    Returns ``(handle, gathered)``: ``gathered`` (``[s, b, h]``, joined to ``x``'s graph) must not be read before
     ``handle.wait()``. In backward, ``slot.reduced(grad)`` gives ``x``'s gradient: the consuming linear launched
     that reduce-scatter asynchronously (:class:`~domino.overlap.slots.GradReduceScatterSlot`), so it ran during
     the weight-gradient GEMM and whatever autograd scheduled before this node. With one rank nothing is launched.
@@ -76,9 +76,9 @@ def gather_from_sequence_region_async(x: torch.Tensor, slot: GradReduceScatterSl
 
 def reduce_scatter_to_sequence_async(partial: torch.Tensor, grad_slot: Optional[GradGatherSlot] = None
                                      ) -> Tuple[object, Callable[[], torch.Tensor]]:
-    """Launches the reduce-scatter of a row-parallel partial sum ``[b, s, h]`` along the sequence.
+    """Launches the reduce-scatter of a row-parallel partial sum ``[s, b, h]`` along the sequence.
 
-    Returns ``(handle, finish)``: after ``handle.wait()``, ``finish()`` returns this rank's ``[b, s/tp, h]`` sum,
+    Returns ``(handle, finish)``: after ``handle.wait()``, ``finish()`` returns this rank's ``[s/tp, b, h]`` sum,
     joined to ``partial``'s graph (its gradient is the all-gather of the incoming one: synchronous, or launched
     into ``grad_slot``, :class:`~domino.overlap.slots.GradGatherSlot`). With one rank nothing is launched and
     ``finish()`` returns ``partial``.

@@ -6,7 +6,7 @@ instead, so their activations shrink by the TP size. The all-reduce after each r
 reduce-scatter (each rank keeps its sequence slice of the sum) and the input of each column-parallel linear is
 all-gathered; the communicated bytes are those of the all-reduce (which is a reduce-scatter then an all-gather).
 
-Here the residual stream is ``[b, s/tp, h]`` between the embedding (split after its all-reduce and dropout, so
+Here the residual stream is ``[s/tp, b, h]`` between the embedding (split after its all-reduce and dropout, so
 the embedding dropout mask is the one plain TP draws) and the output layer (all-gathered before it). The layers
 run the step program of :mod:`domino.overlap.steps` to its end, one step after the other
 (:class:`SequenceParallelStack`); each all-gather is launched at its norm and waited for right before its linear,
@@ -51,7 +51,7 @@ class SequenceParallelStack(StepStack):
 
     def __call__(self, hidden: torch.Tensor, position_ids: torch.Tensor, attend_mask: Optional[torch.Tensor],
                  rotary: Optional[RotaryTables], kv_cache: Optional[KVCache] = None) -> StackOutput:
-        """This rank's ``[b, s/tp, h]`` slice of the embeddings -> the final norm's output, gathered for the output
+        """This rank's ``[s/tp, b, h]`` slice of the embeddings -> the final norm's output, gathered for the output
         layer (the gather's backward reduce-scatters the input gradient)."""
         steps = self.chunk_steps(lambda: hidden, attend_mask, rotary, 0)
         while True:

@@ -11,14 +11,13 @@ waits for it. Between launch and wait, autograd is free to run nodes of the othe
 
 The two share a slot, which carries the handle from launch to wait. Every slot handed to a linear implements
 :class:`domino.parallel.linear_ops.GradSlot`, the protocol declared beside the linears that call it:
-:class:`GradAllReduceSlot` (plain TP), :class:`GradReduceScatterSlot` (sequence parallelism: the input was
-all-gathered, so its gradient is reduce-scattered and only the input's slice is kept) and
-:class:`ChunkedGradSlots` (the output layer after the Domino stack: one all-reduce per chunk).
+:class:`GradAllReduceSlot` (plain TP) and :class:`GradReduceScatterSlot` (sequence parallelism: the input was
+all-gathered, so its gradient is reduce-scattered and only the input's slice is kept).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -92,13 +91,13 @@ class GradReduceScatterSlot:
         return ready
 
     def launch(self, grad: torch.Tensor) -> None:
-        """Starts the reduce-scatter of ``grad`` (``[b, s, h]``) along the sequence over the TP group."""
+        """Starts the reduce-scatter of ``grad`` (``[s, b, h]``) along the sequence over the TP group."""
         with comm_site(self.site):
             self.handle, self.result = reduce_scatter_sequence_async(grad)
         self.launched = grad
 
     def reduced(self, grad: torch.Tensor) -> torch.Tensor:
-        """This rank's ``[b, s/tp, h]`` slice of ``grad`` summed over the TP ranks.
+        """This rank's ``[s/tp, b, h]`` slice of ``grad`` summed over the TP ranks.
 
         ``grad`` is what autograd hands the gather's backward: the very tensor launched when the linear is the
         gather's only consumer. Anything else (another consumer added its gradient) is reduce-scattered here,
@@ -126,39 +125,10 @@ class GradGatherSlot(GradAllReduceSlot):
     __slots__ = ()
 
     def launch(self, grad: torch.Tensor) -> torch.Tensor:
-        """Starts the all-gather of ``grad`` (``[b, s/tp, h]``); returns the ``[b, s, h]`` buffer it fills."""
+        """Starts the all-gather of ``grad`` (``[s/tp, b, h]``); returns the ``[s, b, h]`` buffer it fills."""
         with comm_site(self.site):
             self.handle, gathered = all_gather_sequence_async(grad)
         return gathered
-
-
-class ChunkedGradSlots:
-    """One input-gradient all-reduce per batch chunk, for a linear that runs on all chunks at once (the output
-    layer after the Domino stack): each chunk's rows are waited on by that chunk's own guard.
-
-    Launched last chunk first: autograd reaches the last chunk's guard first (it was created last), and its
-    backward (final norm, last layer) then runs while the other chunks' all-reduces are still on the link.
-    """
-
-    __slots__ = ("slots", "sizes")
-
-    def __init__(self, slots: Sequence[GradAllReduceSlot], sizes: Sequence[int]) -> None:
-        self.slots = list(slots)
-        self.sizes = list(sizes)
-
-    def keep(self, x: torch.Tensor) -> torch.Tensor:
-        """The linear keeps its whole input."""
-        return x
-
-    def restore(self, kept: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """The kept input, as it is."""
-        return lambda: kept
-
-    def launch(self, grad: torch.Tensor) -> None:
-        """Starts the all-reduce of each chunk's rows (dimension 0) of ``grad``: contiguous views, in place."""
-        parts = grad.split(self.sizes, dim=0)
-        for slot, part in reversed(list(zip(self.slots, parts))):
-            slot.launch(part)
 
 
 class _WaitInputGrad(torch.autograd.Function):

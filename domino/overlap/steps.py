@@ -63,7 +63,7 @@ class _PendingScatter:
 
     The residual stream is this rank's sequence slice, so the bias, the dropout (on the TP stream: each rank's
     slice needs its own mask, as Megatron forks the tracker around sequence-parallel regions) and the residual
-    add run on ``[b, s/tp, h]``.
+    add run on ``[s/tp, b, h]``.
     """
 
     __slots__ = ("bias", "handle", "result")

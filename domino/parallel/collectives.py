@@ -17,7 +17,7 @@ scatter_to_tp_region        keep this rank's last-dim   all-gather along last di
                             slice
 gather_from_tp_region       all-gather along last dim   keep this rank's slice
 scatter_to_sequence_region  keep this rank's sequence    all-gather along sequence
-                            slice (dim 1)
+                            slice (dim 0)
 gather_from_sequence_region all-gather along sequence    reduce-scatter along
                                                         sequence
 reduce_scatter_to_sequence  reduce-scatter along         all-gather along sequence
@@ -28,8 +28,10 @@ As in Megatron-LM's ``megatron/core/tensor_parallel/mappings.py`` (NVIDIA/Megatr
 ``copy_to_tensor_model_parallel_region(input_, group=None)`` resolves ``group`` to the TP group once and the
 autograd function keeps it in ``ctx.group``), every region takes the group as an argument, defaulting to this
 rank's TP group, and the collectives below it take it explicitly; the sequence functions are Megatron's
-``*_sequence_parallel_region`` along dimension 1 of our ``[b, s, h]`` tensors. All of them are identities when
-the group has one rank, so a single process needs no ``torch.distributed`` at all.
+``*_sequence_parallel_region``, along dimension 0 of the ``[s, b, h]`` activations (Megatron's layout, kept from
+the embedding to the output layer by :mod:`domino.model.gpt_model`), so every send and receive buffer is a
+contiguous activation or a contiguous slice of one: no transpose, no copy. All of them are identities when the
+group has one rank, so a single process needs no ``torch.distributed`` at all.
 """
 
 from __future__ import annotations
@@ -64,11 +66,6 @@ def group_rank(group: Group) -> int:
 def tp_rank_and_size() -> tuple:
     """``(rank, world_size)`` of this process inside its tensor-parallel group."""
     return state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
-
-
-def sequence_first(x: torch.Tensor) -> torch.Tensor:
-    """``[b, s, ...]`` -> contiguous ``[s, b, ...]``: collectives split and join the first dimension."""
-    return x.transpose(0, 1).contiguous()
 
 
 # ---- the collectives: launched asynchronously; the synchronous form waits at once -------------------------------
@@ -118,30 +115,28 @@ def all_reduce_max_(x: torch.Tensor, group: Group = None) -> torch.Tensor:
 
 def all_gather_sequence_async(x: torch.Tensor, group: Group = None, kind: str = "sequence all-gather",
                               blocking: bool = False) -> Tuple[object, torch.Tensor]:
-    """Launches the all-gather of ``[b, s/tp, h]`` along the sequence, outside autograd; ``(handle, [b, s, h])``.
+    """Launches the all-gather of ``[s/tp, b, h]`` along the sequence, outside autograd; ``(handle, [s, b, h])``.
 
-    The result is allocated as ``[b, s, h]`` with sequence-first strides, and the collective writes through its
-    contiguous ``[s, b, h]`` transpose, detached: so the tensor handed back is a base, not a view, and gloo's
-    in-place write into it after the launch (by its worker thread, or inside ``wait()`` on an emulated link
-    with ``transfer=wait``) is no change autograd would refuse. ``x``'s slice is the send buffer (a view of
-    ``x`` when ``b == 1``): do not write into ``x`` before the wait. With one rank nothing is launched and the
-    result is ``x``.
+    The sequence is dimension 0, so each rank's slice is one contiguous block of the result: the collective writes
+    straight into the tensor handed back, through a detached alias, so gloo's in-place write after the launch (by
+    its worker thread, or inside ``wait()`` on an emulated link with ``transfer=wait``, when the result may already
+    be an autograd output) is no change autograd would refuse. ``x`` itself is the send buffer: do not write into
+    it before the wait. With one rank nothing is launched and the result is ``x``.
     """
     group = tp_group() if group is None else group
     world = group_size(group)
     if world == 1:
         return DONE, x
-    part = sequence_first(x.detach())
-    b, s, h = part.shape[1], world * part.shape[0], part.shape[2]
-    gathered = torch.empty_strided((b, s, h), (h, b * h, 1), dtype=part.dtype, device=part.device)
-    out = gathered.detach().transpose(0, 1)
-    handle = launch(lambda async_op: dist.all_gather_single(out, part, group=group, async_op=async_op),
+    part = _contiguous(x.detach())
+    gathered = part.new_empty((world * part.shape[0], *part.shape[1:]))
+    sink = gathered.detach()
+    handle = launch(lambda async_op: dist.all_gather_single(sink, part, group=group, async_op=async_op),
                     all_gather_wire_bytes(part.numel() * part.element_size(), world), part, group, kind, blocking)
     return handle, gathered
 
 
 def all_gather_sequence(x: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """All-gathers ``[b, s/tp, h]`` along the sequence, synchronously and outside autograd: ``[b, s, h]``."""
+    """All-gathers ``[s/tp, b, h]`` along the sequence, synchronously and outside autograd: ``[s, b, h]``."""
     handle, gathered = all_gather_sequence_async(x, group, blocking=True)
     handle.wait()  # synchronous: launched and waited for at once
     return gathered
@@ -149,30 +144,36 @@ def all_gather_sequence(x: torch.Tensor, group: Group = None) -> torch.Tensor:
 
 def reduce_scatter_sequence_async(x: torch.Tensor, group: Group = None, kind: str = "async",
                                   blocking: bool = False) -> Tuple[object, torch.Tensor]:
-    """Launches the reduce-scatter of ``[b, s, ...]`` along the sequence, outside autograd; returns
-    ``(handle, [b, s/tp, ...])``, this rank's slice of the sum, not to be read before ``handle.wait()``.
+    """Launches the reduce-scatter of ``[s, b, ...]`` along the sequence, outside autograd; returns
+    ``(handle, [s/tp, b, ...])``, this rank's slice of the sum, not to be read before ``handle.wait()``.
 
-    The send buffer is ``x`` sequence-first: a copy, or ``x`` itself when ``b == 1``, so do not write into ``x``
-    before the wait. With one rank nothing is launched and the slice is ``x`` itself.
+    ``x`` itself is the send buffer (each rank's share is a contiguous block of it), so do not write into it before
+    the wait. With one rank nothing is launched and the slice is ``x`` itself.
     """
     group = tp_group() if group is None else group
     world = group_size(group)
     if world == 1:
         return DONE, x
-    full = sequence_first(x.detach())
+    full = _contiguous(x.detach())
     if full.shape[0] % world:
         raise ValueError(f"sequence length {full.shape[0]} is not divisible by the TP size {world}")
     out = full.new_empty((full.shape[0] // world, *full.shape[1:]))
     handle = launch(lambda async_op: dist.reduce_scatter_single(out, full, group=group, async_op=async_op),
                     all_gather_wire_bytes(out.numel() * out.element_size(), world), full, group, kind, blocking)
-    return handle, out.transpose(0, 1)
+    return handle, out
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Reduce-scatters ``[b, s, ...]`` along the sequence, synchronously and outside autograd: ``[b, s/tp, ...]``."""
+    """Reduce-scatters ``[s, b, ...]`` along the sequence, synchronously and outside autograd: ``[s/tp, b, ...]``."""
     handle, part = reduce_scatter_sequence_async(x, group, "sequence reduce-scatter", blocking=True)
     handle.wait()  # synchronous: launched and waited for at once
     return part
+
+
+def _contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself: the activations and their gradients are contiguous ``[s, b, h]`` tensors (a copy is made only
+    for an odd strided caller, such as a gradient autograd expanded from a scalar)."""
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def all_gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -256,7 +257,9 @@ class _ScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _split(x, 1, group, "sequence length")
+        # A slice along dim 0 is a view that would keep the whole [s, b, h] input alive as long as the slice lives;
+        # the clone lets it go (Megatron's clone_scatter_output_in_embedding, on by default, does the same).
+        return _split(x, 0, group, "sequence length").clone()
 
     @staticmethod
     def backward(ctx, grad):
@@ -311,7 +314,7 @@ def gather_from_tp_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
 
 
 def scatter_to_sequence_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Keeps this rank's slice of the sequence (dimension 1); all-gathers the gradient."""
+    """Keeps this rank's slice of the sequence (dimension 0 of ``[s, b, h]``); all-gathers the gradient."""
     return _region(_ScatterToSequence, x, group)
 
 

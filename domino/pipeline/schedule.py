@@ -1,4 +1,7 @@
-"""One rank's pipeline stage on ``torch.distributed.pipelining``'s 1F1B schedule.
+"""One rank's pipeline stage on ``torch.distributed.pipelining``'s 1F1B schedule, or its model chunks on the
+interleaved 1F1B schedule (``ScheduleInterleaved1F1B``: one ``PipelineStage`` per chunk, virtual stage
+``chunk * p + rank``; it runs the same per-micro-batch forwards, backwards and ``scale_grads`` as 1F1B, in Megatron's
+depth-first interleaved order, and evaluation runs on ``ScheduleLoopedBFS``, which takes any micro-batch count).
 
 What the library does for us (torch 2.13, ``torch/distributed/pipelining/schedules.py`` and ``stage.py``):
 ``Schedule1F1B.step`` splits the batch it is given along dimension 0 into ``n_microbatches`` equal micro-batches
@@ -18,18 +21,22 @@ extra forward and backward on the first step only to learn them (``_forward_meta
 Inputs: the first stage reads token ids; every stage reads the position ids (rotary positions, reset ones) and the
 attention mask (None: causal), passed as keyword arguments split like the batch; the last stage also reads the
 labels, and the loss mask is the schedule's ``target``. Between stages travels the residual stream
-``[b, s, h]`` (``[b, s/tp, h]`` with sequence parallelism, Megatron's choice too: the slice is what each rank has).
+``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism, Megatron's choice too: the slice is what each rank has).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
+)
 
+from domino.config.pipeline_schedule import microbatch_problems
+from domino.pipeline.stages import model_chunks, virtual_stage
 from domino.runtime import state
 
 
@@ -41,57 +48,96 @@ def masked_mean_loss(per_token_losses: torch.Tensor, loss_mask: torch.Tensor) ->
 
 
 class StageSchedule:
-    """Runs this rank's stage (a ``GPTModel`` cut by :func:`domino.pipeline.stages.split_model`) on the 1F1B
-    schedule over the pipeline group.
+    """Runs this rank's stage (a ``GPTModel`` cut by :func:`domino.pipeline.stages.split_model`, or the model
+    chunks of a :class:`~domino.pipeline.stages.VirtualStages`) on the 1F1B schedule over the pipeline group, or
+    on the interleaved 1F1B schedule with chunks.
 
     Args:
         model: the stage.
-        num_microbatches: micro-batches per optimizer step on this data-parallel rank (>= the stage count).
+        num_microbatches: micro-batches per optimizer step on this data-parallel rank (>= the stage count; with
+            chunks, a multiple of it).
         micro_batch_size: samples per micro-batch.
         seq_length: tokens per sample.
         hidden_size: width of the residual stream.
         sequence_parallel: the residual stream is this rank's sequence slice.
         dtype: dtype of the residual stream (the model's parameters').
+
+    Raises:
+        ValueError: the micro-batch count is one the schedule cannot run (checked earlier by the config validation).
     """
 
     def __init__(self, model: nn.Module, *, num_microbatches: int, micro_batch_size: int, seq_length: int,
                  hidden_size: int, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32) -> None:
-        stages = state.get_pipeline_model_parallel_world_size()
+        stages, rank = state.get_pipeline_model_parallel_world_size(), state.get_pipeline_model_parallel_rank()
+        self.chunks: Sequence[nn.Module] = model_chunks(model)
         if num_microbatches < stages:
             raise ValueError(f"{num_microbatches} micro-batches per step are fewer than the {stages} pipeline stages "
                              "(1F1B needs one per stage)")
+        problems = microbatch_problems(num_microbatches, stages, len(self.chunks))
+        if problems:
+            raise ValueError(problems[0])
         self.model = model
         self.num_microbatches = num_microbatches
         self.micro_batch_size = micro_batch_size
+        self.num_virtual_stages = stages * len(self.chunks)
+        self.indices = [virtual_stage(rank, c, stages) for c in range(len(self.chunks))]
+        self.is_first, self.is_last = self.indices[0] == 0, self.indices[-1] == self.num_virtual_stages - 1
         tp = state.get_tensor_model_parallel_world_size()
         local_seq = seq_length // tp if sequence_parallel and tp > 1 else seq_length
-        hidden = torch.empty(micro_batch_size, local_seq, hidden_size, dtype=dtype, device="meta", requires_grad=True)
-        first, last = state.is_pipeline_first_stage(), state.is_pipeline_last_stage()
-        inputs = torch.empty(micro_batch_size, seq_length, dtype=torch.long, device="meta") if first else hidden
-        outputs = torch.empty(micro_batch_size, seq_length, dtype=torch.float32, device="meta") if last else hidden
-        self._shapes = dict(input_args=(inputs,), output_args=(outputs,))
-        self.stage = self._new_stage()
-        self.schedule = Schedule1F1B(self.stage, num_microbatches, loss_fn=masked_mean_loss, scale_grads=True)
-        self._eval_schedules: Dict[int, ScheduleGPipe] = {}
+        self._hidden = torch.empty(local_seq, micro_batch_size, hidden_size, dtype=dtype, device="meta",
+                                   requires_grad=True)
+        self._tokens = torch.empty(micro_batch_size, seq_length, dtype=torch.long, device="meta")
+        self._losses = torch.empty(micro_batch_size, seq_length, dtype=torch.float32, device="meta")
+        #: The training schedule's ``PipelineStage`` per chunk.
+        self.stages = self._new_stages()
+        if len(self.stages) == 1:
+            self.schedule = Schedule1F1B(self.stages[0], num_microbatches, loss_fn=masked_mean_loss, scale_grads=True)
+        else:
+            self.schedule = ScheduleInterleaved1F1B(self.stages, num_microbatches, loss_fn=masked_mean_loss,
+                                                    scale_grads=True)
+        self._eval_schedules: Dict[int, object] = {}
 
-    def _new_stage(self) -> PipelineStage:
+    @property
+    def stage(self) -> PipelineStage:
+        """The training schedule's ``PipelineStage`` (the first chunk's with several)."""
+        return self.stages[0]
+
+    def _new_stages(self) -> List[PipelineStage]:
+        """One ``PipelineStage`` per chunk, with its shapes given up front."""
         group = state.get_pipeline_model_parallel_group()
-        return PipelineStage(self.model, state.get_pipeline_model_parallel_rank(),
-                             state.get_pipeline_model_parallel_world_size(), state.collective_device(group),
-                             group=group, **self._shapes)
+        device = state.collective_device(group)
+        out = []
+        for chunk, index in zip(self.chunks, self.indices):
+            first, last = index == 0, index == self.num_virtual_stages - 1
+            out.append(PipelineStage(chunk, index, self.num_virtual_stages, device, group=group,
+                                     input_args=(self._tokens if first else self._hidden,),
+                                     output_args=(self._losses if last else self._hidden,)))
+        return out
+
+    def _eval_schedule(self, count: int):
+        """The forward-only schedule of ``count`` micro-batches (any number): GPipe for one chunk, torch's
+        breadth-first looped schedule for chunks (every micro-batch through one chunk, then the next; neither
+        checks the count against the stages, unlike 1F1B and interleaved 1F1B's rounds)."""
+        if count not in self._eval_schedules:
+            stages = self._new_stages()
+            self._eval_schedules[count] = (ScheduleGPipe(stages[0], count, loss_fn=masked_mean_loss)
+                                           if len(stages) == 1 else
+                                           ScheduleLoopedBFS(stages, count, loss_fn=masked_mean_loss))
+        return self._eval_schedules[count]
 
     def _arguments(self, tokens: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor],
                    attention_mask: Optional[torch.Tensor]):
-        """The positional and keyword arguments of this stage's ``step`` (each split into micro-batches)."""
+        """The positional and keyword arguments of this rank's ``step`` (each split into micro-batches; the
+        keyword ones reach every chunk)."""
         b, s = tokens.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=tokens.device).unsqueeze(0)
         kwargs: Dict[str, torch.Tensor] = {"position_ids": position_ids.expand(b, s)}  # split with the batch
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.expand(b, *attention_mask.shape[1:])
-        if self.stage.is_last:
-            kwargs["labels"] = labels
-        args = (tokens,) if self.stage.is_first else ()
+        if self.is_last:
+            kwargs["labels"] = labels  # a chunk without the output layer ignores them
+        args = (tokens,) if self.is_first else ()
         return args, kwargs
 
     def train_step(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
@@ -104,7 +150,7 @@ class StageSchedule:
         stage (broadcast from the last over the pipeline group)."""
         args, kwargs = self._arguments(tokens, labels, position_ids, attention_mask)
         losses: List[torch.Tensor] = []
-        if self.stage.is_last:
+        if self.is_last:
             self.schedule.step(*args, target=loss_mask, losses=losses, return_outputs=False, **kwargs)
         else:
             self.schedule.step(*args, return_outputs=False, **kwargs)
@@ -115,13 +161,10 @@ class StageSchedule:
                   attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Forward only over the micro-batches of ``tokens`` (any number of them); returns their mean loss on every
         stage, as :meth:`train_step` does."""
-        count = tokens.shape[0] // self.micro_batch_size
-        if count not in self._eval_schedules:
-            self._eval_schedules[count] = ScheduleGPipe(self._new_stage(), count, loss_fn=masked_mean_loss)
-        schedule = self._eval_schedules[count]
+        schedule = self._eval_schedule(tokens.shape[0] // self.micro_batch_size)
         args, kwargs = self._arguments(tokens, labels, position_ids, attention_mask)
         losses: List[torch.Tensor] = []
-        if self.stage.is_last:
+        if self.is_last:
             schedule.eval(*args, target=loss_mask, losses=losses, **kwargs)
         else:
             schedule.eval(*args, **kwargs)
@@ -129,12 +172,12 @@ class StageSchedule:
 
     def _broadcast_mean(self, losses: List[torch.Tensor]) -> torch.Tensor:
         """The mean of the last stage's micro-batch losses, on every stage of the pipeline."""
-        device = state.collective_device(state.get_pipeline_model_parallel_group())
-        if self.stage.is_last:
+        group = state.get_pipeline_model_parallel_group()
+        device = state.collective_device(group)
+        if self.is_last:
             mean = torch.stack([loss.detach().float() for loss in losses]).mean().reshape(1)
         else:
             mean = torch.zeros(1, device=device)
-        group = state.get_pipeline_model_parallel_group()
-        last = dist.get_global_rank(group, self.stage.num_stages - 1)
+        last = dist.get_global_rank(group, dist.get_world_size(group) - 1)
         dist.broadcast(mean, src=last, group=group)
         return mean[0]

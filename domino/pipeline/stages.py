@@ -22,11 +22,17 @@ others read hidden states (``pre_process=False``), the last returns per-token lo
 names in the whole model (``layers.{i}`` with ``i`` the layer's index in the whole model, :class:`StageLayers`, as
 torchtitan keeps its ``ModuleDict`` keys), so stages' state dicts, optimizer state by name and gradients never
 collide and join into the whole model's.
+
+The interleaved schedule (``v`` model chunks per rank, :class:`VirtualStages`): the layers are cut into ``p v``
+virtual stages; each chunk is a model over the whole model's own modules (nothing copied), and the rank's module
+registers those modules once by their whole-model names, so everything that reads a stage's parameters reads a
+rank's chunks the same way.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List, Tuple, Union
+import dataclasses
+from typing import Iterable, List, Sequence, Tuple, Union
 
 from torch import nn
 
@@ -37,22 +43,26 @@ SHARED_COPY = "shared"
 
 
 class StageLayers(nn.ModuleList):
-    """A stage's transformer layers, indexed from 0 like any list but registered under their index in the whole
-    model (``offset + i``), which is what their parameter names carry.
+    """A stage's (or model chunk's) transformer layers, indexed from 0 like any list but registered under their
+    index in the whole model, which is what their parameter names carry.
 
     Args:
-        layers: the stage's layers, in order.
-        offset: the whole model's index of the first one.
+        layers: the layers, in order.
+        indices: each one's index in the whole model (consecutive in a stage or chunk, not across the chunks of
+            an interleaved stage).
     """
 
-    def __init__(self, layers: Iterable[nn.Module], offset: int) -> None:
+    def __init__(self, layers: Iterable[nn.Module], indices: Iterable[int]) -> None:
         nn.Module.__init__(self)
-        self.offset = offset
-        for i, layer in enumerate(layers):
-            self.add_module(str(offset + i), layer)
+        self.indices = list(indices)
+        layers = list(layers)
+        if len(layers) != len(self.indices):
+            raise ValueError(f"{len(layers)} layers for {len(self.indices)} indices")
+        for index, layer in zip(self.indices, layers):
+            self.add_module(str(index), layer)
 
     def _get_abs_string_index(self, idx) -> str:
-        return str(int(super()._get_abs_string_index(idx)) + self.offset)
+        return str(self.indices[int(super()._get_abs_string_index(idx))])
 
     def __getitem__(self, idx: Union[int, slice]) -> Union[nn.Module, List[nn.Module]]:
         if isinstance(idx, slice):  # the layer loops iterate over slices; a plain list keeps the modules' names
@@ -61,46 +71,133 @@ class StageLayers(nn.ModuleList):
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> Tuple[int, int]:
-    """The ``[start, end)`` transformer layers of ``stage``: ``num_layers / num_stages`` consecutive ones.
+    """The ``[start, end)`` transformer layers of ``stage`` (a virtual stage, with the interleaved schedule's
+    ``num_stages = p v``): ``num_layers / num_stages`` consecutive ones.
 
     Raises:
         ValueError: ``num_layers`` is not divisible by ``num_stages`` (checked earlier by the config validation).
     """
     if num_layers % num_stages:
-        raise ValueError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {num_stages}")
+        raise ValueError(f"--num-layers {num_layers} is not divisible by {num_stages} pipeline stages")
     per_stage = num_layers // num_stages
     return stage * per_stage, (stage + 1) * per_stage
 
 
-def split_model(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+def virtual_stage(stage: int, chunk: int, num_stages: int) -> int:
+    """The virtual stage that ``chunk`` of pipeline rank ``stage`` is: ``chunk * p + stage``, so the virtual
+    stages go round the ranks in order (Megatron's placement, ``get_transformer_layer_offset`` in
+    ``megatron/core/transformer/transformer_layer.py``, and torch's ``generate_stage_to_rank_mapping(style="loop")``
+    in ``torch/distributed/pipelining/_utils.py``, torch 2.13, that ``ScheduleInterleaved1F1B`` assumes)."""
+    return chunk * num_stages + stage
+
+
+def _tied_copy(model: nn.Module) -> nn.Module:
+    """The last stage's copy of the tied word embeddings (the whole model's own module, marked shared)."""
+    copy = model.embedding.word_embeddings
+    setattr(copy.weight, SHARED_COPY, True)
+    return copy
+
+
+def split_model(model: nn.Module, stage: int, num_stages: int, virtual_stages: int = 1) -> nn.Module:
     """Cuts ``model`` (a whole ``GPTModel`` with the plain stack, before any overlap is applied) down to
-    ``stage`` of ``num_stages``, in place; returns it. At one stage it is returned unchanged.
+    ``stage`` of ``num_stages``; returns it. At one stage it is returned unchanged. With ``virtual_stages`` v > 1
+    it returns this rank's :class:`VirtualStages` (v model chunks over the whole model's modules) instead.
 
     Apply it right after building, before :mod:`domino.overlap` and :mod:`domino.model.recompute` (their stacks
-    are built over the stage's layers).
+    are built over the stage's layers; with chunks, over each chunk's: :func:`model_chunks`).
 
     Raises:
         ValueError: the model is not whole or already has an overlapped stack, or the layers do not divide evenly.
     """
-    if num_stages == 1:
+    if num_stages == 1 and virtual_stages == 1:
         return model
     if not (model.pre_process and model.post_process) or not isinstance(model.stack, SynchronousStack):
         raise ValueError("split_model needs a whole GPTModel with its plain stack (split before applying overlap)")
+    if virtual_stages > 1:
+        if num_stages < 2:
+            raise ValueError(f"{virtual_stages} virtual stages need at least 2 pipeline stages, got {num_stages}")
+        return VirtualStages(model, stage, num_stages, virtual_stages)
     start, end = stage_layers(len(model.layers), num_stages, stage)
     first, last = stage == 0, stage == num_stages - 1
-    model.layers = StageLayers(list(model.layers)[start:end], start)
+    model.layers = StageLayers(list(model.layers)[start:end], range(start, end))
     if not last:
         del model.final_layernorm
         if hasattr(model, "output_layer"):
             del model.output_layer
     elif not first and not hasattr(model, "output_layer"):  # tied: the last stage keeps a copy of the embeddings
-        model.output_layer = model.embedding.word_embeddings
-        setattr(model.output_layer.weight, SHARED_COPY, True)
+        model.output_layer = _tied_copy(model)
     if not first:
         del model.embedding
     model.pre_process, model.post_process = first, last
     model.stack = SynchronousStack(model)
     return model
+
+
+def _chunk(model: nn.Module, index: int, num_virtual_stages: int) -> nn.Module:
+    """Virtual stage ``index`` of the whole ``model``: a model of its class over the whole model's own modules
+    (the embedding on the first, the layers of :func:`stage_layers`, the final norm and output layer on the last),
+    built without a layer of its own, so nothing is copied."""
+    start, end = stage_layers(len(model.layers), num_virtual_stages, index)
+    first, last = index == 0, index == num_virtual_stages - 1
+    chunk = type(model)(dataclasses.replace(model.config, num_layers=0), model.vocab_size, pre_process=False,
+                        post_process=False, parallel_output=model.parallel_output)
+    chunk.config, chunk.pre_process, chunk.post_process = model.config, first, last
+    if first:
+        chunk.embedding = model.embedding
+    chunk.layers = StageLayers(list(model.layers)[start:end], range(start, end))
+    if last:
+        chunk.final_layernorm = model.final_layernorm
+        chunk.output_layer = model.output_layer if hasattr(model, "output_layer") else _tied_copy(model)
+    chunk.stack = SynchronousStack(chunk)
+    return chunk
+
+
+class VirtualStages(nn.Module):
+    """One pipeline rank's model chunks of the interleaved schedule, held under the whole model's names.
+
+    Chunk ``c`` is virtual stage :func:`virtual_stage` ``(stage, c, p)`` of ``p v``; each is a ``GPTModel`` (the
+    model's class and forward) over the whole model's own modules, and this module registers those modules once,
+    by their names in the whole model (``embedding`` on rank 0, ``layers.{i}`` with the whole model's ``i``,
+    ``final_layernorm`` and ``output_layer`` on the last rank), so the optimizer, DeepSpeed, gradient clipping,
+    the tied-embedding sum and checkpoints see one stage's parameters under the whole model's names, as with
+    1F1B. The chunks are not registered (their modules are these); :meth:`train` sets their mode too.
+
+    Args:
+        model: the whole model (its modules are kept, the others dropped with it).
+        stage: this rank's pipeline stage.
+        num_stages: p.
+        virtual_stages: v, chunks per rank.
+    """
+
+    def __init__(self, model: nn.Module, stage: int, num_stages: int, virtual_stages: int) -> None:
+        super().__init__()
+        total = num_stages * virtual_stages
+        chunks = tuple(_chunk(model, virtual_stage(stage, c, num_stages), total) for c in range(virtual_stages))
+        self.config, self.vocab_size = model.config, model.vocab_size
+        self.pre_process, self.post_process = chunks[0].pre_process, chunks[-1].post_process
+        if self.pre_process:
+            self.embedding = chunks[0].embedding
+        self.layers = StageLayers([layer for chunk in chunks for layer in chunk.layers],
+                                  [index for chunk in chunks for index in chunk.layers.indices])
+        if self.post_process:
+            self.final_layernorm, self.output_layer = chunks[-1].final_layernorm, chunks[-1].output_layer
+        self.chunks: Tuple[nn.Module, ...] = chunks  # a tuple: not registered a second time
+
+    def train(self, mode: bool = True) -> "VirtualStages":
+        super().train(mode)
+        for chunk in self.chunks:
+            chunk.train(mode)
+        return self
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("an interleaved pipeline stage runs chunk by chunk on its schedule "
+                           "(domino.pipeline.schedule.StageSchedule), not as one forward")
+
+
+def model_chunks(module: nn.Module) -> Sequence[nn.Module]:
+    """The models a rank runs: the chunks of a :class:`VirtualStages`, else the module itself (one stage, or the
+    whole model). Apply sequence parallelism, Domino and recompute to each."""
+    return module.chunks if isinstance(module, VirtualStages) else (module,)
 
 
 def is_shared_copy(param: nn.Parameter) -> bool:

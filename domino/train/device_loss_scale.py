@@ -13,8 +13,11 @@ scaler with those three numbers as 0-d tensors on the device and the same rule w
   multiple of ``scale_window``, which also refills the hysteresis (refilled every clean step with
   ``consecutive_hysteresis``).
 
-Scales are powers of two, exact in fp32, so the scaled loss, the unscaled gradients and the scale sequence
-are DeepSpeed's bit for bit (``tests/train/test_zero_step.py``). One difference: at ``min_scale`` an overflow
+Powers of two are exact in fp32, so the scale sequence and the scaled loss are DeepSpeed's bit for bit
+(``tests/train/test_device_loss_scale.py`` against ``DynamicLossScaler`` step for step,
+``tests/train/test_device_decided_steps.py`` through an engine), and so are the unscaled gradients except on a
+step whose update grows the scale: DeepSpeed unscales them with the grown scale, :mod:`domino.train.zero_step`
+with the one they were computed with. Another difference: at ``min_scale`` an overflow
 makes DeepSpeed raise ``Current loss scale already at minimum`` (``raise_error_at_min_scale``); the device
 cannot raise, so the scale stays at the minimum and the step is skipped like any other (the interval's
 statistics count it, ``domino.train.zero_step.skip_flag``).

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from domino.config import ConfigError, DominoConfig, padded_vocab_size
+from domino.config.layout import virtual_stages
 from domino.data.batch import get_batch
 from domino.data.dataset_builder import build_train_valid_test_datasets, parse_data_prefix
 from domino.data.mock import MockGPTDataset
@@ -23,7 +24,7 @@ from domino.model import GPTModel
 from domino.model.recompute import RecomputePlan, apply_activation_recompute
 from domino.overlap.schedule import apply_domino
 from domino.overlap.sequence_parallel import apply_sequence_parallel
-from domino.pipeline.stages import split_model
+from domino.pipeline.stages import model_chunks, split_model
 from domino.runtime import state
 
 logger = logging.getLogger(__name__)
@@ -93,15 +94,21 @@ class GPTRecipe:
         self.eod = self.tokenizer.eod if self.tokenizer is not None else vocab - 1
 
     def model_builder(self, config: DominoConfig) -> torch.nn.Module:
-        """A ``GPTModel`` of ``config``'s shape (this rank's pipeline stage of it) with the sequence parallelism,
-        Domino chunks and activation recompute of ``config``, applied in that order (:mod:`domino.overlap`, :mod:`domino.model.recompute`)."""
+        """A ``GPTModel`` of ``config``'s shape (this rank's pipeline stage of it, or its interleaved model chunks:
+        :class:`domino.pipeline.stages.VirtualStages`) with the sequence parallelism, Domino chunks and activation
+        recompute of ``config``, applied in that order to each (:mod:`domino.overlap`, :mod:`domino.model.recompute`)."""
         model = GPTModel(config.model, self.padded_vocab_size)
-        # This rank's pipeline stage, cut before the stacks below are built over its layers (one stage: unchanged).
-        split_model(model, state.get_pipeline_model_parallel_rank(), state.get_pipeline_model_parallel_world_size())
-        if config.parallel.sequence_parallel:
-            apply_sequence_parallel(model)
-        apply_domino(model, config.parallel.domino_chunks or 1)
-        return apply_activation_recompute(model, RecomputePlan.from_config(config.train))
+        # This rank's pipeline stage (or its interleaved model chunks), cut before the stacks below are built over
+        # each chunk's layers (one stage: unchanged).
+        model = split_model(model, state.get_pipeline_model_parallel_rank(),
+                            state.get_pipeline_model_parallel_world_size(), virtual_stages(config))
+        plan = RecomputePlan.from_config(config.train)
+        for chunk in model_chunks(model):
+            if config.parallel.sequence_parallel:
+                apply_sequence_parallel(chunk)
+            apply_domino(chunk, config.parallel.domino_chunks or 1)
+            apply_activation_recompute(chunk, plan)
+        return model
 
     def dataset_builder(self, num_samples: Tuple[int, int, int]) -> Tuple[Any, Optional[Any], Optional[Any]]:
         """Train/valid/test datasets holding at least ``num_samples`` samples each."""

@@ -1,4 +1,5 @@
-"""One optimizer step of a pipelined run: the 1F1B schedule, the gradients made whole, DeepSpeed's step.
+"""One optimizer step of a pipelined run: the 1F1B (or interleaved 1F1B) schedule, the gradients made whole,
+DeepSpeed's step.
 
 With ``--pipeline-model-parallel-size`` > 1 the schedule of :mod:`domino.pipeline.schedule` runs every forward and
 backward of the step, so DeepSpeed never sees a loss: the engine is built with one "micro-batch" per step (the
@@ -19,6 +20,7 @@ Step 2 costs one more data-parallel all-reduce of the gradients than a run witho
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -31,6 +33,8 @@ from domino.pipeline.schedule import StageSchedule
 from domino.runtime import state
 from domino.train import engine as engine_setup
 from domino.train.gpt_recipe import average_across_data_parallel_group
+
+logger = logging.getLogger(__name__)
 
 
 def average_over_data_parallel(params: List[torch.nn.Parameter]) -> None:
@@ -65,9 +69,15 @@ class PipelineStep:
         self.micro_batches = micro_batches
         self._schedules: Dict[int, StageSchedule] = {}
         self.schedule = self._schedule(micro_batches)
+        chunks, indices = self.schedule.chunks, self.schedule.indices
+        logger.info("pipeline stage %d of %d: %s, virtual stages %s (layers %s)",
+                    state.get_pipeline_model_parallel_rank(), state.get_pipeline_model_parallel_world_size(),
+                    "1F1B" if len(chunks) == 1 else f"interleaved 1F1B over {self.schedule.num_virtual_stages} "
+                    "virtual stages", ", ".join(map(str, indices)),
+                    "; ".join(",".join(map(str, chunk.layers.indices)) for chunk in chunks))
 
     def _schedule(self, micro_batches: int) -> StageSchedule:
-        """The 1F1B schedule of a step of ``micro_batches``, one per count a batch-size ramp reaches (a stage's
+        """The (1F1B or interleaved) schedule of a step of ``micro_batches``, one per count a batch-size ramp reaches (a stage's
         buffers are sized for its schedule's micro-batch count)."""
         if micro_batches not in self._schedules:
             m, t = self.config.model, self.config.train

@@ -320,6 +320,7 @@ class _Trainer:
                 raise
             raise lost_peer_error(error, self.hosts, self.completed, checkpointing.resume_hint(self.config)) from None
         finally:
+            self.saver.close()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
 

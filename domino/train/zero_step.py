@@ -18,6 +18,9 @@ else of DeepSpeed's class (gradient partitions and buckets, fp32 master partitio
   parameters, moments and step count unchanged (``torch/optim/adam.py`` ``_fused_adam``, torch 2.13), so the
   copy of the unchanged fp32 master partition into the 16-bit weights that follows changes nothing either;
 * the scale update is :class:`domino.train.device_loss_scale.DeviceLossScaler` (fp16 dynamic scaling);
+* with pipeline stages the skip is the same on every stage: DeepSpeed reduces the overflow and the norm over DP
+  and its ``mpu``'s model-parallel group (TP) only, so a stage with finite gradients would step while another
+  skips;
 * the gradients are multiplied by ``1 / (max(1, (norm / scale + 1e-6) / clip) * scale)``, DeepSpeed's factor;
   where DeepSpeed skips the multiplication (no clipping, scale 1) we multiply by exactly 1.0. ``scale`` is the
   one the gradients were computed with: DeepSpeed updates the scale first and unscales with the new one, so on
@@ -44,6 +47,7 @@ from typing import Optional
 
 import torch
 
+from domino.runtime import state
 from domino.train import device_loss_scale
 
 
@@ -82,6 +86,13 @@ def _device_decided_step(self, closure=None):
             dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=self.dp_process_group)
         self._model_parallel_all_reduce(tensor=overflow, op=dist.ReduceOp.MAX)
         invalid = invalid | overflow.reshape(()).bool()
+    if state.get_pipeline_model_parallel_world_size() > 1:
+        # DeepSpeed's norm and overflow span DP and TP only (its mpu's model-parallel group is TP); every stage
+        # skips when any stage's gradients are not finite, as domino's clipping norm spans the stages.
+        flag = invalid.to(torch.uint8).reshape(1)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
+                                     group=state.get_pipeline_model_parallel_group())
+        invalid = flag.reshape(()).bool()
     if device_loss_scale.is_dynamic(self.loss_scaler):
         self._update_scale(invalid)  # a static scaler (bf16's 1.0) has nothing to update
     self._global_grad_norm = torch.where(invalid, torch.full_like(scaled_norm, float("inf")),

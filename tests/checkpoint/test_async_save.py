@@ -133,4 +133,4 @@ def test_a_background_write_failing_on_one_rank_stops_every_rank_with_one_line(s
     assert f"`latest` in {save} names iter_{ITERS:07d}: a restart resumes from it" in line
     assert full["tracebacks"] == [False, False]
     assert full["after"]["latest"] == f"iter_{ITERS:07d}" and full["unchanged"]
-    assert not [n for n in full["after"]["names"] if n.startswith(".")]  # the temporary directory was removed
+    assert not [n for n in full["after"]["names"] if n.startswith(".tmp-")]  # the temporary directory was removed

@@ -6,12 +6,17 @@ A save (``domino/checkpoint/checkpointing.py``) writes model shards, optimizer a
 prunes old checkpoints. Each step in turn is made to crash (the injected exception propagates out of
 ``pretrain`` like a dying process: nothing in the save catches it) during the save of iteration 4. The
 restart must resume from ``iter_0000002`` when the crash came before ``latest`` moved, from ``iter_0000004``
-after. Everything runs in one real gloo process, ``pretrain()`` called in-process on a 256-token mock corpus.
+after: also when ``iter_0000004`` was renamed into place but ``latest`` never named it (``latest`` decides, with a
+warning naming the newer one: ``domino/checkpoint/discovery.py``). The restart saves at 3 and 6, so its first save
+must sweep the ``.tmp-iter_0000004`` a crash before the rename left (``domino/checkpoint/leftovers.py``).
+Everything runs in one real gloo process, ``pretrain()`` called in-process on a 256-token mock corpus.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -27,6 +32,10 @@ EXPECTED_RESUME = {
     "model-shard": "iter_0000002", "optimizer-state": "iter_0000002", "rng-state": "iter_0000002",
     "meta": "iter_0000002", "rename": "iter_0000002", "latest": "iter_0000002", "prune": "iter_0000004",
 }
+
+
+#: The fault points whose crash leaves ``.tmp-iter_0000004`` (all before the rename).
+LEFT_A_TEMPORARY = ("model-shard", "optimizer-state", "rng-state", "meta", "rename")
 
 
 class SimulatedCrash(BaseException):
@@ -84,17 +93,32 @@ def _install_fault(point: str, monkeypatch) -> None:
         raise ValueError(point)
 
 
-def _train(out: Path, name: str) -> None:
+def _train(out: Path, name: str, extra=()) -> None:
     from domino.config import parse_config
     from domino.train.gpt_recipe import GPTRecipe
     from domino.train.pretrain import pretrain
 
     save = out / name
     config = parse_config([*ARGS, "--save", str(save), "--load", str(save),
-                           "--metrics-file", str(out / f"{name}.jsonl")])
+                           "--metrics-file", str(out / f"{name}.jsonl"), *extra])
     recipe = GPTRecipe(config)
     pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step, recipe.padded_vocab_size,
              recipe.tokenizer)
+
+
+class _Log(logging.Handler):
+    """The log lines of a run, as text."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record) -> None:
+        self.lines.append(record.getMessage())
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
 
 
 def _losses(path: Path) -> dict:
@@ -123,15 +147,28 @@ def _crash_then_resume(rank, world_size, out_dir, points):
             except SimulatedCrash:
                 crashed = True
         latest_after_crash = (out / point / "latest").read_text().strip()
+        log, domino_logger = _Log(), logging.getLogger("domino")
+        level = domino_logger.level
+        domino_logger.addHandler(log)
+        domino_logger.setLevel(logging.INFO)
         try:
-            _train(out, point)  # the restart: the same command, no fault
+            # The restart: the same command, no fault, saving at 3 and 6, so the first save finds the
+            # .tmp-iter_0000004 a crash before the rename left (a save of iteration 4 would replace it anyway).
+            _train(out, point, ["--save-interval", "3"])
             error = None
         except Exception as exc:  # noqa: BLE001 - reported per fault point below
             error = f"{type(exc).__name__}: {exc}"
+        finally:
+            domino_logger.removeHandler(log)
+            domino_logger.setLevel(level)
         resumed = _losses(out / f"{point}.jsonl")
+        resumed_from = re.search(r"resumed from \S*?(iter_\d{7})", log.text)
         report[point] = {"crashed": crashed, "latest_after_crash": latest_after_crash, "error": error,
                          "losses_equal": resumed == reference,
-                         "final": sorted(p.name for p in (out / point).iterdir() if not p.name.startswith("."))}
+                         "resumed_from": resumed_from.group(1) if resumed_from else None,
+                         "warned_of_newer": f"newer sealed checkpoints exist: {CRASH_AT}" in log.text,
+                         "swept": f"interrupted saves from {out / point}: .tmp-{CRASH_AT}" in log.text,
+                         "final": sorted(p.name for p in (out / point).iterdir() if p.name != ".save.lock")}
     return report
 
 
@@ -146,6 +183,12 @@ def test_a_save_cut_short_at_any_step_resumes_from_an_intact_checkpoint(tmp_path
             failures.append(f"{point}: the restart failed: {r['error']}")
         elif r["latest_after_crash"] != expected:
             failures.append(f"{point}: after the crash latest = {r['latest_after_crash']}, expected {expected}")
+        elif r["resumed_from"] != expected:
+            failures.append(f"{point}: the restart resumed from {r['resumed_from']}, expected {expected}")
+        elif r["warned_of_newer"] != (point == "latest"):  # only then is the newer iter_0000004 sealed and named
+            failures.append(f"{point}: warned of a newer sealed checkpoint: {r['warned_of_newer']}")
+        elif r["swept"] != (point in LEFT_A_TEMPORARY):
+            failures.append(f"{point}: swept .tmp-{CRASH_AT} at the first save: {r['swept']}")
         elif not r["losses_equal"]:
             failures.append(f"{point}: the resumed run's losses differ from the uninterrupted run's")
         elif r["final"] != ["iter_0000006", "latest"]:

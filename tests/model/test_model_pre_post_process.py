@@ -20,6 +20,6 @@ def test_two_stages_equal_the_whole_model():
     last.load_state_dict(last_sd)
     batch = random_batch(seed=5)
     hidden = first(batch["tokens"])
-    assert hidden.shape == (4, 8, 32)
+    assert hidden.shape == (8, 4, 32)  # [s, b, h]: what a pipeline stage sends on
     assert_close_rel(last(hidden, labels=batch["labels"]), whole(batch["tokens"], labels=batch["labels"]), 1e-6,
                      "two-stage losses")

@@ -101,6 +101,34 @@ def _ops_between_launch_and_wait(log: list, name: str) -> list:
     return [sum(1 for kind, _ in log[w["launch"] + 1:w["wait"]] if kind == "op") for w in where.values()]
 
 
+# A transposed or strided tensor made contiguous is an aten.clone. copy_ is left out: gloo writes each
+# reduce-scatter's result into the output buffer with copy_ inside wait() (the backend's own, in either layout).
+_COPIES = ("aten.clone", "aten._to_copy")
+
+
+def _activation_copies(sequence_parallel: bool) -> list:
+    """``(op, shape)`` of every copy made of an activation-sized tensor (``s b h`` or ``s b h / tp`` elements) in
+    one training step at TP=2, 1 chunk: the sequence collectives must send and receive the ``[s, b, h]``
+    activations themselves, not transposed copies."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sizes = {16 * 4 * 32, 16 * 4 * 32 // 2}
+    copies = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(str(func).startswith(name) for name in _COPIES) and args and args[-1].numel() in sizes:
+                copies.append((str(func), tuple(args[-1].shape)))
+            return func(*args, **(kwargs or {}))
+
+    model_parallel_seed(3)
+    model = build_model(_config(), VOCAB, 1, sequence_parallel=sequence_parallel)
+    tokens = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    with Copies():
+        model(tokens, labels=tokens).mean().backward()
+    return copies
+
+
 def _body(rank, world_size):
     from domino.parallel.collectives import (
         gather_from_sequence_region, reduce_scatter_to_sequence_region, scatter_to_sequence_region,
@@ -110,12 +138,13 @@ def _body(rank, world_size):
     results = {setting: _train(*setting) for setting in SETTINGS}
     results["dropout"] = _train(2, True, False, dropout=0.1)[0]
     results["overlap"] = {chunks: _overlap_logs(chunks) for chunks in (1, 2)}
+    results["copies"] = {sp: _activation_copies(sp) for sp in (False, True)}
     # Adjoints: <gather(x), y> summed over ranks == <x, reduce_scatter(y)>; scatter keeps this rank's half.
     torch.manual_seed(rank)
-    x = torch.randn(2, 4, 3, requires_grad=True)
-    y = torch.randn(2, 8, 3)
+    x = torch.randn(4, 2, 3, requires_grad=True)
+    y = torch.randn(8, 2, 3)
     (gather_from_sequence_region(x) * y).sum().backward()
-    full = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)
+    full = torch.arange(8 * 2 * 3, dtype=torch.float32).view(8, 2, 3)
     results["adjoint"] = (x.grad, reduce_scatter_to_sequence_region(y), y, scatter_to_sequence_region(full))
     return results
 
@@ -161,10 +190,21 @@ def test_sequence_collectives_are_adjoint(tp2):
     x_grads, reduced, ys, scattered = zip(*(r["adjoint"] for r in tp2))
     y_sum = ys[0] + ys[1]
     for rank in range(2):  # d/dx_r sum_k <gather(x), y_k> = slice r of sum_k y_k = reduce_scatter(y)_r
-        assert torch.allclose(x_grads[rank], y_sum[:, 4 * rank:4 * rank + 4])
-        assert torch.allclose(reduced[rank], y_sum[:, 4 * rank:4 * rank + 4])
-        full = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)
-        assert torch.equal(scattered[rank], full[:, 4 * rank:4 * rank + 4])
+        assert torch.allclose(x_grads[rank], y_sum[4 * rank:4 * rank + 4])
+        assert torch.allclose(reduced[rank], y_sum[4 * rank:4 * rank + 4])
+        full = torch.arange(8 * 2 * 3, dtype=torch.float32).view(8, 2, 3)
+        assert torch.equal(scattered[rank], full[4 * rank:4 * rank + 4])
+
+
+def test_sequence_collectives_send_the_activations_themselves(tp2):
+    """In the sequence-first ``[s, b, h]`` layout every sequence collective's buffer is an activation or a
+    contiguous block of one: a training step with sequence parallelism copies no more activations than one
+    without, except the embedding slice's clone (which lets the whole-sequence embeddings be freed, as Megatron's
+    clone_scatter_output_in_embedding). Batch-first, each all-gather's and reduce-scatter's buffer was a
+    transposed copy (37 activation copies in this step instead of 1)."""
+    for rank, results in enumerate(tp2):
+        plain, sp = results["copies"][False], results["copies"][True]
+        assert sorted(sp) == sorted(plain + [("aten.clone.default", (8, 4, 32))]), f"rank {rank}: {sp} vs {plain}"
 
 
 @pytest.mark.parametrize("chunks", [1, 2])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple
 
 from train.train_helpers import TINY, read_metrics, run_pretrain
 
@@ -12,8 +12,13 @@ TIED_TINY = [*TINY, "--mock-data", "--vocab-size", "512", "--micro-batch-size", 
              "--num-layers", "4", "--no-untie-embeddings-and-output-weights", "--clip-grad", "0.05"]
 
 
+def run_logged(tmp_path, name: str, nproc: int, args: List[str]) -> Tuple[List[dict], str]:
+    """The metrics records of `domino pretrain TIED_TINY ARGS` on ``nproc`` processes, and what it logged."""
+    metrics = tmp_path / f"{name}.jsonl"
+    proc = run_pretrain([*TIED_TINY, "--metrics-file", str(metrics), *args], nproc=nproc)
+    return read_metrics(metrics), proc.stdout + proc.stderr
+
+
 def run_records(tmp_path, name: str, nproc: int, args: List[str]) -> List[dict]:
     """The metrics records of `domino pretrain TIED_TINY ARGS` on ``nproc`` processes."""
-    metrics = tmp_path / f"{name}.jsonl"
-    run_pretrain([*TIED_TINY, "--metrics-file", str(metrics), *args], nproc=nproc)
-    return read_metrics(metrics)
+    return run_logged(tmp_path, name, nproc, args)[0]

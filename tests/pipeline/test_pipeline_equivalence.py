@@ -23,10 +23,12 @@ from domino.config import ModelConfig
 from domino.model import GPTModel
 from domino.pipeline.gradients import sync_tied_embeddings
 from domino.pipeline.schedule import StageSchedule, masked_mean_loss
-from domino.pipeline.stages import split_model
+from domino.pipeline.stages import model_chunks, split_model
 from domino.runtime import state
 
 VOCAB, SEQ, MICRO, MICROBATCHES, STEPS, LR = 64, 8, 2, 4, 3, 1e-2
+#: Forward-only micro-batch counts evaluated after training: fewer than the stages (and than the virtual stages).
+EVAL_COUNTS = (1, 3)
 REL_FIRST, REL_LATER = 1e-5, 1e-4
 
 
@@ -64,7 +66,20 @@ def _reference(full_sd, batches):
         losses.append(loss.detach())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         optimizer.step()
-    return losses, grads
+    return losses, grads, _reference_eval(model, batches[0])
+
+
+@torch.no_grad()
+def _reference_eval(model, batch):
+    """The mean loss of the first ``count`` micro-batches of ``batch`` for each of :data:`EVAL_COUNTS`."""
+    out = []
+    for count in EVAL_COUNTS:
+        per_micro = [masked_mean_loss(model(batch["tokens"][m * MICRO:(m + 1) * MICRO],
+                                            batch["position_ids"][m * MICRO:(m + 1) * MICRO],
+                                            labels=batch["labels"][m * MICRO:(m + 1) * MICRO]),
+                                      batch["loss_mask"][m * MICRO:(m + 1) * MICRO]) for m in range(count)]
+        out.append(torch.stack(per_micro).mean())
+    return out
 
 
 def _pipelined_body(rank, world_size, tp, full_sd, batches, variants, sync):
@@ -73,13 +88,15 @@ def _pipelined_body(rank, world_size, tp, full_sd, batches, variants, sync):
 
     state.initialize_model_parallel(tp, pipeline_model_parallel_size=world_size // tp)
     results = {}
-    for chunks, sequence_parallel in variants:
+    for chunks, sequence_parallel, virtual in variants:
         model = GPTModel(_config(), VOCAB)
         model.load_state_dict(shard_state_dict(full_sd, state.get_tensor_model_parallel_rank(), tp))
-        split_model(model, state.get_pipeline_model_parallel_rank(), state.get_pipeline_model_parallel_world_size())
-        if sequence_parallel:
-            apply_sequence_parallel(model)
-        apply_domino(model, chunks)
+        model = split_model(model, state.get_pipeline_model_parallel_rank(),
+                            state.get_pipeline_model_parallel_world_size(), virtual)
+        for chunk in model_chunks(model):  # as domino.train.gpt_recipe does
+            if sequence_parallel:
+                apply_sequence_parallel(chunk)
+            apply_domino(chunk, chunks)
         pipeline = StageSchedule(model, num_microbatches=MICROBATCHES, micro_batch_size=MICRO, seq_length=SEQ,
                                  hidden_size=32, sequence_parallel=sequence_parallel)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -92,7 +109,14 @@ def _pipelined_body(rank, world_size, tp, full_sd, batches, variants, sync):
                 sync_tied_embeddings(model)
             grads.append({n: p.grad.clone() for n, p in model.named_parameters()})  # the whole model's names
             optimizer.step()
-        results[(chunks, sequence_parallel)] = (losses, grads)
+        evals = []
+        if virtual > 1:  # the chunks' forward-only schedule (1F1B's GPipe one: test_pipeline_training.py)
+            model.eval()
+            with torch.no_grad():
+                evals = [pipeline.eval_step(*(batches[0][k][:count * MICRO]
+                                              for k in ("tokens", "labels", "loss_mask", "position_ids")))
+                         for count in EVAL_COUNTS]
+        results[(chunks, sequence_parallel, virtual)] = (losses, grads, evals)
     return results
 
 
@@ -104,11 +128,14 @@ def _assert_close(actual, expected, step, what):
 
 
 def _check(per_rank, tp, reference, variant):
-    ref_losses, ref_grads = reference
+    ref_losses, ref_grads, ref_evals = reference
     stages = len(per_rank) // tp
     for rank, result in enumerate(per_rank):
         for step, loss in enumerate(result[variant][0]):
             _assert_close(loss, ref_losses[step], step, f"{variant} rank {rank} step {step} loss")
+        assert len(result[variant][2]) == (len(EVAL_COUNTS) if variant[2] > 1 else 0)
+        for count, loss, ref in zip(EVAL_COUNTS, result[variant][2], ref_evals):  # after the last update
+            _assert_close(loss, ref, STEPS, f"{variant} rank {rank} evaluation of {count} micro-batches")
     for step in range(STEPS):
         merged = {}
         for stage in range(stages):
@@ -134,12 +161,23 @@ def _run(world_size, tp, variants, sync=True):
 
 def test_four_stages_match_the_unsplit_model():
     """One layer per stage: the middle stages hold neither embeddings nor output layer."""
-    per_rank, reference = _run(4, 1, [(1, False)])
-    _check(per_rank, 1, reference, (1, False))
+    per_rank, reference = _run(4, 1, [(1, False, 1)])
+    _check(per_rank, 1, reference, (1, False, 1))
+
+
+def test_two_stages_of_two_interleaved_chunks_match_the_unsplit_model():
+    """Interleaved 1F1B: rank 0 holds virtual stages 0 and 2 (the embeddings and layer 2), rank 1 virtual stages 1
+    and 3 (layers 1 and 3, the final norm and the tied copy), one layer each; the activations go 0 -> 1 -> 0 -> 1."""
+    per_rank, reference = _run(2, 1, [(1, False, 2)])
+    assert sorted(per_rank[0][(1, False, 2)][1][0]) == sorted(
+        ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+         *(n for n in reference[1][0] if n.startswith(("layers.0.", "layers.2.")))])
+    _check(per_rank, 1, reference, (1, False, 2))
 
 
 def test_two_stages_with_tp2_domino_and_sequence_parallel_match_the_unsplit_model():
-    variants = [(2, False), (2, True)]
+    """1F1B with Domino's chunks, with and without sequence parallelism, and the interleaved schedule with both."""
+    variants = [(2, False, 1), (2, True, 1), (2, True, 2)]
     per_rank, reference = _run(4, 2, variants)
     for variant in variants:
         _check(per_rank, 2, reference, variant)

@@ -149,7 +149,7 @@ def _fake_clock_body(rank, world_size, transfer):
     modelled = comm_timing.pop_modelled_comm_seconds()
     sleeps = list(clock.sleeps)
     # Sequence parallelism's asynchronous reduce-scatter takes the same path.
-    scatter, scattered = C.reduce_scatter_sequence_async(torch.full((1, 2, 3), float(rank + 1)))
+    scatter, scattered = C.reduce_scatter_sequence_async(torch.full((2, 1, 3), float(rank + 1)))  # [s, b, h]
     scatter.wait()
     comm_timing.pop_modelled_comm_seconds()
     return {"sleeps": sleeps, "scattered": scattered, "slept_at_launch": slept_at_launch, "x": x,

@@ -6,6 +6,7 @@ A user changes only paths, the launcher line and (on CPU) ``--fp16``; the tests 
 feature.
 """
 
+import math
 import os
 import re
 import subprocess
@@ -135,6 +136,32 @@ def test_megatron_distributed_with_mp_runs_its_two_pipeline_stages_and_sequence_
     proc = run_pretrain([*argv, *SIZE_OVERRIDES, "--distributed-backend", "gloo", "--metrics-file", str(metrics)],
                         nproc=4, timeout=600)
     _check_run(metrics, proc.stderr)
+    assert (tmp_path / "checkpoints" / "latest").is_file()  # its --save, written by the two stages
+
+
+#: SIZE_OVERRIDES for a script with a batch-size ramp: the script's --global-batch-size stays (the ramp's increments
+#: are counted up to it), and --train-samples 32 is 3 iterations of the ramp's first batch, 16 (8 micro-batches of
+#: 2): Megatron's update_train_iters (157006d6 megatron/training/training.py, transcribed in
+#: tests/config/test_batch_schedule.py) counts ramp iterations while the consumed samples are <= --train-samples,
+#: so the third starts at 32 and the run consumes 48.
+RAMP_SIZE_OVERRIDES = _swap(_swap(SIZE_OVERRIDES, "--global-batch-size"), "--train-iters") + [
+    "--train-samples", "32", "--pipeline-model-parallel-size", "2"]
+
+
+def test_megatron_175b_script_trains_its_ramp_at_tp2_pp2(tmp_path, corpus_prefix, gpt2_files):
+    """Megatron's GPT-3 175B example with the one change Megatron itself needs (its --train-iters and
+    --lr-decay-iters as samples), shrunk by appended size flags to TP 2 x PP 2 on 4 CPU processes: its
+    --rampup-batch-size 16 16 5859375 runs, every iteration at the ramp's first batch (16, not the script's
+    1536: a step-up comes every 61677.6 samples), 8 micro-batches per stage and step, Domino 2 chunks."""
+    metrics = tmp_path / "metrics.jsonl"
+    script = SCRIPTS["megatron-gpt3-175b-157006d"]
+    argv = _as_samples(without_fp16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files))))
+    proc = run_pretrain([*argv, *RAMP_SIZE_OVERRIDES, "--metrics-file", str(metrics)], nproc=4, timeout=600)
+    _check_run(metrics, proc.stderr)
+    assert "global batch 16 (micro 2 x DP 1 x accumulation 8), TP 2" in proc.stderr  # 4 ranks: TP 2 x PP 2
+    records = [r for r in read_metrics(metrics) if "eval" not in r]
+    assert [(r["consumed_samples"], r["batch_size"]) for r in records] == [(16, 16), (32, 16), (48, 16)]
+    assert all(math.isfinite(r["lm_loss"]) for r in records)
     assert (tmp_path / "checkpoints" / "latest").is_file()  # its --save, written by the two stages
 
 

@@ -64,7 +64,7 @@ def test_a_kill_while_deleting_the_replaced_checkpoint_leaves_the_new_one_named(
 
     longer = run_pretrain(_args(save, tmp_path / "longer.jsonl", 6), check=False)  # the next save sweeps the trash
     assert longer.returncode == 0, longer.stderr[-3000:]
-    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", "iter_0000006", "latest"]
+    assert sorted(os.listdir(save)) == [".save.lock", "iter_0000002", "iter_0000004", "iter_0000006", "latest"]
 
 
 def test_latest_naming_a_missing_checkpoint_resumes_from_the_newest_complete_one(tmp_path):
