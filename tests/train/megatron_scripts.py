@@ -93,7 +93,7 @@ SCRIPTS: Dict[str, Script] = {
     --log-interval 100 --save-interval 10000 --eval-interval 1000 --eval-iters 10
     --distributed-backend nccl --save $CHECKPOINT_PATH --load $CHECKPOINT_PATH
     """),
-    # The rest of the family, checked at parse time.
+    # The rest of the family: the same features at other sizes.
     "ds-domino-gpt3-6.7b": Script(DS_DOMINO, "training/DeepSpeed-Domino/pretrain_gpt3_6.7b.sh", "faa0420554bce4d463a993ddc02de611ecc1404c", """
     --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 2048 --max-position-embeddings 2048
     --micro-batch-size 8 --global-batch-size 8 --lr 0.00015 --train-iters 80 --lr-decay-iters 320000

@@ -121,7 +121,8 @@ def test_megatron_pretrain_gpt_runs_under_torchrun(tmp_path, corpus_prefix, gpt2
     script = SCRIPTS["megatron-pretrain-gpt"]
     metrics = tmp_path / "metrics.jsonl"
     argv = without_fp16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files)))
-    proc = run_pretrain([*argv, *SIZE_OVERRIDES, "--metrics-file", str(metrics)], nproc=2, timeout=600)
+    proc = run_pretrain([*argv, *SIZE_OVERRIDES, "--metrics-file", str(metrics)], nproc=2, timeout=600,
+                        torchrun=True)  # the one script run under torchrun itself; the others fork its environment
     _check_run(metrics, proc.stderr)
     assert (tmp_path / "checkpoints" / "latest").is_file()  # its --save, written at the end
 
@@ -195,10 +196,20 @@ def test_ds_domino_gpt3_script_runs_under_the_deepspeed_launcher(tmp_path, corpu
     _check_run(metrics, proc.stdout + proc.stderr)
 
 
-def test_ds_domino_llama_script_runs_under_torchrun(tmp_path, corpus_prefix, gpt2_files):
-    """DeepSpeed-Domino's LLaMA 7B flags (rope, SwiGLU with its --ffn-hidden-size 11008, RMSNorm with
-    --layernorm-epsilon 1e-6) train at TP 2 with Domino."""
-    script = SCRIPTS["ds-domino-llama-7b"]
+def test_ds_domino_gpt3_6_7b_script_runs(tmp_path, corpus_prefix, gpt2_files):
+    """The 2.7B script's flags plus --no-gradient-accumulation-fusion (no effect here), on 2 processes."""
+    script = SCRIPTS["ds-domino-gpt3-6.7b"]
+    metrics = tmp_path / "metrics.jsonl"
+    argv = without_fp16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files)))
+    proc = run_pretrain([*argv, *SIZE_OVERRIDES, "--metrics-file", str(metrics)], nproc=2, timeout=600)
+    _check_run(metrics, proc.stderr)
+
+
+@pytest.mark.parametrize("name", ["ds-domino-llama-7b", "ds-domino-llama-13b"])
+def test_ds_domino_llama_scripts_run(name, tmp_path, corpus_prefix, gpt2_files):
+    """DeepSpeed-Domino's LLaMA flags (rope, SwiGLU with its --ffn-hidden-size 11008, RMSNorm with
+    --layernorm-epsilon 1e-6; 13B also --llama-model and --disable-bias-linear) train at TP 2 with Domino."""
+    script = SCRIPTS[name]
     metrics = tmp_path / "metrics.jsonl"
     argv = without_fp16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files)))
     proc = run_pretrain([*argv, *SIZE_OVERRIDES, "--metrics-file", str(metrics)], nproc=2, timeout=600)
