@@ -141,23 +141,31 @@ def test_megatron_distributed_with_mp_runs_its_two_pipeline_stages_and_sequence_
 
 
 #: SIZE_OVERRIDES for a script with a batch-size ramp: the script's --global-batch-size stays (the ramp's increments
-#: are counted up to it), and --train-samples 32 is 3 iterations of the ramp's first batch, 16 (8 micro-batches of
-#: 2): Megatron's update_train_iters (157006d6 megatron/training/training.py, transcribed in
-#: tests/config/test_batch_schedule.py) counts ramp iterations while the consumed samples are <= --train-samples,
-#: so the third starts at 32 and the run consumes 48.
+#: are counted up to it), PP 2, and the test adds --train-samples: at 157006d6, 32 are 3 iterations of the ramp's
+#: first batch, 16 (8 micro-batches of 2): Megatron's update_train_iters (157006d6 megatron/training/training.py,
+#: transcribed in tests/config/test_batch_schedule.py) counts ramp iterations while the consumed samples are
+#: <= --train-samples, so the third starts at 32 and the run consumes 48.
 RAMP_SIZE_OVERRIDES = _swap(_swap(SIZE_OVERRIDES, "--global-batch-size"), "--train-iters") + [
-    "--train-samples", "32", "--pipeline-model-parallel-size", "2"]
+    "--pipeline-model-parallel-size", "2"]
 
 
-def test_megatron_175b_script_trains_its_ramp_at_tp2_pp2(tmp_path, corpus_prefix, gpt2_files):
-    """Megatron's GPT-3 175B example with the one change Megatron itself needs (its --train-iters and
-    --lr-decay-iters as samples), shrunk by appended size flags to TP 2 x PP 2 on 4 CPU processes: its
-    --rampup-batch-size 16 16 5859375 runs, every iteration at the ramp's first batch (16, not the script's
-    1536: a step-up comes every 61677.6 samples), 8 micro-batches per stage and step, Domino 2 chunks."""
+@pytest.mark.parametrize("name, fix, samples", [
+    # 157006d6: --rampup-batch-size; 32 samples are 3 iterations (Megatron's update_train_iters, above).
+    ("megatron-gpt3-175b-157006d", _as_samples, "32"),
+    # d98e8a64: --step-batch-size-schedule "0:16 ..." without --global-batch-size (Megatron's own rule); the
+    # schedule's iterations run while the consumed samples are below --train-samples: 48 are 3 iterations.
+    ("megatron-gpt3-175b", lambda argv: _as_samples(_swap(argv, "--global-batch-size")), "48"),
+])
+def test_megatron_175b_script_trains_its_ramp_at_tp2_pp2(name, fix, samples, tmp_path, corpus_prefix, gpt2_files):
+    """Megatron's GPT-3 175B example at both commits with the one change Megatron itself needs (its
+    --train-iters and --lr-decay-iters as samples; at d98e8a64 also no --global-batch-size), shrunk by appended
+    size flags to TP 2 x PP 2 on 4 CPU processes: its batch ramp runs, every iteration at the ramp's first batch
+    (16, not the script's 1536: the first step-up comes after 61677.6 samples, or 2.4B tokens), 8 micro-batches per
+    stage and step, Domino 2 chunks."""
     metrics = tmp_path / "metrics.jsonl"
-    script = SCRIPTS["megatron-gpt3-175b-157006d"]
-    argv = _as_samples(without_fp16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files))))
-    proc = run_pretrain([*argv, *RAMP_SIZE_OVERRIDES, "--metrics-file", str(metrics)], nproc=4, timeout=600)
+    argv = fix(without_fp16(SCRIPTS[name].argv(_variables(tmp_path, corpus_prefix, gpt2_files))))
+    proc = run_pretrain([*argv, *RAMP_SIZE_OVERRIDES, "--train-samples", samples, "--metrics-file", str(metrics)],
+                        nproc=4, timeout=600)
     _check_run(metrics, proc.stderr)
     assert "global batch 16 (micro 2 x DP 1 x accumulation 8), TP 2" in proc.stderr  # 4 ranks: TP 2 x PP 2
     records = [r for r in read_metrics(metrics) if "eval" not in r]
