@@ -71,7 +71,10 @@ def _check(args: argparse.Namespace) -> int:
     from urllib3.exceptions import HTTPError
 
     try:
-        problems = ClusterCheck(api, load_api_client()).run(spec)
+        problems = ClusterCheck(api, load_api_client()).run(spec, args.run_id)
+    except LaunchSpecError as error:
+        print(f"domino launch check: error: {error}", file=sys.stderr)
+        return 2
     except HTTPError as error:
         print(f"ApiUnreachable: the Kubernetes API did not answer: {error}", file=sys.stderr)
         return 1
@@ -80,7 +83,7 @@ def _check(args: argparse.Namespace) -> int:
     if not problems:
         print(f"ok: namespace {spec.namespace} has what a {api.kind} of this spec needs "
               f"(CRD, {'runtime, ' if api.name == 'trainjob' else ''}claim {spec.pvc}"
-              f"{', queue ' + spec.queue if spec.queue else ''}, RBAC)")
+              f"{', queue ' + spec.queue if spec.queue else ''}, RBAC, controllers, dry runs)")
     return 1 if problems else 0
 
 

@@ -35,7 +35,7 @@ from domino.launch.deadlines import MAX_PAUSE_S, Deadlines
 from domino.launch.kube_pods import (MasterLogStreamer, exit_code, explain_pending, failed_pod_logs, list_job_pods,
                                      pod_waits)
 from domino.launch.ownership import adopt_owner, owner_reference
-from domino.launch.spec import JobSpec
+from domino.launch.spec import JobSpec, LaunchSpecError
 
 #: Reasons for which the launcher gives up on a job that may still hold or wait for resources.
 GIVEN_UP = ("Timeout", "SchedulingTimeout", "QueueTimeout", "IncompleteReplicas", "NotQueued")
@@ -82,7 +82,11 @@ def load_api_client():
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        try:
+            config.load_kube_config()
+        except (config.ConfigException, OSError) as error:  # one line, not the client's traceback
+            raise LaunchSpecError(f"no cluster to talk to: no in-cluster service account and no usable kubeconfig "
+                                  f"({error}); set KUBECONFIG, or run inside the cluster") from None
     return client.ApiClient()
 
 

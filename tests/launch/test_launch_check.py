@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def server():
     with FakeKubeServer() as srv:
+        srv.cluster.kueue_frameworks.add("kubeflow.org/pytorchjob")  # Kueue configured as docs/cluster.md says
         yield srv
 
 
