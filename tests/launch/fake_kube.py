@@ -381,6 +381,9 @@ class _Handler(AdmissionHandler, BaseHTTPRequestHandler):
         c.sent.append(copy.deepcopy(body))
         c.requests.append((group, self.resource, "create"))
         ns, name = parts[0], body["metadata"]["name"]
+        # An object without a namespace gets the request's (apiserver handlers/rest.go
+        # EnsureObjectNamespaceMatchesRequestNamespace); the Kubeflow SDK sends none.
+        body["metadata"]["namespace"] = body["metadata"].get("namespace") or ns
         if c.forbid_create:
             return self._send(403, _status(403, "Forbidden", f'{self.resource}.{group} is forbidden: User '
                                            '"system:serviceaccount:domino:default" cannot create resource'))
