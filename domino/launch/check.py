@@ -15,7 +15,8 @@ Each check is one read the API server answers for any authenticated user or thro
 * with ``--queue``, Kueue's LocalQueue exists and is ``Active`` (kueue v0.19.2 ``apis/kueue/v1beta2``
   ``LocalQueueActive``; v1beta1 on a Kueue older than v0.15; False with ``ClusterQueueDoesNotExist`` when its ClusterQueue is missing);
 * every call the launcher makes is allowed: one SelfSubjectAccessReview (authorization.k8s.io/v1, which
-  any authenticated user may create) per (group, resource, verb) of :data:`LAUNCHER_CALLS`;
+  any authenticated user may create) per (group, resource, verb) of :func:`launcher_calls` (with ``--queue``,
+  the reads of the job's Kueue Workload too);
 * the admission path (:mod:`domino.launch.check_admission`): the controllers' Deployments are available, the
   training operator has domino's template flag, and server-side dry runs of the rendered job and of a Worker
   pod pass the webhooks, field validation and Pod Security, with Kueue suspending a queued job.
@@ -42,9 +43,15 @@ CORE_CALLS: Tuple[Tuple[str, str, str], ...] = (
 JOB_VERBS = ("create", "get", "list", "watch", "patch", "delete")
 
 
-def launcher_calls(api: JobApi) -> List[Tuple[str, str, str]]:
-    """(group, resource, verb) of every call the launcher makes for ``api`` (what its Role must grant)."""
-    return [(api.group, api.plural, verb) for verb in JOB_VERBS] + list(CORE_CALLS)
+#: What the launcher reads while a ``--queue`` job waits (domino.launch.kueue_workload).
+QUEUE_CALLS: Tuple[Tuple[str, str, str], ...] = (
+    (KUEUE_GROUP, "workloads", "list"), ("visibility.kueue.x-k8s.io", "localqueues/pendingworkloads", "get"))
+
+
+def launcher_calls(api: JobApi, queued: bool = False) -> List[Tuple[str, str, str]]:
+    """(group, resource, verb) of every call the launcher makes for ``api`` (what its Role must grant), with
+    ``queued`` those of a job waiting in a Kueue queue too."""
+    return [(api.group, api.plural, verb) for verb in JOB_VERBS] + list(CORE_CALLS) + list(QUEUE_CALLS if queued else ())
 
 
 class ClusterCheck:
@@ -128,9 +135,9 @@ class ClusterCheck:
             return [f"{where}: not Active ({why})"]
         return []
 
-    def access(self, namespace: str) -> List[str]:
+    def access(self, namespace: str, queued: bool = False) -> List[str]:
         out = []
-        for group, resource, verb in launcher_calls(self.api):
+        for group, resource, verb in launcher_calls(self.api, queued):
             resource, _, subresource = resource.partition("/")
             attributes = {"namespace": namespace, "verb": verb, "group": group, "resource": resource}
             if subresource:
@@ -157,7 +164,7 @@ class ClusterCheck:
         if spec.queue:
             version, missing = self.kueue_version()
             problems += missing or self.queue(spec, version)
-        problems += self.access(spec.namespace)
+        problems += self.access(spec.namespace, bool(spec.queue))
         if problems and problems[0].startswith(f"{self.api.kind}: the API server does not serve"):
             return problems  # no CRD: a dry run would only repeat it
         body = self.api.render(spec, run_id or "launch-check", None)
