@@ -25,6 +25,7 @@ import time
 from datetime import timedelta
 from typing import List, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -100,6 +101,7 @@ class StopSignal:
         self._previous = None
         self._group = None
         self._flag: Optional[torch.Tensor] = None
+        self._value = np.zeros(1, dtype=np.int32)  # the flag's memory: read as an array, not a tensor read
         self._work = None
         if not enabled:
             return
@@ -123,9 +125,10 @@ class StopSignal:
             stop = False
             if self._work is not None:
                 self._work.wait()  # wait: the flag launched at the previous step boundary (gloo, on the host)
-                stop = bool(int(self._flag))
+                stop = bool(self._value[0])
             if not stop:
-                self._flag = torch.tensor([0 if self.received_at is None else 1], dtype=torch.int32)
+                self._value = np.array([0 if self.received_at is None else 1], dtype=np.int32)
+                self._flag = torch.from_numpy(self._value)  # shares the array's memory
                 # Launch: any rank's SIGTERM, max-reduced; waited for at the next step boundary.
                 self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
             else:
