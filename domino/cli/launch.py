@@ -7,6 +7,7 @@ The logic lives in :mod:`domino.launch`; this module only maps flags to calls.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from domino.atomic_files import atomic_write
@@ -93,7 +94,7 @@ def _smoke(args: argparse.Namespace) -> int:
     try:
         spec = spec_from_args(args)
         steps = Smoke(spec, args.backend, api=args.api, workdir=args.workdir, timeout_s=args.timeout,
-                      log=lambda line: print(line, flush=True)).run()
+                      log=lambda line: print(line, flush=True), tracking_uri=args.tracking_uri).run()
     except LaunchSpecError as error:
         print(f"domino launch smoke: error: {error}", file=sys.stderr)
         return 2
@@ -149,12 +150,14 @@ def register(subparsers) -> None:
     check.set_defaults(func=_check)
 
     smoke = verbs.add_parser("smoke", help="First-day cluster smoke test: controllers, dry runs of both APIs, Pod "
-                             "Security, envcheck on 2 nodes, a tiny training run with a checkpoint, cleanup; one "
-                             "line per step.", usage="domino launch smoke --name NAME [flags as for submit]")
+                             "Security, envcheck on 2 nodes, a tiny training run with a checkpoint, egress to the "
+                             "tracking server, cleanup; one line per step.", usage="domino launch smoke --name NAME [flags as for submit]")
     add_spec_flags(smoke)
     _add_api_flag(smoke)
     smoke.add_argument("--backend", choices=BACKENDS, default=BACKENDS[0],
                        help="cluster (default) or local (the jobs as local processes; the API steps are skipped).")
     smoke.add_argument("--workdir", default=None, help="local backend: directory standing in for the PVC.")
     smoke.add_argument("--timeout", type=float, default=900.0, help="Limit of each smoke job, seconds (900).")
+    smoke.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
+                       help="Tracking server a training pod must reach (default $MLFLOW_TRACKING_URI; none: skipped).")
     smoke.set_defaults(func=_smoke)

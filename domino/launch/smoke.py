@@ -12,11 +12,14 @@ Steps, in order (``ok``, ``FAIL`` or ``skip`` and what was seen):
    ``torch.distributed`` from the controller's environment and all-reduces over gloo;
 5. ``train``: a tiny ``domino pretrain`` (preset ``tiny``, mock data, 4 iterations) that saves a
    checkpoint, as a job of ``--api``; passes when the job succeeds and its log shows the save;
-6. ``cleanup``: none of the smoke's jobs is left (each is submitted with ``--cleanup always``).
+6. ``egress``: with a tracking server (``--tracking-uri``, default ``$MLFLOW_TRACKING_URI``), a 1-node job whose
+   pod (labelled as training pods are, so the namespace's NetworkPolicy applies) GETs ``<uri>/health``, the
+   MLflow server's liveness route (mlflow ``server/__init__.py`` ``health``); skipped without one;
+7. ``cleanup``: none of the smoke's jobs is left (each is submitted with ``--cleanup always``).
 
 With ``--backend local`` steps 1-3 are skipped (no API server) and 4-5 run as local processes with the
 controller's environment (:mod:`domino.launch.local_backend`); with ``--backend cluster`` they run on the
-cluster, in the spec's namespace, image and claim. Faults, cross-node storage, pull times and egress are
+cluster, in the spec's namespace, image and claim. Faults, cross-node storage, pull times and ``/metrics`` are
 not automated here (docs/cluster.md, "Smoke test", says what is left to do by hand).
 """
 
@@ -33,6 +36,9 @@ from domino.launch.spec import JobSpec
 TRAIN_ARGS = ["--preset", "tiny", "--mock-data", "--train-iters", "4", "--save-interval", "2", "--num-workers", "0",
               "--eval-iters", "0", "--log-interval", "1"]
 SAVED = "saved checkpoint"  # what domino.checkpoint.checkpointing logs after a save
+#: The egress probe: a GET of the tracking server's /health from a training pod, its answer printed.
+PROBE = ("import sys, urllib.request; answer = urllib.request.urlopen(sys.argv[1].rstrip('/') + '/health', "
+         "timeout=20); print('egress', answer.status, answer.read(64).decode(errors='replace'))")
 
 
 @dataclasses.dataclass
@@ -60,15 +66,17 @@ class Smoke:
         api: the job API of the envcheck and train steps.
         api_client: a ``kubernetes`` ApiClient (cluster backend; default: in-cluster or kubeconfig).
         workdir: the local backend's stand-in for the claim.
+        tracking_uri: the tracking server the egress step reaches (None: the step is skipped).
         timeout_s: the limit of each job.
         log: receives each step's line as it ends (job logs are kept out of it).
     """
 
     def __init__(self, spec: JobSpec, backend: str = "cluster", api: str = "pytorchjob", api_client=None,
-                 workdir: Optional[str] = None, timeout_s: float = 900.0, log: Callable[[str], None] = print) -> None:
+                 workdir: Optional[str] = None, timeout_s: float = 900.0, log: Callable[[str], None] = print,
+                 tracking_uri: Optional[str] = None) -> None:
         self.spec, self.backend, self.api, self.workdir, self.timeout_s, self.log = (
             spec, backend, api, workdir, timeout_s, log)
-        self.api_client = api_client
+        self.api_client, self.tracking_uri = api_client, tracking_uri
         self.jobs: List[str] = []
         self.steps: List[Step] = []
 
@@ -144,6 +152,17 @@ class Smoke:
         else:
             self._step("train", "FAIL", "the job succeeded but its log shows no checkpoint save")
 
+    def egress(self) -> None:
+        if not self.tracking_uri:
+            self._step("egress", "skip", "no tracking server (--tracking-uri, or MLFLOW_TRACKING_URI)")
+            return
+        spec = dataclasses.replace(self.spec, name=f"{self.spec.name}-egress", nodes=1, pretrain_args=[],
+                                   command=["python", "-c", PROBE, self.tracking_uri])
+        lines = self._job("egress", spec)
+        if lines is not None:
+            answer = next((line for line in lines if line.startswith("egress ")), "")
+            self._step("egress", "ok", f"a training pod reached {self.tracking_uri} ({answer or 'answered'})")
+
     def cleanup(self) -> None:
         if self.backend != "cluster":
             self._step("cleanup", "ok", "the local processes ended with their jobs")
@@ -168,6 +187,7 @@ class Smoke:
         self.admission()
         self.envcheck()
         self.train()
+        self.egress()
         self.cleanup()
         return self.steps
 
