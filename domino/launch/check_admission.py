@@ -5,8 +5,8 @@ do with the job, asked without creating anything.
   runs the whole create (decoding with field validation, mutating then validating admission webhooks) and
   stores nothing (kubernetes ``staging/src/k8s.io/apiserver/pkg/endpoints/handlers/create.go``; the
   registry's ``DryRunnableStorage``, ``pkg/registry/generic/registry/dryrun.go``). Webhooks declared
-  ``sideEffects: None`` run on dry runs, as Kueue v0.19.2's and the Trainer's do
-  (``config/components/webhook/manifests.yaml``). Read from the answer:
+  ``sideEffects: None`` run on dry runs, as all of Kueue v0.19.2's, Trainer v2.3.0's and training-operator
+  v1.9.0's do (their ``webhook/manifests.yaml``, copies in ``../shared/upstream``). Read from the answer:
 
   - a refusal: a webhook's (``admission webhook "..." denied the request: ...``) or strict field validation's
     (``strict decoding error: unknown field "spec.runtimePatches"``: the served CRD lacks a field the job

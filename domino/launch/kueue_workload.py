@@ -4,17 +4,17 @@ Kueue's job reconciler creates one Workload per job in the job's namespace, owne
 owner reference) and labelled ``kueue.x-k8s.io/job-uid: <the job's uid>`` (kubernetes-sigs/kueue v0.19.2
 ``pkg/controller/jobframework/reconciler.go`` ``constructWorkload``, ``pkg/controller/constants``
 ``JobUIDLabel``). Its name is ``<kind>-<job name>-<hash>`` (``jobframework/workload_names.go``
-``GetWorkloadNameForOwnerWithGVK``), but the hash inputs and the length limit have changed across releases
-(the UID was added, then a generation, then ``ShortWorkloadNames``), so the Workload is found by listing
-that label and keeping the one whose owner reference carries the job's uid, never by rebuilding the name.
+``GetWorkloadNameForOwnerWithGVK``), but the hash inputs and the length limit differ across releases (with or
+without the owner's UID or a generation, the ``ShortWorkloadNames`` feature), so the Workload is found by
+listing that label and keeping the one whose owner reference carries the job's uid, never by rebuilding the name.
 
 What is reported (``apis/kueue/v1beta2`` ``workload_types.go``): the ``QuotaReserved`` and ``Admitted``
 conditions with their reason and message, e.g. ``QuotaReserved False (Pending): couldn't assign flavors to
 pod set node: insufficient unused quota for nvidia.com/gpu in flavor default-flavor, 8 more needed``, plus
-``Evicted`` while true; and, where Kueue serves its visibility API (``VisibilityOnDemand``, on by default
-since v0.9), the Workload's ``positionInLocalQueue`` from
-``visibility.kueue.x-k8s.io/<version>/namespaces/<ns>/localqueues/<queue>/pendingworkloads``
-(``pkg/visibility/api/.../pending_workloads_lq.go``; 0 = next). Reads the launcher Role
+``Evicted`` while true; and, where Kueue serves its visibility API (the ``VisibilityOnDemand`` feature), the
+Workload's ``positionInLocalQueue`` (0 = next) in the ``PendingWorkloadsSummary`` of
+``visibility.kueue.x-k8s.io/<version>/namespaces/<ns>/localqueues/<queue>/pendingworkloads`` (``pkg/visibility``).
+Reads the launcher Role
 (``k8s/base/launcher-rbac.yaml``) grants; a refused or missing read is reported once and never fails the run.
 """
 
