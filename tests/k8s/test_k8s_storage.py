@@ -108,3 +108,18 @@ def test_the_prepull_daemonset_is_restricted_and_pulls_the_image_the_jobs_run(tm
     assert pull["command"] == ["domino", "--version"]
     assert defaults.GPU_TOLERATION.to_dict() in pod["spec"]["tolerations"]
     assert "kubectl apply -k k8s/prepull" in (REPO / "docs" / "cluster.md").read_text()
+
+
+def test_the_guides_storage_class_kustomization_sets_the_class_on_the_first_claim(tmp_path):
+    """The yaml block of "Install the namespace objects", built as the guide applies it (`kubectl apply -k my-domino/`)."""
+    text = (REPO / "docs" / "cluster.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "storageClassName" in b]
+    assert "kubectl apply -k my-domino/" in text
+    kustomization = yaml.safe_load(block.replace("<path to domino>", "../domino"))
+    shutil.copytree(REPO / "k8s", tmp_path / "domino" / "k8s")
+    (tmp_path / "my-domino").mkdir()
+    (tmp_path / "my-domino" / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    out = subprocess.run([str(kubectl_path()), "kustomize", str(tmp_path / "my-domino")], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    (pvc,) = [o for o in yaml.safe_load_all(out) if o and o["kind"] == "PersistentVolumeClaim"]
+    assert pvc["spec"]["storageClassName"] == "YOUR-RWX-CLASS" and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
