@@ -61,6 +61,15 @@ def test_the_node_container_runs_what_the_launcher_renders_with_its_defaults(run
     assert {"key": toleration.key, "operator": toleration.operator, "effect": toleration.effect} in pod["tolerations"]
 
 
+def test_the_pod_is_k8s_trainers_pod_but_for_what_the_launcher_would_set_per_job(runtime):
+    trainer = yaml.safe_load((REPO / "k8s/trainer/trainingruntime.yaml").read_text())
+    _, theirs = node(trainer)
+    _, ours = node(runtime)
+    ours = {**ours, "containers": [{k: v for k, v in c.items() if k not in ("command", "env")}
+                                   for c in ours["containers"]]}
+    assert {k: v for k, v in ours.items() if k != "tolerations"} == theirs
+
+
 def test_trainer_client_train_with_only_training_arguments_creates_a_trainjob_of_our_runtime(runtime):
     from kubernetes import client as k8s
 
