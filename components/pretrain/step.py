@@ -82,16 +82,28 @@ def pretrain_argv(settings: PretrainSettings, data_prefix: str, layout: RunLayou
     argv = ["--preset", s.preset, *overrides_to_argv(parse_overrides(s.config_overrides)),
             *overrides_to_argv(config_values(s))]
     argv += ["--data-path", data_prefix, "--metrics-file", layout.metrics_file, "--save", layout.checkpoint_dir]
-    argv += load_argv(s.warm_start, layout)
+    argv += load_argv(s.warm_start, layout, s.resume_from_run)
     return argv
 
 
-def load_argv(warm_start: bool, layout: RunLayout) -> List[str]:
-    """``--load`` flags: this run's own checkpoints when a retried job left some (resume), else the promoted
-    model's weights with ``--finetune`` when warm-starting and one exists, else this run's (empty) save dir."""
+def load_argv(warm_start: bool, layout: RunLayout, resume_from_run: str = "") -> List[str]:
+    """``--load`` flags: this run's own checkpoints when a retried job left some (resume), else with
+    ``resume_from_run`` the earlier run's checkpoints (a full resume under this run's id: it saves into its own
+    folder from then on), else the promoted model's weights with ``--finetune`` when warm-starting and one
+    exists, else this run's (empty) save dir."""
     from domino.checkpoint.on_disk import find_latest_checkpoint  # imports torch: not at pipeline compile time
 
-    if find_latest_checkpoint(layout.checkpoint_dir) is None and warm_start:
+    own = find_latest_checkpoint(layout.checkpoint_dir)
+    if resume_from_run:
+        if warm_start:
+            raise ValueError("resume_from_run and warm_start: choose one (a resume continues the run, optimizer "
+                             "state included; a warm start takes the promoted model's weights only)")
+        earlier = RunLayout(layout.root, resume_from_run)  # refuses a run id that is not a folder name
+        if own is None and find_latest_checkpoint(earlier.checkpoint_dir) is None:
+            raise ValueError(f"resume_from_run {resume_from_run!r}: {earlier.checkpoint_dir} holds no checkpoint")
+        if own is None:
+            return ["--load", earlier.checkpoint_dir]
+    if own is None and warm_start:
         promoted = current_model(layout.registry_path)
         if promoted is not None:
             return ["--load", promoted.checkpoint_dir, "--finetune"]
