@@ -58,9 +58,8 @@ def test_the_three_gemms_are_within_float8_error_and_fail_without_scales(fmt, mo
     assert max(_rel(a, e) for a, e in zip(broken, expected)) > 0.3
 
 
-def _memorise(fmt, chunks=2, steps=30):
-    torch.manual_seed(7)
-    model = build_model(tiny_config(hidden_size=64, ffn_hidden_size=256), VOCAB, chunks)
+def _memorise_batch(model, fmt, steps):
+    """AdamW steps on one fixed batch (the model learns it by heart); the losses."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     batch = random_batch(seed=3, batch=8, seq=8)
     losses = []
@@ -72,6 +71,11 @@ def _memorise(fmt, chunks=2, steps=30):
             optimizer.step()
             losses.append(loss.item())
     return losses
+
+
+def _memorise(fmt, chunks=2, steps=30):
+    torch.manual_seed(7)
+    return _memorise_batch(build_model(tiny_config(hidden_size=64, ffn_hidden_size=256), VOCAB, chunks), fmt, steps)
 
 
 def test_fp8_trains_a_tiny_gpt_with_domino_chunks_like_fp32_and_not_with_wrong_scales(monkeypatch):
@@ -91,17 +95,7 @@ def _tp2_body(rank, world_size, fmt, sp):
     model_parallel_seed(3)
     model = build_model(tiny_config(hidden_size=64, ffn_hidden_size=256, seq_length=8), VOCAB, 2,
                         sequence_parallel=sp)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    batch = random_batch(seed=3, batch=8, seq=8)
-    losses = []
-    with fp8.enabled(fmt):
-        for _ in range(20):
-            optimizer.zero_grad(set_to_none=True)
-            loss = model(batch["tokens"], labels=batch["labels"]).mean()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-    return losses
+    return _memorise_batch(model, fmt, 20)
 
 
 def test_tp2_domino_with_sequence_parallelism_trains_in_fp8_like_fp32():
