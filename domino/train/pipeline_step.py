@@ -31,16 +31,15 @@ from domino.config import ConfigError, DominoConfig
 from domino.pipeline.gradients import sync_tied_embeddings
 from domino.pipeline.schedule import StageSchedule
 from domino.runtime import state
-from domino.train import engine as engine_setup
+from domino.train import bf16_step, engine as engine_setup
 from domino.train.gpt_recipe import average_across_data_parallel_group
 
 logger = logging.getLogger(__name__)
 
 
-def average_over_data_parallel(params: List[torch.nn.Parameter]) -> None:
-    """Replaces every gradient of ``params`` by its mean over the data-parallel replicas (one flat all-reduce)."""
+def average_over_data_parallel(grads: List[torch.Tensor]) -> None:
+    """Replaces every one of ``grads`` by its mean over the data-parallel replicas (one flat all-reduce)."""
     dp = state.get_data_parallel_world_size()
-    grads = [p.grad for p in params if p.grad is not None]
     if dp == 1 or not grads:
         return
     flat = _flatten_dense_tensors(grads)
@@ -67,6 +66,9 @@ class PipelineStep:
                               "schedule, not forward_step, runs the stages")
         self.config, self.engine, self.get_batch = config, engine, get_batch
         self.micro_batches = micro_batches
+        #: bf16: each parameter's fp32 main gradient (DeepSpeed's BF16_Optimizer buffers), else None.
+        self.main_grads = (bf16_step.main_gradients(engine.optimizer)
+                           if bf16_step.is_bf16_optimizer(engine.optimizer) else None)
         self._schedules: Dict[int, StageSchedule] = {}
         self.schedule = self._schedule(micro_batches)
         chunks, indices = self.schedule.chunks, self.schedule.indices
@@ -108,8 +110,10 @@ class PipelineStep:
         timers.stop("forward-backward")
         timers.start("optimizer")
         module = self.engine.module
+        if self.main_grads is not None:
+            return self._bf16_step(loss, micro_batches, timers)
         sync_tied_embeddings(module)
-        average_over_data_parallel(list(module.parameters()))
+        average_over_data_parallel([p.grad for p in module.parameters() if p.grad is not None])
         grad_norm = engine_setup.clip_gradients(self.engine, self.config.train.clip_grad)
         skipped = None
         if engine_setup.zero_stage(self.config) == 0:
@@ -119,6 +123,29 @@ class PipelineStep:
         self.engine.step()
         if skipped is None:  # the ZeRO optimizer's own skip, decided on the device (domino.train.zero_step)
             skipped = engine_setup.device_skip_flag(self.engine)
+        timers.stop("optimizer")
+        return average_across_data_parallel_group(loss), grad_norm, skipped
+
+    def _bf16_step(self, loss: torch.Tensor, micro_batches: int, timers
+                   ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The optimizer part of a bf16 step: the schedule's backward left each micro-batch's gradient summed in
+        the BF16_Optimizer's fp32 buffers (its hooks; the bf16 ``.grad`` is freed, so torch's ``scale_grads``
+        found nothing to divide). Here they become the mean over the micro-batches, the tied copies' sum, the
+        mean over the replicas, are clipped by the norm over every stage (NaN everywhere when that norm is not
+        finite, so every stage skips) and DeepSpeed's step (:mod:`domino.train.bf16_step`) applies them."""
+        optimizer = self.engine.optimizer
+        buffers = bf16_step.main_gradient_buffers(optimizer)
+        # Scaling the fp32 sums after the backward is DeepSpeed's unstaged division of the loss by the micro-batch
+        # count moved past the backward: the same numbers wherever the count is a power of two.
+        torch._foreach_mul_(buffers, 1.0 / micro_batches)
+        sync_tied_embeddings(self.engine.module, self.main_grads)
+        average_over_data_parallel(buffers)
+        for flags in optimizer.fp32_groups_has_gradients:  # the norm and step of DeepSpeed read every buffer
+            flags[:] = [True] * len(flags)
+        grad_norm = engine_setup.clip_gradients(self.engine, self.config.train.clip_grad,
+                                                grad_of=self.main_grads.get, poison_overflow=True)
+        self.engine.step()
+        skipped = engine_setup.device_skip_flag(self.engine)
         timers.stop("optimizer")
         return average_across_data_parallel_group(loss), grad_norm, skipped
 

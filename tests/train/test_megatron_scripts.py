@@ -18,7 +18,7 @@ from domino.config import ConfigError, add_config_flags, config_from_args
 from domino.config.flags import ArgumentParser
 from domino.config.schema import DataConfig
 from distributed_helpers import free_port
-from megatron_scripts import SCRIPTS, SIZE_OVERRIDES, without_fp16, write_megatron_gpt2_files
+from megatron_scripts import SCRIPTS, SIZE_OVERRIDES, fp16_as_bf16, without_fp16, write_megatron_gpt2_files
 from train_helpers import child_env, pretrain_command, read_metrics, run_pretrain, train_losses
 
 
@@ -129,11 +129,13 @@ def test_megatron_pretrain_gpt_runs_under_torchrun(tmp_path, corpus_prefix, gpt2
 
 def test_megatron_distributed_with_mp_runs_its_two_pipeline_stages_and_sequence_parallelism(
         tmp_path, corpus_prefix, gpt2_files):
-    """Its TP 2 x PP 2 on 4 CPU processes: the one flag appended is the backend (gloo for its nccl); its
-    --sequence-parallel runs inside each stage (TP 2, Domino 2 chunks), as do its evaluation and its --save."""
+    """Its TP 2 x PP 2 on 4 CPU processes, in bf16 for its --fp16 (mixed-precision stages): the one flag
+    appended is the backend (gloo for its nccl); its --sequence-parallel runs inside each stage (TP 2, Domino 2
+    chunks), as do its evaluation and its --save."""
     script = SCRIPTS["megatron-pretrain-gpt-distributed-with-mp"]
     metrics = tmp_path / "metrics.jsonl"
-    argv = without_fp16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files)))
+    argv = fp16_as_bf16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files)))
+    assert "--bf16" in argv
     proc = run_pretrain([*argv, *SIZE_OVERRIDES, "--distributed-backend", "gloo", "--metrics-file", str(metrics)],
                         nproc=4, timeout=600)
     _check_run(metrics, proc.stderr)
@@ -161,9 +163,10 @@ def test_megatron_175b_script_trains_its_ramp_at_tp2_pp2(name, fix, samples, tmp
     --train-iters and --lr-decay-iters as samples; at d98e8a64 also no --global-batch-size), shrunk by appended
     size flags to TP 2 x PP 2 on 4 CPU processes: its batch ramp runs, every iteration at the ramp's first batch
     (16, not the script's 1536: the first step-up comes after 61677.6 samples, or 2.4B tokens), 8 micro-batches per
-    stage and step, Domino 2 chunks."""
+    stage and step, Domino 2 chunks, in bf16 for its --fp16 (mixed-precision stages)."""
     metrics = tmp_path / "metrics.jsonl"
-    argv = fix(without_fp16(SCRIPTS[name].argv(_variables(tmp_path, corpus_prefix, gpt2_files))))
+    argv = fix(fp16_as_bf16(SCRIPTS[name].argv(_variables(tmp_path, corpus_prefix, gpt2_files))))
+    assert "--bf16" in argv
     proc = run_pretrain([*argv, *RAMP_SIZE_OVERRIDES, "--train-samples", samples, "--metrics-file", str(metrics)],
                         nproc=4, timeout=600)
     _check_run(metrics, proc.stderr)
