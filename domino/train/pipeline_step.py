@@ -16,6 +16,11 @@ inside its own backward off, and here, after the schedule, in this order:
 
 Step 2 costs one more data-parallel all-reduce of the gradients than a run without pipeline stages under ZeRO-1
 (stage 0 reduces only here); it is what lets the norm be taken before ZeRO partitions the gradients.
+
+With ``--bf16`` the same steps run on the fp32 gradient buffers of DeepSpeed's BF16_Optimizer, into which its
+per-gradient hooks added each micro-batch's bf16 gradient during the schedule's backward (:meth:`_bf16_step`);
+the buffers are the step's gradients, so ``allreduce_gradients`` is not called (BF16_Optimizer reduces only those
+buffers there, already averaged). Only the first and last stage read batches (:func:`stage_reads_batches`).
 """
 
 from __future__ import annotations
@@ -49,6 +54,21 @@ def average_over_data_parallel(grads: List[torch.Tensor]) -> None:
         grad.copy_(reduced)
 
 
+#: The tensors a micro-batch gives (:meth:`domino.train.gpt_recipe.GPTRecipe.batch`).
+BATCH_FIELDS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def stage_reads_batches(config: DominoConfig, first: bool, last: bool) -> bool:
+    """Whether a pipeline stage reads batches from the data loader: the first (tokens, positions) and the last
+    (labels, loss mask), as Megatron's ``get_batch`` reads nothing on a middle stage (Megatron-LM d98e8a64
+    ``pretrain_gpt.py``: ``if not is_first_or_last_pipeline_stage(vp_stage) and ... not has_cu_seqlens: return
+    [None for _ in BATCH_KEYS]``, its middle stages reading only the document boundaries of packed sequences). So
+    here: a middle stage reads batches only under ``--reset-position-ids`` or ``--reset-attention-mask``, whose
+    positions and masks follow the documents of the tokens (every stage's layers use them)."""
+    d = config.data
+    return first or last or d.reset_position_ids or d.reset_attention_mask
+
+
 class PipelineStep:
     """Runs a pipelined run's optimizer steps.
 
@@ -72,11 +92,17 @@ class PipelineStep:
         self._schedules: Dict[int, StageSchedule] = {}
         self.schedule = self._schedule(micro_batches)
         chunks, indices = self.schedule.chunks, self.schedule.indices
-        logger.info("pipeline stage %d of %d: %s, virtual stages %s (layers %s)",
+        first, last = self.schedule.is_first, self.schedule.is_last
+        #: Whether this stage reads batches; the fields it passes on (Megatron's get_batch on pipeline ranks).
+        self.reads_batches = stage_reads_batches(config, first, last)
+        self.fields = (({"tokens"} if first else set()) | ({"labels", "loss_mask"} if last else set())
+                       | {"position_ids", "attention_mask"})
+        logger.info("pipeline stage %d of %d: %s, virtual stages %s (layers %s)%s",
                     state.get_pipeline_model_parallel_rank(), state.get_pipeline_model_parallel_world_size(),
                     "1F1B" if len(chunks) == 1 else f"interleaved 1F1B over {self.schedule.num_virtual_stages} "
                     "virtual stages", ", ".join(map(str, indices)),
-                    "; ".join(",".join(map(str, chunk.layers.indices)) for chunk in chunks))
+                    "; ".join(",".join(map(str, chunk.layers.indices)) for chunk in chunks),
+                    "" if self.reads_batches else "; reads no batches")
 
     def _schedule(self, micro_batches: int) -> StageSchedule:
         """The (1F1B or interleaved) schedule of a step of ``micro_batches``, one per count a batch-size ramp reaches (a stage's
@@ -90,12 +116,14 @@ class PipelineStep:
                 dtype=next(self.engine.module.parameters()).dtype)
         return self._schedules[micro_batches]
 
-    def _step_batch(self, data_iterator, count: Optional[int] = None) -> Dict[str, torch.Tensor]:
-        """``count`` micro-batches (default: a step's), each tensor concatenated along the batch (the schedule
-        splits them again)."""
+    def _step_batch(self, data_iterator, count: Optional[int] = None) -> Dict[str, Optional[torch.Tensor]]:
+        """``count`` micro-batches (default: a step's), each tensor this stage uses concatenated along the batch
+        (the schedule splits them again); all None on a stage that reads no batch (:func:`stage_reads_batches`)."""
+        if not self.reads_batches:
+            return dict.fromkeys(BATCH_FIELDS)
         micro = [self.get_batch(data_iterator) for _ in range(count or self.micro_batches)]
-        return {name: None if micro[0][name] is None else torch.cat([mb[name] for mb in micro])
-                for name in micro[0]}
+        return {name: None if micro[0][name] is None or name not in self.fields else
+                torch.cat([mb[name] for mb in micro]) for name in micro[0]}
 
     def __call__(self, data_iterator, timers, micro_batches: int
                  ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -162,7 +190,7 @@ class PipelineStep:
             count = min(self.micro_batches, eval_iters - done)
             batch = self._step_batch(iterator, count)
             loss = self.schedule.eval_step(batch["tokens"], batch["labels"], batch["loss_mask"],
-                                           batch["position_ids"], batch["attention_mask"])
+                                           batch["position_ids"], batch["attention_mask"], count=count)
             loss = average_across_data_parallel_group(loss).double() * count
             total = loss if total is None else total + loss  # summed on the device: one host read at the end
             done += count
