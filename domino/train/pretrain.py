@@ -131,8 +131,10 @@ class _Trainer:
         self.schedule = LearningRateSchedule.from_config(t, self.train_iters, self.gbs)
         eval_samples = t.eval_iters * self.gbs if t.eval_interval or t.eval_iters else 0
         # Every rank builds the datasets (index caches are built once, behind a world-wide agreement), so every
-        # rank knows which splits are empty; only TP rank 0 reads batches and broadcasts them to its TP group.
-        self.is_data_rank = state.get_tensor_model_parallel_rank() == 0
+        # rank knows which splits are empty; only TP rank 0 reads batches and broadcasts them to its TP group, and
+        # with pipeline stages only on a stage that reads batches (a middle one does not: PipelineStep).
+        self.is_data_rank = state.get_tensor_model_parallel_rank() == 0 and (
+            self.pipeline is None or self.pipeline.reads_batches)
         self.train_ds, self.valid_ds, self.test_ds = agree("building the datasets", lambda: dataset_builder(
             (self.batches.consumed_samples_after(self.train_iters), eval_samples, eval_samples)))
         self.hosts = hosts()  # to name the node of a rank lost later
