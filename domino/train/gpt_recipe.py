@@ -97,7 +97,8 @@ class GPTRecipe:
         """A ``GPTModel`` of ``config``'s shape (this rank's pipeline stage of it, or its interleaved model chunks:
         :class:`domino.pipeline.stages.VirtualStages`) with the sequence parallelism, Domino chunks and activation
         recompute of ``config``, applied in that order to each (:mod:`domino.overlap`, :mod:`domino.model.recompute`)."""
-        model = GPTModel(config.model, self.padded_vocab_size)
+        # From ``config``: a resume may keep its checkpoint's padding (domino.checkpoint.resume.keep_padded_vocab).
+        model = GPTModel(config.model, padded_vocab_size(self.vocab_size, config))
         # This rank's pipeline stage (or its interleaved model chunks), cut before the stacks below are built over
         # each chunk's layers (one stage: unchanged).
         model = split_model(model, state.get_pipeline_model_parallel_rank(),
