@@ -204,6 +204,16 @@ def choose_zero_stage(ckpt: Optional[Checkpoint], config: DominoConfig, weights_
     return note
 
 
+def fit_run_to(ckpt: Optional[Checkpoint], config: DominoConfig, padded_vocab_size: int, weights_only: bool) -> int:
+    """Settles what a resume takes from ``ckpt`` before the model is built: the padded vocabulary
+    (:func:`keep_padded_vocab`, returned) and the ZeRO stage (:func:`choose_zero_stage`), each said in one line."""
+    padded, vocab_note = keep_padded_vocab(ckpt, config, padded_vocab_size, weights_only)
+    zero_note = choose_zero_stage(ckpt, config, weights_only, state.get_data_parallel_world_size())
+    for note in (n for n in (vocab_note, zero_note) if n and (not dist.is_initialized() or dist.get_rank() == 0)):
+        logger.info("%s", note)
+    return padded
+
+
 def check_resumable(ckpt: Optional[Checkpoint], config: DominoConfig, data_parallel_size: int,
                     weights_only: bool) -> None:
     """Refuses, in one line and before anything is built, a checkpoint this run cannot continue exactly.

@@ -94,12 +94,9 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
                                     lambda: discovery.find_checkpoint(config))
     agree("checking the checkpoint against this run", lambda: resume.check_resumable(
         resume_from, config, state.get_data_parallel_world_size(), warm_start))
-    padded_vocab_size, vocab_note = resume.keep_padded_vocab(resume_from, config, padded_vocab_size, warm_start)
     schedule = agree("checking the schedules against the checkpoint", lambda: schedule_check.resumed_schedule(
         resume_from, config, state.get_data_parallel_world_size(), warm_start))
-    chosen = resume.choose_zero_stage(resume_from, config, warm_start, state.get_data_parallel_world_size())
-    for note in (n for n in (vocab_note, chosen) if n and dist.get_rank() == 0):
-        logger.info("%s", note)
+    padded_vocab_size = resume.fit_run_to(resume_from, config, padded_vocab_size, warm_start)  # vocabulary, ZeRO
     tp_random.model_parallel_seed(config.train.seed)
 
     with state.collective_device():  # parameters are created and initialised on their device, shard by shard
