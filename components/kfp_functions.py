@@ -142,6 +142,7 @@ def pretrain(
     domino_chunks: int = -1,
     zero_stage: int = -1,
     warm_start: bool = False,
+    resume_from_run: str = '',
     image: str = '',
     job_name: str = 'gpt-pretrain',
     pvc_name: str = 'domino-data',
@@ -201,6 +202,7 @@ def pretrain(
         domino_chunks: Micro-chunks per layer input for Domino overlap; 1 means plain synchronous tensor parallelism (default: 2 when --tensor-model-parallel-size > 1 and --micro-batch-size is even, else 1). (-1: not given, the preset's value or domino's default)
         zero_stage: DeepSpeed ZeRO stage for data parallelism (0, 1 or 2; default: the stage of the checkpoint resumed, else 0 with one data-parallel replica and neither --bf16 nor --fp16, where ZeRO has nothing to shard, else 1). (-1: not given, the preset's value or domino's default)
         warm_start: Initialise from the promoted model's weights (fresh start when none).
+        resume_from_run: Run id of an earlier (preempted) run of this pipeline: continue its training, optimizer state and data position included, from its newest checkpoint in <shared_root>/runs/<id>/checkpoints ('': none).
         image: Image of the training job ('': the domino CUDA image with GPUs, else the CPU one).
         job_name: Base name of the training job (the run id is appended).
         pvc_name: ReadWriteMany claim mounted at shared_root by every step and the training job.

@@ -55,6 +55,9 @@ class PretrainSettings(TrackingSettings, JobTargetSettings, RunSettings):
     zero_stage: int = config_field()
     warm_start: bool = False
     """Initialise from the promoted model's weights (fresh start when none)."""
+    resume_from_run: str = ""
+    """Run id of an earlier (preempted) run of this pipeline: continue its training, optimizer state and data position
+    included, from its newest checkpoint in <shared_root>/runs/<id>/checkpoints ('': none)."""
     image: str = ""
     """Image of the training job ('': the domino CUDA image with GPUs, else the CPU one)."""
     job_name: str = "gpt-pretrain"

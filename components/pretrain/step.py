@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import time
 from typing import Any, Callable, Dict, List
 
@@ -27,7 +26,7 @@ from domino.launch.api import BACKENDS
 from domino.launch.job_api import job_api
 from domino.launch.naming import label_value
 from domino.launch.parallel_layout import layout_flags
-from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, Toleration, default_namespace
+from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, Toleration, credential_names, default_namespace
 from domino.tracking import CREDENTIAL_KEYS, CREDENTIAL_SECRET, KFP_RUN_ID_ENV, TRACKING_URI_ENV, read_pointer
 from domino.tracking.registry import volume_uri
 
@@ -82,16 +81,28 @@ def pretrain_argv(settings: PretrainSettings, data_prefix: str, layout: RunLayou
     argv = ["--preset", s.preset, *overrides_to_argv(parse_overrides(s.config_overrides)),
             *overrides_to_argv(config_values(s))]
     argv += ["--data-path", data_prefix, "--metrics-file", layout.metrics_file, "--save", layout.checkpoint_dir]
-    argv += load_argv(s.warm_start, layout)
+    argv += load_argv(s.warm_start, layout, s.resume_from_run)
     return argv
 
 
-def load_argv(warm_start: bool, layout: RunLayout) -> List[str]:
-    """``--load`` flags: this run's own checkpoints when a retried job left some (resume), else the promoted
-    model's weights with ``--finetune`` when warm-starting and one exists, else this run's (empty) save dir."""
+def load_argv(warm_start: bool, layout: RunLayout, resume_from_run: str = "") -> List[str]:
+    """``--load`` flags: this run's own checkpoints when a retried job left some (resume), else with
+    ``resume_from_run`` the earlier run's checkpoints (a full resume under this run's id: it saves into its own
+    folder from then on), else the promoted model's weights with ``--finetune`` when warm-starting and one
+    exists, else this run's (empty) save dir."""
     from domino.checkpoint.on_disk import find_latest_checkpoint  # imports torch: not at pipeline compile time
 
-    if find_latest_checkpoint(layout.checkpoint_dir) is None and warm_start:
+    own = find_latest_checkpoint(layout.checkpoint_dir)
+    if resume_from_run:
+        if warm_start:
+            raise ValueError("resume_from_run and warm_start: choose one (a resume continues the run, optimizer "
+                             "state included; a warm start takes the promoted model's weights only)")
+        earlier = RunLayout(layout.root, resume_from_run)  # refuses a run id that is not a folder name
+        if own is None and find_latest_checkpoint(earlier.checkpoint_dir) is None:
+            raise ValueError(f"resume_from_run {resume_from_run!r}: {earlier.checkpoint_dir} holds no checkpoint")
+        if own is None:
+            return ["--load", earlier.checkpoint_dir]
+    if own is None and warm_start:
         promoted = current_model(layout.registry_path)
         if promoted is not None:
             return ["--load", promoted.checkpoint_dir, "--finetune"]
@@ -122,16 +133,9 @@ def _json_param(settings: PretrainSettings, name: str) -> Any:
     return value
 
 
-#: Names that say a value is a credential. Run parameters are stored and shown in plain text by KFP (the
-#: run's details page, its API, the pipeline's database), so such a value must come from a Secret. The words
-#: stand between underscores or the name's ends: HF_TOKEN is one, TOKENIZERS_PARALLELISM is not.
-_SECRET_NAME = re.compile(r"(?:^|_)(?:TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIALS?)"
-                          r"(?:_|$)", re.I)
-
-
 def _literal_env(env: Dict[str, str]) -> Dict[str, str]:
     """The literal ``env`` parameter, refusing a variable whose name says it holds a credential."""
-    secret = sorted(name for name, value in env.items() if value and _SECRET_NAME.search(name))
+    secret = credential_names(env)  # the same rule as `domino launch --env` (domino/launch/spec.py)
     if secret:
         raise ValueError(f"env: {', '.join(secret)} look(s) like credentials, and run parameters are stored in plain "
                          "text: put the value in a Kubernetes Secret and name it in env_secrets "

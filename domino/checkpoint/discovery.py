@@ -27,12 +27,25 @@ def find_checkpoint(config: DominoConfig) -> Tuple[Optional[Checkpoint], bool]:
     progress away and never reloads another run's model over its own. Otherwise ``--load DIR`` resumes from
     ``DIR/latest`` (with ``--finetune``: takes its weights as a warm start); an absent or empty ``DIR``, or
     one holding only what a run writes beside its checkpoints (metrics, logs), means a fresh start. Without
-    ``--load`` a run starts fresh (as in Megatron-LM). Anything else that is not a readable checkpoint (a
-    file, another kind of model) is a :class:`ConfigError`, raised before any training work.
+    ``--load`` a run resumes ``--save``'s checkpoint when it holds one, with a line saying so, and starts fresh
+    otherwise: ``--load`` defaults to ``--save``. Megatron-LM loads only with ``--load``
+    (``megatron/training/training.py`` at 001b00c ``setup_model_and_optimizer``: ``if args.load is not None or
+    args.pretrained_checkpoint is not None``), and its scripts resume by passing one directory to both
+    (``examples/gpt3/train_gpt3_175b_distributed.sh`` at 157006d: ``--save $CHECKPOINT_PATH``,
+    ``--load $CHECKPOINT_PATH``);
+    ``domino launch`` and the pipeline pass ``--load`` = ``--save`` the same way (:func:`domino.launch.render.
+    container_command`, ``components/pretrain/step.py`` ``load_argv``), so a run started by hand or with
+    ``--command`` resumes too instead of training from 0 over its own checkpoints. Anything else that is not a
+    readable checkpoint (a file, another kind of model) is a :class:`ConfigError`, raised before any training work.
     """
     c = config.checkpoint
     if c.load is None:
-        return None, False
+        own = _resolve(c.save, "--save", c.strict_load) if c.save else None
+        if own is None:
+            return None, False
+        logger.warning("--save %s already holds checkpoints and no --load was given: resuming %s (--load "
+                       "defaults to --save; to start from scratch, save elsewhere)", c.save, Path(str(own)).name)
+        return choose_intact(own, c.strict_load), False
     if c.save and Path(c.save).resolve() != Path(c.load).resolve():
         own = _resolve(c.save, "--save", c.strict_load)
         if own is not None:

@@ -207,7 +207,7 @@ class TrainConfig:
     exit_interval: Optional[int] = None
     """Stop (after saving) when the iteration is a multiple of this value."""
     exit_signal_handler: bool = False
-    """On SIGTERM (pod preemption), save a checkpoint after the current iteration and exit with status 143."""
+    """On SIGTERM to any rank (pod preemption), every rank saves a checkpoint at the next step and exits with 143."""
     recompute_activations: bool = False
     """Selective activation recompute: each layer's attention core keeps only q, k, v and is recomputed in backward."""
     recompute_granularity: Optional[str] = None

@@ -13,7 +13,6 @@ callables follow Megatron-LM's contracts, so a user can swap in their own model 
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
@@ -34,6 +33,7 @@ from domino.train.evaluation import evaluate, perplexity
 from domino.train.interval_stats import IntervalReading, IntervalStats
 from domino.train.metrics import MetricsWriter, format_iteration_line
 from domino.train.pipeline_step import PipelineStep
+from domino.train.preemption import StopSignal, startup_warnings
 from domino.train.schedules import LearningRateSchedule
 from domino.train.throughput import detect_peak_tflops, memory_gb, training_flops_per_token
 from domino.train.timers import TimedIterator, Timers
@@ -294,37 +294,25 @@ class _Trainer:
         if self.saver.poll() is not None:
             self.paused += time.perf_counter() - started
 
-    def _termination_requested(self) -> bool:
-        """Whether any rank received SIGTERM; every rank must agree, so the flag is max-reduced.
-
-        Called at log intervals only (the reduction's read waits for the device), so every rank stops at the
-        same iteration: the first log interval after the signal.
-        """
-        flag = torch.tensor([1.0 if self.sigterm_received else 0.0], device=self.device)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
     def run(self, iteration: int, consumed: int, resumed_checkpoint: Optional[str] = None) -> TrainingResult:
         """Trains from ``iteration`` (``consumed`` samples done, ``resumed_checkpoint`` not saved again) on."""
-        self.sigterm_received = False
         self.completed = iteration  # the last iteration every rank finished, for a lost-peer report
-        previous = None
-        if self.config.train.exit_signal_handler:
-            def on_sigterm(signum, frame):
-                self.sigterm_received = True  # acted on at the end of the current iteration
-
-            previous = signal.signal(signal.SIGTERM, on_sigterm)
+        self.stop = StopSignal(self.config.train.exit_signal_handler, self.config.parallel.distributed_timeout_minutes)
+        if dist.get_rank() == 0:
+            for warning in startup_warnings(self.config, self.engine):
+                logger.warning("%s", warning)
+        failed = True
         try:
-            return self._run(iteration, consumed, resumed_checkpoint)
+            result = self._run(iteration, consumed, resumed_checkpoint)
+            failed = False
+            return result
         except RuntimeError as error:
             if not is_lost_peer_error(error):
                 raise
             raise lost_peer_error(error, self.hosts, self.completed, checkpointing.resume_hint(self.config)) from None
         finally:
             self.saver.close()
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            self.stop.close(wait=not failed)
 
     def _run(self, iteration: int, consumed: int, resumed_checkpoint: Optional[str]) -> TrainingResult:
         config, t, lg, c = self.config, self.config.train, self.config.logging, self.config.checkpoint
@@ -376,11 +364,14 @@ class _Trainer:
             if t.exit_interval and iteration % t.exit_interval == 0:
                 logger.info("--exit-interval %d reached at iteration %d", t.exit_interval, iteration)
                 break
-            if t.exit_signal_handler and logged and self._termination_requested():
+            if self.stop.requested():  # every step: a SIGTERM on any rank, agreed one step later
                 logger.warning("SIGTERM: saving at iteration %d and exiting", iteration)
                 if c.save and saved_at != iteration:
                     checkpoint_path = self._save(iteration, consumed)
                 self.saver.wait()  # the save in flight is committed before the process exits
+                if c.save and dist.get_rank() == 0:
+                    logger.warning("SIGTERM: checkpoint %s durable %.2f s after the signal", checkpoint_path,
+                                   self.stop.since_signal_s())
                 self.writer.close(completed=False)
                 return TrainingResult(iteration, consumed, self.last_train_loss, last_valid, None, tokens_per_s,
                                       checkpoint_path, interrupted=True)

@@ -83,3 +83,33 @@ def test_a_sigterm_save_longer_than_30_s_completes_through_torchrun(tmp_path):
     logged = [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()]
     assert saved == logged[-1]  # saved where training stood
     assert f"saved checkpoint {latest}" in output
+
+
+def test_sigterm_between_log_intervals_saves_at_the_next_step_under_a_short_shutdown_timeout(tmp_path):
+    """The issue's reproduction: TP 2 under real torchrun, ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT=5`` and a log interval
+    far beyond the signal. Acting on SIGTERM at log intervals only, the ranks trained on until torchrun SIGKILLed
+    them 5 s later and no checkpoint existed; now they save at the step after the signal and exit in time."""
+    spec = JobSpec(name="step", image="i", nodes=1, nproc_per_node=2, termination_grace_period_s=15,
+                   pretrain_args=[*TRAIN[:TRAIN.index("--log-interval")], "--log-interval", "1000",
+                                  "--eval-iters", "0", "--eval-interval", "0", "--tensor-model-parallel-size", "2"],
+                   env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    lines, signalled = [], []
+
+    def cancel_once_training():
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not any("training 100000 iterations" in line for line in lines):
+            time.sleep(0.05)
+        time.sleep(1.0)  # some steps into the run, far from a log interval
+        signalled.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=cancel_once_training, daemon=True).start()
+    result = LocalLauncher(log=lines.append).run(spec, run_id="t", workdir=str(tmp_path))
+    output = "\n".join(lines)
+    assert signalled and result.reason.startswith("Interrupted: "), output[-3000:]
+    latest = on_disk.find_latest_checkpoint(tmp_path / "checkpoints" / "step-t")
+    assert latest is not None, output[-3000:]
+    assert discovery.choose_intact(latest, strict=True).path == latest
+    saved = json.loads((latest / "checkpoint.json").read_text())["iteration"]
+    assert 0 < saved < 1000, output[-3000:]  # at a step, not at a log interval
+    assert "durable" in output and "s after the signal" in output, output[-3000:]

@@ -40,8 +40,10 @@ def _step_reads(events, owner):
 
 
 def test_tp2_domino_iterations_read_nothing_on_the_host(tmp_path):
+    # --exit-signal-handler: its SIGTERM flag is all-reduced every step (domino.train.preemption), off the device.
     ranks = _probed_run(tmp_path, 2, ["--tensor-model-parallel-size", "2", "--domino-chunks", "2",
-                                      "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"])
+                                      "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
+                                      "--exit-signal-handler"])
     for events in ranks:
         assert _step_reads(events, "domino") == []
         # The probe sees the interval's reads: the device sums come back once per log interval.

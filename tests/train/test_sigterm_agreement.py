@@ -1,5 +1,6 @@
-"""--exit-signal-handler agrees at log intervals: when one rank alone gets SIGTERM, every rank stops at the
-same iteration, the first log boundary after the signal (the agreement is not an every-iteration host sync)."""
+"""--exit-signal-handler agrees at every step boundary without a device sync: when one rank alone gets SIGTERM,
+every rank stops at the same iteration, the one after the signal (the flag is all-reduced asynchronously on a
+gloo group and read one step later, domino.train.preemption), not at the next log interval."""
 
 from distributed_helpers import run_distributed
 
@@ -30,6 +31,8 @@ def _train_signalled(rank, world_size, signal_rank, signal_at_call):
     return result.iteration, result.interrupted
 
 
-def test_one_signalled_rank_stops_every_rank_at_the_next_log_interval():
-    results = run_distributed(_train_signalled, 2, 1, 2)  # DP=2; rank 1 is signalled during iteration 2
-    assert results == [(4, True), (4, True)]
+def test_one_signalled_rank_stops_every_rank_at_the_next_step():
+    # DP=2, log interval 4; rank 1 is signalled during iteration 2: its flag goes out at the end of iteration 2
+    # and is read at the end of iteration 3, on both ranks (before the fix: the log boundary, iteration 4).
+    results = run_distributed(_train_signalled, 2, 1, 2)
+    assert results == [(3, True), (3, True)]
