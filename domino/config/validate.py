@@ -127,6 +127,8 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
         value = getattr(m, name)
         _check(problems, value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
     _check(problems, tp >= 1, f"--tensor-model-parallel-size must be >= 1, got {tp}")
+    _check(problems, t.fp8_format in (None, "e4m3", "hybrid"),
+           f"--fp8-format must be e4m3 or hybrid, got {t.fp8_format!r}")
     _check_bounds(problems, config)
     if problems:
         raise ConfigError("; ".join(problems))

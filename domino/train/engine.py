@@ -14,6 +14,7 @@ import torch
 from domino.config import ConfigError, DominoConfig
 from domino.config.validate import check_device, zero_stage_for
 from domino.runtime import state
+from domino.parallel import fp8
 from domino.parallel.layers import is_tensor_model_parallel
 from domino.pipeline.gradients import norm_parameters
 from domino.train import bf16_step, zero_step
@@ -85,6 +86,9 @@ def check_this_device(config: DominoConfig) -> None:
         except Exception:  # older torch builds lack the op: DeepSpeed then reports no fp16 either
             cpu_fp16 = False
     check_device(config, cuda=cuda, cpu_fp16=cpu_fp16)
+    # FP8 GEMMs for this process's linears, or one line saying why neither real nor emulated FP8 runs here.
+    fp8.configure(config.train.fp8_format, torch.device("cuda", torch.cuda.current_device()) if cuda
+                  else torch.device("cpu"))
 
 
 def initialize_runtime(config: DominoConfig) -> None:
