@@ -93,10 +93,21 @@ def _stored(ckpt: Checkpoint) -> Optional[Dict[str, Any]]:
     return stored
 
 
+def _shapes_the_rate(name: str, style: str) -> bool:
+    """Whether field ``name`` changes any rate of a ``style`` schedule (:meth:`LearningRateSchedule.lr_at_samples`:
+    a constant rate has no decay, only WSD anneals). Megatron compares every field; a field no rate depends on
+    (the decay length of a constant schedule extended by --train-iters) is let through here."""
+    if style == "constant":
+        return name not in ("min_lr", "decay_steps", "wsd_decay_steps", "wsd_style")
+    return style == "WSD" or name not in ("wsd_decay_steps", "wsd_style")
+
+
 def _differences(stored: Dict[str, Any], schedule: LearningRateSchedule, config: DominoConfig,
                  data_parallel_size: int) -> list:
+    styles = (stored["lr"]["style"], schedule.style)
     diffs = [f"{label}: checkpoint {stored['lr'][name]} vs run {getattr(schedule, name)}"
-             for name, label in LR_FIELDS.items() if stored["lr"][name] != getattr(schedule, name)]
+             for name, label in LR_FIELDS.items() if stored["lr"][name] != getattr(schedule, name)
+             and any(_shapes_the_rate(name, style) for style in styles)]
     ramp = ramp_steps(config, data_parallel_size)
     if stored["ramp"] != ramp:
         diffs.append(f"{RAMP_LABEL}: checkpoint {stored['ramp']} vs run {ramp}")

@@ -4,7 +4,8 @@ Real one-process `domino pretrain` runs: a resume with another ``--lr`` or ``--t
 sets) or without the checkpoint's ``--rampup-batch-size`` stops before training in one line naming both values and
 Megatron's two flags; ``--use-checkpoint-opt_param-scheduler`` continues the checkpoint's schedule (the learning
 rates and losses of the uninterrupted run, exactly: the same layout), ``--override-opt_param-scheduler`` takes the
-run's and says so; a checkpoint saved before the record (its ``schedule`` field removed) still resumes.
+run's and says so; a checkpoint saved before the record (its ``schedule`` field removed) still resumes; a
+constant rate, which no decay length changes, may be extended past its ``--train-iters``.
 """
 
 from __future__ import annotations
@@ -81,3 +82,14 @@ def test_a_resume_without_the_checkpoints_batch_ramp_is_refused(tmp_path):
     _refused([*RUN, *samples, "--load", str(save / "iter_0000002")],
              "[consumed samples, global batch] at each change; --rampup-batch-size, --step-batch-size-schedule): "
              "checkpoint [[0, 4], [16, 8]] vs run [[0, 8]]")
+
+
+@pytest.mark.timeout(300)
+def test_a_constant_rate_extended_past_its_train_iters_continues(tmp_path):
+    """No rate of a constant schedule depends on its decay length, so a longer --train-iters is let through."""
+    constant = [*RUN, "--lr-decay-style", "constant", "--lr-warmup-iters", "0"]
+    save = tmp_path / "constant"
+    run_pretrain([*constant, "--train-iters", "2", "--save", str(save)], timeout=300)
+    metrics = tmp_path / "extended.jsonl"
+    run_pretrain([*constant, "--train-iters", "4", "--load", str(save), "--metrics-file", str(metrics)], timeout=300)
+    assert sorted(_records(metrics)) == [3, 4]
