@@ -8,18 +8,25 @@ Each check is one read the API server answers for any authenticated user or thro
 * with ``--api trainjob``, the TrainingRuntime the TrainJob names exists in the namespace (else the
   Trainer's webhook refuses the TrainJob, see domino.launch.trainjob);
 * the claim exists, is ``Bound`` (``status.phase``) and offers ``ReadWriteMany`` (``status.accessModes``,
-  what the bound volume provides; ``spec.accessModes`` while it is unbound), since every node mounts it;
+  what the bound volume provides; ``spec.accessModes`` while it is unbound), since every node mounts it; a
+  ``Pending`` claim of a StorageClass with ``volumeBindingMode: WaitForFirstConsumer`` is fine: it binds when
+  the first pod that mounts it is scheduled (kubernetes ``pkg/controller/volume/persistentvolume``
+  ``pv_controller.go`` ``shouldDelayBinding``);
 * with ``--queue``, Kueue's LocalQueue exists and is ``Active`` (kueue v0.19.2 ``apis/kueue/v1beta2``
   ``LocalQueueActive``; v1beta1 on a Kueue older than v0.15; False with ``ClusterQueueDoesNotExist`` when its ClusterQueue is missing);
 * every call the launcher makes is allowed: one SelfSubjectAccessReview (authorization.k8s.io/v1, which
-  any authenticated user may create) per (group, resource, verb) of :data:`LAUNCHER_CALLS`.
+  any authenticated user may create) per (group, resource, verb) of :func:`launcher_calls` (with ``--queue``,
+  the reads of the job's Kueue Workload too);
+* the admission path (:mod:`domino.launch.check_admission`): the controllers' Deployments are available, the
+  training operator has domino's template flag, and server-side dry runs of the rendered job and of a Worker
+  pod pass the webhooks, field validation and Pod Security, with Kueue suspending a queued job.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from domino.launch.check_admission import AdmissionCheck, call_json, error_message
 from domino.launch.job_api_base import JobApi
 from domino.launch.spec import JobSpec
 
@@ -36,16 +43,15 @@ CORE_CALLS: Tuple[Tuple[str, str, str], ...] = (
 JOB_VERBS = ("create", "get", "list", "watch", "patch", "delete")
 
 
-def launcher_calls(api: JobApi) -> List[Tuple[str, str, str]]:
-    """(group, resource, verb) of every call the launcher makes for ``api`` (what its Role must grant)."""
-    return [(api.group, api.plural, verb) for verb in JOB_VERBS] + list(CORE_CALLS)
+#: What the launcher reads while a ``--queue`` job waits (domino.launch.kueue_workload).
+QUEUE_CALLS: Tuple[Tuple[str, str, str], ...] = (
+    (KUEUE_GROUP, "workloads", "list"), ("visibility.kueue.x-k8s.io", "localqueues/pendingworkloads", "get"))
 
 
-def _body(error) -> str:
-    try:
-        return json.loads(error.body or "{}").get("message", "") or str(error.reason)
-    except (ValueError, AttributeError):
-        return str(getattr(error, "reason", error))
+def launcher_calls(api: JobApi, queued: bool = False) -> List[Tuple[str, str, str]]:
+    """(group, resource, verb) of every call the launcher makes for ``api`` (what its Role must grant), with
+    ``queued`` those of a job waiting in a Kueue queue too."""
+    return [(api.group, api.plural, verb) for verb in JOB_VERBS] + list(CORE_CALLS) + list(QUEUE_CALLS if queued else ())
 
 
 class ClusterCheck:
@@ -61,13 +67,8 @@ class ClusterCheck:
 
     def _get(self, call: Callable, *args) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
         """(object, None), or (None, ``"404 Not Found: ..."``) when the API server refuses the read."""
-        from kubernetes.client.rest import ApiException
-
-        try:
-            response = call(*args, _preload_content=False, _request_timeout=self.timeout)
-            return json.loads(response.data), None
-        except ApiException as error:
-            return None, f"{error.status} {error.reason}: {_body(error)}"
+        found, error = call_json(call, *args, timeout=self.timeout)
+        return found, None if error is None else f"{error.status} {error.reason}: {error_message(error)}"
 
     def served(self, group: str, version: str, plural: str, what: str) -> List[str]:
         found, error = self._get(self.custom.get_api_resources, group, version)
@@ -91,6 +92,8 @@ class ClusterCheck:
             return [f"{where}: {error}"]
         status = pvc.get("status") or {}
         out = []
+        if status.get("phase") == "Pending" and self.binds_on_first_pod(pvc):
+            status = {**status, "phase": "Bound"}  # binds when the job's first pod is scheduled
         if status.get("phase") != "Bound":
             out.append(f"{where}: not Bound (phase {status.get('phase') or 'unknown'}): no volume provisioned yet; "
                        "check its events and that its storage class exists")
@@ -98,6 +101,16 @@ class ClusterCheck:
         if "ReadWriteMany" not in modes:
             out.append(f"{where}: access modes {modes} lack ReadWriteMany: every node of the job mounts it")
         return out
+
+    def binds_on_first_pod(self, pvc: Dict[str, Any]) -> bool:
+        """Whether the claim's StorageClass delays binding to the first consumer (read failures: no)."""
+        name = (pvc.get("spec") or {}).get("storageClassName")
+        if not name:
+            return False
+        from kubernetes import client
+
+        found, _ = self._get(client.StorageV1Api(self.custom.api_client).read_storage_class, name)
+        return (found or {}).get("volumeBindingMode") == "WaitForFirstConsumer"
 
     def kueue_version(self) -> Tuple[Optional[str], List[str]]:
         """The newest LocalQueue version the API server serves, or None and the one-line problem."""
@@ -122,9 +135,9 @@ class ClusterCheck:
             return [f"{where}: not Active ({why})"]
         return []
 
-    def access(self, namespace: str) -> List[str]:
+    def access(self, namespace: str, queued: bool = False) -> List[str]:
         out = []
-        for group, resource, verb in launcher_calls(self.api):
+        for group, resource, verb in launcher_calls(self.api, queued):
             resource, _, subresource = resource.partition("/")
             attributes = {"namespace": namespace, "verb": verb, "group": group, "resource": resource}
             if subresource:
@@ -140,15 +153,21 @@ class ClusterCheck:
                            + f" in namespace {namespace} ({why}): bind the domino-launcher Role (k8s/base)")
         return out
 
-    def run(self, spec: JobSpec) -> List[str]:
-        """Every problem found, one line each (empty: the cluster has what the job needs)."""
+    def run(self, spec: JobSpec, run_id: Optional[str] = None) -> List[str]:
+        """Every problem found, one line each (empty: the cluster has what the job needs); ``run_id`` names the
+        dry-run job as submit would."""
         from domino.launch.trainjob import RUNTIME_NAME
 
         problems = self.served(self.api.group, self.api.version, self.api.plural, self.api.kind)
-        if self.api.name == "trainjob":
-            problems += self.runtime(spec, RUNTIME_NAME)
-        problems += self.claim(spec)
+        no_runtime = self.runtime(spec, RUNTIME_NAME) if self.api.name == "trainjob" else []
+        problems += no_runtime + self.claim(spec)
         if spec.queue:
             version, missing = self.kueue_version()
             problems += missing or self.queue(spec, version)
-        return problems + self.access(spec.namespace)
+        problems += self.access(spec.namespace, bool(spec.queue))
+        if problems and problems[0].startswith(f"{self.api.kind}: the API server does not serve"):
+            return problems  # no CRD: a dry run would only repeat it
+        body = self.api.render(spec, run_id or "launch-check", None)
+        # Without its runtime the Trainer's webhook refuses the dry run for the reason already given.
+        return problems + AdmissionCheck(self.api, self.custom.api_client, self.timeout).run(spec, body,
+                                                                                            job=not no_runtime)
