@@ -288,6 +288,12 @@ class CheckpointConfig:
     """With --load: skip the optimizer state (fresh optimizer)."""
     no_load_rng: bool = False
     """With --load: skip the random-number-generator states."""
+    override_opt_param_scheduler: bool = False
+    """With --load: take this run's learning-rate schedule and batch ramp where they differ from the
+    checkpoint's (Megatron's --override-opt_param-scheduler); without either of the two, a change is refused."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """With --load: take the checkpoint's learning-rate schedule and batch ramp where they differ from this run's
+    (Megatron's --use-checkpoint-opt_param-scheduler)."""
     strict_load: bool = False
     """With --load: refuse to start when the latest checkpoint is damaged, instead of falling back (with a
     warning) to the newest intact one."""

@@ -242,6 +242,9 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
         _check(problems, not (d.data_path and d.train_data_path),
                "--data-path and --train-data-path are mutually exclusive")
         _check(problems, not (c.finetune and c.load is None), "--finetune needs --load")
+        # Megatron asserts the same (megatron/core/optimizer_param_scheduler.py, OptimizerParamScheduler.__init__).
+        _check(problems, not (c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler),
+               "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other")
 
     if problems:
         raise ConfigError("; ".join(problems))

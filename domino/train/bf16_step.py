@@ -30,7 +30,7 @@ which read it with the rest of the interval's numbers.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -135,3 +135,15 @@ def skip_flag(engine) -> Optional[torch.Tensor]:
     the host (DeepSpeed then counts its skips in ``engine.skipped_steps``)."""
     return getattr(engine.optimizer, "found_inf", None) if _CLASS is not None and isinstance(
         engine.optimizer, _CLASS) else None
+
+
+def main_gradients(optimizer) -> Dict[torch.nn.Parameter, torch.Tensor]:
+    """Each bf16 parameter's fp32 gradient buffer in DeepSpeed's BF16_Optimizer (a view into its flat buffer:
+    ``fp32_groups_gradients``), the Megatron ``main_grad`` of a pipelined bf16 run."""
+    return {lp: hp for group, grads in zip(optimizer.bf16_groups, optimizer.fp32_groups_gradients)
+            for lp, hp in zip(group, grads)}
+
+
+def main_gradient_buffers(optimizer) -> List[torch.Tensor]:
+    """The BF16_Optimizer's flat fp32 gradient buffers (one per parameter group, padding included)."""
+    return list(optimizer.fp32_groups_gradients_flat)

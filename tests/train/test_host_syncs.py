@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from distributed_helpers import free_port
@@ -53,15 +54,24 @@ def test_tp2_domino_iterations_read_nothing_on_the_host(tmp_path):
         assert deepspeed <= DEEPSPEED_ZERO_READS_PER_ITERATION * ITERS
 
 
-def test_bf16_zero1_tp2_domino_iterations_read_and_wait_for_nothing(tmp_path):
-    """bf16 ZeRO 1 (DeepSpeed's BF16_Optimizer) at TP=2 with Domino: no host read and no explicit synchronize
-    inside iterations on any rank, by any owner. DeepSpeed's own step read overflow and the clip decision
-    (2 per iteration) and its ThroughputTimer synchronised twice per micro-batch; domino.train.bf16_step and the
-    engine's config remove both."""
-    ranks = _probed_run(tmp_path, 2, ["--bf16", "--zero-stage", "1", "--tensor-model-parallel-size", "2",
-                                      "--domino-chunks", "2", "--vocab-size", "256"])
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--domino-chunks", "2"],
+                                    ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4"]])
+def test_bf16_zero1_tp2_domino_iterations_read_and_wait_for_nothing(tmp_path, layout):
+    """bf16 ZeRO 1 (DeepSpeed's BF16_Optimizer) at TP=2 with Domino, and in two pipeline stages: no host read and
+    no explicit synchronize inside iterations on any rank, by any owner. DeepSpeed's own step read overflow and the
+    clip decision (2 per iteration) and its ThroughputTimer synchronised twice per micro-batch;
+    domino.train.bf16_step and the engine's config remove both; the staged step (domino.train.pipeline_step)
+    scales, reduces, clips and agrees on a skip with tensors only."""
+    ranks = _probed_run(tmp_path, 2, ["--bf16", "--zero-stage", "1", *layout, "--vocab-size", "256"])
     for events in ranks:
-        assert [e for e in events if e["phase"] == "step"] == []
+        step = [e for e in events if e["phase"] == "step"]
+        # torch's pipeline schedule makes and reads its stages' one-time warm-up vote in its first step only
+        # (torch 2.13 distributed/pipelining: stage.py `_warmup_forward_vote` `torch.tensor([my_vote], device=)`,
+        # schedules.py `_warmup_p2p` `result.item()`), seen from domino's call. At TP 1 the last stage's loss keeps
+        # the CPU kernel choice's read (KNOWN_ELSEWHERE).
+        assert [e for e in step if not (e["where"].startswith("domino/pipeline/schedule.py:")
+                                        and e["method"] in ("item", "torch.tensor->device") and e["count"] == 1)
+                and not e["where"].startswith(KNOWN_ELSEWHERE)] == [], step
         # The interval's numbers still come back once per log interval (and the gradient norm with them).
         assert sum(e["count"] for e in events if e["phase"] == "log" and "interval_stats.py" in e["where"]) \
             == ITERS // 3
