@@ -34,6 +34,7 @@ automated here (docs/cluster.md, "`domino launch smoke`", says how to do them by
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 import socket
 import threading
@@ -196,7 +197,8 @@ class Smoke:
 
     def train(self) -> None:
         args, scraped = list(TRAIN_ARGS), []
-        if self.backend != "cluster":
+        serve = self.backend != "cluster" and importlib.util.find_spec("prometheus_client") is not None
+        if serve:
             port = free_port()
             args += ["--metrics-port", str(port)]
             done = threading.Event()
@@ -204,7 +206,7 @@ class Smoke:
             scraper.start()
         spec = dataclasses.replace(self.spec, name=f"{self.spec.name}-train", command=None, pretrain_args=args)
         lines = self._job("train", spec)
-        if self.backend != "cluster":
+        if serve:
             done.set()
             scraper.join()
         if lines is None:
@@ -219,6 +221,8 @@ class Smoke:
             self._step("train", "FAIL", "the job succeeded but its log shows no checkpoint save")
         if self.backend == "cluster":
             self._step("metrics", "skip", "rank 0's /metrics is Prometheus' to scrape in the cluster (k8s/metrics)")
+        elif not serve:
+            self._step("metrics", "skip", "no prometheus_client here (pip install 'domino[metrics]')")
         elif scraped:
             self._step("metrics", "ok", f"rank 0's /metrics answered over HTTP: {scraped[-1]}")
         else:
