@@ -11,7 +11,7 @@ Steps, in order (``ok``, ``FAIL`` or ``skip`` and what was seen):
 4. ``envcheck``: ``domino.launch.envcheck --storage`` on 2 nodes as a job of ``--api``: every process
    initialises ``torch.distributed`` from the controller's environment and all-reduces over gloo;
 5. ``storage``: in that job rank 0 wrote a file on the claim and the last rank (the other node) read it
-   and answered; on the cluster both must run as ``--run-as-user`` (1000) on two different hosts;
+   and answered; on the cluster both must run as the pods' ``runAsUser`` (1000) on two different hosts;
 6. ``train``: a tiny ``domino pretrain`` (preset ``tiny``, mock data, 4 iterations) that saves a
    checkpoint, as a job of ``--api``; passes when the job succeeds and its log shows the save; on the local
    backend it serves ``--metrics-port`` and 6b. ``metrics`` scrapes rank 0's ``/metrics`` over HTTP while it
@@ -188,7 +188,7 @@ class Smoke:
             self._step("storage", "ok", f"{seen} (one host with --backend local)")
             return
         user = str(self.spec.run_as_user)
-        problems = [f"the {what} ran as uid {uid}, not --run-as-user {user}"
+        problems = [f"the {what} ran as uid {uid}, not the pods' runAsUser {user}"
                     for what, uid in (("writer", wrote_uid), ("reader", read_uid)) if uid != user]
         problems += [f"the probe is owned by uid {owner}, not {user} (a root-squashing export? docs/cluster.md, "
                      "Storage)"] if owner != user else []

@@ -125,7 +125,7 @@ def test_a_root_squashed_claim_one_node_and_a_pull_over_the_wait_fail_their_step
     assert {name: s.status for name, s in steps.items() if s.status == "FAIL"} == {
         "storage": "FAIL", "pull-time": "FAIL"}, lines
     assert steps["storage"].detail == (
-        "the reader ran as uid 0, not --run-as-user 1000; the probe is owned by uid 65534, not 1000 (a "
+        "the reader ran as uid 0, not the pods' runAsUser 1000; the probe is owned by uid 65534, not 1000 (a "
         "root-squashing export? docs/cluster.md, Storage); both ranks ran on node-a: not a cross-node check")
     assert steps["pull-time"].detail.startswith("slowest pull 1263.0 s (smoke-train-smoke-master-0) is over ")
     assert steps["pull-time"].detail.endswith("(--start-timeout 1200 s): raise --start-timeout or pre-pull "
