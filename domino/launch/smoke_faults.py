@@ -14,7 +14,10 @@ while it trains, breaks it the way a cluster does, then checks that the controll
   reconciler suspends the job; then ``spec.active: true``: the Workload is requeued (reason ``Reactivated``),
   re-admitted, the job unsuspended, and it must succeed.
 
-Deleting pods and patching Workloads is beyond the launcher's Role: ``k8s/smoke`` grants it (opt-in).
+With ``--api trainjob`` the pods belong to the Job controller under the TrainJob's JobSet: the steps check the
+same (a new pod of that rank, a resumed run, success), but only the PyTorchJob operator's reaction is
+modelled in the tests. Deleting pods and patching Workloads is beyond the launcher's Role: ``k8s/smoke``
+grants it (opt-in).
 """
 
 from __future__ import annotations

@@ -29,12 +29,16 @@ def _set(conds: List[Dict[str, Any]], ctype: str, status: str, reason: str, mess
     conds.append({"type": ctype, "status": status, "reason": reason, "message": message})
 
 
-def operator_recreates(c, ns: str, name: str) -> None:
-    """The operator's ``createNewPod`` for the deleted pod's replica index, then the kubelet runs it."""
-    labels = name.rsplit("-", 2)  # <job>-<replica>-<index>
-    job, replica, index = labels[0], labels[1], int(labels[2])
+def operator_recreates(c, ns: str, pod: Dict[str, Any]) -> None:
+    """The operator's ``createNewPod`` for the deleted PyTorchJob pod's replica index, then the kubelet runs it.
+    (A TrainJob's pods belong to the Job controller under a JobSet, whose reaction is not modelled here.)"""
+    labels = pod["metadata"]["labels"]
+    if "training.kubeflow.org/replica-type" not in labels:
+        return
+    job, replica = labels["training.kubeflow.org/job-name"], labels["training.kubeflow.org/replica-type"]
+    index = int(labels["training.kubeflow.org/replica-index"])
     time.sleep(0.05)
-    c.add_pod(ns, job, replica, index)  # uid kept only for a pod that still exists: this one is new
+    c.add_pod(ns, job, replica, index)  # a new uid: the old pod is gone
     time.sleep(0.05)
     c.add_pod(ns, job, replica, index, "Running", {"running": {"startedAt": "now"}})
 
@@ -87,7 +91,7 @@ class FaultHandler:
                              "message": f'pods "{name}" not found', "code": 404})
             return True
         c.pod_deletes.append(name)
-        threading.Thread(target=operator_recreates, args=(c, ns, name), daemon=True).start()
+        threading.Thread(target=operator_recreates, args=(c, ns, pod), daemon=True).start()
         self._send(200, pod)  # a pod DELETE answers with the object (its deletionTimestamp set)
         return True
 
