@@ -94,7 +94,8 @@ def _smoke(args: argparse.Namespace) -> int:
     try:
         spec = spec_from_args(args)
         steps = Smoke(spec, args.backend, api=args.api, workdir=args.workdir, timeout_s=args.timeout,
-                      log=lambda line: print(line, flush=True), tracking_uri=args.tracking_uri, faults=args.faults).run()
+                      log=lambda line: print(line, flush=True), tracking_uri=args.tracking_uri,
+                      faults=args.faults).run()
     except LaunchSpecError as error:
         print(f"domino launch smoke: error: {error}", file=sys.stderr)
         return 2

@@ -131,15 +131,16 @@ class FaultSteps:
             client.CoreV1Api(self._client()).delete_namespaced_pod(meta["name"], self.spec.namespace,
                                                                    _preload_content=False).release_conn()
         except ApiException as error:
-            raise FaultError(f"deleting pod {meta['name']}: {error.status} {error.reason}{ROLE_HINT[error.status == 403]}"
-                             ) from None
+            raise FaultError(f"deleting pod {meta['name']}: {error.status} {error.reason}"
+                             f"{ROLE_HINT[error.status == 403]}") from None
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             pods = self._pods(name)
             master = job_api(self.api).rank0_pod(pods, name)
             new = [p for p in pods if (p is master) == (role == "master") and p["metadata"]["uid"] != meta["uid"]]
             if new:
-                return f"{meta['name']} deleted while it ran; the controller recreated it ({new[0]['metadata']['name']})"
+                return (f"{meta['name']} deleted while it ran; the controller recreated it "
+                        f"({new[0]['metadata']['name']})")
             time.sleep(POLL_S)
         raise FaultError(f"{meta['name']} deleted, but no new {role} pod of {name} in {self.timeout_s:.0f} s")
 
@@ -190,7 +191,8 @@ class FaultSteps:
         self._running(name, "master")
         workload = self._workload(name)["metadata"]["name"]
         self._activate(workload, False)
-        self._until(name, "evicted with reason Deactivated", lambda w: _condition(w, "Evicted") == ("True", "Deactivated"))
+        self._until(name, "evicted with reason Deactivated",
+                    lambda w: _condition(w, "Evicted") == ("True", "Deactivated"))
         self._activate(workload, True)
         self._until(name, "re-admitted", lambda w: _condition(w, "Admitted")[0] == "True" and
                     _condition(w, "Evicted")[0] != "True")

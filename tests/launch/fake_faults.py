@@ -19,7 +19,7 @@ import copy
 import json
 import threading
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 WORKLOADS = "/apis/kueue.x-k8s.io/v1beta2/namespaces/"
 
@@ -112,7 +112,7 @@ class FaultHandler:
                 return True
             was_active = found["spec"].get("active", True)
             found["spec"].update(patch.get("spec") or {})  # merge patch of the flat spec fields sent
-            answer: Tuple[Dict[str, Any], bool] = (copy.deepcopy(found), was_active)
-        threading.Thread(target=kueue_reacts, args=(c, ns, answer[0], was_active), daemon=True).start()
-        self._send(200, answer[0])
+            answer = copy.deepcopy(found)
+        threading.Thread(target=kueue_reacts, args=(c, ns, answer, was_active), daemon=True).start()
+        self._send(200, answer)
         return True

@@ -135,3 +135,18 @@ def test_without_the_smoke_role_the_fault_fails_its_step_naming_k8s_smoke(server
         "kubectl apply --server-side -k k8s/smoke)")
     assert server.cluster.pod_deletes == []
     assert steps["fault: deactivate workload"].status == "skip"  # no --queue
+
+
+def test_the_local_backend_skips_the_faults_and_the_flag_reaches_the_smoke(monkeypatch):
+    lines = []
+    Smoke(sc.spec(name="smoke"), backend="local", log=lines.append, faults=True).faults()
+    assert [line.split(":")[0] for line in lines] == ["skip fault"] * 3 and all(
+        line.endswith("a cluster fault (no pods or Workloads with --backend local)") for line in lines)
+    import domino.launch.smoke as smoke_module
+    from domino.cli.main import main
+
+    seen = {}
+    monkeypatch.setattr(smoke_module.Smoke, "run", lambda self: seen.setdefault("faults", self.with_faults) and [])
+    with pytest.raises(SystemExit) as done:
+        main(["launch", "smoke", "--name", "smoke", "--faults"])
+    assert done.value.code == 0 and seen == {"faults": True}
