@@ -13,7 +13,8 @@ the device-decided step of ``domino.train.bf16_step``, torch AdamW), at TP=1 on 
 * ``syncs_per_iteration``: on CUDA the warnings of ``torch.cuda.set_sync_debug_mode("warn")`` (syncs inside
   ops) plus explicit ``torch.cuda.synchronize()`` / DeepSpeed ``accelerator.synchronize()`` calls, which that
   mode does not see (``domino.train.host_syncs.explicit_synchronizes``); on CPU the host-read probe of
-  ``domino.train.host_syncs``; with the source lines;
+  ``domino.train.host_syncs``; with the source lines, and ``device_copies_per_iteration``: device tensors
+  made from Python numbers (host-to-device copies the host waits for);
 * ``loss_curve``: 20 steps from initialisation on the fixed batch, which a working step must memorise: the
   script exits 1 when the loss does not fall;
 * ``llama``: the same loss curve, tokens/s and MFU at micro-batch 1 for a LLaMA-architecture preset (rotary
@@ -21,15 +22,21 @@ the device-decided step of ``domino.train.bf16_step``, torch AdamW), at TP=1 on 
   ``llama2-7b``, its own 32,000-token vocabulary) cut to ``--llama-layers`` layers (default 4, about 1.1B
   parameters), at TP=1 whatever the preset says (the vocabulary padded for TP=1).
 
-Every stage that builds an engine halves its micro-batch and retries on out-of-memory (``oom_retries`` in the
-JSON); a stage that cannot fit at micro-batch 1, or whose share of ``--budget-s`` is spent, is reported in
-``skipped`` instead of crashing the check. The budget and each stage's share are printed at the start.
+The check runs in stages (``STAGE_BOXES``: ``smoke``, ``search``, ``main``, ``chunks_2``, ``llama``; ``--stages``
+picks some): each in a time box (its share of ``--budget-s``), each writing ``$OUT/<stage>.json`` the moment it
+ends and catching its own error in one line (``errors`` in the JSON; ``gpu_check_stages.run_stage``), so a
+late NCCL, compile or cuBLAS error keeps the stages that finished. The ``smoke`` stage (versions, one-rank
+NCCL, GEMM and SDPA ceilings, one compile: ``gpu_check_stages.smoke``) runs first. Every stage that builds an
+engine halves its micro-batch and retries on out-of-memory (``oom_retries``); a stage that cannot fit at
+micro-batch 1 is reported in ``skipped``. ``PYTORCH_CUDA_ALLOC_CONF`` defaults to ``expandable_segments:True``
+and is recorded (``alloc_conf``). ``benchmarks/device_run.sh`` runs the smoke stage and the rest in two
+time-boxed processes within 8 minutes (``benchmarks/README.md``).
 ``compile_backend`` says whether the compiled islands ran (inductor needs a C compiler: ``c_compiler``).
 
 ``--dry-run`` runs the same code on CPU with the ``tiny`` and ``tiny-llama`` presets and a 256-token vocabulary
 in seconds and checks the JSON's shape (``check_result``); CI runs it through ``gpu_check.sh --dry-run``
 (``tests/test_gpu_check.py``), also with ``--simulate-oom STAGE`` (the first step of that stage raises
-``torch.cuda.OutOfMemoryError``). On CPU ``mfu`` and the memory figures are null (no known peak, no CUDA).
+``torch.cuda.OutOfMemoryError``) and ``--simulate-error STAGE`` (that stage raises; the others' results stay). On CPU ``mfu`` and the memory figures are null (no known peak, no CUDA).
 
     bash benchmarks/gpu_check.sh [--preset gpt3-1.3b] [--max-micro-batch 64] [--budget-s 420] [--dry-run]
 """
@@ -45,9 +52,14 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-import torch
+# The micro-batch search runs at the memory edge: expandable segments keep fragmentation from failing it
+# early (torch's CUDA caching allocator reads this at its first allocation; recorded in the result).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from domino.config import padded_vocab_size, parse_config  # noqa: E402
 from domino.model import GPTModel  # noqa: E402
@@ -56,10 +68,8 @@ from domino.parallel.kernels import c_compiler, kernels_for  # noqa: E402
 from domino.train import engine as engine_setup  # noqa: E402
 from domino.train.host_syncs import syncs_per_step  # noqa: E402
 from domino.train.throughput import detect_peak_tflops, training_flops_per_token  # noqa: E402
+from gpu_check_stages import LOSS_STEPS, STAGE_BOXES, check_result, run_stage, smoke, write_json  # noqa: E402,F401
 
-LOSS_STEPS = 20
-#: Each stage's share of ``--budget-s``: a stage starting after its cumulative share is skipped.
-STAGES = {"search": 0.25, "main": 0.6, "chunks_2": 0.75, "llama": 1.0}
 OutOfMemory = torch.cuda.OutOfMemoryError
 
 
@@ -244,95 +254,78 @@ def _llama_stage(args, device: torch.device, mb: int) -> Dict[str, Any]:
             "mfu": tflops / peak if peak else None, "loss_curve": losses, "loss_falls": _loss_falls(losses)}
 
 
-def measure(args) -> Dict[str, Any]:
+def _box(args, stage: str) -> float:
+    """The stage's time box: its share of ``--budget-s`` (420 s: ``STAGE_BOXES`` as they are)."""
+    return STAGE_BOXES[stage] * args.budget_s / sum(STAGE_BOXES.values())
+
+
+def _stage(args, name: str, body: Callable[[], Any], report: Dict[str, Any]) -> Any:
+    """``body()`` as the check's stage ``name`` (``run_stage``: time box, ``$OUT/<name>.json``, one-line error in
+    ``report["errors"]``); None when it failed or is not among ``--stages``."""
+    if name not in args.stages:
+        if name != "smoke":  # device_run.sh runs the smoke stage in a process of its own
+            report["skipped"][name] = "not in --stages"
+        return None
+
+    def simulated():
+        if args.simulate_error == name:
+            raise RuntimeError(f"simulated error in stage {name} (--simulate-error)")
+        return body()
+
+    ok, value = run_stage(name, simulated, os.environ.get("OUT"), _box(args, name))
+    if not ok:
+        report["errors"][name] = value
+    return value if ok else None
+
+
+def measure(args, report: Dict[str, Any]) -> Dict[str, Any]:
+    """The training stages after the smoke stage: each kept in ``$OUT`` as it ends, whatever fails later."""
     started = time.perf_counter()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    ends = {stage: started + share * args.budget_s for stage, share in STAGES.items()}
-    print(f"gpu_check: time budget {args.budget_s:.0f} s; each stage starts only before its end: "
-          + ", ".join(f"{stage} until {share * args.budget_s:.0f} s" for stage, share in STAGES.items()),
-          file=sys.stderr)
-    report: Dict[str, Any] = {"oom_retries": [], "skipped": {}}
-    search = largest_micro_batch(args, device, ends["search"])
-    mb = search["largest_that_fits"]
-    main = with_halving("main", mb, lambda m: _main_stage(args, device, m), report)
+    print(f"gpu_check: time budget {args.budget_s:.0f} s; time box per stage: "
+          + ", ".join(f"{stage} {_box(args, stage):.0f} s" for stage in STAGE_BOXES), file=sys.stderr)
+    search = _stage(args, "search", lambda: largest_micro_batch(
+        args, device, time.perf_counter() + 0.8 * _box(args, "search")), report)
+    mb = search["largest_that_fits"] if search else 1  # without the search, the smallest micro-batch
+    main = _stage(args, "main", lambda: with_halving("main", mb, lambda m: _main_stage(args, device, m), report),
+                  report)
     if main is None:
-        raise SystemExit("gpu_check: the measured steps do not fit even at micro-batch 1")
-    seconds = {1: main["seconds"]}
+        return {"errors": report["errors"], "skipped": report["skipped"], "oom_retries": report["oom_retries"],
+                "micro_batch": search, "seconds": time.perf_counter() - started}
     tokens_per_s = {"chunks_1": main["tokens_per_step"] / main["seconds"]}
-    if time.perf_counter() > ends["main"]:
-        report["skipped"]["chunks_2"] = "time budget spent"
-    elif main["micro_batch"] >= 2:
+    if main["micro_batch"] >= 2:
         even = main["micro_batch"] - main["micro_batch"] % 2
-        rate = with_halving("chunks_2", even, lambda m: _chunks_2_stage(args, device, m), report, minimum=2,
-                            even=True)
+        rate = _stage(args, "chunks_2", lambda: with_halving(
+            "chunks_2", even, lambda m: _chunks_2_stage(args, device, m), report, minimum=2, even=True), report)
         if rate is not None:
             tokens_per_s["chunks_2"] = rate
     else:
         report["skipped"]["chunks_2"] = "micro-batch 1 cannot be split into 2 chunks"
-    llama = None
-    if time.perf_counter() > ends["chunks_2"]:
-        report["skipped"]["llama"] = "time budget spent"
-    else:
-        llama = with_halving("llama", 1, lambda m: _llama_stage(args, device, m), report)
+    llama = _stage(args, "llama", lambda: with_halving("llama", 1, lambda m: _llama_stage(args, device, m), report),
+                   report)
+    if llama is None:
+        llama = {"error": report["errors"]["llama"]} if "llama" in report["errors"] else {
+            "skipped": report["skipped"].get("llama", "?")}
     peak = detect_peak_tflops()
     tflops = main["flops_per_token"] * tokens_per_s["chunks_1"] / 1e12
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "dry_run": args.dry_run, "preset": args.preset, "precision": "bf16", "tensor_model_parallel_size": 1,
         "seq_length": main["seq_length"], "padded_vocab_size": main["vocab"],
-        "micro_batch": {**search, "measured": main["micro_batch"]}, "tokens_per_s": tokens_per_s,
+        "micro_batch": {**(search or {"largest_that_fits": 1, "tried": {}}), "measured": main["micro_batch"]},
+        "tokens_per_s": tokens_per_s,
         "chunks_2_over_chunks_1": (tokens_per_s["chunks_2"] / tokens_per_s["chunks_1"]
                                    if "chunks_2" in tokens_per_s else None),
         "tflops_per_device": tflops, "peak_tflops": peak, "mfu": tflops / peak if peak else None,
         "peak_memory_gb": main["memory"]["allocated"], "peak_reserved_gb": main["memory"]["reserved"],
         "syncs_per_iteration": main["syncs"]["per_iteration"], "syncs": main["syncs"],
-        "loss_curve": main["losses"], "loss_falls": _loss_falls(main["losses"]),
-        "llama": llama if llama is not None else {"skipped": report["skipped"].get("llama", "?")},
+        "loss_curve": main["losses"], "loss_falls": _loss_falls(main["losses"]), "llama": llama,
         "compile_backend": kernels_for(device).compile_backend, "c_compiler": c_compiler(),
         "cudnn_version": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
-        "oom_retries": report["oom_retries"], "skipped": report["skipped"],
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "oom_retries": report["oom_retries"], "skipped": report["skipped"], "errors": report["errors"],
         "budget_s": args.budget_s, "torch": torch.__version__, "seconds": time.perf_counter() - started,
     }
-
-
-#: Keys of the result and the types their values may have.
-RESULT_SHAPE = {
-    "device": (str,), "dry_run": (bool,), "preset": (str,), "precision": (str,), "tensor_model_parallel_size": (int,),
-    "seq_length": (int,), "padded_vocab_size": (int,), "micro_batch": (dict,), "tokens_per_s": (dict,),
-    "chunks_2_over_chunks_1": (float, type(None)), "tflops_per_device": (float,), "peak_tflops": (float, type(None)),
-    "mfu": (float, type(None)), "peak_memory_gb": (float, type(None)), "peak_reserved_gb": (float, type(None)),
-    "syncs_per_iteration": (float,), "syncs": (dict,), "loss_curve": (list,), "loss_falls": (bool,),
-    "llama": (dict,), "compile_backend": (str, type(None)), "c_compiler": (str, type(None)),
-    "cudnn_version": (int, type(None)), "oom_retries": (list,),
-    "skipped": (dict,), "budget_s": (float,), "torch": (str,), "seconds": (float,),
-}
-
-
-def check_result(result: Dict[str, Any]) -> None:
-    """Raises ValueError naming the first key whose presence, type or value is wrong."""
-    for key, types in RESULT_SHAPE.items():
-        if key not in result:
-            raise ValueError(f"gpu_check result: '{key}' is missing")
-        if not isinstance(result[key], types):
-            raise ValueError(f"gpu_check result: '{key}' is {type(result[key]).__name__}, expected "
-                             f"{' or '.join(t.__name__ for t in types)}")
-    if len(result["loss_curve"]) != LOSS_STEPS or not all(isinstance(x, float) for x in result["loss_curve"]):
-        raise ValueError(f"gpu_check result: 'loss_curve' must hold {LOSS_STEPS} floats")
-    if result["micro_batch"].get("largest_that_fits", 0) < 1 or "chunks_1" not in result["tokens_per_s"]:
-        raise ValueError("gpu_check result: no micro-batch fitted or no chunks_1 throughput")
-    llama = result["llama"]
-    if "skipped" in llama:
-        if result["skipped"].get("llama") != llama["skipped"]:
-            raise ValueError("gpu_check result: 'llama' was skipped but 'skipped' does not say why")
-    else:
-        if len(llama.get("loss_curve", [])) != LOSS_STEPS or not isinstance(llama.get("loss_falls"), bool):
-            raise ValueError(f"gpu_check result: 'llama' must hold a {LOSS_STEPS}-step 'loss_curve' and 'loss_falls'")
-        if not llama.get("tokens_per_s", 0) > 0:
-            raise ValueError(f"gpu_check result: 'llama' tokens_per_s must be positive, got {llama.get('tokens_per_s')}")
-    if any(not (v > 0) for v in result["tokens_per_s"].values()):
-        raise ValueError(f"gpu_check result: 'tokens_per_s' must be positive, got {result['tokens_per_s']}")
-    if torch.cuda.is_available() and result["peak_reserved_gb"] is None:
-        raise ValueError("gpu_check result: 'peak_reserved_gb' must be measured on CUDA")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -348,10 +341,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before timing chunks 2")
     parser.add_argument("--sync-steps", type=int, default=3, help="steps counted under the sync debug mode")
     parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="time budget of the measurements (default 420: the check with install and start-up "
-                             "within 8 minutes); each stage's share is printed")
+                        help="time budget of all stages (default 420: the check with install and start-up "
+                             "within 8 minutes); each stage's time box is printed")
     parser.add_argument("--simulate-oom", choices=["main", "chunks_2", "llama"],
                         help="with --dry-run: the first step of this stage raises out-of-memory (tests the retry)")
+    parser.add_argument("--stages", default=",".join(STAGE_BOXES),
+                        help=f"comma-separated stages to run (default all: {','.join(STAGE_BOXES)})")
+    parser.add_argument("--simulate-error", choices=list(STAGE_BOXES),
+                        help="with --dry-run: this stage raises an error (tests that the others' results stay)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, tiny preset, 256-token vocabulary, few steps: checks the script and its JSON")
@@ -361,25 +358,40 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.llama_preset, args.llama_layers = "tiny-llama", 0
         args.steps, args.warmup, args.sync_steps = 2, 1, 1
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    elif args.simulate_oom:
-        parser.error("--simulate-oom is for --dry-run")
+    elif args.simulate_oom or args.simulate_error:
+        parser.error("--simulate-oom and --simulate-error are for --dry-run")
     elif not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; use --dry-run to check the script on CPU", file=sys.stderr)
         return 2
+    args.stages = [stage.strip() for stage in args.stages.split(",") if stage.strip()]
+    unknown = sorted(set(args.stages) - set(STAGE_BOXES))
+    if unknown:
+        parser.error(f"--stages: unknown stage(s) {', '.join(unknown)}; known: {', '.join(STAGE_BOXES)}")
+    report: Dict[str, Any] = {"oom_retries": [], "skipped": {}, "errors": {}}
     # DeepSpeed prints its set-up to stdout: keep stdout for the one JSON object.
     with contextlib.redirect_stdout(sys.stderr):
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        checked = _stage(args, "smoke", lambda: smoke(device, args.dry_run), report)
+        if not set(args.stages) - {"smoke"}:
+            print(json.dumps({"smoke": checked, "errors": report["errors"]}))
+            return 4 if report["errors"] else 0
         engine_setup.initialize_runtime(_config(args, 1, 1))
-        result = measure(args)
-    check_result(result)
+        result = measure(args, report)
+        result["smoke"] = checked
+    write_json(os.environ.get("OUT"), "gpu_check", result)  # the device tool's folder: it comes back with the run
     print(json.dumps(result))
-    if os.environ.get("OUT"):  # the device tool's output folder: the file comes back with the run
-        with open(os.path.join(os.environ["OUT"], "gpu_check.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    if "loss_curve" not in result:
+        print(f"gpu_check: the main stage failed: {result['errors']}", file=sys.stderr)
+        return 4
+    check_result(result)
     for name, part in ((args.preset, result), (args.llama_preset, result["llama"])):
         if "loss_falls" in part and not part["loss_falls"]:
             print(f"gpu_check: the loss of {name} did not fall over {LOSS_STEPS} steps: {part['loss_curve']}",
                   file=sys.stderr)
             return 1
+    if result["errors"]:
+        print(f"gpu_check: stages failed: {result['errors']}", file=sys.stderr)
+        return 4
     if result["skipped"]:
         print(f"gpu_check: stages skipped: {result['skipped']}", file=sys.stderr)
         return 3

@@ -54,16 +54,18 @@ REQUIREMENTS: Dict[str, Tuple[str, str]] = {
     "einops": ("einops", ""), "hjson": ("hjson", ""), "msgpack": ("msgpack", ""), "ninja": ("ninja", ""),
     "packaging": ("packaging", "20.0"), "psutil": ("psutil", ""), "py-cpuinfo": ("cpuinfo", ""),
     "pydantic": ("pydantic", "2.0"),
-    # pydantic's (its core pinned exactly by pydantic itself):
-    "pydantic-core": ("pydantic_core", ""), "annotated-types": ("annotated_types", "0.6"),
-    "typing-extensions": ("typing_extensions", "4.12"), "typing-inspection": ("typing_inspection", "0.4"),
+    # pydantic 2.14.4's Requires-Dist (its METADATA; pydantic-core pinned exactly, ==2.50.5, which
+    # metadata_minima carries into the manifest), and typing-inspection 0.4.5's (typing-extensions>=4.15):
+    "pydantic-core": ("pydantic_core", "2.50.5"), "annotated-types": ("annotated_types", "0.6.0"),
+    "typing-extensions": ("typing_extensions", "4.16.0"), "typing-inspection": ("typing_inspection", "0.4.4"),
 }
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 DEFAULT_PYTHONS = "3.11,3.12"
 
 
 def _version_tuple(text: str) -> Tuple[int, ...]:
-    return tuple(int(n) for n in re.findall(r"\d+", text.split("+")[0])[:3])
+    numbers = tuple(int(n) for n in re.findall(r"\d+", text.split("+")[0])[:3])
+    return numbers + (0,) * (3 - len(numbers)) if numbers else ()  # 2.0 == 2.0.0; "" (no minimum) sorts first
 
 
 def pinned() -> Dict[str, str]:
@@ -71,6 +73,35 @@ def pinned() -> Dict[str, str]:
     import importlib.metadata as metadata
 
     return {name: metadata.version(name) for name in REQUIREMENTS}
+
+
+def metadata_minima(requires: Sequence[str]) -> Dict[str, Tuple[str, str]]:
+    """``{distribution: (operator, version)}``: the highest ``>=`` (or an ``==`` pin) each of ``requires`` (the
+    ``Requires-Dist`` values of the bundle's wheels' METADATA) asks of a distribution of :data:`REQUIREMENTS`;
+    requirements of extras or other platforms' markers are left out."""
+    found: Dict[str, Tuple[str, str]] = {}
+    for line in requires:
+        requirement, _, marker = line.partition(";")
+        if "extra" in marker or "Windows" in marker:
+            continue
+        match = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[[^]]*\])?\s*\(?\s*(>=|==)\s*([0-9][^,)\s]*)", requirement)
+        if match is None:
+            continue
+        name, op, version = match.group(1).lower().replace("_", "-"), match.group(2), match.group(3)
+        if name not in REQUIREMENTS:
+            continue
+        if op == "==" or name not in found or (found[name][0] != "==" and
+                                                _version_tuple(version) > _version_tuple(found[name][1])):
+            found[name] = (op, version)
+    return found
+
+
+def _wheel_requires(wheel_path: Path) -> List[str]:
+    """The ``Requires-Dist`` values of a wheel's METADATA."""
+    with zipfile.ZipFile(wheel_path) as wheel:
+        name = next(n for n in wheel.namelist() if re.match(r"^[^/]+\.dist-info/METADATA$", n))
+        text = wheel.read(name).decode("utf-8", "replace")
+    return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
 
 
 def download_commands(out: Path, pythons: Sequence[str], pins: Dict[str, str]) -> List[List[str]]:
@@ -101,6 +132,8 @@ def prepare(out: Path, pythons: Sequence[str], dry_run: bool) -> Dict[str, objec
     plan["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
                      for f in files}
     plan["total_bytes"] = sum(f["bytes"] for f in plan["files"].values())
+    # What the wheels themselves require of each other (install keeps a machine's copy only above these).
+    plan["minima"] = metadata_minima([r for f in files for r in _wheel_requires(f)])
     (out / "manifest.json").write_text(json.dumps(plan, indent=1))
     if plan["total_bytes"] > plan["limit_bytes"]:
         raise SystemExit(f"gpu_check_bundle: {out} holds {plan['total_bytes'] / 2**20:.1f} MiB of wheels, over the "
@@ -180,8 +213,13 @@ def install(bundle: Path, target: Path, python: Tuple[int, int] = sys.version_in
     done: Dict[str, str] = {}
     for distribution, version in manifest["requirements"].items():
         import_name, minimum = REQUIREMENTS.get(distribution, (distribution.replace("-", "_"), ""))
+        op, needed = manifest.get("minima", {}).get(distribution, (">=", ""))
+        if _version_tuple(needed) > _version_tuple(minimum):
+            minimum = needed
         have = _installed_version(distribution)
-        if distribution != "deepspeed" and have is not None and _version_tuple(have) >= _version_tuple(minimum):
+        enough = have is not None and (_version_tuple(have) == _version_tuple(needed) if op == "==" else
+                                       _version_tuple(have) >= _version_tuple(minimum))
+        if distribution != "deepspeed" and enough:
             done[distribution] = f"present ({have})"
             continue
         matching = [w for w in wheels if _wheel_tags(w.name)[:2] == (distribution, version) and wheel_fits(w.name, python)]

@@ -1,9 +1,11 @@
-"""Host reads of tensor values (device syncs on a GPU) per training iteration, per rank, before and after.
+"""Host reads of tensor values (device syncs on a GPU) and device tensors made from Python numbers (host-to-device
+copies the host waits for on a GPU) per training iteration, per rank, before and after.
 
 Runs a short `domino pretrain` under the counting probe of ``domino/train/host_syncs.py`` for a few layouts,
 on this checkout and on a baseline commit (default ``ec44f0d``, extracted with ``git archive``), and prints
 reads per iteration per rank inside iterations (``step``: between log intervals) by owner (domino, deepspeed),
-and per log interval. Iterations run with ``--log-interval 5`` so most iterations are not logged.
+the device tensors made from Python numbers per iteration (``copies/iter``, all owners), and reads per log
+interval. Iterations run with ``--log-interval 5`` so most iterations are not logged.
 
     python benchmarks/host_syncs.py [--baseline ec44f0d] [--iters 10] [--json]
 """
@@ -40,6 +42,8 @@ LAYOUTS = {
                                      "--zero-stage", "1"]),
     "DP=2, ZeRO-1": (2, []),
     "DP=2, ZeRO-1, --clip-grad 0": (2, ["--clip-grad", "0"]),
+    "DP=2, bf16 ZeRO-2": (2, ["--bf16", "--zero-stage", "2"]),
+    "DP=2, fp16 ZeRO-1": (2, ["--fp16", "--zero-stage", "1"]),
 }
 
 
@@ -75,14 +79,16 @@ def _summary(events_by_rank: list, iters: int) -> dict:
     logs = -(-iters // 5)
     ranks = len(events_by_rank)
 
-    def total(phase, owner=None):
+    def total(phase, owner=None, copies=False):
         return sum(e["count"] for events in events_by_rank for e in events
-                   if e["phase"] == phase and (owner is None or e["owner"] == owner)) / ranks
+                   if e["phase"] == phase and (owner is None or e["owner"] == owner)
+                   and e["method"].endswith("->device") == copies) / ranks
 
     sites = sorted({f"{e['owner']}: {e['where']} ({e['method']})" for events in events_by_rank for e in events
                     if e["phase"] == "step"})
     return {"domino_per_iter": total("step", "domino") / iters, "deepspeed_per_iter": total("step", "deepspeed") / iters,
-            "other_per_iter": total("step", "other") / iters, "per_log_interval": total("log") / logs,
+            "other_per_iter": total("step", "other") / iters, "copies_per_iter": total("step", copies=True) / iters,
+            "per_log_interval": total("log") / logs,
             "step_sites": sites}
 
 
@@ -109,12 +115,13 @@ def main() -> None:
     if args.json:
         print(json.dumps({f"{k[0]} | {k[1]}": v for k, v in results.items()}, indent=2))
         return
-    print(f"host reads of tensor values per rank ({args.iters} iterations, --log-interval 5)")
+    print(f"host reads of tensor values and device tensors from Python numbers per rank ({args.iters} iterations, "
+          "--log-interval 5)")
     print(f"{'layout':36s} {'code':9s} {'domino/iter':>11s} {'deepspeed/iter':>14s} {'other/iter':>10s} "
-          f"{'per log':>8s}")
+          f"{'copies/iter':>11s} {'per log':>8s}")
     for (name, label), r in results.items():
         print(f"{name:36s} {label:9s} {r['domino_per_iter']:11.2f} {r['deepspeed_per_iter']:14.2f} "
-              f"{r['other_per_iter']:10.2f} {r['per_log_interval']:8.1f}")
+              f"{r['other_per_iter']:10.2f} {r.get('copies_per_iter', 0.0):11.2f} {r['per_log_interval']:8.1f}")
     print("\nsites read inside iterations (now):")
     for (name, label), r in results.items():
         if label == "now":

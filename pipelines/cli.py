@@ -52,11 +52,20 @@ def _toleration_kwargs(toleration: Any) -> Dict[str, str]:
 
 def run_command(args: argparse.Namespace) -> int:
     """``domino pipeline run``: the whole pipeline locally (kfp.local + the local launcher backend), with the
-    demo's settings (or the pipeline's defaults with ``--quick``) under the ``--param`` values."""
+    demo's settings (or the pipeline's defaults with ``--quick``) under the ``--param`` values.
+
+    Without a ``mlflow_tracking_uri`` parameter the run tracks to ``$MLFLOW_TRACKING_URI`` when it is set
+    (MLflow's own convention, as ``domino pretrain`` and ``domino evaluate`` read it)."""
+    import os
+
+    from domino.tracking import TRACKING_URI_ENV
     from pipelines.local_run import DEMO_PARAMS, QUICK_PARAMS, run_local
 
     profile = QUICK_PARAMS if getattr(args, "quick", False) else DEMO_PARAMS
-    values = {**profile, **parse_param_args(args.param or [])}
+    given = parse_param_args(args.param or [])
+    if "mlflow_tracking_uri" not in given and os.environ.get(TRACKING_URI_ENV):
+        given["mlflow_tracking_uri"] = os.environ[TRACKING_URI_ENV]
+    values = {**profile, **given}
     check_training_config(values)
     run_local(args.output_dir, values)
     return 0

@@ -30,6 +30,13 @@ def test_dry_run_prints_one_valid_json_object_retries_out_of_memory_and_the_loss
     result = json.loads(proc.stdout)  # stdout holds the JSON object and nothing else
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == result
     assert "time budget 420 s" in proc.stderr
+    assert result["alloc_conf"] == "expandable_segments:True" and result["errors"] == {}
+    smoke = json.loads((tmp_path / "smoke.json").read_text())  # the smoke stage ran first, kept on its own
+    assert smoke["ok"] and smoke["result"]["all_reduce"] == {**smoke["result"]["all_reduce"], "backend": "gloo",
+                                                             "correct": True}
+    assert result["smoke"] == smoke["result"] and smoke["result"]["gemm_bf16_tflops"] > 0
+    assert {p.name for p in tmp_path.glob("*.json")} == {
+        "smoke.json", "search.json", "main.json", "chunks_2.json", "llama.json", "gpu_check.json"}
     _gpu_check_module().check_result(result)
     assert result["dry_run"] is True and result["device"] == "cpu" and result["precision"] == "bf16"
     assert result["micro_batch"] == {"largest_that_fits": 4, "tried": {"1": True, "2": True, "4": True},
@@ -43,6 +50,40 @@ def test_dry_run_prints_one_valid_json_object_retries_out_of_memory_and_the_loss
     llama = result["llama"]
     assert llama["preset"] == "tiny-llama" and llama["tokens_per_s"] > 0
     assert llama["loss_falls"] and llama["loss_curve"][-1] < llama["loss_curve"][0]
+
+
+def test_a_stage_failing_after_another_finished_keeps_the_first_ones_result(tmp_path):
+    """The LLaMA stage raises after the main stage wrote its JSON: main.json stays, llama.json holds the error in
+    one line, the combined result carries both, and the exit status says a stage failed (4)."""
+    env = dict(os.environ, PYTHON=sys.executable, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", OUT=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run", "--stages",
+                           "main,llama", "--simulate-error", "llama"],
+                          cwd="/", env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 4, proc.stderr[-4000:]
+    main = json.loads((tmp_path / "main.json").read_text())
+    assert main["ok"] and len(main["result"]["losses"]) == 20 and main["result"]["micro_batch"] == 1
+    llama = json.loads((tmp_path / "llama.json").read_text())
+    assert llama == {**llama, "stage": "llama", "ok": False,
+                     "error": "RuntimeError: simulated error in stage llama (--simulate-error)"}
+    result = json.loads(proc.stdout)
+    assert result["llama"] == {"error": llama["error"]} and result["errors"] == {"llama": llama["error"]}
+    assert result["skipped"] == {"search": "not in --stages", "chunks_2": "micro-batch 1 cannot be split into 2 chunks"}
+    _gpu_check_module().check_result(result)
+    assert "stage llama failed" in proc.stderr and not (tmp_path / "smoke.json").exists()
+
+
+def test_a_stage_past_its_time_box_or_raising_is_reported_in_one_line(tmp_path):
+    import time
+
+    stages = load_benchmark("gpu_check_stages")
+    assert stages.run_stage("slow", lambda: time.sleep(3), str(tmp_path), 0.2) == (
+        False, "StageTimeout: stage slow ran past its 0.2 s time box")
+    assert stages.run_stage("exits", lambda: sys.exit("gpu_check: no fit\nmore"), str(tmp_path), 5) == (
+        False, "SystemExit: gpu_check: no fit")
+    assert stages.run_stage("fine", lambda: {"x": 1}, str(tmp_path), 5) == (True, {"x": 1})
+    assert json.loads((tmp_path / "fine.json").read_text())["result"] == {"x": 1}
+    assert not json.loads((tmp_path / "slow.json").read_text())["ok"]
 
 
 def test_a_stage_that_never_fits_is_skipped_and_reported():
@@ -79,7 +120,7 @@ def _result():
             "peak_reserved_gb": None, "syncs_per_iteration": 0.0, "syncs": {},
             "loss_curve": [float(20 - i) for i in range(20)], "loss_falls": True, "torch": "2", "seconds": 1.0,
             "compile_backend": None, "c_compiler": None, "cudnn_version": None, "oom_retries": [], "skipped": {},
-            "budget_s": 420.0,
+            "errors": {}, "alloc_conf": "expandable_segments:True", "budget_s": 420.0,
             "llama": {"preset": "tiny-llama", "num_layers": 2, "micro_batch": 1, "tokens_per_s": 5.0,
                       "tflops_per_device": 0.1, "mfu": None, "loss_curve": [float(20 - i) for i in range(20)],
                       "loss_falls": True}}
@@ -94,6 +135,8 @@ def _result():
     (lambda r: r["llama"].update(loss_curve=[1.0]), "'llama' must hold a 20-step 'loss_curve'"),
     (lambda r: r["llama"].update(tokens_per_s=0.0), "'llama' tokens_per_s must be positive"),
     (lambda r: r.update(llama={"skipped": "time budget spent"}), "'llama' was skipped but 'skipped' does not say"),
+    (lambda r: r.update(llama={"error": "RuntimeError: x"}), "'llama' failed but 'errors' does not say how"),
+    (lambda r: r.pop("errors"), "'errors' is missing"),
 ])
 def test_check_result_names_what_is_wrong(change, message):
     module = _gpu_check_module()
@@ -105,3 +148,23 @@ def test_check_result_names_what_is_wrong(change, message):
     change(result)
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         module.check_result(result)
+
+
+def test_device_run_keeps_to_eight_minutes_and_rehearses_on_cpu(tmp_path):
+    """benchmarks/device_run.sh: its steps' time boxes (plus timeout's 10 s grace each) stay within 8 minutes,
+    and its dry run leaves every stage's JSON and the log in $OUT."""
+    import re
+
+    script = (REPO / "benchmarks" / "device_run.sh").read_text()
+    boxes = [int(b) for b in re.findall(r"^\s*step \w+ (\d+) ", script, flags=re.M)]
+    assert len(boxes) == 3 and sum(boxes) + 10 * len(boxes) <= 480
+    env = dict(os.environ, PYTHON=sys.executable, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", OUT=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "device_run.sh"), "--dry-run"], cwd="/", env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for stage in ("smoke", "search", "main", "chunks_2", "llama"):
+        assert json.loads((tmp_path / f"{stage}.json").read_text())["ok"], stage
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["skipped"] == {}
+    log = (tmp_path / "device_run.log").read_text()
+    assert "device_run: smoke exited 0" in log and "device_run: training exited 0" in log

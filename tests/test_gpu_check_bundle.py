@@ -119,3 +119,34 @@ def test_the_device_checks_torch_range_is_pyprojects():
     low, high = re.fullmatch(r"torch>=(\d+)\.(\d+),<(\d+)\.(\d+)", spec).group(1, 2), \
         re.fullmatch(r"torch>=(\d+)\.(\d+),<(\d+)\.(\d+)", spec).group(3, 4)
     assert _bundle_module().TORCH_RANGE == (tuple(map(int, low)), tuple(map(int, high)))
+
+
+def test_the_minima_are_at_least_what_the_pinned_wheels_metadata_requires():
+    """The bundle's wheels are the versions installed here, so their METADATA is these dists' Requires-Dist:
+    no minimum of REQUIREMENTS may be below what another wheel requires (pydantic 2.14.4 needs
+    typing-extensions>=4.16.0; the table said 4.12, and a machine's 4.12 would have been kept)."""
+    module = _bundle_module()
+    requires = [r for name in module.REQUIREMENTS for r in (importlib.metadata.requires(name) or [])]
+    needed = module.metadata_minima(requires)
+    assert needed["typing-extensions"][1] == "4.16.0" and needed["pydantic-core"][0] == "=="
+    for name, (op, version) in needed.items():
+        table = module.REQUIREMENTS[name][1]
+        assert module._version_tuple(table) >= module._version_tuple(version), (name, table, op, version)
+
+
+def test_prepare_records_the_wheels_minima_and_install_replaces_a_copy_below_them(tmp_path):
+    module = _bundle_module()
+    wheels = tmp_path / "bundle" / "wheels"
+    wheels.mkdir(parents=True)
+    _wheel(wheels, "tqdm-99.0-py3-none-any.whl", {"tqdm_h40_marker.py": "OURS = True\n",
+                                                   "tqdm-99.0.dist-info/METADATA": "Name: tqdm\nVersion: 99.0\n"})
+    _wheel(wheels, "h30_user-1.0-py3-none-any.whl", {"h30-user-1.0.dist-info/METADATA":
+                                                      "Name: h30-user\nRequires-Dist: tqdm>=99.0\n"
+                                                      "Requires-Dist: numpy (>=1.0) ; extra == 'x'\n"})
+    minima = module.metadata_minima([r for w in sorted(wheels.glob("*.whl")) for r in module._wheel_requires(w)])
+    assert minima == {"tqdm": (">=", "99.0")}
+    (tmp_path / "bundle" / "manifest.json").write_text(json.dumps({
+        "requirements": {"tqdm": "99.0"}, "python_versions": ["3.11"], "minima": minima}))
+    done = module.install(tmp_path / "bundle", tmp_path / "site", python=(3, 11), torch_version="2.13.0")
+    assert done == {"tqdm": "installed tqdm-99.0-py3-none-any.whl"}  # this machine's tqdm is below 99.0
+    assert (tmp_path / "site" / "tqdm_h40_marker.py").exists()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import time
 from typing import Any, Callable, Dict, List
 
@@ -27,7 +26,7 @@ from domino.launch.api import BACKENDS
 from domino.launch.job_api import job_api
 from domino.launch.naming import label_value
 from domino.launch.parallel_layout import layout_flags
-from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, Toleration, default_namespace
+from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, Toleration, credential_names, default_namespace
 from domino.tracking import CREDENTIAL_KEYS, CREDENTIAL_SECRET, KFP_RUN_ID_ENV, TRACKING_URI_ENV, read_pointer
 from domino.tracking.registry import volume_uri
 
@@ -134,16 +133,9 @@ def _json_param(settings: PretrainSettings, name: str) -> Any:
     return value
 
 
-#: Names that say a value is a credential. Run parameters are stored and shown in plain text by KFP (the
-#: run's details page, its API, the pipeline's database), so such a value must come from a Secret. The words
-#: stand between underscores or the name's ends: HF_TOKEN is one, TOKENIZERS_PARALLELISM is not.
-_SECRET_NAME = re.compile(r"(?:^|_)(?:TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIALS?)"
-                          r"(?:_|$)", re.I)
-
-
 def _literal_env(env: Dict[str, str]) -> Dict[str, str]:
     """The literal ``env`` parameter, refusing a variable whose name says it holds a credential."""
-    secret = sorted(name for name, value in env.items() if value and _SECRET_NAME.search(name))
+    secret = credential_names(env)  # the same rule as `domino launch --env` (domino/launch/spec.py)
     if secret:
         raise ValueError(f"env: {', '.join(secret)} look(s) like credentials, and run parameters are stored in plain "
                          "text: put the value in a Kubernetes Secret and name it in env_secrets "

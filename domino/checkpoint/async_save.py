@@ -60,10 +60,11 @@ class CheckpointSaver:
         self.claim = SaveRootClaim(config.checkpoint.save) if config.checkpoint.save else None
 
     def save(self, engine, iteration: int, consumed_samples: int, padded_vocab_size: int, tokenizer=None,
-             global_batch_size: Optional[int] = None) -> Path:
+             global_batch_size: Optional[int] = None, schedule: Optional[dict] = None) -> Path:
         """Saves checkpoint ``iter_{iteration}`` (collective); returns its final directory."""
         return checkpointing.save_checkpoint(engine, self.config, iteration, consumed_samples, padded_vocab_size,
-                                             tokenizer, global_batch_size=global_batch_size, claim=self.claim)
+                                             tokenizer, global_batch_size=global_batch_size, claim=self.claim,
+                                             schedule=schedule)
 
     def poll(self) -> Optional[Path]:
         """Called at every step boundary on every rank: commits a finished background save (none here)."""
@@ -127,7 +128,7 @@ class AsyncCheckpointSaver(CheckpointSaver):
             self._agree_group = dist.new_group(backend="gloo", timeout=timeout)
 
     def save(self, engine, iteration: int, consumed_samples: int, padded_vocab_size: int, tokenizer=None,
-             global_batch_size: Optional[int] = None) -> Path:
+             global_batch_size: Optional[int] = None, schedule: Optional[dict] = None) -> Path:
         """Waits for the previous save, snapshots this one and starts writing it (collective); returns the
         directory it will have once committed."""
         self.wait()  # at most one save in flight
@@ -137,7 +138,8 @@ class AsyncCheckpointSaver(CheckpointSaver):
         def take():
             nonlocal snapshot
             snapshot = checkpointing.take_snapshot(engine, self.config, iteration, consumed_samples,
-                                                   padded_vocab_size, tokenizer, global_batch_size, host_copy)
+                                                   padded_vocab_size, tokenizer, global_batch_size, schedule,
+                                                   host_copy)
             snapshot.copied = _copies_landed()
 
         try:
@@ -210,4 +212,7 @@ class AsyncCheckpointSaver(CheckpointSaver):
 def make_saver(config: DominoConfig) -> CheckpointSaver:
     """The saver ``--async-save`` asks for (call on every rank: the asynchronous one creates process groups)."""
     c = config.checkpoint
-    return AsyncCheckpointSaver(config) if c.async_save and c.save else CheckpointSaver(config)
+    saver = AsyncCheckpointSaver(config) if c.async_save and c.save else CheckpointSaver(config)
+    if saver.claim is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        saver.claim.sweep_trash()  # also for a run that will save nothing
+    return saver

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from domino.atomic_files import atomic_write, fsync_directory
-from domino.checkpoint import distributed_io, manifest, optimizer_state, per_rank_state, on_disk
+from domino.checkpoint import discovery, distributed_io, manifest, optimizer_state, per_rank_state, on_disk
 from domino.config import DominoConfig, config_to_dict
 from domino.pipeline.stages import stored_name
 from domino.runtime import state
@@ -182,7 +182,7 @@ def prepare(config: DominoConfig, iteration: int, engine, group=None, claim=None
 
 
 def take_snapshot(engine, config: DominoConfig, iteration: int, consumed_samples: int, padded_vocab_size: int,
-                  tokenizer=None, global_batch_size: Optional[int] = None,
+                  tokenizer=None, global_batch_size: Optional[int] = None, schedule: Optional[dict] = None,
                   to_host: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Snapshot:
     """This rank's part of checkpoint ``iter_{iteration}`` (collective over each data-parallel group: the
     optimizer state is gathered from its ZeRO fragments).
@@ -231,6 +231,7 @@ def take_snapshot(engine, config: DominoConfig, iteration: int, consumed_samples
             "data_parallel_size": state.get_data_parallel_world_size(),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "global_batch_size": global_batch_size,
+            "schedule": schedule,  # domino.train.schedule_check.record: checked on resume
             "optimizer": ({"format": "by-name", **scalars.to_json()} if snapshot.optimizer is not None
                           else {"format": "per-rank"}),
             "padded_vocab_size": padded_vocab_size, "tokenizer": config.data.tokenizer,
@@ -304,7 +305,7 @@ def commit(snapshot: Snapshot, config: DominoConfig, group=None) -> Path:
 
 def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_samples: int,
                     padded_vocab_size: int, tokenizer=None, global_batch_size: Optional[int] = None,
-                    claim=None) -> Path:
+                    claim=None, schedule: Optional[dict] = None) -> Path:
     """Writes checkpoint ``iter_{iteration:07d}`` under ``--save`` from every rank (collective).
 
     Three agreed phases (rank 0 prepares the temporary directory; every rank writes its files; rank 0
@@ -313,8 +314,8 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
     :mod:`domino.checkpoint.async_save` runs the same phases with the writing in the background.
 
     Args:
-        global_batch_size: samples per iteration, recorded so a resume with another one is refused.
-        claim: the run's claim on the save root (:func:`prepare`).
+        global_batch_size: samples per iteration, recorded so a resume with another one is refused; ``schedule``
+            (the learning-rate schedule and batch ramp) likewise. ``claim``: the run's claim on the save root.
 
     Returns:
         The final checkpoint directory.
@@ -330,7 +331,7 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
         def snapshot_and_write_optimizer():
             nonlocal snapshot
             snapshot = take_snapshot(engine, config, iteration, consumed_samples, padded_vocab_size, tokenizer,
-                                     global_batch_size)
+                                     global_batch_size, schedule=schedule)
             return write_optimizer(snapshot)
 
         optimizer_files = collective(f"saving checkpoint {tag} (optimizer state)", snapshot_and_write_optimizer)
@@ -393,7 +394,7 @@ def resume_hint(config: DominoConfig) -> str:
 def _prune(root: Path, keep_last: Optional[int], keep: str, iteration: int) -> None:
     if not keep_last:
         return
-    tags = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_"))
+    tags = [p.name for p in reversed(discovery.checkpoints_below(root, None))]  # by number, oldest first
     for tag in tags[:-keep_last]:
         if tag != keep:
             _remove_checkpoint(root / tag, iteration)

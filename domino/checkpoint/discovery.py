@@ -75,7 +75,7 @@ def _resolve(directory: str, flag: str, strict: bool = False) -> Union[None, Pat
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         return None
     if path.is_dir() and not (path / "latest").exists() and not (path / "checkpoint.json").exists():
-        if any(_checkpoints_below(path, None)):  # killed after the first rename in, before `latest` was written
+        if any(checkpoints_below(path, None)):  # killed after the first rename in, before `latest` was written
             return _newest_complete(path, None, f"{flag} {directory} has no 'latest' file", strict)
         foreign = [p.name for p in path.iterdir() if _looks_like_a_model(p.name)]
         if not foreign:
@@ -109,8 +109,9 @@ def _report_newer(root: Path, named: Path) -> None:
     that iteration again (the old one renamed aside and deleted last, :func:`checkpointing._commit`)."""
     if named.parent != root:
         return
-    newer = [p.name for p in _checkpoints_below(root, None) if p.name > named.name
-             and (p / manifest.MANIFEST_FILE).is_file()]
+    mine = on_disk.tag_iteration(named.name)
+    newer = [p.name for p in checkpoints_below(root, None) if mine is not None
+             and on_disk.tag_iteration(p.name) > mine and (p / manifest.MANIFEST_FILE).is_file()]
     if newer:
         logger.warning("%s: `latest` names %s, but newer sealed checkpoints exist: %s (a save killed between its "
                        "rename and `latest`, or another run's); resuming %s, as `latest` says (a save of the same "
@@ -126,17 +127,19 @@ def _looks_like_a_model(name: str) -> bool:
     return name in _MODEL_FILES or name.endswith(_MODEL_SUFFIXES)
 
 
-def _checkpoints_below(root: Path, tag: Optional[str]):
-    """The ``iter_*`` directories of ``root`` before ``tag`` (all of them for ``None``), newest first."""
-    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_")
-                   and (tag is None or p.name < tag)), key=lambda p: p.name, reverse=True)
+def checkpoints_below(root: Path, tag: Optional[str]):
+    """The ``iter_*`` directories of ``root`` before ``tag`` (all of them for ``None``), newest first, ordered by
+    number (:func:`~domino.checkpoint.on_disk.tag_iteration`)."""
+    below = on_disk.tag_iteration(tag) if tag is not None else None
+    found = [(on_disk.tag_iteration(p.name), p) for p in root.iterdir() if p.is_dir()]
+    return [p for n, p in sorted((n, p) for n, p in found if n is not None and (below is None or n < below))[::-1]]
 
 
 def _newest_complete(root: Path, below: Optional[str], problem: str, strict: bool) -> Checkpoint:
     """The newest intact checkpoint of ``root`` (before ``below``), when ``latest`` cannot be followed."""
     if strict:
         raise ConfigError(f"{problem} (--strict-load refuses to fall back)")
-    for candidate in _checkpoints_below(root, below):
+    for candidate in checkpoints_below(root, below):
         judged = _judge(candidate)
         if isinstance(judged, Checkpoint):
             logger.warning("%s: resuming from the newest complete checkpoint, %s (pass --strict-load to refuse "
@@ -147,7 +150,7 @@ def _newest_complete(root: Path, below: Optional[str], problem: str, strict: boo
 
 def _older_checkpoints(ckpt: Path):
     """The checkpoints beside ``ckpt`` with a lower iteration, newest first."""
-    return _checkpoints_below(ckpt.parent, ckpt.name)
+    return checkpoints_below(ckpt.parent, ckpt.name)
 
 
 def _judge(path: Path) -> Union[Checkpoint, str]:

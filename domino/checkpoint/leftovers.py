@@ -39,7 +39,13 @@ logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".save.lock"
 LEFTOVER_GLOB = ".tmp-iter_*"
+TRASH_GLOB = ".trash-iter_*"
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+#: What an NFS client returns where its server refuses to convert a held lock. NFSv4 servers without atomic
+#: downgrade answer LOCK with NFS4ERR_LOCK_NOTSUPP (RFC 7530, 16.10.5), which Linux's client maps to EIO (it has
+#: no case for it in ``nfs4_map_errors``, ``fs/nfs/nfs4proc.c``: every unmapped NFSv4 error becomes ``-EIO``);
+#: NLM (NFSv3) refusals come back as ENOLCK.
+_CONVERSION_REFUSED = (errno.EIO, *_NO_LOCKS)
 
 
 class SaveRootClaim:
@@ -80,7 +86,15 @@ class SaveRootClaim:
                             self.root, LOCK_FILE, ", ".join(leftovers))
         # Shared from now on: other runs may claim the root too, but none can sweep it while this one lives.
         # Waits only while another run holds the exclusive lock for its own sweep.
-        fcntl.lockf(descriptor, fcntl.LOCK_SH)
+        try:
+            fcntl.lockf(descriptor, fcntl.LOCK_SH)
+        except OSError as error:
+            if not (alone and error.errno in _CONVERSION_REFUSED):
+                raise
+            # Still exclusive: nothing can sweep while this run lives, as intended; a second run claiming the root
+            # waits at its first save until this one ends, instead of this one failing.
+            logger.warning("%s: the file system refused to turn the exclusive lock on %s into a shared one (%s): "
+                           "keeping it exclusive", self.root, LOCK_FILE, os.strerror(error.errno))
         return removed
 
     def _sweep(self) -> List[str]:
@@ -92,6 +106,23 @@ class SaveRootClaim:
         if removed:
             logger.warning("removed %d temporary director%s of interrupted saves from %s: %s", len(removed),
                            "y" if len(removed) == 1 else "ies", self.root, ", ".join(removed))
+        return removed
+
+    def sweep_trash(self) -> List[str]:
+        """Removes the checkpoints renamed aside (``.trash-iter_*``) that a save killed while deleting them left.
+
+        Each is a replaced or pruned checkpoint that resume never reads (:mod:`domino.checkpoint.discovery` looks
+        at ``latest`` and ``iter_*`` only) and every save deletes anyway, so no lock is needed; a run that saves
+        nothing (restarted after its last iteration) calls this at its start, as its saves would have.
+        """
+        removed = []
+        for trash in sorted(self.root.glob(TRASH_GLOB)) if self.root.is_dir() else ():
+            if trash.is_dir() and not trash.is_symlink():
+                shutil.rmtree(trash, ignore_errors=True)  # another run deleting it too: either finishes it
+                removed.append(trash.name)
+        if removed:
+            logger.info("removed %s from %s (checkpoints replaced or pruned, left by a save killed while deleting "
+                        "them)", ", ".join(removed), self.root)
         return removed
 
     def release(self) -> None:

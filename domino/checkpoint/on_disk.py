@@ -66,6 +66,32 @@ def checkpoint_tag(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
+#: A tensor name that may become a file name: no separator, not ``.`` or ``..``, nothing hidden, at most 200
+#: characters (with ``.safetensors``, within the 255 bytes of a file name on Linux file systems).
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
+
+
+def check_file_name(name: str, source: str) -> str:
+    """``name`` (read from an untrusted header) when it can be a file name inside its directory.
+
+    Raises:
+        CheckpointError: naming ``source`` and the name, before anything is written.
+    """
+    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name):
+        raise CheckpointError(f"{source}: tensor name {str(name)[:80]!r} cannot be a file name (letters, digits, "
+                              "'_', '.' and '-' only, not starting with '.', at most 200): nothing written")
+    return name
+
+
+def tag_iteration(name: str) -> Optional[int]:
+    """The iteration of a checkpoint directory name (``iter_0000100`` -> 100); None for any other name.
+
+    Order checkpoints by it, never by name: past 10^7 iterations the tag has eight digits and sorts before
+    ``iter_9999999`` as a string.
+    """
+    return int(name[5:]) if _TAG_PATTERN.match(name) else None
+
+
 def shard_file_name(tp_rank: int) -> str:
     """``tp_rank_00.safetensors`` for rank 0."""
     return f"tp_rank_{tp_rank:02d}.safetensors"

@@ -21,6 +21,7 @@ from domino.checkpoint.checkpointing import collective
 from domino.checkpoint.discovery import fall_back
 from domino.checkpoint.on_disk import Checkpoint
 from domino.config import ConfigError, DominoConfig
+from domino.config.validate import resolve_zero_stage
 from domino.config.batch_schedule import batch_schedule
 from domino.pipeline.stages import stored_name
 from domino.runtime import state
@@ -34,12 +35,11 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_size", 
                 "normalization", "disable_bias_linear", "swiglu", "query_groups", "untie_embeddings_and_output_weights")
 
 
-def check_compatible(meta: Dict[str, Any], config: DominoConfig, padded_vocab_size: int, where: Path,
-                     warm_start: bool = False) -> None:
+def check_compatible(meta: Dict[str, Any], config: DominoConfig, where: Path) -> None:
     """Raises :class:`ConfigError` when the checkpoint's model cannot be loaded into this run's model.
 
-    A warm start may differ in vocabulary padding only (TP=2 pads GPT-2's vocabulary to 50432 rows, TP=1
-    to 50304): the padding rows are dropped or added when the weights are loaded.
+    The vocabulary padding may differ (TP=2 pads GPT-2's vocabulary to 50432 rows, TP=1 to 50304): a resume
+    keeps the checkpoint's where it can (:func:`keep_padded_vocab`), else padding rows are dropped or added.
     """
     from domino.config import config_from_dict
 
@@ -49,33 +49,45 @@ def check_compatible(meta: Dict[str, Any], config: DominoConfig, padded_vocab_si
     fields = [name for name in SHAPE_FIELDS if not (name == "num_positions" and saved.rope and config.model.rope)]
     diffs = [f"{name}: checkpoint {getattr(saved, name)} vs run {getattr(config.model, name)}"
              for name in fields if getattr(saved, name) != getattr(config.model, name)]
-    if meta["padded_vocab_size"] != padded_vocab_size and not warm_start:
-        diffs.append(f"padded vocabulary: checkpoint {meta['padded_vocab_size']} vs run {padded_vocab_size}"
-                     f"{_padding_hint(meta, config)}")
     if diffs:
         raise ConfigError(f"--load {where}: the checkpoint's model has a different shape ({'; '.join(diffs)})")
 
 
-def _padding_hint(meta: Dict[str, Any], config: DominoConfig) -> str:
-    """How to keep a checkpoint's vocabulary padding on another TP size (its rows take part in the softmax, so
-    a resume cannot drop or add them and continue the same losses)."""
-    try:
-        saved = meta["config"]["model"]["make_vocab_size_divisible_by"] * meta["tensor_model_parallel_size"]
-    except (KeyError, TypeError):
-        return ""
-    tp = config.parallel.tensor_model_parallel_size
+def keep_padded_vocab(ckpt: Optional[Checkpoint], config: DominoConfig, padded_vocab_size: int,
+                      weights_only: bool) -> Tuple[int, Optional[str]]:
+    """The padded vocabulary a resumed run builds its model with, and the one-line note saying so.
+
+    The padding rows are part of the model being continued: they take part in the softmax (Megatron trains
+    them: Megatron-LM d98e8a64 ``megatron/core/tokenizers/utils/build_tokenizer.py`` ``vocab_size_with_padding``
+    pads to ``--make-vocab-size-divisible-by`` x TP, so GPT-2's 50,257 ids become 50,304 rows at TP 1 and 50,432 at
+    TP 2). A resume therefore keeps the checkpoint's rows whenever this run's TP divides them, by setting
+    ``--make-vocab-size-divisible-by`` to its rows over this TP (the run's flag shapes only a new model).
+    Otherwise the table is re-padded to this run's own padding (:func:`_whole_model_weights`): the real rows,
+    their weights and optimizer state unchanged, padding rows dropped or added as zeros (weights and moments; a
+    zero row's logit is 0, as near as an untrained row's, the same on every rank and layout, and as
+    ``domino import-hf`` pads). A warm start (``--finetune``) keeps the run's own padding.
+    """
+    if ckpt is None or weights_only or ckpt.meta["padded_vocab_size"] == padded_vocab_size:
+        return padded_vocab_size, None
+    saved, tp = ckpt.meta["padded_vocab_size"], config.parallel.tensor_model_parallel_size
     if saved % tp:
-        return f" (TP={tp} cannot keep it: the padding multiple {saved} is not divisible by {tp})"
-    return f" (to keep it at TP={tp}: --make-vocab-size-divisible-by {saved // tp})"
+        return padded_vocab_size, (f"padded vocabulary: the checkpoint's {saved} rows cannot be split over TP={tp}: "
+                                   f"re-padded to this run's {padded_vocab_size} (real rows and their optimizer "
+                                   "state unchanged, padding rows zero)")
+    # Any vocabulary up to ``saved`` pads to exactly ``saved`` rows with this multiple.
+    divisor = saved // tp
+    config.model.make_vocab_size_divisible_by = divisor
+    return saved, (f"padded vocabulary: keeping the checkpoint's {saved} rows at TP={tp} "
+                   f"(--make-vocab-size-divisible-by {divisor}; this run's padding alone gives {padded_vocab_size})")
 
 
 #: Parameters with one row per vocabulary entry (the output layer exists only in a last pipeline stage).
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def _model_weights(ckpt: Checkpoint, module: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """This TP rank's weights from ``ckpt``, resharded and re-padded to ``module``'s vocabulary if needed."""
-    return _stage_weights(_whole_model_weights(ckpt, module), module)
+def _model_weights(ckpt: Checkpoint, module: torch.nn.Module, rows: int) -> Dict[str, torch.Tensor]:
+    """This TP rank's weights from ``ckpt``, resharded and re-padded to ``rows`` vocabulary rows if needed."""
+    return _stage_weights(_whole_model_weights(ckpt, rows), module)
 
 
 def _stage_weights(whole: Dict[str, torch.Tensor], module: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -88,25 +100,26 @@ def _stage_weights(whole: Dict[str, torch.Tensor], module: torch.nn.Module) -> D
             for name in module.state_dict()}
 
 
-def _whole_model_weights(ckpt: Checkpoint, module: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """This TP rank's slice of the whole model from ``ckpt``, re-padded to this run's vocabulary if needed."""
+def _whole_model_weights(ckpt: Checkpoint, rows: int) -> Dict[str, torch.Tensor]:
+    """This TP rank's slice of the whole model from ``ckpt``, re-padded to ``rows`` vocabulary rows if needed."""
     from domino.checkpoint import sharding
 
     meta = ckpt.meta
     tp_rank, tp = state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
-    params = dict(module.named_parameters())
-    local = next((p for name, p in params.items() if stored_name(name, p) == VOCAB_ROWS[0]), None)
-    rows = local.shape[0] * tp if local is not None else meta["padded_vocab_size"]
     if meta["padded_vocab_size"] == rows:
         return on_disk.load_model_shard(ckpt, tp_rank, tp)
     logger.info("re-padding the vocabulary from %d to %d rows", meta["padded_vocab_size"], rows)
     full = on_disk.load_full_state_dict(ckpt)
     for name in VOCAB_ROWS:
         if name in full:
-            weight = full[name][:rows]
-            padding = weight.new_zeros((rows - weight.shape[0], *weight.shape[1:]))
-            full[name] = torch.cat([weight, padding])
+            full[name] = repad(full[name], rows)
     return sharding.shard_state_dict(full, tp_rank, tp)
+
+
+def repad(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor``'s first ``rows`` rows, with zero rows appended up to ``rows`` (see :func:`keep_padded_vocab`)."""
+    kept = tensor[:rows]
+    return torch.cat([kept, kept.new_zeros((rows - kept.shape[0], *kept.shape[1:]))])
 
 
 def _same_layout(meta: Dict[str, Any]) -> bool:
@@ -160,23 +173,52 @@ def _verified(ckpt: Checkpoint, config: DominoConfig, weights_only: bool) -> Che
             ckpt = fall_back(ckpt, str(failure), config.checkpoint.strict_load)
 
 
-def resumed_zero_stage(ckpt: Optional[Checkpoint], config: DominoConfig, weights_only: bool) -> Optional[int]:
-    """The ZeRO stage of the optimizer state this run would resume from ``ckpt``; ``None`` when it resumes none.
+def resumed_zero_stage(ckpt: Optional[Checkpoint], config: DominoConfig, weights_only: bool,
+                       data_parallel_size: int) -> Optional[int]:
+    """The ZeRO stage a run without ``--zero-stage`` keeps from ``ckpt``; ``None`` for the default of its DP.
 
-    Without ``--zero-stage`` a resumed run keeps its checkpoint's stage (any stage reads a state stored by name;
-    a per-rank state of format 1 only a stage of its own kind, :func:`_check_per_rank`).
+    On the checkpoint's own data-parallel size the run keeps its stage, so it continues bit for bit. On another
+    DP it takes that DP's default (:func:`domino.config.validate.zero_stage_for`), which is what ``domino
+    estimate`` and ``--parallel-layout derive`` assume for the new layout (a DP 1 ZeRO 0 checkpoint runs ZeRO 1
+    at DP 2): any stage reads a state stored by name. A per-rank state of format 1 keeps its stage, as only a
+    stage of its own kind reads it (:func:`_check_per_rank`).
     """
     if ckpt is None or weights_only or config.checkpoint.no_load_optim or ckpt.optimizer_format is None:
         return None
     parallel = ckpt.meta["config"].get("parallel")
-    return parallel.get("zero_stage") if isinstance(parallel, dict) else None
+    same_dp = ckpt.meta.get("data_parallel_size") == data_parallel_size
+    if not isinstance(parallel, dict) or not (same_dp or ckpt.optimizer_format == "per-rank"):
+        return None
+    return parallel.get("zero_stage")
+
+
+def choose_zero_stage(ckpt: Optional[Checkpoint], config: DominoConfig, weights_only: bool,
+                      data_parallel_size: int) -> Optional[str]:
+    """Fills in ``--zero-stage`` when it was not given (:func:`resumed_zero_stage`); returns the one-line note."""
+    kept = resumed_zero_stage(ckpt, config, weights_only, data_parallel_size)
+    note = resolve_zero_stage(config, data_parallel_size, kept)
+    saved = (ckpt.meta["config"].get("parallel") or {}).get("zero_stage") if ckpt is not None else None
+    if note and kept is None and saved is not None and saved != config.parallel.zero_stage:
+        note += (f"; the checkpoint's ZeRO {saved} was for DP {ckpt.meta.get('data_parallel_size')}, this DP's "
+                 "default is what `domino estimate` and --parallel-layout derive assume")
+    return note
+
+
+def fit_run_to(ckpt: Optional[Checkpoint], config: DominoConfig, padded_vocab_size: int, weights_only: bool) -> int:
+    """Settles what a resume takes from ``ckpt`` before the model is built: the padded vocabulary
+    (:func:`keep_padded_vocab`, returned) and the ZeRO stage (:func:`choose_zero_stage`), each said in one line."""
+    padded, vocab_note = keep_padded_vocab(ckpt, config, padded_vocab_size, weights_only)
+    zero_note = choose_zero_stage(ckpt, config, weights_only, state.get_data_parallel_world_size())
+    for note in (n for n in (vocab_note, zero_note) if n and (not dist.is_initialized() or dist.get_rank() == 0)):
+        logger.info("%s", note)
+    return padded
 
 
 def check_resumable(ckpt: Optional[Checkpoint], config: DominoConfig, data_parallel_size: int,
-                    weights_only: bool, padded_vocab_size: int) -> None:
+                    weights_only: bool) -> None:
     """Refuses, in one line and before anything is built, a checkpoint this run cannot continue exactly.
 
-    The model's shape and padded vocabulary must match (:func:`check_compatible`). The data position (consumed
+    The model's shape must match (:func:`check_compatible`). The data position (consumed
     samples) and the learning-rate schedule count whole global batches; another ``--global-batch-size`` would
     continue neither exactly. The micro-batch size and the layout may change: each global batch holds the same
     samples, split otherwise.
@@ -184,7 +226,7 @@ def check_resumable(ckpt: Optional[Checkpoint], config: DominoConfig, data_paral
     if ckpt is None:
         return
     meta = ckpt.meta
-    check_compatible(meta, config, padded_vocab_size, ckpt.path, warm_start=weights_only)
+    check_compatible(meta, config, ckpt.path)
     if weights_only:
         return
     saved = meta.get("global_batch_size")
@@ -222,8 +264,8 @@ def _read_state(ckpt: Checkpoint, engine, config: DominoConfig, padded_vocab_siz
     """This rank's model weights, per-rank optimizer state and RNG state from ``ckpt`` (nothing applied; the
     optimizer state by name is read afterwards, by all ranks together)."""
     meta, kind = ckpt.meta, ckpt.optimizer_format
-    check_compatible(meta, config, padded_vocab_size, ckpt.path, warm_start=weights_only)
-    weights = _model_weights(ckpt, engine.module)
+    check_compatible(meta, config, ckpt.path)
+    weights = _model_weights(ckpt, engine.module, padded_vocab_size)
     if weights_only or kind is None:
         return weights, None, None
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -246,13 +288,32 @@ def _read_state(ckpt: Checkpoint, engine, config: DominoConfig, padded_vocab_siz
 READ_BATCH_BYTES = 1 << 30
 
 
-def _load_optimizer_by_name(ckpt: Checkpoint, engine) -> None:
+def _repadded_vocab_state(ckpt: Checkpoint, engine, rows: int) -> Dict[str, torch.Tensor]:
+    """This TP rank's optimizer state of the vocabulary parameters re-padded to ``rows`` rows (nothing when the
+    run keeps the checkpoint's rows). Read whole in each process: a re-pad happens only at a TP that does not
+    divide the checkpoint's rows (:func:`keep_padded_vocab`), and DCP reads only slices of a tensor's own shape."""
+    from domino.checkpoint import sharding
+
+    if ckpt.meta["padded_vocab_size"] == rows:
+        return {}
+    names = [f"{key}.{name}" for name, _ in optimizer_state.trainable(engine) if name in VOCAB_ROWS
+             for key in optimizer_state.STATE_KEYS]
+    whole = distributed_io.read_full(ckpt.path / on_disk.OPTIMIZER_DIR, names) if names else {}
+    return sharding.shard_state_dict({name: repad(t, rows) for name, t in whole.items()},
+                                     state.get_tensor_model_parallel_rank(),
+                                     state.get_tensor_model_parallel_world_size())
+
+
+def _load_optimizer_by_name(ckpt: Checkpoint, engine, rows: int) -> None:
     """Reads every rank's slices of the optimizer state stored by name and sets them, a batch of parameters at a
     time (each read is collective: DCP plans and reads together; the host holds one batch)."""
     optimizer_state.prepare(engine, optimizer_state.Scalars.from_json(ckpt.meta["optimizer"], str(ckpt)))
     directory = ckpt.path / on_disk.OPTIMIZER_DIR
     distributed_io.stored_tensors(directory)  # every header checked once, before the first read
-    groups = optimizer_state.batches(engine, READ_BATCH_BYTES)
+    repadded = _repadded_vocab_state(ckpt, engine, rows)
+    optimizer_state.fill(engine, repadded)
+    groups = [kept for kept in ([n for n in names if f"fp32.{n}" not in repadded]
+                                for names in optimizer_state.batches(engine, READ_BATCH_BYTES)) if kept]
     if state.get_pipeline_model_parallel_world_size() > 1:
         # Each read is collective over the world; stages hold different parameters: as many reads on every rank.
         count = torch.tensor([len(groups)], device=state.collective_device())
@@ -274,7 +335,7 @@ def load_checkpoint(engine, config: DominoConfig, ckpt: Checkpoint, padded_vocab
     memory bounded by :data:`READ_BATCH_BYTES`); a failure there stops every rank too, before any step.
 
     Args:
-        padded_vocab_size: this run's padded vocabulary (see :func:`check_compatible`).
+        padded_vocab_size: this run's padded vocabulary (:func:`keep_padded_vocab`).
         weights_only: a warm start (``--finetune``): take the weights, keep the fresh optimizer and RNG.
 
     Returns:
@@ -295,7 +356,8 @@ def load_checkpoint(engine, config: DominoConfig, ckpt: Checkpoint, padded_vocab
         return meta["iteration"], meta["consumed_samples"]
     if kind == "by-name" and not config.checkpoint.no_load_optim:
         # After the weights: the master weights are the checkpoint's, not copies of the rounded model weights.
-        collective(f"reading the optimizer state of {ckpt}", lambda: _load_optimizer_by_name(ckpt, engine))
+        collective(f"reading the optimizer state of {ckpt}",
+                   lambda: _load_optimizer_by_name(ckpt, engine, padded_vocab_size))
     if optim is not None:
         per_rank_state.restore_optimizer(engine, optim)
     if rng is not None:

@@ -208,10 +208,13 @@ def convert_per_tensor(path, output, progress: Optional[bool] = None) -> Path:
     from safetensors.torch import save_file
 
     output = Path(output)
-    tmp = _fresh_output(output)
     groups = {"model": on_disk.load_full_state_dict(found)}
     if found.optimizer_format == "by-name":
         groups["optimizer"] = distributed_io.read_full(ckpt / on_disk.OPTIMIZER_DIR)
+    for group, tensors in groups.items():  # names from the headers become file names: each checked first
+        for name in tensors:
+            on_disk.check_file_name(name, f"{ckpt / (on_disk.MODEL_DIR if group == 'model' else group)}")
+    tmp = _fresh_output(output)
     index = {}
     with _progress(sum(len(g) for g in groups.values()), "tensors", progress, unit="tensor") as bar:
         for group, tensors in groups.items():

@@ -16,6 +16,8 @@ from domino.config.estimate import (
 
 #: Peak dense bf16 TFLOP/s assumed without --peak-tflops: an H100/H200 SXM (domino.train.throughput's table).
 DEFAULT_PEAK_TFLOPS = 989.0
+#: The same GPU's dense FP8 peak, assumed with --fp8-format (domino.train.throughput.KNOWN_FP8_PEAK_TFLOPS).
+DEFAULT_FP8_PEAK_TFLOPS = 1979.0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,7 +28,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.mfu <= 1:
         raise ConfigError(f"--mfu must be in (0, 1], got {args.mfu}")
     config = config_from_args(args, world_size=args.gpus)
-    options = dict(mfu=args.mfu, peak_tflops=config.logging.peak_tflops or DEFAULT_PEAK_TFLOPS, device=args.device)
+    default_peak = DEFAULT_FP8_PEAK_TFLOPS if config.train.fp8_format else DEFAULT_PEAK_TFLOPS
+    options = dict(mfu=args.mfu, peak_tflops=config.logging.peak_tflops or default_peak, device=args.device)
     asked = estimate_layout(config, layout_of(config, args.gpus), gpu_memory_gb=args.gpu_memory_gb, **options)
     fitting = fitting_layouts(config, args.gpus, args.gpu_memory_gb, **options) if args.gpu_memory_gb else []
     if args.json:

@@ -1,4 +1,4 @@
-"""``domino launch render|submit|check``: run ``domino pretrain`` as a Kubeflow PyTorchJob or, with ``--api trainjob``,
+"""``domino launch render|submit|check|smoke``: run ``domino pretrain`` as a Kubeflow PyTorchJob or, with ``--api trainjob``,
 a Kubeflow Trainer v2 TrainJob, on a cluster or locally (``--backend local``).
 
 The logic lives in :mod:`domino.launch`; this module only maps flags to calls.
@@ -7,6 +7,7 @@ The logic lives in :mod:`domino.launch`; this module only maps flags to calls.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from domino.atomic_files import atomic_write
@@ -71,7 +72,10 @@ def _check(args: argparse.Namespace) -> int:
     from urllib3.exceptions import HTTPError
 
     try:
-        problems = ClusterCheck(api, load_api_client()).run(spec)
+        problems = ClusterCheck(api, load_api_client()).run(spec, args.run_id)
+    except LaunchSpecError as error:
+        print(f"domino launch check: error: {error}", file=sys.stderr)
+        return 2
     except HTTPError as error:
         print(f"ApiUnreachable: the Kubernetes API did not answer: {error}", file=sys.stderr)
         return 1
@@ -80,8 +84,21 @@ def _check(args: argparse.Namespace) -> int:
     if not problems:
         print(f"ok: namespace {spec.namespace} has what a {api.kind} of this spec needs "
               f"(CRD, {'runtime, ' if api.name == 'trainjob' else ''}claim {spec.pvc}"
-              f"{', queue ' + spec.queue if spec.queue else ''}, RBAC)")
+              f"{', queue ' + spec.queue if spec.queue else ''}, RBAC, controllers, dry runs)")
     return 1 if problems else 0
+
+
+def _smoke(args: argparse.Namespace) -> int:
+    from domino.launch.smoke import Smoke
+
+    try:
+        spec = spec_from_args(args)
+        steps = Smoke(spec, args.backend, api=args.api, workdir=args.workdir, timeout_s=args.timeout,
+                      log=lambda line: print(line, flush=True), tracking_uri=args.tracking_uri).run()
+    except LaunchSpecError as error:
+        print(f"domino launch smoke: error: {error}", file=sys.stderr)
+        return 2
+    return 1 if any(step.status == "FAIL" for step in steps) else 0
 
 
 def _add_api_flag(parser: argparse.ArgumentParser) -> None:
@@ -91,10 +108,10 @@ def _add_api_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> None:
-    """Adds ``domino launch render``, ``submit`` and ``check``."""
+    """Adds ``domino launch render``, ``submit``, ``check`` and ``smoke``."""
     launch = subparsers.add_parser("launch", help="Run domino pretrain as a PyTorchJob or TrainJob (or locally).",
                                    description=__doc__)
-    verbs = launch.add_subparsers(dest="launch_command", metavar="{render,submit,check}", required=True)
+    verbs = launch.add_subparsers(dest="launch_command", metavar="{render,submit,check,smoke}", required=True)
 
     render = verbs.add_parser("render", help="Print the job's YAML (a PyTorchJob or a TrainJob).",
                               usage="domino launch render --name NAME [--image IMAGE] [flags] -- [pretrain flags]")
@@ -131,3 +148,16 @@ def register(subparsers) -> None:
     add_spec_flags(check)
     _add_api_flag(check)
     check.set_defaults(func=_check)
+
+    smoke = verbs.add_parser("smoke", help="First-day cluster smoke test: controllers, dry runs of both APIs, Pod "
+                             "Security, envcheck on 2 nodes, a tiny training run with a checkpoint, egress to the "
+                             "tracking server, cleanup; one line per step.", usage="domino launch smoke --name NAME [flags as for submit]")
+    add_spec_flags(smoke)
+    _add_api_flag(smoke)
+    smoke.add_argument("--backend", choices=BACKENDS, default=BACKENDS[0],
+                       help="cluster (default) or local (the jobs as local processes; the API steps are skipped).")
+    smoke.add_argument("--workdir", default=None, help="local backend: directory standing in for the PVC.")
+    smoke.add_argument("--timeout", type=float, default=900.0, help="Limit of each smoke job, seconds (900).")
+    smoke.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
+                       help="Tracking server a training pod must reach (default $MLFLOW_TRACKING_URI; none: skipped).")
+    smoke.set_defaults(func=_smoke)

@@ -27,7 +27,10 @@ logger = logging.getLogger(__name__)
 #: Megatron-LM since ef490839 (2025-02) spells the chunk count --num-virtual-stages-per-pipeline-rank
 #: (``megatron/training/arguments.py``); its config field, Megatron-Core's too, is virtual_pipeline_model_parallel_size.
 FLAG_ALIASES: Dict[str, tuple] = {"local_rank": ("--local_rank",), "norm_epsilon": ("--layernorm-epsilon",),
-                                  "virtual_pipeline_model_parallel_size": ("--num-virtual-stages-per-pipeline-rank",)}
+                                  "virtual_pipeline_model_parallel_size": ("--num-virtual-stages-per-pipeline-rank",),
+                                  # Megatron's spellings (megatron/training/config/training_config.py, d98e8a64).
+                                  "override_opt_param_scheduler": ("--override-opt_param-scheduler",),
+                                  "use_checkpoint_opt_param_scheduler": ("--use-checkpoint-opt_param-scheduler",)}
 #: The namespace attribute of --num-layers-per-virtual-pipeline-stage (no field: it derives one).
 LAYERS_PER_VIRTUAL_STAGE = "num_layers_per_virtual_pipeline_stage"
 #: Older names of renamed fields, still read from presets and from the configs stored in checkpoints.

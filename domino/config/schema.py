@@ -194,6 +194,9 @@ class TrainConfig:
     """Train in fp16 with dynamic loss scaling."""
     bf16: bool = False
     """Train in bf16 (GPUs) with fp32 master weights and fp32 gradient accumulation (needs --zero-stage 1 or 2)."""
+    fp8_format: Optional[str] = None
+    """FP8 GEMMs in the tensor-parallel linears (Megatron-LM's flag): e4m3, or hybrid (e5m2 output gradients);
+    torchao's tensorwise recipe, emulated on CPU, real on GPUs of compute capability 8.9+ (domino.parallel.fp8)."""
     initial_loss_scale: float = 2.0**32
     """Initial dynamic loss scale for --fp16."""
     deepspeed_config: Optional[str] = None
@@ -285,6 +288,12 @@ class CheckpointConfig:
     """With --load: skip the optimizer state (fresh optimizer)."""
     no_load_rng: bool = False
     """With --load: skip the random-number-generator states."""
+    override_opt_param_scheduler: bool = False
+    """With --load: take this run's learning-rate schedule and batch ramp where they differ from the
+    checkpoint's (Megatron's --override-opt_param-scheduler); without either of the two, a change is refused."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """With --load: take the checkpoint's learning-rate schedule and batch ramp where they differ from this run's
+    (Megatron's --use-checkpoint-opt_param-scheduler)."""
     strict_load: bool = False
     """With --load: refuse to start when the latest checkpoint is damaged, instead of falling back (with a
     warning) to the newest intact one."""

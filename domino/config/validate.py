@@ -127,6 +127,8 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
         value = getattr(m, name)
         _check(problems, value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
     _check(problems, tp >= 1, f"--tensor-model-parallel-size must be >= 1, got {tp}")
+    _check(problems, t.fp8_format in (None, "e4m3", "hybrid"),
+           f"--fp8-format must be e4m3 or hybrid, got {t.fp8_format!r}")
     _check_bounds(problems, config)
     if problems:
         raise ConfigError("; ".join(problems))
@@ -240,6 +242,9 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
         _check(problems, not (d.data_path and d.train_data_path),
                "--data-path and --train-data-path are mutually exclusive")
         _check(problems, not (c.finetune and c.load is None), "--finetune needs --load")
+        # Megatron asserts the same (megatron/core/optimizer_param_scheduler.py, OptimizerParamScheduler.__init__).
+        _check(problems, not (c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler),
+               "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other")
 
     if problems:
         raise ConfigError("; ".join(problems))

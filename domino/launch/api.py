@@ -43,6 +43,7 @@ def run_job(
     run_id: Optional[str] = None,
     log: Callable[[str], None] = print,
     workdir: Optional[str] = None,
+    api_client=None,
 ) -> JobResult:
     """Runs ``spec`` to completion and returns how it ended.
 
@@ -63,6 +64,7 @@ def run_job(
             default: a fresh random id.
         log: receives the Master's log lines and status messages.
         workdir: local backend only: the directory standing in for the shared volume.
+        api_client: cluster backend only: a ``kubernetes`` ApiClient (default: in-cluster, else kubeconfig).
 
     Raises:
         LaunchSpecError: invalid ``spec`` or ``domino pretrain`` arguments (before anything is created).
@@ -80,7 +82,7 @@ def run_job(
     if backend == "cluster":
         if spec.parallel_layout == "derive" and spec.command is None:  # the local backend says it itself
             log(f"parallel layout derived for {derive_layout(spec).why}")
-        return JobLauncher(job_kind, log=log).run(
+        return JobLauncher(job_kind, api_client=api_client, log=log).run(
             spec, run_id=run_id, timeout_s=timeout_s, scheduling_timeout_s=scheduling_timeout_s, cleanup=cleanup,
             queue_timeout_s=queue_timeout_s)
     return LocalLauncher(job_kind, log=log).run(spec, run_id=run_id, timeout_s=timeout_s, workdir=workdir)

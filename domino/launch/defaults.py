@@ -33,6 +33,13 @@ Each rule and where it comes from:
   ``SubprocessContext._close`` waits that long, then sends SIGKILL). So a save after SIGTERM that needs
   more than 30 s never finished. The timeout is derived from ``terminationGracePeriodSeconds`` minus
   :func:`shutdown_margin_s`, the time torchrun needs to kill what is left and exit before the kubelet's SIGKILL.
+* **torchrun's rendezvous timeout** (``PET_RDZV_CONF=timeout=<start_timeout_s>``, every pod, overridable
+  by ``--env``): torchrun's default backend is ``static`` (torch 2.13 ``distributed/run.py``), whose
+  handler reads ``timeout`` from ``--rdzv-conf`` (default 600 s, ``elastic/rendezvous/static_tcp_rendezvous.py``
+  ``create_rdzv_handler``) and gives it to the TCPStore: node 0 waits that long for every node to join,
+  the others that long to reach node 0. ``--rdzv-conf`` takes its value from ``PET_RDZV_CONF``
+  (``distributed/argparse_util.py`` ``env``). A node still pulling the image after 600 s would fail the
+  started ones, and with them a restart of the budget, so the wait covers a cold pull (:attr:`JobSpec.start_timeout_s`).
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ CPU_PROCESS_REQUESTS: Tuple[int, int] = (1, 2)
 FAULTS_TOLERATED = 3
 #: The variable torchrun reads its workers' shutdown timeout from (torch ``distributed/launcher/api.py``).
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+#: The variable torchrun reads ``--rdzv-conf`` from (torch ``distributed/run.py``, ``action=env``).
+RDZV_CONF_ENV = "PET_RDZV_CONF"
 #: The same restart budget for a TrainJob, as its runtime's JobSet ``failurePolicy.maxRestarts``: the
 #: operator fails a PyTorchJob when the summed restarts *reach* backoffLimit (``>=``), i.e. at the
 #: FAULTS_TOLERATED-th fault after FAULTS_TOLERATED - 1 recoveries; JobSet v0.12.0 recreates the whole set
@@ -96,9 +105,10 @@ def shutdown_timeout_s(grace_period_s: int) -> int:
 
 
 def environment(spec: JobSpec) -> Dict[str, str]:
-    """The training container's extra environment: torchrun's shutdown timeout, :data:`GPU_ENV` on GPU pods,
-    overridden by the spec's."""
-    shutdown = {SHUTDOWN_TIMEOUT_ENV: str(shutdown_timeout_s(spec.termination_grace_period_s))}
+    """The training container's extra environment: torchrun's shutdown and rendezvous timeouts, :data:`GPU_ENV`
+    on GPU pods, overridden by the spec's."""
+    shutdown = {SHUTDOWN_TIMEOUT_ENV: str(shutdown_timeout_s(spec.termination_grace_period_s)),
+                RDZV_CONF_ENV: f"timeout={spec.start_timeout_s}"}
     return {**shutdown, **(GPU_ENV if spec.gpus_per_node > 0 else {}), **spec.env}
 
 

@@ -10,6 +10,7 @@ from domino import images
 from domino.launch.spec import (
     CLEAN_POD_POLICIES,
     DEFAULT_MOUNT_PATH,
+    DEFAULT_START_TIMEOUT_S,
     PARALLEL_LAYOUTS,
     PULL_POLICIES,
     RESTART_POLICIES,
@@ -84,7 +85,8 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
                        help="Fill runPolicy.schedulingPolicy (minAvailable = all pods) for volcano/scheduler-plugins.")
     meta = parser.add_argument_group("metadata")
     meta.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                      help="Extra container env (repeatable); a literal value, visible in the job: nothing secret.")
+                      help="Extra container env (repeatable); a literal value, visible in the job: nothing secret "
+                           "(names like *_TOKEN are refused: use --env-secret).")
     meta.add_argument("--env-secret", action="append", default=[], metavar="NAME=SECRET:KEY",
                       help="Container env NAME read from key KEY of Secret SECRET when the pod starts "
                            "(valueFrom.secretKeyRef; repeatable).")
@@ -101,6 +103,9 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
                         help="Container restarts summed over all pods before the job fails (default: 3 x nodes).")
     policy.add_argument("--termination-grace-period", type=int, default=180, metavar="SECONDS",
                         help="SIGTERM-to-SIGKILL time of a deleted pod; room to save a checkpoint (default: 180).")
+    policy.add_argument("--start-timeout", type=int, default=DEFAULT_START_TIMEOUT_S, metavar="SECONDS",
+                        help="How long the nodes wait for each other at a (re)start: torchrun's rendezvous "
+                             f"timeout; at least a cold image pull (default: {DEFAULT_START_TIMEOUT_S}).")
     policy.add_argument("--active-deadline-seconds", type=int, default=None, help="Cluster-side time limit.")
     policy.add_argument("--ttl-seconds-after-finished", type=int, default=86400,
                         help="The operator deletes the finished job after this (default: 86400).")
@@ -136,7 +141,7 @@ def spec_from_args(args: argparse.Namespace, pretrain_args: Optional[List[str]] 
         restart_policy=args.restart_policy, backoff_limit=args.backoff_limit,
         active_deadline_seconds=args.active_deadline_seconds,
         ttl_seconds_after_finished=args.ttl_seconds_after_finished, clean_pod_policy=args.clean_pod_policy,
-        termination_grace_period_s=args.termination_grace_period, queue=args.queue,
+        termination_grace_period_s=args.termination_grace_period, start_timeout_s=args.start_timeout, queue=args.queue,
         scheduling_policy=args.scheduling_policy, gpu_memory_gb=args.gpu_memory_gb,
         parallel_layout=args.parallel_layout,
     )

@@ -34,8 +34,9 @@ from domino.launch.job_api_base import STARTED_PHASES
 from domino.launch.deadlines import MAX_PAUSE_S, Deadlines
 from domino.launch.kube_pods import (MasterLogStreamer, exit_code, explain_pending, failed_pod_logs, list_job_pods,
                                      pod_waits)
+from domino.launch.kueue_workload import QueueReporter
 from domino.launch.ownership import adopt_owner, owner_reference
-from domino.launch.spec import JobSpec
+from domino.launch.spec import JobSpec, LaunchSpecError
 
 #: Reasons for which the launcher gives up on a job that may still hold or wait for resources.
 GIVEN_UP = ("Timeout", "SchedulingTimeout", "QueueTimeout", "IncompleteReplicas", "NotQueued")
@@ -49,6 +50,7 @@ class JobTracker:
         self.phase = "Pending"
         self.started = False
         self.suspended = False
+        self.uid: Optional[str] = None
         self.failure = ""
         self._reported: Dict[str, Tuple[str, str]] = {}
 
@@ -56,6 +58,7 @@ class JobTracker:
         """Takes the job's latest status (and its suspension: Kueue holds a queued job suspended)."""
         state = self.api.state(job)
         self.suspended = state.suspended
+        self.uid = (job.get("metadata") or {}).get("uid") or self.uid
         for cond in state.conditions:
             ctype, status = cond.get("type", ""), cond.get("status", "")
             if status == "True" and self._reported.get(ctype) != (status, cond.get("reason", "")):
@@ -82,7 +85,11 @@ def load_api_client():
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        try:
+            config.load_kube_config()
+        except (config.ConfigException, OSError) as error:  # one line, not the client's traceback
+            raise LaunchSpecError(f"no cluster to talk to: no in-cluster service account and no usable kubeconfig "
+                                  f"({error}); set KUBECONFIG, or run inside the cluster") from None
     return client.ApiClient()
 
 
@@ -113,12 +120,15 @@ class JobLauncher:
         log_tail_lines: log lines kept for the result.
         log_grace_s: how long the log stream may drain after the job ended.
         max_pause_s: the most the scheduling clock stands still for image pulls and scale-ups, in all.
+        queue_poll_s: how often a suspended ``--queue`` job's Kueue Workload is read (domino.launch.kueue_workload).
     """
 
     def __init__(self, api: Optional[JobApi] = None, api_client=None, log: Callable[[str], None] = print,
                  poll_s: float = 2.0, watch_timeout_s: float = 60.0, request_timeout_s: float = 30.0,
-                 log_tail_lines: int = 50, log_grace_s: float = 10.0, max_pause_s: float = MAX_PAUSE_S) -> None:
-        self.max_pause_s = max_pause_s
+                 log_tail_lines: int = 50, log_grace_s: float = 10.0, max_pause_s: float = MAX_PAUSE_S,
+                 queue_poll_s: float = 10.0) -> None:
+        self.max_pause_s, self.queue_poll_s = max_pause_s, queue_poll_s
+        self._queue: Optional[QueueReporter] = None
         self.api = api or job_api(DEFAULT_JOB_API)
         self.log = log
         self.poll_s, self.watch_timeout_s, self.request_timeout_s = poll_s, watch_timeout_s, request_timeout_s
@@ -196,6 +206,8 @@ class JobLauncher:
         body = self.api.render(spec, run_id, owner_reference(spec.namespace, self.log))
         ns, name = spec.namespace, body["metadata"]["name"]
         tracker = JobTracker(name, self.log, self.api)
+        self._queue = QueueReporter(self.custom, ns, spec.queue, self.log, self.request_timeout_s,
+                                    self.queue_poll_s) if spec.queue else None
         streamer = MasterLogStreamer(self.core, ns, self.api, name, self.log, self.log_tail_lines, self.poll_s,
                                      self.request_timeout_s)
         owned, interrupted, result = False, False, None
@@ -279,6 +291,8 @@ class JobLauncher:
                 return result
             was_suspended = tracker.suspended
             read_timeout = clock.read_timeout(tracker.suspended, all_running, self.watch_timeout_s, self.poll_s)
+            if tracker.suspended and self._queue:  # the Workload changes without the job: read it on time
+                read_timeout = min(read_timeout, max(self.poll_s, self._queue.interval_s))
             try:
                 stream = watch.Watch().stream(
                     self.custom.list_namespaced_custom_object, *self._resource(ns),
@@ -322,9 +336,13 @@ class JobLauncher:
             return JobResult(name, False, tracker.phase, f"Timeout: the job did not finish within "
                              f"{clock.timeout_s:g} s (phase {tracker.phase})", [], None)
         if clock.queue_timed_out(tracker.suspended, now):
+            why = self._queue.poll(name, tracker.uid, force=True) if self._queue else ""
             return JobResult(name, False, "Suspended", f"QueueTimeout: the job waited in queue (suspended, "
-                             f"not admitted) for {clock.queue_timeout_s:g} s", [], None)
+                             f"not admitted) for {clock.queue_timeout_s:g} s" + (f"; Kueue: {why}" if why else ""),
+                             [], None)
         if tracker.suspended:  # waiting in the queue: the scheduling clock starts when admitted
+            if self._queue:
+                self._queue.poll(name, tracker.uid)  # logs Kueue's reason when it changes
             clock.scheduling_end = None
             return None
         if clock.scheduling_end is None:

@@ -72,6 +72,23 @@ def container_command(spec: JobSpec, name: str) -> List[str]:
     return ["torchrun", "-m", "domino", "pretrain", *args]
 
 
+def escape_expansion(arg: str) -> str:
+    """``arg`` as a container command element that Kubernetes passes verbatim: every ``$`` doubled.
+
+    The kubelet expands ``$(VAR)`` in a container's command and args from the container's environment
+    and reduces ``$$`` to ``$`` (core/v1 ``Container.command``: "Double $$ are reduced to a single $, which
+    allows for escaping the $(VAR_NAME) syntax"; kubernetes/kubernetes
+    ``third_party/forked/golang/expansion/expand.go`` ``Expand``). So an argument ``$(HF_TOKEN)`` would
+    reach torchrun as the token's value; doubled, every ``$`` reaches it as written."""
+    return arg.replace("$", "$$")
+
+
+def kube_command(spec: JobSpec, name: str) -> List[str]:
+    """:func:`container_command` as the job's pods carry it (:func:`escape_expansion` on every element); the
+    local backend runs :func:`container_command` itself, as the kubelet's expansion leaves it."""
+    return [escape_expansion(arg) for arg in container_command(spec, name)]
+
+
 def resources(spec: JobSpec) -> Dict[str, Dict[str, str]]:
     """Requests and limits of one pod (one TrainJob node): CPU/memory, and GPUs with request == limit."""
     requests = defaults.requests(spec)
@@ -130,7 +147,7 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
         "name": CONTAINER_NAME,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": container_command(spec, name),
+        "command": kube_command(spec, name),
         "env": env,
         **({"envFrom": [{"secretRef": {"name": s}} for s in spec.env_from_secrets]} if spec.env_from_secrets else {}),
         "ports": [{"name": "pytorchjob-port", "containerPort": MASTER_PORT, "protocol": "TCP"}] + (
@@ -155,6 +172,9 @@ def pod_template(spec: JobSpec, name: str, labels: Dict[str, str]) -> Dict[str, 
             "runAsUser": spec.run_as_user,
             "runAsGroup": spec.run_as_user,
             "fsGroup": spec.run_as_user,
+            # The kubelet chowns a volume to fsGroup recursively at every pod start (2 Ti of checkpoints
+            # through a CSI driver with fsGroupPolicy File) unless its root already matches.
+            "fsGroupChangePolicy": "OnRootMismatch",
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],

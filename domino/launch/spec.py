@@ -37,6 +37,19 @@ _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")  # a Secret's data keys (apimachinery IsConfigMapKey)
+#: Names that say a value is a credential. A literal env value is written into the job object (and, from the
+#: pipeline, into KFP's stored run parameters) in plain text, so such a value must come from a Secret. The
+#: words stand between underscores or the name's ends: HF_TOKEN is one, TOKENIZERS_PARALLELISM is not.
+CREDENTIAL_NAME = re.compile(r"(?:^|_)(?:TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|"
+                             r"CREDENTIALS?)(?:_|$)", re.I)
+#: The default of :attr:`JobSpec.start_timeout_s`: a first pull of the multi-GB CUDA image on a fresh node
+#: takes minutes (tens of them on a slow registry link), and every node of a job pulls at its own pace.
+DEFAULT_START_TIMEOUT_S = 1200
+
+
+def credential_names(env: Dict[str, str]) -> List[str]:
+    """The variables of ``env`` with a value whose name says they hold a credential, sorted."""
+    return sorted(name for name, value in env.items() if value and CREDENTIAL_NAME.search(name))
 
 
 def default_namespace() -> str:
@@ -166,6 +179,10 @@ class JobSpec:
     """The operator deletes the finished job after this many seconds."""
     clean_pod_policy: str = "Running"
     """Pods deleted when the job finishes: All, Running (still-running ones) or None."""
+    start_timeout_s: int = DEFAULT_START_TIMEOUT_S
+    """Seconds the nodes wait for each other when the job (re)starts: torchrun's rendezvous timeout
+    (``PET_RDZV_CONF=timeout=N``, the static rendezvous's TCPStore wait), at least a cold pull of the image
+    on a fresh node. The Workers' init container waits as long cluster-wide (k8s/operator)."""
     termination_grace_period_s: int = 180
     """Seconds between SIGTERM and SIGKILL for a deleted or evicted pod: ``--exit-signal-handler``
     finishes the iteration and saves a checkpoint in this time."""
@@ -252,6 +269,11 @@ class JobSpec:
             check(bool(_DNS1123_SUBDOMAIN.match(secret)), "--image-pull-secret", f"{secret!r} is not a valid name")
         for key in self.env:
             check(bool(_ENV_NAME.match(key)), "--env", f"{key!r} is not a valid environment variable name")
+        for key in credential_names(self.env):
+            check(False, "--env", f"{key} looks like a credential, and a literal value is stored in the job in "
+                  f"plain text: put it in a Secret and use --env-secret {key}=SECRET:KEY")
+        check(isinstance(self.start_timeout_s, int) and self.start_timeout_s >= 1, "--start-timeout",
+              f"must be an integer >= 1 (seconds), got {self.start_timeout_s!r}")
         for key, ref in self.secret_env.items():
             check(bool(_ENV_NAME.match(key)), "--env-secret", f"{key!r} is not a valid environment variable name")
             check(key not in self.env, "--env-secret", f"{key} is also given a literal value by --env")

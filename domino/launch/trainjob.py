@@ -55,8 +55,8 @@ from typing import Any, Dict, List, Optional
 
 from domino.launch import defaults, naming
 from domino.launch.job_api_base import JobApi, JobState, highest_phase
-from domino.launch.render import (ISTIO_INJECT, container_command, container_security, job_metadata, pod_placement,
-                                   resources)
+from domino.launch.render import (ISTIO_INJECT, container_security, job_metadata, kube_command, metrics_port,
+                                   pod_placement, resources)
 from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, LaunchSpecError
 
 API_VERSION = "trainer.kubeflow.org/v1alpha1"
@@ -75,6 +75,8 @@ NODE = "node"
 PATCH_MANAGER = "domino.launch/renderer"
 #: Environment the torch plugin owns: ``TorchRunReservedEnvNames`` (kubeflow/trainer ``pkg/constants/constants.go``),
 #: which torch.go ``Validate`` refuses in ``trainer.env``.
+#: The port k8s/trainer's runtime declares as `metrics` on the node container (``--metrics-port`` of a TrainJob).
+RUNTIME_METRICS_PORT = 9400
 RESERVED_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
 
 
@@ -110,6 +112,11 @@ def check_trainjob_spec(spec: JobSpec) -> None:
     # patch may not set env of the `node` container (trainer.kubeflow.org_trainjobs.yaml, ContainerPatch.env).
     refuse(bool(spec.env_from_secrets), "--env-from-secret", "a TrainJob cannot take envFrom (trainer v2.3.0 has "
            "no such field for the trainer); name each variable with --env-secret NAME=SECRET:KEY")
+    # ContainerPatch has no ports (trainjob_types.go), so the runtime declares the one port named `metrics`
+    # that k8s/metrics's NetworkPolicy admits Prometheus on.
+    port = metrics_port(spec)
+    refuse(port is not None and port != RUNTIME_METRICS_PORT, "--metrics-port", f"{port}: a TrainJob cannot "
+           f"declare ports; the runtime declares {RUNTIME_METRICS_PORT} as `metrics` (edit k8s/trainer for another)")
     reserved = sorted((set(spec.env) | set(spec.secret_env)) & set(RESERVED_ENV))
     refuse(bool(reserved), "--env", f"{', '.join(reserved)} are set by the Trainer's torch plugin")
     if problems:
@@ -164,7 +171,7 @@ def render_trainjob(spec: JobSpec, run_id: str, owner_reference: Optional[Dict[s
     env = {"DOMINO_JOB_NAME": name, **defaults.environment(spec)}
     trainer: Dict[str, Any] = {
         "image": spec.image,
-        "command": container_command(spec, name),
+        "command": kube_command(spec, name),
         "numNodes": spec.nodes,
         "resourcesPerNode": resources(spec),
         "env": [{"name": k, "value": str(v)} for k, v in env.items()] + defaults.secret_environment(spec),

@@ -53,6 +53,7 @@ from domino.model.kv_cache import KVCache
 from domino.model.rotary import RotaryTables
 from domino.model.stack import LayerStack, SynchronousStack
 from domino.model.transformer import TransformerLayer, build_norm
+from domino.parallel import fp8
 from domino.parallel.collectives import gather_from_tp_region
 from domino.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from domino.parallel.kernels import kernels_for
@@ -185,7 +186,8 @@ class GPTModel(nn.Module):
         if labels is not None and kernels_for(hidden.device).fused_output_loss:
             # One node: the logits' buffer becomes the softmax, then the gradient (domino.parallel.kernels).
             return vocab_parallel_linear_cross_entropy(hidden, weight, labels, grad_slot=grad_slot).t().contiguous()
-        logits = F.linear(hidden, weight) if grad_slot is None else linear(hidden, weight, grad_slot=grad_slot)
+        with fp8.high_precision():  # the output layer stays out of FP8 (Megatron-LM's FP8 keeps it in bf16)
+            logits = F.linear(hidden, weight) if grad_slot is None else linear(hidden, weight, grad_slot=grad_slot)
         if labels is not None:
             return vocab_parallel_cross_entropy(logits, labels).t().contiguous()
         return (logits if self.parallel_output else gather_from_tp_region(logits)).transpose(0, 1)

@@ -27,6 +27,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from domino.parallel import fp8
 from domino.parallel.kernels import kernels_for
 from domino.parallel.linear_ops import GradSlot, full_input, linear, saved_input
 
@@ -54,8 +55,13 @@ class _GroupedProjection(torch.autograd.Function):
         w = _split_rows(weight, groups, widths)
         b = _split_rows(bias, groups, widths) if bias is not None else None
         x2 = x.reshape(-1, x.shape[-1])
-        outs = tuple((torch.addmm(b[i], x2, w[i].t()) if b is not None else x2.mm(w[i].t()))
-                     .view(*x.shape[:-1], w[i].shape[0]) for i in range(len(w)))
+        ctx.fp8 = rec = fp8.active()  # backward's GEMMs follow the forward's precision
+        if rec is None:
+            outs = tuple((torch.addmm(b[i], x2, w[i].t()) if b is not None else x2.mm(w[i].t()))
+                         .view(*x.shape[:-1], w[i].shape[0]) for i in range(len(w)))
+        else:
+            outs = tuple(fp8.forward_gemm(x2, w[i], b[i] if b is not None else None, rec)
+                         .view(*x.shape[:-1], w[i].shape[0]) for i in range(len(w)))
         ctx.save_for_backward(saved_input(x, slot), *w)
         ctx.groups, ctx.widths, ctx.has_bias, ctx.slot = groups, widths, b is not None, slot
         ctx.input_shape = x.shape
@@ -69,16 +75,19 @@ class _GroupedProjection(torch.autograd.Function):
         rows = ctx.input_shape[:-1].numel()
         grads = [saved.new_zeros(rows, wi.shape[0]) if g is None else g.reshape(-1, wi.shape[0])
                  for g, wi in zip(grad_outs, w)]
-        grad_x = grads[0].mm(w[0])
-        for g, wi in zip(grads[1:], w[1:]):
-            grad_x.addmm_(g, wi)
+        if ctx.fp8 is None:
+            grad_x = grads[0].mm(w[0])
+            for g, wi in zip(grads[1:], w[1:]):
+                grad_x.addmm_(g, wi)
+        else:
+            grad_x = sum(fp8.grad_input_gemm(g, wi, ctx.fp8) for g, wi in zip(grads, w))
         grad_x = grad_x.view(ctx.input_shape)
         if ctx.slot is not None:
             # Async launch (Domino): the all-reduce runs during the weight-gradient GEMMs below; the slot's
             # wait node (overlap.slots.wait_for_input_grad) waits for it before LayerNorm's backward reads it.
             ctx.slot.launch(grad_x)
         x2 = x().reshape(-1, ctx.input_shape[-1])
-        grad_w = _join_rows([g.t().mm(x2) for g in grads], ctx.groups, ctx.widths)
+        grad_w = _join_rows([fp8.grad_weight_gemm(g, x2, ctx.fp8) for g in grads], ctx.groups, ctx.widths)
         grad_b = _join_rows([g.sum(dim=0) for g in grads], ctx.groups, ctx.widths) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None, None, None
 

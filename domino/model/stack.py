@@ -25,8 +25,10 @@ from torch import nn
 from domino.model.kv_cache import KVCache
 from domino.model.rotary import RotaryTables
 from domino.parallel.collectives import comm_site, copy_to_tp_region
+from domino.parallel.kernels import kernels_for, run_compiled_block
 from domino.parallel.linear_ops import GradSlot
 from domino.parallel.recompute import checkpoint
+from domino.runtime.state import get_tensor_model_parallel_world_size
 
 #: ``(start, end, checkpointed)``: a group of consecutive layers, recomputed in backward when checkpointed.
 Unit = Tuple[int, int, bool]
@@ -74,11 +76,21 @@ def embed_tokens(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Ten
 
 def run_layers(layers: Sequence[nn.Module], units: Sequence[Unit], hidden: torch.Tensor,
                attend_mask: Optional[torch.Tensor], rotary: Optional[RotaryTables] = None) -> torch.Tensor:
-    """The synchronous layer loop over ``units``, checkpointing the groups marked so (full recompute)."""
+    """The synchronous layer loop over ``units``, checkpointing the groups marked so (full recompute).
+
+    With ``compile_blocks`` (``DOMINO_KERNELS=compiled``) each layer runs compiled whole, but only at TP=1: there a
+    block holds no collective. At TP>1 the synchronous block all-reduces inside its row-parallel linears, and
+    Domino's stacks never call a whole layer (they run its parts around their async launches and waits), so a
+    compiled graph never swallows a collective; those keep the compiled elementwise islands of their choice."""
+    kernels = kernels_for(hidden.device)
+    whole = kernels.compile_blocks is not None and get_tensor_model_parallel_world_size() == 1
     for start, end, checkpointed in units:
         def group(h: torch.Tensor, start: int = start, end: int = end) -> torch.Tensor:
             for layer in layers[start:end]:
-                h = layer(h, attend_mask, rotary=rotary)
+                if whole:
+                    h = run_compiled_block(layer, kernels, h, attend_mask, rotary=rotary)
+                else:
+                    h = layer(h, attend_mask, rotary=rotary)
             return h
 
         hidden = checkpoint(group, hidden) if checkpointed else group(hidden)

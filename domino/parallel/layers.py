@@ -33,6 +33,7 @@ from domino.parallel.collectives import (
     scatter_to_tp_region,
     tp_rank_and_size,
 )
+from domino.parallel import fp8
 from domino.parallel.kernels import kernels_for
 from domino.parallel.linear_ops import gelu_linear
 
@@ -100,9 +101,9 @@ def _gelu_then_linear(pre_activation: torch.Tensor, weight: torch.Tensor,
                       bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear(F.gelu(pre_activation), weight, bias)``: one buffer-reusing node on CPU, two plain ops on CUDA
     (:mod:`domino.parallel.kernels`)."""
-    if kernels_for(pre_activation.device).fused_gelu_fc2:
+    if kernels_for(pre_activation.device).fused_gelu_fc2 and fp8.active() is None:
         return gelu_linear(pre_activation, weight, bias)
-    return F.linear(F.gelu(pre_activation), weight, bias)
+    return fp8.linear(F.gelu(pre_activation), weight, bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -172,7 +173,7 @@ class ColumnParallelLinear(nn.Module):
         """Synchronous TP: the input gradient is all-reduced inside backward."""
         x = copy_to_tp_region(x)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)
+        y = fp8.linear(x, self.weight, bias)
         if self.gather_output:
             y = gather_from_tp_region(y)
         return (y, self.bias) if self.skip_bias_add else y
@@ -206,7 +207,7 @@ class RowParallelLinear(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's un-reduced partial sum ``X_r A_r^T`` (Domino reduces it asynchronously)."""
-        return F.linear(x, self.weight)
+        return fp8.linear(x, self.weight)
 
     def partial_of_gelu(self, pre_activation: torch.Tensor) -> torch.Tensor:
         """``gelu(pre_activation) A_r^T`` un-reduced, GeLU fused into the product's autograd node.
@@ -220,7 +221,7 @@ class RowParallelLinear(nn.Module):
         """Synchronous TP: the partial sums are all-reduced before the bias is added."""
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x)
-        return self._reduce_then_bias(lambda bias: F.linear(x, self.weight, bias))
+        return self._reduce_then_bias(lambda bias: fp8.linear(x, self.weight, bias))
 
     def forward_gelu(self, pre_activation: torch.Tensor
                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:

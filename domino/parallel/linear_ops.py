@@ -21,6 +21,8 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
+from domino.parallel import fp8
+
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``[..., n]`` -> ``[tokens, n]`` (a view when possible)."""
@@ -63,20 +65,21 @@ class _Linear(torch.autograd.Function):
         ctx.save_for_backward(saved_input(x, slot), weight)
         ctx.has_bias = bias is not None
         ctx.slot = slot
-        return F.linear(x, weight, bias)
+        ctx.fp8 = fp8.active()  # backward's GEMMs follow the forward's precision
+        return fp8.forward_gemm(x, weight, bias, ctx.fp8)
 
     @staticmethod
     def backward(ctx, grad_out):
         saved, weight = ctx.saved_tensors
         # Async launch (sequence parallelism): the input's all-gather runs during the input-gradient GEMM.
         x = full_input(saved, ctx.slot) if ctx.needs_input_grad[1] else None
-        grad_input = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_input = fp8.grad_input_gemm(grad_out, weight, ctx.fp8) if ctx.needs_input_grad[0] else None
         if ctx.slot is not None and grad_input is not None:
             # Async launch: the input-gradient all-reduce runs during the weight-gradient GEMM below and
             # whatever autograd schedules next; the slot's owner waits for it before the gradient is read.
             ctx.slot.launch(grad_input)
         g2 = _rows(grad_out)
-        grad_weight = g2.t().matmul(_rows(x())) if ctx.needs_input_grad[1] else None
+        grad_weight = fp8.grad_weight_gemm(g2, _rows(x()), ctx.fp8) if ctx.needs_input_grad[1] else None
         grad_bias = g2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias, None
 

@@ -11,7 +11,7 @@ The data-parallel reduction itself stays DeepSpeed's (:mod:`domino.train.engine`
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,12 +33,17 @@ def tied_embedding_weight(model: nn.Module) -> Optional[nn.Parameter]:
     return None
 
 
-def sync_tied_embeddings(model: nn.Module) -> None:
+def sync_tied_embeddings(model: nn.Module, main_grads: Optional[Dict[nn.Parameter, torch.Tensor]] = None) -> None:
     """Sums the tied word embeddings' gradient over the first and the last stage (a no-op elsewhere and at one
-    stage). Call it on every rank after the schedule's backward, before gradient clipping and the step."""
+    stage). Call it on every rank after the schedule's backward, before gradient clipping and the step.
+    ``main_grads`` maps parameters to the fp32 buffers their gradients accumulate in (a bf16 run's), else
+    ``.grad`` is summed."""
     weight = tied_embedding_weight(model)
     group = state.get_embedding_group()
     if weight is None or group is None:
+        return
+    if main_grads is not None:
+        dist.all_reduce(main_grads[weight], group=group)  # synchronous: the step reads it next
         return
     if weight.grad is None:  # a stage whose copy got no gradient still takes part in the sum
         weight.grad = torch.zeros_like(weight)

@@ -18,9 +18,9 @@ count). Shapes are given up front
 (static metadata, ``PipelineStage(input_args=..., output_args=...)``): without them the library would run an
 extra forward and backward on the first step only to learn them (``_forward_metadata_inference``).
 
-Inputs: the first stage reads token ids; every stage reads the position ids (rotary positions, reset ones) and the
-attention mask (None: causal), passed as keyword arguments split like the batch; the last stage also reads the
-labels, and the loss mask is the schedule's ``target``. Between stages travels the residual stream
+Inputs: the first stage reads token ids; every stage reads the position ids (rotary positions, reset ones; built
+here as ``0..s-1`` when not given) and the attention mask (None: causal), passed as keyword arguments split like
+the batch; the last stage also reads the labels, and the loss mask is the schedule's ``target``. Between stages travels the residual stream
 ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism, Megatron's choice too: the slice is what each rank has).
 """
 
@@ -125,13 +125,15 @@ class StageSchedule:
                                            ScheduleLoopedBFS(stages, count, loss_fn=masked_mean_loss))
         return self._eval_schedules[count]
 
-    def _arguments(self, tokens: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor],
-                   attention_mask: Optional[torch.Tensor]):
-        """The positional and keyword arguments of this rank's ``step`` (each split into micro-batches; the
-        keyword ones reach every chunk)."""
-        b, s = tokens.shape
+    def _arguments(self, tokens: Optional[torch.Tensor], labels: Optional[torch.Tensor],
+                   position_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor], count: int):
+        """The positional and keyword arguments of this rank's ``step`` over ``count`` micro-batches (each split
+        into micro-batches; the keyword ones reach every chunk). A middle stage may pass None for the tokens and
+        labels (it reads no batch)."""
+        b, s = count * self.micro_batch_size, self._tokens.shape[1]
         if position_ids is None:
-            position_ids = torch.arange(s, device=tokens.device).unsqueeze(0)
+            position_ids = torch.arange(s, device=state.collective_device(
+                state.get_pipeline_model_parallel_group())).unsqueeze(0)
         kwargs: Dict[str, torch.Tensor] = {"position_ids": position_ids.expand(b, s)}  # split with the batch
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.expand(b, *attention_mask.shape[1:])
@@ -148,7 +150,7 @@ class StageSchedule:
         stage's ``.grad`` (not yet reduced over data-parallel ranks nor tied copies:
         :mod:`domino.pipeline.gradients`). Returns the mean loss over the micro-batches, a 0-d tensor, on every
         stage (broadcast from the last over the pipeline group)."""
-        args, kwargs = self._arguments(tokens, labels, position_ids, attention_mask)
+        args, kwargs = self._arguments(tokens, labels, position_ids, attention_mask, self.num_microbatches)
         losses: List[torch.Tensor] = []
         if self.is_last:
             self.schedule.step(*args, target=loss_mask, losses=losses, return_outputs=False, **kwargs)
@@ -156,13 +158,15 @@ class StageSchedule:
             self.schedule.step(*args, return_outputs=False, **kwargs)
         return self._broadcast_mean(losses)
 
-    def eval_step(self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
-                  position_ids: Optional[torch.Tensor] = None,
-                  attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Forward only over the micro-batches of ``tokens`` (any number of them); returns their mean loss on every
-        stage, as :meth:`train_step` does."""
-        schedule = self._eval_schedule(tokens.shape[0] // self.micro_batch_size)
-        args, kwargs = self._arguments(tokens, labels, position_ids, attention_mask)
+    def eval_step(self, tokens: Optional[torch.Tensor], labels: Optional[torch.Tensor],
+                  loss_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
+                  attention_mask: Optional[torch.Tensor] = None, count: Optional[int] = None) -> torch.Tensor:
+        """Forward only over ``count`` micro-batches (any number; default: those of ``tokens``, which a middle
+        stage without a batch passes as None); returns their mean loss on every stage, as :meth:`train_step`
+        does."""
+        count = count or tokens.shape[0] // self.micro_batch_size
+        schedule = self._eval_schedule(count)
+        args, kwargs = self._arguments(tokens, labels, position_ids, attention_mask, count)
         losses: List[torch.Tensor] = []
         if self.is_last:
             schedule.eval(*args, target=loss_mask, losses=losses, **kwargs)

@@ -30,7 +30,7 @@ which read it with the rest of the interval's numbers.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -44,18 +44,33 @@ def _bf16_optimizer_class():
     return BF16_Optimizer
 
 
+def global_norm(tensors, mpu) -> torch.Tensor:
+    """DeepSpeed's ``get_global_norm_of_tensors`` (2-norm, no MoE; ``deepspeed/runtime/utils.py``, 0.19.8)
+    without its ``mask_nan_or_inf_with_val_inplace``, which builds ``torch.tensor(-1.0, device=...)`` every call
+    (a host-to-device copy the host waits for on a GPU): each tensor's fp32 2-norm (``_foreach_norm``, one
+    multi-tensor kernel), the squares summed over ``mpu``'s model-parallel group, the root. A NaN/inf norm stays
+    NaN/inf (DeepSpeed masks it to -1); the caller treats both as invalid."""
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    if tensors:
+        squares = torch.stack(torch._foreach_norm([t.detach().float() for t in tensors])).pow(2).sum()
+    else:  # a rank holding no gradient still joins the all-reduce (a fill kernel: no copy)
+        squares = torch.zeros((), dtype=torch.float32, device=get_accelerator().current_device_name())
+    if mpu is not None:
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
+    return squares.pow(0.5)
+
+
 def _device_decided_step(self, closure=None):
     """``BF16_Optimizer.step`` with the overflow skip and the clip decided on the device."""
-    from deepspeed.runtime.utils import get_global_norm_of_tensors
-
     if closure is not None:
         raise NotImplementedError(f"{type(self).__name__} does not support closure.")
     self.overflow = False  # the host does not know: a skip happens on the device (``found_inf``)
     grads_for_norm, _ = self.get_grads_for_norm()
-    # The norm over the TP group (DeepSpeed's own function: tensors and an all-reduce, no host read); it masks a
-    # NaN/inf norm to -1, which is how DeepSpeed's is_invalid_grad_norm recognises it.
-    norm = get_global_norm_of_tensors(input_tensors=grads_for_norm, mpu=self.mpu, norm_type=self.norm_type)
-    invalid = ~torch.isfinite(norm) | (norm < 0)
+    # The norm over the TP group: tensors and an all-reduce, no host read and no Python number copied over.
+    norm = global_norm(grads_for_norm, self.mpu)
+    invalid = ~torch.isfinite(norm)
     self._global_grad_norm = torch.where(invalid, torch.full_like(norm, float("inf")), norm)
     if self.clip_grad > 0.0:
         grads = self.get_grads_for_norm(for_clipping=True)
@@ -102,6 +117,7 @@ def can_decide_on_device(optimizer) -> bool:
     inner = optimizer.optimizer
     return (isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) and bool(inner.defaults.get("fused"))
             and optimizer.grad_acc_dtype is torch.float32 and not optimizer.has_moe_layers
+            and float(optimizer.norm_type) == 2.0
             and not getattr(optimizer, "_uses_muon", False))
 
 
@@ -119,3 +135,15 @@ def skip_flag(engine) -> Optional[torch.Tensor]:
     the host (DeepSpeed then counts its skips in ``engine.skipped_steps``)."""
     return getattr(engine.optimizer, "found_inf", None) if _CLASS is not None and isinstance(
         engine.optimizer, _CLASS) else None
+
+
+def main_gradients(optimizer) -> Dict[torch.nn.Parameter, torch.Tensor]:
+    """Each bf16 parameter's fp32 gradient buffer in DeepSpeed's BF16_Optimizer (a view into its flat buffer:
+    ``fp32_groups_gradients``), the Megatron ``main_grad`` of a pipelined bf16 run."""
+    return {lp: hp for group, grads in zip(optimizer.bf16_groups, optimizer.fp32_groups_gradients)
+            for lp, hp in zip(group, grads)}
+
+
+def main_gradient_buffers(optimizer) -> List[torch.Tensor]:
+    """The BF16_Optimizer's flat fp32 gradient buffers (one per parameter group, padding included)."""
+    return list(optimizer.fp32_groups_gradients_flat)

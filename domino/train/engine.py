@@ -7,13 +7,14 @@ import math
 import logging
 import os
 import sys
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
 from domino.config import ConfigError, DominoConfig
 from domino.config.validate import check_device, zero_stage_for
 from domino.runtime import state
+from domino.parallel import fp8
 from domino.parallel.layers import is_tensor_model_parallel
 from domino.pipeline.gradients import norm_parameters
 from domino.train import bf16_step, zero_step
@@ -85,6 +86,9 @@ def check_this_device(config: DominoConfig) -> None:
         except Exception:  # older torch builds lack the op: DeepSpeed then reports no fp16 either
             cpu_fp16 = False
     check_device(config, cuda=cuda, cpu_fp16=cpu_fp16)
+    # FP8 GEMMs for this process's linears, or one line saying why neither real nor emulated FP8 runs here.
+    fp8.configure(config.train.fp8_format, torch.device("cuda", torch.cuda.current_device()) if cuda
+                  else torch.device("cpu"))
 
 
 def initialize_runtime(config: DominoConfig) -> None:
@@ -150,7 +154,8 @@ def clips_itself(config: DominoConfig) -> bool:
     return pipelined(config) or (zero_stage(config) == 0 and not (config.train.fp16 or config.train.bf16))
 
 
-def clip_gradients(engine, max_norm: float) -> torch.Tensor:
+def clip_gradients(engine, max_norm: float, grad_of: Optional[Callable[[torch.nn.Parameter], Optional[torch.Tensor]]] = None,
+                   poison_overflow: bool = False) -> torch.Tensor:
     """Clips the (already data-parallel-reduced) gradients to ``max_norm``; returns the global norm on the device.
 
     The maths of DeepSpeed's ``clip_grad_norm_`` (``deepspeed/runtime/utils.py``, 0.19.8): the 2-norm of every
@@ -164,11 +169,17 @@ def clip_gradients(engine, max_norm: float) -> torch.Tensor:
     the end-to-end benchmark's shape, ``benchmarks/RESULTS.md``) and each collective only where its group has more
     than one rank. Nothing is read on the host, nor is a Python number copied to the device: the norm and the
     factor stay tensors.
+
+    ``grad_of(param)`` is where a parameter's gradient lives (default ``param.grad``; a pipelined bf16 run's fp32
+    main gradient, :func:`domino.train.bf16_step.main_gradients`). With ``poison_overflow`` a non-finite norm
+    turns every gradient into NaN, so that each stage's optimizer, which looks at its own stage's gradients only,
+    skips the step: a skip on one stage is a skip on all (the norm is already summed over every stage).
     """
-    params = [p for p in engine.module.parameters() if p.grad is not None]
-    grads = [p.grad for p in params]
+    grad_of = grad_of or (lambda p: p.grad)
+    params = [p for p in engine.module.parameters() if grad_of(p) is not None]
+    grads = [grad_of(p) for p in params]
     first_tp_rank = state.get_tensor_model_parallel_rank() == 0
-    counted = [p.grad.float() for p in norm_parameters(params) if first_tp_rank or is_tensor_model_parallel(p)]
+    counted = [grad_of(p).float() for p in norm_parameters(params) if first_tp_rank or is_tensor_model_parallel(p)]
     squares = (torch.stack(torch._foreach_norm(counted)).pow(2).sum() if counted
                else torch.zeros((), device=grads[0].device))
     if state.get_tensor_model_parallel_world_size() > 1:
@@ -180,8 +191,11 @@ def clip_gradients(engine, max_norm: float) -> torch.Tensor:
     if dp > 1:  # as DeepSpeed: the mean of the replicas' norms (equal, as their gradients are already reduced)
         norm = norm / dp
         torch.distributed.all_reduce(norm, group=state.get_data_parallel_group())
-    if max_norm > 0:
-        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    if max_norm > 0 or poison_overflow:
+        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else torch.ones_like(norm)
+        if poison_overflow:
+            factor = torch.where(torch.isfinite(norm), factor, torch.full_like(factor, float("nan")))
+        torch._foreach_mul_(grads, factor)
     return norm
 
 
@@ -267,7 +281,12 @@ def deepspeed_config(config: DominoConfig) -> Dict[str, Any]:
         ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": round(math.log2(t.initial_loss_scale)),
                       "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
     if t.bf16:
-        ds["bf16"] = {"enabled": True}
+        # Pipelined, the schedule runs the backward, not DeepSpeed: BF16_Optimizer's per-gradient hooks (its
+        # `immediate_grad_update`, deepspeed 0.19.8 runtime/bf16_optimizer.py `create_grad_acc_hooks`) add each
+        # micro-batch's bf16 gradient into its fp32 buffer as autograd finishes it, in any backward; its PipelineEngine
+        # calls `update_hp_grads` after each micro-batch's backward instead (runtime/pipe/engine.py
+        # `_exec_backward_pass`), which torch's schedule gives no place for.
+        ds["bf16"] = {"enabled": True, **({"immediate_grad_update": True} if pipelined(config) else {})}
         # Gradients of bf16 weights are summed over micro-batches (and DP ranks) in fp32: with ZeRO 1 this selects
         # DeepSpeed's BF16_Optimizer (fp32 master weights and gradient buffers), with ZeRO 2 the ZeRO optimizer's
         # fp32 gradient partitions (deepspeed 0.19.8, runtime/engine.py `_do_optimizer_sanity_check` and

@@ -97,7 +97,8 @@ class GPTRecipe:
         """A ``GPTModel`` of ``config``'s shape (this rank's pipeline stage of it, or its interleaved model chunks:
         :class:`domino.pipeline.stages.VirtualStages`) with the sequence parallelism, Domino chunks and activation
         recompute of ``config``, applied in that order to each (:mod:`domino.overlap`, :mod:`domino.model.recompute`)."""
-        model = GPTModel(config.model, self.padded_vocab_size)
+        # From ``config``: a resume may keep its checkpoint's padding (domino.checkpoint.resume.keep_padded_vocab).
+        model = GPTModel(config.model, padded_vocab_size(self.vocab_size, config))
         # This rank's pipeline stage (or its interleaved model chunks), cut before the stacks below are built over
         # each chunk's layers (one stage: unchanged).
         model = split_model(model, state.get_pipeline_model_parallel_rank(),
@@ -115,7 +116,8 @@ class GPTRecipe:
         d, seq = self.config.data, self.config.model.seq_length
         if d.mock_data:
             return tuple(  # type: ignore[return-value]
-                MockGPTDataset(n, seq, self.padded_vocab_size if self.tokenizer is None else self.tokenizer.vocab_size,
+                MockGPTDataset(n, seq, padded_vocab_size(self.vocab_size, self.config) if self.tokenizer is None
+                               else self.tokenizer.vocab_size,
                                self.config.train.seed + i) if n else None
                 for i, n in enumerate(num_samples))
         return build_train_valid_test_datasets(

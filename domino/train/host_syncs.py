@@ -14,9 +14,19 @@ the only way to see, say, DeepSpeed's ThroughputTimer synchronising twice per mi
 detector, ``torch.cuda.set_sync_debug_mode("warn")``, does not see those (it warns from inside the ops that
 synchronise), which is why ``benchmarks/gpu_check.py`` wraps them with :func:`explicit_synchronizes` as well.
 
+It also counts device tensors made from Python numbers (``torch.tensor``, ``torch.as_tensor``,
+``torch.scalar_tensor`` with an explicit ``device``, and ``Tensor.new_tensor``, whose target is the tensor's
+device): on a GPU each is a copy from pageable host memory, which the host waits for
+(pytorch/pytorch#120996), and ``set_sync_debug_mode`` does not flag it. On a CPU-only machine the device the
+training runs on is the CPU, so every explicit ``device`` argument is counted whatever it names (DeepSpeed's
+CPU accelerator names its device ``"cpu"``, as code meant for a GPU passes ``"cuda:0"``); with a GPU only
+non-CPU targets count. Their method names end in :data:`DEVICE_COPY` (``torch.tensor->device``), so they are
+told apart from host reads. ``torch.full``/``fill_`` and arithmetic with a Python scalar are not counted: the
+number travels as a kernel argument, no copy is made (``aten/src/ATen/native/Fill.cpp``, torch 2.13).
+
 It sees what Python asks for, not what a kernel does internally (e.g. ``torch.nonzero`` inside an op written
-in C++), nor copies of Python numbers to a device; on a GPU, ``torch.cuda.set_sync_debug_mode("warn")`` sees
-those too.
+in C++), nor ``.to(device)`` of a host tensor (on a CPU-only machine the same call moves nothing);
+on a GPU, ``torch.cuda.set_sync_debug_mode("warn")`` sees the syncs among those.
 
 Run a probed ``domino pretrain`` (alone or under torchrun; each rank writes ``OUT.rank<R>.json``)::
 
@@ -32,7 +42,6 @@ import importlib
 import json
 import os
 import sys
-import traceback
 import types
 import warnings
 from typing import Callable, Dict, Iterator, List, Optional
@@ -41,6 +50,10 @@ import torch
 
 #: ``torch.Tensor`` methods that copy a value to the host (all of them synchronise a CUDA tensor).
 READ_METHODS = ("item", "tolist", "numpy", "cpu", "nonzero", "__float__", "__int__", "__bool__", "__index__")
+#: Suffix of the method name of a device tensor made from Python numbers (a host-to-device copy on a GPU).
+DEVICE_COPY = "->device"
+#: ``torch`` constructors that copy Python data to the ``device`` they are given.
+CONSTRUCTORS = ("tensor", "as_tensor", "scalar_tensor")
 #: Methods of the training loop (``domino.train.pretrain._Trainer``) that name a phase, innermost wins.
 PHASES = {"_log": "log", "_evaluate": "evaluate", "_save": "save", "_termination_requested": "log",
           "_loader": "setup", "_run": "step"}
@@ -73,6 +86,18 @@ def _where(frame) -> str:
             filename = os.path.relpath(filename, root)
             break
     return f"{filename}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
+def _targets_device(device) -> bool:
+    """Whether a constructor's ``device`` argument would be a host-to-device copy (module docstring)."""
+    if device is None:
+        return False
+    return not torch.cuda.is_available() or torch.device(device).type != "cpu"
+
+
+def is_device_copy(method: str) -> bool:
+    """Whether an event's ``method`` is a device tensor made from Python numbers (not a host read)."""
+    return method.endswith(DEVICE_COPY)
 
 
 def _is_bool_index(index) -> bool:
@@ -135,7 +160,27 @@ class HostSyncProbe:
 
         return wrapper
 
+    def _wrap_constructor(self, name: str, original: Callable, method: bool = False) -> Callable:
+        probe = self
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            data = args[1 if method else 0] if len(args) > (1 if method else 0) else kwargs.get("data")
+            device = kwargs.get("device")
+            if method and device is None and args:
+                device = args[0].device  # new_tensor makes its tensor on the tensor's own device
+            if not probe._inside and not isinstance(data, torch.Tensor) and _targets_device(device):
+                probe._record(name + DEVICE_COPY)
+            return original(*args, **kwargs)
+
+        return wrapper
+
     def __enter__(self) -> "HostSyncProbe":
+        for name in CONSTRUCTORS:
+            self._saved["torch." + name] = getattr(torch, name)
+            setattr(torch, name, self._wrap_constructor("torch." + name, self._saved["torch." + name]))
+        self._saved["new_tensor"] = torch.Tensor.new_tensor
+        torch.Tensor.new_tensor = self._wrap_constructor("Tensor.new_tensor", self._saved["new_tensor"], True)
         for method in READ_METHODS:
             self._saved[method] = getattr(torch.Tensor, method)
             setattr(torch.Tensor, method, self._wrap(method, self._saved[method]))
@@ -149,13 +194,17 @@ class HostSyncProbe:
     def __exit__(self, *exc) -> None:
         self._synchronizes.__exit__(*exc)
         for method, original in self._saved.items():
-            setattr(torch.Tensor, method, original)
+            setattr(torch, method[len("torch."):], original) if method.startswith("torch.") else setattr(
+                torch.Tensor, method, original)
         self._saved.clear()
 
-    def count(self, phase: Optional[str] = None, owner: Optional[str] = None) -> int:
-        """Reads in ``phase`` by ``owner`` (``None``: any)."""
-        return sum(n for (p, o, _, _), n in self.events.items()
-                   if (phase is None or p == phase) and (owner is None or o == owner))
+    def count(self, phase: Optional[str] = None, owner: Optional[str] = None,
+              device_copies: Optional[bool] = None) -> int:
+        """Events in ``phase`` by ``owner`` (``None``: any); ``device_copies`` True: only device tensors made
+        from Python numbers, False: only host reads and synchronizes, None: both."""
+        return sum(n for (p, o, _, m), n in self.events.items()
+                   if (phase is None or p == phase) and (owner is None or o == owner)
+                   and (device_copies is None or is_device_copy(m) == device_copies))
 
     def to_json(self) -> List[dict]:
         """The events as a list of records, most frequent first."""
@@ -209,50 +258,49 @@ def explicit_synchronizes(record: Callable[[], None], guard=None) -> Iterator[No
             setattr(owner, attribute, original)
 
 
-def _caller() -> str:
-    """``file:line`` of the innermost frame outside torch and this file."""
-    for frame in reversed(traceback.extract_stack()):
-        if not frame.filename.startswith(_TORCH_DIR) and os.path.abspath(frame.filename) != _THIS_FILE:
-            return f"{os.path.relpath(frame.filename)}:{frame.lineno}"
-    return "?"
+#: torch's one-time notice when the sync debug mode is first set: not a sync (it matches "synchroniz").
+DEBUG_MODE_NOTICE = "synchronization debug mode is a prototype feature"
 
 
 def syncs_per_step(step: Callable[[], object], steps: int) -> Dict[str, object]:
     """Runs ``step()`` ``steps`` times and counts the device syncs it makes, with their sites.
 
     On CUDA: the warnings of ``torch.cuda.set_sync_debug_mode("warn")`` (syncs inside ops, value reads
-    included) plus the explicit synchronize calls that mode does not see (:func:`explicit_synchronizes`).
-    Elsewhere: the host reads and synchronize calls of :class:`HostSyncProbe`.
+    included, but not torch's notice that the mode is a prototype) plus the explicit synchronize calls that mode
+    does not see. Elsewhere: the host reads and synchronize calls of :class:`HostSyncProbe`. Both: the device
+    tensors made from Python numbers (host-to-device copies the host waits for), counted apart.
 
     Returns:
-        ``{"per_iteration": float, "where": {site: per iteration}, "method": str}``.
+        ``{"per_iteration": float, "device_copies_per_iteration": float, "where": {site: per iteration},
+        "method": str}``.
     """
     where: collections.Counter = collections.Counter()
-    if not torch.cuda.is_available():
-        with HostSyncProbe() as probe:
+    copies = 0
+    cuda = torch.cuda.is_available()
+    with warnings.catch_warnings(record=True) as caught, HostSyncProbe() as probe:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
             for _ in range(steps):
                 step()
-        for event in probe.to_json():
-            where[f"{event['where']} ({event['method']})"] += event["count"]
-        method = "host-read probe (CPU)"
-    else:
-        explicit: collections.Counter = collections.Counter()
-        with warnings.catch_warnings(record=True) as caught, explicit_synchronizes(
-                lambda: explicit.update([_caller()])):
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                for _ in range(steps):
-                    step()
-            finally:
+        finally:
+            if cuda:
                 torch.cuda.set_sync_debug_mode("default")
+    for event in probe.to_json():
+        if is_device_copy(event["method"]):
+            copies += event["count"]
+        elif cuda and event["method"] != "synchronize":
+            continue  # on CUDA the debug mode's warnings count the reads
+        where[f"{event['where']} ({event['method']})"] += event["count"]
+    if cuda:
         for w in caught:
-            if "synchroniz" in str(w.message).lower():
+            message = str(w.message).lower()
+            if "synchroniz" in message and DEBUG_MODE_NOTICE not in message:
                 where[f"{os.path.relpath(w.filename)}:{w.lineno}"] += 1
-        for site, n in explicit.items():
-            where[f"{site} (synchronize)"] += n
-        method = "torch.cuda.set_sync_debug_mode('warn') + explicit synchronize calls"
-    return {"per_iteration": sum(where.values()) / steps,
+    method = ("torch.cuda.set_sync_debug_mode('warn') + explicit synchronize calls" if cuda
+              else "host-read probe (CPU)") + " + device tensors from Python numbers"
+    return {"per_iteration": (sum(where.values()) - copies) / steps, "device_copies_per_iteration": copies / steps,
             "where": {k: v / steps for k, v in where.most_common(12)}, "method": method}
 
 

@@ -16,6 +16,11 @@ inside its own backward off, and here, after the schedule, in this order:
 
 Step 2 costs one more data-parallel all-reduce of the gradients than a run without pipeline stages under ZeRO-1
 (stage 0 reduces only here); it is what lets the norm be taken before ZeRO partitions the gradients.
+
+With ``--bf16`` the same steps run on the fp32 gradient buffers of DeepSpeed's BF16_Optimizer, into which its
+per-gradient hooks added each micro-batch's bf16 gradient during the schedule's backward (:meth:`_bf16_step`);
+the buffers are the step's gradients, so ``allreduce_gradients`` is not called (BF16_Optimizer reduces only those
+buffers there, already averaged). Only the first and last stage read batches (:func:`stage_reads_batches`).
 """
 
 from __future__ import annotations
@@ -31,16 +36,15 @@ from domino.config import ConfigError, DominoConfig
 from domino.pipeline.gradients import sync_tied_embeddings
 from domino.pipeline.schedule import StageSchedule
 from domino.runtime import state
-from domino.train import engine as engine_setup
+from domino.train import bf16_step, engine as engine_setup
 from domino.train.gpt_recipe import average_across_data_parallel_group
 
 logger = logging.getLogger(__name__)
 
 
-def average_over_data_parallel(params: List[torch.nn.Parameter]) -> None:
-    """Replaces every gradient of ``params`` by its mean over the data-parallel replicas (one flat all-reduce)."""
+def average_over_data_parallel(grads: List[torch.Tensor]) -> None:
+    """Replaces every one of ``grads`` by its mean over the data-parallel replicas (one flat all-reduce)."""
     dp = state.get_data_parallel_world_size()
-    grads = [p.grad for p in params if p.grad is not None]
     if dp == 1 or not grads:
         return
     flat = _flatten_dense_tensors(grads)
@@ -48,6 +52,21 @@ def average_over_data_parallel(params: List[torch.nn.Parameter]) -> None:
     flat /= dp
     for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         grad.copy_(reduced)
+
+
+#: The tensors a micro-batch gives (:meth:`domino.train.gpt_recipe.GPTRecipe.batch`).
+BATCH_FIELDS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def stage_reads_batches(config: DominoConfig, first: bool, last: bool) -> bool:
+    """Whether a pipeline stage reads batches from the data loader: the first (tokens, positions) and the last
+    (labels, loss mask), as Megatron's ``get_batch`` reads nothing on a middle stage (Megatron-LM d98e8a64
+    ``pretrain_gpt.py``: ``if not is_first_or_last_pipeline_stage(vp_stage) and ... not has_cu_seqlens: return
+    [None for _ in BATCH_KEYS]``, its middle stages reading only the document boundaries of packed sequences). So
+    here: a middle stage reads batches only under ``--reset-position-ids`` or ``--reset-attention-mask``, whose
+    positions and masks follow the documents of the tokens (every stage's layers use them)."""
+    d = config.data
+    return first or last or d.reset_position_ids or d.reset_attention_mask
 
 
 class PipelineStep:
@@ -67,14 +86,23 @@ class PipelineStep:
                               "schedule, not forward_step, runs the stages")
         self.config, self.engine, self.get_batch = config, engine, get_batch
         self.micro_batches = micro_batches
+        #: bf16: each parameter's fp32 main gradient (DeepSpeed's BF16_Optimizer buffers), else None.
+        self.main_grads = (bf16_step.main_gradients(engine.optimizer)
+                           if bf16_step.is_bf16_optimizer(engine.optimizer) else None)
         self._schedules: Dict[int, StageSchedule] = {}
         self.schedule = self._schedule(micro_batches)
         chunks, indices = self.schedule.chunks, self.schedule.indices
-        logger.info("pipeline stage %d of %d: %s, virtual stages %s (layers %s)",
+        first, last = self.schedule.is_first, self.schedule.is_last
+        #: Whether this stage reads batches; the fields it passes on (Megatron's get_batch on pipeline ranks).
+        self.reads_batches = stage_reads_batches(config, first, last)
+        self.fields = (({"tokens"} if first else set()) | ({"labels", "loss_mask"} if last else set())
+                       | {"position_ids", "attention_mask"})
+        logger.info("pipeline stage %d of %d: %s, virtual stages %s (layers %s)%s",
                     state.get_pipeline_model_parallel_rank(), state.get_pipeline_model_parallel_world_size(),
                     "1F1B" if len(chunks) == 1 else f"interleaved 1F1B over {self.schedule.num_virtual_stages} "
                     "virtual stages", ", ".join(map(str, indices)),
-                    "; ".join(",".join(map(str, chunk.layers.indices)) for chunk in chunks))
+                    "; ".join(",".join(map(str, chunk.layers.indices)) for chunk in chunks),
+                    "" if self.reads_batches else "; reads no batches")
 
     def _schedule(self, micro_batches: int) -> StageSchedule:
         """The (1F1B or interleaved) schedule of a step of ``micro_batches``, one per count a batch-size ramp reaches (a stage's
@@ -88,12 +116,14 @@ class PipelineStep:
                 dtype=next(self.engine.module.parameters()).dtype)
         return self._schedules[micro_batches]
 
-    def _step_batch(self, data_iterator, count: Optional[int] = None) -> Dict[str, torch.Tensor]:
-        """``count`` micro-batches (default: a step's), each tensor concatenated along the batch (the schedule
-        splits them again)."""
+    def _step_batch(self, data_iterator, count: Optional[int] = None) -> Dict[str, Optional[torch.Tensor]]:
+        """``count`` micro-batches (default: a step's), each tensor this stage uses concatenated along the batch
+        (the schedule splits them again); all None on a stage that reads no batch (:func:`stage_reads_batches`)."""
+        if not self.reads_batches:
+            return dict.fromkeys(BATCH_FIELDS)
         micro = [self.get_batch(data_iterator) for _ in range(count or self.micro_batches)]
-        return {name: None if micro[0][name] is None else torch.cat([mb[name] for mb in micro])
-                for name in micro[0]}
+        return {name: None if micro[0][name] is None or name not in self.fields else
+                torch.cat([mb[name] for mb in micro]) for name in micro[0]}
 
     def __call__(self, data_iterator, timers, micro_batches: int
                  ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -108,8 +138,10 @@ class PipelineStep:
         timers.stop("forward-backward")
         timers.start("optimizer")
         module = self.engine.module
+        if self.main_grads is not None:
+            return self._bf16_step(loss, micro_batches, timers)
         sync_tied_embeddings(module)
-        average_over_data_parallel(list(module.parameters()))
+        average_over_data_parallel([p.grad for p in module.parameters() if p.grad is not None])
         grad_norm = engine_setup.clip_gradients(self.engine, self.config.train.clip_grad)
         skipped = None
         if engine_setup.zero_stage(self.config) == 0:
@@ -119,6 +151,29 @@ class PipelineStep:
         self.engine.step()
         if skipped is None:  # the ZeRO optimizer's own skip, decided on the device (domino.train.zero_step)
             skipped = engine_setup.device_skip_flag(self.engine)
+        timers.stop("optimizer")
+        return average_across_data_parallel_group(loss), grad_norm, skipped
+
+    def _bf16_step(self, loss: torch.Tensor, micro_batches: int, timers
+                   ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The optimizer part of a bf16 step: the schedule's backward left each micro-batch's gradient summed in
+        the BF16_Optimizer's fp32 buffers (its hooks; the bf16 ``.grad`` is freed, so torch's ``scale_grads``
+        found nothing to divide). Here they become the mean over the micro-batches, the tied copies' sum, the
+        mean over the replicas, are clipped by the norm over every stage (NaN everywhere when that norm is not
+        finite, so every stage skips) and DeepSpeed's step (:mod:`domino.train.bf16_step`) applies them."""
+        optimizer = self.engine.optimizer
+        buffers = bf16_step.main_gradient_buffers(optimizer)
+        # Scaling the fp32 sums after the backward is DeepSpeed's unstaged division of the loss by the micro-batch
+        # count moved past the backward: the same numbers wherever the count is a power of two.
+        torch._foreach_mul_(buffers, 1.0 / micro_batches)
+        sync_tied_embeddings(self.engine.module, self.main_grads)
+        average_over_data_parallel(buffers)
+        for flags in optimizer.fp32_groups_has_gradients:  # the norm and step of DeepSpeed read every buffer
+            flags[:] = [True] * len(flags)
+        grad_norm = engine_setup.clip_gradients(self.engine, self.config.train.clip_grad,
+                                                grad_of=self.main_grads.get, poison_overflow=True)
+        self.engine.step()
+        skipped = engine_setup.device_skip_flag(self.engine)
         timers.stop("optimizer")
         return average_across_data_parallel_group(loss), grad_norm, skipped
 
@@ -135,7 +190,7 @@ class PipelineStep:
             count = min(self.micro_batches, eval_iters - done)
             batch = self._step_batch(iterator, count)
             loss = self.schedule.eval_step(batch["tokens"], batch["labels"], batch["loss_mask"],
-                                           batch["position_ids"], batch["attention_mask"])
+                                           batch["position_ids"], batch["attention_mask"], count=count)
             loss = average_across_data_parallel_group(loss).double() * count
             total = loss if total is None else total + loss  # summed on the device: one host read at the end
             done += count

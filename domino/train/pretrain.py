@@ -23,13 +23,12 @@ import torch.distributed as dist
 from domino.checkpoint import async_save, checkpointing, discovery, resume
 from domino.config import ConfigError, DominoConfig, config_to_dict, validate
 from domino.config.batch_schedule import batch_schedule
-from domino.config.validate import resolve_zero_stage
 from domino.data.loader import build_pretraining_data_loader
 from domino.parallel import random as tp_random
 from domino.runtime.comm_timing import pop_comm_wait_by_site, pop_comm_wait_seconds, pop_modelled_comm_seconds
 from domino.runtime import state
 from domino.runtime.agreement import agree, hosts, is_lost_peer_error, lost_peer_error
-from domino.train import engine as engine_setup
+from domino.train import engine as engine_setup, schedule_check
 from domino.train.evaluation import evaluate, perplexity
 from domino.train.interval_stats import IntervalReading, IntervalStats
 from domino.train.metrics import MetricsWriter, format_iteration_line
@@ -94,11 +93,10 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     resume_from, warm_start = agree("choosing the checkpoint to resume",
                                     lambda: discovery.find_checkpoint(config))
     agree("checking the checkpoint against this run", lambda: resume.check_resumable(
-        resume_from, config, state.get_data_parallel_world_size(), warm_start, padded_vocab_size))
-    chosen = resolve_zero_stage(config, state.get_data_parallel_world_size(),
-                                resume.resumed_zero_stage(resume_from, config, warm_start))
-    if chosen and dist.get_rank() == 0:
-        logger.info("%s", chosen)
+        resume_from, config, state.get_data_parallel_world_size(), warm_start))
+    schedule = agree("checking the schedules against the checkpoint", lambda: schedule_check.resumed_schedule(
+        resume_from, config, state.get_data_parallel_world_size(), warm_start))
+    padded_vocab_size = resume.fit_run_to(resume_from, config, padded_vocab_size, warm_start)  # vocabulary, ZeRO
     tp_random.model_parallel_seed(config.train.seed)
 
     with state.collective_device():  # parameters are created and initialised on their device, shard by shard
@@ -110,7 +108,8 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
                                                             weights_only=warm_start)
     elif config.checkpoint.load:
         logger.info("--load %s holds no checkpoint yet: starting from scratch", config.checkpoint.load)
-    trainer = _Trainer(config, engine, dataset_builder, forward_step, padded_vocab_size, tokenizer, get_batch)
+    trainer = _Trainer(config, engine, dataset_builder, forward_step, padded_vocab_size, tokenizer, get_batch,
+                       schedule)
     return trainer.run(iteration, consumed, discovery.own_checkpoint(config, resume_from, warm_start, iteration))
 
 
@@ -119,7 +118,8 @@ class _Trainer:
     """The loop of one run: steps, NaN accounting, interval logging, evaluation and saving."""
 
     def __init__(self, config: DominoConfig, engine, dataset_builder: Callable, forward_step: Callable,
-                 padded_vocab_size: int, tokenizer, get_batch: Optional[Callable] = None) -> None:
+                 padded_vocab_size: int, tokenizer, get_batch: Optional[Callable] = None,
+                 schedule: Optional[LearningRateSchedule] = None) -> None:
         self.config, self.engine, self.forward_step = config, engine, forward_step
         self.padded_vocab_size, self.tokenizer = padded_vocab_size, tokenizer
         t, lg = config.train, config.logging
@@ -128,18 +128,20 @@ class _Trainer:
                                      ) if engine_setup.pipelined(config) else None
         self.gbs = self.batches.global_batch_size
         self.train_iters = t.train_iters if t.train_iters is not None else self.batches.train_iters(t.train_samples)
-        self.schedule = LearningRateSchedule.from_config(t, self.train_iters, self.gbs)
+        self.schedule = schedule or LearningRateSchedule.from_config(t, self.train_iters, self.gbs)
         eval_samples = t.eval_iters * self.gbs if t.eval_interval or t.eval_iters else 0
         # Every rank builds the datasets (index caches are built once, behind a world-wide agreement), so every
-        # rank knows which splits are empty; only TP rank 0 reads batches and broadcasts them to its TP group.
-        self.is_data_rank = state.get_tensor_model_parallel_rank() == 0
+        # rank knows which splits are empty; only TP rank 0 reads batches and broadcasts them to its TP group, and
+        # with pipeline stages only on a stage that reads batches (a middle one does not: PipelineStep).
+        self.is_data_rank = state.get_tensor_model_parallel_rank() == 0 and (
+            self.pipeline is None or self.pipeline.reads_batches)
         self.train_ds, self.valid_ds, self.test_ds = agree("building the datasets", lambda: dataset_builder(
             (self.batches.consumed_samples_after(self.train_iters), eval_samples, eval_samples)))
         self.hosts = hosts()  # to name the node of a rank lost later
         self.timers = Timers(lg.timing_log_level)
         self.writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, enabled=dist.get_rank() == 0,
                                     log_timers=lg.log_timers_to_tensorboard, metrics_port=lg.metrics_port)
-        self.peak = lg.peak_tflops or detect_peak_tflops()
+        self.peak = lg.peak_tflops or detect_peak_tflops(fp8=t.fp8_format is not None)
         self.flops_per_token = training_flops_per_token(config.model, padded_vocab_size)
         self.paused = 0.0  # seconds spent evaluating or saving, kept out of the throughput numbers
         self.device = state.collective_device()
@@ -282,7 +284,9 @@ class _Trainer:
 
     def _save(self, iteration: int, consumed: int) -> str:
         started = time.perf_counter()
-        path = self.saver.save(self.engine, iteration, consumed, self.padded_vocab_size, self.tokenizer, self.gbs)
+        path = self.saver.save(self.engine, iteration, consumed, self.padded_vocab_size, self.tokenizer, self.gbs,
+                               schedule_check.record(self.schedule, self.config, self.train_iters,
+                                                     state.get_data_parallel_world_size()))
         self.paused += time.perf_counter() - started
         return str(path)
 

@@ -12,6 +12,10 @@ from domino.config import ModelConfig, estimate
 
 #: Dense bf16/fp16 peak TFLOP/s per device for GPUs we recognise by name (vendor data sheets, SXM parts).
 KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "V100": 125.0}
+#: Dense FP8 peak TFLOP/s (``--fp8-format``; the same data sheets, without sparsity): twice the bf16 figure on
+#: Hopper and Ada. The MFU line divides by it: the FP8 GEMMs' ceiling (attention and the output layer stay
+#: bf16, so a run's MFU against it is a lower bound of the GEMMs' own).
+KNOWN_FP8_PEAK_TFLOPS = {"H200": 1979.0, "H100": 1979.0, "L40S": 733.0}
 
 
 def training_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
@@ -25,12 +29,13 @@ def training_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
     return estimate.training_flops_per_token(model, vocab_size)
 
 
-def detect_peak_tflops() -> Optional[float]:
-    """Peak TFLOP/s of the current CUDA device when known, else ``None`` (CPU, unknown GPU)."""
+def detect_peak_tflops(fp8: bool = False) -> Optional[float]:
+    """Peak TFLOP/s of the current CUDA device when known (its FP8 peak with ``fp8``), else ``None`` (CPU,
+    unknown GPU)."""
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
-    for key, peak in KNOWN_PEAK_TFLOPS.items():
+    for key, peak in (KNOWN_FP8_PEAK_TFLOPS if fp8 else KNOWN_PEAK_TFLOPS).items():
         if key in name:
             return peak
     return None

@@ -130,6 +130,35 @@ def _device_decided_step(self, closure=None):
         self._update_model_bit16_weights(i)
 
 
+def _grad_norm_direct(self, gradients, params, norm_type=2):
+    """DeepSpeed's ``get_grad_norm_direct`` (2-norm; ``deepspeed/runtime/zero/stage_1_and_2.py``, 0.19.8) without
+    ``mask_nan_or_inf_with_val_inplace``, which builds ``torch.tensor(-1.0, device=...)`` per parameter group
+    and step (a host-to-device copy the host waits for on a GPU): a NaN/inf norm stays NaN/inf, which
+    ``combine_grad_norm_groups`` turns into inf as it does DeepSpeed's -1. One ``_foreach_norm`` per group instead
+    of a norm per gradient; a rank with no counted gradient contributes a zero made by a fill kernel."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    if float(norm_type) != 2.0:
+        return _zero_optimizer_class().get_grad_norm_direct(self, gradients, params, norm_type)
+    counted = []
+    for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params):
+        if hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated:
+            continue  # pipeline-replicated parameters are counted once
+        if is_model_parallel_parameter(p) or self.model_parallel_rank == 0:
+            counted.append(g.data.to(get_norm_dtype()).detach())
+    if counted:
+        total = torch.stack(torch._foreach_norm(counted)).pow(2).sum().float()
+    else:
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+    if not _one_rank(self.dp_process_group):
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
+    self._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+    return total.pow(0.5)
+
+
 def _unscale_and_clip(self, grad: torch.Tensor, scaled_norm: torch.Tensor, scale) -> None:
     """DeepSpeed's ``unscale_and_clip_grads`` factor, applied without asking the host whether it is 1."""
     if self.clip_grad == 0.0 and not isinstance(scale, torch.Tensor) and scale == 1.0:
@@ -188,6 +217,7 @@ def device_decided_class():
                        "the device, and whose reductions over a one-rank group skip the collective.",
             "step": torch.no_grad()(_device_decided_step),
             "_unscale_and_clip": _unscale_and_clip,
+            "get_grad_norm_direct": _grad_norm_direct,
             "allreduce_bucket": _allreduce_bucket,
             "gradient_reduction_w_predivide": _gradient_reduction_w_predivide,
             "_muon_update_lacks_loss_scale": _muon_update_lacks_loss_scale,

@@ -17,7 +17,6 @@ from safetensors.torch import save_file
 from domino.checkpoint import discovery, optimizer_state, resume, sharding
 from domino.cli.main import build_parser
 from domino.config import config_from_args
-from domino.config.validate import resolve_zero_stage
 from domino.parallel import random as tp_random
 from domino.runtime import state
 from domino.train import engine as engine_setup
@@ -29,14 +28,15 @@ def main(out: str, argv) -> None:
     config = config_from_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")), for_training=True)
     engine_setup.initialize_runtime(config)
     ckpt, warm = discovery.find_checkpoint(config)
-    resolve_zero_stage(config, state.get_data_parallel_world_size(), resume.resumed_zero_stage(ckpt, config, warm))
+    resume.choose_zero_stage(ckpt, config, warm, state.get_data_parallel_world_size())
     recipe = GPTRecipe(config)
+    padded, _ = resume.keep_padded_vocab(ckpt, config, recipe.padded_vocab_size, warm)
     tp_random.model_parallel_seed(config.train.seed)
     with state.collective_device():
         model = recipe.model_builder(config)
     engine = engine_setup.build_engine(model, config)
     resume.READ_BATCH_BYTES = 1  # every parameter its own collective read: the batched path is what is compared
-    resume.load_checkpoint(engine, config, ckpt, recipe.padded_vocab_size)
+    resume.load_checkpoint(engine, config, ckpt, padded)
     local, scalars = optimizer_state.gather(engine)
     shards = [None] * state.get_tensor_model_parallel_world_size()
     dist.all_gather_object(shards, local, group=state.get_tensor_model_parallel_group())

@@ -55,8 +55,10 @@ SHARD = "shard-{:05d}-model-00001-of-00001.safetensors"
 
 
 def _args(prefix, save, metrics, iters, *extra):
-    return [*TINY, "--data-path", prefix, "--train-iters", str(iters), "--save-interval", "2", "--save", str(save),
-            "--load", str(save), "--metrics-file", str(metrics), "--eval-iters", "0", "--eval-interval", "0", *extra]
+    # A fixed decay length: a run of 4 iterations continued to 6 keeps its learning-rate schedule.
+    return [*TINY, "--data-path", prefix, "--train-iters", str(iters), "--lr-decay-iters", "6", "--save-interval",
+            "2", "--save", str(save), "--load", str(save), "--metrics-file", str(metrics), "--eval-iters", "0",
+            "--eval-interval", "0", *extra]
 
 
 def test_damaged_latest_falls_back_to_the_newest_intact_checkpoint(tmp_path, corpus_prefix):

@@ -34,7 +34,7 @@ def _train(out: Path, name: str, iters: int, *extra: str) -> dict:
 
 def _as_format_1(ckpt: Path) -> None:
     meta = json.loads((ckpt / "checkpoint.json").read_text())
-    for key in ("optimizer", "global_batch_size"):
+    for key in ("optimizer", "global_batch_size", "schedule"):
         del meta[key]
     meta["format_version"] = 1
     (ckpt / "checkpoint.json").write_text(json.dumps(meta))

@@ -4,7 +4,10 @@ over them without a word."""
 
 from train.train_helpers import TINY, read_metrics, run_pretrain
 
-ARGS = [*TINY, "--mock-data", "--vocab-size", "256", "--eval-iters", "0", "--eval-interval", "0"]
+# A fixed decay length: a run of 3 iterations continued to 5 keeps its learning-rate schedule (a changed one is
+# refused, domino/train/schedule_check.py).
+ARGS = [*TINY, "--mock-data", "--vocab-size", "256", "--eval-iters", "0", "--eval-interval", "0",
+        "--lr-decay-iters", "5"]
 
 
 def test_a_used_save_root_without_load_is_resumed(tmp_path):

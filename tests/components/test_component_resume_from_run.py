@@ -8,7 +8,10 @@ from components.pretrain.step import load_argv
 from domino.checkpoint import on_disk
 from train.train_helpers import TINY, read_metrics, run_pretrain
 
-ARGS = [*TINY, "--mock-data", "--vocab-size", "256", "--eval-iters", "0", "--eval-interval", "0"]
+# A fixed decay length: a run of 3 iterations continued to 5 keeps its learning-rate schedule (a changed one is
+# refused, domino/train/schedule_check.py).
+ARGS = [*TINY, "--mock-data", "--vocab-size", "256", "--eval-iters", "0", "--eval-interval", "0",
+        "--lr-decay-iters", "5"]
 
 
 def test_a_new_run_continues_the_old_runs_checkpoint_and_saves_into_its_own_folder(tmp_path):

@@ -59,7 +59,9 @@ def _expected(action: argparse.Action, option: str) -> bool:
     field = action.dest.removeprefix("legacy_").replace("_", "-")  # LegacyFlag.dest: "legacy_" + the old flag
     if option == f"--{field}" or option in FLAG_ALIASES.get(action.dest, ()):
         return True
-    if option == f"--no-{field}" or (field.startswith("no-") and option == f"--{field[3:]}"):
+    aliases = FLAG_ALIASES.get(action.dest, ())
+    if option == f"--no-{field}" or (field.startswith("no-") and option == f"--{field[3:]}") or option in {
+            f"--no-{alias[2:]}" for alias in aliases}:  # an alias's negation (--no-override-opt_param-scheduler)
         return False
     raise AssertionError(f"{option} (field {action.dest}) names neither its field nor the field's negation")
 

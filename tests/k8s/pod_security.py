@@ -187,3 +187,14 @@ def restricted_violations(pod: Pod) -> List[str]:
     for check_id, check in CHECKS:
         out += [f"{check_id}: {v}" for v in check(spec)]
     return out
+
+
+#: The checks of the baseline profile (the rest of CHECKS are restricted's additions).
+BASELINE_CHECK_IDS = ("hostProcess", "hostNamespaces", "privileged", "capabilities_baseline", "hostPathVolumes",
+                      "hostPorts", "seLinuxOptions", "procMount", "seccompProfile_baseline", "sysctls", "hostProbes")
+
+
+def baseline_violations(pod: Pod) -> List[str]:
+    """Every violation of the baseline profile by a Pod object, as ``check: detail``; [] = admitted."""
+    return [v for v in restricted_violations(pod)
+            if v.split(":", 1)[0] in BASELINE_CHECK_IDS + ("appArmorProfile",)]

@@ -112,6 +112,16 @@ def _launcher_requests() -> set:
                 options = {"scheduling_timeout_s": 10, "timeout_s": 30, **kwargs}
                 sc.launcher(server, [], api=api).run(scripts.spec(), run_id="rbac", **options)
                 seen |= server.cluster.verbs()
+            with FakeKubeServer() as server:  # a queued job Kueue never admits: its Workload is read
+                server.cluster.kueue_frameworks.add("kubeflow.org/pytorchjob")
+
+                def queued(c, job, scripts=scripts):
+                    scripts.queued_forever(c, job)
+                    c.set_workload(job["metadata"]["namespace"], job, [("QuotaReserved", "False", "Pending", "")])
+                server.cluster.on_create = queued
+                sc.launcher(server, [], api=api, queue_poll_s=0.1).run(
+                    scripts.spec(queue="team-a"), run_id="rbac", scheduling_timeout_s=1, queue_timeout_s=1, timeout_s=30)
+                seen |= server.cluster.verbs()
         with FakeKubeServer() as server:  # `domino launch check`, with a queue
             from domino.launch.check import ClusterCheck
 
@@ -127,14 +137,23 @@ def test_role_grants_exactly_the_calls_the_launcher_makes():
                 if doc["kind"] == "Role")
     granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
                for resource in rule["resources"] for verb in rule["verbs"]}
-    used = _launcher_requests()
+    # What only `domino launch check` reads beyond the Role is granted by the opt-in k8s/launch-check.
+    check_only = {(group, resource, verb) for doc in build("launch-check") if doc["kind"] in ("Role", "ClusterRole")
+                  for rule in doc["rules"] for group in rule["apiGroups"] for resource in rule["resources"]
+                  for verb in rule["verbs"]}
+    requests = _launcher_requests()
+    used = requests - check_only
+    # A queued TrainJob's flavor check reads cluster-scoped Kueue objects: k8s/launch-check's ClusterRole.
+    assert {("kueue.x-k8s.io", "clusterqueues", "get"), ("kueue.x-k8s.io", "resourceflavors", "get")} <= (
+        requests & check_only)
     assert used <= granted, f"launcher calls not granted by the Role: {used - granted}"
     expected_calls = {(group, plural, v) for group, plural in (("kubeflow.org", "pytorchjobs"),
                                                                ("trainer.kubeflow.org", "trainjobs"))
                       for v in ("create", "get", "list", "watch", "patch", "delete")}
     expected_calls |= {("", "pods", "list"), ("", "pods/log", "get"), ("", "events", "list"),
                        ("", "persistentvolumeclaims", "get"), ("trainer.kubeflow.org", "trainingruntimes", "get"),
-                       ("kueue.x-k8s.io", "localqueues", "get")}
+                       ("kueue.x-k8s.io", "localqueues", "get"), ("kueue.x-k8s.io", "workloads", "list"),
+                       ("visibility.kueue.x-k8s.io", "localqueues/pendingworkloads", "get")}
     assert expected_calls <= used  # every code path above was exercised
     # Nothing beyond the documented minimum (read-only pods/log and pods watch are harmless extras).
     allowed_extra = {("", "pods", "get"), ("", "pods", "watch"), ("", "pods/log", "list"), ("", "pods/log", "watch")}

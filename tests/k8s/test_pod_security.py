@@ -63,7 +63,7 @@ def test_four_by_eight_gpu_job_every_pod_is_restricted_with_the_shipped_operator
             assert names == ["pytorch", "init-pytorch"]
             (init,) = spec["initContainers"]
             assert init["image"] == config.image and "nslookup gpt-r1-master-0${d:+.$d};" in init["command"][2]
-            assert "seq 100)" in init["command"][2]
+            assert f"seq {config.max_tries})" in init["command"][2] and config.max_tries == 600  # the flag
         else:
             assert names == ["pytorch"]  # the Master gets no init container
         assert restricted_violations(pod) == [], pod["metadata"]["name"]

@@ -25,6 +25,8 @@ from urllib.parse import parse_qs, urlparse
 
 import yaml
 
+from fake_admission import AdmissionHandler, AdmissionState
+
 #: URL prefix -> (API group, resource) of the job resources served.
 JOB_RESOURCES = {"/apis/kubeflow.org/v1/namespaces/": ("kubeflow.org", "pytorchjobs"),
                  "/apis/trainer.kubeflow.org/v1alpha1/namespaces/": ("trainer.kubeflow.org", "trainjobs")}
@@ -69,7 +71,7 @@ def _status(code: int, reason: str, message: str) -> Dict[str, Any]:
             "code": code}
 
 
-class FakeCluster:
+class FakeCluster(AdmissionState):
     """In-memory API state plus the knobs tests use to script a job."""
 
     def __init__(self) -> None:
@@ -95,11 +97,15 @@ class FakeCluster:
         # What `domino launch check` reads (the API server's answers modelled below, see _check_get):
         self.served = {("kubeflow.org", "v1"): ["pytorchjobs"],  # API discovery: group/version -> resources
                        ("trainer.kubeflow.org", "v1alpha1"): ["trainjobs", "trainingruntimes"],
-                       ("kueue.x-k8s.io", "v1beta2"): ["localqueues", "clusterqueues", "workloads"]}
+                       ("kueue.x-k8s.io", "v1beta2"): ["localqueues", "clusterqueues", "workloads", "resourceflavors"]}
+        # Kueue's cluster-scoped objects: ClusterQueue -> the flavors of its resource groups; flavor -> its spec.
+        self.cluster_queues = {"cluster-queue": ["default-flavor"]}
+        self.flavors: Dict[str, Dict[str, Any]] = {"default-flavor": {}}
         self.pvcs = {"domino-data": {"phase": "Bound", "accessModes": ["ReadWriteMany"]}}  # claim -> status
         self.local_queues = {"team-a": ("True", "Ready", "Can submit new workloads to localQueue")}
         self.denied = set()  # (group, resource[/subresource], verb) the caller's RBAC does not allow
         self._pod_suffix: Dict[Tuple[str, str], str] = {}
+        self.init_admission()  # dry runs, controllers, storage classes, Workloads (fake_admission)
 
     # -- scripting --------------------------------------------------------------------------------------
     def _bump(self) -> str:
@@ -289,7 +295,7 @@ class FakeCluster:
         return set(self.requests)
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(AdmissionHandler, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     cluster: FakeCluster
     resource = ""  # the job resource of the current request (set by _route)
@@ -342,10 +348,13 @@ class _Handler(BaseHTTPRequestHandler):
         if self.resource != "trainjobs":
             return None
         ref = body["spec"]["runtimeRef"]
-        if ref.get("kind") == "TrainingRuntime" and ref["name"] not in self.cluster.runtimes:
+        kind = ref.get("kind") or "ClusterTrainingRuntime"  # the CRD's default (v2.3.0 trainjob_types.go)
+        known = self.cluster.runtimes if kind == "TrainingRuntime" else self.cluster.cluster_runtimes
+        if ref["name"] not in known:  # clustertrainingruntime.go ValidateObjects words it the same way
+            lower = kind[0].lower() + kind[1:]
             return (f'admission webhook "{TRAINJOB_WEBHOOK}" denied the request: spec.runtimeRef: Invalid value: '
-                    f'{{"name":"{ref["name"]}","apiGroup":"trainer.kubeflow.org","kind":"TrainingRuntime"}}: '
-                    f'trainingruntimes.trainer.kubeflow.org "{ref["name"]}" not found: specified trainingRuntime '
+                    f'{{"name":"{ref["name"]}","apiGroup":"trainer.kubeflow.org","kind":"{kind}"}}: '
+                    f'{kind.lower()}s.trainer.kubeflow.org "{ref["name"]}" not found: specified {lower} '
                     'must be created before the TrainJob is created')
         return None
 
@@ -370,12 +379,20 @@ class _Handler(BaseHTTPRequestHandler):
         c = self.cluster
         if self.path.startswith("/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"):
             return self._access_review(body)
+        if group == "" and parts[1:2] == ["pods"]:
+            return self.pod_create(parts[0], body)
         c.sent.append(copy.deepcopy(body))
         c.requests.append((group, self.resource, "create"))
         ns, name = parts[0], body["metadata"]["name"]
+        # An object without a namespace gets the request's (apiserver handlers/rest.go
+        # EnsureObjectNamespaceMatchesRequestNamespace); the Kubeflow SDK sends none.
+        body["metadata"]["namespace"] = body["metadata"].get("namespace") or ns
         if c.forbid_create:
             return self._send(403, _status(403, "Forbidden", f'{self.resource}.{group} is forbidden: User '
                                            '"system:serviceaccount:domino:default" cannot create resource'))
+        if self.decode(body) is not None:  # field validation (fake_admission), before admission
+            return
+        self._kueue_default(body)  # mutating admission, then validating (create.go's order)
         denial = self._webhook_denial(body)
         if denial:
             return self._send(403, _status(403, "Forbidden", denial))
@@ -383,7 +400,8 @@ class _Handler(BaseHTTPRequestHandler):
             exists = (ns, name) in c.jobs
         if exists:
             return self._send(409, _status(409, "AlreadyExists", f'{self.resource}.{group} "{name}" already exists'))
-        self._kueue_default(body)
+        if self.dry_run_answer(body):
+            return
         job = c.add_job(body)
         if c.on_create:
             threading.Thread(target=c.on_create, args=(c, job), daemon=True).start()
@@ -476,8 +494,26 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._send(200, {"kind": "PersistentVolumeClaim", "apiVersion": "v1",
                                  "metadata": {"name": parts[6], "namespace": parts[4]},
-                                 "spec": {"accessModes": status["accessModes"]},
-                                 "status": status if status["phase"] == "Bound" else {"phase": status["phase"]}})
+                                 "spec": {"accessModes": status["accessModes"],
+                                          "storageClassName": status.get("class", "standard")},
+                                 "status": {"phase": status["phase"], "accessModes": status["accessModes"]}
+                                 if status["phase"] == "Bound" else {"phase": status["phase"]}})
+            return True
+        if len(parts) == 6 and parts[1] == "apis" and parts[4] in ("clusterqueues", "resourceflavors"):
+            group, plural, name = parts[2], parts[4], parts[5]  # cluster-scoped: no namespace in the path
+            c.requests.append((group, plural, "get"))
+            found = (c.cluster_queues if plural == "clusterqueues" else c.flavors).get(name)
+            if (group, plural, "get") in c.denied:
+                self._send(403, _status(403, "Forbidden", f'{plural}.{group} "{name}" is forbidden: User '
+                                        f'"system:serviceaccount:domino:domino-pipeline" cannot get resource '
+                                        f'"{plural}" in API group "{group}" at the cluster scope'))
+            elif found is None:
+                self._send(404, _status(404, "NotFound", f'{plural}.{group} "{name}" not found'))
+            else:
+                spec = ({"resourceGroups": [{"coveredResources": ["cpu", "memory", "nvidia.com/gpu"], "flavors": [
+                    {"name": f, "resources": []} for f in found]}]} if plural == "clusterqueues" else found)
+                self._send(200, {"apiVersion": f"{group}/{parts[3]}", "kind": "ClusterQueue" if plural ==
+                                 "clusterqueues" else "ResourceFlavor", "metadata": {"name": name}, "spec": spec})
             return True
         if len(parts) == 8 and parts[1] == "apis" and parts[6] in ("trainingruntimes", "localqueues"):
             group, plural, name = parts[2], parts[6], parts[7]
@@ -515,7 +551,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(201, {**body, "metadata": {"creationTimestamp": None}, "status": status})
 
     def do_GET(self) -> None:
-        if self._check_get():
+        if self._check_get() or self.admission_get():
             return
         group, parts, query = self._route()
         c = self.cluster

@@ -35,7 +35,8 @@ def test_pretrain_tp2_across_two_replicas_then_resume(tmp_path):
     assert (tmp_path / "checkpoints" / "gpt-e2e-e2e" / "iter_0000004").is_dir()
 
     # A retry of the same run (same name, same --load/--save on the volume) continues where it stopped.
-    spec.pretrain_args = [*PRETRAIN, "--train-iters", "6"]
+    # Two iterations more than the first run's schedule: its longer decay taken on purpose.
+    spec.pretrain_args = [*PRETRAIN, "--train-iters", "6", "--override-opt_param-scheduler"]
     lines.clear()
     result = run_job(spec, "local", run_id="e2e", workdir=str(tmp_path), log=lines.append, timeout_s=240)
     assert result.succeeded, result.describe(60)

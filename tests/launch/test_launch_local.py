@@ -32,7 +32,8 @@ def test_replica_env_matches_the_operator_table():
     assert env == {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "31000", "WORLD_SIZE": "12", "RANK": "2",
                    "PET_NNODES": "3", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "2",
                    "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": "31000", "PYTHONUNBUFFERED": "1",
-                   "DOMINO_JOB_NAME": "gpt-r", "NCCL_DEBUG": "INFO", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "162"}
+                   "DOMINO_JOB_NAME": "gpt-r", "NCCL_DEBUG": "INFO", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "162",
+                   "PET_RDZV_CONF": "timeout=1200"}
     # WORLD_SIZE counts pods when nprocPerNode is not an integer.
     assert replica_env(JobSpec(name="gpt", image="i", nodes=3, nproc_per_node="auto"), "g", 0, 1)["WORLD_SIZE"] == "3"
 

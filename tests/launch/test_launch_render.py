@@ -303,7 +303,7 @@ def test_defaults_pass_the_restart_grace_requests_and_network_rules():
     assert pod["containers"][0]["resources"]["requests"] == {"cpu": "3", "memory": "4Gi"}
     assert job["spec"]["runPolicy"]["backoffLimit"] == 1 and pod["terminationGracePeriodSeconds"] == 600
     env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
-    assert env.keys() == {"DOMINO_JOB_NAME", "NCCL_DEBUG", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}
+    assert env.keys() == {"DOMINO_JOB_NAME", "NCCL_DEBUG", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PET_RDZV_CONF"}
     assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "540"  # torchrun's SIGKILL comes 60 s before the kubelet's
 
 

@@ -171,7 +171,8 @@ def test_the_local_node_env_sets_exactly_the_variables_the_plugin_reserves():
     api = job_api("trainjob")
     spec = JobSpec(**{**BASE, "nodes": 2, "nproc_per_node": 4, "gpus_per_node": 4})
     env = api.node_env(spec, "gpt-r", 1, 31000)
-    assert {k for k in env if k.startswith("PET_")} == set(RESERVED_ENV)
+    # PET_RDZV_CONF is domino's own (torchrun's rendezvous timeout), not in TorchRunReservedEnvNames.
+    assert {k for k in env if k.startswith("PET_")} == set(RESERVED_ENV) | {"PET_RDZV_CONF"}
     assert env["PET_NPROC_PER_NODE"] == "4" and env["PET_NODE_RANK"] == env["JOB_COMPLETION_INDEX"] == "1"
     # auto with GPUs stays auto (torchrun counts them); without GPUs it becomes the CPU request (1 per process).
     assert api.node_env(JobSpec(**{**BASE, "nproc_per_node": "auto", "gpus_per_node": 8}), "g", 0, 1)[

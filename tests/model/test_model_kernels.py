@@ -38,9 +38,10 @@ def test_choices_by_device_type():
     # Every op has more than one implementation among the choices (a field equal in all would decide nothing),
     # and the plain choice takes none of the CPU's fast paths, compiles nothing and chunks nothing.
     for field in dataclasses.fields(CPU_KERNELS):
-        values = {getattr(k, field.name) for k in (CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS)}
+        values = {getattr(k, field.name) for k in (CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS,
+                                                   kernel_choice.with_compiled_blocks(CPU_KERNELS))}
         assert len(values) > 1, field.name
-        if field.name not in ("compile_backend", "loss_chunk_bytes"):
+        if field.name not in ("compile_backend", "loss_chunk_bytes", "compile_blocks"):
             assert getattr(PLAIN_KERNELS, field.name) != getattr(CPU_KERNELS, field.name), field.name
     assert PLAIN_KERNELS.compile_backend is None and PLAIN_KERNELS.loss_chunk_bytes is None
 
@@ -49,7 +50,7 @@ def test_plain_choice_from_the_environment():
     assert kernel_choice._from_environment({}) is None
     assert kernel_choice._from_environment({"DOMINO_KERNELS": "auto"}) is None
     assert kernel_choice._from_environment({"DOMINO_KERNELS": " Plain "}) == PLAIN_KERNELS
-    with pytest.raises(ConfigError, match="DOMINO_KERNELS='fast': expected plain or auto"):
+    with pytest.raises(ConfigError, match="DOMINO_KERNELS='fast': expected plain, compiled or auto"):
         kernel_choice._from_environment({"DOMINO_KERNELS": "fast"})
 
 

@@ -160,6 +160,20 @@ MUTATIONS: List[Mutation] = [
              "0 * inside.to(probs.dtype).unsqueeze(-1))",
              ["tests/parallel/test_parallel_chunked_cross_entropy.py::"
               "test_chunked_equals_the_one_buffer_loss_and_f_cross_entropy_in_fp32[5]"]),
+    Mutation("resume-drops-the-checkpoints-padding", "domino/checkpoint/resume.py",
+             "    config.model.make_vocab_size_divisible_by = divisor\n", "",
+             ["tests/checkpoint/test_vocab_padding_resume.py"]),
+    Mutation("schedule-change-not-checked", "domino/train/schedule_check.py",
+             "    diffs = _differences(stored, schedule, config, data_parallel_size)", "    diffs = []",
+             ["tests/checkpoint/test_schedule_record.py"]),
+    Mutation("per-tensor-names-unchecked", "domino/checkpoint/tools.py",
+             "            on_disk.check_file_name(name,", "            (name,",
+             ["tests/checkpoint/test_hostile_names.py::"
+              "test_convert_per_tensor_refuses_a_name_that_would_leave_the_output"]),
+    Mutation("checkpoints-ordered-by-name", "domino/checkpoint/discovery.py",
+             "n is not None and (below is None or n < below))[::-1]]",
+             "n is not None and (below is None or p.name < tag))[::-1]]",
+             ["tests/checkpoint/test_hostile_names.py::test_checkpoints_past_ten_million_iterations_order_by_number"]),
 ]
 
 

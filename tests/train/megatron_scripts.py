@@ -141,6 +141,11 @@ def without_fp16(argv: List[str]) -> List[str]:
     return [arg for arg in argv if arg != "--fp16"]
 
 
+def fp16_as_bf16(argv: List[str]) -> List[str]:
+    """The flags with ``--fp16`` read as ``--bf16``: the script's mixed precision in the half type this CPU has."""
+    return ["--bf16" if arg == "--fp16" else arg for arg in argv]
+
+
 def write_megatron_gpt2_files(directory: str) -> Dict[str, str]:
     """Writes ``gpt2-vocab.json`` and ``gpt2-merges.txt`` as Megatron-LM's examples expect them.
 

@@ -50,9 +50,9 @@ def test_loading_a_gpt_checkpoint_into_a_llama_run_names_the_differences(tmp_pat
     llama = parse_config(["--preset", "tiny", "--position-embedding-type", "rope", "--swiglu",
                           "--ffn-hidden-size", "256", "--group-query-attention", "--num-query-groups", "2"])
     meta = {"config": config_to_dict(gpt), "padded_vocab_size": 128}
-    check_compatible(meta, gpt, 128, tmp_path)
+    check_compatible(meta, gpt, tmp_path)
     with pytest.raises(ConfigError) as error:
-        check_compatible(meta, llama, 128, tmp_path)
+        check_compatible(meta, llama, tmp_path)
     message = str(error.value)
     assert "rope: checkpoint False vs run True" in message and "swiglu: checkpoint False vs run True" in message
     assert "query_groups: checkpoint 4 vs run 2" in message and "ffn_size" not in message
@@ -66,9 +66,9 @@ def test_a_rope_checkpoint_loads_with_more_positions_a_learned_table_does_not(tm
     rope = ["--preset", "tiny", "--position-embedding-type", "rope"]
     short = parse_config([*rope, "--seq-length", "32", "--max-position-embeddings", "32"])
     check_compatible({"config": config_to_dict(short), "padded_vocab_size": 128},
-                     parse_config([*rope, "--seq-length", "64", "--max-position-embeddings", "64"]), 128, tmp_path)
+                     parse_config([*rope, "--seq-length", "64", "--max-position-embeddings", "64"]), tmp_path)
     learned = parse_config(["--preset", "tiny", "--seq-length", "32", "--max-position-embeddings", "32"])
     with pytest.raises(ConfigError, match="num_positions: checkpoint 32 vs run 64"):
         check_compatible({"config": config_to_dict(learned), "padded_vocab_size": 128},
                          parse_config(["--preset", "tiny", "--seq-length", "64", "--max-position-embeddings", "64"]),
-                         128, tmp_path)
+                         tmp_path)

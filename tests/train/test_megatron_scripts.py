@@ -1,7 +1,8 @@
 """Published Megatron-LM and DeepSpeed-Domino launch scripts run through `domino pretrain` (fixture:
 ``megatron_scripts.py``, each script's repository, path and commit noted there).
 
-A user changes only paths, the launcher line and (on CPU) ``--fp16``; the tests also append
+A user changes only paths, the launcher line and (on CPU) ``--fp16`` (dropped, or read as ``--bf16`` for the two
+scripts with pipeline stages); the tests also append
 :data:`SIZE_OVERRIDES` so a run takes seconds. Features not built yet fail at parse time with one line naming the
 feature.
 """
@@ -18,7 +19,7 @@ from domino.config import ConfigError, add_config_flags, config_from_args
 from domino.config.flags import ArgumentParser
 from domino.config.schema import DataConfig
 from distributed_helpers import free_port
-from megatron_scripts import SCRIPTS, SIZE_OVERRIDES, without_fp16, write_megatron_gpt2_files
+from megatron_scripts import SCRIPTS, SIZE_OVERRIDES, fp16_as_bf16, without_fp16, write_megatron_gpt2_files
 from train_helpers import child_env, pretrain_command, read_metrics, run_pretrain, train_losses
 
 
@@ -129,14 +130,17 @@ def test_megatron_pretrain_gpt_runs_under_torchrun(tmp_path, corpus_prefix, gpt2
 
 def test_megatron_distributed_with_mp_runs_its_two_pipeline_stages_and_sequence_parallelism(
         tmp_path, corpus_prefix, gpt2_files):
-    """Its TP 2 x PP 2 on 4 CPU processes: the one flag appended is the backend (gloo for its nccl); its
-    --sequence-parallel runs inside each stage (TP 2, Domino 2 chunks), as do its evaluation and its --save."""
+    """Its TP 2 x PP 2 on 4 CPU processes, in bf16 for its --fp16 (mixed-precision stages): the one flag
+    appended is the backend (gloo for its nccl); its --sequence-parallel runs inside each stage (TP 2, Domino 2
+    chunks), as do its evaluation and its --save."""
     script = SCRIPTS["megatron-pretrain-gpt-distributed-with-mp"]
     metrics = tmp_path / "metrics.jsonl"
-    argv = without_fp16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files)))
+    argv = fp16_as_bf16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files)))
+    assert "--bf16" in argv
     proc = run_pretrain([*argv, *SIZE_OVERRIDES, "--distributed-backend", "gloo", "--metrics-file", str(metrics)],
                         nproc=4, timeout=600)
     _check_run(metrics, proc.stderr)
+    assert "--zero-stage not given: 1 (--bf16)" in proc.stderr
     assert (tmp_path / "checkpoints" / "latest").is_file()  # its --save, written by the two stages
 
 
@@ -161,13 +165,15 @@ def test_megatron_175b_script_trains_its_ramp_at_tp2_pp2(name, fix, samples, tmp
     --train-iters and --lr-decay-iters as samples; at d98e8a64 also no --global-batch-size), shrunk by appended
     size flags to TP 2 x PP 2 on 4 CPU processes: its batch ramp runs, every iteration at the ramp's first batch
     (16, not the script's 1536: the first step-up comes after 61677.6 samples, or 2.4B tokens), 8 micro-batches per
-    stage and step, Domino 2 chunks."""
+    stage and step, Domino 2 chunks, in bf16 for its --fp16 (mixed-precision stages)."""
     metrics = tmp_path / "metrics.jsonl"
-    argv = fix(without_fp16(SCRIPTS[name].argv(_variables(tmp_path, corpus_prefix, gpt2_files))))
+    argv = fix(fp16_as_bf16(SCRIPTS[name].argv(_variables(tmp_path, corpus_prefix, gpt2_files))))
+    assert "--bf16" in argv
     proc = run_pretrain([*argv, *RAMP_SIZE_OVERRIDES, "--train-samples", samples, "--metrics-file", str(metrics)],
                         nproc=4, timeout=600)
     _check_run(metrics, proc.stderr)
     assert "global batch 16 (micro 2 x DP 1 x accumulation 8), TP 2" in proc.stderr  # 4 ranks: TP 2 x PP 2
+    assert "--zero-stage not given: 1 (--bf16)" in proc.stderr
     records = [r for r in read_metrics(metrics) if "eval" not in r]
     assert [(r["consumed_samples"], r["batch_size"]) for r in records] == [(16, 16), (32, 16), (48, 16)]
     assert all(math.isfinite(r["lm_loss"]) for r in records)

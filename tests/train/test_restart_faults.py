@@ -62,7 +62,8 @@ def test_a_kill_while_deleting_the_replaced_checkpoint_leaves_the_new_one_named(
     assert "DAMAGED" not in restarted.stderr
     assert train_losses(metrics) == {3: reference[3], 4: reference[4]}  # trained again from iter_0000002, exactly
 
-    longer = run_pretrain(_args(save, tmp_path / "longer.jsonl", 6), check=False)  # the next save sweeps the trash
+    # The next save sweeps the trash; six iterations where the checkpoint's schedule has four: taken on purpose.
+    longer = run_pretrain(_args(save, tmp_path / "longer.jsonl", 6, "--override-opt_param-scheduler"), check=False)
     assert longer.returncode == 0, longer.stderr[-3000:]
     assert sorted(os.listdir(save)) == [".save.lock", "iter_0000002", "iter_0000004", "iter_0000006", "latest"]
 
@@ -92,7 +93,7 @@ def test_a_save_root_without_latest_resumes_its_complete_checkpoint(tmp_path):
     save, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     run_pretrain(_args(save, tmp_path / "reference.jsonl", 2))
     (save / "latest").unlink()
-    resumed = run_pretrain(_args(save, metrics), check=False)
+    resumed = run_pretrain(_args(save, metrics, 4, "--override-opt_param-scheduler"), check=False)  # 2 -> 4 iterations
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "has no 'latest' file: resuming from the newest complete checkpoint, iter_0000002" in resumed.stderr
     assert sorted(train_losses(metrics)) == [3, 4]
@@ -103,7 +104,9 @@ def test_a_restart_resumes_its_own_checkpoint_not_load_other(tmp_path):
     checkpoint, a restart resumes it; it neither reloads OTHER (losing iterations 5-6) nor fails."""
     other, own = tmp_path / "other", tmp_path / "own"
     run_pretrain([*MOCK, "--train-iters", "4", "--save", str(other), "--metrics-file", str(tmp_path / "o.jsonl")])
-    args = [*MOCK, "--train-iters", "8", "--save-interval", "2", "--load", str(other), "--save", str(own)]
+    # Continuing OTHER past its 4 iterations: a longer decay, taken on purpose (domino.train.schedule_check).
+    args = [*MOCK, "--train-iters", "8", "--save-interval", "2", "--load", str(other), "--save", str(own),
+            "--override-opt_param-scheduler"]
     run_pretrain([*args, "--metrics-file", str(tmp_path / "reference.jsonl"), "--save", str(tmp_path / "ref")])
     reference = train_losses(tmp_path / "reference.jsonl")
 
