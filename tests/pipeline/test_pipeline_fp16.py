@@ -28,7 +28,7 @@ import pytest
 
 from distributed_helpers import run_distributed
 from pipeline_runs import TIED_TINY
-from test_pipeline_bf16 import COMMON, PP2, _tracks, _train
+from test_pipeline_bf16 import COMMON, PP2, TP2_DOMINO, _tracks, _train
 
 FP16 = ["--fp16", "--initial-loss-scale", "256", *COMMON]
 
@@ -104,6 +104,15 @@ def test_fp16_stages_track_the_unstaged_fp16_run(tmp_path_factory, name, nproc, 
         records = [{**records[0], "lm_loss": ref_first}, *records[1:]]
     _tracks(reference, records)
     assert [r["loss_scale"] for r in records] == [r["loss_scale"] for r in reference] == [256.0] * 3
+
+
+def test_fp16_stages_with_tp2_domino_sequence_parallel_and_recompute_track_tp2(tmp_path_factory):
+    reference = _records(tmp_path_factory, "fp16tp2", 2, [*FP16, *TP2_DOMINO])
+    records = _records(tmp_path_factory, "fp16pp2tp2", 4, [
+        *FP16, *PP2, *TP2_DOMINO, "--sequence-parallel", "--recompute-granularity", "full",
+        "--recompute-method", "uniform", "--recompute-num-layers", "1"])
+    _tracks(reference, records)
+    assert [r["loss_scale"] for r in records] == [256.0] * 3
 
 
 def test_the_fp16_comparison_fails_for_fp32_stages(tmp_path_factory):
