@@ -275,7 +275,7 @@ class CheckpointConfig:
     save_interval: Optional[int] = None
     """Save every this many iterations (a final save always happens with --save)."""
     load: Optional[str] = None
-    """Directory to resume from (its latest checkpoint); starts fresh when it holds none."""
+    """Directory to resume from (its latest checkpoint); starts fresh when it holds none. Default: --save."""
     keep_last: Optional[int] = None
     """Keep only this many most recent checkpoints."""
     async_save: bool = False
