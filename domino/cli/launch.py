@@ -94,7 +94,8 @@ def _smoke(args: argparse.Namespace) -> int:
     try:
         spec = spec_from_args(args)
         steps = Smoke(spec, args.backend, api=args.api, workdir=args.workdir, timeout_s=args.timeout,
-                      log=lambda line: print(line, flush=True), tracking_uri=args.tracking_uri).run()
+                      log=lambda line: print(line, flush=True), tracking_uri=args.tracking_uri,
+                      faults=args.faults).run()
     except LaunchSpecError as error:
         print(f"domino launch smoke: error: {error}", file=sys.stderr)
         return 2
@@ -157,6 +158,10 @@ def register(subparsers) -> None:
     smoke.add_argument("--backend", choices=BACKENDS, default=BACKENDS[0],
                        help="cluster (default) or local (the jobs as local processes; the API steps are skipped).")
     smoke.add_argument("--workdir", default=None, help="local backend: directory standing in for the PVC.")
+    smoke.add_argument("--faults", action="store_true",
+                       help="Also break tiny training jobs and check they recover: delete a Worker pod, delete the "
+                            "Master mid-save (the run resumes), deactivate the Workload (with --queue; Kueue "
+                            "re-admits it). Cluster backend; needs the k8s/smoke Role.")
     smoke.add_argument("--timeout", type=float, default=900.0, help="Limit of each smoke job, seconds (900).")
     smoke.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
                        help="Tracking server a training pod must reach (default $MLFLOW_TRACKING_URI; none: skipped).")

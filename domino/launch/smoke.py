@@ -27,8 +27,9 @@ Steps, in order (``ok``, ``FAIL`` or ``skip`` and what was seen):
 
 With ``--backend local`` steps 1-3 are skipped (no API server) and the jobs run as local processes with the
 controller's environment (:mod:`domino.launch.local_backend`; "nodes" share one host and one UID); with
-``--backend cluster`` they run on the cluster, in the spec's namespace, image and claim. Faults are not
-automated here (docs/cluster.md, "`domino launch smoke`", says how to do them by hand).
+``--backend cluster`` they run on the cluster, in the spec's namespace, image and claim. With ``--faults``
+the fault steps of :mod:`domino.launch.smoke_faults` run after ``train`` (delete a Worker, delete the Master
+mid-save, deactivate the Workload; cluster backend only).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing import Callable, List, Optional
 
 from domino.launch.api import run_job
 from domino.launch.job_api import job_api
+from domino.launch.smoke_faults import FaultSteps
 from domino.launch.spec import JobSpec
 
 #: The tiny training run: a checkpoint at iteration 2 and 4, CPU-friendly.
@@ -89,7 +91,7 @@ class Step:
         return f"{self.status:<4} {self.name}: {self.detail}"
 
 
-class Smoke:
+class Smoke(FaultSteps):
     """Runs the steps of the module docstring.
 
     Args:
@@ -102,14 +104,15 @@ class Smoke:
         tracking_uri: the tracking server the egress step reaches (None: the step is skipped).
         timeout_s: the limit of each job.
         log: receives each step's line as it ends (job logs are kept out of it).
+        faults: also run the fault steps (:mod:`domino.launch.smoke_faults`).
     """
 
     def __init__(self, spec: JobSpec, backend: str = "cluster", api: str = "pytorchjob", api_client=None,
                  workdir: Optional[str] = None, timeout_s: float = 900.0, log: Callable[[str], None] = print,
-                 tracking_uri: Optional[str] = None) -> None:
+                 tracking_uri: Optional[str] = None, faults: bool = False) -> None:
         self.spec, self.backend, self.api, self.workdir, self.timeout_s, self.log = (
             spec, backend, api, workdir, timeout_s, log)
-        self.api_client, self.tracking_uri = api_client, tracking_uri
+        self.api_client, self.tracking_uri, self.with_faults = api_client, tracking_uri, faults
         self.jobs: List[str] = []
         self.steps: List[Step] = []
 
@@ -297,6 +300,8 @@ class Smoke:
         self.admission()
         self.envcheck()
         self.train()
+        if self.with_faults:
+            self.faults()
         self.egress()
         self.cleanup()
         return self.steps

@@ -26,6 +26,7 @@ from urllib.parse import parse_qs, urlparse
 import yaml
 
 from fake_admission import AdmissionHandler, AdmissionState
+from fake_faults import FaultHandler
 
 #: URL prefix -> (API group, resource) of the job resources served.
 JOB_RESOURCES = {"/apis/kubeflow.org/v1/namespaces/": ("kubeflow.org", "pytorchjobs"),
@@ -87,6 +88,7 @@ class FakeCluster(AdmissionState):
         self.watch_generation = 0  # bumping it cuts every open watch mid-stream
         self.requests: List[Tuple[str, str, str]] = []
         self.deleted: List[str] = []
+        self.pod_deletes: List[str] = []  # pods deleted through the API (fake_faults)
         self.sent: List[Dict[str, Any]] = []  # job bodies as created by the client, before any webhook
         self.on_create = None  # callable(cluster, job) run in a thread after a create
         self.forbid_create = False  # answer creates with 403 (RBAC missing)
@@ -295,7 +297,7 @@ class FakeCluster(AdmissionState):
         return set(self.requests)
 
 
-class _Handler(AdmissionHandler, BaseHTTPRequestHandler):
+class _Handler(AdmissionHandler, FaultHandler, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     cluster: FakeCluster
     resource = ""  # the job resource of the current request (set by _route)
@@ -409,6 +411,8 @@ class _Handler(AdmissionHandler, BaseHTTPRequestHandler):
 
     def do_PATCH(self) -> None:
         """A patch of a job, as the API server answers it for a custom resource (see :func:`merge_patch`)."""
+        if self.fault_patch():  # a Kueue Workload (fake_faults)
+            return
         group, parts, _ = self._route()
         c = self.cluster
         c.requests.append((group, self.resource, "patch"))
@@ -456,6 +460,8 @@ class _Handler(AdmissionHandler, BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         group, parts, _ = self._route()
+        if self.fault_delete(group, parts):  # a pod (fake_faults)
+            return
         c = self.cluster
         c.requests.append((group, self.resource, "delete"))
         ns, name = parts[0], parts[2]
