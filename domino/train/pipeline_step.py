@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from domino.config import ConfigError, DominoConfig
-from domino.pipeline.gradients import sync_tied_embeddings
+from domino.pipeline.grad_overlap import OverlappedGradReduce
+from domino.pipeline.gradients import sync_tied_embeddings, tied_embedding_weight
 from domino.pipeline.schedule import StageSchedule
 from domino.runtime import state
 from domino.train import bf16_step, engine as engine_setup
@@ -89,6 +90,10 @@ class PipelineStep:
         #: bf16: each parameter's fp32 main gradient (DeepSpeed's BF16_Optimizer buffers), else None.
         self.main_grads = (bf16_step.main_gradients(engine.optimizer)
                            if bf16_step.is_bf16_optimizer(engine.optimizer) else None)
+        #: --overlap-grad-reduce: the buckets whose DP mean the backward launches (domino.pipeline.grad_overlap).
+        self.overlap = (OverlappedGradReduce(list(engine.module.parameters()),
+                                             exclude=tied_embedding_weight(engine.module))
+                        if config.parallel.overlap_grad_reduce else None)
         self._schedules: Dict[int, StageSchedule] = {}
         self.schedule = self._schedule(micro_batches)
         chunks, indices = self.schedule.chunks, self.schedule.indices
@@ -113,7 +118,7 @@ class PipelineStep:
                 self.engine.module, num_microbatches=micro_batches, micro_batch_size=t.micro_batch_size,
                 seq_length=m.seq_length, hidden_size=m.hidden_size,
                 sequence_parallel=self.config.parallel.sequence_parallel,
-                dtype=next(self.engine.module.parameters()).dtype)
+                dtype=next(self.engine.module.parameters()).dtype, scale_grads=self.overlap is None)
         return self._schedules[micro_batches]
 
     def _step_batch(self, data_iterator, count: Optional[int] = None) -> Dict[str, Optional[torch.Tensor]]:
@@ -133,6 +138,8 @@ class PipelineStep:
         host)."""
         timers.start("forward-backward")
         batch = self._step_batch(data_iterator, micro_batches)
+        if self.overlap is not None:
+            self.overlap.begin(micro_batches)
         loss = self._schedule(micro_batches).train_step(batch["tokens"], batch["labels"], batch["loss_mask"],
                                                         batch["position_ids"], batch["attention_mask"])
         timers.stop("forward-backward")
@@ -140,8 +147,14 @@ class PipelineStep:
         module = self.engine.module
         if self.main_grads is not None:
             return self._bf16_step(loss, micro_batches, timers)
-        sync_tied_embeddings(module)
-        average_over_data_parallel([p.grad for p in module.parameters() if p.grad is not None])
+        if self.overlap is not None:
+            self.overlap.finish()  # every bucket's DP mean, launched from the backward, waited for here
+            sync_tied_embeddings(module)
+            tied = tied_embedding_weight(module)
+            average_over_data_parallel([tied.grad] if tied is not None else [])
+        else:
+            sync_tied_embeddings(module)
+            average_over_data_parallel([p.grad for p in module.parameters() if p.grad is not None])
         grad_norm = engine_setup.clip_gradients(self.engine, self.config.train.clip_grad)
         skipped = None
         if engine_setup.zero_stage(self.config) == 0:
