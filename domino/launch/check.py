@@ -13,7 +13,8 @@ Each check is one read the API server answers for any authenticated user or thro
   the first pod that mounts it is scheduled (kubernetes ``pkg/controller/volume/persistentvolume``
   ``pv_controller.go`` ``shouldDelayBinding``);
 * with ``--queue``, Kueue's LocalQueue exists and is ``Active`` (kueue v0.19.2 ``apis/kueue/v1beta2``
-  ``LocalQueueActive``; v1beta1 on a Kueue older than v0.15; False with ``ClusterQueueDoesNotExist`` when its ClusterQueue is missing);
+  ``LocalQueueActive``; v1beta1 on a Kueue older than v0.15; False with ``ClusterQueueDoesNotExist`` when its ClusterQueue is missing); with ``--api trainjob``, no ResourceFlavor of
+  its ClusterQueue has tolerations that would replace the job's at admission (:meth:`ClusterCheck.flavors`);
 * every call the launcher makes is allowed: one SelfSubjectAccessReview (authorization.k8s.io/v1, which
   any authenticated user may create) per (group, resource, verb) of :func:`launcher_calls` (with ``--queue``,
   the reads of the job's Kueue Workload too);
@@ -34,6 +35,8 @@ from domino.launch.spec import JobSpec
 #: stored), v1beta1 alone before it (kubernetes-sigs/kueue#7626, the v0.15.0 release notes, plan to drop v1beta1
 #: in v0.17). Both carry the ``Active`` condition read below.
 KUEUE_GROUP, KUEUE_VERSIONS, LOCAL_QUEUES = "kueue.x-k8s.io", ("v1beta2", "v1beta1"), "localqueues"
+#: Kueue's cluster-scoped ClusterQueues and ResourceFlavors (kueue v0.19.2 ``apis/kueue/v1beta2``).
+CLUSTER_QUEUES, FLAVORS = "clusterqueues", "resourceflavors"
 #: TrainingRuntimes (the Trainer v2.3.0 CRD).
 RUNTIMES = "trainingruntimes"
 #: The core calls the launcher makes in the job's namespace (its job API's are added per API).
@@ -52,6 +55,12 @@ def launcher_calls(api: JobApi, queued: bool = False) -> List[Tuple[str, str, st
     """(group, resource, verb) of every call the launcher makes for ``api`` (what its Role must grant), with
     ``queued`` those of a job waiting in a Kueue queue too."""
     return [(api.group, api.plural, verb) for verb in JOB_VERBS] + list(CORE_CALLS) + list(QUEUE_CALLS if queued else ())
+
+
+def _toleration_key(toleration: Dict[str, Any]) -> Tuple[str, str, str, str]:
+    """A toleration as (key, operator, value, effect), the API's defaults filled (operator Equal)."""
+    return (toleration.get("key") or "", toleration.get("operator") or "Equal", toleration.get("value") or "",
+            toleration.get("effect") or "")
 
 
 class ClusterCheck:
@@ -133,7 +142,47 @@ class ClusterCheck:
         if active is None or active.get("status") != "True":
             why = f"{active.get('reason')}: {active.get('message', '')}" if active else "no Active condition"
             return [f"{where}: not Active ({why})"]
-        return []
+        cluster_queue = (queue.get("spec") or {}).get("clusterQueue")
+        return self.flavors(spec, version, cluster_queue) if self.api.name == "trainjob" and cluster_queue else []
+
+    def flavors(self, spec: JobSpec, version: str, cluster_queue: str) -> List[str]:
+        """The ResourceFlavors the queue can admit a TrainJob to whose tolerations would replace the job's.
+
+        Kueue's runtime patch comes after domino's (kueue v0.19.2 ``pkg/controller/jobs/trainjob/
+        trainjob_webhook.go`` ``Default``) and carries the flavor's tolerations (``trainjob_controller.go``
+        ``RunWithPodSetsInfo``, ``pkg/podset/podset.go`` ``FromAssignment``); Trainer v2.3.0 applies the patches
+        in order as strategic merges (``pkg/runtime/core/trainingruntime.go`` ``mergeRuntimePatches``) and
+        ``tolerations`` has no merge key (core/v1 ``PodSpec``): a flavor with tolerations replaces the job's,
+        one without leaves them (tests/launch/test_launch_kueue_tolerations.py models the merge).
+        """
+        from domino.launch.defaults import tolerations
+
+        where = f"ClusterQueue {cluster_queue}"
+        found, error = self._get(self.custom.get_cluster_custom_object, KUEUE_GROUP, version, CLUSTER_QUEUES,
+                                 cluster_queue)
+        if error is not None:
+            return [f"{where}: {error}: cannot see its ResourceFlavors' tolerations (k8s/launch-check grants the "
+                    "read)"]
+        names = dict.fromkeys(flavor.get("name") for group in (found.get("spec") or {}).get("resourceGroups") or []
+                              for flavor in group.get("flavors") or [])
+        wanted = [t.to_dict() for t in tolerations(spec)]
+        out = []
+        for name in filter(None, names):
+            flavor, error = self._get(self.custom.get_cluster_custom_object, KUEUE_GROUP, version, FLAVORS, name)
+            if error is not None:
+                out.append(f"ResourceFlavor {name} ({where}): {error}: cannot see its tolerations (k8s/launch-check "
+                           "grants the read)")
+                continue
+            theirs = [_toleration_key(t) for t in (flavor.get("spec") or {}).get("tolerations") or []]
+            dropped = [t for t in wanted if theirs and _toleration_key(t) not in theirs
+                       and ("", "Exists", "", "") not in theirs and ("", "Exists", "", t.get("effect", "")) not in theirs]
+            if dropped:
+                listed = ", ".join(f"{t['key']}" + (f"={t['value']}" if t.get("value") else "") +
+                                   (f":{t['effect']}" if t.get("effect") else "") for t in dropped)
+                out.append(f"ResourceFlavor {name} ({where}): its tolerations replace the TrainJob's when Kueue "
+                           f"admits it there (trainer v2.3.0 mergeRuntimePatches), dropping {listed}: add them to "
+                           f"the flavor's spec.tolerations (as k8s/queue/resourceflavor-gpu.yaml does)")
+        return out
 
     def access(self, namespace: str, queued: bool = False) -> List[str]:
         out = []

@@ -8,24 +8,37 @@ Steps, in order (``ok``, ``FAIL`` or ``skip`` and what was seen):
 2. ``dry-run pytorchjob`` / ``dry-run trainjob``: a server-side dry run of each API's rendered job through
    the real webhooks and field validation (Kueue's suspension with ``--queue``);
 3. ``pod-security``: a dry run of a PyTorchJob Worker pod in the namespace (Pod Security admission);
-4. ``envcheck``: ``domino.launch.envcheck`` on 2 nodes as a job of ``--api``: every process initialises
-   ``torch.distributed`` from the controller's environment and all-reduces over gloo;
-5. ``train``: a tiny ``domino pretrain`` (preset ``tiny``, mock data, 4 iterations) that saves a
-   checkpoint, as a job of ``--api``; passes when the job succeeds and its log shows the save;
-6. ``egress``: with a tracking server (``--tracking-uri``, default ``$MLFLOW_TRACKING_URI``), a 1-node job whose
+4. ``envcheck``: ``domino.launch.envcheck --storage`` on 2 nodes as a job of ``--api``: every process
+   initialises ``torch.distributed`` from the controller's environment and all-reduces over gloo;
+5. ``storage``: in that job rank 0 wrote a file on the claim and the last rank (the other node) read it
+   and answered; on the cluster both must run as the pods' ``runAsUser`` (1000) on two different hosts;
+6. ``train``: a tiny ``domino pretrain`` (preset ``tiny``, mock data, 4 iterations) that saves a
+   checkpoint, as a job of ``--api``; passes when the job succeeds and its log shows the save; on the local
+   backend it serves ``--metrics-port`` and 6b. ``metrics`` scrapes rank 0's ``/metrics`` over HTTP while it
+   runs (on the cluster the step is skipped: the scrape is Prometheus', through ``k8s/metrics``);
+7. ``pull-time``: the kubelet's ``Pulled`` events of the train job's pods (message ``Successfully pulled
+   image "..." in 1m2.5s (... including waiting)``, kubernetes ``pkg/kubelet/images/image_manager.go``)
+   against the Worker's wait for its Master and torchrun's rendezvous (``--start-timeout``); not applicable
+   on the local backend (no image is pulled);
+8. ``egress``: with a tracking server (``--tracking-uri``, default ``$MLFLOW_TRACKING_URI``), a 1-node job whose
    pod (labelled as training pods are, so the namespace's NetworkPolicy applies) GETs ``<uri>/health``, the
    MLflow server's liveness route (mlflow ``server/__init__.py`` ``health``); skipped without one;
-7. ``cleanup``: none of the smoke's jobs is left (each is submitted with ``--cleanup always``).
+9. ``cleanup``: none of the smoke's jobs is left (each is submitted with ``--cleanup always``).
 
-With ``--backend local`` steps 1-3 are skipped (no API server) and 4-5 run as local processes with the
-controller's environment (:mod:`domino.launch.local_backend`); with ``--backend cluster`` they run on the
-cluster, in the spec's namespace, image and claim. Faults, cross-node storage, pull times and ``/metrics`` are
-not automated here (docs/cluster.md, "Smoke test", says what is left to do by hand).
+With ``--backend local`` steps 1-3 are skipped (no API server) and the jobs run as local processes with the
+controller's environment (:mod:`domino.launch.local_backend`; "nodes" share one host and one UID); with
+``--backend cluster`` they run on the cluster, in the spec's namespace, image and claim. Faults are not
+automated here (docs/cluster.md, "`domino launch smoke`", says how to do them by hand).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import re
+import socket
+import threading
+import urllib.request
 from typing import Callable, List, Optional
 
 from domino.launch.api import run_job
@@ -35,6 +48,26 @@ from domino.launch.spec import JobSpec
 #: The tiny training run: a checkpoint at iteration 2 and 4, CPU-friendly.
 TRAIN_ARGS = ["--preset", "tiny", "--mock-data", "--train-iters", "4", "--save-interval", "2", "--num-workers", "0",
               "--eval-iters", "0", "--log-interval", "1"]
+
+
+def pull_seconds(message: str) -> Optional[float]:
+    """The pull time of a kubelet ``Pulled`` event's message (None: the image was already present)."""
+    match = re.search(r"Successfully pulled image \S+ in (\S+)", message)
+    if not match:
+        return None
+    return sum(float(value) * GO_UNITS[unit] for value, unit in GO_DURATION.findall(match.group(1)))
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the local metrics endpoint)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+#: What rank 0 of ``envcheck --storage`` prints (domino.launch.envcheck ``_storage``).
+STORED = re.compile(r"storage: written on (\S+) as uid (\d+) \(file owner (\d+)\), read on (\S+) as uid (\d+)")
+#: A Go duration as the kubelet's Pulled event prints it (``time.Duration.String``: 1h2m3.5s, 850ms).
+GO_DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s|µs|us|ns)")
+GO_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
 SAVED = "saved checkpoint"  # what domino.checkpoint.checkpointing logs after a save
 #: The egress probe: a GET of the tracking server's /health from a training pod, its answer printed.
 PROBE = ("import sys, urllib.request; answer = urllib.request.urlopen(sys.argv[1].rstrip('/') + '/health', "
@@ -134,16 +167,51 @@ class Smoke:
     def envcheck(self) -> None:
         out = f"{self.spec.mount_path.rstrip('/')}/smoke/envcheck"
         spec = dataclasses.replace(self.spec, name=f"{self.spec.name}-envcheck", nodes=2, pretrain_args=[],
-                                   command=["torchrun", "-m", "domino.launch.envcheck", "--out", out])
-        if self._job("envcheck", spec) is not None:
-            self._step("envcheck", "ok", f"2 nodes of a {job_api(self.api).kind} initialised torch.distributed "
-                       f"from the controller's environment and all-reduced (reports in {out})")
+                                   command=["torchrun", "-m", "domino.launch.envcheck", "--out", out, "--storage"])
+        lines = self._job("envcheck", spec)
+        if lines is None:
+            self._step("storage", "skip", "the envcheck job failed")
+            return
+        self._step("envcheck", "ok", f"2 nodes of a {job_api(self.api).kind} initialised torch.distributed "
+                   f"from the controller's environment and all-reduced (reports in {out})")
+        self.storage(lines)
+
+    def storage(self, lines: List[str]) -> None:
+        """Step 5 from the envcheck job's log."""
+        match = next((m for m in map(STORED.search, lines) if m), None)
+        if match is None:
+            self._step("storage", "FAIL", "the envcheck log has no 'storage:' line (rank 0 never read the answer)")
+            return
+        wrote_on, wrote_uid, owner, read_on, read_uid = match.groups()
+        seen = f"a file on the claim written on {wrote_on} as uid {wrote_uid}, read on {read_on} as uid {read_uid}"
+        if self.backend != "cluster":
+            self._step("storage", "ok", f"{seen} (one host with --backend local)")
+            return
+        user = str(self.spec.run_as_user)
+        problems = [f"the {what} ran as uid {uid}, not the pods' runAsUser {user}"
+                    for what, uid in (("writer", wrote_uid), ("reader", read_uid)) if uid != user]
+        problems += [f"the probe is owned by uid {owner}, not {user} (a root-squashing export? docs/cluster.md, "
+                     "Storage)"] if owner != user else []
+        problems += [f"both ranks ran on {wrote_on}: not a cross-node check"] if wrote_on == read_on else []
+        self._step("storage", "FAIL" if problems else "ok", "; ".join(problems) or seen)
 
     def train(self) -> None:
-        spec = dataclasses.replace(self.spec, name=f"{self.spec.name}-train", command=None,
-                                   pretrain_args=list(TRAIN_ARGS))
+        args, scraped = list(TRAIN_ARGS), []
+        serve = self.backend != "cluster" and importlib.util.find_spec("prometheus_client") is not None
+        if serve:
+            port = free_port()
+            args += ["--metrics-port", str(port)]
+            done = threading.Event()
+            scraper = threading.Thread(target=self._scrape, args=(port, done, scraped), daemon=True)
+            scraper.start()
+        spec = dataclasses.replace(self.spec, name=f"{self.spec.name}-train", command=None, pretrain_args=args)
         lines = self._job("train", spec)
+        if serve:
+            done.set()
+            scraper.join()
         if lines is None:
+            self._step("metrics", "skip", "the train job failed")
+            self.pull_time(spec)  # a pull over the wait is a likely reason
             return
         saves = [line for line in lines if SAVED in line]
         if saves:
@@ -151,6 +219,48 @@ class Smoke:
                        f"{saves[-1].split(SAVED, 1)[1].strip()}")
         else:
             self._step("train", "FAIL", "the job succeeded but its log shows no checkpoint save")
+        if self.backend == "cluster":
+            self._step("metrics", "skip", "rank 0's /metrics is Prometheus' to scrape in the cluster (k8s/metrics)")
+        elif not serve:
+            self._step("metrics", "skip", "no prometheus_client here (pip install 'domino[metrics]')")
+        elif scraped:
+            self._step("metrics", "ok", f"rank 0's /metrics answered over HTTP: {scraped[-1]}")
+        else:
+            self._step("metrics", "FAIL", "rank 0's /metrics never answered with domino_iteration while training")
+        self.pull_time(spec)
+
+    @staticmethod
+    def _scrape(port: int, done: threading.Event, scraped: List[str]) -> None:
+        """GETs ``/metrics`` every 0.1 s until the job ends; keeps the last ``domino_iteration`` line seen."""
+        while not done.wait(0.1):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as answer:
+                    text = answer.read().decode()
+            except OSError:
+                continue  # not serving yet, or already gone
+            scraped += [line for line in text.splitlines() if line.startswith("domino_iteration ")]
+
+    def pull_time(self, spec: JobSpec) -> None:
+        """Step 7: the slowest image pull of the train job's pods against ``--start-timeout``."""
+        if self.backend != "cluster":
+            self._step("pull-time", "skip", "not applicable with --backend local (no image is pulled)")
+            return
+        from kubernetes import client
+
+        name = job_api(self.api).render(spec, "smoke", None)["metadata"]["name"]
+        events = client.CoreV1Api(self._client()).list_namespaced_event(self.spec.namespace).items
+        pulls = [(seconds, event.involved_object.name) for event in events
+                 if event.reason == "Pulled" and (event.involved_object.name or "").startswith(name)
+                 for seconds in [pull_seconds(event.message or "")] if seconds is not None]
+        if not pulls:
+            self._step("pull-time", "ok", f"no pod of {name} pulled its image (already on every node)")
+            return
+        slowest, pod = max(pulls)
+        limit = self.spec.start_timeout_s
+        self._step("pull-time", "FAIL" if slowest >= limit else "ok", f"slowest pull {slowest:.1f} s ({pod}) "
+                   f"{'is over' if slowest >= limit else 'within'} the Worker's wait and the rendezvous timeout "
+                   f"(--start-timeout {limit} s)" + (": raise --start-timeout or pre-pull (k8s/prepull)"
+                                                      if slowest >= limit else ""))
 
     def egress(self) -> None:
         if not self.tracking_uri:
@@ -192,4 +302,4 @@ class Smoke:
         return self.steps
 
 
-__all__ = ["Smoke", "Step", "TRAIN_ARGS"]
+__all__ = ["Smoke", "Step", "TRAIN_ARGS", "pull_seconds"]

@@ -97,7 +97,10 @@ class FakeCluster(AdmissionState):
         # What `domino launch check` reads (the API server's answers modelled below, see _check_get):
         self.served = {("kubeflow.org", "v1"): ["pytorchjobs"],  # API discovery: group/version -> resources
                        ("trainer.kubeflow.org", "v1alpha1"): ["trainjobs", "trainingruntimes"],
-                       ("kueue.x-k8s.io", "v1beta2"): ["localqueues", "clusterqueues", "workloads"]}
+                       ("kueue.x-k8s.io", "v1beta2"): ["localqueues", "clusterqueues", "workloads", "resourceflavors"]}
+        # Kueue's cluster-scoped objects: ClusterQueue -> the flavors of its resource groups; flavor -> its spec.
+        self.cluster_queues = {"cluster-queue": ["default-flavor"]}
+        self.flavors: Dict[str, Dict[str, Any]] = {"default-flavor": {}}
         self.pvcs = {"domino-data": {"phase": "Bound", "accessModes": ["ReadWriteMany"]}}  # claim -> status
         self.local_queues = {"team-a": ("True", "Ready", "Can submit new workloads to localQueue")}
         self.denied = set()  # (group, resource[/subresource], verb) the caller's RBAC does not allow
@@ -495,6 +498,22 @@ class _Handler(AdmissionHandler, BaseHTTPRequestHandler):
                                           "storageClassName": status.get("class", "standard")},
                                  "status": {"phase": status["phase"], "accessModes": status["accessModes"]}
                                  if status["phase"] == "Bound" else {"phase": status["phase"]}})
+            return True
+        if len(parts) == 6 and parts[1] == "apis" and parts[4] in ("clusterqueues", "resourceflavors"):
+            group, plural, name = parts[2], parts[4], parts[5]  # cluster-scoped: no namespace in the path
+            c.requests.append((group, plural, "get"))
+            found = (c.cluster_queues if plural == "clusterqueues" else c.flavors).get(name)
+            if (group, plural, "get") in c.denied:
+                self._send(403, _status(403, "Forbidden", f'{plural}.{group} "{name}" is forbidden: User '
+                                        f'"system:serviceaccount:domino:domino-pipeline" cannot get resource '
+                                        f'"{plural}" in API group "{group}" at the cluster scope'))
+            elif found is None:
+                self._send(404, _status(404, "NotFound", f'{plural}.{group} "{name}" not found'))
+            else:
+                spec = ({"resourceGroups": [{"coveredResources": ["cpu", "memory", "nvidia.com/gpu"], "flavors": [
+                    {"name": f, "resources": []} for f in found]}]} if plural == "clusterqueues" else found)
+                self._send(200, {"apiVersion": f"{group}/{parts[3]}", "kind": "ClusterQueue" if plural ==
+                                 "clusterqueues" else "ResourceFlavor", "metadata": {"name": name}, "spec": spec})
             return True
         if len(parts) == 8 and parts[1] == "apis" and parts[6] in ("trainingruntimes", "localqueues"):
             group, plural, name = parts[2], parts[6], parts[7]

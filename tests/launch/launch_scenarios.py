@@ -41,11 +41,11 @@ def start_running(c, job, log_lines=("step 1 loss 10.8",)):
     return master
 
 
-def succeed(c, job):
+def succeed(c, job, log_lines=("step 2 loss 9.1", "saved checkpoint iteration 2")):
     ns, name = _ids(job)
     master = start_running(c, job)
     time.sleep(0.2)
-    c.log(master, "step 2 loss 9.1", "saved checkpoint iteration 2")
+    c.log(master, *log_lines)
     c.add_pod(ns, name, "master", 0, "Succeeded", {"terminated": {"exitCode": 0, "reason": "Completed"}})
     c.close_log(master)
     c.set_condition(ns, name, "Succeeded", "PyTorchJobSucceeded", f"PyTorchJob {name} is successfully completed.")

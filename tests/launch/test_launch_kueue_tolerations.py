@@ -20,9 +20,14 @@ import copy
 from pathlib import Path
 from typing import Any, Dict, List
 
+import pytest
 import yaml
 
+import launch_scenarios as sc
 from domino.launch import JobSpec, Toleration, defaults, trainjob
+from domino.launch.check import ClusterCheck
+from domino.launch.job_api import job_api
+from fake_kube import FakeKubeServer
 from k8s_schemas import schema_validator
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,3 +112,64 @@ def test_the_shipped_gpu_flavor_is_valid_and_keeps_the_gpu_toleration():
     extra = Toleration.parse("dedicated=ml:NoSchedule")
     pod = admitted_pod_spec(JobSpec(**{**QUEUED.__dict__, "tolerations": [extra]}), shipped)
     assert extra.to_dict() not in pod["tolerations"] and GPU in pod["tolerations"]
+
+
+DEDICATED = {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}
+
+
+@pytest.fixture
+def server():
+    with FakeKubeServer() as srv:
+        yield srv
+
+
+def check_queued(server, **spec) -> List[str]:
+    """``domino launch check --api trainjob --queue team-a``'s lines about ResourceFlavors."""
+    lines = ClusterCheck(job_api("trainjob"), server.api_client()).run(
+        sc.spec(namespace="domino", queue="team-a", **spec))
+    return [line for line in lines if "ResourceFlavor" in line or "ClusterQueue" in line]
+
+
+@pytest.mark.parametrize("tolerations, refused", [
+    (None, False),  # nodeLabels only: Kueue's patch carries no tolerations, the job's stay
+    ([DEDICATED], True),  # the issue's case: the GPU toleration would be replaced
+    ([DEDICATED, GPU], False),  # what k8s/queue/resourceflavor-gpu.yaml does
+    ([{"operator": "Exists"}], False),  # tolerates every taint
+])
+def test_check_refuses_a_flavor_exactly_when_the_trainers_merge_drops_the_jobs_tolerations(server, tolerations,
+                                                                                             refused):
+    shape = {"nodeLabels": {"pool": "gpu"}, **({"tolerations": tolerations} if tolerations else {})}
+    server.cluster.cluster_queues["cluster-queue"] = ["default-flavor", "gpu"]
+    server.cluster.flavors["gpu"] = shape
+    lines = check_queued(server)
+    job = sc.spec(namespace="domino", queue="team-a")
+    merged = admitted_pod_spec(job, flavor(**shape)).get("tolerations") or []
+    universal = {"operator": "Exists"} in merged
+    assert (GPU not in merged and not universal) == refused  # the merge model agrees with the case
+    if refused:
+        assert lines == [
+            "ResourceFlavor gpu (ClusterQueue cluster-queue): its tolerations replace the TrainJob's when Kueue "
+            "admits it there (trainer v2.3.0 mergeRuntimePatches), dropping nvidia.com/gpu:NoSchedule: add them to "
+            "the flavor's spec.tolerations (as k8s/queue/resourceflavor-gpu.yaml does)"]
+    else:
+        assert lines == []
+    assert ("kueue.x-k8s.io", "resourceflavors", "get") in server.cluster.verbs()
+
+
+def test_check_names_the_jobs_own_toleration_and_a_read_it_is_refused(server):
+    shipped = yaml.safe_load((REPO / "k8s/queue/resourceflavor-gpu.yaml").read_text())
+    server.cluster.cluster_queues["cluster-queue"] = ["gpu"]
+    server.cluster.flavors["gpu"] = shipped["spec"]
+    assert check_queued(server) == []
+    (line,) = check_queued(server, tolerations=[Toleration.parse("dedicated=ml:NoSchedule")])
+    assert "dropping dedicated=ml:NoSchedule: add them" in line
+    server.cluster.denied.add(("kueue.x-k8s.io", "clusterqueues", "get"))
+    (line,) = check_queued(server)
+    assert line.startswith("ClusterQueue cluster-queue: 403 Forbidden: ") and line.endswith(
+        "cannot see its ResourceFlavors' tolerations (k8s/launch-check grants the read)")
+
+
+def test_a_queued_pytorchjob_does_not_read_flavors(server):
+    server.cluster.flavors["default-flavor"] = {"tolerations": [DEDICATED]}
+    ClusterCheck(job_api("pytorchjob"), server.api_client()).run(sc.spec(namespace="domino", queue="team-a"))
+    assert ("kueue.x-k8s.io", "resourceflavors", "get") not in server.cluster.verbs()
