@@ -79,11 +79,11 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
     problems = layer_split_problems(m.num_layers, pp, v)
     if pp <= 1:
         return problems
-    if p.overlap_grad_reduce and (t.bf16 or t.fp16):
-        # The bf16 gradients accumulate in DeepSpeed's fp32 buffers through its own hooks
-        # (domino.train.pipeline_step); the buckets would have to be those buffers: not written yet.
-        problems.append(f"--overlap-grad-reduce with --{'bf16' if t.bf16 else 'fp16'} and "
-                        f"--pipeline-model-parallel-size {pp}: not supported yet (fp32 stages only)")
+    if p.overlap_grad_reduce and t.fp16:
+        # fp32 and bf16 stages have their buckets (domino.pipeline.grad_overlap: .grad, or DeepSpeed's fp32 buffers);
+        # fp16's would need the loss scale's unscaling and overflow check ahead of the reduction.
+        problems.append(f"--overlap-grad-reduce with --fp16 and --pipeline-model-parallel-size {pp}: not supported "
+                        "yet (fp32 and bf16 stages only)")
     if p.zero_stage == 2:
         # DeepSpeed's own pipeline engine refuses it too (deepspeed 0.19.8 runtime/pipe/engine.py: "ZeRO-2 and
         # ZeRO-3 are incompatible with pipeline parallelism"): ZeRO-2 reduces each gradient in a backward hook

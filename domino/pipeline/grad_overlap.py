@@ -17,6 +17,8 @@ buckets in backward order and all-reduces each bucket asynchronously as soon as 
 - :meth:`OverlappedGradReduce.finish`, before the tied-embedding sum and clipping, waits for every bucket, divides
   by the replica count and copies the means back into ``.grad``.
 
+With ``--bf16`` the buckets are DeepSpeed's fp32 gradient buffers (``main_grad``), not ``.grad``.
+
 The arithmetic is the unoverlapped path's (divide by the micro-batches, sum over the replicas, divide by their
 count), so the gradients are bit-equal to it. The tied word embeddings are left out of the buckets and reduced
 after the schedule as before: their copy is summed over the first and last stage first, and summing the two in
@@ -26,7 +28,7 @@ the other order would round differently. A parameter that got no gradient (none 
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,14 +50,22 @@ class OverlappedGradReduce:
             the order the backward makes gradients final.
         exclude: parameters reduced after the schedule instead (the tied embedding copy).
         bucket_elements: elements per bucket (at least one parameter each).
+        main_grad: ``main_grad(param)`` is the tensor the parameter's gradient accumulates in when it is not
+            ``.grad``: a bf16 run's fp32 buffer in DeepSpeed's BF16_Optimizer, which its own post-accumulate hook
+            (registered earlier, so run first: ``deepspeed/utils/torch.py`` ``register_grad_hook``) has just added
+            the micro-batch's gradient to. Those are then scaled by ``1 / micro-batches`` (a multiplication, as
+            :mod:`domino.train.pipeline_step` does on that path), ``.grad`` by a division (torch's
+            ``scale_grads``).
     """
 
     def __init__(self, params: List[nn.Parameter], exclude: Optional[nn.Parameter] = None,
-                 bucket_elements: Optional[int] = None) -> None:
+                 bucket_elements: Optional[int] = None,
+                 main_grad: Optional[Callable[[nn.Parameter], torch.Tensor]] = None) -> None:
         dp = state.get_data_parallel_world_size()
         size = bucket_elements or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * dp)
         self.group = state.get_data_parallel_group()
         self.dp = dp
+        self.main_grad = main_grad
         self.excluded = [p for p in params if p is exclude]
         self.buckets: List[List[nn.Parameter]] = []
         current, elements = [], 0
@@ -95,9 +105,8 @@ class OverlappedGradReduce:
 
     def _launch(self, index: int) -> None:
         params = self.buckets[index]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = _flatten_dense_tensors(grads)
-        flat.div_(self.micro_batches)  # torch's scale_grads division, done on the copy
+        flat = _flatten_dense_tensors([self._grad(p) for p in params])
+        self._scale(flat)
         # async: the bucket's DP sum runs while the backward of the other micro-batches and layers goes on;
         # waited for in finish()
         work = dist.all_reduce(flat, group=self.group, async_op=True)
@@ -115,15 +124,30 @@ class OverlappedGradReduce:
             work.wait()  # the bucket's DP sum launched from the backward (or just above)
             flat.div_(self.dp)
             for param, reduced in zip(params, _unflatten_dense_tensors(flat, params)):
-                if param.grad is None:
+                if self.main_grad is not None:  # DeepSpeed's buffer: a flat view
+                    self.main_grad(param).copy_(reduced.reshape(self.main_grad(param).shape))
+                elif param.grad is None:
                     param.grad = reduced.clone()
                 else:
                     param.grad.copy_(reduced)
         for param in self.excluded:
-            if param.grad is not None:
-                param.grad.div_(self.micro_batches)
+            grad = self.main_grad(param) if self.main_grad is not None else param.grad
+            if grad is not None:
+                self._scale(grad)
         self.micro_batches = 0
         self._launched = {}
+
+    def _grad(self, param: nn.Parameter) -> torch.Tensor:
+        """The step's summed gradient of ``param`` so far (zeros where it has none)."""
+        grad = self.main_grad(param) if self.main_grad is not None else param.grad
+        return grad if grad is not None else torch.zeros_like(param)
+
+    def _scale(self, grad: torch.Tensor) -> None:
+        """The mean over the micro-batches from their sum, by the unoverlapped path's own operation."""
+        if self.main_grad is not None:
+            grad.mul_(1.0 / self.micro_batches)  # pipeline_step's _foreach_mul_ of the fp32 buffers
+        else:
+            grad.div_(self.micro_batches)  # torch's scale_grads division
 
     def remove(self) -> None:
         """Removes the hooks."""

@@ -14,6 +14,9 @@ inside its own backward off, and here, after the schedule, in this order:
    call its own PipelineEngine makes, ``_exec_reduce_grads`` in deepspeed 0.19.8 ``runtime/pipe/engine.py``;
    the replicas' gradients are already equal, so its averaging changes nothing), and the optimizer steps.
 
+With ``--overlap-grad-reduce`` step 2 is launched bucket by bucket from the schedule's backward and only waited
+for here (:mod:`domino.pipeline.grad_overlap`; the tied copy is averaged after step 1, as before).
+
 Step 2 costs one more data-parallel all-reduce of the gradients than a run without pipeline stages under ZeRO-1
 (stage 0 reduces only here); it is what lets the norm be taken before ZeRO partitions the gradients.
 
@@ -92,7 +95,8 @@ class PipelineStep:
                            if bf16_step.is_bf16_optimizer(engine.optimizer) else None)
         #: --overlap-grad-reduce: the buckets whose DP mean the backward launches (domino.pipeline.grad_overlap).
         self.overlap = (OverlappedGradReduce(list(engine.module.parameters()),
-                                             exclude=tied_embedding_weight(engine.module))
+                                             exclude=tied_embedding_weight(engine.module),
+                                             main_grad=self.main_grads.__getitem__ if self.main_grads else None)
                         if config.parallel.overlap_grad_reduce else None)
         self._schedules: Dict[int, StageSchedule] = {}
         self.schedule = self._schedule(micro_batches)
@@ -178,9 +182,15 @@ class PipelineStep:
         buffers = bf16_step.main_gradient_buffers(optimizer)
         # Scaling the fp32 sums after the backward is DeepSpeed's unstaged division of the loss by the micro-batch
         # count moved past the backward: the same numbers wherever the count is a power of two.
-        torch._foreach_mul_(buffers, 1.0 / micro_batches)
-        sync_tied_embeddings(self.engine.module, self.main_grads)
-        average_over_data_parallel(buffers)
+        if self.overlap is not None:
+            self.overlap.finish()  # every bucket's DP mean, launched from the backward, waited for here
+            sync_tied_embeddings(self.engine.module, self.main_grads)
+            tied = tied_embedding_weight(self.engine.module)
+            average_over_data_parallel([self.main_grads[tied]] if tied is not None else [])
+        else:
+            torch._foreach_mul_(buffers, 1.0 / micro_batches)
+            sync_tied_embeddings(self.engine.module, self.main_grads)
+            average_over_data_parallel(buffers)
         for flags in optimizer.fp32_groups_has_gradients:  # the norm and step of DeepSpeed read every buffer
             flags[:] = [True] * len(flags)
         grad_norm = engine_setup.clip_gradients(self.engine, self.config.train.clip_grad,

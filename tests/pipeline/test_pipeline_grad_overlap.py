@@ -99,13 +99,14 @@ def test_a_bucket_reduced_before_its_last_micro_batch_differs(per_rank, virtual)
         assert worst > 1e-3, f"rank {rank}: the early reduction matched within {worst:.2e}"
 
 
-def test_pretrain_with_overlap_grad_reduce_trains_as_without(tmp_path):
-    """`domino pretrain` PP 2 x DP 2 under ZeRO-1 (``PipelineStep``'s wiring): the same losses and norms, bit for
-    bit, with and without the flag."""
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_pretrain_with_overlap_grad_reduce_trains_as_without(tmp_path, precision):
+    """`domino pretrain` PP 2 x DP 2 under ZeRO-1 (``PipelineStep``'s wiring; bf16: the buckets are DeepSpeed's
+    fp32 gradient buffers): the same losses and norms, bit for bit, with and without the flag."""
     from pipeline_runs import run_records
 
     common = ["--train-iters", "3", "--global-batch-size", "8", "--pipeline-model-parallel-size", "2",
-              "--zero-stage", "1"]
+              "--zero-stage", "1", *precision]
     reference = run_records(tmp_path, "without", 4, common)
     records = run_records(tmp_path, "with", 4, [*common, "--overlap-grad-reduce"])
     train, ref_train = ([r for r in rs if "eval" not in r] for rs in (records, reference))
