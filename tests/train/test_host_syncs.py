@@ -55,7 +55,9 @@ def test_tp2_domino_iterations_read_nothing_on_the_host(tmp_path):
 
 
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--domino-chunks", "2"],
-                                    ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4"]])
+                                    ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4"],
+                                    ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
+                                     "--overlap-grad-reduce"]])
 def test_bf16_zero1_tp2_domino_iterations_read_and_wait_for_nothing(tmp_path, layout):
     """bf16 ZeRO 1 (DeepSpeed's BF16_Optimizer) at TP=2 with Domino, and in two pipeline stages: no host read and
     no explicit synchronize inside iterations on any rank, by any owner. DeepSpeed's own step read overflow and the
