@@ -79,11 +79,6 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
     problems = layer_split_problems(m.num_layers, pp, v)
     if pp <= 1:
         return problems
-    if p.overlap_grad_reduce and t.fp16:
-        # fp32 and bf16 stages have their buckets (domino.pipeline.grad_overlap: .grad, or DeepSpeed's fp32 buffers);
-        # fp16's would need the loss scale's unscaling and overflow check ahead of the reduction.
-        problems.append(f"--overlap-grad-reduce with --fp16 and --pipeline-model-parallel-size {pp}: not supported "
-                        "yet (fp32 and bf16 stages only)")
     if p.zero_stage == 2:
         # DeepSpeed's own pipeline engine refuses it too (deepspeed 0.19.8 runtime/pipe/engine.py: "ZeRO-2 and
         # ZeRO-3 are incompatible with pipeline parallelism"): ZeRO-2 reduces each gradient in a backward hook
@@ -91,13 +86,12 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
         problems.append(f"--zero-stage 2 with --pipeline-model-parallel-size {pp}: not supported (ZeRO-2 reduces "
                         "gradients inside DeepSpeed's backward, the pipeline schedule runs its own; "
                         "use --zero-stage 1)")
-    if t.fp16:
-        # bf16 runs staged (domino.train.pipeline_step: DeepSpeed's BF16_Optimizer accumulates each micro-batch's
-        # gradient in fp32 through its own per-gradient hooks). fp16 would also need the dynamic loss scale applied
-        # to the last stage's loss inside the schedule and DeepSpeed's fp16 optimizers' host-side overflow check
-        # (deepspeed 0.19.8 runtime/fp16/fused_optimizer.py) agreed over the stages; not written yet.
-        problems.append(f"--fp16 with --pipeline-model-parallel-size {pp}: not supported yet (the loss scale is "
-                        "not applied inside the pipeline schedule; use --bf16)")
+    if t.fp16 and p.zero_stage == 0:
+        # fp16 at ZeRO 0 is DeepSpeed's FP16_UnfusedOptimizer, whose overflow check reads the host and spans one
+        # stage (deepspeed 0.19.8 runtime/fp16/unfused_optimizer.py `step`); the ZeRO-1 optimizer's step is
+        # decided on the device and agreed over the stages (domino.train.zero_step).
+        problems.append(f"--fp16 with --pipeline-model-parallel-size {pp} needs --zero-stage 1 (got 0: DeepSpeed's "
+                        "fp16 optimizer at stage 0 decides overflow on the host, for its own stage only)")
     ramped = t.rampup_batch_size is not None or t.step_batch_size_schedule is not None  # checked with the ramp
     if world_size is not None and world_size % (p.tensor_model_parallel_size * pp) == 0 and not ramped:
         dp = data_parallel_size(config, world_size)

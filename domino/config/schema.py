@@ -127,7 +127,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
     """Under pipeline stages, all-reduce each bucket of a stage's gradients over the data-parallel replicas as soon
     as the last micro-batch's backward has made it final, overlapped with the rest of the backward (Megatron's
-    flag); fp32 (ZeRO 0 or 1) and bf16 (ZeRO 1: DeepSpeed's fp32 gradient buffers are the buckets)."""
+    flag); fp32 (ZeRO 0 or 1), bf16 (DeepSpeed's fp32 gradient buffers are the buckets) and fp16 (ZeRO 1)."""
     zero_stage: Optional[int] = None
     """DeepSpeed ZeRO stage for data parallelism (0, 1 or 2; default: the stage of the checkpoint resumed, else 0
     with one data-parallel replica and neither --bf16 nor --fp16, where ZeRO has nothing to shard, else 1)."""
@@ -279,7 +279,7 @@ class CheckpointConfig:
     save_interval: Optional[int] = None
     """Save every this many iterations (a final save always happens with --save)."""
     load: Optional[str] = None
-    """Directory to resume from (its latest checkpoint); starts fresh when it holds none."""
+    """Directory to resume from (its latest checkpoint); starts fresh when it holds none. Default: --save."""
     keep_last: Optional[int] = None
     """Keep only this many most recent checkpoints."""
     async_save: bool = False

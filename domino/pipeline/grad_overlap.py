@@ -17,7 +17,8 @@ buckets in backward order and all-reduces each bucket asynchronously as soon as 
 - :meth:`OverlappedGradReduce.finish`, before the tied-embedding sum and clipping, waits for every bucket, divides
   by the replica count and copies the means back into ``.grad``.
 
-With ``--bf16`` the buckets are DeepSpeed's fp32 gradient buffers (``main_grad``), not ``.grad``.
+With ``--bf16`` the buckets are DeepSpeed's fp32 gradient buffers (``main_grad``), not ``.grad``; with ``--fp16`` the
+still loss-scaled fp16 ``.grad`` (the unoverlapped fp16 step reduces those too).
 
 The arithmetic is the unoverlapped path's (divide by the micro-batches, sum over the replicas, divide by their
 count), so the gradients are bit-equal to it. The tied word embeddings are left out of the buckets and reduced

@@ -91,15 +91,25 @@ class StageSchedule:
                                    requires_grad=True)
         self._tokens = torch.empty(micro_batch_size, seq_length, dtype=torch.long, device="meta")
         self._losses = torch.empty(micro_batch_size, seq_length, dtype=torch.float32, device="meta")
+        #: fp16: the dynamic loss scale (a 0-d device tensor, updated in place by the optimizer) that multiplies
+        #: each micro-batch's loss before its backward; None: the loss as it is.
+        self.loss_scale: Optional[torch.Tensor] = None
         #: The training schedule's ``PipelineStage`` per chunk.
         self.stages = self._new_stages()
         if len(self.stages) == 1:
-            self.schedule = Schedule1F1B(self.stages[0], num_microbatches, loss_fn=masked_mean_loss,
+            self.schedule = Schedule1F1B(self.stages[0], num_microbatches, loss_fn=self._scaled_loss,
                                          scale_grads=scale_grads)
         else:
-            self.schedule = ScheduleInterleaved1F1B(self.stages, num_microbatches, loss_fn=masked_mean_loss,
+            self.schedule = ScheduleInterleaved1F1B(self.stages, num_microbatches, loss_fn=self._scaled_loss,
                                                     scale_grads=scale_grads)
         self._eval_schedules: Dict[int, object] = {}
+
+    def _scaled_loss(self, per_token_losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """The training loss_fn: a micro-batch's :func:`masked_mean_loss`, times :attr:`loss_scale` under fp16 (the
+        scaling DeepSpeed's ``engine.backward`` applies to the loss, ``loss_scaler.backward``, moved into the
+        schedule, which runs the backward itself)."""
+        loss = masked_mean_loss(per_token_losses, loss_mask)
+        return loss if self.loss_scale is None else loss * self.loss_scale
 
     @property
     def stage(self) -> PipelineStage:
@@ -160,7 +170,7 @@ class StageSchedule:
             self.schedule.step(*args, target=loss_mask, losses=losses, return_outputs=False, **kwargs)
         else:
             self.schedule.step(*args, return_outputs=False, **kwargs)
-        return self._broadcast_mean(losses)
+        return self._broadcast_mean(losses, scaled=True)
 
     def eval_step(self, tokens: Optional[torch.Tensor], labels: Optional[torch.Tensor],
                   loss_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
@@ -178,12 +188,15 @@ class StageSchedule:
             schedule.eval(*args, **kwargs)
         return self._broadcast_mean(losses)
 
-    def _broadcast_mean(self, losses: List[torch.Tensor]) -> torch.Tensor:
-        """The mean of the last stage's micro-batch losses, on every stage of the pipeline."""
+    def _broadcast_mean(self, losses: List[torch.Tensor], scaled: bool = False) -> torch.Tensor:
+        """The mean of the last stage's micro-batch losses, on every stage of the pipeline (``scaled``: the training
+        losses, divided by the fp16 loss scale again)."""
         group = state.get_pipeline_model_parallel_group()
         device = state.collective_device(group)
         if self.is_last:
             mean = torch.stack([loss.detach().float() for loss in losses]).mean().reshape(1)
+            if scaled and self.loss_scale is not None:
+                mean = mean / self.loss_scale  # a power of two: the unscaled mean exactly
         else:
             mean = torch.zeros(1, device=device)
         last = dist.get_global_rank(group, dist.get_world_size(group) - 1)

@@ -155,7 +155,7 @@ def clips_itself(config: DominoConfig) -> bool:
 
 
 def clip_gradients(engine, max_norm: float, grad_of: Optional[Callable[[torch.nn.Parameter], Optional[torch.Tensor]]] = None,
-                   poison_overflow: bool = False) -> torch.Tensor:
+                   poison_overflow: bool = False, loss_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Clips the (already data-parallel-reduced) gradients to ``max_norm``; returns the global norm on the device.
 
     The maths of DeepSpeed's ``clip_grad_norm_`` (``deepspeed/runtime/utils.py``, 0.19.8): the 2-norm of every
@@ -174,6 +174,11 @@ def clip_gradients(engine, max_norm: float, grad_of: Optional[Callable[[torch.nn
     main gradient, :func:`domino.train.bf16_step.main_gradients`). With ``poison_overflow`` a non-finite norm
     turns every gradient into NaN, so that each stage's optimizer, which looks at its own stage's gradients only,
     skips the step: a skip on one stage is a skip on all (the norm is already summed over every stage).
+
+    ``loss_scale`` (fp16, a device tensor): the gradients still carry it, so the norm is divided by it (and
+    returned so) and the gradients stay scaled, clipped by DeepSpeed's factor ``min(1, clip / (norm / scale +
+    1e-6))`` (``DeepSpeedZeroOptimizer.unscale_and_clip_grads``, stage_1_and_2.py 0.19.8); the ZeRO optimizer's
+    step divides by the scale (:mod:`domino.train.zero_step`, its own clipping off).
     """
     grad_of = grad_of or (lambda p: p.grad)
     params = [p for p in engine.module.parameters() if grad_of(p) is not None]
@@ -191,6 +196,8 @@ def clip_gradients(engine, max_norm: float, grad_of: Optional[Callable[[torch.nn
     if dp > 1:  # as DeepSpeed: the mean of the replicas' norms (equal, as their gradients are already reduced)
         norm = norm / dp
         torch.distributed.all_reduce(norm, group=state.get_data_parallel_group())
+    if loss_scale is not None:
+        norm = norm / loss_scale
     if max_norm > 0 or poison_overflow:
         factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else torch.ones_like(norm)
         if poison_overflow:

@@ -23,7 +23,12 @@ Step 2 costs one more data-parallel all-reduce of the gradients than a run witho
 With ``--bf16`` the same steps run on the fp32 gradient buffers of DeepSpeed's BF16_Optimizer, into which its
 per-gradient hooks added each micro-batch's bf16 gradient during the schedule's backward (:meth:`_bf16_step`);
 the buffers are the step's gradients, so ``allreduce_gradients`` is not called (BF16_Optimizer reduces only those
-buffers there, already averaged). Only the first and last stage read batches (:func:`stage_reads_batches`).
+buffers there, already averaged). With ``--fp16`` (ZeRO-1: DeepSpeed's ZeRO optimizer, whose step
+:mod:`domino.train.zero_step` decides on the device) the last stage multiplies each micro-batch's loss by the
+dynamic loss scale inside the schedule (:attr:`domino.pipeline.schedule.StageSchedule.loss_scale`) and
+:meth:`_fp16_step` clips the still-scaled gradients by the unscaled norm; the overflow is agreed over every stage
+(the pipeline-group max of the skip flag in the ZeRO step, after DeepSpeed's over DP and TP), so every stage skips
+and updates its scale alike. Only the first and last stage read batches (:func:`stage_reads_batches`).
 """
 
 from __future__ import annotations
@@ -73,6 +78,25 @@ def stage_reads_batches(config: DominoConfig, first: bool, last: bool) -> bool:
     return first or last or d.reset_position_ids or d.reset_attention_mask
 
 
+def fp16_loss_scale(config: DominoConfig, engine) -> Optional[torch.Tensor]:
+    """Under ``--fp16`` the 0-d device tensor of the ZeRO optimizer's dynamic loss scale (its
+    :class:`domino.train.device_loss_scale.DeviceLossScaler`, which updates it in place), else None.
+
+    Raises:
+        ConfigError: fp16 whose optimizer does not decide its step on the device (only the ZeRO optimizer
+            agrees its skip over the stages, :mod:`domino.train.zero_step`).
+    """
+    if not config.train.fp16:
+        return None
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    scale = getattr(scaler, "cur_scale", None)
+    if not isinstance(scale, torch.Tensor):
+        raise ConfigError("--fp16 with --pipeline-model-parallel-size > 1 needs --zero-stage 1 and a loss scale "
+                          "DeepSpeed's ZeRO optimizer keeps on the device (domino.train.zero_step); got "
+                          f"{type(engine.optimizer).__name__}")
+    return scale
+
+
 class PipelineStep:
     """Runs a pipelined run's optimizer steps.
 
@@ -93,6 +117,8 @@ class PipelineStep:
         #: bf16: each parameter's fp32 main gradient (DeepSpeed's BF16_Optimizer buffers), else None.
         self.main_grads = (bf16_step.main_gradients(engine.optimizer)
                            if bf16_step.is_bf16_optimizer(engine.optimizer) else None)
+        #: fp16: the optimizer's dynamic loss scale, a 0-d device tensor updated in place each step, else None.
+        self.loss_scale = fp16_loss_scale(config, engine)
         #: --overlap-grad-reduce: the buckets whose DP mean the backward launches (domino.pipeline.grad_overlap).
         self.overlap = (OverlappedGradReduce(list(engine.module.parameters()),
                                              exclude=tied_embedding_weight(engine.module),
@@ -142,6 +168,7 @@ class PipelineStep:
         host)."""
         timers.start("forward-backward")
         batch = self._step_batch(data_iterator, micro_batches)
+        self._schedule(micro_batches).loss_scale = self.loss_scale
         if self.overlap is not None:
             self.overlap.begin(micro_batches)
         loss = self._schedule(micro_batches).train_step(batch["tokens"], batch["labels"], batch["loss_mask"],
@@ -159,7 +186,7 @@ class PipelineStep:
         else:
             sync_tied_embeddings(module)
             average_over_data_parallel([p.grad for p in module.parameters() if p.grad is not None])
-        grad_norm = engine_setup.clip_gradients(self.engine, self.config.train.clip_grad)
+        grad_norm = engine_setup.clip_gradients(self.engine, self.config.train.clip_grad, loss_scale=self.loss_scale)
         skipped = None
         if engine_setup.zero_stage(self.config) == 0:
             skipped = engine_setup.flag_overflow(self.engine, grad_norm)  # fused AdamW skips on the device

@@ -99,7 +99,8 @@ def test_a_bucket_reduced_before_its_last_micro_batch_differs(per_rank, virtual)
         assert worst > 1e-3, f"rank {rank}: the early reduction matched within {worst:.2e}"
 
 
-@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("precision", [[], ["--bf16"], ["--fp16", "--initial-loss-scale", "256"]],
+                         ids=["fp32", "bf16", "fp16"])
 def test_pretrain_with_overlap_grad_reduce_trains_as_without(tmp_path, precision):
     """`domino pretrain` PP 2 x DP 2 under ZeRO-1 (``PipelineStep``'s wiring; bf16: the buckets are DeepSpeed's
     fp32 gradient buffers): the same losses and norms, bit for bit, with and without the flag."""

@@ -25,9 +25,24 @@ KNOWN_ELSEWHERE = ("domino/parallel/cross_entropy.py:", "_loss_from_softmax")
 DEEPSPEED_ZERO_READS_PER_ITERATION = 3
 
 
-def _probed_run(tmp_path, nproc, extra, env=None):
+#: A launcher of the probe with DeepSpeed's CPU fp16 gate and domino's device check opened (fp16 runs on any CPU,
+#: slowly, where DeepSpeed refuses it without AVX-512 FP16; tests/train/test_device_decided_steps.py does the same).
+FP16_ON_CPU = """import runpy, sys
+from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+from domino.train import engine
+CPU_Accelerator.is_fp16_supported = lambda self: True
+engine.check_this_device = lambda config: None
+runpy.run_module("domino.cli.host_syncs", run_name="__main__")
+"""
+
+
+def _probed_run(tmp_path, nproc, extra, env=None, fp16_on_cpu=False):
     out = tmp_path / "syncs"
     command = [sys.executable, "-m", "domino.cli.host_syncs", str(out), "pretrain", *RUN, *extra]
+    if fp16_on_cpu:
+        launcher = tmp_path / "fp16_on_cpu.py"
+        launcher.write_text(FP16_ON_CPU)
+        command[1:3] = [str(launcher)]
     if nproc > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
                    "127.0.0.1", "--master-port", str(free_port()), *command[1:]]
@@ -54,17 +69,26 @@ def test_tp2_domino_iterations_read_nothing_on_the_host(tmp_path):
         assert deepspeed <= DEEPSPEED_ZERO_READS_PER_ITERATION * ITERS
 
 
-@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--domino-chunks", "2"],
-                                    ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4"],
-                                    ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
-                                     "--overlap-grad-reduce"]])
-def test_bf16_zero1_tp2_domino_iterations_read_and_wait_for_nothing(tmp_path, layout):
-    """bf16 ZeRO 1 (DeepSpeed's BF16_Optimizer) at TP=2 with Domino, and in two pipeline stages: no host read and
+PP2 = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4"]
+
+
+@pytest.mark.parametrize("precision,layout", [
+    (["--bf16"], ["--tensor-model-parallel-size", "2", "--domino-chunks", "2"]),
+    (["--bf16"], PP2),
+    (["--bf16"], [*PP2, "--overlap-grad-reduce"]),  # the buckets launched from the backward read nothing either
+    # fp16 stages: the loss scale multiplies the last stage's loss and divides the norm as a device tensor, and
+    # the ZeRO step agrees the overflow over the stages on the device (domino.train.pipeline_step, zero_step).
+    (["--fp16", "--initial-loss-scale", "256"], PP2),
+])
+def test_half_precision_zero1_tp2_domino_and_stages_read_and_wait_for_nothing(tmp_path, precision, layout):
+    """bf16 ZeRO 1 (DeepSpeed's BF16_Optimizer) at TP=2 with Domino, and in two pipeline stages (fp16 ZeRO 1 too,
+    DeepSpeed's ZeRO optimizer with domino's device-decided step): no host read and
     no explicit synchronize inside iterations on any rank, by any owner. DeepSpeed's own step read overflow and the
     clip decision (2 per iteration) and its ThroughputTimer synchronised twice per micro-batch;
     domino.train.bf16_step and the engine's config remove both; the staged step (domino.train.pipeline_step)
     scales, reduces, clips and agrees on a skip with tensors only."""
-    ranks = _probed_run(tmp_path, 2, ["--bf16", "--zero-stage", "1", *layout, "--vocab-size", "256"])
+    ranks = _probed_run(tmp_path, 2, [*precision, "--zero-stage", "1", *layout, "--vocab-size", "256"],
+                        fp16_on_cpu="--fp16" in precision)
     for events in ranks:
         step = [e for e in events if e["phase"] == "step"]
         # torch's pipeline schedule makes and reads its stages' one-time warm-up vote in its first step only
