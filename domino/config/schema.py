@@ -124,6 +124,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism: LayerNorm, dropout and residual regions split along the sequence over the TP
     ranks (reduce-scatter after row-parallel, all-gather before column-parallel linears); no effect at TP 1."""
+    overlap_grad_reduce: bool = False
+    """Under pipeline stages, all-reduce each bucket of a stage's gradients over the data-parallel replicas as soon
+    as the last micro-batch's backward has made it final, overlapped with the rest of the backward (Megatron's
+    flag); fp32 (ZeRO 0 or 1), bf16 (DeepSpeed's fp32 gradient buffers are the buckets) and fp16 (ZeRO 1)."""
     zero_stage: Optional[int] = None
     """DeepSpeed ZeRO stage for data parallelism (0, 1 or 2; default: the stage of the checkpoint resumed, else 0
     with one data-parallel replica and neither --bf16 nor --fp16, where ZeRO has nothing to shard, else 1)."""

@@ -162,6 +162,10 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
            f"--distributed-backend must be gloo or nccl, got {p.distributed_backend!r}")
     _check(problems, p.pipeline_model_parallel_size >= 1,
            f"--pipeline-model-parallel-size must be >= 1, got {p.pipeline_model_parallel_size}")
+    # Without stages DeepSpeed reduces the gradients itself (overlapped inside its backward at ZeRO 1/2).
+    _check(problems, not p.overlap_grad_reduce or p.pipeline_model_parallel_size > 1,
+           "--overlap-grad-reduce needs --pipeline-model-parallel-size > 1 (without stages DeepSpeed reduces the "
+           "gradients itself)")
     _check(problems, p.distributed_timeout_minutes >= 1,
            f"--distributed-timeout-minutes must be >= 1, got {p.distributed_timeout_minutes}")
 

@@ -61,13 +61,16 @@ class StageSchedule:
         hidden_size: width of the residual stream.
         sequence_parallel: the residual stream is this rank's sequence slice.
         dtype: dtype of the residual stream (the model's parameters').
+        scale_grads: torch divides every ``.grad`` by the micro-batch count after the backward; False where
+            :mod:`domino.pipeline.grad_overlap` divides them itself (a reduction may be in flight then).
 
     Raises:
         ValueError: the micro-batch count is one the schedule cannot run (checked earlier by the config validation).
     """
 
     def __init__(self, model: nn.Module, *, num_microbatches: int, micro_batch_size: int, seq_length: int,
-                 hidden_size: int, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32) -> None:
+                 hidden_size: int, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
+                 scale_grads: bool = True) -> None:
         stages, rank = state.get_pipeline_model_parallel_world_size(), state.get_pipeline_model_parallel_rank()
         self.chunks: Sequence[nn.Module] = model_chunks(model)
         if num_microbatches < stages:
@@ -94,10 +97,11 @@ class StageSchedule:
         #: The training schedule's ``PipelineStage`` per chunk.
         self.stages = self._new_stages()
         if len(self.stages) == 1:
-            self.schedule = Schedule1F1B(self.stages[0], num_microbatches, loss_fn=self._scaled_loss, scale_grads=True)
+            self.schedule = Schedule1F1B(self.stages[0], num_microbatches, loss_fn=self._scaled_loss,
+                                         scale_grads=scale_grads)
         else:
             self.schedule = ScheduleInterleaved1F1B(self.stages, num_microbatches, loss_fn=self._scaled_loss,
-                                                    scale_grads=True)
+                                                    scale_grads=scale_grads)
         self._eval_schedules: Dict[int, object] = {}
 
     def _scaled_loss(self, per_token_losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

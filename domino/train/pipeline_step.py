@@ -14,6 +14,9 @@ inside its own backward off, and here, after the schedule, in this order:
    call its own PipelineEngine makes, ``_exec_reduce_grads`` in deepspeed 0.19.8 ``runtime/pipe/engine.py``;
    the replicas' gradients are already equal, so its averaging changes nothing), and the optimizer steps.
 
+With ``--overlap-grad-reduce`` step 2 is launched bucket by bucket from the schedule's backward and only waited
+for here (:mod:`domino.pipeline.grad_overlap`; the tied copy is averaged after step 1, as before).
+
 Step 2 costs one more data-parallel all-reduce of the gradients than a run without pipeline stages under ZeRO-1
 (stage 0 reduces only here); it is what lets the norm be taken before ZeRO partitions the gradients.
 
@@ -38,7 +41,8 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from domino.config import ConfigError, DominoConfig
-from domino.pipeline.gradients import sync_tied_embeddings
+from domino.pipeline.grad_overlap import OverlappedGradReduce
+from domino.pipeline.gradients import sync_tied_embeddings, tied_embedding_weight
 from domino.pipeline.schedule import StageSchedule
 from domino.runtime import state
 from domino.train import bf16_step, engine as engine_setup
@@ -115,6 +119,11 @@ class PipelineStep:
                            if bf16_step.is_bf16_optimizer(engine.optimizer) else None)
         #: fp16: the optimizer's dynamic loss scale, a 0-d device tensor updated in place each step, else None.
         self.loss_scale = fp16_loss_scale(config, engine)
+        #: --overlap-grad-reduce: the buckets whose DP mean the backward launches (domino.pipeline.grad_overlap).
+        self.overlap = (OverlappedGradReduce(list(engine.module.parameters()),
+                                             exclude=tied_embedding_weight(engine.module),
+                                             main_grad=self.main_grads.__getitem__ if self.main_grads else None)
+                        if config.parallel.overlap_grad_reduce else None)
         self._schedules: Dict[int, StageSchedule] = {}
         self.schedule = self._schedule(micro_batches)
         chunks, indices = self.schedule.chunks, self.schedule.indices
@@ -139,7 +148,7 @@ class PipelineStep:
                 self.engine.module, num_microbatches=micro_batches, micro_batch_size=t.micro_batch_size,
                 seq_length=m.seq_length, hidden_size=m.hidden_size,
                 sequence_parallel=self.config.parallel.sequence_parallel,
-                dtype=next(self.engine.module.parameters()).dtype)
+                dtype=next(self.engine.module.parameters()).dtype, scale_grads=self.overlap is None)
         return self._schedules[micro_batches]
 
     def _step_batch(self, data_iterator, count: Optional[int] = None) -> Dict[str, Optional[torch.Tensor]]:
@@ -160,6 +169,8 @@ class PipelineStep:
         timers.start("forward-backward")
         batch = self._step_batch(data_iterator, micro_batches)
         self._schedule(micro_batches).loss_scale = self.loss_scale
+        if self.overlap is not None:
+            self.overlap.begin(micro_batches)
         loss = self._schedule(micro_batches).train_step(batch["tokens"], batch["labels"], batch["loss_mask"],
                                                         batch["position_ids"], batch["attention_mask"])
         timers.stop("forward-backward")
@@ -167,8 +178,14 @@ class PipelineStep:
         module = self.engine.module
         if self.main_grads is not None:
             return self._bf16_step(loss, micro_batches, timers)
-        sync_tied_embeddings(module)
-        average_over_data_parallel([p.grad for p in module.parameters() if p.grad is not None])
+        if self.overlap is not None:
+            self.overlap.finish()  # every bucket's DP mean, launched from the backward, waited for here
+            sync_tied_embeddings(module)
+            tied = tied_embedding_weight(module)
+            average_over_data_parallel([tied.grad] if tied is not None else [])
+        else:
+            sync_tied_embeddings(module)
+            average_over_data_parallel([p.grad for p in module.parameters() if p.grad is not None])
         grad_norm = engine_setup.clip_gradients(self.engine, self.config.train.clip_grad, loss_scale=self.loss_scale)
         skipped = None
         if engine_setup.zero_stage(self.config) == 0:
@@ -192,9 +209,15 @@ class PipelineStep:
         buffers = bf16_step.main_gradient_buffers(optimizer)
         # Scaling the fp32 sums after the backward is DeepSpeed's unstaged division of the loss by the micro-batch
         # count moved past the backward: the same numbers wherever the count is a power of two.
-        torch._foreach_mul_(buffers, 1.0 / micro_batches)
-        sync_tied_embeddings(self.engine.module, self.main_grads)
-        average_over_data_parallel(buffers)
+        if self.overlap is not None:
+            self.overlap.finish()  # every bucket's DP mean, launched from the backward, waited for here
+            sync_tied_embeddings(self.engine.module, self.main_grads)
+            tied = tied_embedding_weight(self.engine.module)
+            average_over_data_parallel([self.main_grads[tied]] if tied is not None else [])
+        else:
+            torch._foreach_mul_(buffers, 1.0 / micro_batches)
+            sync_tied_embeddings(self.engine.module, self.main_grads)
+            average_over_data_parallel(buffers)
         for flags in optimizer.fp32_groups_has_gradients:  # the norm and step of DeepSpeed read every buffer
             flags[:] = [True] * len(flags)
         grad_norm = engine_setup.clip_gradients(self.engine, self.config.train.clip_grad,

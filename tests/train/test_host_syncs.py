@@ -75,6 +75,7 @@ PP2 = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--glob
 @pytest.mark.parametrize("precision,layout", [
     (["--bf16"], ["--tensor-model-parallel-size", "2", "--domino-chunks", "2"]),
     (["--bf16"], PP2),
+    (["--bf16"], [*PP2, "--overlap-grad-reduce"]),  # the buckets launched from the backward read nothing either
     # fp16 stages: the loss scale multiplies the last stage's loss and divides the norm as a device tensor, and
     # the ZeRO step agrees the overflow over the stages on the device (domino.train.pipeline_step, zero_step).
     (["--fp16", "--initial-loss-scale", "256"], PP2),
