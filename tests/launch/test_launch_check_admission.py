@@ -133,5 +133,7 @@ def test_the_launch_check_rbac_grants_what_the_check_reads_beyond_the_launcher_r
                                               check=True, capture_output=True, text=True).stdout)
     granted = {(g, r, v) for doc in built if doc["kind"] in ("Role", "ClusterRole") for rule in doc["rules"]
                for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
-    extra = {("apps", "deployments", "get"), ("storage.k8s.io", "storageclasses", "get"), ("", "pods", "create")}
+    # The TrainJob check with --queue also reads the ClusterQueue and its ResourceFlavors (the tolerations check).
+    extra = {("apps", "deployments", "get"), ("storage.k8s.io", "storageclasses", "get"), ("", "pods", "create"),
+             ("kueue.x-k8s.io", "clusterqueues", "get"), ("kueue.x-k8s.io", "resourceflavors", "get")}
     assert granted == extra and extra <= server.cluster.verbs()
