@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
+from domino.cli.main import _ran_torch_distributed, leave_process
 from domino.cli.main import main as domino_main
 from domino.train.host_syncs import run_probed
 
@@ -21,4 +22,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if _ran_torch_distributed():
+        # As `domino` itself: no interpreter finalization after torch.distributed ran (gloo's worker threads can
+        # abort a finished run then, pytorch/pytorch#190489; cli/main.py leave_process says why). The probe's
+        # files are written before main() returns.
+        leave_process(status)
+    sys.exit(status)
