@@ -9,7 +9,7 @@ import pytest
 from distributed_helpers import run_distributed
 from domino.config import ConfigError
 from domino.runtime import state
-from domino.runtime.state import RankGrid
+from domino.runtime.mesh import RankGrid
 
 
 def test_megatron_docstring_example():
