@@ -167,6 +167,11 @@ def start(tensor_model_parallel_size: Optional[int] = None, *, backend: Optional
     return initialize_model_parallel(tp, timeout_minutes=timeout_minutes, pipeline_model_parallel_size=pp)
 
 
+# Built once: the getters run inside torch.compile'd blocks, where constructing a dataclass is a graph break
+# that fullgraph compilation refuses.
+_SINGLE_MESH = ParallelMesh.single()
+
+
 def model_parallel_is_initialized() -> bool:
     """Whether :func:`initialize_model_parallel` has run."""
     return _MESH is not None
@@ -180,7 +185,7 @@ def destroy_model_parallel() -> None:
 
 def current_mesh() -> ParallelMesh:
     """The mesh :func:`start` built (the single-process mesh before): for entry points, which pass it down."""
-    return _MESH if _MESH is not None else ParallelMesh.single()
+    return _MESH if _MESH is not None else _SINGLE_MESH
 
 
 # ---- the shim: the mesh's fields as getters, for DeepSpeed's ``mpu`` and the entry points -------------------------
