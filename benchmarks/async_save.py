@@ -82,10 +82,11 @@ def _train(config_args: List[str], iters: int, save_at: Optional[int], mode: str
 
 def _state_mb(config_args: List[str]) -> float:
     from domino.config import parse_config
+    from domino.runtime.mesh import ParallelMesh
     from domino.train.gpt_recipe import GPTRecipe
 
     config = parse_config([*config_args, "--train-iters", "1"])
-    model = GPTRecipe(config).model_builder(config)
+    model = GPTRecipe(config).model_builder(config, ParallelMesh.single())
     params = sum(p.numel() for p in model.parameters())
     return params * 4 * 4 / 1e6  # the weights, and the fp32 master weights and both Adam moments
 

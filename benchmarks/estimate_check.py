@@ -35,6 +35,7 @@ from domino.config import DominoConfig, ModelConfig
 from domino.config.estimate import Layout, estimate_layout
 from domino.model.recompute import RecomputePlan
 from domino.runtime import state
+from domino.runtime.mesh import ParallelMesh
 from domino.train.memory_probe import measure_pipeline_training_memory, measure_training_memory
 
 CONFIGS = [
@@ -57,13 +58,13 @@ RECOMPUTE = {"none": None, "selective": RecomputePlan("selective"),
 
 
 def check(layers, hidden, heads, seq, batch, vocab, hidden_dropout, attention_dropout, plan=None, tp=1, chunks=1,
-          sp=False) -> dict:
+          sp=False, mesh=ParallelMesh.single()) -> dict:
     config = DominoConfig()
     config.model = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq,
                                vocab_size=vocab, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
                                make_vocab_size_divisible_by=1)
     forward, peak = measure_training_memory(config.model, vocab, batch, recompute=plan, domino_chunks=chunks,
-                                            sequence_parallel=sp)
+                                            sequence_parallel=sp, mesh=mesh)
     layout = Layout(tensor_model_parallel_size=tp, micro_batch_size=batch, zero_stage=0, sequence_parallel=sp,
                     domino_chunks=chunks)
     if plan is not None:
@@ -89,14 +90,14 @@ def _tp2_worker(rank, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    state.initialize_model_parallel(2)
+    mesh = state.initialize_model_parallel(2)
     rows = []
     for name, (chunks, sp, plan) in TP_SETTINGS.items():
-        row = check(*RECOMPUTE_CONFIG, plan=plan, tp=2, chunks=chunks, sp=sp)
+        row = check(*RECOMPUTE_CONFIG, plan=plan, tp=2, chunks=chunks, sp=sp, mesh=mesh)
         rows.append(dict(row, config=name))
-    state.initialize_model_parallel(1, pipeline_model_parallel_size=2)
+    mesh = state.initialize_model_parallel(1, pipeline_model_parallel_size=2)
     stages = [measure_pipeline_training_memory(ModelConfig(**PIPELINE_MODEL), PIPELINE_MODEL["vocab_size"], micro,
-                                               count) for micro, count in PIPELINE_RUNS]
+                                               count, mesh=mesh) for micro, count in PIPELINE_RUNS]
     torch.save((rows, stages), os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

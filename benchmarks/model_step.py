@@ -174,12 +174,12 @@ def _tp_worker(rank, world, port, threads, chunks_list, repeats, steps, warmup, 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    state.initialize_model_parallel(world)
+    mesh = state.initialize_model_parallel(world)
     tokens, labels = _batch()
     runs = {}
     for chunks in chunks_list:
         torch.manual_seed(0)
-        model = apply_domino(GPTModel(model_config(), VOCAB), chunks)
+        model = apply_domino(GPTModel(model_config(), VOCAB, tp=mesh.tp), chunks)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         runs[chunks] = (lambda m=model, o=opt: _ours_step(m, o, tokens, labels))
     for step in runs.values():

@@ -177,21 +177,24 @@ def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: s
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    state.initialize_model_parallel(2)
+    mesh = state.initialize_model_parallel(2)
     config = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
                          hidden_dropout=0.0, attention_dropout=0.0)
     g = torch.Generator().manual_seed(0)
     tokens, labels = (torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g) for _ in range(2))
-    runs = {}
-    for name, chunks in LAYOUTS.items():
-        torch.manual_seed(0)
-        model = apply_domino(GPTModel(config, VOCAB), chunks)
-        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True))
+    runs, link = {}, None
+
+    def build(tp) -> None:
+        """The layouts' models over ``tp`` (the same weights each time: a setting's link is the group's)."""
+        for name, chunks in LAYOUTS.items():
+            torch.manual_seed(0)
+            model = apply_domino(GPTModel(config, VOCAB, tp=tp), chunks)
+            runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True))
 
     def step(name: str) -> tuple:
         model, opt = runs[name]
         dist.barrier()
-        comm_timing.pop_comm_wait_seconds(), comm_timing.pop_modelled_comm_seconds()
+        comm_timing.pop_comm_wait_seconds(), comm_timing.pop_modelled_comm_seconds(link)
         comm_timing.pop_comm_wait_by_site()
         started = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -200,7 +203,7 @@ def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: s
         opt.step()
         elapsed = time.perf_counter() - started
         return (1000 * elapsed, 1000 * comm_timing.pop_comm_wait_seconds(),
-                1000 * comm_timing.pop_modelled_comm_seconds(), loss.item(),
+                1000 * comm_timing.pop_modelled_comm_seconds(link), loss.item(),
                 {k: 1000 * v for k, v in comm_timing.pop_comm_wait_by_site().items()})
 
     out = {"settings": {}}
@@ -212,7 +215,8 @@ def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: s
             compute = torch.tensor([out["sync_compute_ms"]], dtype=torch.float64)
             dist.broadcast(compute, 0)
             network = network_for(ratio, compute.item(), transfer)
-        state.set_tensor_model_parallel_link(LinkEmulator(parse_spec(network)) if network else None)
+        link = LinkEmulator(parse_spec(network)) if network else None
+        build(mesh.with_tp_link(link).tp)
         reps = repeats if ratio is None or ratio <= 1 else max(3, round(repeats / ratio))
         for name in LAYOUTS:  # warm-up
             step(name)

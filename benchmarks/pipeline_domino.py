@@ -114,11 +114,12 @@ class CountingLink(LinkEmulator):
 class Layout:
     """One layout's stage on this rank: the model, its 1F1B schedule, its optimizer and its timer."""
 
-    def __init__(self, shape: Shape, chunks: int, sequence_parallel: bool) -> None:
+    def __init__(self, shape: Shape, chunks: int, sequence_parallel: bool, mesh) -> None:
         torch.manual_seed(0)  # every layout starts from the same weights
         config = ModelConfig(num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
                              seq_length=shape.seq, hidden_dropout=0.0, attention_dropout=0.0)
-        model = split_model(GPTModel(config, shape.vocab), state.get_pipeline_model_parallel_rank(), PP)
+        self.link = mesh.tp.link  # the emulated TP link this layout's collectives ride (a setting's)
+        model = split_model(GPTModel(config, shape.vocab, tp=mesh.tp), mesh.pp.rank, PP)
         if sequence_parallel:
             apply_sequence_parallel(model)
         self.model = apply_domino(model, chunks)
@@ -131,7 +132,7 @@ class Layout:
     def step(self, batch) -> Dict[str, float]:
         """One training step between barriers: its times on this rank (ms) and the step's loss."""
         dist.barrier()
-        comm_timing.pop_comm_wait_seconds(), comm_timing.pop_modelled_comm_seconds()
+        comm_timing.pop_comm_wait_seconds(), comm_timing.pop_modelled_comm_seconds(self.link)
         self.busy[0] = 0.0
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
@@ -143,7 +144,7 @@ class Layout:
         ended = time.perf_counter()
         return {"step_ms": 1000 * (ended - started), "schedule_ms": 1000 * (scheduled - started),
                 "busy_ms": 1000 * self.busy[0], "blocked_ms": 1000 * comm_timing.pop_comm_wait_seconds(),
-                "modelled_ms": 1000 * comm_timing.pop_modelled_comm_seconds(), "loss": loss.item()}
+                "modelled_ms": 1000 * comm_timing.pop_modelled_comm_seconds(self.link), "loss": loss.item()}
 
 
 def _worker(rank: int, port: int, shape: Shape, layouts: List[str], settings: List[str], transfer: str,
@@ -151,27 +152,28 @@ def _worker(rank: int, port: int, shape: Shape, layouts: List[str], settings: Li
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    state.initialize_model_parallel(TP, pipeline_model_parallel_size=PP)
+    mesh = state.initialize_model_parallel(TP, pipeline_model_parallel_size=PP)
     g = torch.Generator().manual_seed(0)
     samples = shape.micro_batches * shape.micro_batch_size
     tokens, labels = (torch.randint(0, shape.vocab, (samples, shape.seq), generator=g) for _ in range(2))
     batch = (tokens, labels, torch.ones(samples, shape.seq))
-    runs = {name: Layout(shape, *LAYOUTS[name]) for name in layouts}
-    if rank == 0:
-        print(f"built {len(runs)} layouts", file=sys.stderr, flush=True)
-    out = {"rank": rank, "stage": state.get_pipeline_model_parallel_rank(), "settings": {}}
+    out = {"rank": rank, "stage": mesh.pp.rank, "settings": {}}
+    # The calibration's TP bytes and collectives: one step of the synchronous layout on a counting link.
+    counting = Layout(shape, *LAYOUTS["sync"], mesh.with_tp_link(CountingLink()))
+    counting.step(batch)
+    out["counted"] = counting.link
+    del counting
     for setting in ["real gloo only", *settings]:
         network = "" if setting == "real gloo only" else overlap.network_for(
             overlap.SETTINGS[setting], out["sync_compute_ms"], transfer, out["wire_bytes"], out["collectives"])
         link = LinkEmulator(parse_spec(network)) if network else None
+        # Each setting's layouts are built over the mesh with its link (the same weights every time).
+        runs = {name: Layout(shape, *LAYOUTS[name], mesh.with_tp_link(link)) for name in layouts}
+        if rank == 0:
+            print(f"built {len(runs)} layouts", file=sys.stderr, flush=True)
         for n in range(shape.warmup):
             for name in layouts:
-                counted = not network and n == 0 and name == "sync"  # the calibration's bytes and collectives
-                state.set_tensor_model_parallel_link(CountingLink() if counted else link)
                 runs[name].step(batch)
-                if counted:
-                    out["counted"] = state.get_tensor_model_parallel_link()
-        state.set_tensor_model_parallel_link(link)
         records = {name: [] for name in layouts}
         for _ in range(shape.steps):
             for name in layouts:  # alternating: every layout sees the same background load

@@ -12,6 +12,7 @@ import torch
 from domino.checkpoint.on_disk import (META_FILE, TOKENIZER_DIR, Checkpoint, CheckpointError, PathLike,
                                        load_model_shard, read_header_shapes, shard_paths)
 from domino.config import ConfigError
+from domino.runtime.mesh import SINGLE, MeshGroup
 
 _LAYER_PATTERN = re.compile(r"^layers\.(\d+)\.")
 _EMBEDDING = "embedding.word_embeddings.weight"
@@ -57,8 +58,9 @@ def check_checkpoint_fits(ckpt_dir: PathLike, meta: Dict[str, Any], config, tp_s
     rows = stored.get(_EMBEDDING, (vocab,))[0]
     if rows != vocab:
         raise CheckpointError(f"{source}: padded_vocab_size is {vocab} but the shards' {_EMBEDDING} has {rows} rows")
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in GPTModel(config.model, vocab).state_dict().items()}
+    with torch.device("meta"):  # rank 0's slice shapes at tp_size: no process group needed to size them
+        skeleton = GPTModel(config.model, vocab, tp=MeshGroup.shapes_only(tp_size))
+        expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
     for name in sorted(set(expected) | set(stored)):
         shape, dim = stored.get(name), partition_dim(name)
         if shape is not None and dim is not None and dim < len(shape):
@@ -85,8 +87,7 @@ def load_checkpoint_tokenizer(ckpt_dir: PathLike, meta: Dict[str, Any], tokenize
 
 def build_model_from_checkpoint(
     path: PathLike,
-    tp_rank: int = 0,
-    tp_size: int = 1,
+    tp: MeshGroup = SINGLE,
     *,
     parallel_output: bool = True,
     device: Union[str, torch.device] = "cpu",
@@ -94,14 +95,12 @@ def build_model_from_checkpoint(
     load_tokenizer: bool = True,
     tokenizer_spec: Optional[str] = None,
 ):
-    """Builds a ``GPTModel`` in eval mode holding TP rank ``tp_rank``'s slice of a checkpoint.
-
-    With ``tp_size > 1`` the TP process groups must already exist (``initialize_model_parallel``).
+    """Builds a ``GPTModel`` in eval mode holding this rank's slice of a checkpoint, split over ``tp``.
 
     Args:
         path: a save root (its ``latest`` checkpoint is used) or an ``iter_*`` directory.
-        tp_rank: this process's tensor-parallel rank.
-        tp_size: the tensor-parallel size to load at (any; the checkpoint is resharded if needed).
+        tp: the tensor-parallel group to load over (``ParallelMesh.tp``; any size: the checkpoint is resharded
+            if needed); one process by default.
         parallel_output: keep logits vocab-parallel (False gathers the full vocabulary on every rank).
         device: where the model lives.
         dtype: parameter dtype.
@@ -118,10 +117,10 @@ def build_model_from_checkpoint(
     ckpt = Checkpoint.open(path)
     ckpt_dir, meta = ckpt.path, ckpt.meta
     config = config_from_dict(meta["config"])
-    config.parallel.tensor_model_parallel_size = tp_size
-    check_checkpoint_fits(ckpt_dir, meta, config, tp_size)
-    state_dict = load_model_shard(ckpt, tp_rank, tp_size)
-    model = GPTModel(config.model, meta["padded_vocab_size"], parallel_output=parallel_output)
+    config.parallel.tensor_model_parallel_size = tp.size
+    check_checkpoint_fits(ckpt_dir, meta, config, tp.size)
+    state_dict = load_model_shard(ckpt, tp.rank, tp.size)
+    model = GPTModel(config.model, meta["padded_vocab_size"], parallel_output=parallel_output, tp=tp)
     try:
         model.load_state_dict(state_dict, strict=True)
     except RuntimeError as error:

@@ -30,10 +30,10 @@ def run(args: argparse.Namespace) -> int:
     sampling.check()
     prompt_ids = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
     dtype = parse_dtype(args.dtype)
-    tp_rank, tp_size = setup_tensor_parallel(args.tensor_model_parallel_size)
+    mesh = setup_tensor_parallel(args.tensor_model_parallel_size)
     try:
         model, _, tokenizer = build_model_from_checkpoint(
-            args.load, tp_rank, tp_size, device=default_device(), dtype=dtype, tokenizer_spec=args.tokenizer)
+            args.load, mesh.tp, device=default_device(), dtype=dtype, tokenizer_spec=args.tokenizer)
         if prompt_ids is None:
             prompt_ids = tokenizer.encode(args.prompt)
         result = generate(model, tokenizer, prompt_ids, args.max_new_tokens, sampling, seed=args.seed,

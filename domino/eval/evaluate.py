@@ -169,10 +169,10 @@ def evaluate_checkpoint(
         raise ConfigError(f"{what} is a blend of datasets: give --eval-tokens N, --eval-iters or "
                           "--max-samples (a blend has no natural single pass)")
 
-    tp_rank, tp_size = setup_tensor_parallel(tensor_model_parallel_size)
+    mesh = setup_tensor_parallel(tensor_model_parallel_size)
     model, meta, tokenizer = build_model_from_checkpoint(
-        ckpt_dir, tp_rank, tp_size, device=device or default_device(), dtype=dtype, tokenizer_spec=tokenizer_spec)
-    per_step = micro_batch_size * state.get_data_parallel_world_size()
+        ckpt_dir, mesh.tp, device=device or default_device(), dtype=dtype, tokenizer_spec=tokenizer_spec)
+    per_step = micro_batch_size * mesh.dp.size
 
     # Every rank builds the dataset (the index cache is built by global rank 0 in an agreement that all
     # ranks join) and so knows the number of steps; only TP rank 0 reads batches, get_batch broadcasts them.
@@ -184,9 +184,8 @@ def evaluate_checkpoint(
     logger.info("evaluating %d samples (%d tokens) of %s at micro-batch %d", steps * per_step, steps * per_step * seq,
                 what, micro_batch_size)
     iterator = None
-    if tp_rank == 0:
-        iterator = iter(build_pretraining_data_loader(test, 0, micro_batch_size, state.get_data_parallel_rank(),
-                                                      state.get_data_parallel_world_size(), 0))
+    if mesh.tp.rank == 0:
+        iterator = iter(build_pretraining_data_loader(test, 0, micro_batch_size, mesh.dp.rank, mesh.dp.size, 0))
     model_device = next(model.parameters()).device
 
     def batches():
@@ -195,7 +194,7 @@ def evaluate_checkpoint(
             yield tuple(t.to(model_device) if t is not None else None
                         for t in (tokens, labels, loss_mask, attention_mask, position_ids))
 
-    result = evaluate_batches(model, batches(), total=steps, progress=progress)
+    result = evaluate_batches(model, batches(), total=steps, progress=progress, dp=mesh.dp)
     result.update(samples=steps * per_step, batches=steps, checkpoint=str(ckpt_dir), iteration=meta["iteration"],
                   data=what)
     logger.info("evaluated %s on %s: loss %.4f, ppl %.3f, accuracy %.4f over %d tokens", ckpt_dir, what,

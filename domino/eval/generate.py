@@ -18,8 +18,7 @@ import torch.distributed as dist
 
 from domino.config import ConfigError
 from domino.eval.sampling import SamplingConfig, sample_next_token
-from domino.runtime import state
-from domino.parallel.collectives import gather_from_tp_region
+from domino.parallel.collectives import MeshGroup, gather_from_tp_region
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +57,13 @@ def _num_positions(model: torch.nn.Module) -> Optional[int]:
 def _full_vocab_logits(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """The last position's logits over the whole (padded) vocabulary, on every TP rank."""
     last = logits[:, -1, :].float().contiguous()
-    return gather_from_tp_region(last) if getattr(model, "parallel_output", True) else last
+    return gather_from_tp_region(last, model.tp) if getattr(model, "parallel_output", True) else last
 
 
-def _broadcast_from_tp_src(token: torch.Tensor) -> torch.Tensor:
-    if state.get_tensor_model_parallel_world_size() > 1:
-        dist.broadcast(token, src=state.get_tensor_model_parallel_src_rank(),
-                       group=state.get_tensor_model_parallel_group())
+def _broadcast_from_tp_src(token: torch.Tensor, tp: MeshGroup) -> torch.Tensor:
+    """The first TP rank's sampled token on every rank of ``tp``, so every rank feeds the same token on."""
+    if tp.size > 1:
+        dist.broadcast(token, src=tp.first_rank, group=tp.process_group)
     return token
 
 
@@ -121,7 +120,7 @@ def generate_ids(
             logits = _full_vocab_logits(model, model(step_input, position_ids=positions, kv_cache=cache))
             if vocab_size is not None:
                 logits = logits[:, :vocab_size]
-            token = _broadcast_from_tp_src(sample_next_token(logits, sampling, generator))
+            token = _broadcast_from_tp_src(sample_next_token(logits, sampling, generator), model.tp)
             new.append(int(token.item()))
             if eod is not None and new[-1] == eod:
                 break

@@ -3,29 +3,29 @@
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from domino.config import ConfigError
 from domino.runtime import state
+from domino.runtime.mesh import ParallelMesh
 
 
-def setup_tensor_parallel(tensor_model_parallel_size: Optional[int] = None) -> Tuple[int, int]:
+def setup_tensor_parallel(tensor_model_parallel_size: Optional[int] = None) -> ParallelMesh:
     """Starts the run's process groups (:func:`domino.runtime.state.start`, the start-up training uses too).
 
     A lone process uses no ``torch.distributed`` at all. Under torchrun, or when a test already
     initialised ``torch.distributed``, the TP size defaults to the world size.
 
     Returns:
-        ``(tp_rank, tp_size)`` of this process.
+        the run's mesh, which the evaluation commands pass down.
 
     Raises:
         ConfigError: when the world size is not divisible by ``tensor_model_parallel_size``.
     """
-    state.start(tensor_model_parallel_size)
-    return state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
+    return state.start(tensor_model_parallel_size)
 
 
 def default_device() -> torch.device:

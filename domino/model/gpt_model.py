@@ -59,14 +59,15 @@ from domino.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_pa
 from domino.parallel.kernels import kernels_for
 from domino.parallel.layers import VocabParallelEmbedding
 from domino.parallel.linear_ops import GradSlot, linear
+from domino.runtime.mesh import SINGLE, MeshGroup
 
 
 class Embedding(nn.Module):
     """Word (vocab-parallel) plus learned position embeddings (none with rotary positions), then dropout."""
 
-    def __init__(self, config: ModelConfig, vocab_size: int) -> None:
+    def __init__(self, config: ModelConfig, vocab_size: int, tp: MeshGroup = SINGLE) -> None:
         super().__init__()
-        self.word_embeddings = VocabParallelEmbedding(vocab_size, config.hidden_size, config.init_method_std)
+        self.word_embeddings = VocabParallelEmbedding(vocab_size, config.hidden_size, config.init_method_std, tp)
         if not config.rope:
             self.position_embeddings = nn.Embedding(config.num_positions, config.hidden_size)
             nn.init.normal_(self.position_embeddings.weight, mean=0.0, std=config.init_method_std)
@@ -94,24 +95,28 @@ class GPTModel(nn.Module):
         pre_process: owns the embeddings (``forward`` takes token ids); else ``tokens`` are hidden states.
         post_process: owns the final LayerNorm and output layer; else ``forward`` returns hidden states.
         parallel_output: keep logits split along the vocabulary (``[b, s, V/tp]``); False gathers them.
+        tp: the tensor-parallel group of the run's mesh (``ParallelMesh.tp``) every layer is split over; one
+            process by default, so the model reads as plain PyTorch on one device.
     """
 
     def __init__(self, config: ModelConfig, vocab_size: int, pre_process: bool = True, post_process: bool = True,
-                 parallel_output: bool = True) -> None:
+                 parallel_output: bool = True, tp: MeshGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         self.vocab_size = vocab_size
         self.pre_process = pre_process
         self.post_process = post_process
         self.parallel_output = parallel_output
         if pre_process:
-            self.embedding = Embedding(config, vocab_size)
-        self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
+            self.embedding = Embedding(config, vocab_size, tp)
+        self.layers = nn.ModuleList(TransformerLayer(config, i, tp) for i in range(config.num_layers))
         if post_process:
             self.final_layernorm = build_norm(config)
             # Untied, or no embedding here to tie to: the output layer holds its own vocab projection.
             if config.untie_embeddings_and_output_weights or not pre_process:
-                self.output_layer = VocabParallelEmbedding(vocab_size, config.hidden_size, config.init_method_std)
+                self.output_layer = VocabParallelEmbedding(vocab_size, config.hidden_size, config.init_method_std,
+                                                           tp)
         #: What runs the layers: synchronous TP; ``domino.overlap`` and ``domino.model.recompute`` change it.
         self.stack: LayerStack = SynchronousStack(self)
 
@@ -185,9 +190,10 @@ class GPTModel(nn.Module):
             labels = labels.t().contiguous()  # [b, s] -> [s, b]
         if labels is not None and kernels_for(hidden.device).fused_output_loss:
             # One node: the logits' buffer becomes the softmax, then the gradient (domino.parallel.kernels).
-            return vocab_parallel_linear_cross_entropy(hidden, weight, labels, grad_slot=grad_slot).t().contiguous()
+            return vocab_parallel_linear_cross_entropy(hidden, weight, labels, self.tp,
+                                                       grad_slot=grad_slot).t().contiguous()
         with fp8.high_precision():  # the output layer stays out of FP8 (Megatron-LM's FP8 keeps it in bf16)
             logits = F.linear(hidden, weight) if grad_slot is None else linear(hidden, weight, grad_slot=grad_slot)
         if labels is not None:
-            return vocab_parallel_cross_entropy(logits, labels).t().contiguous()
-        return (logits if self.parallel_output else gather_from_tp_region(logits)).transpose(0, 1)
+            return vocab_parallel_cross_entropy(logits, labels, self.tp).t().contiguous()
+        return (logits if self.parallel_output else gather_from_tp_region(logits, self.tp)).transpose(0, 1)

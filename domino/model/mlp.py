@@ -28,20 +28,22 @@ from domino.parallel.collectives import copy_to_tp_region
 from domino.parallel.kernels import island
 from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from domino.parallel.linear_ops import GradSlot, linear
+from domino.runtime.mesh import SINGLE, MeshGroup
 
 Output = Tuple[torch.Tensor, Optional[torch.Tensor]]
 
 
 class ParallelMLP(nn.Module):
-    """``fc2(gelu(fc1(x)))`` with exact (erf) GeLU; the inner width is split across TP ranks."""
+    """``fc2(gelu(fc1(x)))`` with exact (erf) GeLU; the inner width is split across the ranks of ``tp``."""
 
-    def __init__(self, config: ModelConfig, output_std: float) -> None:
+    def __init__(self, config: ModelConfig, output_std: float, tp: MeshGroup = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         bias = not config.disable_bias_linear
         self.dense_h_to_4h = ColumnParallelLinear(config.hidden_size, config.ffn_size, bias=bias,
-                                                  init_std=config.init_method_std)
+                                                  init_std=config.init_method_std, tp=tp)
         self.dense_4h_to_h = RowParallelLinear(config.ffn_size, config.hidden_size, bias=bias, input_is_parallel=True,
-                                               init_std=output_std, skip_bias_add=True)
+                                               init_std=output_std, skip_bias_add=True, tp=tp)
 
     def inner(self, x: torch.Tensor, slot: Optional[GradSlot] = None) -> torch.Tensor:
         """fc1: ``[s, b, h]`` -> ``[s, b, f/tp]`` pre-activations."""
@@ -59,21 +61,23 @@ class ParallelMLP(nn.Module):
 
 
 class SwiGLUMLP(nn.Module):
-    """``fc2(silu(x W_gate) * x W_up)``; ``dense_h_to_4h`` holds W_gate and W_up, rows alternating."""
+    """``fc2(silu(x W_gate) * x W_up)``; ``dense_h_to_4h`` holds W_gate and W_up, rows alternating (split over
+    ``tp``)."""
 
-    def __init__(self, config: ModelConfig, output_std: float) -> None:
+    def __init__(self, config: ModelConfig, output_std: float, tp: MeshGroup = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         bias = not config.disable_bias_linear
         self.dense_h_to_4h = ColumnParallelLinear(config.hidden_size, 2 * config.ffn_size, bias=bias,
-                                                  init_std=config.init_method_std)
+                                                  init_std=config.init_method_std, tp=tp)
         self.dense_4h_to_h = RowParallelLinear(config.ffn_size, config.hidden_size, bias=bias, input_is_parallel=True,
-                                               init_std=output_std, skip_bias_add=True)
+                                               init_std=output_std, skip_bias_add=True, tp=tp)
 
     def inner(self, x: torch.Tensor, slot: Optional[GradSlot] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """fc1: ``[s, b, h]`` -> ``(gate, up)``, each ``[s, b, f/tp]``."""
         fc1 = self.dense_h_to_4h
         if slot is None:
-            x = copy_to_tp_region(x)
+            x = copy_to_tp_region(x, self.tp)
         return grouped_projection(x, fc1.weight, fc1.bias, fc1.weight.shape[0] // 2, (1, 1), slot)
 
     def partial(self, inner: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -97,6 +101,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return island(_swiglu, gate.device)(gate, up)
 
 
-def build_mlp(config: ModelConfig, output_std: float) -> nn.Module:
-    """The MLP ``config`` asks for (--swiglu or GeLU)."""
-    return (SwiGLUMLP if config.swiglu else ParallelMLP)(config, output_std)
+def build_mlp(config: ModelConfig, output_std: float, tp: MeshGroup = SINGLE) -> nn.Module:
+    """The MLP ``config`` asks for (--swiglu or GeLU), split over ``tp``."""
+    return (SwiGLUMLP if config.swiglu else ParallelMLP)(config, output_std, tp)

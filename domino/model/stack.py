@@ -28,7 +28,6 @@ from domino.parallel.collectives import comm_site, copy_to_tp_region
 from domino.parallel.kernels import kernels_for, run_compiled_block
 from domino.parallel.linear_ops import GradSlot
 from domino.parallel.recompute import checkpoint
-from domino.runtime.state import get_tensor_model_parallel_world_size
 
 #: ``(start, end, checkpointed)``: a group of consecutive layers, recomputed in backward when checkpointed.
 Unit = Tuple[int, int, bool]
@@ -75,7 +74,8 @@ def embed_tokens(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Ten
 
 
 def run_layers(layers: Sequence[nn.Module], units: Sequence[Unit], hidden: torch.Tensor,
-               attend_mask: Optional[torch.Tensor], rotary: Optional[RotaryTables] = None) -> torch.Tensor:
+               attend_mask: Optional[torch.Tensor], rotary: Optional[RotaryTables] = None,
+               tp_size: int = 1) -> torch.Tensor:
     """The synchronous layer loop over ``units``, checkpointing the groups marked so (full recompute).
 
     With ``compile_blocks`` (``DOMINO_KERNELS=compiled``) each layer runs compiled whole, but only at TP=1: there a
@@ -83,7 +83,7 @@ def run_layers(layers: Sequence[nn.Module], units: Sequence[Unit], hidden: torch
     Domino's stacks never call a whole layer (they run its parts around their async launches and waits), so a
     compiled graph never swallows a collective; those keep the compiled elementwise islands of their choice."""
     kernels = kernels_for(hidden.device)
-    whole = kernels.compile_blocks is not None and get_tensor_model_parallel_world_size() == 1
+    whole = kernels.compile_blocks is not None and tp_size == 1
     for start, end, checkpointed in units:
         def group(h: torch.Tensor, start: int = start, end: int = end) -> torch.Tensor:
             for layer in layers[start:end]:
@@ -125,11 +125,11 @@ class SynchronousStack:
         """``[s, b, h] -> [s, b, h]``: every layer, then the final norm; recompute groups only without a cache."""
         model = self.model
         if kv_cache is None:
-            hidden = run_layers(model.layers, self.units, hidden, attend_mask, rotary)
+            hidden = run_layers(model.layers, self.units, hidden, attend_mask, rotary, model.tp.size)
         else:
             for layer in model.layers:
                 hidden = layer(hidden, attend_mask, kv_cache, rotary)
         if not model.post_process:
             return StackOutput(hidden, None)
         # The output layer is column-parallel: its input gradient is all-reduced inside backward.
-        return StackOutput(copy_to_tp_region(model.final_layernorm(hidden)), None)
+        return StackOutput(copy_to_tp_region(model.final_layernorm(hidden), model.tp), None)

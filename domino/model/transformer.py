@@ -37,11 +37,12 @@ from domino.model.kv_cache import KVCache
 from domino.model.mlp import build_mlp
 from domino.model.qkv_projection import qkv_projection
 from domino.model.rotary import RotaryTables
-from domino.parallel.collectives import copy_to_tp_region, tp_rank_and_size
+from domino.parallel.collectives import copy_to_tp_region
 from domino.parallel.kernels import compiled, kernels_for
 from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from domino.parallel.linear_ops import GradSlot
 from domino.parallel.random import tp_region_rng
+from domino.runtime.mesh import SINGLE, MeshGroup
 
 
 def output_init_std(config: ModelConfig) -> float:
@@ -56,11 +57,12 @@ def build_norm(config: ModelConfig) -> nn.Module:
 
 
 class ParallelSelfAttention(nn.Module):
-    """Causal multi-head (or grouped-query) self-attention; each TP rank owns ``groups / tp`` query groups."""
+    """Causal multi-head (or grouped-query) self-attention; each rank of ``tp`` owns ``groups / tp`` query groups."""
 
-    def __init__(self, config: ModelConfig, layer_number: int) -> None:
+    def __init__(self, config: ModelConfig, layer_number: int, tp: MeshGroup = SINGLE) -> None:
         super().__init__()
-        _, world = tp_rank_and_size()
+        self.tp = tp
+        world = tp.size
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(f"--hidden-size {config.hidden_size} is not divisible by "
                              f"--num-attention-heads {config.num_attention_heads}")
@@ -78,9 +80,10 @@ class ParallelSelfAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         bias = not config.disable_bias_linear
         self.query_key_value = ColumnParallelLinear(config.hidden_size, (config.num_attention_heads + 2 * groups)
-                                                    * self.head_dim, bias=bias, init_std=config.init_method_std)
+                                                    * self.head_dim, bias=bias, init_std=config.init_method_std,
+                                                    tp=tp)
         self.dense = RowParallelLinear(config.hidden_size, config.hidden_size, bias=bias, input_is_parallel=True,
-                                       init_std=output_init_std(config), skip_bias_add=True)
+                                       init_std=output_init_std(config), skip_bias_add=True, tp=tp)
 
     def qkv(self, x: torch.Tensor, slot: Optional[GradSlot] = None) -> Tuple[torch.Tensor, ...]:
         """This rank's queries ``[s, b, heads/tp, head_dim]``, keys and values ``[s, b, groups/tp, head_dim]`` from
@@ -92,7 +95,7 @@ class ParallelSelfAttention(nn.Module):
         """
         layer = self.query_key_value
         if slot is None:
-            x = copy_to_tp_region(x)
+            x = copy_to_tp_region(x, self.tp)
         return qkv_projection(x, layer.weight, layer.bias, self.groups_per_rank, slot,
                               queries_per_group=self.heads_per_rank // self.groups_per_rank)
 
@@ -188,15 +191,15 @@ def bias_dropout_add_norm(x: torch.Tensor, bias: Optional[torch.Tensor], residua
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: norm -> attention -> residual; norm -> MLP -> residual."""
+    """Pre-norm block: norm -> attention -> residual; norm -> MLP -> residual (split over ``tp``)."""
 
-    def __init__(self, config: ModelConfig, layer_number: int) -> None:
+    def __init__(self, config: ModelConfig, layer_number: int, tp: MeshGroup = SINGLE) -> None:
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
         self.input_layernorm = build_norm(config)
-        self.attention = ParallelSelfAttention(config, layer_number)
+        self.attention = ParallelSelfAttention(config, layer_number, tp)
         self.post_attention_layernorm = build_norm(config)
-        self.mlp = build_mlp(config, output_init_std(config))
+        self.mlp = build_mlp(config, output_init_std(config), tp)
 
     def forward(self, hidden: torch.Tensor, attend_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None, rotary: Optional[RotaryTables] = None) -> torch.Tensor:

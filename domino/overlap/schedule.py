@@ -31,7 +31,7 @@ from domino.model.rotary import RotaryTables
 from domino.model.stack import LayerStack, StackOutput
 from domino.overlap.slots import guard_input_grad
 from domino.overlap.steps import StepStack
-from domino.parallel.collectives import all_reduce_async, comm_site
+from domino.parallel.collectives import MeshGroup, all_reduce_async, comm_site
 
 
 class _PendingInput:
@@ -39,11 +39,11 @@ class _PendingInput:
 
     __slots__ = ("partial", "complete", "rows", "handle")
 
-    def __init__(self, partial: torch.Tensor, complete: Callable, rows: slice, site: str) -> None:
+    def __init__(self, partial: torch.Tensor, complete: Callable, rows: slice, tp: MeshGroup, site: str) -> None:
         self.partial, self.complete, self.rows = partial, complete, rows
         with comm_site(site):
             # Async launch: waited in finish(), when the chunk starts (chunk c after c ticks of the others).
-            self.handle = all_reduce_async(partial)
+            self.handle = all_reduce_async(partial, tp)
 
     def finish(self) -> torch.Tensor:
         self.handle.wait()  # wait for the all-reduce launched in __init__: the rows are read right here
@@ -118,7 +118,7 @@ class DominoStack(StepStack):
         # Each chunk's all-reduce is launched at once; chunk c waits for its own when it starts. narrow, not split:
         # a single view may be reduced in place (and a late handle may write into it).
         return [_PendingInput(hidden.narrow(0, seq * offsets[c], seq * sizes[c]).view(seq, sizes[c], -1), complete,
-                              slice(offsets[c], offsets[c + 1]), f"fwd embedding, chunk {c}").finish
+                              slice(offsets[c], offsets[c + 1]), self.tp, f"fwd embedding, chunk {c}").finish
                 for c in range(self.chunks)]
 
     def __call__(self, hidden: torch.Tensor, position_ids: torch.Tensor, attend_mask: Optional[torch.Tensor],
@@ -155,7 +155,7 @@ class DominoStack(StepStack):
             tick += 1
         out = torch.cat(outputs, dim=1)
         if self.model.post_process and not self.sequence_parallel:
-            out, slot = guard_input_grad(out, "bwd output layer input grad")
+            out, slot = guard_input_grad(out, self.tp, "bwd output layer input grad")
             return self.output(out, slot)
         return self.output(out)
 

@@ -20,7 +20,7 @@ import torch
 
 from domino.overlap.slots import GradGatherSlot, GradReduceScatterSlot
 from domino.parallel.collectives import (
-    DONE, all_gather_sequence, all_gather_sequence_async, reduce_scatter_sequence_async, tp_rank_and_size,
+    DONE, MeshGroup, all_gather_sequence, all_gather_sequence_async, reduce_scatter_sequence_async,
 )
 
 
@@ -33,7 +33,7 @@ class _GatherSequenceAsync(torch.autograd.Function):
     def forward(ctx, x, slot, launched):
         ctx.slot = slot
         # Async launch: the caller waits for the handle right before the linear reads the gathered sequence.
-        handle, gathered = all_gather_sequence_async(x)
+        handle, gathered = all_gather_sequence_async(x, slot.group)
         launched.append(handle)
         return gathered
 
@@ -50,13 +50,14 @@ class _ReducedScatter(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, partial, reduced, slot):
-        ctx.slot = slot
+    def forward(ctx, partial, reduced, group, slot):
+        ctx.group, ctx.slot = group, slot
         return reduced.view_as(reduced)
 
     @staticmethod
     def backward(ctx, grad):
-        return (all_gather_sequence(grad) if ctx.slot is None else ctx.slot.launch(grad)), None, None
+        gathered = all_gather_sequence(grad, ctx.group) if ctx.slot is None else ctx.slot.launch(grad)
+        return gathered, None, None, None
 
 
 def gather_from_sequence_region_async(x: torch.Tensor, slot: GradReduceScatterSlot) -> Tuple[object, torch.Tensor]:
@@ -67,24 +68,26 @@ def gather_from_sequence_region_async(x: torch.Tensor, slot: GradReduceScatterSl
     that reduce-scatter asynchronously (:class:`~domino.overlap.slots.GradReduceScatterSlot`), so it ran during
     the weight-gradient GEMM and whatever autograd scheduled before this node. With one rank nothing is launched.
     """
-    if tp_rank_and_size()[1] == 1:
+    if slot.group.size == 1:
         return DONE, x
     launched: list = []
     gathered = _GatherSequenceAsync.apply(x, slot, launched)
     return launched[0], gathered
 
 
-def reduce_scatter_to_sequence_async(partial: torch.Tensor, grad_slot: Optional[GradGatherSlot] = None
+def reduce_scatter_to_sequence_async(partial: torch.Tensor, group: MeshGroup,
+                                     grad_slot: Optional[GradGatherSlot] = None
                                      ) -> Tuple[object, Callable[[], torch.Tensor]]:
-    """Launches the reduce-scatter of a row-parallel partial sum ``[s, b, h]`` along the sequence.
+    """Launches the reduce-scatter of a row-parallel partial sum ``[s, b, h]`` along the sequence of ``group``
+    (the TP group).
 
     Returns ``(handle, finish)``: after ``handle.wait()``, ``finish()`` returns this rank's ``[s/tp, b, h]`` sum,
     joined to ``partial``'s graph (its gradient is the all-gather of the incoming one: synchronous, or launched
     into ``grad_slot``, :class:`~domino.overlap.slots.GradGatherSlot`). With one rank nothing is launched and
     ``finish()`` returns ``partial``.
     """
-    if tp_rank_and_size()[1] == 1:
+    if group.size == 1:
         return DONE, lambda: partial
     # Async launch: the caller waits for the handle one step of every other chunk later.
-    handle, out = reduce_scatter_sequence_async(partial)
-    return handle, lambda: _ReducedScatter.apply(partial, out, grad_slot)
+    handle, out = reduce_scatter_sequence_async(partial, group)
+    return handle, lambda: _ReducedScatter.apply(partial, out, group, grad_slot)

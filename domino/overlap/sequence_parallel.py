@@ -31,7 +31,7 @@ from domino.model.kv_cache import KVCache
 from domino.model.rotary import RotaryTables
 from domino.model.stack import LayerStack, StackOutput
 from domino.overlap.steps import StepStack
-from domino.parallel.collectives import all_reduce_sum_, tp_rank_and_size
+from domino.parallel.collectives import MeshGroup, all_reduce_sum_
 
 
 class SequenceParallelStack(StepStack):
@@ -61,8 +61,14 @@ class SequenceParallelStack(StepStack):
                 return self.output(done.value)
 
 
-def _sum_over_tp(grad: torch.Tensor) -> torch.Tensor:
-    return all_reduce_sum_(grad.clone())
+class _SumOverTP:
+    """A parameter's gradient hook: the sum of the sequence slices' gradients over the TP group."""
+
+    def __init__(self, tp: MeshGroup) -> None:
+        self.tp = tp
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum_(grad.clone(), self.tp)
 
 
 def sequence_parallel_parameters(model: torch.nn.Module) -> List[torch.nn.Parameter]:
@@ -86,12 +92,13 @@ def apply_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
     Raises:
         ValueError: another stack (Domino's) was applied first.
     """
-    if tp_rank_and_size()[1] == 1:
+    if model.tp.size == 1:
         return model
     if model.stack.fallback is not None:
         raise ValueError("apply_sequence_parallel must be applied to the model as built, before apply_domino")
     stack = SequenceParallelStack(model, model.stack)
     model.stack = stack
+    sum_over_tp = _SumOverTP(model.tp)
     for param in sequence_parallel_parameters(model):
-        param.register_hook(_sum_over_tp)
+        param.register_hook(sum_over_tp)
     return model

@@ -22,17 +22,18 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from domino.parallel.collectives import (
-    all_gather_sequence_async, all_reduce_async, comm_site, reduce_scatter_sequence_async,
+    MeshGroup, all_gather_sequence_async, all_reduce_async, comm_site, reduce_scatter_sequence_async,
 )
 
 
 class GradAllReduceSlot:
     """Holds the handle of one in-flight input-gradient all-reduce (a :class:`~domino.parallel.linear_ops.GradSlot`)."""
 
-    __slots__ = ("handle", "site")
+    __slots__ = ("handle", "group", "site")
 
-    def __init__(self, site: Optional[str] = None) -> None:
+    def __init__(self, group: MeshGroup, site: Optional[str] = None) -> None:
         self.handle = None
+        self.group = group  # the TP group the gradient is reduced over
         self.site = site
 
     def keep(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,7 @@ class GradAllReduceSlot:
     def launch(self, grad: torch.Tensor) -> None:
         """Starts the in-place all-reduce of ``grad`` over the TP group; :meth:`wait` waits for it."""
         with comm_site(self.site):
-            self.handle = all_reduce_async(grad)
+            self.handle = all_reduce_async(grad, self.group)
 
     def wait(self) -> None:
         """Blocks until the launched collective (if any) finished."""
@@ -67,12 +68,13 @@ class GradReduceScatterSlot:
     (``LinearWithGradAccumulationAndAsyncCommunication``, ``megatron/core/tensor_parallel/layers.py``).
     """
 
-    __slots__ = ("handle", "launched", "part", "result", "site")
+    __slots__ = ("handle", "launched", "part", "group", "result", "site")
 
-    def __init__(self, part: torch.Tensor, site: Optional[str] = None) -> None:
+    def __init__(self, part: torch.Tensor, group: MeshGroup, site: Optional[str] = None) -> None:
         self.handle = self.launched = self.result = None
         #: This rank's slice of the linear's input: the linear keeps it instead of the gathered sequence.
         self.part = part
+        self.group = group  # the TP group the sequence is split over
         self.site = site
 
     def keep(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +84,7 @@ class GradReduceScatterSlot:
     def restore(self, kept: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Launches the all-gather of the kept slice; returns a callable that waits and returns the sequence."""
         with comm_site(self.site):
-            handle, gathered = all_gather_sequence_async(kept)
+            handle, gathered = all_gather_sequence_async(kept, self.group)
 
         def ready() -> torch.Tensor:
             handle.wait()  # wait for the slice's all-gather launched before the input-gradient GEMM
@@ -93,7 +95,7 @@ class GradReduceScatterSlot:
     def launch(self, grad: torch.Tensor) -> None:
         """Starts the reduce-scatter of ``grad`` (``[s, b, h]``) along the sequence over the TP group."""
         with comm_site(self.site):
-            self.handle, self.result = reduce_scatter_sequence_async(grad)
+            self.handle, self.result = reduce_scatter_sequence_async(grad, self.group)
         self.launched = grad
 
     def reduced(self, grad: torch.Tensor) -> torch.Tensor:
@@ -109,7 +111,7 @@ class GradReduceScatterSlot:
             if handle is not None:
                 handle.wait()  # a launched but unused reduce-scatter still has to finish on every rank
             with comm_site(self.site):
-                handle, result = reduce_scatter_sequence_async(grad)
+                handle, result = reduce_scatter_sequence_async(grad, self.group)
         # Wait for the reduce-scatter launched by the linear's backward: the slice is LayerNorm's input gradient.
         handle.wait()
         return result
@@ -127,7 +129,7 @@ class GradGatherSlot(GradAllReduceSlot):
     def launch(self, grad: torch.Tensor) -> torch.Tensor:
         """Starts the all-gather of ``grad`` (``[s/tp, b, h]``); returns the ``[s, b, h]`` buffer it fills."""
         with comm_site(self.site):
-            self.handle, gathered = all_gather_sequence_async(grad)
+            self.handle, gathered = all_gather_sequence_async(grad, self.group)
         return gathered
 
 
@@ -148,8 +150,10 @@ def wait_for_input_grad(x: torch.Tensor, slot: GradAllReduceSlot) -> torch.Tenso
     return _WaitInputGrad.apply(x, slot)
 
 
-def guard_input_grad(x: torch.Tensor, site: Optional[str] = None) -> Tuple[torch.Tensor, GradAllReduceSlot]:
-    """Places the wait node on ``x`` (a LayerNorm output) and returns it with the slot a linear will fill.
+def guard_input_grad(x: torch.Tensor, group: MeshGroup, site: Optional[str] = None
+                     ) -> Tuple[torch.Tensor, GradAllReduceSlot]:
+    """Places the wait node on ``x`` (a LayerNorm output) and returns it with the slot a linear will fill (its
+    all-reduce over ``group``, the TP group).
 
     ``site`` labels the all-reduce's blocked time (:func:`domino.runtime.comm_timing.comm_site`).
 
@@ -157,5 +161,5 @@ def guard_input_grad(x: torch.Tensor, site: Optional[str] = None) -> Tuple[torch
     reverse creation order, so whatever is created in between (the other chunks' work) runs in backward
     between the linear's all-reduce launch and this wait.
     """
-    slot = GradAllReduceSlot(site)
+    slot = GradAllReduceSlot(group, site)
     return wait_for_input_grad(x, slot), slot

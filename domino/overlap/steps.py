@@ -29,7 +29,7 @@ from domino.model.transformer import TransformerLayer, bias_dropout_add, bias_dr
 from domino.overlap.sequence_collectives import gather_from_sequence_region_async, reduce_scatter_to_sequence_async
 from domino.overlap.slots import GradGatherSlot, GradReduceScatterSlot, guard_input_grad, wait_for_input_grad
 from domino.parallel.collectives import (
-    all_reduce_async, comm_site, gather_from_sequence_region, scatter_to_sequence_region,
+    MeshGroup, all_reduce_async, comm_site, gather_from_sequence_region, scatter_to_sequence_region,
 )
 from domino.parallel.random import tp_region_rng
 from domino.parallel.recompute import replay, run_recorded
@@ -42,11 +42,11 @@ class _Pending:
 
     __slots__ = ("partial", "bias", "handle")
 
-    def __init__(self, partial: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    def __init__(self, partial: torch.Tensor, bias: Optional[torch.Tensor], tp: MeshGroup) -> None:
         self.partial = partial
         self.bias = bias
         # Async launch: waited in finish(), one step of every other chunk later.
-        self.handle = all_reduce_async(partial)
+        self.handle = all_reduce_async(partial, tp)
 
     def finish(self, residual: torch.Tensor, layer: TransformerLayer) -> torch.Tensor:
         self.handle.wait()  # wait for the all-reduce launched in __init__: its sum is read right here
@@ -68,14 +68,15 @@ class _PendingScatter:
 
     __slots__ = ("bias", "handle", "result")
 
-    def __init__(self, partial: torch.Tensor, bias: Optional[torch.Tensor], site: Optional[str] = None) -> None:
+    def __init__(self, partial: torch.Tensor, bias: Optional[torch.Tensor], tp: MeshGroup,
+                 site: Optional[str] = None) -> None:
         self.bias = bias
-        grad_slot = GradGatherSlot(site)
+        grad_slot = GradGatherSlot(tp, site)
         # In backward, the gradient's all-gather is launched by the reduce-scatter's node (made in finish()) and
         # waited for here, on the partial sum: the other chunks' backward made in between runs meanwhile.
         partial = wait_for_input_grad(partial, grad_slot)
         # Async launch: waited in finish(), one step of every other chunk later.
-        self.handle, self.result = reduce_scatter_to_sequence_async(partial, grad_slot)
+        self.handle, self.result = reduce_scatter_to_sequence_async(partial, tp, grad_slot)
 
     def finish(self, residual: torch.Tensor, layer: TransformerLayer) -> torch.Tensor:
         self.handle.wait()  # wait for the reduce-scatter launched in __init__: its slice is read right here
@@ -106,6 +107,7 @@ class StepStack:
         if len(model.layers) == 0:
             raise ValueError("an overlapped layer stack needs at least one transformer layer")
         self.model = model
+        self.tp: MeshGroup = model.tp  # every collective of the steps runs over the model's TP group
         self.layers: Sequence[TransformerLayer] = model.layers
         self.fallback = fallback
         self.sequence_parallel = sequence_parallel
@@ -116,14 +118,14 @@ class StepStack:
         """The embeddings; with sequence parallelism this rank's sequence slice of them (after their dropout). A
         later pipeline stage's input is already the slice the previous stage's stack returned."""
         hidden = embed_tokens(self.model, tokens, position_ids)
-        return scatter_to_sequence_region(hidden) if self.sequence_parallel and self.model.pre_process else hidden
+        return scatter_to_sequence_region(hidden, self.tp) if self.sequence_parallel and self.model.pre_process else hidden
 
     def output(self, hidden: torch.Tensor, grad_slot=None) -> StackOutput:
         """The final norm's output made ready for the output layer (none without an output layer)."""
         if not self.model.post_process:
             return StackOutput(hidden, None)
         if self.sequence_parallel:  # the gather's backward reduce-scatters the input gradient
-            return StackOutput(gather_from_sequence_region(hidden), None)
+            return StackOutput(gather_from_sequence_region(hidden, self.tp), None)
         return StackOutput(hidden, grad_slot)
 
     def _column_input(self, x: torch.Tensor, site: str) -> Callable[[], tuple]:
@@ -138,7 +140,7 @@ class StepStack:
         (Megatron's choice: the norm outputs cost ``sbh / t``; :meth:`GradReduceScatterSlot.keep`).
         """
         if self.sequence_parallel:
-            slot = GradReduceScatterSlot(x, site)
+            slot = GradReduceScatterSlot(x, self.tp, site)
             # Async launch: ready() waits for it right before the linear reads it, after the other chunks' step.
             handle, gathered = gather_from_sequence_region_async(x, slot)
 
@@ -147,7 +149,7 @@ class StepStack:
                 return gathered, slot
 
             return ready
-        guarded = guard_input_grad(x, site)
+        guarded = guard_input_grad(x, self.tp, site)
         return lambda: guarded
 
     def _reduce(self, partial: torch.Tensor, bias: Optional[torch.Tensor], site: str):
@@ -156,8 +158,9 @@ class StepStack:
             if self.sequence_parallel:
                 # "fwd attention, <where>" -> "bwd attention output grad, <where>": the backward all-gather's label.
                 kind, where = site.split(", ", 1)
-                return _PendingScatter(partial, bias, f"{kind.replace('fwd', 'bwd', 1)} output grad, {where}")
-            return _Pending(partial, bias)
+                return _PendingScatter(partial, bias, self.tp,
+                                       f"{kind.replace('fwd', 'bwd', 1)} output grad, {where}")
+            return _Pending(partial, bias, self.tp)
 
     def _site(self, index: int, chunk: int) -> str:
         """``"<first|mid|last> layer, chunk c"``: the label of a layer's waits in the comm-wait breakdown."""

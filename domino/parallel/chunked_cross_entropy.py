@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from domino.parallel.collectives import all_reduce_max_, all_reduce_sum_, tp_rank_and_size
+from domino.parallel.collectives import SINGLE, MeshGroup, all_reduce_max_, all_reduce_sum_
 
 
 def _chunks(rows: int, chunk_rows: int):
@@ -36,8 +36,8 @@ def _chunks(rows: int, chunk_rows: int):
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk_rows: int,
-                grad_slot) -> torch.Tensor:
-        rank, world = tp_rank_and_size()
+                tp: MeshGroup, grad_slot) -> torch.Tensor:
+        rank, world = tp.rank, tp.size
         per_rank = weight.shape[0]
         start_vocab = rank * per_rank
         flat_hidden, flat_target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
@@ -53,11 +53,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill_(outside, 0.0)
             row_max = logits.amax(dim=-1)
             if world > 1:
-                row_max = all_reduce_max_(row_max)
-                target_logit = all_reduce_sum_(target_logit)
+                row_max = all_reduce_max_(row_max, tp)
+                target_logit = all_reduce_sum_(target_logit, tp)
             sum_exp = logits.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)
             if world > 1:
-                sum_exp = all_reduce_sum_(sum_exp)
+                sum_exp = all_reduce_sum_(sum_exp, tp)
             log_sum_exp[a:b] = row_max + torch.log(sum_exp)
             loss[a:b] = log_sum_exp[a:b] - target_logit
         ctx.save_for_backward(hidden, weight, target, log_sum_exp)
@@ -97,14 +97,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 ctx.grad_slot.launch(grad_hidden)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                                 chunk_rows: int, grad_slot=None) -> torch.Tensor:
+                                 chunk_rows: int, tp: MeshGroup = SINGLE, grad_slot=None) -> torch.Tensor:
     """Per-token ``cross_entropy(hidden @ weight.T, target)`` over vocabulary-split weights, ``chunk_rows`` tokens
     of logits at a time (see the module doc); the arguments and result are those of
     :func:`domino.parallel.cross_entropy.vocab_parallel_linear_cross_entropy`."""
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, target, chunk_rows, grad_slot)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, target, chunk_rows, tp, grad_slot)

@@ -25,9 +25,10 @@ _region                     sequence
 ==========================  ==========================  ==========================
 
 As in Megatron-LM's ``megatron/core/tensor_parallel/mappings.py`` (NVIDIA/Megatron-LM 00caa53a:
-``copy_to_tensor_model_parallel_region(input_, group=None)`` resolves ``group`` to the TP group once and the
-autograd function keeps it in ``ctx.group``), every region takes the group as an argument, defaulting to this
-rank's TP group, and the collectives below it take it explicitly; the sequence functions are Megatron's
+``copy_to_tensor_model_parallel_region(input_, group=None)`` keeps the group in ``ctx.group``), every region
+and collective takes its group as an argument: a :class:`~domino.runtime.mesh.MeshGroup` of the run's mesh (the
+process group and the emulated link it rides), passed down by the layer that owns it, never read from a global
+(Megatron core passes its ``ProcessGroupCollection`` the same way); the sequence functions are Megatron's
 ``*_sequence_parallel_region``, along dimension 0 of the ``[s, b, h]`` activations (Megatron's layout, kept from
 the embedding to the output layer by :mod:`domino.model.gpt_model`), so every send and receive buffer is a
 contiguous activation or a contiguous slice of one: no transpose, no copy. All of them are identities when the
@@ -36,43 +37,23 @@ group has one rank, so a single process needs no ``torch.distributed`` at all.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import torch.distributed as dist
 
-from domino.runtime import state
 from domino.runtime.comm_timing import DONE, CommHandle, comm_site, launch  # noqa: F401  (comm_site: one import)
+from domino.runtime.mesh import SINGLE, MeshGroup  # noqa: F401  (SINGLE: the group of one, for callers)
 from domino.runtime.network_emulator import all_gather_wire_bytes, all_reduce_wire_bytes
 
-Group = Optional[dist.ProcessGroup]
-
-
-def tp_group() -> Group:
-    """This rank's tensor-parallel group (None for a single process): the regions' default."""
-    return state.get_tensor_model_parallel_group()
-
-
-def group_size(group: Group) -> int:
-    """Ranks in ``group`` (1 for None: a single process)."""
-    return 1 if group is None else group.size()
-
-
-def group_rank(group: Group) -> int:
-    """This process's position in ``group`` (0 for None)."""
-    return 0 if group is None else group.rank()
-
-
-def tp_rank_and_size() -> tuple:
-    """``(rank, world_size)`` of this process inside its tensor-parallel group."""
-    return state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
+Group = MeshGroup
 
 
 # ---- the collectives: launched asynchronously; the synchronous form waits at once -------------------------------
 
-def all_reduce_async(x: torch.Tensor, group: Group = None, op: dist.ReduceOp = dist.ReduceOp.SUM,
+def all_reduce_async(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM,
                      kind: str = "async", blocking: bool = False):
-    """Launches an in-place all-reduce of ``x`` over ``group`` (default: the TP group) and returns its handle.
+    """Launches an in-place all-reduce of ``x`` over ``group`` and returns its handle.
 
     Outside autograd on purpose: Domino uses it on a row-parallel partial sum, whose gradient with respect
     to each rank's partial is the incoming gradient itself, so autograd must see an identity. The caller must
@@ -80,40 +61,39 @@ def all_reduce_async(x: torch.Tensor, group: Group = None, op: dist.ReduceOp = d
 
     Args:
         x: a contiguous tensor, reduced in place.
-        group: the process group; None: this rank's TP group.
+        group: the mesh group (a TP group) to reduce over.
         op: the reduction.
         kind: the comm-wait label outside any ``comm_site``.
         blocking: the caller waits at once (the synchronous form).
     """
-    group = tp_group() if group is None else group
-    world = group_size(group)
+    world = group.size
     if world == 1:
         return DONE
     if not x.is_contiguous():
         raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
     data = x.detach()
-    return launch(lambda async_op: dist.all_reduce(data, op=op, group=group, async_op=async_op),
+    return launch(lambda async_op: dist.all_reduce(data, op=op, group=group.process_group, async_op=async_op),
                   all_reduce_wire_bytes(x.numel() * x.element_size(), world), x, group, kind, blocking)
 
 
-def all_reduce_(x: torch.Tensor, group: Group = None, op: dist.ReduceOp = dist.ReduceOp.SUM,
+def all_reduce_(x: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM,
                 kind: str = "cross-entropy") -> torch.Tensor:
     """Sums (``op``) the contiguous ``x`` in place over ``group``, outside autograd; returns ``x``."""
     all_reduce_async(x, group, op, kind, blocking=True).wait()  # synchronous: launch and wait at once
     return x
 
 
-def all_reduce_sum_(x: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """In-place sum over ``group`` (default: the TP group), outside autograd."""
+def all_reduce_sum_(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """In-place sum over ``group``, outside autograd."""
     return all_reduce_(x, group)
 
 
-def all_reduce_max_(x: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """In-place max over ``group`` (default: the TP group), outside autograd (the vocab-parallel cross-entropy)."""
+def all_reduce_max_(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """In-place max over ``group``, outside autograd (the vocab-parallel cross-entropy)."""
     return all_reduce_(x, group, dist.ReduceOp.MAX)
 
 
-def all_gather_sequence_async(x: torch.Tensor, group: Group = None, kind: str = "sequence all-gather",
+def all_gather_sequence_async(x: torch.Tensor, group: Group, kind: str = "sequence all-gather",
                               blocking: bool = False) -> Tuple[object, torch.Tensor]:
     """Launches the all-gather of ``[s/tp, b, h]`` along the sequence, outside autograd; ``(handle, [s, b, h])``.
 
@@ -123,26 +103,26 @@ def all_gather_sequence_async(x: torch.Tensor, group: Group = None, kind: str = 
     be an autograd output) is no change autograd would refuse. ``x`` itself is the send buffer: do not write into
     it before the wait. With one rank nothing is launched and the result is ``x``.
     """
-    group = tp_group() if group is None else group
-    world = group_size(group)
+    world = group.size
     if world == 1:
         return DONE, x
     part = _contiguous(x.detach())
     gathered = part.new_empty((world * part.shape[0], *part.shape[1:]))
     sink = gathered.detach()
-    handle = launch(lambda async_op: dist.all_gather_single(sink, part, group=group, async_op=async_op),
+    handle = launch(lambda async_op: dist.all_gather_single(sink, part, group=group.process_group,
+                                                            async_op=async_op),
                     all_gather_wire_bytes(part.numel() * part.element_size(), world), part, group, kind, blocking)
     return handle, gathered
 
 
-def all_gather_sequence(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+def all_gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-gathers ``[s/tp, b, h]`` along the sequence, synchronously and outside autograd: ``[s, b, h]``."""
     handle, gathered = all_gather_sequence_async(x, group, blocking=True)
     handle.wait()  # synchronous: launched and waited for at once
     return gathered
 
 
-def reduce_scatter_sequence_async(x: torch.Tensor, group: Group = None, kind: str = "async",
+def reduce_scatter_sequence_async(x: torch.Tensor, group: Group, kind: str = "async",
                                   blocking: bool = False) -> Tuple[object, torch.Tensor]:
     """Launches the reduce-scatter of ``[s, b, ...]`` along the sequence, outside autograd; returns
     ``(handle, [s/tp, b, ...])``, this rank's slice of the sum, not to be read before ``handle.wait()``.
@@ -150,20 +130,20 @@ def reduce_scatter_sequence_async(x: torch.Tensor, group: Group = None, kind: st
     ``x`` itself is the send buffer (each rank's share is a contiguous block of it), so do not write into it before
     the wait. With one rank nothing is launched and the slice is ``x`` itself.
     """
-    group = tp_group() if group is None else group
-    world = group_size(group)
+    world = group.size
     if world == 1:
         return DONE, x
     full = _contiguous(x.detach())
     if full.shape[0] % world:
         raise ValueError(f"sequence length {full.shape[0]} is not divisible by the TP size {world}")
     out = full.new_empty((full.shape[0] // world, *full.shape[1:]))
-    handle = launch(lambda async_op: dist.reduce_scatter_single(out, full, group=group, async_op=async_op),
+    handle = launch(lambda async_op: dist.reduce_scatter_single(out, full, group=group.process_group,
+                                                                async_op=async_op),
                     all_gather_wire_bytes(out.numel() * out.element_size(), world), full, group, kind, blocking)
     return handle, out
 
 
-def reduce_scatter_sequence(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Reduce-scatters ``[s, b, ...]`` along the sequence, synchronously and outside autograd: ``[s/tp, b, ...]``."""
     handle, part = reduce_scatter_sequence_async(x, group, "sequence reduce-scatter", blocking=True)
     handle.wait()  # synchronous: launched and waited for at once
@@ -178,10 +158,10 @@ def _contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def all_gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Concatenates every rank's ``x`` along the last dimension (synchronously, outside autograd)."""
-    world = group_size(group)
+    world = group.size
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]
-    handle = launch(lambda async_op: dist.all_gather(parts, x, group=group, async_op=async_op),
+    handle = launch(lambda async_op: dist.all_gather(parts, x, group=group.process_group, async_op=async_op),
                     all_gather_wire_bytes(x.numel() * x.element_size(), world), x, group, "all-gather",
                     blocking=True)
     handle.wait()  # synchronous: launched and waited for at once
@@ -190,10 +170,10 @@ def all_gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def _split(x: torch.Tensor, dim: int, group: Group, what: str) -> torch.Tensor:
     """This rank's contiguous slice of ``x`` along ``dim`` (no communication)."""
-    world = group_size(group)
+    world = group.size
     if x.shape[dim] % world:
         raise ValueError(f"{what} {x.shape[dim]} is not divisible by the TP size {world}")
-    return x.chunk(world, dim=dim)[group_rank(group)].contiguous()
+    return x.chunk(world, dim=dim)[group.rank].contiguous()
 
 
 # ---- the regions ------------------------------------------------------------------------------------------------
@@ -289,40 +269,39 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 
 def _region(function, x: torch.Tensor, group: Group) -> torch.Tensor:
-    group = tp_group() if group is None else group
-    return x if group_size(group) == 1 else function.apply(x, group)
+    return x if group.size == 1 else function.apply(x, group)
 
 
-def copy_to_tp_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward; all-reduces the gradient (the input of a column-parallel layer)."""
     return _region(_CopyToRegion, x, group)
 
 
-def reduce_from_tp_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-reduces forward; identity backward (the output of a row-parallel layer)."""
     return _region(_ReduceFromRegion, x, group)
 
 
-def scatter_to_tp_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+def scatter_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Keeps this rank's slice of the last dimension; gathers the gradient."""
     return _region(_ScatterToRegion, x, group)
 
 
-def gather_from_tp_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+def gather_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Concatenates the ranks' slices along the last dimension; splits the gradient."""
     return _region(_GatherFromRegion, x, group)
 
 
-def scatter_to_sequence_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+def scatter_to_sequence_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Keeps this rank's slice of the sequence (dimension 0 of ``[s, b, h]``); all-gathers the gradient."""
     return _region(_ScatterToSequence, x, group)
 
 
-def gather_from_sequence_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+def gather_from_sequence_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-gathers the sequence (the input of a column-parallel layer); reduce-scatters the gradient."""
     return _region(_GatherFromSequence, x, group)
 
 
-def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sums over the TP ranks keeping this rank's sequence slice (the output of a row-parallel layer)."""
     return _region(_ReduceScatterToSequence, x, group)

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from domino.parallel.chunked_cross_entropy import chunked_linear_cross_entropy
-from domino.parallel.collectives import all_reduce_max_, all_reduce_sum_, tp_rank_and_size
+from domino.parallel.collectives import SINGLE, MeshGroup, all_reduce_max_, all_reduce_sum_
 from domino.parallel.kernels import kernels_for
 
 
@@ -40,14 +40,14 @@ _SMALLEST_TRUSTED_PROBABILITY = 1e-30
 
 
 def _softmax_and_loss(logits: torch.Tensor, target: torch.Tensor, in_place: bool,
-                      logits_of_rows: Callable[[torch.Tensor], torch.Tensor]):
+                      logits_of_rows: Callable[[torch.Tensor], torch.Tensor], tp: MeshGroup):
     """Global softmax slice (fp32), per-token loss, and what backward needs to subtract the one-hot.
 
     With ``in_place`` (logits already fp32 or wider) the softmax overwrites ``logits``: no second buffer.
     ``logits_of_rows(mask)`` returns the logits of the rows selected by a boolean ``mask`` over ``target``
     (needed, rarely, after the softmax has overwritten them).
     """
-    rank, world = tp_rank_and_size()
+    rank, world = tp.rank, tp.size
     dtype = torch.promote_types(logits.dtype, torch.float32)
     in_place = in_place and logits.dtype == dtype
     per_rank = logits.shape[-1]
@@ -65,12 +65,12 @@ def _softmax_and_loss(logits: torch.Tensor, target: torch.Tensor, in_place: bool
     local_sum = probs.amax(dim=-1).reciprocal_()  # sum_j exp(z_j - local_max)
     if world == 1:  # the softmax is already the global one
         return probs, local_max + torch.log(local_sum) - target_logit, local_target, outside
-    global_max = all_reduce_max_(local_max.clone())
+    global_max = all_reduce_max_(local_max.clone(), tp)
     rescaled = local_sum * torch.exp(local_max - global_max)
-    global_sum = all_reduce_sum_(rescaled.clone())
+    global_sum = all_reduce_sum_(rescaled.clone(), tp)
     probs.mul_((rescaled / global_sum).unsqueeze(-1))  # local softmax -> slice of the global one
     log_sum_exp = global_max + torch.log(global_sum)
-    loss = log_sum_exp - all_reduce_sum_(target_logit)
+    loss = log_sum_exp - all_reduce_sum_(target_logit, tp)
     return probs, loss, local_target, outside
 
 
@@ -110,9 +110,9 @@ def _softmax_to_grad_(probs, local_target, outside, grad_loss) -> torch.Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, tp: MeshGroup) -> torch.Tensor:
         probs, loss, local_target, outside = _softmax_and_loss(logits, target, in_place=False,
-                                                               logits_of_rows=lambda rows: logits[rows])
+                                                               logits_of_rows=lambda rows: logits[rows], tp=tp)
         ctx.save_for_backward(probs, local_target, outside)
         ctx.input_dtype = logits.dtype
         return loss
@@ -120,7 +120,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         probs, local_target, outside = ctx.saved_tensors
-        return _softmax_to_grad_(probs, local_target, outside, grad_loss).to(ctx.input_dtype), None
+        return _softmax_to_grad_(probs, local_target, outside, grad_loss).to(ctx.input_dtype), None, None
 
 
 class _LogitsBuffer:
@@ -161,13 +161,14 @@ _LOGITS_BUFFER = _LogitsBuffer()
 class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                graph: bool, grad_slot) -> torch.Tensor:
+                graph: bool, grad_slot, tp: MeshGroup) -> torch.Tensor:
         # F.linear without bias is matmul(hidden, weight.t()); same GEMM, written into a re-used buffer.
         logits = torch.matmul(hidden, weight.t(),
                               out=_LOGITS_BUFFER.take((*hidden.shape[:-1], weight.shape[0]), hidden.dtype,
                                                       hidden.device))
         probs, loss, local_target, outside = _softmax_and_loss(
-            logits, target, in_place=True, logits_of_rows=lambda rows: torch.matmul(hidden[rows], weight.t()))
+            logits, target, in_place=True, logits_of_rows=lambda rows: torch.matmul(hidden[rows], weight.t()),
+            tp=tp)
         ctx.save_for_backward(hidden, weight, probs, local_target, outside)
         ctx.buffer_lent = probs is logits and graph
         if not ctx.buffer_lent:  # no backward will come, or (lower precision) the softmax has its own buffer
@@ -207,7 +208,7 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
             grad_weight = grad_logits.reshape(-1, weight.shape[0]).t().matmul(scaled_hidden)
         if ctx.buffer_lent:
             _LOGITS_BUFFER.give_back(probs)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def _check_shapes(logits_shape, target: torch.Tensor) -> None:
@@ -215,23 +216,26 @@ def _check_shapes(logits_shape, target: torch.Tensor) -> None:
         raise ValueError(f"logits {tuple(logits_shape)} and target {tuple(target.shape)} do not match")
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: MeshGroup = SINGLE
+                                 ) -> torch.Tensor:
     """Per-token cross-entropy of vocab-split logits.
 
     Args:
         logits: ``[..., V / tp]`` this rank's vocabulary columns (rank ``r`` holds ``[r V/tp, (r+1) V/tp)``).
         target: ``[...]`` int64 token ids in ``[0, V)``.
+        tp: the tensor-parallel group the vocabulary is split over (one process by default).
 
     Returns:
         ``[...]`` losses in fp32 (fp64 for fp64 logits), identical on every TP rank; equal to
         ``F.cross_entropy(full_logits, target, reduction="none")``.
     """
     _check_shapes(logits.shape, target)
-    return _VocabParallelCrossEntropy.apply(logits, target)
+    return _VocabParallelCrossEntropy.apply(logits, target, tp)
 
 
 def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
-                                        target: torch.Tensor, grad_slot=None) -> torch.Tensor:
+                                        target: torch.Tensor, tp: MeshGroup = SINGLE,
+                                        grad_slot=None) -> torch.Tensor:
     """``vocab_parallel_cross_entropy(F.linear(hidden, weight), target)`` with one logits-sized buffer.
 
     The logits never leave the function, so their buffer becomes the softmax and then the gradient in place
@@ -242,6 +246,7 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
         hidden: ``[..., h]`` activations (full on every TP rank).
         weight: ``[V / tp, h]`` this rank's vocabulary rows of the output layer.
         target: ``[...]`` int64 token ids in ``[0, V)``.
+        tp: the tensor-parallel group the vocabulary is split over (one process by default).
         grad_slot: None, or an object whose ``launch(grad)`` starts the TP all-reduce of ``hidden``'s gradient
             (Domino's gradient guard): backward then launches it before computing the weight's gradient.
     """
@@ -251,5 +256,5 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
     if chunk_bytes is not None and graph:
         chunk_rows = max(1, chunk_bytes // (4 * weight.shape[0]))  # fp32 logits of chunk_rows tokens
         if chunk_rows < target.numel():
-            return chunked_linear_cross_entropy(hidden, weight, target, chunk_rows, grad_slot)
-    return _LinearVocabParallelCrossEntropy.apply(hidden, weight, target, graph, grad_slot)
+            return chunked_linear_cross_entropy(hidden, weight, target, chunk_rows, tp, grad_slot)
+    return _LinearVocabParallelCrossEntropy.apply(hidden, weight, target, graph, grad_slot, tp)

@@ -31,11 +31,11 @@ from domino.parallel.collectives import (
     gather_from_tp_region,
     reduce_from_tp_region,
     scatter_to_tp_region,
-    tp_rank_and_size,
 )
 from domino.parallel import fp8
 from domino.parallel.kernels import kernels_for
 from domino.parallel.linear_ops import gelu_linear
+from domino.runtime.mesh import SINGLE, MeshGroup
 
 
 def set_tensor_model_parallel_attributes(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
@@ -68,14 +68,15 @@ def init_blocks(size: int, world: int) -> int:
     return blocks if blocks % world == 0 else size
 
 
-def _sharded_normal(shape: Tuple[int, int], std: float, dim: int) -> nn.Parameter:
-    """This rank's slice along ``dim`` of an N(0, std^2) matrix of ``shape``, drawn on the default device.
+def _sharded_normal(shape: Tuple[int, int], std: float, dim: int, tp: MeshGroup) -> nn.Parameter:
+    """This rank's slice (its place in ``tp``) along ``dim`` of an N(0, std^2) matrix of ``shape``, drawn on the
+    default device.
 
     The same for every TP size dividing :data:`INIT_BLOCKS_DIVISOR` (see the module docstring); a
     ``with torch.device(...)`` block around model construction makes it draw on that device (on ``meta``
     nothing is drawn: a checkpoint fills the values).
     """
-    rank, world = tp_rank_and_size()
+    rank, world = tp.rank, tp.size
     size = shape[dim]
     device = torch.empty(0).device
     local_shape = list(shape)
@@ -113,22 +114,25 @@ class VocabParallelEmbedding(nn.Module):
         num_embeddings: the (padded) vocabulary size, divisible by the TP size.
         embedding_dim: the hidden size.
         init_std: standard deviation of the normal initialisation.
+        tp: the tensor-parallel group the table is split over (one process by default).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float = 0.02) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float = 0.02,
+                 tp: MeshGroup = SINGLE) -> None:
         super().__init__()
-        rank, world = tp_rank_and_size()
+        self.tp = tp
+        rank, world = tp.rank, tp.size
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         per_rank = _divide(num_embeddings, world, "the padded vocabulary size")
         self.vocab_start = rank * per_rank
         self.vocab_end = self.vocab_start + per_rank
-        self.weight = _sharded_normal((num_embeddings, embedding_dim), init_std, dim=0)
+        self.weight = _sharded_normal((num_embeddings, embedding_dim), init_std, 0, tp)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Looks up ``tokens`` (any shape of int64) and returns ``[..., embedding_dim]``, full on every rank."""
         out = self.partial(tokens)
-        return out if self.vocab_end - self.vocab_start == self.num_embeddings else reduce_from_tp_region(out)
+        return out if self.tp.size == 1 else reduce_from_tp_region(out, self.tp)
 
     def partial(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of the lookup: zeros for the tokens other ranks own; the TP sum is :meth:`forward`'s
@@ -151,18 +155,20 @@ class ColumnParallelLinear(nn.Module):
         gather_output: all-gather ``Y`` so every rank returns the full width.
         init_std: standard deviation of the weight's normal initialisation (biases start at zero).
         skip_bias_add: return ``(Y_without_bias, bias)`` so the caller can fuse the bias add.
+        tp: the tensor-parallel group the weight is split over (one process by default).
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False,
-                 init_std: float = 0.02, skip_bias_add: bool = False) -> None:
+                 init_std: float = 0.02, skip_bias_add: bool = False, tp: MeshGroup = SINGLE) -> None:
         super().__init__()
-        _, world = tp_rank_and_size()
+        self.tp = tp
+        world = tp.size
         self.input_size = input_size
         self.output_size = output_size
         self.output_size_per_partition = _divide(output_size, world, "output size of a column-parallel linear")
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
-        self.weight = _sharded_normal((output_size, input_size), init_std, dim=0)
+        self.weight = _sharded_normal((output_size, input_size), init_std, 0, tp)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition))
             set_tensor_model_parallel_attributes(self.bias, 0)
@@ -171,11 +177,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """Synchronous TP: the input gradient is all-reduced inside backward."""
-        x = copy_to_tp_region(x)
+        x = copy_to_tp_region(x, self.tp)
         bias = None if self.skip_bias_add else self.bias
         y = fp8.linear(x, self.weight, bias)
         if self.gather_output:
-            y = gather_from_tp_region(y)
+            y = gather_from_tp_region(y, self.tp)
         return (y, self.bias) if self.skip_bias_add else y
 
 
@@ -190,18 +196,20 @@ class RowParallelLinear(nn.Module):
         init_std: standard deviation of the weight's normal initialisation.
         skip_bias_add: return ``(Y_without_bias, bias)`` so the caller can fuse the bias add; with a single TP
             rank the bias is already in ``Y`` (added by the GEMM) and ``(Y, None)`` is returned.
+        tp: the tensor-parallel group the weight is split over (one process by default).
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = True,
-                 init_std: float = 0.02, skip_bias_add: bool = False) -> None:
+                 init_std: float = 0.02, skip_bias_add: bool = False, tp: MeshGroup = SINGLE) -> None:
         super().__init__()
-        _, world = tp_rank_and_size()
+        self.tp = tp
+        world = tp.size
         self.input_size = input_size
         self.output_size = output_size
         self.input_size_per_partition = _divide(input_size, world, "input size of a row-parallel linear")
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
-        self.weight = _sharded_normal((output_size, input_size), init_std, dim=1)
+        self.weight = _sharded_normal((output_size, input_size), init_std, 1, tp)
         # Replicated: deliberately no tensor_model_parallel attribute (grad-norm must count it once).
         self.bias = nn.Parameter(torch.zeros(output_size)) if bias else None
 
@@ -220,7 +228,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """Synchronous TP: the partial sums are all-reduced before the bias is added."""
         if not self.input_is_parallel:
-            x = scatter_to_tp_region(x)
+            x = scatter_to_tp_region(x, self.tp)
         return self._reduce_then_bias(lambda bias: fp8.linear(x, self.weight, bias))
 
     def forward_gelu(self, pre_activation: torch.Tensor
@@ -231,8 +239,8 @@ class RowParallelLinear(nn.Module):
     def _reduce_then_bias(self, product) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         # With one TP rank the all-reduce is an identity, so the bias can ride in the GEMM (addmm): one
         # elementwise pass over the output fewer. Otherwise it is added once, after the reduction.
-        bias_in_product = self.bias is not None and tp_rank_and_size()[1] == 1
-        y = reduce_from_tp_region(product(self.bias if bias_in_product else None))
+        bias_in_product = self.bias is not None and self.tp.size == 1
+        y = reduce_from_tp_region(product(self.bias if bias_in_product else None), self.tp)
         bias = None if bias_in_product else self.bias
         if self.skip_bias_add:
             return y, bias

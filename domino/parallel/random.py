@@ -19,7 +19,6 @@ from typing import Any, Dict, Iterator
 import numpy as np
 import torch
 
-from domino.runtime import state
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 """Name of the tracker state used inside tensor-parallel regions."""
@@ -98,18 +97,19 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def model_parallel_seed(seed: int) -> None:
+def model_parallel_seed(seed: int, tp_rank: int = 0) -> None:
     """Seeds every generator for training.
 
     The default generators (python, numpy, torch, CUDA) get ``seed`` on every TP rank, so replicated tensors
-    see identical randomness; the tracker's TP state gets ``seed + 2718 + tp_rank``. Callers that want
+    see identical randomness; the tracker's TP state gets ``seed + 2718 + tp_rank`` (``tp_rank``: this process's
+    place in its TP group, ``ParallelMesh.tp.rank``). Callers that want
     different data-parallel replicas to differ add their DP rank to ``seed`` themselves.
     """
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
     _TRACKER.reset()
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + state.get_tensor_model_parallel_rank())
+    _TRACKER.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank)
 
 
 @contextlib.contextmanager

@@ -25,7 +25,6 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from domino.runtime import state
 from domino.runtime.network_emulator import LinkEmulator
 
 # Host seconds this process spent blocked in tensor-parallel collectives: inside synchronous ones, and
@@ -73,9 +72,9 @@ def pop_comm_wait_by_site() -> Dict[str, float]:
     return out
 
 
-def pop_modelled_comm_seconds() -> float:
-    """Emulated link time of the TP collectives launched since the last call (0 without an emulated link)."""
-    link = state.get_tensor_model_parallel_link()
+def pop_modelled_comm_seconds(link: Optional[LinkEmulator]) -> float:
+    """Emulated time on ``link`` (the mesh's TP link) of the collectives launched since the last call (0 without
+    an emulated link)."""
     return link.pop_modelled_seconds() if link is not None else 0.0
 
 
@@ -170,7 +169,8 @@ def launch(collective: Callable[[bool], object], wire_bytes: float, source: torc
         collective: issues the ``torch.distributed`` call with the given ``async_op`` and returns its work.
         wire_bytes: what one rank sends (the emulated link's cost, :mod:`domino.runtime.network_emulator`).
         source: the send buffer; kept alive until the wait.
-        group: the process group (its emulated link is :func:`domino.runtime.state.link_for`).
+        group: the mesh group (:class:`~domino.runtime.mesh.MeshGroup`; None in tests without one): the
+            collective rides its emulated link, if it has one.
         kind: the comm-wait label when no :func:`comm_site` encloses the launch.
         blocking: the caller waits at once (a synchronous collective): its blocking counts from here.
 
@@ -179,7 +179,10 @@ def launch(collective: Callable[[bool], object], wire_bytes: float, source: torc
     """
     started = time.perf_counter() if blocking else None
     started_event = _device_event(source) if blocking else None
-    link = state.link_for(group)
+    if group is not None and group.process_group is None and group.size > 1:
+        raise RuntimeError(f"a collective over a {group.size}-rank group without a process group (a shapes-only "
+                           "MeshGroup sizes a model but cannot run it)")
+    link = group.link if group is not None else None
     due = link.launch(wire_bytes) if link is not None else None
     site = current_site(kind)
     if link is not None and link.spec.transfer == "wait":  # gloo moves the data in wait(), after the others' work

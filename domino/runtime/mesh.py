@@ -22,10 +22,27 @@ import datetime
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from domino.config.validate import check_tensor_parallel_size
 from domino.runtime.network_emulator import LinkEmulator
+
+
+def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """The device a collective over ``group`` needs its tensors on: this process's GPU for NCCL, else CPU.
+
+    NCCL only moves CUDA tensors and gloo reads CPU ones (``check_gpu_single_tensor`` in pytorch/pytorch
+    ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp`` rejects a CPU tensor: "Tensors must be CUDA and dense"), so
+    every small bookkeeping tensor a collective reduces (flags, loss sums) is created here. Without
+    ``torch.distributed``: the current CUDA device when there is one, else CPU.
+    """
+    if dist.is_initialized():
+        backend = dist.get_backend(group)
+        if "nccl" in str(backend):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -82,6 +99,14 @@ class MeshGroup:
     def first_rank(self) -> int:
         """Global rank of the group's first member (e.g. the TP rank that reads the data and broadcasts it)."""
         return self.ranks[0]
+
+    @classmethod
+    def shapes_only(cls, size: int, rank: int = 0) -> "MeshGroup":
+        """A group of ``size`` ranks without a process group, seen from position ``rank``: it sizes a model's
+        slices (a skeleton on the meta device, a checkpoint tool's shard) but runs no collective."""
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not in a group of {size}")
+        return cls(tuple(range(size)), rank)
 
 
 SINGLE = MeshGroup()  # the group of one process

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from domino.config import ConfigError, ParallelConfig
 from domino.config.validate import check_tensor_parallel_size
-from domino.runtime.mesh import ParallelMesh, RankGrid  # noqa: F401  (RankGrid: imported from here too)
+from domino.runtime.mesh import ParallelMesh, RankGrid, collective_device  # noqa: F401  (imported from here too)
 from domino.runtime.network_emulator import LinkEmulator, install_from_environment
 
 logger = logging.getLogger(__name__)
@@ -39,22 +39,6 @@ def _free_port() -> int:
 def default_backend() -> str:
     """``nccl`` when CUDA is available, else ``gloo``."""
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
-    """The device a collective over ``group`` needs its tensors on: this process's GPU for NCCL, else CPU.
-
-    NCCL only moves CUDA tensors and gloo reads CPU ones (``check_gpu_single_tensor`` in pytorch/pytorch
-    ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp`` rejects a CPU tensor: "Tensors must be CUDA and dense"), so
-    every small bookkeeping tensor a collective reduces (flags, loss sums) is created here. Without
-    ``torch.distributed``: the current CUDA device when there is one, else CPU.
-    """
-    if dist.is_initialized():
-        backend = dist.get_backend(group)
-        if "nccl" in str(backend):
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _check_nccl_error_handling(environ) -> None:

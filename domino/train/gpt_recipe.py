@@ -15,17 +15,14 @@ import torch
 import torch.distributed as dist
 
 from domino.config import ConfigError, DominoConfig, padded_vocab_size
-from domino.config.layout import virtual_stages
 from domino.data.batch import get_batch
 from domino.data.dataset_builder import build_train_valid_test_datasets, parse_data_prefix
 from domino.data.mock import MockGPTDataset
 from domino.data.tokenizer import tokenizer_for_run
 from domino.model import GPTModel
-from domino.model.recompute import RecomputePlan, apply_activation_recompute
-from domino.overlap.schedule import apply_domino
-from domino.overlap.sequence_parallel import apply_sequence_parallel
-from domino.pipeline.stages import model_chunks, split_model
 from domino.runtime import state
+from domino.runtime.mesh import ParallelMesh
+from domino.train.parallelize import parallelize
 
 logger = logging.getLogger(__name__)
 
@@ -93,23 +90,13 @@ class GPTRecipe:
         self.padded_vocab_size = padded_vocab_size(vocab, config)
         self.eod = self.tokenizer.eod if self.tokenizer is not None else vocab - 1
 
-    def model_builder(self, config: DominoConfig) -> torch.nn.Module:
-        """A ``GPTModel`` of ``config``'s shape (this rank's pipeline stage of it, or its interleaved model chunks:
-        :class:`domino.pipeline.stages.VirtualStages`) with the sequence parallelism, Domino chunks and activation
-        recompute of ``config``, applied in that order to each (:mod:`domino.overlap`, :mod:`domino.model.recompute`)."""
+    def model_builder(self, config: DominoConfig, mesh: ParallelMesh) -> torch.nn.Module:
+        """A ``GPTModel`` of ``config``'s shape split over ``mesh.tp``, made this rank's part of the run by
+        :func:`domino.train.parallelize.parallelize` (its pipeline stage or interleaved chunks, with the sequence
+        parallelism, Domino chunks and activation recompute of ``config``)."""
         # From ``config``: a resume may keep its checkpoint's padding (domino.checkpoint.resume.keep_padded_vocab).
-        model = GPTModel(config.model, padded_vocab_size(self.vocab_size, config))
-        # This rank's pipeline stage (or its interleaved model chunks), cut before the stacks below are built over
-        # each chunk's layers (one stage: unchanged).
-        model = split_model(model, state.get_pipeline_model_parallel_rank(),
-                            state.get_pipeline_model_parallel_world_size(), virtual_stages(config))
-        plan = RecomputePlan.from_config(config.train)
-        for chunk in model_chunks(model):
-            if config.parallel.sequence_parallel:
-                apply_sequence_parallel(chunk)
-            apply_domino(chunk, config.parallel.domino_chunks or 1)
-            apply_activation_recompute(chunk, plan)
-        return model
+        model = GPTModel(config.model, padded_vocab_size(self.vocab_size, config), tp=mesh.tp)
+        return parallelize(model, mesh, config)
 
     def dataset_builder(self, num_samples: Tuple[int, int, int]) -> Tuple[Any, Optional[Any], Optional[Any]]:
         """Train/valid/test datasets holding at least ``num_samples`` samples each."""

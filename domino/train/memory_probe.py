@@ -24,7 +24,7 @@ from domino.overlap.sequence_parallel import apply_sequence_parallel
 from domino.pipeline.gradients import sync_tied_embeddings
 from domino.pipeline.schedule import StageSchedule
 from domino.pipeline.stages import split_model
-from domino.runtime import state
+from domino.runtime.mesh import ParallelMesh
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -67,9 +67,10 @@ class LiveTensorBytes(TorchDispatchMode):
 
 
 def measure_training_memory(model_config, vocab_size: int, batch: int, steps: int = 2, seed: int = 0,
-                            recompute=None, domino_chunks: int = 1, sequence_parallel: bool = False):
-    """Tensor memory of training a fresh ``GPTModel`` with AdamW (fp32) on this process (one TP rank when the
-    model-parallel groups are initialised), measured with :class:`LiveTensorBytes`.
+                            recompute=None, domino_chunks: int = 1, sequence_parallel: bool = False,
+                            mesh: ParallelMesh = ParallelMesh.single()):
+    """Tensor memory of training a fresh ``GPTModel`` with AdamW (fp32) on this process (one rank of ``mesh.tp``),
+    measured with :class:`LiveTensorBytes`.
 
     ``recompute`` is a :class:`domino.model.recompute.RecomputePlan` (None: no recompute). The peak starts after
     the model is built (initialisation draws each sharded weight in full before keeping its slice).
@@ -81,7 +82,7 @@ def measure_training_memory(model_config, vocab_size: int, batch: int, steps: in
     torch.manual_seed(seed)
     tokens, labels = (torch.randint(0, vocab_size, (batch, model_config.seq_length)) for _ in range(2))
     with LiveTensorBytes() as mode:
-        model = GPTModel(model_config, vocab_size)
+        model = GPTModel(model_config, vocab_size, tp=mesh.tp)
         if sequence_parallel:
             apply_sequence_parallel(model)
         model = apply_activation_recompute(apply_domino(model, domino_chunks), recompute)
@@ -100,17 +101,17 @@ def measure_training_memory(model_config, vocab_size: int, batch: int, steps: in
 
 
 def measure_pipeline_training_memory(model_config, vocab_size: int, micro_batch_size: int, num_microbatches: int,
-                                     steps: int = 2, seed: int = 0) -> int:
+                                     steps: int = 2, seed: int = 0, mesh: ParallelMesh = ParallelMesh.single()
+                                     ) -> int:
     """The peak tensor bytes of this rank's pipeline stage over ``steps`` AdamW steps (fp32) of the 1F1B schedule
     (:class:`domino.pipeline.schedule.StageSchedule`), measured with :class:`LiveTensorBytes` from after the model
-    is cut to the stage (it is built whole first); the pipeline groups must be initialised."""
+    is cut to ``mesh``'s stage (it is built whole first)."""
     torch.manual_seed(seed)
     batch = micro_batch_size * num_microbatches
     tokens, labels = (torch.randint(0, vocab_size, (batch, model_config.seq_length)) for _ in range(2))
     loss_mask = torch.ones(batch, model_config.seq_length)
     with LiveTensorBytes() as mode:
-        model = split_model(GPTModel(model_config, vocab_size), state.get_pipeline_model_parallel_rank(),
-                            state.get_pipeline_model_parallel_world_size())
+        model = split_model(GPTModel(model_config, vocab_size, tp=mesh.tp), mesh.pp.rank, mesh.pp.size)
         pipeline = StageSchedule(model, num_microbatches=num_microbatches, micro_batch_size=micro_batch_size,
                                  seq_length=model_config.seq_length, hidden_size=model_config.hidden_size)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -4,7 +4,7 @@ Distributed initialisation, the DeepSpeed engine (ZeRO data parallelism around t
 Domino), the learning-rate schedule, checkpoint save/resume, periodic evaluation and logging. The three
 callables follow Megatron-LM's contracts, so a user can swap in their own model or data:
 
-- ``model_builder(config) -> torch.nn.Module``
+- ``model_builder(config, mesh) -> torch.nn.Module`` (``mesh``: the run's :class:`~domino.runtime.mesh.ParallelMesh`)
 - ``dataset_builder((train, valid, test) sample counts) -> (train, valid, test)`` datasets
 - ``forward_step(data_iterator, model) -> (output_tensor, loss_fn)`` where
   ``loss_fn(output_tensor) -> (loss, {"lm loss": data-parallel average})``
@@ -27,6 +27,7 @@ from domino.data.loader import build_pretraining_data_loader
 from domino.parallel import random as tp_random
 from domino.runtime.comm_timing import pop_comm_wait_by_site, pop_comm_wait_seconds, pop_modelled_comm_seconds
 from domino.runtime import state
+from domino.runtime.mesh import ParallelMesh
 from domino.runtime.agreement import agree, hosts, is_lost_peer_error, lost_peer_error
 from domino.train import engine as engine_setup, schedule_check
 from domino.train.evaluation import evaluate, perplexity
@@ -72,7 +73,8 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
 
     Args:
         config: the resolved run configuration.
-        model_builder: builds the (single-device-readable, TP-sharded) model.
+        model_builder: ``model_builder(config, mesh)`` builds this rank's part of the (single-device-readable)
+            model over the run's mesh.
         dataset_builder: builds train/valid/test datasets for the requested sample counts.
         forward_step: one micro-batch forward returning ``(output, loss_fn)``.
         padded_vocab_size: recorded in checkpoints so loading can check the shape.
@@ -97,10 +99,11 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     schedule = agree("checking the schedules against the checkpoint", lambda: schedule_check.resumed_schedule(
         resume_from, config, state.get_data_parallel_world_size(), warm_start))
     padded_vocab_size = resume.fit_run_to(resume_from, config, padded_vocab_size, warm_start)  # vocabulary, ZeRO
-    tp_random.model_parallel_seed(config.train.seed)
+    mesh = state.current_mesh()  # the layout start() built: passed down from here, not read below
+    tp_random.model_parallel_seed(config.train.seed, mesh.tp.rank)
 
     with state.collective_device():  # parameters are created and initialised on their device, shard by shard
-        model = model_builder(config)
+        model = model_builder(config, mesh)
     engine = engine_setup.build_engine(model, config)
     iteration, consumed = 0, 0
     if resume_from is not None:
@@ -108,7 +111,7 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
                                                             weights_only=warm_start)
     elif config.checkpoint.load:
         logger.info("--load %s holds no checkpoint yet: starting from scratch", config.checkpoint.load)
-    trainer = _Trainer(config, engine, dataset_builder, forward_step, padded_vocab_size, tokenizer, get_batch,
+    trainer = _Trainer(config, mesh, engine, dataset_builder, forward_step, padded_vocab_size, tokenizer, get_batch,
                        schedule)
     return trainer.run(iteration, consumed, discovery.own_checkpoint(config, resume_from, warm_start, iteration))
 
@@ -117,10 +120,11 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
 class _Trainer:
     """The loop of one run: steps, NaN accounting, interval logging, evaluation and saving."""
 
-    def __init__(self, config: DominoConfig, engine, dataset_builder: Callable, forward_step: Callable,
-                 padded_vocab_size: int, tokenizer, get_batch: Optional[Callable] = None,
+    def __init__(self, config: DominoConfig, mesh: ParallelMesh, engine, dataset_builder: Callable,
+                 forward_step: Callable, padded_vocab_size: int, tokenizer, get_batch: Optional[Callable] = None,
                  schedule: Optional[LearningRateSchedule] = None) -> None:
         self.config, self.engine, self.forward_step = config, engine, forward_step
+        self.tp_link = mesh.tp.link  # the emulated TP link (DOMINO_SIMULATED_NETWORK), whose time is logged
         self.padded_vocab_size, self.tokenizer = padded_vocab_size, tokenizer
         t, lg = config.train, config.logging
         self.batches = batch_schedule(config, state.get_data_parallel_world_size())  # the batch of each iteration
@@ -249,7 +253,7 @@ class _Trainer:
         self.timers.add("comm-wait", pop_comm_wait_seconds())
         for site, seconds in pop_comm_wait_by_site().items():  # the breakdown, at --timing-log-level 2
             self.timers.add(f"comm-wait: {site}", seconds)
-        modelled = pop_modelled_comm_seconds()  # link time of an emulated network (DOMINO_SIMULATED_NETWORK)
+        modelled = pop_modelled_comm_seconds(self.tp_link)  # the emulated link's time (DOMINO_SIMULATED_NETWORK)
         if modelled:
             self.timers.add("comm-modelled", modelled)
         totals = self.timers.pop_all()
@@ -266,11 +270,11 @@ class _Trainer:
         if self.config.train.eval_iters == 0 or dataset is None:
             return None
         started, training_comm = time.perf_counter(), pop_comm_wait_seconds()
-        training_modelled, training_sites = pop_modelled_comm_seconds(), pop_comm_wait_by_site()
+        training_modelled, training_sites = pop_modelled_comm_seconds(self.tp_link), pop_comm_wait_by_site()
         make_iterator, iters = lambda: self._loader(dataset, 0, 0), self.config.train.eval_iters
         loss = (evaluate(self.forward_step, make_iterator, self.engine, iters) if self.pipeline is None
                 else self.pipeline.evaluate(make_iterator, iters))
-        pop_comm_wait_seconds(), pop_modelled_comm_seconds(), pop_comm_wait_by_site()  # not training's
+        pop_comm_wait_seconds(), pop_modelled_comm_seconds(self.tp_link), pop_comm_wait_by_site()  # not training's
         self.timers.add("comm-wait", training_comm)
         for site, seconds in training_sites.items():
             self.timers.add(f"comm-wait: {site}", seconds)
@@ -334,7 +338,7 @@ class _Trainer:
                     config.parallel.domino_chunks, config.parallel.zero_stage)
         self.engine.train()
         # Set-up collectives are not part of any interval.
-        pop_comm_wait_seconds(), pop_modelled_comm_seconds(), pop_comm_wait_by_site()
+        pop_comm_wait_seconds(), pop_modelled_comm_seconds(self.tp_link), pop_comm_wait_by_site()
         run_start, start_iteration = time.perf_counter(), iteration
         interval_start, interval_first, interval_consumed = time.perf_counter(), iteration, consumed
         last_valid, tokens_per_s, checkpoint_path = None, None, resumed_checkpoint

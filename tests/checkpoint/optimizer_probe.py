@@ -31,9 +31,10 @@ def main(out: str, argv) -> None:
     resume.choose_zero_stage(ckpt, config, warm, state.get_data_parallel_world_size())
     recipe = GPTRecipe(config)
     padded, _ = resume.keep_padded_vocab(ckpt, config, recipe.padded_vocab_size, warm)
-    tp_random.model_parallel_seed(config.train.seed)
+    mesh = state.current_mesh()
+    tp_random.model_parallel_seed(config.train.seed, mesh.tp.rank)
     with state.collective_device():
-        model = recipe.model_builder(config)
+        model = recipe.model_builder(config, mesh)
     engine = engine_setup.build_engine(model, config)
     resume.READ_BATCH_BYTES = 1  # every parameter its own collective read: the batched path is what is compared
     resume.load_checkpoint(engine, config, ckpt, padded)

@@ -60,13 +60,13 @@ def _tp2_peaks(rank, world_size, cases):
     from domino.runtime import state
     from domino.train.memory_probe import measure_pipeline_training_memory
 
-    state.initialize_model_parallel(2)
+    mesh = state.initialize_model_parallel(2)
     config = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=512,
                          make_vocab_size_divisible_by=1)
-    tp = [measure_training_memory(config, 512, 4, recompute=plan, domino_chunks=2, sequence_parallel=sp)[1]
-          for sp, plan in cases]
-    state.initialize_model_parallel(1, pipeline_model_parallel_size=2)  # the same two processes as two stages
-    return tp, [measure_pipeline_training_memory(ModelConfig(**PIPELINE_MODEL), 512, micro, count)
+    tp = [measure_training_memory(config, 512, 4, recompute=plan, domino_chunks=2, sequence_parallel=sp,
+                                  mesh=mesh)[1] for sp, plan in cases]
+    mesh = state.initialize_model_parallel(1, pipeline_model_parallel_size=2)  # the same two processes as two stages
+    return tp, [measure_pipeline_training_memory(ModelConfig(**PIPELINE_MODEL), 512, micro, count, mesh=mesh)
                 for micro, count in PIPELINE_RUNS]
 
 

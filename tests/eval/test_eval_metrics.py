@@ -47,13 +47,13 @@ def test_metrics_match_a_direct_computation():
 
 
 def _tp_body(rank, world, ckpt_dirs, batch):
-    tp_rank, tp_size = setup_tensor_parallel()
+    mesh = setup_tensor_parallel()
     out = {}
     for name, ckpt in ckpt_dirs.items():
-        model, _, _ = model_loading.build_model_from_checkpoint(ckpt, tp_rank, tp_size, load_tokenizer=False)
+        model, _, _ = model_loading.build_model_from_checkpoint(ckpt, mesh.tp, load_tokenizer=False)
         with torch.no_grad():
             logits = model(batch[0])
-        out[name] = {"metrics": evaluate_batches(model, [batch]), "argmax": vocab_parallel_argmax(logits),
+        out[name] = {"metrics": evaluate_batches(model, [batch]), "argmax": vocab_parallel_argmax(logits, mesh.tp),
                      "greedy": generate_ids(model, PROMPT, 10),
                      "sampled": generate_ids(model, PROMPT, 10, SamplingConfig(temperature=1.5, top_p=0.9), seed=4)}
     return out

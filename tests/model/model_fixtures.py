@@ -10,6 +10,7 @@ from domino.config import ModelConfig
 from domino.model import GPTModel
 from domino.overlap.schedule import apply_domino
 from domino.overlap.sequence_parallel import apply_sequence_parallel
+from domino.runtime import state
 
 VOCAB = 64  # already "padded": divisible by TP 2
 
@@ -23,9 +24,10 @@ def tiny_config(**overrides) -> ModelConfig:
 
 
 def build_model(config: ModelConfig, vocab: int = VOCAB, chunks: int = 1, sequence_parallel: bool = False,
-                **kwargs) -> GPTModel:
-    """A ``GPTModel`` with sequence parallelism and ``chunks`` Domino chunks applied as training applies them."""
-    model = GPTModel(config, vocab, **kwargs)
+                tp=None, **kwargs) -> GPTModel:
+    """A ``GPTModel`` with sequence parallelism and ``chunks`` Domino chunks applied as training applies them,
+    split over ``tp`` (default: the TP group of the mesh this test process started, as an entry point passes it)."""
+    model = GPTModel(config, vocab, tp=state.current_mesh().tp if tp is None else tp, **kwargs)
     if sequence_parallel:
         apply_sequence_parallel(model)
     return apply_domino(model, chunks)

@@ -51,7 +51,7 @@ def _ops_between_launch_and_wait(log):
 def recorded(monkeypatch):
     log, count = [], [0]
 
-    def fake_all_reduce_async(x):
+    def fake_all_reduce_async(x, group):
         count[0] += 1
         log.append(("launch", count[0]))
         return _Handle(log, count[0])
@@ -129,7 +129,7 @@ class _LateHandle:
     """An all-reduce still in flight: until ``wait()`` the buffer holds garbage (NaN), as a real in-place
     all-reduce's buffer may; ``wait()`` lands the result (one process: the sum is the tensor itself)."""
 
-    def __init__(self, x: torch.Tensor) -> None:
+    def __init__(self, x: torch.Tensor, group) -> None:
         self.x, self.result = x, x.detach().clone()
         x.detach().fill_(float("nan"))
 

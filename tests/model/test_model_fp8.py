@@ -92,7 +92,7 @@ def test_fp8_trains_a_tiny_gpt_with_domino_chunks_like_fp32_and_not_with_wrong_s
 
 def _tp2_body(rank, world_size, fmt, sp):
     state.initialize_model_parallel(2)
-    model_parallel_seed(3)
+    model_parallel_seed(3, state.current_mesh().tp.rank)
     model = build_model(tiny_config(hidden_size=64, ffn_hidden_size=256, seq_length=8), VOCAB, 2,
                         sequence_parallel=sp)
     return _memorise_batch(model, fmt, 20)

@@ -21,7 +21,7 @@ def _training_body(rank, world_size, chunks_list, spec, sequence_parallel=False)
             torch.manual_seed(11)
             model = build_model(tiny_config(), VOCAB, chunks, sequence_parallel)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            C.pop_modelled_comm_seconds()
+            C.pop_modelled_comm_seconds(state.current_mesh().tp.link)
             losses, modelled = [], []
             for step in range(3):
                 batch = random_batch(seed=step)
@@ -30,7 +30,7 @@ def _training_body(rank, world_size, chunks_list, spec, sequence_parallel=False)
                 loss.backward()
                 opt.step()
                 losses.append(loss.detach())
-                modelled.append(C.pop_modelled_comm_seconds())
+                modelled.append(C.pop_modelled_comm_seconds(state.current_mesh().tp.link))
             out[(chunks, emulated)] = {"losses": torch.stack(losses), "modelled": modelled,
                                        "params": [p.detach().clone() for p in model.parameters()]}
     return out

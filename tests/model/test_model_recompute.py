@@ -30,7 +30,8 @@ def _config() -> ModelConfig:
 
 def _train(plan, chunks: int, steps: int = 3):
     """Losses of ``steps`` SGD steps, the last gradients, and the tensor bytes the first forward kept."""
-    model_parallel_seed(11)  # same weights, same dropout streams (the TP stream per rank) for every plan
+    # Same weights, same dropout streams (the TP stream per rank) for every plan.
+    model_parallel_seed(11, state.current_mesh().tp.rank)
     model = apply_activation_recompute(build_model(_config(), VOCAB, chunks), plan)
     g = torch.Generator().manual_seed(5)
     tokens, labels = (torch.randint(0, VOCAB, (4, 16), generator=g) for _ in range(2))

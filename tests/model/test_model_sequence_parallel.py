@@ -24,7 +24,7 @@ def _config(dropout: float = 0.0) -> ModelConfig:
 
 
 def _train(chunks: int, sp: bool, recompute: bool, dropout: float = 0.0):
-    model_parallel_seed(3)
+    model_parallel_seed(3, state.current_mesh().tp.rank)
     model = build_model(_config(dropout), VOCAB, chunks, sequence_parallel=sp)
     apply_activation_recompute(model, RecomputePlan("full", "uniform", 1) if recompute else None)
     return train_and_measure(model, VOCAB)
@@ -61,8 +61,8 @@ def _overlap_logs(chunks: int) -> dict:
             return self.handle.wait()
 
     def logged(real, name):
-        def launch(tensor):
-            handle, result = real(tensor)
+        def launch(tensor, group):
+            handle, result = real(tensor, group)
             label = name if "output grad" not in comm_timing.current_site("") else "output-grad all-gather"
             ident = (label, sum(1 for kind, _ in log if kind == "launch"))
             log.append(("launch", ident))
@@ -78,7 +78,7 @@ def _overlap_logs(chunks: int) -> dict:
     for (module, name, label), function in zip(patched, real):
         setattr(module, name, logged(function, label))
     try:
-        model_parallel_seed(3)
+        model_parallel_seed(3, state.current_mesh().tp.rank)
         model = build_model(_config(), VOCAB, chunks, sequence_parallel=True)
         tokens = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
         with Recorder():
@@ -121,7 +121,7 @@ def _activation_copies(sequence_parallel: bool) -> list:
                 copies.append((str(func), tuple(args[-1].shape)))
             return func(*args, **(kwargs or {}))
 
-    model_parallel_seed(3)
+    model_parallel_seed(3, state.current_mesh().tp.rank)
     model = build_model(_config(), VOCAB, 1, sequence_parallel=sequence_parallel)
     tokens = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
     with Copies():
@@ -134,7 +134,7 @@ def _body(rank, world_size):
         gather_from_sequence_region, reduce_scatter_to_sequence_region, scatter_to_sequence_region,
     )
 
-    state.initialize_model_parallel(2)
+    tp = state.initialize_model_parallel(2).tp
     results = {setting: _train(*setting) for setting in SETTINGS}
     results["dropout"] = _train(2, True, False, dropout=0.1)[0]
     results["overlap"] = {chunks: _overlap_logs(chunks) for chunks in (1, 2)}
@@ -143,9 +143,9 @@ def _body(rank, world_size):
     torch.manual_seed(rank)
     x = torch.randn(4, 2, 3, requires_grad=True)
     y = torch.randn(8, 2, 3)
-    (gather_from_sequence_region(x) * y).sum().backward()
+    (gather_from_sequence_region(x, tp) * y).sum().backward()
     full = torch.arange(8 * 2 * 3, dtype=torch.float32).view(8, 2, 3)
-    results["adjoint"] = (x.grad, reduce_scatter_to_sequence_region(y), y, scatter_to_sequence_region(full))
+    results["adjoint"] = (x.grad, reduce_scatter_to_sequence_region(y, tp), y, scatter_to_sequence_region(full, tp))
     return results
 
 

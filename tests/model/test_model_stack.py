@@ -69,6 +69,7 @@ def test_the_model_trains_without_loading_any_overlap_code():
 def test_the_training_recipe_applies_what_the_config_asks_for(chunks, sp, stack):
     """``domino pretrain``'s model builder (at TP=1 sequence parallelism is a no-op)."""
     from domino.config import DominoConfig
+    from domino.runtime.mesh import ParallelMesh
     from domino.train.gpt_recipe import GPTRecipe
 
     config = DominoConfig()
@@ -76,7 +77,7 @@ def test_the_training_recipe_applies_what_the_config_asks_for(chunks, sp, stack)
     config.model.vocab_size, config.data.mock_data = 64, True
     config.parallel.domino_chunks, config.parallel.sequence_parallel = chunks, sp
     config.train.recompute_granularity, config.train.recompute_method = "full", "uniform"
-    model = GPTRecipe(config).model_builder(config)
+    model = GPTRecipe(config).model_builder(config, ParallelMesh.single())
     assert type(model.stack).__name__ == stack
     assert model.stack.units == [(0, 1, True), (1, 2, True)]  # recompute reached the stack that runs
 

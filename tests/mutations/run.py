@@ -84,7 +84,7 @@ MUTATIONS: List[Mutation] = [
              "    if False:\n        rng = torch.load(",
              ["tests/checkpoint/test_checkpoint_commit.py"]),
     Mutation("ce-skips-global-max", "domino/parallel/cross_entropy.py",
-             "    global_max = all_reduce_max_(local_max.clone())", "    global_max = local_max.clone()",
+             "    global_max = all_reduce_max_(local_max.clone(), tp)", "    global_max = local_max.clone()",
              ["tests/parallel/test_parallel_cross_entropy.py::"
               "test_huge_logits_split_over_ranks_match_f_cross_entropy_on_the_gathered_logits[2]"]),
     Mutation("promote-on-missing-decision", "components/promote/step.py",

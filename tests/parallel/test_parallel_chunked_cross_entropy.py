@@ -92,11 +92,11 @@ def _tp2_body(rank, world_size, hidden, weight, target, upstream):
     from domino.runtime import state
     from domino.parallel.collectives import copy_to_tp_region
 
-    state.initialize_model_parallel(2)
+    tp = state.initialize_model_parallel(2).tp
     shard = weight[rank * V // 2:(rank + 1) * V // 2]
 
     def loss_fn(h, w, t):
-        return chunked_linear_cross_entropy(copy_to_tp_region(h), w, t, 4)
+        return chunked_linear_cross_entropy(copy_to_tp_region(h, tp), w, t, 4, tp)
 
     return _grads(loss_fn, hidden, shard, target, upstream)
 

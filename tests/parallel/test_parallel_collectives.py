@@ -15,55 +15,55 @@ def test_single_process_identities_need_no_distributed_init():
     assert not torch.distributed.is_initialized()
     x = torch.randn(3, 4, requires_grad=True)
     for fn in FUNCS:
-        y = fn(x)
+        y = fn(x, C.SINGLE)
         assert torch.equal(y, x)
         (g,) = torch.autograd.grad(y.sum() * 2, x)
         assert torch.equal(g, torch.full_like(x, 2.0))
-    handle = C.all_reduce_async(x.detach().clone())
+    handle = C.all_reduce_async(x.detach().clone(), C.SINGLE)
     assert handle.wait() and handle.is_completed()
 
 
 def _body(rank, world_size):
-    state.initialize_model_parallel(2)
+    tp = state.initialize_model_parallel(2).tp
     out = {}
     x = torch.arange(8.0).reshape(2, 4) * (rank + 1)  # differs per rank
     x.requires_grad_(True)
     upstream = torch.full((2, 4), float(rank + 1))
 
-    y = C.copy_to_tp_region(x)
+    y = C.copy_to_tp_region(x, tp)
     y.backward(upstream.clone())  # the region sums its output gradient in place: here the one handed to backward
     out["copy"] = (y.detach(), x.grad.clone())
     x.grad = None
 
-    y = C.reduce_from_tp_region(x)
+    y = C.reduce_from_tp_region(x, tp)
     y.backward(upstream)
     out["reduce"] = (y.detach(), x.grad.clone(), x.detach().clone())
     x.grad = None
 
     # A GEMM's partial sum is reduced in place (no copy); an input a backward saved fails loudly instead.
     partial = x * 1.0
-    y = C.reduce_from_tp_region(partial)
+    y = C.reduce_from_tp_region(partial, tp)
     y.backward(upstream)
     out["reduce in place"] = (y.detach(), x.grad.clone(), y.data_ptr() == partial.data_ptr())
     x.grad = None
     try:
-        C.reduce_from_tp_region(x.exp()).backward(upstream)  # exp's backward reads its own output
+        C.reduce_from_tp_region(x.exp(), tp).backward(upstream)  # exp's backward reads its own output
         out["saved input"] = "no error"
     except RuntimeError as error:
         out["saved input"] = str(error)
     x.grad = None
 
-    y = C.scatter_to_tp_region(x)
+    y = C.scatter_to_tp_region(x, tp)
     y.backward(torch.ones_like(y))
     out["scatter"] = (y.detach(), x.grad.clone())
     x.grad = None
 
-    y = C.gather_from_tp_region(x)
+    y = C.gather_from_tp_region(x, tp)
     y.backward(torch.arange(16.0).reshape(2, 8))
     out["gather"] = (y.detach(), x.grad.clone())
 
     buf = torch.full((5,), float(rank + 1))
-    handle = C.all_reduce_async(buf)  # launched async, waited right below
+    handle = C.all_reduce_async(buf, tp)  # launched async, waited right below
     handle.wait()
     out["async"] = buf
     out["devices"] = [str(state.collective_device(g)) for g in (None, state.get_tensor_model_parallel_group(),

@@ -100,14 +100,14 @@ def test_shape_mismatch_is_a_clear_error():
 
 
 def _body(rank, world_size):
-    state.initialize_model_parallel(2)
+    tp = state.initialize_model_parallel(2).tp
     logits, target, upstream = _inputs()
     x = logits[..., 8 * rank:8 * rank + 8].clone().requires_grad_(True)
-    loss = vocab_parallel_cross_entropy(x, target)
+    loss = vocab_parallel_cross_entropy(x, target, tp)
     loss.backward(upstream)
     hidden, weight = _linear_inputs()
     h, w = hidden.clone().requires_grad_(True), weight[8 * rank:8 * rank + 8].clone().requires_grad_(True)
-    fused = vocab_parallel_linear_cross_entropy(h, w, target)
+    fused = vocab_parallel_linear_cross_entropy(h, w, target, tp)
     fused.backward(upstream)  # h's gradient is this rank's partial: copy_to_tp_region would sum them
     return loss.detach(), x.grad, fused.detach(), h.grad, w.grad
 
@@ -142,18 +142,18 @@ def _large_inputs(dtype):
 
 
 def _large_body(rank, world_size):
-    state.initialize_model_parallel(world_size)
+    tp = state.initialize_model_parallel(world_size).tp
     per_rank = SCALE_VOCAB // world_size
     mine = slice(per_rank * rank, per_rank * (rank + 1))
     out = {}
     for dtype in SCALE_DTYPES:
         logits, target, upstream, hidden, weight = _large_inputs(dtype)
         x = logits[..., mine].clone().requires_grad_(True)
-        loss = vocab_parallel_cross_entropy(x, target)
+        loss = vocab_parallel_cross_entropy(x, target, tp)
         loss.backward(upstream)
         fused = None
         if dtype == torch.float32:  # half-precision logits of 1e4 are rounded by tens: no exact reference
-            fused = vocab_parallel_linear_cross_entropy(hidden.clone(), weight[mine].clone(), target).detach()
+            fused = vocab_parallel_linear_cross_entropy(hidden.clone(), weight[mine].clone(), target, tp).detach()
         out[str(dtype)] = (loss.detach(), x.grad.float(), fused)
     return out
 

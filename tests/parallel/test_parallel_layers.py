@@ -10,6 +10,7 @@ from distributed_helpers import run_distributed
 from domino.model import GPTModel
 from domino.checkpoint.sharding import partition_dim, shard_state_dict
 from domino.runtime import state
+from domino.runtime.mesh import MeshGroup
 from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 from domino.config import ModelConfig
@@ -35,25 +36,23 @@ def test_sharded_and_replicated_attributes():
             assert p.partition_dim == partition_dim(name), name
 
 
-def test_indivisible_sizes_are_rejected_with_a_clear_message(monkeypatch):
+def test_indivisible_sizes_are_rejected_with_a_clear_message():
     import domino.model.transformer as transformer
-    import domino.parallel.layers as layers
 
-    for module in (transformer, layers):  # pretend to be rank 0 of a TP group of 3
-        monkeypatch.setattr(module, "tp_rank_and_size", lambda: (0, 3))
+    three = MeshGroup.shapes_only(3)  # rank 0 of a TP group of 3: sizes only, no process group
     with pytest.raises(ValueError, match="--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"):
-        transformer.ParallelSelfAttention(tiny_config(), 0)
+        transformer.ParallelSelfAttention(tiny_config(), 0, three)
     with pytest.raises(ValueError, match="output size of a column-parallel linear"):
-        ColumnParallelLinear(4, 8)
+        ColumnParallelLinear(4, 8, tp=three)
 
 
 def _body(rank, world_size, x, tokens, dense):
-    state.initialize_model_parallel(2)
+    tp = state.initialize_model_parallel(2).tp
     out = {}
     torch.manual_seed(11)
-    col = ColumnParallelLinear(4, 6, gather_output=True)
-    row = RowParallelLinear(6, 4, input_is_parallel=False)
-    emb = VocabParallelEmbedding(8, 4)
+    col = ColumnParallelLinear(4, 6, gather_output=True, tp=tp)
+    row = RowParallelLinear(6, 4, input_is_parallel=False, tp=tp)
+    emb = VocabParallelEmbedding(8, 4, tp=tp)
     out["init"] = {"col": col.weight.detach().clone(), "row": row.weight.detach().clone(),
                    "emb": emb.weight.detach().clone()}
     with torch.no_grad():
@@ -66,7 +65,7 @@ def _body(rank, world_size, x, tokens, dense):
     out["y"], out["x_grad"] = y.detach(), xi.grad
     out["emb"] = emb(tokens)
     # Row-parallel fc2 of the MLP: GeLU fused, the bias handed back to be added after the all-reduce.
-    fc2 = RowParallelLinear(6, 4, skip_bias_add=True)
+    fc2 = RowParallelLinear(6, 4, skip_bias_add=True, tp=tp)
     with torch.no_grad():
         fc2.weight.copy_(dense["row_w"].chunk(2, 1)[rank]); fc2.bias.copy_(dense["row_b"])
     pre = x.repeat(1, 2)[:, :6].chunk(2, 1)[rank].clone().requires_grad_(True)
@@ -74,7 +73,7 @@ def _body(rank, world_size, x, tokens, dense):
     y_mlp.sum().backward()
     out["mlp"], out["mlp_bias_returned"], out["mlp_pre_grad"] = y_mlp.detach(), bias is fc2.bias, pre.grad
     torch.manual_seed(5)
-    out["gpt"] = GPTModel(tiny_config(), VOCAB).state_dict()
+    out["gpt"] = GPTModel(tiny_config(), VOCAB, tp=tp).state_dict()
     return out
 
 
@@ -134,15 +133,14 @@ def test_single_rank_row_parallel_adds_its_bias_in_the_gemm(gelu):
 
 
 @pytest.mark.parametrize("shape,dim", [((24, 8), 0), ((8, 24), 1), ((20, 4), 0)])
-def test_init_is_the_same_full_matrix_at_tp_1_2_4(monkeypatch, shape, dim):
+def test_init_is_the_same_full_matrix_at_tp_1_2_4(shape, dim):
     """Each rank draws only its shard (blocks with their own generators), yet the shards of TP=2 and TP=4 put
     together are the TP=1 matrix, and the default generator ends in the same state for every TP size."""
     import domino.parallel.layers as layers
 
     def draw(rank, world):
-        monkeypatch.setattr(layers, "tp_rank_and_size", lambda: (rank, world))
         torch.manual_seed(3)
-        weight = layers._sharded_normal(shape, 0.02, dim).detach()
+        weight = layers._sharded_normal(shape, 0.02, dim, MeshGroup.shapes_only(world, rank)).detach()
         return weight, torch.get_rng_state()
 
     full, after = draw(0, 1)

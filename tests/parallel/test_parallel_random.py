@@ -61,8 +61,8 @@ def test_get_and_set_rng_state_round_trip():
 
 
 def _body(rank, world_size):
-    state.initialize_model_parallel(2)
-    model_parallel_seed(99)
+    mesh = state.initialize_model_parallel(2)
+    model_parallel_seed(99, mesh.tp.rank)
     outside = torch.rand(8)
     with get_rng_tracker().fork():
         inside = torch.rand(8)

@@ -100,8 +100,8 @@ def _overflow_on_the_last_stage(rank, world_size, out_dir, poisoned_call):
     recipe = GPTRecipe(config)
     calls = []
 
-    def model_builder(config):
-        model = recipe.model_builder(config)
+    def model_builder(config, mesh):
+        model = recipe.model_builder(config, mesh)
         if state.get_pipeline_model_parallel_rank() == 1:
             def poison(grad):  # runs before autograd accumulates the gradient, hence before DeepSpeed's hook
                 calls.append(1)

@@ -86,10 +86,10 @@ def _pipelined_body(rank, world_size, tp, full_sd, batches, variants, sync):
     from domino.overlap.schedule import apply_domino
     from domino.overlap.sequence_parallel import apply_sequence_parallel
 
-    state.initialize_model_parallel(tp, pipeline_model_parallel_size=world_size // tp)
+    mesh = state.initialize_model_parallel(tp, pipeline_model_parallel_size=world_size // tp)
     results = {}
     for chunks, sequence_parallel, virtual in variants:
-        model = GPTModel(_config(), VOCAB)
+        model = GPTModel(_config(), VOCAB, tp=mesh.tp)
         model.load_state_dict(shard_state_dict(full_sd, state.get_tensor_model_parallel_rank(), tp))
         model = split_model(model, state.get_pipeline_model_parallel_rank(),
                             state.get_pipeline_model_parallel_world_size(), virtual)

@@ -54,8 +54,8 @@ def _fp16_pretrain(rank, world_size, out_dir, args, poisoned_call: Optional[int]
     recipe = GPTRecipe(config)
     calls, scales = [], []
 
-    def model_builder(config):
-        model = recipe.model_builder(config)
+    def model_builder(config, mesh):
+        model = recipe.model_builder(config, mesh)
         if poisoned_call is not None and state.get_pipeline_model_parallel_rank() == 1:
             def poison(grad):
                 calls.append(1)

@@ -137,21 +137,22 @@ def _fake_clock_body(rank, world_size, transfer):
     clock = FakeClock()
     state.set_tensor_model_parallel_link(LinkEmulator(LinkSpec(latency_us=0.0, gbps=1.0, transfer=transfer),
                                                       clock=clock, sleep=clock.sleep))
+    tp = state.current_mesh().tp  # the TP group on that link
     x = torch.full((1000,), float(rank + 1))  # 4000 bytes: 4 us on the modelled link
-    C.all_reduce_sum_(x)  # synchronous: sleeps right away
-    handle = C.all_reduce_async(x)  # asynchronous: nothing slept at launch
+    C.all_reduce_sum_(x, tp)  # synchronous: sleeps right away
+    handle = C.all_reduce_async(x, tp)  # asynchronous: nothing slept at launch
     slept_at_launch = list(clock.sleeps)
     # transfer=wait: gloo has not been handed the data yet (x still holds the first sum); launch: x may be reduced.
     x_before_wait = x.clone()
     clock.now += 1e-6  # 1 us of "compute" before the schedule waits
     completed_before_wait = handle.is_completed()
     handle.wait()
-    modelled = comm_timing.pop_modelled_comm_seconds()
+    modelled = comm_timing.pop_modelled_comm_seconds(tp.link)
     sleeps = list(clock.sleeps)
     # Sequence parallelism's asynchronous reduce-scatter takes the same path.
-    scatter, scattered = C.reduce_scatter_sequence_async(torch.full((2, 1, 3), float(rank + 1)))  # [s, b, h]
+    scatter, scattered = C.reduce_scatter_sequence_async(torch.full((2, 1, 3), float(rank + 1)), tp)  # [s, b, h]
     scatter.wait()
-    comm_timing.pop_modelled_comm_seconds()
+    comm_timing.pop_modelled_comm_seconds(tp.link)
     return {"sleeps": sleeps, "scattered": scattered, "slept_at_launch": slept_at_launch, "x": x,
             "modelled": modelled,
             "x_before_wait": x_before_wait, "completed_before_wait": completed_before_wait}

@@ -49,14 +49,15 @@ def _flags(flags, ds_config):
 
 def _engine(config, ours):
     from domino.model import GPTModel
+    from domino.runtime import state
     from domino.train import bf16_step, engine as engine_setup, zero_step
 
     torch.manual_seed(3)  # the same initial weights for both engines
     if ours:
-        return engine_setup.build_engine(GPTModel(config.model, VOCAB), config)
+        return engine_setup.build_engine(GPTModel(config.model, VOCAB, tp=state.current_mesh().tp), config)
     never = lambda engine: False  # noqa: E731  (DeepSpeed's own classes, for the reference)
     with mock.patch.object(bf16_step, "install", never), mock.patch.object(zero_step, "install", never):
-        return engine_setup.build_engine(GPTModel(config.model, VOCAB), config)
+        return engine_setup.build_engine(GPTModel(config.model, VOCAB, tp=state.current_mesh().tp), config)
 
 
 def _fp32_partitions(optimizer):

@@ -41,8 +41,8 @@ def _clip_body(rank, world_size, full_sd, batch, max_norm):
 
     _skip_shared_memory_op()  # as pretrain's initialize_runtime: DeepSpeed's comm layer over our gloo group
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    state.initialize_model_parallel(2)
-    model = GPTModel(tiny_config(), VOCAB)
+    mesh = state.initialize_model_parallel(2)
+    model = GPTModel(tiny_config(), VOCAB, tp=mesh.tp)
     model.load_state_dict(shard_state_dict(full_sd, state.get_tensor_model_parallel_rank(), 2))
     _backward(model, batch)
     norm = clip_gradients(SimpleNamespace(module=model), max_norm)

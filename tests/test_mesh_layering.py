@@ -1,0 +1,42 @@
+"""Issue 38's first measure, enforced: below the entry points the parallel layout is a value passed down (a
+``ParallelMesh`` or one of its ``MeshGroup`` s), not read from ``domino.runtime.state``'s process-wide mesh.
+
+The model, its layers, their collectives, the overlapped stacks, the losses and the evaluation metrics take their
+group as an argument; no module of those packages imports the shim. The modules that still read it are listed
+here, each one a place the mesh has yet to be passed to (the list only shrinks)."""
+
+from test_layering import GRAPH, _where
+
+SHIM = "domino.runtime.state"
+#: Packages whose modules never read the global mesh.
+MESH_PASSED = ("domino.parallel", "domino.model", "domino.overlap", "domino.eval.metrics", "domino.eval.generate")
+#: The entry points, which start the run and pass its mesh down (``state.start`` returns it).
+ENTRY_POINTS = {"domino.train.pretrain", "domino.eval.runtime", "domino.runtime"}
+#: Modules below the entry points that still read the shim: the pipeline schedule, the checkpoint I/O, the
+#: trainer's helpers and the data broadcast (issue 38, what is next).
+STILL_READING = {
+    "domino.checkpoint.async_save", "domino.checkpoint.checkpointing", "domino.checkpoint.distributed_io",
+    "domino.checkpoint.per_rank_state", "domino.checkpoint.resume", "domino.data.batch",
+    "domino.eval.evaluate", "domino.pipeline.grad_overlap", "domino.pipeline.gradients",
+    "domino.pipeline.schedule", "domino.train.engine", "domino.train.gpt_recipe", "domino.train.pipeline_step",
+    "domino.train.zero_step",
+}
+
+
+def _readers():
+    return {module: line for module, imports in GRAPH.items() for target, line in imports
+            if target == SHIM and module != SHIM}
+
+
+def test_the_model_layers_collectives_and_metrics_never_read_the_global_mesh():
+    wrong = [f"{_where(module, line)}: {module} imports {SHIM}" for module, line in _readers().items()
+             if module.startswith(MESH_PASSED)]
+    assert not wrong, "pass the mesh (or its group) down instead:\n" + "\n".join(wrong)
+
+
+def test_only_the_entry_points_and_the_listed_modules_read_the_global_mesh():
+    readers = set(_readers())
+    new = sorted(readers - ENTRY_POINTS - STILL_READING)
+    assert not new, f"new readers of {SHIM} (pass the mesh down instead): {new}"
+    gone = sorted(STILL_READING - readers)
+    assert not gone, f"these no longer read {SHIM}: take them off STILL_READING: {gone}"
