@@ -116,6 +116,8 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, 
     if "action" in overrides:  # an action of its own (append, store_true) takes only the keywords it is given
         for key in ("nargs", "type", "metavar"):
             kwargs.pop(key, None)
+    if "choices" in overrides:  # the help shows the choices where no metavar is given
+        kwargs.pop("metavar", None)
     kwargs.update(overrides)
     group.add_argument(*names, **kwargs)
 
@@ -135,7 +137,8 @@ def flag(*names: str, section: Optional[str] = None, exclusive: Optional[str] = 
             ``action``; ``default`` where the flag's value is not yet the field's, e.g. a list of
             ``KEY=VALUE`` strings for a dict).
     """
-    return {FLAG_METADATA: {"names": names, "section": section, "exclusive": exclusive, **kwargs}}
+    where = {key: value for key, value in (("section", section), ("exclusive", exclusive)) if value}
+    return {FLAG_METADATA: {**({"names": names} if names else {}), **where, **kwargs}}
 
 
 def _field_default(f: dataclasses.Field) -> Any:
@@ -146,21 +149,23 @@ def _field_default(f: dataclasses.Field) -> Any:
     return None
 
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Iterable[str] = ()) -> None:
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Iterable[str] = (),
+                        sections: Optional[Dict[str, str]] = None) -> None:
     """Adds one flag per field of dataclass ``cls``, so the dataclass stays the one declaration of its knobs.
 
     Each flag is the field's as :func:`add_config_flags` makes it (``--field-name``, typed by the annotation,
     the docstring below the field as help) with the field's default as its default (stated in the help
-    unless the docstring speaks of it), adjusted by the field's :func:`flag` metadata. Fields in ``skip``
-    get no flag.
+    unless the docstring speaks of it; a repeatable flag says so), adjusted by the field's :func:`flag`
+    metadata. Fields in ``skip`` get no flag; ``sections`` maps a field to its ``--help`` section (where its
+    metadata names none).
     """
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
     containers: Dict[Any, Any] = {}
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        spec = {k: v for k, v in f.metadata.get(FLAG_METADATA, {}).items() if v is not None and v != ()}
-        section, exclusive = spec.pop("section", None), spec.pop("exclusive", None)
+        spec = dict(f.metadata.get(FLAG_METADATA, {}))
+        section, exclusive = spec.pop("section", (sections or {}).get(f.name)), spec.pop("exclusive", None)
         spec.setdefault("default", _field_default(f))
         target = parser
         if section:
@@ -173,8 +178,11 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Iterab
             target = containers[section, exclusive]
         doc = " ".join(docs.get(f.name, "").split()).replace("%", "%%")  # argparse formats help with %
         default = spec["default"]
-        if "default" not in doc.lower() and default not in (None, False, [], {}):
+        if ("default" not in doc.lower() and default not in (None, False, [], {})
+                and spec.get("action") not in ("store_true", "store_false")):
             doc += f" (default: {default})"
+        if spec.get("action") == "append":
+            doc += " (repeatable)"
         _add_field(target, f, hints[f.name], doc, **spec)
 
 

@@ -122,3 +122,25 @@ def test_the_defaults_are_the_specs(monkeypatch):
 def test_a_bad_key_value_names_its_flag():
     with pytest.raises(LaunchSpecError, match="--rdma-resource: expected KEY=VALUE"):
         spec_from_args(_parser().parse_args(["--name", "gpt", "--image", "i", "--rdma-resource", "x"]))
+
+
+def test_each_field_is_one_flag_helped_by_its_docstring():
+    import ast
+    import dataclasses
+
+    from domino.config.schema import field_docs
+    from domino.launch import flags
+
+    docs = field_docs(JobSpec)
+    by_dest = {a.dest: a for a in _parser()._actions}
+    for f in dataclasses.fields(JobSpec):
+        if f.name in flags.NO_FLAG:
+            assert f.name not in by_dest or f.name == "pretrain_args"
+            continue
+        assert by_dest[f.name].help.replace("%%", "%").startswith(" ".join(docs[f.name].split())), f.name
+    # No flag of a field is written by hand: flags.py adds only --run-id (not a field) and the pretrain args.
+    with open(flags.__file__, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    written = [node.args[0].value for node in ast.walk(tree) if isinstance(node, ast.Call)
+               and getattr(node.func, "attr", "") == "add_argument" and isinstance(node.args[0], ast.Constant)]
+    assert written == ["--run-id", "pretrain_args"]
