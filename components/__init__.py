@@ -3,6 +3,10 @@
 One folder per component. ``component.py`` holds the kfp wrapper: a lightweight component whose body
 only imports and calls the plain-Python ``step.py`` beside it, so the logic is testable without kfp and
 runs the same under ``kfp.local`` and in a cluster (where the image has this package installed).
+
+Imports run one way: ``pipelines/`` builds each component with :func:`kfp_component` from its generated
+function in :mod:`components.kfp_functions`, whose body imports the glue in ``component.py``, which calls
+``step.py``. A ``component.py`` never imports the generated file (``tests/test_layering.py`` checks).
 Components run in the domino image's CPU variant (:func:`default_image`, see :mod:`domino.images`).
 """
 

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import typing
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple, Union
 
 from domino.config.flags import config_field_types
 from domino.config.schema import field_docs
+from domino.launch.spec import JobSpec
 
 #: The value that stands for "not given" (the preset's value, else domino's default) per kfp type.
 NOT_SET: Dict[type, Any] = {int: -1, float: -1.0, str: ""}
@@ -55,6 +57,46 @@ def config_field(default: Any = None) -> Any:
     without the flag).
     """
     return dataclasses.field(default=default, metadata={"config": True})
+
+
+#: How a :class:`~domino.launch.JobSpec` value of None travels as a kfp parameter: '' for a name or quantity,
+#: -1 for a count, 0.0 for a float (a size, where 0 means none).
+JOB_NONE: Dict[type, Any] = {str: "", int: -1, float: 0.0}
+
+
+def job_kind(name: str) -> type:
+    """The kfp type of JobSpec field ``name``: ``Optional`` removed, a dict or list as JSON text, a count or
+    a word (``Union[int, str]``) as the count."""
+    hint = typing.get_type_hints(JobSpec)[name]
+    if typing.get_origin(hint) is Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return str if typing.get_origin(hint) in (dict, list) else hint
+
+
+def job_default(name: str) -> Any:
+    """JobSpec field ``name``'s default as a kfp parameter value (:data:`JOB_NONE` for None, JSON for a dict or
+    list); a field without a plain default (required, or computed when the job is made) is "none"."""
+    f = next(f for f in dataclasses.fields(JobSpec) if f.name == name)
+    value = None
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory in (dict, list):
+        value = f.default_factory()
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    return JOB_NONE[job_kind(name)] if value is None else value
+
+
+def job_field(spec_field: str, default: Any = dataclasses.MISSING) -> Any:
+    """A settings field that is :class:`~domino.launch.JobSpec` field ``spec_field``, so the job's knobs keep one
+    set of defaults.
+
+    Its type must be :func:`job_kind`'s and its default is :func:`job_default`'s, unless ``default`` is given:
+    an override the pipeline's default run needs (``components/pretrain/settings.py`` keeps those in one
+    place). Its description is the settings field's docstring, which says how kfp carries the value.
+    """
+    value = job_default(spec_field) if default is dataclasses.MISSING else default
+    return dataclasses.field(default=value, metadata={"job": spec_field})
 
 
 @dataclass(frozen=True)
@@ -132,6 +174,9 @@ def settings_parameters(cls: type) -> List[Parameter]:
             raise TypeError(f"{cls.__name__}.{f.name}: type {kind} is not a kfp parameter type (str, int, float, bool)")
         is_config = bool(f.metadata.get("config"))
         default, doc = f.default, docs.get(f.name, "")
+        if "job" in f.metadata and job_kind(f.metadata["job"]) is not kind:
+            raise TypeError(f"{cls.__name__}.{f.name}: {kind.__name__}, but JobSpec.{f.metadata['job']} travels as "
+                            f"{job_kind(f.metadata['job']).__name__}")
         if is_config:
             if f.name not in config_types:
                 raise TypeError(f"{cls.__name__}.{f.name}: config_field() names no field of domino/config/schema.py")

@@ -245,7 +245,7 @@ def evaluate(
     shared_root: str,
     run_id: str,
     mlflow_tracking_uri: str = '',
-    eval_batches: int = 8,
+    eval_batches: int = 0,
     eval_micro_batch_size: int = 16,
     sample_prompts: str = 'To be, or not to be|In the beginning',
     sample_tokens: int = 24,
@@ -265,7 +265,7 @@ def evaluate(
         shared_root: Mount path of the shared volume (or a local folder with backend=local).
         run_id: Unique run id; the run's folders and its training job's name derive from it.
         mlflow_tracking_uri: MLflow server that training, evaluation and promotion log to ('': none; credentials: a Secret, see docs).
-        eval_batches: Test batches per evaluated model.
+        eval_batches: Test batches per evaluated model (0: domino evaluate's default token budget).
         eval_micro_batch_size: Samples per evaluation batch.
         sample_prompts: Prompts of the report's sample generations, separated by '|' ('\n': line break).
         sample_tokens: Tokens generated per report prompt (0: no samples).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from components.declare import job_field
 from domino.launch.job_api import DEFAULT_JOB_API
 
 
@@ -69,5 +70,5 @@ class JobTargetSettings:
     """cluster (a job created through the Kubernetes API) or local (processes in the step's pod)."""
     job_api: str = DEFAULT_JOB_API
     """pytorchjob (Kubeflow training operator v1) or trainjob (Kubeflow Trainer v2.3, runtime from k8s/trainer)."""
-    namespace: str = ""
+    namespace: str = job_field("namespace")
     """Namespace of the training job ('': the step's own namespace, POD_NAMESPACE)."""

@@ -25,13 +25,8 @@ from typing import Any, Dict, List, Optional
 
 from kfp import compiler, dsl, kubernetes
 
-from components import declare, default_image
+from components import declare, default_image, kfp_component, kfp_functions
 from domino import images
-from components.cleanup import component as cleanup_component
-from components.evaluate import component as evaluate_component
-from components.pretrain import component as pretrain_component
-from components.promote import component as promote_component
-from components.tokenizer import component as tokenizer_component
 from domino.tracking import CREDENTIAL_KEYS, CREDENTIAL_SECRET
 from pipelines.preprocess_stage import PreprocessStage
 
@@ -125,11 +120,11 @@ def build_pipeline(image: Optional[str] = None, placement: Optional[StepPlacemen
     eval_image = image or (images.image("cuda") if placement.eval_gpus > 0 else None)
     image = image or default_image()
     preprocess_stage = PreprocessStage(image, preprocess_parallelism)
-    pretrain_op = pretrain_component.build(image)
-    evaluate_op = evaluate_component.build(eval_image or image)
-    promote_op = promote_component.build(image)
-    tokenizer_op = tokenizer_component.build(image)
-    cleanup_op = cleanup_component.build(image)
+    pretrain_op = kfp_component(kfp_functions.pretrain, image)
+    evaluate_op = kfp_component(kfp_functions.evaluate, eval_image or image)
+    promote_op = kfp_component(kfp_functions.promote_model, image)
+    tokenizer_op = kfp_component(kfp_functions.train_tokenizer, image)
+    cleanup_op = kfp_component(kfp_functions.cleanup_job, image)
 
     def on_shared_volume(task, pvc_name):
         kubernetes.mount_pvc(task, pvc_name=pvc_name, mount_path=MOUNT_PATH)

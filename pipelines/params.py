@@ -115,11 +115,10 @@ def check_params(values: Dict[str, Any]) -> None:
         if name in values and values[name] not in choices:
             problems.append(f"--param {name}={values[name]}: expected one of {', '.join(map(str, choices))}")
     # The config fields' ranges are checked with the whole training config (check_training_config).
-    for name in ("nodes", "nproc_per_node", "eval_batches", "eval_micro_batch_size", "preprocess_groups",
-                 "preprocess_workers"):
+    for name in ("nodes", "nproc_per_node", "eval_micro_batch_size", "preprocess_groups", "preprocess_workers"):
         if name in values and values[name] < 1:
             problems.append(f"--param {name}={values[name]}: must be at least 1")
-    for name in ("gpus_per_node", "job_timeout_s", "sample_tokens", "queue_timeout_s", "termination_grace_period_s"):
+    for name in ("gpus_per_node", "eval_batches", "job_timeout_s", "sample_tokens", "queue_timeout_s", "termination_grace_period_s"):
         if name in values and values[name] < 0:
             problems.append(f"--param {name}={values[name]}: must not be negative")
     if "backoff_limit" in values and values["backoff_limit"] < -1:

@@ -22,8 +22,7 @@ from typing import Callable, Optional
 
 from kfp import dsl
 
-from components.merge import component as merge_component
-from components.preprocess import component as preprocess_component
+from components import kfp_component, kfp_functions
 
 
 class PreprocessStage:
@@ -38,9 +37,9 @@ class PreprocessStage:
         if parallelism < 0:
             raise ValueError(f"preprocess parallelism: {parallelism} must be >= 0 (0: unbounded)")
         self.parallelism = parallelism
-        self.plan_op = preprocess_component.build_plan(image)
-        self.preprocess_op = preprocess_component.build(image)
-        self.merge_op = merge_component.build(image)
+        self.plan_op = kfp_component(kfp_functions.plan_preprocess, image)
+        self.preprocess_op = kfp_component(kfp_functions.preprocess, image)
+        self.merge_op = kfp_component(kfp_functions.merge_datasets, image)
 
     def __call__(self, configure: Callable, arguments: Callable, tokenizer):
         """Adds the stage to the pipeline being defined; returns the merge task (its ``dataset`` output).

@@ -188,3 +188,44 @@ def test_no_production_module_is_over_400_lines():
                     if count > 400:
                         long.append(f"{os.path.relpath(path, repo)}: {count} lines")
     assert long == []
+
+
+def _kfp_layer_graph() -> Dict[str, Set[str]]:
+    """``{module: kfp-layer modules it imports}`` over components/ and pipelines/ (every import, function-local
+    ones included, read with ``ast`` as :func:`_imported` reads domino/'s)."""
+    repo = os.path.dirname(ROOT)
+    files = {}
+    for top in ("components", "pipelines"):
+        for folder, _, names in os.walk(os.path.join(repo, top)):
+            for name in names:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    files[os.path.relpath(path, repo)[:-3].replace(os.sep, ".").removesuffix(".__init__")] = path
+    edges: Dict[str, Set[str]] = {}
+    for module, path in files.items():
+        package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read(), path)
+        targets = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names}
+        edges[module] = {t for t in targets if t in files and t != module}
+    return edges
+
+
+def test_the_kfp_layer_imports_in_one_direction():
+    """pipelines/ -> the generated components/kfp_functions.py -> components/*/component.py -> step.py: no
+    module of components/ or pipelines/ reaches back up that chain, and components/ never imports pipelines/."""
+    edges = _kfp_layer_graph()
+    assert _cycles(edges) == []
+    back = sorted(f"{m} imports {t}" for m, ts in edges.items() if m.startswith("components") for t in ts
+                  if t.startswith("pipelines"))
+    assert back == []
+    assert "components.kfp_functions" in edges["pipelines.gpt_pretrain"] | edges["pipelines.preprocess_stage"]

@@ -5,9 +5,8 @@ The kfp function, ``components.kfp_functions.cleanup_job``, is generated from :d
 """
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
-from components import kfp_component, kfp_functions
 from components.cleanup.step import cleanup_jobs
 from components.declare import Component, Input, settings_from_values
 from components.run_settings import JobTargetSettings, RunIdSettings
@@ -38,8 +37,3 @@ def run(status: Any, **values: Any) -> None:
         print(f"cleanup: backend {s.backend}: training processes ended with their step (pipeline {status.state})")
         return
     cleanup_jobs(s.run_id, s.namespace, status.state, keep_failed=s.keep_failed_jobs, job_api=s.job_api)
-
-
-def build(image: Optional[str] = None):
-    """The cleanup component running in ``image`` (default: :func:`components.default_image`)."""
-    return kfp_component(kfp_functions.cleanup_job, image)

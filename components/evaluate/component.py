@@ -4,9 +4,8 @@ The kfp function, ``components.kfp_functions.evaluate``, is generated from :data
 ``components/declare.py``).
 """
 
-from typing import Any, Optional
+from typing import Any
 
-from components import kfp_component, kfp_functions
 from components.declare import Component, Input, settings_from_values
 from components.evaluate.step import EvaluateSettings, run_evaluate
 from components.manifest import write_manifest
@@ -45,8 +44,3 @@ def run(model: Any, dataset: Any, metrics: Any, report: Any, decision: Any, **va
             metrics.log_metric(name, float(result[name]))
     metrics.log_metric("promote", 1.0 if result["promote"] else 0.0)
     return bool(result["promote"])
-
-
-def build(image: Optional[str] = None):
-    """The evaluate component running in ``image`` (default: :func:`components.default_image`)."""
-    return kfp_component(kfp_functions.evaluate, image)

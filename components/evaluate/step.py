@@ -20,6 +20,7 @@ from components.layout import RunLayout
 from components.run_settings import RunSettings, TrackingSettings
 from components.manifest import read_manifest
 from components.registry import PromotedModel, current_model
+from domino.eval.settings import EvalSettings
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +29,9 @@ logger = logging.getLogger(__name__)
 class EvaluateSettings(TrackingSettings, RunSettings):
     """Parameters of the evaluate step (one field per component parameter)."""
 
-    eval_batches: int = 8
-    """Test batches per evaluated model."""
-    # 16 samples: forward-only throughput on 2 CPU cores is flat from 16 up (docs/evaluation.md).
-    eval_micro_batch_size: int = 16
+    eval_batches: int = 0
+    """Test batches per evaluated model (0: domino evaluate's default token budget)."""
+    eval_micro_batch_size: int = EvalSettings.micro_batch_size
     """Samples per evaluation batch."""
     sample_prompts: str = "To be, or not to be|In the beginning"
     """Prompts of the report's sample generations, separated by '|' ('\\n': line break)."""
@@ -45,6 +45,11 @@ class EvaluateSettings(TrackingSettings, RunSettings):
     """Seed of the report's sample generations."""
     min_improvement: float = 0.0
     """Fraction by which the test perplexity must beat the promoted model's (0: any)."""
+
+    def eval_settings(self) -> EvalSettings:
+        """The amount and batch size of each evaluation: ``eval_batches`` micro-batches, or (0) the default
+        token budget of :class:`EvalSettings`."""
+        return EvalSettings(eval_iters=self.eval_batches or None, micro_batch_size=self.eval_micro_batch_size)
 
 
 @dataclass
@@ -80,8 +85,7 @@ def decide(new_ppl: float, incumbent: Optional[PromotedModel], incumbent_ppl: Op
 def _evaluate(load: str, data_prefix: str, settings: EvaluateSettings, eval_options: Dict[str, Any]) -> Dict[str, Any]:
     from domino.eval.evaluate import evaluate_checkpoint
 
-    return dict(evaluate_checkpoint(load, data_prefix, max_batches=settings.eval_batches,
-                                    micro_batch_size=settings.eval_micro_batch_size, **eval_options))
+    return dict(evaluate_checkpoint(load, data_prefix, settings.eval_settings(), **eval_options))
 
 
 def _prompts(settings: EvaluateSettings) -> List[str]:
@@ -114,9 +118,10 @@ def run_evaluate(
     from domino.eval.report import write_report
     from domino.eval.sampling import SamplingConfig
 
-    for name in ("eval_batches", "eval_micro_batch_size"):
-        if getattr(settings, name) < 1:
-            raise ValueError(f"{name}: {getattr(settings, name)} must be at least 1")
+    if settings.eval_batches < 0:
+        raise ValueError(f"eval_batches: {settings.eval_batches} must be at least 0 (0: a token budget)")
+    if settings.eval_micro_batch_size < 1:
+        raise ValueError(f"eval_micro_batch_size: {settings.eval_micro_batch_size} must be at least 1")
     # Checked here, not only by `domino pipeline` (pipelines/params.py): a run started from the KFP UI or
     # API reaches this step with whatever value was typed, and 1 or more would make promotion impossible.
     if not 0.0 <= settings.min_improvement < 1.0:

@@ -5,11 +5,10 @@ The kfp function, ``components.kfp_functions.merge_datasets``, is generated from
 """
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List
 
 from kfp import dsl
 
-from components import kfp_component, kfp_functions
 from components.declare import Component, Input, settings_from_values
 from components.merge.step import run_merge
 from components.run_settings import ReuseSettings, VolumeSettings
@@ -38,8 +37,3 @@ def run(dataset: Any, parts: List[str], **values: Any) -> None:
     """The merge-datasets component's body."""
     s = settings_from_values(MergeSettings, values)
     dataset.metadata.update(run_merge(dataset.path, s.shared_root, parts, reuse=s.reuse_dataset))
-
-
-def build(image: Optional[str] = None):
-    """The merge-datasets component running in ``image`` (default: :func:`components.default_image`)."""
-    return kfp_component(kfp_functions.merge_datasets, image)

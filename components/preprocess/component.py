@@ -7,9 +7,8 @@ The kfp functions, ``components.kfp_functions.plan_preprocess`` and ``.preproces
 
 import json
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List
 
-from components import kfp_component, kfp_functions
 from components.declare import Component, Input, settings_from_values
 from components.preprocess.step import plan_groups, run_group
 from components.run_settings import CorpusSettings, ReuseSettings, VolumeSettings
@@ -65,13 +64,3 @@ def run_one_group(group: str, **values: Any) -> str:
     s = settings_from_values(GroupSettings, values)
     return json.dumps(run_group(s.shared_root, json.loads(group), workers=s.preprocess_workers,
                                 reuse=s.reuse_dataset), sort_keys=True)
-
-
-def build_plan(image: Optional[str] = None):
-    """The plan-preprocess component running in ``image`` (default: :func:`components.default_image`)."""
-    return kfp_component(kfp_functions.plan_preprocess, image)
-
-
-def build(image: Optional[str] = None):
-    """The preprocess (one shard group) component running in ``image``."""
-    return kfp_component(kfp_functions.preprocess, image)

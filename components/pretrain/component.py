@@ -4,9 +4,8 @@ The kfp function itself, ``components.kfp_functions.pretrain``, is generated fro
 ``components/declare.py`` for why kfp needs it written out).
 """
 
-from typing import Any, Optional
+from typing import Any
 
-from components import kfp_component, kfp_functions
 from components.declare import Component, Input, settings_from_values
 from components.pretrain.settings import PretrainSettings
 from components.pretrain.step import metric_values, run_pretrain
@@ -33,8 +32,3 @@ def run(dataset: Any, model: Any, metrics: Any, **values: Any) -> None:
     model.metadata.update({key: value for key, value in summary.items() if key != "config"})
     for name, value in metric_values(summary).items():
         metrics.log_metric(name, value)
-
-
-def build(image: Optional[str] = None):
-    """The pretrain component running in ``image`` (default: :func:`components.default_image`)."""
-    return kfp_component(kfp_functions.pretrain, image)

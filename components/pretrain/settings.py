@@ -4,18 +4,25 @@
 function (generated into ``components/kfp_functions.py`` by ``components/declare.py``), the pipeline's
 pretrain parameters and the step's settings all derive from it, so a new parameter is one new field here.
 The training knobs are ``config_field()``s: the domino config field of the same name (type and description
-from ``domino/config/schema.py``), left at "not given" unless a default is written here, so that the preset
-decides as it does for ``domino pretrain`` without the flag. kfp parameters are scalars (str, int, float,
-bool): structured values (dicts, lists) are JSON strings, parsed and checked by the step before anything is
-created.
+from ``domino/config/schema.py``), left at "not given" so that the preset decides as it does for ``domino
+pretrain`` without the flag. The job's knobs are ``job_field()``s: the :class:`~domino.launch.JobSpec` field
+they set, whose type and default they take (in kfp's encoding, ``components/declare.py``). Where the pipeline's
+default run needs another value, :data:`PIPELINE_RUN` says so, in this one place. kfp parameters are scalars
+(str, int, float, bool): structured values (dicts, lists) are JSON strings, parsed and checked by the step
+before anything is created.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from components.declare import config_field
+from components.declare import config_field, job_field
 from components.run_settings import JobTargetSettings, RunSettings, TrackingSettings
+
+#: The pipeline's default run (``domino pipeline run --quick``) where it is not domino's: 20 steps of the tiny
+#: preset on one pod of two processes that split every layer (tensor parallelism with Domino), in a job named
+#: for the pipeline (a JobSpec has no default name). Every other default is the JobSpec's or the preset's.
+PIPELINE_RUN = {"train_iters": 20, "tensor_model_parallel_size": 2, "nproc_per_node": 2, "job_name": "gpt-pretrain"}
 
 
 @dataclass(kw_only=True)
@@ -26,8 +33,7 @@ class PretrainSettings(TrackingSettings, JobTargetSettings, RunSettings):
     """Model and training preset (tiny, gpt2-125m, gpt3-350m, gpt3-1.3b, ...)."""
     config_overrides: str = "{}"
     """JSON object of further domino config fields, e.g. {"num_layers": 4, "bf16": true}."""
-    # The pipeline's own default run (``domino pipeline run --quick``): 20 steps of the tiny preset.
-    train_iters: int = config_field(20)
+    train_iters: int = config_field(PIPELINE_RUN["train_iters"])
     micro_batch_size: int = config_field()
     global_batch_size: int = config_field()
     lr: float = config_field()
@@ -37,20 +43,19 @@ class PretrainSettings(TrackingSettings, JobTargetSettings, RunSettings):
     eval_interval: int = config_field()
     eval_iters: int = config_field()
     log_interval: int = config_field()
-    nodes: int = 1
+    nodes: int = job_field("nodes")
     """Pods of the training job."""
-    nproc_per_node: int = 2
+    nproc_per_node: int = job_field("nproc_per_node", PIPELINE_RUN["nproc_per_node"])
     """Processes per pod."""
-    gpus_per_node: int = 0
+    gpus_per_node: int = job_field("gpus_per_node")
     """GPUs per pod (0 trains on CPU)."""
-    gpu_memory_gb: float = 0.0
+    gpu_memory_gb: float = job_field("gpu_memory_gb")
     """Memory of one GPU in GiB: refuse a layout whose memory estimate does not fit (0: no check)."""
-    parallel_layout: str = "given"
+    parallel_layout: str = job_field("parallel_layout")
     """given: tensor_model_parallel_size as set; derive: the smallest TP within one pod that the model admits and
     (with gpu_memory_gb) fits, tensor_model_parallel_size the largest allowed, DP across the pods (a run resumed on
     other nodes continues on the layout they hold; docs/cluster.md)."""
-    # The default run's two processes (nproc_per_node) split every layer: tensor parallelism with Domino.
-    tensor_model_parallel_size: int = config_field(2)
+    tensor_model_parallel_size: int = config_field(PIPELINE_RUN["tensor_model_parallel_size"])
     domino_chunks: int = config_field()
     zero_stage: int = config_field()
     warm_start: bool = False
@@ -58,53 +63,53 @@ class PretrainSettings(TrackingSettings, JobTargetSettings, RunSettings):
     resume_from_run: str = ""
     """Run id of an earlier (preempted) run of this pipeline: continue its training, optimizer state and data position
     included, from its newest checkpoint in <shared_root>/runs/<id>/checkpoints ('': none)."""
-    image: str = ""
+    image: str = job_field("image")
     """Image of the training job ('': the domino CUDA image with GPUs, else the CPU one)."""
-    job_name: str = "gpt-pretrain"
+    job_name: str = job_field("name", PIPELINE_RUN["job_name"])
     """Base name of the training job (the run id is appended)."""
-    pvc_name: str = "domino-data"
+    pvc_name: str = job_field("pvc")
     """ReadWriteMany claim mounted at shared_root by every step and the training job."""
-    cpu_request: str = ""
+    cpu_request: str = job_field("cpu_request")
     """CPU request per training pod ('': sized from nproc_per_node)."""
-    cpu_limit: str = ""
+    cpu_limit: str = job_field("cpu_limit")
     """CPU limit per training pod ('': none)."""
-    memory_request: str = ""
+    memory_request: str = job_field("memory_request")
     """Memory request per training pod ('': sized from nproc_per_node)."""
-    memory_limit: str = ""
+    memory_limit: str = job_field("memory_limit")
     """Memory limit per training pod ('': none)."""
-    shm_size: str = "16Gi"
+    shm_size: str = job_field("shm_size")
     """Size limit of /dev/shm in the training pods (memory emptyDir)."""
-    rdma_resources: str = "{}"
+    rdma_resources: str = job_field("rdma_resources")
     """JSON object RESOURCE -> count: an RDMA device plugin's resources per training pod, plus IPC_LOCK (the fast
     network: docs/cluster.md; the namespace must allow it)."""
-    node_selector: str = "{}"
+    node_selector: str = job_field("node_selector")
     """JSON object of node labels for the training pods."""
-    tolerations: str = "[]"
+    tolerations: str = job_field("tolerations")
     """JSON array of tolerations for the training pods ('key=value:effect' strings or objects)."""
-    priority_class: str = ""
+    priority_class: str = job_field("priority_class")
     """PriorityClass of the training pods ('': none)."""
-    service_account: str = ""
+    service_account: str = job_field("service_account")
     """ServiceAccount of the training pods ('': the namespace's default; no token is mounted)."""
-    image_pull_secrets: str = "[]"
+    image_pull_secrets: str = job_field("image_pull_secrets")
     """JSON array of Secret names for pulling the training image."""
-    env: str = "{}"
+    env: str = job_field("env")
     """JSON object of extra environment variables of the training container (overrides NCCL defaults); literal
     values, stored with the run: nothing secret (use env_secrets)."""
-    env_secrets: str = "{}"
+    env_secrets: str = job_field("secret_env")
     """JSON object NAME -> "SECRET:KEY": environment variables read from Kubernetes Secrets when the pods start."""
-    env_from_secrets: str = "[]"
+    env_from_secrets: str = job_field("env_from_secrets")
     """JSON array of Secret names whose every key becomes an environment variable (PyTorchJob only)."""
-    labels: str = "{}"
+    labels: str = job_field("labels")
     """JSON object of extra labels on the training job and its pods."""
-    annotations: str = "{}"
+    annotations: str = job_field("annotations")
     """JSON object of extra annotations on the training job and its pods."""
-    queue: str = ""
+    queue: str = job_field("queue")
     """Kueue LocalQueue of the training job ('': none); Kueue holds it suspended until admitted."""
     queue_timeout_s: int = 86400
     """Fail when the queued job is not admitted after this many seconds (0: no limit but job_timeout_s)."""
-    backoff_limit: int = -1
+    backoff_limit: int = job_field("backoff_limit")
     """Container restarts, summed over the training pods, before the job fails (-1: 3 x nodes)."""
-    termination_grace_period_s: int = 180
+    termination_grace_period_s: int = job_field("termination_grace_period_s")
     """Seconds a training pod has to save a checkpoint after SIGTERM."""
     job_timeout_s: int = 0
     """Wall-clock limit of the training job, also its activeDeadlineSeconds (0: none)."""

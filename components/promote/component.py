@@ -5,9 +5,8 @@ The kfp function, ``components.kfp_functions.promote_model``, is generated from 
 """
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
-from components import kfp_component, kfp_functions
 from components.declare import Component, Input, settings_from_values
 from components.promote.step import DEFAULT_MODEL_NAME, run_promote
 from components.run_settings import RunSettings, TrackingSettings
@@ -41,8 +40,3 @@ def run(model: Any, decision: Any, **values: Any) -> str:
     s = settings_from_values(PromoteSettings, values)
     return run_promote(s.shared_root, s.run_id, model.path, decision.path, tracking_uri=s.mlflow_tracking_uri,
                        model_name=s.registered_model_name)["checkpoint_dir"]
-
-
-def build(image: Optional[str] = None):
-    """The promote component running in ``image`` (default: :func:`components.default_image`)."""
-    return kfp_component(kfp_functions.promote_model, image)

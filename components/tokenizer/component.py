@@ -4,9 +4,8 @@ The kfp function, ``components.kfp_functions.train_tokenizer``, is generated fro
 ``components/declare.py``).
 """
 
-from typing import Any, Optional
+from typing import Any
 
-from components import kfp_component, kfp_functions
 from components.declare import Component, settings_from_values
 from components.tokenizer.step import TokenizerSettings, run_train_tokenizer
 
@@ -22,8 +21,3 @@ COMPONENTS = (Component(
 def run(**values: Any) -> str:
     """The component's body."""
     return run_train_tokenizer(settings_from_values(TokenizerSettings, values))
-
-
-def build(image: Optional[str] = None):
-    """The train-tokenizer component running in ``image`` (default: :func:`components.default_image`)."""
-    return kfp_component(kfp_functions.train_tokenizer, image)

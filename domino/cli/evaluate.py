@@ -6,25 +6,8 @@ import argparse
 import json
 
 from domino.cli.checkpoint_flags import add_checkpoint_flags
+from domino.eval.settings import add_eval_flags, eval_settings_from_args
 from domino.tracking import evaluation_scalars, tracker_of_checkpoint
-
-#: Tokens evaluated unless --eval-tokens/--eval-iters/--max-samples say otherwise: enough for a perplexity
-#: good to about 1 % on a small model, and seconds of work on a CPU (docs/evaluation.md).
-DEFAULT_EVAL_TOKENS = 65536
-
-
-def _eval_tokens(text: str):
-    """``--eval-tokens``: a positive count, or ``all`` (None: no limit)."""
-    if text.strip().lower() == "all":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'all', got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (or 'all'), got {value}")
-    return value
-
 
 def _held_out_split(load: str) -> str:
     """The checkpoint's own ``--split``: with --data-path, its test part is what training held out."""
@@ -49,14 +32,11 @@ def run(args: argparse.Namespace) -> int:
     from domino.eval.runtime import is_output_rank, parse_dtype, teardown
 
     dtype = parse_dtype(args.dtype)
-    limited = args.eval_iters is not None or args.max_samples is not None
-    max_tokens = None if limited else args.eval_tokens
     try:
         split = args.split or (_held_out_split(args.load) if args.data_path else None)
         result = evaluate_checkpoint(
-            args.load, args.data_path, split=split, max_batches=args.eval_iters, max_samples=args.max_samples,
-            max_tokens=max_tokens,
-            micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, eod_mask_loss=args.eod_mask_loss,
+            args.load, args.data_path, eval_settings_from_args(args), split=split,
+            seq_length=args.seq_length, eod_mask_loss=args.eod_mask_loss,
             reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
             tensor_model_parallel_size=args.tensor_model_parallel_size, tokenizer_spec=args.tokenizer,
             seed=args.seed, data_cache_path=args.data_cache_path, dtype=dtype, progress=not args.no_progress)
@@ -86,14 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--split", metavar="SPLIT",
                         help="Evaluate the test part of this train,valid,test split of --data-path (default: the "
                              "checkpoint's split, i.e. the documents training held out; 0,0,1: every document).")
-    limit = parser.add_mutually_exclusive_group()
-    limit.add_argument("--eval-tokens", type=_eval_tokens, default=DEFAULT_EVAL_TOKENS, metavar="N|all",
-                       help=f"Evaluate about N tokens, or all of the selected documents (default: "
-                            f"{DEFAULT_EVAL_TOKENS}).")
-    limit.add_argument("--eval-iters", type=int, metavar="N", help="Evaluate N micro-batches.")
-    limit.add_argument("--max-samples", type=int, metavar="N", help="Evaluate N samples.")
-    parser.add_argument("--micro-batch-size", type=int, default=16, metavar="B",
-                        help="Samples per forward pass (default: 16, the fastest on CPU, docs/evaluation.md).")
+    add_eval_flags(parser)
     parser.add_argument("--seq-length", type=int, metavar="S", help="Sample length (default: the checkpoint's).")
     for flag, what in (("eod-mask-loss", "Exclude end-of-document tokens from the loss"),
                        ("reset-position-ids", "Restart position ids after end-of-document tokens"),

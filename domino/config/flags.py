@@ -100,17 +100,90 @@ def config_field_types() -> Dict[str, Tuple[Any, str]]:
     return out
 
 
-def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, doc: str) -> None:
-    dest = f.name
-    names = (flag_name(f.name), *FLAG_ALIASES.get(f.name, ()))
+def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, doc: str, **overrides: Any) -> None:
+    """Adds the flag of field ``f``: ``--field-name``, typed by ``hint``, help ``doc``; ``overrides`` (from
+    :func:`flag`) replace the derived spellings (``names``) and ``add_argument`` keywords."""
+    names = overrides.pop("names", None) or (flag_name(f.name), *FLAG_ALIASES.get(f.name, ()))
     base = _base_type(hint)
+    kwargs: Dict[str, Any] = {"dest": f.name, "help": doc}
     if base is bool:
-        group.add_argument(*names, dest=dest, action=BooleanFlag, help=doc)
+        kwargs["action"] = BooleanFlag
     elif typing.get_origin(base) in (list, List):
         item = typing.get_args(base)[0]
-        group.add_argument(*names, dest=dest, nargs="+", type=item, metavar=item.__name__.upper(), help=doc)
+        kwargs.update(nargs="+", type=item, metavar=getattr(item, "__name__", "VALUE").upper())
     else:
-        group.add_argument(*names, dest=dest, type=base, metavar=base.__name__.upper(), help=doc)
+        kwargs.update(type=base, metavar=getattr(base, "__name__", "VALUE").upper())
+    if "action" in overrides:  # an action of its own (append, store_true) takes only the keywords it is given
+        for key in ("nargs", "type", "metavar"):
+            kwargs.pop(key, None)
+    if "choices" in overrides:  # the help shows the choices where no metavar is given
+        kwargs.pop("metavar", None)
+    kwargs.update(overrides)
+    group.add_argument(*names, **kwargs)
+
+
+#: The key of a field's metadata that adjusts the flag :func:`add_dataclass_flags` derives from it.
+FLAG_METADATA = "flag"
+
+
+def flag(*names: str, section: Optional[str] = None, exclusive: Optional[str] = None, **kwargs: Any) -> Dict[str, Any]:
+    """Field metadata (``field(default=..., metadata=flag(...))``) adjusting the flag derived from the field.
+
+    Args:
+        names: The flag's spellings (default: ``--field-name``).
+        section: The ``--help`` section that lists the flag.
+        exclusive: A name shared by fields of which at most one flag may be given.
+        kwargs: ``add_argument`` keywords replacing the derived ones (``type``, ``metavar``, ``choices``,
+            ``action``; ``default`` where the flag's value is not yet the field's, e.g. a list of
+            ``KEY=VALUE`` strings for a dict).
+    """
+    where = {key: value for key, value in (("section", section), ("exclusive", exclusive)) if value}
+    return {FLAG_METADATA: {**({"names": names} if names else {}), **where, **kwargs}}
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: Iterable[str] = (),
+                        sections: Optional[Dict[str, str]] = None) -> None:
+    """Adds one flag per field of dataclass ``cls``, so the dataclass stays the one declaration of its knobs.
+
+    Each flag is the field's as :func:`add_config_flags` makes it (``--field-name``, typed by the annotation,
+    the docstring below the field as help) with the field's default as its default (stated in the help
+    unless the docstring speaks of it; a repeatable flag says so), adjusted by the field's :func:`flag`
+    metadata. Fields in ``skip`` get no flag; ``sections`` maps a field to its ``--help`` section (where its
+    metadata names none).
+    """
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    containers: Dict[Any, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        spec = dict(f.metadata.get(FLAG_METADATA, {}))
+        section, exclusive = spec.pop("section", (sections or {}).get(f.name)), spec.pop("exclusive", None)
+        spec.setdefault("default", _field_default(f))
+        target = parser
+        if section:
+            if section not in containers:
+                containers[section] = parser.add_argument_group(section)
+            target = containers[section]
+        if exclusive:
+            if (section, exclusive) not in containers:
+                containers[section, exclusive] = target.add_mutually_exclusive_group()
+            target = containers[section, exclusive]
+        doc = " ".join(docs.get(f.name, "").split()).replace("%", "%%")  # argparse formats help with %
+        default = spec["default"]
+        if ("default" not in doc.lower() and default not in (None, False, [], {})
+                and spec.get("action") not in ("store_true", "store_false")):
+            doc += f" (default: {default})"
+        if spec.get("action") == "append":
+            doc += " (repeatable)"
+        _add_field(target, f, hints[f.name], doc, **spec)
 
 
 def add_config_flags(parser: argparse.ArgumentParser, groups: Iterable[str] = DominoConfig.GROUPS) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 _EXPORTS = {
     "evaluate_checkpoint": "domino.eval.evaluate",
+    "EvalSettings": "domino.eval.settings",
     "evaluate_batches": "domino.eval.metrics",
     "vocab_parallel_argmax": "domino.eval.metrics",
     "Generation": "domino.eval.generate",

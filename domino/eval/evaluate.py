@@ -22,6 +22,7 @@ from domino.data.dataset_builder import build_train_valid_test_datasets, parse_d
 from domino.data.loader import build_pretraining_data_loader
 from domino.eval.metrics import evaluate_batches
 from domino.eval.runtime import default_device, setup_tensor_parallel
+from domino.eval.settings import EvalSettings
 from domino.runtime import state
 
 logger = logging.getLogger(__name__)
@@ -53,15 +54,15 @@ def _data_selection(config: DominoConfig, data_prefix: Union[str, Sequence[str],
     raise ConfigError("the checkpoint records no --data-path or --test-data-path: pass --data-path")
 
 
-def _plan_batches(dataset_len: int, per_step: int, max_batches: Optional[int], max_samples: Optional[int],
+def _plan_batches(dataset_len: int, per_step: int, eval_iters: Optional[int], max_samples: Optional[int],
                   what: str) -> int:
     """Number of micro-batch steps (each ``per_step`` = micro-batch x DP samples) to evaluate."""
     available = dataset_len // per_step
     if available == 0:
         raise ConfigError(f"{what} holds {dataset_len} samples, fewer than one micro-batch x data-parallel size "
                           f"({per_step}); use a smaller --micro-batch-size or --seq-length")
-    if max_batches is not None:
-        wanted = max_batches
+    if eval_iters is not None:
+        wanted = eval_iters
     elif max_samples is not None:
         wanted = math.ceil(max_samples / per_step)
     else:
@@ -72,7 +73,7 @@ def _plan_batches(dataset_len: int, per_step: int, max_batches: Optional[int], m
 
 
 def _open_test_data(selection: Dict[str, Any], what: str, seq: int, seed: int, data_cache_path: Optional[str],
-                    micro_batch_size: int, max_batches: Optional[int], max_samples: Optional[int], vocab_size: int):
+                    micro_batch_size: int, eval_iters: Optional[int], max_samples: Optional[int], vocab_size: int):
     """The test dataset and the number of micro-batch steps to take (collective: every rank calls it).
 
     ``vocab_size``: the checkpoint tokenizer's; a dataset holding a larger token id is refused when it is opened
@@ -81,7 +82,7 @@ def _open_test_data(selection: Dict[str, Any], what: str, seq: int, seed: int, d
     # One pass over a single dataset: ask for one sample, get one whole epoch. An explicit amount larger
     # than an epoch repeats documents, as training does. A blend is exactly as long as asked for, so it
     # needs an explicit amount.
-    wanted = max_samples or (max_batches * per_step if max_batches else 1)
+    wanted = max_samples or (eval_iters * per_step if eval_iters else 1)
     selection = dict(selection)
     _, _, test = build_train_valid_test_datasets(
         splits_string=selection.pop("splits_string"), train_valid_test_num_samples=[0, 0, wanted],
@@ -89,18 +90,15 @@ def _open_test_data(selection: Dict[str, Any], what: str, seq: int, seed: int, d
         **selection)
     if test is None or len(test) == 0:
         raise ConfigError(f"{what} selects no documents to evaluate")
-    return test, _plan_batches(len(test), per_step, max_batches, max_samples, what)
+    return test, _plan_batches(len(test), per_step, eval_iters, max_samples, what)
 
 
 def evaluate_checkpoint(
     load: PathLike,
     data_prefix: Union[str, Sequence[str], None] = None,
+    settings: Optional[EvalSettings] = None,
     *,
     split: Optional[str] = None,
-    max_batches: Optional[int] = None,
-    max_samples: Optional[int] = None,
-    max_tokens: Optional[int] = None,
-    micro_batch_size: int = 4,
     seq_length: Optional[int] = None,
     eod_mask_loss: Optional[bool] = None,
     reset_position_ids: Optional[bool] = None,
@@ -121,11 +119,8 @@ def evaluate_checkpoint(
             the test split of the data the checkpoint was trained on.
         split: with ``data_prefix``, evaluate only the test part of this ``train,valid,test`` split
             (default: every document of ``data_prefix``). Without it, overrides the checkpoint's split.
-        max_batches: evaluate this many micro-batches per data-parallel rank (default: one pass).
-        max_samples: evaluate about this many samples (rounded up to whole micro-batches x DP).
-        max_tokens: evaluate at most about this many tokens (whole micro-batches, rounded up) of one pass
-            over the selection: a budget, which never repeats documents.
-        micro_batch_size: samples per forward pass.
+        settings: how much to evaluate and the micro-batch size (default: :class:`EvalSettings`' defaults, the
+            same as ``domino evaluate``'s).
         seq_length: sample length (default: the checkpoint's ``--seq-length``).
         eod_mask_loss / reset_position_ids / reset_attention_mask: override the checkpoint's setting.
         tensor_model_parallel_size: TP size (default: the number of processes).
@@ -145,11 +140,10 @@ def evaluate_checkpoint(
     from domino.checkpoint.model_loading import build_model_from_checkpoint
     from domino.checkpoint.on_disk import read_checkpoint_meta, resolve_checkpoint_dir
 
-    if micro_batch_size < 1:
-        raise ConfigError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
-    for name, value in (("--eval-iters", max_batches), ("--max-samples", max_samples), ("--eval-tokens", max_tokens)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{name} must be >= 1, got {value}")
+    settings = settings or EvalSettings()
+    settings.check()
+    micro_batch_size, eval_iters, max_samples = settings.micro_batch_size, settings.eval_iters, settings.max_samples
+    max_tokens = settings.token_budget
     ckpt_dir = resolve_checkpoint_dir(load)
     config = config_from_dict(read_checkpoint_meta(ckpt_dir)["config"])
     seq = seq_length or config.model.seq_length
@@ -165,7 +159,7 @@ def evaluate_checkpoint(
     if max_tokens is not None and _is_blend(selection):
         # A blend is exactly as long as asked for: the budget is its length.
         max_samples, max_tokens = math.ceil(max_tokens / seq), None
-    if max_batches is None and max_samples is None and _is_blend(selection):
+    if eval_iters is None and max_samples is None and _is_blend(selection):
         raise ConfigError(f"{what} is a blend of datasets: give --eval-tokens N, --eval-iters or "
                           "--max-samples (a blend has no natural single pass)")
 
@@ -177,7 +171,7 @@ def evaluate_checkpoint(
     # Every rank builds the dataset (the index cache is built by global rank 0 in an agreement that all
     # ranks join) and so knows the number of steps; only TP rank 0 reads batches, get_batch broadcasts them.
     test, steps = _open_test_data(selection, what, seq, config.train.seed if seed is None else seed,
-                                  data_cache_path, micro_batch_size, max_batches, max_samples, tokenizer.vocab_size)
+                                  data_cache_path, micro_batch_size, eval_iters, max_samples, tokenizer.vocab_size)
     if max_tokens is not None:
         # A budget caps one pass over the selection; unlike --max-samples it never repeats documents.
         steps = min(steps, math.ceil(max_tokens / (seq * per_step)))

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
+from domino.config.flags import flag
+
 #: Where the shared ReadWriteMany volume (data, checkpoints) is mounted in every pod.
 DEFAULT_MOUNT_PATH = "/mnt/domino"
 #: The Master's rendezvous port (the operator's ``pytorchjob-port``).
@@ -45,6 +47,16 @@ CREDENTIAL_NAME = re.compile(r"(?:^|_)(?:TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|A
 #: The default of :attr:`JobSpec.start_timeout_s`: a first pull of the multi-GB CUDA image on a fresh node
 #: takes minutes (tens of them on a slow registry link), and every node of a job pulls at its own pace.
 DEFAULT_START_TIMEOUT_S = 1200
+
+
+def parse_nproc(text: str) -> Union[int, str]:
+    """``--nproc-per-node``: a count (``"4"`` -> 4), or a word torchrun knows (auto, cpu, gpu)."""
+    return int(text) if text.isdigit() else text
+
+
+def _repeated(name: str, metavar: str) -> Dict[str, Any]:
+    """The flag of a ``Dict`` or ``List`` field: repeatable, its items as typed (``KEY=VALUE``...)."""
+    return flag(name, action="append", default=[], metavar=metavar)
 
 
 def credential_names(env: Dict[str, str]) -> List[str]:
@@ -104,19 +116,19 @@ class JobSpec:
     notation (``"8"``, ``"500m"``, ``"64Gi"``). ``None`` leaves a setting to the cluster's defaults.
     """
 
-    name: str
+    name: str = field(metadata=flag(required=True))
     """Base job name (DNS-1035); the per-run job name appends a run suffix (see domino.launch.naming)."""
     image: str
     """Container image holding the domino package (see the Dockerfile)."""
     pretrain_args: List[str] = field(default_factory=list)
     """Arguments for ``domino pretrain`` (the config flags)."""
-    command: Optional[List[str]] = None
+    command: Optional[List[str]] = field(default=None, metadata=flag(type=str, nargs=None, metavar="'CMD ARG...'"))
     """Full container command overriding ``torchrun -m domino pretrain ARGS``; used verbatim."""
-    namespace: str = field(default_factory=default_namespace)
+    namespace: str = field(default_factory=default_namespace, metadata=flag(default=None))
     """Namespace of the job (and of the PVC); default ``$POD_NAMESPACE``, else ``domino``."""
     nodes: int = 1
     """Pods: 1 Master plus nodes-1 Workers."""
-    nproc_per_node: Union[int, str] = 1
+    nproc_per_node: Union[int, str] = field(default=1, metadata=flag(type=parse_nproc, metavar="N"))
     """Processes per pod (torchrun's --nproc-per-node): an integer, or auto, cpu, gpu."""
     gpus_per_node: int = 0
     """``nvidia.com/gpu`` requested (and limited) per pod."""
@@ -136,38 +148,39 @@ class JobSpec:
     """Where the PVC is mounted in every pod."""
     checkpoint_dir: Optional[str] = None
     """--save/--load directory; default ``<mount_path>/checkpoints/<job name>`` (a restarted pod resumes)."""
-    node_selector: Dict[str, str] = field(default_factory=dict)
+    node_selector: Dict[str, str] = field(default_factory=dict, metadata=_repeated("--node-selector", "KEY=VALUE"))
     """Pod node selector."""
-    tolerations: List[Toleration] = field(default_factory=list)
+    tolerations: List[Toleration] = field(default_factory=list,
+                                          metadata=_repeated("--toleration", "KEY[=VALUE][:EFFECT]"))
     """Pod tolerations."""
-    gpu_toleration: bool = True
+    gpu_toleration: bool = field(default=True, metadata=flag("--no-gpu-toleration", action="store_false"))
     """GPU pods tolerate the ``nvidia.com/gpu`` taint GPU node pools carry (see domino.launch.defaults);
-    a toleration of your own for that key replaces it."""
+    ``--no-gpu-toleration`` leaves that toleration out, and a toleration of your own for that key replaces it."""
     priority_class: Optional[str] = None
     """PriorityClass name of the pods."""
-    image_pull_secrets: List[str] = field(default_factory=list)
+    image_pull_secrets: List[str] = field(default_factory=list, metadata=_repeated("--image-pull-secret", "SECRET"))
     """Secrets for pulling the image from a private registry."""
-    image_pull_policy: str = "IfNotPresent"
+    image_pull_policy: str = field(default="IfNotPresent", metadata=flag(choices=PULL_POLICIES))
     """Always, IfNotPresent or Never."""
     service_account: Optional[str] = None
     """ServiceAccount of the training pods (they need no API access; the token is not mounted)."""
-    env: Dict[str, str] = field(default_factory=dict)
+    env: Dict[str, str] = field(default_factory=dict, metadata=_repeated("--env", "KEY=VALUE"))
     """Extra environment variables of the training container (literal values, written into the job: nothing
     secret)."""
-    secret_env: Dict[str, str] = field(default_factory=dict)
+    secret_env: Dict[str, str] = field(default_factory=dict, metadata=_repeated("--env-secret", "NAME=SECRET:KEY"))
     """Environment variables read from Secrets when the pod starts (``valueFrom.secretKeyRef``):
     ``NAME -> "SECRET:KEY"`` (required: the pod does not start without it), or ``NAME -> "SECRET"`` (the key
     named like the variable, optional: a missing Secret or key leaves it unset). Credentials go here, never
     into ``env``: the job holds only the reference."""
-    env_from_secrets: List[str] = field(default_factory=list)
+    env_from_secrets: List[str] = field(default_factory=list, metadata=_repeated("--env-from-secret", "SECRET"))
     """Secrets whose every key becomes an environment variable of the training container (``envFrom``)."""
-    labels: Dict[str, str] = field(default_factory=dict)
+    labels: Dict[str, str] = field(default_factory=dict, metadata=_repeated("--label", "KEY=VALUE"))
     """Extra labels on the job and its pods."""
-    annotations: Dict[str, str] = field(default_factory=dict)
+    annotations: Dict[str, str] = field(default_factory=dict, metadata=_repeated("--annotation", "KEY=VALUE"))
     """Extra annotations on the job and its pods."""
     owner: Optional[str] = None
     """Who launched the job (the ``domino/owner`` label); default: $USER or ``domino``."""
-    restart_policy: str = "OnFailure"
+    restart_policy: str = field(default="OnFailure", metadata=flag(choices=RESTART_POLICIES))
     """OnFailure (restart any failed pod, counted against backoff_limit) or ExitCode (retry exit codes
     128-255 without counting them; 1-127 are permanent). See docs/cluster.md, "Restarts"."""
     backoff_limit: Optional[int] = None
@@ -177,29 +190,30 @@ class JobSpec:
     """Cluster-side time limit of the job."""
     ttl_seconds_after_finished: Optional[int] = 86400
     """The operator deletes the finished job after this many seconds."""
-    clean_pod_policy: str = "Running"
+    clean_pod_policy: str = field(default="Running", metadata=flag(choices=CLEAN_POD_POLICIES))
     """Pods deleted when the job finishes: All, Running (still-running ones) or None."""
-    start_timeout_s: int = DEFAULT_START_TIMEOUT_S
+    start_timeout_s: int = field(default=DEFAULT_START_TIMEOUT_S, metadata=flag("--start-timeout", metavar="SECONDS"))
     """Seconds the nodes wait for each other when the job (re)starts: torchrun's rendezvous timeout
     (``PET_RDZV_CONF=timeout=N``, the static rendezvous's TCPStore wait), at least a cold pull of the image
     on a fresh node. The Workers' init container waits as long cluster-wide (k8s/operator)."""
-    termination_grace_period_s: int = 180
+    termination_grace_period_s: int = field(default=180, metadata=flag("--termination-grace-period", metavar="SECONDS"))
     """Seconds between SIGTERM and SIGKILL for a deleted or evicted pod: ``--exit-signal-handler``
     finishes the iteration and saves a checkpoint in this time."""
-    queue: Optional[str] = None
+    queue: Optional[str] = field(default=None, metadata=flag(metavar="LOCALQUEUE"))
     """Kueue LocalQueue: the job gets the ``kueue.x-k8s.io/queue-name`` label; Kueue's webhook suspends
     it at creation and Kueue resumes it once admitted."""
-    scheduling_policy: bool = False
+    scheduling_policy: bool = field(default=False, metadata=flag(action="store_true"))
     """Fill ``runPolicy.schedulingPolicy`` (minAvailable = all pods, queue, priorityClass) for gang
     scheduling by volcano or scheduler-plugins (the operator's ``--gang-scheduler-name``)."""
-    rdma_resources: Dict[str, str] = field(default_factory=dict)
+    rdma_resources: Dict[str, str] = field(default_factory=dict,
+                                           metadata=_repeated("--rdma-resource", "RESOURCE=COUNT"))
     """The fast network (docs/cluster.md, "Fast network"): extended resources of an RDMA device plugin per
     pod (e.g. ``rdma/rdma_shared_device_a: "1"``); the container also gets the ``IPC_LOCK`` capability RDMA
     memory registration needs, which Pod Security "restricted" and "baseline" both refuse."""
     gpu_memory_gb: Optional[float] = None
     """Memory of one GPU in GiB: refuse, before creating anything, a layout whose memory estimate
     (``domino estimate``) does not fit; None: no check."""
-    parallel_layout: str = "given"
+    parallel_layout: str = field(default="given", metadata=flag(choices=PARALLEL_LAYOUTS))
     """Who picks the layout: ``given`` (the pretrain arguments' ``--tensor-model-parallel-size``, DP the rest)
     or ``derive`` (the launcher picks the smallest tensor-parallel size within one pod that the model admits
     and, with ``gpu_memory_gb``, fits; DP across the pods; a given ``--tensor-model-parallel-size`` is the

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from components import declare, kfp_functions
+from components import declare, kfp_component, kfp_functions
 from components.declare import NOT_SET, config_field, settings_parameters
 from domino.config.flags import config_field_types
 from pipelines.gpt_pretrain import PIPELINE_DEFAULTS, WIRED, build_pipeline
@@ -20,13 +20,7 @@ GIVEN_DEFAULTS = {"train_iters": 20, "tensor_model_parallel_size": 2}
 
 
 def _built(component):
-    module = {"plan_preprocess": ("preprocess", "build_plan"), "preprocess": ("preprocess", "build"),
-              "train_tokenizer": ("tokenizer", "build"), "merge_datasets": ("merge", "build"),
-              "promote_model": ("promote", "build"), "cleanup_job": ("cleanup", "build")}.get(
-        component.function, (component.function, "build"))
-    import importlib
-
-    return getattr(importlib.import_module(f"components.{module[0]}.component"), module[1])("img:1")
+    return kfp_component(getattr(kfp_functions, component.function), "img:1")
 
 
 def test_the_generated_functions_are_fresh():

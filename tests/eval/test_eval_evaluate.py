@@ -9,6 +9,7 @@ import torch
 from distributed_helpers import run_distributed
 from domino.config import ConfigError
 from domino.eval.evaluate import evaluate_checkpoint
+from domino.eval.settings import EvalSettings
 from eval_checkpoints import run_cli, save_checkpoint, tiny_config, tiny_model, tiny_tokenizer, write_token_dataset
 
 
@@ -28,8 +29,10 @@ def setup(tmp_path_factory):
     return root, prefix, ckpts, tokenizer
 
 
-def _eval(ckpt, prefix, root, **kwargs):
-    return evaluate_checkpoint(ckpt, prefix, micro_batch_size=4, data_cache_path=str(root / "cache"), **kwargs)
+def _eval(ckpt, prefix, root, eval_iters=None, max_samples=None, **kwargs):
+    """One pass at micro-batch 4 unless ``eval_iters`` or ``max_samples`` says otherwise."""
+    settings = EvalSettings(eval_tokens=None, eval_iters=eval_iters, max_samples=max_samples, micro_batch_size=4)
+    return evaluate_checkpoint(ckpt, prefix, settings, data_cache_path=str(root / "cache"), **kwargs)
 
 
 def test_single_process_metrics(setup):
@@ -42,11 +45,11 @@ def test_single_process_metrics(setup):
     masked = _eval(ckpts["tp1"], prefix, root, eod_mask_loss=True)
     assert 0 < full["tokens"] - masked["tokens"] <= 16 + full["samples"]  # one EOD per document at most
     assert masked["loss"] != full["loss"]
-    one = _eval(ckpts["tp1"], prefix, root, max_batches=1)
+    one = _eval(ckpts["tp1"], prefix, root, eval_iters=1)
     assert one["batches"] == 1 and one["samples"] == 4
     assert _eval(ckpts["tp1"], prefix, root, max_samples=5)["samples"] == 8  # whole micro-batches
     # Without --data-path: the test split of the checkpoint's own data (a quarter of the documents).
-    test_split = evaluate_checkpoint(ckpts["tp1"], micro_batch_size=1)
+    test_split = evaluate_checkpoint(ckpts["tp1"], settings=EvalSettings(eval_tokens=None, micro_batch_size=1))
     assert 0 < test_split["samples"] < full["samples"] and "test split 50,25,25" in test_split["data"]
 
 
@@ -55,7 +58,8 @@ def _distributed_body(rank, world, ckpts, prefix, root):
 
     out = {name: _eval(ckpt, prefix, root) for name, ckpt in ckpts.items()}  # TP=2
     state.destroy_model_parallel()
-    out["dp2"] = evaluate_checkpoint(ckpts["tp1"], prefix, micro_batch_size=2, tensor_model_parallel_size=1,
+    out["dp2"] = evaluate_checkpoint(ckpts["tp1"], prefix, EvalSettings(eval_tokens=None, micro_batch_size=2),
+                                     tensor_model_parallel_size=1,
                                      data_cache_path=str(root / "cache"))
     return out
 
@@ -79,7 +83,8 @@ def test_clear_errors(setup, tmp_path):
     with pytest.raises(ConfigError, match="--seq-length 64"):
         evaluate_checkpoint(ckpts["tp1"], prefix, seq_length=64)
     with pytest.raises(ConfigError, match="fewer than one micro-batch"):
-        evaluate_checkpoint(ckpts["tp1"], prefix, micro_batch_size=1000, data_cache_path=str(root / "cache"))
+        evaluate_checkpoint(ckpts["tp1"], prefix, EvalSettings(micro_batch_size=1000),
+                            data_cache_path=str(root / "cache"))
 
 
 def test_a_dataset_of_another_tokenizer_is_refused(setup, tmp_path):

@@ -11,6 +11,7 @@ import transformers
 from domino.config import ConfigError
 from domino.eval.evaluate import evaluate_checkpoint
 from domino.eval.generate import generate_ids
+from domino.eval.settings import EvalSettings
 from domino.checkpoint.hf_interop import export_hf, import_hf
 from domino.checkpoint import on_disk as wio
 from domino.checkpoint import model_loading
@@ -77,7 +78,7 @@ def test_import_round_trip_generate_and_evaluate(saved, capsys):
     assert code == 0
     assert json.loads(stdout)["token_ids"] == generate_ids(model, [3, 4, 5], 8, vocab_size=tokenizer.vocab_size)
     prefix = write_token_dataset(root / "data" / "corpus", tokenizer.vocab_size, documents=8, eod=tokenizer.eod)
-    results = [evaluate_checkpoint(path, prefix, micro_batch_size=2, seq_length=16,
+    results = [evaluate_checkpoint(path, prefix, EvalSettings(eval_tokens=None, micro_batch_size=2), seq_length=16,
                                    data_cache_path=str(root / "cache")) for path in (root / "ckpt", ckpt)]
     assert math.isfinite(results[0]["loss"]) and results[0]["tokens"] > 0
     assert results[1]["loss"] == pytest.approx(results[0]["loss"], rel=1e-5)  # TP=2 original == imported
