@@ -50,9 +50,9 @@ def _rank(rank, world, port, micro_batches, steps, link, bucket, out):
     from domino.runtime.network_emulator import LinkEmulator, all_reduce_wire_bytes, parse_spec
     from domino.train import pipeline_step
 
-    state.initialize_model_parallel(1, pipeline_model_parallel_size=2)
+    mesh = state.initialize_model_parallel(1, pipeline_model_parallel_size=2)
     emulator = LinkEmulator(parse_spec(link))
-    dp_group, dp = state.get_data_parallel_group(), state.get_data_parallel_world_size()
+    dp_group, dp = mesh.dp.process_group, mesh.dp.size
     real_all_reduce = dist.all_reduce
 
     def emulated_all_reduce(tensor, group=None, async_op=False, **kwargs):
@@ -76,17 +76,17 @@ def _rank(rank, world, port, micro_batches, steps, link, bucket, out):
     torch.manual_seed(0)
     config = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, seq_length=SEQ,
                          max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
-    model = split_model(GPTModel(config, VOCAB), state.get_pipeline_model_parallel_rank(), 2, 1)
-    g = torch.Generator().manual_seed(state.get_data_parallel_rank())
+    model = split_model(GPTModel(config, VOCAB), mesh.pp.rank, 2, 1)
+    g = torch.Generator().manual_seed(mesh.dp.rank)
     b = MICRO * micro_batches
     tokens, labels = (torch.randint(0, VOCAB, (b, SEQ), generator=g) for _ in range(2))
     mask = torch.ones(b, SEQ)
-    tied = tied_embedding_weight(model)
+    tied = tied_embedding_weight(model, mesh)
     result = {}
     for mode in ("without", "with", "without", "with"):  # alternated: the machine's load drifts
-        overlap = (grad_overlap.OverlappedGradReduce(list(model.parameters()), exclude=tied, bucket_elements=bucket)
-                   if mode == "with" else None)
-        schedule = StageSchedule(model, num_microbatches=micro_batches, micro_batch_size=MICRO, seq_length=SEQ,
+        overlap = (grad_overlap.OverlappedGradReduce(list(model.parameters()), mesh.dp, exclude=tied,
+                                                     bucket_elements=bucket) if mode == "with" else None)
+        schedule = StageSchedule(model, mesh.pp, num_microbatches=micro_batches, micro_batch_size=MICRO, seq_length=SEQ,
                                  hidden_size=HIDDEN, scale_grads=overlap is None)
         exposed, steps_s = [], []
         for n in range(steps + 1):  # the first step warms up
@@ -99,11 +99,12 @@ def _rank(rank, world, port, micro_batches, steps, link, bucket, out):
             after_backward = time.perf_counter()
             if overlap is not None:
                 overlap.finish()
-                sync_tied_embeddings(model)
-                pipeline_step.average_over_data_parallel([tied.grad] if tied is not None else [])
+                sync_tied_embeddings(model, mesh)
+                pipeline_step.average_over_data_parallel([tied.grad] if tied is not None else [], mesh.dp)
             else:
-                sync_tied_embeddings(model)
-                pipeline_step.average_over_data_parallel([p.grad for p in model.parameters() if p.grad is not None])
+                sync_tied_embeddings(model, mesh)
+                pipeline_step.average_over_data_parallel([p.grad for p in model.parameters() if p.grad is not None],
+                                                         mesh.dp)
             end = time.perf_counter()
             if n:
                 exposed.append(end - after_backward)

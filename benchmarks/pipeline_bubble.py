@@ -101,6 +101,7 @@ def _stages(rank: int, world: int, m: int, chunks: int):
     from domino.model import GPTModel
     from domino.pipeline.schedule import StageSchedule
     from domino.pipeline.stages import split_model
+    from domino.runtime import state
 
     torch.manual_seed(0)
     config = ModelConfig(num_layers=world * CHUNKS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
@@ -108,8 +109,9 @@ def _stages(rank: int, world: int, m: int, chunks: int):
     g = torch.Generator().manual_seed(1)
     tokens, labels = (torch.randint(0, VOCAB, (m * MICRO, SEQ), generator=g) for _ in range(2))
     mask = torch.ones(m * MICRO, SEQ)
-    pipeline = StageSchedule(split_model(GPTModel(config, VOCAB), rank, world, chunks), num_microbatches=m,
-                             micro_batch_size=MICRO, seq_length=SEQ, hidden_size=HIDDEN)
+    pipeline = StageSchedule(split_model(GPTModel(config, VOCAB), rank, world, chunks),
+                             state.current_mesh().pp, num_microbatches=m, micro_batch_size=MICRO, seq_length=SEQ,
+                             hidden_size=HIDDEN)
     return pipeline.stages, lambda: pipeline.train_step(tokens, labels, mask)
 
 

@@ -123,7 +123,8 @@ class Layout:
         if sequence_parallel:
             apply_sequence_parallel(model)
         self.model = apply_domino(model, chunks)
-        self.pipeline = StageSchedule(self.model, num_microbatches=shape.micro_batches,
+        self.mesh = mesh
+        self.pipeline = StageSchedule(self.model, mesh.pp, num_microbatches=shape.micro_batches,
                                       micro_batch_size=shape.micro_batch_size, seq_length=shape.seq,
                                       hidden_size=shape.hidden, sequence_parallel=sequence_parallel)
         self.busy = time_stage_compute(self.pipeline.stages)
@@ -138,7 +139,7 @@ class Layout:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.pipeline.train_step(*batch)
         scheduled = time.perf_counter()
-        sync_tied_embeddings(self.model)
+        sync_tied_embeddings(self.model, self.mesh)
         self.optimizer.step()
         dist.barrier()  # the step ends with the slowest rank's
         ended = time.perf_counter()

@@ -23,7 +23,6 @@ from domino.data.loader import build_pretraining_data_loader
 from domino.eval.metrics import evaluate_batches
 from domino.eval.runtime import default_device, setup_tensor_parallel
 from domino.eval.settings import EvalSettings
-from domino.runtime import state
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +72,12 @@ def _plan_batches(dataset_len: int, per_step: int, eval_iters: Optional[int], ma
 
 
 def _open_test_data(selection: Dict[str, Any], what: str, seq: int, seed: int, data_cache_path: Optional[str],
-                    micro_batch_size: int, eval_iters: Optional[int], max_samples: Optional[int], vocab_size: int):
+                    per_step: int, eval_iters: Optional[int], max_samples: Optional[int], vocab_size: int):
     """The test dataset and the number of micro-batch steps to take (collective: every rank calls it).
 
-    ``vocab_size``: the checkpoint tokenizer's; a dataset holding a larger token id is refused when it is opened
+    ``per_step``: the samples of one step over every data-parallel replica; ``vocab_size``: the checkpoint
+    tokenizer's; a dataset holding a larger token id is refused when it is opened
     (it was tokenised with another tokenizer, and would index past the embedding)."""
-    per_step = micro_batch_size * state.get_data_parallel_world_size()
     # One pass over a single dataset: ask for one sample, get one whole epoch. An explicit amount larger
     # than an epoch repeats documents, as training does. A blend is exactly as long as asked for, so it
     # needs an explicit amount.
@@ -171,7 +170,7 @@ def evaluate_checkpoint(
     # Every rank builds the dataset (the index cache is built by global rank 0 in an agreement that all
     # ranks join) and so knows the number of steps; only TP rank 0 reads batches, get_batch broadcasts them.
     test, steps = _open_test_data(selection, what, seq, config.train.seed if seed is None else seed,
-                                  data_cache_path, micro_batch_size, eval_iters, max_samples, tokenizer.vocab_size)
+                                  data_cache_path, per_step, eval_iters, max_samples, tokenizer.vocab_size)
     if max_tokens is not None:
         # A budget caps one pass over the selection; unlike --max-samples it never repeats documents.
         steps = min(steps, math.ceil(max_tokens / (seq * per_step)))

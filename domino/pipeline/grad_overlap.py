@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from domino.runtime import state
+from domino.runtime.mesh import MeshGroup
 
 #: Elements per bucket: Megatron's default ``--ddp-bucket-size`` (``max(40000000, 1000000 * dp)``,
 #: ``megatron/core/distributed/distributed_data_parallel.py`` at d98e8a64).
@@ -49,6 +49,7 @@ class OverlappedGradReduce:
     Args:
         params: the stage's parameters (all chunks'), in registration order; buckets are cut in reverse order,
             the order the backward makes gradients final.
+        dp: the data-parallel group the buckets are averaged over (``ParallelMesh.dp``).
         exclude: parameters reduced after the schedule instead (the tied embedding copy).
         bucket_elements: elements per bucket (at least one parameter each).
         main_grad: ``main_grad(param)`` is the tensor the parameter's gradient accumulates in when it is not
@@ -59,13 +60,12 @@ class OverlappedGradReduce:
             ``scale_grads``).
     """
 
-    def __init__(self, params: List[nn.Parameter], exclude: Optional[nn.Parameter] = None,
+    def __init__(self, params: List[nn.Parameter], dp: MeshGroup, exclude: Optional[nn.Parameter] = None,
                  bucket_elements: Optional[int] = None,
                  main_grad: Optional[Callable[[nn.Parameter], torch.Tensor]] = None) -> None:
-        dp = state.get_data_parallel_world_size()
-        size = bucket_elements or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * dp)
-        self.group = state.get_data_parallel_group()
-        self.dp = dp
+        size = bucket_elements or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * dp.size)
+        self.group = dp.process_group
+        self.dp = dp.size
         self.main_grad = main_grad
         self.excluded = [p for p in params if p is exclude]
         self.buckets: List[List[nn.Parameter]] = []

@@ -18,13 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 from domino.pipeline.stages import is_shared_copy
-from domino.runtime import state
+from domino.runtime.mesh import ParallelMesh
 
 
-def tied_embedding_weight(model: nn.Module) -> Optional[nn.Parameter]:
+def tied_embedding_weight(model: nn.Module, mesh: ParallelMesh) -> Optional[nn.Parameter]:
     """This stage's copy of the tied word embeddings: the first stage's lookup table, the last stage's output
-    layer; None on a middle stage, with untied output weights, or at one stage."""
-    if state.get_pipeline_model_parallel_world_size() == 1 or model.config.untie_embeddings_and_output_weights:
+    layer; None on a middle stage, with untied output weights, or at one stage of ``mesh.pp``."""
+    if mesh.pp.size == 1 or model.config.untie_embeddings_and_output_weights:
         return None
     if model.pre_process:
         return model.embedding.word_embeddings.weight
@@ -33,15 +33,17 @@ def tied_embedding_weight(model: nn.Module) -> Optional[nn.Parameter]:
     return None
 
 
-def sync_tied_embeddings(model: nn.Module, main_grads: Optional[Dict[nn.Parameter, torch.Tensor]] = None) -> None:
-    """Sums the tied word embeddings' gradient over the first and the last stage (a no-op elsewhere and at one
-    stage). Call it on every rank after the schedule's backward, before gradient clipping and the step.
+def sync_tied_embeddings(model: nn.Module, mesh: ParallelMesh,
+                         main_grads: Optional[Dict[nn.Parameter, torch.Tensor]] = None) -> None:
+    """Sums the tied word embeddings' gradient over the first and the last stage (``mesh.embedding``; a no-op
+    elsewhere and at one stage). Call it on every rank after the schedule's backward, before gradient clipping and
+    the step.
     ``main_grads`` maps parameters to the fp32 buffers their gradients accumulate in (a bf16 run's), else
     ``.grad`` is summed."""
-    weight = tied_embedding_weight(model)
-    group = state.get_embedding_group()
-    if weight is None or group is None:
+    weight = tied_embedding_weight(model, mesh)
+    if weight is None or mesh.embedding is None:
         return
+    group = mesh.embedding.process_group
     if main_grads is not None:
         dist.all_reduce(main_grads[weight], group=group)  # synchronous: the step reads it next
         return

@@ -37,7 +37,7 @@ from torch.distributed.pipelining import (
 
 from domino.config.pipeline_schedule import microbatch_problems
 from domino.pipeline.stages import model_chunks, virtual_stage
-from domino.runtime import state
+from domino.runtime.mesh import MeshGroup, collective_device
 
 
 def masked_mean_loss(per_token_losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -54,6 +54,7 @@ class StageSchedule:
 
     Args:
         model: the stage.
+        pp: this rank's pipeline (``ParallelMesh.pp``), whose stages exchange activations.
         num_microbatches: micro-batches per optimizer step on this data-parallel rank (>= the stage count; with
             chunks, a multiple of it).
         micro_batch_size: samples per micro-batch.
@@ -68,10 +69,11 @@ class StageSchedule:
         ValueError: the micro-batch count is one the schedule cannot run (checked earlier by the config validation).
     """
 
-    def __init__(self, model: nn.Module, *, num_microbatches: int, micro_batch_size: int, seq_length: int,
-                 hidden_size: int, sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
-                 scale_grads: bool = True) -> None:
-        stages, rank = state.get_pipeline_model_parallel_world_size(), state.get_pipeline_model_parallel_rank()
+    def __init__(self, model: nn.Module, pp: MeshGroup, *, num_microbatches: int, micro_batch_size: int,
+                 seq_length: int, hidden_size: int, sequence_parallel: bool = False,
+                 dtype: torch.dtype = torch.float32, scale_grads: bool = True) -> None:
+        stages, rank = pp.size, pp.rank
+        self.pp = pp
         self.chunks: Sequence[nn.Module] = model_chunks(model)
         if num_microbatches < stages:
             raise ValueError(f"{num_microbatches} micro-batches per step are fewer than the {stages} pipeline stages "
@@ -85,7 +87,7 @@ class StageSchedule:
         self.num_virtual_stages = stages * len(self.chunks)
         self.indices = [virtual_stage(rank, c, stages) for c in range(len(self.chunks))]
         self.is_first, self.is_last = self.indices[0] == 0, self.indices[-1] == self.num_virtual_stages - 1
-        tp = state.get_tensor_model_parallel_world_size()
+        tp = self.chunks[0].tp.size  # the stage's TP group: with SP each rank passes on its sequence slice
         local_seq = seq_length // tp if sequence_parallel and tp > 1 else seq_length
         self._hidden = torch.empty(local_seq, micro_batch_size, hidden_size, dtype=dtype, device="meta",
                                    requires_grad=True)
@@ -118,8 +120,8 @@ class StageSchedule:
 
     def _new_stages(self) -> List[PipelineStage]:
         """One ``PipelineStage`` per chunk, with its shapes given up front."""
-        group = state.get_pipeline_model_parallel_group()
-        device = state.collective_device(group)
+        group = self.pp.process_group
+        device = collective_device(group)
         out = []
         for chunk, index in zip(self.chunks, self.indices):
             first, last = index == 0, index == self.num_virtual_stages - 1
@@ -146,8 +148,7 @@ class StageSchedule:
         labels (it reads no batch)."""
         b, s = count * self.micro_batch_size, self._tokens.shape[1]
         if position_ids is None:
-            position_ids = torch.arange(s, device=state.collective_device(
-                state.get_pipeline_model_parallel_group())).unsqueeze(0)
+            position_ids = torch.arange(s, device=collective_device(self.pp.process_group)).unsqueeze(0)
         kwargs: Dict[str, torch.Tensor] = {"position_ids": position_ids.expand(b, s)}  # split with the batch
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.expand(b, *attention_mask.shape[1:])
@@ -191,14 +192,13 @@ class StageSchedule:
     def _broadcast_mean(self, losses: List[torch.Tensor], scaled: bool = False) -> torch.Tensor:
         """The mean of the last stage's micro-batch losses, on every stage of the pipeline (``scaled``: the training
         losses, divided by the fp16 loss scale again)."""
-        group = state.get_pipeline_model_parallel_group()
-        device = state.collective_device(group)
+        group = self.pp.process_group
+        device = collective_device(group)
         if self.is_last:
             mean = torch.stack([loss.detach().float() for loss in losses]).mean().reshape(1)
             if scaled and self.loss_scale is not None:
                 mean = mean / self.loss_scale  # a power of two: the unscaled mean exactly
         else:
             mean = torch.zeros(1, device=device)
-        last = dist.get_global_rank(group, dist.get_world_size(group) - 1)
-        dist.broadcast(mean, src=last, group=group)
+        dist.broadcast(mean, src=self.pp.ranks[-1], group=group)  # from the last stage's global rank
         return mean[0]

@@ -112,13 +112,13 @@ def measure_pipeline_training_memory(model_config, vocab_size: int, micro_batch_
     loss_mask = torch.ones(batch, model_config.seq_length)
     with LiveTensorBytes() as mode:
         model = split_model(GPTModel(model_config, vocab_size, tp=mesh.tp), mesh.pp.rank, mesh.pp.size)
-        pipeline = StageSchedule(model, num_microbatches=num_microbatches, micro_batch_size=micro_batch_size,
+        pipeline = StageSchedule(model, mesh.pp, num_microbatches=num_microbatches, micro_batch_size=micro_batch_size,
                                  seq_length=model_config.seq_length, hidden_size=model_config.hidden_size)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         mode.reset_peak()
         for _ in range(steps):
             pipeline.train_step(tokens, labels, loss_mask)
-            sync_tied_embeddings(model)
+            sync_tied_embeddings(model, mesh)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return mode.peak

@@ -44,21 +44,20 @@ from domino.config import ConfigError, DominoConfig
 from domino.pipeline.grad_overlap import OverlappedGradReduce
 from domino.pipeline.gradients import sync_tied_embeddings, tied_embedding_weight
 from domino.pipeline.schedule import StageSchedule
-from domino.runtime import state
+from domino.runtime.mesh import MeshGroup, ParallelMesh
 from domino.train import bf16_step, engine as engine_setup
 from domino.train.gpt_recipe import average_across_data_parallel_group
 
 logger = logging.getLogger(__name__)
 
 
-def average_over_data_parallel(grads: List[torch.Tensor]) -> None:
-    """Replaces every one of ``grads`` by its mean over the data-parallel replicas (one flat all-reduce)."""
-    dp = state.get_data_parallel_world_size()
-    if dp == 1 or not grads:
+def average_over_data_parallel(grads: List[torch.Tensor], dp: MeshGroup) -> None:
+    """Replaces every one of ``grads`` by its mean over the replicas of ``dp`` (one flat all-reduce)."""
+    if dp.size == 1 or not grads:
         return
     flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=state.get_data_parallel_group())  # synchronous: the norm reads it next
-    flat /= dp
+    dist.all_reduce(flat, group=dp.process_group)  # synchronous: the norm reads it next
+    flat /= dp.size
     for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         grad.copy_(reduced)
 
@@ -102,17 +101,18 @@ class PipelineStep:
 
     Args:
         config: the run's configuration.
+        mesh: the run's parallel layout (this rank's pipeline, data-parallel and embedding groups).
         engine: the DeepSpeed engine around this rank's stage.
         get_batch: ``get_batch(data_iterator) -> {tokens, labels, loss_mask, attention_mask, position_ids}`` for one
             micro-batch (:meth:`domino.train.gpt_recipe.GPTRecipe.batch`).
     """
 
-    def __init__(self, config: DominoConfig, engine, get_batch: Optional[Callable[..., Dict[str, torch.Tensor]]],
-                 micro_batches: int) -> None:
+    def __init__(self, config: DominoConfig, mesh: ParallelMesh, engine,
+                 get_batch: Optional[Callable[..., Dict[str, torch.Tensor]]], micro_batches: int) -> None:
         if get_batch is None:
             raise ConfigError("--pipeline-model-parallel-size > 1 needs pretrain(get_batch=...): the pipeline "
                               "schedule, not forward_step, runs the stages")
-        self.config, self.engine, self.get_batch = config, engine, get_batch
+        self.config, self.mesh, self.engine, self.get_batch = config, mesh, engine, get_batch
         self.micro_batches = micro_batches
         #: bf16: each parameter's fp32 main gradient (DeepSpeed's BF16_Optimizer buffers), else None.
         self.main_grads = (bf16_step.main_gradients(engine.optimizer)
@@ -120,8 +120,8 @@ class PipelineStep:
         #: fp16: the optimizer's dynamic loss scale, a 0-d device tensor updated in place each step, else None.
         self.loss_scale = fp16_loss_scale(config, engine)
         #: --overlap-grad-reduce: the buckets whose DP mean the backward launches (domino.pipeline.grad_overlap).
-        self.overlap = (OverlappedGradReduce(list(engine.module.parameters()),
-                                             exclude=tied_embedding_weight(engine.module),
+        self.overlap = (OverlappedGradReduce(list(engine.module.parameters()), mesh.dp,
+                                             exclude=tied_embedding_weight(engine.module, mesh),
                                              main_grad=self.main_grads.__getitem__ if self.main_grads else None)
                         if config.parallel.overlap_grad_reduce else None)
         self._schedules: Dict[int, StageSchedule] = {}
@@ -133,7 +133,7 @@ class PipelineStep:
         self.fields = (({"tokens"} if first else set()) | ({"labels", "loss_mask"} if last else set())
                        | {"position_ids", "attention_mask"})
         logger.info("pipeline stage %d of %d: %s, virtual stages %s (layers %s)%s",
-                    state.get_pipeline_model_parallel_rank(), state.get_pipeline_model_parallel_world_size(),
+                    mesh.pp.rank, mesh.pp.size,
                     "1F1B" if len(chunks) == 1 else f"interleaved 1F1B over {self.schedule.num_virtual_stages} "
                     "virtual stages", ", ".join(map(str, indices)),
                     "; ".join(",".join(map(str, chunk.layers.indices)) for chunk in chunks),
@@ -145,7 +145,7 @@ class PipelineStep:
         if micro_batches not in self._schedules:
             m, t = self.config.model, self.config.train
             self._schedules[micro_batches] = StageSchedule(
-                self.engine.module, num_microbatches=micro_batches, micro_batch_size=t.micro_batch_size,
+                self.engine.module, self.mesh.pp, num_microbatches=micro_batches, micro_batch_size=t.micro_batch_size,
                 seq_length=m.seq_length, hidden_size=m.hidden_size,
                 sequence_parallel=self.config.parallel.sequence_parallel,
                 dtype=next(self.engine.module.parameters()).dtype, scale_grads=self.overlap is None)
@@ -180,12 +180,12 @@ class PipelineStep:
             return self._bf16_step(loss, micro_batches, timers)
         if self.overlap is not None:
             self.overlap.finish()  # every bucket's DP mean, launched from the backward, waited for here
-            sync_tied_embeddings(module)
-            tied = tied_embedding_weight(module)
-            average_over_data_parallel([tied.grad] if tied is not None else [])
+            sync_tied_embeddings(module, self.mesh)
+            tied = tied_embedding_weight(module, self.mesh)
+            average_over_data_parallel([tied.grad] if tied is not None else [], self.mesh.dp)
         else:
-            sync_tied_embeddings(module)
-            average_over_data_parallel([p.grad for p in module.parameters() if p.grad is not None])
+            sync_tied_embeddings(module, self.mesh)
+            average_over_data_parallel([p.grad for p in module.parameters() if p.grad is not None], self.mesh.dp)
         grad_norm = engine_setup.clip_gradients(self.engine, self.config.train.clip_grad, loss_scale=self.loss_scale)
         skipped = None
         if engine_setup.zero_stage(self.config) == 0:
@@ -211,13 +211,13 @@ class PipelineStep:
         # count moved past the backward: the same numbers wherever the count is a power of two.
         if self.overlap is not None:
             self.overlap.finish()  # every bucket's DP mean, launched from the backward, waited for here
-            sync_tied_embeddings(self.engine.module, self.main_grads)
-            tied = tied_embedding_weight(self.engine.module)
-            average_over_data_parallel([self.main_grads[tied]] if tied is not None else [])
+            sync_tied_embeddings(self.engine.module, self.mesh, self.main_grads)
+            tied = tied_embedding_weight(self.engine.module, self.mesh)
+            average_over_data_parallel([self.main_grads[tied]] if tied is not None else [], self.mesh.dp)
         else:
             torch._foreach_mul_(buffers, 1.0 / micro_batches)
-            sync_tied_embeddings(self.engine.module, self.main_grads)
-            average_over_data_parallel(buffers)
+            sync_tied_embeddings(self.engine.module, self.mesh, self.main_grads)
+            average_over_data_parallel(buffers, self.mesh.dp)
         for flags in optimizer.fp32_groups_has_gradients:  # the norm and step of DeepSpeed read every buffer
             flags[:] = [True] * len(flags)
         grad_norm = engine_setup.clip_gradients(self.engine, self.config.train.clip_grad,

@@ -128,7 +128,7 @@ class _Trainer:
         self.padded_vocab_size, self.tokenizer = padded_vocab_size, tokenizer
         t, lg = config.train, config.logging
         self.batches = batch_schedule(config, state.get_data_parallel_world_size())  # the batch of each iteration
-        self.pipeline = PipelineStep(config, engine, get_batch, self.batches.micro_batches_per_step
+        self.pipeline = PipelineStep(config, mesh, engine, get_batch, self.batches.micro_batches_per_step
                                      ) if engine_setup.pipelined(config) else None
         self.gbs = self.batches.global_batch_size
         self.train_iters = t.train_iters if t.train_iters is not None else self.batches.train_iters(t.train_samples)

@@ -97,7 +97,7 @@ def _pipelined_body(rank, world_size, tp, full_sd, batches, variants, sync):
             if sequence_parallel:
                 apply_sequence_parallel(chunk)
             apply_domino(chunk, chunks)
-        pipeline = StageSchedule(model, num_microbatches=MICROBATCHES, micro_batch_size=MICRO, seq_length=SEQ,
+        pipeline = StageSchedule(model, mesh.pp, num_microbatches=MICROBATCHES, micro_batch_size=MICRO, seq_length=SEQ,
                                  hidden_size=32, sequence_parallel=sequence_parallel)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         losses, grads = [], []
@@ -106,7 +106,7 @@ def _pipelined_body(rank, world_size, tp, full_sd, batches, variants, sync):
             losses.append(pipeline.train_step(batch["tokens"], batch["labels"], batch["loss_mask"],
                                               batch["position_ids"]))
             if sync:
-                sync_tied_embeddings(model)
+                sync_tied_embeddings(model, mesh)
             grads.append({n: p.grad.clone() for n, p in model.named_parameters()})  # the whole model's names
             optimizer.step()
         evals = []

@@ -35,26 +35,26 @@ def _batch(dp_rank: int):
 def _grads(full_sd, virtual, overlap_count):
     """This rank's gradients after one step: reduced after the schedule (``overlap_count`` None), or by the
     buckets armed for ``overlap_count`` micro-batches; and how many buckets the backward launched."""
+    mesh = state.current_mesh()
     model = GPTModel(_config(), VOCAB)
     model.load_state_dict(full_sd)
-    model = split_model(model, state.get_pipeline_model_parallel_rank(),
-                        state.get_pipeline_model_parallel_world_size(), virtual)
-    schedule = StageSchedule(model, num_microbatches=MICROBATCHES, micro_batch_size=MICRO, seq_length=SEQ,
+    model = split_model(model, mesh.pp.rank, mesh.pp.size, virtual)
+    schedule = StageSchedule(model, mesh.pp, num_microbatches=MICROBATCHES, micro_batch_size=MICRO, seq_length=SEQ,
                              hidden_size=32, scale_grads=overlap_count is None)
-    tokens, labels, loss_mask = _batch(state.get_data_parallel_rank())
-    tied = tied_embedding_weight(model)
+    tokens, labels, loss_mask = _batch(mesh.dp.rank)
+    tied = tied_embedding_weight(model, mesh)
     if overlap_count is None:
         loss = schedule.train_step(tokens, labels, loss_mask)
-        sync_tied_embeddings(model)
-        average_over_data_parallel([p.grad for p in model.parameters() if p.grad is not None])
+        sync_tied_embeddings(model, mesh)
+        average_over_data_parallel([p.grad for p in model.parameters() if p.grad is not None], mesh.dp)
         return loss, {n: p.grad.clone() for n, p in model.named_parameters()}, 0, 0
-    overlap = OverlappedGradReduce(list(model.parameters()), exclude=tied, bucket_elements=BUCKET)
+    overlap = OverlappedGradReduce(list(model.parameters()), mesh.dp, exclude=tied, bucket_elements=BUCKET)
     overlap.begin(overlap_count)
     loss = schedule.train_step(tokens, labels, loss_mask)
     early = len(overlap._launched)  # launched from the backward's hooks, before finish
     overlap.finish()
-    sync_tied_embeddings(model)
-    average_over_data_parallel([tied.grad] if tied is not None else [])
+    sync_tied_embeddings(model, mesh)
+    average_over_data_parallel([tied.grad] if tied is not None else [], mesh.dp)
     overlap.remove()
     return loss, {n: p.grad.clone() for n, p in model.named_parameters()}, early, len(overlap.buckets)
 
