@@ -194,17 +194,17 @@ def _steps_worker(rank: int, port: int, settings: list, repeats: int, out_dir: s
     def step(name: str) -> tuple:
         model, opt = runs[name]
         dist.barrier()
-        comm_timing.pop_comm_wait_seconds(), comm_timing.pop_modelled_comm_seconds(link)
-        comm_timing.pop_comm_wait_by_site()
+        model.tp.timer.pop_seconds(), comm_timing.pop_modelled_comm_seconds(link)
+        model.tp.timer.pop_by_site()
         started = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = model(tokens, labels=labels).mean()
         loss.backward()
         opt.step()
         elapsed = time.perf_counter() - started
-        return (1000 * elapsed, 1000 * comm_timing.pop_comm_wait_seconds(),
+        return (1000 * elapsed, 1000 * model.tp.timer.pop_seconds(),
                 1000 * comm_timing.pop_modelled_comm_seconds(link), loss.item(),
-                {k: 1000 * v for k, v in comm_timing.pop_comm_wait_by_site().items()})
+                {k: 1000 * v for k, v in model.tp.timer.pop_by_site().items()})
 
     out = {"settings": {}}
     for setting in ["real gloo only", *settings]:

@@ -133,7 +133,7 @@ class Layout:
     def step(self, batch) -> Dict[str, float]:
         """One training step between barriers: its times on this rank (ms) and the step's loss."""
         dist.barrier()
-        comm_timing.pop_comm_wait_seconds(), comm_timing.pop_modelled_comm_seconds(self.link)
+        self.mesh.tp.timer.pop_seconds(), comm_timing.pop_modelled_comm_seconds(self.link)
         self.busy[0] = 0.0
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
@@ -144,7 +144,7 @@ class Layout:
         dist.barrier()  # the step ends with the slowest rank's
         ended = time.perf_counter()
         return {"step_ms": 1000 * (ended - started), "schedule_ms": 1000 * (scheduled - started),
-                "busy_ms": 1000 * self.busy[0], "blocked_ms": 1000 * comm_timing.pop_comm_wait_seconds(),
+                "busy_ms": 1000 * self.busy[0], "blocked_ms": 1000 * self.mesh.tp.timer.pop_seconds(),
                 "modelled_ms": 1000 * comm_timing.pop_modelled_comm_seconds(self.link), "loss": loss.item()}
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from domino.config import DataConfig
-from domino.runtime import state
+from domino.runtime.mesh import SINGLE, MeshGroup, collective_device
 
 
 def get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int, reset_position_ids: bool,
@@ -69,22 +69,24 @@ def _to_device(text: torch.Tensor, device: torch.device) -> torch.Tensor:
     return text.to(device=device, dtype=torch.long, non_blocking=True)
 
 
-def broadcast_text(text: Optional[torch.Tensor], shape: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-    """``text`` from the tensor-parallel source rank on every rank of its group (int64, 2-D).
+def broadcast_text(text: Optional[torch.Tensor], tp: MeshGroup, shape: Optional[Tuple[int, int]] = None
+                   ) -> torch.Tensor:
+    """``text`` from the first rank of ``tp`` (the source) on every rank of the group (int64, 2-D).
 
     Args:
         text: the batch on the source rank (None on the others).
+        tp: the tensor-parallel group whose first rank read the batch.
         shape: the batch shape every rank expects; then only the tokens are broadcast. Without it the
             shape is broadcast first, and the receivers read it on the host (a device sync under NCCL).
     """
-    group = state.get_tensor_model_parallel_group()
-    if not dist.is_initialized() or state.get_tensor_model_parallel_world_size() == 1:
+    group = tp.process_group
+    if tp.size == 1:
         if text is None:
             raise ValueError("get_batch needs a data iterator on this rank")
         _check_shape(text, shape)
         return text.long()
-    device = state.collective_device(group)
-    source = state.get_tensor_model_parallel_src_rank()
+    device = collective_device(group)
+    source = tp.first_rank
     if dist.get_rank() == source:
         if text is None:
             raise ValueError("the first rank of each tensor-parallel group needs a data iterator")
@@ -103,7 +105,7 @@ def broadcast_text(text: Optional[torch.Tensor], shape: Optional[Tuple[int, int]
 
 
 def get_batch(data_iterator: Optional[Iterator], data_config: DataConfig, eod_token: int,
-              shape: Optional[Tuple[int, int]] = None):
+              shape: Optional[Tuple[int, int]] = None, tp: MeshGroup = SINGLE):
     """The next batch as ``(tokens, labels, loss_mask, attention_mask, position_ids)``.
 
     Tensor-parallel rank 0 reads ``next(data_iterator)`` (a dict with ``"text"`` ``[b, s + 1]``) and
@@ -111,15 +113,16 @@ def get_batch(data_iterator: Optional[Iterator], data_config: DataConfig, eod_to
     ``labels = text[:, 1:]``. Tensors are on the current CUDA device when CUDA is available, else CPU.
     Mask flags come from ``data_config`` (``reset_position_ids``, ``reset_attention_mask``, ``eod_mask_loss``).
     With ``shape`` (training: ``[micro-batch, seq + 1]``) no shape is broadcast and a batch of another shape
-    is an error; reading the batch never waits on the device.
+    is an error; reading the batch never waits on the device. ``tp``: the tensor-parallel group the batch is
+    broadcast over (one process by default).
     """
-    reads = not dist.is_initialized() or state.get_tensor_model_parallel_rank() == 0
+    reads = tp.rank == 0
     text = None
     if reads:
         if data_iterator is None:
             raise ValueError("tensor-parallel rank 0 needs a data iterator")
         text = torch.as_tensor(next(data_iterator)["text"])
-    text = broadcast_text(text, shape)
+    text = broadcast_text(text, tp, shape)
     if torch.cuda.is_available():
         text = _to_device(text, torch.device("cuda", torch.cuda.current_device()))
     tokens = text[:, :-1].contiguous()

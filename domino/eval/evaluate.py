@@ -183,7 +183,8 @@ def evaluate_checkpoint(
 
     def batches():
         for _ in range(steps):
-            tokens, labels, loss_mask, attention_mask, position_ids = get_batch(iterator, data_config, tokenizer.eod)
+            tokens, labels, loss_mask, attention_mask, position_ids = get_batch(iterator, data_config, tokenizer.eod,
+                                                                                tp=mesh.tp)
             yield tuple(t.to(model_device) if t is not None else None
                         for t in (tokens, labels, loss_mask, attention_mask, position_ids))
 

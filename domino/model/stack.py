@@ -69,7 +69,7 @@ def embed_tokens(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Ten
     """The model's embedding of ``tokens`` (all-reduced over the TP ranks), or ``tokens`` without an embedding."""
     if not model.pre_process:
         return tokens
-    with comm_site("fwd embedding"):  # labels its all-reduce in the comm-wait breakdown
+    with comm_site("fwd embedding", model.tp):  # labels its all-reduce in the comm-wait breakdown
         return model.embedding(tokens, position_ids)
 
 

@@ -41,7 +41,7 @@ class _PendingInput:
 
     def __init__(self, partial: torch.Tensor, complete: Callable, rows: slice, tp: MeshGroup, site: str) -> None:
         self.partial, self.complete, self.rows = partial, complete, rows
-        with comm_site(site):
+        with comm_site(site, tp):
             # Async launch: waited in finish(), when the chunk starts (chunk c after c ticks of the others).
             self.handle = all_reduce_async(partial, tp)
 

@@ -46,7 +46,7 @@ class GradAllReduceSlot:
 
     def launch(self, grad: torch.Tensor) -> None:
         """Starts the in-place all-reduce of ``grad`` over the TP group; :meth:`wait` waits for it."""
-        with comm_site(self.site):
+        with comm_site(self.site, self.group):
             self.handle = all_reduce_async(grad, self.group)
 
     def wait(self) -> None:
@@ -83,7 +83,7 @@ class GradReduceScatterSlot:
 
     def restore(self, kept: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Launches the all-gather of the kept slice; returns a callable that waits and returns the sequence."""
-        with comm_site(self.site):
+        with comm_site(self.site, self.group):
             handle, gathered = all_gather_sequence_async(kept, self.group)
 
         def ready() -> torch.Tensor:
@@ -94,7 +94,7 @@ class GradReduceScatterSlot:
 
     def launch(self, grad: torch.Tensor) -> None:
         """Starts the reduce-scatter of ``grad`` (``[s, b, h]``) along the sequence over the TP group."""
-        with comm_site(self.site):
+        with comm_site(self.site, self.group):
             self.handle, self.result = reduce_scatter_sequence_async(grad, self.group)
         self.launched = grad
 
@@ -110,7 +110,7 @@ class GradReduceScatterSlot:
         if handle is None or launched is not grad:
             if handle is not None:
                 handle.wait()  # a launched but unused reduce-scatter still has to finish on every rank
-            with comm_site(self.site):
+            with comm_site(self.site, self.group):
                 handle, result = reduce_scatter_sequence_async(grad, self.group)
         # Wait for the reduce-scatter launched by the linear's backward: the slice is LayerNorm's input gradient.
         handle.wait()
@@ -128,7 +128,7 @@ class GradGatherSlot(GradAllReduceSlot):
 
     def launch(self, grad: torch.Tensor) -> torch.Tensor:
         """Starts the all-gather of ``grad`` (``[s/tp, b, h]``); returns the ``[s, b, h]`` buffer it fills."""
-        with comm_site(self.site):
+        with comm_site(self.site, self.group):
             self.handle, gathered = all_gather_sequence_async(grad, self.group)
         return gathered
 

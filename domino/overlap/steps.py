@@ -118,7 +118,9 @@ class StepStack:
         """The embeddings; with sequence parallelism this rank's sequence slice of them (after their dropout). A
         later pipeline stage's input is already the slice the previous stage's stack returned."""
         hidden = embed_tokens(self.model, tokens, position_ids)
-        return scatter_to_sequence_region(hidden, self.tp) if self.sequence_parallel and self.model.pre_process else hidden
+        if self.sequence_parallel and self.model.pre_process:
+            return scatter_to_sequence_region(hidden, self.tp)
+        return hidden
 
     def output(self, hidden: torch.Tensor, grad_slot=None) -> StackOutput:
         """The final norm's output made ready for the output layer (none without an output layer)."""
@@ -154,7 +156,7 @@ class StepStack:
 
     def _reduce(self, partial: torch.Tensor, bias: Optional[torch.Tensor], site: str):
         """Launches the reduction of a row-parallel partial sum: an all-reduce, or (SP) a reduce-scatter."""
-        with comm_site(site):
+        with comm_site(site, self.tp):
             if self.sequence_parallel:
                 # "fwd attention, <where>" -> "bwd attention output grad, <where>": the backward all-gather's label.
                 kind, where = site.split(", ", 1)

@@ -6,10 +6,11 @@ Every collective of :mod:`domino.parallel.collectives` starts here, in :func:`la
 * waits for the ``torch.distributed`` work (or, on an emulated link with ``transfer=wait``, runs the collective
   synchronously inside ``wait()``, :mod:`domino.runtime.network_emulator`);
 * sleeps whatever remains of the emulated link's time for it (none without ``DOMINO_SIMULATED_NETWORK``);
-* adds the host time it blocked to the ``comm-wait`` count, under the :func:`comm_site` label of its launch;
+* adds the host time it blocked to its group's :class:`CommTimer`, under the site label of its launch;
 * keeps the collective's send buffer alive until then.
 
-The training loop reads and resets the totals once per log interval. With NCCL a wait only orders CUDA streams
+The counters are an object each mesh group carries, not module state: the training loop reads and resets its
+TP group's timer once per log interval. With NCCL a wait only orders CUDA streams
 (the host returns at once; the compute stream stalls until the collective is done), so for a collective on CUDA
 tensors the handle times the wait on the device instead: a CUDA event recorded on the current stream before the
 wait (at the launch, for a synchronous collective) and one after it; the time between them is what the stream
@@ -27,14 +28,64 @@ import torch
 
 from domino.runtime.network_emulator import LinkEmulator
 
-# Host seconds this process spent blocked in tensor-parallel collectives: inside synchronous ones, and
-# in ``wait()`` of Domino's asynchronous ones. The training loop reports it as the ``comm-wait`` timer.
-_blocked_seconds = [0.0]
-# The same seconds by call site (``comm_site``): where a schedule still exposes communication.
-_blocked_by_site: Dict[str, float] = {}
-_site: list = [None]
-# CUDA: ``(site, start event, end event)`` of the waits since the last pop, resolved into the counts above then.
-_device_waits: List[Tuple[str, object, object]] = []
+
+class CommTimer:
+    """Where the blocked time of one group's collectives is counted, by call site: the host seconds spent inside
+    synchronous collectives and in ``wait()`` of asynchronous ones (on CUDA, the stream stalls, read from events
+    once per pop). Each :class:`~domino.runtime.mesh.MeshGroup` carries one; the training loop reads and resets
+    its TP group's once per log interval (the ``comm-wait`` timer)."""
+
+    def __init__(self) -> None:
+        self._seconds = 0.0
+        self._by_site: Dict[str, float] = {}
+        self._label: Optional[str] = None
+        # CUDA: ``(site, start event, end event)`` of the waits since the last pop, resolved into the counts then.
+        self._device_waits: List[Tuple[str, object, object]] = []
+
+    @contextlib.contextmanager
+    def site(self, name: Optional[str]) -> Iterator[None]:
+        """Labels the collectives launched inside (for :meth:`pop_by_site`); an asynchronous one keeps the label of
+        its launch when it is waited on later. Host-side bookkeeping only: no effect on results."""
+        previous, self._label = self._label, name
+        try:
+            yield
+        finally:
+            self._label = previous
+
+    def current_site(self, kind: str) -> str:
+        """The label of the enclosing :meth:`site`, else ``kind``."""
+        return self._label or kind
+
+    def count(self, seconds: float, site: str) -> None:
+        """Adds ``seconds`` blocked at ``site``."""
+        self._seconds += seconds
+        self._by_site[site] = self._by_site.get(site, 0.0) + seconds
+
+    def add_device_wait(self, site: str, start, end) -> None:
+        """A CUDA stall between two recorded events, counted at the next pop."""
+        self._device_waits.append((site, start, end))
+
+    def _resolve_device_waits(self) -> None:
+        for site, start, end in self._device_waits:
+            end.synchronize()  # at the log interval: the events of the whole interval are read at once
+            self.count(start.elapsed_time(end) / 1e3, site)
+        self._device_waits.clear()
+
+    def pop_seconds(self) -> float:
+        """The blocked seconds since the last call; resets the count."""
+        self._resolve_device_waits()
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
+
+    def pop_by_site(self) -> Dict[str, float]:
+        """The blocked seconds since the last call per call site (the labels of :meth:`site`); resets them.
+
+        Sums to what :meth:`pop_seconds` returns over the same interval. Collectives launched outside any site are
+        labelled by their kind (``"all-reduce fwd"``, ``"all-reduce bwd"``, ``"cross-entropy"``, ...).
+        """
+        self._resolve_device_waits()
+        out, self._by_site = self._by_site, {}
+        return out
 
 
 def _device_event(source: Optional[torch.Tensor]):
@@ -46,68 +97,27 @@ def _device_event(source: Optional[torch.Tensor]):
     return event
 
 
-def _resolve_device_waits() -> None:
-    for site, start, end in _device_waits:
-        end.synchronize()  # at the log interval: the events of the whole interval are read at once
-        _count_blocked(start.elapsed_time(end) / 1e3, site)
-    _device_waits.clear()
-
-
-def pop_comm_wait_seconds() -> float:
-    """Returns the blocked seconds accumulated since the last call, and resets the count."""
-    _resolve_device_waits()
-    seconds, _blocked_seconds[0] = _blocked_seconds[0], 0.0
-    return seconds
-
-
-def pop_comm_wait_by_site() -> Dict[str, float]:
-    """The blocked seconds since the last call per call site (the labels of :func:`comm_site`), and resets them.
-
-    Sums to what :func:`pop_comm_wait_seconds` returns over the same interval. Collectives launched outside any
-    ``comm_site`` are labelled by their kind (``"all-reduce fwd"``, ``"all-reduce bwd"``, ``"cross-entropy"``, ...).
-    """
-    _resolve_device_waits()
-    out = dict(_blocked_by_site)
-    _blocked_by_site.clear()
-    return out
-
-
 def pop_modelled_comm_seconds(link: Optional[LinkEmulator]) -> float:
     """Emulated time on ``link`` (the mesh's TP link) of the collectives launched since the last call (0 without
     an emulated link)."""
     return link.pop_modelled_seconds() if link is not None else 0.0
 
 
-@contextlib.contextmanager
-def comm_site(name: Optional[str]) -> Iterator[None]:
-    """Labels the collectives launched inside (for :func:`pop_comm_wait_by_site`); an asynchronous one keeps
-    the label of its launch when it is waited on later. Host-side bookkeeping only: no effect on results."""
-    previous, _site[0] = _site[0], name
-    try:
-        yield
-    finally:
-        _site[0] = previous
-
-
-def current_site(kind: str) -> str:
-    """The label of the enclosing :func:`comm_site`, else ``kind``."""
-    return _site[0] or kind
-
-
-def _count_blocked(seconds: float, site: str) -> None:
-    _blocked_seconds[0] += seconds
-    _blocked_by_site[site] = _blocked_by_site.get(site, 0.0) + seconds
+def comm_site(name: Optional[str], group) -> contextlib.AbstractContextManager:
+    """``group.timer.site(name)``: labels the collectives over ``group`` (a ``MeshGroup``) launched inside."""
+    return group.timer.site(name)
 
 
 class CommHandle:
     """A launched collective: :meth:`wait` returns once its data arrived and its emulated link time passed."""
 
-    __slots__ = ("work", "deferred", "link", "due", "site", "source", "started", "started_event")
+    __slots__ = ("work", "deferred", "link", "due", "timer", "site", "source", "started", "started_event")
 
     def __init__(self, work, deferred: Optional[Callable[[], None]], link: Optional[LinkEmulator],
-                 due: Optional[float], site: str, source: Optional[torch.Tensor], started: Optional[float],
-                 started_event=None) -> None:
+                 due: Optional[float], timer: CommTimer, site: str, source: Optional[torch.Tensor],
+                 started: Optional[float], started_event=None) -> None:
         self.work = work
+        self.timer = timer  # the group's: the blocked time is counted there
         self.deferred = deferred  # transfer=wait: the synchronous collective still to run in wait()
         self.link, self.due = link, due
         self.site = site
@@ -130,14 +140,14 @@ class CommHandle:
                 self.link.wait_until(self.due)
             return True
         finally:
-            _count_blocked(time.perf_counter() - started, self.site)
+            self.timer.count(time.perf_counter() - started, self.site)
             self.source, self.started = None, None
 
     def _wait_on_device(self) -> bool:
         """:meth:`wait` for CUDA tensors: the stall it causes on the current stream, timed by two events."""
         start = self.started_event or _device_event(self.source)
         self.work.wait()  # orders the current stream after the collective: the stream stalls, the host does not
-        _device_waits.append((self.site, start, _device_event(self.source)))
+        self.timer.add_device_wait(self.site, start, _device_event(self.source))
         self.source, self.started, self.started_event = None, None, None
         return True
 
@@ -169,9 +179,9 @@ def launch(collective: Callable[[bool], object], wire_bytes: float, source: torc
         collective: issues the ``torch.distributed`` call with the given ``async_op`` and returns its work.
         wire_bytes: what one rank sends (the emulated link's cost, :mod:`domino.runtime.network_emulator`).
         source: the send buffer; kept alive until the wait.
-        group: the mesh group (:class:`~domino.runtime.mesh.MeshGroup`; None in tests without one): the
-            collective rides its emulated link, if it has one.
-        kind: the comm-wait label when no :func:`comm_site` encloses the launch.
+        group: the mesh group (:class:`~domino.runtime.mesh.MeshGroup`): the collective rides its emulated link,
+            if it has one, and its blocked time is counted by the group's :class:`CommTimer`.
+        kind: the comm-wait label when no :meth:`CommTimer.site` encloses the launch.
         blocking: the caller waits at once (a synchronous collective): its blocking counts from here.
 
     Returns:
@@ -179,13 +189,13 @@ def launch(collective: Callable[[bool], object], wire_bytes: float, source: torc
     """
     started = time.perf_counter() if blocking else None
     started_event = _device_event(source) if blocking else None
-    if group is not None and group.process_group is None and group.size > 1:
+    if group.process_group is None and group.size > 1:
         raise RuntimeError(f"a collective over a {group.size}-rank group without a process group (a shapes-only "
                            "MeshGroup sizes a model but cannot run it)")
-    link = group.link if group is not None else None
+    link, timer = group.link, group.timer
     due = link.launch(wire_bytes) if link is not None else None
-    site = current_site(kind)
+    site = timer.current_site(kind)
     if link is not None and link.spec.transfer == "wait":  # gloo moves the data in wait(), after the others' work
-        return CommHandle(None, lambda: collective(False), link, due, site, source, started)
+        return CommHandle(None, lambda: collective(False), link, due, timer, site, source, started)
     # Async launch: the caller computes meanwhile and reads the result only after the handle's wait().
-    return CommHandle(collective(True), None, link, due, site, source, started, started_event)
+    return CommHandle(collective(True), None, link, due, timer, site, source, started, started_event)

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from domino.config.validate import check_tensor_parallel_size
+from domino.runtime.comm_timing import CommTimer
 from domino.runtime.network_emulator import LinkEmulator
 
 
@@ -83,12 +84,15 @@ class MeshGroup:
         rank: this process's index in ``ranks``.
         process_group: the ``torch.distributed`` group; None for a group of one (every collective is an identity).
         link: the emulated interconnect of this group's collectives (``DOMINO_SIMULATED_NETWORK``), or None.
+        timer: where the blocked time of this group's collectives is counted (the training loop reads its TP
+            group's); not part of the group's identity.
     """
 
     ranks: Tuple[int, ...] = (0,)
     rank: int = 0
     process_group: Optional[dist.ProcessGroup] = None
     link: Optional[LinkEmulator] = None
+    timer: CommTimer = field(default_factory=CommTimer, compare=False, repr=False)
 
     @property
     def size(self) -> int:

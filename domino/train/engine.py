@@ -14,6 +14,7 @@ import torch
 from domino.config import ConfigError, DominoConfig
 from domino.config.validate import check_device, zero_stage_for
 from domino.runtime import state
+from domino.runtime.mesh import ParallelMesh
 from domino.parallel import fp8
 from domino.parallel.layers import is_tensor_model_parallel
 from domino.pipeline.gradients import norm_parameters
@@ -154,9 +155,11 @@ def clips_itself(config: DominoConfig) -> bool:
     return pipelined(config) or (zero_stage(config) == 0 and not (config.train.fp16 or config.train.bf16))
 
 
-def clip_gradients(engine, max_norm: float, grad_of: Optional[Callable[[torch.nn.Parameter], Optional[torch.Tensor]]] = None,
+def clip_gradients(engine, mesh: ParallelMesh, max_norm: float,
+                   grad_of: Optional[Callable[[torch.nn.Parameter], Optional[torch.Tensor]]] = None,
                    poison_overflow: bool = False, loss_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Clips the (already data-parallel-reduced) gradients to ``max_norm``; returns the global norm on the device.
+    """Clips the (already data-parallel-reduced) gradients to ``max_norm``; returns the global norm (over the TP,
+    pipeline and DP groups of ``mesh``) on the device.
 
     The maths of DeepSpeed's ``clip_grad_norm_`` (``deepspeed/runtime/utils.py``, 0.19.8): the 2-norm of every
     gradient in fp32, a parameter counted once across tensor-parallel ranks unless it carries
@@ -183,19 +186,19 @@ def clip_gradients(engine, max_norm: float, grad_of: Optional[Callable[[torch.nn
     grad_of = grad_of or (lambda p: p.grad)
     params = [p for p in engine.module.parameters() if grad_of(p) is not None]
     grads = [grad_of(p) for p in params]
-    first_tp_rank = state.get_tensor_model_parallel_rank() == 0
+    first_tp_rank = mesh.tp.rank == 0
     counted = [grad_of(p).float() for p in norm_parameters(params) if first_tp_rank or is_tensor_model_parallel(p)]
     squares = (torch.stack(torch._foreach_norm(counted)).pow(2).sum() if counted
                else torch.zeros((), device=grads[0].device))
-    if state.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.all_reduce(squares, group=state.get_tensor_model_parallel_group())
-    if state.get_pipeline_model_parallel_world_size() > 1:
-        torch.distributed.all_reduce(squares, group=state.get_pipeline_model_parallel_group())
+    if mesh.tp.size > 1:
+        torch.distributed.all_reduce(squares, group=mesh.tp.process_group)
+    if mesh.pp.size > 1:
+        torch.distributed.all_reduce(squares, group=mesh.pp.process_group)
     norm = squares.pow(0.5)
-    dp = state.get_data_parallel_world_size()
+    dp = mesh.dp.size
     if dp > 1:  # as DeepSpeed: the mean of the replicas' norms (equal, as their gradients are already reduced)
         norm = norm / dp
-        torch.distributed.all_reduce(norm, group=state.get_data_parallel_group())
+        torch.distributed.all_reduce(norm, group=mesh.dp.process_group)
     if loss_scale is not None:
         norm = norm / loss_scale
     if max_norm > 0 or poison_overflow:

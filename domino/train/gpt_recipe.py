@@ -20,33 +20,34 @@ from domino.data.dataset_builder import build_train_valid_test_datasets, parse_d
 from domino.data.mock import MockGPTDataset
 from domino.data.tokenizer import tokenizer_for_run
 from domino.model import GPTModel
-from domino.runtime import state
-from domino.runtime.mesh import ParallelMesh
+from domino.runtime.mesh import SINGLE, MeshGroup, ParallelMesh
 from domino.train.parallelize import parallelize
 
 logger = logging.getLogger(__name__)
 
 
-def average_across_data_parallel_group(value: torch.Tensor) -> torch.Tensor:
-    """Mean of a scalar over the data-parallel replicas (a detached copy, for logging)."""
+def average_across_data_parallel_group(value: torch.Tensor, dp: MeshGroup) -> torch.Tensor:
+    """Mean of a scalar over the replicas of ``dp`` (a detached copy, for logging)."""
     averaged = value.detach().clone().float().reshape(1)
-    if state.get_data_parallel_world_size() > 1:
-        dist.all_reduce(averaged, group=state.get_data_parallel_group())
-        averaged /= state.get_data_parallel_world_size()
+    if dp.size > 1:
+        dist.all_reduce(averaged, group=dp.process_group)
+        averaged /= dp.size
     return averaged[0]
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """Masked mean of the per-token losses; also returns it averaged over data-parallel ranks for logging.
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, dp: MeshGroup = SINGLE
+              ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Masked mean of the per-token losses; also returns it averaged over the data-parallel group for logging.
 
     Args:
         loss_mask: ``[b, s]`` with 1 where a token counts.
         output_tensor: per-token losses ``[b, s]`` from the model.
+        dp: the data-parallel group of the logged average (one process by default).
     """
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": average_across_data_parallel_group(loss)}
+    return loss, {"lm loss": average_across_data_parallel_group(loss, dp)}
 
 
 def check_data_prefixes(config: DominoConfig) -> None:
@@ -89,11 +90,14 @@ class GPTRecipe:
         self.vocab_size = vocab  # the datasets' token ids must lie below it
         self.padded_vocab_size = padded_vocab_size(vocab, config)
         self.eod = self.tokenizer.eod if self.tokenizer is not None else vocab - 1
+        #: The layout :meth:`model_builder` built the model for; the batches are broadcast over its TP group.
+        self.mesh = ParallelMesh.single()
 
     def model_builder(self, config: DominoConfig, mesh: ParallelMesh) -> torch.nn.Module:
         """A ``GPTModel`` of ``config``'s shape split over ``mesh.tp``, made this rank's part of the run by
         :func:`domino.train.parallelize.parallelize` (its pipeline stage or interleaved chunks, with the sequence
         parallelism, Domino chunks and activation recompute of ``config``)."""
+        self.mesh = mesh
         # From ``config``: a resume may keep its checkpoint's padding (domino.checkpoint.resume.keep_padded_vocab).
         model = GPTModel(config.model, padded_vocab_size(self.vocab_size, config), tp=mesh.tp)
         return parallelize(model, mesh, config)
@@ -117,7 +121,7 @@ class GPTRecipe:
         """One micro-batch's tensors by name (what a pipeline stage reads: :mod:`domino.train.pipeline_step`)."""
         shape = (self.config.train.micro_batch_size, self.config.model.seq_length + 1)  # fixed: no shape broadcast
         tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, self.config.data, self.eod,
-                                                                            shape)
+                                                                            shape, self.mesh.tp)
         return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, attention_mask=attention_mask,
                     position_ids=position_ids)
 
@@ -125,6 +129,6 @@ class GPTRecipe:
         """One micro-batch forward: ``(per-token losses, partial(loss_func, loss_mask))``."""
         shape = (self.config.train.micro_batch_size, self.config.model.seq_length + 1)  # fixed: no shape broadcast
         tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, self.config.data, self.eod,
-                                                                            shape)
+                                                                            shape, self.mesh.tp)
         output = model(tokens, position_ids, attention_mask, labels=labels)
-        return output, partial(loss_func, loss_mask)
+        return output, partial(loss_func, loss_mask, dp=self.mesh.dp)

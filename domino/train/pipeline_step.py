@@ -186,7 +186,8 @@ class PipelineStep:
         else:
             sync_tied_embeddings(module, self.mesh)
             average_over_data_parallel([p.grad for p in module.parameters() if p.grad is not None], self.mesh.dp)
-        grad_norm = engine_setup.clip_gradients(self.engine, self.config.train.clip_grad, loss_scale=self.loss_scale)
+        grad_norm = engine_setup.clip_gradients(self.engine, self.mesh, self.config.train.clip_grad,
+                                                loss_scale=self.loss_scale)
         skipped = None
         if engine_setup.zero_stage(self.config) == 0:
             skipped = engine_setup.flag_overflow(self.engine, grad_norm)  # fused AdamW skips on the device
@@ -196,7 +197,7 @@ class PipelineStep:
         if skipped is None:  # the ZeRO optimizer's own skip, decided on the device (domino.train.zero_step)
             skipped = engine_setup.device_skip_flag(self.engine)
         timers.stop("optimizer")
-        return average_across_data_parallel_group(loss), grad_norm, skipped
+        return average_across_data_parallel_group(loss, self.mesh.dp), grad_norm, skipped
 
     def _bf16_step(self, loss: torch.Tensor, micro_batches: int, timers
                    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -220,12 +221,12 @@ class PipelineStep:
             average_over_data_parallel(buffers, self.mesh.dp)
         for flags in optimizer.fp32_groups_has_gradients:  # the norm and step of DeepSpeed read every buffer
             flags[:] = [True] * len(flags)
-        grad_norm = engine_setup.clip_gradients(self.engine, self.config.train.clip_grad,
+        grad_norm = engine_setup.clip_gradients(self.engine, self.mesh, self.config.train.clip_grad,
                                                 grad_of=self.main_grads.get, poison_overflow=True)
         self.engine.step()
         skipped = engine_setup.device_skip_flag(self.engine)
         timers.stop("optimizer")
-        return average_across_data_parallel_group(loss), grad_norm, skipped
+        return average_across_data_parallel_group(loss, self.mesh.dp), grad_norm, skipped
 
     @torch.no_grad()
     def evaluate(self, make_iterator: Callable, eval_iters: int) -> float:
@@ -241,7 +242,7 @@ class PipelineStep:
             batch = self._step_batch(iterator, count)
             loss = self.schedule.eval_step(batch["tokens"], batch["labels"], batch["loss_mask"],
                                            batch["position_ids"], batch["attention_mask"], count=count)
-            loss = average_across_data_parallel_group(loss).double() * count
+            loss = average_across_data_parallel_group(loss, self.mesh.dp).double() * count
             total = loss if total is None else total + loss  # summed on the device: one host read at the end
             done += count
         if was_training:

@@ -25,7 +25,7 @@ from domino.config import ConfigError, DominoConfig, config_to_dict, validate
 from domino.config.batch_schedule import batch_schedule
 from domino.data.loader import build_pretraining_data_loader
 from domino.parallel import random as tp_random
-from domino.runtime.comm_timing import pop_comm_wait_by_site, pop_comm_wait_seconds, pop_modelled_comm_seconds
+from domino.runtime.comm_timing import pop_modelled_comm_seconds
 from domino.runtime import state
 from domino.runtime.mesh import ParallelMesh
 from domino.runtime.agreement import agree, hosts, is_lost_peer_error, lost_peer_error
@@ -124,7 +124,9 @@ class _Trainer:
                  forward_step: Callable, padded_vocab_size: int, tokenizer, get_batch: Optional[Callable] = None,
                  schedule: Optional[LearningRateSchedule] = None) -> None:
         self.config, self.engine, self.forward_step = config, engine, forward_step
+        self.mesh = mesh
         self.tp_link = mesh.tp.link  # the emulated TP link (DOMINO_SIMULATED_NETWORK), whose time is logged
+        self.comm = mesh.tp.timer  # the TP collectives' blocked time (the comm-wait timer), read per interval
         self.padded_vocab_size, self.tokenizer = padded_vocab_size, tokenizer
         t, lg = config.train, config.logging
         self.batches = batch_schedule(config, state.get_data_parallel_world_size())  # the batch of each iteration
@@ -192,7 +194,7 @@ class _Trainer:
                 timers.stop("forward-backward")
                 timers.start("optimizer")
                 if engine_setup.clips_itself(self.config):
-                    self.grad_norm = engine_setup.clip_gradients(engine, self.config.train.clip_grad)
+                    self.grad_norm = engine_setup.clip_gradients(engine, self.mesh, self.config.train.clip_grad)
                     self._flag_overflow(self.grad_norm)
             engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
         skipped = engine_setup.device_skip_flag(engine)
@@ -250,8 +252,8 @@ class _Trainer:
             "eta_s": iter_time * (self.train_iters - iteration),
         }
         # Host time blocked in tensor-parallel collectives (sync ones, and waits of Domino's async ones).
-        self.timers.add("comm-wait", pop_comm_wait_seconds())
-        for site, seconds in pop_comm_wait_by_site().items():  # the breakdown, at --timing-log-level 2
+        self.timers.add("comm-wait", self.comm.pop_seconds())
+        for site, seconds in self.comm.pop_by_site().items():  # the breakdown, at --timing-log-level 2
             self.timers.add(f"comm-wait: {site}", seconds)
         modelled = pop_modelled_comm_seconds(self.tp_link)  # the emulated link's time (DOMINO_SIMULATED_NETWORK)
         if modelled:
@@ -269,12 +271,12 @@ class _Trainer:
     def _evaluate(self, split: str, dataset, iteration: int, consumed: int) -> Optional[float]:
         if self.config.train.eval_iters == 0 or dataset is None:
             return None
-        started, training_comm = time.perf_counter(), pop_comm_wait_seconds()
-        training_modelled, training_sites = pop_modelled_comm_seconds(self.tp_link), pop_comm_wait_by_site()
+        started, training_comm = time.perf_counter(), self.comm.pop_seconds()
+        training_modelled, training_sites = pop_modelled_comm_seconds(self.tp_link), self.comm.pop_by_site()
         make_iterator, iters = lambda: self._loader(dataset, 0, 0), self.config.train.eval_iters
         loss = (evaluate(self.forward_step, make_iterator, self.engine, iters) if self.pipeline is None
                 else self.pipeline.evaluate(make_iterator, iters))
-        pop_comm_wait_seconds(), pop_modelled_comm_seconds(self.tp_link), pop_comm_wait_by_site()  # not training's
+        self.comm.pop_seconds(), pop_modelled_comm_seconds(self.tp_link), self.comm.pop_by_site()  # not training's
         self.timers.add("comm-wait", training_comm)
         for site, seconds in training_sites.items():
             self.timers.add(f"comm-wait: {site}", seconds)
@@ -338,7 +340,7 @@ class _Trainer:
                     config.parallel.domino_chunks, config.parallel.zero_stage)
         self.engine.train()
         # Set-up collectives are not part of any interval.
-        pop_comm_wait_seconds(), pop_modelled_comm_seconds(self.tp_link), pop_comm_wait_by_site()
+        self.comm.pop_seconds(), pop_modelled_comm_seconds(self.tp_link), self.comm.pop_by_site()
         run_start, start_iteration = time.perf_counter(), iteration
         interval_start, interval_first, interval_consumed = time.perf_counter(), iteration, consumed
         last_valid, tokens_per_s, checkpoint_path = None, None, resumed_checkpoint

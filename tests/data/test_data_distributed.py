@@ -15,18 +15,17 @@ def _body(rank, world_size, prefix, cache_dir):
     from domino.data.loader import build_pretraining_data_loader
     from domino.runtime import state
 
-    state.initialize_model_parallel(2)
+    mesh = state.initialize_model_parallel(2)
     builds = []
     original = gpt_dataset.build_indices
     gpt_dataset.build_indices = lambda *args: builds.append(1) or original(*args)
     train, _, _ = build_train_valid_test_datasets([prefix], "1", [24, 0, 0], 8, 5, True, data_cache_path=cache_dir)
     # TP rank 1 gets no iterator: the batch must come from rank 0
-    loader = build_pretraining_data_loader(train, 4, 2, state.get_data_parallel_rank(),
-                                           state.get_data_parallel_world_size(), 0)
-    iterator = iter(loader) if state.get_tensor_model_parallel_rank() == 0 else None
+    loader = build_pretraining_data_loader(train, 4, 2, mesh.dp.rank, mesh.dp.size, 0)
+    iterator = iter(loader) if mesh.tp.rank == 0 else None
     config = DataConfig(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
     # The first batch's shape is broadcast; the second is announced as fixed, so only its tokens are sent.
-    batches = [tuple(t.clone() for t in get_batch(iterator, config, 0, shape)) for shape in (None, (2, 9))]
+    batches = [tuple(t.clone() for t in get_batch(iterator, config, 0, shape, mesh.tp)) for shape in (None, (2, 9))]
     return {"builds": len(builds), "batches": batches}
 
 

@@ -41,7 +41,6 @@ def _overlap_logs(chunks: int) -> dict:
 
     import domino.overlap.sequence_collectives as sequence_collectives
     import domino.overlap.slots as slots
-    import domino.runtime.comm_timing as comm_timing
 
     logs = {"forward": [], "backward": []}
     log = logs["forward"]
@@ -63,7 +62,7 @@ def _overlap_logs(chunks: int) -> dict:
     def logged(real, name):
         def launch(tensor, group):
             handle, result = real(tensor, group)
-            label = name if "output grad" not in comm_timing.current_site("") else "output-grad all-gather"
+            label = name if "output grad" not in group.timer.current_site("") else "output-grad all-gather"
             ident = (label, sum(1 for kind, _ in log if kind == "launch"))
             log.append(("launch", ident))
             return LoggedHandle(handle, ident, log), result

@@ -7,6 +7,7 @@ import types
 import torch
 
 from domino.runtime import comm_timing
+from domino.runtime.mesh import MeshGroup
 
 
 class _Clock:
@@ -41,22 +42,24 @@ class _Work:
 
 def test_cuda_waits_count_the_streams_stall_and_host_waits_the_hosts(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    comm_timing.pop_comm_wait_seconds(), comm_timing.pop_comm_wait_by_site()
+    group = MeshGroup()  # a group of one: launch() itself never looks at its size
+    timer, other = group.timer, MeshGroup().timer
     on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
-    with comm_timing.comm_site("fwd attention, first layer, chunk 0"):
-        handle = comm_timing.launch(lambda async_op: _Work(5.0), 0.0, on_gpu, None)
+    with comm_timing.comm_site("fwd attention, first layer, chunk 0", group):
+        handle = comm_timing.launch(lambda async_op: _Work(5.0), 0.0, on_gpu, group)
     assert handle.wait()
-    with comm_timing.comm_site("fwd mlp, first layer, chunk 0"):
+    with comm_timing.comm_site("fwd mlp, first layer, chunk 0", group):
         # A synchronous collective counts from its launch: 2 ms of queued work, then a 3 ms stall.
-        handle = comm_timing.launch(lambda async_op: _Work(3.0), 0.0, on_gpu, None, blocking=True)
+        handle = comm_timing.launch(lambda async_op: _Work(3.0), 0.0, on_gpu, group, blocking=True)
         _Clock.now_ms += 2.0
         handle.wait()
-    assert comm_timing._device_waits  # nothing read on the host until the log interval
-    by_site = comm_timing.pop_comm_wait_by_site()
+    assert timer._device_waits  # nothing read on the host until the log interval
+    by_site = timer.pop_by_site()
     assert by_site == {"fwd attention, first layer, chunk 0": 0.005, "fwd mlp, first layer, chunk 0": 0.005}
-    assert comm_timing.pop_comm_wait_seconds() == 0.010 and not comm_timing._device_waits
+    assert timer.pop_seconds() == 0.010 and not timer._device_waits
+    assert other.pop_seconds() == 0.0 and other.pop_by_site() == {}  # each group counts its own collectives
 
     on_cpu = torch.zeros(2)  # gloo: the host's own blocking, no events
-    handle = comm_timing.launch(lambda async_op: _Work(7.0), 0.0, on_cpu, None)
+    handle = comm_timing.launch(lambda async_op: _Work(7.0), 0.0, on_cpu, group)
     handle.wait()
-    assert not comm_timing._device_waits and 0.0 <= comm_timing.pop_comm_wait_seconds() < 0.5
+    assert not timer._device_waits and 0.0 <= timer.pop_seconds() < 0.5

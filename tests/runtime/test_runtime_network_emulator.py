@@ -92,13 +92,13 @@ def test_handle_waits_for_the_data_then_the_link_and_counts_the_blocking():
             return True
 
     link = _emulator(clock, latency_us=0.0, gbps=1.0)
-    comm_timing.pop_comm_wait_by_site()
-    handle = CommHandle(Work(), None, link, link.launch(1e6), "fwd mlp, chunk 1", None, None)
+    timer = comm_timing.CommTimer()
+    handle = CommHandle(Work(), None, link, link.launch(1e6), timer, "fwd mlp, chunk 1", None, None)
     assert not handle.is_completed()  # the data are there, the modelled link is not done yet
     assert handle.wait()
     assert order == ["data"] and clock.sleeps == [pytest.approx(0.8e-3)]
     assert handle.is_completed()
-    assert list(comm_timing.pop_comm_wait_by_site()) == ["fwd mlp, chunk 1"]
+    assert list(timer.pop_by_site()) == ["fwd mlp, chunk 1"]
 
 
 @pytest.mark.parametrize("text, field", [

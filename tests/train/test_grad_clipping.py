@@ -45,7 +45,7 @@ def _clip_body(rank, world_size, full_sd, batch, max_norm):
     model = GPTModel(tiny_config(), VOCAB, tp=mesh.tp)
     model.load_state_dict(shard_state_dict(full_sd, state.get_tensor_model_parallel_rank(), 2))
     _backward(model, batch)
-    norm = clip_gradients(SimpleNamespace(module=model), max_norm)
+    norm = clip_gradients(SimpleNamespace(module=model), mesh, max_norm)
     return norm, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
