@@ -86,7 +86,7 @@ def load_checkpoint_tokenizer(ckpt_dir: PathLike, meta: Dict[str, Any], tokenize
 
 
 def build_model_from_checkpoint(
-    path: PathLike,
+    path: Union[PathLike, Checkpoint],
     tp: MeshGroup = SINGLE,
     *,
     parallel_output: bool = True,
@@ -98,7 +98,8 @@ def build_model_from_checkpoint(
     """Builds a ``GPTModel`` in eval mode holding this rank's slice of a checkpoint, split over ``tp``.
 
     Args:
-        path: a save root (its ``latest`` checkpoint is used) or an ``iter_*`` directory.
+        path: a save root (its ``latest`` checkpoint is used), an ``iter_*`` directory, or a checkpoint already
+            opened (:meth:`Checkpoint.open`; its metadata is not read again).
         tp: the tensor-parallel group to load over (``ParallelMesh.tp``; any size: the checkpoint is resharded
             if needed); one process by default.
         parallel_output: keep logits vocab-parallel (False gathers the full vocabulary on every rank).

@@ -137,14 +137,15 @@ def evaluate_checkpoint(
         ConfigError: for a bad checkpoint or data path, an empty selection, or impossible settings.
     """
     from domino.checkpoint.model_loading import build_model_from_checkpoint
-    from domino.checkpoint.on_disk import read_checkpoint_meta, resolve_checkpoint_dir
+    from domino.checkpoint.on_disk import Checkpoint
 
     settings = settings or EvalSettings()
     settings.check()
     micro_batch_size, eval_iters, max_samples = settings.micro_batch_size, settings.eval_iters, settings.max_samples
     max_tokens = settings.token_budget
-    ckpt_dir = resolve_checkpoint_dir(load)
-    config = config_from_dict(read_checkpoint_meta(ckpt_dir)["config"])
+    ckpt = Checkpoint.open(load)  # checkpoint.json read and checked once, then passed along
+    ckpt_dir = ckpt.path
+    config = config_from_dict(ckpt.meta["config"])
     seq = seq_length or config.model.seq_length
     if not 1 <= seq <= config.model.num_positions:
         raise ConfigError(f"--seq-length {seq} must be in [1, {config.model.num_positions}] "
@@ -164,7 +165,7 @@ def evaluate_checkpoint(
 
     mesh = setup_tensor_parallel(tensor_model_parallel_size)
     model, meta, tokenizer = build_model_from_checkpoint(
-        ckpt_dir, mesh.tp, device=device or default_device(), dtype=dtype, tokenizer_spec=tokenizer_spec)
+        ckpt, mesh.tp, device=device or default_device(), dtype=dtype, tokenizer_spec=tokenizer_spec)
     per_step = micro_batch_size * mesh.dp.size
 
     # Every rank builds the dataset (the index cache is built by global rank 0 in an agreement that all
