@@ -45,7 +45,7 @@ import torch.distributed as dist
 from domino.checkpoint import checkpointing, on_disk
 from domino.checkpoint.leftovers import SaveRootClaim
 from domino.config import DominoConfig
-from domino.runtime import state
+from domino.runtime.mesh import ParallelMesh, collective_device
 from domino.runtime.agreement import AgreedFailure, agree
 
 logger = logging.getLogger(__name__)
@@ -54,17 +54,17 @@ logger = logging.getLogger(__name__)
 class CheckpointSaver:
     """Saves synchronously: :meth:`save` returns once the checkpoint is committed."""
 
-    def __init__(self, config: DominoConfig) -> None:
-        self.config = config
+    def __init__(self, config: DominoConfig, mesh: ParallelMesh) -> None:
+        self.config, self.mesh = config, mesh
         # Rank 0's lock on --save from the first save on (it sweeps interrupted saves' temporaries first).
         self.claim = SaveRootClaim(config.checkpoint.save) if config.checkpoint.save else None
 
     def save(self, engine, iteration: int, consumed_samples: int, padded_vocab_size: int, tokenizer=None,
              global_batch_size: Optional[int] = None, schedule: Optional[dict] = None) -> Path:
         """Saves checkpoint ``iter_{iteration}`` (collective); returns its final directory."""
-        return checkpointing.save_checkpoint(engine, self.config, iteration, consumed_samples, padded_vocab_size,
-                                             tokenizer, global_batch_size=global_batch_size, claim=self.claim,
-                                             schedule=schedule)
+        return checkpointing.save_checkpoint(engine, self.config, self.mesh, iteration, consumed_samples,
+                                             padded_vocab_size, tokenizer, global_batch_size=global_batch_size,
+                                             claim=self.claim, schedule=schedule)
 
     def poll(self) -> Optional[Path]:
         """Called at every step boundary on every rank: commits a finished background save (none here)."""
@@ -104,7 +104,7 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 def _copies_landed():
     """What the writer calls before it reads the host copies: a wait on an event after them, on a GPU."""
-    if state.collective_device().type != "cuda":
+    if collective_device().type != "cuda":
         return None
     event = torch.cuda.Event()
     event.record()  # after every copy launched by host_copy on this stream
@@ -115,8 +115,8 @@ class AsyncCheckpointSaver(CheckpointSaver):
     """``--async-save``: :meth:`save` returns after the snapshot; the files are written in the background and
     committed by a later :meth:`poll` (or :meth:`wait`) once every rank's part is durable."""
 
-    def __init__(self, config: DominoConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: DominoConfig, mesh: ParallelMesh) -> None:
+        super().__init__(config, mesh)
         self._pending: Optional[_Pending] = None
         self._world = dist.get_world_size() if dist.is_initialized() else 1
         self._write_group = self._agree_group = None
@@ -137,7 +137,7 @@ class AsyncCheckpointSaver(CheckpointSaver):
 
         def take():
             nonlocal snapshot
-            snapshot = checkpointing.take_snapshot(engine, self.config, iteration, consumed_samples,
+            snapshot = checkpointing.take_snapshot(engine, self.config, self.mesh, iteration, consumed_samples,
                                                    padded_vocab_size, tokenizer, global_batch_size, schedule,
                                                    host_copy)
             snapshot.copied = _copies_landed()
@@ -209,10 +209,11 @@ class AsyncCheckpointSaver(CheckpointSaver):
         return final
 
 
-def make_saver(config: DominoConfig) -> CheckpointSaver:
-    """The saver ``--async-save`` asks for (call on every rank: the asynchronous one creates process groups)."""
+def make_saver(config: DominoConfig, mesh: ParallelMesh) -> CheckpointSaver:
+    """The saver ``--async-save`` asks for, on the run's ``mesh`` (call on every rank: the asynchronous one creates
+    process groups)."""
     c = config.checkpoint
-    saver = AsyncCheckpointSaver(config) if c.async_save and c.save else CheckpointSaver(config)
+    saver = AsyncCheckpointSaver(config, mesh) if c.async_save and c.save else CheckpointSaver(config, mesh)
     if saver.claim is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         saver.claim.sweep_trash()  # also for a run that will save nothing
     return saver

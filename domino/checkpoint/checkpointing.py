@@ -40,7 +40,7 @@ from domino.atomic_files import atomic_write, fsync_directory
 from domino.checkpoint import discovery, distributed_io, manifest, optimizer_state, per_rank_state, on_disk
 from domino.config import DominoConfig, config_to_dict
 from domino.pipeline.stages import stored_name
-from domino.runtime import state
+from domino.runtime.mesh import ParallelMesh
 from domino.runtime.agreement import AgreedFailure, agree
 
 logger = logging.getLogger(__name__)
@@ -107,13 +107,13 @@ def _maybe_slow_down() -> None:
         time.sleep(float(spec.split(":", 1)[1]))
 
 
-def _whole_model_shard(module: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
+def _whole_model_shard(module: torch.nn.Module, mesh: ParallelMesh) -> Optional[Dict[str, torch.Tensor]]:
     """This TP rank's slice of the whole model, by the whole model's names: the module's state dict, or with
     pipeline stages every stage's gathered onto the first stage (None on the others), the last stage's tied copy
     left out. So a checkpoint's weights are the same files whatever the pipeline size.
 
-    Collective over the pipeline group (call it on every stage of it)."""
-    group = state.get_pipeline_model_parallel_group()
+    Collective over the pipeline group of ``mesh`` (call it on every stage of it)."""
+    group = mesh.pp.process_group
     if group is None:
         return module.state_dict()  # save_model_shard copies it to the host
     shared = {name for name, p in module.named_parameters() if stored_name(name, p) != name}
@@ -148,6 +148,7 @@ class Snapshot:
     tokenizer: Any = None
     """Saved into the checkpoint (rank 0)."""
     copied: Optional[Callable[[], None]] = None
+    mesh: ParallelMesh = ParallelMesh.single()  # the layout it was taken on: how its slices are written
     """Waits until asynchronous device-to-host copies into the fields above have landed."""
 
 
@@ -181,11 +182,12 @@ def prepare(config: DominoConfig, iteration: int, engine, group=None, claim=None
     agree(f"saving checkpoint {tag} (preparing {tmp})", make, group=group)
 
 
-def take_snapshot(engine, config: DominoConfig, iteration: int, consumed_samples: int, padded_vocab_size: int,
-                  tokenizer=None, global_batch_size: Optional[int] = None, schedule: Optional[dict] = None,
-                  to_host: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Snapshot:
-    """This rank's part of checkpoint ``iter_{iteration}`` (collective over each data-parallel group: the
-    optimizer state is gathered from its ZeRO fragments).
+def take_snapshot(engine, config: DominoConfig, mesh: ParallelMesh, iteration: int, consumed_samples: int,
+                  padded_vocab_size: int, tokenizer=None, global_batch_size: Optional[int] = None,
+                  schedule: Optional[dict] = None, to_host: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                  ) -> Snapshot:
+    """This rank's part of checkpoint ``iter_{iteration}`` (collective over each data-parallel group of ``mesh``:
+    the optimizer state is gathered from its ZeRO fragments).
 
     Args:
         to_host: copies a tensor to host memory the training cannot change; by default the optimizer state is
@@ -194,6 +196,7 @@ def take_snapshot(engine, config: DominoConfig, iteration: int, consumed_samples
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     snapshot = empty_snapshot(config, iteration)
+    snapshot.mesh = mesh
     snapshot.rng = per_rank_state.rng_snapshot()
     scalars, failed = optimizer_state.Scalars(), []
 
@@ -208,15 +211,15 @@ def take_snapshot(engine, config: DominoConfig, iteration: int, consumed_samples
 
     if optimizer_state.supports(engine):
         # Each data-parallel replica writes (and holds on the host) every DP-size-th parameter's state.
-        dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
+        dp, dp_rank = mesh.dp.size, mesh.dp.rank
         snapshot.optimizer, scalars = optimizer_state.gather(engine, keep=lambda i: i % dp == dp_rank, to_host=copy)
     else:
         snapshot.per_rank_optimizer = per_rank_state.optimizer_snapshot(engine)
         if to_host is not None:
             snapshot.per_rank_optimizer = _map_tensors(snapshot.per_rank_optimizer, copy)
-    if state.get_data_parallel_rank() == 0:
-        model = _whole_model_shard(engine.module)  # None on a later pipeline stage: the first one writes it
-        pipelined = state.get_pipeline_model_parallel_world_size() > 1  # then already host copies
+    if mesh.dp.rank == 0:
+        model = _whole_model_shard(engine.module, mesh)  # None on a later pipeline stage: the first one writes it
+        pipelined = mesh.pp.size > 1  # then already host copies
         if model is not None:
             snapshot.model = model if to_host is None or pipelined else {k: copy(v) for k, v in model.items()}
             snapshot.model_is_copy = to_host is not None or pipelined
@@ -226,11 +229,8 @@ def take_snapshot(engine, config: DominoConfig, iteration: int, consumed_samples
         snapshot.tokenizer = tokenizer
         snapshot.meta = {
             "iteration": iteration, "consumed_samples": consumed_samples,
-            "tensor_model_parallel_size": state.get_tensor_model_parallel_world_size(),
-            "pipeline_model_parallel_size": state.get_pipeline_model_parallel_world_size(),
-            "data_parallel_size": state.get_data_parallel_world_size(),
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "global_batch_size": global_batch_size,
+            "tensor_model_parallel_size": mesh.tp.size, "pipeline_model_parallel_size": mesh.pp.size,
+            "data_parallel_size": mesh.dp.size, "world_size": mesh.world_size, "global_batch_size": global_batch_size,
             "schedule": schedule,  # domino.train.schedule_check.record: checked on resume
             "optimizer": ({"format": "by-name", **scalars.to_json()} if snapshot.optimizer is not None
                           else {"format": "per-rank"}),
@@ -264,7 +264,7 @@ def write_optimizer(snapshot: Snapshot, group=None) -> List[Path]:
     rank's files."""
     if snapshot.optimizer is None:
         return []
-    return distributed_io.save(snapshot.tmp / on_disk.OPTIMIZER_DIR, snapshot.optimizer, process_group=group)
+    return distributed_io.save(snapshot.tmp / on_disk.OPTIMIZER_DIR, snapshot.optimizer, snapshot.mesh, group)
 
 
 def write_rest(snapshot: Snapshot, optimizer_files: List[Path]) -> None:
@@ -272,7 +272,7 @@ def write_rest(snapshot: Snapshot, optimizer_files: List[Path]) -> None:
     tmp, rank = snapshot.tmp, dist.get_rank() if dist.is_initialized() else 0
     written = [tmp / "rng" / f"rank_{rank:05d}.pt", *optimizer_files]
     if snapshot.model is not None:
-        written.append(on_disk.save_model_shard(tmp, snapshot.model, state.get_tensor_model_parallel_rank(),
+        written.append(on_disk.save_model_shard(tmp, snapshot.model, snapshot.mesh.tp.rank,
                                                 host_copies=snapshot.model_is_copy))
     _atomic_torch_save(snapshot.rng, written[0])
     if snapshot.per_rank_optimizer is not None:
@@ -303,7 +303,7 @@ def commit(snapshot: Snapshot, config: DominoConfig, group=None) -> Path:
     return snapshot.final
 
 
-def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_samples: int,
+def save_checkpoint(engine, config: DominoConfig, mesh: ParallelMesh, iteration: int, consumed_samples: int,
                     padded_vocab_size: int, tokenizer=None, global_batch_size: Optional[int] = None,
                     claim=None, schedule: Optional[dict] = None) -> Path:
     """Writes checkpoint ``iter_{iteration:07d}`` under ``--save`` from every rank (collective).
@@ -314,11 +314,11 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
     :mod:`domino.checkpoint.async_save` runs the same phases with the writing in the background.
 
     Args:
-        global_batch_size: samples per iteration, recorded so a resume with another one is refused; ``schedule``
-            (the learning-rate schedule and batch ramp) likewise. ``claim``: the run's claim on the save root.
+        mesh: the run's layout; ``global_batch_size``: samples per iteration, recorded so a resume with another
+            one is refused; ``schedule`` (the LR schedule and batch ramp) likewise; ``claim``: the run's claim on
+            the save root.
 
-    Returns:
-        The final checkpoint directory.
+    Returns: the final checkpoint directory.
 
     Raises:
         AgreedFailure: on every rank when any rank's part of the save failed.
@@ -330,7 +330,7 @@ def save_checkpoint(engine, config: DominoConfig, iteration: int, consumed_sampl
 
         def snapshot_and_write_optimizer():
             nonlocal snapshot
-            snapshot = take_snapshot(engine, config, iteration, consumed_samples, padded_vocab_size, tokenizer,
+            snapshot = take_snapshot(engine, config, mesh, iteration, consumed_samples, padded_vocab_size, tokenizer,
                                      global_batch_size, schedule=schedule)
             return write_optimizer(snapshot)
 

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from domino.checkpoint.sharding import partition_dim
 from domino.checkpoint.on_disk import CheckpointError
-from domino.runtime import state
+from domino.runtime.mesh import ParallelMesh, collective_device
 
 FILE_SUFFIX = ".safetensors"
 
@@ -54,18 +54,18 @@ class StoredTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _mesh(device_type: Optional[str] = None) -> DeviceMesh:
-    """The (data-parallel, tensor-parallel) mesh of this rank's pipeline stage, from the run's existing groups:
-    rank = stage * DP * TP + dp_rank * TP + tp_rank (:mod:`domino.runtime.state`).
+def _device_mesh(mesh: ParallelMesh, device_type: Optional[str] = None) -> DeviceMesh:
+    """The (data-parallel, tensor-parallel) device mesh of this rank's pipeline stage, from the groups of the run's
+    ``mesh``: rank = stage * DP * TP + dp_rank * TP + tp_rank (:mod:`domino.runtime.mesh`).
 
     ``device_type`` defaults to the collectives' device. ``DTensor.from_local`` moves a local tensor to its mesh's
     device type (torch 2.13 ``distributed/tensor/_api.py``), so host copies being saved get a ``"cpu"`` mesh: it
     only describes where each slice lies (DCP's save runs no collective on the mesh's groups).
     """
-    tp, dp = state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size()
-    first = state.get_pipeline_model_parallel_rank() * dp * tp
-    device_type = device_type or state.collective_device().type
-    return DeviceMesh.from_group([state.get_data_parallel_group(), state.get_tensor_model_parallel_group()],
+    tp, dp = mesh.tp.size, mesh.dp.size
+    first = mesh.pp.rank * dp * tp
+    device_type = device_type or collective_device().type
+    return DeviceMesh.from_group([mesh.dp.process_group, mesh.tp.process_group],
                                  device_type, mesh=torch.arange(first, first + dp * tp).reshape(dp, tp),
                                  mesh_dim_names=("dp", "tp"))
 
@@ -92,9 +92,10 @@ def _as_dtensors(tensors: Dict[str, torch.Tensor], mesh: DeviceMesh) -> Dict[str
     return out
 
 
-def save(directory: Path, tensors: Dict[str, torch.Tensor],
+def save(directory: Path, tensors: Dict[str, torch.Tensor], mesh: ParallelMesh,
          process_group: Optional[dist.ProcessGroup] = None) -> List[Path]:
-    """Writes every rank's TP-local host ``tensors`` into ``directory`` (collective over ``process_group``).
+    """Writes every rank's TP-local host ``tensors`` (sliced as ``mesh`` lays them out) into ``directory``
+    (collective over ``process_group``).
 
     The ranks of a tensor-parallel group pass the same names; data-parallel replicas may pass the same tensors
     (DCP writes one copy) or share them out (DCP merges every rank's plan into one set of files).
@@ -109,7 +110,7 @@ def save(directory: Path, tensors: Dict[str, torch.Tensor],
     """
     directory.mkdir(parents=True, exist_ok=True)
     before = set(directory.iterdir())
-    dcp.save(_as_dtensors(tensors, _mesh("cpu")), process_group=process_group,
+    dcp.save(_as_dtensors(tensors, _device_mesh(mesh, "cpu")), process_group=process_group,
              storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True))
     rank = dist.get_rank() if dist.is_initialized() else 0
     # DCP names rank r's file shard-{r+1:05d}-...; a rank whose slices were all written by a replica writes none.
@@ -161,13 +162,14 @@ def stored_tensors(directory: Path) -> Dict[str, StoredTensor]:
     return out
 
 
-def load(directory: Path, targets: Dict[str, torch.Tensor]) -> None:
-    """Fills every rank's TP-local ``targets`` from ``directory``, whatever layout wrote it (collective).
+def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh) -> None:
+    """Fills every rank's TP-local ``targets`` (sliced as ``mesh`` lays them out) from ``directory``, whatever
+    layout wrote it (collective).
 
     Raises:
         CheckpointError: when a tensor is missing or has another global shape (before any data is read).
     """
-    stored, tp = stored_tensors(directory), state.get_tensor_model_parallel_world_size()
+    stored, tp = stored_tensors(directory), mesh.tp.size
     for name, local in targets.items():
         want = global_shape(name, local, tp)
         if name not in stored:
@@ -175,7 +177,7 @@ def load(directory: Path, targets: Dict[str, torch.Tensor]) -> None:
         if stored[name].shape != want:
             raise CheckpointError(f"{directory}: {name} is stored as {list(stored[name].shape)}, this run's is "
                                   f"{list(want)}")
-    dcp.load(_as_dtensors(targets, _mesh()), storage_reader=HuggingFaceStorageReader(str(directory)))
+    dcp.load(_as_dtensors(targets, _device_mesh(mesh)), storage_reader=HuggingFaceStorageReader(str(directory)))
 
 
 def read_full(directory: Path, names=None) -> Dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ from typing import Any, Dict
 
 from domino.checkpoint.optimizer_state import loss_scaler_fields
 from domino.parallel import random as tp_random
-from domino.runtime import state
+from domino.runtime.mesh import MeshGroup
 
 
 def rng_snapshot() -> Dict[str, Any]:
@@ -50,8 +50,9 @@ def optimizer_snapshot(engine) -> Dict[str, Any]:
     return sd
 
 
-def restore_optimizer(engine, sd: Dict[str, Any]) -> None:
-    """Loads what :func:`optimizer_snapshot` saved, on the layout that saved it."""
+def restore_optimizer(engine, sd: Dict[str, Any], dp: MeshGroup) -> None:
+    """Loads what :func:`optimizer_snapshot` saved, on the layout that saved it (``dp``: this rank's data-parallel
+    group, whose partition of the state this rank holds)."""
     optimizer = engine.optimizer
     live_scaler = getattr(optimizer, "loss_scaler", None)
     fields = sd.pop("loss_scaler_fields", None)
@@ -70,8 +71,8 @@ def restore_optimizer(engine, sd: Dict[str, Any]) -> None:
         sd["zero_stage"] = ZeroStageEnum(sd["zero_stage"])
     if partitioned:
         sd["param_slice_mappings"] = getattr(optimizer, "_param_slice_mappings", None)
-        state_list = [None] * state.get_data_parallel_world_size()
-        state_list[state.get_data_parallel_rank()] = sd
+        state_list = [None] * dp.size
+        state_list[dp.rank] = sd
         optimizer.load_state_dict(state_list, load_optimizer_states=True, load_from_fp32_weights=True)
     else:
         optimizer.load_state_dict(sd)

@@ -24,7 +24,7 @@ from domino.config import ConfigError, DominoConfig
 from domino.config.validate import resolve_zero_stage
 from domino.config.batch_schedule import batch_schedule
 from domino.pipeline.stages import stored_name
-from domino.runtime import state
+from domino.runtime.mesh import ParallelMesh, collective_device
 from domino.runtime.agreement import AgreedFailure, agree
 
 logger = logging.getLogger(__name__)
@@ -85,27 +85,29 @@ def keep_padded_vocab(ckpt: Optional[Checkpoint], config: DominoConfig, padded_v
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def _model_weights(ckpt: Checkpoint, module: torch.nn.Module, rows: int) -> Dict[str, torch.Tensor]:
+def _model_weights(ckpt: Checkpoint, module: torch.nn.Module, rows: int, mesh: ParallelMesh
+                   ) -> Dict[str, torch.Tensor]:
     """This TP rank's weights from ``ckpt``, resharded and re-padded to ``rows`` vocabulary rows if needed."""
-    return _stage_weights(_whole_model_weights(ckpt, rows), module)
+    return _stage_weights(_whole_model_weights(ckpt, rows, mesh), module, mesh)
 
 
-def _stage_weights(whole: Dict[str, torch.Tensor], module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def _stage_weights(whole: Dict[str, torch.Tensor], module: torch.nn.Module, mesh: ParallelMesh
+                   ) -> Dict[str, torch.Tensor]:
     """The entries of the whole model's ``whole`` that ``module`` (a pipeline stage, or the whole model) holds; a
     last stage's tied copy takes the embeddings'."""
-    if state.get_pipeline_model_parallel_world_size() == 1:
+    if mesh.pp.size == 1:
         return whole
     params = dict(module.named_parameters())
     return {name: whole[stored_name(name, params[name]) if name in params else name]
             for name in module.state_dict()}
 
 
-def _whole_model_weights(ckpt: Checkpoint, rows: int) -> Dict[str, torch.Tensor]:
+def _whole_model_weights(ckpt: Checkpoint, rows: int, mesh: ParallelMesh) -> Dict[str, torch.Tensor]:
     """This TP rank's slice of the whole model from ``ckpt``, re-padded to ``rows`` vocabulary rows if needed."""
     from domino.checkpoint import sharding
 
     meta = ckpt.meta
-    tp_rank, tp = state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
+    tp_rank, tp = mesh.tp.rank, mesh.tp.size
     if meta["padded_vocab_size"] == rows:
         return on_disk.load_model_shard(ckpt, tp_rank, tp)
     logger.info("re-padding the vocabulary from %d to %d rows", meta["padded_vocab_size"], rows)
@@ -122,20 +124,19 @@ def repad(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([kept, kept.new_zeros((rows - kept.shape[0], *kept.shape[1:]))])
 
 
-def _same_layout(meta: Dict[str, Any]) -> bool:
-    return (meta["tensor_model_parallel_size"] == state.get_tensor_model_parallel_world_size()
-            and meta.get("data_parallel_size") == state.get_data_parallel_world_size()
-            and meta.get("pipeline_model_parallel_size", 1) == state.get_pipeline_model_parallel_world_size())
+def _same_layout(meta: Dict[str, Any], mesh: ParallelMesh) -> bool:
+    return (meta["tensor_model_parallel_size"] == mesh.tp.size and meta.get("data_parallel_size") == mesh.dp.size
+            and meta.get("pipeline_model_parallel_size", 1) == mesh.pp.size)
 
 
-def _files_to_read(ckpt: Checkpoint, config: DominoConfig, weights_only: bool) -> list:
+def _files_to_read(ckpt: Checkpoint, config: DominoConfig, weights_only: bool, mesh: ParallelMesh) -> list:
     """The checkpoint files this rank verifies before loading (names relative to the checkpoint).
 
     The optimizer state by name is read by whichever ranks need each slice, so its files are verified once,
     spread over the ranks (rank r takes every world-size-th file); the agreement after the check makes each
     verdict every rank's.
     """
-    tp, tp_rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    tp, tp_rank = mesh.tp.size, mesh.tp.rank
     meta, saved_tp = ckpt.meta, ckpt.tensor_model_parallel_size
     shards = [tp_rank] if saved_tp == tp else range(saved_tp)
     names = [f"{on_disk.MODEL_DIR}/{on_disk.shard_file_name(r)}" for r in shards]
@@ -149,12 +150,12 @@ def _files_to_read(ckpt: Checkpoint, config: DominoConfig, weights_only: bool) -
         names += [f"{on_disk.OPTIMIZER_DIR}/{p.name}" for p in stored[rank::world]]
     elif not c.no_load_optim:
         names.append(f"{on_disk.LEGACY_OPTIMIZER_DIR}/rank_{rank:05d}.pt")
-    if not c.no_load_rng and _same_layout(meta):
+    if not c.no_load_rng and _same_layout(meta, mesh):
         names.append(f"{on_disk.RNG_DIR}/rank_{rank:05d}.pt")
     return names
 
 
-def _verified(ckpt: Checkpoint, config: DominoConfig, weights_only: bool) -> Checkpoint:
+def _verified(ckpt: Checkpoint, config: DominoConfig, weights_only: bool, mesh: ParallelMesh) -> Checkpoint:
     """``ckpt`` once every rank has checked the checksums of the files it will read; else an intact older one.
 
     Each rank verifies only its own files, then all ranks agree, so they reach one outcome: all load
@@ -162,7 +163,7 @@ def _verified(ckpt: Checkpoint, config: DominoConfig, weights_only: bool) -> Che
     """
     while True:
         def check() -> None:
-            problem = manifest.verify(ckpt.path, _files_to_read(ckpt, config, weights_only))
+            problem = manifest.verify(ckpt.path, _files_to_read(ckpt, config, weights_only, mesh))
             if problem:
                 raise ConfigError(problem)
 
@@ -204,11 +205,13 @@ def choose_zero_stage(ckpt: Optional[Checkpoint], config: DominoConfig, weights_
     return note
 
 
-def fit_run_to(ckpt: Optional[Checkpoint], config: DominoConfig, padded_vocab_size: int, weights_only: bool) -> int:
+def fit_run_to(ckpt: Optional[Checkpoint], config: DominoConfig, padded_vocab_size: int, weights_only: bool,
+               data_parallel_size: int) -> int:
     """Settles what a resume takes from ``ckpt`` before the model is built: the padded vocabulary
-    (:func:`keep_padded_vocab`, returned) and the ZeRO stage (:func:`choose_zero_stage`), each said in one line."""
+    (:func:`keep_padded_vocab`, returned) and the ZeRO stage at ``data_parallel_size`` (:func:`choose_zero_stage`),
+    each said in one line."""
     padded, vocab_note = keep_padded_vocab(ckpt, config, padded_vocab_size, weights_only)
-    zero_note = choose_zero_stage(ckpt, config, weights_only, state.get_data_parallel_world_size())
+    zero_note = choose_zero_stage(ckpt, config, weights_only, data_parallel_size)
     for note in (n for n in (vocab_note, zero_note) if n and (not dist.is_initialized() or dist.get_rank() == 0)):
         logger.info("%s", note)
     return padded
@@ -240,11 +243,11 @@ def check_resumable(ckpt: Optional[Checkpoint], config: DominoConfig, data_paral
                           f"resume with --global-batch-size {saved}, or warm-start with --finetune")
 
 
-def _check_per_rank(ckpt: Checkpoint, config: DominoConfig) -> None:
+def _check_per_rank(ckpt: Checkpoint, config: DominoConfig, mesh: ParallelMesh) -> None:
     """Refuses to load format 1's per-rank optimizer state on another layout or another kind of optimizer."""
     meta = ckpt.meta
-    tp, dp = state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size()
-    if not _same_layout(meta):
+    tp, dp = mesh.tp.size, mesh.dp.size
+    if not _same_layout(meta, mesh):
         raise ConfigError(
             f"--load {ckpt}: its optimizer state is per rank (format {meta['format_version']}), saved with "
             f"TP={meta['tensor_model_parallel_size']} x DP={meta.get('data_parallel_size')}, this run is TP={tp} x "
@@ -259,19 +262,19 @@ def _check_per_rank(ckpt: Checkpoint, config: DominoConfig) -> None:
             f"{saved_stage} (or without --zero-stage), or use --no-load-optim to take the weights only.")
 
 
-def _read_state(ckpt: Checkpoint, engine, config: DominoConfig, padded_vocab_size: int,
-                weights_only: bool) -> Tuple[Dict[str, torch.Tensor], Optional[dict], Optional[dict]]:
+def _read_state(ckpt: Checkpoint, engine, config: DominoConfig, padded_vocab_size: int, weights_only: bool,
+                mesh: ParallelMesh) -> Tuple[Dict[str, torch.Tensor], Optional[dict], Optional[dict]]:
     """This rank's model weights, per-rank optimizer state and RNG state from ``ckpt`` (nothing applied; the
     optimizer state by name is read afterwards, by all ranks together)."""
     meta, kind = ckpt.meta, ckpt.optimizer_format
     check_compatible(meta, config, ckpt.path)
-    weights = _model_weights(ckpt, engine.module, padded_vocab_size)
+    weights = _model_weights(ckpt, engine.module, padded_vocab_size, mesh)
     if weights_only or kind is None:
         return weights, None, None
     rank = dist.get_rank() if dist.is_initialized() else 0
     c, optim, rng = config.checkpoint, None, None
     if not c.no_load_optim and kind == "per-rank":
-        _check_per_rank(ckpt, config)
+        _check_per_rank(ckpt, config, mesh)
         optim = torch.load(ckpt.path / on_disk.LEGACY_OPTIMIZER_DIR / f"rank_{rank:05d}.pt", map_location="cpu",
                            weights_only=True)
     elif not c.no_load_optim and not optimizer_state.supports(engine):
@@ -279,7 +282,7 @@ def _read_state(ckpt: Checkpoint, engine, config: DominoConfig, padded_vocab_siz
                           "state stored by name; resume with --zero-stage 1, or use --no-load-optim")
     elif not c.no_load_optim:
         optimizer_state.Scalars.from_json(meta["optimizer"], str(ckpt.path / on_disk.META_FILE))
-    if not c.no_load_rng and _same_layout(meta):
+    if not c.no_load_rng and _same_layout(meta, mesh):
         rng = torch.load(ckpt.path / on_disk.RNG_DIR / f"rank_{rank:05d}.pt", weights_only=True)
     return weights, optim, rng
 
@@ -288,7 +291,7 @@ def _read_state(ckpt: Checkpoint, engine, config: DominoConfig, padded_vocab_siz
 READ_BATCH_BYTES = 1 << 30
 
 
-def _repadded_vocab_state(ckpt: Checkpoint, engine, rows: int) -> Dict[str, torch.Tensor]:
+def _repadded_vocab_state(ckpt: Checkpoint, engine, rows: int, mesh: ParallelMesh) -> Dict[str, torch.Tensor]:
     """This TP rank's optimizer state of the vocabulary parameters re-padded to ``rows`` rows (nothing when the
     run keeps the checkpoint's rows). Read whole in each process: a re-pad happens only at a TP that does not
     divide the checkpoint's rows (:func:`keep_padded_vocab`), and DCP reads only slices of a tensor's own shape."""
@@ -299,33 +302,32 @@ def _repadded_vocab_state(ckpt: Checkpoint, engine, rows: int) -> Dict[str, torc
     names = [f"{key}.{name}" for name, _ in optimizer_state.trainable(engine) if name in VOCAB_ROWS
              for key in optimizer_state.STATE_KEYS]
     whole = distributed_io.read_full(ckpt.path / on_disk.OPTIMIZER_DIR, names) if names else {}
-    return sharding.shard_state_dict({name: repad(t, rows) for name, t in whole.items()},
-                                     state.get_tensor_model_parallel_rank(),
-                                     state.get_tensor_model_parallel_world_size())
+    return sharding.shard_state_dict({name: repad(t, rows) for name, t in whole.items()}, mesh.tp.rank,
+                                     mesh.tp.size)
 
 
-def _load_optimizer_by_name(ckpt: Checkpoint, engine, rows: int) -> None:
+def _load_optimizer_by_name(ckpt: Checkpoint, engine, rows: int, mesh: ParallelMesh) -> None:
     """Reads every rank's slices of the optimizer state stored by name and sets them, a batch of parameters at a
     time (each read is collective: DCP plans and reads together; the host holds one batch)."""
     optimizer_state.prepare(engine, optimizer_state.Scalars.from_json(ckpt.meta["optimizer"], str(ckpt)))
     directory = ckpt.path / on_disk.OPTIMIZER_DIR
     distributed_io.stored_tensors(directory)  # every header checked once, before the first read
-    repadded = _repadded_vocab_state(ckpt, engine, rows)
+    repadded = _repadded_vocab_state(ckpt, engine, rows, mesh)
     optimizer_state.fill(engine, repadded)
     groups = [kept for kept in ([n for n in names if f"fp32.{n}" not in repadded]
                                 for names in optimizer_state.batches(engine, READ_BATCH_BYTES)) if kept]
-    if state.get_pipeline_model_parallel_world_size() > 1:
+    if mesh.pp.size > 1:
         # Each read is collective over the world; stages hold different parameters: as many reads on every rank.
-        count = torch.tensor([len(groups)], device=state.collective_device())
+        count = torch.tensor([len(groups)], device=collective_device())
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         groups += [[] for _ in range(int(count.item()) - len(groups))]
     for names in groups:
         tensors = optimizer_state.empty_like_state(engine, names)
-        distributed_io.load(directory, tensors)
+        distributed_io.load(directory, tensors, mesh)
         optimizer_state.fill(engine, tensors)
 
 
-def load_checkpoint(engine, config: DominoConfig, ckpt: Checkpoint, padded_vocab_size: int,
+def load_checkpoint(engine, config: DominoConfig, mesh: ParallelMesh, ckpt: Checkpoint, padded_vocab_size: int,
                     weights_only: bool = False) -> Tuple[int, int]:
     """Checks that ``ckpt`` fits this run, then restores model, optimizer and RNG state into this rank.
 
@@ -335,16 +337,17 @@ def load_checkpoint(engine, config: DominoConfig, ckpt: Checkpoint, padded_vocab
     memory bounded by :data:`READ_BATCH_BYTES`); a failure there stops every rank too, before any step.
 
     Args:
+        mesh: the run's parallel layout (which slices this rank reads).
         padded_vocab_size: this run's padded vocabulary (:func:`keep_padded_vocab`).
         weights_only: a warm start (``--finetune``): take the weights, keep the fresh optimizer and RNG.
 
     Returns:
         ``(iteration, consumed_samples)`` to continue from; ``(0, 0)`` for a warm start.
     """
-    ckpt = _verified(ckpt, config, weights_only)
+    ckpt = _verified(ckpt, config, weights_only, mesh)
     meta, kind = ckpt.meta, ckpt.optimizer_format
     weights, optim, rng = agree(f"reading checkpoint {ckpt}", lambda: _read_state(
-        ckpt, engine, config, padded_vocab_size, weights_only))
+        ckpt, engine, config, padded_vocab_size, weights_only, mesh))
     engine.module.load_state_dict(weights, strict=True)
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO keeps its own fp32 master copy of the weights
@@ -357,9 +360,9 @@ def load_checkpoint(engine, config: DominoConfig, ckpt: Checkpoint, padded_vocab
     if kind == "by-name" and not config.checkpoint.no_load_optim:
         # After the weights: the master weights are the checkpoint's, not copies of the rounded model weights.
         collective(f"reading the optimizer state of {ckpt}",
-                   lambda: _load_optimizer_by_name(ckpt, engine, padded_vocab_size))
+                   lambda: _load_optimizer_by_name(ckpt, engine, padded_vocab_size, mesh))
     if optim is not None:
-        per_rank_state.restore_optimizer(engine, optim)
+        per_rank_state.restore_optimizer(engine, optim, mesh.dp)
     if rng is not None:
         per_rank_state.restore_rng(rng)
     logger.info("resumed from %s at iteration %d (%d samples consumed)", ckpt, meta["iteration"],

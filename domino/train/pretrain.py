@@ -88,6 +88,7 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     """
     if not state.model_parallel_is_initialized():
         raise RuntimeError("pretrain(): call domino.train.engine.initialize_runtime(config) first, once per process")
+    mesh = state.current_mesh()  # the layout start() built: passed down from here, not read below
     # Each check ends in an agreement: a rank that fails stops every rank with the same one-line error.
     agree("checking the configuration", lambda: validate(config, world_size=dist.get_world_size(),
                                                          for_training=True))
@@ -95,11 +96,11 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     resume_from, warm_start = agree("choosing the checkpoint to resume",
                                     lambda: discovery.find_checkpoint(config))
     agree("checking the checkpoint against this run", lambda: resume.check_resumable(
-        resume_from, config, state.get_data_parallel_world_size(), warm_start))
+        resume_from, config, mesh.dp.size, warm_start))
     schedule = agree("checking the schedules against the checkpoint", lambda: schedule_check.resumed_schedule(
-        resume_from, config, state.get_data_parallel_world_size(), warm_start))
-    padded_vocab_size = resume.fit_run_to(resume_from, config, padded_vocab_size, warm_start)  # vocabulary, ZeRO
-    mesh = state.current_mesh()  # the layout start() built: passed down from here, not read below
+        resume_from, config, mesh.dp.size, warm_start))
+    padded_vocab_size = resume.fit_run_to(resume_from, config, padded_vocab_size, warm_start,  # vocabulary, ZeRO
+                                          mesh.dp.size)
     tp_random.model_parallel_seed(config.train.seed, mesh.tp.rank)
 
     with state.collective_device():  # parameters are created and initialised on their device, shard by shard
@@ -107,8 +108,8 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     engine = engine_setup.build_engine(model, config)
     iteration, consumed = 0, 0
     if resume_from is not None:
-        iteration, consumed = resume.load_checkpoint(engine, config, resume_from, padded_vocab_size,
-                                                            weights_only=warm_start)
+        iteration, consumed = resume.load_checkpoint(engine, config, mesh, resume_from, padded_vocab_size,
+                                                     weights_only=warm_start)
     elif config.checkpoint.load:
         logger.info("--load %s holds no checkpoint yet: starting from scratch", config.checkpoint.load)
     trainer = _Trainer(config, mesh, engine, dataset_builder, forward_step, padded_vocab_size, tokenizer, get_batch,
@@ -154,7 +155,7 @@ class _Trainer:
         self.stats = IntervalStats(self.device, t.max_nan_steps)
         self.grad_norm: Optional[torch.Tensor] = None  # on the device; read at log intervals
         self.last_train_loss: Optional[float] = None
-        self.saver = async_save.make_saver(config)
+        self.saver = async_save.make_saver(config, mesh)
 
     def _loader(self, dataset, consumed_samples: int, workers: int):
         if dataset is None or not self.is_data_rank:

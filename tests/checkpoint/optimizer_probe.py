@@ -37,7 +37,7 @@ def main(out: str, argv) -> None:
         model = recipe.model_builder(config, mesh)
     engine = engine_setup.build_engine(model, config)
     resume.READ_BATCH_BYTES = 1  # every parameter its own collective read: the batched path is what is compared
-    resume.load_checkpoint(engine, config, ckpt, padded)
+    resume.load_checkpoint(engine, config, mesh, ckpt, padded)
     local, scalars = optimizer_state.gather(engine)
     shards = [None] * state.get_tensor_model_parallel_world_size()
     dist.all_gather_object(shards, local, group=state.get_tensor_model_parallel_group())

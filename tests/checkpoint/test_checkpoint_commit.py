@@ -66,7 +66,7 @@ def _install_fault(point: str, monkeypatch) -> None:
     if point == "model-shard":
         _crash_when(monkeypatch, on_disk, "save_model_shard", point, lambda ckpt_dir, *_: saving(ckpt_dir))
     elif point == "optimizer-state":
-        _crash_when(monkeypatch, distributed_io, "save", point, lambda directory, tensors: saving(directory))
+        _crash_when(monkeypatch, distributed_io, "save", point, lambda directory, *_: saving(directory))
     elif point == "rng-state":
         _crash_when(monkeypatch, checkpointing, "_atomic_torch_save", point,
                     lambda obj, path: saving(path) and Path(path).parent.name == "rng")

@@ -80,7 +80,7 @@ MUTATIONS: List[Mutation] = [
              ["tests/checkpoint/test_async_save.py::"
               "test_a_background_write_failing_on_one_rank_stops_every_rank_with_one_line"]),
     Mutation("checkpoint-rng-not-restored", "domino/checkpoint/resume.py",
-             "    if not c.no_load_rng and _same_layout(meta):\n        rng = torch.load(",
+             "    if not c.no_load_rng and _same_layout(meta, mesh):\n        rng = torch.load(",
              "    if False:\n        rng = torch.load(",
              ["tests/checkpoint/test_checkpoint_commit.py"]),
     Mutation("ce-skips-global-max", "domino/parallel/cross_entropy.py",

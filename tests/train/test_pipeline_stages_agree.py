@@ -22,6 +22,7 @@ from distributed_helpers import run_distributed
 def _body(rank, world_size, save):
     from domino.checkpoint import checkpointing
     from domino.config import parse_config
+    from domino.runtime import state
     from domino.runtime.agreement import AgreedFailure
     from domino.train import engine as engine_setup
 
@@ -51,7 +52,7 @@ def _body(rank, world_size, save):
 
     try:
         checkpointing.collective("saving checkpoint iter_0000002 (copying its state)", lambda: (
-            checkpointing.take_snapshot(engine, config, 2, 2, 16, to_host=to_host)))
+            checkpointing.take_snapshot(engine, config, state.current_mesh(), 2, 2, 16, to_host=to_host)))
         snapshot_error = None
     except AgreedFailure as failure:
         snapshot_error = str(failure)
