@@ -20,7 +20,8 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from domino.checkpoint import async_save, checkpointing, discovery, resume
+from domino.checkpoint import checkpointing
+from domino.checkpoint.manager import CheckpointManager
 from domino.config import ConfigError, DominoConfig, config_to_dict, validate
 from domino.config.batch_schedule import batch_schedule
 from domino.data.loader import build_pretraining_data_loader
@@ -93,37 +94,28 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     agree("checking the configuration", lambda: validate(config, world_size=dist.get_world_size(),
                                                          for_training=True))
     # Fail on a garbage --load before building anything.
-    resume_from, warm_start = agree("choosing the checkpoint to resume",
-                                    lambda: discovery.find_checkpoint(config))
-    agree("checking the checkpoint against this run", lambda: resume.check_resumable(
-        resume_from, config, mesh.dp.size, warm_start))
+    checkpoints = CheckpointManager.open(config, mesh)
     schedule = agree("checking the schedules against the checkpoint", lambda: schedule_check.resumed_schedule(
-        resume_from, config, mesh.dp.size, warm_start))
-    padded_vocab_size = resume.fit_run_to(resume_from, config, padded_vocab_size, warm_start,  # vocabulary, ZeRO
-                                          mesh.dp.size)
+        checkpoints.resume_from, config, mesh.dp.size, checkpoints.warm_start))
+    padded_vocab_size = checkpoints.fit(padded_vocab_size)  # the checkpoint's vocabulary padding, its ZeRO stage
     tp_random.model_parallel_seed(config.train.seed, mesh.tp.rank)
 
     with state.collective_device():  # parameters are created and initialised on their device, shard by shard
         model = model_builder(config, mesh)
     engine = engine_setup.build_engine(model, config)
-    iteration, consumed = 0, 0
-    if resume_from is not None:
-        iteration, consumed = resume.load_checkpoint(engine, config, mesh, resume_from, padded_vocab_size,
-                                                     weights_only=warm_start)
-    elif config.checkpoint.load:
-        logger.info("--load %s holds no checkpoint yet: starting from scratch", config.checkpoint.load)
-    trainer = _Trainer(config, mesh, engine, dataset_builder, forward_step, padded_vocab_size, tokenizer, get_batch,
-                       schedule)
-    return trainer.run(iteration, consumed, discovery.own_checkpoint(config, resume_from, warm_start, iteration))
+    iteration, consumed = checkpoints.load(engine, padded_vocab_size)
+    trainer = _Trainer(config, mesh, checkpoints, engine, dataset_builder, forward_step, padded_vocab_size,
+                       tokenizer, get_batch, schedule)
+    return trainer.run(iteration, consumed, checkpoints.own_checkpoint(iteration))
 
 
 
 class _Trainer:
     """The loop of one run: steps, NaN accounting, interval logging, evaluation and saving."""
 
-    def __init__(self, config: DominoConfig, mesh: ParallelMesh, engine, dataset_builder: Callable,
-                 forward_step: Callable, padded_vocab_size: int, tokenizer, get_batch: Optional[Callable] = None,
-                 schedule: Optional[LearningRateSchedule] = None) -> None:
+    def __init__(self, config: DominoConfig, mesh: ParallelMesh, checkpoints: CheckpointManager, engine,
+                 dataset_builder: Callable, forward_step: Callable, padded_vocab_size: int, tokenizer,
+                 get_batch: Optional[Callable] = None, schedule: Optional[LearningRateSchedule] = None) -> None:
         self.config, self.engine, self.forward_step = config, engine, forward_step
         self.mesh = mesh
         self.tp_link = mesh.tp.link  # the emulated TP link (DOMINO_SIMULATED_NETWORK), whose time is logged
@@ -155,7 +147,7 @@ class _Trainer:
         self.stats = IntervalStats(self.device, t.max_nan_steps)
         self.grad_norm: Optional[torch.Tensor] = None  # on the device; read at log intervals
         self.last_train_loss: Optional[float] = None
-        self.saver = async_save.make_saver(config, mesh)
+        self.saver = checkpoints.saver()
 
     def _loader(self, dataset, consumed_samples: int, workers: int):
         if dataset is None or not self.is_data_rank:

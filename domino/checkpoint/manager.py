@@ -1,0 +1,82 @@
+"""A run's checkpoints as one value: what it resumes, loading that, saving, and which checkpoint is its own.
+
+The training loop asks one object instead of calling the discovery, resume and save modules itself:
+
+1. :meth:`CheckpointManager.open` decides, on every rank together, what the run starts from (its own checkpoint
+   under ``--save`` first, else ``--load``, else an older intact one when the newest is damaged:
+   :func:`domino.checkpoint.discovery.find_checkpoint`) and checks that checkpoint against the run
+   (:func:`domino.checkpoint.resume.check_resumable`), before anything is built;
+2. :meth:`fit` settles what the model is built with (the checkpoint's padded vocabulary, its ZeRO stage);
+3. :meth:`load` restores the built engine (weights, optimizer, RNG) and returns where to continue;
+4. :meth:`saver` writes checkpoints on the run's mesh (synchronously or with ``--async-save``), and
+   :meth:`own_checkpoint` names the checkpoint of the resumed iteration, which the loop does not write again.
+
+Megatron-LM's training loop reaches the same steps through ``load_checkpoint`` / ``save_checkpoint`` in
+``megatron/training/checkpointing.py``; torchtitan keeps them in one ``CheckpointManager``
+(``torchtitan/components/checkpoint.py``), as here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from domino.checkpoint import async_save, discovery, resume
+from domino.checkpoint.on_disk import Checkpoint
+from domino.config import DominoConfig
+from domino.runtime.agreement import agree
+from domino.runtime.mesh import ParallelMesh
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointManager:
+    """The checkpoints of one run on one mesh (see the module docstring).
+
+    Attributes:
+        config: the run's configuration (``--save``, ``--load``, ``--finetune``, ``--async-save``, ...).
+        mesh: the run's parallel layout: which slices this rank reads and writes.
+        resume_from: the checkpoint the run starts from, or None for a fresh start.
+        warm_start: take only ``resume_from``'s weights (``--finetune``), starting at iteration 0.
+    """
+
+    config: DominoConfig
+    mesh: ParallelMesh
+    resume_from: Optional[Checkpoint] = None
+    warm_start: bool = False
+
+    @classmethod
+    def open(cls, config: DominoConfig, mesh: ParallelMesh) -> "CheckpointManager":
+        """Decides what the run resumes and checks it against the run (collective: each step ends in an agreement,
+        so a rank that fails stops every rank with the same one-line error, before anything is built)."""
+        resume_from, warm_start = agree("choosing the checkpoint to resume",
+                                        lambda: discovery.find_checkpoint(config))
+        agree("checking the checkpoint against this run", lambda: resume.check_resumable(
+            resume_from, config, mesh.dp.size, warm_start))
+        return cls(config, mesh, resume_from, warm_start)
+
+    def fit(self, padded_vocab_size: int) -> int:
+        """The padded vocabulary the model is built with (the checkpoint's, where it differs), the ZeRO stage
+        settled into the config (:func:`domino.checkpoint.resume.fit_run_to`)."""
+        return resume.fit_run_to(self.resume_from, self.config, padded_vocab_size, self.warm_start, self.mesh.dp.size)
+
+    def load(self, engine, padded_vocab_size: int) -> Tuple[int, int]:
+        """Restores ``engine`` from :attr:`resume_from` (collective); ``(iteration, consumed samples)`` to continue
+        from, ``(0, 0)`` for a fresh start or a warm start."""
+        if self.resume_from is None:
+            if self.config.checkpoint.load:
+                logger.info("--load %s holds no checkpoint yet: starting from scratch", self.config.checkpoint.load)
+            return 0, 0
+        return resume.load_checkpoint(engine, self.config, self.mesh, self.resume_from, padded_vocab_size,
+                                      weights_only=self.warm_start)
+
+    def own_checkpoint(self, iteration: int) -> Optional[str]:
+        """The checkpoint of ``iteration`` under ``--save`` the run resumed, if any (not written again)."""
+        return discovery.own_checkpoint(self.config, self.resume_from, self.warm_start, iteration)
+
+    def saver(self) -> async_save.CheckpointSaver:
+        """The saver ``--async-save`` asks for, on the run's mesh (collective: the asynchronous one creates
+        process groups)."""
+        return async_save.make_saver(self.config, self.mesh)
