@@ -118,12 +118,11 @@ class Layout:
         torch.manual_seed(0)  # every layout starts from the same weights
         config = ModelConfig(num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
                              seq_length=shape.seq, hidden_dropout=0.0, attention_dropout=0.0)
-        self.link = mesh.tp.link  # the emulated TP link this layout's collectives ride (a setting's)
+        self.mesh = mesh  # its TP group's link (a setting's) and comm timer are this layout's
         model = split_model(GPTModel(config, shape.vocab, tp=mesh.tp), mesh.pp.rank, PP)
         if sequence_parallel:
             apply_sequence_parallel(model)
         self.model = apply_domino(model, chunks)
-        self.mesh = mesh
         self.pipeline = StageSchedule(self.model, mesh.pp, num_microbatches=shape.micro_batches,
                                       micro_batch_size=shape.micro_batch_size, seq_length=shape.seq,
                                       hidden_size=shape.hidden, sequence_parallel=sequence_parallel)
@@ -133,7 +132,7 @@ class Layout:
     def step(self, batch) -> Dict[str, float]:
         """One training step between barriers: its times on this rank (ms) and the step's loss."""
         dist.barrier()
-        self.mesh.tp.timer.pop_seconds(), comm_timing.pop_modelled_comm_seconds(self.link)
+        self.mesh.tp.timer.pop_seconds(), comm_timing.pop_modelled_comm_seconds(self.mesh.tp.link)
         self.busy[0] = 0.0
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
@@ -145,7 +144,7 @@ class Layout:
         ended = time.perf_counter()
         return {"step_ms": 1000 * (ended - started), "schedule_ms": 1000 * (scheduled - started),
                 "busy_ms": 1000 * self.busy[0], "blocked_ms": 1000 * self.mesh.tp.timer.pop_seconds(),
-                "modelled_ms": 1000 * comm_timing.pop_modelled_comm_seconds(self.link), "loss": loss.item()}
+                "modelled_ms": 1000 * comm_timing.pop_modelled_comm_seconds(self.mesh.tp.link), "loss": loss.item()}
 
 
 def _worker(rank: int, port: int, shape: Shape, layouts: List[str], settings: List[str], transfer: str,
@@ -162,7 +161,7 @@ def _worker(rank: int, port: int, shape: Shape, layouts: List[str], settings: Li
     # The calibration's TP bytes and collectives: one step of the synchronous layout on a counting link.
     counting = Layout(shape, *LAYOUTS["sync"], mesh.with_tp_link(CountingLink()))
     counting.step(batch)
-    out["counted"] = counting.link
+    out["counted"] = counting.mesh.tp.link
     del counting
     for setting in ["real gloo only", *settings]:
         network = "" if setting == "real gloo only" else overlap.network_for(

@@ -61,14 +61,9 @@ class SequenceParallelStack(StepStack):
                 return self.output(done.value)
 
 
-class _SumOverTP:
-    """A parameter's gradient hook: the sum of the sequence slices' gradients over the TP group."""
-
-    def __init__(self, tp: MeshGroup) -> None:
-        self.tp = tp
-
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        return all_reduce_sum_(grad.clone(), self.tp)
+def _sum_over(tp: MeshGroup):
+    """A parameter's gradient hook: the sum of the sequence slices' gradients over ``tp``."""
+    return lambda grad: all_reduce_sum_(grad.clone(), tp)
 
 
 def sequence_parallel_parameters(model: torch.nn.Module) -> List[torch.nn.Parameter]:
@@ -98,7 +93,7 @@ def apply_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError("apply_sequence_parallel must be applied to the model as built, before apply_domino")
     stack = SequenceParallelStack(model, model.stack)
     model.stack = stack
-    sum_over_tp = _SumOverTP(model.tp)
+    sum_over_tp = _sum_over(model.tp)
     for param in sequence_parallel_parameters(model):
         param.register_hook(sum_over_tp)
     return model

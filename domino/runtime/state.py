@@ -151,8 +151,7 @@ def start(tensor_model_parallel_size: Optional[int] = None, *, backend: Optional
     return initialize_model_parallel(tp, timeout_minutes=timeout_minutes, pipeline_model_parallel_size=pp)
 
 
-# Built once: the getters run inside torch.compile'd blocks, where constructing a dataclass is a graph break
-# that fullgraph compilation refuses.
+# Built once: every caller before start() gets the same value, with the same groups and their comm timers.
 _SINGLE_MESH = ParallelMesh.single()
 
 
@@ -179,20 +178,9 @@ def get_tensor_model_parallel_group() -> Optional[dist.ProcessGroup]:
     return current_mesh().tp.process_group
 
 
-def get_tensor_model_parallel_link() -> Optional[LinkEmulator]:
-    """The emulated link of the TP collectives, or None (the default: real communication only)."""
-    return current_mesh().tp.link
-
-
-def link_for(group: Optional[dist.ProcessGroup]) -> Optional[LinkEmulator]:
-    """The emulated link the collectives over ``group`` ride on: the TP group's, else None (the data-parallel
-    collectives are DeepSpeed's and not emulated)."""
-    tp = current_mesh().tp
-    return tp.link if group is not None and group is tp.process_group else None
-
-
 def set_tensor_model_parallel_link(link: Optional[LinkEmulator]) -> None:
-    """Replaces the emulated TP link (None switches emulation off); for tests and benchmarks."""
+    """Replaces the emulated TP link of the mesh (None switches emulation off), for tests: models built afterwards
+    over ``current_mesh().tp`` ride it; those built before keep the group they were given."""
     global _MESH
     if _MESH is None:
         raise RuntimeError("initialize_model_parallel() must run before a TP link can be set")

@@ -127,8 +127,6 @@ class GPTRecipe:
 
     def forward_step(self, data_iterator, model):
         """One micro-batch forward: ``(per-token losses, partial(loss_func, loss_mask))``."""
-        shape = (self.config.train.micro_batch_size, self.config.model.seq_length + 1)  # fixed: no shape broadcast
-        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, self.config.data, self.eod,
-                                                                            shape, self.mesh.tp)
-        output = model(tokens, position_ids, attention_mask, labels=labels)
-        return output, partial(loss_func, loss_mask, dp=self.mesh.dp)
+        b = self.batch(data_iterator)
+        output = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+        return output, partial(loss_func, b["loss_mask"], dp=self.mesh.dp)

@@ -122,7 +122,7 @@ class _Trainer:
         self.comm = mesh.tp.timer  # the TP collectives' blocked time (the comm-wait timer), read per interval
         self.padded_vocab_size, self.tokenizer = padded_vocab_size, tokenizer
         t, lg = config.train, config.logging
-        self.batches = batch_schedule(config, state.get_data_parallel_world_size())  # the batch of each iteration
+        self.batches = batch_schedule(config, mesh.dp.size)  # the batch of each iteration
         self.pipeline = PipelineStep(config, mesh, engine, get_batch, self.batches.micro_batches_per_step
                                      ) if engine_setup.pipelined(config) else None
         self.gbs = self.batches.global_batch_size
@@ -132,7 +132,7 @@ class _Trainer:
         # Every rank builds the datasets (index caches are built once, behind a world-wide agreement), so every
         # rank knows which splits are empty; only TP rank 0 reads batches and broadcasts them to its TP group, and
         # with pipeline stages only on a stage that reads batches (a middle one does not: PipelineStep).
-        self.is_data_rank = state.get_tensor_model_parallel_rank() == 0 and (
+        self.is_data_rank = mesh.tp.rank == 0 and (
             self.pipeline is None or self.pipeline.reads_batches)
         self.train_ds, self.valid_ds, self.test_ds = agree("building the datasets", lambda: dataset_builder(
             (self.batches.consumed_samples_after(self.train_iters), eval_samples, eval_samples)))
@@ -153,8 +153,8 @@ class _Trainer:
         if dataset is None or not self.is_data_rank:
             return None
         return iter(build_pretraining_data_loader(
-            dataset, consumed_samples, self.config.train.micro_batch_size, state.get_data_parallel_rank(),
-            state.get_data_parallel_world_size(), workers))
+            dataset, consumed_samples, self.config.train.micro_batch_size, self.mesh.dp.rank,
+            self.mesh.dp.size, workers))
 
     def _step(self, train_iter, batch: int) -> torch.Tensor:
         """One optimizer step over a ``batch``-sample global batch; returns the mean loss, a 0-d tensor on the device.
@@ -285,7 +285,7 @@ class _Trainer:
         started = time.perf_counter()
         path = self.saver.save(self.engine, iteration, consumed, self.padded_vocab_size, self.tokenizer, self.gbs,
                                schedule_check.record(self.schedule, self.config, self.train_iters,
-                                                     state.get_data_parallel_world_size()))
+                                                     self.mesh.dp.size))
         self.paused += time.perf_counter() - started
         return str(path)
 
@@ -328,8 +328,8 @@ class _Trainer:
             "padded_vocab_size": self.padded_vocab_size})
         logger.info("training %d iterations: global batch %d (micro %d x DP %d x accumulation %d), TP %d, "
                     "Domino chunks %d, ZeRO %d", self.train_iters, self.batches.global_batch_size_at(consumed),
-                    t.micro_batch_size, state.get_data_parallel_world_size(),
-                    self.batches.num_micro_batches_at(consumed), state.get_tensor_model_parallel_world_size(),
+                    t.micro_batch_size, self.mesh.dp.size,
+                    self.batches.num_micro_batches_at(consumed), self.mesh.tp.size,
                     config.parallel.domino_chunks, config.parallel.zero_stage)
         self.engine.train()
         # Set-up collectives are not part of any interval.
