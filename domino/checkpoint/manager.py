@@ -12,8 +12,9 @@ The training loop asks one object instead of calling the discovery, resume and s
    :meth:`own_checkpoint` names the checkpoint of the resumed iteration, which the loop does not write again.
 
 Megatron-LM's training loop reaches the same steps through ``load_checkpoint`` / ``save_checkpoint`` in
-``megatron/training/checkpointing.py``; torchtitan keeps them in one ``CheckpointManager``
-(``torchtitan/components/checkpoint.py``), as here.
+``megatron/training/checkpointing.py`` (NVIDIA/Megatron-LM 699abf1); torchtitan keeps them in one
+``CheckpointManager`` (``torchtitan/components/checkpoint.py``, pytorch/torchtitan 0128b99: ``save``, ``load``,
+its async modes), as here.
 """
 
 from __future__ import annotations
