@@ -102,7 +102,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.environ.setdefault("MASTER_PORT", "29517")
     from domino.config import parse_config
     from domino.logging_utils import setup_logging
-    from domino.train.engine import initialize_runtime
+    from domino.train.runtime_start import initialize_runtime
 
     setup_logging("warning")
     config_args = ["--preset", "tiny", *MODEL, "--mock-data", "--num-workers", "0", "--seed", "7",

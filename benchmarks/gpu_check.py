@@ -64,8 +64,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from domino.config import padded_vocab_size, parse_config  # noqa: E402
 from domino.model import GPTModel  # noqa: E402
 from domino.overlap.schedule import apply_domino  # noqa: E402
+from domino.runtime import state  # noqa: E402  (the mesh initialize_runtime built: one process)
 from domino.parallel.kernels import c_compiler, kernels_for  # noqa: E402
-from domino.train import engine as engine_setup  # noqa: E402
+from domino.train import engine as engine_setup, runtime_start  # noqa: E402
 from domino.train.host_syncs import syncs_per_step  # noqa: E402
 from domino.train.throughput import detect_peak_tflops, training_flops_per_token  # noqa: E402
 from gpu_check_stages import LOSS_STEPS, STAGE_BOXES, check_result, run_stage, smoke, write_json  # noqa: E402,F401
@@ -94,7 +95,7 @@ class _Run:
         self.vocab = padded_vocab_size(self.config.model.vocab_size, self.config)
         torch.manual_seed(args.seed)
         model = apply_domino(GPTModel(self.config.model, self.vocab), chunks)
-        self.engine = engine_setup.build_engine(model, self.config)
+        self.engine = engine_setup.build_engine(model, self.config, state.current_mesh())
         self.set_batch(micro_batch)
 
     def set_batch(self, micro_batch: int) -> None:
@@ -375,7 +376,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not set(args.stages) - {"smoke"}:
             print(json.dumps({"smoke": checked, "errors": report["errors"]}))
             return 4 if report["errors"] else 0
-        engine_setup.initialize_runtime(_config(args, 1, 1))
+        runtime_start.initialize_runtime(_config(args, 1, 1))
         result = measure(args, report)
         result["smoke"] = checked
     write_json(os.environ.get("OUT"), "gpu_check", result)  # the device tool's folder: it comes back with the run

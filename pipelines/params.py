@@ -140,8 +140,8 @@ def check_training_config(values: Dict[str, Any]) -> None:
     """
     from components.layout import RunLayout
     from components.declare import settings_from_values
-    from components.pretrain.step import PretrainSettings, check_config, job_spec, pretrain_argv
-    from domino.launch.parallel_layout import layout_flags
+    from components.pretrain.step import PretrainSettings, job_spec, pretrain_argv
+    from domino.launch.pretrain_args import resolve_pretrain
     from domino.config import ConfigError
 
     defaults = {name: info.default for name, info in pipeline_parameters().items()}
@@ -149,7 +149,6 @@ def check_training_config(values: Dict[str, Any]) -> None:
     layout = RunLayout(settings.shared_root, settings.run_id)
     try:
         argv = pretrain_argv(settings, "dataset", layout)
-        check_config([*argv, *layout_flags(job_spec(settings, argv))],
-                     world_size=settings.nodes * settings.nproc_per_node)
+        resolve_pretrain(job_spec(settings, argv))  # what the pretrain step resolves and checks when it runs
     except (ConfigError, ValueError) as error:
         raise ParamError(f"the parameters give an invalid training config: {error}") from None

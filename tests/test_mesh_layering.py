@@ -12,11 +12,12 @@ SHIM = "domino.runtime.state"
 MESH_PASSED = ("domino.parallel", "domino.model", "domino.overlap", "domino.pipeline", "domino.eval.metrics",
                "domino.eval.generate", "domino.eval.evaluate", "domino.data", "domino.train.gpt_recipe",
                "domino.checkpoint")
-#: The entry points, which start the run and pass its mesh down (``state.start`` returns it).
-ENTRY_POINTS = {"domino.train.pretrain", "domino.eval.runtime", "domino.runtime"}
-#: Modules below the entry points that still read the shim: the engine's DeepSpeed glue, which hands DeepSpeed the
-#: shim as its ``mpu`` (issue 38, what is next).
-STILL_READING = {"domino.train.engine", "domino.train.zero_step"}
+#: The entry points, which start the run and pass its mesh down (``state.start`` returns it; training's start,
+#: ``domino.train.runtime_start.initialize_runtime``, returns it too).
+ENTRY_POINTS = {"domino.train.pretrain", "domino.train.runtime_start", "domino.eval.runtime", "domino.runtime"}
+#: Modules below the entry points that still read the shim (the list only shrinks; empty now: DeepSpeed's engine is
+#: built over the mesh too, ``domino.train.deepspeed_mpu``).
+STILL_READING: set = set()
 
 
 def _readers():

@@ -7,7 +7,6 @@ local processes), fails when the job fails, and summarises the final checkpoint 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -19,18 +18,17 @@ from components.layout import RunLayout
 from components.manifest import read_manifest, write_manifest
 from components.pretrain.settings import JSON_SETTINGS, PretrainSettings
 from components.registry import current_model
-from domino.config import add_config_flags, config_from_args
 from domino.config.flags import flag_name
 from domino.launch import run_job
 from domino.launch.api import BACKENDS
 from domino.launch.job_api import job_api
 from domino.launch.naming import label_value
-from domino.launch.parallel_layout import layout_flags
+from domino.launch.pretrain_args import resolve_pretrain
 from domino.launch.spec import DEFAULT_MOUNT_PATH, JobSpec, Toleration, credential_names, default_namespace
 from domino.tracking import CREDENTIAL_KEYS, CREDENTIAL_SECRET, KFP_RUN_ID_ENV, TRACKING_URI_ENV, read_pointer
 from domino.tracking.registry import volume_uri
 
-__all__ = ["PretrainFailed", "PretrainSettings", "check_config", "job_spec", "load_argv", "metric_values",
+__all__ = ["PretrainFailed", "PretrainSettings", "job_spec", "load_argv", "metric_values",
            "parse_overrides", "pretrain_argv", "run_pretrain"]
 
 #: Config fields the run's layout sets (``config_overrides`` may not set them either).
@@ -107,17 +105,6 @@ def load_argv(warm_start: bool, layout: RunLayout, resume_from_run: str = "") ->
         if promoted is not None:
             return ["--load", promoted.checkpoint_dir, "--finetune"]
     return ["--load", layout.checkpoint_dir]
-
-
-def check_config(argv: List[str], world_size: int):
-    """Parses and validates ``argv`` as ``domino pretrain`` would; raises ``ConfigError`` naming the flag."""
-    parser = argparse.ArgumentParser(prog="domino pretrain", exit_on_error=False, allow_abbrev=False)
-    add_config_flags(parser)
-    try:
-        args = parser.parse_args(argv)
-    except (argparse.ArgumentError, SystemExit) as error:
-        raise ValueError(f"config_overrides/pipeline parameters give bad pretrain flags {argv}: {error}") from None
-    return config_from_args(args, world_size=world_size, for_training=True)
 
 
 def _json_param(settings: PretrainSettings, name: str) -> Any:
@@ -197,13 +184,14 @@ def job_spec(settings: PretrainSettings, argv: List[str]):
 def summarize(layout: RunLayout, seq_length: int) -> Dict[str, Any]:
     """Facts about the finished run: final checkpoint, iterations, tokens, final losses, throughput."""
     # torch and matplotlib: only where a run is summarised, not when the pipeline is compiled.
-    from domino.checkpoint.on_disk import find_latest_checkpoint, read_checkpoint_meta
+    from domino.checkpoint.on_disk import Checkpoint, find_latest_checkpoint
     from domino.eval.report_plots import read_metrics
 
-    ckpt = find_latest_checkpoint(layout.checkpoint_dir)
-    if ckpt is None:
+    found = find_latest_checkpoint(layout.checkpoint_dir)
+    if found is None:
         raise PretrainFailed(f"the job succeeded but left no checkpoint in {layout.checkpoint_dir}")
-    meta = read_checkpoint_meta(ckpt)
+    ckpt = Checkpoint.read(found)  # checkpoint.json read and checked once
+    meta = ckpt.meta
     train, evals = read_metrics(layout.metrics_file) if os.path.exists(layout.metrics_file) else ([], [])
     # The first logged interval includes start-up and compilation; leave it out of throughput when possible.
     steady = train[1:] or train
@@ -252,16 +240,17 @@ def run_pretrain(
         raise ValueError(f"backend: {settings.backend!r} is not one of {', '.join(BACKENDS)}")
     data_prefix = read_manifest(dataset_manifest, "dataset")["prefix"]
     argv = pretrain_argv(settings, data_prefix, layout)
-    spec = job_spec(settings, argv)
-    config = check_config([*argv, *layout_flags(spec)], world_size=settings.nodes * settings.nproc_per_node)
-    job_api(settings.job_api).check(spec)  # an unknown job_api, or what it cannot carry, fails before any work
+    # The pods' argv, its layout derived and its flags parsed and checked once; the job runs exactly that.
+    resolved = resolve_pretrain(job_spec(settings, argv))
+    config = resolved.config
+    job_api(settings.job_api).check(resolved.spec)  # an unknown job_api, or what it cannot carry, fails before work
     os.makedirs(layout.run_dir, exist_ok=True)
     warm_from = argv[argv.index("--load") + 1] if "--finetune" in argv else ""
     log(f"pretrain: job {settings.job_name} ({settings.job_api}, {settings.backend}), "
         f"warm start from: {warm_from or 'none'}")
     started = time.monotonic()
     result = run_job(
-        spec, backend=settings.backend, api=settings.job_api, timeout_s=settings.job_timeout_s or None,
+        resolved, backend=settings.backend, api=settings.job_api, timeout_s=settings.job_timeout_s or None,
         scheduling_timeout_s=settings.scheduling_timeout_s, queue_timeout_s=settings.queue_timeout_s or None,
         cleanup="on-success", run_id=settings.run_id,
         log=log, workdir=settings.shared_root if settings.backend == "local" else None,

@@ -119,8 +119,8 @@ def export_hf(load: PathLike, output: PathLike, tokenizer_spec: Optional[str] = 
     Raises:
         ConfigError: for a bad checkpoint, a non-empty output, or a model neither family can express.
     """
-    ckpt_dir = on_disk.resolve_checkpoint_dir(load)
-    meta = on_disk.read_checkpoint_meta(ckpt_dir)
+    ckpt = on_disk.Checkpoint.open(load)  # checkpoint.json read and checked once, then passed along
+    ckpt_dir, meta = ckpt.path, ckpt.meta
     config = config_from_dict(meta["config"])
     model_loading.check_checkpoint_fits(ckpt_dir, meta, config)
     output = Path(output)
@@ -132,7 +132,7 @@ def export_hf(load: PathLike, output: PathLike, tokenizer_spec: Optional[str] = 
                           f"{meta['padded_vocab_size']} embedding rows")
     family = family_of(config.model)
     hf_config = family.hf_config(config.model, vocab, eos_token_id=tokenizer.eod)
-    hf_sd = family.to_hf(on_disk.load_full_state_dict(ckpt_dir), config.model)
+    hf_sd = family.to_hf(on_disk.load_full_state_dict(ckpt), config.model)
     hf_sd[family.embedding] = hf_sd[family.embedding][:vocab].contiguous()
     if config.model.untie_embeddings_and_output_weights:
         hf_sd[family.output] = hf_sd[family.output][:vocab].contiguous()

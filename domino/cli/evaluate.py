@@ -9,11 +9,9 @@ from domino.cli.checkpoint_flags import add_checkpoint_flags
 from domino.eval.settings import add_eval_flags, eval_settings_from_args
 from domino.tracking import evaluation_scalars, tracker_of_checkpoint
 
-def _held_out_split(load: str) -> str:
+def _held_out_split(ckpt) -> str:
     """The checkpoint's own ``--split``: with --data-path, its test part is what training held out."""
-    from domino.checkpoint.on_disk import read_checkpoint_meta, resolve_checkpoint_dir
-
-    return read_checkpoint_meta(resolve_checkpoint_dir(load))["config"]["data"]["split"]
+    return ckpt.meta["config"]["data"]["split"]
 
 
 def _log_to_training_run(load: str, result) -> None:
@@ -28,14 +26,16 @@ def _log_to_training_run(load: str, result) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from domino.checkpoint.on_disk import Checkpoint
     from domino.eval.evaluate import evaluate_checkpoint
     from domino.eval.runtime import is_output_rank, parse_dtype, teardown
 
     dtype = parse_dtype(args.dtype)
     try:
-        split = args.split or (_held_out_split(args.load) if args.data_path else None)
+        ckpt = Checkpoint.open(args.load)  # checkpoint.json read and checked once, then passed along
+        split = args.split or (_held_out_split(ckpt) if args.data_path else None)
         result = evaluate_checkpoint(
-            args.load, args.data_path, eval_settings_from_args(args), split=split,
+            ckpt, args.data_path, eval_settings_from_args(args), split=split,
             seq_length=args.seq_length, eod_mask_loss=args.eod_mask_loss,
             reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
             tensor_model_parallel_size=args.tensor_model_parallel_size, tokenizer_spec=args.tokenizer,

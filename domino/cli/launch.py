@@ -15,15 +15,14 @@ from domino.launch import naming
 from domino.launch.api import BACKENDS, CLEANUP_MODES, DEFAULT_QUEUE_TIMEOUT_S, run_job
 from domino.launch.flags import add_spec_flags, spec_from_args
 from domino.launch.job_api import DEFAULT_JOB_API, JOB_APIS, job_api
-from domino.launch.pretrain_args import check_pretrain_args
+from domino.launch.pretrain_args import resolve_pretrain
 from domino.launch.render import to_yaml
 from domino.launch.spec import LaunchSpecError
 
 
 def _render(args: argparse.Namespace) -> int:
     try:
-        spec = spec_from_args(args)
-        check_pretrain_args(spec)
+        spec = resolve_pretrain(spec_from_args(args)).spec  # the pods' argv, its layout derived and checked once
         text = to_yaml(job_api(args.api).render(spec, args.run_id or naming.new_run_id(), None))
     except LaunchSpecError as error:
         print(f"domino launch render: error: {error}", file=sys.stderr)

@@ -10,7 +10,7 @@ from domino.config import add_config_flags, config_from_args
 
 
 def _run(args: argparse.Namespace) -> int:
-    from domino.train.engine import set_overlap_environment
+    from domino.train.runtime_start import set_overlap_environment
     from domino.train.host_allocator import keep_step_buffers_in_heap
 
     set_overlap_environment()  # before anything touches CUDA
@@ -19,15 +19,15 @@ def _run(args: argparse.Namespace) -> int:
     # Every rank checks the flags and the device before torch.distributed, DeepSpeed or the data start.
     config = config_from_args(args, world_size=world_size, for_training=True)
     from domino.runtime.agreement import agree
-    from domino.train.engine import initialize_runtime
+    from domino.train.runtime_start import initialize_runtime
     from domino.train.gpt_recipe import GPTRecipe
     from domino.train.pretrain import pretrain
 
     # torch.distributed first: a data or tokenizer check that fails on one rank then stops every rank.
-    initialize_runtime(config)
+    mesh = initialize_runtime(config)
     recipe = agree("checking the data and the tokenizer", lambda: GPTRecipe(config))
     result = pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step,
-                      recipe.padded_vocab_size, recipe.tokenizer, get_batch=recipe.batch)
+                      recipe.padded_vocab_size, recipe.tokenizer, get_batch=recipe.batch, mesh=mesh)
     if int(os.environ.get("RANK", "0")) == 0 and args.result_json:
         from domino.atomic_files import atomic_write_text
 

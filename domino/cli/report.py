@@ -16,11 +16,12 @@ def run(args: argparse.Namespace) -> int:
     config, samples = None, None
     if args.load:
         from domino.eval.generate import generate_samples
-        from domino.checkpoint.on_disk import read_checkpoint_meta, resolve_checkpoint_dir
+        from domino.checkpoint.on_disk import Checkpoint
 
-        config = read_checkpoint_meta(resolve_checkpoint_dir(args.load))["config"]
+        ckpt = Checkpoint.open(args.load)  # checkpoint.json read and checked once, then passed along
+        config = ckpt.meta["config"]
         if args.sample_tokens > 0:
-            samples = generate_samples(args.load, args.sample_prompt or DEFAULT_PROMPTS, args.sample_tokens)
+            samples = generate_samples(ckpt, args.sample_prompt or DEFAULT_PROMPTS, args.sample_tokens)
     out = write_report(args.output, args.metrics_file, eval_results=eval_results, config=config, samples=samples,
                        title=args.title)
     print(out)

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -27,6 +27,9 @@ from domino.eval.settings import EvalSettings
 logger = logging.getLogger(__name__)
 
 PathLike = Union[str, Path]
+
+if TYPE_CHECKING:  # the checkpoint package is imported where a checkpoint is read
+    from domino.checkpoint.on_disk import Checkpoint
 
 
 def _is_blend(selection: Dict[str, Any]) -> bool:
@@ -93,7 +96,7 @@ def _open_test_data(selection: Dict[str, Any], what: str, seq: int, seed: int, d
 
 
 def evaluate_checkpoint(
-    load: PathLike,
+    load: Union[PathLike, "Checkpoint"],
     data_prefix: Union[str, Sequence[str], None] = None,
     settings: Optional[EvalSettings] = None,
     *,
@@ -113,7 +116,8 @@ def evaluate_checkpoint(
     """Evaluates a checkpoint; works on one process and TP-parallel under torchrun.
 
     Args:
-        load: a save root (its ``latest``) or an ``iter_*`` checkpoint directory, saved with any TP size.
+        load: a save root (its ``latest``), an ``iter_*`` checkpoint directory (saved with any TP size), or a
+            ``domino.checkpoint.on_disk.Checkpoint`` already opened (its metadata is not read again).
         data_prefix: dataset prefix(es) (optionally weighted: ``["0.3", "a", "0.7", "b"]``). ``None``:
             the test split of the data the checkpoint was trained on.
         split: with ``data_prefix``, evaluate only the test part of this ``train,valid,test`` split

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,9 @@ import torch.distributed as dist
 from domino.config import ConfigError
 from domino.eval.sampling import SamplingConfig, sample_next_token
 from domino.parallel.collectives import MeshGroup, gather_from_tp_region
+
+if TYPE_CHECKING:  # the checkpoint package is imported where a checkpoint is read
+    from domino.checkpoint.on_disk import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +161,7 @@ def generate(
 
 
 def generate_samples(
-    model_or_load: Union[torch.nn.Module, str, os.PathLike],
+    model_or_load: Union[torch.nn.Module, str, os.PathLike, "Checkpoint"],
     prompts: Sequence[str],
     max_new_tokens: int,
     tokenizer=None,
@@ -168,8 +171,8 @@ def generate_samples(
     """Continuations of text prompts, as ``{"prompt", "completion"}`` dicts (for the report).
 
     Args:
-        model_or_load: a ``GPTModel`` (then ``tokenizer`` is required) or a checkpoint path, loaded on
-            this process alone (TP=1) with its own tokenizer.
+        model_or_load: a ``GPTModel`` (then ``tokenizer`` is required), or a checkpoint path or an opened
+            ``Checkpoint``, loaded on this process alone (TP=1) with its own tokenizer.
         prompts: prompt texts; an empty prompt starts from the end-of-document token.
         max_new_tokens: tokens per continuation (fewer if the model ends the document, or if the
             model's positions run out).

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from domino.launch.job_api import DEFAULT_JOB_API, job_api
 from domino.launch.kube_backend import JobLauncher
 from domino.launch.local_backend import LocalLauncher
 from domino.launch.outcome import CLEANUP_MODES, JobResult, check_cleanup
-from domino.launch.parallel_layout import derive_layout
-from domino.launch.pretrain_args import check_pretrain_args
+from domino.launch.pretrain_args import ResolvedPretrain, resolve_pretrain
 from domino.launch.spec import JobSpec
 
 __all__ = ["BACKENDS", "CLEANUP_MODES", "DEFAULT_QUEUE_TIMEOUT_S", "run_job"]
@@ -32,7 +31,7 @@ DEFAULT_QUEUE_TIMEOUT_S = 24 * 3600
 
 
 def run_job(
-    spec: JobSpec,
+    spec: Union[JobSpec, ResolvedPretrain],
     backend: str = "cluster",
     *,
     api: str = DEFAULT_JOB_API,
@@ -48,7 +47,8 @@ def run_job(
     """Runs ``spec`` to completion and returns how it ended.
 
     Args:
-        spec: the job.
+        spec: the job, or the job as :func:`~domino.launch.pretrain_args.resolve_pretrain` resolved it (its layout
+            derived and its pretrain arguments checked once: not again here).
         backend: ``cluster`` (via the kubernetes client, in-cluster config or kubeconfig) or ``local``
             (each node a process on this machine with the environment ``api``'s controller injects,
             see local_backend).
@@ -74,14 +74,18 @@ def run_job(
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")
     job_kind = job_api(api)
+    resolved = spec if isinstance(spec, ResolvedPretrain) else None
+    spec = resolved.spec if resolved is not None else spec
     spec.validate()
     job_kind.check(spec)
-    check_pretrain_args(spec)
+    # The pods' argv, the layout derived and the config checked once (or already, by the caller).
+    resolved = resolved or resolve_pretrain(spec)
+    spec = resolved.spec
+    if resolved.derived is not None:
+        log(f"parallel layout derived for {resolved.derived.why}")
     if timeout_s is not None and spec.active_deadline_seconds is None:
         spec = dataclasses.replace(spec, active_deadline_seconds=max(1, math.ceil(timeout_s)))
     if backend == "cluster":
-        if spec.parallel_layout == "derive" and spec.command is None:  # the local backend says it itself
-            log(f"parallel layout derived for {derive_layout(spec).why}")
         return JobLauncher(job_kind, api_client=api_client, log=log).run(
             spec, run_id=run_id, timeout_s=timeout_s, scheduling_timeout_s=scheduling_timeout_s, cleanup=cleanup,
             queue_timeout_s=queue_timeout_s)

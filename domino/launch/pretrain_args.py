@@ -1,29 +1,59 @@
-"""Checks a job's ``domino pretrain`` arguments on the launching machine, before any pod exists.
+"""A job's ``domino pretrain`` arguments resolved and checked once, on the launching machine, before any pod exists.
 
 A typo in a flag or a parallel layout that does not divide the job's world size would otherwise
-surface only after the pods were scheduled and the image pulled. The check parses the arguments with
-the same config flags ``domino pretrain`` uses and validates them for training at the job's world size.
+surface only after the pods were scheduled and the image pulled. :func:`resolve_pretrain` fixes the layout
+(``--parallel-layout derive`` searched once), builds the argv every pod of the job runs (the arguments plus the
+``--save``/``--load``/``--exit-signal-handler`` the renderer adds), parses it with the same config flags
+``domino pretrain`` uses and validates it for training at the job's world size, once. Rendering, the local
+backend, the cluster launcher and the pipeline's pretrain step then take that one value: a pod (and each of its
+restarts) receives the argv that was checked, and parses it once itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
 from domino.config import ConfigError, DominoConfig, config_from_args
 from domino.config.estimate import USABLE_FRACTION, describe, estimate_layout, fitting_layouts, layout_of
+from domino.launch.parallel_layout import TP_FLAG, DerivedLayout, derive_layout
 from domino.launch.pretrain_flags import parse_pretrain_args
 from domino.launch.render import container_command
 from domino.launch.spec import JobSpec, LaunchSpecError
 
 
-def check_pretrain_args(spec: JobSpec) -> None:
-    """Raises :class:`LaunchSpecError` when ``spec.pretrain_args`` would make ``domino pretrain`` fail
-    at start-up (unknown flag, bad value, no data, a layout that does not fit the world size).
+@dataclass(frozen=True)
+class ResolvedPretrain:
+    """What a job's pods run, resolved once.
 
-    A ``command`` override is the user's own command and is not checked.
+    Attributes:
+        spec: The job with its layout fixed: under ``--parallel-layout derive`` the derived tensor-parallel size is
+            appended to its pretrain arguments and the layout is ``given``, so every reader of the spec (the
+            manifests, the local backend) sees the same argv without deriving again.
+        config: The configuration that argv gives at the job's world size, validated for training; None for a
+            ``command`` override (the user's own command, not checked).
+        derived: The derived layout (its one-line reason); None unless the layout was derived.
+    """
+
+    spec: JobSpec
+    config: Optional[DominoConfig]
+    derived: Optional[DerivedLayout]
+
+
+def resolve_pretrain(spec: JobSpec) -> ResolvedPretrain:
+    """``spec``'s pretrain arguments with the layout fixed, parsed and checked once (module docstring).
+
+    Raises:
+        LaunchSpecError: when ``domino pretrain`` would fail at start-up on them (unknown flag, bad value, no data,
+            a layout that does not fit the world size or, with ``gpu_memory_gb``, the GPUs' memory).
     """
     if spec.command is not None:
-        return
-    # Check what the container will run: the arguments plus the --save/--load (and a derived layout's
-    # --tensor-model-parallel-size) the renderer adds.
+        return ResolvedPretrain(spec, None, None)
+    derived = derive_layout(spec) if spec.parallel_layout == "derive" else None
+    if derived is not None:  # argparse keeps the last --tensor-model-parallel-size: the derived one
+        spec = dataclasses.replace(spec, parallel_layout="given", pretrain_args=[
+            *spec.pretrain_args, TP_FLAG, str(derived.tensor_model_parallel_size)])
     command = container_command(spec, spec.name)
     args = parse_pretrain_args(command[command.index("pretrain") + 1:])
     try:
@@ -32,6 +62,7 @@ def check_pretrain_args(spec: JobSpec) -> None:
         raise LaunchSpecError(f"domino pretrain arguments (world size {spec.world_size}): {error}") from None
     if spec.gpu_memory_gb is not None and spec.world_size is not None:
         check_memory_fits(config, spec.world_size, spec.gpu_memory_gb)
+    return ResolvedPretrain(spec, config, derived)
 
 
 def check_memory_fits(config: DominoConfig, world_size: int, gpu_memory_gb: float) -> None:

@@ -17,7 +17,7 @@ computes a DTensor's amax over the mesh because its float8 all-gather ships one 
 domino gathers in high precision, so a shard's own amax is exact for its GEMM. The amax and scale stay on the
 device (no host read).
 
-Enabled per process by :func:`configure` (``domino.train.engine.check_this_device``, from ``--fp8-format``,
+Enabled per process by :func:`configure` (``domino.train.runtime_start.check_this_device``, from ``--fp8-format``,
 before any work); :func:`linear` and the three GEMM helpers are the tensor-parallel linears' GEMMs (the
 synchronous ones in ``domino.parallel.layers``, Domino's in ``linear_ops``, the grouped QKV/SwiGLU
 projection), plain ``F.linear``/``matmul`` while FP8 is off. The output layer stays in high precision

@@ -23,10 +23,11 @@ names in the whole model (``layers.{i}`` with ``i`` the layer's index in the who
 torchtitan keeps its ``ModuleDict`` keys), so stages' state dicts, optimizer state by name and gradients never
 collide and join into the whole model's.
 
-The interleaved schedule (``v`` model chunks per rank, :class:`VirtualStages`): the layers are cut into ``p v``
-virtual stages; each chunk is a model over the whole model's own modules (nothing copied), and the rank's module
-registers those modules once by their whole-model names, so everything that reads a stage's parameters reads a
-rank's chunks the same way.
+One mechanism cuts every stage (:func:`cut_stage`): a model of the whole model's class, built empty, over the whole
+model's own modules (nothing copied), registered in the whole model's order. The 1F1B stage is one such cut; the
+interleaved schedule's ``v`` model chunks per rank (:class:`VirtualStages`) are ``v`` of the ``p v`` virtual stages,
+and the rank's module registers their modules once by their whole-model names, so everything that reads a stage's
+parameters reads a rank's chunks the same way.
 """
 
 from __future__ import annotations
@@ -101,10 +102,12 @@ def _tied_copy(model: nn.Module) -> nn.Module:
 def split_model(model: nn.Module, stage: int, num_stages: int, virtual_stages: int = 1) -> nn.Module:
     """Cuts ``model`` (a whole ``GPTModel`` with the plain stack, before any overlap is applied) down to
     ``stage`` of ``num_stages``; returns it. At one stage it is returned unchanged. With ``virtual_stages`` v > 1
-    it returns this rank's :class:`VirtualStages` (v model chunks over the whole model's modules) instead.
+    it returns this rank's :class:`VirtualStages` (v model chunks over the whole model's modules) instead. Either
+    way each stage or chunk is :func:`cut_stage`'s: a model of the same class over the whole model's modules.
 
-    Apply it right after building, before :mod:`domino.overlap` and :mod:`domino.model.recompute` (their stacks
-    are built over the stage's layers; with chunks, over each chunk's: :func:`model_chunks`).
+    ``model`` is consumed (the stage holds its modules). Apply it right after building, before
+    :mod:`domino.overlap` and :mod:`domino.model.recompute` (their stacks are built over the stage's layers; with
+    chunks, over each chunk's: :func:`model_chunks`).
 
     Raises:
         ValueError: the model is not whole or already has an overlapped stack, or the layers do not divide evenly.
@@ -116,31 +119,28 @@ def split_model(model: nn.Module, stage: int, num_stages: int, virtual_stages: i
     if virtual_stages > 1:
         if num_stages < 2:
             raise ValueError(f"{virtual_stages} virtual stages need at least 2 pipeline stages, got {num_stages}")
-        return VirtualStages(model, stage, num_stages, virtual_stages)
-    start, end = stage_layers(len(model.layers), num_stages, stage)
-    first, last = stage == 0, stage == num_stages - 1
-    model.layers = StageLayers(list(model.layers)[start:end], range(start, end))
-    if not last:
-        del model.final_layernorm
-        if hasattr(model, "output_layer"):
-            del model.output_layer
-    elif not first and not hasattr(model, "output_layer"):  # tied: the last stage keeps a copy of the embeddings
-        model.output_layer = _tied_copy(model)
-    if not first:
-        del model.embedding
-    model.pre_process, model.post_process = first, last
-    model.stack = SynchronousStack(model)
-    return model
+        cut: nn.Module = VirtualStages(model, stage, num_stages, virtual_stages)
+    else:
+        cut = cut_stage(model, stage, num_stages)
+    # The whole model is spent: without the cycle through its stack (stack.model is the model), what no stage
+    # kept (other stages' layers) is freed when the caller lets go of it, not at the next garbage collection.
+    del model.stack
+    return cut
 
 
-def _chunk(model: nn.Module, index: int, num_virtual_stages: int) -> nn.Module:
-    """Virtual stage ``index`` of the whole ``model``: a model of its class over the whole model's own modules
-    (the embedding on the first, the layers of :func:`stage_layers`, the final norm and output layer on the last),
-    built without a layer of its own, so nothing is copied."""
+def cut_stage(model: nn.Module, index: int, num_virtual_stages: int) -> nn.Module:
+    """(Virtual) stage ``index`` of ``num_virtual_stages`` of the whole ``model``: a model of its class over the
+    whole model's own modules (the embedding on the first, the layers of :func:`stage_layers`, the final norm and
+    output layer on the last), built without a layer of its own, so nothing is copied.
+
+    Its modules are registered in the whole model's order (embedding, layers, final norm, output layer), so its
+    parameters, and with them the optimizer's groups and state, come in the order the unsplit model has them.
+    """
     start, end = stage_layers(len(model.layers), num_virtual_stages, index)
     first, last = index == 0, index == num_virtual_stages - 1
     chunk = type(model)(dataclasses.replace(model.config, num_layers=0), model.vocab_size, pre_process=False,
                         post_process=False, parallel_output=model.parallel_output, tp=model.tp)
+    del chunk.layers  # registered again below, after the embedding: the whole model's order
     chunk.config, chunk.pre_process, chunk.post_process = model.config, first, last
     if first:
         chunk.embedding = model.embedding
@@ -172,7 +172,7 @@ class VirtualStages(nn.Module):
     def __init__(self, model: nn.Module, stage: int, num_stages: int, virtual_stages: int) -> None:
         super().__init__()
         total = num_stages * virtual_stages
-        chunks = tuple(_chunk(model, virtual_stage(stage, c, num_stages), total) for c in range(virtual_stages))
+        chunks = tuple(cut_stage(model, virtual_stage(stage, c, num_stages), total) for c in range(virtual_stages))
         self.config, self.vocab_size = model.config, model.vocab_size
         self.pre_process, self.post_process = chunks[0].pre_process, chunks[-1].post_process
         if self.pre_process:

@@ -126,7 +126,7 @@ def start(tensor_model_parallel_size: Optional[int] = None, *, backend: Optional
           timeout_minutes: int = ParallelConfig.distributed_timeout_minutes, lone_process_group: bool = False,
           pipeline_model_parallel_size: int = 1) -> ParallelMesh:
     """The start-up of every entry point (``domino pretrain`` through
-    :func:`domino.train.engine.initialize_runtime`, evaluation through :mod:`domino.eval.runtime`): checks the
+    :func:`domino.train.runtime_start.initialize_runtime`, evaluation through :mod:`domino.eval.runtime`): checks the
     layout, starts ``torch.distributed`` and creates the TP x PP x DP groups. Call it once per process.
 
     Args:

@@ -5,127 +5,36 @@ from __future__ import annotations
 import json
 import math
 import logging
-import os
-import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
 from domino.config import ConfigError, DominoConfig
-from domino.config.validate import check_device, zero_stage_for
-from domino.runtime import state
-from domino.runtime.mesh import ParallelMesh
-from domino.parallel import fp8
+from domino.config.validate import zero_stage_for
+from domino.runtime.mesh import ParallelMesh, collective_device
 from domino.parallel.layers import is_tensor_model_parallel
 from domino.pipeline.gradients import norm_parameters
 from domino.train import bf16_step, zero_step
+from domino.train.deepspeed_mpu import DeepSpeedMpu
 
 logger = logging.getLogger(__name__)
 
 
-def _import_deepspeed_without_its_autotuners_mlflow() -> None:
-    """Imports DeepSpeed, hiding MLflow from its autotuner for the length of the import.
-
-    deepspeed 0.19.8 imports ``autotuning/autotuner.py`` with the package, which tries ``import mlflow`` at
-    module level for its own autotuning experiments (domino never runs the autotuner). Where MLflow is
-    installed (the ``tracking`` extra) that import alone took 1.5 s of every process's start-up here; domino's
-    tracking imports MLflow itself when ``MLFLOW_TRACKING_URI`` asks for it, so it is hidden only when nothing
-    imported it yet, and only during DeepSpeed's import (``sys.modules[name] = None`` makes an import raise
-    ImportError, which the autotuner catches).
-    """
-    hide = "mlflow" not in sys.modules
-    if hide:
-        sys.modules["mlflow"] = None  # type: ignore[assignment]
-    try:
-        import deepspeed  # noqa: F401
-    finally:
-        if hide and sys.modules.get("mlflow", 0) is None:
-            del sys.modules["mlflow"]
-
-
-def _skip_shared_memory_op() -> None:
-    """Keeps DeepSpeed on plain gloo on CPU.
-
-    On CPU ``deepspeed.init_distributed`` JIT-compiles a shared-memory communication op (minutes on the
-    first run) whose all-reduce crashed in our runs; without it DeepSpeed falls back to torch.distributed.
-    """
-    if torch.cuda.is_available():
-        return
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    _import_deepspeed_without_its_autotuners_mlflow()
-    import deepspeed.comm.torch  # noqa: F401  (make sure the module object exists)
-
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *args, **kwargs: None
-
-
-def set_overlap_environment() -> None:
-    """Sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the environment already sets it; call before CUDA starts.
-
-    With one hardware queue per device, kernels start in the order they are issued, so the all-reduce a Domino
-    chunk launches is queued ahead of the other chunk's GEMMs instead of waiting behind them (Megatron-LM
-    requires the same for its asynchronous TP all-reduce, ``megatron/training/arguments.py``). CUDA reads the
-    variable when it creates the context, so a process that already used CUDA only gets a warning.
-    """
-    preset = "CUDA_DEVICE_MAX_CONNECTIONS" in os.environ
-    value = os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    if value != "1":
-        logger.warning("CUDA_DEVICE_MAX_CONNECTIONS=%s: Domino's overlap expects 1 (kernels in issue order)", value)
-    elif not preset and torch.cuda.is_initialized():
-        logger.warning("CUDA was initialised before CUDA_DEVICE_MAX_CONNECTIONS=1 was set: it has no effect "
-                       "in this process (set it in the environment of the launcher)")
-
-
-def check_this_device(config: DominoConfig) -> None:
-    """Raises :class:`ConfigError` for precision or backend settings this machine cannot run (see
-    :func:`domino.config.validate.check_device`); DeepSpeed's CPU accelerator decides fp16 support on CPU
-    (``deepspeed/accelerator/cpu_accelerator.py``: ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``)."""
-    cuda = torch.cuda.is_available()
-    cpu_fp16 = False
-    if not cuda and config.train.fp16:
-        try:
-            cpu_fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-        except Exception:  # older torch builds lack the op: DeepSpeed then reports no fp16 either
-            cpu_fp16 = False
-    check_device(config, cuda=cuda, cpu_fp16=cpu_fp16)
-    # FP8 GEMMs for this process's linears, or one line saying why neither real nor emulated FP8 runs here.
-    fp8.configure(config.train.fp8_format, torch.device("cuda", torch.cuda.current_device()) if cuda
-                  else torch.device("cpu"))
-
-
-def initialize_runtime(config: DominoConfig) -> None:
-    """Initialises torch.distributed, DeepSpeed's comm layer and the TP x DP groups for ``config``: once per
-    process, by whoever starts the run (``domino pretrain`` before its agreed data checks), before
-    :func:`domino.train.pretrain.pretrain`."""
-    set_overlap_environment()
-    check_this_device(config)
-    _skip_shared_memory_op()
-    # Only now, with DS_ACCELERATOR set: DeepSpeed picks its accelerator once, at import (deepspeed 0.19.8
-    # runtime/utils.py calls get_accelerator() at module level; accelerator/real_accelerator.py caches it).
-    _import_deepspeed_without_its_autotuners_mlflow()
-    import deepspeed
-
-    p = config.parallel
-    state.start(p.tensor_model_parallel_size, backend=p.distributed_backend, timeout_minutes=p.distributed_timeout_minutes,
-                lone_process_group=True, pipeline_model_parallel_size=p.pipeline_model_parallel_size)  # DeepSpeed needs a group
-    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
-
-
-def gradient_accumulation_steps(config: DominoConfig) -> int:
-    """Micro-batches per optimizer step on each data-parallel rank."""
-    dp = state.get_data_parallel_world_size()
+def gradient_accumulation_steps(config: DominoConfig, dp: int) -> int:
+    """Micro-batches per optimizer step on each of ``dp`` data-parallel ranks."""
     global_batch = config.train.global_batch_size or config.train.micro_batch_size * dp
     return global_batch // (config.train.micro_batch_size * dp)
 
 
-def global_batch_size(config: DominoConfig) -> int:
-    """Samples per optimizer step over all data-parallel ranks (default: micro-batch x DP)."""
-    return config.train.global_batch_size or config.train.micro_batch_size * state.get_data_parallel_world_size()
+def global_batch_size(config: DominoConfig, dp: int) -> int:
+    """Samples per optimizer step over all ``dp`` data-parallel ranks (default: micro-batch x DP)."""
+    return config.train.global_batch_size or config.train.micro_batch_size * dp
 
 
-def zero_stage(config: DominoConfig) -> int:
-    """The run's ZeRO stage: ``--zero-stage``, or its default at this data-parallel size (``pretrain`` resolves
-    it into the config; other callers of the engine set-up get the same choice)."""
-    return zero_stage_for(config, state.get_data_parallel_world_size())
+def zero_stage(config: DominoConfig, dp: int) -> int:
+    """The run's ZeRO stage: ``--zero-stage``, or its default at ``dp`` data-parallel ranks (``pretrain``
+    resolves it into the config; other callers of the engine set-up get the same choice)."""
+    return zero_stage_for(config, dp)
 
 
 def pipelined(config: DominoConfig) -> bool:
@@ -149,10 +58,10 @@ def accumulate(engine, batch: int, samples_per_micro_batch: int) -> Iterator[boo
         yield micro == steps - 1
 
 
-def clips_itself(config: DominoConfig) -> bool:
+def clips_itself(config: DominoConfig, dp: int) -> bool:
     """Whether domino (not DeepSpeed) clips gradients: plain fp32 data parallelism (ZeRO stage 0), and every
     pipelined run (DeepSpeed's norm would sum over one stage only)."""
-    return pipelined(config) or (zero_stage(config) == 0 and not (config.train.fp16 or config.train.bf16))
+    return pipelined(config) or (zero_stage(config, dp) == 0 and not (config.train.fp16 or config.train.bf16))
 
 
 def clip_gradients(engine, mesh: ParallelMesh, max_norm: float,
@@ -246,7 +155,7 @@ def device_skip_flag(engine) -> Optional[torch.Tensor]:
 ZERO_BUCKET_ELEMENTS = 5e7
 
 
-def zero_optimization(config: DominoConfig) -> Dict[str, Any]:
+def zero_optimization(config: DominoConfig, dp: int) -> Dict[str, Any]:
     """The ``zero_optimization`` section: gradient reduction overlapped with backward (docs/training.md).
 
     From DeepSpeed 0.19.8 (``deepspeed/runtime/zero/config.py`` and ``stage_1_and_2.py``): ``overlap_comm``
@@ -261,23 +170,24 @@ def zero_optimization(config: DominoConfig) -> Dict[str, Any]:
     # Pipelined, neither: both make ZeRO hook every gradient and reduce it inside backward (deepspeed 0.19.8
     # stage_1_and_2.py `create_gradient_handling_hooks`), here after every micro-batch of the schedule; without them
     # the step's `allreduce_gradients` reduces the accumulated gradients once (as DeepSpeed's PipelineEngine does).
-    return {"stage": zero_stage(config), "overlap_comm": overlapped, "contiguous_gradients": overlapped,
+    return {"stage": zero_stage(config, dp), "overlap_comm": overlapped, "contiguous_gradients": overlapped,
             "reduce_bucket_size": ZERO_BUCKET_ELEMENTS, "allgather_bucket_size": ZERO_BUCKET_ELEMENTS}
 
 
-def deepspeed_config(config: DominoConfig) -> Dict[str, Any]:
-    """The DeepSpeed config for ``config``; keys from ``--deepspeed-config FILE`` override ours."""
+def deepspeed_config(config: DominoConfig, dp: int) -> Dict[str, Any]:
+    """The DeepSpeed config for ``config`` at ``dp`` data-parallel ranks; keys from ``--deepspeed-config FILE``
+    override ours."""
     t = config.train
-    gas = gradient_accumulation_steps(config)
+    gas = gradient_accumulation_steps(config, dp)
     # Pipelined, the schedule runs every micro-batch of a step: DeepSpeed sees one of gas x the micro-batch.
     micro, gas = (t.micro_batch_size * gas, 1) if pipelined(config) else (t.micro_batch_size, gas)
     ds: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
-        "train_batch_size": global_batch_size(config),
+        "train_batch_size": global_batch_size(config, dp),
         # Without ZeRO or mixed precision DeepSpeed clips but does not report the norm: domino clips then.
-        "gradient_clipping": 0.0 if clips_itself(config) else t.clip_grad,
-        "zero_optimization": zero_optimization(config),
+        "gradient_clipping": 0.0 if clips_itself(config, dp) else t.clip_grad,
+        "zero_optimization": zero_optimization(config, dp),
         "steps_per_print": 10**9,  # domino logs its own lines
         "wall_clock_breakdown": False,
         # DeepSpeed's ThroughputTimer is on by default and calls the accelerator's synchronize() at the start of
@@ -342,8 +252,9 @@ def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> List[
     return [g for g in groups if g["params"]]
 
 
-def build_engine(model: torch.nn.Module, config: DominoConfig):
-    """Wraps ``model`` in a DeepSpeed engine with torch AdamW, our parallel state as ``mpu``.
+def build_engine(model: torch.nn.Module, config: DominoConfig, mesh: ParallelMesh):
+    """Wraps ``model`` in a DeepSpeed engine with torch AdamW, over ``mesh`` (DeepSpeed's ``mpu``:
+    :class:`~domino.train.deepspeed_mpu.DeepSpeedMpu`).
 
     The model is moved to its device first, so the optimizer is built over device parameters (fused AdamW
     refuses CPU parameters on torch < 2.4). A torch AdamW rather than DeepSpeed's fused Adam, so CPU runs need
@@ -353,19 +264,18 @@ def build_engine(model: torch.nn.Module, config: DominoConfig):
     import deepspeed  # after initialize_runtime set DS_ACCELERATOR (DeepSpeed picks its accelerator at import)
 
     t = config.train
-    device = state.collective_device()
+    device = collective_device(mesh.tp.process_group)
     model.to(device)
     fused = fused_optimizer_supported(device)
     optimizer = torch.optim.AdamW(
         optimizer_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
         eps=t.adam_eps, fused=fused or None, foreach=None if fused else True)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(config),
-                                           mpu=state)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(config, mesh.dp.size),
+                                           mpu=DeepSpeedMpu(mesh))
     # Overflow, loss scale and clipping decided on the device: bf16 ZeRO 1 (BF16_Optimizer), fp16/fp32 ZeRO 1/2 and
     # bf16 ZeRO 2 (DeepSpeedZeroOptimizer, which also skips its collectives over a one-rank DP group).
     bf16_step.install(engine) or zero_step.install(engine)
-    if state.get_data_parallel_world_size() == 1 and (zero_stage(config) == 0
-                                                      or bf16_step.is_bf16_optimizer(engine.optimizer)):
+    if mesh.dp.size == 1 and (zero_stage(config, 1) == 0 or bf16_step.is_bf16_optimizer(engine.optimizer)):
         # DeepSpeed 0.19.8 (runtime/engine.py, `_backward_epilogue` -> `allreduce_gradients` ->
         # `buffered_allreduce_fallback` -> `allreduce_and_copy`) flattens every gradient into one buffer,
         # all-reduces it over the data-parallel group and copies it back, even when that group is this process

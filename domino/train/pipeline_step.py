@@ -189,7 +189,7 @@ class PipelineStep:
         grad_norm = engine_setup.clip_gradients(self.engine, self.mesh, self.config.train.clip_grad,
                                                 loss_scale=self.loss_scale)
         skipped = None
-        if engine_setup.zero_stage(self.config) == 0:
+        if engine_setup.zero_stage(self.config, self.mesh.dp.size) == 0:
             skipped = engine_setup.flag_overflow(self.engine, grad_norm)  # fused AdamW skips on the device
         else:
             self.engine.allreduce_gradients()

@@ -28,7 +28,7 @@ from domino.data.loader import build_pretraining_data_loader
 from domino.parallel import random as tp_random
 from domino.runtime.comm_timing import pop_modelled_comm_seconds
 from domino.runtime import state
-from domino.runtime.mesh import ParallelMesh
+from domino.runtime.mesh import ParallelMesh, collective_device
 from domino.runtime.agreement import agree, hosts, is_lost_peer_error, lost_peer_error
 from domino.train import engine as engine_setup, schedule_check
 from domino.train.evaluation import evaluate, perplexity
@@ -68,9 +68,10 @@ def _set_lr(engine, lr: float) -> None:
 
 
 def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Callable, forward_step: Callable,
-             padded_vocab_size: int, tokenizer=None, get_batch: Optional[Callable] = None) -> TrainingResult:
+             padded_vocab_size: int, tokenizer=None, get_batch: Optional[Callable] = None,
+             mesh: Optional[ParallelMesh] = None) -> TrainingResult:
     """Trains according to ``config`` (call it on every rank, after
-    :func:`domino.train.engine.initialize_runtime`).
+    :func:`domino.train.runtime_start.initialize_runtime`).
 
     Args:
         config: the resolved run configuration.
@@ -82,14 +83,16 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
         tokenizer: saved into every checkpoint when given.
         get_batch: one micro-batch's tensors by name from a data iterator; pipelined runs need it, as the pipeline
             schedule, not ``forward_step``, runs the stages (:mod:`domino.train.pipeline_step`).
+        mesh: the run's layout, as ``initialize_runtime`` returned it (default: the one it built).
 
     Raises:
         ConfigError: for settings that cannot work, before training starts.
         TrainingDivergedError: after ``--max-nan-steps`` consecutive non-finite losses.
     """
     if not state.model_parallel_is_initialized():
-        raise RuntimeError("pretrain(): call domino.train.engine.initialize_runtime(config) first, once per process")
-    mesh = state.current_mesh()  # the layout start() built: passed down from here, not read below
+        raise RuntimeError("pretrain(): call domino.train.runtime_start.initialize_runtime(config) first, "
+                           "once per process")
+    mesh = mesh or state.current_mesh()  # the layout start() built: passed down from here, not read below
     # Each check ends in an agreement: a rank that fails stops every rank with the same one-line error.
     agree("checking the configuration", lambda: validate(config, world_size=dist.get_world_size(),
                                                          for_training=True))
@@ -100,9 +103,9 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     padded_vocab_size = checkpoints.fit(padded_vocab_size)  # the checkpoint's vocabulary padding, its ZeRO stage
     tp_random.model_parallel_seed(config.train.seed, mesh.tp.rank)
 
-    with state.collective_device():  # parameters are created and initialised on their device, shard by shard
+    with collective_device(mesh.tp.process_group):  # parameters created and initialised on their device, shard by shard
         model = model_builder(config, mesh)
-    engine = engine_setup.build_engine(model, config)
+    engine = engine_setup.build_engine(model, config, mesh)
     iteration, consumed = checkpoints.load(engine, padded_vocab_size)
     trainer = _Trainer(config, mesh, checkpoints, engine, dataset_builder, forward_step, padded_vocab_size,
                        tokenizer, get_batch, schedule)
@@ -143,7 +146,7 @@ class _Trainer:
         self.peak = lg.peak_tflops or detect_peak_tflops(fp8=t.fp8_format is not None)
         self.flops_per_token = training_flops_per_token(config.model, padded_vocab_size)
         self.paused = 0.0  # seconds spent evaluating or saving, kept out of the throughput numbers
-        self.device = state.collective_device()
+        self.device = collective_device(mesh.tp.process_group)
         self.stats = IntervalStats(self.device, t.max_nan_steps)
         self.grad_norm: Optional[torch.Tensor] = None  # on the device; read at log intervals
         self.last_train_loss: Optional[float] = None
@@ -186,7 +189,7 @@ class _Trainer:
             if last:
                 timers.stop("forward-backward")
                 timers.start("optimizer")
-                if engine_setup.clips_itself(self.config):
+                if engine_setup.clips_itself(self.config, self.mesh.dp.size):
                     self.grad_norm = engine_setup.clip_gradients(engine, self.mesh, self.config.train.clip_grad)
                     self._flag_overflow(self.grad_norm)
             engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
@@ -230,7 +233,7 @@ class _Trainer:
         iter_time = (elapsed - self.paused) / max(iterations, 1)
         tokens_per_s = samples / max(iterations, 1) * self.config.model.seq_length / iter_time
         tflops = self.flops_per_token * tokens_per_s / dist.get_world_size() / 1e12
-        if not engine_setup.clips_itself(self.config):
+        if not engine_setup.clips_itself(self.config, self.mesh.dp.size):
             self.grad_norm = engine.get_global_grad_norm()
         scaler = getattr(engine.optimizer, "loss_scaler", None)
         record = {

@@ -47,7 +47,6 @@ from typing import Optional
 
 import torch
 
-from domino.runtime import state
 from domino.train import device_loss_scale
 
 
@@ -86,12 +85,12 @@ def _device_decided_step(self, closure=None):
             dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=self.dp_process_group)
         self._model_parallel_all_reduce(tensor=overflow, op=dist.ReduceOp.MAX)
         invalid = invalid | overflow.reshape(()).bool()
-    if state.get_pipeline_model_parallel_world_size() > 1:
+    pp = self.mpu.mesh.pp  # the engine's mpu is the mesh's (domino.train.deepspeed_mpu), kept by the optimizer
+    if pp.size > 1:
         # DeepSpeed's norm and overflow span DP and TP only (its mpu's model-parallel group is TP); every stage
         # skips when any stage's gradients are not finite, as domino's clipping norm spans the stages.
         flag = invalid.to(torch.uint8).reshape(1)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
-                                     group=state.get_pipeline_model_parallel_group())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=pp.process_group)
         invalid = flag.reshape(()).bool()
     if device_loss_scale.is_dynamic(self.loss_scaler):
         self._update_scale(invalid)  # a static scaler (bf16's 1.0) has nothing to update

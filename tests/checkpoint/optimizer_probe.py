@@ -18,29 +18,28 @@ from domino.checkpoint import discovery, optimizer_state, resume, sharding
 from domino.cli.main import build_parser
 from domino.config import config_from_args
 from domino.parallel import random as tp_random
-from domino.runtime import state
-from domino.train import engine as engine_setup
+from domino.runtime.mesh import collective_device
+from domino.train import engine as engine_setup, runtime_start
 from domino.train.gpt_recipe import GPTRecipe
 
 
 def main(out: str, argv) -> None:
     args = build_parser().parse_args(["pretrain", *argv])
     config = config_from_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")), for_training=True)
-    engine_setup.initialize_runtime(config)
+    mesh = runtime_start.initialize_runtime(config)
     ckpt, warm = discovery.find_checkpoint(config)
-    resume.choose_zero_stage(ckpt, config, warm, state.get_data_parallel_world_size())
+    resume.choose_zero_stage(ckpt, config, warm, mesh.dp.size)
     recipe = GPTRecipe(config)
     padded, _ = resume.keep_padded_vocab(ckpt, config, recipe.padded_vocab_size, warm)
-    mesh = state.current_mesh()
     tp_random.model_parallel_seed(config.train.seed, mesh.tp.rank)
-    with state.collective_device():
+    with collective_device(mesh.tp.process_group):
         model = recipe.model_builder(config, mesh)
-    engine = engine_setup.build_engine(model, config)
+    engine = engine_setup.build_engine(model, config, mesh)
     resume.READ_BATCH_BYTES = 1  # every parameter its own collective read: the batched path is what is compared
     resume.load_checkpoint(engine, config, mesh, ckpt, padded)
     local, scalars = optimizer_state.gather(engine)
-    shards = [None] * state.get_tensor_model_parallel_world_size()
-    dist.all_gather_object(shards, local, group=state.get_tensor_model_parallel_group())
+    shards = [None] * mesh.tp.size
+    dist.all_gather_object(shards, local, group=mesh.tp.process_group)
     if dist.get_rank() == 0:
         full = shards[0] if len(shards) == 1 else sharding.merge_tp_shards(shards)
         save_file({k: v.contiguous() for k, v in full.items()}, out, metadata={"step": str(scalars.step)})

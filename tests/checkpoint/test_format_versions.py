@@ -48,7 +48,7 @@ def _old_and_new(rank, world_size, out_dir):
     from domino.config import ConfigError
 
     from domino.config import parse_config
-    from domino.train.engine import initialize_runtime
+    from domino.train.runtime_start import initialize_runtime
 
     initialize_runtime(parse_config(ARGS))  # once per process: every _train below is a run of this process
     out = Path(out_dir)

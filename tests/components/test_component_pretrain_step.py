@@ -8,19 +8,24 @@ import pytest
 from components.layout import RunLayout
 from components.pretrain.step import (
     PretrainSettings,
-    check_config,
     job_spec,
     load_argv,
     parse_overrides,
     pretrain_argv,
 )
 from components.registry import PromotedModel, promote
-from domino.config import ConfigError
+from domino.launch.pretrain_args import resolve_pretrain
 from domino.launch.render import render_job
+from domino.launch.spec import JobSpec, LaunchSpecError
 
 
 def _flag(argv, name):
     return argv[argv.index(name) + 1]
+
+
+def check_config(argv, world_size):
+    """The config a job of ``world_size`` processes running ``argv`` gets, resolved and checked as the step does."""
+    return resolve_pretrain(JobSpec(name="gpt", image="i", nproc_per_node=world_size, pretrain_args=argv)).config
 
 
 def test_argv_carries_parallelism_training_and_run_paths(tmp_path):
@@ -74,7 +79,7 @@ def test_overrides_may_not_shadow_pipeline_parameters():
 def test_invalid_combinations_fail_before_launch(tmp_path):
     layout = RunLayout(str(tmp_path), "r")
     bad_tp = pretrain_argv(PretrainSettings(shared_root=str(tmp_path), run_id="r", tensor_model_parallel_size=3), "p", layout)
-    with pytest.raises(ConfigError, match="world size 2 is not divisible by --tensor-model-parallel-size 3"):
+    with pytest.raises(LaunchSpecError, match="world size 2 is not divisible by --tensor-model-parallel-size 3"):
         check_config(bad_tp, world_size=2)
     unknown = pretrain_argv(PretrainSettings(shared_root=str(tmp_path), run_id="r",
                                              config_overrides='{"num_layerz": 2}'), "p", layout)

@@ -35,10 +35,12 @@ def test_no_domino_parser_accepts_abbreviations():
 
 
 def test_pipeline_config_overrides_refuse_abbreviations():
-    from components.pretrain.step import check_config
+    from domino.launch.pretrain_args import resolve_pretrain
+    from domino.launch.spec import JobSpec
 
     with pytest.raises(ValueError, match="--seq"):
-        check_config(["--mock-data", "--train-iters", "1", "--seq", "32"], world_size=1)
+        resolve_pretrain(JobSpec(name="gpt", image="i", pretrain_args=["--mock-data", "--train-iters", "1",
+                                                                        "--seq", "32"]))
 
 
 def test_launch_check_refuses_abbreviations():

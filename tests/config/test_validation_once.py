@@ -1,5 +1,5 @@
 """Validation happens once, in ``domino.config.validate``, which every entry point calls: ``domino pretrain``,
-``domino launch render``/``submit`` (``check_pretrain_args``) and the KFP pretrain step (``check_config``).
+``domino launch render``/``submit`` and the KFP pretrain step (both through ``resolve_pretrain``).
 A bad value is refused by each of them with one line naming the flag, before any work starts."""
 
 from __future__ import annotations
@@ -33,10 +33,14 @@ def test_a_negative_train_iters_is_refused_in_one_line_by_the_cli_and_the_launch
 
 
 def test_the_kfp_step_refuses_it_with_the_same_message():
-    from components.pretrain.step import check_config
+    from components.pretrain.step import PretrainSettings, job_spec
+    from domino.launch.pretrain_args import resolve_pretrain
+    from domino.launch.spec import LaunchSpecError
 
-    with pytest.raises(ConfigError, match=MESSAGE):
-        check_config([*BASE, "--train-iters", "-3"], world_size=1)
+    spec = job_spec(PretrainSettings(shared_root="/mnt/domino", run_id="r", nodes=1, nproc_per_node=1),
+                    [*BASE, "--train-iters", "-3"])
+    with pytest.raises(LaunchSpecError, match=MESSAGE):
+        resolve_pretrain(spec)
 
 
 @pytest.mark.parametrize("name,minimum", [(n, m) for limits in MINIMUMS.values() for n, m in limits.items()])

@@ -352,7 +352,7 @@ def test_the_guides_launch_commands_parse_and_make_valid_jobs(monkeypatch):
     from domino import images
     from domino.cli.launch import register
     from domino.launch.flags import spec_from_args
-    from domino.launch.pretrain_args import check_pretrain_args
+    from domino.launch.pretrain_args import resolve_pretrain
 
     monkeypatch.delenv("DOMINO_IMAGE_REPOSITORY", raising=False)
     parser = argparse.ArgumentParser()
@@ -370,7 +370,7 @@ def test_the_guides_launch_commands_parse_and_make_valid_jobs(monkeypatch):
                 args = parser.parse_args(argv)
                 spec = spec_from_args(args)
                 if argv[1] != "check":  # check asks the cluster only; render and submit check the training flags
-                    check_pretrain_args(spec)
+                    resolve_pretrain(spec)
                 assert spec.image == images.for_gpus(spec.gpus_per_node), line
                 seen += 1
     assert seen >= 3  # README: check + render; the guide: render (the rest abbreviate with ...)

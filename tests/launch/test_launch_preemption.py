@@ -28,7 +28,7 @@ from domino.launch import JobSpec, LaunchSpecError
 from domino.launch.flags import add_spec_flags, spec_from_args
 from domino.launch.local_backend import LocalLauncher, process_tree, signal_tree
 from domino.launch.parallel_layout import derive_layout
-from domino.launch.pretrain_args import check_pretrain_args
+from domino.launch.pretrain_args import resolve_pretrain
 from domino.launch.pretrain_flags import flag_value
 from domino.launch.render import render_job
 
@@ -158,8 +158,8 @@ def test_derive_keeps_tp_within_a_pod_smallest_that_fits_and_refuses_in_one_line
     # Before anything is created: a TP of 8 on two processes is refused as given, and derived to fit.
     eight = [*PRETRAIN, "--tensor-model-parallel-size", "8"]
     with pytest.raises(LaunchSpecError, match=r"world size 2\): .*tensor-model-parallel-size 8"):
-        check_pretrain_args(JobSpec(name="gpt", image="i", nproc_per_node=2, pretrain_args=eight))
-    check_pretrain_args(_derive(args=eight))
+        resolve_pretrain(JobSpec(name="gpt", image="i", nproc_per_node=2, pretrain_args=eight))
+    resolve_pretrain(_derive(args=eight))
     # The flag, and its validation in one place.
     parser = ArgumentParser()
     add_spec_flags(parser)

@@ -177,19 +177,19 @@ def test_rendering_imports_neither_torch_nor_kubernetes():
 
 
 def test_pretrain_args_are_checked_for_the_jobs_world_size():
-    from domino.launch.pretrain_args import check_pretrain_args
+    from domino.launch.pretrain_args import resolve_pretrain
 
     ok = JobSpec(name="gpt", image="i", nodes=2, nproc_per_node=2,
                  pretrain_args=["--preset", "tiny", "--tensor-model-parallel-size", "2", "--train-iters", "4",
                                 "--data-path", "/mnt/domino/data/x_text_document"])
-    check_pretrain_args(ok)
+    resolve_pretrain(ok)
     with pytest.raises(LaunchSpecError, match="world size 3 is not divisible by --tensor-model-parallel-size 2"):
-        check_pretrain_args(JobSpec(**{**ok.__dict__, "nodes": 3, "nproc_per_node": 1}))
+        resolve_pretrain(JobSpec(**{**ok.__dict__, "nodes": 3, "nproc_per_node": 1}))
     with pytest.raises(LaunchSpecError, match="unrecognized arguments: --trian-iters"):
-        check_pretrain_args(JobSpec(**{**ok.__dict__, "pretrain_args": ["--mock-data", "--trian-iters", "4"]}))
+        resolve_pretrain(JobSpec(**{**ok.__dict__, "pretrain_args": ["--mock-data", "--trian-iters", "4"]}))
     with pytest.raises(LaunchSpecError, match="no training data"):
-        check_pretrain_args(JobSpec(**{**ok.__dict__, "pretrain_args": ["--train-iters", "4"]}))
-    check_pretrain_args(JobSpec(**{**ok.__dict__, "command": ["sleep", "1"], "pretrain_args": ["--what"]}))
+        resolve_pretrain(JobSpec(**{**ok.__dict__, "pretrain_args": ["--train-iters", "4"]}))
+    resolve_pretrain(JobSpec(**{**ok.__dict__, "command": ["sleep", "1"], "pretrain_args": ["--what"]}))
 
 
 def test_gpu_memory_gb_refuses_a_layout_the_estimate_says_cannot_fit(capsys):

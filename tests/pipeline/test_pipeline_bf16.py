@@ -90,13 +90,13 @@ def _overflow_on_the_last_stage(rank, world_size, out_dir, poisoned_call):
 
     from domino.config import parse_config
     from domino.runtime import state
-    from domino.train import engine
+    from domino.train import runtime_start
     from domino.train.gpt_recipe import GPTRecipe
     from domino.train.pretrain import pretrain
 
     config = parse_config([*TIED_TINY, *BF16, *PP2, "--train-iters", "3", "--save", out_dir, "--save-interval", "1",
                            "--metrics-file", f"{out_dir}/metrics.jsonl"])
-    engine.initialize_runtime(config)
+    runtime_start.initialize_runtime(config)
     recipe = GPTRecipe(config)
     calls = []
 

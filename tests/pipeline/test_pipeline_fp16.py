@@ -43,14 +43,14 @@ def _fp16_pretrain(rank, world_size, out_dir, args, poisoned_call: Optional[int]
 
     from domino.config import parse_config
     from domino.runtime import state
-    from domino.train import engine, pipeline_step
+    from domino.train import pipeline_step, runtime_start
     from domino.train.gpt_recipe import GPTRecipe
     from domino.train.pretrain import pretrain
 
     CPU_Accelerator.is_fp16_supported = lambda self: True  # module docstring: DeepSpeed's gate, not torch's
-    engine.check_this_device = lambda config: None
+    runtime_start.check_this_device = lambda config: None
     config = parse_config([*TIED_TINY, *args, "--metrics-file", f"{out_dir}/metrics.jsonl"])
-    engine.initialize_runtime(config)
+    runtime_start.initialize_runtime(config)
     recipe = GPTRecipe(config)
     calls, scales = [], []
 

@@ -34,12 +34,12 @@ def test_which_stages_read_batches():
 def _four_stages(rank, world_size, metrics):
     from domino.config import parse_config
     from domino.runtime import state
-    from domino.train import engine
+    from domino.train import runtime_start
     from domino.train.gpt_recipe import GPTRecipe
     from domino.train.pretrain import pretrain
 
     config = parse_config([*TIED_TINY, *COMMON, "--pipeline-model-parallel-size", "4", "--metrics-file", metrics])
-    engine.initialize_runtime(config)
+    runtime_start.initialize_runtime(config)
     recipe = GPTRecipe(config)
     calls = []
 

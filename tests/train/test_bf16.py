@@ -21,9 +21,9 @@ BF16 = ["--preset", "tiny", "--log-interval", "1", "--num-workers", "0", "--seed
 
 
 def test_bf16_accumulates_gradients_in_fp32_and_needs_a_zero_stage():
-    ds = deepspeed_config(parse_config(["--preset", "tiny", "--bf16"]))
+    ds = deepspeed_config(parse_config(["--preset", "tiny", "--bf16"]), dp=1)
     assert ds["bf16"] == {"enabled": True} and ds["data_types"] == {"grad_accum_dtype": "fp32"}
-    assert "data_types" not in deepspeed_config(parse_config(["--preset", "tiny"]))
+    assert "data_types" not in deepspeed_config(parse_config(["--preset", "tiny"]), dp=1)
     with pytest.raises(ConfigError, match="--bf16 needs --zero-stage 1 or 2"):
         validate(parse_config(["--preset", "tiny", "--bf16", "--zero-stage", "0", "--mock-data", "--train-iters",
                                "1"]))

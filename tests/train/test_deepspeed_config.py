@@ -18,9 +18,9 @@ def _config(tmp_path, overrides, *flags):
 
 
 def test_overrides_merge_key_by_key_into_the_derived_config(tmp_path):
-    derived = deepspeed_config(parse_config(["--preset", "tiny", "--zero-stage", "2", "--clip-grad", "0.5"]))
+    derived = deepspeed_config(parse_config(["--preset", "tiny", "--zero-stage", "2", "--clip-grad", "0.5"]), dp=1)
     merged = deepspeed_config(_config(tmp_path, {"zero_optimization": {"overlap_comm": False, "reduce_bucket_size": 1e6},
-                                                 "gradient_clipping": 2.0, "flops_profiler": {"enabled": False}}))
+                                                 "gradient_clipping": 2.0, "flops_profiler": {"enabled": False}}), dp=1)
     assert merged["zero_optimization"] == {**derived["zero_optimization"], "overlap_comm": False,
                                            "reduce_bucket_size": 1e6}
     assert merged["zero_optimization"]["stage"] == 2  # kept: only the named keys changed
@@ -31,7 +31,7 @@ def test_overrides_merge_key_by_key_into_the_derived_config(tmp_path):
 
 
 def test_a_scalar_replaces_an_object_and_an_object_replaces_a_scalar(tmp_path):
-    merged = deepspeed_config(_config(tmp_path, {"zero_optimization": 0, "steps_per_print": {"odd": 1}}))
+    merged = deepspeed_config(_config(tmp_path, {"zero_optimization": 0, "steps_per_print": {"odd": 1}}), dp=1)
     assert merged["zero_optimization"] == 0 and merged["steps_per_print"] == {"odd": 1}
 
 
@@ -41,14 +41,14 @@ def test_a_scalar_replaces_an_object_and_an_object_replaces_a_scalar(tmp_path):
 ])
 def test_unreadable_or_non_object_files_are_named(tmp_path, text, message):
     with pytest.raises(ConfigError, match=f"--deepspeed-config {tmp_path / 'ds.json'}: {message}"):
-        deepspeed_config(_config(tmp_path, text))
+        deepspeed_config(_config(tmp_path, text), dp=1)
 
 
 def test_zero_overlaps_its_reductions_as_deepspeed_reads_the_section():
     """The derived ZeRO section, parsed by DeepSpeed's own config model (deepspeed/runtime/zero/config.py)."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    section = deepspeed_config(parse_config(["--preset", "tiny", "--zero-stage", "1"]))["zero_optimization"]
+    section = deepspeed_config(parse_config(["--preset", "tiny", "--zero-stage", "1"]), dp=1)["zero_optimization"]
     parsed = DeepSpeedZeroConfig(**section)
     assert parsed.stage == 1 and parsed.overlap_comm is True and parsed.contiguous_gradients is True
     assert parsed.reduce_bucket_size == parsed.allgather_bucket_size == 5 * 10**7
@@ -56,15 +56,15 @@ def test_zero_overlaps_its_reductions_as_deepspeed_reads_the_section():
 
 
 def test_pretrain_sets_one_cuda_connection_unless_the_environment_chose(monkeypatch):
-    from domino.train import engine
+    from domino.train import runtime_start
 
     warnings = []
-    monkeypatch.setattr(engine.logger, "warning", lambda message, *args: warnings.append(message % args))
+    monkeypatch.setattr(runtime_start.logger, "warning", lambda message, *args: warnings.append(message % args))
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    engine.set_overlap_environment()
+    runtime_start.set_overlap_environment()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and warnings == []
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-    engine.set_overlap_environment()
+    runtime_start.set_overlap_environment()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8" and "expects 1" in warnings[0]
 
 
@@ -80,7 +80,7 @@ def test_no_throughput_timer_and_fp32_reduction_of_fp32_accumulated_gradients(fl
     from deepspeed.runtime.config import get_communication_data_type
     from deepspeed.utils.config import get_timers_config
 
-    ds = deepspeed_config(parse_config(["--preset", "tiny", *flags]))
+    ds = deepspeed_config(parse_config(["--preset", "tiny", *flags]), dp=1)
     assert get_timers_config({}).enabled is True  # DeepSpeed's default, without our key
     assert get_timers_config(ds).enabled is False
     assert get_communication_data_type(ds) == (torch.float32 if communication else None)
@@ -92,7 +92,8 @@ def test_deepspeed_is_imported_without_mlflow_which_stays_importable_after():
     import subprocess
     import sys
 
-    code = ("import sys; from domino.train import engine; engine._import_deepspeed_without_its_autotuners_mlflow(); "
+    code = ("import sys; from domino.train import runtime_start; "
+            "runtime_start._import_deepspeed_without_its_autotuners_mlflow(); "
             "from deepspeed.autotuning import autotuner; print('mlflow' in sys.modules, autotuner.has_mlflow); "
             "import mlflow; print(mlflow.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -52,12 +52,13 @@ def _engine(config, ours):
     from domino.runtime import state
     from domino.train import bf16_step, engine as engine_setup, zero_step
 
+    mesh = state.current_mesh()
     torch.manual_seed(3)  # the same initial weights for both engines
     if ours:
-        return engine_setup.build_engine(GPTModel(config.model, VOCAB, tp=state.current_mesh().tp), config)
+        return engine_setup.build_engine(GPTModel(config.model, VOCAB, tp=mesh.tp), config, mesh)
     never = lambda engine: False  # noqa: E731  (DeepSpeed's own classes, for the reference)
     with mock.patch.object(bf16_step, "install", never), mock.patch.object(zero_step, "install", never):
-        return engine_setup.build_engine(GPTModel(config.model, VOCAB, tp=state.current_mesh().tp), config)
+        return engine_setup.build_engine(GPTModel(config.model, VOCAB, tp=mesh.tp), config, mesh)
 
 
 def _fp32_partitions(optimizer):
@@ -131,11 +132,11 @@ def _body(rank, world_size, ds_config):
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
     from domino.config import parse_config
-    from domino.train import engine as engine_setup
+    from domino.train import runtime_start
 
     CPU_Accelerator.is_fp16_supported = lambda self: True  # module docstring: DeepSpeed's gate, not torch's
-    engine_setup.check_this_device = lambda config: None
-    engine_setup.initialize_runtime(parse_config(_flags(RUNS[0][1], ds_config)))
+    runtime_start.check_this_device = lambda config: None
+    runtime_start.initialize_runtime(parse_config(_flags(RUNS[0][1], ds_config)))
     return {name: _run(flags, factors, ds_config) for name, flags, factors in RUNS}
 
 

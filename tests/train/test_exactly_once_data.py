@@ -21,7 +21,7 @@ def _segment(rank, world_size, save, tp, stop_at_call):
 
     from domino.config import parse_config
     from domino.runtime import state
-    from domino.train.engine import initialize_runtime
+    from domino.train.runtime_start import initialize_runtime
     from domino.train.gpt_recipe import GPTRecipe
     from domino.train.pretrain import pretrain
 

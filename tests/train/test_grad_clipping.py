@@ -37,7 +37,8 @@ def _backward(model, batch):
 def _clip_body(rank, world_size, full_sd, batch, max_norm):
     import deepspeed
 
-    from domino.train.engine import _skip_shared_memory_op, clip_gradients
+    from domino.train.engine import clip_gradients
+    from domino.train.runtime_start import _skip_shared_memory_op
 
     _skip_shared_memory_op()  # as pretrain's initialize_runtime: DeepSpeed's comm layer over our gloo group
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

@@ -29,9 +29,9 @@ DEEPSPEED_ZERO_READS_PER_ITERATION = 3
 #: slowly, where DeepSpeed refuses it without AVX-512 FP16; tests/train/test_device_decided_steps.py does the same).
 FP16_ON_CPU = """import runpy, sys
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-from domino.train import engine
+from domino.train import runtime_start
 CPU_Accelerator.is_fp16_supported = lambda self: True
-engine.check_this_device = lambda config: None
+runtime_start.check_this_device = lambda config: None
 runpy.run_module("domino.cli.host_syncs", run_name="__main__")
 """
 

@@ -15,7 +15,7 @@ def _train_with_poisoned_steps(rank, world_size, prefix, out_dir, poisoned, max_
     import torch
 
     from domino.config import parse_config
-    from domino.train import engine
+    from domino.train import engine, runtime_start
 
     if not fused:  # as on torch < 2.4, whose CPU AdamW has no fused kernel (and so no found_inf)
         engine.fused_optimizer_supported = lambda device: False
@@ -26,7 +26,7 @@ def _train_with_poisoned_steps(rank, world_size, prefix, out_dir, poisoned, max_
                            "--eval-iters", "0", "--eval-interval", "0", "--num-workers", "0", "--save", out_dir,
                            "--save-interval", "1", "--metrics-file", f"{out_dir}/metrics.jsonl",
                            "--max-nan-steps", str(max_nan_steps), *extra])
-    engine.initialize_runtime(config)
+    runtime_start.initialize_runtime(config)
     recipe = GPTRecipe(config)
     calls = []
 

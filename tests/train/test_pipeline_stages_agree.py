@@ -22,9 +22,8 @@ from distributed_helpers import run_distributed
 def _body(rank, world_size, save):
     from domino.checkpoint import checkpointing
     from domino.config import parse_config
-    from domino.runtime import state
     from domino.runtime.agreement import AgreedFailure
-    from domino.train import engine as engine_setup
+    from domino.train import engine as engine_setup, runtime_start
 
     config = parse_config(["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
                            "--seq-length", "4", "--max-position-embeddings", "4", "--vocab-size", "16",
@@ -32,9 +31,9 @@ def _body(rank, world_size, save):
                            "--train-iters", "2", "--zero-stage", "1", "--clip-grad", "0", "--save", save,
                            "--pipeline-model-parallel-size", "2",
                            "--distributed-timeout-minutes", "1"])  # a hang fails the test within a minute
-    engine_setup.initialize_runtime(config)
+    mesh = runtime_start.initialize_runtime(config)
     torch.manual_seed(rank)
-    engine = engine_setup.build_engine(torch.nn.Linear(4, 4), config)
+    engine = engine_setup.build_engine(torch.nn.Linear(4, 4), config, mesh)
     steps = []
     for factor in (1.0, float("inf") if rank == 1 else 1.0):
         loss = engine.module(torch.ones(2, 4)).sum() * factor
@@ -52,7 +51,7 @@ def _body(rank, world_size, save):
 
     try:
         checkpointing.collective("saving checkpoint iter_0000002 (copying its state)", lambda: (
-            checkpointing.take_snapshot(engine, config, state.current_mesh(), 2, 2, 16, to_host=to_host)))
+            checkpointing.take_snapshot(engine, config, mesh, 2, 2, 16, to_host=to_host)))
         snapshot_error = None
     except AgreedFailure as failure:
         snapshot_error = str(failure)

@@ -10,7 +10,7 @@ def _train_signalled(rank, world_size, signal_rank, signal_at_call):
     import signal
 
     from domino.config import parse_config
-    from domino.train.engine import initialize_runtime
+    from domino.train.runtime_start import initialize_runtime
     from domino.train.gpt_recipe import GPTRecipe
     from domino.train.pretrain import pretrain
 
