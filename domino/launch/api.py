@@ -74,12 +74,11 @@ def run_job(
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")
     job_kind = job_api(api)
-    resolved = spec if isinstance(spec, ResolvedPretrain) else None
-    spec = resolved.spec if resolved is not None else spec
-    spec.validate()
-    job_kind.check(spec)
-    # The pods' argv, the layout derived and the config checked once (or already, by the caller).
-    resolved = resolved or resolve_pretrain(spec)
+    given = spec.spec if isinstance(spec, ResolvedPretrain) else spec
+    given.validate()
+    job_kind.check(given)
+    # The pods' argv: the layout derived and the config checked once, here or already by the caller.
+    resolved = spec if isinstance(spec, ResolvedPretrain) else resolve_pretrain(given)
     spec = resolved.spec
     if resolved.derived is not None:
         log(f"parallel layout derived for {resolved.derived.why}")

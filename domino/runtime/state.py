@@ -2,9 +2,9 @@
 
 :func:`start` builds the run's :class:`~domino.runtime.mesh.ParallelMesh` once and returns it; code below the entry
 points receives that value (or one of its groups) as an argument. The getters at the end answer from the mesh
-:func:`start` built, for the few callers that cannot take an argument: DeepSpeed, which expects an ``mpu`` object
-with ``get_model_parallel_*`` / ``get_data_parallel_*``, and the entry points themselves. When nothing is
-initialised every getter answers as a single process (rank 0, size 1, group ``None``).
+:func:`start` built, for the entry points and tests (DeepSpeed gets the mesh itself behind its ``mpu`` interface,
+:mod:`domino.train.deepspeed_mpu`). When nothing is initialised every getter answers as a single process (rank 0,
+size 1, group ``None``).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def current_mesh() -> ParallelMesh:
     return _MESH if _MESH is not None else _SINGLE_MESH
 
 
-# ---- the shim: the mesh's fields as getters, for DeepSpeed's ``mpu`` and the entry points -------------------------
+# ---- the shim: the mesh's fields as getters, for the entry points and tests -------------------------------------
 
 def get_tensor_model_parallel_group() -> Optional[dist.ProcessGroup]:
     """This rank's TP group (``None`` for a single process)."""
@@ -232,25 +232,8 @@ def get_pipeline_model_parallel_rank() -> int:
     return current_mesh().pp.rank
 
 
-def is_pipeline_first_stage() -> bool:
-    """Whether this rank's stage holds the embeddings (always at pipeline size 1)."""
-    return current_mesh().is_first_stage
-
-
-def is_pipeline_last_stage() -> bool:
-    """Whether this rank's stage holds the final norm, the output layer and the loss (always at pipeline size 1)."""
-    return current_mesh().is_last_stage
-
-
 def get_embedding_group() -> Optional[dist.ProcessGroup]:
     """The group of this pipeline's first and last stage when this rank is on one of them, else None (and None
     at pipeline size 1, where one stage holds the embedding and the output layer)."""
     embedding = current_mesh().embedding
     return embedding.process_group if embedding is not None else None
-
-
-# DeepSpeed's ``mpu`` interface uses "model parallel" for what we call tensor parallel.
-get_model_parallel_group = get_tensor_model_parallel_group
-get_model_parallel_world_size = get_tensor_model_parallel_world_size
-get_model_parallel_rank = get_tensor_model_parallel_rank
-get_model_parallel_src_rank = get_tensor_model_parallel_src_rank

@@ -1,10 +1,9 @@
-"""DeepSpeed set-up: the engine config derived from our flags, optimizer groups, and CPU workarounds."""
+"""DeepSpeed set-up: the engine config derived from our flags, optimizer groups, clipping, and the engine over the mesh."""
 
 from __future__ import annotations
 
 import json
 import math
-import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -16,8 +15,6 @@ from domino.parallel.layers import is_tensor_model_parallel
 from domino.pipeline.gradients import norm_parameters
 from domino.train import bf16_step, zero_step
 from domino.train.deepspeed_mpu import DeepSpeedMpu
-
-logger = logging.getLogger(__name__)
 
 
 def gradient_accumulation_steps(config: DominoConfig, dp: int) -> int:
