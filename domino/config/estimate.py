@@ -222,13 +222,15 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
                                dataclasses.replace(config, parallel=dataclasses.replace(
                                    config.parallel, tensor_model_parallel_size=layout.tensor_model_parallel_size)))
     shape = ModelShape.of(config.model, padded)
+    # Context parallelism: every activation holds this rank's seq / CP tokens (the FLOPs stay the whole sequence's).
+    local = dataclasses.replace(shape, s=shape.s // layout.context_parallel_size)
     p, v = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
     m = num_microbatches(config, layout)
     problems = schedule.layer_split_problems(shape.L, p, v) + schedule.microbatch_problems(m, p, v)
     if problems:  # a pipeline Megatron refuses to build or to schedule
         raise ValueError("; ".join(problems))
     stages = [Estimate(layout=layout, flops_per_token=0.0, gpu_memory_gb=gpu_memory_gb,
-                       **_stage(config, layout, shape, rank, m, device)) for rank in range(p)]
+                       **_stage(config, layout, local, rank, m, device)) for rank in range(p)]
     worst = max(range(p), key=lambda rank: stages[rank].total)
     flops = model_flops_per_token(shape)
     passes = 4 if layout.recompute == "full" else 3
@@ -240,9 +242,9 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
     if peak_tflops:
         dp = layout.data_parallel_size
         global_batch = config.train.global_batch_size or layout.micro_batch_size * dp
-        gpus = layout.tensor_model_parallel_size * p * dp
+        gpus = layout.tensor_model_parallel_size * p * dp * layout.context_parallel_size
         step = global_batch * shape.s * train_flops / (1 - bubble) / (gpus * peak_tflops * 1e12 * mfu)
-    message = message_bytes(shape, layout, 2 if config.train.bf16 or config.train.fp16 else 4)
+    message = message_bytes(local, layout, 2 if config.train.bf16 or config.train.fp16 else 4)
     p2p = max(schedule.p2p_bytes_per_step(rank, p, m, message, v) for rank in range(p))
     return dataclasses.replace(
         stages[worst], flops_per_token=3 * flops, step_time_s=step, stage=worst,
@@ -252,17 +254,17 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
 
 
 def layout_of(config: DominoConfig, gpus: int) -> Layout:
-    """The layout ``config`` asks for on ``gpus`` GPUs (its TP, PP, ZeRO, micro-batch, recompute and SP flags)."""
+    """The layout ``config`` asks for on ``gpus`` GPUs (its TP, PP, CP, ZeRO, micro-batch, recompute and SP flags)."""
     p, t = config.parallel, config.train
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     if t.recompute_granularity == "full":
         recompute = "full"
     elif t.recompute_activations or t.recompute_granularity == "selective":
         recompute = "selective"
     else:
         recompute = "none"
-    dp = max(1, gpus // (tp * pp))
-    return Layout(tensor_model_parallel_size=tp, data_parallel_size=dp, zero_stage=zero_stage_for(config, dp),
+    dp = max(1, gpus // (tp * pp * cp))
+    return Layout(context_parallel_size=cp, tensor_model_parallel_size=tp, data_parallel_size=dp, zero_stage=zero_stage_for(config, dp),
                   micro_batch_size=t.micro_batch_size, recompute=recompute,
                   recompute_method=t.recompute_method or "uniform", recompute_num_layers=t.recompute_num_layers or 1,
                   sequence_parallel=p.sequence_parallel and tp > 1, domino_chunks=p.domino_chunks or 1,
@@ -276,6 +278,7 @@ def config_with_layout(config: DominoConfig, layout: Layout) -> DominoConfig:
     p, t = out.parallel, out.train
     p.tensor_model_parallel_size, p.zero_stage = layout.tensor_model_parallel_size, layout.zero_stage
     p.pipeline_model_parallel_size = layout.pipeline_model_parallel_size
+    p.context_parallel_size = layout.context_parallel_size
     p.virtual_pipeline_model_parallel_size = layout.virtual_pipeline_model_parallel_size
     p.sequence_parallel, p.domino_chunks = layout.sequence_parallel, None
     t.micro_batch_size = layout.micro_batch_size
@@ -292,7 +295,7 @@ def candidate_layouts(config: DominoConfig, gpus: int) -> List[Layout]:
     """Every layout worth trying on ``gpus`` GPUs that ``config``'s model can run: TP within one 8-GPU node, PP
     (:data:`PIPELINE_SIZES`; 1F1B, and the interleaved schedule at the config's chunk count when it asks for
     one), ZeRO 0-2, micro-batch 1..the config's (powers of two), no/selective/full recompute,
-    SP on or off at TP > 1, each kept only when the config asking for it passes
+    SP on or off at TP > 1, CP 1-8 (tried only where the config's sequence and masks allow it), each kept only when the config asking for it passes
     :func:`domino.config.validate.validate` (the layout rules live there alone: TP x PP dividing the GPUs; TP
     dividing heads, query groups, MLP and, with SP, the sequence; PP dividing the layers; the global batch; ZeRO
     with recomputed chunks)."""
@@ -302,12 +305,14 @@ def candidate_layouts(config: DominoConfig, gpus: int) -> List[Layout]:
         micro *= 2
     out = []
     chunk_counts = sorted({1, virtual_stages(config)})  # the interleaved schedule where the config asks for it
-    for tp, pp, v, zero, mb, recompute, sp in itertools.product((1, 2, 4, 8), PIPELINE_SIZES, chunk_counts, (0, 1, 2),
-                                                                micros, RECOMPUTE_CHOICES, (False, True)):
-        if tp * pp > gpus or (sp and tp == 1):
+    sizes = (1, 2, 4, 8)
+    for tp, pp, v, zero, mb, recompute, sp, cp in itertools.product(
+            sizes, PIPELINE_SIZES, chunk_counts, (0, 1, 2), micros, RECOMPUTE_CHOICES, (False, True), sizes):
+        if tp * pp * cp > gpus or (sp and tp == 1):
             continue
-        layout = Layout(tp, max(1, gpus // (tp * pp)), zero, mb, recompute, sequence_parallel=sp,
-                        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=v)
+        layout = Layout(tp, max(1, gpus // (tp * pp * cp)), zero, mb, recompute, sequence_parallel=sp,
+                        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=v,
+                        context_parallel_size=cp)
         candidate = config_with_layout(config, layout)
         try:
             validate(candidate, world_size=gpus)
@@ -321,11 +326,12 @@ def candidate_layouts(config: DominoConfig, gpus: int) -> List[Layout]:
 def rank_key(estimate: Estimate) -> tuple:
     """Best first: fits; the least modelled time per token (recompute's extra passes and the pipeline bubble, so a
     pipeline ranks where its bubble costs less than recomputing would, and never where no stage is needed);
-    smallest TP (least communication); no SP; largest micro-batch (fuller GEMMs); lowest ZeRO stage (least
+    fewest ranks splitting one sample (TP x CP), then the smaller CP (its ring hides under attention only where
+    attention is long), then the smaller TP (least communication); no SP; largest micro-batch (fuller GEMMs); lowest ZeRO stage (least
     communication); then the least memory."""
     lay = estimate.layout
-    return (not estimate.fits, round(estimate.forward_passes_per_token, 3), lay.tensor_model_parallel_size,
-            lay.sequence_parallel, -lay.micro_batch_size, lay.zero_stage, estimate.total)
+    tp, cp = lay.tensor_model_parallel_size, lay.context_parallel_size
+    return (not estimate.fits, round(estimate.forward_passes_per_token, 3), tp * cp, cp, tp, lay.sequence_parallel, -lay.micro_batch_size, lay.zero_stage, estimate.total)
 
 
 def fitting_layouts(config: DominoConfig, gpus: int, gpu_memory_gb: float, **kwargs) -> List[Estimate]:
@@ -343,6 +349,7 @@ def describe(estimate: Estimate) -> str:
     parts = ", ".join(f"{k} {v:.2f}" for k, v in mem.items())
     pp, v = lay.pipeline_model_parallel_size, lay.virtual_pipeline_model_parallel_size
     pipeline = "" if pp == 1 else f" x PP {pp}" + (f" (interleaved, {v} chunks per stage)" if v > 1 else "")
+    pipeline += f" x CP {lay.context_parallel_size}" if lay.context_parallel_size > 1 else ""
     where = "" if pp == 1 else (f" on stage {estimate.stage} of {pp}, {estimate.num_microbatches} micro-batches, "
                                 f"bubble {100 * estimate.bubble_fraction:.1f}%")
     return (f"TP {lay.tensor_model_parallel_size}{pipeline} x DP {lay.data_parallel_size}, ZeRO {lay.zero_stage}, "

@@ -14,22 +14,26 @@ from domino.config.schema import DominoConfig
 
 
 def check_tensor_parallel_size(world_size: int, tensor_model_parallel_size: int,
-                               pipeline_model_parallel_size: int = 1) -> None:
-    """Raises :class:`ConfigError` unless ``tensor_model_parallel_size`` x ``pipeline_model_parallel_size`` (each
-    >= 1) divides ``world_size``: the one place this rule is written (the config, the process groups and
-    evaluation's start-up all call it)."""
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+                               pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1) -> None:
+    """Raises :class:`ConfigError` unless ``tensor_model_parallel_size`` x ``context_parallel_size`` x
+    ``pipeline_model_parallel_size`` (each >= 1) divides ``world_size``: the one place this rule is written (the
+    config, the process groups and evaluation's start-up all call it)."""
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     if tp < 1 or world_size % tp != 0:
         raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}")
     if pp < 1 or world_size % (tp * pp) != 0:
         raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
                           f"--pipeline-model-parallel-size {pp}")
+    if cp < 1 or world_size % (tp * pp * cp) != 0:
+        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                          f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}")
 
 
 def data_parallel_size(config: DominoConfig, world_size: int) -> int:
-    """Number of data-parallel replicas for ``world_size`` processes."""
+    """Number of data-parallel replicas for ``world_size`` processes (context-parallel ranks share a replica's
+    samples: they split its sequences)."""
     p = config.parallel
-    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
 
 
 def virtual_stages(config: DominoConfig) -> int:
@@ -104,4 +108,39 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
         else:
             problems += [f"--global-batch-size {global_batch}: {problem}"
                          for problem in microbatch_problems(micro_batches, pp, v)]
+    return problems
+
+
+#: How context-parallel attention may communicate; Megatron's others (``a2a``, ``allgather``, hierarchical
+#: ``a2a+p2p``: ``--cp-comm-type`` in megatron/training/arguments.py, d98e8a64) are not offered.
+CP_COMM_TYPES = ("p2p",)
+
+
+def context_parallel_problems(config: DominoConfig) -> List[str]:
+    """What a run with ``--context-parallel-size`` > 1 cannot do, one message each (none at CP 1).
+
+    The sequence must cut into ``2 x CP`` equal chunks (Megatron's rule: ``get_batch_on_this_cp_rank`` in
+    megatron/training/utils.py views it as ``2 * cp_size`` chunks). Ring attention computes plain causal blocks,
+    so it takes neither per-document masks nor attention dropout here, and the pipeline schedule has no CP yet.
+    """
+    p, m, d = config.parallel, config.model, config.data
+    cp = p.context_parallel_size
+    problems = [] if p.cp_comm_type in CP_COMM_TYPES else [
+        f"--cp-comm-type {p.cp_comm_type}: must be one of {', '.join(CP_COMM_TYPES)}"]
+    if cp < 1:
+        return problems + [f"--context-parallel-size must be >= 1, got {cp}"]
+    if cp == 1:
+        return problems
+    flag = f"--context-parallel-size {cp}"
+    if m.seq_length % (2 * cp):
+        problems.append(f"--seq-length {m.seq_length} is not divisible by 2 x {flag} (each rank holds two of "
+                        f"{2 * cp} equal chunks)")
+    if m.attention_dropout > 0:
+        problems.append(f"--attention-dropout {m.attention_dropout} with {flag}: not supported (ring attention's "
+                        "blocks run without dropout); give --attention-dropout 0")
+    if d.reset_attention_mask:
+        problems.append(f"--reset-attention-mask with {flag}: not supported (ring attention is plain causal)")
+    if p.pipeline_model_parallel_size > 1:
+        problems.append(f"{flag} with --pipeline-model-parallel-size {p.pipeline_model_parallel_size}: not "
+                        "supported yet")
     return problems

@@ -52,7 +52,7 @@ class Layout:
     tensor_model_parallel_size: int = 1
     """Processes that split every layer."""
     data_parallel_size: int = 1
-    """Model replicas (GPUs / (TP x PP))."""
+    """Model replicas (GPUs / (TP x PP x CP))."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage 0, 1 or 2."""
     micro_batch_size: int = 1
@@ -71,6 +71,8 @@ class Layout:
     """Pipeline stages, each holding num_layers / PP consecutive layers (domino.config.pipeline_schedule)."""
     virtual_pipeline_model_parallel_size: int = 1
     """Model chunks per stage: the interleaved schedule above 1, plain 1F1B at 1."""
+    context_parallel_size: int = 1
+    """Processes that split every sequence: each holds seq / CP tokens of every layer's activations."""
 
 
 

@@ -121,6 +121,12 @@ class ParallelConfig:
     r + PP, r + 2 PP, ...); needs --pipeline-model-parallel-size >= 2 and a multiple of it micro-batches per step.
     Also spelt --num-virtual-stages-per-pipeline-rank, or derived from --num-layers-per-virtual-pipeline-stage N as
     num-layers / (PP x N) (default: 1, plain 1F1B)."""
+    context_parallel_size: int = 1
+    """Processes that split every sequence (context parallelism): rank r holds chunks r and 2 CP - 1 - r of its
+    2 x CP chunks, keys and values go around a ring of them, gradients are reduced over DP x CP (Megatron's order)."""
+    cp_comm_type: str = "p2p"
+    """How context-parallel attention communicates: p2p, ring attention (the next key/value block in flight while
+    the current one is computed, partial results merged by their log-sum-exp)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: LayerNorm, dropout and residual regions split along the sequence over the TP
     ranks (reduce-scatter after row-parallel, all-gather before column-parallel linears); no effect at TP 1."""

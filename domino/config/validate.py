@@ -13,7 +13,8 @@ from typing import List, Optional
 
 from domino.config.batch_schedule import batch_schedule_problems, check_batch_flags
 from domino.config.errors import ConfigError  # noqa: F401  (its home for the callers that import it from here)
-from domino.config.layout import check_tensor_parallel_size, data_parallel_size, pipeline_problems
+from domino.config.layout import (check_tensor_parallel_size, context_parallel_problems, data_parallel_size,
+                                  pipeline_problems)
 from domino.config.schema import DominoConfig, KernelConfig, field_docs, flag_name
 
 #: Megatron's --lr-decay-style choices.
@@ -213,7 +214,7 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
 
     if world_size is not None:
         try:
-            check_tensor_parallel_size(world_size, tp, p.pipeline_model_parallel_size)
+            check_tensor_parallel_size(world_size, tp, p.pipeline_model_parallel_size, p.context_parallel_size)
         except ConfigError as error:
             problems.append(str(error))
         else:
@@ -225,7 +226,7 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
             elif not problems:
                 problems.extend(batch_schedule_problems(config, dp))
 
-    problems += pipeline_problems(config, world_size)
+    problems += pipeline_problems(config, world_size) + context_parallel_problems(config)
     _check(problems, c.save_interval is None or c.save_interval >= 1,
            f"--save-interval must be >= 1, got {c.save_interval}")
     _check(problems, c.keep_last is None or c.keep_last >= 1, f"--keep-last must be >= 1, got {c.keep_last}")

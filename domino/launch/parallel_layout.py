@@ -92,7 +92,8 @@ def derive_layout(spec: JobSpec) -> DerivedLayout:
                                    f"{USABLE_FRACTION:.0%} of {spec.gpu_memory_gb:g} GiB (domino estimate)")
                 continue
         pp, dp = config.parallel.pipeline_model_parallel_size, data_parallel_size(config, world)
-        why = f"{pods}: TP {tp}{f' x PP {pp}' if pp > 1 else ''} x DP {dp}" + (
+        cp = config.parallel.context_parallel_size
+        why = f"{pods}: TP {tp}{f' x PP {pp}' if pp > 1 else ''}{f' x CP {cp}' if cp > 1 else ''} x DP {dp}" + (
             f" ({'; '.join(passed_over)})" if passed_over else "")
         return DerivedLayout(tp, dp, why)
     if not passed_over:

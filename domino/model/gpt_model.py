@@ -97,20 +97,24 @@ class GPTModel(nn.Module):
         parallel_output: keep logits split along the vocabulary (``[b, s, V/tp]``); False gathers them.
         tp: the tensor-parallel group of the run's mesh (``ParallelMesh.tp``) every layer is split over; one
             process by default, so the model reads as plain PyTorch on one device.
+        cp: the context-parallel group (``ParallelMesh.cp``) whose ranks hold the other chunks of each sequence:
+            attention runs as a ring over it (:mod:`domino.parallel.ring_attention`), the rest is position-wise.
+            The model then reads this rank's chunks with their ``position_ids`` (no default positions).
     """
 
     def __init__(self, config: ModelConfig, vocab_size: int, pre_process: bool = True, post_process: bool = True,
-                 parallel_output: bool = True, tp: MeshGroup = SINGLE) -> None:
+                 parallel_output: bool = True, tp: MeshGroup = SINGLE, cp: MeshGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
+        self.cp = cp
         self.vocab_size = vocab_size
         self.pre_process = pre_process
         self.post_process = post_process
         self.parallel_output = parallel_output
         if pre_process:
             self.embedding = Embedding(config, vocab_size, tp)
-        self.layers = nn.ModuleList(TransformerLayer(config, i, tp) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(config, i, tp, cp) for i in range(config.num_layers))
         if post_process:
             self.final_layernorm = build_norm(config)
             # Untied, or no embedding here to tie to: the output layer holds its own vocab projection.
@@ -165,6 +169,9 @@ class GPTModel(nn.Module):
             past = kv_cache.length
         if position_ids is not None:  # explicit ids are not checked: that would sync a GPU
             return position_ids
+        if self.cp.size > 1:
+            raise ValueError("a context-parallel model needs the position_ids of its chunks "
+                             "(domino.parallel.context_split.split_batch)")
         if past + s > self.config.num_positions:
             raise ValueError(f"{past + s} tokens exceed --max-position-embeddings {self.config.num_positions}")
         return torch.arange(past, past + s, device=device).unsqueeze(0)

@@ -42,6 +42,7 @@ from domino.parallel.kernels import compiled, kernels_for
 from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from domino.parallel.linear_ops import GradSlot
 from domino.parallel.random import tp_region_rng
+from domino.parallel.ring_attention import ring_attention
 from domino.runtime.mesh import SINGLE, MeshGroup
 
 
@@ -57,11 +58,14 @@ def build_norm(config: ModelConfig) -> nn.Module:
 
 
 class ParallelSelfAttention(nn.Module):
-    """Causal multi-head (or grouped-query) self-attention; each rank of ``tp`` owns ``groups / tp`` query groups."""
+    """Causal multi-head (or grouped-query) self-attention; each rank of ``tp`` owns ``groups / tp`` query groups,
+    and over a context-parallel group ``cp`` the keys and values of the rest of the sequence come around a ring."""
 
-    def __init__(self, config: ModelConfig, layer_number: int, tp: MeshGroup = SINGLE) -> None:
+    def __init__(self, config: ModelConfig, layer_number: int, tp: MeshGroup = SINGLE,
+                 cp: MeshGroup = SINGLE) -> None:
         super().__init__()
         self.tp = tp
+        self.cp = cp
         world = tp.size
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(f"--hidden-size {config.hidden_size} is not divisible by "
@@ -120,6 +124,11 @@ class ParallelSelfAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, heads, d] -> [b, heads, s, d], views
         if rotary is not None:  # before caching: the cache holds rotated keys, as transformers' does
             q, k = rotary.rotate(q), rotary.rotate(k)
+        if self.cp.size > 1:
+            if kv_cache is not None or attend_mask is not None:
+                raise ValueError("context-parallel attention is causal training attention: no mask, no KV cache")
+            return ring_attention(q, k, v, self.cp).permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank *
+                                                                                self.head_dim)
         past = 0
         if kv_cache is not None:
             past = kv_cache.length
@@ -193,11 +202,12 @@ def bias_dropout_add_norm(x: torch.Tensor, bias: Optional[torch.Tensor], residua
 class TransformerLayer(nn.Module):
     """Pre-norm block: norm -> attention -> residual; norm -> MLP -> residual (split over ``tp``)."""
 
-    def __init__(self, config: ModelConfig, layer_number: int, tp: MeshGroup = SINGLE) -> None:
+    def __init__(self, config: ModelConfig, layer_number: int, tp: MeshGroup = SINGLE,
+                 cp: MeshGroup = SINGLE) -> None:
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
         self.input_layernorm = build_norm(config)
-        self.attention = ParallelSelfAttention(config, layer_number, tp)
+        self.attention = ParallelSelfAttention(config, layer_number, tp, cp)
         self.post_attention_layernorm = build_norm(config)
         self.mlp = build_mlp(config, output_init_std(config), tp)
 

@@ -1,1 +1,2 @@
-"""Tensor-parallel maths: collectives as autograd functions, TP layers, vocab-parallel CE, RNG, kernel choices."""
+"""Parallel maths: collectives as autograd functions, TP layers, vocab-parallel CE, RNG, kernel choices, and
+context parallelism's ring attention and sequence split."""

@@ -52,6 +52,11 @@ dropout flag, so Megatron's defaults, ``--attention-dropout 0.1 --hidden-dropout
 ``megatron/training/arguments.py``, ``_add_regularization_args``); its LLaMA examples, like our LLaMA presets, set
 both to 0 (``examples/llama/train_llama3_8b_h100_fp8.sh`` at 157006d).
 
+Ring attention's blocks (context parallelism) need each block's log-sum-exp, which ``F.scaled_dot_product_attention``
+does not return: on CPU they run SDPA's fused CPU kernel through its ATen op, which does; elsewhere the textbook
+softmax (CUDA's flash and memory-efficient ops return it too, with their own calling conventions: wiring them is
+a device check's work, not done blind).
+
 Every choice computes the same values (``tests/model/test_model_kernels.py`` forces the CUDA and the plain choices
 on CPU tensors and compares outputs and gradients). Devices other than ``cuda`` take the CPU choices.
 
@@ -100,10 +105,14 @@ class Kernels:
     compile_blocks: Optional[str] = None
     """``torch.compile`` backend for each whole transformer block with ``fullgraph=True`` where the block holds no
     collective (:func:`compiled_block`); None runs the blocks eagerly (``DOMINO_KERNELS=compiled`` sets it)."""
+    ring_blocks_fused: bool = False
+    """Context parallelism's attention blocks through SDPA's fused CPU kernel, which returns the log-sum-exp the
+    ring merges by (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward); else the textbook
+    softmax (:mod:`domino.parallel.ring_attention`)."""
 
 
 CPU_KERNELS = Kernels(split_qkv=True, keep_logits_buffer=True, fused_gelu_fc2=True, compile_backend=None,
-                      loss_from_softmax=True)
+                      loss_from_softmax=True, ring_blocks_fused=True)
 CUDA_KERNELS = Kernels(split_qkv=False, keep_logits_buffer=False, fused_gelu_fc2=False, compile_backend="inductor",
                        loss_from_softmax=False, loss_chunk_bytes=2**30)
 #: CUDA on a machine without a C compiler (:func:`c_compiler`): the same, but the fusions run eagerly.

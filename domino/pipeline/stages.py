@@ -139,7 +139,8 @@ def cut_stage(model: nn.Module, index: int, num_virtual_stages: int) -> nn.Modul
     start, end = stage_layers(len(model.layers), num_virtual_stages, index)
     first, last = index == 0, index == num_virtual_stages - 1
     chunk = type(model)(dataclasses.replace(model.config, num_layers=0), model.vocab_size, pre_process=False,
-                        post_process=False, parallel_output=model.parallel_output, tp=model.tp)
+                        post_process=False, parallel_output=model.parallel_output, tp=model.tp,
+                        cp=model.cp)
     del chunk.layers  # registered again below, after the embedding: the whole model's order
     chunk.config, chunk.pre_process, chunk.post_process = model.config, first, last
     if first:

@@ -2,10 +2,14 @@
 
 Ranks are laid out as in Megatron-LM's default order ``tp-cp-ep-dp-pp`` (``RankGenerator`` and
 ``generate_masked_orthogonal_rank_groups`` in NVIDIA/Megatron-LM ``megatron/core/parallel_state.py``, commit
-00caa53), which without context or expert parallelism reads ``global = tp_rank + dp_rank * tp + pp_rank * tp * dp``:
-the ``tp`` consecutive ranks form one tensor-parallel group (each holds a slice of every layer of its stage), ranks
-with the same TP position and stage form a data-parallel group (ZeRO shards across them), and ranks ``tp * dp``
-apart form a pipeline group (one per stage). The embedding group joins the first and the last stage of each pipeline
+00caa53), which without expert parallelism reads
+``global = tp_rank + cp_rank * tp + dp_rank * tp * cp + pp_rank * tp * cp * dp``: the ``tp`` consecutive ranks form
+one tensor-parallel group (each holds a slice of every layer of its stage), ranks ``tp`` apart with the same replica
+and stage a context-parallel group (each holds two chunks of every sequence), ranks with the same TP and CP position
+and stage a data-parallel group (each reads its own samples), and ranks ``tp * cp * dp`` apart a pipeline group
+(one per stage). Weights are replicated over data *and* context parallelism, so gradients are reduced, and ZeRO
+shards, over the ``dp_cp`` group of both (Megatron's ``get_data_parallel_group(with_context_parallel=True)``); at
+CP 1 it is the data-parallel group itself. The embedding group joins the first and the last stage of each pipeline
 (Megatron's ``default_embedding_ranks``): the tied word embeddings' gradients are summed over it.
 
 The mesh is what torchtitan's ``ParallelDims`` (``torchtitan/distributed/parallel_dims.py``) and Megatron core's
@@ -48,30 +52,36 @@ def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device
 
 @dataclass(frozen=True)
 class RankGrid:
-    """Every group of a ``tp x pp x dp`` world as lists of global ranks, in Megatron's order (module docstring)."""
+    """Every group of a ``tp x cp x dp x pp`` world as lists of global ranks, in Megatron's order (module docstring)."""
 
     tp: List[List[int]]
     dp: List[List[int]]
     pp: List[List[int]]
     embedding: List[List[int]]
+    cp: List[List[int]] = field(default_factory=list)
+    dp_cp: List[List[int]] = field(default_factory=list)
 
     @classmethod
-    def build(cls, world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1
-              ) -> "RankGrid":
+    def build(cls, world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1,
+              context_parallel_size: int = 1) -> "RankGrid":
         """The groups of ``world_size`` ranks; the sizes must divide it (:func:`check_tensor_parallel_size`)."""
-        tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-        check_tensor_parallel_size(world_size, tp, pp)
-        dp = world_size // (tp * pp)
-        per_stage = tp * dp
+        tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+        check_tensor_parallel_size(world_size, tp, pp, cp)
+        dp = world_size // (tp * pp * cp)
+        per_stage = tp * cp * dp
 
-        def rank(t: int, d: int, p: int) -> int:
-            return t + d * tp + p * per_stage
+        def rank(t: int, d: int, p: int, c: int = 0) -> int:
+            return t + c * tp + d * tp * cp + p * per_stage
 
-        pipelines = [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
-        return cls(tp=[[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-                   dp=[[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        pipelines = [[rank(t, d, p, c) for p in range(pp)] for d in range(dp) for c in range(cp) for t in range(tp)]
+        return cls(tp=[[rank(t, d, p, c) for t in range(tp)] for p in range(pp) for d in range(dp) for c in range(cp)],
+                   dp=[[rank(t, d, p, c) for d in range(dp)] for p in range(pp) for t in range(tp) for c in range(cp)],
                    pp=sorted(pipelines),
-                   embedding=sorted([ranks[0], ranks[-1]] if len(ranks) > 1 else ranks[:1] for ranks in pipelines))
+                   embedding=sorted([ranks[0], ranks[-1]] if len(ranks) > 1 else ranks[:1] for ranks in pipelines),
+                   cp=sorted([rank(t, d, p, c) for c in range(cp)] for p in range(pp) for d in range(dp)
+                             for t in range(tp)),
+                   dp_cp=sorted(sorted(rank(t, d, p, c) for d in range(dp) for c in range(cp))
+                                for p in range(pp) for t in range(tp)))
 
 
 @dataclass(frozen=True)
@@ -128,6 +138,9 @@ class ParallelMesh:
             has more than one stage, else None (a middle stage holds no copy of the tied embeddings).
         global_rank: this process's rank in the world.
         world_size: processes in the world.
+        cp: its context-parallel group: the ranks that split this replica's sequences (attention's ring).
+        dp_cp: the ranks holding the same weights, over data and context parallelism (gradients are reduced and
+            ZeRO shards over it); the data-parallel group itself at CP 1.
     """
 
     tp: MeshGroup = SINGLE
@@ -136,6 +149,12 @@ class ParallelMesh:
     embedding: Optional[MeshGroup] = None
     global_rank: int = 0
     world_size: int = 1
+    cp: MeshGroup = SINGLE
+    dp_cp: Optional[MeshGroup] = None
+
+    def __post_init__(self) -> None:
+        if self.dp_cp is None:  # without context parallelism the replicas of the weights are the data-parallel ones
+            object.__setattr__(self, "dp_cp", self.dp)
 
     @classmethod
     def single(cls) -> "ParallelMesh":
@@ -146,7 +165,7 @@ class ParallelMesh:
     @classmethod
     def build(cls, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
               timeout_minutes: Optional[int] = None, tp_link: Optional[LinkEmulator] = None,
-              tp_options=None) -> "ParallelMesh":
+              tp_options=None, context_parallel_size: int = 1) -> "ParallelMesh":
         """Creates the groups of the current ``torch.distributed`` world (collective: every rank calls it, in the
         same order), or the single-process mesh when ``torch.distributed`` is not initialised.
 
@@ -158,10 +177,11 @@ class ParallelMesh:
                 ``distributed_c10d._new_group_with_tag`` -> ``_get_default_timeout``), not the world group's.
             tp_link: the emulated TP interconnect, if any.
             tp_options: backend options of the TP groups (``pg_options``), e.g. NCCL's high-priority stream.
+            context_parallel_size: CP size (ranks that split each sequence).
         """
-        tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+        tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
         world = dist.get_world_size() if dist.is_initialized() else 1
-        grid = RankGrid.build(world, tp, pp)
+        grid = RankGrid.build(world, tp, pp, cp)
         if not dist.is_initialized():
             return cls(tp=dataclasses.replace(SINGLE, link=tp_link))
         me = dist.get_rank()
@@ -182,7 +202,11 @@ class ParallelMesh:
         if pp > 1:
             pp_group = mine(grid.pp)
             embedding = mine(grid.embedding)  # None on a middle stage
-        return cls(tp=tp_group, dp=dp_group, pp=pp_group, embedding=embedding, global_rank=me, world_size=world)
+        cp_group, dp_cp_group = MeshGroup((me,)), dp_group
+        if cp > 1:
+            cp_group, dp_cp_group = mine(grid.cp), mine(grid.dp_cp)
+        return cls(tp=tp_group, dp=dp_group, pp=pp_group, embedding=embedding, global_rank=me, world_size=world,
+                   cp=cp_group, dp_cp=dp_cp_group)
 
     @property
     def is_first_stage(self) -> bool:
@@ -199,6 +223,7 @@ class ParallelMesh:
         return dataclasses.replace(self, tp=dataclasses.replace(self.tp, link=link))
 
     def describe(self) -> str:
-        """``TP t x PP p x DP d`` with this rank's coordinates, for logs."""
-        return (f"TP {self.tp.size} x PP {self.pp.size} x DP {self.dp.size} "
-                f"(rank {self.global_rank}: tp {self.tp.rank}, pp {self.pp.rank}, dp {self.dp.rank})")
+        """``TP t x PP p x DP d`` (``x CP c`` when the sequences are split) with this rank's coordinates, for logs."""
+        cp, cp_rank = (f" x CP {self.cp.size}", f", cp {self.cp.rank}") if self.cp.size > 1 else ("", "")
+        return (f"TP {self.tp.size}{cp} x PP {self.pp.size} x DP {self.dp.size} "
+                f"(rank {self.global_rank}: tp {self.tp.rank}{cp_rank}, pp {self.pp.rank}, dp {self.dp.rank})")

@@ -94,7 +94,7 @@ def _tensor_parallel_options():
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, timeout_minutes: Optional[int] = None,
-                              pipeline_model_parallel_size: int = 1) -> ParallelMesh:
+                              pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1) -> ParallelMesh:
     """Creates the TP, DP and (at pipeline size > 1) pipeline and embedding groups over the current world and
     returns them as the run's :class:`ParallelMesh` (which the getters below also answer from).
 
@@ -112,7 +112,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, timeout_minut
     link = install_from_environment()  # before any group exists, so bad values fail early
     options = _tensor_parallel_options() if dist.is_initialized() else None
     _MESH = ParallelMesh.build(tensor_model_parallel_size, pipeline_model_parallel_size, timeout_minutes, link,
-                               options)
+                               options, context_parallel_size)
     return _MESH
 
 
@@ -124,7 +124,7 @@ def launched_world_size() -> int:
 
 def start(tensor_model_parallel_size: Optional[int] = None, *, backend: Optional[str] = None,
           timeout_minutes: int = ParallelConfig.distributed_timeout_minutes, lone_process_group: bool = False,
-          pipeline_model_parallel_size: int = 1) -> ParallelMesh:
+          pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1) -> ParallelMesh:
     """The start-up of every entry point (``domino pretrain`` through
     :func:`domino.train.runtime_start.initialize_runtime`, evaluation through :mod:`domino.eval.runtime`): checks the
     layout, starts ``torch.distributed`` and creates the TP x PP x DP groups. Call it once per process.
@@ -132,6 +132,7 @@ def start(tensor_model_parallel_size: Optional[int] = None, *, backend: Optional
     Args:
         tensor_model_parallel_size: The TP size (None: every process, evaluation's default).
         pipeline_model_parallel_size: The number of pipeline stages.
+        context_parallel_size: The ranks that split each sequence.
         backend: torch.distributed backend (None: nccl with CUDA, else gloo).
         timeout_minutes: Timeout of every collective of the world and of the groups.
         lone_process_group: Start torch.distributed for a lone process too (DeepSpeed needs a process group);
@@ -144,11 +145,12 @@ def start(tensor_model_parallel_size: Optional[int] = None, *, backend: Optional
         ConfigError: TP x PP does not divide the processes, or the launcher's environment is incomplete.
     """
     world = launched_world_size()
-    tp, pp = tensor_model_parallel_size or world, pipeline_model_parallel_size
-    check_tensor_parallel_size(world, tp, pp)  # before any process group exists
+    tp, pp, cp = tensor_model_parallel_size or world, pipeline_model_parallel_size, context_parallel_size
+    check_tensor_parallel_size(world, tp, pp, cp)  # before any process group exists
     if world > 1 or lone_process_group or dist.is_initialized():
         initialize_distributed(backend, timeout_minutes)
-    return initialize_model_parallel(tp, timeout_minutes=timeout_minutes, pipeline_model_parallel_size=pp)
+    return initialize_model_parallel(tp, timeout_minutes=timeout_minutes, pipeline_model_parallel_size=pp,
+                                     context_parallel_size=cp)
 
 
 # Built once: every caller before start() gets the same value, with the same groups and their comm timers.

@@ -163,10 +163,13 @@ def zero_optimization(config: DominoConfig, dp: int) -> Dict[str, Any]:
     reach link bandwidth, and ten times smaller than DeepSpeed's default so the first reduction starts early
     in backward and the double-buffered overlap costs little memory.
     """
-    overlapped = not pipelined(config)
+    recomputed_chunks = config.train.recompute_granularity == "full" and (config.parallel.domino_chunks or 1) > 1
+    overlapped = not pipelined(config) and not recomputed_chunks
     # Pipelined, neither: both make ZeRO hook every gradient and reduce it inside backward (deepspeed 0.19.8
     # stage_1_and_2.py `create_gradient_handling_hooks`), here after every micro-batch of the schedule; without them
     # the step's `allreduce_gradients` reduces the accumulated gradients once (as DeepSpeed's PipelineEngine does).
+    # Recomputed Domino chunks neither: each chunk's backward delivers a weight's gradient once more, and a hook
+    # reducing on arrival refuses the second ("Gradient computed twice for this partition", `reduce_ipg_grads`).
     return {"stage": zero_stage(config, dp), "overlap_comm": overlapped, "contiguous_gradients": overlapped,
             "reduce_bucket_size": ZERO_BUCKET_ELEMENTS, "allgather_bucket_size": ZERO_BUCKET_ELEMENTS}
 
@@ -272,7 +275,7 @@ def build_engine(model: torch.nn.Module, config: DominoConfig, mesh: ParallelMes
     # Overflow, loss scale and clipping decided on the device: bf16 ZeRO 1 (BF16_Optimizer), fp16/fp32 ZeRO 1/2 and
     # bf16 ZeRO 2 (DeepSpeedZeroOptimizer, which also skips its collectives over a one-rank DP group).
     bf16_step.install(engine) or zero_step.install(engine)
-    if mesh.dp.size == 1 and (zero_stage(config, 1) == 0 or bf16_step.is_bf16_optimizer(engine.optimizer)):
+    if mesh.dp_cp.size == 1 and (zero_stage(config, 1) == 0 or bf16_step.is_bf16_optimizer(engine.optimizer)):
         # DeepSpeed 0.19.8 (runtime/engine.py, `_backward_epilogue` -> `allreduce_gradients` ->
         # `buffered_allreduce_fallback` -> `allreduce_and_copy`) flattens every gradient into one buffer,
         # all-reduces it over the data-parallel group and copies it back, even when that group is this process

@@ -20,6 +20,7 @@ from domino.data.dataset_builder import build_train_valid_test_datasets, parse_d
 from domino.data.mock import MockGPTDataset
 from domino.data.tokenizer import tokenizer_for_run
 from domino.model import GPTModel
+from domino.parallel.context_split import split_batch, sum_over_context, token_count
 from domino.runtime.mesh import SINGLE, MeshGroup, ParallelMesh
 from domino.train.parallelize import parallelize
 
@@ -35,19 +36,24 @@ def average_across_data_parallel_group(value: torch.Tensor, dp: MeshGroup) -> to
     return averaged[0]
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, dp: MeshGroup = SINGLE
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, dp: MeshGroup = SINGLE, cp: MeshGroup = SINGLE
               ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Masked mean of the per-token losses; also returns it averaged over the data-parallel group for logging.
+
+    Under context parallelism each rank holds part of every sequence: its masked sum is divided by the count of
+    the whole sequences, so the loss returned is this rank's share of the mean (the shares of ``cp`` add up to it,
+    and so do their gradients: :mod:`domino.parallel.context_split`); the logged value is the whole mean.
 
     Args:
         loss_mask: ``[b, s]`` with 1 where a token counts.
         output_tensor: per-token losses ``[b, s]`` from the model.
         dp: the data-parallel group of the logged average (one process by default).
+        cp: the context-parallel group that holds the rest of these sequences (one process by default).
     """
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": average_across_data_parallel_group(loss, dp)}
+    loss = torch.sum(losses * mask) / token_count(mask, cp)
+    return loss, {"lm loss": average_across_data_parallel_group(sum_over_context(loss, cp), dp)}
 
 
 def check_data_prefixes(config: DominoConfig) -> None:
@@ -99,7 +105,7 @@ class GPTRecipe:
         parallelism, Domino chunks and activation recompute of ``config``)."""
         self.mesh = mesh
         # From ``config``: a resume may keep its checkpoint's padding (domino.checkpoint.resume.keep_padded_vocab).
-        model = GPTModel(config.model, padded_vocab_size(self.vocab_size, config), tp=mesh.tp)
+        model = GPTModel(config.model, padded_vocab_size(self.vocab_size, config), tp=mesh.tp, cp=mesh.cp)
         return parallelize(model, mesh, config)
 
     def dataset_builder(self, num_samples: Tuple[int, int, int]) -> Tuple[Any, Optional[Any], Optional[Any]]:
@@ -118,15 +124,16 @@ class GPTRecipe:
             test_data_prefix=d.test_data_path or None, data_cache_path=d.data_cache_path, vocab_size=self.vocab_size)
 
     def batch(self, data_iterator) -> Dict[str, torch.Tensor]:
-        """One micro-batch's tensors by name (what a pipeline stage reads: :mod:`domino.train.pipeline_step`)."""
+        """One micro-batch's tensors by name (what a pipeline stage reads: :mod:`domino.train.pipeline_step`): this
+        rank's chunks of them under context parallelism (:func:`~domino.parallel.context_split.split_batch`)."""
         shape = (self.config.train.micro_batch_size, self.config.model.seq_length + 1)  # fixed: no shape broadcast
         tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, self.config.data, self.eod,
                                                                             shape, self.mesh.tp)
-        return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, attention_mask=attention_mask,
-                    position_ids=position_ids)
+        return split_batch(dict(tokens=tokens, labels=labels, loss_mask=loss_mask, attention_mask=attention_mask,
+                                position_ids=position_ids), self.mesh.cp)
 
     def forward_step(self, data_iterator, model):
         """One micro-batch forward: ``(per-token losses, partial(loss_func, loss_mask))``."""
         b = self.batch(data_iterator)
         output = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
-        return output, partial(loss_func, b["loss_mask"], dp=self.mesh.dp)
+        return output, partial(loss_func, b["loss_mask"], dp=self.mesh.dp, cp=self.mesh.cp)

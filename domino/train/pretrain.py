@@ -329,11 +329,10 @@ class _Trainer:
         self.writer.track(config_to_dict(config), lg, c.save, iteration, {
             "world_size": dist.get_world_size(), "global_batch_size": self.gbs, "train_iters": self.train_iters,
             "padded_vocab_size": self.padded_vocab_size})
-        logger.info("training %d iterations: global batch %d (micro %d x DP %d x accumulation %d), TP %d, "
+        logger.info("training %d iterations: global batch %d (micro %d x DP %d x accumulation %d), TP %d, CP %d, "
                     "Domino chunks %d, ZeRO %d", self.train_iters, self.batches.global_batch_size_at(consumed),
-                    t.micro_batch_size, self.mesh.dp.size,
-                    self.batches.num_micro_batches_at(consumed), self.mesh.tp.size,
-                    config.parallel.domino_chunks, config.parallel.zero_stage)
+                    t.micro_batch_size, self.mesh.dp.size, self.batches.num_micro_batches_at(consumed),
+                    self.mesh.tp.size, self.mesh.cp.size, config.parallel.domino_chunks, config.parallel.zero_stage)
         self.engine.train()
         # Set-up collectives are not part of any interval.
         self.comm.pop_seconds(), pop_modelled_comm_seconds(self.tp_link), self.comm.pop_by_site()

@@ -106,6 +106,7 @@ def initialize_runtime(config: DominoConfig) -> ParallelMesh:
     # lone_process_group: DeepSpeed needs a process group, even for one process.
     mesh = state.start(p.tensor_model_parallel_size, backend=p.distributed_backend,
                        timeout_minutes=p.distributed_timeout_minutes, lone_process_group=True,
-                       pipeline_model_parallel_size=p.pipeline_model_parallel_size)
+                       pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+                       context_parallel_size=p.context_parallel_size)
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
     return mesh

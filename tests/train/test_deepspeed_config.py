@@ -55,6 +55,17 @@ def test_zero_overlaps_its_reductions_as_deepspeed_reads_the_section():
     assert DeepSpeedZeroConfig(stage=1).overlap_comm is False  # what DeepSpeed would do without the setting
 
 
+def test_recomputed_domino_chunks_reduce_once_at_the_boundary():
+    """Each recomputed chunk delivers a weight's gradient once more; with overlap_comm ZeRO would hook and reduce
+    every arrival and refuse the second (stage_1_and_2.py reduce_ipg_grads), so the section turns it off."""
+    flags = ["--preset", "tiny", "--tensor-model-parallel-size", "2", "--domino-chunks", "2", "--zero-stage", "1",
+             "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    section = deepspeed_config(parse_config(flags), dp=1)["zero_optimization"]
+    assert section["overlap_comm"] is False and section["contiguous_gradients"] is False
+    unrecomputed = deepspeed_config(parse_config(flags[:8]), dp=1)["zero_optimization"]
+    assert unrecomputed["overlap_comm"] is True
+
+
 def test_pretrain_sets_one_cuda_connection_unless_the_environment_chose(monkeypatch):
     from domino.train import runtime_start
 
