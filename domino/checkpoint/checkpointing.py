@@ -210,14 +210,14 @@ def take_snapshot(engine, config: DominoConfig, mesh: ParallelMesh, iteration: i
             return tensor
 
     if optimizer_state.supports(engine):
-        # Each data-parallel replica writes (and holds on the host) every DP-size-th parameter's state.
-        dp, dp_rank = mesh.dp.size, mesh.dp.rank
+        # Each replica (data x context parallel) writes (and holds on the host) every n-th parameter's state.
+        dp, dp_rank = mesh.dp_cp.size, mesh.dp_cp.rank
         snapshot.optimizer, scalars = optimizer_state.gather(engine, keep=lambda i: i % dp == dp_rank, to_host=copy)
     else:
         snapshot.per_rank_optimizer = per_rank_state.optimizer_snapshot(engine)
         if to_host is not None:
             snapshot.per_rank_optimizer = _map_tensors(snapshot.per_rank_optimizer, copy)
-    if mesh.dp.rank == 0:
+    if mesh.dp_cp.rank == 0:
         model = _whole_model_shard(engine.module, mesh)  # None on a later pipeline stage: the first one writes it
         pipelined = mesh.pp.size > 1  # then already host copies
         if model is not None:
@@ -230,7 +230,7 @@ def take_snapshot(engine, config: DominoConfig, mesh: ParallelMesh, iteration: i
         snapshot.meta = {
             "iteration": iteration, "consumed_samples": consumed_samples,
             "tensor_model_parallel_size": mesh.tp.size, "pipeline_model_parallel_size": mesh.pp.size,
-            "data_parallel_size": mesh.dp.size, "world_size": mesh.world_size, "global_batch_size": global_batch_size,
+            "data_parallel_size": mesh.dp.size, "context_parallel_size": mesh.cp.size, "world_size": mesh.world_size, "global_batch_size": global_batch_size,
             "schedule": schedule,  # domino.train.schedule_check.record: checked on resume
             "optimizer": ({"format": "by-name", **scalars.to_json()} if snapshot.optimizer is not None
                           else {"format": "per-rank"}),

@@ -55,18 +55,18 @@ class StoredTensor:
 
 
 def _device_mesh(mesh: ParallelMesh, device_type: Optional[str] = None) -> DeviceMesh:
-    """The (data-parallel, tensor-parallel) device mesh of this rank's pipeline stage, from the groups of the run's
-    ``mesh``: rank = stage * DP * TP + dp_rank * TP + tp_rank (:mod:`domino.runtime.mesh`).
+    """The (replica, tensor-parallel) device mesh of this rank's pipeline stage, from the groups of the run's
+    ``mesh``: its rows are the ranks holding the same weights (data x context parallel, :attr:`ParallelMesh.dp_cp`;
+    at CP 1, rank = stage * DP * TP + dp_rank * TP + tp_rank, :mod:`domino.runtime.mesh`), its columns a TP group.
 
     ``device_type`` defaults to the collectives' device. ``DTensor.from_local`` moves a local tensor to its mesh's
     device type (torch 2.13 ``distributed/tensor/_api.py``), so host copies being saved get a ``"cpu"`` mesh: it
     only describes where each slice lies (DCP's save runs no collective on the mesh's groups).
     """
-    tp, dp = mesh.tp.size, mesh.dp.size
-    first = mesh.pp.rank * dp * tp
+    replicas, tp = mesh.dp_cp, mesh.tp
+    rows = [[rank - tp.rank + t for t in range(tp.size)] for rank in replicas.ranks]  # TP ranks are consecutive
     device_type = device_type or collective_device().type
-    return DeviceMesh.from_group([mesh.dp.process_group, mesh.tp.process_group],
-                                 device_type, mesh=torch.arange(first, first + dp * tp).reshape(dp, tp),
+    return DeviceMesh.from_group([replicas.process_group, tp.process_group], device_type, mesh=torch.tensor(rows),
                                  mesh_dim_names=("dp", "tp"))
 
 

@@ -51,8 +51,8 @@ def optimizer_snapshot(engine) -> Dict[str, Any]:
 
 
 def restore_optimizer(engine, sd: Dict[str, Any], dp: MeshGroup) -> None:
-    """Loads what :func:`optimizer_snapshot` saved, on the layout that saved it (``dp``: this rank's data-parallel
-    group, whose partition of the state this rank holds)."""
+    """Loads what :func:`optimizer_snapshot` saved, on the layout that saved it (``dp``: the ranks holding this
+    rank's weights, data x context parallel, over which the state is partitioned)."""
     optimizer = engine.optimizer
     live_scaler = getattr(optimizer, "loss_scaler", None)
     fields = sd.pop("loss_scaler_fields", None)

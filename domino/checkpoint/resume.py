@@ -126,7 +126,8 @@ def repad(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _same_layout(meta: Dict[str, Any], mesh: ParallelMesh) -> bool:
     return (meta["tensor_model_parallel_size"] == mesh.tp.size and meta.get("data_parallel_size") == mesh.dp.size
-            and meta.get("pipeline_model_parallel_size", 1) == mesh.pp.size)
+            and meta.get("pipeline_model_parallel_size", 1) == mesh.pp.size
+            and meta.get("context_parallel_size", 1) == mesh.cp.size)
 
 
 def _files_to_read(ckpt: Checkpoint, config: DominoConfig, weights_only: bool, mesh: ParallelMesh) -> list:
@@ -362,7 +363,7 @@ def load_checkpoint(engine, config: DominoConfig, mesh: ParallelMesh, ckpt: Chec
         collective(f"reading the optimizer state of {ckpt}",
                    lambda: _load_optimizer_by_name(ckpt, engine, padded_vocab_size, mesh))
     if optim is not None:
-        per_rank_state.restore_optimizer(engine, optim, mesh.dp)
+        per_rank_state.restore_optimizer(engine, optim, mesh.dp_cp)
     if rng is not None:
         per_rank_state.restore_rng(rng)
     logger.info("resumed from %s at iteration %d (%d samples consumed)", ckpt, meta["iteration"],

@@ -40,8 +40,10 @@ VALIDATION: Dict[str, str] = {
     "not_validated": "anything on a GPU (no GPU has run it yet): 1-byte dropout masks, fused attention's saved "
                      "tensors, bf16/fp16 tensors, DeepSpeed's buffers (counted from deepspeed 0.19.8's source), "
                      "the CUDA caching allocator's reserve beyond the usable fraction, the step time (an "
-                     "assumed MFU), and the interleaved schedule's stages (their micro-batches in flight checked "
-                     "against torch's schedule tables only)",
+                     "assumed MFU), the interleaved schedule's stages (their micro-batches in flight checked "
+                     "against torch's schedule tables only), and context parallelism (each rank's activations "
+                     "counted as its seq / CP tokens'; the ring's key/value buffers and one block's transient "
+                     "scores not counted)",
 }
 
 

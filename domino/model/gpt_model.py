@@ -55,6 +55,7 @@ from domino.model.stack import LayerStack, SynchronousStack
 from domino.model.transformer import TransformerLayer, build_norm
 from domino.parallel import fp8
 from domino.parallel.collectives import gather_from_tp_region
+from domino.parallel.context_split import local_token_indices
 from domino.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from domino.parallel.kernels import kernels_for
 from domino.parallel.layers import VocabParallelEmbedding
@@ -99,7 +100,7 @@ class GPTModel(nn.Module):
             process by default, so the model reads as plain PyTorch on one device.
         cp: the context-parallel group (``ParallelMesh.cp``) whose ranks hold the other chunks of each sequence:
             attention runs as a ring over it (:mod:`domino.parallel.ring_attention`), the rest is position-wise.
-            The model then reads this rank's chunks with their ``position_ids`` (no default positions).
+            The model then reads this rank's chunks (by default at their positions in the whole sequence).
     """
 
     def __init__(self, config: ModelConfig, vocab_size: int, pre_process: bool = True, post_process: bool = True,
@@ -169,9 +170,11 @@ class GPTModel(nn.Module):
             past = kv_cache.length
         if position_ids is not None:  # explicit ids are not checked: that would sync a GPU
             return position_ids
-        if self.cp.size > 1:
-            raise ValueError("a context-parallel model needs the position_ids of its chunks "
-                             "(domino.parallel.context_split.split_batch)")
+        if self.cp.size > 1:  # this rank's chunks of a sequence CP times as long
+            whole = s * self.cp.size
+            if whole > self.config.num_positions:
+                raise ValueError(f"{whole} tokens exceed --max-position-embeddings {self.config.num_positions}")
+            return local_token_indices(whole, self.cp, device).unsqueeze(0)
         if past + s > self.config.num_positions:
             raise ValueError(f"{past + s} tokens exceed --max-position-embeddings {self.config.num_positions}")
         return torch.arange(past, past + s, device=device).unsqueeze(0)

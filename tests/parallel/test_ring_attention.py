@@ -82,3 +82,16 @@ def test_ring_attention_equals_unsplit_attention_forward_and_backward(world_size
     order, the per-step visibility, the log-sum-exp merge or the key/value gradients' trip home is wrong."""
     for errors in run_distributed(_ring_body, world_size, plain):
         assert max(errors) < 1e-5, errors
+
+
+def test_a_context_parallel_model_defaults_to_its_chunks_positions():
+    """Without explicit ids (a middle pipeline stage reads no batch) a CP rank's tokens keep their true positions."""
+    from domino.config.flags import parse_config
+    from domino.model import GPTModel
+
+    config = parse_config(["--preset", "tiny", "--mock-data"]).model
+    model = GPTModel(config, 128, cp=MeshGroup.shapes_only(2, 1))
+    positions = model._position_ids(32, torch.device("cpu"), None, None)
+    assert positions.tolist() == [list(range(16, 32)) + list(range(32, 48))]
+    with pytest.raises(ValueError, match="exceed --max-position-embeddings 64"):
+        model._position_ids(40, torch.device("cpu"), None, None)

@@ -46,10 +46,10 @@ def _assert_same_run(reference, other):
         assert error <= 1e-5 * ref_weights[key].abs().max().item(), (key, error)
 
 
-def test_gpt_cp2_zero2_trains_as_cp1_and_resumes_at_cp1(tmp_path, corpus_prefix):
+def test_gpt_cp2_zero2_trains_as_cp1_and_resumes_at_cp1_and_cp2(tmp_path, corpus_prefix):
     """Losses and weights after three steps equal (learned positions: each chunk keeps its true positions; ZeRO 2
-    shards over the two CP ranks, which hold one replica); the CP 2 checkpoint then resumes at CP 1 and its fourth
-    step is the unsplit run's; validation at CP 2 gives CP 1's loss."""
+    shards over the two CP ranks, which hold one replica); the CP 2 checkpoint then resumes at CP 1 and at CP 2 and
+    their fourth step is the unsplit run's; validation at CP 2 gives CP 1's loss."""
     evaluated = ["--eval-interval", "3", "--eval-iters", "2"]
     reference = _run(tmp_path, corpus_prefix, "cp1", 1, [*TINY, "--zero-stage", "2"], evaluated)
     cp2 = _run(tmp_path, corpus_prefix, "cp2", 2, [*TINY, "--context-parallel-size", "2", "--zero-stage", "2"],
@@ -59,14 +59,17 @@ def test_gpt_cp2_zero2_trains_as_cp1_and_resumes_at_cp1(tmp_path, corpus_prefix)
                   for name in ("cp1", "cp2")]
     assert len(validation[0]) == 1 and validation[1] == pytest.approx(validation[0], rel=1e-5)
 
-    def fourth_step(name, load):
+    def fourth_step(name, load, cp=1):
         out = tmp_path / name
-        run_pretrain([*TINY, *STEPS, "--train-iters", "4", "--zero-stage", "2", "--data-path", corpus_prefix, "--load", str(load),
-                      "--metrics-file", str(out / "metrics.jsonl")])
+        run_pretrain([*TINY, *STEPS, "--train-iters", "4", "--zero-stage", "2", "--data-path", corpus_prefix,
+                      "--load", str(load), "--metrics-file", str(out / "metrics.jsonl"),
+                      "--context-parallel-size", str(cp)], nproc=cp)
         return _steps(out / "metrics.jsonl")[4][0]
 
-    assert fourth_step("cp1-resumed", tmp_path / "cp1" / "ckpt") == pytest.approx(
-        fourth_step("cp2-resumed", tmp_path / "cp2" / "ckpt"), rel=1e-5)
+    unsplit = fourth_step("cp1-resumed", tmp_path / "cp1" / "ckpt")
+    assert fourth_step("cp2-at-cp1", tmp_path / "cp2" / "ckpt") == pytest.approx(unsplit, rel=1e-5)
+    # On its own layout, each CP rank takes back its own ZeRO partition (sharded over the two CP ranks).
+    assert fourth_step("cp2-at-cp2", tmp_path / "cp2" / "ckpt", cp=2) == pytest.approx(unsplit, rel=1e-5)
 
 
 def test_llama_gqa_cp2_tp2_domino_sp_zero1_recompute_trains_as_one_process(tmp_path, corpus_prefix):
