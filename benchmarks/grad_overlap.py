@@ -100,11 +100,11 @@ def _rank(rank, world, port, micro_batches, steps, link, bucket, out):
             if overlap is not None:
                 overlap.finish()
                 sync_tied_embeddings(model, mesh)
-                pipeline_step.average_over_data_parallel([tied.grad] if tied is not None else [], mesh.dp)
+                pipeline_step.average_over_data_parallel([tied.grad] if tied is not None else [], mesh)
             else:
                 sync_tied_embeddings(model, mesh)
                 pipeline_step.average_over_data_parallel([p.grad for p in model.parameters() if p.grad is not None],
-                                                         mesh.dp)
+                                                         mesh)
             end = time.perf_counter()
             if n:
                 exposed.append(end - after_backward)

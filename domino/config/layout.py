@@ -121,7 +121,7 @@ def context_parallel_problems(config: DominoConfig) -> List[str]:
 
     The sequence must cut into ``2 x CP`` equal chunks (Megatron's rule: ``get_batch_on_this_cp_rank`` in
     megatron/training/utils.py views it as ``2 * cp_size`` chunks). Ring attention computes plain causal blocks,
-    so it takes neither per-document masks nor attention dropout here, and the pipeline schedule has no CP yet.
+    so it takes neither per-document masks nor attention dropout here.
     """
     p, m, d = config.parallel, config.model, config.data
     cp = p.context_parallel_size
@@ -140,7 +140,4 @@ def context_parallel_problems(config: DominoConfig) -> List[str]:
                         "blocks run without dropout); give --attention-dropout 0")
     if d.reset_attention_mask:
         problems.append(f"--reset-attention-mask with {flag}: not supported (ring attention is plain causal)")
-    if p.pipeline_model_parallel_size > 1:
-        problems.append(f"{flag} with --pipeline-model-parallel-size {p.pipeline_model_parallel_size}: not "
-                        "supported yet")
     return problems

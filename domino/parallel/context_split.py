@@ -37,6 +37,8 @@ def chunk_owner(chunk: int, cp_size: int) -> int:
 def local_token_indices(seq_length: int, cp: MeshGroup, device: Optional[torch.device] = None) -> torch.Tensor:
     """The positions (0-based, ascending) of the ``seq_length / cp.size`` tokens this rank of ``cp`` holds."""
     n = cp.size
+    if n == 1:
+        return torch.arange(seq_length, device=device)
     if seq_length % (2 * n):
         raise ValueError(f"a sequence of {seq_length} tokens does not cut into {2 * n} equal chunks")
     chunk = seq_length // (2 * n)

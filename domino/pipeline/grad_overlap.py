@@ -58,13 +58,18 @@ class OverlappedGradReduce:
             the micro-batch's gradient to. Those are then scaled by ``1 / micro-batches`` (a multiplication, as
             :mod:`domino.train.pipeline_step` does on that path), ``.grad`` by a division (torch's
             ``scale_grads``).
+        replicas: the group the buckets are summed over when it is larger than ``dp``: data x context parallel
+            (``ParallelMesh.dp_cp``); the sum is still divided by the DP size.
     """
 
     def __init__(self, params: List[nn.Parameter], dp: MeshGroup, exclude: Optional[nn.Parameter] = None,
                  bucket_elements: Optional[int] = None,
-                 main_grad: Optional[Callable[[nn.Parameter], torch.Tensor]] = None) -> None:
+                 main_grad: Optional[Callable[[nn.Parameter], torch.Tensor]] = None,
+                 replicas: Optional[MeshGroup] = None) -> None:
         size = bucket_elements or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * dp.size)
-        self.group = dp.process_group
+        # Summed over every rank holding these weights (data x context parallel), divided by the data-parallel
+        # replicas: context-parallel ranks hold shares of one loss, whose gradients add up.
+        self.group = (replicas or dp).process_group
         self.dp = dp.size
         self.main_grad = main_grad
         self.excluded = [p for p in params if p is exclude]

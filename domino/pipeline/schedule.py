@@ -26,6 +26,7 @@ the batch; the last stage also reads the labels, and the loss mask is the schedu
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -37,14 +38,17 @@ from torch.distributed.pipelining import (
 
 from domino.config.pipeline_schedule import microbatch_problems
 from domino.pipeline.stages import model_chunks, virtual_stage
-from domino.runtime.mesh import MeshGroup, collective_device
+from domino.parallel.context_split import local_token_indices, token_count
+from domino.runtime.mesh import SINGLE, MeshGroup, collective_device
 
 
-def masked_mean_loss(per_token_losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def masked_mean_loss(per_token_losses: torch.Tensor, loss_mask: torch.Tensor, cp: MeshGroup = SINGLE
+                     ) -> torch.Tensor:
     """A micro-batch's loss: the mean of its per-token losses where ``loss_mask`` is 1 (as
-    :func:`domino.train.gpt_recipe.loss_func`)."""
+    :func:`domino.train.gpt_recipe.loss_func`); under context parallelism this rank's share of it, divided by the
+    token count of the whole sequences held by ``cp``."""
     mask = loss_mask.reshape(-1).float()
-    return torch.sum(per_token_losses.float().reshape(-1) * mask) / mask.sum().clamp(min=1.0)
+    return torch.sum(per_token_losses.float().reshape(-1) * mask) / token_count(mask, cp)
 
 
 class StageSchedule:
@@ -88,11 +92,13 @@ class StageSchedule:
         self.indices = [virtual_stage(rank, c, stages) for c in range(len(self.chunks))]
         self.is_first, self.is_last = self.indices[0] == 0, self.indices[-1] == self.num_virtual_stages - 1
         tp = self.chunks[0].tp.size  # the stage's TP group: with SP each rank passes on its sequence slice
-        local_seq = seq_length // tp if sequence_parallel and tp > 1 else seq_length
+        self.cp = self.chunks[0].cp  # its context-parallel group: each rank holds seq / CP tokens of each sample
+        tokens = seq_length // self.cp.size
+        local_seq = tokens // tp if sequence_parallel and tp > 1 else tokens
         self._hidden = torch.empty(local_seq, micro_batch_size, hidden_size, dtype=dtype, device="meta",
                                    requires_grad=True)
-        self._tokens = torch.empty(micro_batch_size, seq_length, dtype=torch.long, device="meta")
-        self._losses = torch.empty(micro_batch_size, seq_length, dtype=torch.float32, device="meta")
+        self._tokens = torch.empty(micro_batch_size, tokens, dtype=torch.long, device="meta")
+        self._losses = torch.empty(micro_batch_size, tokens, dtype=torch.float32, device="meta")
         #: fp16: the dynamic loss scale (a 0-d device tensor, updated in place by the optimizer) that multiplies
         #: each micro-batch's loss before its backward; None: the loss as it is.
         self.loss_scale: Optional[torch.Tensor] = None
@@ -110,7 +116,7 @@ class StageSchedule:
         """The training loss_fn: a micro-batch's :func:`masked_mean_loss`, times :attr:`loss_scale` under fp16 (the
         scaling DeepSpeed's ``engine.backward`` applies to the loss, ``loss_scaler.backward``, moved into the
         schedule, which runs the backward itself)."""
-        loss = masked_mean_loss(per_token_losses, loss_mask)
+        loss = masked_mean_loss(per_token_losses, loss_mask, self.cp)
         return loss if self.loss_scale is None else loss * self.loss_scale
 
     @property
@@ -135,10 +141,9 @@ class StageSchedule:
         breadth-first looped schedule for chunks (every micro-batch through one chunk, then the next; neither
         checks the count against the stages, unlike 1F1B and interleaved 1F1B's rounds)."""
         if count not in self._eval_schedules:
-            stages = self._new_stages()
-            self._eval_schedules[count] = (ScheduleGPipe(stages[0], count, loss_fn=masked_mean_loss)
-                                           if len(stages) == 1 else
-                                           ScheduleLoopedBFS(stages, count, loss_fn=masked_mean_loss))
+            stages, loss = self._new_stages(), partial(masked_mean_loss, cp=self.cp)
+            self._eval_schedules[count] = (ScheduleGPipe(stages[0], count, loss_fn=loss) if len(stages) == 1 else
+                                           ScheduleLoopedBFS(stages, count, loss_fn=loss))
         return self._eval_schedules[count]
 
     def _arguments(self, tokens: Optional[torch.Tensor], labels: Optional[torch.Tensor],
@@ -147,8 +152,9 @@ class StageSchedule:
         into micro-batches; the keyword ones reach every chunk). A middle stage may pass None for the tokens and
         labels (it reads no batch)."""
         b, s = count * self.micro_batch_size, self._tokens.shape[1]
-        if position_ids is None:
-            position_ids = torch.arange(s, device=collective_device(self.pp.process_group)).unsqueeze(0)
+        if position_ids is None:  # this rank's tokens' positions (its chunks' under context parallelism)
+            device = collective_device(self.pp.process_group)
+            position_ids = local_token_indices(s * self.cp.size, self.cp, device).unsqueeze(0)
         kwargs: Dict[str, torch.Tensor] = {"position_ids": position_ids.expand(b, s)}  # split with the batch
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.expand(b, *attention_mask.shape[1:])

@@ -139,8 +139,8 @@ class ParallelMesh:
         global_rank: this process's rank in the world.
         world_size: processes in the world.
         cp: its context-parallel group: the ranks that split this replica's sequences (attention's ring).
-        dp_cp: the ranks holding the same weights, over data and context parallelism (gradients are reduced and
-            ZeRO shards over it); the data-parallel group itself at CP 1.
+        context_replicas: the ranks holding the same weights over data and context parallelism when CP > 1; None
+            at CP 1, where they are the data-parallel group (read it as :attr:`dp_cp`).
     """
 
     tp: MeshGroup = SINGLE
@@ -150,11 +150,13 @@ class ParallelMesh:
     global_rank: int = 0
     world_size: int = 1
     cp: MeshGroup = SINGLE
-    dp_cp: Optional[MeshGroup] = None
+    context_replicas: Optional[MeshGroup] = None
 
-    def __post_init__(self) -> None:
-        if self.dp_cp is None:  # without context parallelism the replicas of the weights are the data-parallel ones
-            object.__setattr__(self, "dp_cp", self.dp)
+    @property
+    def dp_cp(self) -> MeshGroup:
+        """The ranks holding the same weights, over data and context parallelism: gradients are reduced and ZeRO
+        shards over it (the data-parallel group itself at CP 1)."""
+        return self.context_replicas if self.context_replicas is not None else self.dp
 
     @classmethod
     def single(cls) -> "ParallelMesh":
@@ -202,11 +204,11 @@ class ParallelMesh:
         if pp > 1:
             pp_group = mine(grid.pp)
             embedding = mine(grid.embedding)  # None on a middle stage
-        cp_group, dp_cp_group = MeshGroup((me,)), dp_group
+        cp_group, dp_cp_group = MeshGroup((me,)), None
         if cp > 1:
             cp_group, dp_cp_group = mine(grid.cp), mine(grid.dp_cp)
         return cls(tp=tp_group, dp=dp_group, pp=pp_group, embedding=embedding, global_rank=me, world_size=world,
-                   cp=cp_group, dp_cp=dp_cp_group)
+                   cp=cp_group, context_replicas=dp_cp_group)
 
     @property
     def is_first_stage(self) -> bool:

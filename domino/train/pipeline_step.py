@@ -44,20 +44,22 @@ from domino.config import ConfigError, DominoConfig
 from domino.pipeline.grad_overlap import OverlappedGradReduce
 from domino.pipeline.gradients import sync_tied_embeddings, tied_embedding_weight
 from domino.pipeline.schedule import StageSchedule
-from domino.runtime.mesh import MeshGroup, ParallelMesh
+from domino.runtime.mesh import ParallelMesh
 from domino.train import bf16_step, engine as engine_setup
+from domino.parallel.context_split import sum_over_context
 from domino.train.gpt_recipe import average_across_data_parallel_group
 
 logger = logging.getLogger(__name__)
 
 
-def average_over_data_parallel(grads: List[torch.Tensor], dp: MeshGroup) -> None:
-    """Replaces every one of ``grads`` by its mean over the replicas of ``dp`` (one flat all-reduce)."""
-    if dp.size == 1 or not grads:
+def average_over_data_parallel(grads: List[torch.Tensor], mesh: ParallelMesh) -> None:
+    """Replaces every one of ``grads`` by its mean over the data-parallel replicas of ``mesh``, summed over its
+    context-parallel ranks (shares of one loss): one flat all-reduce over DP x CP, divided by DP."""
+    if mesh.dp_cp.size == 1 or not grads:
         return
     flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=dp.process_group)  # synchronous: the norm reads it next
-    flat /= dp.size
+    dist.all_reduce(flat, group=mesh.dp_cp.process_group)  # synchronous: the norm reads it next
+    flat /= mesh.dp.size
     for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         grad.copy_(reduced)
 
@@ -122,7 +124,8 @@ class PipelineStep:
         #: --overlap-grad-reduce: the buckets whose DP mean the backward launches (domino.pipeline.grad_overlap).
         self.overlap = (OverlappedGradReduce(list(engine.module.parameters()), mesh.dp,
                                              exclude=tied_embedding_weight(engine.module, mesh),
-                                             main_grad=self.main_grads.__getitem__ if self.main_grads else None)
+                                             main_grad=self.main_grads.__getitem__ if self.main_grads else None,
+                                             replicas=mesh.dp_cp)
                         if config.parallel.overlap_grad_reduce else None)
         self._schedules: Dict[int, StageSchedule] = {}
         self.schedule = self._schedule(micro_batches)
@@ -182,22 +185,32 @@ class PipelineStep:
             self.overlap.finish()  # every bucket's DP mean, launched from the backward, waited for here
             sync_tied_embeddings(module, self.mesh)
             tied = tied_embedding_weight(module, self.mesh)
-            average_over_data_parallel([tied.grad] if tied is not None else [], self.mesh.dp)
+            average_over_data_parallel([tied.grad] if tied is not None else [], self.mesh)
         else:
             sync_tied_embeddings(module, self.mesh)
-            average_over_data_parallel([p.grad for p in module.parameters() if p.grad is not None], self.mesh.dp)
+            average_over_data_parallel([p.grad for p in module.parameters() if p.grad is not None], self.mesh)
         grad_norm = engine_setup.clip_gradients(self.engine, self.mesh, self.config.train.clip_grad,
                                                 loss_scale=self.loss_scale)
         skipped = None
         if engine_setup.zero_stage(self.config, self.mesh.dp.size) == 0:
             skipped = engine_setup.flag_overflow(self.engine, grad_norm)  # fused AdamW skips on the device
         else:
+            # DeepSpeed's reduction sums these (already reduced, equal) gradients over DP x CP and divides by DP
+            # (engine.py `_reduce_non_expert_gradients`): handed a CP-th of them it leaves them as they are.
+            if self.mesh.cp.size > 1:
+                grads = [p.grad for p in module.parameters() if p.grad is not None]
+                torch._foreach_mul_(grads, 1 / self.mesh.cp.size)
             self.engine.allreduce_gradients()
         self.engine.step()
         if skipped is None:  # the ZeRO optimizer's own skip, decided on the device (domino.train.zero_step)
             skipped = engine_setup.device_skip_flag(self.engine)
         timers.stop("optimizer")
-        return average_across_data_parallel_group(loss, self.mesh.dp), grad_norm, skipped
+        return self._logged(loss), grad_norm, skipped
+
+    def _logged(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss as logged: the whole sequences' (the context-parallel shares summed), averaged over the
+        data-parallel replicas."""
+        return average_across_data_parallel_group(sum_over_context(loss, self.mesh.cp), self.mesh.dp)
 
     def _bf16_step(self, loss: torch.Tensor, micro_batches: int, timers
                    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -214,11 +227,11 @@ class PipelineStep:
             self.overlap.finish()  # every bucket's DP mean, launched from the backward, waited for here
             sync_tied_embeddings(self.engine.module, self.mesh, self.main_grads)
             tied = tied_embedding_weight(self.engine.module, self.mesh)
-            average_over_data_parallel([self.main_grads[tied]] if tied is not None else [], self.mesh.dp)
+            average_over_data_parallel([self.main_grads[tied]] if tied is not None else [], self.mesh)
         else:
             torch._foreach_mul_(buffers, 1.0 / micro_batches)
             sync_tied_embeddings(self.engine.module, self.mesh, self.main_grads)
-            average_over_data_parallel(buffers, self.mesh.dp)
+            average_over_data_parallel(buffers, self.mesh)
         for flags in optimizer.fp32_groups_has_gradients:  # the norm and step of DeepSpeed read every buffer
             flags[:] = [True] * len(flags)
         grad_norm = engine_setup.clip_gradients(self.engine, self.mesh, self.config.train.clip_grad,
@@ -226,7 +239,7 @@ class PipelineStep:
         self.engine.step()
         skipped = engine_setup.device_skip_flag(self.engine)
         timers.stop("optimizer")
-        return average_across_data_parallel_group(loss, self.mesh.dp), grad_norm, skipped
+        return self._logged(loss), grad_norm, skipped
 
     @torch.no_grad()
     def evaluate(self, make_iterator: Callable, eval_iters: int) -> float:
@@ -242,7 +255,7 @@ class PipelineStep:
             batch = self._step_batch(iterator, count)
             loss = self.schedule.eval_step(batch["tokens"], batch["labels"], batch["loss_mask"],
                                            batch["position_ids"], batch["attention_mask"], count=count)
-            loss = average_across_data_parallel_group(loss, self.mesh.dp).double() * count
+            loss = self._logged(loss).double() * count
             total = loss if total is None else total + loss  # summed on the device: one host read at the end
             done += count
         if was_training:

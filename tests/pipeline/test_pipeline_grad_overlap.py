@@ -46,7 +46,7 @@ def _grads(full_sd, virtual, overlap_count):
     if overlap_count is None:
         loss = schedule.train_step(tokens, labels, loss_mask)
         sync_tied_embeddings(model, mesh)
-        average_over_data_parallel([p.grad for p in model.parameters() if p.grad is not None], mesh.dp)
+        average_over_data_parallel([p.grad for p in model.parameters() if p.grad is not None], mesh)
         return loss, {n: p.grad.clone() for n, p in model.named_parameters()}, 0, 0
     overlap = OverlappedGradReduce(list(model.parameters()), mesh.dp, exclude=tied, bucket_elements=BUCKET)
     overlap.begin(overlap_count)
@@ -54,7 +54,7 @@ def _grads(full_sd, virtual, overlap_count):
     early = len(overlap._launched)  # launched from the backward's hooks, before finish
     overlap.finish()
     sync_tied_embeddings(model, mesh)
-    average_over_data_parallel([tied.grad] if tied is not None else [], mesh.dp)
+    average_over_data_parallel([tied.grad] if tied is not None else [], mesh)
     overlap.remove()
     return loss, {n: p.grad.clone() for n, p in model.named_parameters()}, early, len(overlap.buckets)
 

@@ -1,4 +1,4 @@
-"""The TP x PP x DP grid in Megatron-LM's rank order (``tp-cp-ep-dp-pp``), checked against Megatron's own example.
+"""The TP x CP x DP x PP grid in Megatron-LM's rank order (``tp-cp-ep-dp-pp``), checked against Megatron's own example.
 
 The example is the docstring of ``initialize_model_parallel`` in NVIDIA/Megatron-LM
 ``megatron/core/parallel_state.py`` (commit 00caa53): 16 GPUs, tensor parallel 2, pipeline parallel 4.
@@ -26,6 +26,19 @@ def test_one_stage_is_the_tp_by_dp_grid():
     assert grid.tp == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert grid.dp == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert grid.pp == [[r] for r in range(8)] and grid.embedding == [[r] for r in range(8)]
+
+
+def test_context_parallel_ranks_sit_between_tp_and_dp():
+    """Megatron's order with CP: ``global = tp + cp * TP + dp * TP * CP + pp * TP * CP * DP`` (16 ranks, TP 2, CP 2,
+    PP 2, so DP 2): a CP group is ranks TP apart, the weights' replicas (gradients, ZeRO) are DP x CP."""
+    grid = RankGrid.build(16, 2, 2, 2)
+    assert grid.tp == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert grid.cp == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert sorted(grid.dp) == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert grid.dp_cp == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert grid.pp == [[r, r + 8] for r in range(8)]
+    with pytest.raises(ConfigError, match="x --context-parallel-size 3"):
+        RankGrid.build(8, 2, 1, 3)
 
 
 def test_sizes_that_do_not_divide_the_world_are_refused():
