@@ -27,13 +27,6 @@ import torch.distributed as dist
 from domino.runtime.mesh import MeshGroup
 
 
-def chunk_owner(chunk: int, cp_size: int) -> int:
-    """The context-parallel rank holding ``chunk`` of the ``2 x cp_size`` chunks."""
-    if not 0 <= chunk < 2 * cp_size:
-        raise ValueError(f"chunk {chunk} is not one of {2 * cp_size}")
-    return chunk if chunk < cp_size else 2 * cp_size - 1 - chunk
-
-
 def local_token_indices(seq_length: int, cp: MeshGroup, device: Optional[torch.device] = None) -> torch.Tensor:
     """The positions (0-based, ascending) of the ``seq_length / cp.size`` tokens this rank of ``cp`` holds."""
     n = cp.size
@@ -62,11 +55,11 @@ def split_batch(batch: Dict[str, Optional[torch.Tensor]], cp: MeshGroup) -> Dict
     seq = tokens.shape[1]
     index = local_token_indices(seq, cp, tokens.device)
     out = dict(batch)
-    if out.get("position_ids") is None:
-        out["position_ids"] = torch.arange(seq, device=tokens.device).unsqueeze(0)
     for name in ("tokens", "labels", "loss_mask", "position_ids"):
         if out.get(name) is not None:
             out[name] = out[name].index_select(1, index)
+    if out.get("position_ids") is None:  # the default positions 0 .. s - 1, at this rank's tokens: the indices
+        out["position_ids"] = index.unsqueeze(0)
     return out
 
 
