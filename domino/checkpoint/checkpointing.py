@@ -4,7 +4,7 @@ Layout of a save root (model weights and ``checkpoint.json`` are ``domino.checkp
 
     DIR/latest                         tag of the newest complete checkpoint, replaced last, atomically
     DIR/iter_0000100/checkpoint.json   iteration, consumed samples, TP size, padded vocab, resolved config
-    DIR/iter_0000100/model/            one safetensors file per TP rank
+    DIR/iter_0000100/model/            safetensors files by TP rank and pipeline stage (model_shards)
     DIR/iter_0000100/optimizer/        the optimizer state by parameter name and global shape, any layout
                                        reads it (domino.checkpoint.optimizer_state, distributed_io)
     DIR/iter_0000100/rng/rank_00003.pt     this rank's RNG states
@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from domino.atomic_files import atomic_write, fsync_directory
-from domino.checkpoint import discovery, distributed_io, manifest, optimizer_state, per_rank_state, on_disk
+from domino.checkpoint import (discovery, distributed_io, manifest, model_shards, on_disk, optimizer_state,
+                               per_rank_state)
 from domino.config import DominoConfig, config_to_dict
 from domino.pipeline.stages import stored_name
 from domino.runtime.mesh import ParallelMesh
@@ -107,21 +108,15 @@ def _maybe_slow_down() -> None:
         time.sleep(float(spec.split(":", 1)[1]))
 
 
-def _whole_model_shard(module: torch.nn.Module, mesh: ParallelMesh) -> Optional[Dict[str, torch.Tensor]]:
-    """This TP rank's slice of the whole model, by the whole model's names: the module's state dict, or with
-    pipeline stages every stage's gathered onto the first stage (None on the others), the last stage's tied copy
-    left out. So a checkpoint's weights are the same files whatever the pipeline size.
-
-    Collective over the pipeline group of ``mesh`` (call it on every stage of it)."""
-    group = mesh.pp.process_group
-    if group is None:
-        return module.state_dict()  # save_model_shard copies it to the host
-    shared = {name for name, p in module.named_parameters() if stored_name(name, p) != name}
-    local = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in module.state_dict().items() if k not in shared}
-    first = dist.get_global_rank(group, 0)
-    parts = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
-    dist.gather_object(local, parts, dst=first, group=group)  # each stage's slice, onto the first stage's host
-    return {k: v for part in parts for k, v in part.items()} if parts is not None else None
+def _own_weights(module: torch.nn.Module, mesh: ParallelMesh) -> Dict[str, torch.Tensor]:
+    """What this rank writes of the weights: its module's state dict (a pipeline stage's holds the layers it owns,
+    by the whole model's names), a last stage's tied copy of the embeddings left out (the first stage writes
+    them). Nothing is gathered: each stage writes its own file (:mod:`domino.checkpoint.model_shards`)."""
+    state = module.state_dict()
+    if mesh.pp.size == 1:
+        return state
+    tied = {name for name, p in module.named_parameters() if stored_name(name, p) != name}
+    return {k: v for k, v in state.items() if k not in tied}
 
 
 @dataclass
@@ -136,7 +131,7 @@ class Snapshot:
     rng: Dict[str, Any]
     """This rank's RNG states."""
     model: Optional[Dict[str, torch.Tensor]] = None
-    """The model's state dict (data-parallel rank 0 of each tensor-parallel group writes it)."""
+    """This rank's weights to write (the first data x context parallel replica of each TP rank and stage)."""
     model_is_copy: bool = False
     """Whether ``model`` holds host copies of its own (an asynchronous save) or the live tensors."""
     optimizer: Optional[Dict[str, torch.Tensor]] = None
@@ -217,12 +212,10 @@ def take_snapshot(engine, config: DominoConfig, mesh: ParallelMesh, iteration: i
         snapshot.per_rank_optimizer = per_rank_state.optimizer_snapshot(engine)
         if to_host is not None:
             snapshot.per_rank_optimizer = _map_tensors(snapshot.per_rank_optimizer, copy)
-    if mesh.dp_cp.rank == 0:
-        model = _whole_model_shard(engine.module, mesh)  # None on a later pipeline stage: the first one writes it
-        pipelined = mesh.pp.size > 1  # then already host copies
-        if model is not None:
-            snapshot.model = model if to_host is None or pipelined else {k: copy(v) for k, v in model.items()}
-            snapshot.model_is_copy = to_host is not None or pipelined
+    if mesh.dp_cp.rank == 0:  # one replica of each TP rank and stage writes its weights
+        model = _own_weights(engine.module, mesh)
+        snapshot.model = model if to_host is None else {k: copy(v) for k, v in model.items()}
+        snapshot.model_is_copy = to_host is not None
     if failed:
         raise failed[0]
     if rank == 0:
@@ -230,7 +223,8 @@ def take_snapshot(engine, config: DominoConfig, mesh: ParallelMesh, iteration: i
         snapshot.meta = {
             "iteration": iteration, "consumed_samples": consumed_samples,
             "tensor_model_parallel_size": mesh.tp.size, "pipeline_model_parallel_size": mesh.pp.size,
-            "data_parallel_size": mesh.dp.size, "context_parallel_size": mesh.cp.size, "world_size": mesh.world_size, "global_batch_size": global_batch_size,
+            "data_parallel_size": mesh.dp.size, "context_parallel_size": mesh.cp.size, "world_size": mesh.world_size,
+            "global_batch_size": global_batch_size, on_disk.MODEL_STAGES_KEY: mesh.pp.size,
             "schedule": schedule,  # domino.train.schedule_check.record: checked on resume
             "optimizer": ({"format": "by-name", **scalars.to_json()} if snapshot.optimizer is not None
                           else {"format": "per-rank"}),
@@ -272,8 +266,9 @@ def write_rest(snapshot: Snapshot, optimizer_files: List[Path]) -> None:
     tmp, rank = snapshot.tmp, dist.get_rank() if dist.is_initialized() else 0
     written = [tmp / "rng" / f"rank_{rank:05d}.pt", *optimizer_files]
     if snapshot.model is not None:
-        written.append(on_disk.save_model_shard(tmp, snapshot.model, snapshot.mesh.tp.rank,
-                                                host_copies=snapshot.model_is_copy))
+        mesh = snapshot.mesh
+        written.append(model_shards.save_model_shard(tmp, snapshot.model, mesh.tp.rank, snapshot.model_is_copy,
+                                                     stage=mesh.pp.rank, stages=mesh.pp.size))
     _atomic_torch_save(snapshot.rng, written[0])
     if snapshot.per_rank_optimizer is not None:
         written.append(tmp / "optim" / f"rank_{rank:05d}.pt")

@@ -27,8 +27,7 @@ from safetensors.torch import save_file
 from domino.atomic_files import staging_directory
 from domino.checkpoint import manifest
 from domino.config import ConfigError, DominoConfig, ModelConfig, config_from_dict, padded_vocab_size
-from domino.checkpoint import on_disk
-from domino.checkpoint import model_loading
+from domino.checkpoint import model_loading, model_shards, on_disk
 from domino.model import hf_gpt2, hf_llama
 
 logger = logging.getLogger(__name__)
@@ -132,7 +131,7 @@ def export_hf(load: PathLike, output: PathLike, tokenizer_spec: Optional[str] = 
                           f"{meta['padded_vocab_size']} embedding rows")
     family = family_of(config.model)
     hf_config = family.hf_config(config.model, vocab, eos_token_id=tokenizer.eod)
-    hf_sd = family.to_hf(on_disk.load_full_state_dict(ckpt), config.model)
+    hf_sd = family.to_hf(model_shards.load_full_state_dict(ckpt), config.model)
     hf_sd[family.embedding] = hf_sd[family.embedding][:vocab].contiguous()
     if config.model.untie_embeddings_and_output_weights:
         hf_sd[family.output] = hf_sd[family.output][:vocab].contiguous()
@@ -189,7 +188,7 @@ def _check_weights_fit(files: List[Path], config: ModelConfig, family: Family, s
 
     stored: Dict[str, Tuple[int, ...]] = {}
     for path in files:
-        stored.update(on_disk.read_header_shapes(path))
+        stored.update(model_shards.read_header_shapes(path))
     if family.model_type == "gpt2" and not any(k.startswith("transformer.") for k in stored):
         stored = {"transformer." + k: v for k, v in stored.items()}  # GPT2Model's names lack the prefix
     depth = len(family.layer_prefix.split(".")) - 1
@@ -261,7 +260,7 @@ def import_hf(input_dir: PathLike, output: PathLike, tokenizer_spec: Optional[st
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(staging_directory(str(output)))
     try:
-        written = on_disk.write_weights_only_checkpoint(staging, config, full, padded, tokenizer=tokenizer)
+        written = model_shards.write_weights_only_checkpoint(staging, config, full, padded, tokenizer=tokenizer)
         manifest.seal(written)
         _publish(staging, output)
     finally:

@@ -9,8 +9,8 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
-from domino.checkpoint.on_disk import (META_FILE, TOKENIZER_DIR, Checkpoint, CheckpointError, PathLike,
-                                       load_model_shard, read_header_shapes, shard_paths)
+from domino.checkpoint.model_shards import load_model_shard, read_header_shapes, shard_paths
+from domino.checkpoint.on_disk import META_FILE, TOKENIZER_DIR, Checkpoint, CheckpointError, PathLike
 from domino.config import ConfigError
 from domino.runtime.mesh import SINGLE, MeshGroup
 
@@ -23,7 +23,7 @@ def merged_header_shapes(ckpt_dir: PathLike, meta: Dict[str, Any]) -> Dict[str, 
     from domino.checkpoint.sharding import partition_dim
 
     merged: Dict[str, Tuple[int, ...]] = {}
-    for rank, path in enumerate(shard_paths(ckpt_dir, meta)):
+    for rank, path in ((r, p) for r, files in enumerate(shard_paths(ckpt_dir, meta)) for p in files):
         for name, shape in read_header_shapes(path).items():
             dim = partition_dim(name)
             if name not in merged or dim is None or dim >= len(shape):

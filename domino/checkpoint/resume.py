@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
-from domino.checkpoint import distributed_io, manifest, optimizer_state, per_rank_state, on_disk
+from domino.checkpoint import (distributed_io, manifest, model_shards, on_disk, optimizer_state,
+                               per_rank_state)
 from domino.checkpoint.checkpointing import collective
 from domino.checkpoint.discovery import fall_back
 from domino.checkpoint.on_disk import Checkpoint
@@ -88,7 +89,16 @@ VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 def _model_weights(ckpt: Checkpoint, module: torch.nn.Module, rows: int, mesh: ParallelMesh
                    ) -> Dict[str, torch.Tensor]:
     """This TP rank's weights from ``ckpt``, resharded and re-padded to ``rows`` vocabulary rows if needed."""
-    return _stage_weights(_whole_model_weights(ckpt, rows, mesh), module, mesh)
+    return _stage_weights(_whole_model_weights(ckpt, rows, mesh, stored_names(module, mesh)), module, mesh)
+
+
+def stored_names(module: torch.nn.Module, mesh: ParallelMesh) -> Optional[Set[str]]:
+    """The whole model's names of the tensors a pipeline stage's ``module`` holds (a last stage's tied copy goes
+    by the embeddings'), so that it reads only those; None for the whole model (no stages)."""
+    if mesh.pp.size == 1:
+        return None
+    params = dict(module.named_parameters())
+    return {stored_name(name, params[name]) if name in params else name for name in module.state_dict()}
 
 
 def _stage_weights(whole: Dict[str, torch.Tensor], module: torch.nn.Module, mesh: ParallelMesh
@@ -102,16 +112,18 @@ def _stage_weights(whole: Dict[str, torch.Tensor], module: torch.nn.Module, mesh
             for name in module.state_dict()}
 
 
-def _whole_model_weights(ckpt: Checkpoint, rows: int, mesh: ParallelMesh) -> Dict[str, torch.Tensor]:
-    """This TP rank's slice of the whole model from ``ckpt``, re-padded to ``rows`` vocabulary rows if needed."""
+def _whole_model_weights(ckpt: Checkpoint, rows: int, mesh: ParallelMesh, names: Optional[Set[str]] = None
+                         ) -> Dict[str, torch.Tensor]:
+    """This TP rank's slice of the whole model from ``ckpt`` (or of the tensors ``names``), re-padded to ``rows``
+    vocabulary rows if needed."""
     from domino.checkpoint import sharding
 
     meta = ckpt.meta
     tp_rank, tp = mesh.tp.rank, mesh.tp.size
     if meta["padded_vocab_size"] == rows:
-        return on_disk.load_model_shard(ckpt, tp_rank, tp)
+        return model_shards.load_model_shard(ckpt, tp_rank, tp, names)
     logger.info("re-padding the vocabulary from %d to %d rows", meta["padded_vocab_size"], rows)
-    full = on_disk.load_full_state_dict(ckpt)
+    full = model_shards.load_full_state_dict(ckpt, names)
     for name in VOCAB_ROWS:
         if name in full:
             full[name] = repad(full[name], rows)
@@ -130,17 +142,20 @@ def _same_layout(meta: Dict[str, Any], mesh: ParallelMesh) -> bool:
             and meta.get("context_parallel_size", 1) == mesh.cp.size)
 
 
-def _files_to_read(ckpt: Checkpoint, config: DominoConfig, weights_only: bool, mesh: ParallelMesh) -> list:
+def _files_to_read(ckpt: Checkpoint, config: DominoConfig, weights_only: bool, mesh: ParallelMesh,
+                   weights: Optional[Set[str]]) -> list:
     """The checkpoint files this rank verifies before loading (names relative to the checkpoint).
 
-    The optimizer state by name is read by whichever ranks need each slice, so its files are verified once,
-    spread over the ranks (rank r takes every world-size-th file); the agreement after the check makes each
-    verdict every rank's.
+    The weight files are those holding the tensors ``weights`` (:func:`stored_names`) of this TP rank's (or, on
+    another TP size, every TP rank's) slice. The optimizer state by name is read by whichever ranks need each
+    slice, so its files are verified once, spread over the ranks (rank r takes every world-size-th file); the
+    agreement after the check makes each verdict every rank's.
     """
     tp, tp_rank = mesh.tp.size, mesh.tp.rank
     meta, saved_tp = ckpt.meta, ckpt.tensor_model_parallel_size
-    shards = [tp_rank] if saved_tp == tp else range(saved_tp)
-    names = [f"{on_disk.MODEL_DIR}/{on_disk.shard_file_name(r)}" for r in shards]
+    shards = model_shards.shard_paths(ckpt.path, meta)
+    names = [f"{on_disk.MODEL_DIR}/{path.name}" for r in ([tp_rank] if saved_tp == tp else range(saved_tp))
+             for path in model_shards.files_holding(shards[r], weights)]
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     c, kind = config.checkpoint, ckpt.optimizer_format
@@ -156,7 +171,8 @@ def _files_to_read(ckpt: Checkpoint, config: DominoConfig, weights_only: bool, m
     return names
 
 
-def _verified(ckpt: Checkpoint, config: DominoConfig, weights_only: bool, mesh: ParallelMesh) -> Checkpoint:
+def _verified(ckpt: Checkpoint, config: DominoConfig, weights_only: bool, mesh: ParallelMesh,
+              weights: Optional[Set[str]]) -> Checkpoint:
     """``ckpt`` once every rank has checked the checksums of the files it will read; else an intact older one.
 
     Each rank verifies only its own files, then all ranks agree, so they reach one outcome: all load
@@ -164,7 +180,7 @@ def _verified(ckpt: Checkpoint, config: DominoConfig, weights_only: bool, mesh: 
     """
     while True:
         def check() -> None:
-            problem = manifest.verify(ckpt.path, _files_to_read(ckpt, config, weights_only, mesh))
+            problem = manifest.verify(ckpt.path, _files_to_read(ckpt, config, weights_only, mesh, weights))
             if problem:
                 raise ConfigError(problem)
 
@@ -345,7 +361,7 @@ def load_checkpoint(engine, config: DominoConfig, mesh: ParallelMesh, ckpt: Chec
     Returns:
         ``(iteration, consumed_samples)`` to continue from; ``(0, 0)`` for a warm start.
     """
-    ckpt = _verified(ckpt, config, weights_only, mesh)
+    ckpt = _verified(ckpt, config, weights_only, mesh, stored_names(engine.module, mesh))
     meta, kind = ckpt.meta, ckpt.optimizer_format
     weights, optim, rng = agree(f"reading checkpoint {ckpt}", lambda: _read_state(
         ckpt, engine, config, padded_vocab_size, weights_only, mesh))

@@ -2,7 +2,7 @@
 on; and an offline copy at another tensor-parallel size, or as one file per tensor.
 
 Both read one process's worth of files (no process group); the headers they trust are checked first
-(:func:`domino.checkpoint.distributed_io.stored_tensors`, :func:`domino.checkpoint.on_disk.read_header_shapes`).
+(:func:`domino.checkpoint.distributed_io.stored_tensors`, :func:`domino.checkpoint.model_shards.read_header_shapes`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from domino.atomic_files import fsync_directory
-from domino.checkpoint import distributed_io, manifest, sharding, on_disk
+from domino.checkpoint import distributed_io, manifest, model_shards, on_disk, sharding
 from domino.checkpoint import model_loading
 from domino.checkpoint.on_disk import Checkpoint
 
@@ -184,17 +184,18 @@ def convert_layout(path, output, tensor_model_parallel_size: int, progress: Opti
     tmp = _fresh_output(output)
     target = tmp / ckpt.name
     target.mkdir()
-    full = on_disk.load_full_state_dict(found)
+    full = model_shards.load_full_state_dict(found)
     with _progress(tensor_model_parallel_size, "model shards", progress, unit="shard") as bar:
         for rank in range(tensor_model_parallel_size):
-            on_disk.save_model_shard(target, sharding.shard_state_dict(full, rank, tensor_model_parallel_size),
+            model_shards.save_model_shard(target, sharding.shard_state_dict(full, rank, tensor_model_parallel_size),
                                         rank)
             bar.update(1)
     for sub in (on_disk.OPTIMIZER_DIR, on_disk.TOKENIZER_DIR):
         if (ckpt / sub).is_dir():
             shutil.copytree(ckpt / sub, target / sub)
     on_disk.write_checkpoint_meta(target, {**meta, "tensor_model_parallel_size": tensor_model_parallel_size,
-                                              "data_parallel_size": None, "config": config})
+                                              on_disk.MODEL_STAGES_KEY: 1, "data_parallel_size": None,
+                                              "config": config})
     manifest.seal(target)
     on_disk.write_latest(tmp, ckpt.name)
     return _finish(tmp, output)
@@ -208,7 +209,7 @@ def convert_per_tensor(path, output, progress: Optional[bool] = None) -> Path:
     from safetensors.torch import save_file
 
     output = Path(output)
-    groups = {"model": on_disk.load_full_state_dict(found)}
+    groups = {"model": model_shards.load_full_state_dict(found)}
     if found.optimizer_format == "by-name":
         groups["optimizer"] = distributed_io.read_full(ckpt / on_disk.OPTIMIZER_DIR)
     for group, tensors in groups.items():  # names from the headers become file names: each checked first

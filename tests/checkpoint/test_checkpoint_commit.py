@@ -57,14 +57,13 @@ def _crash_when(monkeypatch, owner, name: str, point: str, condition) -> None:
 def _install_fault(point: str, monkeypatch) -> None:
     """Makes step ``point`` of the save of :data:`CRASH_AT` crash (after a partial effect where a real crash
     could leave one)."""
-    from domino.checkpoint import on_disk
-    from domino.checkpoint import checkpointing, distributed_io
+    from domino.checkpoint import checkpointing, distributed_io, model_shards, on_disk
 
     def saving(path) -> bool:
         return f".tmp-{CRASH_AT}" in str(path)
 
     if point == "model-shard":
-        _crash_when(monkeypatch, on_disk, "save_model_shard", point, lambda ckpt_dir, *_: saving(ckpt_dir))
+        _crash_when(monkeypatch, model_shards, "save_model_shard", point, lambda ckpt_dir, *_: saving(ckpt_dir))
     elif point == "optimizer-state":
         _crash_when(monkeypatch, distributed_io, "save", point, lambda directory, *_: saving(directory))
     elif point == "rng-state":

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from train.train_helpers import child_env, run_pretrain
 
-from domino.checkpoint import distributed_io, sharding, on_disk
+from domino.checkpoint import distributed_io, model_shards, sharding
 
 ARGS = ["--preset", "tiny", "--mock-data", "--vocab-size", "256", "--log-interval", "1", "--num-workers", "0",
         "--seed", "7", "--train-iters", "2", "--eval-iters", "0", "--eval-interval", "0", "--zero-stage", "1"]
@@ -55,8 +55,8 @@ def test_convert_cuts_the_model_for_another_tp_size_and_writes_one_file_per_tens
     proc = _domino("convert", "--load", str(saved), "--tensor-model-parallel-size", "2",
                    "--output", str(tmp_path / "tp2"), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    full = on_disk.load_full_state_dict(saved / "iter_0000002")
-    shards, meta = on_disk.load_tp_shards(tmp_path / "tp2" / "iter_0000002")
+    full = model_shards.load_full_state_dict(saved / "iter_0000002")
+    shards, meta = model_shards.load_tp_shards(tmp_path / "tp2" / "iter_0000002")
     assert meta["tensor_model_parallel_size"] == 2 and meta["config"]["model"]["make_vocab_size_divisible_by"] == 64
     for rank, shard in enumerate(shards):
         expected = sharding.shard_state_dict(full, rank, 2)

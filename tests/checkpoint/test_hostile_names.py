@@ -24,7 +24,7 @@ import torch
 
 from train.train_helpers import child_env, run_pretrain
 
-from domino.checkpoint import checkpointing, discovery, leftovers, on_disk
+from domino.checkpoint import checkpointing, discovery, leftovers, model_shards
 from domino.config import parse_config
 from domino.file_lock import try_lock_descriptor
 
@@ -41,7 +41,7 @@ def test_convert_per_tensor_refuses_a_name_that_would_leave_the_output(tmp_path)
     config = parse_config(TINY)
     weights = _weights(config)
     weights["../../escaped"] = torch.zeros(2)  # what a crafted header can hold
-    ckpt = on_disk.write_weights_only_checkpoint(tmp_path / "deep" / "root", config, weights, 256)
+    ckpt = model_shards.write_weights_only_checkpoint(tmp_path / "deep" / "root", config, weights, 256)
     output = tmp_path / "deep" / "out" / "tensors"
     proc = subprocess.run([sys.executable, "-m", "domino", "checkpoint", "convert", "--load", str(ckpt), "--output",
                            str(output), "--per-tensor"], env=child_env(), capture_output=True, text=True, timeout=120)
@@ -55,7 +55,7 @@ def test_checkpoints_past_ten_million_iterations_order_by_number(tmp_path):
     config = parse_config(TINY)
     root = tmp_path / "root"
     for iteration in (9_999_999, 10_000_000):
-        on_disk.write_weights_only_checkpoint(root, config, _weights(config), 256, iteration=iteration)
+        model_shards.write_weights_only_checkpoint(root, config, _weights(config), 256, iteration=iteration)
     checkpointing._prune(root, 2, keep="iter_10000000", iteration=10_000_000)
     assert len([p for p in root.iterdir() if p.name.startswith("iter_")]) == 2
     # `latest` names a missing checkpoint and the newest is incomplete: resume takes the one below it, 9,999,999

@@ -15,7 +15,7 @@ from components.promote.step import run_promote
 from components.registry import current_model
 from domino.config import config_to_dict, padded_vocab_size, parse_config
 from domino.model import GPTModel
-from domino.checkpoint.on_disk import write_weights_only_checkpoint
+from domino.checkpoint.model_shards import write_weights_only_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from domino.config import DominoConfig, config_to_dict, padded_vocab_size
 from domino.data.tokenizer import Tokenizer
 from domino.model import GPTModel
 from domino.checkpoint import on_disk as wio
+from domino.checkpoint import model_shards
 
 TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
         "arrows of outrageous fortune, or to take arms against a sea of troubles and by opposing end them. ") * 4
@@ -73,7 +74,7 @@ def save_checkpoint(root: Path, model: GPTModel, config: DominoConfig, tp: int =
     ckpt = root / wio.checkpoint_tag(iteration)
     full = model.state_dict()
     for rank in range(tp):
-        wio.save_model_shard(ckpt, full if tp == 1 else shard_state_dict(full, rank, tp), rank)
+        model_shards.save_model_shard(ckpt, full if tp == 1 else shard_state_dict(full, rank, tp), rank)
     if tokenizer is not None:
         tokenizer.save(str(ckpt / wio.TOKENIZER_DIR))
     saved = copy.deepcopy(config)

@@ -123,13 +123,13 @@ def test_an_overflow_on_one_stage_skips_the_step_on_every_stage(tmp_path):
 
     import torch
 
-    from domino.checkpoint import on_disk
+    from domino.checkpoint import model_shards
 
     calls = run_distributed(_overflow_on_the_last_stage, 2, str(tmp_path), 6)  # micro-batch 2 of step 2
     assert calls[1] == 12
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_iterations"] for r in records if "eval" not in r] == [0, 1, 1]
-    weights = [on_disk.load_full_state_dict(tmp_path / f"iter_{i:07d}") for i in (1, 2, 3)]
+    weights = [model_shards.load_full_state_dict(tmp_path / f"iter_{i:07d}") for i in (1, 2, 3)]
     assert weights[0].keys() == weights[1].keys()
     for name in weights[0]:  # both stages' layers: the first stage skipped with the last
         assert torch.equal(weights[0][name], weights[1][name]), name

@@ -127,7 +127,7 @@ def test_an_fp16_overflow_on_one_stage_skips_the_step_and_halves_the_scale_on_ev
     the halved one."""
     import torch
 
-    from domino.checkpoint import on_disk
+    from domino.checkpoint import model_shards
 
     ds_config = tmp_path / "ds.json"
     ds_config.write_text(json.dumps({"fp16": {"hysteresis": 1}}))
@@ -137,7 +137,7 @@ def test_an_fp16_overflow_on_one_stage_skips_the_step_and_halves_the_scale_on_ev
     assert scales == [[256.0, 128.0, 128.0]] * 2
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_iterations"] for r in records if "eval" not in r] == [0, 1, 1]
-    weights = [on_disk.load_full_state_dict(tmp_path / f"iter_{i:07d}") for i in (1, 2, 3)]
+    weights = [model_shards.load_full_state_dict(tmp_path / f"iter_{i:07d}") for i in (1, 2, 3)]
     for name in weights[0]:  # both stages' layers: the first stage skipped with the last
         assert torch.equal(weights[0][name], weights[1][name]), name
     assert not all(torch.equal(weights[1][n], weights[2][n]) for n in weights[1])

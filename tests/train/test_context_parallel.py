@@ -8,7 +8,7 @@ import re
 import pytest
 
 from train_helpers import TINY, read_metrics, run_pretrain
-from domino.checkpoint import on_disk
+from domino.checkpoint import model_shards, on_disk
 from domino.config import ConfigError
 from domino.config.flags import parse_config
 from domino.config.validate import validate
@@ -23,7 +23,8 @@ def _run(tmp_path, corpus_prefix, name, nproc, args, after=()):
     out = tmp_path / name
     run_pretrain([*args, *STEPS, *after, "--data-path", corpus_prefix, "--save", str(out / "ckpt"),
                   "--metrics-file", str(out / "metrics.jsonl")], nproc=nproc)
-    return _steps(out / "metrics.jsonl"), on_disk.load_full_state_dict(on_disk.resolve_checkpoint_dir(out / "ckpt"))
+    weights = model_shards.load_full_state_dict(on_disk.resolve_checkpoint_dir(out / "ckpt"))
+    return _steps(out / "metrics.jsonl"), weights
 
 
 def _steps(path):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from domino.checkpoint import on_disk
+from domino.checkpoint import model_shards, on_disk
 from train_helpers import run_pretrain, train_losses
 
 # As test_parallel_equivalence.py: an Adam epsilon far above rounding noise keeps the comparison about the math.
@@ -16,7 +16,7 @@ def _run(tmp_path, corpus_prefix, name, nproc, layout):
     metrics, save = tmp_path / f"{name}.jsonl", tmp_path / name
     run_pretrain([*COMMON, "--data-path", corpus_prefix, "--save", str(save), "--metrics-file", str(metrics),
                   *layout], nproc=nproc)
-    return train_losses(metrics), on_disk.load_full_state_dict(on_disk.resolve_checkpoint_dir(save))
+    return train_losses(metrics), model_shards.load_full_state_dict(on_disk.resolve_checkpoint_dir(save))
 
 
 def test_tiny_llama_tp2_domino_trains_like_tp1(tmp_path, corpus_prefix):

@@ -50,9 +50,9 @@ def _records(out_dir):
 
 
 def _weights(out_dir, iteration):
-    from domino.checkpoint import on_disk
+    from domino.checkpoint import model_shards
 
-    return on_disk.load_full_state_dict(out_dir / f"iter_{iteration:07d}")
+    return model_shards.load_full_state_dict(out_dir / f"iter_{iteration:07d}")
 
 
 @pytest.mark.parametrize("flags,fused", [(("--zero-stage", "1"), True), (("--zero-stage", "0"), True),

@@ -3,7 +3,7 @@
 import torch
 
 from train_helpers import TINY, run_pretrain
-from domino.checkpoint import on_disk
+from domino.checkpoint import model_shards, on_disk
 
 # Adam's first step moves every weight by about lr * sign(grad); gradients that are exactly zero in theory
 # (the key bias under softmax) are rounding noise whose sign differs between layouts. An epsilon far above
@@ -17,7 +17,7 @@ SAME_VOCAB_AT_TP2 = ["--make-vocab-size-divisible-by", "64"]
 def _params_after_one_step(tmp_path, corpus_prefix, name, nproc, layout):
     save = tmp_path / name
     run_pretrain([*COMMON, "--data-path", corpus_prefix, "--save", str(save), *layout], nproc=nproc)
-    return on_disk.load_full_state_dict(on_disk.resolve_checkpoint_dir(save))
+    return model_shards.load_full_state_dict(on_disk.resolve_checkpoint_dir(save))
 
 
 def _assert_close(reference, other):
