@@ -3,10 +3,11 @@
 Both run the phases of :mod:`domino.checkpoint.checkpointing` (prepare, snapshot, write, commit); the
 asynchronous saver moves the write off the critical path:
 
-1. **Snapshot** (training thread, at a step boundary): the optimizer state is gathered from its ZeRO fragments
-   and every tensor this rank writes is copied to host memory the training cannot change: on a GPU into
-   pinned memory with non-blocking copies (torch's caching host allocator keeps the pinned blocks for the
-   next save), and a CUDA event the writer waits on, so the training thread never waits for the device.
+1. **Snapshot** (training thread, at a step boundary): every tensor this rank writes (under ZeRO its own
+   fragments of the optimizer state, :mod:`domino.checkpoint.fragment_io`: no collective) is copied to host
+   memory the training cannot change: on a GPU into pinned memory with non-blocking copies (torch's caching host
+   allocator keeps the pinned blocks for the next save), and a CUDA event the writer waits on, so the training
+   thread never waits for the device.
 2. **Write** (one background thread per save): this rank's files, their fsync and its manifest part. DCP's
    collectives (planning, finishing) run on a gloo process group of their own, so they never interleave with
    the training's collectives on one group (gloo orders a group's collectives by the order of their calls).
@@ -23,7 +24,7 @@ temporary directory stays uncommitted and the next run's first save sweeps it (:
 Why a thread and not DCP's ``async_save`` (torch 2.13 ``state_dict_saver.py``, marked experimental): that
 covers only DCP's files (here the optimizer state), while the model's safetensors shards, the RNG files and the
 manifest digests must be written in the background too; and its default stager copies the state to the CPU a
-second time, after domino's gather has already copied it off the device. Megatron-LM's ``--async-save``
+second time, after domino's snapshot has already copied it off the device. Megatron-LM's ``--async-save``
 (``megatron/core/dist_checkpointing/strategies/async_utils.py``: ``AsyncCallsQueue``) follows the same
 pattern: a background writer, a done flag all-reduced at each step (``maybe_finalize_async_save`` of
 ``megatron/training/async_utils.py``, called from ``train`` in ``megatron/training/training.py``), rank 0's

@@ -13,12 +13,12 @@ Layout of a save root (model weights and ``checkpoint.json`` are ``domino.checkp
 (DeepSpeed's fp16 optimizer without ZeRO keeps format 1's ``optim/rank_00003.pt`` instead of ``optimizer/``:
 this rank's state, read back on the same layout only.)
 
-A save is three phases: every rank takes a :class:`Snapshot` of its part (the optimizer state gathered and
-copied to the host), writes it into ``DIR/.tmp-iter_0000100``, and once all ranks agree that their writes
-succeeded, rank 0 seals and renames it into place and only then moves ``latest`` (:func:`commit`).
-:func:`save_checkpoint` runs them in a row; ``--async-save`` (:mod:`domino.checkpoint.async_save`) writes in
-the background while training goes on. A kill at any moment, or a failed write on any rank
-(disk full), therefore leaves the previous checkpoint intact and pointed to. Nothing saved needs unpickling
+A save is three phases: every rank takes a :class:`Snapshot` of its part (copied to the host: under ZeRO its own
+fragments of the optimizer state, nothing gathered), writes it into ``DIR/.tmp-iter_0000100``, and once all
+ranks agree that their writes succeeded, rank 0 seals and renames it into place and only then moves ``latest``
+(:func:`commit`). :func:`save_checkpoint` runs them in a row; ``--async-save`` (:mod:`domino.checkpoint.async_save`)
+writes in the background while training goes on. A kill at any moment, or a failed write on any rank (disk full),
+therefore leaves the previous checkpoint intact and pointed to. Nothing saved needs unpickling
 to be read back: safetensors, JSON, and plain tensors and numbers for ``torch.load(weights_only=True)``.
 """
 
@@ -27,8 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -37,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from domino.atomic_files import atomic_write, fsync_directory
-from domino.checkpoint import (discovery, distributed_io, manifest, model_shards, on_disk, optimizer_state,
-                               per_rank_state)
+from domino.checkpoint import (discovery, distributed_io, fault_hooks, fragment_io, manifest, model_shards,
+                               on_disk, optimizer_state, per_rank_state)
 from domino.config import DominoConfig, config_to_dict
 from domino.pipeline.stages import stored_name
 from domino.runtime.mesh import ParallelMesh
@@ -84,30 +82,6 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
         raise
 
 
-def _maybe_inject_fault(point: str, iteration: int, partial: Optional[Callable[[], None]] = None) -> None:
-    """Test hook: ``DOMINO_FAULT_INJECT=POINT@N`` SIGKILLs rank 0 at ``POINT`` while saving iteration N.
-
-    ``kill-in-save`` is after every file is written and before the commit; ``kill-in-delete`` is halfway
-    through removing a replaced or pruned checkpoint (``partial`` has done the first half). The kill/resume
-    tests use them to prove that a save cut short never leaves a run that cannot resume.
-    """
-    spec = os.environ.get("DOMINO_FAULT_INJECT", "")
-    if spec == f"{point}@{iteration}" and (not dist.is_initialized() or dist.get_rank() == 0):
-        if partial is not None:
-            partial()
-        logger.warning("fault injection: killing this process in %s at iteration %d", point, iteration)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _maybe_slow_down() -> None:
-    """Test hook: ``DOMINO_FAULT_INJECT=slow-save:SECONDS`` makes rank 0 take SECONDS longer before each commit,
-    like a save to a slow volume (the SIGTERM test needs one longer than torchrun's default 30 s)."""
-    spec = os.environ.get("DOMINO_FAULT_INJECT", "")
-    if spec.startswith("slow-save:") and (not dist.is_initialized() or dist.get_rank() == 0):
-        logger.warning("fault injection: this save takes %s s longer", spec.split(":", 1)[1])
-        time.sleep(float(spec.split(":", 1)[1]))
-
-
 def _own_weights(module: torch.nn.Module, mesh: ParallelMesh) -> Dict[str, torch.Tensor]:
     """What this rank writes of the weights: its module's state dict (a pipeline stage's holds the layers it owns,
     by the whole model's names), a last stage's tied copy of the embeddings left out (the first stage writes
@@ -135,7 +109,9 @@ class Snapshot:
     model_is_copy: bool = False
     """Whether ``model`` holds host copies of its own (an asynchronous save) or the live tensors."""
     optimizer: Optional[Dict[str, torch.Tensor]] = None
-    """This rank's share of the optimizer state by name (None: the per-rank format, or nothing to write)."""
+    """This rank's share of the optimizer state by name as whole slices (an optimizer holding them whole)."""
+    fragments: Optional[Dict[str, optimizer_state.Fragment]] = None
+    """This rank's own fragments of the optimizer state by name (ZeRO: :mod:`domino.checkpoint.fragment_io`)."""
     per_rank_optimizer: Optional[Dict[str, Any]] = None
     """Format 1's optimizer state of this rank (DeepSpeed's fp16 optimizer without ZeRO)."""
     meta: Optional[Dict[str, Any]] = None
@@ -182,7 +158,8 @@ def take_snapshot(engine, config: DominoConfig, mesh: ParallelMesh, iteration: i
                   schedule: Optional[dict] = None, to_host: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
                   ) -> Snapshot:
     """This rank's part of checkpoint ``iter_{iteration}`` (collective over each data-parallel group of ``mesh``:
-    the optimizer state is gathered from its ZeRO fragments).
+    an optimizer holding whole slices shares them out over the replicas; under ZeRO each rank copies its own
+    fragments and nothing is collective).
 
     Args:
         to_host: copies a tensor to host memory the training cannot change; by default the optimizer state is
@@ -204,7 +181,9 @@ def take_snapshot(engine, config: DominoConfig, mesh: ParallelMesh, iteration: i
             failed.append(error)
             return tensor
 
-    if optimizer_state.supports(engine):
+    if optimizer_state.holds_fragments(engine):  # each rank copies its own: no collective
+        snapshot.fragments, scalars = optimizer_state.local_fragments(engine, to_host=copy)
+    elif optimizer_state.supports(engine):
         # Each replica (data x context parallel) writes (and holds on the host) every n-th parameter's state.
         dp, dp_rank = mesh.dp_cp.size, mesh.dp_cp.rank
         snapshot.optimizer, scalars = optimizer_state.gather(engine, keep=lambda i: i % dp == dp_rank, to_host=copy)
@@ -226,12 +205,21 @@ def take_snapshot(engine, config: DominoConfig, mesh: ParallelMesh, iteration: i
             "data_parallel_size": mesh.dp.size, "context_parallel_size": mesh.cp.size, "world_size": mesh.world_size,
             "global_batch_size": global_batch_size, on_disk.MODEL_STAGES_KEY: mesh.pp.size,
             "schedule": schedule,  # domino.train.schedule_check.record: checked on resume
-            "optimizer": ({"format": "by-name", **scalars.to_json()} if snapshot.optimizer is not None
-                          else {"format": "per-rank"}),
+            "optimizer": _optimizer_meta(snapshot, scalars),
             "padded_vocab_size": padded_vocab_size, "tokenizer": config.data.tokenizer,
             "config": config_to_dict(config),
         }
     return snapshot
+
+
+def _optimizer_meta(snapshot: Snapshot, scalars: optimizer_state.Scalars) -> Dict[str, Any]:
+    """``checkpoint.json``'s ``optimizer``: how the state is stored (:func:`fragment_io.fragments_tp` reads it)."""
+    if snapshot.fragments is not None:
+        return {"format": "by-name", "storage": fragment_io.STORAGE,
+                "tensor_model_parallel_size": snapshot.mesh.tp.size, **scalars.to_json()}
+    if snapshot.optimizer is not None:
+        return {"format": "by-name", "storage": "slices", **scalars.to_json()}
+    return {"format": "per-rank"}
 
 
 def _map_tensors(value, fn):
@@ -256,9 +244,12 @@ def own_failure(caught: BaseException) -> Optional[BaseException]:
 def write_optimizer(snapshot: Snapshot, group=None) -> List[Path]:
     """Writes the optimizer state by name (collective over ``group``, the world's by default); returns this
     rank's files."""
+    directory = snapshot.tmp / on_disk.OPTIMIZER_DIR
+    if snapshot.fragments is not None:
+        return fragment_io.save(directory, snapshot.fragments, snapshot.mesh, group)
     if snapshot.optimizer is None:
         return []
-    return distributed_io.save(snapshot.tmp / on_disk.OPTIMIZER_DIR, snapshot.optimizer, snapshot.mesh, group)
+    return distributed_io.save(directory, snapshot.optimizer, snapshot.mesh, group)
 
 
 def write_rest(snapshot: Snapshot, optimizer_files: List[Path]) -> None:
@@ -291,8 +282,8 @@ def discard(snapshot: Snapshot, failure: AgreedFailure, config: DominoConfig) ->
 def commit(snapshot: Snapshot, config: DominoConfig, group=None) -> Path:
     """Seals and commits a checkpoint every rank has written (agreed; rank 0 renames it and moves ``latest``)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    _maybe_slow_down()
-    _maybe_inject_fault("kill-in-save", snapshot.iteration)
+    fault_hooks.maybe_slow_down()
+    fault_hooks.maybe_inject_fault("kill-in-save", snapshot.iteration)
     agree(f"saving checkpoint {snapshot.tag} (committing it)", lambda: _commit(
         snapshot.tmp, snapshot.final, config, snapshot.iteration) if rank == 0 else None, group=group)
     return snapshot.final
@@ -367,7 +358,7 @@ def _remove_checkpoint(path: Path, iteration: int) -> None:
     """Deletes a replaced or pruned checkpoint directory (the fault hook cuts it short halfway)."""
     if not path.exists():
         return
-    _maybe_inject_fault("kill-in-delete", iteration, partial=lambda: shutil.rmtree(path / on_disk.MODEL_DIR,
+    fault_hooks.maybe_inject_fault("kill-in-delete", iteration, partial=lambda: shutil.rmtree(path / on_disk.MODEL_DIR,
                                                                                  ignore_errors=True))
     shutil.rmtree(path, ignore_errors=True)
 

@@ -8,7 +8,9 @@ tensor-parallel rank's whole slice of the parameter, whatever the data-parallel 
     exp_avg_sq.NAME   Adam's second moment
 
 and, shared by all parameters, Adam's step count and the loss scaler's fields (:class:`Scalars`).
-:mod:`domino.checkpoint.distributed_io` stores these slices by their global shape.
+:mod:`domino.checkpoint.distributed_io` stores whole slices by their global shape; a ZeRO rank's own fragments of
+them (:func:`local_fragments`) are stored as they are by :mod:`domino.checkpoint.fragment_io`, and any layout reads
+either.
 
 Two kinds of optimizer hold them (checked against DeepSpeed 0.19.8 and torch 2.13):
 
@@ -163,6 +165,51 @@ def gather(engine, keep: Callable[[int], bool] = lambda index: True,
             for key, value in zip(STATE_KEYS, values):
                 tensors[f"{key}.{name}"] = to_host(value.detach().to(torch.float32))
     return tensors, Scalars(_step_count(optimizer), _loss_scaler_fields(engine))
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """The part of one parameter's state a ZeRO rank holds: elements ``[start, start + len(data))`` of its TP-local
+    slice (of shape ``shape``) flattened, as a 1-D fp32 host copy."""
+
+    data: torch.Tensor
+    start: int
+    shape: Tuple[int, ...]
+
+
+def holds_fragments(engine) -> bool:
+    """Whether each data-parallel rank holds only fragments of the state (ZeRO 1/2, BF16_Optimizer)."""
+    return _zero_like(engine)
+
+
+def local_fragments(engine, to_host: Callable[[torch.Tensor], torch.Tensor] = copy_to_cpu
+                    ) -> Tuple[Dict[str, Fragment], Scalars]:
+    """This rank's own fragments of the optimizer state (ZeRO runs: :func:`holds_fragments`), by ``KEY.NAME``, each
+    copied to the host by ``to_host``; nothing is collective.
+
+    Where :func:`gather` all-reduces every parameter's three tensors over its data-parallel group (DeepSpeed's
+    ``safe_get_full_*``), a rank here copies the flat fragments DeepSpeed's ``_hp_mapping`` points at (its fp32
+    partition and Adam's moments, ``deepspeed/utils/tensor_fragment.py``) and their place in the parameter
+    (``lp_fragment_address``): what ``get_full_hp_param`` would scatter into its all-reduce buffer. A parameter
+    with no elements in this rank's partition has no fragment here, nor has a last pipeline stage's copy of the
+    tied embeddings (its stage's partition cuts it elsewhere than the first stage's, whose fragments are kept).
+    """
+    stepped = _link_stepped_groups(engine)
+    fragments: Dict[str, Fragment] = {}
+    for name, param in engine.module.named_parameters():
+        mapping = getattr(param, "_hp_mapping", None)
+        if not param.requires_grad or mapping is None or mapping.lp_fragment_address.numel == 0:
+            continue
+        if stored_name(name, param) != name:
+            continue  # a last stage's tied copy: the first stage's embeddings write this state (cut otherwise)
+        start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+        for key in STATE_KEYS:
+            if key == "fp32" or stepped[id(param)]:
+                value = to_host(mapping.get_hp_fragment(None if key == "fp32" else key).detach().reshape(-1))
+            else:  # a group never stepped: zero moments, as torch's Adam creates them
+                value = torch.zeros(numel, dtype=torch.float32)
+            fragments[f"{key}.{name}"] = Fragment(value, start, tuple(param.shape))
+    return fragments, Scalars(_step_count(_base_optimizer(engine)), _loss_scaler_fields(engine))
 
 
 def empty_like_state(engine, names: Optional[Iterable[str]] = None) -> TensorsByName:

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from domino.checkpoint import (distributed_io, manifest, model_shards, on_disk, optimizer_state,
+from domino.checkpoint import (distributed_io, fragment_io, manifest, model_shards, on_disk, optimizer_state,
                                per_rank_state)
 from domino.checkpoint.checkpointing import collective
 from domino.checkpoint.discovery import fall_back
@@ -299,6 +299,7 @@ def _read_state(ckpt: Checkpoint, engine, config: DominoConfig, padded_vocab_siz
                           "state stored by name; resume with --zero-stage 1, or use --no-load-optim")
     elif not c.no_load_optim:
         optimizer_state.Scalars.from_json(meta["optimizer"], str(ckpt.path / on_disk.META_FILE))
+        fragment_io.fragments_tp(meta, str(ckpt.path / on_disk.META_FILE))
     if not c.no_load_rng and _same_layout(meta, mesh):
         rng = torch.load(ckpt.path / on_disk.RNG_DIR / f"rank_{rank:05d}.pt", weights_only=True)
     return weights, optim, rng
@@ -318,7 +319,7 @@ def _repadded_vocab_state(ckpt: Checkpoint, engine, rows: int, mesh: ParallelMes
         return {}
     names = [f"{key}.{name}" for name, _ in optimizer_state.trainable(engine) if name in VOCAB_ROWS
              for key in optimizer_state.STATE_KEYS]
-    whole = distributed_io.read_full(ckpt.path / on_disk.OPTIMIZER_DIR, names) if names else {}
+    whole = fragment_io.read_state(ckpt, names) if names else {}
     return sharding.shard_state_dict({name: repad(t, rows) for name, t in whole.items()}, mesh.tp.rank,
                                      mesh.tp.size)
 
@@ -338,9 +339,13 @@ def _load_optimizer_by_name(ckpt: Checkpoint, engine, rows: int, mesh: ParallelM
         count = torch.tensor([len(groups)], device=collective_device())
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         groups += [[] for _ in range(int(count.item()) - len(groups))]
+    saved_tp = fragment_io.fragments_tp(ckpt.meta, str(ckpt))
     for names in groups:
         tensors = optimizer_state.empty_like_state(engine, names)
-        distributed_io.load(directory, tensors, mesh)
+        if saved_tp is None:
+            distributed_io.load(directory, tensors, mesh)
+        else:
+            fragment_io.load(directory, tensors, mesh, saved_tp)
         optimizer_state.fill(engine, tensors)
 
 

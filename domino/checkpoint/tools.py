@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from domino.atomic_files import fsync_directory
-from domino.checkpoint import distributed_io, manifest, model_shards, on_disk, sharding
+from domino.checkpoint import distributed_io, fragment_io, manifest, model_shards, on_disk, sharding
 from domino.checkpoint import model_loading
 from domino.checkpoint.on_disk import Checkpoint
 
@@ -211,7 +211,7 @@ def convert_per_tensor(path, output, progress: Optional[bool] = None) -> Path:
     output = Path(output)
     groups = {"model": model_shards.load_full_state_dict(found)}
     if found.optimizer_format == "by-name":
-        groups["optimizer"] = distributed_io.read_full(ckpt / on_disk.OPTIMIZER_DIR)
+        groups["optimizer"] = fragment_io.read_state(found)
     for group, tensors in groups.items():  # names from the headers become file names: each checked first
         for name in tensors:
             on_disk.check_file_name(name, f"{ckpt / (on_disk.MODEL_DIR if group == 'model' else group)}")

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from train.train_helpers import child_env, run_pretrain
 
-from domino.checkpoint import distributed_io, model_shards, sharding
+from domino.checkpoint import distributed_io, fragment_io, model_shards, sharding
+from domino.checkpoint.on_disk import Checkpoint
 
 ARGS = ["--preset", "tiny", "--mock-data", "--vocab-size", "256", "--log-interval", "1", "--num-workers", "0",
         "--seed", "7", "--train-iters", "2", "--eval-iters", "0", "--eval-interval", "0", "--zero-stage", "1"]
@@ -67,7 +68,7 @@ def test_convert_cuts_the_model_for_another_tp_size_and_writes_one_file_per_tens
     proc = _domino("convert", "--load", str(saved), "--per-tensor", "--output", str(tmp_path / "flat"),
                    "--no-progress")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    optimizer = distributed_io.read_full(saved / "iter_0000002" / "optimizer")
+    optimizer = fragment_io.read_state(Checkpoint.read(saved / "iter_0000002"))
     index = json.loads((tmp_path / "flat" / "index.json").read_text())["tensors"]
     assert len(index) == len(full) + len(optimizer)
     name = "exp_avg_sq.layers.0.attention.query_key_value.weight"

@@ -8,8 +8,8 @@ optimizer state (``--no-load-optim``) shows the loss comparison can fail.
 
 Layouts: GPT TP=2 with Domino 2 chunks (ZeRO 0) -> TP=1 x DP=2 ZeRO-1 (the tensor-parallel slices merge, ZeRO
 partitions them, the micro-batch count halves, no chunks); GPT DP=2 ZeRO-1 -> ZeRO-2, and -> DP=1; LLaMA TP=2
--> TP=1 x DP=2. A changed global batch is refused in one line before training; another
---make-vocab-size-divisible-by keeps the checkpoint's padding rows.
+ZeRO-1 (the state written as each rank's fragments) -> TP=1 x DP=2. A changed global batch is refused in one
+line before training; another --make-vocab-size-divisible-by keeps the checkpoint's padding rows.
 
 Without the optimizer state stored by name (format 1), every resume here on another layout was refused.
 """
@@ -27,7 +27,8 @@ from safetensors.torch import load_file
 from distributed_helpers import free_port
 from train.train_helpers import child_env, run_pretrain, train_losses
 
-from domino.checkpoint import distributed_io
+from domino.checkpoint import fragment_io
+from domino.checkpoint.on_disk import Checkpoint
 
 BASE = ["--mock-data", "--vocab-size", "256", "--log-interval", "1", "--num-workers", "0", "--seed", "7",
         "--train-iters", "8", "--eval-iters", "0", "--eval-interval", "0", "--hidden-dropout", "0",
@@ -76,7 +77,7 @@ def test_resume_on_other_layouts_continues_the_losses_and_keeps_the_optimizer_st
 
     # TP=2 (Domino 2 chunks, ZeRO 0) -> TP=1 x DP=2 ZeRO-1: the optimizer state is the checkpoint's, exactly.
     held = _probe(tmp_path, gpt_tp2, [*GPT, "--zero-stage", "1"], nproc=2)
-    saved = distributed_io.read_full(gpt_tp2 / "iter_0000004" / "optimizer")
+    saved = fragment_io.read_state(Checkpoint.read(gpt_tp2 / "iter_0000004"))
     assert sorted(held) == sorted(saved) and any(k.startswith("exp_avg_sq.") for k in held)
     for name, tensor in saved.items():
         assert torch.equal(held[name], tensor), name
@@ -92,8 +93,15 @@ def test_resume_on_other_layouts_continues_the_losses_and_keeps_the_optimizer_st
     reference = train_losses(tmp_path / "gpt-zero1.jsonl")
     assert _within(_resume(tmp_path, "gpt-zero2", gpt_zero1, [*GPT, "--zero-stage", "2"]), reference)
 
-    # LLaMA (rotary, SwiGLU, grouped-query attention, untied output) TP=2 -> TP=1 x DP=2 ZeRO-1.
-    llama_tp2 = _reference(tmp_path, "llama-tp2", [*LLAMA, *TP2])
+    # LLaMA (rotary, SwiGLU, grouped-query attention, untied output) TP=2 ZeRO-1 -> TP=1 x DP=2 ZeRO-1: each TP
+    # rank wrote its own fragments (one row per TP rank); the resume joins the rows, row- and column-split alike.
+    llama_tp2 = _reference(tmp_path, "llama-tp2", [*LLAMA, *TP2, "--zero-stage", "1"])
+    assert Checkpoint.read(llama_tp2 / "iter_0000004").meta["optimizer"]["storage"] == "fragments"
+    held = _probe(tmp_path, llama_tp2, [*LLAMA, "--zero-stage", "1"], nproc=2)
+    saved = fragment_io.read_state(Checkpoint.read(llama_tp2 / "iter_0000004"))
+    assert sorted(held) == sorted(saved) and "exp_avg.layers.0.mlp.dense_4h_to_h.weight" in saved
+    for name, tensor in saved.items():
+        assert torch.equal(held[name], tensor), name
     reference = train_losses(tmp_path / "llama-tp2.jsonl")
     assert _within(_resume(tmp_path, "llama-dp2", llama_tp2, [*LLAMA, "--zero-stage", "1"]), reference)
 

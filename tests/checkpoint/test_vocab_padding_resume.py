@@ -20,7 +20,7 @@ import torch
 from checkpoint.test_elastic_resume import _probe
 from train.train_helpers import run_pretrain, train_losses
 
-from domino.checkpoint import distributed_io, on_disk
+from domino.checkpoint import fragment_io, on_disk
 from domino.launch import JobSpec
 from domino.launch.parallel_layout import layout_flags
 
@@ -68,7 +68,7 @@ def test_a_tp2_checkpoint_resumes_at_tp1_through_derive_and_an_unsplittable_one_
     ckpt = unpadded / "iter_0000002"
     flags = [*RUN, "--tensor-model-parallel-size", "2"]
     held = _probe(tmp_path, unpadded, flags, nproc=2, tag=ckpt.name)
-    stored = distributed_io.read_full(ckpt / "optimizer")
+    stored = fragment_io.read_state(on_disk.Checkpoint.read(ckpt))
     assert sorted(held) == sorted(stored)
     for name, tensor in stored.items():
         if "word_embeddings" in name:

@@ -48,10 +48,11 @@ def test_bf16_resume_is_bit_exact(tmp_path):
     assert sorted(expected) == list(range(1, 7))
     assert _records(metrics) == expected  # losses and gradient norms: exact float equality
 
-    from domino.checkpoint.distributed_io import read_full
+    from domino.checkpoint.fragment_io import read_state
+    from domino.checkpoint.on_disk import Checkpoint
 
-    ref_optim = read_full(tmp_path / "ref" / "iter_0000006" / "optimizer")
-    run_optim = read_full(save / "iter_0000006" / "optimizer")
+    ref_optim = read_state(Checkpoint.read(tmp_path / "ref" / "iter_0000006"))
+    run_optim = read_state(Checkpoint.read(save / "iter_0000006"))
     masters = [t for name, t in ref_optim.items() if name.startswith("fp32.")]
     # The fp32 master weights (DeepSpeed's BF16_Optimizer), not the bf16 weights widened: some are off bf16's grid.
     assert masters and any(not torch.equal(t, t.bfloat16().float()) for t in masters)
