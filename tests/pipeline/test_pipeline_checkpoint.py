@@ -1,7 +1,7 @@
 """Checkpoints written by pipeline stages resume on any layout: saved at 2 stages of 2 interleaved chunks each,
-resumed at 2 stages (1F1B) and at 1 stage of TP 2, and saved at 1 stage, resumed at 2 stages of 2 chunks: each
-continues the uninterrupted run exactly, and the interleaved run's own first iterations and its validation and test
-losses (3 evaluation micro-batches: a step's 2, then 1) are the one-stage run's.
+resumed at 2 stages (1F1B), at 1 stage of TP 2 and at 1 stage of DP 2 (ZeRO 1), and saved at 1 stage, resumed at 2
+stages of 2 chunks: each continues the uninterrupted run exactly, and the interleaved run's own first iterations and
+its validation and test losses (3 evaluation micro-batches: a step's 2, then 1) are the one-stage run's.
 
 Each stage writes the weights it holds into a file of its own (nothing is gathered onto one host; the interleaved
 run saves in the background, ``--async-save``, at ZeRO 1: each rank's own optimizer fragments), by the whole
@@ -58,6 +58,7 @@ def test_checkpoints_resume_across_pipeline_sizes_both_ways(tmp_path):
     for name, nproc, load, layout in (("resumed-pp2", 2, saved, ["--pipeline-model-parallel-size", "2",
                                                                   "--zero-stage", "1"]),
                                       ("resumed-pp1-tp2", 2, saved, ["--tensor-model-parallel-size", "2"]),
+                                      ("resumed-pp1-dp2", 2, saved, ["--zero-stage", "1"]),
                                       ("pp1-resumed-pp2-interleaved", 2, one_stage / "iter_0000002", interleaved)):
         chunks = layout == interleaved  # also evaluated on the chunks' forward-only schedule
         resumed = _losses(tmp_path, name, nproc, ["--train-iters", "4", "--load", str(load), *layout,
