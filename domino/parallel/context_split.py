@@ -24,7 +24,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from domino.runtime.mesh import MeshGroup
+from domino.runtime.mesh import SINGLE, MeshGroup
 
 
 def local_token_indices(seq_length: int, cp: MeshGroup, device: Optional[torch.device] = None) -> torch.Tensor:
@@ -70,6 +70,15 @@ def token_count(loss_mask: torch.Tensor, cp: MeshGroup) -> torch.Tensor:
     if cp.size > 1:
         dist.all_reduce(count, group=cp.process_group)
     return count.clamp(min=1.0)
+
+
+def masked_mean_loss(per_token_losses: torch.Tensor, loss_mask: torch.Tensor, cp: MeshGroup = SINGLE
+                     ) -> torch.Tensor:
+    """The mean of the per-token losses where ``loss_mask`` is 1, in fp32; under context parallelism this rank's
+    share of it (its masked sum over the count of the whole sequences held by ``cp``: the shares add up to the
+    mean, and so do their gradients). The loss of a micro-batch, with or without pipeline stages."""
+    mask = loss_mask.reshape(-1).float()
+    return torch.sum(per_token_losses.float().reshape(-1) * mask) / token_count(mask, cp)
 
 
 def sum_over_context(value: torch.Tensor, cp: MeshGroup) -> torch.Tensor:

@@ -38,17 +38,8 @@ from torch.distributed.pipelining import (
 
 from domino.config.pipeline_schedule import microbatch_problems
 from domino.pipeline.stages import model_chunks, virtual_stage
-from domino.parallel.context_split import local_token_indices, token_count
+from domino.parallel.context_split import local_token_indices, masked_mean_loss
 from domino.runtime.mesh import SINGLE, MeshGroup, collective_device
-
-
-def masked_mean_loss(per_token_losses: torch.Tensor, loss_mask: torch.Tensor, cp: MeshGroup = SINGLE
-                     ) -> torch.Tensor:
-    """A micro-batch's loss: the mean of its per-token losses where ``loss_mask`` is 1 (as
-    :func:`domino.train.gpt_recipe.loss_func`); under context parallelism this rank's share of it, divided by the
-    token count of the whole sequences held by ``cp``."""
-    mask = loss_mask.reshape(-1).float()
-    return torch.sum(per_token_losses.float().reshape(-1) * mask) / token_count(mask, cp)
 
 
 class StageSchedule:

@@ -20,7 +20,7 @@ from domino.data.dataset_builder import build_train_valid_test_datasets, parse_d
 from domino.data.mock import MockGPTDataset
 from domino.data.tokenizer import tokenizer_for_run
 from domino.model import GPTModel
-from domino.parallel.context_split import split_batch, sum_over_context, token_count
+from domino.parallel.context_split import masked_mean_loss, split_batch, sum_over_context
 from domino.runtime.mesh import SINGLE, MeshGroup, ParallelMesh
 from domino.train.parallelize import parallelize
 
@@ -50,9 +50,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, dp: MeshGrou
         dp: the data-parallel group of the logged average (one process by default).
         cp: the context-parallel group that holds the rest of these sequences (one process by default).
     """
-    losses = output_tensor.float().reshape(-1)
-    mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(losses * mask) / token_count(mask, cp)
+    loss = masked_mean_loss(output_tensor, loss_mask, cp)
     return loss, {"lm loss": average_across_data_parallel_group(sum_over_context(loss, cp), dp)}
 
 
