@@ -182,22 +182,23 @@ class _RingAttention(torch.autograd.Function):
             incoming, requests = _shift(held, cp, KV_TAG) if step + 1 < cp.size else (None, None)
             _, part = _block_of(step, cp)
             bk, bv = held[0], held[1]
-            contribution = torch.zeros(held.shape, dtype=torch.float32, device=q.device)
+            keys = slice(None)  # the key positions of the held block these queries see
             if part == "diagonal":
                 bq, bkk, bvv = backward(dout, q, bk, bv, out, lse, True, scale)
                 dq += bq
-                contribution[0], contribution[1] = bkk, bvv
             elif part == "earlier":
-                bq, bkk, bvv = backward(dout, q, bk[:, :, :half], bv[:, :, :half], out, lse, False, scale)
+                keys = slice(0, half)
+                bq, bkk, bvv = backward(dout, q, bk[:, :, keys], bv[:, :, keys], out, lse, False, scale)
                 dq += bq
-                contribution[0, :, :, :half], contribution[1, :, :, :half] = bkk, bvv
             else:
                 bq, bkk, bvv = backward(dout[:, :, half:], q[:, :, half:], bk, bv, out[:, :, half:],
                                         lse[:, :, half:], False, scale)
                 dq[:, :, half:] += bq
-                contribution[0], contribution[1] = bkk, bvv
             _wait(grad_requests)  # wait: the gradient so far of the block held has arrived from the previous rank
-            grads = contribution if grads is None else grads.add_(contribution)
+            if grads is None:  # the first step: the block's gradient starts here
+                grads = torch.zeros(held.shape, dtype=torch.float32, device=q.device)
+            grads[0, :, :, keys] += bkk  # into the travelling buffer itself: no per-step zeroed copy
+            grads[1, :, :, keys] += bvv
             # Launch: this block's gradient on to the next rank (the last step's reaches the block's owner),
             # in flight while the next block's gradient is computed; waited at the next step or after the loop.
             sending = grads  # kept alive until its send is waited on
