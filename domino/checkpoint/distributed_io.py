@@ -54,7 +54,7 @@ class StoredTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _device_mesh(mesh: ParallelMesh, device_type: Optional[str] = None) -> DeviceMesh:
+def replica_device_mesh(mesh: ParallelMesh, device_type: Optional[str] = None) -> DeviceMesh:
     """The (replica, tensor-parallel) device mesh of this rank's pipeline stage, from the groups of the run's
     ``mesh``: its rows are the ranks holding the same weights (data x context parallel, :attr:`ParallelMesh.dp_cp`;
     at CP 1, rank = stage * DP * TP + dp_rank * TP + tp_rank, :mod:`domino.runtime.mesh`), its columns a TP group.
@@ -110,7 +110,7 @@ def save(directory: Path, tensors: Dict[str, torch.Tensor], mesh: ParallelMesh,
     """
     directory.mkdir(parents=True, exist_ok=True)
     before = set(directory.iterdir())
-    dcp.save(_as_dtensors(tensors, _device_mesh(mesh, "cpu")), process_group=process_group,
+    dcp.save(_as_dtensors(tensors, replica_device_mesh(mesh, "cpu")), process_group=process_group,
              storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True))
     rank = dist.get_rank() if dist.is_initialized() else 0
     # DCP names rank r's file shard-{r+1:05d}-...; a rank whose slices were all written by a replica writes none.
@@ -177,7 +177,8 @@ def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh) 
         if stored[name].shape != want:
             raise CheckpointError(f"{directory}: {name} is stored as {list(stored[name].shape)}, this run's is "
                                   f"{list(want)}")
-    dcp.load(_as_dtensors(targets, _device_mesh(mesh)), storage_reader=HuggingFaceStorageReader(str(directory)))
+    dcp.load(_as_dtensors(targets, replica_device_mesh(mesh)),
+             storage_reader=HuggingFaceStorageReader(str(directory)))
 
 
 def read_full(directory: Path, names=None) -> Dict[str, torch.Tensor]:

@@ -114,7 +114,7 @@ def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh, 
             targets[name].copy_(sliced)
         return
     stored = distributed_io.stored_tensors(directory)
-    device_mesh = distributed_io._device_mesh(mesh)
+    device_mesh = distributed_io.replica_device_mesh(mesh)
     views = {}
     for name, local in targets.items():
         split = _split(name, local.shape, tp)
