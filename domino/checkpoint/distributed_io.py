@@ -25,7 +25,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -70,10 +70,17 @@ def replica_device_mesh(mesh: ParallelMesh, device_type: Optional[str] = None) -
                                  mesh_dim_names=("dp", "tp"))
 
 
+def split_dim(name: str, ndim: int, tp: int) -> Optional[int]:
+    """The dimension along which tensor ``name`` (of ``ndim`` dimensions) is cut over ``tp`` ranks; None when it is
+    whole on each (replicated, a one-dimensional bias of a split weight, or ``tp`` 1)."""
+    dim = partition_dim(name)
+    return dim if tp > 1 and dim is not None and dim < ndim else None
+
+
 def global_shape(name: str, local: torch.Tensor, tp: int) -> Tuple[int, ...]:
-    """The shape of the whole tensor whose TP-local slice is ``local`` (split by :func:`partition_dim`)."""
-    shape, dim = list(local.shape), partition_dim(name)
-    if dim is not None and dim < len(shape):
+    """The shape of the whole tensor whose TP-local slice is ``local`` (split by :func:`split_dim`)."""
+    shape, dim = list(local.shape), split_dim(name, local.dim(), tp)
+    if dim is not None:
         shape[dim] *= tp
     return tuple(shape)
 
@@ -82,14 +89,20 @@ def _as_dtensors(tensors: Dict[str, torch.Tensor], mesh: DeviceMesh) -> Dict[str
     tp = mesh.size(1)
     out = {}
     for name, local in tensors.items():
-        dim = partition_dim(name)
-        split = dim is not None and dim < local.dim() and tp > 1
-        placements = [Replicate(), Shard(dim) if split else Replicate()]
+        dim, shape = split_dim(name, local.dim(), tp), global_shape(name, local, tp)
+        placements = [Replicate(), Replicate() if dim is None else Shard(dim)]
         # run_check=False: the local slices are already what the placements say; no collective to prove it.
-        out[name] = DTensor.from_local(local, mesh, placements, run_check=False,
-                                       shape=torch.Size(global_shape(name, local, tp)),
-                                       stride=torch.empty(global_shape(name, local, tp), device="meta").stride())
+        out[name] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                       stride=torch.empty(shape, device="meta").stride())
     return out
+
+
+def files_this_rank_wrote(directory: Path, before: Set[Path]) -> List[Path]:
+    """The files of ``directory`` not in ``before`` that DCP's writer named for this rank (rank r's are
+    ``shard-{r+1:05d}-...``); a rank whose slices were all written by a replica wrote none."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = f"shard-{rank + 1:05d}-"
+    return sorted(p for p in set(directory.iterdir()) - before if p.name.startswith(mine))
 
 
 def save(directory: Path, tensors: Dict[str, torch.Tensor], mesh: ParallelMesh,
@@ -112,10 +125,7 @@ def save(directory: Path, tensors: Dict[str, torch.Tensor], mesh: ParallelMesh,
     before = set(directory.iterdir())
     dcp.save(_as_dtensors(tensors, replica_device_mesh(mesh, "cpu")), process_group=process_group,
              storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    # DCP names rank r's file shard-{r+1:05d}-...; a rank whose slices were all written by a replica writes none.
-    mine = f"shard-{rank + 1:05d}-"
-    return sorted(p for p in set(directory.iterdir()) - before if p.name.startswith(mine))
+    return files_this_rank_wrote(directory, before)
 
 
 def files(directory: Path) -> List[Path]:

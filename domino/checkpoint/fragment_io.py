@@ -38,18 +38,13 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from domino.checkpoint import distributed_io
-from domino.checkpoint.on_disk import CheckpointError
+from domino.checkpoint.model_loading import merged_header_shapes
+from domino.checkpoint.on_disk import META_FILE, OPTIMIZER_DIR, CheckpointError
 from domino.checkpoint.optimizer_state import Fragment
-from domino.checkpoint.sharding import partition_dim
+from domino.checkpoint.sharding import shard_state_dict
 from domino.runtime.mesh import ParallelMesh
 
 STORAGE = "fragments"
-
-
-def _split(name: str, shape: Sequence[int], tp: int) -> bool:
-    """Whether tensor ``name`` of TP-local ``shape`` is split over ``tp`` ranks (one stored row per rank)."""
-    dim = partition_dim(name)
-    return tp > 1 and dim is not None and dim < len(shape)
 
 
 class _FragmentPlanner(DefaultSavePlanner):
@@ -83,16 +78,14 @@ def save(directory: Path, fragments: Dict[str, Fragment], mesh: ParallelMesh,
     tp, tp_rank = mesh.tp.size, mesh.tp.rank
     boxes = {}
     for name, fragment in fragments.items():
-        split = _split(name, fragment.shape, tp)
+        split = distributed_io.split_dim(name, len(fragment.shape), tp) is not None  # one row per rank
         boxes[name] = (fragment.data.contiguous(), tp_rank if split else 0, fragment.start, tp if split else 1,
                        math.prod(fragment.shape))
     directory.mkdir(parents=True, exist_ok=True)
     before = set(directory.iterdir())
     dcp.save({}, process_group=process_group, planner=_FragmentPlanner(boxes),
              storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    mine = f"shard-{rank + 1:05d}-"  # DCP names rank r's file shard-{r+1:05d}-...
-    return sorted(p for p in set(directory.iterdir()) - before if p.name.startswith(mine))
+    return distributed_io.files_this_rank_wrote(directory, before)
 
 
 def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh, saved_tp: int) -> None:
@@ -104,8 +97,6 @@ def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh, 
     Raises:
         CheckpointError: when a tensor is missing or stored with another shape (before any data is read).
     """
-    from domino.checkpoint.sharding import shard_state_dict
-
     tp = mesh.tp.size
     if saved_tp != tp:
         shapes = {name: distributed_io.global_shape(name, t, tp) for name, t in targets.items()}
@@ -117,7 +108,7 @@ def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh, 
     device_mesh = distributed_io.replica_device_mesh(mesh)
     views = {}
     for name, local in targets.items():
-        split = _split(name, local.shape, tp)
+        split = distributed_io.split_dim(name, local.dim(), tp) is not None
         want = (tp if split else 1, local.numel())
         if name not in stored:
             raise CheckpointError(f"{directory} lacks {name}")
@@ -149,8 +140,8 @@ def read_whole(directory: Path, names: Optional[Sequence[str]], saved_tp: int,
         if rows.shape[0] == 1:
             whole[name] = rows.view(shape)
             continue
-        dim, local = partition_dim(name), list(shape)
-        if dim is None or dim >= len(shape) or shape[dim] % saved_tp:
+        dim, local = distributed_io.split_dim(name, len(shape), saved_tp), list(shape)
+        if dim is None or shape[dim] % saved_tp:
             raise CheckpointError(f"{directory}: {name} is stored in {saved_tp} TP rows, but a tensor of shape "
                                   f"{shape} is not split {saved_tp} ways")
         local[dim] //= saved_tp
@@ -179,9 +170,6 @@ def read_state(ckpt, names: Optional[Sequence[str]] = None) -> Dict[str, torch.T
     """The whole tensors of a checkpoint's optimizer state stored by name (all, or ``names``), whichever form
     it was written in, in one process; each fragment-stored tensor takes its shape from the weight of its name
     (``KEY.NAME`` has ``NAME``'s shape, read from the weight files' headers)."""
-    from domino.checkpoint.model_loading import merged_header_shapes
-    from domino.checkpoint.on_disk import META_FILE, OPTIMIZER_DIR
-
     directory = ckpt.path / OPTIMIZER_DIR
     saved_tp = fragments_tp(ckpt.meta, str(ckpt.path / META_FILE))
     if saved_tp is None:
