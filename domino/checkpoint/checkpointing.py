@@ -358,8 +358,8 @@ def _remove_checkpoint(path: Path, iteration: int) -> None:
     """Deletes a replaced or pruned checkpoint directory (the fault hook cuts it short halfway)."""
     if not path.exists():
         return
-    fault_hooks.maybe_inject_fault("kill-in-delete", iteration, partial=lambda: shutil.rmtree(path / on_disk.MODEL_DIR,
-                                                                                 ignore_errors=True))
+    fault_hooks.maybe_inject_fault("kill-in-delete", iteration,
+                                   partial=lambda: shutil.rmtree(path / on_disk.MODEL_DIR, ignore_errors=True))
     shutil.rmtree(path, ignore_errors=True)
 
 

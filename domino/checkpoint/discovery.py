@@ -105,8 +105,9 @@ def _report_newer(root: Path, named: Path) -> None:
 
     ``latest`` decides, as Megatron-LM's tracker file does (``megatron/training/checkpointing.py``: the iteration is
     read from ``latest_checkpointed_iteration.txt`` only): a ``latest`` moved back by hand leaves newer sealed
-    checkpoints that must not be resumed, and a directory alone cannot tell those from an interrupted commit. The run replaces such a checkpoint when it saves
-    that iteration again (the old one renamed aside and deleted last, :func:`checkpointing._commit`)."""
+    checkpoints that must not be resumed, and a directory alone cannot tell those from an interrupted commit. The
+    run replaces such a checkpoint when it saves that iteration again (the old one renamed aside and deleted last,
+    :func:`checkpointing._commit`)."""
     if named.parent != root:
         return
     mine = on_disk.tag_iteration(named.name)

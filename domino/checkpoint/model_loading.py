@@ -23,8 +23,8 @@ def merged_header_shapes(ckpt_dir: PathLike, meta: Dict[str, Any]) -> Dict[str, 
     from domino.checkpoint.sharding import partition_dim
 
     merged: Dict[str, Tuple[int, ...]] = {}
-    for rank, path in ((r, p) for r, files in enumerate(shard_paths(ckpt_dir, meta)) for p in files):
-        for name, shape in read_header_shapes(path).items():
+    for rank, files in enumerate(shard_paths(ckpt_dir, meta)):  # a TP rank's files: one per pipeline stage
+        for name, shape in (item for path in files for item in read_header_shapes(path).items()):
             dim = partition_dim(name)
             if name not in merged or dim is None or dim >= len(shape):
                 merged.setdefault(name, shape)

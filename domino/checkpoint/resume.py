@@ -339,7 +339,7 @@ def _load_optimizer_by_name(ckpt: Checkpoint, engine, rows: int, mesh: ParallelM
         count = torch.tensor([len(groups)], device=collective_device())
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         groups += [[] for _ in range(int(count.item()) - len(groups))]
-    saved_tp = fragment_io.fragments_tp(ckpt.meta, str(ckpt))
+    saved_tp = fragment_io.fragments_tp(ckpt.meta, str(ckpt.path / on_disk.META_FILE))
     for names in groups:
         tensors = optimizer_state.empty_like_state(engine, names)
         if saved_tp is None:

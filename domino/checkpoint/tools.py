@@ -187,8 +187,8 @@ def convert_layout(path, output, tensor_model_parallel_size: int, progress: Opti
     full = model_shards.load_full_state_dict(found)
     with _progress(tensor_model_parallel_size, "model shards", progress, unit="shard") as bar:
         for rank in range(tensor_model_parallel_size):
-            model_shards.save_model_shard(target, sharding.shard_state_dict(full, rank, tensor_model_parallel_size),
-                                        rank)
+            shard = sharding.shard_state_dict(full, rank, tensor_model_parallel_size)
+            model_shards.save_model_shard(target, shard, rank)
             bar.update(1)
     for sub in (on_disk.OPTIMIZER_DIR, on_disk.TOKENIZER_DIR):
         if (ckpt / sub).is_dir():
