@@ -144,6 +144,10 @@ def gather(engine, keep: Callable[[int], bool] = lambda index: True,
     (the parameter's position in :func:`trainable`) chooses which to keep, so the replicas of a group can share
     the writing and each hold only its share on the host. ``to_host`` makes each kept fp32 host copy (an
     asynchronous save passes one into pinned memory that does not wait for the device).
+
+    A snapshot calls it only for an optimizer holding whole slices (torch's AdamW at ZeRO 0); under ZeRO it takes
+    :func:`local_fragments`, and the gathering path stays as the independent reader of what an optimizer holds
+    (the resume tests' probe) and as ``benchmarks/snapshot.py``'s baseline.
     """
     optimizer, tensors = _base_optimizer(engine), {}
     zero = _zero_like(engine)
