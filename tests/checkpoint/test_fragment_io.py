@@ -58,7 +58,7 @@ def _write(tmp_path, whole, cut):
 
 
 @pytest.mark.parametrize("cut", [{COLUMN: 5, ROW: 7, NORM: 1}, {COLUMN: 1, ROW: 11, NORM: 3}])
-def test_fragments_read_back_whole_and_on_other_tp_sizes(tmp_path, cut):
+def test_fragments_cut_mid_row_read_back_whole(tmp_path, cut):
     whole = _whole()
     directory = _write(tmp_path, whole, cut)
     shapes = {name: tuple(t.shape) for name, t in whole.items()}
