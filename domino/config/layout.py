@@ -111,17 +111,19 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
     return problems
 
 
-#: How context-parallel attention may communicate; Megatron's others (``a2a``, ``allgather``, hierarchical
-#: ``a2a+p2p``: ``--cp-comm-type`` in megatron/training/arguments.py, d98e8a64) are not offered.
-CP_COMM_TYPES = ("p2p",)
+#: How context-parallel attention may communicate: ``p2p`` (:mod:`domino.parallel.ring_attention`) and ``a2a``
+#: (:mod:`domino.parallel.all_to_all_attention`); Megatron's others (``allgather``, hierarchical ``a2a+p2p``:
+#: ``--cp-comm-type`` in megatron/training/arguments.py, d98e8a64) are not offered.
+CP_COMM_TYPES = ("p2p", "a2a")
 
 
 def context_parallel_problems(config: DominoConfig) -> List[str]:
     """What a run with ``--context-parallel-size`` > 1 cannot do, one message each (none at CP 1).
 
     The sequence must cut into ``2 x CP`` equal chunks (Megatron's rule: ``get_batch_on_this_cp_rank`` in
-    megatron/training/utils.py views it as ``2 * cp_size`` chunks). Ring attention computes plain causal blocks,
-    so it takes neither per-document masks nor attention dropout here.
+    megatron/training/utils.py views it as ``2 * cp_size`` chunks). Both attentions compute plain causal
+    attention, so they take neither per-document masks nor attention dropout here; ``a2a`` splits every TP rank's
+    query and key/value heads over the CP ranks, so both counts must divide.
     """
     p, m, d = config.parallel, config.model, config.data
     cp = p.context_parallel_size
@@ -135,9 +137,17 @@ def context_parallel_problems(config: DominoConfig) -> List[str]:
     if m.seq_length % (2 * cp):
         problems.append(f"--seq-length {m.seq_length} is not divisible by 2 x {flag} (each rank holds two of "
                         f"{2 * cp} equal chunks)")
+    if p.cp_comm_type == "a2a":
+        tp = p.tensor_model_parallel_size
+        heads, groups = m.num_attention_heads // tp, m.query_groups // tp
+        if heads % cp or groups % cp:
+            problems.append(f"--cp-comm-type a2a with {flag}: the {heads} query and {groups} key/value heads of each "
+                            f"TP rank (--num-attention-heads, --num-query-groups / --tensor-model-parallel-size {tp}) "
+                            f"must both be divisible by {cp}; use --cp-comm-type p2p")
     if m.attention_dropout > 0:
-        problems.append(f"--attention-dropout {m.attention_dropout} with {flag}: not supported (ring attention's "
-                        "blocks run without dropout); give --attention-dropout 0")
+        problems.append(f"--attention-dropout {m.attention_dropout} with {flag}: not supported (context-parallel "
+                        "attention runs without dropout); give --attention-dropout 0")
     if d.reset_attention_mask:
-        problems.append(f"--reset-attention-mask with {flag}: not supported (ring attention is plain causal)")
+        problems.append(f"--reset-attention-mask with {flag}: not supported (context-parallel attention is plain "
+                        "causal)")
     return problems

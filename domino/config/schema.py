@@ -125,8 +125,8 @@ class ParallelConfig:
     """Processes that split every sequence (context parallelism): rank r holds chunks r and 2 CP - 1 - r of its
     2 x CP chunks, keys and values go around a ring of them, gradients are reduced over DP x CP (Megatron's order)."""
     cp_comm_type: str = "p2p"
-    """How context-parallel attention communicates: p2p, ring attention (the next key/value block in flight while
-    the current one is computed, partial results merged by their log-sum-exp)."""
+    """How context-parallel attention communicates: p2p, a ring of key/value blocks (the next in flight while one is
+    computed, merged by log-sum-exp); a2a, an all-to-all over heads (Ulysses; heads per TP rank divisible by CP)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: LayerNorm, dropout and residual regions split along the sequence over the TP
     ranks (reduce-scatter after row-parallel, all-gather before column-parallel linears); no effect at TP 1."""

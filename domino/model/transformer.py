@@ -66,6 +66,9 @@ class ParallelSelfAttention(nn.Module):
         super().__init__()
         self.tp = tp
         self.cp = cp
+        # How attention reaches the rest of the sequence over ``cp``: the ring by default, or the all-to-all over
+        # heads that :func:`domino.train.parallelize.parallelize` sets for --cp-comm-type a2a.
+        self.context_parallel_attention = ring_attention
         world = tp.size
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(f"--hidden-size {config.hidden_size} is not divisible by "
@@ -127,8 +130,8 @@ class ParallelSelfAttention(nn.Module):
         if self.cp.size > 1:
             if kv_cache is not None or attend_mask is not None:
                 raise ValueError("context-parallel attention is causal training attention: no mask, no KV cache")
-            return ring_attention(q, k, v, self.cp).permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank *
-                                                                                self.head_dim)
+            return self.context_parallel_attention(q, k, v, self.cp).permute(2, 0, 1, 3).reshape(
+                s, b, self.heads_per_rank * self.head_dim)
         past = 0
         if kv_cache is not None:
             past = kv_cache.length

@@ -22,6 +22,7 @@ gather_from_sequence_region all-gather along sequence    reduce-scatter along
                                                         sequence
 reduce_scatter_to_sequence  reduce-scatter along         all-gather along sequence
 _region                     sequence
+all_to_all_region           piece j of dim 0 to rank j  the same all-to-all
 ==========================  ==========================  ==========================
 
 As in Megatron-LM's ``megatron/core/tensor_parallel/mappings.py`` (NVIDIA/Megatron-LM 00caa53a:
@@ -150,6 +151,24 @@ def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     return part
 
 
+def all_to_all(x: torch.Tensor, group: Group, kind: str = "all-to-all") -> torch.Tensor:
+    """Sends piece ``j`` of ``x``'s ``group.size`` equal pieces along dimension 0 to rank ``j`` and returns the
+    pieces received, in rank order (synchronously, outside autograd); ``x`` itself with one rank."""
+    world = group.size
+    if world == 1:
+        return x
+    send = _contiguous(x.detach())
+    if send.shape[0] % world:
+        raise ValueError(f"dimension 0 of size {send.shape[0]} does not cut into {world} equal pieces")
+    received = torch.empty_like(send)
+    handle = launch(lambda async_op: dist.all_to_all_single(received, send, group=group.process_group,
+                                                            async_op=async_op),
+                    all_gather_wire_bytes(send.numel() * send.element_size() // world, world), send, group, kind,
+                    blocking=True)
+    handle.wait()  # synchronous: launched and waited for at once
+    return received
+
+
 def _contiguous(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself: the activations and their gradients are contiguous ``[s, b, h]`` tensors (a copy is made only
     for an odd strided caller, such as a gradient autograd expanded from a scalar)."""
@@ -268,6 +287,18 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return all_gather_sequence(grad, ctx.group), None
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_to_all(x, group, "all-to-all fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Its own adjoint: what rank r sent rank j as piece j comes back from rank j's gradient as its piece r.
+        return all_to_all(grad, ctx.group, "all-to-all bwd"), None
+
+
 def _region(function, x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else function.apply(x, group)
 
@@ -305,3 +336,9 @@ def gather_from_sequence_region(x: torch.Tensor, group: Group) -> torch.Tensor:
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sums over the TP ranks keeping this rank's sequence slice (the output of a row-parallel layer)."""
     return _region(_ReduceScatterToSequence, x, group)
+
+
+def all_to_all_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Piece ``j`` of dimension 0 to rank ``j``, the received pieces in rank order (context parallelism's exchange
+    of sequence for heads); the gradient goes back by the same all-to-all."""
+    return _region(_AllToAll, x, group)

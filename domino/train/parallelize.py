@@ -8,7 +8,9 @@ everything else a run's layout asks for is applied here, from outside the model,
 2. then, on each model chunk, sequence parallelism (:mod:`domino.overlap.sequence_parallel`), which must come
    first because Domino's chunks take its stack over;
 3. Domino's overlapped schedule (:mod:`domino.overlap.schedule`);
-4. activation recompute (:mod:`domino.model.recompute`), which marks the layer groups of whichever stack runs.
+4. activation recompute (:mod:`domino.model.recompute`), which marks the layer groups of whichever stack runs;
+5. context-parallel attention's communication (``--cp-comm-type``): the ring each layer is built with, or the
+   all-to-all over heads (:mod:`domino.parallel.all_to_all_attention`).
 
 torchtitan applies its parallelisms the same way, from one function per model family in a fixed order over a
 model built on the meta device (``parallelize_llama`` in ``torchtitan/models/llama3/infra/parallelize.py``: TP,
@@ -25,8 +27,13 @@ from domino.config.layout import virtual_stages
 from domino.model.recompute import RecomputePlan, apply_activation_recompute
 from domino.overlap.schedule import apply_domino
 from domino.overlap.sequence_parallel import apply_sequence_parallel
+from domino.parallel.all_to_all_attention import all_to_all_attention
+from domino.parallel.ring_attention import ring_attention
 from domino.pipeline.stages import model_chunks, split_model
 from domino.runtime.mesh import ParallelMesh
+
+#: The attention of each ``--cp-comm-type`` (:data:`domino.config.layout.CP_COMM_TYPES`).
+CONTEXT_PARALLEL_ATTENTION = {"p2p": ring_attention, "a2a": all_to_all_attention}
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: DominoConfig) -> nn.Module:
@@ -53,4 +60,6 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: DominoConfig) -> n
             apply_sequence_parallel(chunk)
         apply_domino(chunk, config.parallel.domino_chunks or 1)
         apply_activation_recompute(chunk, plan)
+        for layer in chunk.layers:
+            layer.attention.context_parallel_attention = CONTEXT_PARALLEL_ATTENTION[config.parallel.cp_comm_type]
     return model

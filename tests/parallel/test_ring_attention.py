@@ -1,4 +1,5 @@
-"""Ring attention (context parallelism) equals unsplit causal SDPA: outputs and gradients, on real gloo rings."""
+"""Context parallelism's attention equals unsplit causal SDPA, outputs and gradients, on real gloo groups: the ring
+(``p2p``) and the all-to-all over heads (``a2a``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 from distributed_helpers import run_distributed
 from domino.parallel import ring_attention as R
+from domino.parallel.all_to_all_attention import all_to_all_attention, chunk_orders
 from domino.parallel.context_split import local_token_indices
 from domino.parallel.kernels import PLAIN_KERNELS, forced_kernels
 from domino.runtime.mesh import MeshGroup, ParallelMesh
@@ -55,21 +57,22 @@ def test_ring_of_one_is_plain_causal_sdpa():
     torch.testing.assert_close(R.ring_attention(q, k, v, MeshGroup()), want)
 
 
-def _ring_body(rank, world_size, plain):
+def _ring_body(rank, world_size, plain, comm_type="p2p", heads=4, groups=2):
     cp = ParallelMesh.build(1, context_parallel_size=world_size).cp
-    q, k, v = _qkv(7, s=8 * world_size)  # the whole sequence, the same on every rank
+    attention = R.ring_attention if comm_type == "p2p" else all_to_all_attention
+    q, k, v = _qkv(7, s=8 * world_size, heads=heads, groups=groups)  # the whole sequence, the same on every rank
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=heads != groups)
     ref_grads = torch.autograd.grad(ref, full, dout)
     index = local_token_indices(q.shape[2], cp)
     local = [t.index_select(2, index).requires_grad_(True) for t in (q, k, v)]
     if plain:
         with forced_kernels(PLAIN_KERNELS):
-            out = R.ring_attention(*local, cp)
+            out = attention(*local, cp)
             grads = torch.autograd.grad(out, local, dout.index_select(2, index))
     else:
-        out = R.ring_attention(*local, cp)
+        out = attention(*local, cp)
         grads = torch.autograd.grad(out, local, dout.index_select(2, index))
     want = [ref.detach().index_select(2, index)] + [g.index_select(2, index) for g in ref_grads]
     return [(got.detach() - w).abs().max().item() for got, w in zip([out, *grads], want)]
@@ -81,6 +84,28 @@ def test_ring_attention_equals_unsplit_attention_forward_and_backward(world_size
     order, the per-step visibility, the log-sum-exp merge or the key/value gradients' trip home is wrong."""
     for errors in run_distributed(_ring_body, world_size, plain):
         assert max(errors) < 1e-5, errors
+
+
+@pytest.mark.parametrize("world_size,heads,groups", [(2, 4, 2), (4, 4, 4), (4, 8, 4)])
+def test_all_to_all_attention_equals_unsplit_attention_forward_and_backward(world_size, heads, groups):
+    """The head exchange (``--cp-comm-type a2a``): each rank's output and gradients equal unsplit SDPA's at its
+    tokens (GQA and MHA); fails if the chunks are put in the wrong order or a head group goes to the wrong rank."""
+    for errors in run_distributed(_ring_body, world_size, False, "a2a", heads, groups):
+        assert max(errors) < 1e-5, errors
+
+
+def test_chunk_orders_put_the_ranks_chunks_in_position_order_and_back():
+    for n in (1, 2, 3, 4):
+        to_positions, to_ranks = chunk_orders(n, torch.device("cpu"))
+        received = torch.cat([local_token_indices(2 * n, MeshGroup.shapes_only(n, r)) for r in range(n)])
+        assert received[to_positions].tolist() == list(range(2 * n))
+        assert torch.arange(2 * n)[to_ranks].tolist() == received.tolist()
+
+
+def test_all_to_all_attention_refuses_heads_it_cannot_split():
+    q, k, v = _qkv(2, heads=4, groups=2)
+    with pytest.raises(ValueError, match="4 query and 2 key/value heads per rank are not both divisible by 4"):
+        all_to_all_attention(q, k, v, MeshGroup.shapes_only(4, 0))
 
 
 def test_a_context_parallel_model_defaults_to_its_chunks_positions():

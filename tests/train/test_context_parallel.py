@@ -74,14 +74,18 @@ def test_gpt_cp2_zero2_trains_as_cp1_and_resumes_at_cp1_and_cp2(tmp_path, corpus
 
 
 def test_llama_gqa_cp2_tp2_domino_sp_zero1_recompute_trains_as_one_process(tmp_path, corpus_prefix):
-    """RoPE per chunk, grouped-query keys around the ring, TP 2 with Domino chunks and sequence parallelism,
-    ZeRO 1 sharded over the data x context group, full recompute (the ring runs again in backward)."""
-    reference = _run(tmp_path, corpus_prefix, "one", 1, [*LLAMA, *SAME_VOCAB_AT_TP2, "--zero-stage", "1"])
-    composed = _run(tmp_path, corpus_prefix, "cp2tp2", 4, [
-        *LLAMA, *SAME_VOCAB_AT_TP2, "--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
-        "--domino-chunks", "2", "--sequence-parallel", "--zero-stage", "1", "--recompute-granularity", "full",
-        "--recompute-method", "uniform", "--recompute-num-layers", "1"])
-    _assert_same_run(reference, composed)
+    """RoPE per chunk, TP 2 with Domino chunks and sequence parallelism, ZeRO 1 sharded over the data x context
+    group, full recompute (context-parallel attention runs again in backward); both exchanges: grouped-query keys
+    around the ring (p2p), and the all-to-all over heads (a2a: 8 heads, 4 key/value groups, so each TP rank's 4 and
+    2 split over CP 2)."""
+    model = [*LLAMA, *SAME_VOCAB_AT_TP2, "--num-attention-heads", "8", "--num-query-groups", "4"]
+    reference = _run(tmp_path, corpus_prefix, "one", 1, [*model, "--zero-stage", "1"])
+    for comm_type in ("p2p", "a2a"):
+        composed = _run(tmp_path, corpus_prefix, f"cp2tp2-{comm_type}", 4, [
+            *model, "--context-parallel-size", "2", "--cp-comm-type", comm_type, "--tensor-model-parallel-size", "2",
+            "--domino-chunks", "2", "--sequence-parallel", "--zero-stage", "1", "--recompute-granularity", "full",
+            "--recompute-method", "uniform", "--recompute-num-layers", "1"])
+        _assert_same_run(reference, composed)
 
 
 def test_pipeline_stages_with_cp2_train_as_one_process(tmp_path, corpus_prefix):
@@ -111,7 +115,9 @@ def test_interleaved_stages_with_cp2_in_bf16_track_the_unstaged_bf16_run(tmp_pat
     (["--context-parallel-size", "3"], "--seq-length 64 is not divisible by 2 x --context-parallel-size 3"),
     (["--context-parallel-size", "2", "--attention-dropout", "0.1"], "--attention-dropout 0.1 with"),
     (["--context-parallel-size", "2", "--reset-attention-mask"], "--reset-attention-mask with"),
-    (["--cp-comm-type", "a2a"], "--cp-comm-type a2a: must be one of p2p"),
+    (["--cp-comm-type", "allgather"], "--cp-comm-type allgather: must be one of p2p, a2a"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--num-attention-heads", "2"],
+     "--cp-comm-type a2a with --context-parallel-size 2: the 1 query and 1 key/value heads of each TP rank"),
     (["--context-parallel-size", "4"], "world size 4 is not divisible by"),
 ])
 def test_layouts_context_parallelism_cannot_run_are_refused_before_work(flags, message):
