@@ -10,8 +10,9 @@ were. :func:`checkpoint` is that function.
 Domino interleaves the steps of two or more batch chunks, so a layer's dropout draws of one chunk are
 interleaved with the other chunks' draws; a single RNG snapshot at the layer's start cannot replay them.
 :func:`run_recorded` and :func:`replay` checkpoint a *step program* instead (a generator that yields between
-steps, as the overlapped stacks of :mod:`domino.overlap.steps` run it): the forward records the RNG states before every step, and the recompute
-restores each one before the same step, so every mask is drawn from the same state as the first time.
+steps, as the overlapped stacks of :mod:`domino.overlap.steps` run it): the forward records the RNG states before
+every step, and the recompute restores each one before the same step, so every mask is drawn from the same state
+as the first time.
 """
 
 from __future__ import annotations

@@ -135,7 +135,8 @@ def _block_of(step: int, cp: MeshGroup) -> Tuple[int, str]:
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Merges one block's result into the running fp32 ``out``/``lse`` (views of the rows it covers), in place."""
     merged = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - merged).unsqueeze(-1)).add_(block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1))
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+    out.add_(block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1))
     lse.copy_(merged)
 
 
