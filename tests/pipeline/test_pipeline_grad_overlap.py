@@ -103,13 +103,17 @@ def test_a_bucket_reduced_before_its_last_micro_batch_differs(per_rank, virtual)
                          ids=["fp32", "bf16", "fp16"])
 def test_pretrain_with_overlap_grad_reduce_trains_as_without(tmp_path, precision):
     """`domino pretrain` PP 2 x DP 2 under ZeRO-1 (``PipelineStep``'s wiring; bf16: the buckets are DeepSpeed's
-    fp32 gradient buffers): the same losses and norms, bit for bit, with and without the flag."""
+    fp32 gradient buffers): the same losses and norms, bit for bit, with and without the flag. fp16 runs in gloo
+    ranks with DeepSpeed's CPU fp16 gate opened (``test_pipeline_fp16``'s module docstring: the gate is closed on
+    CPUs without AVX-512 FP16, where torch still runs fp16)."""
     from pipeline_runs import run_records
+    from test_pipeline_fp16 import fp16_records
 
     common = ["--train-iters", "3", "--global-batch-size", "8", "--pipeline-model-parallel-size", "2",
               "--zero-stage", "1", *precision]
-    reference = run_records(tmp_path, "without", 4, common)
-    records = run_records(tmp_path, "with", 4, [*common, "--overlap-grad-reduce"])
+    run = fp16_records if "--fp16" in precision else run_records
+    reference = run(tmp_path, "without", 4, common)
+    records = run(tmp_path, "with", 4, [*common, "--overlap-grad-reduce"])
     train, ref_train = ([r for r in rs if "eval" not in r] for rs in (records, reference))
     assert [r["iteration"] for r in train] == [1, 2, 3]
     for ref, got in zip(ref_train, train):
