@@ -10,7 +10,9 @@ loopback gloo) at several sequence lengths, three ways, each on the same blocks:
   shapes, wrong values, for timing only).
 
 ``exposed = overlapped - compute only`` is the communication the schedule leaves in the step, ``transfer =
-synchronous - compute only`` what it would cost unhidden; ``hidden = 1 - exposed / transfer``. Medians over
+synchronous - compute only`` what it would cost unhidden; ``hidden = 1 - exposed / transfer``. Beside them, the
+other exchange, ``domino.parallel.all_to_all_attention`` (``--cp-comm-type a2a``: two all-to-alls each way and
+one whole-sequence SDPA of ``1 / CP`` of the heads; on the same emulated link when there is one). Medians over
 ``--repeats`` timed calls after one warm-up. Also the unsplit causal SDPA forward + backward of the whole sequence
 on one process, for scale (CP's ranks each do about ``1 / CP`` of its work).
 
@@ -31,6 +33,7 @@ On a 2-core machine run it alone: figures taken beside other work are not figure
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -48,6 +51,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from domino.parallel import ring_attention as R  # noqa: E402
+from domino.parallel.all_to_all_attention import all_to_all_attention  # noqa: E402
 from domino.parallel.context_split import local_token_indices  # noqa: E402
 from domino.runtime.mesh import ParallelMesh  # noqa: E402
 from domino.runtime.network_emulator import LinkEmulator, LinkSpec  # noqa: E402
@@ -142,6 +146,14 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
             R._shift = shift
             row[name] = _time(step, args.repeats)
         R._shift = _overlapped_shift
+        # The head exchange's all-to-alls ride the group's link (domino.runtime.comm_timing.launch): the same one.
+        a2a_group = dataclasses.replace(cp, link=LinkEmulator(link.spec)) if args.link_ratio else cp
+
+        def a2a_step():
+            out = all_to_all_attention(*local, a2a_group)
+            torch.autograd.grad(out, local, torch.ones_like(out))
+
+        row["a2a"] = _time(a2a_step, args.repeats)
         rows.append(row)
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
@@ -200,12 +212,12 @@ def main() -> None:
     link = f", emulated link at {args.link_ratio} x compute" if args.link_ratio else ""
     print(f"CP {args.cp}, heads {args.heads}, key/value groups {args.groups}, head dim {args.head_dim}, fp32, "
           f"forward + backward, median of {args.repeats} (ms){link}")
-    print("| tokens | overlapped | synchronous | compute only | exposed | hidden | unsplit, 1 process |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tokens | overlapped | synchronous | compute only | exposed | hidden | a2a | unsplit, 1 process |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         hidden = f"{100 * r['hidden']:.0f}%" if r["hidden"] is not None else "n/a"
         print(f"| {r['seq']} | {1e3 * r['overlapped']:.1f} | {1e3 * r['synchronous']:.1f} | "
-              f"{1e3 * r['compute_only']:.1f} | {1e3 * r['exposed']:.1f} | {hidden} | "
+              f"{1e3 * r['compute_only']:.1f} | {1e3 * r['exposed']:.1f} | {hidden} | {1e3 * r['a2a']:.1f} | "
               f"{1e3 * r['unsplit_one_process']:.1f} |")
 
 
