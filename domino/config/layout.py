@@ -121,9 +121,9 @@ def context_parallel_problems(config: DominoConfig) -> List[str]:
     """What a run with ``--context-parallel-size`` > 1 cannot do, one message each (none at CP 1).
 
     The sequence must cut into ``2 x CP`` equal chunks (Megatron's rule: ``get_batch_on_this_cp_rank`` in
-    megatron/training/utils.py views it as ``2 * cp_size`` chunks). Both attentions compute plain causal
-    attention, so they take neither per-document masks nor attention dropout here; ``a2a`` splits every TP rank's
-    query and key/value heads over the CP ranks, so both counts must divide.
+    megatron/training/utils.py views it as ``2 * cp_size`` chunks). Neither attention applies dropout; only
+    ``a2a``, which sees the whole sequence, takes per-document masks; ``a2a`` splits every TP rank's query and
+    key/value heads over the CP ranks, so both counts must divide.
     """
     p, m, d = config.parallel, config.model, config.data
     cp = p.context_parallel_size
@@ -147,7 +147,7 @@ def context_parallel_problems(config: DominoConfig) -> List[str]:
     if m.attention_dropout > 0:
         problems.append(f"--attention-dropout {m.attention_dropout} with {flag}: not supported (context-parallel "
                         "attention runs without dropout); give --attention-dropout 0")
-    if d.reset_attention_mask:
-        problems.append(f"--reset-attention-mask with {flag}: not supported (context-parallel attention is plain "
-                        "causal)")
+    if d.reset_attention_mask and p.cp_comm_type == "p2p":
+        problems.append(f"--reset-attention-mask with {flag} --cp-comm-type p2p: not supported (the ring's blocks "
+                        "are plain causal); use --cp-comm-type a2a")
     return problems

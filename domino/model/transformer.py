@@ -128,10 +128,10 @@ class ParallelSelfAttention(nn.Module):
         if rotary is not None:  # before caching: the cache holds rotated keys, as transformers' does
             q, k = rotary.rotate(q), rotary.rotate(k)
         if self.cp.size > 1:
-            if kv_cache is not None or attend_mask is not None:
-                raise ValueError("context-parallel attention is causal training attention: no mask, no KV cache")
-            return self.context_parallel_attention(q, k, v, self.cp).permute(2, 0, 1, 3).reshape(
-                s, b, self.heads_per_rank * self.head_dim)
+            if kv_cache is not None:
+                raise ValueError("context-parallel attention is training attention: no KV cache")
+            return self.context_parallel_attention(q, k, v, self.cp, attend_mask=attend_mask).permute(
+                2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         past = 0
         if kv_cache is not None:
             past = kv_cache.length

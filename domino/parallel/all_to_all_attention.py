@@ -6,7 +6,8 @@ whole sequence of ``1 / N`` of the heads: rank ``j`` receives head group ``j`` o
 keys and values in one buffer: one collective, and GQA key heads split into the same ``N`` groups, so query head
 ``h`` still meets key head ``h // (H / G)``). The ``2N`` chunks received are put in position order, attention runs
 as it does at CP 1 (causal SDPA over the whole sequence, any kernel the device has), the output is put back in the
-ranks' chunk order and a second all-to-all returns to every rank its own tokens, all heads. Backward is autograd's:
+ranks' chunk order and a second all-to-all returns to every rank its own tokens, all heads (a per-document mask of
+the whole sequence, ``--reset-attention-mask``, applies as it does at CP 1). Backward is autograd's:
 an all-to-all is its own adjoint (:func:`domino.parallel.collectives.all_to_all_region`).
 
 Transformer Engine's ``AttnFuncWithCPAndQKVOA2A`` (Megatron-LM's ``--cp-comm-type a2a``;
@@ -50,7 +51,7 @@ def _by_head_group(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGroup,
-                         scale: Optional[float] = None) -> torch.Tensor:
+                         scale: Optional[float] = None, attend_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of this rank's two load-balanced chunks over the whole sequence held by ``cp``, by
     exchanging sequence for heads (module docstring); the interface of
     :func:`domino.parallel.ring_attention.ring_attention`.
@@ -60,14 +61,18 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
         k, v: ``[b, G, s, d]`` keys (rotated) and values of the same tokens (``G`` divides ``H``: GQA).
         cp: the context-parallel group; ``H`` and ``G`` must be divisible by its size.
         scale: the score scale (default ``1 / sqrt(d)``).
+        attend_mask: None for plain causal attention, else bool ``[b or 1, 1, S, S]`` of the whole sequence in
+            position order, True = may attend (per-document masks: each rank sees the whole sequence here).
 
     Returns:
         ``[b, H, s, d]`` attention output in ``q``'s dtype (a view of ``[s, b, H, d]`` memory).
     """
     n = cp.size
     heads, groups = q.shape[1], k.shape[1]
+    causal = attend_mask is None
     if n == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=groups != heads)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attend_mask, is_causal=causal, scale=scale,
+                                              enable_gqa=groups != heads)
     b, _, s, d = q.shape
     if heads % n or groups % n:
         raise ValueError(f"all-to-all attention splits the heads over {n} context-parallel ranks: {heads} query "
@@ -82,7 +87,8 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
     whole = received.reshape(2 * n, s // 2, b, width, d).index_select(0, to_positions).view(n * s, b, width, d)
     hq, hg = heads // n, groups // n
     q_all, k_all, v_all = (t.permute(1, 2, 0, 3) for t in whole.split([hq, hg, hg], dim=2))
-    out = F.scaled_dot_product_attention(q_all, k_all, v_all, is_causal=True, scale=scale, enable_gqa=hg != hq)
+    out = F.scaled_dot_product_attention(q_all, k_all, v_all, attn_mask=attend_mask, is_causal=causal, scale=scale,
+                                         enable_gqa=hg != hq)
     # [b, H/N, S, d] -> the ranks' chunk order [N, s, b, H/N, d] -> piece i back to rank i.
     back = out.permute(2, 0, 1, 3).reshape(2 * n, s // 2, b, hq, d).index_select(0, to_ranks)
     mine = all_to_all_region(back.view(n, s, b, hq, d), cp)  # piece j: this rank's tokens, head group j

@@ -44,13 +44,12 @@ def split_batch(batch: Dict[str, Optional[torch.Tensor]], cp: MeshGroup) -> Dict
     """This rank's chunks of a ``[b, s]`` batch's tensors (tokens, labels, loss mask, position ids).
 
     Positions are filled in as ``0 .. s - 1`` where the batch has none, so the chunks keep their true positions.
-    The batch is returned as it is at CP 1. An attention mask other than None (plain causal) is refused: ring
-    attention computes causal blocks only (the config refuses ``--reset-attention-mask`` earlier).
+    The batch is returned as it is at CP 1. An attention mask (per-document, ``[b, 1, s, s]``) stays whole: it
+    is of the whole sequence, which the all-to-all attention sees after its exchange (the ring computes plain
+    causal blocks and refuses one; the config refuses ``--reset-attention-mask`` with it earlier).
     """
     if cp.size == 1:
         return batch
-    if batch.get("attention_mask") is not None:
-        raise ValueError("context parallelism runs causal attention only: the batch has an attention mask")
     tokens = batch["tokens"]
     seq = tokens.shape[1]
     index = local_token_indices(seq, cp, tokens.device)

@@ -211,7 +211,7 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGroup,
-                   scale: Optional[float] = None) -> torch.Tensor:
+                   scale: Optional[float] = None, attend_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of this rank's two load-balanced chunks over the whole sequence held by ``cp``.
 
     Args:
@@ -219,10 +219,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGr
         k, v: ``[b, G, s, d]`` keys (rotated) and values of the same tokens (``G`` divides ``H``: GQA).
         cp: the context-parallel group; at size 1 this is plain causal SDPA.
         scale: the score scale (default ``1 / sqrt(d)``).
+        attend_mask: must be None: the ring's blocks are plain causal (a per-document mask needs
+            :func:`domino.parallel.all_to_all_attention.all_to_all_attention`).
 
     Returns:
         ``[b, H, s, d]`` attention output in ``q``'s dtype, as SDPA's.
     """
+    if attend_mask is not None:
+        raise ValueError("ring attention is plain causal: an attention mask needs --cp-comm-type a2a")
     if cp.size == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=k.shape[1] != q.shape[1])

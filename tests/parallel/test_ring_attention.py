@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -57,13 +59,24 @@ def test_ring_of_one_is_plain_causal_sdpa():
     torch.testing.assert_close(R.ring_attention(q, k, v, MeshGroup()), want)
 
 
-def _ring_body(rank, world_size, plain, comm_type="p2p", heads=4, groups=2):
+def _document_mask(b, s):
+    """``[b, 1, s, s]``, True = may attend: causal within documents that start at random places of each row."""
+    g = torch.Generator().manual_seed(11)
+    segment = torch.cumsum((torch.rand(b, s, generator=g) < 0.15).long(), dim=1)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    return (causal & (segment.unsqueeze(2) == segment.unsqueeze(1))).unsqueeze(1)
+
+
+def _ring_body(rank, world_size, plain, comm_type="p2p", heads=4, groups=2, documents=False):
     cp = ParallelMesh.build(1, context_parallel_size=world_size).cp
     attention = R.ring_attention if comm_type == "p2p" else all_to_all_attention
     q, k, v = _qkv(7, s=8 * world_size, heads=heads, groups=groups)  # the whole sequence, the same on every rank
+    mask = _document_mask(q.shape[0], q.shape[2]) if documents else None
+    if mask is not None:
+        attention = partial(attention, attend_mask=mask)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=heads != groups)
+    ref = F.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=mask is None, enable_gqa=heads != groups)
     ref_grads = torch.autograd.grad(ref, full, dout)
     index = local_token_indices(q.shape[2], cp)
     local = [t.index_select(2, index).requires_grad_(True) for t in (q, k, v)]
@@ -86,12 +99,20 @@ def test_ring_attention_equals_unsplit_attention_forward_and_backward(world_size
         assert max(errors) < 1e-5, errors
 
 
-@pytest.mark.parametrize("world_size,heads,groups", [(2, 4, 2), (4, 4, 4), (4, 8, 4)])
-def test_all_to_all_attention_equals_unsplit_attention_forward_and_backward(world_size, heads, groups):
+@pytest.mark.parametrize("world_size,heads,groups,documents", [(2, 4, 2, False), (4, 4, 4, False), (4, 8, 4, False),
+                                                                (2, 4, 2, True)])
+def test_all_to_all_attention_equals_unsplit_attention_forward_and_backward(world_size, heads, groups, documents):
     """The head exchange (``--cp-comm-type a2a``): each rank's output and gradients equal unsplit SDPA's at its
-    tokens (GQA and MHA); fails if the chunks are put in the wrong order or a head group goes to the wrong rank."""
-    for errors in run_distributed(_ring_body, world_size, False, "a2a", heads, groups):
+    tokens (GQA and MHA; and with per-document masks of the whole sequence); fails if the chunks are put in the
+    wrong order or a head group goes to the wrong rank."""
+    for errors in run_distributed(_ring_body, world_size, False, "a2a", heads, groups, documents):
         assert max(errors) < 1e-5, errors
+
+
+def test_the_ring_refuses_a_mask():
+    q, k, v = _qkv(2)
+    with pytest.raises(ValueError, match="an attention mask needs --cp-comm-type a2a"):
+        R.ring_attention(q, k, v, MeshGroup.shapes_only(2, 0), attend_mask=_document_mask(2, 16))
 
 
 def test_chunk_orders_put_the_ranks_chunks_in_position_order_and_back():

@@ -88,6 +88,17 @@ def test_llama_gqa_cp2_tp2_domino_sp_zero1_recompute_trains_as_one_process(tmp_p
         _assert_same_run(reference, composed)
 
 
+def test_per_document_masks_at_cp2_a2a_train_as_cp1(tmp_path, corpus_prefix):
+    """--reset-attention-mask and --reset-position-ids with the all-to-all over heads: the batch's mask of the whole
+    sequence reaches every rank unsplit and applies after the exchange, the positions restart per document. Mock
+    data over 32 ids: the end-of-document id (the last) is one token in 32, two documents' boundaries a sample."""
+    documents = [*TINY, "--reset-attention-mask", "--reset-position-ids", "--mock-data", "--vocab-size", "32"]
+    reference = _run(tmp_path, corpus_prefix, "documents-cp1", 1, documents)
+    cp2 = _run(tmp_path, corpus_prefix, "documents-cp2", 2, [*documents, "--context-parallel-size", "2",
+                                                             "--cp-comm-type", "a2a"])
+    _assert_same_run(reference, cp2)
+
+
 def test_pipeline_stages_with_cp2_train_as_one_process(tmp_path, corpus_prefix):
     """PP 2 x CP 2 (1F1B, ZeRO 1, the DP x CP reduction overlapped with the backward): the middle of the pipeline
     passes each rank's chunks on, the last stage's loss is a CP share, and the stages' gradients are summed over CP
