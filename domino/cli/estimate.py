@@ -46,6 +46,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"asked:  {describe(asked)}{verdict}")
     if asked.layout.pipeline_model_parallel_size > 1:
         print(f"pipeline: {describe_pipeline(asked)}")
+    if asked.layout.context_parallel_size > 1:
+        hidden = "hidden under attention" if config.parallel.cp_comm_type == "p2p" else "not hidden"
+        print(f"context parallel: {asked.cp_bytes_per_step / 2**30:.3f} GiB sent per GPU per step "
+              f"(--cp-comm-type {config.parallel.cp_comm_type}, {hidden})")
     print(f"validated: {VALIDATION['validated']}; NOT validated: {VALIDATION['not_validated']}")
     if args.gpu_memory_gb is not None:
         print(f"layouts that fit in {args.gpu_memory_gb:g} GiB x {args.gpus} GPUs, best first "

@@ -39,8 +39,9 @@ from domino.config import pipeline_schedule as schedule
 from domino.config.deepspeed_memory import VALIDATION, deepspeed_buffer_bytes
 from domino.config.layout import virtual_stages
 from domino.config.memory_formulas import (
-    DEVICES, RECOMPUTE_CHOICES, Layout, ModelShape, embedding_activation_bytes, final_norm_activation_bytes,
-    layer_activation_bytes, logits_bytes, model_flops_per_token, parameter_counts, rng_record_bytes,
+    DEVICES, RECOMPUTE_CHOICES, Layout, ModelShape, context_parallel_bytes_per_layer, embedding_activation_bytes,
+    final_norm_activation_bytes, layer_activation_bytes, logits_bytes, model_flops_per_token, parameter_counts,
+    rng_record_bytes,
 )
 from domino.config.schema import DominoConfig, ModelConfig
 from domino.config.validate import ConfigError, padded_vocab_size, resolve_domino_chunks, validate, zero_stage_for
@@ -91,6 +92,8 @@ class Estimate:
     """Share of the step each stage idles (pipeline_schedule.bubble_fraction)."""
     p2p_bytes_per_step: float = 0.0
     """Bytes the busiest stage sends to its pipeline neighbours per step."""
+    cp_bytes_per_step: float = 0.0
+    """Bytes a rank of the busiest stage sends for context-parallel attention per step (0 at CP 1)."""
     forward_passes_per_token: float = 0.0
     """What a token costs in time, in forward passes: 3 (forward and backward), more with recompute, over 1 - the
     pipeline bubble (the same at every TP size, whose vocabulary padding changes the FLOPs a little)."""
@@ -121,7 +124,8 @@ class Estimate:
                 "pipeline": {"stage_of_the_figures": self.stage,
                              "total_gb_per_stage": [round(t / GB, 3) for t in self.stage_totals],
                              "num_microbatches": self.num_microbatches, "bubble_fraction": self.bubble_fraction,
-                             "p2p_gb_per_step": round(self.p2p_bytes_per_step / GB, 4)}}
+                             "p2p_gb_per_step": round(self.p2p_bytes_per_step / GB, 4)},
+                "context_parallel_gb_per_step": round(self.cp_bytes_per_step / GB, 4)}
 
 
 def training_flops_per_token(model: ModelConfig, padded_vocab: int) -> float:
@@ -244,13 +248,16 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
         global_batch = config.train.global_batch_size or layout.micro_batch_size * dp
         gpus = layout.tensor_model_parallel_size * p * dp * layout.context_parallel_size
         step = global_batch * shape.s * train_flops / (1 - bubble) / (gpus * peak_tflops * 1e12 * mfu)
-    message = message_bytes(local, layout, 2 if config.train.bf16 or config.train.fp16 else 4)
+    act = 2 if config.train.bf16 or config.train.fp16 else 4
+    message = message_bytes(local, layout, act)
     p2p = max(schedule.p2p_bytes_per_step(rank, p, m, message, v) for rank in range(p))
+    layers = -(-shape.L // p)  # the busiest stage's
+    cp_bytes = layers * m * context_parallel_bytes_per_layer(local, layout, config.parallel.cp_comm_type, act)
     return dataclasses.replace(
         stages[worst], flops_per_token=3 * flops, step_time_s=step, stage=worst,
         forward_passes_per_token=train_flops / flops / (1 - bubble),
         parameters=int(parameter_counts(shape, 1)["total"]), stage_totals=[s.total for s in stages],
-        num_microbatches=m, bubble_fraction=bubble, p2p_bytes_per_step=p2p)
+        num_microbatches=m, bubble_fraction=bubble, p2p_bytes_per_step=p2p, cp_bytes_per_step=cp_bytes)
 
 
 def layout_of(config: DominoConfig, gpus: int) -> Layout:

@@ -232,6 +232,31 @@ def logits_bytes(shape: ModelShape, layout: Layout, act_bytes: int, device: str 
     return rows * columns * (4 + extra) + accumulator
 
 
+def context_parallel_bytes_per_layer(local: ModelShape, layout: Layout, comm_type: str, act_bytes: int) -> float:
+    """Bytes one rank sends for its context-parallel attention in one layer's forward and backward of one
+    micro-batch (``local``: the shape at this rank's ``s / CP`` tokens; 0 at CP 1). With ``N`` ranks and, per TP
+    rank, queries of ``h / t`` and keys and values of ``2 h g / t`` values per token (``g``: key/value heads per
+    head):
+
+    * ``p2p`` (:mod:`domino.parallel.ring_attention`): ``N - 1`` key/value blocks forward and again backward, and
+      the ``N`` fp32 key/value gradient blocks that travel home;
+    * ``a2a`` (:mod:`domino.parallel.all_to_all_attention`): ``(N - 1) / N`` of queries, keys, values and output
+      each way, forward and (their gradients) backward.
+
+    Full recompute runs the forward's exchange once more.
+    """
+    n, t = layout.context_parallel_size, layout.tensor_model_parallel_size
+    if n == 1:
+        return 0.0
+    tokens = local.s * layout.micro_batch_size
+    kv = tokens * 2 * local.h * local.kv_fraction / t  # values of one rank's key/value block
+    forward_passes = 2 if layout.recompute == "full" else 1
+    if comm_type == "a2a":
+        exchanged = (n - 1) / n * tokens * 2 * local.h * (1 + local.kv_fraction) / t * act_bytes
+        return (forward_passes + 1) * exchanged
+    return (forward_passes + 1) * (n - 1) * kv * act_bytes + n * kv * 4
+
+
 def model_flops_per_token(shape: ModelShape) -> float:
     """Forward FLOPs per token (2 per multiply-add), Megatron's count with the attention square in full."""
     h, s = shape.h, shape.s

@@ -36,3 +36,21 @@ def test_the_search_tries_cp_only_where_the_run_allows_it():
     assert allowed == {1, 2, 4, 8}
     with_dropout = parse_config([*LONG, "--attention-dropout", "0.1"])  # ring attention has no dropout
     assert {lay.context_parallel_size for lay in candidate_layouts(with_dropout, 16)} == {1}
+
+
+def test_the_bytes_each_exchange_sends_per_step():
+    """GPT 1.3B (MHA, h 2048) at TP 8 x CP 2, 16,384 local tokens, bf16, 24 layers x 64 micro-batches per step.
+    A rank's key/value block is 16384 x 2 x 2048 / 8 = 8,388,608 values: the ring sends one forward, one backward
+    and two fp32 gradient blocks home (12 bytes per value); the all-to-all half of q, k, v and the output each way
+    (16384 x 4096 / 8 x 2 x 0.5 values of 2 bytes, twice)."""
+    block = 16384 * 2 * 2048 // 8
+    per_step = 24 * 64
+    ring = _at(parse_config(LONG), 8, 2)
+    a2a = _at(parse_config([*LONG, "--cp-comm-type", "a2a"]), 8, 2)
+    assert ring.cp_bytes_per_step == per_step * 12 * block
+    assert a2a.cp_bytes_per_step == per_step * 2 * (16384 * 4096 * 2 // 8 // 2) * 2
+    assert _at(parse_config(LONG), 8, 1).cp_bytes_per_step == 0
+    recomputed = _at(parse_config([*LONG, "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                   "--recompute-num-layers", "1"]), 8, 2)
+    assert recomputed.cp_bytes_per_step == per_step * 14 * block  # the forward's block once more
+    assert a2a.to_json()["context_parallel_gb_per_step"] == round(a2a.cp_bytes_per_step / 2**30, 4)
