@@ -127,10 +127,11 @@ class ParallelSelfAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, heads, d] -> [b, heads, s, d], views
         if rotary is not None:  # before caching: the cache holds rotated keys, as transformers' does
             q, k = rotary.rotate(q), rotary.rotate(k)
+        dropout = self.attention_dropout if self.training else 0.0
         if self.cp.size > 1:
             if kv_cache is not None:
                 raise ValueError("context-parallel attention is training attention: no KV cache")
-            return self.context_parallel_attention(q, k, v, self.cp, attend_mask=attend_mask).permute(
+            return self.context_parallel_attention(q, k, v, self.cp, attend_mask=attend_mask, dropout=dropout).permute(
                 2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         past = 0
         if kv_cache is not None:
@@ -140,7 +141,6 @@ class ParallelSelfAttention(nn.Module):
         if attend_mask is None and past > 0:
             is_causal = False  # SDPA's is_causal aligns top-left; new tokens sit at the bottom-right
             mask = torch.ones(s, past + s, dtype=torch.bool, device=q.device).tril(diagonal=past)
-        dropout = self.attention_dropout if self.training else 0.0
         # Heads are split across TP ranks, so their dropout masks must differ: use the TP RNG stream.
         with tp_region_rng(dropout > 0):
             # enable_gqa: key/value head j serves query heads j n .. (j + 1) n - 1, as transformers' repeat_kv.

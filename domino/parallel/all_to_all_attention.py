@@ -7,7 +7,8 @@ keys and values in one buffer: one collective, and GQA key heads split into the 
 ``h`` still meets key head ``h // (H / G)``). The ``2N`` chunks received are put in position order, attention runs
 as it does at CP 1 (causal SDPA over the whole sequence, any kernel the device has), the output is put back in the
 ranks' chunk order and a second all-to-all returns to every rank its own tokens, all heads (a per-document mask of
-the whole sequence, ``--reset-attention-mask``, applies as it does at CP 1). Backward is autograd's:
+the whole sequence, ``--reset-attention-mask``, applies as it does at CP 1, and so does attention dropout).
+Backward is autograd's:
 an all-to-all is its own adjoint (:func:`domino.parallel.collectives.all_to_all_region`).
 
 Transformer Engine's ``AttnFuncWithCPAndQKVOA2A`` (Megatron-LM's ``--cp-comm-type a2a``;
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from domino.parallel.collectives import all_to_all_region
+from domino.parallel.random import tp_region_rng
 from domino.runtime.mesh import MeshGroup
 
 
@@ -51,7 +53,8 @@ def _by_head_group(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGroup,
-                         scale: Optional[float] = None, attend_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         scale: Optional[float] = None, attend_mask: Optional[torch.Tensor] = None,
+                         dropout: float = 0.0) -> torch.Tensor:
     """Causal attention of this rank's two load-balanced chunks over the whole sequence held by ``cp``, by
     exchanging sequence for heads (module docstring); the interface of
     :func:`domino.parallel.ring_attention.ring_attention`.
@@ -63,6 +66,8 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
         scale: the score scale (default ``1 / sqrt(d)``).
         attend_mask: None for plain causal attention, else bool ``[b or 1, 1, S, S]`` of the whole sequence in
             position order, True = may attend (per-document masks: each rank sees the whole sequence here).
+        dropout: attention dropout, drawn from the TP stream (:func:`domino.parallel.random.tp_region_rng`),
+            which differs per TP and CP rank: each rank's head group draws its own masks.
 
     Returns:
         ``[b, H, s, d]`` attention output in ``q``'s dtype (a view of ``[s, b, H, d]`` memory).
@@ -71,8 +76,9 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
     heads, groups = q.shape[1], k.shape[1]
     causal = attend_mask is None
     if n == 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attend_mask, is_causal=causal, scale=scale,
-                                              enable_gqa=groups != heads)
+        with tp_region_rng(dropout > 0):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attend_mask, dropout_p=dropout, is_causal=causal,
+                                                  scale=scale, enable_gqa=groups != heads)
     b, _, s, d = q.shape
     if heads % n or groups % n:
         raise ValueError(f"all-to-all attention splits the heads over {n} context-parallel ranks: {heads} query "
@@ -87,8 +93,9 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
     whole = received.reshape(2 * n, s // 2, b, width, d).index_select(0, to_positions).view(n * s, b, width, d)
     hq, hg = heads // n, groups // n
     q_all, k_all, v_all = (t.permute(1, 2, 0, 3) for t in whole.split([hq, hg, hg], dim=2))
-    out = F.scaled_dot_product_attention(q_all, k_all, v_all, attn_mask=attend_mask, is_causal=causal, scale=scale,
-                                         enable_gqa=hg != hq)
+    with tp_region_rng(dropout > 0):  # this rank's heads: the TP stream (its seed differs per TP and CP rank)
+        out = F.scaled_dot_product_attention(q_all, k_all, v_all, attn_mask=attend_mask, dropout_p=dropout,
+                                             is_causal=causal, scale=scale, enable_gqa=hg != hq)
     # [b, H/N, S, d] -> the ranks' chunk order [N, s, b, H/N, d] -> piece i back to rank i.
     back = out.permute(2, 0, 1, 3).reshape(2 * n, s // 2, b, hq, d).index_select(0, to_ranks)
     mine = all_to_all_region(back.view(n, s, b, hq, d), cp)  # piece j: this rank's tokens, head group j

@@ -97,19 +97,22 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def model_parallel_seed(seed: int, tp_rank: int = 0) -> None:
+def model_parallel_seed(seed: int, tp_rank: int = 0, cp_rank: int = 0, tp_size: int = 1) -> None:
     """Seeds every generator for training.
 
     The default generators (python, numpy, torch, CUDA) get ``seed`` on every TP rank, so replicated tensors
     see identical randomness; the tracker's TP state gets ``seed + 2718 + tp_rank`` (``tp_rank``: this process's
-    place in its TP group, ``ParallelMesh.tp.rank``). Callers that want
-    different data-parallel replicas to differ add their DP rank to ``seed`` themselves.
+    place in its TP group, ``ParallelMesh.tp.rank``), Megatron's rule, plus ``tp_size x cp_rank`` on context-parallel
+    rank ``cp_rank`` > 0: those ranks hold other tokens (and, exchanged over heads, other heads' whole sequence), so
+    their split regions must draw other masks too (the TP state drives only dropout; weights initialise from the
+    default generators, the same on every CP rank). Callers that want different data-parallel replicas to differ
+    add their DP rank to ``seed`` themselves.
     """
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
     _TRACKER.reset()
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank)
+    _TRACKER.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank + tp_size * cp_rank)
 
 
 @contextlib.contextmanager

@@ -25,8 +25,9 @@ its own load balancer; domino's model runs SDPA on CPU and GPU under one mesh va
 over the same SDPA kernels where they return their log-sum-exp (:mod:`domino.parallel.kernels`).
 
 Every key/value transfer of step ``i + 1`` is in flight while block ``i`` is computed (forward and backward), and
-every gradient transfer while the next block's gradient is computed. Attention dropout is not applied (refused with
-``--context-parallel-size`` > 1 by :func:`domino.config.layout.context_parallel_problems`).
+every gradient transfer while the next block's gradient is computed. Attention dropout and masks are not applied
+(refused with ``--cp-comm-type p2p`` by :func:`domino.config.layout.context_parallel_problems`; the all-to-all
+attention takes both).
 """
 
 from __future__ import annotations
@@ -211,7 +212,8 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGroup,
-                   scale: Optional[float] = None, attend_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   scale: Optional[float] = None, attend_mask: Optional[torch.Tensor] = None,
+                   dropout: float = 0.0) -> torch.Tensor:
     """Causal attention of this rank's two load-balanced chunks over the whole sequence held by ``cp``.
 
     Args:
@@ -221,12 +223,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGr
         scale: the score scale (default ``1 / sqrt(d)``).
         attend_mask: must be None: the ring's blocks are plain causal (a per-document mask needs
             :func:`domino.parallel.all_to_all_attention.all_to_all_attention`).
+        dropout: must be 0: the blocks run without dropout (the all-to-all attention applies it).
 
     Returns:
         ``[b, H, s, d]`` attention output in ``q``'s dtype, as SDPA's.
     """
-    if attend_mask is not None:
-        raise ValueError("ring attention is plain causal: an attention mask needs --cp-comm-type a2a")
+    if attend_mask is not None or dropout > 0:
+        raise ValueError("ring attention is plain causal without dropout: an attention mask or attention dropout "
+                         "needs --cp-comm-type a2a")
     if cp.size == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=k.shape[1] != q.shape[1])

@@ -101,7 +101,7 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     schedule = agree("checking the schedules against the checkpoint", lambda: schedule_check.resumed_schedule(
         checkpoints.resume_from, config, mesh.dp.size, checkpoints.warm_start))
     padded_vocab_size = checkpoints.fit(padded_vocab_size)  # the checkpoint's vocabulary padding, its ZeRO stage
-    tp_random.model_parallel_seed(config.train.seed, mesh.tp.rank)
+    tp_random.model_parallel_seed(config.train.seed, mesh.tp.rank, mesh.cp.rank, mesh.tp.size)
 
     with collective_device(mesh.tp.process_group):  # parameters created and initialised on their device, shard by shard
         model = model_builder(config, mesh)

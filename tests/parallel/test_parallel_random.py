@@ -73,3 +73,20 @@ def test_tp_ranks_share_the_default_stream_but_not_the_tp_stream():
     (out0, in0), (out1, in1) = run_distributed(_body, 2)
     assert torch.equal(out0, out1)
     assert not torch.equal(in0, in1)
+
+
+def test_context_parallel_ranks_get_their_own_tp_stream_and_share_the_default():
+    """TP 2 x CP 2 played in one process: the four (tp, cp) places draw four TP streams, one default stream, and
+    CP rank 0's TP stream is Megatron's ``seed + 2718 + tp_rank``."""
+    draws = {}
+    for cp_rank in (0, 1):
+        for tp_rank in (0, 1):
+            model_parallel_seed(5, tp_rank, cp_rank, tp_size=2)
+            with tp_region_rng():
+                draws[tp_rank, cp_rank] = torch.rand(6)
+            draws["default", tp_rank, cp_rank] = torch.rand(6)
+    tp_streams = [draws[t, c] for t in (0, 1) for c in (0, 1)]
+    assert all(not torch.equal(a, b) for i, a in enumerate(tp_streams) for b in tp_streams[i + 1:])
+    defaults = [draws["default", t, c] for t in (0, 1) for c in (0, 1)]
+    assert all(torch.equal(defaults[0], d) for d in defaults[1:])
+    assert torch.equal(draws[1, 0], torch.rand(6, generator=torch.Generator().manual_seed(5 + 2718 + 1)))

@@ -109,10 +109,11 @@ def test_all_to_all_attention_equals_unsplit_attention_forward_and_backward(worl
         assert max(errors) < 1e-5, errors
 
 
-def test_the_ring_refuses_a_mask():
+def test_the_ring_refuses_a_mask_and_dropout():
     q, k, v = _qkv(2)
-    with pytest.raises(ValueError, match="an attention mask needs --cp-comm-type a2a"):
-        R.ring_attention(q, k, v, MeshGroup.shapes_only(2, 0), attend_mask=_document_mask(2, 16))
+    for refused in ({"attend_mask": _document_mask(2, 16)}, {"dropout": 0.1}):
+        with pytest.raises(ValueError, match="an attention mask or attention dropout needs --cp-comm-type a2a"):
+            R.ring_attention(q, k, v, MeshGroup.shapes_only(2, 0), **refused)
 
 
 def test_chunk_orders_put_the_ranks_chunks_in_position_order_and_back():

@@ -99,6 +99,21 @@ def test_per_document_masks_at_cp2_a2a_train_as_cp1(tmp_path, corpus_prefix):
     _assert_same_run(reference, cp2)
 
 
+def test_attention_dropout_at_cp2_a2a_is_drawn_and_replayed_by_recompute(tmp_path, corpus_prefix):
+    """Attention dropout with the all-to-all over heads (each rank's head group from its TP stream, seeded per CP
+    rank): the masks change the run (against dropout 0) and full recompute draws them again exactly (losses, norms
+    and weights as without recompute)."""
+    cp2 = [*TINY, "--context-parallel-size", "2", "--cp-comm-type", "a2a", "--hidden-dropout", "0"]
+    dropped = [*cp2, "--attention-dropout", "0.2"]
+    plain = _run(tmp_path, corpus_prefix, "dropped", 2, dropped)
+    recomputed = _run(tmp_path, corpus_prefix, "dropped-recomputed", 2, [
+        *dropped, "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"])
+    _assert_same_run(plain, recomputed)
+    undropped, _ = _run(tmp_path, corpus_prefix, "undropped", 2, [*cp2, "--attention-dropout", "0"])
+    # At initialisation the loss barely moves (near-uniform attention); the first gradient norm does (0.3 %).
+    assert abs(plain[0][1][1] - undropped[1][1]) > 1e-3 * undropped[1][1], (plain[0], undropped)
+
+
 def test_pipeline_stages_with_cp2_train_as_one_process(tmp_path, corpus_prefix):
     """PP 2 x CP 2 (1F1B, ZeRO 1, the DP x CP reduction overlapped with the backward): the middle of the pipeline
     passes each rank's chunks on, the last stage's loss is a CP share, and the stages' gradients are summed over CP
