@@ -42,8 +42,8 @@ VALIDATION: Dict[str, str] = {
                      "the CUDA caching allocator's reserve beyond the usable fraction, the step time (an "
                      "assumed MFU), the interleaved schedule's stages (their micro-batches in flight checked "
                      "against torch's schedule tables only), and context parallelism (each rank's activations "
-                     "counted as its seq / CP tokens'; the ring's key/value buffers and one block's transient "
-                     "scores not counted)",
+                     "counted as its seq / CP tokens'; the ring's key/value buffers, one block's transient "
+                     "scores and the all-to-all's exchange buffers not counted)",
 }
 
 
