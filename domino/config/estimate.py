@@ -251,7 +251,7 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
     act = 2 if config.train.bf16 or config.train.fp16 else 4
     message = message_bytes(local, layout, act)
     p2p = max(schedule.p2p_bytes_per_step(rank, p, m, message, v) for rank in range(p))
-    layers = -(-shape.L // p)  # the busiest stage's
+    layers = shape.L // p  # every stage's (layer_split_problems refused an uneven split above)
     cp_bytes = layers * m * context_parallel_bytes_per_layer(local, layout, config.parallel.cp_comm_type, act)
     return dataclasses.replace(
         stages[worst], flops_per_token=3 * flops, step_time_s=step, stage=worst,
