@@ -8,8 +8,7 @@ keys and values in one buffer: one collective, and GQA key heads split into the 
 as it does at CP 1 (causal SDPA over the whole sequence, any kernel the device has), the output is put back in the
 ranks' chunk order and a second all-to-all returns to every rank its own tokens, all heads (a per-document mask of
 the whole sequence, ``--reset-attention-mask``, applies as it does at CP 1, and so does attention dropout).
-Backward is autograd's:
-an all-to-all is its own adjoint (:func:`domino.parallel.collectives.all_to_all_region`).
+Backward is autograd's: an all-to-all is its own adjoint (:func:`domino.parallel.collectives.all_to_all_region`).
 
 Transformer Engine's ``AttnFuncWithCPAndQKVOA2A`` (Megatron-LM's ``--cp-comm-type a2a``;
 ``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``: ``flash_attn_a2a_communicate``

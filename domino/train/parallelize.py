@@ -55,11 +55,12 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: DominoConfig) -> n
                          "was already applied")
     model = split_model(model, mesh.pp.rank, mesh.pp.size, virtual_stages(config))
     plan = RecomputePlan.from_config(config.train)
+    attention = CONTEXT_PARALLEL_ATTENTION[config.parallel.cp_comm_type]
     for chunk in model_chunks(model):
         if config.parallel.sequence_parallel:
             apply_sequence_parallel(chunk)
         apply_domino(chunk, config.parallel.domino_chunks or 1)
         apply_activation_recompute(chunk, plan)
         for layer in chunk.layers:
-            layer.attention.context_parallel_attention = CONTEXT_PARALLEL_ATTENTION[config.parallel.cp_comm_type]
+            layer.attention.context_parallel_attention = attention
     return model
