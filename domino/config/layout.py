@@ -121,9 +121,9 @@ def context_parallel_problems(config: DominoConfig) -> List[str]:
     """What a run with ``--context-parallel-size`` > 1 cannot do, one message each (none at CP 1).
 
     The sequence must cut into ``2 x CP`` equal chunks (Megatron's rule: ``get_batch_on_this_cp_rank`` in
-    megatron/training/utils.py views it as ``2 * cp_size`` chunks). Only ``a2a``, which runs whole-sequence
-    attention, takes per-document masks and attention dropout; it splits every TP rank's query and key/value heads
-    over the CP ranks, so both counts must divide.
+    megatron/training/utils.py views it as ``2 * cp_size`` chunks). Both exchanges take per-document masks and
+    attention dropout; ``a2a`` splits every TP rank's query and key/value heads over the CP ranks, so both counts
+    must divide.
     """
     p, m, d = config.parallel, config.model, config.data
     cp = p.context_parallel_size
@@ -144,10 +144,4 @@ def context_parallel_problems(config: DominoConfig) -> List[str]:
             problems.append(f"--cp-comm-type a2a with {flag}: the {heads} query and {groups} key/value heads of each "
                             f"TP rank (--num-attention-heads, --num-query-groups / --tensor-model-parallel-size {tp}) "
                             f"must both be divisible by {cp}; use --cp-comm-type p2p")
-    if m.attention_dropout > 0 and p.cp_comm_type == "p2p":
-        problems.append(f"--attention-dropout {m.attention_dropout} with {flag} --cp-comm-type p2p: not supported "
-                        "(the ring's blocks run without dropout); use --cp-comm-type a2a or --attention-dropout 0")
-    if d.reset_attention_mask and p.cp_comm_type == "p2p":
-        problems.append(f"--reset-attention-mask with {flag} --cp-comm-type p2p: not supported (the ring's blocks "
-                        "are plain causal); use --cp-comm-type a2a")
     return problems

@@ -25,44 +25,73 @@ its own load balancer; domino's model runs SDPA on CPU and GPU under one mesh va
 over the same SDPA kernels where they return their log-sum-exp (:mod:`domino.parallel.kernels`).
 
 Every key/value transfer of step ``i + 1`` is in flight while block ``i`` is computed (forward and backward), and
-every gradient transfer while the next block's gradient is computed. Attention dropout and masks are not applied
-(refused with ``--cp-comm-type p2p`` by :func:`domino.config.layout.context_parallel_problems`; the all-to-all
-attention takes both).
+every gradient transfer while the next block's gradient is computed.
+
+A per-document mask (``--reset-attention-mask``) is causal, so the same visibility holds and each block reads its
+rows and columns of the whole mask; a row a block hides whole contributes nothing (``lse = -inf``). Attention
+dropout is applied block by block to the probabilities the block's own log-sum-exp normalises: the merge rescales
+them to the whole row's softmax, so every kept probability ends up scaled as unsplit dropout scales it. The masks
+are drawn from the TP stream in forward and drawn again, in the same order, from the generator state forward
+started with (flash attention keeps a seed and offset for the same purpose).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import contextlib
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from domino.parallel.kernels import kernels_for
+from domino.parallel.random import tp_region_rng
 from domino.runtime.mesh import MeshGroup
 
 KV_TAG, GRAD_TAG = 0, 1  # the two transfers may be in flight at once between the same pair of ranks
 
 
-def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+def _hidden(mask: Optional[torch.Tensor], causal: bool, s: int, t: int, device: torch.device
+            ) -> Optional[torch.Tensor]:
+    """Which scores of a block are hidden (True), broadcastable to ``[b, G, n, s, t]``: ``~mask`` of a
+    ``[b or 1, 1, s, t]`` block of the attention mask, else the causal triangle, else none."""
+    if mask is not None:
+        return ~mask.unsqueeze(2)
+    return torch.ones(s, t, dtype=torch.bool, device=device).triu(1) if causal else None
+
+
+def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                  mask: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None, dropout: float = 0.0
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Textbook attention of ``[b, H, s, d]`` queries over ``[b, G, t, d]`` keys/values (GQA: key head ``j`` serves
-    query heads ``j n .. j n + n - 1``): ``(out [b, H, s, d], lse [b, H, s] fp32)``."""
+    query heads ``j n .. j n + n - 1``): ``(out [b, H, s, d], lse [b, H, s] fp32)``.
+
+    ``mask`` (bool ``[b or 1, 1, s, t]``, True = may attend) replaces the causal triangle; a row it hides whole gets
+    ``lse = -inf`` and a zero output, so the merge ignores it. ``keep`` (bool ``[b, H, s, t]``) is the block's
+    dropout mask: the probabilities it keeps are scaled by ``1 / (1 - dropout)``, the log-sum-exp is the undropped
+    one (what the merge and the backward need, as flash attention's)."""
     b, heads, s, d = q.shape
-    groups = k.shape[1]
+    groups, t = k.shape[1], k.shape[2]
     qg = q.float().reshape(b, groups, heads // groups, s, d)
     scores = torch.matmul(qg, k.float().unsqueeze(2).transpose(-1, -2)) * scale  # [b, G, n, s, t]
-    if causal:
-        scores = scores.masked_fill(torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).triu(1),
-                                    float("-inf"))
+    hidden = _hidden(mask, causal, s, t, q.device)
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float().unsqueeze(2))
+    probs = torch.exp(scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1))  # a wholly hidden row: all zeros
+    if keep is not None:
+        probs = probs * keep.reshape(probs.shape) / (1 - dropout)
+    out = torch.matmul(probs, v.float().unsqueeze(2))
     return out.reshape(b, heads, s, d).to(q.dtype), lse.reshape(b, heads, s)
 
 
 def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, causal: bool, scale: float) -> Tuple[torch.Tensor, ...]:
-    """Gradients of one block given the merged ``out`` and ``lse`` of the whole rows: ``(dq, dk, dv)`` in fp32."""
+                   lse: torch.Tensor, causal: bool, scale: float, mask: Optional[torch.Tensor] = None,
+                   keep: Optional[torch.Tensor] = None, dropout: float = 0.0) -> Tuple[torch.Tensor, ...]:
+    """Gradients of one block given the merged ``out`` and ``lse`` of the whole rows: ``(dq, dk, dv)`` in fp32.
+
+    With dropout (``keep`` as in :func:`_math_forward`) the rows' correction term is still ``sum(dout * out)`` of
+    the dropped output: the kept probabilities' gradient is scaled as they were."""
     b, heads, s, d = q.shape
     groups, n = k.shape[1], heads // k.shape[1]
 
@@ -72,12 +101,17 @@ def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     qg, dog, og, lg = grouped(q), grouped(dout), grouped(out), grouped(lse)
     kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
     scores = torch.matmul(qg, kf.transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).triu(1),
-                                    float("-inf"))
+    hidden = _hidden(mask, causal, s, k.shape[2], q.device)
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.exp(scores - lg.unsqueeze(-1))  # the whole row's softmax, on this block's keys
-    dv = torch.matmul(probs.transpose(-1, -2), dog).sum(2)
     dprobs = torch.matmul(dog, vf.transpose(-1, -2))
+    if keep is not None:
+        kept = keep.reshape(probs.shape) / (1 - dropout)
+        dv = torch.matmul((probs * kept).transpose(-1, -2), dog).sum(2)
+        dprobs = dprobs * kept
+    else:
+        dv = torch.matmul(probs.transpose(-1, -2), dog).sum(2)
     dscores = probs * (dprobs - (dog * og).sum(-1, keepdim=True)) * scale
     dq = torch.matmul(dscores, kf).reshape(b, heads, s, d)
     dk = torch.matmul(dscores.transpose(-1, -2), qg).sum(2)
@@ -88,28 +122,64 @@ def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _fused_cpu_forward(q, k, v, causal, scale):
-    """SDPA's fused CPU kernel, which returns the block's log-sum-exp (GQA keys expanded to the query heads)."""
+def _additive(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The fused CPU kernel takes a mask as scores to add, in the query's dtype."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _fused_cpu_forward(q, k, v, causal, scale, mask=None, keep=None, dropout=0.0):
+    """SDPA's fused CPU kernel, which returns the block's log-sum-exp (GQA keys expanded to the query heads). It
+    has no dropout (``keep`` must be None), and gives a row a mask hides whole ``lse = 0``: set to ``-inf`` here,
+    as the math kernel's, so that the merge ignores the row."""
+    assert keep is None, "SDPA's fused CPU kernel has no dropout: the ring picks the math blocks for it"
     heads = q.shape[1]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, _expand(k, heads), _expand(v, heads), 0.0, causal, scale=scale)
+        q, _expand(k, heads), _expand(v, heads), 0.0, causal and mask is None, attn_mask=_additive(mask, q.dtype),
+        scale=scale)
+    if mask is not None:
+        lse = lse.masked_fill(~mask.any(-1), float("-inf"))
     return out, lse
 
 
-def _fused_cpu_backward(dout, q, k, v, out, lse, causal, scale):
+def _fused_cpu_backward(dout, q, k, v, out, lse, causal, scale, mask=None, keep=None, dropout=0.0):
+    assert keep is None, "SDPA's fused CPU kernel has no dropout: the ring picks the math blocks for it"
     heads, groups = q.shape[1], k.shape[1]
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, _expand(k, heads), _expand(v, heads), out, lse, 0.0, causal, scale=scale)
+        dout, q, _expand(k, heads), _expand(v, heads), out, lse, 0.0, causal and mask is None,
+        attn_mask=_additive(mask, q.dtype), scale=scale)
     if groups != heads:  # each key head's gradient is the sum over the query heads it served
         dk, dv = (g.reshape(g.shape[0], groups, heads // groups, *g.shape[2:]).sum(2) for g in (dk, dv))
     return dq.float(), dk.float(), dv.float()
 
 
-def _block_kernels(device: torch.device):
-    """``(forward, backward)`` of one block on ``device``: the one place they are chosen."""
-    if kernels_for(device).ring_blocks_fused:
+def _block_kernels(device: torch.device, dropout: float = 0.0):
+    """``(forward, backward)`` of one block on ``device``: the one place they are chosen (dropout: the math
+    blocks, which take the ring's own masks)."""
+    if kernels_for(device).ring_blocks_fused and dropout == 0:
         return _fused_cpu_forward, _fused_cpu_backward
     return _math_forward, _math_backward
+
+
+def _keep_mask(shape: Tuple[int, ...], dropout: float, device: torch.device) -> torch.Tensor:
+    """One block's dropout mask (True = kept), from the generator the ring runs under (the TP stream)."""
+    return torch.rand(shape, device=device) >= dropout
+
+
+def _generator_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def _replaying(state: torch.Tensor, device: torch.device) -> Iterator[None]:
+    """Runs the block with ``device``'s generator at ``state``, then puts the generator back as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
+        yield
 
 
 def _shift(tensor: torch.Tensor, cp: MeshGroup, tag: int) -> Tuple[torch.Tensor, List[dist.Work]]:
@@ -127,14 +197,40 @@ def _wait(requests: Optional[List[dist.Work]]) -> None:
         request.wait()
 
 
-def _block_of(step: int, cp: MeshGroup) -> Tuple[int, str]:
-    """The owner of the key/value block held at ``step`` and which part of it this rank's queries see."""
+def _block_of(step: int, cp: MeshGroup, half: int) -> Tuple[int, bool, slice, slice]:
+    """The block held at ``step``: ``(owner, causal, rows, keys)``, the rank whose keys/values it is, whether it is
+    the causal diagonal, and which of this rank's query rows see which of the block's key positions."""
     owner = (cp.rank - step) % cp.size
-    return owner, "diagonal" if step == 0 else ("earlier" if owner < cp.rank else "later")
+    if step == 0:
+        return owner, True, slice(None), slice(None)
+    if owner < cp.rank:  # chunk `owner` precedes both query chunks, chunk 2N-1-owner follows both
+        return owner, False, slice(None), slice(0, half)
+    return owner, False, slice(half, None), slice(None)  # both key chunks precede chunk 2N-1-r only
+
+
+def _mask_rows(attend_mask: Optional[torch.Tensor], cp: MeshGroup, half: int) -> Optional[torch.Tensor]:
+    """The rows of this rank's two chunks of a whole-sequence mask ``[b or 1, 1, S, S]``: ``[b or 1, 1, s, S]``."""
+    if attend_mask is None:
+        return None
+    r, last = cp.rank, 2 * cp.size - 1
+    return torch.cat((attend_mask[:, :, r * half:(r + 1) * half],
+                      attend_mask[:, :, (last - r) * half:(last - r + 1) * half]), dim=2)
+
+
+def _mask_block(rows_mask: Optional[torch.Tensor], owner: int, cp: MeshGroup, half: int, rows: slice,
+                keys: slice) -> Optional[torch.Tensor]:
+    """The part of this rank's mask rows a block covers: the owner's two chunks' columns, then ``rows, keys``."""
+    if rows_mask is None:
+        return None
+    last = 2 * cp.size - 1
+    columns = torch.cat((rows_mask[..., owner * half:(owner + 1) * half],
+                         rows_mask[..., (last - owner) * half:(last - owner + 1) * half]), dim=-1)
+    return columns[:, :, rows, keys]
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Merges one block's result into the running fp32 ``out``/``lse`` (views of the rows it covers), in place."""
+    """Merges one block's result into the running fp32 ``out``/``lse`` (views of the rows it covers), in place. The
+    running ``lse`` is finite (the diagonal holds every row's own token); a row the block hides has ``-inf``."""
     merged = torch.logaddexp(lse, block_lse)
     out.mul_(torch.exp(lse - merged).unsqueeze(-1))
     out.add_(block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1))
@@ -143,72 +239,67 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGroup, scale: float):
-        forward, _ = _block_kernels(q.device)
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGroup, scale: float,
+                attend_mask: Optional[torch.Tensor], dropout: float):
+        forward, _ = _block_kernels(q.device, dropout)
         half = q.shape[2] // 2
+        rows_mask = _mask_rows(attend_mask, cp, half)
+        rng = _generator_state(q.device) if dropout > 0 else None  # backward replays the blocks' dropout masks
         held = torch.stack((k, v))  # [2, b, G, s, d]: one contiguous buffer travels the ring
         out = lse = None
         for step in range(cp.size):
             # Launch: the next step's block in flight while this one is computed; waited at the end of the step.
             incoming, requests = _shift(held, cp, KV_TAG) if step + 1 < cp.size else (None, None)
-            _, part = _block_of(step, cp)
-            bk, bv = held[0], held[1]
-            if part == "diagonal":
-                block_out, lse = forward(q, bk, bv, True, scale)
-                out = block_out.float()
-            elif part == "earlier":
-                block_out, block_lse = forward(q, bk[:, :, :half], bv[:, :, :half], False, scale)
-                _merge(out, lse, block_out, block_lse)
+            owner, causal, rows, keys = _block_of(step, cp, half)
+            bq, bk, bv = q[:, :, rows], held[0][:, :, keys], held[1][:, :, keys]
+            keep = _keep_mask((*bq.shape[:3], bk.shape[2]), dropout, q.device) if dropout > 0 else None
+            block_out, block_lse = forward(bq, bk, bv, causal, scale, _mask_block(rows_mask, owner, cp, half, rows,
+                                                                                  keys), keep, dropout)
+            if causal:
+                out, lse = block_out.float(), block_lse
             else:
-                block_out, block_lse = forward(q[:, :, half:], bk, bv, False, scale)
-                _merge(out[:, :, half:], lse[:, :, half:], block_out, block_lse)
+                _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             _wait(requests)  # wait: the next block has arrived (and ours has left)
             held = incoming
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.scale = cp, scale
+        ctx.save_for_backward(q, k, v, out, lse, attend_mask, rng)
+        ctx.cp, ctx.scale, ctx.dropout = cp, scale, dropout
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        cp, scale = ctx.cp, ctx.scale
-        _, backward = _block_kernels(q.device)
+        q, k, v, out, lse, attend_mask, rng = ctx.saved_tensors
+        cp, scale, dropout = ctx.cp, ctx.scale, ctx.dropout
+        _, backward = _block_kernels(q.device, dropout)
         half = q.shape[2] // 2
+        rows_mask = _mask_rows(attend_mask, cp, half)
         dout = dout.contiguous()
         held = torch.stack((k, v))
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         grads, grad_requests = None, None  # the key/value gradient of the block held, travelling with it
-        for step in range(cp.size):
-            # Launch: the next step's block in flight while this one's gradient is computed.
-            incoming, requests = _shift(held, cp, KV_TAG) if step + 1 < cp.size else (None, None)
-            _, part = _block_of(step, cp)
-            bk, bv = held[0], held[1]
-            keys = slice(None)  # the key positions of the held block these queries see
-            if part == "diagonal":
-                bq, bkk, bvv = backward(dout, q, bk, bv, out, lse, True, scale)
-                dq += bq
-            elif part == "earlier":
-                keys = slice(0, half)
-                bq, bkk, bvv = backward(dout, q, bk[:, :, keys], bv[:, :, keys], out, lse, False, scale)
-                dq += bq
-            else:
-                bq, bkk, bvv = backward(dout[:, :, half:], q[:, :, half:], bk, bv, out[:, :, half:],
-                                        lse[:, :, half:], False, scale)
-                dq[:, :, half:] += bq
-            _wait(grad_requests)  # wait: the gradient so far of the block held has arrived from the previous rank
-            if grads is None:  # the first step: the block's gradient starts here
-                grads = torch.zeros(held.shape, dtype=torch.float32, device=q.device)
-            grads[0, :, :, keys] += bkk  # into the travelling buffer itself: no per-step zeroed copy
-            grads[1, :, :, keys] += bvv
-            # Launch: this block's gradient on to the next rank (the last step's reaches the block's owner),
-            # in flight while the next block's gradient is computed; waited at the next step or after the loop.
-            sending = grads  # kept alive until its send is waited on
-            grads, grad_requests = _shift(sending, cp, GRAD_TAG)
-            _wait(requests)  # wait: the next block has arrived
-            held = incoming
+        with _replaying(rng, q.device) if rng is not None else contextlib.nullcontext():
+            for step in range(cp.size):
+                # Launch: the next step's block in flight while this one's gradient is computed.
+                incoming, requests = _shift(held, cp, KV_TAG) if step + 1 < cp.size else (None, None)
+                owner, causal, rows, keys = _block_of(step, cp, half)
+                bq, bk, bv = q[:, :, rows], held[0][:, :, keys], held[1][:, :, keys]
+                keep = _keep_mask((*bq.shape[:3], bk.shape[2]), dropout, q.device) if dropout > 0 else None
+                bdq, bdk, bdv = backward(dout[:, :, rows], bq, bk, bv, out[:, :, rows], lse[:, :, rows], causal,
+                                         scale, _mask_block(rows_mask, owner, cp, half, rows, keys), keep, dropout)
+                dq[:, :, rows] += bdq
+                _wait(grad_requests)  # wait: the gradient so far of the block held has arrived from the previous rank
+                if grads is None:  # the first step: the block's gradient starts here
+                    grads = torch.zeros(held.shape, dtype=torch.float32, device=q.device)
+                grads[0, :, :, keys] += bdk  # into the travelling buffer itself: no per-step zeroed copy
+                grads[1, :, :, keys] += bdv
+                # Launch: this block's gradient on to the next rank (the last step's reaches the block's owner),
+                # in flight while the next block's gradient is computed; waited at the next step or after the loop.
+                sending = grads  # kept alive until its send is waited on
+                grads, grad_requests = _shift(sending, cp, GRAD_TAG)
+                _wait(requests)  # wait: the next block has arrived
+                held = incoming
         _wait(grad_requests)  # wait: our own block's gradient, summed over every rank's queries, is back
-        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGroup,
@@ -221,19 +312,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGr
         k, v: ``[b, G, s, d]`` keys (rotated) and values of the same tokens (``G`` divides ``H``: GQA).
         cp: the context-parallel group; at size 1 this is plain causal SDPA.
         scale: the score scale (default ``1 / sqrt(d)``).
-        attend_mask: must be None: the ring's blocks are plain causal (a per-document mask needs
-            :func:`domino.parallel.all_to_all_attention.all_to_all_attention`).
-        dropout: must be 0: the blocks run without dropout (the all-to-all attention applies it).
+        attend_mask: None for plain causal attention, else bool ``[b or 1, 1, S, S]`` of the whole sequence in
+            position order, True = may attend; it must be causal (per-document masks are): each block reads the
+            part of it its queries and keys cover.
+        dropout: attention dropout, drawn block by block from the TP stream
+            (:func:`domino.parallel.random.tp_region_rng`, which differs per TP and CP rank) and replayed in
+            backward; the blocks then run the math kernel (SDPA's fused CPU kernel has no dropout).
 
     Returns:
         ``[b, H, s, d]`` attention output in ``q``'s dtype, as SDPA's.
     """
-    if attend_mask is not None or dropout > 0:
-        raise ValueError("ring attention is plain causal without dropout: an attention mask or attention dropout "
-                         "needs --cp-comm-type a2a")
     if cp.size == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                              enable_gqa=k.shape[1] != q.shape[1])
+        with tp_region_rng(dropout > 0):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attend_mask, dropout_p=dropout,
+                                                  is_causal=attend_mask is None, scale=scale,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
     if q.shape[2] % 2:
         raise ValueError(f"ring attention needs an even number of local tokens (two chunks), got {q.shape[2]}")
-    return _RingAttention.apply(q, k, v, cp, scale if scale is not None else q.shape[-1] ** -0.5)
+    with tp_region_rng(dropout > 0):  # the blocks' dropout masks: this rank's stream
+        return _RingAttention.apply(q, k, v, cp, scale if scale is not None else q.shape[-1] ** -0.5, attend_mask,
+                                    dropout)

@@ -34,8 +34,8 @@ def test_activations_and_logits_split_over_cp_and_the_work_does_not():
 def test_the_search_tries_cp_only_where_the_run_allows_it():
     allowed = {lay.context_parallel_size for lay in candidate_layouts(parse_config(LONG), 16)}
     assert allowed == {1, 2, 4, 8}
-    with_dropout = parse_config([*LONG, "--attention-dropout", "0.1"])  # ring attention has no dropout
-    assert {lay.context_parallel_size for lay in candidate_layouts(with_dropout, 16)} == {1}
+    short = parse_config([*LONG, "--seq-length", "20"])  # 2 x CP equal chunks: 20 = 4 x 5
+    assert {lay.context_parallel_size for lay in candidate_layouts(short, 16)} == {1, 2}
 
 
 def test_the_bytes_each_exchange_sends_per_step():

@@ -53,6 +53,33 @@ def test_block_kernels_equal_sdpa_and_each_other(causal, groups):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_block_kernels_take_a_mask_and_give_rows_it_hides_nothing():
+    """A block of a per-document mask: rows it lets see something equal SDPA's; rows it hides whole come back as
+    ``lse = -inf`` and a zero output from both kernels (the fused CPU kernel's own answer there is ``lse = 0``,
+    which the merge would count as a block of weight 1)."""
+    q, k, v = _qkv(4, s=12)
+    k, v = k[:, :, :8], v[:, :, :8]
+    mask = torch.rand(1, 1, 12, 8, generator=torch.Generator().manual_seed(2)) < 0.5
+    mask[..., 3:, 0] = True
+    mask[..., :3, :] = False  # the first three rows see no key of this block
+    seen = [t.clone().requires_grad_(True) for t in (q[:, :, 3:], k, v)]
+    ref = F.scaled_dot_product_attention(*seen, attn_mask=mask[:, :, 3:], enable_gqa=True)
+    dout = torch.randn(q.shape)
+    dout[:, :, :3] = 0
+    ref_grads = torch.autograd.grad(ref, seen, dout[:, :, 3:])
+    scale = q.shape[-1] ** -0.5
+    for forward, backward in ((R._math_forward, R._math_backward), (R._fused_cpu_forward, R._fused_cpu_backward)):
+        out, lse = forward(q, k, v, False, scale, mask)
+        torch.testing.assert_close(out[:, :, 3:], ref.detach(), rtol=1e-5, atol=1e-5)
+        assert (out[:, :, :3] == 0).all() and torch.isneginf(lse[:, :, :3]).all()
+        assert torch.isfinite(lse[:, :, 3:]).all()
+        dq, dk, dv = backward(dout, q, k, v, out, lse.nan_to_num(neginf=0.0), False, scale, mask)
+        torch.testing.assert_close(dq[:, :, 3:], ref_grads[0], rtol=1e-4, atol=1e-5)
+        assert (dq[:, :, :3] == 0).all()
+        torch.testing.assert_close(dk, ref_grads[1], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(dv, ref_grads[2], rtol=1e-4, atol=1e-5)
+
+
 def test_ring_of_one_is_plain_causal_sdpa():
     q, k, v = _qkv(1)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -91,12 +118,60 @@ def _ring_body(rank, world_size, plain, comm_type="p2p", heads=4, groups=2, docu
     return [(got.detach() - w).abs().max().item() for got, w in zip([out, *grads], want)]
 
 
-@pytest.mark.parametrize("world_size,plain", [(2, False), (4, False), (2, True)])
-def test_ring_attention_equals_unsplit_attention_forward_and_backward(world_size, plain):
-    """Each rank's output and its q, k and v gradients equal unsplit SDPA's at its tokens: fails if the chunk
-    order, the per-step visibility, the log-sum-exp merge or the key/value gradients' trip home is wrong."""
-    for errors in run_distributed(_ring_body, world_size, plain):
+@pytest.mark.parametrize("world_size,plain,documents", [(2, False, False), (4, False, False), (2, True, False),
+                                                        (2, False, True), (4, False, True), (2, True, True)])
+def test_ring_attention_equals_unsplit_attention_forward_and_backward(world_size, plain, documents):
+    """Each rank's output and its q, k and v gradients equal unsplit SDPA's at its tokens, plain causal and with
+    per-document masks, with either block kernel: fails if the chunk order, the per-step visibility, a block's
+    part of the mask, the log-sum-exp merge or the key/value gradients' trip home is wrong."""
+    for errors in run_distributed(_ring_body, world_size, plain, "p2p", 4, 2, documents):
         assert max(errors) < 1e-5, errors
+
+
+def _dropout_body(rank, world_size, p=0.3):
+    """The ring with dropout against unsplit attention given the same masks: the ones the ring drew (recorded)."""
+    cp = ParallelMesh.build(1, context_parallel_size=world_size).cp
+    q, k, v = _qkv(5, s=8 * world_size)
+    b, heads, total, _ = q.shape
+    index = local_token_indices(total, cp)
+    drawn, draw = [], R._keep_mask
+    R._keep_mask = lambda *args: drawn.append(draw(*args)) or drawn[-1]
+    local = [t.index_select(2, index).requires_grad_(True) for t in (q, k, v)]
+    torch.manual_seed(100 + rank)
+    out = R.ring_attention(*local, cp, dropout=p)
+    after_forward = torch.get_rng_state()
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    grads = torch.autograd.grad(out, local, dout.index_select(2, index))
+    replayed = len(drawn) == 2 * world_size and all(torch.equal(a, b) for a, b in zip(drawn[:world_size],
+                                                                                       drawn[world_size:]))
+    kept = torch.zeros(b, heads, total, total)  # the whole sequence's keep mask: each rank fills its rows
+    for step, keep in enumerate(drawn[:world_size]):
+        owner, _, rows, keys = R._block_of(step, cp, index.numel() // 2)
+        owner_index = local_token_indices(total, MeshGroup.shapes_only(world_size, owner))
+        kept[:, :, index[rows].unsqueeze(1), owner_index[keys].unsqueeze(0)] = keep.float()
+    torch.distributed.all_reduce(kept)
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    fq, fk, fv = full[0], *(t.repeat_interleave(2, dim=1) for t in full[1:])
+    scores = (fq @ fk.transpose(-1, -2)) * fq.shape[-1] ** -0.5
+    probs = scores.masked_fill(torch.ones(total, total, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    ref = (probs * kept / (1 - p)) @ fv
+    ref_grads = torch.autograd.grad(ref, full, dout)
+    want = [ref.detach().index_select(2, index)] + [g.index_select(2, index) for g in ref_grads]
+    errors = [(got.detach() - w).abs().max().item() for got, w in zip([out, *grads], want)]
+    dropped = 1 - torch.cat([d.flatten() for d in drawn]).float().mean().item()
+    return errors, replayed, torch.equal(after_forward, torch.get_rng_state()), dropped
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ring_dropout_equals_unsplit_attention_with_the_same_masks(world_size):
+    """Dropout block by block, rescaled by the merge, is unsplit dropout: output and gradients equal unsplit
+    attention given the masks the ring drew; backward draws the same masks again and leaves the generator as
+    forward left it. Fails if a block's probabilities are dropped before the merge's rescaling is right, the
+    backward draws other masks, or the dropped probabilities' gradient is not scaled."""
+    for errors, replayed, generator_kept, dropped in run_distributed(_dropout_body, world_size):
+        assert max(errors) < 1e-5, errors
+        assert replayed and generator_kept
+        assert 0.2 < dropped < 0.4, dropped
 
 
 @pytest.mark.parametrize("world_size,heads,groups,documents", [(2, 4, 2, False), (4, 4, 4, False), (4, 8, 4, False),
@@ -107,13 +182,6 @@ def test_all_to_all_attention_equals_unsplit_attention_forward_and_backward(worl
     wrong order or a head group goes to the wrong rank."""
     for errors in run_distributed(_ring_body, world_size, False, "a2a", heads, groups, documents):
         assert max(errors) < 1e-5, errors
-
-
-def test_the_ring_refuses_a_mask_and_dropout():
-    q, k, v = _qkv(2)
-    for refused in ({"attend_mask": _document_mask(2, 16)}, {"dropout": 0.1}):
-        with pytest.raises(ValueError, match="an attention mask or attention dropout needs --cp-comm-type a2a"):
-            R.ring_attention(q, k, v, MeshGroup.shapes_only(2, 0), **refused)
 
 
 def test_chunk_orders_put_the_ranks_chunks_in_position_order_and_back():
