@@ -22,15 +22,15 @@
 # from where this file was written.) The cuda stage keeps the base's own torch build (pinned during the
 # install); check which one with `docker run --rm <image> python -c "import torch; print(torch.__version__)"`.
 #
-# The grace period on SIGTERM: torchrun gives its ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (the launcher
-# sets it from terminationGracePeriodSeconds) only in a torch with pytorch/pytorch#172596 (merged 2026-03;
-# torch 2.13's distributed/launcher/api.py LaunchConfig.shutdown_timeout). NVIDIA's release notes give the
-# base's torch: 25.12 ships 2.10.0a0+b4e4ee81d3 (docs.nvidia.com/deeplearning/frameworks/pytorch-release-notes/
-# rel-25-12.html), 25.01 2.6.0a0+ecf3bae40a (NVIDIA's container/torch table in "PyTorch for Jetson Platform"),
-# a year before that PR, so on the default base torchrun SIGKILLs the ranks 30 s after
-# SIGTERM whatever the grace period, and `domino pretrain` says so in one line at start-up. A base whose torch
-# carries that PR (check `LaunchConfig.shutdown_timeout` in it) lifts the limit: pass it as PYTORCH_IMAGE. The
-# default stays 25.01 until such a release is verified here; on it a save after SIGTERM must fit in 30 s.
+# The grace period on SIGTERM: a torchrun that receives SIGTERM gives its ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+# seconds only in a torch with pytorch/pytorch#172596 (merged 2026-03; torch 2.13's distributed/launcher/api.py
+# LaunchConfig.shutdown_timeout), and a fixed 30 s before it. NVIDIA's release notes give the base's torch: 25.12
+# ships 2.10.0a0+b4e4ee81d3 (docs.nvidia.com/deeplearning/frameworks/pytorch-release-notes/rel-25-12.html), 25.01
+# 2.6.0a0+ecf3bae40a (NVIDIA's container/torch table in "PyTorch for Jetson Platform"), a year before that PR.
+# The jobs domino renders do not depend on it: their container's first process is the signal relay
+# (domino/launch/signal_relay.py), which hands the pod's SIGTERM to the ranks past torchrun, so the ranks have
+# the whole grace period on this base too. A torchrun started without the relay (a --command of your own) still
+# SIGKILLs 30 s after SIGTERM on this base, and `domino pretrain` says so in one line at start-up.
 
 ARG PYTORCH_IMAGE=nvcr.io/nvidia/pytorch:25.01-py3
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm

@@ -51,8 +51,9 @@ from typing import Callable, Deque, Dict, List, Optional
 from domino.launch import naming
 from domino.launch.outcome import JobResult, LaunchInterrupted, interrupt_on_signals
 from domino.launch.parallel_layout import derive_layout
+from domino.launch.processes import alive, process_tree, signal_tree
 from domino.launch.job_api import DEFAULT_JOB_API, JobApi, job_api
-from domino.launch.render import container_command
+from domino.launch.render import container_command, relay_prefix
 from domino.launch.spec import JobSpec, LaunchSpecError
 
 
@@ -76,12 +77,20 @@ def map_path(text: str, mount_path: str, workdir: str) -> str:
 
 
 def local_command(spec: JobSpec, name: str, workdir: str) -> List[str]:
-    """The container command with ``torchrun`` -> this interpreter's ``torch.distributed.run``."""
+    """The container command with ``torchrun`` and ``python`` -> this interpreter (its ``torch.distributed.run``),
+    the signal relay's command included."""
     command = [map_path(arg, spec.mount_path, workdir) for arg in container_command(spec, name)]
+    relay = relay_prefix(spec)
+    if command[:len(relay)] == relay:
+        return [sys.executable, *relay[1:], *_this_interpreter(command[len(relay):])]
+    return _this_interpreter(command)
+
+
+def _this_interpreter(command: List[str]) -> List[str]:
     if command[0] == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
-    elif command[0] in ("python", "python3"):
-        command[0] = sys.executable
+        return [sys.executable, "-m", "torch.distributed.run", *command[1:]]
+    if command[0] in ("python", "python3"):
+        return [sys.executable, *command[1:]]
     return command
 
 
@@ -94,62 +103,6 @@ def retryable(restart_policy: str, code: int) -> bool:
 
 def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode  # killed by signal N -> 128 + N, like a container
-
-
-def process_tree(pid: int) -> List[int]:
-    """``pid`` and all its descendants (from /proc; just ``pid`` where there is no /proc).
-
-    A replica is more than its process group: torchrun starts each rank in a session of its own
-    (torch ``elastic/multiprocessing/subprocess_handler``: ``start_new_session``), so the ranks must be
-    found by parentage, and before signalling (an orphan is re-parented to init).
-    """
-    children: Dict[int, List[int]] = collections.defaultdict(list)
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return [pid]
-    for entry in entries:
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as handle:
-                    ppid = int(handle.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children[ppid].append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        todo += children.get(current, [])
-    return tree
-
-
-def signal_tree(pids: List[int], sig: int) -> None:
-    """Sends ``sig`` to every process of ``pids`` (gone ones are skipped)."""
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def _alive(pids: List[int]) -> List[int]:
-    """The processes of ``pids`` that still run (not gone, not a zombie waiting to be reaped); where there is no
-    /proc, every process that still exists."""
-    out = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as handle:
-                if handle.read().rsplit(b")", 1)[1].split()[0] != b"Z":
-                    out.append(pid)
-        except (OSError, IndexError):
-            if not os.path.isdir("/proc"):
-                try:
-                    os.kill(pid, 0)
-                    out.append(pid)
-                except OSError:
-                    pass
-    return out
 
 
 def _kill(procs: List[subprocess.Popen], grace_s: float) -> List[int]:
@@ -169,7 +122,7 @@ def _kill(procs: List[subprocess.Popen], grace_s: float) -> List[int]:
             proc.wait(max(0.0, end - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-        left = _alive(trees.get(proc.pid, []))
+        left = alive(trees.get(proc.pid, []))
         overdue += left
         signal_tree(left, signal.SIGKILL)
         proc.wait()

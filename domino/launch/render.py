@@ -35,6 +35,8 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 ISTIO_INJECT = "sidecar.istio.io/inject"
 #: The image's $HOME (Dockerfile): an emptyDir, since the root filesystem is read-only.
 HOME_DIR = "/home/domino"
+#: The module that runs the training command as the container's first process.
+RELAY_MODULE = "domino.launch.signal_relay"
 
 
 def checkpoint_dir(spec: JobSpec, name: str) -> str:
@@ -49,9 +51,9 @@ def metrics_port(spec: JobSpec) -> Optional[int]:
 
 
 def container_command(spec: JobSpec, name: str) -> List[str]:
-    """The training container's command: the override verbatim, else torchrun + pretrain + resume flags
-    (``--exit-signal-handler`` unless the arguments say otherwise, ``--save``/``--load``, and with
-    ``--parallel-layout derive`` the tensor-parallel size derived for the job's pods).
+    """The training container's command: the override verbatim, else the signal relay (:func:`relay_prefix`) running
+    torchrun + pretrain + resume flags (``--exit-signal-handler`` unless the arguments say otherwise,
+    ``--save``/``--load``, and with ``--parallel-layout derive`` the tensor-parallel size derived for the job's pods).
 
     A restart must resume the run's own checkpoint: without ``--save`` the job saves into its folder on the
     volume; without ``--load`` it loads from where it saves (``-- --save X`` gets ``--load X``, not an
@@ -69,7 +71,13 @@ def container_command(spec: JobSpec, name: str) -> List[str]:
     # A pod being evicted gets SIGTERM: save where training stands before the grace period ends.
     if not has_flag(args, "--exit-signal-handler") and not has_flag(args, "--no-exit-signal-handler"):
         args.append("--exit-signal-handler")
-    return ["torchrun", "-m", "domino", "pretrain", *args]
+    return [*relay_prefix(spec), "torchrun", "-m", "domino", "pretrain", *args]
+
+
+def relay_prefix(spec: JobSpec) -> List[str]:
+    """What the training command starts with: the signal relay as the container's first process, so a SIGTERM
+    reaches the ranks with the whole grace period on every torch (:mod:`domino.launch.signal_relay`)."""
+    return ["python", "-m", RELAY_MODULE, "--grace-period-s", str(spec.termination_grace_period_s)]
 
 
 def escape_expansion(arg: str) -> str:

@@ -8,11 +8,14 @@ for the device, and by the time it is read the all-reduce of a few bytes has lon
 and reads the same flags in the same order, so every rank stops at the same iteration: the one after the signal
 reached any rank (one step of lag, for no stall).
 
-The time left after SIGTERM is torchrun's shutdown timeout: it forwards the signal to its workers and SIGKILLs
-them ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds later (the launcher derives it from the pod's grace period,
-:func:`domino.launch.defaults.shutdown_timeout_s`). torch reads that variable only since pytorch/pytorch#172596
-(merged 2026-03; torch 2.13 ``distributed/launcher/api.py`` ``LaunchConfig.shutdown_timeout``); an older torchrun
-kills after a fixed 30 s whatever the variable says, which :func:`startup_warnings` reports.
+The time left after SIGTERM: in a launched job, the pod's grace period, since the signal relay
+(:mod:`domino.launch.signal_relay`, the container's first process) hands the signal to the ranks past torchrun and
+exports the period as ``DOMINO_GRACE_PERIOD_S``. A torchrun that receives SIGTERM itself (started by hand, or by
+``--command``) forwards it and SIGKILLs the ranks ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds later (the launcher
+derives it from the grace period, :func:`domino.launch.defaults.shutdown_timeout_s`); torch reads that variable
+only since pytorch/pytorch#172596 (merged 2026-03; torch 2.13 ``distributed/launcher/api.py``
+``LaunchConfig.shutdown_timeout``), and an older torchrun kills after a fixed 30 s whatever the variable says,
+which :func:`startup_warnings` reports.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from domino.config import DominoConfig
+from domino.launch.signal_relay import GRACE_PERIOD_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +60,16 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def under_signal_relay() -> bool:
+    """Whether the signal relay started this process's torchrun (it exports the grace period)."""
+    return GRACE_PERIOD_ENV in os.environ
+
+
 def grace_period_s() -> Optional[float]:
-    """Seconds between SIGTERM and the SIGKILL that follows it, when known: torchrun's shutdown timeout."""
+    """Seconds between SIGTERM and the SIGKILL that follows it, when known: the pod's grace period under the signal
+    relay, else torchrun's shutdown timeout."""
+    if under_signal_relay():
+        return float(os.environ[GRACE_PERIOD_ENV])
     if not under_torchrun():
         return None
     if not torchrun_honours_shutdown_timeout():
@@ -76,8 +88,8 @@ def startup_warnings(config: DominoConfig, engine) -> List[str]:
     """The one-line warnings for a run that a SIGTERM could cost its progress (logged by rank 0)."""
     out = []
     wanted = os.environ.get(SHUTDOWN_TIMEOUT_ENV)
-    if under_torchrun() and not torchrun_honours_shutdown_timeout() and wanted and float(wanted) > \
-            TORCHRUN_DEFAULT_SHUTDOWN_S:
+    if under_torchrun() and not under_signal_relay() and not torchrun_honours_shutdown_timeout() and wanted and \
+            float(wanted) > TORCHRUN_DEFAULT_SHUTDOWN_S:
         out.append(f"torch {torch.__version__}: torchrun ignores {SHUTDOWN_TIMEOUT_ENV}={wanted} and kills the ranks "
                    f"{TORCHRUN_DEFAULT_SHUTDOWN_S} s after SIGTERM (the setting needs a torch with "
                    "pytorch/pytorch#172596): a save after SIGTERM must fit in 30 s")
@@ -86,8 +98,9 @@ def startup_warnings(config: DominoConfig, engine) -> List[str]:
         estimate = estimated_save_s(engine)
         if estimate > grace:
             out.append(f"--exit-signal-handler: a save is estimated at {estimate:.0f} s (at "
-                       f"{ASSUMED_WRITE_BYTES_PER_S / 1e6:.0f} MB/s), longer than the {grace:.0f} s torchrun waits "
-                       f"after SIGTERM ({SHUTDOWN_TIMEOUT_ENV}): raise the grace period or save periodically")
+                       f"{ASSUMED_WRITE_BYTES_PER_S / 1e6:.0f} MB/s), longer than the {grace:.0f} s left after "
+                       f"SIGTERM ({GRACE_PERIOD_ENV if under_signal_relay() else SHUTDOWN_TIMEOUT_ENV}): raise the "
+                       "grace period or save periodically")
     return out
 
 

@@ -24,7 +24,8 @@ def test_pretrain_tp2_across_two_replicas_then_resume(tmp_path):
     job = render_job(spec, "e2e")
     validate_job(job)
     command = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["command"]
-    assert command[:4] == ["torchrun", "-m", "domino", "pretrain"]
+    assert command[:9] == ["python", "-m", "domino.launch.signal_relay", "--grace-period-s", "180", "torchrun", "-m",
+                           "domino", "pretrain"]
 
     lines = []
     result = run_job(spec, "local", run_id="e2e", workdir=str(tmp_path), log=lines.append, timeout_s=240)

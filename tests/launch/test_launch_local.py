@@ -41,7 +41,8 @@ def test_replica_env_matches_the_operator_table():
 def test_torchrun_resolves_to_this_interpreter_and_mount_path_maps_to_workdir():
     spec = JobSpec(name="gpt", image="i", pretrain_args=["--data-path", "/mnt/domino/data/x", "--tag=/mnt/dominoX"])
     cmd = local_command(spec, "gpt-r", "/work/dir")
-    assert cmd[:5] == [sys.executable, "-m", "torch.distributed.run", "-m", "domino"]
+    assert cmd[:9] == [sys.executable, "-m", "domino.launch.signal_relay", "--grace-period-s", "180", sys.executable,
+                       "-m", "torch.distributed.run", "-m"]  # the relay's command too
     assert "/work/dir/data/x" in cmd and "--tag=/mnt/dominoX" in cmd  # only whole path prefixes
     assert cmd[cmd.index("--save") + 1] == "/work/dir/checkpoints/gpt-r"
 

@@ -26,7 +26,8 @@ from domino.checkpoint import discovery, on_disk
 from domino.config.flags import ArgumentParser
 from domino.launch import JobSpec, LaunchSpecError
 from domino.launch.flags import add_spec_flags, spec_from_args
-from domino.launch.local_backend import LocalLauncher, process_tree, signal_tree
+from domino.launch.local_backend import LocalLauncher
+from domino.launch.processes import process_tree, signal_tree
 from domino.launch.parallel_layout import derive_layout
 from domino.launch.pretrain_args import resolve_pretrain
 from domino.launch.pretrain_flags import flag_value

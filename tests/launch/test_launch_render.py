@@ -70,7 +70,7 @@ def test_pod_security_and_volumes_follow_the_contract():
         assert volumes[mounts["/mnt/domino"]]["persistentVolumeClaim"] == {"claimName": "domino-data"}
         assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
-        assert container["command"][:4] == ["torchrun", "-m", "domino", "pretrain"]
+        assert container["command"][:9] == [*["python", "-m", "domino.launch.signal_relay", "--grace-period-s", "180"], "torchrun", "-m", "domino", "pretrain"]
         assert pod["automountServiceAccountToken"] is False
     assert job["spec"]["nprocPerNode"] == "2"
     assert job["metadata"]["labels"][naming.RUN_ID_LABEL] == "r1"
@@ -156,7 +156,7 @@ def test_cli_render_prints_the_job(capsys):
     validate_job(job)
     assert job["metadata"]["name"] == "gpt-abc"
     master = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
-    assert master["containers"][0]["command"][4:9] == ["--preset", "tiny", "--train-iters", "4", "--mock-data"]
+    assert master["containers"][0]["command"][9:14] == ["--preset", "tiny", "--train-iters", "4", "--mock-data"]
     assert master["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
 

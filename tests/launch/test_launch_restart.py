@@ -12,7 +12,8 @@ import time
 import pytest
 
 from domino.launch import JobSpec
-from domino.launch.local_backend import LocalLauncher, process_tree
+from domino.launch.local_backend import LocalLauncher
+from domino.launch.processes import process_tree
 
 PRETRAIN = ["--preset", "tiny", "--tensor-model-parallel-size", "2", "--domino-chunks", "2", "--num-workers", "0",
             "--log-interval", "1", "--eval-iters", "0", "--seed", "7", "--train-iters", "8", "--save-interval", "2",

@@ -95,8 +95,8 @@ def test_trainer_client_train_with_only_training_arguments_creates_a_trainjob_of
     # args, its command stays): a pretrain command line domino accepts.
     _, pod = node(runtime)
     argv = pod["containers"][0]["command"] + job["spec"]["trainer"]["args"]
-    assert argv[:4] == ["torchrun", "-m", "domino", "pretrain"]
-    resolve_pretrain(JobSpec(name=name, image="i", nodes=2, gpus_per_node=8, nproc_per_node=8, pretrain_args=argv[4:]))
+    assert argv[:9] == [*["python", "-m", "domino.launch.signal_relay", "--grace-period-s", "180"], "torchrun", "-m", "domino", "pretrain"]
+    resolve_pretrain(JobSpec(name=name, image="i", nodes=2, gpus_per_node=8, nproc_per_node=8, pretrain_args=argv[9:]))
 
 
 def test_the_sdk_refuses_a_runtime_without_the_framework_label(runtime):

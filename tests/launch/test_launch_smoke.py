@@ -99,7 +99,7 @@ def test_the_cluster_smoke_passes_on_a_cluster_with_everything(server):
     assert len(server.cluster.dry_runs) == 3  # both APIs' jobs and a Worker pod, none stored
     assert envcheck["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1  # 2 nodes: Master + 1 Worker
     command = train["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"]
-    assert command[:4] == ["torchrun", "-m", "domino", "pretrain"] and "--mock-data" in command
+    assert command[5:9] == ["torchrun", "-m", "domino", "pretrain"] and "--mock-data" in command
 
 
 def test_each_broken_piece_fails_its_own_step(server):

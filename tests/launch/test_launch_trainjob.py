@@ -54,8 +54,8 @@ def test_cli_renders_the_issues_four_by_eight_trainjob(capsys):
     assert trainer["numNodes"] == 4 and trainer["numProcPerNode"] == 8 and trainer["image"] == "img:1"
     assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": "8"}
     assert trainer["resourcesPerNode"]["requests"] == {"cpu": "32", "memory": "128Gi", "nvidia.com/gpu": "8"}
-    assert trainer["command"][:9] == ["torchrun", "-m", "domino", "pretrain", "--preset", "tiny", "--train-iters",
-                                      "4", "--mock-data"]
+    assert trainer["command"][5:14] == ["torchrun", "-m", "domino", "pretrain", "--preset", "tiny", "--train-iters",
+                                       "4", "--mock-data"]
     assert trainer["command"][trainer["command"].index("--save") + 1] == "/mnt/domino/checkpoints/gpt-abc"
     env = {e["name"]: e["value"] for e in trainer["env"]}
     assert env["DOMINO_JOB_NAME"] == "gpt-abc" and env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"

@@ -106,7 +106,7 @@ def test_disk_full_on_one_rank_during_a_save_leaves_the_previous_checkpoint_and_
 
 
 def _kill_tree(pid: int) -> None:
-    from domino.launch.local_backend import process_tree
+    from domino.launch.processes import process_tree
 
     for member in process_tree(pid):  # torchrun starts its worker in a session of its own: kill both
         try:

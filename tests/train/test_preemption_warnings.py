@@ -22,6 +22,7 @@ def test_the_installed_torchrun_reads_the_shutdown_timeout():
 def test_a_grace_period_shorter_than_the_estimated_save_is_said_in_one_line(monkeypatch):
     config = parse_config(ARGS)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv(preemption.GRACE_PERIOD_ENV, raising=False)
     assert preemption.grace_period_s() is None and preemption.startup_warnings(config, _Engine(10**6)) == []
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "162")
@@ -33,9 +34,23 @@ def test_a_grace_period_shorter_than_the_estimated_save_is_said_in_one_line(monk
 
 
 def test_a_torchrun_without_the_shutdown_timeout_is_said_in_one_line(monkeypatch):
+    monkeypatch.delenv(preemption.GRACE_PERIOD_ENV, raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "162")
     monkeypatch.setattr(preemption, "torchrun_honours_shutdown_timeout", lambda: False)  # a torch before #172596
     assert preemption.grace_period_s() == 30
     [line] = preemption.startup_warnings(parse_config(ARGS[:-2]), _Engine(10))
     assert "torchrun ignores TORCH_ELASTIC_SHUTDOWN_TIMEOUT=162" in line and "30 s after SIGTERM" in line
+
+
+def test_under_the_signal_relay_the_time_left_is_the_grace_period_on_any_torch(monkeypatch):
+    """The relay (domino.launch.signal_relay) hands SIGTERM to the ranks past torchrun and exports the period."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "162")
+    monkeypatch.setenv(preemption.GRACE_PERIOD_ENV, "180")
+    monkeypatch.setattr(preemption, "torchrun_honours_shutdown_timeout", lambda: False)  # a torch before #172596
+    assert preemption.grace_period_s() == 180
+    assert preemption.startup_warnings(parse_config(ARGS[:-2]), _Engine(10)) == []
+    monkeypatch.setenv(preemption.GRACE_PERIOD_ENV, "1")
+    [line] = preemption.startup_warnings(parse_config(ARGS), _Engine(10**8))
+    assert "longer than the 1 s left after SIGTERM (DOMINO_GRACE_PERIOD_S)" in line
