@@ -19,7 +19,7 @@ TP=8 ring that crosses nodes). Peak FLOP/s make these upper bounds: a real step 
 
     python benchmarks/overlap.py [--iters 10] [--settings ...] [--real-domino] [--transfer launch|wait]
                                  [--hidden-size 512] [--mode pretrain|steps] [--repeats N] [--breakdown]
-                                 [--sequence-parallel] [--json]
+                                 [--sequence-parallel] [--context-parallel-size N] [--seq-length S] [--json]
 
 ``--breakdown`` also prints, per link and layout, the blocked time by call site (the labels of
 ``domino.runtime.comm_timing.comm_site``: forward waits per layer position and chunk, backward input-gradient
@@ -55,10 +55,11 @@ from domino.runtime.network_emulator import LinkEmulator, parse_spec  # noqa: E4
 LAYERS, SEQ, MICRO_BATCH, VOCAB, HEAD_DIM = 4, 128, 8, 2048, 64
 HIDDEN = 512  # --hidden-size; heads = HIDDEN / HEAD_DIM. Why 512, not 256: see set_shape()
 HEADS = HIDDEN // HEAD_DIM
+CP = 1  # --context-parallel-size: TP=2 x CP ranks, 2 x CP processes (pretrain mode)
 MODEL: list = []
 
 
-def set_shape(hidden: int, sequence_parallel: bool = False) -> None:
+def set_shape(hidden: int, sequence_parallel: bool = False, cp: int = 1, seq: int = SEQ) -> None:
     """Sets the benchmark model's hidden size (and heads, and the ``domino pretrain`` flags).
 
     The default is 512 because at 256 the CPU's fixed costs weigh more against the schedule: per-op dispatch
@@ -68,16 +69,17 @@ def set_shape(hidden: int, sequence_parallel: bool = False) -> None:
     blocked) was 1.21x synchronous TP's at hidden 256 and 1.08x at 512 (Domino 4: 1.51x and 1.33x); a GPU's
     GEMMs at the real shape are far from that regime.
     """
-    global HIDDEN, HEADS, MODEL
+    global HIDDEN, HEADS, MODEL, CP, SEQ
     if hidden % HEAD_DIM or hidden % 2:
         raise SystemExit(f"--hidden-size must be a multiple of {HEAD_DIM}, got {hidden}")
-    HIDDEN, HEADS = hidden, hidden // HEAD_DIM
+    HIDDEN, HEADS, CP, SEQ = hidden, hidden // HEAD_DIM, cp, seq
     MODEL = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
              "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size",
              str(MICRO_BATCH), "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-4",
              "--lr-warmup-iters", "2", "--eval-interval", "0", "--eval-iters", "0", "--timing-log-level", "1",
              "--num-workers", "1", "--log-interval", "1", "--tensor-model-parallel-size", "2"]
     MODEL += ["--sequence-parallel"] if sequence_parallel else []
+    MODEL += ["--context-parallel-size", str(cp)] if cp > 1 else []
 
 
 set_shape(HIDDEN)
@@ -102,8 +104,9 @@ SETTINGS = {  # name -> modelled communication / synchronous compute
 
 
 def wire_bytes_per_step() -> int:
-    """Bytes each rank sends per step of TP=2 (fp32): see tests/model/test_model_network_emulator.py."""
-    b, s, h = MICRO_BATCH, SEQ, HIDDEN
+    """Bytes each rank sends per step of TP=2 (fp32): see tests/model/test_model_network_emulator.py. Under CP a
+    rank's TP collectives cover its ``SEQ / CP`` tokens (the ring's key/value blocks are real gloo, not emulated)."""
+    b, s, h = MICRO_BATCH, SEQ // CP, HIDDEN
     return 4 * ((2 + 4 * LAYERS) * b * s * h + 3 * b * s)  # 2 (n-1)/n = 1 for n = 2
 
 
@@ -124,7 +127,7 @@ def run(chunks: int, network: str, data: tuple, iters: int, work: Path, breakdow
     # Timing level 2 adds the comm-wait breakdown by call site (and forward/backward timers: host clocks only).
     model = [a if a != "1" or MODEL[i - 1] != "--timing-log-level" else ("2" if breakdown else "1")
              for i, a in enumerate(MODEL)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "domino", "pretrain",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(2 * CP), "-m", "domino", "pretrain",
            *model, "--domino-chunks", str(chunks), "--tokenizer", data[0], "--data-path", data[1],
            "--train-iters", str(iters), "--metrics-file", str(metrics)]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
@@ -276,18 +279,21 @@ def main() -> None:
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="pretrain mode: run every layout with --sequence-parallel (its backward also all-gathers "
                              "each kept norm-output slice again, so it sends more than wire_bytes_per_step says)")
+    parser.add_argument("--context-parallel-size", type=int, default=1,
+                        help="pretrain mode: TP=2 x this many CP ranks (2 x CP processes on the same cores)")
+    parser.add_argument("--seq-length", type=int, default=SEQ, help="the benchmark model's sequence length")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = parser.parse_args()
-    if args.sequence_parallel and args.mode == "steps":
-        raise SystemExit("--sequence-parallel is for --mode pretrain")
-    set_shape(args.hidden_size, args.sequence_parallel)
+    if (args.sequence_parallel or args.context_parallel_size > 1 or args.seq_length != SEQ) and args.mode == "steps":
+        raise SystemExit("--sequence-parallel, --context-parallel-size and --seq-length are for --mode pretrain")
+    set_shape(args.hidden_size, args.sequence_parallel, args.context_parallel_size, args.seq_length)
     if args.mode == "steps":
         out = steps_mode(args.settings, args.iters, args.transfer, HIDDEN)
     else:
         out = pretrain_mode(args)
     out.update(mode=args.mode, wire_bytes_per_step=wire_bytes_per_step(),
                model={"layers": LAYERS, "hidden": HIDDEN, "seq": SEQ, "micro_batch": MICRO_BATCH, "vocab": VOCAB,
-                      "tp": 2, "sequence_parallel": args.sequence_parallel})
+                      "tp": 2, "cp": CP, "sequence_parallel": args.sequence_parallel})
     check_losses(out)
     if args.json:
         print(json.dumps(out, indent=2))
@@ -349,7 +355,8 @@ def check_losses(out: dict) -> None:
 
 
 def print_tables(out: dict) -> None:
-    print(f"TP=2, {LAYERS} layers / hidden {HIDDEN} / seq {SEQ} / micro-batch {MICRO_BATCH}, fp32, 2 processes x "
+    print(f"TP=2 x CP={CP}, {LAYERS} layers / hidden {HIDDEN} / seq {SEQ} / micro-batch {MICRO_BATCH}, fp32, "
+          f"{2 * CP} processes x "
           f"1 thread; {out['wire_bytes_per_step'] / 2**20:.2f} MiB sent per rank per step; synchronous compute "
           f"{out['sync_compute_ms']:.0f} ms/step")
     print(f"real ratios: 16 (n-1) F / (3 B (24 h + 4 s)), n={REAL_TP}, h={REAL_H}, s={REAL_S}, "
