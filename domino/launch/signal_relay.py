@@ -17,7 +17,7 @@ finished the same save's commit, which every rank reaches together. Once the ran
 relay signals torchrun too, so that a torchrun given ``--max-restarts`` does not start them again. A signal that
 comes before torchrun has started its ranks, or to a command that is not torchrun, goes to the command itself.
 
-Being PID 1 it also reaps the orphans re-parented to it, and it exits with the command's code, or 128 + the
+As PID 1 it also reaps the orphans re-parented to it, and it exits with the command's code, or 128 + the
 signal's number when a relayed signal ended a failing command (143 for SIGTERM: retryable under the operator's
 ``ExitCode`` restart policy, as a container killed by SIGTERM is). ``--grace-period-s`` is exported to the ranks
 as ``DOMINO_GRACE_PERIOD_S``: the time they really have after a SIGTERM (:func:`domino.train.preemption.
@@ -72,11 +72,12 @@ class Relay:
             signal_tree([self.process.pid], signum)
 
     def poll(self) -> Optional[int]:
-        """The command's exit status once it has exited; meanwhile reaps orphans and tells torchrun when the
-        ranks it signalled are gone."""
+        """The command's exit status once it has exited; meanwhile reaps orphans (as PID 1, to whom the kernel
+        re-parents them; elsewhere only its own child, leaving other processes' children alone) and tells
+        torchrun when the ranks it signalled are gone."""
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status = os.waitpid(-1 if os.getpid() == 1 else self.process.pid, os.WNOHANG)
             except ChildProcessError:
                 pid = 0
             if pid == 0:
