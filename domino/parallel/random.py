@@ -128,6 +128,23 @@ def tp_region_rng(active: bool = True) -> Iterator[None]:
         yield
 
 
+def device_rng_state(device: torch.device) -> torch.Tensor:
+    """The state of the generator that draws on ``device`` (the CPU's, or that CUDA device's)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def replaying_rng(state: torch.Tensor, device: torch.device) -> Iterator[None]:
+    """Runs the block with ``device``'s generator at ``state`` (from :func:`device_rng_state`), so that it draws
+    again what was drawn from there, then puts the generator back as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
+        yield
+
+
 def get_rng_state() -> Dict[str, Any]:
     """Every random state of this process, for a checkpoint."""
     snapshot: Dict[str, Any] = {

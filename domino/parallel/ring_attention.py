@@ -38,14 +38,14 @@ started with (flash attention keeps a seed and offset for the same purpose).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from domino.parallel.kernels import kernels_for
-from domino.parallel.random import tp_region_rng
+from domino.parallel.random import device_rng_state, replaying_rng, tp_region_rng
 from domino.runtime.mesh import MeshGroup
 
 KV_TAG, GRAD_TAG = 0, 1  # the two transfers may be in flight at once between the same pair of ranks
@@ -167,21 +167,6 @@ def _keep_mask(shape: Tuple[int, ...], dropout: float, device: torch.device) -> 
     return torch.rand(shape, device=device) >= dropout
 
 
-def _generator_state(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-@contextlib.contextmanager
-def _replaying(state: torch.Tensor, device: torch.device) -> Iterator[None]:
-    """Runs the block with ``device``'s generator at ``state``, then puts the generator back as it was."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        if device.type == "cuda":
-            torch.cuda.set_rng_state(state, device)
-        else:
-            torch.set_rng_state(state)
-        yield
-
-
 def _shift(tensor: torch.Tensor, cp: MeshGroup, tag: int) -> Tuple[torch.Tensor, List[dist.Work]]:
     """Starts sending ``tensor`` to the next rank of the ring and receiving the previous rank's into a new buffer;
     returns the buffer and the requests to wait on before reading it (or overwriting ``tensor``)."""
@@ -206,6 +191,29 @@ def _block_of(step: int, cp: MeshGroup, half: int) -> Tuple[int, bool, slice, sl
     if owner < cp.rank:  # chunk `owner` precedes both query chunks, chunk 2N-1-owner follows both
         return owner, False, slice(None), slice(0, half)
     return owner, False, slice(half, None), slice(None)  # both key chunks precede chunk 2N-1-r only
+
+
+class _Block(NamedTuple):
+    """What one step computes: the held block's part that this rank's query rows ``rows`` see (key positions
+    ``keys``), its inputs, its part of the mask and its dropout mask (None without)."""
+    causal: bool
+    rows: slice
+    keys: slice
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: Optional[torch.Tensor]
+    keep: Optional[torch.Tensor]
+
+
+def _block(step: int, cp: MeshGroup, q: torch.Tensor, held: torch.Tensor, rows_mask: Optional[torch.Tensor],
+           dropout: float) -> _Block:
+    """Step ``step``'s block, forward and backward alike (backward draws the same dropout masks, in order)."""
+    half = q.shape[2] // 2
+    owner, causal, rows, keys = _block_of(step, cp, half)
+    bq, bk, bv = q[:, :, rows], held[0][:, :, keys], held[1][:, :, keys]
+    keep = _keep_mask((*bq.shape[:3], bk.shape[2]), dropout, q.device) if dropout > 0 else None
+    return _Block(causal, rows, keys, bq, bk, bv, _mask_block(rows_mask, owner, cp, half, rows, keys), keep)
 
 
 def _mask_rows(attend_mask: Optional[torch.Tensor], cp: MeshGroup, half: int) -> Optional[torch.Tensor]:
@@ -242,23 +250,20 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGroup, scale: float,
                 attend_mask: Optional[torch.Tensor], dropout: float):
         forward, _ = _block_kernels(q.device, dropout)
-        half = q.shape[2] // 2
-        rows_mask = _mask_rows(attend_mask, cp, half)
-        rng = _generator_state(q.device) if dropout > 0 else None  # backward replays the blocks' dropout masks
+        rows_mask = _mask_rows(attend_mask, cp, q.shape[2] // 2)
+        rng = device_rng_state(q.device) if dropout > 0 else None  # backward replays the blocks' dropout masks
         held = torch.stack((k, v))  # [2, b, G, s, d]: one contiguous buffer travels the ring
         out = lse = None
         for step in range(cp.size):
             # Launch: the next step's block in flight while this one is computed; waited at the end of the step.
             incoming, requests = _shift(held, cp, KV_TAG) if step + 1 < cp.size else (None, None)
-            owner, causal, rows, keys = _block_of(step, cp, half)
-            bq, bk, bv = q[:, :, rows], held[0][:, :, keys], held[1][:, :, keys]
-            keep = _keep_mask((*bq.shape[:3], bk.shape[2]), dropout, q.device) if dropout > 0 else None
-            block_out, block_lse = forward(bq, bk, bv, causal, scale, _mask_block(rows_mask, owner, cp, half, rows,
-                                                                                  keys), keep, dropout)
-            if causal:
+            block = _block(step, cp, q, held, rows_mask, dropout)
+            block_out, block_lse = forward(block.q, block.k, block.v, block.causal, scale, block.mask, block.keep,
+                                           dropout)
+            if block.causal:
                 out, lse = block_out.float(), block_lse
             else:
-                _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+                _merge(out[:, :, block.rows], lse[:, :, block.rows], block_out, block_lse)
             _wait(requests)  # wait: the next block has arrived (and ours has left)
             held = incoming
         out = out.to(q.dtype)
@@ -271,21 +276,19 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, attend_mask, rng = ctx.saved_tensors
         cp, scale, dropout = ctx.cp, ctx.scale, ctx.dropout
         _, backward = _block_kernels(q.device, dropout)
-        half = q.shape[2] // 2
-        rows_mask = _mask_rows(attend_mask, cp, half)
+        rows_mask = _mask_rows(attend_mask, cp, q.shape[2] // 2)
         dout = dout.contiguous()
         held = torch.stack((k, v))
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         grads, grad_requests = None, None  # the key/value gradient of the block held, travelling with it
-        with _replaying(rng, q.device) if rng is not None else contextlib.nullcontext():
+        with replaying_rng(rng, q.device) if rng is not None else contextlib.nullcontext():
             for step in range(cp.size):
                 # Launch: the next step's block in flight while this one's gradient is computed.
                 incoming, requests = _shift(held, cp, KV_TAG) if step + 1 < cp.size else (None, None)
-                owner, causal, rows, keys = _block_of(step, cp, half)
-                bq, bk, bv = q[:, :, rows], held[0][:, :, keys], held[1][:, :, keys]
-                keep = _keep_mask((*bq.shape[:3], bk.shape[2]), dropout, q.device) if dropout > 0 else None
-                bdq, bdk, bdv = backward(dout[:, :, rows], bq, bk, bv, out[:, :, rows], lse[:, :, rows], causal,
-                                         scale, _mask_block(rows_mask, owner, cp, half, rows, keys), keep, dropout)
+                block = _block(step, cp, q, held, rows_mask, dropout)
+                rows, keys = block.rows, block.keys
+                bdq, bdk, bdv = backward(dout[:, :, rows], block.q, block.k, block.v, out[:, :, rows],
+                                         lse[:, :, rows], block.causal, scale, block.mask, block.keep, dropout)
                 dq[:, :, rows] += bdq
                 _wait(grad_requests)  # wait: the gradient so far of the block held has arrived from the previous rank
                 if grads is None:  # the first step: the block's gradient starts here
