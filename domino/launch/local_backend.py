@@ -51,7 +51,7 @@ from typing import Callable, Deque, Dict, List, Optional
 from domino.launch import naming
 from domino.launch.outcome import JobResult, LaunchInterrupted, interrupt_on_signals
 from domino.launch.parallel_layout import derive_layout
-from domino.launch.processes import alive, process_tree, signal_tree
+from domino.launch.processes import alive, container_exit_code, process_tree, signal_tree
 from domino.launch.job_api import DEFAULT_JOB_API, JobApi, job_api
 from domino.launch.render import container_command, relay_prefix
 from domino.launch.spec import JobSpec, LaunchSpecError
@@ -99,10 +99,6 @@ def retryable(restart_policy: str, code: int) -> bool:
     if restart_policy == "ExitCode":
         return 128 <= code <= 255
     return code != 0
-
-
-def _exit_code(returncode: int) -> int:
-    return 128 - returncode if returncode < 0 else returncode  # killed by signal N -> 128 + N, like a container
 
 
 def _kill(procs: List[subprocess.Popen], grace_s: float) -> List[int]:
@@ -210,7 +206,7 @@ class LocalLauncher:
         while deadline is None or time.monotonic() < deadline:
             if self._preempted.is_set():
                 return self._suspend(name, replicas[0])
-            failed = next(((replica, _exit_code(proc.poll())) for replica, proc in self.processes.items()
+            failed = next(((replica, container_exit_code(proc.poll())) for replica, proc in self.processes.items()
                            if proc.poll() not in (None, 0)), None)
             if failed is None:
                 if all(p.poll() == 0 for p in self.processes.values()):
@@ -282,7 +278,7 @@ class LocalLauncher:
                else f"every pod exited within it, after {took:.1f} s")
         self.log(f"[{name}] Suspended: pods gone; {how}")
         return JobResult(name, False, "Suspended", f"Preempted: the job was suspended and its pods deleted with a "
-                         f"{self.grace_s:g} s grace period; {how}", [], _exit_code(self.processes[master].poll()))
+                         f"{self.grace_s:g} s grace period; {how}", [], container_exit_code(self.processes[master].poll()))
 
     def kill_replica(self, replica: str, sig: int = signal.SIGKILL) -> None:
         """Sends ``sig`` to every process of ``replica`` at once: what losing its pod (its node) does."""

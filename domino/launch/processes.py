@@ -76,3 +76,8 @@ def alive(pids: List[int]) -> List[int]:
                 except OSError:
                     pass
     return out
+
+
+def container_exit_code(returncode: int) -> int:
+    """A process's exit code as a container reports it: killed by signal N (``returncode`` -N) -> 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode

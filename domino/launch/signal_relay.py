@@ -34,7 +34,7 @@ import sys
 import time
 from typing import List, Optional
 
-from domino.launch.processes import alive, children, signal_tree
+from domino.launch.processes import alive, children, container_exit_code, signal_tree
 
 #: The variable the relay exports to the ranks: the pod's grace period in seconds.
 GRACE_PERIOD_ENV = "DOMINO_GRACE_PERIOD_S"
@@ -92,7 +92,7 @@ class Relay:
 
     def exit_code(self, status: int) -> int:
         """The container's exit code for the command's ``status`` (a negative status: killed by that signal)."""
-        code = 128 - status if status < 0 else status
+        code = container_exit_code(status)
         if code != 0 and self.received is not None:
             return 128 + self.received
         return code
