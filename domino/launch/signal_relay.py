@@ -6,9 +6,11 @@ it receives and SIGKILLs the ranks a fixed 30 s later in a torch without pytorch
 ``elastic/agent/server/api.py`` ``SimpleElasticAgent.run`` -> ``_shutdown(timeout=self._shutdown_timeout)``;
 before that PR ``PContext.close``'s default ``timeout=30``), which is what the default CUDA base
 (``nvcr.io/nvidia/pytorch:25.01-py3``, torch 2.6) ships: a save after SIGTERM that needs longer is lost whatever
-the pod's grace period. The kubelet signals only a container's first process (the runtime's stop signal to the
-init process, SIGKILL of the whole container when ``terminationGracePeriodSeconds`` ends), so with the relay
-there torchrun never receives the signal: the ranks have the grace period itself.
+the pod's grace period. The kubelet signals only a container's first process (``killContainer`` asks the
+runtime to stop the container with the grace period as timeout: the stop signal to its init process, SIGKILL of
+the whole container when the timeout ends; kubernetes ``pkg/kubelet/kuberuntime/kuberuntime_container.go``, as
+:func:`domino.launch.local_backend._kill` models it), so with the relay there torchrun never receives the signal:
+the ranks have the grace period itself.
 
 What follows is torchrun's ordinary failure path. The ranks save at the next step and exit 143
 (:mod:`domino.train.preemption`); the first rank's exit makes torchrun SIGTERM the others and SIGKILL them 30 s
