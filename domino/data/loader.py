@@ -12,6 +12,7 @@ from typing import Iterator, List, Optional
 
 import torch
 
+from domino.child_signals import ShieldedWorkerInit, stop_signals_held
 from domino.data.errors import DataError
 
 
@@ -64,6 +65,16 @@ class MegatronPretrainingSampler:
                 yield last
 
 
+class StopSignalSafeLoader(torch.utils.data.DataLoader):
+    """A ``DataLoader`` whose workers ignore SIGTERM and SIGINT: the rank that reads from it decides what a stop
+    signal means (save at the next step), and a worker killed by it would end the rank first
+    (:mod:`domino.child_signals`)."""
+
+    def __iter__(self):
+        with stop_signals_held():  # the workers start in here; a stop signal meanwhile waits for the rank
+            return super().__iter__()
+
+
 def build_pretraining_data_loader(dataset: Optional[torch.utils.data.Dataset], consumed_samples: int,
                                   micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int,
                                   num_workers: int, pin_memory: Optional[bool] = None
@@ -88,5 +99,6 @@ def build_pretraining_data_loader(dataset: Optional[torch.utils.data.Dataset], c
     extra = {"prefetch_factor": 2, "persistent_workers": True} if num_workers > 0 else {}
     # A private generator: starting an iterator draws a worker seed, and drawing it from the global RNG would
     # shift the dropout stream, so a resumed run would no longer repeat the uninterrupted one bit for bit.
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin,
-                                       generator=torch.Generator().manual_seed(0), **extra)
+    return StopSignalSafeLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin,
+                                generator=torch.Generator().manual_seed(0), worker_init_fn=ShieldedWorkerInit(),
+                                **extra)
