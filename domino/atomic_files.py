@@ -176,6 +176,29 @@ def atomic_write(path: str, mode: str = "wb") -> Iterator[IO]:
         raise
 
 
+def process_umask() -> int:
+    """The process's umask, read from ``Umask:`` in ``/proc/self/status`` (Linux 4.7 and later, proc(5)), since
+    ``os.umask`` reads it only by setting it, for every thread at once (an asynchronous save's writer among
+    them); elsewhere set to 077 for that instant, so a file another thread creates meanwhile is private, not
+    open to all."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return umask
+
+
+def follow_umask(path: str, bits: int = 0o666) -> None:
+    """Gives ``path`` the mode that ``open`` (``bits`` 0o666) or ``mkdir`` (0o777) gives under the umask, for
+    files and folders made private by their writer (``tempfile``, safetensors) and then published."""
+    os.chmod(path, bits & ~process_umask())
+
+
 def staging_directory(final: str) -> str:
     """A new hidden directory beside ``final`` to fill and then rename to it, with the umask's permissions.
 
@@ -186,9 +209,7 @@ def staging_directory(final: str) -> str:
 
     directory = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(final))}.",
                                  dir=os.path.dirname(os.path.abspath(final)))
-    umask = os.umask(0)  # reading the umask means setting it; put it straight back
-    os.umask(umask)
-    os.chmod(directory, 0o777 & ~umask)
+    follow_umask(directory, 0o777)
     return directory
 
 

@@ -22,7 +22,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from domino.atomic_files import staging_directory
 from domino.checkpoint import manifest
@@ -147,8 +146,8 @@ def export_hf(load: PathLike, output: PathLike, tokenizer_spec: Optional[str] = 
         (staging / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
         (staging / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": tokenizer.eod, "eos_token_id": tokenizer.eod}, indent=2) + "\n")
-        save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(staging / WEIGHTS_FILE),
-                  metadata={"format": "pt"})
+        model_shards.save_safetensors({k: v.contiguous() for k, v in hf_sd.items()}, staging / WEIGHTS_FILE,
+                                      metadata={"format": "pt"})
         tokenizer.save(str(staging))
         _publish(staging, output)
     finally:
