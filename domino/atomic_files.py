@@ -9,17 +9,23 @@ process killed mid-write (SIGKILL, OOM) leaves a temporary that no live process 
 :func:`sweep_temporaries` can remove exactly those: a record lock is released by the kernel when its
 process dies (fcntl(2); on NFS the server does it, see :mod:`domino.file_lock`). On a file system without
 record locks the temporary is written unowned and never swept.
+
+Folders published whole (``export-hf``, ``import-hf``) are filled in a :class:`StagingDirectory` beside their
+final name, owned the same way through a locked ``.staging-owner`` file inside it; the next staging directory
+for the same name removes those whose writer is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import glob
 import logging
 import os
+import shutil
 import uuid
-from typing import IO, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import IO, Callable, Iterator, List, Optional, Sequence, Set, Tuple
 
 from domino.file_lock import try_lock_descriptor
 
@@ -114,41 +120,14 @@ def _open_files() -> Optional[Set[Tuple[int, int]]]:
 
 
 def sweep_temporaries(paths: Sequence[str]) -> List[str]:
-    """Deletes the temporaries of ``paths`` (``.<name>.tmp-*`` beside each) that no live writer owns.
-
-    A temporary is removed only when this process can take its record lock (its writer is gone) and it is
-    still the file we locked; a file this process has open is never touched (its own lock would not stop
-    us, and closing our descriptor would drop it). That is asked of the open descriptors, not read from the
-    name's pid: pods have pid namespaces of their own, so a retried step's process often has the pid of
-    the killed one whose temporaries it finds. Returns the removed paths.
-    """
+    """Deletes the temporaries of ``paths`` (``.<name>.tmp-*`` beside each) that no live writer owns
+    (:func:`remove_orphan`). Returns the removed paths."""
     removed = []
     for path in paths:
         directory, base = os.path.split(os.path.abspath(path))
-        candidates = sorted(glob.glob(os.path.join(glob.escape(directory), glob.escape(f".{base}.tmp-") + "*")))
-        # Listed after the glob: a temporary of a live thread of ours was created with its descriptor open.
-        mine = _open_files()
-        if mine is None:  # our own temporaries cannot be told from the others': leave them all
-            continue
-        for temporary in candidates:
-            try:
-                status = os.stat(temporary)
-            except OSError:
-                continue
-            if (status.st_dev, status.st_ino) in mine:
-                continue
-            try:
-                descriptor = os.open(temporary, os.O_RDWR)
-            except OSError:
-                continue
-            try:
-                if _lock(descriptor) and os.stat(temporary).st_ino == os.fstat(descriptor).st_ino:
-                    os.remove(temporary)
-                    removed.append(temporary)
-            except FileNotFoundError:
-                pass
-            finally:
-                os.close(descriptor)
+        for temporary in sorted(glob.glob(os.path.join(glob.escape(directory), glob.escape(f".{base}.tmp-") + "*"))):
+            if remove_orphan(temporary, functools.partial(os.remove, temporary)):
+                removed.append(temporary)
     if removed:
         logger.warning("removed %d temporary file(s) left by killed writers: %s", len(removed), ", ".join(removed))
     return removed
@@ -176,20 +155,137 @@ def atomic_write(path: str, mode: str = "wb") -> Iterator[IO]:
         raise
 
 
-def staging_directory(final: str) -> str:
-    """A new hidden directory beside ``final`` to fill and then rename to it, with the umask's permissions.
+def process_umask() -> int:
+    """The process's umask, read from ``Umask:`` in ``/proc/self/status`` (Linux 4.7 and later, proc(5)), since
+    ``os.umask`` reads it only by setting it, for every thread at once (an asynchronous save's writer among
+    them); elsewhere set to 077 for that instant, so a file another thread creates meanwhile is private, not
+    open to all."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return umask
+
+
+def follow_umask(path: str, bits: int = 0o666) -> None:
+    """Gives ``path`` the mode that ``open`` (``bits`` 0o666) or ``mkdir`` (0o777) gives under the umask, for
+    files and folders made private by their writer (``tempfile``, safetensors) and then published."""
+    os.chmod(path, bits & ~process_umask())
+
+
+def remove_orphan(owner: str, remove: Callable[[], None]) -> bool:
+    """Runs ``remove`` when the process that created and record-locked the file ``owner`` is gone: the file
+    exists, this process does not have it open (its own lock would not stop us, and closing our descriptor would
+    drop it), no other process holds its lock, and it is still the file we locked. ``remove`` runs while we hold
+    the lock, so a writer that has just created ``owner`` and not yet locked it finds its lock taken and starts
+    over. Returns whether it ran; never where the file system has no record locks or this process's open files
+    cannot be listed.
+
+    That is asked of the lock, not read from a pid in a name: pods have pid namespaces of their own, so a
+    retried step's process often has the pid of the killed one whose files it finds.
+    """
+    mine = _open_files()
+    try:
+        status = os.stat(owner)
+    except OSError:  # no owner file (published, or not created yet): not provably an orphan
+        return False
+    if mine is None or (status.st_dev, status.st_ino) in mine:
+        return False
+    try:
+        descriptor = os.open(owner, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        if _lock(descriptor) and os.stat(owner).st_ino == os.fstat(descriptor).st_ino:
+            remove()
+            return True
+        return False
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(descriptor)
+
+
+#: The file that a staging directory's writer keeps record-locked while it fills the directory.
+STAGING_OWNER = ".staging-owner"
+
+
+class StagingDirectory:
+    """A new hidden directory beside ``final`` (``.<name>.XXXXXXXX``) to fill and then rename to it, with the
+    umask's permissions, owned by this process until :meth:`close`.
 
     ``tempfile.mkdtemp`` creates its directory with mode 0700 (it is private until published); a folder
     published by renaming it would keep that mode, and other users of a shared volume could not read it.
-    """
-    import tempfile
 
-    directory = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(final))}.",
-                                 dir=os.path.dirname(os.path.abspath(final)))
-    umask = os.umask(0)  # reading the umask means setting it; put it straight back
-    os.umask(umask)
-    os.chmod(directory, 0o777 & ~umask)
-    return directory
+    A writer killed before publishing (SIGKILL, the OOM killer) leaves the directory, as large as the output;
+    creating the next staging directory for the same ``final`` removes every one whose ``.staging-owner`` no
+    live process holds (:func:`remove_orphan`). One without an owner file (published, or killed in the instant
+    between giving it up and the rename) is never touched, nor anything else beside ``final``.
+
+    Example::
+
+        with StagingDirectory(output) as staging:
+            write_into(staging.path)
+            staging.publish(lambda: os.rename(staging.path, output))
+    """
+
+    def __init__(self, final: str) -> None:
+        import tempfile
+
+        final = os.path.abspath(final)
+        sweep_staging(final)
+        for _ in range(8):
+            self.path = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.", dir=os.path.dirname(final))
+            follow_umask(self.path, 0o777)
+            self._owner_path = os.path.join(self.path, STAGING_OWNER)
+            self._owner: Optional[int] = os.open(self._owner_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+            locked = _lock(self._owner)  # None: no record locks here, and so never swept
+            try:
+                ours = os.stat(self._owner_path).st_ino == os.fstat(self._owner).st_ino
+            except FileNotFoundError:  # another run's sweep took it between our create and our lock
+                ours = False
+            if ours and locked is not False:
+                return
+            self.close()
+        raise OSError(f"{final}: could not create a staging directory of our own")
+
+    def publish(self, move: Callable[[], None]) -> None:
+        """Removes the owner file (it is not part of the output) and runs ``move``, which renames the
+        directory into place; the lock is held until :meth:`close`, so no sweep starts in between."""
+        remove_quietly(self._owner_path)
+        move()
+
+    def close(self) -> None:
+        """Deletes what is left of the directory (nothing once published), then releases the lock."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._owner is not None:
+            os.close(self._owner)
+            self._owner = None
+
+    def __enter__(self) -> "StagingDirectory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def sweep_staging(final: str) -> List[str]:
+    """Removes the staging directories of ``final`` whose writer is gone; returns their paths."""
+    directory, base = os.path.split(os.path.abspath(final))
+    removed = []
+    for candidate in sorted(glob.glob(os.path.join(glob.escape(directory), glob.escape(f".{base}.") + "*"))):
+        if (os.path.isdir(candidate) and not os.path.islink(candidate) and remove_orphan(
+                os.path.join(candidate, STAGING_OWNER), functools.partial(shutil.rmtree, candidate, True))):
+            removed.append(candidate)
+    if removed:
+        logger.warning("removed %d staging folder(s) of killed writers of %s: %s", len(removed), final,
+                       ", ".join(removed))
+    return removed
 
 
 def atomic_write_text(path: str, text: str) -> None:

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.abspath(domino.__file__))
 #: The floors, lowest first: a package may import packages of lower floors only (not its neighbours on the
 #: same floor). ``domino`` is the package root (its ``__version__``).
 FLOORS: List[Tuple[str, ...]] = [
-    ("domino", "file_lock", "logging_utils", "child_signals"),
+    ("domino", "file_lock", "logging_utils", "child_signals", "redact"),
     ("atomic_files", "images"),
     ("config",),                      # typed configs, flags, presets, validation
     ("runtime", "launch", "tracking"),  # process groups; jobs on a cluster (no torch model); MLflow

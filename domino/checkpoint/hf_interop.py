@@ -22,9 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from domino.atomic_files import staging_directory
+from domino.atomic_files import StagingDirectory
 from domino.checkpoint import manifest
 from domino.config import ConfigError, DominoConfig, ModelConfig, config_from_dict, padded_vocab_size
 from domino.checkpoint import model_loading, model_shards, on_disk
@@ -139,20 +138,18 @@ def export_hf(load: PathLike, output: PathLike, tokenizer_spec: Optional[str] = 
         hf_sd.pop(family.output, None)
 
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(staging_directory(str(output)))
-    try:
+    with StagingDirectory(str(output)) as staged:  # a killed export's staging folder is swept by the next one
+        staging = Path(staged.path)
         config_json = {"architectures": [family.architecture], "model_type": family.model_type, **hf_config,
                        "domino": {"checkpoint": str(ckpt_dir), "iteration": meta["iteration"],
                                   "padded_vocab_size": meta["padded_vocab_size"]}}
         (staging / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
         (staging / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": tokenizer.eod, "eos_token_id": tokenizer.eod}, indent=2) + "\n")
-        save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(staging / WEIGHTS_FILE),
-                  metadata={"format": "pt"})
+        model_shards.save_safetensors({k: v.contiguous() for k, v in hf_sd.items()}, staging / WEIGHTS_FILE,
+                                      metadata={"format": "pt"})
         tokenizer.save(str(staging))
-        _publish(staging, output)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        staged.publish(lambda: _publish(staging, output))
     logger.info("exported %s (iteration %d) to %s", ckpt_dir, meta["iteration"], output)
     return output
 
@@ -258,13 +255,11 @@ def import_hf(input_dir: PathLike, output: PathLike, tokenizer_spec: Optional[st
             rows = full[name]
             full[name] = torch.cat([rows, rows.new_zeros(padded - rows.shape[0], rows.shape[1])])
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(staging_directory(str(output)))
-    try:
+    with StagingDirectory(str(output)) as staged:  # as in export_hf
+        staging = Path(staged.path)
         written = model_shards.write_weights_only_checkpoint(staging, config, full, padded, tokenizer=tokenizer)
         manifest.seal(written)
-        _publish(staging, output)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        staged.publish(lambda: _publish(staging, output))
     ckpt_dir = output / written.name
     logger.info("imported %s into %s (padded vocabulary %d)", input_dir, ckpt_dir, padded)
     return ckpt_dir

@@ -23,9 +23,9 @@ from typing import Any, Collection, Dict, List, Optional, Tuple
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save_file  # only through save_safetensors
 
-from domino.atomic_files import commit, remove_quietly, temporary_name
+from domino.atomic_files import commit, follow_umask, remove_quietly, temporary_name
 from domino.checkpoint.on_disk import (MODEL_DIR, MODEL_STAGES_KEY, TOKENIZER_DIR, Checkpoint, CheckpointError,
                                        CheckpointLike, PathLike, checkpoint_tag, read_checkpoint_meta,
                                        write_checkpoint_meta, write_latest)
@@ -41,6 +41,17 @@ def shard_file_name(tp_rank: int, stage: int = 0, stages: int = 1) -> str:
     slice held by stage 1 of several."""
     stage_part = "" if stages == 1 else f"_pp_rank_{stage:03d}"
     return f"tp_rank_{tp_rank:02d}{stage_part}.safetensors"
+
+
+def save_safetensors(tensors: StateDict, path: PathLike, metadata: Optional[Dict[str, str]] = None) -> None:
+    """safetensors' ``save_file``, then the mode every other file of a checkpoint or export gets.
+
+    ``save_file`` creates its file 0600 whatever the umask (it writes a ``tempfile::NamedTempFile``, always
+    0600, and renames it into place: safetensors/safetensors#764, reported as #782; seen with safetensors
+    0.8.0), so a serving pod running as another UID could not read the weights beside a readable config.
+    """
+    save_file(tensors, str(path), metadata=metadata)
+    follow_umask(str(path))
 
 
 def save_model_shard(ckpt_dir: PathLike, state_dict: StateDict, tp_rank: int, host_copies: bool = False,
@@ -63,7 +74,7 @@ def save_model_shard(ckpt_dir: PathLike, state_dict: StateDict, tp_rank: int, ho
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(str(final))
     try:
-        save_file(tensors, tmp, metadata={"format_version": "1", "tp_rank": str(tp_rank)})  # the shards' own
+        save_safetensors(tensors, tmp, metadata={"format_version": "1", "tp_rank": str(tp_rank)})  # the shards' own
         commit(tmp, str(final))
     finally:
         remove_quietly(tmp)

@@ -206,8 +206,6 @@ def convert_per_tensor(path, output, progress: Optional[bool] = None) -> Path:
     ``NAME.safetensors`` under ``output/model/`` and ``output/optimizer/``, with ``index.json`` listing them."""
     found = Checkpoint.open(path)
     ckpt, meta = found.path, found.meta
-    from safetensors.torch import save_file
-
     output = Path(output)
     groups = {"model": model_shards.load_full_state_dict(found)}
     if found.optimizer_format == "by-name":
@@ -221,7 +219,7 @@ def convert_per_tensor(path, output, progress: Optional[bool] = None) -> Path:
         for group, tensors in groups.items():
             (tmp / group).mkdir()
             for name, tensor in sorted(tensors.items()):
-                save_file({name: tensor.contiguous()}, str(tmp / group / f"{name}.safetensors"))
+                model_shards.save_safetensors({name: tensor.contiguous()}, tmp / group / f"{name}.safetensors")
                 index[f"{group}/{name}"] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).split(".")[-1]}
                 bar.update(1)
     (tmp / "index.json").write_text(json.dumps({"checkpoint": str(ckpt), "iteration": meta["iteration"],

@@ -29,6 +29,7 @@ The rules that make it safe to share:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -40,7 +41,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Set
 
-from domino.atomic_files import atomic_write_text, fsync_directory
+from domino.atomic_files import atomic_write_text, fsync_directory, remove_orphan
 from domino.file_lock import exclusive_lock, try_lock_descriptor
 
 logger = logging.getLogger(__name__)
@@ -116,30 +117,13 @@ def sweep_orphans(prefix: str) -> List[str]:
                 continue
             if name.startswith(".") or name in kept or build in _LIVE_BUILDS:
                 continue
-            if _writer_is_gone(os.path.join(build, OWNER)):
-                trash = os.path.join(folder, f"{_TRASH}{name}")
-                os.rename(build, trash)
+            trash = os.path.join(folder, f"{_TRASH}{name}")
+            if remove_orphan(os.path.join(build, OWNER), functools.partial(os.rename, build, trash)):
                 doomed.append((build, trash))
     for build, trash in doomed:
         shutil.rmtree(trash, ignore_errors=True)
         logger.warning("removed the unfinished dataset build %s (its writer is gone)", build)
     return [build for build, trash in doomed if build != trash]
-
-
-def _writer_is_gone(owner: str) -> bool:
-    try:
-        descriptor = os.open(owner, os.O_RDWR)
-    except FileNotFoundError:  # published (the owner file goes at publication) or not started yet
-        return False
-    try:
-        if not try_lock_descriptor(descriptor):
-            return False  # a live writer holds it
-        try:
-            return os.stat(owner).st_ino == os.fstat(descriptor).st_ino  # not replaced or removed meanwhile
-        except FileNotFoundError:
-            return False
-    finally:
-        os.close(descriptor)
 
 
 def _read_record_file(prefix: str) -> Optional[Dict[str, Any]]:

@@ -46,6 +46,7 @@ from domino.launch.api import run_job
 from domino.launch.job_api import job_api
 from domino.launch.smoke_faults import FaultSteps
 from domino.launch.spec import JobSpec
+from domino.redact import redact_text, redact_uri
 
 #: The tiny training run: a checkpoint at iteration 2 and 4, CPU-friendly.
 TRAIN_ARGS = ["--preset", "tiny", "--mock-data", "--train-iters", "4", "--save-interval", "2", "--num-workers", "0",
@@ -71,9 +72,14 @@ STORED = re.compile(r"storage: written on (\S+) as uid (\d+) \(file owner (\d+)\
 GO_DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s|µs|us|ns)")
 GO_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
 SAVED = "saved checkpoint"  # what domino.checkpoint.checkpointing logs after a save
-#: The egress probe: a GET of the tracking server's /health from a training pod, its answer printed.
-PROBE = ("import sys, urllib.request; answer = urllib.request.urlopen(sys.argv[1].rstrip('/') + '/health', "
-         "timeout=20); print('egress', answer.status, answer.read(64).decode(errors='replace'))")
+#: The egress probe: a GET of the tracking server's /health from a training pod, its answer printed. It is given
+#: the URI without secrets (a pod's command is read by whoever may list pods) and drops the userinfo and query
+#: left of them: /health needs no credentials (``_UNPROTECTED_PATH_PREFIXES`` in ``mlflow/server/auth/__init__.py``,
+#: mlflow 3.18.0).
+PROBE = ("import sys, urllib.parse, urllib.request; u = urllib.parse.urlsplit(sys.argv[1]); "
+         "url = u._replace(netloc=u.netloc.rpartition('@')[2], path=u.path.rstrip('/') + '/health', query='', "
+         "fragment='').geturl(); answer = urllib.request.urlopen(url, timeout=20); "
+         "print('egress', answer.status, answer.read(64).decode(errors='replace'))")
 
 
 @dataclasses.dataclass
@@ -117,7 +123,7 @@ class Smoke(FaultSteps):
         self.steps: List[Step] = []
 
     def _step(self, name: str, status: str, detail: str) -> None:
-        step = Step(name, status, detail)
+        step = Step(name, status, redact_text(detail))  # a job's last lines may quote the tracking URI
         self.steps.append(step)
         self.log(step.line())
 
@@ -270,11 +276,12 @@ class Smoke(FaultSteps):
             self._step("egress", "skip", "no tracking server (--tracking-uri, or MLFLOW_TRACKING_URI)")
             return
         spec = dataclasses.replace(self.spec, name=f"{self.spec.name}-egress", nodes=1, pretrain_args=[],
-                                   command=["python", "-c", PROBE, self.tracking_uri])
+                                   command=["python", "-c", PROBE, redact_uri(self.tracking_uri)])
         lines = self._job("egress", spec)
         if lines is not None:
             answer = next((line for line in lines if line.startswith("egress ")), "")
-            self._step("egress", "ok", f"a training pod reached {self.tracking_uri} ({answer or 'answered'})")
+            reached = redact_uri(self.tracking_uri)
+            self._step("egress", "ok", f"a training pod reached {reached} ({answer or 'answered'})")
 
     def cleanup(self) -> None:
         if self.backend != "cluster":

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+from domino.redact import redact_text, redact_uri
 from domino.tracking.session import apply_http_defaults
 
 logger = logging.getLogger(__name__)
@@ -76,9 +77,9 @@ def register_promotion(uri: Optional[str], promotion: Promotion) -> Optional[str
             tags={str(k): str(v) for k, v in promotion.tags.items() if v is not None and v != ""})
         client.set_registered_model_alias(promotion.model_name, promotion.alias, version.version)
     except Exception as error:  # noqa: BLE001 - the registry is a mirror of promoted.json; never fatal
-        text = " ".join(str(error).split())[:300]
+        text = redact_text(" ".join(str(error).split()))[:300]
         logger.warning("MLflow registry at %s unavailable (%s: %s): model %s not registered, alias '%s' not moved; "
-                       "promoted.json names the promoted model", uri, type(error).__name__, text,
+                       "promoted.json names the promoted model", redact_uri(uri), type(error).__name__, text,
                        promotion.model_name, promotion.alias)
         return None
     logger.info("MLflow registry: %s version %s (%s) is '%s'", promotion.model_name, version.version,

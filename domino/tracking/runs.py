@@ -4,9 +4,11 @@ A training run that saves checkpoints writes ``<--save>/.mlflow-run.json`` (the 
 and run id) once its MLflow run exists, so a resumed run (the same ``--save``) continues that run and
 ``domino evaluate --load`` logs to the run it evaluates. The leading dot keeps the file out of the checkpoint
 folder's listing that resume checks (``domino/checkpoint/resume.py`` ignores dot files); it is written
-atomically like every other file.
+atomically like every other file. The save root is on a volume many people read, so the pointer holds the URI
+without its secrets (:func:`domino.redact.redact_uri`), and a pointer matches a server by that form.
 
-Parameters are the resolved config, one per field, named like the field (the flag without dashes).
+Parameters are the resolved config, one per field, named like the field (the flag without dashes); a URI in a
+value is written without its secrets.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from domino.atomic_files import atomic_write_text
+from domino.redact import redact_text, redact_uri
 
 #: The run pointer's name inside a checkpoint save root.
 POINTER_FILE = ".mlflow-run.json"
@@ -36,7 +39,7 @@ class RunPointer:
     """The MLflow run of a save root.
 
     Attributes:
-        tracking_uri: The server the run lives on (a pointer to another server is not followed).
+        tracking_uri: The server the run lives on, without secrets (a pointer to another server is not followed).
         experiment_id: The run's experiment.
         run_id: The run.
     """
@@ -52,9 +55,10 @@ def pointer_path(save_root: str) -> str:
 
 
 def write_pointer(save_root: str, pointer: RunPointer) -> None:
-    """Records ``pointer`` in ``save_root`` (created if needed), atomically."""
+    """Records ``pointer`` in ``save_root`` (created if needed), atomically, its URI without secrets."""
     os.makedirs(save_root, exist_ok=True)
-    atomic_write_text(pointer_path(save_root), json.dumps(dataclasses.asdict(pointer), sort_keys=True) + "\n")
+    record = dataclasses.asdict(dataclasses.replace(pointer, tracking_uri=redact_uri(pointer.tracking_uri)))
+    atomic_write_text(pointer_path(save_root), json.dumps(record, sort_keys=True) + "\n")
 
 
 def read_pointer(path: str, tracking_uri: Optional[str] = None) -> Optional[RunPointer]:
@@ -69,7 +73,7 @@ def read_pointer(path: str, tracking_uri: Optional[str] = None) -> Optional[RunP
             pointer = RunPointer(**{f.name: str(data[f.name]) for f in dataclasses.fields(RunPointer)})
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        if tracking_uri is not None and pointer.tracking_uri != tracking_uri:
+        if tracking_uri is not None and pointer.tracking_uri != redact_uri(tracking_uri):
             return None
         return pointer
     return None
@@ -93,8 +97,8 @@ def _param_text(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, (list, tuple)):
-        return " ".join(map(str, value))
-    return str(value)
+        return redact_text(" ".join(map(str, value)))
+    return redact_text(str(value))
 
 
 def now_ms() -> int:

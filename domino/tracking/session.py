@@ -17,6 +17,8 @@ import queue
 import threading
 from typing import Any, Callable, Dict, Optional
 
+from domino.redact import redact_text, redact_uri
+
 logger = logging.getLogger(__name__)
 
 #: MLflow's own convention: tracking is on when this is set (``mlflow/environment_variables.py``).
@@ -31,6 +33,8 @@ CREDENTIAL_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFL
 #: ``Retry-After`` (unbounded in urllib3) is not obeyed.
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
                  "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_RESPECT_RETRY_AFTER_HEADER": "false"}
+#: MLflow's switch for the run links it prints to stdout (``mlflow/environment_variables.py``).
+SUPPRESS_URL_PRINTING_ENV = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
 #: Tasks waiting for the server before the oldest are dropped (one task is one log interval's metrics).
 MAX_PENDING = 1000
 #: How long :meth:`TrackingSession.close` waits for the queue to drain by default.
@@ -87,6 +91,12 @@ class TrackingSession:
 
     def __init__(self, uri: str, opener: Opener, what: str) -> None:
         self.uri, self.what = uri, what
+        self.shown_uri = redact_uri(uri)  # what warnings name: logs are read by more people than the server's owners
+        if self.shown_uri != uri:
+            # MLflow prints "View run ... at: <the URI whole>" when a run ends (``_log_url`` in
+            # mlflow/tracking/_tracking_service/client.py, mlflow 3.18.0) unless this is set; domino's own line
+            # names the run.
+            os.environ[SUPPRESS_URL_PRINTING_ENV] = "true"
         self.run_id: Optional[str] = None
         self.lost = 0  # tasks not logged (failed or dropped)
         self._warned = False
@@ -121,20 +131,20 @@ class TrackingSession:
             pending = self._queue.qsize()
             self.lost += pending
             logger.warning("MLflow at %s: gave up waiting after %.0f s; %d updates of the %s not logged "
-                           "(the metrics file has them all)", self.uri, timeout_s, self.lost, self.what)
+                           "(the metrics file has them all)", self.shown_uri, timeout_s, self.lost, self.what)
             return False
         if self.lost:
             logger.warning("MLflow at %s: %d updates of the %s were not logged (the metrics file has them all)",
-                           self.uri, self.lost, self.what)
+                           self.shown_uri, self.lost, self.what)
         return self.lost == 0
 
     def _fail(self, doing: str, error: BaseException) -> None:
         self.lost += 1
         if not self._warned:
             self._warned = True
-            text = " ".join(str(error).split())[:300]
+            text = redact_text(" ".join(str(error).split()))[:300]  # MLflow's errors quote the URI whole
             logger.warning("MLflow at %s unavailable while %s (%s: %s); training goes on, the metrics file "
-                           "keeps every number", self.uri, doing, type(error).__name__, text)
+                           "keeps every number", self.shown_uri, doing, type(error).__name__, text)
 
     def _work(self, opener: Opener) -> None:
         _quiet_library_loggers()

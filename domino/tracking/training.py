@@ -14,6 +14,7 @@ import logging
 import os
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from domino.redact import redact_text, redact_uri
 from domino.tracking.runs import (DEFAULT_EXPERIMENT, KFP_RUN_ID_ENV, KFP_RUN_TAG, RunPointer, flat_params, now_ms,
                                   read_pointer, write_pointer)
 from domino.tracking.session import CLOSE_TIMEOUT_S, TrackingSession, apply_http_defaults, tracking_uri
@@ -77,7 +78,7 @@ def _metrics(points: List[Scalar], stamp: int):
 def _tags(tags: Dict[str, Any]):
     from mlflow.entities import RunTag
 
-    return [RunTag(str(k), str(v)) for k, v in tags.items()]
+    return [RunTag(str(k), redact_text(str(v))) for k, v in tags.items()]
 
 
 def start_training_run(config_dict: Dict[str, Any], save_root: Optional[str], experiment_name: Optional[str],
@@ -126,7 +127,8 @@ def _open_training_run(client, uri: str, params: Dict[str, str], save_root: Opti
     if run is not None and run.info.lifecycle_stage == "active":  # else deleted: a resume starts a new run
         client.update_run(run.info.run_id, status="RUNNING")
         client.set_tag(run.info.run_id, "domino.resumed_at_iteration", str(resumed_iteration))
-        logger.info("MLflow: continuing run %s at iteration %d (%s)", run.info.run_id, resumed_iteration, uri)
+        logger.info("MLflow: continuing run %s at iteration %d (%s)", run.info.run_id, resumed_iteration,
+                    redact_uri(uri))
         return run.info.run_id
     kfp_run = os.environ.get(KFP_RUN_ID_ENV)
     name = experiment_name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
@@ -138,7 +140,7 @@ def _open_training_run(client, uri: str, params: Dict[str, str], save_root: Opti
     client.log_batch(run_id, params=[Param(key, value) for key, value in sorted(params.items())])
     if save_root:
         write_pointer(save_root, RunPointer(uri, experiment_id, run_id))
-    logger.info("MLflow: run %s in experiment '%s' (%s)", run_id, name, uri)
+    logger.info("MLflow: run %s in experiment '%s' (%s)", run_id, name, redact_uri(uri))
     return run_id
 
 
@@ -163,7 +165,8 @@ def tracker_of_checkpoint(load: str, what: str, uri: Optional[str] = None) -> Op
         return None
     pointer = read_pointer(load, uri)
     if pointer is None:
-        logger.info("MLflow: %s has no run on %s (trained without tracking): not logging the %s", load, uri, what)
+        logger.info("MLflow: %s has no run on %s (trained without tracking): not logging the %s", load,
+                    redact_uri(uri), what)
         return None
     apply_http_defaults()
     return RunTracker(TrackingSession(uri, lambda client: pointer.run_id, what))

@@ -6,6 +6,10 @@ each also written against consumed samples as ``<tag> vs samples``, so Megatron 
 MLflow (``domino.tracking``, when ``MLFLOW_TRACKING_URI`` is set) gets the same tags at the iteration, without
 the ``vs samples`` twins (it has one step axis). Only global rank 0 writes; every other rank holds a disabled
 writer so call sites need no rank checks.
+
+These are side files: a failure to write one (a full disk, a volume gone read-only) is said in one warning and
+that destination is left for the rest of the run, while training goes on. The checkpoint is the one write whose
+failure stops a run; MLflow never raises (``domino.tracking.session``).
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import json
 import logging
 import math
 import os
-from typing import Any, Dict, List, Optional, Tuple
+import threading
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+from domino.atomic_files import atomic_write_text
 from domino.tracking import RunTracker, start_training_run
 
 logger = logging.getLogger(__name__)
@@ -98,6 +104,25 @@ def tracking_scalars(record: Dict[str, Any]) -> List[Tuple[str, float, int]]:
             if step == iteration and not tag.endswith(" vs samples")]
 
 
+def _quiet_tensorboard_thread() -> None:
+    """Keeps Python from printing the traceback of TensorBoard's writer thread when a write fails: the thread
+    stores its error, then raises it again (``_AsyncWriterThread.run`` in
+    ``tensorboard/summary/writer/event_file_writer.py``, tensorboard 2.21.0), so :meth:`MetricsWriter._side`
+    gets the same error at the next call and says it in one line."""
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    previous = threading.excepthook
+    if getattr(previous, "domino_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if not isinstance(args.thread, _AsyncWriterThread):
+            previous(args)
+
+    hook.domino_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class MetricsWriter:
     """Appends metrics records to ``--metrics-file``, TensorBoard and an MLflow run (rank 0 only).
 
@@ -112,6 +137,7 @@ class MetricsWriter:
     def __init__(self, metrics_file: Optional[str], tensorboard_dir: Optional[str], enabled: bool,
                  log_timers: bool = False, metrics_port: int = 0) -> None:
         self.enabled = enabled
+        self.failed: Set[str] = set()  # the side files given up after their first failure
         self.exporter = None
         if enabled and metrics_port:
             from domino.train.prometheus import PrometheusExporter
@@ -124,9 +150,28 @@ class MetricsWriter:
         if enabled and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=tensorboard_dir)
+            _quiet_tensorboard_thread()
+            self._tb = self._side("--tensorboard-dir", tensorboard_dir,
+                                  lambda: SummaryWriter(log_dir=tensorboard_dir))
         if self.metrics_file:
-            os.makedirs(os.path.dirname(os.path.abspath(self.metrics_file)), exist_ok=True)
+            self._side("--metrics-file", self.metrics_file,
+                       lambda: os.makedirs(os.path.dirname(os.path.abspath(self.metrics_file)), exist_ok=True))
+
+    def _side(self, flag: str, path: str, write: Callable[[], Any]) -> Any:
+        """Runs one write to a side file and returns its result; on an ``OSError`` says so once and gives the
+        file up (None). TensorBoard's writer thread keeps its error and raises it at the next call
+        (``_AsyncWriter`` in ``tensorboard/summary/writer/event_file_writer.py``, tensorboard 2.21.0): caught here
+        too."""
+        if flag in self.failed:
+            return None
+        try:
+            return write()
+        except OSError as error:
+            self.failed.add(flag)
+            text = " ".join(str(error).split())[:300]
+            logger.warning("%s %s: write failed (%s: %s); training goes on without it, nothing more is written "
+                           "there (the checkpoint is not affected)", flag, path, type(error).__name__, text)
+            return None
 
     def track(self, config_dict: Dict[str, Any], logging_config, save_root: Optional[str], iteration: int,
               derived: Dict[str, Any]) -> None:
@@ -146,8 +191,10 @@ class MetricsWriter:
     def drop_after(self, iteration: int) -> None:
         """Removes records past ``iteration`` (a resumed run re-logs what the killed run logged after its
         last checkpoint); the file is rewritten atomically so a kill here loses nothing."""
-        if not self.metrics_file or not os.path.exists(self.metrics_file):
-            return
+        if self.metrics_file and os.path.exists(self.metrics_file):
+            self._side("--metrics-file", self.metrics_file, lambda: self._rewrite_up_to(iteration))
+
+    def _rewrite_up_to(self, iteration: int) -> None:
         kept = []
         with open(self.metrics_file) as f:
             for line in f:
@@ -157,35 +204,36 @@ class MetricsWriter:
                     continue  # a line cut short by a kill mid-write
                 if record.get("iteration", 0) <= iteration:
                     kept.append(json.dumps(record))
-        tmp = f"{self.metrics_file}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write("".join(line + "\n" for line in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.metrics_file)
+        atomic_write_text(self.metrics_file, "".join(line + "\n" for line in kept))
 
     def write(self, record: Dict[str, Any]) -> None:
         """Appends one JSON record and mirrors its numeric fields to TensorBoard."""
         if not self.enabled:
             return
         if self.metrics_file:
-            with open(self.metrics_file, "a") as f:
-                f.write(json.dumps(record) + "\n")
-                f.flush()
+            self._side("--metrics-file", self.metrics_file, lambda: self._append(record))
         if self._tb is not None:
-            for tag, value, step in tensorboard_scalars(record, self.log_timers):
-                self._tb.add_scalar(tag, value, step)
-            self._tb.flush()
+            self._side("--tensorboard-dir", self._tb.log_dir, lambda: self._add_scalars(record))
         if self.tracker is not None:  # queued: the tracker's thread talks to the server
             self.tracker.log_metrics(tracking_scalars(record))
         if self.exporter is not None and "eval" not in record:
             self.exporter.update(record)
 
+    def _append(self, record: Dict[str, Any]) -> None:
+        with open(self.metrics_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+    def _add_scalars(self, record: Dict[str, Any]) -> None:
+        for tag, value, step in tensorboard_scalars(record, self.log_timers):
+            self._tb.add_scalar(tag, value, step)
+        self._tb.flush()
+
     def close(self, completed: bool = True) -> None:
         """Flushes and closes TensorBoard; attaches the metrics file to the MLflow run and ends it (a completed
         run is marked finished; waiting for the server is bounded)."""
         if self._tb is not None:
-            self._tb.close()
+            self._side("--tensorboard-dir", self._tb.log_dir, self._tb.close)
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None

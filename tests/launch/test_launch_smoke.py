@@ -102,6 +102,19 @@ def test_the_cluster_smoke_passes_on_a_cluster_with_everything(server):
     assert command[5:9] == ["torchrun", "-m", "domino", "pretrain"] and "--mock-data" in command
 
 
+def test_the_smoke_writes_no_secret_of_the_tracking_uri_and_its_probe_still_reaches_the_server(server, httpserver):
+    httpserver.expect_request("/health", method="GET").respond_with_data("OK")
+    steps, lines = smoke(server, tracking_uri="http://alice:s3cretPW@mlflow.mlflow:5000/?token=t0k3n")
+    assert steps["egress"].detail.startswith("a training pod reached http://***@mlflow.mlflow:5000/?token=*** ("), lines
+    egress = [job for _, kind, job in server.cluster.history if kind == "ADDED"][-1]
+    probe = egress["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"]
+    assert not [text for text in [*lines, json.dumps(egress)] if "s3cretPW" in text or "t0k3n" in text]
+    # The probe as the pod runs it, given the redacted URI of a real server: /health needs no credentials.
+    given = httpserver.url_for("/").replace("http://", "http://***@") + "?token=***"
+    done = subprocess.run([sys.executable, *probe[1:-1], given], capture_output=True, text=True, timeout=60)
+    assert done.stdout == "egress 200 OK\n", done.stderr
+
+
 def test_each_broken_piece_fails_its_own_step(server):
     server.cluster.deployments[("kubeflow", "training-operator")] = (1, [])  # no template flag
     server.cluster.runtimes.clear()  # the TrainJob's runtime is missing
