@@ -18,7 +18,6 @@ for the same name removes those whose writer is gone.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import glob
 import logging
@@ -27,7 +26,7 @@ import shutil
 import uuid
 from typing import IO, Callable, Iterator, List, Optional, Sequence, Set, Tuple
 
-from domino.file_lock import try_lock_descriptor
+from domino.file_lock import NO_LOCKS, try_lock_descriptor
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +65,12 @@ def remove_quietly(path: str) -> None:
         os.remove(path)
 
 
-_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # a file system without record locks
-
-
 def _lock(descriptor: int) -> Optional[bool]:
     """A record lock without waiting: True taken, False held by another process, None not supported here."""
     try:
         return try_lock_descriptor(descriptor)
     except OSError as error:
-        if error.errno in _NO_LOCKS:
+        if error.errno in NO_LOCKS:
             return None
         raise
 

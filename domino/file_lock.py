@@ -31,6 +31,9 @@ import os
 import threading
 from typing import Dict, Iterator
 
+#: What a file system without record locks answers (an NFS mount with ``nolock`` gives ENOLCK, others EOPNOTSUPP or
+#: ENOSYS; fcntl(2)): callers that can do without a lock carry on unlocked, and say so.
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 _THREAD_LOCKS: Dict[str, threading.Lock] = {}  # one per lock file: record locks do not exclude threads
 _THREAD_LOCKS_GUARD = threading.Lock()
 

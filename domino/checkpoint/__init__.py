@@ -11,7 +11,8 @@
 * :mod:`~domino.checkpoint.per_rank_state`: what one rank reads back itself (RNG streams, format 1's optimizer);
 * :mod:`~domino.checkpoint.manifest`: sizes and CRC-32 of every file, verified before use;
 * :mod:`~domino.checkpoint.checkpointing`: saving a training run, atomically and agreed by all ranks;
-* :mod:`~domino.checkpoint.leftovers`: sweeping interrupted saves' temporaries while no other live run writes there;
+* :mod:`~domino.checkpoint.save_root`: one writer per save root (a record lock from start-up to exit);
+* :mod:`~domino.checkpoint.leftovers`: sweeping interrupted saves' temporaries, by the save root's holder;
 * :mod:`~domino.checkpoint.discovery`: choosing the checkpoint to start from (intact, else the newest intact);
 * :mod:`~domino.checkpoint.resume`: checking it fits the run, verifying and loading it on every rank;
 * :mod:`~domino.checkpoint.tools`: ``domino checkpoint inspect`` and ``convert``;

@@ -19,7 +19,7 @@ asynchronous saver moves the write off the critical path:
 At most one save is in flight: the next save, SIGTERM and the end of training wait for it. A crash at any
 moment leaves ``latest`` naming the previous complete checkpoint (nothing is renamed before every part is
 durable). A run that fails otherwise abandons the save in flight (its writer thread is a daemon): the
-temporary directory stays uncommitted and the next run's first save sweeps it (:mod:`domino.checkpoint.leftovers`).
+temporary directory stays uncommitted and the next run sweeps it at its start (:mod:`domino.checkpoint.leftovers`).
 
 Why a thread and not DCP's ``async_save`` (torch 2.13 ``state_dict_saver.py``, marked experimental): that
 covers only DCP's files (here the optimizer state), while the model's safetensors shards, the RNG files and the
@@ -44,7 +44,6 @@ import torch
 import torch.distributed as dist
 
 from domino.checkpoint import checkpointing, on_disk
-from domino.checkpoint.leftovers import SaveRootClaim
 from domino.config import DominoConfig
 from domino.runtime.mesh import ParallelMesh, collective_device
 from domino.runtime.agreement import AgreedFailure, agree
@@ -53,19 +52,21 @@ logger = logging.getLogger(__name__)
 
 
 class CheckpointSaver:
-    """Saves synchronously: :meth:`save` returns once the checkpoint is committed."""
+    """Saves synchronously: :meth:`save` returns once the checkpoint is committed.
 
-    def __init__(self, config: DominoConfig, mesh: ParallelMesh) -> None:
-        self.config, self.mesh = config, mesh
-        # Rank 0's lock on --save from the first save on (it sweeps interrupted saves' temporaries first).
-        self.claim = SaveRootClaim(config.checkpoint.save) if config.checkpoint.save else None
+    Args:
+        writer: the run's writer token (:func:`domino.checkpoint.save_root.hold`), naming its temporary directories.
+    """
+
+    def __init__(self, config: DominoConfig, mesh: ParallelMesh, writer: str) -> None:
+        self.config, self.mesh, self.writer = config, mesh, writer
 
     def save(self, engine, iteration: int, consumed_samples: int, padded_vocab_size: int, tokenizer=None,
              global_batch_size: Optional[int] = None, schedule: Optional[dict] = None) -> Path:
         """Saves checkpoint ``iter_{iteration}`` (collective); returns its final directory."""
         return checkpointing.save_checkpoint(engine, self.config, self.mesh, iteration, consumed_samples,
-                                             padded_vocab_size, tokenizer, global_batch_size=global_batch_size,
-                                             claim=self.claim, schedule=schedule)
+                                             padded_vocab_size, self.writer, tokenizer,
+                                             global_batch_size=global_batch_size, schedule=schedule)
 
     def poll(self) -> Optional[Path]:
         """Called at every step boundary on every rank: commits a finished background save (none here)."""
@@ -74,11 +75,6 @@ class CheckpointSaver:
     def wait(self) -> Optional[Path]:
         """Waits for the save in flight and commits it (none here)."""
         return None
-
-    def close(self) -> None:
-        """Releases the save root at the end of the run (after :meth:`wait`, or when the run failed)."""
-        if self.claim is not None:
-            self.claim.release()
 
 
 class _Pending:
@@ -116,8 +112,8 @@ class AsyncCheckpointSaver(CheckpointSaver):
     """``--async-save``: :meth:`save` returns after the snapshot; the files are written in the background and
     committed by a later :meth:`poll` (or :meth:`wait`) once every rank's part is durable."""
 
-    def __init__(self, config: DominoConfig, mesh: ParallelMesh) -> None:
-        super().__init__(config, mesh)
+    def __init__(self, config: DominoConfig, mesh: ParallelMesh, writer: str) -> None:
+        super().__init__(config, mesh, writer)
         self._pending: Optional[_Pending] = None
         self._world = dist.get_world_size() if dist.is_initialized() else 1
         self._write_group = self._agree_group = None
@@ -133,22 +129,22 @@ class AsyncCheckpointSaver(CheckpointSaver):
         """Waits for the previous save, snapshots this one and starts writing it (collective); returns the
         directory it will have once committed."""
         self.wait()  # at most one save in flight
-        checkpointing.prepare(self.config, iteration, engine, group=self._agree_group, claim=self.claim)
+        checkpointing.prepare(self.config, iteration, engine, self.writer, group=self._agree_group)
         snapshot = None
 
         def take():
             nonlocal snapshot
             snapshot = checkpointing.take_snapshot(engine, self.config, self.mesh, iteration, consumed_samples,
-                                                   padded_vocab_size, tokenizer, global_batch_size, schedule,
-                                                   host_copy)
+                                                   padded_vocab_size, self.writer, tokenizer, global_batch_size,
+                                                   schedule, host_copy)
             snapshot.copied = _copies_landed()
 
         try:
             checkpointing.collective(f"saving checkpoint {on_disk.checkpoint_tag(iteration)} (copying its state)",
                                      take, group=self._agree_group)
         except AgreedFailure as failure:
-            raise checkpointing.discard(snapshot or checkpointing.empty_snapshot(self.config, iteration), failure,
-                                      self.config) from None
+            raise checkpointing.discard(snapshot or checkpointing.empty_snapshot(self.config, iteration, self.writer),
+                                        failure, self.config) from None
         self._pending = _Pending(snapshot)
         # Launch: this rank's files written in the background; waited for in poll() (all ranks done) or wait().
         threading.Thread(target=self._write, args=(self._pending,), name=f"domino-save-{snapshot.tag}",
@@ -210,11 +206,8 @@ class AsyncCheckpointSaver(CheckpointSaver):
         return final
 
 
-def make_saver(config: DominoConfig, mesh: ParallelMesh) -> CheckpointSaver:
-    """The saver ``--async-save`` asks for, on the run's ``mesh`` (call on every rank: the asynchronous one creates
-    process groups)."""
+def make_saver(config: DominoConfig, mesh: ParallelMesh, writer: str) -> CheckpointSaver:
+    """The saver ``--async-save`` asks for, on the run's ``mesh``, writing as ``writer`` (call on every rank: the
+    asynchronous one creates process groups)."""
     c = config.checkpoint
-    saver = AsyncCheckpointSaver(config, mesh) if c.async_save and c.save else CheckpointSaver(config, mesh)
-    if saver.claim is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-        saver.claim.sweep_trash()  # also for a run that will save nothing
-    return saver
+    return (AsyncCheckpointSaver if c.async_save and c.save else CheckpointSaver)(config, mesh, writer)

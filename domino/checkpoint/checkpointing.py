@@ -14,7 +14,8 @@ Layout of a save root (model weights and ``checkpoint.json`` are ``domino.checkp
 this rank's state, read back on the same layout only.)
 
 A save is three phases: every rank takes a :class:`Snapshot` of its part (copied to the host: under ZeRO its own
-fragments of the optimizer state, nothing gathered), writes it into ``DIR/.tmp-iter_0000100``, and once all
+fragments of the optimizer state, nothing gathered), writes it into ``DIR/.tmp-iter_0000100.<token>`` (the run's
+writer token, :mod:`domino.checkpoint.save_root`: the root's one writer holds its lock), and once all
 ranks agree that their writes succeeded, rank 0 seals and renames it into place and only then moves ``latest``
 (:func:`commit`). :func:`save_checkpoint` runs them in a row; ``--async-save`` (:mod:`domino.checkpoint.async_save`)
 writes in the background while training goes on. A kill at any moment, or a failed write on any rank (disk full),
@@ -99,7 +100,7 @@ class Snapshot:
 
     tag: str
     tmp: Path
-    """The temporary directory every rank writes into (``DIR/.tmp-iter_NNNNNNN``)."""
+    """The temporary directory every rank writes into (``DIR/.tmp-iter_NNNNNNN.<writer token>``)."""
     final: Path
     iteration: int
     rng: Dict[str, Any]
@@ -123,30 +124,29 @@ class Snapshot:
     """Waits until asynchronous device-to-host copies into the fields above have landed."""
 
 
-def _paths(config: DominoConfig, iteration: int):
+def _paths(config: DominoConfig, iteration: int, writer: str):
     root = Path(config.checkpoint.save)
     tag = on_disk.checkpoint_tag(iteration)
-    return root, tag, root / f".tmp-{tag}", root / tag
+    # The writer's own temporary: two runs on one root never share one, even without record locks.
+    return root, tag, root / f".tmp-{tag}.{writer}", root / tag
 
 
-def empty_snapshot(config: DominoConfig, iteration: int) -> Snapshot:
-    """A snapshot of ``iter_{iteration}`` holding nothing yet: its names, for :func:`discard`."""
-    _, tag, tmp, final = _paths(config, iteration)
+def empty_snapshot(config: DominoConfig, iteration: int, writer: str) -> Snapshot:
+    """A snapshot of ``iter_{iteration}`` by the run whose writer token is ``writer``, holding nothing yet: its
+    names, for :func:`discard`."""
+    _, tag, tmp, final = _paths(config, iteration, writer)
     return Snapshot(tag, tmp, final, iteration, {})
 
 
-def prepare(config: DominoConfig, iteration: int, engine, group=None, claim=None) -> None:
-    """Rank 0 creates the empty temporary directory of ``iter_{iteration}``, removing leftovers (agreed), and
-    at the run's first save takes ``claim`` (:class:`~domino.checkpoint.leftovers.SaveRootClaim`)."""
-    root, tag, tmp, _ = _paths(config, iteration)
+def prepare(config: DominoConfig, iteration: int, engine, writer: str, group=None) -> None:
+    """Rank 0 creates the empty temporary directory of ``iter_{iteration}`` for the run ``writer`` (agreed)."""
+    root, tag, tmp, _ = _paths(config, iteration, writer)
     by_name = optimizer_state.supports(engine)
 
     def make() -> None:
         if not dist.is_initialized() or dist.get_rank() == 0:
             root.mkdir(parents=True, exist_ok=True)
-            if claim is not None:
-                claim.claim()
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a run killed mid-save
+            shutil.rmtree(tmp, ignore_errors=True)  # this run's own, of a save of this iteration that failed
             (tmp / (on_disk.OPTIMIZER_DIR if by_name else on_disk.LEGACY_OPTIMIZER_DIR)).mkdir(parents=True)
             (tmp / "rng").mkdir()
 
@@ -154,7 +154,7 @@ def prepare(config: DominoConfig, iteration: int, engine, group=None, claim=None
 
 
 def take_snapshot(engine, config: DominoConfig, mesh: ParallelMesh, iteration: int, consumed_samples: int,
-                  padded_vocab_size: int, tokenizer=None, global_batch_size: Optional[int] = None,
+                  padded_vocab_size: int, writer: str, tokenizer=None, global_batch_size: Optional[int] = None,
                   schedule: Optional[dict] = None, to_host: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
                   ) -> Snapshot:
     """This rank's part of checkpoint ``iter_{iteration}`` (collective over each data-parallel group of ``mesh``:
@@ -162,12 +162,13 @@ def take_snapshot(engine, config: DominoConfig, mesh: ParallelMesh, iteration: i
     fragments and nothing is collective).
 
     Args:
+        writer: the run's writer token (its temporary directory's suffix).
         to_host: copies a tensor to host memory the training cannot change; by default the optimizer state is
             copied synchronously and the model's live tensors are taken as they are (written before the next
             step). An asynchronous save passes its own, for both.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    snapshot = empty_snapshot(config, iteration)
+    snapshot = empty_snapshot(config, iteration, writer)
     snapshot.mesh = mesh
     snapshot.rng = per_rank_state.rng_snapshot()
     scalars, failed = optimizer_state.Scalars(), []
@@ -290,8 +291,8 @@ def commit(snapshot: Snapshot, config: DominoConfig, group=None) -> Path:
 
 
 def save_checkpoint(engine, config: DominoConfig, mesh: ParallelMesh, iteration: int, consumed_samples: int,
-                    padded_vocab_size: int, tokenizer=None, global_batch_size: Optional[int] = None,
-                    claim=None, schedule: Optional[dict] = None) -> Path:
+                    padded_vocab_size: int, writer: str, tokenizer=None, global_batch_size: Optional[int] = None,
+                    schedule: Optional[dict] = None) -> Path:
     """Writes checkpoint ``iter_{iteration:07d}`` under ``--save`` from every rank (collective).
 
     Three agreed phases (rank 0 prepares the temporary directory; every rank writes its files; rank 0
@@ -301,23 +302,23 @@ def save_checkpoint(engine, config: DominoConfig, mesh: ParallelMesh, iteration:
 
     Args:
         mesh: the run's layout; ``global_batch_size``: samples per iteration, recorded so a resume with another
-            one is refused; ``schedule`` (the LR schedule and batch ramp) likewise; ``claim``: the run's claim on
-            the save root.
+            one is refused; ``schedule`` (the LR schedule and batch ramp) likewise; ``writer``: the run's writer
+            token (:func:`domino.checkpoint.save_root.hold`).
 
     Returns: the final checkpoint directory.
 
     Raises:
         AgreedFailure: on every rank when any rank's part of the save failed.
     """
-    snapshot = empty_snapshot(config, iteration)
+    snapshot = empty_snapshot(config, iteration, writer)
     tag = snapshot.tag
     try:
-        prepare(config, iteration, engine, claim=claim)
+        prepare(config, iteration, engine, writer)
 
         def snapshot_and_write_optimizer():
             nonlocal snapshot
-            snapshot = take_snapshot(engine, config, mesh, iteration, consumed_samples, padded_vocab_size, tokenizer,
-                                     global_batch_size, schedule=schedule)
+            snapshot = take_snapshot(engine, config, mesh, iteration, consumed_samples, padded_vocab_size, writer,
+                                     tokenizer, global_batch_size, schedule=schedule)
             return write_optimizer(snapshot)
 
         optimizer_files = collective(f"saving checkpoint {tag} (optimizer state)", snapshot_and_write_optimizer)

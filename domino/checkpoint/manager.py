@@ -2,14 +2,17 @@
 
 The training loop asks one object instead of calling the discovery, resume and save modules itself:
 
-1. :meth:`CheckpointManager.open` decides, on every rank together, what the run starts from (its own checkpoint
+1. :meth:`CheckpointManager.open` takes ``--save`` for this run (:mod:`domino.checkpoint.save_root`: one writer per
+   save root, a predecessor still saving waited for) and then decides, on every rank together, what the run
+   starts from (its own checkpoint
    under ``--save`` first, else ``--load``, else an older intact one when the newest is damaged:
    :func:`domino.checkpoint.discovery.find_checkpoint`) and checks that checkpoint against the run
    (:func:`domino.checkpoint.resume.check_resumable`), before anything is built;
 2. :meth:`fit` settles what the model is built with (the checkpoint's padded vocabulary, its ZeRO stage);
 3. :meth:`load` restores the built engine (weights, optimizer, RNG) and returns where to continue;
 4. :meth:`saver` writes checkpoints on the run's mesh (synchronously or with ``--async-save``), and
-   :meth:`own_checkpoint` names the checkpoint of the resumed iteration, which the loop does not write again.
+   :meth:`own_checkpoint` names the checkpoint of the resumed iteration, which the loop does not write again;
+5. :meth:`close` releases ``--save`` at the end of the run (the kernel does, should the process die first).
 
 Megatron-LM's training loop reaches the same steps through ``load_checkpoint`` / ``save_checkpoint`` in
 ``megatron/training/checkpointing.py`` (NVIDIA/Megatron-LM 699abf1); torchtitan keeps them in one
@@ -23,8 +26,9 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from domino.checkpoint import async_save, discovery, resume
+from domino.checkpoint import async_save, discovery, resume, save_root
 from domino.checkpoint.on_disk import Checkpoint
+from domino.checkpoint.save_root import SaveRootLock
 from domino.config import DominoConfig
 from domino.runtime.agreement import agree
 from domino.runtime.mesh import ParallelMesh
@@ -41,22 +45,33 @@ class CheckpointManager:
         mesh: the run's parallel layout: which slices this rank reads and writes.
         resume_from: the checkpoint the run starts from, or None for a fresh start.
         warm_start: take only ``resume_from``'s weights (``--finetune``), starting at iteration 0.
+        writer: this run's writer token, naming its temporary directories under ``--save``.
+        root_lock: rank 0's lock on ``--save`` (None on other ranks and without ``--save``).
     """
 
     config: DominoConfig
     mesh: ParallelMesh
     resume_from: Optional[Checkpoint] = None
     warm_start: bool = False
+    writer: str = ""
+    root_lock: Optional[SaveRootLock] = None
 
     @classmethod
     def open(cls, config: DominoConfig, mesh: ParallelMesh) -> "CheckpointManager":
         """Decides what the run resumes and checks it against the run (collective: each step ends in an agreement,
-        so a rank that fails stops every rank with the same one-line error, before anything is built)."""
-        resume_from, warm_start = agree("choosing the checkpoint to resume",
-                                        lambda: discovery.find_checkpoint(config))
-        agree("checking the checkpoint against this run", lambda: resume.check_resumable(
-            resume_from, config, mesh.dp.size, warm_start))
-        return cls(config, mesh, resume_from, warm_start)
+        so a rank that fails stops every rank with the same one-line error, before anything is built). ``--save``
+        is taken first: a predecessor finishing its last save commits it before this run chooses."""
+        writer, root_lock = save_root.hold(config)
+        try:
+            resume_from, warm_start = agree("choosing the checkpoint to resume",
+                                            lambda: discovery.find_checkpoint(config))
+            agree("checking the checkpoint against this run", lambda: resume.check_resumable(
+                resume_from, config, mesh.dp.size, warm_start))
+        except BaseException:
+            if root_lock is not None:
+                root_lock.release()
+            raise
+        return cls(config, mesh, resume_from, warm_start, writer, root_lock)
 
     def fit(self, padded_vocab_size: int) -> int:
         """The padded vocabulary the model is built with (the checkpoint's, where it differs), the ZeRO stage
@@ -80,4 +95,9 @@ class CheckpointManager:
     def saver(self) -> async_save.CheckpointSaver:
         """The saver ``--async-save`` asks for, on the run's mesh (collective: the asynchronous one creates
         process groups)."""
-        return async_save.make_saver(self.config, self.mesh)
+        return async_save.make_saver(self.config, self.mesh, self.writer)
+
+    def close(self) -> None:
+        """Releases ``--save`` (rank 0; after the last save is committed, or when the run failed)."""
+        if self.root_lock is not None:
+            self.root_lock.release()

@@ -9,9 +9,14 @@ from domino.cli.checkpoint_flags import add_checkpoint_flags
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from domino.checkpoint.live_reads import read_live
     from domino.checkpoint.tools import inspect
 
-    found = inspect(args.load, verify=not args.no_verify, progress=False if args.no_progress else None)
+    # A checkpoint pruned by a live run while it is verified is neither damaged nor unverified: the new latest is
+    # inspected instead.
+    found = read_live(args.load, lambda ckpt: inspect(ckpt, verify=not args.no_verify,
+                                                      progress=False if args.no_progress else None),
+                      suspect=lambda found: not found.integrity.startswith(("intact", "not verified")))
     print(json.dumps(found.to_json(), indent=1) if args.json else "\n".join(found.lines()))
     return 1 if found.integrity.startswith("DAMAGED") else 0
 

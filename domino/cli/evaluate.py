@@ -26,20 +26,24 @@ def _log_to_training_run(load: str, result) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from domino.checkpoint.on_disk import Checkpoint
+    from domino.checkpoint.live_reads import one_process, read_live
     from domino.eval.evaluate import evaluate_checkpoint
     from domino.eval.runtime import is_output_rank, parse_dtype, teardown
 
     dtype = parse_dtype(args.dtype)
-    try:
-        ckpt = Checkpoint.open(args.load)  # checkpoint.json read and checked once, then passed along
+
+    def evaluate(ckpt):  # checkpoint.json read and checked once, then passed along
         split = args.split or (_held_out_split(ckpt) if args.data_path else None)
-        result = evaluate_checkpoint(
+        return evaluate_checkpoint(
             ckpt, args.data_path, eval_settings_from_args(args), split=split,
             seq_length=args.seq_length, eod_mask_loss=args.eod_mask_loss,
             reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
             tensor_model_parallel_size=args.tensor_model_parallel_size, tokenizer_spec=args.tokenizer,
             seed=args.seed, data_cache_path=args.data_cache_path, dtype=dtype, progress=not args.no_progress)
+
+    try:
+        # A live run may prune the checkpoint while it is read: one process reads the new latest, ranks say so.
+        result = read_live(args.load, evaluate, retry=one_process())
         output = is_output_rank()
     finally:
         teardown()

@@ -20,6 +20,7 @@ def run(args: argparse.Namespace) -> int:
     from domino.eval.generate import generate
     from domino.eval.runtime import default_device, is_output_rank, parse_dtype, setup_tensor_parallel, teardown
     from domino.eval.sampling import SamplingConfig
+    from domino.checkpoint.live_reads import one_process, read_live
     from domino.checkpoint.model_loading import build_model_from_checkpoint
 
     sampled = any(v is not None for v in (args.temperature, args.top_k, args.top_p))
@@ -32,8 +33,9 @@ def run(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype)
     mesh = setup_tensor_parallel(args.tensor_model_parallel_size)
     try:
-        model, _, tokenizer = build_model_from_checkpoint(
-            args.load, mesh.tp, device=default_device(), dtype=dtype, tokenizer_spec=args.tokenizer)
+        # A live run may prune the checkpoint while it is read: one process reads the new latest, ranks say so.
+        model, _, tokenizer = read_live(args.load, lambda ckpt: build_model_from_checkpoint(
+            ckpt, mesh.tp, device=default_device(), dtype=dtype, tokenizer_spec=args.tokenizer), retry=one_process())
         if prompt_ids is None:
             prompt_ids = tokenizer.encode(args.prompt)
         result = generate(model, tokenizer, prompt_ids, args.max_new_tokens, sampling, seed=args.seed,

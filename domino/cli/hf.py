@@ -9,8 +9,11 @@ from domino.cli.checkpoint_flags import add_checkpoint_flags
 
 def run_export(args: argparse.Namespace) -> int:
     from domino.checkpoint.hf_interop import export_hf
+    from domino.checkpoint.live_reads import read_live
 
-    out = export_hf(args.load, args.output, tokenizer_spec=args.tokenizer, overwrite=args.overwrite)
+    # A live run may prune the checkpoint while it is read: then the new latest is exported.
+    out = read_live(args.load, lambda ckpt: export_hf(ckpt, args.output, tokenizer_spec=args.tokenizer,
+                                                       overwrite=args.overwrite))
     print(out)
     return 0
 

@@ -307,6 +307,11 @@ class CheckpointConfig:
     strict_load: bool = False
     """With --load: refuse to start when the latest checkpoint is damaged, instead of falling back (with a
     warning) to the newest intact one."""
+    save_lock_timeout_s: float = 240.0
+    """Seconds to wait for another live run that holds --save (one writer per save root) before stopping with
+    one line naming it. A replacement pod can start while its predecessor still saves after SIGTERM, for up to
+    that pod's grace period (the launcher's --termination-grace-period, 180 s by default), so the default
+    waits that long plus a minute; 0 refuses at once."""
 
 
 @dataclass
@@ -384,13 +389,8 @@ def field_docs(cls: type) -> Dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, following in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
             docs[node.target.id] = following.value.value.strip()
     return docs
 

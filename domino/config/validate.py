@@ -9,6 +9,7 @@ machine cannot run. The Megatron-LM rules cited are from ``megatron/training/arg
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import List, Optional
 
 from domino.config.batch_schedule import batch_schedule_problems, check_batch_flags
@@ -230,6 +231,8 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
     _check(problems, c.save_interval is None or c.save_interval >= 1,
            f"--save-interval must be >= 1, got {c.save_interval}")
     _check(problems, c.keep_last is None or c.keep_last >= 1, f"--keep-last must be >= 1, got {c.keep_last}")
+    _check(problems, 0 <= c.save_lock_timeout_s < math.inf, f"--save-lock-timeout-s must be a finite number of "
+           f"seconds >= 0, got {c.save_lock_timeout_s}")
     _check(problems, lg.log_interval >= 1, f"--log-interval must be >= 1, got {lg.log_interval}")
     _check(problems, 0 <= lg.metrics_port <= 65535, f"--metrics-port must be a TCP port (1-65535) or 0, got "
            f"{lg.metrics_port}")

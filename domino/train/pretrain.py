@@ -97,19 +97,23 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     agree("checking the configuration", lambda: validate(config, world_size=dist.get_world_size(),
                                                          for_training=True))
     # Fail on a garbage --load before building anything.
-    checkpoints = CheckpointManager.open(config, mesh)
-    schedule = agree("checking the schedules against the checkpoint", lambda: schedule_check.resumed_schedule(
-        checkpoints.resume_from, config, mesh.dp.size, checkpoints.warm_start))
-    padded_vocab_size = checkpoints.fit(padded_vocab_size)  # the checkpoint's vocabulary padding, its ZeRO stage
-    tp_random.model_parallel_seed(config.train.seed, mesh.tp.rank, mesh.cp.rank, mesh.tp.size)
+    checkpoints = CheckpointManager.open(config, mesh)  # first of all: holds --save until the run ends
+    try:
+        schedule = agree("checking the schedules against the checkpoint", lambda: schedule_check.resumed_schedule(
+            checkpoints.resume_from, config, mesh.dp.size, checkpoints.warm_start))
+        padded_vocab_size = checkpoints.fit(padded_vocab_size)  # the checkpoint's vocabulary padding, its ZeRO stage
+        tp_random.model_parallel_seed(config.train.seed, mesh.tp.rank, mesh.cp.rank, mesh.tp.size)
 
-    with collective_device(mesh.tp.process_group):  # parameters created and initialised on their device, shard by shard
-        model = model_builder(config, mesh)
-    engine = engine_setup.build_engine(model, config, mesh)
-    iteration, consumed = checkpoints.load(engine, padded_vocab_size)
-    trainer = _Trainer(config, mesh, checkpoints, engine, dataset_builder, forward_step, padded_vocab_size,
-                       tokenizer, get_batch, schedule)
-    return trainer.run(iteration, consumed, checkpoints.own_checkpoint(iteration))
+        # Parameters created and initialised on their device, shard by shard.
+        with collective_device(mesh.tp.process_group):
+            model = model_builder(config, mesh)
+        engine = engine_setup.build_engine(model, config, mesh)
+        iteration, consumed = checkpoints.load(engine, padded_vocab_size)
+        trainer = _Trainer(config, mesh, checkpoints, engine, dataset_builder, forward_step, padded_vocab_size,
+                           tokenizer, get_batch, schedule)
+        return trainer.run(iteration, consumed, checkpoints.own_checkpoint(iteration))
+    finally:
+        checkpoints.close()  # --save is free for the next run (after the last save was committed)
 
 
 
@@ -315,7 +319,6 @@ class _Trainer:
                 raise
             raise lost_peer_error(error, self.hosts, self.completed, checkpointing.resume_hint(self.config)) from None
         finally:
-            self.saver.close()
             self.stop.close(wait=not failed)
 
     def _run(self, iteration: int, consumed: int, resumed_checkpoint: Optional[str]) -> TrainingResult:

@@ -1,32 +1,25 @@
-"""Names read from checkpoints never leave their directory, checkpoints order by number, stale trash goes, and a
-refused lock conversion keeps the exclusive lock (issue 36, item 9). Real files, processes and record locks.
+"""Names read from checkpoints never leave their directory, checkpoints order by number, and stale trash goes
+(issue 36, item 9). Real files and processes.
 
 - ``domino checkpoint convert --per-tensor`` made a file of every tensor name of an untrusted safetensors header:
   ``../../escaped`` wrote ``escaped.safetensors`` beside the output's parent (reproduced before the fix). Now
   refused in one line naming the file and the name, before anything is written.
 - ``iter_10000000`` sorts before ``iter_9999999`` as a string: resume fell back to, and pruning kept, the older one.
 - A restart that saves nothing (the run had finished) left the ``.trash-iter_*`` of a save killed while deleting.
-- An NFS server without atomic lock conversion (NFS4ERR_LOCK_NOTSUPP, EIO through Linux's client) made the first
-  save fail; the claim now keeps its exclusive lock.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import logging
 import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from train.train_helpers import child_env, run_pretrain
 
-from domino.checkpoint import checkpointing, discovery, leftovers, model_shards
+from domino.checkpoint import checkpointing, discovery, model_shards
 from domino.config import parse_config
-from domino.file_lock import try_lock_descriptor
 
 TINY = ["--preset", "tiny", "--vocab-size", "256", "--num-layers", "1"]
 
@@ -81,39 +74,5 @@ def test_a_restart_that_saves_nothing_sweeps_the_trash(tmp_path):
     again = run_pretrain(args)
     assert "nothing left to train at iteration 2 of 2" in again.stderr
     assert "removed .trash-iter_0000002 from" in again.stderr, again.stderr[-3000:]
-    assert sorted(p.name for p in save.iterdir()) == [".save.lock", "iter_0000002", "latest"]
+    assert sorted(p.name for p in save.iterdir()) == [".save.lock", ".save.lock.json", "iter_0000002", "latest"]
 
-
-def _held_elsewhere(path) -> bool:
-    """Whether another process finds the exclusive lock on ``path`` taken (a forked child tries it)."""
-    pid = os.fork()
-    if pid == 0:
-        descriptor = os.open(path, os.O_RDWR)
-        os._exit(0 if try_lock_descriptor(descriptor) else 1)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 1
-
-
-def test_a_refused_lock_conversion_keeps_the_exclusive_lock(tmp_path, monkeypatch, caplog):
-    caplog.set_level(logging.WARNING, logger="domino.checkpoint.leftovers")
-    root = tmp_path / "ckpt"
-    (root / ".tmp-iter_0000003").mkdir(parents=True)
-    real = fcntl.lockf
-
-    def nfs_without_conversion(fd, cmd, *rest):
-        if cmd == fcntl.LOCK_SH:  # the downgrade of a held exclusive lock: refused as the NFS client reports it
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real(fd, cmd, *rest)
-
-    monkeypatch.setattr(leftovers.fcntl, "lockf", nfs_without_conversion)
-    claim = leftovers.SaveRootClaim(root)
-    assert claim.claim() == [".tmp-iter_0000003"]  # alone: swept, then the exclusive lock kept
-    assert "refused to turn the exclusive lock on .save.lock into a shared one" in caplog.text
-    assert _held_elsewhere(root / leftovers.LOCK_FILE)  # no other run can sweep while this one lives
-    claim.release()
-    assert not _held_elsewhere(root / leftovers.LOCK_FILE)
-
-    other = leftovers.SaveRootClaim(root)  # another error is not a refused conversion: raised as before
-    monkeypatch.setattr(leftovers.fcntl, "lockf", lambda fd, cmd, *rest: (_ for _ in ()).throw(
-        OSError(errno.EBADF, "bad")) if cmd == fcntl.LOCK_SH else real(fd, cmd, *rest))
-    with pytest.raises(OSError, match="bad"):
-        other.claim()

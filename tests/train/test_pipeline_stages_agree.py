@@ -51,7 +51,7 @@ def _body(rank, world_size, save):
 
     try:
         checkpointing.collective("saving checkpoint iter_0000002 (copying its state)", lambda: (
-            checkpointing.take_snapshot(engine, config, mesh, 2, 2, 16, to_host=to_host)))
+            checkpointing.take_snapshot(engine, config, mesh, 2, 2, 16, "test", to_host=to_host)))
         snapshot_error = None
     except AgreedFailure as failure:
         snapshot_error = str(failure)
