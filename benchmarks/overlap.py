@@ -146,7 +146,7 @@ def run(chunks: int, network: str, data: tuple, iters: int, work: Path, breakdow
                    [timer(r, "comm-modelled") for r in steady], [r["lm_loss"] for r in records], sites)
 
 
-SITE = "comm-wait: "  # prefix of the breakdown's timers in the metrics file (domino/train/pretrain.py)
+SITE = "comm-wait: "  # prefix of the breakdown's timers in the metrics file (domino/train/trainer.py)
 
 
 def network_for(ratio: float, compute_ms: float, transfer: str = "launch", wire_bytes: Optional[float] = None,

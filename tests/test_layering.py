@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.abspath(domino.__file__))
 #: same floor). ``domino`` is the package root (its ``__version__``).
 FLOORS: List[Tuple[str, ...]] = [
     ("domino", "file_lock", "logging_utils", "child_signals", "redact"),
-    ("atomic_files", "images"),
+    ("atomic_files", "images", "goodput"),  # safe files; image names; the goodput ledger
     ("config",),                      # typed configs, flags, presets, validation
     ("runtime", "launch", "tracking"),  # process groups; jobs on a cluster (no torch model); MLflow
     ("parallel",),                    # tensor-parallel maths

@@ -27,6 +27,7 @@ VERB_MODULES: List[str] = [
     "generate",
     "hf",
     "report",
+    "goodput",
     "checkpoint",
     "estimate",
     "launch",

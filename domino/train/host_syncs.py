@@ -54,7 +54,7 @@ READ_METHODS = ("item", "tolist", "numpy", "cpu", "nonzero", "__float__", "__int
 DEVICE_COPY = "->device"
 #: ``torch`` constructors that copy Python data to the ``device`` they are given.
 CONSTRUCTORS = ("tensor", "as_tensor", "scalar_tensor")
-#: Methods of the training loop (``domino.train.pretrain._Trainer``) that name a phase, innermost wins.
+#: Methods of the training loop (``domino.train.trainer.Trainer``) that name a phase, innermost wins.
 PHASES = {"_log": "log", "_evaluate": "evaluate", "_save": "save", "_termination_requested": "log",
           "_loader": "setup", "_run": "step"}
 
@@ -129,7 +129,7 @@ class HostSyncProbe:
             if caller is None and filename != _THIS_FILE and not filename.startswith(_TORCH_DIR):
                 caller = frame
             name = frame.f_code.co_name
-            if phase is None and name in PHASES and filename.endswith(os.path.join("train", "pretrain.py")):
+            if phase is None and name in PHASES and filename.endswith(os.path.join("train", "trainer.py")):
                 phase = PHASES[name]
             frame = frame.f_back
         if caller is None:

@@ -94,6 +94,9 @@ def tensorboard_scalars(record: Dict[str, Any], log_timers: bool = False) -> Lis
             add(tag, record.get(key), twin=False)
     for key, tag in EXTRA_TAGS.items():
         add(tag, record.get(key), twin=False)
+    add("goodput/goodput", record.get("goodput"), twin=False)  # the run's, over all attempts (domino.goodput)
+    for part, seconds in (record.get("goodput_s") or {}).items():
+        add(f"goodput/{part}", seconds, twin=False)
     return scalars
 
 

@@ -12,6 +12,10 @@ already read from the device (plain floats: nothing here reads a tensor or block
 ``domino_mfu``                     model FLOPs utilisation, 0-1 (absent without a known peak)
 ``domino_iteration``               the iteration last logged
 ``domino_consumed_samples``        samples consumed so far
+``domino_goodput``                 the share of the run's wall time so far that trained, over every
+                                   attempt, 0-1 (with ``--save``: :mod:`domino.goodput`)
+``domino_goodput_seconds{part}``   that wall time (``part="wall"``) and its parts: productive,
+                                   startup, checkpoint, evaluation, lost, idle, other
 =================================  ==========================================================
 
 The rendered pod declares the port (container port ``metrics``; ``domino.launch.render``), which is what
@@ -30,6 +34,7 @@ GAUGES = (
     ("domino_mfu", "Model FLOPs utilisation of the last logging interval, 0-1.", "mfu"),
     ("domino_iteration", "The iteration last logged.", "iteration"),
     ("domino_consumed_samples", "Samples consumed so far.", "consumed_samples"),
+    ("domino_goodput", "Share of the run's wall time so far that trained, over every attempt, 0-1.", "goodput"),
 )
 
 
@@ -60,6 +65,14 @@ class PrometheusExporter:
                 if field not in self.gauges:
                     self.gauges[field] = self._gauge(name, text, registry=self.registry)
                 self.gauges[field].set(float(value))
+        parts = record.get("goodput_s")
+        if isinstance(parts, dict):
+            if "goodput_s" not in self.gauges:
+                self.gauges["goodput_s"] = self._gauge(
+                    "domino_goodput_seconds", "The run's wall time so far (part=wall) and its parts, seconds.",
+                    labelnames=["part"], registry=self.registry)
+            for name, seconds in parts.items():
+                self.gauges["goodput_s"].labels(part=name.removesuffix("_s")).set(float(seconds))
 
     def close(self) -> None:
         """Stops serving (the port is free again)."""

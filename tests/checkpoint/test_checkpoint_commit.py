@@ -169,7 +169,7 @@ def _crash_then_resume(rank, world_size, out_dir, points):
                          "warned_of_newer": f"newer sealed checkpoints exist: {CRASH_AT}" in log.text,
                          "swept": f"interrupted saves from {out / point}: .tmp-{CRASH_AT}" in log.text,
                          "final": sorted(p.name for p in (out / point).iterdir()
-                                         if p.name not in (".save.lock", ".save.lock.json"))}
+                                         if p.name not in (".save.lock", ".save.lock.json", "goodput.jsonl"))}
     return report
 
 

@@ -74,5 +74,6 @@ def test_a_restart_that_saves_nothing_sweeps_the_trash(tmp_path):
     again = run_pretrain(args)
     assert "nothing left to train at iteration 2 of 2" in again.stderr
     assert "removed .trash-iter_0000002 from" in again.stderr, again.stderr[-3000:]
-    assert sorted(p.name for p in save.iterdir()) == [".save.lock", ".save.lock.json", "iter_0000002", "latest"]
+    assert sorted(p.name for p in save.iterdir()) == [".save.lock", ".save.lock.json", "goodput.jsonl", "iter_0000002",
+                                                      "latest"]
 

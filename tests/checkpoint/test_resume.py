@@ -72,8 +72,8 @@ def test_keep_last_prunes_older_checkpoints(tmp_path, corpus_prefix):
     save = tmp_path / "ckpt"
     run_pretrain([*TINY, "--data-path", corpus_prefix, "--train-iters", "4", "--eval-iters", "0", "--eval-interval",
                   "0", "--save", str(save), "--save-interval", "1", "--keep-last", "2"])
-    assert sorted(p.name for p in save.iterdir()) == [".save.lock", ".save.lock.json", "iter_0000003", "iter_0000004",
-                                                      "latest"]
+    assert sorted(p.name for p in save.iterdir()) == [".save.lock", ".save.lock.json", "goodput.jsonl", "iter_0000003",
+                                                      "iter_0000004", "latest"]
 
 
 def test_sigterm_saves_and_the_restart_continues_exactly(tmp_path, corpus_prefix):

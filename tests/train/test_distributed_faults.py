@@ -100,7 +100,8 @@ def test_disk_full_on_one_rank_during_a_save_leaves_the_previous_checkpoint_and_
     assert all("Traceback" not in text for text in logs.values())
     assert (save / "latest").read_text().strip() == "iter_0000002"
     # No torn or temporary directories; the lock file of domino/checkpoint/save_root.py and its record stay.
-    assert sorted(p.name for p in save.iterdir()) == [".save.lock", ".save.lock.json", "iter_0000002", "latest"]
+    assert sorted(p.name for p in save.iterdir()) == [".save.lock", ".save.lock.json", "goodput.jsonl", "iter_0000002",
+                                                      "latest"]
     after = {p.relative_to(save): p.read_bytes() for p in (save / "iter_0000002").rglob("*") if p.is_file()}
     assert after == before and manifest.find_damage(save / "iter_0000002") is None
 

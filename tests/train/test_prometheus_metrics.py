@@ -26,7 +26,8 @@ def scrape(port: int) -> dict:
 def test_training_serves_tokens_loss_mfu_and_step_time_on_the_metrics_port(tmp_path):
     port, metrics = free_port(), tmp_path / "m.jsonl"
     proc = subprocess.Popen(pretrain_command([*BASE, "--train-iters", "100000", "--metrics-file", str(metrics),
-                                              "--metrics-port", str(port)]), env=child_env(),
+                                              "--metrics-port", str(port), "--save", str(tmp_path / "ckpt")]),
+                            env=child_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline, seen = time.monotonic() + 240, {}
@@ -45,6 +46,7 @@ def test_training_serves_tokens_loss_mfu_and_step_time_on_the_metrics_port(tmp_p
         assert seen["domino_iteration_seconds"] == pytest.approx(record["iteration_time_s"])
         assert seen["domino_consumed_samples"] == record["consumed_samples"]
         assert ("domino_mfu" in seen) == (record["mfu"] is not None)  # no known peak on this CPU: absent
+        assert seen["domino_goodput"] == pytest.approx(record["goodput"]) and 0 < record["goodput"] < 1  # --save
     finally:
         proc.kill()
         proc.wait(30)
@@ -64,8 +66,12 @@ def test_off_by_default_and_closing_frees_the_port():
     seen = scrape(port)
     assert seen["domino_iteration"] == 5 and seen["domino_train_loss"] == 3.5
     assert "domino_mfu" not in seen  # unknown (no peak for this device): absent, not 0
-    exporter.update({"iteration": 6, "mfu": 0.41})
+    exporter.update({"iteration": 6, "mfu": 0.41, "goodput": 0.5, "goodput_s": {"wall_s": 10.0, "productive_s": 5.0}})
     assert scrape(port)["domino_mfu"] == 0.41
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        parts = {s.labels["part"]: s.value for family in text_string_to_metric_families(response.read().decode())
+                 for s in family.samples if s.name == "domino_goodput_seconds"}
+    assert parts == {"wall": 10.0, "productive": 5.0} and scrape(port)["domino_goodput"] == 0.5
     exporter.close()
     PrometheusExporter(port, addr="127.0.0.1").close()  # the port is free again
 

@@ -65,8 +65,8 @@ def test_a_kill_while_deleting_the_replaced_checkpoint_leaves_the_new_one_named(
     # The next save sweeps the trash; six iterations where the checkpoint's schedule has four: taken on purpose.
     longer = run_pretrain(_args(save, tmp_path / "longer.jsonl", 6, "--override-opt_param-scheduler"), check=False)
     assert longer.returncode == 0, longer.stderr[-3000:]
-    assert sorted(os.listdir(save)) == [".save.lock", ".save.lock.json", "iter_0000002", "iter_0000004", "iter_0000006",
-                                        "latest"]
+    assert sorted(os.listdir(save)) == [".save.lock", ".save.lock.json", "goodput.jsonl", "iter_0000002",
+                                        "iter_0000004", "iter_0000006", "latest"]
 
 
 def test_latest_naming_a_missing_checkpoint_resumes_from_the_newest_complete_one(tmp_path):

@@ -68,7 +68,7 @@ def test_a_stop_signal_that_reaches_the_loader_workers_still_saves_at_the_next_s
         signal_tree(process_tree(proc.pid), signal.SIGKILL)
         proc.wait()
     assert "killed by signal" not in output, output[-3000:]
-    assert "[rank 0] WARNING domino.train.pretrain: SIGTERM: saving at iteration" in output, output[-3000:]
+    assert "[rank 0] WARNING domino.train.trainer: SIGTERM: saving at iteration" in output, output[-3000:]
     assert "SIGTERM: checkpoint" in output and "durable" in output, output[-3000:]
     assert _latest(save) > signalled_at  # the save after the signal is the newest checkpoint
     assert not list(save.glob(".tmp-*"))

@@ -8,7 +8,8 @@ from domino.train.metrics import MetricsWriter
 
 TRAIN = {"iteration": 10, "consumed_samples": 80, "batch_size": 8, "lm_loss": 5.5, "lr": 1e-4, "grad_norm": 1.25,
          "loss_scale": 65536.0, "skipped_iterations": 0, "iteration_time_s": 0.5, "tokens_per_s": 1000.0,
-         "tflops_per_device": 0.1, "mfu": None, "memory_gb": 0.4, "eta_s": 3.0}
+         "tflops_per_device": 0.1, "mfu": None, "memory_gb": 0.4, "eta_s": 3.0,
+         "goodput": 0.75, "goodput_s": {"wall_s": 40.0, "productive_s": 30.0, "startup_s": 10.0}}
 
 
 def _scalars(directory):
@@ -34,4 +35,7 @@ def test_training_and_validation_tags(tmp_path, log_timers):
     if log_timers:
         assert scalars["iteration-time"] == [(10, pytest.approx(0.5))]
     assert "mfu" not in scalars  # None is not written
+    # The run's goodput (domino.goodput), under the names MLflow gets too (tracking_scalars), no samples twin.
+    assert scalars["goodput/goodput"] == [(10, 0.75)] and scalars["goodput/productive_s"] == [(10, 30.0)]
+    assert scalars["goodput/wall_s"] == [(10, 40.0)] and "goodput/goodput vs samples" not in scalars
     assert not [tag for tag in scalars if tag.startswith("train/")]
