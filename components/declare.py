@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple, Union
 
 from domino.config.flags import config_field_types
-from domino.config.schema import field_docs
+from domino.config.field_docs import field_docs
 from domino.launch.spec import JobSpec
 
 #: The value that stands for "not given" (the preset's value, else domino's default) per kfp type.

@@ -17,7 +17,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from domino.config import legacy_flags, preset_store
 from domino.config.layout import LAYERS_PER_VIRTUAL_STAGE_FLAG, virtual_stages_from_layers
-from domino.config.schema import DominoConfig, field_docs, flag_name
+from domino.config.field_docs import field_docs, flag_name
+from domino.config.schema import DominoConfig
 from domino.config.validate import ConfigError, advisories, resolve_domino_chunks, validate
 
 logger = logging.getLogger(__name__)

@@ -2,18 +2,14 @@
 
 Each field carries a one-line docstring directly below it; ``domino.config.flags`` reads those
 docstrings to build the ``--help`` text of the matching Megatron-style flag (``num_layers`` ->
-``--num-layers``), so the documentation lives in exactly one place. Validation lives in
+``--num-layers``, :mod:`domino.config.field_docs`), so the documentation lives in exactly one place. Validation lives in
 ``domino.config.validate``; nothing here checks values.
 """
 
 from __future__ import annotations
 
-import ast
-import functools
-import inspect
-import textwrap
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 
 @dataclass
@@ -142,6 +138,9 @@ class ParallelConfig:
     distributed_timeout_minutes: int = 10
     """Timeout of every torch.distributed collective (world, TP and DP groups), in minutes: a peer that hangs
     stops the run after this long (on NCCL through TORCH_NCCL_ASYNC_ERROR_HANDLING, set to 3 unless given)."""
+    hang_timeout_s: Optional[float] = None
+    """Seconds a rank may make no progress in training steps before the ranks it holds name it (host, pid, iteration),
+    dump their stacks and exit 142; default: 10x the slowest recent step, at least 180 s; 0: off."""
     local_rank: Optional[int] = None
     """Set by the deepspeed launcher (also --local_rank); ignored: the LOCAL_RANK environment variable is used."""
 
@@ -380,21 +379,3 @@ class DominoConfig:
     """Name of the preset the run started from, for the record."""
 
     GROUPS = ("model", "parallel", "train", "data", "checkpoint", "logging", "kernels")
-
-
-@functools.lru_cache(maxsize=None)
-def field_docs(cls: type) -> Dict[str, str]:
-    """Returns ``{field name: docstring}`` read from the string literal below each field of ``cls``."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))  # dedented: a class may be defined in a function
-    body = tree.body[0].body
-    docs = {}
-    for node, following in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
-            docs[node.target.id] = following.value.value.strip()
-    return docs
-
-
-def flag_name(field_name: str) -> str:
-    """``micro_batch_size`` -> ``--micro-batch-size``."""
-    return "--" + field_name.replace("_", "-")

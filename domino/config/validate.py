@@ -16,7 +16,8 @@ from domino.config.batch_schedule import batch_schedule_problems, check_batch_fl
 from domino.config.errors import ConfigError  # noqa: F401  (its home for the callers that import it from here)
 from domino.config.layout import (check_tensor_parallel_size, context_parallel_problems, data_parallel_size,
                                   pipeline_problems)
-from domino.config.schema import DominoConfig, KernelConfig, field_docs, flag_name
+from domino.config.field_docs import field_docs, flag_name
+from domino.config.schema import DominoConfig, KernelConfig
 
 #: Megatron's --lr-decay-style choices.
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -170,6 +171,8 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
            "gradients itself)")
     _check(problems, p.distributed_timeout_minutes >= 1,
            f"--distributed-timeout-minutes must be >= 1, got {p.distributed_timeout_minutes}")
+    _check(problems, p.hang_timeout_s is None or (math.isfinite(p.hang_timeout_s) and p.hang_timeout_s >= 0),
+           f"--hang-timeout-s must be a number >= 0 (0: off), got {p.hang_timeout_s}")
 
     _check(problems, t.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {t.micro_batch_size}")
     _check(problems, not (t.fp16 and t.bf16), "--fp16 and --bf16 are mutually exclusive")

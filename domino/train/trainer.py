@@ -20,6 +20,7 @@ from domino.data.loader import build_pretraining_data_loader
 from domino.goodput.accounting import account, running_figures
 from domino.goodput.ledger import Ledger
 from domino.runtime.comm_timing import pop_modelled_comm_seconds
+from domino.runtime.hang_watch import HangWatch
 from domino.runtime.mesh import ParallelMesh, collective_device
 from domino.runtime.agreement import agree, hosts, is_lost_peer_error, lost_peer_error
 from domino.train import engine as engine_setup, schedule_check
@@ -216,6 +217,7 @@ class Trainer:
     def _evaluate(self, split: str, dataset, iteration: int, consumed: int) -> Optional[float]:
         if self.config.train.eval_iters == 0 or dataset is None:
             return None
+        self.hang.progress(iteration, "evaluate")
         started, training_comm = time.perf_counter(), self.comm.pop_seconds()
         training_modelled, training_sites = pop_modelled_comm_seconds(self.tp_link), self.comm.pop_by_site()
         make_iterator, iters = lambda: self._loader(dataset, 0, 0), self.config.train.eval_iters
@@ -229,18 +231,21 @@ class Trainer:
             self.timers.add("comm-modelled", training_modelled)
         self.paused += time.perf_counter() - started
         self.ledger.record("evaluation", split=split, seconds=time.perf_counter() - started)
+        self.hang.progress(iteration, "step")
         logger.info("%s loss at iteration %d: lm loss %.4E | ppl %.4E", split, iteration, loss, perplexity(loss))
         self.writer.write({"eval": split, "iteration": iteration, "consumed_samples": consumed, "lm_loss": loss,
                            "ppl": perplexity(loss)})
         return loss
 
     def _save(self, iteration: int, consumed: int) -> str:
+        self.hang.progress(iteration, "save")
         started = time.perf_counter()
         path = self.saver.save(self.engine, iteration, consumed, self.padded_vocab_size, self.tokenizer, self.gbs,
                                schedule_check.record(self.schedule, self.config, self.train_iters,
                                                      self.mesh.dp.size))
         self.paused += time.perf_counter() - started
         self.ledger.record("save", iteration=iteration, blocking_s=time.perf_counter() - started)
+        self.hang.progress(iteration, "step")
         if not self.config.checkpoint.async_save:
             self._committed(path)
         return str(path)
@@ -262,6 +267,8 @@ class Trainer:
         """Trains from ``iteration`` (``consumed`` samples done, ``resumed_checkpoint`` not saved again) on."""
         self.completed = iteration  # the last iteration every rank finished, for a lost-peer report
         self.stop = StopSignal(self.config.train.exit_signal_handler, self.config.parallel.distributed_timeout_minutes)
+        p = self.config.parallel
+        self.hang = HangWatch(p.hang_timeout_s, 60.0 * p.distributed_timeout_minutes)
         if dist.get_rank() == 0:
             for warning in startup_warnings(self.config, self.engine):
                 logger.warning("%s", warning)
@@ -276,6 +283,7 @@ class Trainer:
                 raise
             raise lost_peer_error(error, self.hosts, self.completed, checkpointing.resume_hint(self.config)) from None
         finally:
+            self.hang.close()
             self.stop.close(wait=how != "failed")
             self._end_attempt(how)
 
@@ -321,6 +329,7 @@ class Trainer:
             self.stats.add(self._step(train_iter, batch), iteration + 1)
             iteration += 1
             self.completed = iteration
+            self.hang.progress(iteration)
             if iteration == start_iteration + 1:
                 self.ledger.record("first_step", iteration=iteration)
             consumed += batch

@@ -10,7 +10,7 @@ from components import kfp_functions
 from components.evaluate.step import EvaluateSettings
 from domino.cli.main import build_parser
 from domino.config import ConfigError
-from domino.config.schema import field_docs
+from domino.config.field_docs import field_docs
 from domino.eval.evaluate import evaluate_checkpoint
 from domino.eval.settings import EvalSettings, eval_settings_from_args
 

@@ -128,7 +128,7 @@ def test_each_field_is_one_flag_helped_by_its_docstring():
     import ast
     import dataclasses
 
-    from domino.config.schema import field_docs
+    from domino.config.field_docs import field_docs
     from domino.launch import flags
 
     docs = field_docs(JobSpec)

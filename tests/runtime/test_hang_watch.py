@@ -1,0 +1,79 @@
+"""--hang-timeout-s: a rank stopped with SIGSTOP is named by its peer within the timeout, with its host and pid.
+
+Real torchrun (torch 2.13), two ranks (TP 2), ``--distributed-timeout-minutes 1``: without the watch the peer would
+wait the full minute in its collective and the error would name no rank (checked: with ``--hang-timeout-s 0`` the
+job is still running 30 s after the SIGSTOP).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+from domino.launch.processes import alive, children, process_tree, signal_tree
+from domino.runtime.hang_watch import HANG_EXIT_CODE, culprits, hang_report
+from train.train_helpers import child_env, pretrain_command, read_metrics
+
+ARGS = ["--preset", "tiny", "--seed", "7", "--mock-data", "--vocab-size", "256", "--num-workers", "0",
+        "--tensor-model-parallel-size", "2", "--train-iters", "100000", "--log-interval", "1", "--eval-iters", "0",
+        "--eval-interval", "0", "--distributed-timeout-minutes", "1", "--hang-timeout-s", "3"]
+
+
+def test_a_stopped_rank_is_named_by_its_peer_within_the_timeout(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.Popen(pretrain_command([*ARGS, "--metrics-file", str(metrics)], nproc=2),
+                            env=child_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"}), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and len(read_metrics(metrics)) >= 5):  # past the first steps
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.1)
+        ranks = sorted(children(proc.pid), key=lambda pid: _rank_of(pid))
+        stopped = ranks[1]
+        signalled = time.monotonic()
+        signal_tree([stopped], signal.SIGSTOP)
+        lines, named_at = [], None
+        for line in proc.stdout:
+            lines.append(line)
+            if named_at is None and "held by rank 1" in line:
+                named_at = time.monotonic()
+            if named_at is not None and not alive(ranks[:1]):  # rank 0 left (torchrun waits 30 s for rank 1)
+                break
+        signal_tree(process_tree(proc.pid), signal.SIGKILL)
+        output = "".join(lines) + proc.stdout.read()  # what rank 0 wrote last (its stacks)
+    finally:
+        signal_tree(process_tree(proc.pid), signal.SIGCONT)
+        signal_tree(process_tree(proc.pid), signal.SIGKILL)
+        proc.wait()
+    line = next((l for l in output.splitlines() if "held by rank 1" in l), None)
+    assert line is not None, output[-4000:]
+    assert "[rank 0] ERROR" in line and f"pid {stopped}" in line and "its heartbeat stopped" in line, line
+    assert f"exiting {HANG_EXIT_CODE}" in line
+    assert "Stack (most recent call first)" in output or "Current thread" in output  # faulthandler's dump
+    took = named_at - signalled
+    assert took < 15, f"named only after {took:.0f} s (the collective timeout is 60 s)"
+
+
+def _rank_of(pid: int) -> int:
+    with open(f"/proc/{pid}/environ", "rb") as environ:
+        env = dict(item.split(b"=", 1) for item in environ.read().split(b"\0") if b"=" in item)
+    return int(env[b"RANK"])
+
+
+def _hb(t, iteration, phase="step"):
+    return {"t": t, "iteration": iteration, "phase": phase, "host": "n1", "pid": 42, "progressed_at": t}
+
+
+def test_the_culprit_is_the_silent_rank_else_the_rank_behind_else_none():
+    now = 100.0
+    assert culprits(7, {1: _hb(90, 7), 2: _hb(99.5, 7)}, now, silent_s=5) == [1]  # heartbeat silent 10 s
+    assert culprits(7, {1: _hb(99.5, 6), 2: _hb(99.5, 7)}, now, silent_s=5) == [1]  # never reached iteration 7
+    assert culprits(7, {1: None, 2: _hb(99.5, 7)}, now, silent_s=5) == [1]  # never wrote a heartbeat
+    assert culprits(7, {1: _hb(99.5, 7), 2: _hb(99.5, 7)}, now, silent_s=5) == []
+    line = hang_report(0, 7, "step", 31, 30, {1: _hb(99.5, 6), 2: _hb(99.5, 7)}, now, 5)
+    assert "held by rank 1 (host n1, pid 42, last iteration 6 in 'step'; it is behind the others)" in line
+    assert "every rank waits at the same point" in hang_report(0, 7, "step", 61, 30, {1: _hb(99.5, 7)}, now, 5)
+    assert json.dumps(_hb(1, 2))  # heartbeats are plain JSON in the store
