@@ -332,6 +332,9 @@ class LoggingConfig:
     metrics_port: int = 0
     """Rank 0 serves Prometheus metrics (tokens/s, loss, MFU, iteration time) on this port (0: off; needs the
     metrics extra, prometheus-client); the job's pods declare it as the container port `metrics`."""
+    log_straggler: bool = False
+    """Every log interval, compare each rank's compute time per step (less its time blocked in TP collectives) and
+    name the ranks more than 10% slower than the median (Megatron's flag; a gloo all-gather of a few bytes)."""
     mlflow_experiment_name: Optional[str] = None
     """MLflow experiment when MLFLOW_TRACKING_URI is set (default: $MLFLOW_EXPERIMENT_NAME, else domino)."""
     mlflow_run_name: Optional[str] = None

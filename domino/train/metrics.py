@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from domino.atomic_files import atomic_write_text
 from domino.tracking import RunTracker, start_training_run
+from domino.train.stragglers import format_stragglers
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ def format_iteration_line(r: Dict[str, Any], train_iters: int) -> str:
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     parts += [f"mem {r['memory_gb']:.2f} GB", f"ETA {_format_duration(r['eta_s'])}"]
+    straggling = format_stragglers(r)
+    if straggling:
+        parts.append(straggling)
     return " | ".join(parts)
 
 
@@ -94,6 +98,7 @@ def tensorboard_scalars(record: Dict[str, Any], log_timers: bool = False) -> Lis
             add(tag, record.get(key), twin=False)
     for key, tag in EXTRA_TAGS.items():
         add(tag, record.get(key), twin=False)
+    add("straggler/slowest_ratio", record.get("straggler_slowest_ratio"), twin=False)  # --log-straggler
     add("goodput/goodput", record.get("goodput"), twin=False)  # the run's, over all attempts (domino.goodput)
     for part, seconds in (record.get("goodput_s") or {}).items():
         add(f"goodput/{part}", seconds, twin=False)

@@ -14,6 +14,8 @@ already read from the device (plain floats: nothing here reads a tensor or block
 ``domino_consumed_samples``        samples consumed so far
 ``domino_goodput``                 the share of the run's wall time so far that trained, over every
                                    attempt, 0-1 (with ``--save``: :mod:`domino.goodput`)
+``domino_straggler_slowest_ratio`` with ``--log-straggler``: the slowest rank's compute time per step over
+                                   the median's (a rank above 1.1 is named in the log)
 ``domino_goodput_seconds{part}``   that wall time (``part="wall"``) and its parts: productive,
                                    startup, checkpoint, evaluation, lost, idle, other
 =================================  ==========================================================
@@ -35,6 +37,8 @@ GAUGES = (
     ("domino_iteration", "The iteration last logged.", "iteration"),
     ("domino_consumed_samples", "Samples consumed so far.", "consumed_samples"),
     ("domino_goodput", "Share of the run's wall time so far that trained, over every attempt, 0-1.", "goodput"),
+    ("domino_straggler_slowest_ratio", "The slowest rank's compute time per step over the median (--log-straggler).",
+     "straggler_slowest_ratio"),
 )
 
 

@@ -30,6 +30,7 @@ from domino.train.metrics import MetricsWriter, format_iteration_line
 from domino.train.pipeline_step import PipelineStep
 from domino.train.preemption import StopSignal, startup_warnings
 from domino.train.schedules import LearningRateSchedule
+from domino.train.stragglers import StragglerDetector
 from domino.train.throughput import detect_peak_tflops, memory_gb, training_flops_per_token
 from domino.train.timers import TimedIterator, Timers
 
@@ -89,6 +90,7 @@ class Trainer:
         self.train_ds, self.valid_ds, self.test_ds = agree("building the datasets", lambda: dataset_builder(
             (self.batches.consumed_samples_after(self.train_iters), eval_samples, eval_samples)))
         self.hosts = hosts()  # to name the node of a rank lost later
+        self.stragglers = StragglerDetector(lg.log_straggler, self.hosts, config.parallel.distributed_timeout_minutes)
         self.timers = Timers(lg.timing_log_level)
         self.writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, enabled=dist.get_rank() == 0,
                                     log_timers=lg.log_timers_to_tensorboard, metrics_port=lg.metrics_port)
@@ -180,6 +182,7 @@ class Trainer:
             self.last_train_loss = reading.last_finite_loss
         self._check_nan_streak(iteration, iterations, reading)
         iter_time = (elapsed - self.paused) / max(iterations, 1)
+        blocked = self.comm.pop_seconds()  # host time blocked in TP collectives (sync ones, Domino's waits)
         tokens_per_s = samples / max(iterations, 1) * self.config.model.seq_length / iter_time
         tflops = self.flops_per_token * tokens_per_s / dist.get_world_size() / 1e12
         if not engine_setup.clips_itself(self.config, self.mesh.dp.size):
@@ -196,9 +199,9 @@ class Trainer:
             "mfu": tflops / self.peak if self.peak else None, "memory_gb": memory_gb(),
             "eta_s": iter_time * (self.train_iters - iteration),
             **running_figures(self.ledger.events if self.ledger.path else [], time.time()),
+            **self.stragglers.measure(elapsed - self.paused, blocked, iterations),
         }
-        # Host time blocked in tensor-parallel collectives (sync ones, and waits of Domino's async ones).
-        self.timers.add("comm-wait", self.comm.pop_seconds())
+        self.timers.add("comm-wait", blocked)
         for site, seconds in self.comm.pop_by_site().items():  # the breakdown, at --timing-log-level 2
             self.timers.add(f"comm-wait: {site}", seconds)
         modelled = pop_modelled_comm_seconds(self.tp_link)  # the emulated link's time (DOMINO_SIMULATED_NETWORK)

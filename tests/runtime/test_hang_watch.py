@@ -14,7 +14,7 @@ import time
 
 from domino.launch.processes import alive, children, process_tree, signal_tree
 from domino.runtime.hang_watch import HANG_EXIT_CODE, culprits, hang_report
-from train.train_helpers import child_env, pretrain_command, read_metrics
+from train.train_helpers import child_env, pretrain_command, rank_of, read_metrics
 
 ARGS = ["--preset", "tiny", "--seed", "7", "--mock-data", "--vocab-size", "256", "--num-workers", "0",
         "--tensor-model-parallel-size", "2", "--train-iters", "100000", "--log-interval", "1", "--eval-iters", "0",
@@ -31,7 +31,7 @@ def test_a_stopped_rank_is_named_by_its_peer_within_the_timeout(tmp_path):
         while not (metrics.exists() and len(read_metrics(metrics)) >= 5):  # past the first steps
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
             time.sleep(0.1)
-        ranks = sorted(children(proc.pid), key=lambda pid: _rank_of(pid))
+        ranks = sorted(children(proc.pid), key=lambda pid: rank_of(pid))
         stopped = ranks[1]
         signalled = time.monotonic()
         signal_tree([stopped], signal.SIGSTOP)
@@ -56,11 +56,6 @@ def test_a_stopped_rank_is_named_by_its_peer_within_the_timeout(tmp_path):
     took = named_at - signalled
     assert took < 15, f"named only after {took:.0f} s (the collective timeout is 60 s)"
 
-
-def _rank_of(pid: int) -> int:
-    with open(f"/proc/{pid}/environ", "rb") as environ:
-        env = dict(item.split(b"=", 1) for item in environ.read().split(b"\0") if b"=" in item)
-    return int(env[b"RANK"])
 
 
 def _hb(t, iteration, phase="step"):

@@ -59,3 +59,10 @@ def read_metrics(path: Path) -> List[dict]:
 def train_losses(path: Path) -> Dict[int, float]:
     """``{iteration: lm_loss}`` of the training records."""
     return {r["iteration"]: r["lm_loss"] for r in read_metrics(path) if "eval" not in r}
+
+
+def rank_of(pid: int) -> int:
+    """The ``RANK`` torchrun gave the worker process ``pid`` (from its environment in /proc)."""
+    with open(f"/proc/{pid}/environ", "rb") as environ:
+        env = dict(item.split(b"=", 1) for item in environ.read().split(b"\0") if b"=" in item)
+    return int(env[b"RANK"])
