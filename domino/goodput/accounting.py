@@ -49,6 +49,8 @@ class Parts:
     other_s: float
     checkpoint_load_s: float
     """Part of ``startup_s``: reading the checkpoint."""
+    straggler_s: float
+    """Part of ``productive_s``: what the slowest rank's pace cost over the median's (``--log-straggler``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +63,8 @@ class Attempt(Parts):
     start: float = 0.0
     end: float = 0.0
     how: str = "killed"
-    """finished, sigterm, failed, killed (no end recorded), or running (the newest attempt, no end yet)."""
+    """finished, sigterm, failed, hung (it named a hung rank, :mod:`domino.runtime.hang_watch`), killed (no end
+    recorded), or running (the newest attempt, no end yet)."""
     loaded_iteration: int = 0
     last_iteration: int = 0
     last_durable: Optional[int] = None
@@ -177,7 +180,8 @@ def account(events: List[Dict[str, Any]], now: Optional[float] = None) -> Goodpu
         load_s = float(tl.start_event.get("load_s", 0)) if tl.start_event else 0.0
         about = dict(attempt=tl.attempt, host=_host(tl), pid=_pid(tl), start=start, end=end, how=_how(tl, newest),
                      loaded_iteration=tl.loaded, last_iteration=tl.last_iteration, last_durable=tl.last_durable,
-                     checkpoint_load_s=load_s, idle_s=idle)
+                     checkpoint_load_s=load_s, idle_s=idle,
+                     straggler_s=sum(float(e.get("seconds", 0)) for e in tl.events if e["event"] == "straggler"))
         if training_t is None:  # never reached the loop: all of it was start-up
             attempts.append(Attempt(productive_s=0.0, startup_s=end - start, checkpoint_s=0.0, evaluation_s=0.0,
                                     lost_s=0.0, other_s=0.0, **about))
@@ -215,6 +219,7 @@ def account(events: List[Dict[str, Any]], now: Optional[float] = None) -> Goodpu
     # make the parts exceed the wall time; what is left unexplained goes to other_s, so the parts sum exactly.
     totals["other_s"] = wall - sum(v for k, v in totals.items() if k != "other_s")
     return GoodputReport(attempts=attempts, wall_s=wall, checkpoint_load_s=sum(a.checkpoint_load_s for a in attempts),
+                         straggler_s=sum(a.straggler_s for a in attempts),
                          goodput=totals["productive_s"] / wall if wall > 0 else 0.0, **totals)
 
 
@@ -253,4 +258,7 @@ def format_report(report: GoodputReport) -> str:
                     f"{a.checkpoint_s:>7.1f}s{a.evaluation_s:>7.1f}s{a.lost_s:>7.1f}s{a.idle_s:>7.1f}s")
     rows.append(report.line())
     rows.append(f"  of the start-up, reading checkpoints: {report.checkpoint_load_s:.1f} s")
+    if report.straggler_s:
+        rows.append(f"  of the productive time, running at a straggler's pace (--log-straggler): "
+                    f"{report.straggler_s:.1f} s")
     return "\n".join(rows)

@@ -19,7 +19,10 @@ them:
                     save: the snapshot)
 ``durable``         ``iteration``'s checkpoint committed
 ``evaluation``      ``split``, ``seconds``
-``end``             ``how``: finished, sigterm or failed; ``iteration``; ``loop_end`` (the last step's end)
+``straggler``       ``seconds`` a log interval lost to running at the slowest rank's pace, ``ranks``
+                    (``--log-straggler``)
+``end``             ``how``: finished, sigterm, failed or hung (a hung peer named, ``--hang-timeout-s``);
+                    ``iteration``; ``loop_end`` (the last step's end)
 ==================  ====================================================================================
 
 Clocks are the hosts' wall clocks (``time.time``): attempts on different nodes compare as well as their clocks

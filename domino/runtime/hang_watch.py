@@ -39,7 +39,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -63,11 +63,14 @@ class HangWatch:
         timeout_s: seconds without progress in a step after which the rank holding this one is named (0: off;
             None: :data:`AUTO_STEPS` times the slowest of the last 20 steps, at least :data:`AUTO_FLOOR_S`).
         long_phase_timeout_s: the same for other phases (the first step, saves, evaluation).
+        on_hang: called with the report line before the process exits (the goodput ledger's last record).
         store: the rendezvous store (default: the default group's).
     """
 
-    def __init__(self, timeout_s: Optional[float], long_phase_timeout_s: float, store=None) -> None:
+    def __init__(self, timeout_s: Optional[float], long_phase_timeout_s: float,
+                 on_hang: Optional[Callable[[str], None]] = None, store=None) -> None:
         self.fixed_timeout_s, self.long_phase_timeout_s = timeout_s, long_phase_timeout_s
+        self.on_hang = on_hang
         self.iteration, self.phase = 0, "first step"
         self.progressed_at = time.time()
         self.recent_steps: List[float] = []  # seconds, the last 20 steps
@@ -140,8 +143,13 @@ class HangWatch:
                 for r, key in zip([r for r in range(self.world) if r != self.rank], keys)}
 
     def _report_and_exit(self, stalled: float, limit: float, peers: Dict[int, Optional[dict]]) -> None:
-        logger.error("%s", hang_report(self.rank, self.iteration, self.phase, stalled, limit, peers, time.time(),
-                                       self.silent_s))
+        line = hang_report(self.rank, self.iteration, self.phase, stalled, limit, peers, time.time(), self.silent_s)
+        logger.error("%s", line)
+        if self.on_hang is not None:
+            try:
+                self.on_hang(line)
+            except Exception as error:  # noqa: BLE001  the exit must happen whatever the record does
+                logger.warning("hang watch: recording the hang failed: %s", error)
         for handler in logging.getLogger().handlers:
             handler.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)  # where this rank waits

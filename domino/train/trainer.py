@@ -4,6 +4,7 @@ ledger's records (:class:`Trainer`, built and run by :func:`domino.train.pretrai
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,6 +202,10 @@ class Trainer:
             **running_figures(self.ledger.events if self.ledger.path else [], time.time()),
             **self.stragglers.measure(elapsed - self.paused, blocked, iterations),
         }
+        if record.get("stragglers"):  # the interval ran at the slowest rank's pace: what that cost, for the ledger
+            compute = record["compute_s_by_rank"]
+            self.ledger.record("straggler", seconds=iterations * (max(compute) - statistics.median(compute)),
+                               ranks=[s["rank"] for s in record["stragglers"]])
         self.timers.add("comm-wait", blocked)
         for site, seconds in self.comm.pop_by_site().items():  # the breakdown, at --timing-log-level 2
             self.timers.add(f"comm-wait: {site}", seconds)
@@ -271,7 +276,8 @@ class Trainer:
         self.completed = iteration  # the last iteration every rank finished, for a lost-peer report
         self.stop = StopSignal(self.config.train.exit_signal_handler, self.config.parallel.distributed_timeout_minutes)
         p = self.config.parallel
-        self.hang = HangWatch(p.hang_timeout_s, 60.0 * p.distributed_timeout_minutes)
+        self.hang = HangWatch(p.hang_timeout_s, 60.0 * p.distributed_timeout_minutes, on_hang=lambda line: (
+            self.ledger.record("end", how="hung", iteration=self.completed, loop_end=self.hang.progressed_at)))
         if dist.get_rank() == 0:
             for warning in startup_warnings(self.config, self.engine):
                 logger.warning("%s", warning)

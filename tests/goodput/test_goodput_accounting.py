@@ -17,7 +17,8 @@ def _event(attempt, event, t, **fields):
 
 
 #: Three attempts. A trains iterations 1-15, saves 10 (2 s blocking) and is SIGKILLed after 15; B resumes 10,
-#: evaluates for 5 s, is SIGTERMed at 20 and saves it (1 s); C resumes 20 and finishes 30.
+#: evaluates for 5 s, is SIGTERMed at 20 and saves it (1 s); C resumes 20 and finishes 30,
+#: 2.5 s of it at a straggler's pace.
 TIMELINE = [
     _event("A", "start", 4, process_start=0, loaded_iteration=0, load_s=0.0, host="node-a", pid=11),
     _event("A", "training", 10, iteration=0),
@@ -33,6 +34,7 @@ TIMELINE = [
     _event("B", "end", 82, how="sigterm", iteration=20, loop_end=80),
     _event("C", "start", 92, process_start=90, loaded_iteration=20, load_s=1.0, host="node-b", pid=13),
     _event("C", "training", 95, iteration=20),
+    _event("C", "straggler", 110, seconds=2.5, ranks=[3]),  # inside productive time, shown apart
     _event("C", "progress", 119, iteration=30),
     _event("C", "end", 120, how="finished", iteration=30, loop_end=119),
 ]
@@ -56,6 +58,7 @@ def test_the_account_of_a_known_timeline():
     assert (report.productive_s, report.lost_s, report.idle_s) == (61, 8, 18)
     assert report.goodput == pytest.approx(61 / 120)
     assert report.checkpoint_load_s == 4.0
+    assert (c.straggler_s, report.straggler_s) == (2.5, 2.5)
 
 
 def test_a_later_fall_back_to_an_older_checkpoint_takes_back_what_counted():

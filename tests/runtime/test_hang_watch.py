@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 
 from domino.launch.processes import alive, children, process_tree, signal_tree
@@ -23,7 +24,8 @@ ARGS = ["--preset", "tiny", "--seed", "7", "--mock-data", "--vocab-size", "256",
 
 def test_a_stopped_rank_is_named_by_its_peer_within_the_timeout(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.Popen(pretrain_command([*ARGS, "--metrics-file", str(metrics)], nproc=2),
+    proc = subprocess.Popen(pretrain_command([*ARGS, "--metrics-file", str(metrics), "--save", str(tmp_path / "ckpt")],
+                                             nproc=2),
                             env=child_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"}), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -53,6 +55,9 @@ def test_a_stopped_rank_is_named_by_its_peer_within_the_timeout(tmp_path):
     assert "[rank 0] ERROR" in line and f"pid {stopped}" in line and "its heartbeat stopped" in line, line
     assert f"exiting {HANG_EXIT_CODE}" in line
     assert "Stack (most recent call first)" in output or "Current thread" in output  # faulthandler's dump
+    ledger = json.loads(subprocess.run([sys.executable, "-m", "domino", "goodput", "--load", str(tmp_path / "ckpt"),
+                                        "--json"], capture_output=True, text=True, check=True).stdout)
+    assert [a["how"] for a in ledger["per_attempt"]] == ["hung"]  # the goodput ledger's record of it
     took = named_at - signalled
     assert took < 15, f"named only after {took:.0f} s (the collective timeout is 60 s)"
 

@@ -9,8 +9,10 @@ the gap: rank 0's compute rises under the duty cycle too.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -33,7 +35,9 @@ def _duty_cycle(pid: int, stop: threading.Event) -> None:
 
 def test_a_rank_slowed_by_a_duty_cycle_is_named_and_its_peer_is_not(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.Popen(pretrain_command([*ARGS, "--metrics-file", str(metrics)], nproc=2), env=child_env(),
+    save = tmp_path / "ckpt"
+    proc = subprocess.Popen(pretrain_command([*ARGS, "--metrics-file", str(metrics), "--save", str(save)], nproc=2),
+                            env=child_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     stop = threading.Event()
     try:
@@ -63,6 +67,9 @@ def test_a_rank_slowed_by_a_duty_cycle_is_named_and_its_peer_is_not(tmp_path):
     assert named.count([1]) >= 2 and not any(0 in n for n in named), slowed
     assert sum(r["compute_s_by_rank"][1] for r in slowed) > 1.5 * sum(r["compute_s_by_rank"][0] for r in slowed)
     assert "stragglers: rank 1 (" in output
+    ledger = json.loads(subprocess.run([sys.executable, "-m", "domino", "goodput", "--load", str(save), "--json"],
+                                       capture_output=True, text=True, check=True).stdout)
+    assert ledger["straggler_s"] > 0  # what the slow rank cost, in the goodput ledger
 
 
 
