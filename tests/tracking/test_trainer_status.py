@@ -163,8 +163,10 @@ def test_a_failing_server_is_said_once_and_backed_off(trainer, caplog):
     attempts = [r for r in state.received]
     assert all(r.code == 500 for r in attempts)
     assert 2 <= len(attempts) <= 5  # backing off 0.4, 0.8, 1.6 s..., not every 0.2 s
-    said = [r.getMessage() for r in caplog.records if "not posted" in r.getMessage()]
-    assert len(said) == 1 and "HTTP 500: Internal error" in said[0]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said  # the first failure, and the run's count at the end
+    assert "not posted (StatusRejected: HTTP 500: Internal error)" in said[0]
+    assert f"{len(attempts)} of {len(attempts)} posts failed in this run" in said[1]
 
 
 def _run_pretrain(tmp_path, endpoint: Endpoint, iters: int, interval: int, timeout: float = 240):
