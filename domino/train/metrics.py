@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from domino.atomic_files import atomic_write_text
 from domino.tracking import RunTracker, start_training_run
+from domino.tracking.trainer_status import TrainerStatusPoster
 from domino.train.stragglers import format_stragglers
 
 logger = logging.getLogger(__name__)
@@ -140,11 +141,14 @@ class MetricsWriter:
         enabled: Whether this process writes (global rank 0).
         log_timers: ``--log-timers-to-tensorboard``.
         metrics_port: ``--metrics-port``: serve the records' numbers to Prometheus (0: off).
+        train_iters: The run's last iteration: inside a TrainJob whose Trainer injects its status endpoint, the
+            records' progress goes to the TrainJob's ``status.trainerStatus`` (``domino.tracking.trainer_status``).
     """
 
     def __init__(self, metrics_file: Optional[str], tensorboard_dir: Optional[str], enabled: bool,
-                 log_timers: bool = False, metrics_port: int = 0) -> None:
+                 log_timers: bool = False, metrics_port: int = 0, train_iters: Optional[int] = None) -> None:
         self.enabled = enabled
+        self.trainjob_status = TrainerStatusPoster.from_env(train_iters) if enabled and train_iters else None
         self.failed: Set[str] = set()  # the side files given up after their first failure
         self.exporter = None
         if enabled and metrics_port:
@@ -226,6 +230,8 @@ class MetricsWriter:
             self.tracker.log_metrics(tracking_scalars(record))
         if self.exporter is not None and "eval" not in record:
             self.exporter.update(record)
+        if self.trainjob_status is not None and "eval" not in record:  # posted from its own thread
+            self.trainjob_status.offer(record)
 
     def _append(self, record: Dict[str, Any]) -> None:
         with open(self.metrics_file, "a") as f:
@@ -245,6 +251,9 @@ class MetricsWriter:
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None
+        if self.trainjob_status is not None:  # a finished run's 100 % waits for the pacing, boundedly
+            self.trainjob_status.close(completed)
+            self.trainjob_status = None
         if self.tracker is not None:
             self.tracker.log_artifact(self.metrics_file)
             self.tracker.finish(completed)

@@ -94,7 +94,8 @@ class Trainer:
         self.stragglers = StragglerDetector(lg.log_straggler, self.hosts, config.parallel.distributed_timeout_minutes)
         self.timers = Timers(lg.timing_log_level)
         self.writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, enabled=dist.get_rank() == 0,
-                                    log_timers=lg.log_timers_to_tensorboard, metrics_port=lg.metrics_port)
+                                    log_timers=lg.log_timers_to_tensorboard, metrics_port=lg.metrics_port,
+                                    train_iters=self.train_iters)
         self.peak = lg.peak_tflops or detect_peak_tflops(fp8=t.fp8_format is not None)
         self.flops_per_token = training_flops_per_token(config.model, padded_vocab_size)
         self.paused = 0.0  # seconds spent evaluating or saving, kept out of the throughput numbers

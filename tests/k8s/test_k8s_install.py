@@ -106,6 +106,37 @@ def test_the_trainer_manager_overlay_builds_and_only_jobset_is_remote(tmp_path):
     assert {"trainjobs.trainer.kubeflow.org", "trainingruntimes.trainer.kubeflow.org"} <= crds
 
 
+def test_the_guides_kustomization_turns_the_trainjobstatus_gate_on(tmp_path):
+    """docs/cluster.md "Progress in the TrainJob": its kustomization over Trainer v2.3.0's `manager` overlay
+    replaces the controller's config file with one whose `featureGates` turn TrainJobStatus on, in the ConfigMap
+    the Deployment mounts at the path its `--config` names (the controller reads `featureGates` from that file,
+    `cmd/trainer-controller-manager/main.go`)."""
+    import re
+
+    text = (REPO / "docs" / "cluster.md").read_text()
+    section = text[text.index("### Progress in the TrainJob"):]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    kust = yaml.safe_load(block)
+    shutil.copytree(UPSTREAM / "trainer-v2.3.0", tmp_path / "trainer")
+    manager = tmp_path / "trainer/manifests/overlays/manager/kustomization.yaml"
+    overlay = yaml.safe_load(manager.read_text())
+    overlay["resources"] = [r for r in overlay["resources"] if r != "../../third-party/jobset"]  # offline
+    manager.write_text(yaml.safe_dump(overlay))
+    assert kust["resources"] == ["https://github.com/kubeflow/trainer.git/manifests/overlays/manager?ref=v2.3.0"]
+    kust["resources"] = ["trainer/manifests/overlays/manager"]
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kust))
+    config = yaml.safe_load((UPSTREAM / "trainer-v2.3.0/manifests/base/manager/controller_manager_config.yaml").read_text())
+    (tmp_path / "controller_manager_config.yaml").write_text(yaml.safe_dump({**config, "featureGates": {"TrainJobStatus": True}}))
+    objects = kustomize(tmp_path)
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert "--config=/controller_manager_config.yaml" in container["args"]
+    (config_map,) = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == volume["configMap"]["name"]]
+    served = yaml.safe_load(config_map["data"]["controller_manager_config.yaml"])
+    assert served["featureGates"] == {"TrainJobStatus": True} and served["statusServer"]["port"] == 10443
+
+
 def test_kueues_manager_is_the_deployment_the_guide_waits_for():
     """The release manifest is config/default: namespace kueue-system and namePrefix kueue- (kubernetes-sigs/kueue
     v0.19.2 config/default/kustomization.yaml) over components/manager's `controller-manager`."""

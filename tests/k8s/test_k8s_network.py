@@ -137,3 +137,26 @@ def test_the_pipelines_tracking_uri_reaches_the_training_pods_that_the_component
             labels = pods_of_both_apis(9400)[1][0]  # the runtime's pod labels (the patch adds, never removes)
         assert env["MLFLOW_TRACKING_URI"] == uri
         assert egress_allowed(policies, labels, "mlflow", {"app.kubernetes.io/name": "mlflow"}, urlparse(uri).port)
+
+
+def test_trainjob_pods_reach_the_trainers_status_server_only_with_its_component(tmp_path):
+    """The controller's pods, namespace and status port as Kubeflow Trainer v2.3.0's `manager` overlay installs
+    them (manifests/base/manager/manager.yaml, controller_manager_config.yaml, overlays/manager), read from the
+    manifests themselves."""
+    manifests = REPO.parent / "shared" / "upstream" / "trainer-v2.3.0" / "manifests"
+    deployment = next(d for d in yaml.safe_load_all((manifests / "base/manager/manager.yaml").read_text())
+                      if d and d["kind"] == "Deployment")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    port = yaml.safe_load((manifests / "base/manager/controller_manager_config.yaml").read_text())["statusServer"]["port"]
+    namespace = yaml.safe_load((manifests / "overlays/manager/kustomization.yaml").read_text())["namespace"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert {"name": "status-server", "containerPort": port, "protocol": "TCP"} in container["ports"]
+    policies = [o for o in with_components(tmp_path, ["trainer-status"]) if o["kind"] == "NetworkPolicy"]
+    for policy in policies:
+        validate_core(policy)
+    base = [p for p in policies if p["metadata"]["name"] == "domino-training-isolation"]
+    _, (node_labels, _) = pods_of_both_apis(9400)
+    assert egress_allowed(policies, node_labels, namespace, labels, port)
+    assert not egress_allowed(base, node_labels, namespace, labels, port)  # the posts would time out
+    assert not egress_allowed(policies, node_labels, namespace, labels, 9443)  # not its webhook
+    assert not egress_allowed(policies, node_labels, "default", labels, port)

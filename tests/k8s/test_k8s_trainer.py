@@ -209,3 +209,50 @@ def test_another_claim_mount_path_and_shm_go_through_the_trainjobs_own_runtime_p
     plain = trainjob.render_trainjob(JobSpec(name="gpt", image="i", nodes=2), run_id="r1")
     patch = plain["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
     assert "volumes" not in patch["template"]["spec"]["template"]["spec"]  # the runtime's own, untouched
+
+
+def with_trainjob_status(pod, job):
+    """What the Trainer's TrainJobStatus plugin adds to every trainer container and its pod when the feature
+    gate is on (kubeflow/trainer v2.3.0 pkg/runtime/framework/plugins/trainjobstatus/trainjobstatus.go,
+    EnforceMLPolicy): the three variables (file paths for the CA and token), a read-only mount and a projected
+    volume of the service account token (audience of the TrainJob's status path, 3600 s) and the CA ConfigMap."""
+    name, namespace = job["metadata"]["name"], job["metadata"].get("namespace", "domino")
+    pod = copy.deepcopy(pod)
+    mount = "/var/run/secrets/kubeflow/trainer"
+    for container in pod["spec"]["containers"]:
+        container["env"] = container.get("env", []) + [
+            {"name": "KUBEFLOW_TRAINER_SERVER_URL", "value": "https://kubeflow-trainer-controller-manager.kubeflow-system"
+             f".svc:10443/apis/trainer.kubeflow.org/v1alpha1/namespaces/{namespace}/trainjobs/{name}/status"},
+            {"name": "KUBEFLOW_TRAINER_SERVER_CA_CERT", "value": f"{mount}/ca.crt"},
+            {"name": "KUBEFLOW_TRAINER_SERVER_TOKEN", "value": f"{mount}/token"}]
+        container["volumeMounts"] = container.get("volumeMounts", []) + [
+            {"name": "kubeflow-trainer-token", "mountPath": mount, "readOnly": True}]
+    pod["spec"]["volumes"] = pod["spec"].get("volumes", []) + [{"name": "kubeflow-trainer-token", "projected": {
+        "sources": [{"serviceAccountToken": {"audience": f"trainer.kubeflow.org/v1alpha1/namespaces/{namespace}/"
+                                                         f"trainjobs/{name}/status", "expirationSeconds": 3600,
+                                             "path": "token"}},
+                    {"configMap": {"name": f"{name}-tls-config", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}]}}]
+    return pod
+
+
+def test_the_trainjob_status_gate_keeps_the_node_pods_valid_and_restricted():
+    """With the TrainJobStatus gate on, the pods of k8s/trainer's runtime stay valid and restricted: the token
+    volume and mount take names and a path nothing of ours uses, and the variables are the ones
+    domino/tracking/trainer_status.py reads."""
+    from domino.tracking import trainer_status
+
+    spec = JobSpec(name="gpt", image="i", namespace="domino", nodes=2, nproc_per_node=8, gpus_per_node=8,
+                   pretrain_args=["--preset", "tiny"])
+    job = trainjob.render_trainjob(spec, run_id="r1")
+    plain = node_pod(job, runtime())
+    pod = with_trainjob_status(plain, job)
+    validate_core(pod)
+    assert restricted_violations(pod) == []
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    endpoint = trainer_status.Endpoint.from_env(env)
+    assert endpoint is not None and endpoint.token == "/var/run/secrets/kubeflow/trainer/token"
+    names = [v["name"] for v in pod["spec"]["volumes"]]
+    paths = [m["mountPath"] for m in container["volumeMounts"]]
+    assert len(names) == len(set(names)) and len(paths) == len(set(paths))
+    assert trainer_status.Endpoint.from_env({e["name"]: e.get("value") for e in plain["spec"]["containers"][0]["env"]}) is None
