@@ -117,8 +117,9 @@ def parquet_rows(path: str, keys: Sequence[str]) -> Iterator[Tuple[int, tuple, i
     """Rows of the ``keys`` columns of a Parquet file, in file order, read in record batches.
 
     Yields:
-        ``(row_number, values, nbytes)``: the 1-based row number, one value per key (``str``, a list of
-        ``str`` or ``None``), and this row's share of the file size (for the progress bar).
+        ``(row_number, values, nbytes)``: the 1-based row number, one value per key (``bytes``, a list of
+        ``bytes`` or ``None``: the column's UTF-8 as stored, for :mod:`domino.data.text_inputs` to decode and
+        name the row that is not UTF-8), and this row's share of the file size (for the progress bar).
 
     Raises:
         DataError: the file is not Parquet, lacks a column, or a column is not text, naming both.
@@ -141,13 +142,27 @@ def parquet_rows(path: str, keys: Sequence[str]) -> Iterator[Tuple[int, tuple, i
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
                 raise DataError(f"{path}: column {key!r} has type {schema.field(key).type}, expected a string or "
                                 "a list of strings")
+        # Parquet does not enforce UTF-8 in string columns, and pyarrow's to_pylist raises a bare
+        # UnicodeDecodeError for the whole batch on one bad value: read them as bytes (a view, no copy).
+        as_bytes = {key: _binary_type(schema.field(key).type) for key in keys}
         total_rows = max(parquet.metadata.num_rows, 1)
         size = os.path.getsize(path)
         row, reported = 0, 0
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=list(keys)):
-            columns = [batch.column(key).to_pylist() for key in keys]
+            columns = [batch.column(key).cast(as_bytes[key]).to_pylist() for key in keys]
             for values in zip(*columns):
                 row += 1
                 share = size * row // total_rows - reported
                 reported += share
                 yield row, values, share
+
+
+def _binary_type(kind):
+    """The binary type of the string (or list-of-string) type ``kind``, with the same offsets' width."""
+    import pyarrow as pa
+
+    if pa.types.is_list(kind):
+        return pa.list_(_binary_type(kind.value_type))
+    if pa.types.is_large_list(kind):
+        return pa.large_list(_binary_type(kind.value_type))
+    return pa.large_binary() if pa.types.is_large_string(kind) else pa.binary()

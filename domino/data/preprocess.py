@@ -301,8 +301,7 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
         write_meta(writer.prefix, DatasetMeta(
             tokenizer=tok.name, tokenizer_sha256=tokenizer_hash, vocab_size=tok.vocab_size, eod=tok.eod,
             dtype=str(dtype), documents=written, sequences=writer.sequences, tokens=writer.tokens))
-    if bad.count:
-        logger.warning("skipped %d bad input lines, e.g. %s", bad.count, "; ".join(bad.examples[:3]))
+    bad.log_summary()
     result = PreprocessResult(
         documents=written, tokens=tokens, seconds=time.perf_counter() - start, prefixes=prefixes,
         vocab_size=tok.vocab_size, tokenizer=tok.name,
