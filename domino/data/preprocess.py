@@ -2,7 +2,7 @@
 
 For every ``--json-keys`` key the output is ``{output_prefix}_{key}_document.bin/.idx``, exactly as
 Megatron-LM's ``tools/preprocess_data.py`` writes it (one sequence per document, uint16 tokens when the
-vocabulary has fewer than 65500 entries, else int32; with ``append_eod`` the end-of-document id closes
+highest token id + 1 is below 65500, else int32; with ``append_eod`` the end-of-document id closes
 every document). A JSON value that is a list of strings gives one sequence per non-empty string, as
 Megatron's sentence lists do; a document without tokens is an empty entry of the document index.
 
