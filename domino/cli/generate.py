@@ -25,9 +25,12 @@ def prompt_text(text: str) -> str:
 
 def _prompt_ids(text: str):
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise ConfigError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+        ids = [-1]
+    if any(i < 0 for i in ids):  # before the checkpoint is loaded; the upper bound needs its vocabulary
+        raise ConfigError(f"--prompt-ids must be comma-separated integers >= 0, got {text!r}")
+    return ids
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,9 +9,11 @@ machine cannot run. The Megatron-LM rules cited are from ``megatron/training/arg
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import List, Optional
 
 from domino.config.batch_schedule import batch_schedule_problems, check_batch_flags
+from domino.config.data_specs import data_spec_problems, zero_weight_notes
 from domino.config.errors import ConfigError  # noqa: F401  (its home for the callers that import it from here)
 from domino.config.layout import (check_tensor_parallel_size, context_parallel_problems, data_parallel_size,
                                   pipeline_problems)
@@ -102,6 +104,14 @@ def resolve_zero_stage(config: DominoConfig, data_parallel_size: int,
 
 
 def _check_bounds(problems: List[str], config: DominoConfig) -> None:
+    # float() takes inf and nan (--lr inf trains on nan weights); inf passes the bounds below, nan fails for no reason
+    for section in (getattr(config, group.name) for group in dataclasses.fields(config)):
+        for f in dataclasses.fields(section) if dataclasses.is_dataclass(section) else ():
+            value = getattr(section, f.name)
+            _check(problems, not isinstance(value, float) or math.isfinite(value),
+                   f"{flag_name(f.name)} must be a finite number, got {value}")
+    if problems:
+        return
     for group, minimums in MINIMUMS.items():
         for name, minimum in minimums.items():
             value = getattr(getattr(config, group), name)
@@ -236,6 +246,7 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
     _check(problems, lg.timing_log_level in (0, 1, 2), f"--timing-log-level must be 0, 1 or 2, got {lg.timing_log_level}")
     _check(problems, d.num_workers >= 0, f"--num-workers must be >= 0, got {d.num_workers}")
     _check_tokenizer_and_data(problems, config)
+    problems.extend(data_spec_problems(config.data))
     _check(problems, config.kernels.attention_backend in (None, *ATTENTION_BACKENDS),
            f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {config.kernels.attention_backend!r}")
 
@@ -352,6 +363,7 @@ def advisories(config: DominoConfig) -> List[str]:
     if c.save_interval is not None and c.save is None:
         notes.append(f"--save-interval {c.save_interval} without --save: no checkpoints are written "
                      "(Megatron-LM allows this too)")
+    notes.extend(zero_weight_notes(config.data))
     docs, defaults = field_docs(KernelConfig), KernelConfig()
     for f in dataclasses.fields(KernelConfig):
         value = getattr(config.kernels, f.name)

@@ -1,0 +1,48 @@
+"""Numbers at the edges of the readers of a checkpoint: prompt ids outside the vocabulary, a report of losses near
+the largest float. Each is one line from the real command, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eval_checkpoints import save_checkpoint, tiny_config, tiny_model, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("edges")
+    tokenizer = tiny_tokenizer(root / "tok")
+    config = tiny_config(str(root / "tok"))
+    save_checkpoint(root / "ckpt", tiny_model(config, tokenizer.vocab_size, seed=3), config, tokenizer=tokenizer)
+    return root, tokenizer.vocab_size
+
+
+def _domino(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "domino", *argv], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"})
+
+
+def _one_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (error,) = {line for line in proc.stderr.splitlines() if "error: " in line}
+    return error.split("error: ", 1)[1]
+
+
+def test_prompt_ids_outside_the_vocabulary_are_one_line(saved):
+    root, vocab = saved
+    for ids, message in ((f"3,{vocab}", f"--prompt-ids: id {vocab} is outside the vocabulary [0, {vocab})"),
+                         ("99999999", f"--prompt-ids: id 99999999 is outside the vocabulary [0, {vocab})"),
+                         ("-5", "--prompt-ids must be comma-separated integers >= 0, got '-5'")):
+        assert _one_error(_domino("generate", "--load", str(root / "ckpt"), f"--prompt-ids={ids}",
+                                  "--max-new-tokens", "1")) == message
+    done = _domino("generate", "--load", str(root / "ckpt"), f"--prompt-ids=3,{vocab - 1}", "--max-new-tokens", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
