@@ -3,6 +3,7 @@ the largest float. Each is one line from the real command, never a traceback."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -46,3 +47,17 @@ def test_prompt_ids_outside_the_vocabulary_are_one_line(saved):
                                   "--max-new-tokens", "1")) == message
     done = _domino("generate", "--load", str(root / "ckpt"), f"--prompt-ids=3,{vocab - 1}", "--max-new-tokens", "1")
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_report_of_losses_near_the_largest_float_is_written(tmp_path):
+    records = [{"iteration": 1, "lm_loss": 1e308, "tokens_per_s": 1e308, "grad_norm": 1e99, "lr": 1e-300},
+               {"iteration": 2, "lm_loss": 3.5, "tokens_per_s": 5.0, "grad_norm": -1e99, "lr": 1e-4},
+               {"iteration": 3, "lm_loss": -1e308}, {"iteration": 1e308, "lm_loss": 2.0},
+               {"iteration": 4, "lm_loss": 1e99}, {"iteration": 5, "lm_loss": -1e99}]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(record) + "\n" for record in records))
+    done = _domino("report", "--metrics-file", str(metrics), "--output", str(tmp_path / "report.html"))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "report: 3 lm_loss value(s) beyond +-1e+100 are not drawn" in done.stderr  # the 1e99 ones are drawn
+    assert "report: 1 tokens_per_s value(s) beyond" in done.stderr
+    assert (tmp_path / "report.html").read_text().count("data:image/png;base64,") == 3
