@@ -170,7 +170,8 @@ def read_checkpoint_meta(ckpt_dir: PathLike) -> Dict[str, Any]:
     """Reads and checks ``ckpt_dir/checkpoint.json``.
 
     Raises:
-        CheckpointError: when the file is missing, is not JSON, or lacks a required field.
+        CheckpointError: when the file is missing, is not JSON, lacks a required field, or its iteration is not
+            the one of its ``iter_*`` folder.
     """
     path = Path(ckpt_dir) / META_FILE
     if not path.is_file():
@@ -183,6 +184,10 @@ def read_checkpoint_meta(ckpt_dir: PathLike) -> Dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path} is not valid JSON: {error}") from None
     _check_meta(meta, str(path))
+    named = tag_iteration(Path(ckpt_dir).name)
+    if named is not None and named != meta["iteration"]:  # a resume would count from a step never saved here
+        raise CheckpointError(f"{path}: iteration {meta['iteration']} disagrees with its folder's name "
+                              f"{Path(ckpt_dir).name}")
     return meta
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,32 @@ def test_a_report_of_losses_near_the_largest_float_is_written(tmp_path):
     assert "report: 3 lm_loss value(s) beyond +-1e+100 are not drawn" in done.stderr  # the 1e99 ones are drawn
     assert "report: 1 tokens_per_s value(s) beyond" in done.stderr
     assert (tmp_path / "report.html").read_text().count("data:image/png;base64,") == 3
+
+
+def _edited_copy(saved, tmp_path, edit) -> Path:
+    root, _ = saved
+    copy = tmp_path / "ckpt"
+    shutil.copytree(root / "ckpt", copy)
+    meta_path = copy / "iter_0000001" / "checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    edit(meta)
+    meta_path.write_text(json.dumps(meta))
+    return copy
+
+
+def test_inspect_finds_a_layer_count_the_shards_do_not_hold(saved, tmp_path):
+    root, _ = saved
+    intact = _domino("checkpoint", "inspect", "--load", str(root / "ckpt"), "--no-progress")
+    assert intact.returncode == 0 and "integrity: unverified" in intact.stdout, intact.stdout + intact.stderr[-2000:]
+    lying = _edited_copy(saved, tmp_path, lambda meta: meta["config"]["model"].update(num_layers=3))
+    found = _domino("checkpoint", "inspect", "--load", str(lying), "--no-progress")
+    assert found.returncode == 1, found.stdout + found.stderr[-2000:]
+    assert "integrity: DAMAGED: " in found.stdout and "num_layers is 3 but the shards hold 2 layers" in found.stdout
+
+
+def test_an_iteration_that_disagrees_with_its_folder_is_refused(saved, tmp_path):
+    lying = _edited_copy(saved, tmp_path, lambda meta: meta.update(iteration=5))
+    for argv in (["checkpoint", "inspect", "--load", str(lying)],
+                 ["generate", "--load", str(lying), "--prompt-ids=3", "--max-new-tokens", "1"]):
+        error = _one_error(_domino(*argv))
+        assert error.endswith("checkpoint.json: iteration 5 disagrees with its folder's name iter_0000001"), error
