@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from safetensors import safe_open
 
-from domino.atomic_files import StagingDirectory
+from domino.atomic_files import StagingDirectory, name_too_long
 from domino.checkpoint import manifest
 from domino.config import ConfigError, DominoConfig, ModelConfig, config_from_dict, padded_vocab_size
 from domino.checkpoint import model_loading, model_shards, on_disk
@@ -76,14 +76,39 @@ def family_of(config: ModelConfig) -> Family:
     return FAMILIES["llama" if llama else "gpt2"]
 
 
-def _prepare_output(output: Path, overwrite: bool, source: Path, source_flag: str) -> None:
-    # Publishing replaces --output whole: it must neither be the source nor hold it.
+#: The names an export writes (its tokenizer's files: :meth:`domino.data.tokenizer.Tokenizer.save`).
+EXPORT_NAMES = frozenset({"config.json", "generation_config.json", WEIGHTS_FILE, "tokenizer.json", "vocab.json",
+                          "merges.txt", "tokenizer_config.json", "special_tokens_map.json"})
+
+
+def _ours_in_export(name: str) -> bool:
+    return name in EXPORT_NAMES
+
+
+def _ours_in_import(name: str) -> bool:  # a save root: its latest and iter_* folders
+    return name == on_disk.LATEST_FILE or on_disk.tag_iteration(name) is not None
+
+
+def _prepare_output(output: Path, overwrite: bool, source: Path, source_flag: str,
+                    ours: Callable[[str], bool]) -> None:
+    """Checks ``output`` before any work: publishing replaces it whole, so it must neither be the source nor hold
+    it, and ``--overwrite`` replaces only an earlier output of the same verb (``ours`` names its entries)."""
+    problem = name_too_long(str(output))  # its staging folder beside it has a longer name
+    if problem:
+        raise ConfigError(f"--output {output}: {problem}")
     resolved, source_resolved = output.resolve(), source.resolve()
     if resolved == source_resolved or resolved in source_resolved.parents:
         raise ConfigError(f"--output {output} is or contains {source_flag} {source}: replacing it would delete the "
                           "input; write to another folder")
-    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
+    if not output.exists() or (output.is_dir() and not any(output.iterdir())):
+        return
+    if not overwrite:
         raise ConfigError(f"--output {output} already exists and is not empty (pass --overwrite to replace it)")
+    foreign = sorted(p.name for p in output.iterdir() if not ours(p.name)) if output.is_dir() else [output.name]
+    if foreign:
+        raise ConfigError(f"--output {output} holds {len(foreign)} file(s) this command did not write "
+                          f"({', '.join(foreign[:3])}); --overwrite replaces only an earlier output: move them "
+                          "or choose another folder")
 
 
 def _publish(staging: Path, output: Path) -> None:
@@ -122,7 +147,7 @@ def export_hf(load: PathLike, output: PathLike, tokenizer_spec: Optional[str] = 
     config = config_from_dict(meta["config"])
     model_loading.check_checkpoint_fits(ckpt_dir, meta, config)
     output = Path(output)
-    _prepare_output(output, overwrite, Path(ckpt_dir), "--load")
+    _prepare_output(output, overwrite, Path(ckpt_dir), "--load", _ours_in_export)
     tokenizer = model_loading.load_checkpoint_tokenizer(ckpt_dir, meta, tokenizer_spec)
     vocab = tokenizer.vocab_size
     if vocab > meta["padded_vocab_size"]:
@@ -226,7 +251,7 @@ def import_hf(input_dir: PathLike, output: PathLike, tokenizer_spec: Optional[st
     config_path = input_dir / "config.json"
     if not config_path.is_file():
         raise ConfigError(f"--input {input_dir} has no config.json (is it a Hugging Face model directory?)")
-    _prepare_output(output, overwrite, input_dir, "--input")
+    _prepare_output(output, overwrite, input_dir, "--input", _ours_in_import)
     try:
         hf_config = json.loads(config_path.read_text())
     except json.JSONDecodeError as error:

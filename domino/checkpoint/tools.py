@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from domino.atomic_files import fsync_directory
+from domino.atomic_files import fsync_directory, name_too_long
 from domino.checkpoint import distributed_io, fragment_io, manifest, model_shards, on_disk, sharding
 from domino.checkpoint import model_loading
 from domino.checkpoint.on_disk import Checkpoint
@@ -144,6 +144,9 @@ def _numel(shape) -> int:
 
 
 def _fresh_output(output: Path) -> Path:
+    problem = name_too_long(str(output))
+    if problem:
+        raise on_disk.CheckpointError(f"--output {output}: {problem}")
     if output.exists() and any(output.iterdir()):
         raise on_disk.CheckpointError(f"--output {output} is not empty; name a new directory")
     output.parent.mkdir(parents=True, exist_ok=True)

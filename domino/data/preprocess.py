@@ -33,7 +33,8 @@ from domino.data.builtin_corpora import builtin_corpus_bytes, builtin_documents
 from domino.data.errors import DataError
 from domino.data.indexed_dataset import IndexedDatasetWriter, index_file_path, temporary_paths, token_dtype
 from domino.data.limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
-from domino.data.provenance import DatasetMeta, file_sha256, meta_path, tokenizer_sha256, write_meta
+from domino.data.provenance import (DatasetMeta, check_output_name, file_sha256, meta_path, tokenizer_sha256,
+                                   write_meta)
 from domino.data.text_inputs import BadLineCounter, Document, expand_inputs, input_bytes, read_documents
 from domino.data.tokenizer import Tokenizer, build_tokenizer
 
@@ -244,6 +245,9 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
         workers = _available_cpus()
     if not output_prefix or output_prefix.endswith(os.sep):
         raise DataError(f"--output-prefix must name a file prefix, got {output_prefix!r}")
+    prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
+    for prefix in prefixes.values():
+        check_output_name(prefix)
     bad = BadLineCounter()
     if builtin_corpus:
         if json_keys != ("text",):
@@ -256,7 +260,6 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
         documents = read_documents(files, json_keys, txt_document_per_file, skip_bad_lines, bad, max_line_bytes)
     tok = build_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
-    prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
     for prefix in prefixes.values():  # what a killed run left; a live writer's temporaries are its own
         sweep_temporaries(temporary_paths(prefix) + [meta_path(prefix)])
     writers = {key: IndexedDatasetWriter(prefix, dtype) for key, prefix in prefixes.items()}

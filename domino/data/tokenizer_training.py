@@ -14,6 +14,7 @@ from typing import Iterator, Optional, Sequence
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from domino.atomic_files import name_too_long
 from domino.data.builtin_corpora import builtin_documents
 from domino.data.errors import DataError
 from domino.data.text_inputs import BadLineCounter, expand_inputs, read_documents
@@ -63,6 +64,9 @@ def train_tokenizer(inputs: Optional[Sequence[str]], vocab_size: int, output: st
         raise DataError("give either --input files or --builtin-corpus (exactly one of them)")
     if vocab_size < MIN_VOCAB_SIZE:
         raise DataError(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + end-of-document), got {vocab_size}")
+    problem = name_too_long(output)  # the folder is made only after training
+    if problem:
+        raise DataError(f"--output {output}: {problem}")
     bad = BadLineCounter()
     if builtin_corpus:
         documents = builtin_documents(builtin_corpus)

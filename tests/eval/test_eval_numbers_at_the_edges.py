@@ -91,3 +91,31 @@ def test_an_iteration_that_disagrees_with_its_folder_is_refused(saved, tmp_path)
                  ["generate", "--load", str(lying), "--prompt-ids=3", "--max-new-tokens", "1"]):
         error = _one_error(_domino(*argv))
         assert error.endswith("checkpoint.json: iteration 5 disagrees with its folder's name iter_0000001"), error
+
+
+def test_overwrite_replaces_only_an_earlier_output_of_the_same_command(saved, tmp_path):
+    root, _ = saved
+    export, imported = tmp_path / "hf", tmp_path / "imported"
+    for argv, output in ((["export-hf", "--load", str(root / "ckpt")], export),
+                         (["import-hf", "--input", str(export)], imported)):
+        assert _domino(*argv, "--output", str(output)).returncode == 0
+        written = sorted(os.listdir(output))
+        (output / "notes.txt").write_text("mine")
+        error = _one_error(_domino(*argv, "--output", str(output), "--overwrite"))
+        assert error.startswith(f"--output {output} holds 1 file(s) this command did not write (notes.txt)"), error
+        assert (output / "notes.txt").read_text() == "mine" and sorted(os.listdir(output)) == sorted(written + ["notes.txt"])
+        (output / "notes.txt").unlink()
+        done = _domino(*argv, "--output", str(output), "--overwrite")
+        assert done.returncode == 0 and sorted(os.listdir(output)) == written, done.stderr[-3000:]
+
+
+def test_an_output_name_too_long_for_its_temporaries_is_refused_before_any_work(saved, tmp_path):
+    root, _ = saved
+    (tmp_path / "in.jsonl").write_text('{"text": "a document"}\n')
+    # each fits alone; not the temporary .NAME_text_document.meta.json.tmp-PID-XXXXXXXX, nor the staging .NAME.XXXXXXXX
+    for argv in (["preprocess", "--input", str(tmp_path / "in.jsonl"), "--tokenizer", str(root / "tok"),
+                  "--output-prefix", str(tmp_path / ("x" * 230))],
+                 ["export-hf", "--load", str(root / "ckpt"), "--output", str(tmp_path / ("x" * 250))]):
+        error = _one_error(_domino(*argv))
+        assert "that is over the 255 bytes a name may have here" in error, error
+    assert os.listdir(tmp_path) == ["in.jsonl"]
