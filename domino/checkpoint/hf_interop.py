@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from domino.atomic_files import StagingDirectory, name_too_long
 from domino.checkpoint import manifest
-from domino.config import ConfigError, DominoConfig, ModelConfig, config_from_dict, padded_vocab_size
+from domino.config import ConfigError, DominoConfig, ModelConfig, config_from_dict, padded_vocab_size, validate
 from domino.checkpoint import model_loading, model_shards, on_disk
 from domino.model import hf_gpt2, hf_llama
 
@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 PathLike = Union[str, Path]
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+#: The safetensors dtypes of weights that are imported (names as in the safetensors format's header).
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,10 @@ def _check_weights_fit(files: List[Path], config: ModelConfig, family: Family, s
     stored: Dict[str, Tuple[int, ...]] = {}
     for path in files:
         stored.update(model_shards.read_header_shapes(path))
+        for name, dtype in model_shards.read_header_dtypes(path).items():
+            if dtype not in FLOAT_DTYPES:  # an integer or bool tensor would become weights nothing can train
+                raise ConfigError(f"{path}: tensor {name[:80]!r} has dtype {dtype}; a model's weights are floating "
+                                  f"point ({', '.join(sorted(FLOAT_DTYPES))})")
     if family.model_type == "gpt2" and not any(k.startswith("transformer.") for k in stored):
         stored = {"transformer." + k: v for k, v in stored.items()}  # GPT2Model's names lack the prefix
     depth = len(family.layer_prefix.split(".")) - 1
@@ -257,12 +263,16 @@ def import_hf(input_dir: PathLike, output: PathLike, tokenizer_spec: Optional[st
     except json.JSONDecodeError as error:
         raise ConfigError(f"{config_path} is not valid JSON: {error}") from None
     model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else None
-    family = FAMILIES.get(model_type)
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise ConfigError(f"{config_path}: model_type {model_type!r} is not one of {', '.join(FAMILIES)}")
     config = DominoConfig()
     config.model = family.model_config(hf_config, str(config_path))
     config.model.make_vocab_size_divisible_by = make_vocab_size_divisible_by
+    try:  # the relations between the fields (the width a multiple of the heads...), before the model is sized
+        validate(config)
+    except ConfigError as error:
+        raise ConfigError(f"{config_path}: {error}") from None
     has_tokenizer = (input_dir / "tokenizer.json").is_file() or (input_dir / "vocab.json").is_file()
     config.data.tokenizer = tokenizer_spec or (str(input_dir) if has_tokenizer else "gpt2")
     from domino.data.tokenizer import build_tokenizer

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 from domino.atomic_files import atomic_write_text
-from domino.config import ConfigError
+from domino.config import ConfigError, config_from_dict
+from domino.config.bounds import bound_problems
 
 #: Version 2 stores the optimizer state by parameter name (``optimizer/``, any layout reads it); version 1 kept
 #: each rank's optimizer state (``optim/rank_NNNNN.pt``, read on the layout that wrote it). Both are read.
@@ -164,6 +165,12 @@ def _check_meta(meta: Dict[str, Any], source: str) -> None:
         raise CheckpointError(f"{source}: field {MODEL_STAGES_KEY} must be a positive integer, got {stages!r}")
     if not isinstance(meta["config"], dict):
         raise CheckpointError(f"{source}: field config must be an object")
+    try:  # untrusted: every field typed and bounded before a reader sizes a tensor or divides by it
+        problems = bound_problems(config_from_dict(meta["config"]))
+    except ConfigError as error:
+        problems = [str(error)]
+    if problems:
+        raise CheckpointError(f"{source}: config: {'; '.join(problems)}")
 
 
 def read_checkpoint_meta(ckpt_dir: PathLike) -> Dict[str, Any]:

@@ -11,7 +11,7 @@ import pytest
 
 from domino.config import ConfigError, parse_config
 from domino.config.schema import flag_name
-from domino.config.validate import MINIMUMS, POSITIVE
+from domino.config.bounds import MINIMUMS, POSITIVE
 
 BASE = ["--preset", "tiny", "--mock-data", "--vocab-size", "256", "--eval-iters", "0", "--eval-interval", "0"]
 MESSAGE = "--train-iters must be >= 1, got -3"
