@@ -35,7 +35,8 @@ from domino.data.indexed_dataset import IndexedDatasetWriter, index_file_path, t
 from domino.data.limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
 from domino.data.provenance import (DatasetMeta, check_output_name, file_sha256, meta_path, tokenizer_sha256,
                                    write_meta)
-from domino.data.text_inputs import BadLineCounter, Document, expand_inputs, input_bytes, read_documents
+from domino.data.input_files import expand_inputs
+from domino.data.text_inputs import BadLineCounter, Document, input_bytes, read_documents
 from domino.data.tokenizer import Tokenizer, build_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@
 * either of them compressed (``.gz``, ``.zst``): the same, decompressed as a stream.
 * ``.parquet``: one document per row; each key names a string (or list-of-strings) column.
 
-:mod:`domino.data.input_files` knows the formats; this module turns their lines and rows into
+:mod:`domino.data.input_files` knows the formats and finds the files; this module turns their lines and rows into
 documents, so a row of a Parquet file and the same record as a JSON line give the same document.
 
 Every problem (malformed JSON, a missing key, a value that is not text, bytes that are not UTF-8 in any
@@ -18,7 +18,6 @@ format, a JSON escape that leaves a lone surrogate, an input without documents) 
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from domino.data.errors import DataError
-from domino.data.input_files import SUPPORTED, input_format, open_lines, parquet_rows
+from domino.data.input_files import input_format, open_lines, parquet_rows
 from domino.data.limits import MAX_LINE_BYTES
 
 logger = logging.getLogger(__name__)
@@ -60,52 +59,6 @@ class BadLineCounter:
         """One warning with the count and the first reasons, when anything was skipped."""
         if self.count:
             logger.warning("skipped %d bad input lines, e.g. %s", self.count, "; ".join(self.examples[:3]))
-
-
-def _directory_files(directory: str) -> List[str]:
-    """Every supported file under ``directory`` (recursively, sorted; hidden files and folders skipped)."""
-    found, ignored = [], []
-    for root, folders, names in os.walk(directory):
-        folders[:] = sorted(f for f in folders if not f.startswith("."))
-        for name in sorted(names):
-            if name.startswith("."):
-                continue
-            (found if input_format(name) else ignored).append(os.path.join(root, name))
-    if ignored:
-        logger.warning("input directory %s: ignoring %d file(s) of unsupported type, e.g. %s", directory,
-                       len(ignored), ", ".join(ignored[:3]))
-    if not found:
-        raise DataError(f"input directory {directory} holds no {SUPPORTED} file")
-    return sorted(found)
-
-
-def expand_inputs(patterns: Sequence[str]) -> List[str]:
-    """Files named by ``patterns`` (paths, globs or directories), in order, without duplicates.
-
-    A glob's matches come in sorted order; a directory gives every supported file below it, sorted by
-    path (unsupported files there are skipped with a warning).
-
-    Raises:
-        DataError: for a pattern that matches nothing or a named file of an unsupported type.
-    """
-    files: List[str] = []
-    for pattern in patterns:
-        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
-        if not matches:
-            raise DataError(f"input {pattern!r} matches no file")
-        for match in matches:
-            if os.path.isdir(match):
-                paths = _directory_files(match)
-            elif not os.path.isfile(match):
-                raise DataError(f"input file not found: {match}")
-            elif input_format(match) is None:
-                raise DataError(f"input {match}: unsupported file type (expected {SUPPORTED})")
-            else:
-                paths = [match]
-            files.extend(path for path in paths if path not in files)
-    if not files:
-        raise DataError("no input files given")
-    return files
 
 
 #: A UTF-16 surrogate: a Python string holds one alone only from a JSON ``\ud800`` escape without its pair (or, on

@@ -17,7 +17,8 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from domino.atomic_files import name_too_long
 from domino.data.builtin_corpora import builtin_documents
 from domino.data.errors import DataError
-from domino.data.text_inputs import BadLineCounter, expand_inputs, read_documents
+from domino.data.input_files import expand_inputs
+from domino.data.text_inputs import BadLineCounter, read_documents
 from domino.data.tokenizer import GPT2_EOD_TOKEN, Tokenizer
 
 logger = logging.getLogger(__name__)
