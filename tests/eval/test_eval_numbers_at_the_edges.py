@@ -11,21 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from eval_checkpoints import save_checkpoint, tiny_config, tiny_model, tiny_tokenizer
+from eval_checkpoints import tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("edges")
-    tokenizer = tiny_tokenizer(root / "tok")
-    config = tiny_config(str(root / "tok"))
-    save_checkpoint(root / "ckpt", tiny_model(config, tokenizer.vocab_size, seed=3), config, tokenizer=tokenizer)
-    return root, tokenizer.vocab_size
+    return root, tiny_checkpoint(root).vocab_size
 
 
 def _domino(*argv) -> subprocess.CompletedProcess:

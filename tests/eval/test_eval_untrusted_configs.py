@@ -22,7 +22,7 @@ from domino.checkpoint import model_loading
 from domino.checkpoint import on_disk as wio
 from domino.checkpoint.hf_interop import export_hf, import_hf
 from domino.config import ConfigError
-from eval_checkpoints import save_checkpoint, tiny_config, tiny_model, tiny_tokenizer
+from eval_checkpoints import tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, ffn_hidden_size=48,
@@ -32,13 +32,9 @@ LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=Tru
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """A GPT and a LLaMA checkpoint, each with its Hugging Face export."""
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("untrusted")
-    tokenizer = tiny_tokenizer(root / "tok")
     for family, extra in (("gpt2", {}), ("llama", LLAMA)):
-        config = tiny_config(str(root / "tok"), **extra)
-        save_checkpoint(root / f"{family}-ckpt", tiny_model(config, tokenizer.vocab_size, seed=3), config,
-                        tokenizer=tokenizer)
+        tiny_checkpoint(root, f"{family}-ckpt", **extra)
         export_hf(root / f"{family}-ckpt", root / family)
     return root
 
