@@ -37,6 +37,29 @@ def temporary_name(path: str) -> str:
     return os.path.join(directory, f".{base}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
+#: Bytes the longest name derived from a final name adds to it: ``temporary_name``'s ``.`` + ``.tmp-`` + a pid (up to
+#: 7 digits, the kernel's largest pid_max) + ``-`` + 8 hex; a staging or replaced folder adds fewer.
+DERIVED_NAME_EXTRA = 1 + 5 + 7 + 1 + 8
+
+
+def name_too_long(path: str) -> Optional[str]:
+    """Why ``path`` cannot be written here, with the temporary name its writer gives it beside it, when its
+    file name is too long for the file system (checked before any work: the write fails with ``File name too
+    long`` only at the end otherwise); None when it fits."""
+    directory = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(directory) and os.path.dirname(directory) != directory:
+        directory = os.path.dirname(directory)  # the nearest folder that exists decides the file system
+    try:
+        limit = os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255  # NAME_MAX of Linux's file systems (limits.h)
+    size = len(os.fsencode(os.path.basename(path)))
+    if size + DERIVED_NAME_EXTRA <= limit:
+        return None
+    return (f"its file name has {size} bytes; with the {DERIVED_NAME_EXTRA} its temporary name adds, that is over the "
+            f"{limit} bytes a name may have here (at most {limit - DERIVED_NAME_EXTRA})")
+
+
 def fsync_directory(directory: str) -> None:
     """Makes a rename inside ``directory`` durable (no-op where directories cannot be opened)."""
     try:

@@ -23,9 +23,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from safetensors import safe_open
 
-from domino.atomic_files import StagingDirectory
+from domino.atomic_files import StagingDirectory, name_too_long
 from domino.checkpoint import manifest
-from domino.config import ConfigError, DominoConfig, ModelConfig, config_from_dict, padded_vocab_size
+from domino.config import ConfigError, DominoConfig, ModelConfig, config_from_dict, padded_vocab_size, validate
 from domino.checkpoint import model_loading, model_shards, on_disk
 from domino.model import hf_gpt2, hf_llama
 
@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 PathLike = Union[str, Path]
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+#: The safetensors dtypes of weights that are imported (names as in the safetensors format's header).
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 
 
 @dataclass(frozen=True)
@@ -76,14 +78,39 @@ def family_of(config: ModelConfig) -> Family:
     return FAMILIES["llama" if llama else "gpt2"]
 
 
-def _prepare_output(output: Path, overwrite: bool, source: Path, source_flag: str) -> None:
-    # Publishing replaces --output whole: it must neither be the source nor hold it.
+#: The names an export writes (its tokenizer's files: :meth:`domino.data.tokenizer.Tokenizer.save`).
+EXPORT_NAMES = frozenset({"config.json", "generation_config.json", WEIGHTS_FILE, "tokenizer.json", "vocab.json",
+                          "merges.txt", "tokenizer_config.json", "special_tokens_map.json"})
+
+
+def _ours_in_export(name: str) -> bool:
+    return name in EXPORT_NAMES
+
+
+def _ours_in_import(name: str) -> bool:  # a save root: its latest and iter_* folders
+    return name == on_disk.LATEST_FILE or on_disk.tag_iteration(name) is not None
+
+
+def _prepare_output(output: Path, overwrite: bool, source: Path, source_flag: str,
+                    ours: Callable[[str], bool]) -> None:
+    """Checks ``output`` before any work: publishing replaces it whole, so it must neither be the source nor hold
+    it, and ``--overwrite`` replaces only an earlier output of the same verb (``ours`` names its entries)."""
+    problem = name_too_long(str(output))  # its staging folder beside it has a longer name
+    if problem:
+        raise ConfigError(f"--output {output}: {problem}")
     resolved, source_resolved = output.resolve(), source.resolve()
     if resolved == source_resolved or resolved in source_resolved.parents:
         raise ConfigError(f"--output {output} is or contains {source_flag} {source}: replacing it would delete the "
                           "input; write to another folder")
-    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
+    if not output.exists() or (output.is_dir() and not any(output.iterdir())):
+        return
+    if not overwrite:
         raise ConfigError(f"--output {output} already exists and is not empty (pass --overwrite to replace it)")
+    foreign = sorted(p.name for p in output.iterdir() if not ours(p.name)) if output.is_dir() else [output.name]
+    if foreign:
+        raise ConfigError(f"--output {output} holds {len(foreign)} file(s) this command did not write "
+                          f"({', '.join(foreign[:3])}); --overwrite replaces only an earlier output: move them "
+                          "or choose another folder")
 
 
 def _publish(staging: Path, output: Path) -> None:
@@ -122,7 +149,7 @@ def export_hf(load: PathLike, output: PathLike, tokenizer_spec: Optional[str] = 
     config = config_from_dict(meta["config"])
     model_loading.check_checkpoint_fits(ckpt_dir, meta, config)
     output = Path(output)
-    _prepare_output(output, overwrite, Path(ckpt_dir), "--load")
+    _prepare_output(output, overwrite, Path(ckpt_dir), "--load", _ours_in_export)
     tokenizer = model_loading.load_checkpoint_tokenizer(ckpt_dir, meta, tokenizer_spec)
     vocab = tokenizer.vocab_size
     if vocab > meta["padded_vocab_size"]:
@@ -186,6 +213,10 @@ def _check_weights_fit(files: List[Path], config: ModelConfig, family: Family, s
     stored: Dict[str, Tuple[int, ...]] = {}
     for path in files:
         stored.update(model_shards.read_header_shapes(path))
+        for name, dtype in model_shards.read_header_dtypes(path).items():
+            if dtype not in FLOAT_DTYPES:  # an integer or bool tensor would become weights nothing can train
+                raise ConfigError(f"{path}: tensor {name[:80]!r} has dtype {dtype}; a model's weights are floating "
+                                  f"point ({', '.join(sorted(FLOAT_DTYPES))})")
     if family.model_type == "gpt2" and not any(k.startswith("transformer.") for k in stored):
         stored = {"transformer." + k: v for k, v in stored.items()}  # GPT2Model's names lack the prefix
     depth = len(family.layer_prefix.split(".")) - 1
@@ -226,18 +257,22 @@ def import_hf(input_dir: PathLike, output: PathLike, tokenizer_spec: Optional[st
     config_path = input_dir / "config.json"
     if not config_path.is_file():
         raise ConfigError(f"--input {input_dir} has no config.json (is it a Hugging Face model directory?)")
-    _prepare_output(output, overwrite, input_dir, "--input")
+    _prepare_output(output, overwrite, input_dir, "--input", _ours_in_import)
     try:
         hf_config = json.loads(config_path.read_text())
     except json.JSONDecodeError as error:
         raise ConfigError(f"{config_path} is not valid JSON: {error}") from None
     model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else None
-    family = FAMILIES.get(model_type)
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise ConfigError(f"{config_path}: model_type {model_type!r} is not one of {', '.join(FAMILIES)}")
     config = DominoConfig()
     config.model = family.model_config(hf_config, str(config_path))
     config.model.make_vocab_size_divisible_by = make_vocab_size_divisible_by
+    try:  # the relations between the fields (the width a multiple of the heads...), before the model is sized
+        validate(config)
+    except ConfigError as error:
+        raise ConfigError(f"{config_path}: {error}") from None
     has_tokenizer = (input_dir / "tokenizer.json").is_file() or (input_dir / "vocab.json").is_file()
     config.data.tokenizer = tokenizer_spec or (str(input_dir) if has_tokenizer else "gpt2")
     from domino.data.tokenizer import build_tokenizer

@@ -90,9 +90,19 @@ def read_header_shapes(path: PathLike) -> Dict[str, Tuple[int, ...]]:
     Raises:
         CheckpointError: when the file is not a readable safetensors file.
     """
+    return _read_header(path, lambda tensor: tuple(tensor.get_shape()))
+
+
+def read_header_dtypes(path: PathLike) -> Dict[str, str]:
+    """The tensor names and dtypes (safetensors' names: ``F32``, ``BF16``, ``I64``, ``BOOL``...) of a safetensors
+    file, from its header alone."""
+    return _read_header(path, lambda tensor: tensor.get_dtype())
+
+
+def _read_header(path: PathLike, read) -> Dict[str, Any]:
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
-            return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+            return {key: read(handle.get_slice(key)) for key in handle.keys()}
     except Exception as error:  # safetensors raises several types for truncated or foreign files
         raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from None
 

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 from domino.atomic_files import atomic_write_text
-from domino.config import ConfigError
+from domino.config import ConfigError, config_from_dict
+from domino.config.bounds import bound_problems
 
 #: Version 2 stores the optimizer state by parameter name (``optimizer/``, any layout reads it); version 1 kept
 #: each rank's optimizer state (``optim/rank_NNNNN.pt``, read on the layout that wrote it). Both are read.
@@ -164,13 +165,20 @@ def _check_meta(meta: Dict[str, Any], source: str) -> None:
         raise CheckpointError(f"{source}: field {MODEL_STAGES_KEY} must be a positive integer, got {stages!r}")
     if not isinstance(meta["config"], dict):
         raise CheckpointError(f"{source}: field config must be an object")
+    try:  # untrusted: every field typed and bounded before a reader sizes a tensor or divides by it
+        problems = bound_problems(config_from_dict(meta["config"]))
+    except ConfigError as error:
+        problems = [str(error)]
+    if problems:
+        raise CheckpointError(f"{source}: config: {'; '.join(problems)}")
 
 
 def read_checkpoint_meta(ckpt_dir: PathLike) -> Dict[str, Any]:
     """Reads and checks ``ckpt_dir/checkpoint.json``.
 
     Raises:
-        CheckpointError: when the file is missing, is not JSON, or lacks a required field.
+        CheckpointError: when the file is missing, is not JSON, lacks a required field, or its iteration is not
+            the one of its ``iter_*`` folder.
     """
     path = Path(ckpt_dir) / META_FILE
     if not path.is_file():
@@ -183,6 +191,10 @@ def read_checkpoint_meta(ckpt_dir: PathLike) -> Dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path} is not valid JSON: {error}") from None
     _check_meta(meta, str(path))
+    named = tag_iteration(Path(ckpt_dir).name)
+    if named is not None and named != meta["iteration"]:  # a resume would count from a step never saved here
+        raise CheckpointError(f"{path}: iteration {meta['iteration']} disagrees with its folder's name "
+                              f"{Path(ckpt_dir).name}")
     return meta
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from domino.atomic_files import fsync_directory
+from domino.atomic_files import fsync_directory, name_too_long
 from domino.checkpoint import distributed_io, fragment_io, manifest, model_shards, on_disk, sharding
 from domino.checkpoint import model_loading
 from domino.checkpoint.on_disk import Checkpoint
@@ -88,7 +88,11 @@ def _resumable_on(meta: dict, kind: Optional[str]) -> List[str]:
             "any ZeRO stage 0-2 (fp16 without ZeRO: per-rank state only), any --domino-chunks"]
 
 
-def _verify_all(ckpt: Path, progress: Optional[bool]) -> str:
+def _verify_all(ckpt: Path, meta: dict, progress: Optional[bool]) -> str:
+    try:  # the manifest vouches for the bytes, not for checkpoint.json's description of them (3 layers, 2 stored)
+        model_loading.check_checkpoint_fits(ckpt, meta, _config(meta))
+    except on_disk.CheckpointError as error:
+        return f"DAMAGED: {error}"
     problem = manifest.find_damage(ckpt)
     if problem:
         return f"DAMAGED: {problem}"
@@ -127,7 +131,7 @@ def inspect(path, verify: bool = True, progress: Optional[bool] = None) -> Inspe
     parallel = meta["config"].get("parallel", {})
     layout = {"TP": meta["tensor_model_parallel_size"], "DP": meta.get("data_parallel_size"),
               "ZeRO": parallel.get("zero_stage"), "Domino chunks": parallel.get("domino_chunks")}
-    integrity = _verify_all(ckpt, progress) if verify else "not verified (--no-verify)"
+    integrity = _verify_all(ckpt, meta, progress) if verify else "not verified (--no-verify)"
     return Inspection(str(ckpt), meta["iteration"], meta["consumed_samples"], meta["format_version"], kind, layout,
                       described, parts, integrity, _resumable_on(meta, kind))
 
@@ -140,6 +144,9 @@ def _numel(shape) -> int:
 
 
 def _fresh_output(output: Path) -> Path:
+    problem = name_too_long(str(output))
+    if problem:
+        raise on_disk.CheckpointError(f"--output {output}: {problem}")
     if output.exists() and any(output.iterdir()):
         raise on_disk.CheckpointError(f"--output {output} is not empty; name a new directory")
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -9,11 +9,28 @@ from domino.cli.checkpoint_flags import add_checkpoint_flags
 from domino.config import ConfigError
 
 
+def prompt_text(text: str) -> str:
+    """An argparse type: prompt text the tokenizer can encode. A byte that is not UTF-8 on the command line
+    reaches Python as a lone surrogate U+DC80..U+DCFF (PEP 383), which the tokenizer refuses with a bare
+    TypeError, so it is named here, before a checkpoint is loaded."""
+    from domino.data.text_inputs import first_surrogate
+
+    at = first_surrogate(text)
+    if at is None:
+        return text
+    point = ord(text[at])
+    what = f"byte 0x{point - 0xDC00:02x}" if 0xDC80 <= point <= 0xDCFF else f"lone surrogate U+{point:04X}"
+    raise argparse.ArgumentTypeError(f"not valid UTF-8 text ({what} at character {at + 1})")
+
+
 def _prompt_ids(text: str):
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise ConfigError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+        ids = [-1]
+    if any(i < 0 for i in ids):  # before the checkpoint is loaded; the upper bound needs its vocabulary
+        raise ConfigError(f"--prompt-ids must be comma-separated integers >= 0, got {text!r}")
+    return ids
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,7 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "generation stops at the end-of-document token.")
     add_checkpoint_flags(parser, tensor_model_parallel_size=True, dtype=True)
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", metavar="TEXT", help="Prompt text (encoded with the checkpoint's tokenizer).")
+    prompt.add_argument("--prompt", metavar="TEXT", type=prompt_text, help="Prompt text (encoded with the checkpoint's tokenizer).")
     prompt.add_argument("--prompt-ids", metavar="IDS", help="Prompt token ids, comma-separated: 1,2,3.")
     parser.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="Tokens to generate at most.")
     parser.add_argument("--greedy", action="store_true", help="Always take the most likely token.")

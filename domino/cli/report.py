@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from domino.cli.checkpoint_flags import add_checkpoint_flags
+from domino.cli.generate import prompt_text
 
 DEFAULT_PROMPTS = ["To be, or not to be", "In the beginning"]
 
@@ -37,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--metrics-file", metavar="FILE", help="The run's metrics JSONL (from domino pretrain).")
     parser.add_argument("--eval-json", metavar="FILE", help="Output of `domino evaluate --json`.")
     add_checkpoint_flags(parser, required=False, tokenizer=False)  # the config and the sample generations
-    parser.add_argument("--sample-prompt", action="append", metavar="TEXT",
+    parser.add_argument("--sample-prompt", action="append", metavar="TEXT", type=prompt_text,
                         help="Prompt for a sample generation (repeatable; default: two stock prompts).")
     parser.add_argument("--sample-tokens", type=int, default=24, metavar="N",
                         help="Tokens per sample generation (0: no samples).")

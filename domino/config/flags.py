@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import typing
@@ -222,14 +223,38 @@ def _owner_of_fields() -> Dict[str, str]:
     return owners
 
 
+@functools.lru_cache(maxsize=None)
+def _field_types() -> Dict[str, Any]:
+    return {name: kind for cls in _group_classes().values() for name, kind in typing.get_type_hints(cls).items()}
+
+
+def _fits(value: Any, kind: Any) -> bool:
+    """Whether ``value`` (from JSON) is of the field type ``kind`` (the types schema.py uses): a bool is no
+    number, an int is a float, and nothing is converted (``int(2.5)`` would truncate silently)."""
+    if typing.get_origin(kind) is typing.Union:
+        return any(_fits(value, option) for option in typing.get_args(kind))
+    if typing.get_origin(kind) is list:
+        return isinstance(value, list) and all(_fits(item, typing.get_args(kind)[0]) for item in value)
+    if kind is type(None):
+        return value is None
+    if kind in (int, float):
+        return isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
 def apply_overrides(config: DominoConfig, overrides: Dict[str, Any], source: str) -> None:
-    """Sets flat ``{field: value}`` overrides on ``config``; an unknown key is a :class:`ConfigError`."""
+    """Sets flat ``{field: value}`` overrides on ``config``; an unknown key, or a value not of its field's type
+    (a preset or a checkpoint's config is untyped JSON), is a :class:`ConfigError`."""
     owners = _owner_of_fields()
     for key, value in overrides.items():
         key = key.replace("-", "_")
         key = RENAMED_FIELDS.get(key, key)
         if key not in owners:
             raise ConfigError(f"{source}: unknown setting '{key}' (no flag {flag_name(key)})")
+        kind = _field_types()[key]
+        if not _fits(value, kind):
+            shown = str(kind).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            raise ConfigError(f"{source}: setting '{key}' must be {shown}, got {value!r:.80}")
         setattr(getattr(config, owners[key]), key, value)
 
 

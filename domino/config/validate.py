@@ -1,4 +1,7 @@
-"""All config validation, in one place, with errors that name the flags involved.
+"""All config validation, in one place, with errors that name the flags involved. The bounds of single settings
+live in :mod:`domino.config.bounds` (validation checks them first), since the readers of untrusted files, a
+checkpoint's config and an imported ``config.json``, hold their fields to the same bounds; the ``--data-path`` and
+``--split`` syntax in :mod:`domino.config.data_specs`.
 
 Besides errors, :func:`advisories` lists what a run should say about flags it accepts without acting on
 (Megatron-LM's kernel switches, ``--save-interval`` without ``--save``), and :func:`check_device` the settings the
@@ -13,6 +16,8 @@ import math
 from typing import List, Optional
 
 from domino.config.batch_schedule import batch_schedule_problems, check_batch_flags
+from domino.config.bounds import bound_problems
+from domino.config.data_specs import data_spec_problems, zero_weight_notes
 from domino.config.errors import ConfigError  # noqa: F401  (its home for the callers that import it from here)
 from domino.config.layout import (check_tensor_parallel_size, context_parallel_problems, data_parallel_size,
                                   pipeline_problems)
@@ -25,17 +30,6 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 #: Megatron's --attention-backend choices (AttnBackend in megatron/core/transformer/enums.py).
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
-
-
-#: Lower bounds of the numeric settings that no rule below covers (``None``, "not given", always passes).
-MINIMUMS = {
-    "model": {"ffn_hidden_size": 1, "max_position_embeddings": 1, "rotary_base": 1, "num_query_groups": 1},
-    "train": {"global_batch_size": 1, "train_iters": 1, "train_samples": 1, "lr_decay_iters": 1,
-              "lr_decay_samples": 1, "lr_warmup_samples": 0, "lr_wsd_decay_iters": 0, "lr_wsd_decay_samples": 0,
-              "weight_decay": 0, "seed": 0, "exit_interval": 1},
-}
-#: Settings that must be greater than zero when given.
-POSITIVE = {"train": ("adam_eps", "initial_loss_scale"), "logging": ("peak_tflops",)}
 
 
 def _check(problems: List[str], ok: bool, message: str) -> None:
@@ -103,17 +97,6 @@ def resolve_zero_stage(config: DominoConfig, data_parallel_size: int,
     return f"--zero-stage not given: 1 ({reason})"
 
 
-def _check_bounds(problems: List[str], config: DominoConfig) -> None:
-    for group, minimums in MINIMUMS.items():
-        for name, minimum in minimums.items():
-            value = getattr(getattr(config, group), name)
-            _check(problems, value is None or value >= minimum, f"{flag_name(name)} must be >= {minimum}, got {value}")
-    for group, names in POSITIVE.items():
-        for name in names:
-            value = getattr(getattr(config, group), name)
-            _check(problems, value is None or value > 0, f"{flag_name(name)} must be > 0, got {value}")
-
-
 def validate(config: DominoConfig, world_size: Optional[int] = None, for_training: bool = False) -> None:
     """Raises :class:`ConfigError` listing every problem in ``config``.
 
@@ -126,13 +109,9 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
     m, p, t, d, c, lg = config.model, config.parallel, config.train, config.data, config.checkpoint, config.logging
     problems: List[str] = []
     tp = p.tensor_model_parallel_size
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
-        value = getattr(m, name)
-        _check(problems, value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    _check(problems, tp >= 1, f"--tensor-model-parallel-size must be >= 1, got {tp}")
+    problems.extend(bound_problems(config))
     _check(problems, t.fp8_format in (None, "e4m3", "hybrid"),
            f"--fp8-format must be e4m3 or hybrid, got {t.fp8_format!r}")
-    _check_bounds(problems, config)
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -144,12 +123,9 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
            f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}")
     _check(problems, m.num_positions >= m.seq_length,
            f"--max-position-embeddings {m.num_positions} is smaller than --seq-length {m.seq_length}")
-    if m.vocab_size is not None:
-        _check(problems, m.vocab_size >= 1, f"--vocab-size must be >= 1, got {m.vocab_size}")
     for name in ("hidden_dropout", "attention_dropout"):
         value = getattr(m, name)
         _check(problems, 0.0 <= value < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
-    _check(problems, m.init_method_std > 0, f"--init-method-std must be > 0, got {m.init_method_std}")
 
     _check_architecture(problems, config)
 
@@ -242,6 +218,7 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
     _check(problems, lg.timing_log_level in (0, 1, 2), f"--timing-log-level must be 0, 1 or 2, got {lg.timing_log_level}")
     _check(problems, d.num_workers >= 0, f"--num-workers must be >= 0, got {d.num_workers}")
     _check_tokenizer_and_data(problems, config)
+    problems.extend(data_spec_problems(config.data))
     _check(problems, config.kernels.attention_backend in (None, *ATTENTION_BACKENDS),
            f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {config.kernels.attention_backend!r}")
 
@@ -358,6 +335,7 @@ def advisories(config: DominoConfig) -> List[str]:
     if c.save_interval is not None and c.save is None:
         notes.append(f"--save-interval {c.save_interval} without --save: no checkpoints are written "
                      "(Megatron-LM allows this too)")
+    notes.extend(zero_weight_notes(config.data))
     docs, defaults = field_docs(KernelConfig), KernelConfig()
     for f in dataclasses.fields(KernelConfig):
         value = getattr(config.kernels, f.name)

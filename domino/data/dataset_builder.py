@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from domino.config.data_specs import PrefixSpec, parse_data_prefix
 from domino.data.blending import BlendableDataset
 from domino.data.errors import DataError
 from domino.data.gpt_dataset import GPTDataset, dataset_fingerprint
@@ -31,37 +32,7 @@ from domino.data.sample_index import split_boundaries
 
 logger = logging.getLogger(__name__)
 
-PrefixSpec = Union[None, str, Sequence[str]]
 SPLIT_NAMES = ("train", "valid", "test")
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
-
-
-def parse_data_prefix(data_prefix: PrefixSpec) -> Tuple[List[str], Optional[List[float]]]:
-    """``["0.3", "a", "0.7", "b"]`` -> (``["a", "b"]``, ``[0.3, 0.7]``); unweighted lists give weights None.
-
-    Raises:
-        DataError: for a list that mixes weighted and unweighted entries.
-    """
-    if data_prefix is None:
-        return [], None
-    items = [data_prefix] if isinstance(data_prefix, str) else [str(p).strip() for p in data_prefix]
-    if not items:
-        return [], None
-    if len(items) % 2 == 0 and all(_is_number(items[i]) for i in range(0, len(items), 2)):
-        prefixes = items[1::2]
-        if any(_is_number(p) for p in prefixes):
-            raise DataError(f"--data-path {' '.join(items)}: expected 'WEIGHT PREFIX' pairs")
-        return prefixes, [float(items[i]) for i in range(0, len(items), 2)]
-    if any(_is_number(p) for p in items):
-        raise DataError(f"--data-path {' '.join(items)}: give a weight before every prefix or before none")
-    return items, None
 
 
 def blend_sample_counts(weights: Sequence[float], num_samples: Sequence[int]) -> List[List[int]]:
@@ -136,7 +107,7 @@ def _blend(name: str, parts: List[Optional[GPTDataset]], weights: Sequence[float
 
 def _whole_dataset(name: str, spec: PrefixSpec, num_samples: int, seq_length: int, seed: int, skip_warmup: bool,
                    data_cache_path: Optional[str], vocab_size: Optional[int] = None):
-    prefixes, weights = parse_data_prefix(spec)
+    prefixes, weights = parse_data_prefix(spec, f"--{name}-data-path")
     if not prefixes or num_samples <= 0:
         return None
     if len(prefixes) == 1:

@@ -37,7 +37,9 @@ _CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """Megatron's choice of token dtype: uint16 when the vocabulary has fewer than 65500 entries, else int32."""
+    """Megatron's choice of token dtype (``DType.optimal_dtype``, megatron/core/datasets/indexed_dataset.py,
+    core_r0.11.0): uint16 when ``vocab_size`` (the highest id + 1, :attr:`Tokenizer.vocab_size`) is below 65500,
+    so every id fits, else int32."""
     return np.dtype(np.uint16) if vocab_size is not None and vocab_size < 65500 else np.dtype(np.int32)
 
 

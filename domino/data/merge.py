@@ -31,7 +31,8 @@ from domino.atomic_files import open_owned_temporary, remove_quietly, sweep_temp
 from domino.data.errors import DataError
 from domino.data.indexed_dataset import (HEADER_SIZE, commit_dataset, data_file_path, index_file_path,
                                          index_header, read_index, temporary_paths)
-from domino.data.provenance import DatasetMeta, check_same_tokenizer, meta_path, read_meta, write_meta
+from domino.data.provenance import (DatasetMeta, check_output_name, check_same_tokenizer, meta_path, read_meta,
+                                   write_meta)
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +151,7 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str) -> MergeResult:
     start = time.perf_counter()
     if not output_prefix or output_prefix.endswith(os.sep):
         raise DataError(f"--output-prefix must name a file prefix, got {output_prefix!r}")
+    check_output_name(output_prefix)
     prefixes = expand_dataset_inputs(inputs)
     if os.path.abspath(output_prefix) in {os.path.abspath(p) for p in prefixes}:
         raise DataError(f"--output-prefix {output_prefix} is also an input; choose another name")

@@ -2,7 +2,7 @@
 
 For every ``--json-keys`` key the output is ``{output_prefix}_{key}_document.bin/.idx``, exactly as
 Megatron-LM's ``tools/preprocess_data.py`` writes it (one sequence per document, uint16 tokens when the
-vocabulary has fewer than 65500 entries, else int32; with ``append_eod`` the end-of-document id closes
+highest token id + 1 is below 65500, else int32; with ``append_eod`` the end-of-document id closes
 every document). A JSON value that is a list of strings gives one sequence per non-empty string, as
 Megatron's sentence lists do; a document without tokens is an empty entry of the document index.
 
@@ -33,8 +33,10 @@ from domino.data.builtin_corpora import builtin_corpus_bytes, builtin_documents
 from domino.data.errors import DataError
 from domino.data.indexed_dataset import IndexedDatasetWriter, index_file_path, temporary_paths, token_dtype
 from domino.data.limits import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
-from domino.data.provenance import DatasetMeta, file_sha256, meta_path, tokenizer_sha256, write_meta
-from domino.data.text_inputs import BadLineCounter, Document, expand_inputs, input_bytes, read_documents
+from domino.data.provenance import (DatasetMeta, check_output_name, file_sha256, meta_path, tokenizer_sha256,
+                                   write_meta)
+from domino.data.input_files import expand_inputs
+from domino.data.text_inputs import BadLineCounter, Document, input_bytes, read_documents
 from domino.data.tokenizer import Tokenizer, build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -244,6 +246,9 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
         workers = _available_cpus()
     if not output_prefix or output_prefix.endswith(os.sep):
         raise DataError(f"--output-prefix must name a file prefix, got {output_prefix!r}")
+    prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
+    for prefix in prefixes.values():
+        check_output_name(prefix)
     bad = BadLineCounter()
     if builtin_corpus:
         if json_keys != ("text",):
@@ -256,7 +261,6 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
         documents = read_documents(files, json_keys, txt_document_per_file, skip_bad_lines, bad, max_line_bytes)
     tok = build_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
-    prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
     for prefix in prefixes.values():  # what a killed run left; a live writer's temporaries are its own
         sweep_temporaries(temporary_paths(prefix) + [meta_path(prefix)])
     writers = {key: IndexedDatasetWriter(prefix, dtype) for key, prefix in prefixes.items()}
@@ -301,8 +305,7 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, tokenizer: s
         write_meta(writer.prefix, DatasetMeta(
             tokenizer=tok.name, tokenizer_sha256=tokenizer_hash, vocab_size=tok.vocab_size, eod=tok.eod,
             dtype=str(dtype), documents=written, sequences=writer.sequences, tokens=writer.tokens))
-    if bad.count:
-        logger.warning("skipped %d bad input lines, e.g. %s", bad.count, "; ".join(bad.examples[:3]))
+    bad.log_summary()
     result = PreprocessResult(
         documents=written, tokens=tokens, seconds=time.perf_counter() - start, prefixes=prefixes,
         vocab_size=tok.vocab_size, tokenizer=tok.name,

@@ -21,7 +21,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
-from domino.atomic_files import atomic_write_text
+from domino.atomic_files import atomic_write_text, name_too_long
 from domino.data.errors import DataError
 
 if TYPE_CHECKING:  # only for annotations: the index cache uses this module without loading a tokenizer
@@ -60,6 +60,18 @@ class DatasetMeta:
 def meta_path(prefix: str) -> str:
     """``{prefix}.meta.json``."""
     return prefix + ".meta.json"
+
+
+def check_output_name(prefix: str, flag: str = "--output-prefix") -> None:
+    """Fails before any work when a dataset of ``prefix`` could not be written for the length of its names (the
+    sidecar's is the longest, and it is written last).
+
+    Raises:
+        DataError: naming ``flag`` and the name.
+    """
+    problem = name_too_long(meta_path(prefix))
+    if problem:
+        raise DataError(f"{flag}: output {meta_path(prefix)}: {problem}")
 
 
 def tokenizer_sha256(tokenizer: Tokenizer) -> str:

@@ -23,21 +23,8 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
+from domino.config.data_specs import parse_split
 from domino.data.errors import DataError
-
-
-def parse_split(splits_string: str) -> List[float]:
-    """``"949,50,1"`` (or ``"949/50/1"``, or ``"1"``) -> three fractions summing to 1, as Megatron."""
-    separator = "," if "," in splits_string else "/"
-    try:
-        splits = [float(s) for s in splits_string.split(separator)]
-    except ValueError:
-        raise DataError(f"--split {splits_string!r}: expected numbers separated by ',' like 949,50,1") from None
-    splits = (splits + [0.0, 0.0])[:3]
-    if any(s < 0 for s in splits) or sum(splits) <= 0:
-        raise DataError(f"--split {splits_string!r}: the parts must be >= 0 with a positive sum")
-    total = sum(splits)
-    return [s / total for s in splits]
 
 
 def split_boundaries(splits_string: str, size: int) -> List[int]:

@@ -8,25 +8,25 @@
 * either of them compressed (``.gz``, ``.zst``): the same, decompressed as a stream.
 * ``.parquet``: one document per row; each key names a string (or list-of-strings) column.
 
-:mod:`domino.data.input_files` knows the formats; this module turns their lines and rows into
+:mod:`domino.data.input_files` knows the formats and finds the files; this module turns their lines and rows into
 documents, so a row of a Parquet file and the same record as a JSON line give the same document.
 
-Every problem (malformed JSON, a missing key, a value that is not text, bytes that are not UTF-8, an
-input without documents) raises :class:`DataError` as ``file:line: what is wrong``, unless
+Every problem (malformed JSON, a missing key, a value that is not text, bytes that are not UTF-8 in any
+format, a JSON escape that leaves a lone surrogate, an input without documents) raises :class:`DataError` as ``file:line: what is wrong``, unless
 ``skip_bad_lines`` is set, in which case the line is dropped and counted in :class:`BadLineCounter`.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, List, Sequence, Tuple, Union
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from domino.data.errors import DataError
-from domino.data.input_files import SUPPORTED, input_format, open_lines, parquet_rows
+from domino.data.input_files import input_format, open_lines, parquet_rows
 from domino.data.limits import MAX_LINE_BYTES
 
 logger = logging.getLogger(__name__)
@@ -55,69 +55,52 @@ class BadLineCounter:
             self.examples.append(message)
         logger.debug("skipping bad input: %s", message)
 
-
-def _directory_files(directory: str) -> List[str]:
-    """Every supported file under ``directory`` (recursively, sorted; hidden files and folders skipped)."""
-    found, ignored = [], []
-    for root, folders, names in os.walk(directory):
-        folders[:] = sorted(f for f in folders if not f.startswith("."))
-        for name in sorted(names):
-            if name.startswith("."):
-                continue
-            (found if input_format(name) else ignored).append(os.path.join(root, name))
-    if ignored:
-        logger.warning("input directory %s: ignoring %d file(s) of unsupported type, e.g. %s", directory,
-                       len(ignored), ", ".join(ignored[:3]))
-    if not found:
-        raise DataError(f"input directory {directory} holds no {SUPPORTED} file")
-    return sorted(found)
+    def log_summary(self) -> None:
+        """One warning with the count and the first reasons, when anything was skipped."""
+        if self.count:
+            logger.warning("skipped %d bad input lines, e.g. %s", self.count, "; ".join(self.examples[:3]))
 
 
-def expand_inputs(patterns: Sequence[str]) -> List[str]:
-    """Files named by ``patterns`` (paths, globs or directories), in order, without duplicates.
-
-    A glob's matches come in sorted order; a directory gives every supported file below it, sorted by
-    path (unsupported files there are skipped with a warning).
-
-    Raises:
-        DataError: for a pattern that matches nothing or a named file of an unsupported type.
-    """
-    files: List[str] = []
-    for pattern in patterns:
-        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
-        if not matches:
-            raise DataError(f"input {pattern!r} matches no file")
-        for match in matches:
-            if os.path.isdir(match):
-                paths = _directory_files(match)
-            elif not os.path.isfile(match):
-                raise DataError(f"input file not found: {match}")
-            elif input_format(match) is None:
-                raise DataError(f"input {match}: unsupported file type (expected {SUPPORTED})")
-            else:
-                paths = [match]
-            files.extend(path for path in paths if path not in files)
-    if not files:
-        raise DataError("no input files given")
-    return files
+#: A UTF-16 surrogate: a Python string holds one alone only from a JSON ``\ud800`` escape without its pair (or, on
+#: the command line, from a byte that is not UTF-8, which Python keeps as U+DC80..U+DCFF, PEP 383). It has no
+#: UTF-8 encoding, so the tokenizer refuses the whole batch with a TypeError that names nothing.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _decode(raw: bytes, path: str, line_number: int) -> str:
+def first_surrogate(text: str) -> Optional[int]:
+    """Where ``text``'s first lone surrogate is (0-based), or None when the text is valid Unicode."""
+    if text.isascii():  # O(1) in CPython (a flag of the string, Objects/unicodeobject.c): most text costs no scan
+        return None
+    found = _SURROGATE.search(text)
+    return None if found is None else found.start()
+
+
+def _decode(raw: bytes, path: str, where: str) -> str:
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8")  # strict: surrogates encoded as UTF-8 (ED A0 80) are refused too
     except UnicodeDecodeError as error:
         bad = raw[error.start:error.start + 1]
-        raise DataError(f"{path}:{line_number}: bytes are not valid UTF-8 (byte 0x{bad.hex()} at column "
+        raise DataError(f"{path}:{where}: bytes are not valid UTF-8 (byte 0x{bad.hex()} at column "
                         f"{error.start + 1})") from None
 
 
+def _text(value: Union[str, bytes], path: str, where: str, key: str) -> str:
+    if isinstance(value, bytes):  # a Parquet string column, as stored
+        return _decode(value, path, f"{where}, column {key!r}")
+    at = first_surrogate(value)
+    if at is not None:
+        raise DataError(f"{path}:{where}: key {key!r} holds a lone surrogate U+{ord(value[at]):04X} at character "
+                        f"{at + 1} (a \\u{ord(value[at]):04x} escape without its pair), which is not Unicode text")
+    return value
+
+
 def _check_value(value, path: str, where: str, key: str) -> Union[str, Tuple[str, ...]]:
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        value = tuple(value)  # Megatron's sentence list: one sequence per sentence
-    if not isinstance(value, (str, tuple)):
+    if isinstance(value, list) and all(isinstance(v, (str, bytes)) for v in value):
+        return tuple(_text(v, path, where, key) for v in value)  # Megatron's sentence list: one sequence each
+    if not isinstance(value, (str, bytes)):
         kind = "null" if value is None else type(value).__name__
         raise DataError(f"{path}:{where}: key {key!r} holds {kind}, expected a string or a list of strings")
-    return value
+    return _text(value, path, where, key)
 
 
 def _json_texts(line: str, path: str, line_number: int, keys: Sequence[str]) -> Tuple[str, ...]:
@@ -155,7 +138,7 @@ def read_jsonl(path: str, keys: Sequence[str], bad: BadLineCounter, skip_bad_lin
             try:
                 if raw is None:
                     raise _too_long(path, line_number, max_line_bytes)
-                texts = _json_texts(_decode(raw, path, line_number), path, line_number, keys)
+                texts = _json_texts(_decode(raw, path, str(line_number)), path, line_number, keys)
             except DataError as error:
                 if not skip_bad_lines:
                     raise
@@ -176,7 +159,7 @@ def read_text(path: str, document_per_file: bool, bad: BadLineCounter, skip_bad_
             try:
                 if raw is None:
                     raise _too_long(path, line_number, max_line_bytes)
-                line = _decode(raw, path, line_number)
+                line = _decode(raw, path, str(line_number))
             except DataError as error:
                 if not skip_bad_lines:
                     raise

@@ -33,6 +33,9 @@ from domino.data.errors import DataError
 #: Special tokens recognised as "end of document", in order of preference.
 EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
 
+#: Token ids stop below this: the widest token dtype of a ``.bin`` is int32 (Megatron's ``DType.optimal_dtype``).
+MAX_TOKEN_ID = 2 ** 31 - 1
+
 #: The end-of-document token of GPT-2 and of tokenizers trained by ``domino train-tokenizer``.
 GPT2_EOD_TOKEN = "<|endoftext|>"
 
@@ -73,15 +76,24 @@ class Tokenizer:
 
     Attributes:
         name: where it came from (``"gpt2"`` or the path it was loaded from).
-        vocab_size: number of ids (including special tokens); ids are in ``[0, vocab_size)``.
+        vocab_size: the highest id + 1 (special tokens included); ids are in ``[0, vocab_size)``. A
+            ``tokenizer.json`` may leave ids unused, so this can exceed the number of entries (which is what
+            ``tokenizers``' ``get_vocab_size`` counts): the embedding table and the token dtype need the bound.
         eod: the end-of-document id appended after every document by ``--append-eod``.
     """
 
     def __init__(self, backend: HFTokenizer, name: str, eod: Optional[int] = None) -> None:
         self.backend = backend
         self.name = name
-        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = self._id_bound()
         self.eod = self._find_eod() if eod is None else int(eod)
+
+    def _id_bound(self) -> int:
+        highest = max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+        if highest >= MAX_TOKEN_ID:  # the .bin holds int32 ids, and the embedding table has a row per id
+            raise DataError(f"tokenizer {self.name}: token id {highest:,} is beyond the largest id a dataset "
+                            f"holds ({MAX_TOKEN_ID - 1:,})")
+        return highest + 1
 
     def _find_eod(self) -> int:
         for token in EOD_TOKENS:

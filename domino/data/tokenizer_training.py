@@ -14,9 +14,11 @@ from typing import Iterator, Optional, Sequence
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from domino.atomic_files import name_too_long
 from domino.data.builtin_corpora import builtin_documents
 from domino.data.errors import DataError
-from domino.data.text_inputs import BadLineCounter, expand_inputs, read_documents
+from domino.data.input_files import expand_inputs
+from domino.data.text_inputs import BadLineCounter, read_documents
 from domino.data.tokenizer import GPT2_EOD_TOKEN, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -63,11 +65,15 @@ def train_tokenizer(inputs: Optional[Sequence[str]], vocab_size: int, output: st
         raise DataError("give either --input files or --builtin-corpus (exactly one of them)")
     if vocab_size < MIN_VOCAB_SIZE:
         raise DataError(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + end-of-document), got {vocab_size}")
+    problem = name_too_long(output)  # the folder is made only after training
+    if problem:
+        raise DataError(f"--output {output}: {problem}")
+    bad = BadLineCounter()
     if builtin_corpus:
         documents = builtin_documents(builtin_corpus)
     else:
         documents = read_documents(expand_inputs(inputs), tuple(json_keys), txt_document_per_file,
-                                   skip_bad_lines, BadLineCounter())
+                                   skip_bad_lines, bad)
     count = 0
 
     def texts() -> Iterator[str]:
@@ -81,6 +87,7 @@ def train_tokenizer(inputs: Optional[Sequence[str]], vocab_size: int, output: st
     tokenizer = train_byte_level_bpe(texts(), vocab_size, min_frequency=min_frequency)
     if count == 0:
         raise DataError("the input holds no documents to train on")
+    bad.log_summary()
     if tokenizer.vocab_size < vocab_size:
         logger.warning("the input supports only %d tokens (asked for %d): too little text, or --min-frequency %d "
                        "too high", tokenizer.vocab_size, vocab_size, min_frequency)

@@ -95,13 +95,18 @@ def generate_ids(
             sequence each step: the slow reference the cache is tested against).
 
     Raises:
-        ConfigError: on an empty prompt or a sequence longer than the model's position embeddings.
+        ConfigError: on an empty prompt, a prompt id outside ``[0, vocab_size)``, or a sequence longer than the
+            model's position embeddings.
     """
     sampling = sampling or SamplingConfig(greedy=True)
     sampling.check()
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ConfigError("the prompt is empty: give --prompt text or --prompt-ids")
+    outside = [t for t in prompt if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if outside:  # the embedding would raise a bare IndexError, or read a padding row the tokenizer never made
+        raise ConfigError(f"--prompt-ids: id {outside[0]} is outside the vocabulary "
+                          f"[0, {vocab_size if vocab_size is not None else 'inf'})")
     if max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     limit = _num_positions(model)

@@ -54,13 +54,26 @@ def read_metrics(path: Path) -> Tuple[List[Record], List[Record]]:
     return train, evals
 
 
+#: Values beyond this magnitude are not drawn: matplotlib's tick locator computes the axis span, which overflows
+#: to inf for values near the largest float (``np.arange: cannot compute length`` for a loss of +-1e308), and no
+#: metric of a run means anything out there (a diverged loss is seen at any smaller value just as well).
+PLOT_LIMIT = 1e100
+
+
 def _series(records: Sequence[Record], key: str) -> Tuple[List[float], List[float]]:
-    xs, ys = [], []
+    xs, ys, off = [], [], 0
     for record in records:
-        value = record.get(key)
-        if isinstance(value, (int, float)) and math.isfinite(value) and "iteration" in record:
-            xs.append(record["iteration"])
-            ys.append(value)
+        value, iteration = record.get(key), record.get("iteration")
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and isinstance(iteration, (int, float))
+                and math.isfinite(iteration)):
+            continue
+        if abs(value) > PLOT_LIMIT or abs(iteration) > PLOT_LIMIT:
+            off += 1
+            continue
+        xs.append(iteration)
+        ys.append(value)
+    if off:
+        logger.warning("report: %d %s value(s) beyond +-%g are not drawn", off, key, PLOT_LIMIT)
     return xs, ys
 
 

@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from domino.config import ConfigError, ModelConfig
+from domino.model.hf_fields import integer, number
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,8 @@ def model_config_from_hf(hf_config: Dict[str, Any], source: str = "config.json")
     if hf_config.get("model_type") != "gpt2":
         raise ConfigError(f"{source}: model_type {hf_config.get('model_type')!r} is not gpt2")
     activation = hf_config.get("activation_function", "gelu_new")
+    if not isinstance(activation, str):
+        raise ConfigError(f"{source}: activation_function must be a name, got {activation!r:.80}")
     if activation in _TANH_GELUS:
         logger.warning("%s: activation %s is the tanh approximation of GeLU; domino uses the exact GeLU "
                        "(outputs differ slightly)", source, activation)
@@ -181,14 +184,15 @@ def model_config_from_hf(hf_config: Dict[str, Any], source: str = "config.json")
             raise ConfigError(f"{source}: {key}={bad} is not supported by domino's GPT")
     if not hf_config.get("tie_word_embeddings", True):
         raise ConfigError(f"{source}: untied output embeddings (tie_word_embeddings=false) are not supported")
-    try:
-        hidden, positions = int(hf_config["n_embd"]), int(hf_config["n_positions"])
-        return ModelConfig(
-            num_layers=int(hf_config["n_layer"]), hidden_size=hidden, num_attention_heads=int(hf_config["n_head"]),
-            ffn_hidden_size=hf_config.get("n_inner") or None, seq_length=positions, max_position_embeddings=positions,
-            vocab_size=int(hf_config["vocab_size"]), hidden_dropout=float(hf_config.get("resid_pdrop", 0.1)),
-            attention_dropout=float(hf_config.get("attn_pdrop", 0.1)),
-            init_method_std=float(hf_config.get("initializer_range", 0.02)),
-            norm_epsilon=float(hf_config.get("layer_norm_epsilon", 1e-5)))
-    except KeyError as error:
-        raise ConfigError(f"{source}: missing field {error.args[0]}") from None
+    positions = integer(hf_config, "n_positions", source, "max_position_embeddings")
+    return ModelConfig(
+        num_layers=integer(hf_config, "n_layer", source, "num_layers"),
+        hidden_size=integer(hf_config, "n_embd", source, "hidden_size"),
+        num_attention_heads=integer(hf_config, "n_head", source, "num_attention_heads"),
+        ffn_hidden_size=integer(hf_config, "n_inner", source, "ffn_hidden_size", default=None),
+        seq_length=positions, max_position_embeddings=positions,
+        vocab_size=integer(hf_config, "vocab_size", source, "vocab_size"),
+        hidden_dropout=number(hf_config, "resid_pdrop", source, 0.1, below=1.0),
+        attention_dropout=number(hf_config, "attn_pdrop", source, 0.1, below=1.0),
+        init_method_std=number(hf_config, "initializer_range", source, 0.02, positive=True),
+        norm_epsilon=number(hf_config, "layer_norm_epsilon", source, 1e-5, positive=True))

@@ -22,6 +22,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from domino.config import ConfigError, ModelConfig
+from domino.model.hf_fields import integer, number
 from domino.model.rotary import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_POSITIONS
 
 logger = logging.getLogger(__name__)
@@ -64,12 +65,12 @@ def _rope_scaling_from_hf(rope: Dict[str, Any], source: str) -> Optional[float]:
     if kind != "llama3":
         raise ConfigError(f"{source}: rope type {kind!r} is not supported (only default and llama3)")
     for key, value in _LLAMA3_FIXED.items():
-        if float(rope.get(key, value)) != value:
+        if number(rope, key, source, value) != value:
             raise ConfigError(f"{source}: llama3 rope scaling with {key} {rope[key]} is not supported (only {value:g},"
                               " as in every Llama 3.x release and Megatron-LM)")
     if "factor" not in rope:
         raise ConfigError(f"{source}: llama3 rope scaling without a factor")
-    return float(rope["factor"])
+    return number(rope, "factor", source, positive=True)
 
 
 def hf_llama_config(config: ModelConfig, vocab_size: int, eos_token_id: Optional[int] = None) -> Dict[str, Any]:
@@ -108,36 +109,41 @@ def model_config_from_hf(hf_config: Dict[str, Any], source: str = "config.json")
     """
     if hf_config.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{source}: hidden_act {hf_config.get('hidden_act')!r} is not supported (SwiGLU uses silu)")
-    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    key = "rope_parameters" if hf_config.get("rope_parameters") else "rope_scaling"
+    rope = hf_config.get(key) or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{source}: {key} must be an object, got {rope!r:.80}")
     scaling = _rope_scaling_from_hf(rope, source)
-    if float(rope.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))) != 1.0:
+    if number(rope, "partial_rotary_factor", source, number(hf_config, "partial_rotary_factor", source, 1.0)) != 1.0:
         raise ConfigError(f"{source}: partial_rotary_factor is not supported by LlamaForCausalLM exports")
-    attention_bias, mlp_bias = bool(hf_config.get("attention_bias", False)), bool(hf_config.get("mlp_bias", False))
-    if attention_bias != mlp_bias:
-        raise ConfigError(f"{source}: attention_bias={attention_bias} with mlp_bias={mlp_bias}: domino's "
-                          "--disable-bias-linear covers both")
-    try:
-        hidden, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
-        groups = int(hf_config.get("num_key_value_heads") or heads)
-        if int(hf_config.get("head_dim") or hidden // heads) * heads != hidden:
-            raise ConfigError(f"{source}: head_dim {hf_config.get('head_dim')} x {heads} heads is not hidden_size "
-                              f"{hidden} (domino's head width is hidden / heads)")
-        positions = int(hf_config["max_position_embeddings"])
-        return ModelConfig(
-            num_layers=int(hf_config["num_hidden_layers"]), hidden_size=hidden, num_attention_heads=heads,
-            ffn_hidden_size=int(hf_config["intermediate_size"]), seq_length=positions,
-            max_position_embeddings=positions, vocab_size=int(hf_config["vocab_size"]), hidden_dropout=0.0,
-            attention_dropout=float(hf_config.get("attention_dropout") or 0.0),
-            init_method_std=float(hf_config.get("initializer_range", 0.02)),
-            norm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)), normalization="RMSNorm",
-            position_embedding_type="rope", rotary_base=int(float(rope.get("rope_theta",
-                                                                         hf_config.get("rope_theta", 10000.0)))),
-            **({} if scaling is None else {"use_rope_scaling": True, "rope_scaling_factor": scaling}),
-            swiglu=True, disable_bias_linear=not attention_bias,
-            untie_embeddings_and_output_weights=not hf_config.get("tie_word_embeddings", False),
-            group_query_attention=groups != heads, num_query_groups=groups if groups != heads else 1)
-    except KeyError as error:
-        raise ConfigError(f"{source}: missing field {error.args[0]}") from None
+    attention_bias, mlp_bias = hf_config.get("attention_bias", False), hf_config.get("mlp_bias", False)
+    if not isinstance(attention_bias, bool) or not isinstance(mlp_bias, bool) or attention_bias != mlp_bias:
+        raise ConfigError(f"{source}: attention_bias={attention_bias!r:.20} with mlp_bias={mlp_bias!r:.20}: both "
+                          "true or both false (domino's --disable-bias-linear covers both)")
+    hidden = integer(hf_config, "hidden_size", source, "hidden_size")
+    heads = integer(hf_config, "num_attention_heads", source, "num_attention_heads")
+    groups = integer(hf_config, "num_key_value_heads", source, "num_query_groups", heads)
+    if integer(hf_config, "head_dim", source, "hidden_size", hidden // heads) * heads != hidden:
+        raise ConfigError(f"{source}: head_dim {hf_config.get('head_dim')} x {heads} heads is not hidden_size "
+                          f"{hidden} (domino's head width is hidden / heads)")
+    positions = integer(hf_config, "max_position_embeddings", source, "max_position_embeddings")
+    tie = hf_config.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise ConfigError(f"{source}: tie_word_embeddings must be true or false, got {tie!r:.80}")
+    return ModelConfig(
+        num_layers=integer(hf_config, "num_hidden_layers", source, "num_layers"), hidden_size=hidden,
+        num_attention_heads=heads, ffn_hidden_size=integer(hf_config, "intermediate_size", source, "ffn_hidden_size"),
+        seq_length=positions, max_position_embeddings=positions,
+        vocab_size=integer(hf_config, "vocab_size", source, "vocab_size"), hidden_dropout=0.0,
+        attention_dropout=number(hf_config, "attention_dropout", source, 0.0, below=1.0),
+        init_method_std=number(hf_config, "initializer_range", source, 0.02, positive=True),
+        norm_epsilon=number(hf_config, "rms_norm_eps", source, 1e-6, positive=True), normalization="RMSNorm",
+        position_embedding_type="rope",
+        rotary_base=int(number(rope, "rope_theta", source, number(hf_config, "rope_theta", source, 10000.0),
+                               minimum=1.0)),
+        **({} if scaling is None else {"use_rope_scaling": True, "rope_scaling_factor": scaling}),
+        swiglu=True, disable_bias_linear=not attention_bias, untie_embeddings_and_output_weights=not tie,
+        group_query_attention=groups != heads, num_query_groups=groups if groups != heads else 1)
 
 
 def _get(sd: StateDict, name: str, where: str) -> torch.Tensor:

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from domino.config import ConfigError, parse_config
+from domino.config.bounds import MINIMUMS, POSITIVE
 from domino.config.field_docs import flag_name
-from domino.config.validate import MINIMUMS, POSITIVE
 
 BASE = ["--preset", "tiny", "--mock-data", "--vocab-size", "256", "--eval-iters", "0", "--eval-interval", "0"]
 MESSAGE = "--train-iters must be >= 1, got -3"

@@ -9,7 +9,9 @@ import pytest
 from data_helpers import write_dataset
 from domino.data import gpt_dataset as gpt_dataset_module
 from domino.data.blending import BlendableDataset, build_blending_indices
-from domino.data.dataset_builder import build_train_valid_test_datasets, parse_data_prefix
+from domino.config import ConfigError
+from domino.config.data_specs import parse_data_prefix
+from domino.data.dataset_builder import build_train_valid_test_datasets
 from domino.data.errors import DataError
 from domino.data.gpt_dataset import GPTDataset
 from domino.data.indexed_dataset import IndexedDataset
@@ -141,7 +143,7 @@ def test_builder_separate_split_prefixes(tmp_path):
 def test_builder_errors(tmp_path):
     with pytest.raises(DataError, match="missing.bin"):
         build_train_valid_test_datasets([str(tmp_path / "missing")], "1", [1, 0, 0], 8, 1, True)
-    with pytest.raises(DataError, match="WEIGHT PREFIX|weight before every"):
+    with pytest.raises(ConfigError, match="WEIGHT PREFIX|weight before every"):
         parse_data_prefix(["0.5", "a", "b"])
     assert parse_data_prefix(["0.3", "x", "0.7", "y"]) == (["x", "y"], [0.3, 0.7])
     assert parse_data_prefix("x") == (["x"], None)

@@ -11,7 +11,8 @@ import zstandard
 from domino.data import input_files
 from domino.data.errors import DataError
 from domino.data.preprocess import preprocess
-from domino.data.text_inputs import expand_inputs, read_documents
+from domino.data.input_files import expand_inputs
+from domino.data.text_inputs import read_documents
 
 RECORDS = [{"text": f"Document {i}: caf\u00e9 \u2603 " + "word " * (i % 17) + ("\n\nsecond paragraph" if i % 5 else ""),
             "title": f"Title {i}"} for i in range(240)]

@@ -5,8 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domino.data.errors import DataError
-from domino.data.sample_index import build_indices, num_epochs, parse_split, split_boundaries
+from domino.config import ConfigError
+from domino.config.data_specs import parse_split
+from domino.data.sample_index import build_indices, num_epochs, split_boundaries
 
 
 # ---- the reference: Megatron-LM's gpt_dataset.py / helpers.cpp, loop by loop -------------------------
@@ -144,9 +145,9 @@ def test_split_strings():
     assert split_boundaries("949,50,1", 1000) == [0, 949, 999, 1000]
     assert split_boundaries("1", 10) == [0, 10, 10, 10]
     assert parse_split("2/1/1") == [0.5, 0.25, 0.25]
-    with pytest.raises(DataError, match="--split"):
+    with pytest.raises(ConfigError, match="--split"):
         parse_split("a,b")
-    with pytest.raises(DataError, match="positive sum"):
+    with pytest.raises(ConfigError, match="positive sum"):
         parse_split("0,0,0")
 
 

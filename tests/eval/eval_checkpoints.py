@@ -86,6 +86,16 @@ def save_checkpoint(root: Path, model: GPTModel, config: DominoConfig, tp: int =
     return ckpt
 
 
+def tiny_checkpoint(root: Path, name: str = "ckpt", seed: int = 3, **model) -> Tokenizer:
+    """A tiny model of :func:`tiny_config` (``model`` overrides) with :func:`tiny_tokenizer`'s ``root/tok``, saved
+    as the checkpoint ``root/name``; returns the tokenizer."""
+    torch.set_num_threads(1)
+    tokenizer = tiny_tokenizer(root / "tok")
+    config = tiny_config(str(root / "tok"), **model)
+    save_checkpoint(root / name, tiny_model(config, tokenizer.vocab_size, seed=seed), config, tokenizer=tokenizer)
+    return tokenizer
+
+
 def write_token_dataset(prefix: Path, vocab_size: int, documents: int = 12, seed: int = 0, eod: int = 0) -> str:
     """A ``.bin``/``.idx`` pair of random documents, each ending with ``eod``; returns the prefix."""
     from domino.data.indexed_dataset import IndexedDatasetWriter, token_dtype

@@ -42,9 +42,9 @@ def _edit_meta(ckpt_root, edit):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda m: m.update(padded_vocab_size=10 ** 10), r"padded_vocab_size is 10000000000 but the shards'"),
-    (lambda m: m["config"]["model"].update(hidden_size=1 << 20), r"describes .* but the shards hold"),
-    (lambda m: m["config"]["model"].update(num_layers=10 ** 6), r"num_layers is 1000000 but the shards hold 2"),
-    (lambda m: m["config"]["model"].update(ffn_hidden_size=1 << 30), r"mlp.dense_4h_to_h.weight as \(32, 1073741824\)"),
+    (lambda m: m["config"]["model"].update(hidden_size=1 << 16), r"describes .* but the shards hold"),
+    (lambda m: m["config"]["model"].update(num_layers=4000), r"num_layers is 4000 but the shards hold 2"),
+    (lambda m: m["config"]["model"].update(ffn_hidden_size=1 << 20), r"mlp.dense_4h_to_h.weight as \(32, 1048576\)"),
     (lambda m: m.update(tensor_model_parallel_size=30_000_000),
      r"tensor_model_parallel_size=30000000 but lacks .*tp_rank_02.* more\)"),
 ])
@@ -84,8 +84,8 @@ def hf_dir(saved, tmp_path):
 @pytest.mark.parametrize("field, value, message", [
     ("vocab_size", 10 ** 9, r"config.json describes transformer.wte.weight as \(1000000000, 32\)"),
     ("n_embd", 1 << 16, r"config.json describes transformer.wte.weight"),
-    ("n_positions", 10 ** 8, r"transformer.wpe.weight as \(100000000, 32\)"),
-    ("n_layer", 10 ** 6, r"n_layer is 1000000 but the weights hold 2 layers"),
+    ("n_positions", 1 << 24, r"transformer.wpe.weight as \(16777216, 32\)"),
+    ("n_layer", 4000, r"n_layer is 4000 but the weights hold 2 layers"),
 ])
 def test_hf_config_is_checked_against_the_weights(hf_dir, tmp_path, field, value, message):
     config = json.loads((hf_dir / "config.json").read_text())
