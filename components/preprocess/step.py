@@ -98,7 +98,7 @@ def plan_groups(shared_root: str, corpus: str = "shakespeare", input_uri: str = 
     """
     from domino.data.builtin_corpora import builtin_corpus_bytes
     from domino.data.provenance import dataset_key, file_identity, tokenizer_sha256
-    from domino.data.text_inputs import expand_inputs
+    from domino.data.input_files import expand_inputs
     from domino.data.tokenizer import build_tokenizer
 
     keys = parse_keys(json_keys)

@@ -28,7 +28,6 @@ from domino.train import engine as engine_setup, schedule_check
 from domino.train.evaluation import evaluate, perplexity
 from domino.train.interval_stats import IntervalReading, IntervalStats
 from domino.train.metrics import MetricsWriter, format_iteration_line
-from domino.train.pipeline_step import PipelineStep
 from domino.train.preemption import StopSignal, startup_warnings
 from domino.train.schedules import LearningRateSchedule
 from domino.train.stragglers import StragglerDetector
@@ -77,8 +76,13 @@ class Trainer:
         self.padded_vocab_size, self.tokenizer = padded_vocab_size, tokenizer
         t, lg = config.train, config.logging
         self.batches = batch_schedule(config, mesh.dp.size)  # the batch of each iteration
-        self.pipeline = PipelineStep(config, mesh, engine, get_batch, self.batches.micro_batches_per_step
-                                     ) if engine_setup.pipelined(config) else None
+        self.pipeline = None
+        if engine_setup.pipelined(config):
+            # Imported only here: torch.distributed.pipelining brings torch._dynamo, 0.5-0.9 s of every start-up
+            # (measured with python -X importtime), which a run without stages never needs.
+            from domino.train.pipeline_step import PipelineStep
+
+            self.pipeline = PipelineStep(config, mesh, engine, get_batch, self.batches.micro_batches_per_step)
         self.gbs = self.batches.global_batch_size
         self.train_iters = t.train_iters if t.train_iters is not None else self.batches.train_iters(t.train_samples)
         self.schedule = schedule or LearningRateSchedule.from_config(t, self.train_iters, self.gbs)

@@ -30,8 +30,8 @@ def test_the_checkpoint_verbs_take_the_same_flags():
 def test_no_other_cli_module_declares_a_checkpoint_flag():
     """``--load`` and friends appear as literals in checkpoint_flags.py only (preprocess's and import-hf's
     --tokenizer name the tokenizer of text or of a Hugging Face directory, not a checkpoint's, and
-    ``checkpoint convert``'s --tensor-model-parallel-size the layout to write, not the one to load at: they stay
-    their own)."""
+    ``checkpoint convert``'s --tensor-model-parallel-size the layout to write, not the one to load at, and
+    ``goodput``'s --load the run's save root whose ledger it reads, loading no checkpoint: they stay their own)."""
     folder = os.path.dirname(domino.cli.__file__)
     found = []
     for name in sorted(os.listdir(folder)):
@@ -44,4 +44,4 @@ def test_no_other_cli_module_declares_a_checkpoint_flag():
                 literals = [a.value for a in node.args if isinstance(a, ast.Constant)]
                 found += [(name, flag) for flag in literals if flag in CHECKPOINT_FLAGS]
     assert found == [("checkpoint.py", "--tensor-model-parallel-size"), ("data.py", "--tokenizer"),
-                     ("hf.py", "--tokenizer")]
+                     ("goodput.py", "--load"), ("hf.py", "--tokenizer")]
