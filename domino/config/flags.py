@@ -207,7 +207,7 @@ def add_config_flags(parser: argparse.ArgumentParser, groups: Iterable[str] = Do
         docs = field_docs(cls)
         group = parser.add_argument_group(f"{name} ({cls.__doc__.strip()})", argument_default=argparse.SUPPRESS)
         for f in dataclasses.fields(cls):
-            _add_field(group, f, hints[f.name], docs.get(f.name, ""))
+            _add_field(group, f, hints[f.name], docs.get(f.name, "").replace("%", "%%"))  # argparse formats with %
         if name == "parallel":
             group.add_argument(LAYERS_PER_VIRTUAL_STAGE_FLAG, dest=LAYERS_PER_VIRTUAL_STAGE, type=int, metavar="INT",
                                help="Layers per model chunk of the interleaved schedule (Megatron's spelling): "

@@ -145,3 +145,19 @@ def test_swiglu_ffn_default_is_megatrons():
                       "--num-attention-heads", "32"]).model
     assert m.ffn_size == 11008  # given explicitly, kept (DeepSpeed-Domino's parser would overwrite it)
     assert m.query_groups == 32  # without --group-query-attention every head has its own key/value head
+
+
+
+def test_every_flags_help_renders_its_docstring_whole():
+    """argparse formats help with %: a field docstring's "10%" must come out as written, not as argparse's dump of
+    the action (the --log-straggler help did before its docstring's % was escaped)."""
+    import contextlib
+    import io
+
+    from domino.cli.main import build_parser
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer), contextlib.suppress(SystemExit):
+        build_parser().parse_args(["pretrain", "--help"])
+    out = " ".join(buffer.getvalue().split())
+    assert "more than 10% slower than the median" in out and "'option_strings'" not in out
