@@ -40,7 +40,8 @@ VALIDATION: Dict[str, str] = {
     "not_validated": "anything on a GPU (no GPU has run it yet): 1-byte dropout masks, fused attention's saved "
                      "tensors, bf16/fp16 tensors, DeepSpeed's buffers (counted from deepspeed 0.19.8's source), "
                      "the CUDA caching allocator's reserve beyond the usable fraction, the step time (an "
-                     "assumed MFU), the interleaved schedule's stages (their micro-batches in flight checked "
+                     "assumed MFU; its communication on a link model checked only against the emulated-link "
+                     "benchmark on CPU, Domino's hidden share carried from it), the interleaved schedule's stages (their micro-batches in flight checked "
                      "against torch's schedule tables only), and context parallelism (each rank's activations "
                      "counted as its seq / CP tokens'; the ring's key/value buffers, one block's transient "
                      "scores and the all-to-all's exchange buffers not counted)",

@@ -24,7 +24,8 @@ allocations) are in :mod:`domino.config.memory_formulas`, the pipeline schedule'
   them over the replicas through one flat copy, ``domino/train/pipeline_step.py``). A GPU's figure is its stage's; the layout's is the largest stage's, and
   ``fits`` reads that one.
 * **step time**: training FLOPs per token x tokens per step / (GPUs x peak TFLOP/s x MFU), the MFU being that of
-  the busy time, divided by ``1 - bubble`` (:func:`~domino.config.pipeline_schedule.bubble_fraction`).
+  the busy time, plus the pipeline bubble and the communication the layout exposes on a link model
+  (:mod:`domino.config.step_time`).
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ from typing import Dict, List, Optional
 
 from domino.config import pipeline_schedule as schedule
 from domino.config.deepspeed_memory import VALIDATION, deepspeed_buffer_bytes
-from domino.config.layout import virtual_stages
+from domino.config.layout import virtual_stages, zero_reduces_in_backward
 from domino.config.memory_formulas import (
     DEVICES, RECOMPUTE_CHOICES, Layout, ModelShape, context_parallel_bytes_per_layer, embedding_activation_bytes,
     final_norm_activation_bytes, layer_activation_bytes, logits_bytes, model_flops_per_token, parameter_counts,
     rng_record_bytes,
 )
 from domino.config.schema import DominoConfig, ModelConfig
+from domino.config.step_time import LinkModel, StepTime, step_time, step_traffic
 from domino.config.validate import ConfigError, padded_vocab_size, resolve_domino_chunks, validate, zero_stage_for
 
 __all__ = ["DEVICES", "Estimate", "Layout", "USABLE_FRACTION", "candidate_layouts", "describe", "describe_pipeline",
@@ -73,7 +75,8 @@ class Estimate:
     buffers: float
     flops_per_token: float
     deepspeed: float = 0.0
-    step_time_s: Optional[float] = None
+    timing: Optional[StepTime] = None
+    """Compute, bubble and communication of a step (None without a peak TFLOP/s): :mod:`domino.config.step_time`."""
     gpu_memory_gb: Optional[float] = None
     parameters: int = 0
     first_gradients: float = 0.0
@@ -106,6 +109,16 @@ class Estimate:
         return self.weights + self.optimizer + self.logits + self.buffers + self.deepspeed + overlapping
 
     @property
+    def step_time_s(self) -> Optional[float]:
+        """Compute at the stated MFU, the pipeline bubble and the communication the layout exposes, seconds."""
+        return self.timing.step_time_s if self.timing else None
+
+    @property
+    def exposed_communication_s(self) -> Optional[float]:
+        """Link time the step waits for, seconds."""
+        return self.timing.exposed_communication_s if self.timing else None
+
+    @property
     def fits(self) -> bool:
         """Whether the total stays within the usable share of the GPU (True when no GPU size was given)."""
         return self.gpu_memory_gb is None or self.total <= USABLE_FRACTION * self.gpu_memory_gb * GB
@@ -120,7 +133,8 @@ class Estimate:
         return {"fits": self.fits, "layout": dataclasses.asdict(self.layout), "memory_gb_per_gpu": self.memory_gb(),
                 "gpu_memory_gb": self.gpu_memory_gb, "usable_fraction": USABLE_FRACTION,
                 "parameters": self.parameters, "flops_per_token": self.flops_per_token,
-                "step_time_s": self.step_time_s, "validation": VALIDATION,
+                "step_time_s": self.step_time_s, "exposed_communication_s": self.exposed_communication_s,
+                "time": self.timing.to_json() if self.timing else None, "validation": VALIDATION,
                 "pipeline": {"stage_of_the_figures": self.stage,
                              "total_gb_per_stage": [round(t / GB, 3) for t in self.stage_totals],
                              "num_microbatches": self.num_microbatches, "bubble_fraction": self.bubble_fraction,
@@ -205,7 +219,7 @@ def _stage(config: DominoConfig, layout: Layout, shape: ModelShape, rank: int, m
 
 def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] = None,
                     gpu_memory_gb: Optional[float] = None, mfu: float = 0.4, peak_tflops: Optional[float] = None,
-                    device: str = "gpu") -> Estimate:
+                    device: str = "gpu", link: Optional[LinkModel] = None) -> Estimate:
     """Memory per GPU and step time of ``config``'s model trained with ``layout``.
 
     Args:
@@ -217,6 +231,8 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
         peak_tflops: peak TFLOP/s of one GPU (None: no step time).
         device: gpu or cpu: the kernels torch picks there differ in what they save
             (:func:`domino.config.memory_formulas.layer_activation_bytes`).
+        link: the links for the step's communication (default: :class:`~domino.config.step_time.LinkModel`'s
+            H100 NVLink within 8-GPU nodes, 400 Gb/s InfiniBand between them).
 
     Raises:
         ValueError: when ``layout``'s pipeline cannot split the layers or schedule the micro-batches
@@ -242,19 +258,26 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
     if layout.recompute == "selective":  # the attention core runs forward once more
         train_flops += shape.L * 4 * shape.s * shape.h
     bubble = schedule.bubble_fraction(p, m, v)
-    step = None
-    if peak_tflops:
-        dp = layout.data_parallel_size
-        global_batch = config.train.global_batch_size or layout.micro_batch_size * dp
-        gpus = layout.tensor_model_parallel_size * p * dp * layout.context_parallel_size
-        step = global_batch * shape.s * train_flops / (1 - bubble) / (gpus * peak_tflops * 1e12 * mfu)
     act = 2 if config.train.bf16 or config.train.fp16 else 4
     message = message_bytes(local, layout, act)
     p2p = max(schedule.p2p_bytes_per_step(rank, p, m, message, v) for rank in range(p))
     layers = shape.L // p  # every stage's (layer_split_problems refused an uneven split above)
     cp_bytes = layers * m * context_parallel_bytes_per_layer(local, layout, config.parallel.cp_comm_type, act)
+    timing = None
+    if peak_tflops:
+        gpus = layout.tensor_model_parallel_size * p * layout.data_parallel_size * layout.context_parallel_size
+        flop_s = gpus * peak_tflops * 1e12 * mfu
+        compute = m * layout.data_parallel_size * layout.micro_batch_size * shape.s * train_flops / flop_s
+        weight_bytes = 2 if config.train.bf16 or config.train.fp16 else 4
+        zero_optimizer = layout.zero_stage >= 1 and not (config.train.bf16 and layout.zero_stage == 1)
+        asked = config_with_layout(config, layout)
+        asked.parallel.domino_chunks = layout.domino_chunks
+        in_backward = zero_optimizer and zero_reduces_in_backward(asked)
+        traffic = step_traffic(local, layout, m, act, stages[worst].weights / weight_bytes, cp_bytes,
+                               config.parallel.cp_comm_type, in_backward, compute, flop_s / gpus)
+        timing = step_time(traffic, compute, compute * bubble / (1 - bubble), layout, link or LinkModel())
     return dataclasses.replace(
-        stages[worst], flops_per_token=3 * flops, step_time_s=step, stage=worst,
+        stages[worst], flops_per_token=3 * flops, timing=timing, stage=worst,
         forward_passes_per_token=train_flops / flops / (1 - bubble),
         parameters=int(parameter_counts(shape, 1)["total"]), stage_totals=[s.total for s in stages],
         num_microbatches=m, bubble_fraction=bubble, p2p_bytes_per_step=p2p, cp_bytes_per_step=cp_bytes)
@@ -331,14 +354,15 @@ def candidate_layouts(config: DominoConfig, gpus: int) -> List[Layout]:
 
 
 def rank_key(estimate: Estimate) -> tuple:
-    """Best first: fits; the least modelled time per token (recompute's extra passes and the pipeline bubble, so a
-    pipeline ranks where its bubble costs less than recomputing would, and never where no stage is needed);
-    fewest ranks splitting one sample (TP x CP), then the smaller CP (its ring hides under attention only where
-    attention is long), then the smaller TP (least communication); no SP; largest micro-batch (fuller GEMMs); lowest ZeRO stage (least
-    communication); then the least memory."""
+    """Best first: fits; the shortest step (:attr:`Estimate.step_time_s`: compute with recompute's extra passes,
+    the pipeline bubble and the communication the layout exposes; without a peak TFLOP/s, the modelled passes per
+    token); then fewest ranks splitting one sample (TP x CP), the smaller CP, the smaller TP; no SP; largest
+    micro-batch (fuller GEMMs); lowest ZeRO stage; then the least memory."""
     lay = estimate.layout
     tp, cp = lay.tensor_model_parallel_size, lay.context_parallel_size
-    return (not estimate.fits, round(estimate.forward_passes_per_token, 3), tp * cp, cp, tp, lay.sequence_parallel, -lay.micro_batch_size, lay.zero_stage, estimate.total)
+    time = estimate.step_time_s if estimate.step_time_s is not None else estimate.forward_passes_per_token
+    return (not estimate.fits, round(time, 6), tp * cp, cp, tp, lay.sequence_parallel, -lay.micro_batch_size,
+            lay.zero_stage, estimate.total)
 
 
 def fitting_layouts(config: DominoConfig, gpus: int, gpu_memory_gb: float, **kwargs) -> List[Estimate]:

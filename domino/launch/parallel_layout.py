@@ -14,7 +14,7 @@ The rule: the tensor-parallel size stays within one pod (its all-reduces run in 
 backward, over NVLink inside a node; only the data-parallel gradient reduction crosses pods) and is the
 smallest that the model admits (heads, query groups, MLP width, the global batch over the data-parallel
 replicas: :func:`domino.config.validate.validate`) and, given ``gpu_memory_gb``, whose memory estimate fits
-(:mod:`domino.config.estimate`, which ranks layouts the same way: smallest TP first). A
+(:mod:`domino.config.estimate` ranks by step time, where a smaller TP exposes fewer all-reduces). A
 ``--tensor-model-parallel-size`` in the pretrain arguments is the largest allowed. GPU pods need
 ``gpu_memory_gb``: without it nothing says that a small TP fits. A ``--pipeline-model-parallel-size`` is kept as
 given; DP takes the rest.

@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 
 from domino.config import ConfigError, DominoConfig
+from domino.config.layout import zero_reduces_in_backward
 from domino.config.validate import zero_stage_for
 from domino.runtime.mesh import ParallelMesh, collective_device
 from domino.parallel.layers import is_tensor_model_parallel
@@ -163,13 +164,7 @@ def zero_optimization(config: DominoConfig, dp: int) -> Dict[str, Any]:
     reach link bandwidth, and ten times smaller than DeepSpeed's default so the first reduction starts early
     in backward and the double-buffered overlap costs little memory.
     """
-    recomputed_chunks = config.train.recompute_granularity == "full" and (config.parallel.domino_chunks or 1) > 1
-    overlapped = not pipelined(config) and not recomputed_chunks
-    # Pipelined, neither: both make ZeRO hook every gradient and reduce it inside backward (deepspeed 0.19.8
-    # stage_1_and_2.py `create_gradient_handling_hooks`), here after every micro-batch of the schedule; without them
-    # the step's `allreduce_gradients` reduces the accumulated gradients once (as DeepSpeed's PipelineEngine does).
-    # Recomputed Domino chunks neither: each chunk's backward delivers a weight's gradient once more, and a hook
-    # reducing on arrival refuses the second ("Gradient computed twice for this partition", `reduce_ipg_grads`).
+    overlapped = zero_reduces_in_backward(config)
     return {"stage": zero_stage(config, dp), "overlap_comm": overlapped, "contiguous_gradients": overlapped,
             "reduce_bucket_size": ZERO_BUCKET_ELEMENTS, "allgather_bucket_size": ZERO_BUCKET_ELEMENTS}
 

@@ -27,7 +27,7 @@ def test_activations_and_logits_split_over_cp_and_the_work_does_not():
     assert two.logits == pytest.approx(one.logits / 2, rel=1e-6)
     assert (two.weights, two.optimizer) == (one.weights, one.optimizer)  # CP shards activations, not weights
     assert two.flops_per_token == one.flops_per_token
-    assert two.step_time_s == pytest.approx(one.step_time_s / 2)  # twice the GPUs on the same tokens
+    assert two.timing.compute_s == pytest.approx(one.timing.compute_s / 2)  # twice the GPUs on the same tokens
     assert "TP 8 x CP 2 x DP 1" in describe(two)
 
 

@@ -198,7 +198,9 @@ def test_layouts_rank_by_time_per_token_so_a_pipeline_comes_before_recompute_onl
 def test_cli_lists_a_pipeline_first_where_every_one_stage_layout_needs_full_recompute(capsys):
     """A 52B GPT in fp32 on 16 x 80 GB GPUs: at one stage only full recompute fits (TP 8 x DP 2, ZeRO 2: 4 forward
     passes per token); TP 8 x PP 2 with SP fits without recompute, and 1F1B over 64 micro-batches costs
-    3 x 65/64 passes (bubble 1/65): the listing puts it first, and the JSON gives each stage's total."""
+    3 x 65/64 passes (bubble 1/65): the listing puts a pipeline without recompute first (TP 4 x PP 4, whose
+    bubble of 3/67 costs less than TP 8's all-reduces over twice the layers per stage), and the JSON gives each
+    stage's total."""
     from domino.cli.main import main as domino_main
 
     flags = ["estimate", "--num-layers", "64", "--hidden-size", "8192", "--num-attention-heads", "64",
@@ -213,7 +215,7 @@ def test_cli_lists_a_pipeline_first_where_every_one_stage_layout_needs_full_reco
     assert out["pipeline"]["num_microbatches"] == 64 and out["pipeline"]["bubble_fraction"] == pytest.approx(1 / 65)
     listed = [(e["layout"]["pipeline_model_parallel_size"], e["layout"]["tensor_model_parallel_size"],
                e["layout"]["recompute"]) for e in out["layouts_that_fit"]]
-    assert listed[0] == (2, 8, "none")
+    assert listed[0] == (4, 4, "none") and (2, 8, "none") in listed
     assert {recompute for pp, _, recompute in listed if pp == 1} == {"full"}
 
 
