@@ -78,8 +78,7 @@ class Trainer:
         self.batches = batch_schedule(config, mesh.dp.size)  # the batch of each iteration
         self.pipeline = None
         if engine_setup.pipelined(config):
-            # Imported only here: torch.distributed.pipelining brings torch._dynamo, 0.5-0.9 s of every start-up
-            # (measured with python -X importtime), which a run without stages never needs.
+            # Imported only here: a run without stages never needs torch.distributed.pipelining and its schedules.
             from domino.train.pipeline_step import PipelineStep
 
             self.pipeline = PipelineStep(config, mesh, engine, get_batch, self.batches.micro_batches_per_step)
