@@ -166,7 +166,8 @@ def run_evaluate(
         results["unigram baseline (token frequencies of the training documents)"] = quality["unigram"]
     write_report(report_path, model.get("metrics_file"), eval_results=results, config=config or None,
                  samples=quality["samples"], title=f"domino run {settings.run_id}",
-                 run_info=run_facts(model, dataset, new, quality["parameters"]), notes=quality["notes"])
+                 run_info=run_facts(model, dataset, new, quality["parameters"]), notes=quality["notes"],
+                 save_root=model["checkpoint_dir"])
     unigram_ppl = float(quality["unigram"]["ppl"]) if quality["unigram"] is not None else None
     result = {
         "test_loss": float(new["loss"]), "test_ppl": float(new["ppl"]),

@@ -24,9 +24,21 @@ def run(args: argparse.Namespace) -> int:
         if args.sample_tokens > 0:
             samples = generate_samples(ckpt, args.sample_prompt or DEFAULT_PROMPTS, args.sample_tokens)
     out = write_report(args.output, args.metrics_file, eval_results=eval_results, config=config, samples=samples,
+                       save_root=_save_root(args.load),
                        title=args.title)
     print(out)
     return 0
+
+
+def _save_root(load):
+    """The run's save root for its goodput ledger: ``--load`` itself, or the save root an ``iter_*`` lies in."""
+    from pathlib import Path
+
+    from domino.goodput.ledger import LEDGER_FILE
+
+    if not load:
+        return None
+    return next((p for p in (Path(load), Path(load).parent) if (p / LEDGER_FILE).is_file()), None)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -17,12 +17,15 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from domino.config import ConfigError, DominoConfig, config_to_dict
 from domino.eval.report_plots import (
     figure_to_data_uri,
+    goodput_figure,
     loss_figure,
     read_metrics,
     schedule_figure,
     throughput_figure,
 )
 from domino.atomic_files import atomic_write_text
+from domino.goodput.accounting import account
+from domino.goodput.ledger import LEDGER_FILE, read_events
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 60em; color: #222; }
@@ -185,6 +188,7 @@ def write_report(
     title: str = "domino run report",
     run_info: Sequence[Tuple[str, str]] = (),
     notes: Sequence[str] = (),
+    save_root: Union[str, Path, None] = None,
 ) -> Path:
     """Writes the run report as one self-contained HTML file.
 
@@ -198,6 +202,7 @@ def write_report(
         title: the page title.
         run_info: ``(what, sentence)`` rows of the "What ran" section (layout, tokens seen, wall time, ...).
         notes: sentences shown above the samples (how they were sampled, how many words are corpus words).
+        save_root: the run's ``--save``: its goodput ledger gives the "Goodput" section (none without a ledger).
 
     Returns:
         The path of the written report.
@@ -220,6 +225,7 @@ def write_report(
 <h2>Training</h2>
 {_summary_section(train)}
 {"".join(plots) or "<p>No training metrics to plot.</p>"}
+{_goodput_section(save_root)}
 <h2>Evaluation</h2>
 {_eval_section(eval_results, evals)}
 <h2>Sample generations</h2>
@@ -231,6 +237,17 @@ def write_report(
     output = Path(output_html)
     atomic_write_text(output, page)
     return output
+
+
+def _goodput_section(save_root: Union[str, Path, None]) -> str:
+    """The run's goodput over its attempts (``domino goodput``): the line and a stacked bar per attempt."""
+    if save_root is None or not (Path(save_root) / LEDGER_FILE).is_file():
+        return ""
+    report = account(read_events(str(save_root)))
+    figure = goodput_figure(report)
+    image = (f'<figure><img id="plot-goodput" alt="goodput per attempt" src="{figure_to_data_uri(figure)}">'
+             "</figure>") if figure is not None else ""
+    return f"<h2>Goodput</h2>\n<p>{html.escape(report.line())}</p>\n{image}"
 
 
 def load_eval_json(path: Union[str, Path]) -> Any:

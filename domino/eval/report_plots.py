@@ -155,3 +155,31 @@ def schedule_figure(train: Sequence[Record]) -> Optional[Figure]:
     axes.grid(alpha=0.3)
     return figure
 
+
+
+#: The goodput parts in the order a bar stacks them (an attempt's life from left to right), with their colours.
+GOODPUT_BARS = (("idle_s", "idle before it", "tab:gray"), ("startup_s", "start-up", "tab:orange"),
+                ("productive_s", "productive", "tab:green"), ("checkpoint_s", "checkpoint saves", "tab:blue"),
+                ("evaluation_s", "evaluation", "tab:purple"), ("lost_s", "lost (run again)", "tab:red"),
+                ("other_s", "other", "tab:olive"))
+
+
+def goodput_figure(report) -> Optional[Figure]:
+    """One stacked bar per attempt of where its seconds went (a :class:`domino.goodput.accounting.GoodputReport`);
+    ``None`` without attempts."""
+    if report is None or not report.attempts:
+        return None
+    figure = Figure(figsize=(7, 0.9 + 0.45 * len(report.attempts)))
+    axes = figure.add_subplot()
+    names = [f"{index + 1}: {attempt.how}" for index, attempt in enumerate(report.attempts)]
+    left = [0.0] * len(names)
+    for field, label, color in GOODPUT_BARS:
+        widths = [getattr(attempt, field) for attempt in report.attempts]
+        axes.barh(names, widths, left=left, color=color, label=label)
+        left = [a + b for a, b in zip(left, widths)]
+    axes.invert_yaxis()  # the first attempt on top
+    axes.set_xlabel("seconds")
+    axes.set_title(f"Where each attempt's time went: goodput {100 * report.goodput:.1f} %")
+    axes.legend(loc="lower center", bbox_to_anchor=(0.5, 1.12), ncol=4, fontsize="small")
+    axes.grid(axis="x", alpha=0.3)
+    return figure

@@ -127,3 +127,17 @@ def test_report_skips_and_counts_malformed_metrics_lines(tmp_path, caplog):
     assert "skipped 4 malformed line(s), first line 2: not JSON" in caplog.text
     write_report(tmp_path / "r.html", bad)
     assert (tmp_path / "r.html").exists()
+
+
+def test_the_report_shows_the_runs_goodput_per_attempt_from_its_ledger(tmp_path):
+    """A save root with a goodput ledger (three attempts: killed, SIGTERMed, finished) gets a Goodput section: the
+    account's line and one stacked bar per attempt; a root without one gets none."""
+    from goodput.test_goodput_accounting import TIMELINE
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "goodput.jsonl").write_text("".join(json.dumps(e) + "\n" for e in TIMELINE))
+    page = write_report(tmp_path / "r.html", None, save_root=root).read_text()
+    assert "<h2>Goodput</h2>" in page and "goodput 50.8 % of 2.0 min over 3 attempts" in page
+    assert 'id="plot-goodput"' in page and "data:image/png;base64," in page
+    assert "<h2>Goodput</h2>" not in write_report(tmp_path / "s.html", None, save_root=tmp_path).read_text()
