@@ -75,10 +75,13 @@ class Ledger:
         self.path = Path(root) / LEDGER_FILE if root and enabled else None
         self.attempt = uuid.uuid4().hex[:12]
         self.failed_once = False
-        # The earlier attempts' events, read once, and this attempt's: the running account needs no re-read.
+        # The earlier attempts' events, read once, and this attempt's: the running account needs no re-read. Kept
+        # compact (a run of progress records shrinks to its last), so the account at each log interval stays cheap
+        # however long the run; the file keeps every record.
         self.events: List[Dict[str, Any]] = []
         if self.path is not None and self.path.is_file():
-            self.events = read_events(str(self.path.parent))
+            for event in read_events(str(self.path.parent)):
+                self._remember(event)
 
     def record(self, event: str, t: Optional[float] = None, **fields: Any) -> None:
         """Appends one event (durable when this returns). A ledger that cannot be written is logged once and then
@@ -86,7 +89,7 @@ class Ledger:
         if self.path is None:
             return
         entry = {"attempt": self.attempt, "event": event, "t": time.time() if t is None else t, **fields}
-        self.events.append(entry)
+        self._remember(entry)
         line = json.dumps(entry)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,6 +103,14 @@ class Ledger:
             if not self.failed_once:
                 logger.warning("goodput ledger %s not written (%s); training goes on", self.path, error)
             self.failed_once = True
+
+    def _remember(self, entry: Dict[str, Any]) -> None:
+        last = self.events[-1] if self.events else None
+        if (entry["event"] == "progress" and last is not None and last["event"] == "progress"
+                and last["attempt"] == entry["attempt"]):
+            self.events[-1] = entry  # the account reads only an attempt's latest progress between other records
+        else:
+            self.events.append(entry)
 
     def start(self, process_start: float, runtime_ready: float, model_built: float, load_s: float,
               loaded_iteration: int) -> None:

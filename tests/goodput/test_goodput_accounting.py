@@ -107,3 +107,20 @@ def test_a_ledger_that_cannot_be_written_never_stops_the_run(tmp_path, caplog):
     assert len([r for r in caplog.records if "goodput ledger" in r.getMessage()]) == 1
     with pytest.raises(FileNotFoundError, match="no goodput ledger"):
         read_events(str(tmp_path))
+
+
+def test_the_ledger_in_memory_keeps_a_long_runs_account_cheap_and_equal(tmp_path):
+    """Thousands of progress records (a long run logging every step) shrink to the last of each run in memory, and the
+    account from memory equals the account of the whole file."""
+    ledger = Ledger(str(tmp_path), enabled=True)
+    ledger.attempt = "A"
+    ledger.record("start", t=1.0, process_start=0.0, loaded_iteration=0, load_s=0.0)
+    ledger.record("training", t=2.0, iteration=0)
+    for i in range(1, 2001):
+        ledger.record("progress", t=2.0 + i / 100, iteration=i)
+        if i % 500 == 0:
+            ledger.record("save", t=2.0 + i / 100 + 0.01, iteration=i, blocking_s=0.01)
+    assert len(ledger.events) < 20
+    assert account(ledger.events) == account(read_events(str(tmp_path)))
+    again = Ledger(str(tmp_path), enabled=True)  # the next attempt reads the file once, compactly
+    assert account(again.events) == account(read_events(str(tmp_path))) and len(again.events) < 20
