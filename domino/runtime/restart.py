@@ -11,9 +11,10 @@ wakes the others.
   report does not wait for it) and destroys every group once nothing else refers to them: the gloo backend closes
   its connections when the group object itself goes, so a peer blocked in a collective with this rank raises at
   once ("Connection closed by peer", gloo's ``transport/tcp/pair.cc`` in torch 2.13) instead of waiting for the
-  group's timeout. ``destroy_process_group`` while the failed try's traceback still held the groups, or without
-  the ``gc.collect()`` that frees the engine's reference cycles, left the peer waiting the whole timeout in our
-  runs (tests/train/test_inprocess_restart.py fails both ways); ``ProcessGroup.abort()`` on a gloo group followed
+  group's timeout. ``destroy_process_group`` while the failed try's traceback still held the groups, without
+  the ``gc.collect()`` that frees the engine's reference cycles, or with ZeRO's gradient hooks left in place
+  (:func:`domino.train.pretrain.pretrain` calls DeepSpeed's ``engine.destroy()`` on a failure) left the peer
+  waiting the whole timeout in our runs (tests/train/test_inprocess_restart.py fails each way); ``ProcessGroup.abort()`` on a gloo group followed
   by its destruction ended the process with SIGABRT, so nvidia-resiliency-ext's abort step is not taken here (on
   NCCL it is ``ncclCommAbort``; this path is tested on gloo only).
 * :func:`meet` is the barrier every rank passes before the next generation's groups are formed, on the first

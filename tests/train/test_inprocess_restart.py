@@ -8,17 +8,20 @@ from __future__ import annotations
 import re
 import subprocess
 
+import pytest
+
 from domino.goodput.ledger import read_events
 from train_helpers import child_env, pretrain_command, train_losses
 
 FAULT = {"DOMINO_FAULT_INJECT": "raise-in-step@5:1"}
 
 
-def _torchrun(tmp_path, name, extra=(), env=None, timeout=240) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node 2 --max-restarts 0 -m domino pretrain` at TP 2, 8 iterations, saves every 2."""
+def _torchrun(tmp_path, name, extra=(), env=None, timeout=240, tp=2) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node 2 --max-restarts 0 -m domino pretrain` at TP ``tp`` (else DP 2), 8 iterations,
+    saves every 2."""
     save = tmp_path / name
     args = ["--preset", "tiny", "--mock-data", "--vocab-size", "256", "--num-workers", "0", "--seed", "7",
-            "--log-interval", "1", "--tensor-model-parallel-size", "2", "--train-iters", "8", "--save-interval", "2",
+            "--log-interval", "1", "--tensor-model-parallel-size", str(tp), "--train-iters", "8", "--save-interval", "2",
             "--save", str(save), "--load", str(save), "--metrics-file", str(tmp_path / f"{name}.jsonl"),
             "--eval-iters", "0", "--eval-interval", "0", "--distributed-timeout-minutes", "1", *extra]
     command = pretrain_command(args, nproc=2)
@@ -27,10 +30,14 @@ def _torchrun(tmp_path, name, extra=(), env=None, timeout=240) -> subprocess.Com
     return subprocess.run(command, env=child_env(env), capture_output=True, text=True, timeout=timeout)
 
 
-def test_a_step_that_raises_on_one_rank_is_survived_by_the_same_processes(tmp_path):
-    plain = _torchrun(tmp_path, "plain")
+@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2-zero1-workers"])
+def test_a_step_that_raises_on_one_rank_is_survived_by_the_same_processes(tmp_path, tp):
+    """TP 2: rank 0 waits in the step's first TP broadcast. DP 2 (ZeRO 1, two loader workers per rank): rank 0
+    waits in the gradient reduction, and the failed try's ZeRO hooks must go (DeepSpeed's engine.destroy())."""
+    workers = [] if tp == 2 else ["--num-workers", "2"]
+    plain = _torchrun(tmp_path, "plain", workers, tp=tp)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    proc = _torchrun(tmp_path, "faulted", ["--inprocess-restart"], FAULT)
+    proc = _torchrun(tmp_path, "faulted", ["--inprocess-restart", *workers], FAULT, tp=tp)
     assert proc.returncode == 0, proc.stderr[-6000:]
     log = proc.stderr
     # The fault fired on rank 1, and rank 1's same process formed the groups again (torchrun restarted nobody:
