@@ -19,15 +19,17 @@ def _run(args: argparse.Namespace) -> int:
     # Every rank checks the flags and the device before torch.distributed, DeepSpeed or the data start.
     config = config_from_args(args, world_size=world_size, for_training=True)
     from domino.runtime.agreement import agree
-    from domino.train.runtime_start import initialize_runtime
     from domino.train.gpt_recipe import GPTRecipe
+    from domino.train.inprocess import train_with_restarts
     from domino.train.pretrain import pretrain
 
-    # torch.distributed first: a data or tokenizer check that fails on one rank then stops every rank.
-    mesh = initialize_runtime(config)
-    recipe = agree("checking the data and the tokenizer", lambda: GPTRecipe(config))
-    result = pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step,
-                      recipe.padded_vocab_size, recipe.tokenizer, get_batch=recipe.batch, mesh=mesh)
+    def train(mesh):
+        # torch.distributed first: a data or tokenizer check that fails on one rank then stops every rank.
+        recipe = agree("checking the data and the tokenizer", lambda: GPTRecipe(config))
+        return pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step,
+                        recipe.padded_vocab_size, recipe.tokenizer, get_batch=recipe.batch, mesh=mesh)
+
+    result = train_with_restarts(config, train)  # again in this process after a failure, with --inprocess-restart
     if int(os.environ.get("RANK", "0")) == 0 and args.result_json:
         from domino.atomic_files import atomic_write_text
 

@@ -220,6 +220,10 @@ class TrainConfig:
     """Stop (after saving) when the iteration is a multiple of this value."""
     exit_signal_handler: bool = False
     """On SIGTERM to any rank (pod preemption), every rank saves a checkpoint at the next step and exits with 143."""
+    inprocess_restart: bool = False
+    """A failed step on any rank (an exception, a lost peer) is survived by the same processes: every rank leaves
+    its process groups, forms them again on the same rendezvous store and resumes from the newest checkpoint of
+    --load (Megatron-LM's flag, after nvidia-resiliency-ext's in-process restart); at most 3 times per process."""
     recompute_activations: bool = False
     """Selective activation recompute: each layer's attention core keeps only q, k, v and is recomputed in backward."""
     recompute_granularity: Optional[str] = None

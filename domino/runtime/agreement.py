@@ -129,6 +129,18 @@ def is_lost_peer_error(error: BaseException) -> bool:
     return _world() > 1 and isinstance(error, RuntimeError) and any(m in str(error) for m in LOST_PEER_MARKERS)
 
 
+def check_in() -> tuple:
+    """Writes this rank's ``domino/alive/<restart>/<rank>`` in the default group's store; returns the store and
+    the prefix. A rank that leaves the groups on purpose (an in-process restart) checks in first, so the peers
+    its leaving disconnects find it alive without waiting (:func:`find_lost_ranks`)."""
+    # torch.distributed keeps the rendezvous store of the default group here (torch 2.13
+    # distributed_c10d.py ``_get_default_store``); there is no public accessor.
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"domino/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store.set(f"{prefix}/{dist.get_rank()}", "1")
+    return store, prefix
+
+
 def find_lost_ranks(wait_s: float = 10.0) -> Optional[List[int]]:
     """The ranks that do not check in at the rendezvous store within ``wait_s`` (called after a lost peer).
 
@@ -136,12 +148,8 @@ def find_lost_ranks(wait_s: float = 10.0) -> Optional[List[int]]:
     never writes is lost. Returns None when the store itself is unreachable (it lives with the first node:
     torchrun's agent on node 0, or rank 0's process without torchrun), which means node 0 is gone.
     """
-    # torch.distributed keeps the rendezvous store of the default group here (torch 2.13
-    # distributed_c10d.py ``_get_default_store``); there is no public accessor.
     try:
-        store = dist.distributed_c10d._get_default_store()
-        prefix = f"domino/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        store.set(f"{prefix}/{dist.get_rank()}", "1")
+        store, prefix = check_in()
         deadline = time.monotonic() + wait_s
         while True:
             missing = [r for r in range(_world()) if not store.check([f"{prefix}/{r}"])]

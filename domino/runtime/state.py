@@ -56,11 +56,14 @@ def _check_nccl_error_handling(environ) -> None:
                        "(1 or 3 make --distributed-timeout-minutes stop it)", value)
 
 
-def initialize_distributed(backend: Optional[str] = None, timeout_minutes: int = 30) -> None:
+def initialize_distributed(backend: Optional[str] = None, timeout_minutes: int = 30,
+                           store: Optional[dist.Store] = None) -> None:
     """Initialises ``torch.distributed`` from the torchrun environment (or as a lone process).
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` as set by torchrun
     (or by the training operator through torchrun). Without them, starts a world of one on a free port.
+    ``store``: rendezvous on this store instead of ``MASTER_ADDR:MASTER_PORT`` (an in-process restart forms
+    its groups again on the first rendezvous's store, :mod:`domino.runtime.restart`).
     Does nothing when already initialised.
     """
     if dist.is_initialized():
@@ -76,7 +79,12 @@ def initialize_distributed(backend: Optional[str] = None, timeout_minutes: int =
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         _check_nccl_error_handling(os.environ)
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
     logger.info("torch.distributed initialised: backend=%s world_size=%d", backend, dist.get_world_size())
 
 
@@ -124,7 +132,8 @@ def launched_world_size() -> int:
 
 def start(tensor_model_parallel_size: Optional[int] = None, *, backend: Optional[str] = None,
           timeout_minutes: int = ParallelConfig.distributed_timeout_minutes, lone_process_group: bool = False,
-          pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1) -> ParallelMesh:
+          pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1,
+          store: Optional[dist.Store] = None) -> ParallelMesh:
     """The start-up of every entry point (``domino pretrain`` through
     :func:`domino.train.runtime_start.initialize_runtime`, evaluation through :mod:`domino.eval.runtime`): checks the
     layout, starts ``torch.distributed`` and creates the TP x PP x DP groups. Call it once per process.
@@ -137,6 +146,7 @@ def start(tensor_model_parallel_size: Optional[int] = None, *, backend: Optional
         timeout_minutes: Timeout of every collective of the world and of the groups.
         lone_process_group: Start torch.distributed for a lone process too (DeepSpeed needs a process group);
             otherwise a lone process runs without it.
+        store: The rendezvous store to start on (an in-process restart's; default: the launcher's environment).
 
     Returns:
         The run's mesh, to pass down.
@@ -148,7 +158,7 @@ def start(tensor_model_parallel_size: Optional[int] = None, *, backend: Optional
     tp, pp, cp = tensor_model_parallel_size or world, pipeline_model_parallel_size, context_parallel_size
     check_tensor_parallel_size(world, tp, pp, cp)  # before any process group exists
     if world > 1 or lone_process_group or dist.is_initialized():
-        initialize_distributed(backend, timeout_minutes)
+        initialize_distributed(backend, timeout_minutes, store)
     return initialize_model_parallel(tp, timeout_minutes=timeout_minutes, pipeline_model_parallel_size=pp,
                                      context_parallel_size=cp)
 

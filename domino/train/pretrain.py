@@ -65,6 +65,7 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
                                                          for_training=True))
     # Fail on a garbage --load before building anything.
     checkpoints = CheckpointManager.open(config, mesh)  # first of all: holds --save until the run ends
+    engine = None
     try:
         schedule = agree("checking the schedules against the checkpoint", lambda: schedule_check.resumed_schedule(
             checkpoints.resume_from, config, mesh.dp.size, checkpoints.warm_start))
@@ -82,5 +83,15 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
         trainer = Trainer(config, mesh, checkpoints, engine, dataset_builder, forward_step, padded_vocab_size,
                           tokenizer, get_batch, schedule, ledger)
         return trainer.run(iteration, consumed, checkpoints.own_checkpoint(iteration))
+    except BaseException:
+        # ZeRO's gradient hooks live in autograd's C++ side, so the cycle parameter -> hook -> optimizer -> parameter
+        # (and the process groups on it) is never collected; DeepSpeed's destroy() removes them (deepspeed 0.19.8
+        # runtime/engine.py destroy -> zero/stage_1_and_2.py destroy), so an in-process restart can free the groups.
+        if engine is not None:
+            try:
+                engine.destroy()
+            except Exception:  # noqa: BLE001  the failure being raised is the one to report
+                logger.exception("DeepSpeed's engine.destroy() failed after a failed run")
+        raise
     finally:
         checkpoints.close()  # --save is free for the next run (after the last save was committed)

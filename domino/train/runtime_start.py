@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Optional
 
 import torch
 
@@ -90,10 +91,11 @@ def check_this_device(config: DominoConfig) -> None:
                   else torch.device("cpu"))
 
 
-def initialize_runtime(config: DominoConfig) -> ParallelMesh:
+def initialize_runtime(config: DominoConfig, store: Optional[torch.distributed.Store] = None) -> ParallelMesh:
     """Initialises torch.distributed, DeepSpeed's comm layer and the TP x PP x DP groups for ``config``: once per
     process, by whoever starts the run (``domino pretrain`` before its agreed data checks), before
-    :func:`domino.train.pretrain.pretrain`. Returns the run's mesh."""
+    :func:`domino.train.pretrain.pretrain`, and again on ``store`` after an in-process restart tore them down
+    (:mod:`domino.train.inprocess`). Returns the run's mesh."""
     set_overlap_environment()
     check_this_device(config)
     _skip_shared_memory_op()
@@ -107,6 +109,8 @@ def initialize_runtime(config: DominoConfig) -> ParallelMesh:
     mesh = state.start(p.tensor_model_parallel_size, backend=p.distributed_backend,
                        timeout_minutes=p.distributed_timeout_minutes, lone_process_group=True,
                        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-                       context_parallel_size=p.context_parallel_size)
+                       context_parallel_size=p.context_parallel_size, store=store)
+    # DeepSpeed keeps no communicator of its own on top: deepspeed.comm's backend answers is_initialized() from
+    # torch.distributed (deepspeed 0.19.8 comm/torch.py), so after a restart this only finds torch's new world.
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
     return mesh

@@ -26,6 +26,7 @@ from domino.runtime.mesh import ParallelMesh, collective_device
 from domino.runtime.agreement import agree, hosts, is_lost_peer_error, lost_peer_error
 from domino.train import engine as engine_setup, schedule_check
 from domino.train.evaluation import evaluate, perplexity
+from domino.train.fault_injection import maybe_raise_in_step
 from domino.train.interval_stats import IntervalReading, IntervalStats
 from domino.train.metrics import MetricsWriter, format_iteration_line
 from domino.train.preemption import StopSignal, startup_warnings
@@ -339,6 +340,7 @@ class Trainer:
             batch = self.batches.global_batch_size_at(consumed)
             lr = self.schedule.lr_at_samples(consumed)
             _set_lr(self.engine, lr)
+            maybe_raise_in_step(iteration + 1, dist.get_rank())  # DOMINO_FAULT_INJECT=raise-in-step@N:R only
             self.stats.add(self._step(train_iter, batch), iteration + 1)
             iteration += 1
             self.completed = iteration

@@ -1,0 +1,69 @@
+"""In-process restart (``--inprocess-restart``) with real processes under real torchrun: an exception raised in
+one rank's step (``DOMINO_FAULT_INJECT=raise-in-step@5:1``) while its peer waits in the step's first TP
+collective is survived by the same two processes under ``--max-restarts 0``, and the run ends with the
+uninterrupted run's losses; without the flag the same fault ends the job."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from domino.goodput.ledger import read_events
+from train_helpers import child_env, pretrain_command, train_losses
+
+FAULT = {"DOMINO_FAULT_INJECT": "raise-in-step@5:1"}
+
+
+def _torchrun(tmp_path, name, extra=(), env=None, timeout=240, tp=2) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node 2 --max-restarts 0 -m domino pretrain` at TP ``tp`` (else DP 2), 8 iterations,
+    saves every 2."""
+    save = tmp_path / name
+    args = ["--preset", "tiny", "--mock-data", "--vocab-size", "256", "--num-workers", "0", "--seed", "7",
+            "--log-interval", "1", "--tensor-model-parallel-size", str(tp), "--train-iters", "8", "--save-interval", "2",
+            "--save", str(save), "--load", str(save), "--metrics-file", str(tmp_path / f"{name}.jsonl"),
+            "--eval-iters", "0", "--eval-interval", "0", "--distributed-timeout-minutes", "1", *extra]
+    command = pretrain_command(args, nproc=2)
+    at = command.index("torch.distributed.run") + 1
+    command[at:at] = ["--max-restarts", "0"]
+    return subprocess.run(command, env=child_env(env), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2-zero1-workers"])
+def test_a_step_that_raises_on_one_rank_is_survived_by_the_same_processes(tmp_path, tp):
+    """TP 2: rank 0 waits in the step's first TP broadcast. DP 2 (ZeRO 1, two loader workers per rank): rank 0
+    waits in the gradient reduction, and the failed try's ZeRO hooks must go (DeepSpeed's engine.destroy())."""
+    workers = [] if tp == 2 else ["--num-workers", "2"]
+    plain = _torchrun(tmp_path, "plain", workers, tp=tp)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    proc = _torchrun(tmp_path, "faulted", ["--inprocess-restart", *workers], FAULT, tp=tp)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    log = proc.stderr
+    # The fault fired on rank 1, and rank 1's same process formed the groups again (torchrun restarted nobody:
+    # --max-restarts 0 would have ended the job on a worker's exit).
+    raised = re.search(r"\[rank 1\] WARNING .*fault injection: rank 1 \(pid (\d+)\) raises in its step 5", log)
+    assert raised, log[-4000:]
+    formed = dict(re.findall(r"\[rank (\d)\] WARNING .*in-process restart 1: process groups formed again in "
+                             r"[\d.]+ s \(pid (\d+)\)", log))
+    assert formed.get("1") == raised.group(1), log[-4000:]
+    # Rank 0 was woken from its collective by rank 1 leaving its groups (not by the 1-minute timeout), and found
+    # rank 1 checked in as alive (without waiting 10 s for it).
+    woken = re.search(r"\[rank 0\] WARNING .*in-process restart 1 of 3 after: PeerLostError: (.*)", log)
+    assert woken and "every rank still answers" in woken.group(1), log[-4000:]
+    assert "rank 0 saw: Connection closed by peer" in woken.group(1), log[-4000:]
+    assert "resumed from" in log and "iter_0000004" in log
+    losses, expected = train_losses(tmp_path / "faulted.jsonl"), train_losses(tmp_path / "plain.jsonl")
+    assert sorted(losses) == list(range(1, 9))
+    assert [losses[i] for i in range(5, 9)] == [expected[i] for i in range(5, 9)]
+    # The goodput ledger: the failed try and the retry, two attempts of rank 0's one process.
+    events = read_events(str(tmp_path / "faulted"))
+    assert [e["how"] for e in events if e["event"] == "end"] == ["failed", "finished"]
+    assert [e["pid"] for e in events if e["event"] == "start"] == [int(formed["0"])] * 2
+
+
+def test_without_the_flag_the_same_fault_ends_the_job(tmp_path):
+    proc = _torchrun(tmp_path, "faulted", env=FAULT)
+    assert proc.returncode != 0
+    assert "fault injection: rank 1" in proc.stderr and "in-process restart" not in proc.stderr
+    assert max(train_losses(tmp_path / "faulted.jsonl")) == 4
