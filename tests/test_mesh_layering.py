@@ -13,8 +13,10 @@ MESH_PASSED = ("domino.parallel", "domino.model", "domino.overlap", "domino.pipe
                "domino.eval.generate", "domino.eval.evaluate", "domino.data", "domino.train.gpt_recipe",
                "domino.checkpoint")
 #: The entry points, which start the run and pass its mesh down (``state.start`` returns it; training's start,
-#: ``domino.train.runtime_start.initialize_runtime``, returns it too).
-ENTRY_POINTS = {"domino.train.pretrain", "domino.train.runtime_start", "domino.eval.runtime", "domino.runtime"}
+#: ``domino.train.runtime_start.initialize_runtime``, returns it too); ``domino.runtime.restart`` tears the
+#: process-wide state down for an in-process restart, before the entry point starts it again.
+ENTRY_POINTS = {"domino.train.pretrain", "domino.train.runtime_start", "domino.eval.runtime", "domino.runtime",
+                "domino.runtime.restart"}
 #: Modules below the entry points that still read the shim (the list only shrinks; empty now: DeepSpeed's engine is
 #: built over the mesh too, ``domino.train.deepspeed_mpu``).
 STILL_READING: set = set()
