@@ -22,6 +22,24 @@ from domino.runtime.mesh import ParallelMesh
 
 logger = logging.getLogger(__name__)
 
+#: The DeepSpeed release whose source every DeepSpeed detail in domino was read against (the class swaps in
+#: ``bf16_step``, ``device_loss_scale`` and ``zero_step``, the memory formulas, the cited line numbers).
+#: ``pyproject.toml`` admits this release line only; tests/train/test_deepspeed_version.py keeps the two equal.
+TESTED_DEEPSPEED = "0.19.8"
+
+
+def untested_deepspeed(version: str) -> Optional[str]:
+    """The one start-up line naming ``version`` when it is not :data:`TESTED_DEEPSPEED`, else None.
+
+    A later patch release of the admitted line may change the private methods domino relies on; the line says so
+    before any work, so a step that misbehaves after an upgrade is traced to it at once.
+    """
+    if version.split("+")[0] == TESTED_DEEPSPEED:
+        return None
+    return (f"deepspeed {version} is installed; domino's DeepSpeed integration was read and tested against "
+            f"{TESTED_DEEPSPEED} only (pip install deepspeed=={TESTED_DEEPSPEED})")
+
+
 def _import_deepspeed_without_its_autotuners_mlflow() -> None:
     """Imports DeepSpeed, hiding MLflow from its autotuner for the length of the import.
 
@@ -104,6 +122,9 @@ def initialize_runtime(config: DominoConfig, store: Optional[torch.distributed.S
     _import_deepspeed_without_its_autotuners_mlflow()
     import deepspeed
 
+    line = untested_deepspeed(deepspeed.__version__)
+    if line:
+        logger.warning("%s", line)
     p = config.parallel
     # lone_process_group: DeepSpeed needs a process group, even for one process.
     mesh = state.start(p.tensor_model_parallel_size, backend=p.distributed_backend,
