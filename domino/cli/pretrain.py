@@ -23,11 +23,12 @@ def _run(args: argparse.Namespace) -> int:
     from domino.train.inprocess import train_with_restarts
     from domino.train.pretrain import pretrain
 
-    def train(mesh):
+    def train(mesh, origin):
         # torch.distributed first: a data or tokenizer check that fails on one rank then stops every rank.
         recipe = agree("checking the data and the tokenizer", lambda: GPTRecipe(config))
         return pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step,
-                        recipe.padded_vocab_size, recipe.tokenizer, get_batch=recipe.batch, mesh=mesh)
+                        recipe.padded_vocab_size, recipe.tokenizer, get_batch=recipe.batch, mesh=mesh,
+                        origin=origin)
 
     result = train_with_restarts(config, train)  # again in this process after a failure, with --inprocess-restart
     if int(os.environ.get("RANK", "0")) == 0 and args.result_json:

@@ -16,7 +16,8 @@ from disruption", and the time a save blocks training is taken out of the produc
 ``evaluation_s``  evaluation during and after training
 ``lost_s``        steps run after the last checkpoint a later attempt resumed from (WASTED_PROGRESS_FROM_DISRUPTION)
 ``idle_s``        between attempts: from an attempt's last record to the next process's start (a killed
-                  attempt's partial step, the pod's exit, queueing, scheduling, the image, torchrun)
+                  attempt's partial step, the pod's exit, queueing, scheduling, the image, torchrun; for an
+                  in-process restart, leaving the failed groups and meeting the peers)
 ``other_s``       the rest of an attempt: its end after the loop (closing files, the tracking run)
 ================  ==============================================================================================
 
@@ -68,6 +69,9 @@ class Attempt(Parts):
     loaded_iteration: int = 0
     last_iteration: int = 0
     last_durable: Optional[int] = None
+    inprocess_restart: int = 0
+    """n when ``--inprocess-restart`` made this attempt in the process of the previous one (its n-th restart): its
+    ``idle_s`` and ``startup_s`` are the recovery's cost."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +118,7 @@ class _Timeline:
         self.process_start = float(self.start_event.get("process_start", self.start_event["t"])) \
             if self.start_event else events[0]["t"]
         self.loaded = int(self.start_event.get("loaded_iteration", 0)) if self.start_event else 0
+        self.inprocess_restart = int(self.start_event.get("inprocess_restart", 0)) if self.start_event else 0
         self.training_t = training["t"] if training else None
         self.last_t = max(e["t"] for e in events)
         self.end_t = self.end_event["t"] if self.end_event else self.last_t
@@ -180,7 +185,7 @@ def account(events: List[Dict[str, Any]], now: Optional[float] = None) -> Goodpu
         load_s = float(tl.start_event.get("load_s", 0)) if tl.start_event else 0.0
         about = dict(attempt=tl.attempt, host=_host(tl), pid=_pid(tl), start=start, end=end, how=_how(tl, newest),
                      loaded_iteration=tl.loaded, last_iteration=tl.last_iteration, last_durable=tl.last_durable,
-                     checkpoint_load_s=load_s, idle_s=idle,
+                     checkpoint_load_s=load_s, idle_s=idle, inprocess_restart=tl.inprocess_restart,
                      straggler_s=sum(float(e.get("seconds", 0)) for e in tl.events if e["event"] == "straggler"))
         if training_t is None:  # never reached the loop: all of it was start-up
             attempts.append(Attempt(productive_s=0.0, startup_s=end - start, checkpoint_s=0.0, evaluation_s=0.0,
@@ -248,16 +253,22 @@ def _pid(tl: _Timeline) -> int:
 
 
 def format_report(report: GoodputReport) -> str:
-    """A table of the attempts and the totals, for ``domino goodput``."""
+    """A table of the attempts and the totals, for ``domino goodput``; an attempt that an in-process restart made
+    shows as ``ID+n`` (its restart's number)."""
     header = (f"{'attempt':<13}{'host':<14}{'ended':<10}{'iterations':>13}{'wall':>10}{'productive':>12}"
               f"{'start-up':>10}{'ckpt':>8}{'eval':>8}{'lost':>8}{'idle':>8}")
     rows = [header]
     for a in report.attempts:
-        rows.append(f"{a.attempt:<13}{a.host[:13]:<14}{a.how:<10}{f'{a.loaded_iteration}-{a.last_iteration}':>13}"
+        name = f"{a.attempt[:10]}+{a.inprocess_restart}" if a.inprocess_restart else a.attempt
+        rows.append(f"{name:<13}{a.host[:13]:<14}{a.how:<10}{f'{a.loaded_iteration}-{a.last_iteration}':>13}"
                     f"{a.end - a.start + a.idle_s:>9.1f}s{a.productive_s:>11.1f}s{a.startup_s:>9.1f}s"
                     f"{a.checkpoint_s:>7.1f}s{a.evaluation_s:>7.1f}s{a.lost_s:>7.1f}s{a.idle_s:>7.1f}s")
     rows.append(report.line())
     rows.append(f"  of the start-up, reading checkpoints: {report.checkpoint_load_s:.1f} s")
+    restarted = [a for a in report.attempts if a.inprocess_restart]
+    if restarted:
+        rows.append(f"  in-process restarts (--inprocess-restart): {len(restarted)}, recovering in "
+                    f"{sum(a.idle_s + a.startup_s for a in restarted):.1f} s (their idle time and start-up)")
     if report.straggler_s:
         rows.append(f"  of the productive time, running at a straggler's pace (--log-straggler): "
                     f"{report.straggler_s:.1f} s")

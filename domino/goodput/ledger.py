@@ -9,9 +9,11 @@ Each line is ``{"attempt": ID, "event": NAME, "t": UNIX_TIME, ...}``; the events
 them:
 
 ==================  ====================================================================================
-``start``           ``process_start`` (the process's own start, from ``/proc``), ``runtime_ready``
-                    (torch.distributed and the groups up), ``model_built``, ``t`` = checkpoint loaded;
-                    ``load_s`` (reading the checkpoint), ``loaded_iteration``, ``host``, ``pid``
+``start``           ``process_start`` (the process's own start, from ``/proc``; for an in-process restart
+                    the failure it recovers from), ``runtime_ready`` (torch.distributed and the groups up),
+                    ``model_built``, ``t`` = checkpoint loaded; ``load_s`` (reading the checkpoint),
+                    ``loaded_iteration``, ``host``, ``pid``; ``inprocess_restart`` (the restart's number, for an
+                    attempt made by ``--inprocess-restart`` in a process that already ran one)
 ``training``        the loop starts at ``iteration``
 ``first_step``      the first iteration returned to the host (the device may still be running it)
 ``progress``        ``iteration`` reached, at each log interval (after the loss is read: the device is done)
@@ -38,6 +40,7 @@ import os
 import socket
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -61,6 +64,21 @@ def process_start_time() -> float:
         return time.time() - max(0.0, age)
     except (OSError, ValueError, IndexError, AttributeError):
         return time.time()
+
+
+@dataclass(frozen=True)
+class AttemptOrigin:
+    """Where an attempt began, for its ``start`` record."""
+
+    began: float
+    """UNIX time: the process's start, or for an in-process restart the failure it recovers from."""
+    inprocess_restart: int = 0
+    """0 for a process's first attempt; n for the n-th ``--inprocess-restart`` in the same process."""
+
+    @classmethod
+    def new_process(cls) -> "AttemptOrigin":
+        """The first attempt of this process, begun at the process's start."""
+        return cls(process_start_time())
 
 
 class Ledger:
@@ -112,11 +130,13 @@ class Ledger:
         else:
             self.events.append(entry)
 
-    def start(self, process_start: float, runtime_ready: float, model_built: float, load_s: float,
+    def start(self, origin: AttemptOrigin, runtime_ready: float, model_built: float, load_s: float,
               loaded_iteration: int) -> None:
         """The attempt's start-up, recorded once the checkpoint is loaded (nothing is written to the root earlier)."""
-        self.record("start", process_start=process_start, runtime_ready=runtime_ready, model_built=model_built,
-                    load_s=load_s, loaded_iteration=loaded_iteration, host=socket.gethostname(), pid=os.getpid())
+        restart = {"inprocess_restart": origin.inprocess_restart} if origin.inprocess_restart else {}
+        self.record("start", process_start=origin.began, runtime_ready=runtime_ready, model_built=model_built,
+                    load_s=load_s, loaded_iteration=loaded_iteration, host=socket.gethostname(), pid=os.getpid(),
+                    **restart)
 
 
 def read_events(root: str) -> List[Dict[str, Any]]:
@@ -142,7 +162,7 @@ def read_events(root: str) -> List[Dict[str, Any]]:
 
 #: The numeric fields of the events (``loop_end`` may also be null).
 _NUMBERS = ("t", "process_start", "runtime_ready", "model_built", "load_s", "loaded_iteration", "iteration",
-            "blocking_s", "seconds", "loop_end")
+            "blocking_s", "seconds", "loop_end", "inprocess_restart")
 
 
 def _well_formed(event: Any) -> bool:

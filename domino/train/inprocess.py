@@ -31,6 +31,7 @@ from typing import Callable, TypeVar
 import torch.distributed as dist
 
 from domino.config import ConfigError, DominoConfig
+from domino.goodput.ledger import AttemptOrigin
 from domino.runtime import restart
 from domino.runtime.agreement import PeerLostError
 from domino.runtime.mesh import ParallelMesh
@@ -53,22 +54,25 @@ def restartable(error: BaseException) -> bool:
     return isinstance(error, Exception) and not isinstance(error, (ConfigError, TrainingDivergedError))
 
 
-def train_with_restarts(config: DominoConfig, train: Callable[[ParallelMesh], T]) -> T:
-    """Starts the runtime and runs ``train(mesh)``; with ``--inprocess-restart``, a restartable failure is followed
-    by a new generation of process groups in the same process and ``train`` again (see the module docstring)."""
+def train_with_restarts(config: DominoConfig, train: Callable[[ParallelMesh, AttemptOrigin], T]) -> T:
+    """Starts the runtime and runs ``train(mesh, origin)``; with ``--inprocess-restart``, a restartable failure is
+    followed by a new generation of process groups in the same process and ``train`` again, its ``origin`` the
+    failure (the goodput ledger marks the attempt as an in-process restart; see the module docstring)."""
     mesh = initialize_runtime(config)
+    origin = AttemptOrigin.new_process()
     if not config.train.inprocess_restart:
-        return train(mesh)
+        return train(mesh, origin)
     store = restart.rendezvous_store()  # the first rendezvous's store: every generation meets on it
     world_size = dist.get_world_size()
     timeout = datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes)
     for generation in range(1, MAX_INPROCESS_RESTARTS + 2):
         try:
-            return train(mesh)
+            return train(mesh, origin)
         except Exception as error:
             if generation > MAX_INPROCESS_RESTARTS or not restartable(error):
                 raise
             failed_at = time.monotonic()
+            origin = AttemptOrigin(time.time(), inprocess_restart=generation)
             logger.warning("in-process restart %d of %d after: %s: %s", generation, MAX_INPROCESS_RESTARTS,
                            type(error).__name__, " ".join(str(error).split())[:300])
         # Out of the except block: the traceback, which holds the failed try's frames (trainer, engine, model

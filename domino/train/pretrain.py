@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from domino.checkpoint.manager import CheckpointManager
 from domino.config import DominoConfig, validate
-from domino.goodput.ledger import Ledger, process_start_time
+from domino.goodput.ledger import AttemptOrigin, Ledger
 from domino.parallel import random as tp_random
 from domino.runtime import state
 from domino.runtime.agreement import agree
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Callable, forward_step: Callable,
              padded_vocab_size: int, tokenizer=None, get_batch: Optional[Callable] = None,
-             mesh: Optional[ParallelMesh] = None) -> TrainingResult:
+             mesh: Optional[ParallelMesh] = None, origin: Optional[AttemptOrigin] = None) -> TrainingResult:
     """Trains according to ``config`` (call it on every rank, after
     :func:`domino.train.runtime_start.initialize_runtime`).
 
@@ -50,6 +50,8 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
         get_batch: one micro-batch's tensors by name from a data iterator; pipelined runs need it, as the pipeline
             schedule, not ``forward_step``, runs the stages (:mod:`domino.train.pipeline_step`).
         mesh: the run's layout, as ``initialize_runtime`` returned it (default: the one it built).
+        origin: where this attempt began, for the goodput ledger (default: this process's start; an in-process
+            restart passes its failure's time and number).
 
     Raises:
         ConfigError: for settings that cannot work, before training starts.
@@ -79,7 +81,7 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
         model_built = time.time()
         iteration, consumed = checkpoints.load(engine, padded_vocab_size)
         ledger = Ledger(config.checkpoint.save, enabled=dist.get_rank() == 0)
-        ledger.start(process_start_time(), runtime_ready, model_built, time.time() - model_built, iteration)
+        ledger.start(origin or AttemptOrigin.new_process(), runtime_ready, model_built, time.time() - model_built, iteration)
         trainer = Trainer(config, mesh, checkpoints, engine, dataset_builder, forward_step, padded_vocab_size,
                           tokenizer, get_batch, schedule, ledger)
         return trainer.run(iteration, consumed, checkpoints.own_checkpoint(iteration))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from domino.goodput.accounting import PARTS, account
+from domino.goodput.accounting import PARTS, account, format_report
 from domino.goodput.ledger import LEDGER_FILE, Ledger, read_events
 
 
@@ -69,6 +69,22 @@ def test_a_later_fall_back_to_an_older_checkpoint_takes_back_what_counted():
     a, b, _ = report.attempts
     assert (a.productive_s, a.lost_s) == (20, 8)
     assert (b.productive_s, b.lost_s) == (0, 17)
+    assert sum(getattr(report, part) for part in PARTS) == pytest.approx(report.wall_s)
+
+
+def test_an_inprocess_restart_is_marked_and_its_recovery_reported():
+    """C made by B's process after B failed (``--inprocess-restart``): its start is B's failure, so the recovery
+    (leaving the groups, meeting, reloading) is its idle time and start-up, named in the report."""
+    timeline = [dict(e, how="failed") if e["attempt"] == "B" and e["event"] == "end" else e for e in TIMELINE]
+    timeline = [dict(e, process_start=82.5, pid=12, inprocess_restart=1) if e["attempt"] == "C" and e["event"] == "start"
+                else e for e in timeline]
+    report = account(timeline)
+    c = report.attempts[-1]
+    assert (c.inprocess_restart, c.idle_s, c.startup_s) == (1, 0.5, 12.5)
+    assert [a.inprocess_restart for a in report.attempts] == [0, 0, 1]
+    table = format_report(report)
+    assert "C+1" in table and "in-process restarts (--inprocess-restart): 1, recovering in 13.0 s" in table
+    assert "in-process" not in format_report(account(TIMELINE))
     assert sum(getattr(report, part) for part in PARTS) == pytest.approx(report.wall_s)
 
 

@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from domino.goodput.accounting import account, format_report
 from domino.goodput.ledger import read_events
 from train_helpers import child_env, pretrain_command, train_losses
 
@@ -59,7 +60,14 @@ def test_a_step_that_raises_on_one_rank_is_survived_by_the_same_processes(tmp_pa
     # The goodput ledger: the failed try and the retry, two attempts of rank 0's one process.
     events = read_events(str(tmp_path / "faulted"))
     assert [e["how"] for e in events if e["event"] == "end"] == ["failed", "finished"]
-    assert [e["pid"] for e in events if e["event"] == "start"] == [int(formed["0"])] * 2
+    starts = [e for e in events if e["event"] == "start"]
+    assert [e["pid"] for e in starts] == [int(formed["0"])] * 2
+    assert [e.get("inprocess_restart", 0) for e in starts] == [0, 1]
+    failed_end = next(e["t"] for e in events if e["event"] == "end")
+    assert starts[0]["process_start"] < starts[1]["process_start"] <= failed_end + 1  # began at the failure
+    report = account(events)
+    assert [a.inprocess_restart for a in report.attempts] == [0, 1]
+    assert "in-process restarts (--inprocess-restart): 1, recovering in" in format_report(report)
 
 
 def test_without_the_flag_the_same_fault_ends_the_job(tmp_path):
