@@ -158,9 +158,10 @@ def register(subparsers) -> None:
                        help="cluster (default) or local (the jobs as local processes; the API steps are skipped).")
     smoke.add_argument("--workdir", default=None, help="local backend: directory standing in for the PVC.")
     smoke.add_argument("--faults", action="store_true",
-                       help="Also break tiny training jobs and check they recover: delete a Worker pod, delete the "
-                            "Master mid-save (the run resumes), deactivate the Workload (with --queue; Kueue "
-                            "re-admits it). Cluster backend; needs the k8s/smoke Role.")
+                       help="Also break tiny training jobs and check they recover: a rank's step raises (the same "
+                            "processes restart in-process; both backends); on a cluster, with the k8s/smoke Role: "
+                            "delete a Worker pod, delete the Master mid-save (the run resumes), deactivate the "
+                            "Workload (with --queue; Kueue re-admits it).")
     smoke.add_argument("--timeout", type=float, default=900.0, help="Limit of each smoke job, seconds (900).")
     smoke.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
                        help="Tracking server a training pod must reach (default $MLFLOW_TRACKING_URI; none: skipped).")

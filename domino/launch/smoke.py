@@ -28,8 +28,8 @@ Steps, in order (``ok``, ``FAIL`` or ``skip`` and what was seen):
 With ``--backend local`` steps 1-3 are skipped (no API server) and the jobs run as local processes with the
 controller's environment (:mod:`domino.launch.local_backend`; "nodes" share one host and one UID); with
 ``--backend cluster`` they run on the cluster, in the spec's namespace, image and claim. With ``--faults``
-the fault steps of :mod:`domino.launch.smoke_faults` run after ``train`` (delete a Worker, delete the Master
-mid-save, deactivate the Workload; cluster backend only).
+the fault steps of :mod:`domino.launch.smoke_faults` run after ``train`` (a raising step survived in-process, on
+both backends; delete a Worker, delete the Master mid-save, deactivate the Workload, on the cluster only).
 """
 
 from __future__ import annotations

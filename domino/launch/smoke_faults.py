@@ -1,5 +1,12 @@
-"""The fault steps of ``domino launch smoke --faults`` (cluster backend): each runs a tiny training job and,
-while it trains, breaks it the way a cluster does, then checks that the controllers and the run recover.
+"""The fault steps of ``domino launch smoke --faults``: each runs a tiny training job and, while it trains, breaks
+it the way a cluster does, then checks that the controllers and the run recover.
+
+* ``fault: step raises`` (both backends): a 2-node job with ``--inprocess-restart`` whose Worker's rank raises in
+  its step 3 (``DOMINO_FAULT_INJECT=raise-in-step@3:1``, :mod:`domino.train.fault_injection`); the same processes
+  must form their groups again, resume from the checkpoint of iteration 2 and succeed, with no pod restarted
+  (:mod:`domino.train.inprocess`). It rehearses the path a collective error or a bug in one rank takes.
+
+The cluster steps (cluster backend only; with ``--backend local`` there are no pods or Workloads to break):
 
 * ``fault: delete worker``: a Worker pod is deleted once it runs; the job must still succeed. The training
   operator (kubeflow/training-operator v1.9.0 ``pkg/controller.v1/common/pod.go`` ``ReconcilePods``) finds no
@@ -23,6 +30,7 @@ grants it (opt-in).
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 from typing import Callable, Dict, List, Optional
@@ -33,6 +41,14 @@ from domino.launch.job_api import job_api
 #: The fault jobs' training: a checkpoint every iteration, long enough to be broken while it trains.
 FAULT_ARGS = ["--preset", "tiny", "--mock-data", "--train-iters", "12", "--save-interval", "1", "--num-workers",
               "0", "--eval-iters", "0", "--log-interval", "1"]
+#: The in-process step's training: 2 nodes, a save at 2, 4 and 6; the Worker's rank raises in its step 3.
+INPROCESS_ARGS = ["--preset", "tiny", "--mock-data", "--train-iters", "6", "--save-interval", "2", "--num-workers",
+                  "0", "--eval-iters", "0", "--log-interval", "1", "--inprocess-restart"]
+INPROCESS_FAULT = "raise-in-step@3:1"
+#: The variable domino.train.fault_injection reads (named here: launch/ sits below train/ and imports none of it).
+FAULT_ENV = "DOMINO_FAULT_INJECT"
+#: What rank 0 logs once the groups are formed again (domino.train.inprocess).
+FORMED = re.compile(r"in-process restart 1: process groups formed again in ([\d.]+) s")
 RESUMED = "resumed from "  # what domino.checkpoint.resume logs when a restart loads a checkpoint
 POLL_S = 0.2
 #: Appended to a refused delete or patch (indexed by "was it a 403").
@@ -48,6 +64,7 @@ class FaultSteps:
     ``backend``, ``timeout_s``, ``jobs``, ``_step`` and ``_client``)."""
 
     def faults(self) -> None:
+        self._inprocess_restart()
         names = ("fault: delete worker", "fault: delete master mid-save", "fault: deactivate workload")
         if self.backend != "cluster":
             for name in names:
@@ -59,6 +76,24 @@ class FaultSteps:
             self._step(names[2], "skip", "no --queue: Kueue manages no Workload of the smoke's jobs")
         else:
             self._fault(names[2], "fault-queue", self._deactivate)
+
+    def _inprocess_restart(self) -> None:
+        """``fault: step raises``: the injected exception survived by the job's own processes."""
+        step = "fault: step raises"
+        spec = dataclasses.replace(self.spec, name=f"{self.spec.name}-fault-step", nodes=2, nproc_per_node=1,
+                                   command=None, pretrain_args=list(INPROCESS_ARGS),
+                                   env={**self.spec.env, FAULT_ENV: INPROCESS_FAULT})
+        lines = self._job(step, spec)
+        if lines is None:
+            return
+        formed = next((m for m in map(FORMED.search, lines) if m), None)
+        resumed = next((line.split(RESUMED, 1)[1].strip() for line in lines if RESUMED in line), None)
+        if formed is None or resumed is None:
+            self._step(step, "FAIL", "the job succeeded but rank 0's log shows no in-process restart "
+                       f"({'no resume' if formed else 'no groups formed again'}): was it restarted instead?")
+            return
+        self._step(step, "ok", f"rank 1 raised in its step 3 ({FAULT_ENV}={INPROCESS_FAULT}); the same processes "
+                   f"formed their groups again in {formed.group(1)} s, resumed from {resumed} and succeeded")
 
     def _fault(self, step: str, suffix: str, inject: Callable[[str, threading.Event], str]) -> None:
         """Runs a training job in a thread while ``inject(job name, saved)`` breaks it in this one."""

@@ -3,6 +3,7 @@ the Workload deactivated and reactivated; the operator's and Kueue's reactions a
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -18,6 +19,10 @@ from test_launch_smoke import operator
 REPO = Path(__file__).resolve().parents[2]
 RESUMED = ("resumed from /data/checkpoints/smoke-fault-master-smoke/iter_0000003 at iteration 3 (96 samples "
            "consumed)")
+
+
+#: The in-process step's jobs as created (the cleanup deletes them from the server).
+STEP_JOBS: list = []
 
 
 def _recreated(c, ns, pod):
@@ -40,6 +45,12 @@ def cluster(c, job):
         master = sc.start_running(c, job, ("iteration 3", "saved checkpoint /data/checkpoints/x/iter_0000003"))
         _recreated(c, ns, master)
         sc.succeed(c, job, (RESUMED, "saved checkpoint iteration 12"))
+    elif "fault-step" in name:  # rank 0's lines of an in-process restart, as the local backend's real run logs them
+        STEP_JOBS.append(job)
+        sc.succeed(c, job, ("[rank 0] WARNING domino.train.inprocess: in-process restart 1: process groups formed "
+                            "again in 0.62 s (pid 41)", "[rank 0] INFO domino.checkpoint.resume: resumed from "
+                            "/data/checkpoints/smoke-fault-step-smoke/iter_0000002 at iteration 2 (64 samples "
+                            "consumed)", "saved checkpoint iteration 6"))
     elif "fault-queue" in name:
         sc.start_running(c, job)
         c.wait_for(lambda: any(cond["reason"] == "Reactivated" for w in c.workloads.values()
@@ -51,6 +62,7 @@ def cluster(c, job):
 
 @pytest.fixture
 def server():
+    STEP_JOBS.clear()
     with FakeKubeServer() as srv:
         srv.cluster.on_create = cluster
         yield srv
@@ -67,10 +79,19 @@ def test_the_faults_are_injected_while_the_jobs_train_and_each_recovery_is_seen(
     server.cluster.kueue_frameworks.add("kubeflow.org/pytorchjob")
     steps, lines = smoke(server, queue="team-a")
     faults = [s for s in steps.values() if s.name.startswith("fault")]
-    assert [(s.name, s.status) for s in faults] == [
+    assert [(s.name, s.status) for s in faults] == [("fault: step raises", "ok"),
         ("fault: delete worker", "ok"), ("fault: delete master mid-save", "ok"),
         ("fault: deactivate workload", "ok")], lines
     assert all(s.status != "FAIL" for s in steps.values()), lines
+    assert faults[0].detail == ("rank 1 raised in its step 3 (DOMINO_FAULT_INJECT=raise-in-step@3:1); the same "
+                                "processes formed their groups again in 0.62 s, resumed from /data/checkpoints/"
+                                "smoke-fault-step-smoke/iter_0000002 at iteration 2 (64 samples consumed) and "
+                                "succeeded")
+    (step_job,) = STEP_JOBS
+    env = {e["name"]: e.get("value") for e in step_job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"][
+        "containers"][0]["env"]}
+    assert env["DOMINO_FAULT_INJECT"] == "raise-in-step@3:1"
+    faults = faults[1:]
     assert faults[0].detail == ("smoke-fault-worker-smoke-worker-0 deleted while it ran; the controller recreated "
                                 "it (smoke-fault-worker-smoke-worker-0); the job succeeded")
     assert faults[1].detail.endswith("after a save, with the next under way; the run resumed from /data/checkpoints/"
@@ -115,10 +136,11 @@ def test_the_smoke_role_binds_the_launchers_account_in_its_namespace_and_the_lau
 
 
 def refused(c, job):
-    """RBAC refuses the smoke's pod deletes: each fault job runs until its delete was tried, then succeeds."""
+    """RBAC refuses the smoke's pod deletes: each fault job that deletes a pod runs until its delete was tried,
+    then succeeds (the in-process step deletes nothing: it needs no Role beyond the launcher's)."""
     name = job["metadata"]["name"]
-    if "fault" not in name:
-        return operator()(c, job)
+    if "fault" not in name or "fault-step" in name:
+        return cluster(c, job)
     sc.start_running(c, job, ("saved checkpoint /data/checkpoints/x/iter_0000001",))
     tried = 1 if "fault-worker" in name else 2
     c.wait_for(lambda: c.requests.count(("", "pods", "delete")) >= tried, timeout=20)
@@ -129,7 +151,7 @@ def test_without_the_smoke_role_the_fault_fails_its_step_naming_k8s_smoke(server
     server.cluster.denied = {("", "pods", "delete")}
     server.cluster.on_create = refused
     steps, lines = smoke(server)
-    assert [s.status for s in steps.values() if s.name.startswith("fault")] == ["FAIL", "FAIL", "skip"], lines
+    assert [s.status for s in steps.values() if s.name.startswith("fault")] == ["ok", "FAIL", "FAIL", "skip"], lines
     assert steps["fault: delete worker"].detail == (
         "deleting pod smoke-fault-worker-smoke-worker-0: 403 Forbidden (the fault steps need k8s/smoke's Role: "
         "kubectl apply --server-side -k k8s/smoke)")
@@ -137,11 +159,20 @@ def test_without_the_smoke_role_the_fault_fails_its_step_naming_k8s_smoke(server
     assert steps["fault: deactivate workload"].status == "skip"  # no --queue
 
 
-def test_the_local_backend_skips_the_faults_and_the_flag_reaches_the_smoke(monkeypatch):
+def test_the_local_backend_survives_a_raising_step_in_process_and_skips_the_cluster_faults(monkeypatch, tmp_path):
+    """Two local "nodes" under their own torchrun each: the Worker's rank raises in its step 3, and the job's
+    processes form their groups again and finish (real processes; torchrun would end the job otherwise)."""
     lines = []
-    Smoke(sc.spec(name="smoke"), backend="local", log=lines.append, faults=True).faults()
-    assert [line.split(":")[0] for line in lines] == ["skip fault"] * 3 and all(
-        line.endswith("a cluster fault (no pods or Workloads with --backend local)") for line in lines)
+    Smoke(sc.spec(name="smoke", nodes=1, nproc_per_node=1, gpus_per_node=0, env={"OMP_NUM_THREADS": "1"}),
+          backend="local", workdir=str(tmp_path), timeout_s=240, log=lines.append, faults=True).faults()
+    first, *cluster = lines
+    assert re.fullmatch(r"ok   fault: step raises: rank 1 raised in its step 3 \(DOMINO_FAULT_INJECT=raise-in-step@3:1\); "
+                        r"the same processes formed their groups again in [\d.]+ s, resumed from "
+                        + re.escape(f"{tmp_path}/checkpoints/smoke-fault-step-smoke/iter_0000002") + r" at iteration 2 "
+                        r".* and succeeded", first), first
+    assert (tmp_path / "checkpoints" / "smoke-fault-step-smoke" / "iter_0000006").is_dir()
+    assert [line.split(":")[0] for line in cluster] == ["skip fault"] * 3 and all(
+        line.endswith("a cluster fault (no pods or Workloads with --backend local)") for line in cluster)
     import domino.launch.smoke as smoke_module
     from domino.cli.main import main
 
@@ -150,3 +181,15 @@ def test_the_local_backend_skips_the_faults_and_the_flag_reaches_the_smoke(monke
     with pytest.raises(SystemExit) as done:
         main(["launch", "smoke", "--name", "smoke", "--faults"])
     assert done.value.code == 0 and seen == {"faults": True}
+
+
+def test_a_step_fault_survived_by_a_pod_restart_instead_fails_its_step(server):
+    """The job succeeded, but rank 0 never formed its groups again in the same process (a pod restart resumed
+    it): the in-process restart was not what recovered, so the step fails."""
+    server.cluster.on_create = lambda c, job: sc.succeed(c, job, (
+        "resumed from /data/checkpoints/smoke-fault-step-smoke/iter_0000002 at iteration 2 (64 samples consumed)",))
+    lines = []
+    Smoke(sc.spec(name="smoke", namespace="domino"), api_client=server.api_client(), timeout_s=30, log=lines.append,
+          faults=True)._inprocess_restart()
+    assert lines == ["FAIL fault: step raises: the job succeeded but rank 0's log shows no in-process restart (no "
+                     "groups formed again): was it restarted instead?"]
