@@ -1,10 +1,11 @@
-"""Recovery time of one failed step: ``--inprocess-restart`` against a new torchrun job.
+"""Recovery time of one failed step: ``--inprocess-restart``, a torchrun worker restart, and a new torchrun job.
 
 Rank 1 of a TP 2 run of the ``tiny`` preset raises in its step 5 (``DOMINO_FAULT_INJECT=raise-in-step@5:1``;
 checkpoints every 2 iterations). Recovery is read from the goodput ledger: from iteration 4's ``progress`` record
 (the last step before the fault; the save of iteration 4 follows it) to the first step after the fault. For the
 new job it is the failed job's remainder (iteration 4's record to the job's exit) plus the new job's launch to its
-first step. Prints one JSON line of seconds per trial.
+first step. The worker restart is ``torchrun --max-restarts 1`` without the flag: torchrun starts both ranks again
+and they resume. Prints one JSON line of seconds per trial.
 
     python benchmarks/recovery.py [--trials 3]
 """
@@ -32,8 +33,9 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _job(save: str, extra=(), env=None):
-    command = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "0", "--nproc-per-node", "2",
+def _job(save: str, extra=(), env=None, max_restarts: int = 0):
+    command = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", str(max_restarts), "--nproc-per-node",
+               "2",
                "--master-addr", "127.0.0.1", "--master-port", str(_port()), "-m", "domino", "pretrain",
                "--preset", "tiny", "--mock-data", "--vocab-size", "256", "--num-workers", "0", "--seed", "7",
                "--log-interval", "1", "--tensor-model-parallel-size", "2", "--train-iters", "8",
@@ -57,7 +59,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=3)
     trials = parser.parse_args().trials
-    out = {"inprocess_s": [], "new_job_s": []}
+    out = {"inprocess_s": [], "worker_restart_s": [], "new_job_s": []}
     with tempfile.TemporaryDirectory() as root:
         for _ in range(trials):
             save = os.path.join(root, "inprocess")
@@ -66,6 +68,13 @@ def main() -> None:
             events = read_events(save)
             before = _iteration_4(events)
             out["inprocess_s"].append(round(_first_step_after(events, before) - before, 2))
+            shutil.rmtree(save)
+            save = os.path.join(root, "worker_restart")
+            proc, _, _ = _job(save, env=FAULT, max_restarts=1)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            events = read_events(save)
+            before = _iteration_4(events)
+            out["worker_restart_s"].append(round(_first_step_after(events, before) - before, 2))
             shutil.rmtree(save)
             save = os.path.join(root, "new_job")
             proc, _, failed_exit = _job(save, env=FAULT)

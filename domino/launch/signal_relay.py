@@ -50,6 +50,34 @@ def is_torchrun(command: List[str]) -> bool:
         "-m", "torch.distributed.run"])
 
 
+#: torchrun's options that take no value (torch 2.13 ``distributed/run.py``, ``get_args_parser``).
+_TORCHRUN_FLAGS = {"-m", "--module", "--no-python", "--no_python", "--standalone", "--run-path", "--run_path",
+                   "--virtual-local-rank", "--virtual_local_rank"}
+
+
+def torchrun_max_restarts(command: List[str]) -> int:
+    """torchrun's ``--max-restarts`` (``--max_restarts``) in ``command``: 0 when absent or not torchrun."""
+    if not is_torchrun(command):
+        return 0
+    i = 1 if os.path.basename(command[0]) == "torchrun" else 3
+    while i < len(command) and command[i].startswith("-"):  # torchrun's options, up to the program
+        name, equals, value = command[i].partition("=")
+        if name in ("--max-restarts", "--max_restarts"):
+            value = value if equals else (command[i + 1] if i + 1 < len(command) else "")
+            return int(value) if value.isdigit() else 0
+        i += 1 if equals or name in _TORCHRUN_FLAGS else 2
+    return 0
+
+
+def command_environment(command: List[str], env: dict) -> dict:
+    """``env`` for ``command``: a torchrun that restarts its workers (``--max-restarts N``, N > 0) gets
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless set, without which its restarted workers cannot form their
+    groups again (torch 2.13; :func:`domino.runtime.state.check_worker_restarts` has the sources)."""
+    if torchrun_max_restarts(command) > 0:
+        return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **env}
+    return env
+
+
 class Relay:
     """One command run under the relay: its process, and the signals relayed to it."""
 
@@ -105,7 +133,7 @@ def run(command: List[str], grace_period_s: Optional[int] = None) -> int:
     env = dict(os.environ)
     if grace_period_s is not None:
         env[GRACE_PERIOD_ENV] = str(grace_period_s)
-    relay = Relay(command, env)
+    relay = Relay(command, command_environment(command, env))
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, relay.on_signal)
     while True:

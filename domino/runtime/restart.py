@@ -46,7 +46,7 @@ def rendezvous_store() -> dist.Store:
 
 
 def _prefix(generation: int) -> str:
-    # A torchrun restart starts a new store, but a prefix costs nothing and makes the keys readable.
+    # torchrun's restarted rounds may share one store (domino.runtime.state.restarted_round_store): keep them apart.
     return f"domino/inprocess/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{generation}"
 
 

@@ -56,6 +56,54 @@ def _check_nccl_error_handling(environ) -> None:
                        "(1 or 3 make --distributed-timeout-minutes stop it)", value)
 
 
+#: torchrun's switch that makes each rendezvous round's rank 0 host a new TCPStore instead of the agent's shared one.
+UNSHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def _int(environ, name: str) -> int:
+    try:
+        return int(environ.get(name, "0"))
+    except ValueError:
+        return 0
+
+
+def restarted_round_store(environ, timeout: datetime.timedelta) -> Optional[dist.Store]:
+    """The store of a round that torchrun restarted on its agent's shared store: the same server, under a prefix of
+    the round; None in a first round or where each round has a store of its own.
+
+    torchrun (torch 2.13) hands its workers a TCPStore that its agent keeps for the whole job
+    (``TORCHELASTIC_USE_AGENT_STORE=True``: always with ``--master-addr/--master-port``, ``static_tcp_rendezvous.py``;
+    by default with ``--standalone`` or ``--rdzv-backend c10d``, ``dynamic_rendezvous.py`` creating the shared server
+    once per agent in ``_bootstrap_store_info``), and ``init_process_group`` writes the same key names in every
+    round (``distributed_c10d.py``: ``PrefixStore("default_pg", store)``). After ``--max-restarts`` restarts the
+    workers, a new rank reads its peers' addresses of the round before: gloo's connect is refused or waits
+    forever, NCCL takes the old unique id (pytorch issues #135712 and #167288). ``TORCHELASTIC_RESTART_COUNT``
+    names the round; every worker of one torchrun agent has the same count (``local_elastic_agent.py``).
+    """
+    restart = _int(environ, "TORCHELASTIC_RESTART_COUNT")
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart <= 0:
+        return None
+    client = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"domino/torchrun-round-{restart}", client)
+
+
+def check_worker_restarts(environ) -> Optional[str]:
+    """The line that says, before any work, that torchrun's worker restarts may not form the groups again; or None.
+
+    Across nodes the restart counts of :func:`restarted_round_store` need not agree: an agent that restarts its
+    workers because another node's failed does not count it (torch 2.13 ``elastic/agent/server/api.py``,
+    ``_invoke_run``). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment gives each round of a c10d
+    rendezvous a store of its own, hosted by its rank 0 (``dynamic_rendezvous.py``); the static rendezvous of
+    ``--master-addr`` restarts only the failed node's workers, which a multi-node job cannot survive either way.
+    """
+    max_restarts, nodes = _int(environ, "TORCHELASTIC_MAX_RESTARTS"), _int(environ, "GROUP_WORLD_SIZE")
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or max_restarts <= 0 or nodes <= 1:
+        return None
+    return (f"torchrun --max-restarts {max_restarts} on {nodes} nodes shares its agent's TCPStore with the ranks: "
+            f"a worker restart may read another round's rendezvous keys and never connect (pytorch #135712, "
+            f"#167288); with --rdzv-backend c10d set {UNSHARED_STORE_ENV}=1 in torchrun's environment")
+
+
 def initialize_distributed(backend: Optional[str] = None, timeout_minutes: int = 30,
                            store: Optional[dist.Store] = None) -> None:
     """Initialises ``torch.distributed`` from the torchrun environment (or as a lone process).
@@ -79,7 +127,11 @@ def initialize_distributed(backend: Optional[str] = None, timeout_minutes: int =
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         _check_nccl_error_handling(os.environ)
+    restarts_line = check_worker_restarts(os.environ)
+    if restarts_line and os.environ["RANK"] == "0":
+        logger.warning("%s", restarts_line)
     timeout = datetime.timedelta(minutes=timeout_minutes)
+    store = store or restarted_round_store(os.environ, timeout)
     if store is None:
         dist.init_process_group(backend=backend, timeout=timeout)
     else:

@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 
 import pytest
 
 from domino.goodput.accounting import account, format_report
 from domino.goodput.ledger import read_events
+from domino.launch.signal_relay import command_environment, torchrun_max_restarts
+from domino.runtime.state import UNSHARED_STORE_ENV, check_worker_restarts
 from train_helpers import child_env, pretrain_command, train_losses
 
 FAULT = {"DOMINO_FAULT_INJECT": "raise-in-step@5:1"}
 
 
-def _torchrun(tmp_path, name, extra=(), env=None, timeout=240, tp=2) -> subprocess.CompletedProcess:
+def _torchrun(tmp_path, name, extra=(), env=None, timeout=240, tp=2, max_restarts=0) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node 2 --max-restarts 0 -m domino pretrain` at TP ``tp`` (else DP 2), 8 iterations,
     saves every 2."""
     save = tmp_path / name
@@ -27,7 +30,7 @@ def _torchrun(tmp_path, name, extra=(), env=None, timeout=240, tp=2) -> subproce
             "--eval-iters", "0", "--eval-interval", "0", "--distributed-timeout-minutes", "1", *extra]
     command = pretrain_command(args, nproc=2)
     at = command.index("torch.distributed.run") + 1
-    command[at:at] = ["--max-restarts", "0"]
+    command[at:at] = ["--max-restarts", str(max_restarts)]
     return subprocess.run(command, env=child_env(env), capture_output=True, text=True, timeout=timeout)
 
 
@@ -68,6 +71,41 @@ def test_a_step_that_raises_on_one_rank_is_survived_by_the_same_processes(tmp_pa
     report = account(events)
     assert [a.inprocess_restart for a in report.attempts] == [0, 1]
     assert "in-process restarts (--inprocess-restart): 1, recovering in" in format_report(report)
+
+
+def test_a_torchrun_worker_restart_forms_the_groups_again_on_the_agents_shared_store(tmp_path):
+    """Without --inprocess-restart, under `torchrun --max-restarts 1 --master-addr ... --master-port ...` (its
+    static rendezvous: one TCPStore, the agent's, for every round): torchrun restarts both workers, which resume
+    from iteration 4. Before the round's prefix (domino.runtime.state.restarted_round_store) the restarted ranks
+    read the first round's keys and waited in init_process_group until the test's timeout."""
+    proc = _torchrun(tmp_path, "faulted", env=FAULT, max_restarts=1, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "fault injection: rank 1" in proc.stderr and "in-process restart" not in proc.stderr
+    assert "resumed from" in proc.stderr and "iter_0000004" in proc.stderr
+    assert "shares its agent's TCPStore" not in proc.stderr  # one node: no line
+    assert sorted(train_losses(tmp_path / "faulted.jsonl")) == list(range(1, 9))
+    starts = [e for e in read_events(str(tmp_path / "faulted")) if e["event"] == "start"]
+    assert len(starts) == 2 and starts[0]["pid"] != starts[1]["pid"]  # new worker processes
+
+
+def test_the_shared_store_under_worker_restarts_is_named_before_any_work():
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3", "GROUP_WORLD_SIZE": "2"}
+    line = check_worker_restarts(shared)
+    assert line.startswith("torchrun --max-restarts 3 on 2 nodes shares its agent's TCPStore") and \
+        UNSHARED_STORE_ENV in line
+    assert check_worker_restarts({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
+    assert check_worker_restarts({**shared, "GROUP_WORLD_SIZE": "1"}) is None  # one agent: the rounds agree
+    assert check_worker_restarts({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None  # switch set
+    assert check_worker_restarts({}) is None
+    # The relay sets the switch for a torchrun that restarts workers, and keeps a user's own value.
+    assert torchrun_max_restarts(["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts=2", "t.py"]) == 2
+    assert torchrun_max_restarts([sys.executable, "-m", "torch.distributed.run", "-m", "--max_restarts", "1",
+                                  "domino"]) == 1
+    assert torchrun_max_restarts(["torchrun", "--nnodes", "2", "train.py", "--max-restarts", "5"]) == 0  # the script's
+    assert torchrun_max_restarts(["python", "train.py", "--max-restarts", "5"]) == 0
+    assert command_environment(["torchrun", "t.py"], {}) == {}
+    assert command_environment(["torchrun", "--max-restarts", "1", "t.py"],
+                               {UNSHARED_STORE_ENV: "0"}) == {UNSHARED_STORE_ENV: "0"}
 
 
 def test_without_the_flag_the_same_fault_ends_the_job(tmp_path):
