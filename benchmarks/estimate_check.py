@@ -12,7 +12,10 @@ A second table does the same for each activation-recompute setting of one config
 keeps less, and the peak moves into backward, where one recomputed group is alive at a time. A third measures
 that config per TP rank at TP=2 (two gloo processes): plain TP, Domino, sequence parallelism, recompute. A fourth
 measures the peak of each stage of 1F1B at PP=2 (the same two processes, ``StageSchedule``, no dropout) against
-the estimate's per-stage totals.
+the estimate's per-stage totals. A fifth measures context parallelism at CP 2 and CP 4 (as many gloo processes,
+each training on its ``seq / CP`` tokens): the ring (p2p) and the all-to-all (a2a), with and without attention
+dropout, MHA and GQA, where the peak holds one layer's attention at work (its key/value and gradient buffers,
+one block's scores, the exchange buffers: ``attention_transient_bytes``).
 
 Memory is deterministic, so one run suffices. Usage::
 
@@ -136,6 +139,51 @@ def two_process_rows() -> tuple:
     return ranks[0][0], pipeline_rows([stages for _, stages in ranks])
 
 
+#: The context-parallel runs: a 2-layer model at 1024 tokens, micro-batch 2, no hidden dropout;
+#: (CP size, comm type, attention dropout, key/value heads of 4).
+CP_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=1024, vocab_size=512,
+                make_vocab_size_divisible_by=1, hidden_dropout=0.0)
+CP_RUNS = [(cp, comm, drop, groups) for cp in (2, 4) for comm, drop, groups in (
+    ("p2p", 0.0, 4), ("a2a", 0.0, 4), ("p2p", 0.1, 4), ("a2a", 0.1, 4), ("p2p", 0.0, 2))]
+
+
+def _cp_worker(rank, port, out_dir, cp):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cp))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=cp)
+    mesh = state.initialize_model_parallel(1, context_parallel_size=cp)
+    rows = []
+    for size, comm, drop, groups in CP_RUNS:
+        if size != cp:
+            continue
+        model = ModelConfig(**CP_MODEL, attention_dropout=drop, group_query_attention=groups < 4,
+                            num_query_groups=groups)
+        forward, peak = measure_training_memory(model, model.vocab_size, 2, mesh=mesh, cp_comm_type=comm)
+        config = DominoConfig()
+        config.model, config.parallel.cp_comm_type = model, comm
+        est = estimate_layout(config, Layout(micro_batch_size=2, zero_stage=0, context_parallel_size=cp),
+                              device="cpu")
+        rows.append({"config": f"CP{cp} {comm}, attention dropout {drop}, {groups} KV heads",
+                     "forward_mib": forward / 2**20, "peak_mib": peak / 2**20, "peak_est_mib": est.total / 2**20,
+                     "attention_est_mib": est.attention / 2**20, "peak_error": est.total / peak - 1})
+    if rank == 0:
+        torch.save(rows, os.path.join(out_dir, f"cp{cp}.pt"))
+    dist.destroy_process_group()
+
+
+def context_parallel_rows() -> list:
+    """The CP runs, measured on rank 0 of CP gloo processes."""
+    rows = []
+    for cp in (2, 4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with tempfile.TemporaryDirectory() as out_dir:
+            mp.start_processes(_cp_worker, args=(port, out_dir, cp), nprocs=cp, join=True, start_method="spawn")
+            rows += torch.load(os.path.join(out_dir, f"cp{cp}.pt"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
@@ -144,8 +192,10 @@ def main() -> None:
     rows = [check(*c) for c in CONFIGS]
     recompute = [dict(check(*RECOMPUTE_CONFIG, plan=plan), config=name) for name, plan in RECOMPUTE.items()]
     tp2, pp2 = two_process_rows()
+    cp = context_parallel_rows()
     if args.json:
-        print(json.dumps({"configs": rows, "recompute": recompute, "tp2_rank0": tp2, "pp2_stages": pp2}, indent=2))
+        print(json.dumps({"configs": rows, "recompute": recompute, "tp2_rank0": tp2, "pp2_stages": pp2,
+                          "context_parallel_rank0": cp}, indent=2))
         return
     _table(rows)
     layers, hidden, heads, seq = RECOMPUTE_CONFIG[:4]
@@ -156,6 +206,9 @@ def main() -> None:
     _table(tp2, peak_only=True)
     print("\n1F1B at PP=2, each stage of 2 gloo processes, L4 h64 a4 s128 V512, no dropout (peak only):")
     _table(pp2, peak_only=True)
+    print("\ncontext parallelism, rank 0 of CP gloo processes, L2 h64 a4 s1024 b2 V512, no hidden dropout (peak "
+          "only; kept after forward in the fwd column):")
+    _table(cp, peak_only=True)
 
 
 def _table(rows, peak_only: bool = False) -> None:

@@ -35,16 +35,19 @@ ENGINE_ALLREDUCE_ELEMENTS = 5e8
 VALIDATION: Dict[str, str] = {
     "validated": "on CPU, fp32, TP 1 and 2, ZeRO 0/1 at one replica: weights, gradients, optimizer state, "
                  "activations (every recompute setting, sequence parallelism), logits and buffers, against live "
-                 "tensor bytes within 6% (TP 1) and 10% (TP 2), and each stage of 1F1B at PP 2 within 5% "
+                 "tensor bytes within 6% (TP 1) and 10% (TP 2), each stage of 1F1B at PP 2 within 5%, and "
+                 "context parallelism at CP 2 and 4 (the ring and the all-to-all, MHA and GQA, with and without "
+                 "attention dropout) with one layer's attention at work (the ring's key/value and gradient "
+                 "buffers, one block's scores, the all-to-all's exchange buffers) within 6% "
                  "(benchmarks/estimate_check.py, RESULTS.md)",
     "not_validated": "anything on a GPU (no GPU has run it yet): 1-byte dropout masks, fused attention's saved "
                      "tensors, bf16/fp16 tensors, DeepSpeed's buffers (counted from deepspeed 0.19.8's source), "
                      "the CUDA caching allocator's reserve beyond the usable fraction, the step time (an "
                      "assumed MFU; its communication on a link model checked only against the emulated-link "
                      "benchmark on CPU, Domino's hidden share carried from it), the interleaved schedule's stages (their micro-batches in flight checked "
-                     "against torch's schedule tables only), and context parallelism (each rank's activations "
-                     "counted as its seq / CP tokens'; the ring's key/value buffers, one block's transient "
-                     "scores and the all-to-all's exchange buffers not counted)",
+                     "against torch's schedule tables only), and context parallelism on a GPU (its ring blocks' "
+                     "textbook-softmax scores counted from the code, measured only on CPU with attention "
+                     "dropout; fused kernels' own workspaces not counted)",
 }
 
 

@@ -16,7 +16,8 @@ allocations) are in :mod:`domino.config.memory_formulas`, the pipeline schedule'
   recomputed block: ``(c - 1) stored + peak`` of one chunk. The embedding's mask counts on the first stage for
   each micro-batch in flight, the final norm and the logits on the last stage for one (its forward is followed by
   that micro-batch's backward).
-* **the peak**: weights, optimizer state, logits, buffers and DeepSpeed's buffers, plus the largest of (the
+* **the peak**: weights, optimizer state, buffers, DeepSpeed's buffers and the larger of the logits and one layer's
+  context-parallel attention at work (the two are never alive together), plus the largest of (the
   activations at their peak and the gradients backward makes first), (all gradients and the activations alive
   at the stage's second backward, :func:`~domino.config.pipeline_schedule.chunks_beside_gradients`: gradients
   accumulate over a step's micro-batches, so every backward but the first runs beside them; with one micro-batch
@@ -40,18 +41,18 @@ from domino.config import pipeline_schedule as schedule
 from domino.config.deepspeed_memory import VALIDATION, deepspeed_buffer_bytes
 from domino.config.layout import virtual_stages, zero_reduces_in_backward
 from domino.config.memory_formulas import (
-    DEVICES, RECOMPUTE_CHOICES, Layout, ModelShape, context_parallel_bytes_per_layer, embedding_activation_bytes,
-    final_norm_activation_bytes, layer_activation_bytes, logits_bytes, model_flops_per_token, parameter_counts,
-    rng_record_bytes,
+    DEVICES, RECOMPUTE_CHOICES, Layout, ModelShape, attention_transient_bytes, context_parallel_bytes_per_layer,
+    embedding_activation_bytes, final_norm_activation_bytes, layer_activation_bytes, logits_bytes,
+    model_flops_per_token, parameter_counts, rng_record_bytes,
 )
-from domino.config.schema import DominoConfig, ModelConfig
+from domino.config.schema import DominoConfig
+from domino.config.estimate_text import GB, describe, describe_pipeline
 from domino.config.step_time import LinkModel, StepTime, step_time, step_traffic
 from domino.config.validate import ConfigError, padded_vocab_size, resolve_domino_chunks, validate, zero_stage_for
 
 __all__ = ["DEVICES", "Estimate", "Layout", "USABLE_FRACTION", "candidate_layouts", "describe", "describe_pipeline",
            "estimate_layout", "fitting_layouts", "layout_of"]
 
-GB = 2**30
 #: Vocabulary assumed when neither --vocab-size nor a tokenizer says (the GPT-2 BPE, domino's default tokenizer).
 DEFAULT_VOCAB = 50257
 #: Share of a GPU's memory a layout may plan for: the rest is the CUDA context, NCCL and allocator fragmentation.
@@ -75,6 +76,10 @@ class Estimate:
     buffers: float
     flops_per_token: float
     deepspeed: float = 0.0
+    attention: float = 0.0
+    """One layer's context-parallel attention at work beyond what it saves (the ring's key/value and gradient
+    buffers, one block's scores, the all-to-all's exchange buffers:
+    :func:`~domino.config.memory_formulas.attention_transient_bytes`); 0 at CP 1."""
     timing: Optional[StepTime] = None
     """Compute, bubble and communication of a step (None without a peak TFLOP/s): :mod:`domino.config.step_time`."""
     gpu_memory_gb: Optional[float] = None
@@ -106,7 +111,9 @@ class Estimate:
         """The peak, bytes (see the module doc)."""
         overlapping = max(self.activations + self.first_gradients,
                           self.activations_beside_gradients + self.gradients, self.gradients + self.step_gradient_copy)
-        return self.weights + self.optimizer + self.logits + self.buffers + self.deepspeed + overlapping
+        # Attention runs before the loss makes the logits (forward) and after its backward freed them: the larger.
+        transient = max(self.logits, self.attention)
+        return self.weights + self.optimizer + transient + self.buffers + self.deepspeed + overlapping
 
     @property
     def step_time_s(self) -> Optional[float]:
@@ -125,7 +132,8 @@ class Estimate:
 
     def memory_gb(self) -> Dict[str, float]:
         """The parts in GiB, rounded for printing."""
-        parts = ("weights", "gradients", "optimizer", "activations", "logits", "buffers", "deepspeed", "total")
+        parts = ("weights", "gradients", "optimizer", "activations", "attention", "logits", "buffers", "deepspeed",
+                 "total")
         return {p: round(getattr(self, p) / GB, 3) for p in parts}
 
     def to_json(self) -> Dict[str, object]:
@@ -140,11 +148,6 @@ class Estimate:
                              "num_microbatches": self.num_microbatches, "bubble_fraction": self.bubble_fraction,
                              "p2p_gb_per_step": round(self.p2p_bytes_per_step / GB, 4)},
                 "context_parallel_gb_per_step": round(self.cp_bytes_per_step / GB, 4)}
-
-
-def training_flops_per_token(model: ModelConfig, padded_vocab: int) -> float:
-    """FLOPs to train on one token without recompute: 3 x :func:`model_flops_per_token` (Megatron's count)."""
-    return 3 * model_flops_per_token(ModelShape.of(model, padded_vocab))
 
 
 def num_microbatches(config: DominoConfig, layout: Layout) -> int:
@@ -197,7 +200,7 @@ def _stage(config: DominoConfig, layout: Layout, shape: ModelShape, rank: int, m
     qkv_copies = layers * shape.h * shape.qkv_width / t * act
     p2p = pipeline_buffer_bytes(shape, layout, act, rank, microbatches) if p > 1 else 0.0
     chunk = dataclasses.replace(shape, L=layers // v)
-    stored, peak = layer_activation_bytes(chunk, layout, act, device)
+    stored, peak = layer_activation_bytes(chunk, layout, act, device, config.parallel.cp_comm_type)
     in_flight = schedule.in_flight_chunks(rank, p, microbatches, v)
     beside = schedule.chunks_beside_gradients(rank, p, microbatches, v)
     embedding = embedding_activation_bytes(shape, layout, act, device) if first else 0.0
@@ -212,6 +215,7 @@ def _stage(config: DominoConfig, layout: Layout, shape: ModelShape, rank: int, m
         dp if layout.zero_stage >= 1 else 1), deepspeed=sum(deepspeed.values()),
         activations=alive(in_flight), activations_beside_gradients=alive(beside) if beside else 0.0,
         logits=logits_bytes(shape, layout, act, device) if last else 0.0,
+        attention=attention_transient_bytes(shape, layout, config.parallel.cp_comm_type, act, device),
         buffers=buckets + qkv_copies + rng_record_bytes(layers, layout) + p2p,
         step_gradient_copy=params * grad_b if p > 1 and dp > 1 else 0.0,
         first_gradients=min(gradients, made_first))
@@ -370,27 +374,3 @@ def fitting_layouts(config: DominoConfig, gpus: int, gpu_memory_gb: float, **kwa
     estimates = [estimate_layout(config, lay, gpu_memory_gb=gpu_memory_gb, **kwargs)
                  for lay in candidate_layouts(config, gpus)]
     return sorted((e for e in estimates if e.fits), key=rank_key)
-
-
-def describe(estimate: Estimate) -> str:
-    """One line: the layout and its memory parts in GiB (with a pipeline: the fullest stage's, and the bubble)."""
-    lay, mem = estimate.layout, estimate.memory_gb()
-    recompute = lay.recompute if lay.recompute != "full" else \
-        f"full/{lay.recompute_method}/{lay.recompute_num_layers}"
-    parts = ", ".join(f"{k} {v:.2f}" for k, v in mem.items())
-    pp, v = lay.pipeline_model_parallel_size, lay.virtual_pipeline_model_parallel_size
-    pipeline = "" if pp == 1 else f" x PP {pp}" + (f" (interleaved, {v} chunks per stage)" if v > 1 else "")
-    pipeline += f" x CP {lay.context_parallel_size}" if lay.context_parallel_size > 1 else ""
-    where = "" if pp == 1 else (f" on stage {estimate.stage} of {pp}, {estimate.num_microbatches} micro-batches, "
-                                f"bubble {100 * estimate.bubble_fraction:.1f}%")
-    return (f"TP {lay.tensor_model_parallel_size}{pipeline} x DP {lay.data_parallel_size}, ZeRO {lay.zero_stage}, "
-            f"micro-batch {lay.micro_batch_size}, recompute {recompute}, SP {'on' if lay.sequence_parallel else 'off'}"
-            f": {parts} GiB per GPU{where}")
-
-
-def describe_pipeline(estimate: Estimate) -> str:
-    """One line: each stage's total and the bytes the busiest stage sends its neighbours per step."""
-    stages = ", ".join(f"{total / GB:.2f}" for total in estimate.stage_totals)
-    return (f"total per stage {stages} GiB (first to last); {estimate.p2p_bytes_per_step / GB:.3f} GiB sent to "
-            f"neighbouring stages per step by the busiest stage; bubble {100 * estimate.bubble_fraction:.1f}% of "
-            f"the step at {estimate.num_microbatches} micro-batches")

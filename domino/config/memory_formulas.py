@@ -135,7 +135,7 @@ def parameter_counts(shape: ModelShape, tp: int) -> Dict[str, float]:
 
 
 def layer_activation_bytes(shape: ModelShape, layout: Layout, act_bytes: int,
-                           device: str = "gpu") -> Tuple[float, float]:
+                           device: str = "gpu", cp_comm_type: str = "p2p") -> Tuple[float, float]:
     """``(stored, peak)``: bytes one micro-batch's pass through ``shape.L`` layers of one TP rank keeps for backward
     (``stored``), and the most alive during its backward, with a recomputed block back on top (``peak``); see the
     module doc.
@@ -143,7 +143,10 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, act_bytes: int,
     ``device`` decides two kernel choices of torch: on GPUs dropout keeps a 1-byte mask and SDPA runs a fused
     kernel; on CPUs dropout keeps a noise tensor of the activation's dtype (``is_fused_kernel_acceptable`` in
     pytorch's aten/src/ATen/native/Dropout.cpp is true only for CUDA/XPU/lazy/privateuse1 tensors) and SDPA falls
-    back to the math path when attention dropout is on.
+    back to the math path when attention dropout is on. Under context parallelism (``layout.context_parallel_size``
+    > 1, ``shape.s`` this rank's tokens) the ring (``p2p``) keeps its merged output and log-sum-exp whatever its
+    blocks' kernel (its math blocks are recomputed in backward), and the all-to-all (``a2a``) runs SDPA over the
+    whole sequence for ``1 / CP`` of the heads: CP times the scores of the math path.
     """
     s, b, h, t = shape.s, layout.micro_batch_size, shape.h, layout.tensor_model_parallel_size
     sp = t if layout.sequence_parallel else 1
@@ -155,8 +158,10 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, act_bytes: int,
     stream = (4 * act_bytes + 2 * mask) * sbh / sp
     # Attention (split by TP): q/k/v, the projection's input; the core's own saved tensors.
     attention = (shape.qkv_width / h + 1) * act_bytes * sbh / t
-    if device == "cpu" and shape.attention_dropout > 0:  # math path: Korthikanti's softmax, mask, dropout output
-        core = (2 * act_bytes + mask_bytes) * shape.a * s * s * b / t
+    cp = layout.context_parallel_size
+    math_path = device == "cpu" and shape.attention_dropout > 0 and (cp == 1 or cp_comm_type == "a2a")
+    if math_path:  # Korthikanti's softmax, mask, dropout output (a2a: the whole sequence's, 1 / CP of the heads)
+        core = (2 * act_bytes + mask_bytes) * shape.a * s * s * b * cp / t
     else:  # fused SDPA: the output and a fp32 logsumexp per row
         core = act_bytes * sbh / t + 4 * shape.a * s * b / t
     mlp = (shape.fc1_width + shape.f) * s * b * act_bytes / t
@@ -255,6 +260,57 @@ def context_parallel_bytes_per_layer(local: ModelShape, layout: Layout, comm_typ
         exchanged = (n - 1) / n * tokens * 2 * local.h * (1 + local.kv_fraction) / t * act_bytes
         return (forward_passes + 1) * exchanged
     return (forward_passes + 1) * (n - 1) * kv * act_bytes + n * kv * 4
+
+
+#: Whether the ring's blocks run the fused kernel that returns the log-sum-exp, by device (without attention
+#: dropout; with it they run the textbook softmax): ``ring_blocks_fused`` of ``domino.parallel.kernels``' CPU and
+#: CUDA tables (a test keeps them equal).
+RING_BLOCKS_FUSED = {"cpu": True, "gpu": False}
+
+
+def attention_transient_bytes(local: ModelShape, layout: Layout, comm_type: str, act_bytes: int,
+                              device: str = "gpu") -> float:
+    """The most bytes one layer's context-parallel attention holds beyond what it saves for backward, per TP rank
+    (``local``: the shape at this rank's ``s / CP`` tokens; 0 at CP 1), forward or backward whichever is more; one
+    Domino chunk's (``b / chunks`` samples) at a time. Counted from the code, checked against live tensor bytes
+    (``benchmarks/estimate_check.py``). With ``H`` query and ``G`` key/value heads per TP rank, head size ``d``:
+
+    * ``p2p`` (:mod:`domino.parallel.ring_attention`): the key/value block held and the one arriving (``2`` blocks
+      of ``2 b G s d``); forward the fp32 running output and the block's output, backward the fp32 query gradient,
+      the fp32 key/value gradient in flight and the one arriving, and the block's ``dq, dk, dv``; with GQA the
+      block's keys and values expanded to ``H`` heads. A block of the textbook softmax (on GPUs, and on CPUs with
+      attention dropout: :data:`RING_BLOCKS_FUSED`) holds ``3`` (forward) or ``5`` (backward) fp32 copies of its
+      ``b H s s`` scores at once, ``1.25`` more with dropout (the kept mask and the dropped probabilities).
+    * ``a2a`` (:mod:`domino.parallel.all_to_all_attention`): the exchange's send and receive buffers of queries,
+      keys and values (forward and, with their gradients, backward) and of the output (forward); the textbook
+      softmax of CPUs with dropout adds one fp32 copy of its whole-sequence scores in backward.
+    """
+    n, t = layout.context_parallel_size, layout.tensor_model_parallel_size
+    if n == 1:
+        return 0.0
+    b = layout.micro_batch_size / max(1, layout.domino_chunks)
+    heads = local.a / t
+    d, s = local.h / local.a, local.s
+    query = b * heads * s * d  # values of this rank's queries (and of its output)
+    kv = 2 * query * local.kv_fraction  # values of one key/value block
+    gqa = local.kv_fraction < 1
+    dropout = local.attention_dropout > 0
+    if comm_type == "a2a":
+        exchange = 2 * (query + kv) * act_bytes  # send and receive buffers of q, k and v
+        scores = 4 * b * heads / n * (n * s) ** 2 if device == "cpu" and dropout else 0.0
+        return max(exchange + 2 * query * act_bytes, exchange + scores)
+    blocks = 2 * kv * act_bytes
+    forward = blocks + query * (4 + act_bytes)
+    backward = blocks + 4 * query + 2 * 4 * kv + 3 * query * act_bytes
+    if gqa:  # the block's keys and values repeated to every query head (and their gradients summed back)
+        forward += 2 * query * act_bytes
+        backward += 2 * query * act_bytes + 4 * kv
+    if dropout or not RING_BLOCKS_FUSED[device]:
+        scores = 4 * b * heads * s * s
+        extra = 1.25 * scores if dropout else 0.0
+        forward = blocks + 4 * query + 3 * scores + extra
+        backward = blocks + 4 * query + 2 * 4 * kv + 5 * scores + extra
+    return max(forward, backward)
 
 
 def model_flops_per_token(shape: ModelShape) -> float:

@@ -11,13 +11,19 @@ a smaller quota grants is therefore submitted again, with the same checkpoint di
 ``--parallel-layout derive`` then chooses the layout for those pods, so the same command works on any grant.
 
 The rule: the tensor-parallel size stays within one pod (its all-reduces run in every layer's forward and
-backward, over NVLink inside a node; only the data-parallel gradient reduction crosses pods) and is the
+backward, over NVLink inside a node; the data-parallel gradient reduction, and CP's, cross pods) and is the
 smallest that the model admits (heads, query groups, MLP width, the global batch over the data-parallel
 replicas: :func:`domino.config.validate.validate`) and, given ``gpu_memory_gb``, whose memory estimate fits
 (:mod:`domino.config.estimate` ranks by step time, where a smaller TP exposes fewer all-reduces). A
 ``--tensor-model-parallel-size`` in the pretrain arguments is the largest allowed. GPU pods need
 ``gpu_memory_gb``: without it nothing says that a small TP fits. A ``--pipeline-model-parallel-size`` is kept as
 given; DP takes the rest.
+
+Context parallelism (CP) is the pretrain arguments' ``--context-parallel-size`` (default 1) unless no TP fits
+there and, for some TP, what the sequence length does not change (weights, gradients, optimizer state, buffers)
+would: then the sequence's memory (activations, logits, attention buffers) is what does not fit, and CP doubles,
+TP tried smallest first again at each size, until a layout fits or the sequence is no longer what is to blame
+(CP is not kept within one pod: its exchange runs once per layer, where TP's all-reduces run per GEMM pair).
 """
 
 from __future__ import annotations
@@ -26,12 +32,13 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from domino.config import ConfigError, config_from_args
-from domino.config.estimate import USABLE_FRACTION, estimate_layout, layout_of
+from domino.config.estimate import USABLE_FRACTION, Estimate, estimate_layout, layout_of
 from domino.config.layout import data_parallel_size
 from domino.launch.pretrain_flags import flag_value, parse_pretrain_args
 from domino.launch.spec import JobSpec, LaunchSpecError
 
 TP_FLAG = "--tensor-model-parallel-size"
+CP_FLAG = "--context-parallel-size"
 
 
 @dataclass(frozen=True)
@@ -41,12 +48,14 @@ class DerivedLayout:
     Attributes:
         tensor_model_parallel_size: TP, a divisor of the processes of one pod.
         data_parallel_size: DP, the job's processes over TP (x PP, the pretrain arguments' own).
-        why: One line: the pods, the choice, and why smaller TP sizes were passed over.
+        why: One line: the pods, the choice, and why smaller TP (and CP) sizes were passed over.
+        context_parallel_size: CP: the pretrain arguments' own (default 1), or larger where only that fits.
     """
 
     tensor_model_parallel_size: int
     data_parallel_size: int
     why: str
+    context_parallel_size: int = 1
 
 
 def processes_per_pod(spec: JobSpec) -> Optional[int]:
@@ -76,34 +85,61 @@ def derive_layout(spec: JobSpec) -> DerivedLayout:
     world = spec.nodes * per_pod
     given = flag_value(list(spec.pretrain_args), TP_FLAG)
     largest = int(given) if given is not None and given.isdigit() else per_pod
+    given_cp = flag_value(list(spec.pretrain_args), CP_FLAG)
+    smallest_cp = int(given_cp) if given_cp is not None and given_cp.isdigit() else 1
     pods = f"{spec.nodes} pod(s) x {per_pod} process(es)"
     passed_over: List[str] = []
-    for tp in (t for t in range(1, per_pod + 1) if per_pod % t == 0 and t <= largest):
-        args = parse_pretrain_args([*spec.pretrain_args, TP_FLAG, str(tp)])
-        try:
-            config = config_from_args(args, world_size=world, for_training=True)
-        except ConfigError as error:
-            passed_over.append(f"TP {tp}: {error}")
-            continue
-        if spec.gpu_memory_gb is not None:
-            estimate = estimate_layout(config, layout_of(config, world), gpu_memory_gb=spec.gpu_memory_gb)
-            if not estimate.fits:
-                passed_over.append(f"TP {tp}: the estimate is {estimate.total / 2**30:.1f} GiB per GPU, over "
-                                   f"{USABLE_FRACTION:.0%} of {spec.gpu_memory_gb:g} GiB (domino estimate)")
+    sizes = [t for t in range(1, per_pod + 1) if per_pod % t == 0 and t <= largest]
+    cp, sequence_to_blame = smallest_cp, True
+    while sequence_to_blame and cp <= world:  # larger CP only while the sequence's memory is what does not fit
+        sequence_to_blame = False
+        for tp in sizes:
+            if cp != smallest_cp and world % (tp * cp):  # no such layout: not worth a line of the refusal
                 continue
-        pp, dp = config.parallel.pipeline_model_parallel_size, data_parallel_size(config, world)
-        cp = config.parallel.context_parallel_size
-        why = f"{pods}: TP {tp}{f' x PP {pp}' if pp > 1 else ''}{f' x CP {cp}' if cp > 1 else ''} x DP {dp}" + (
-            f" ({'; '.join(passed_over)})" if passed_over else "")
-        return DerivedLayout(tp, dp, why)
+            name = f"TP {tp}" + (f" x CP {cp}" if cp != smallest_cp else "")
+            args = parse_pretrain_args([*spec.pretrain_args, TP_FLAG, str(tp), CP_FLAG, str(cp)])
+            try:
+                config = config_from_args(args, world_size=world, for_training=True)
+            except ConfigError as error:
+                passed_over.append(f"{name}: {error}")
+                continue
+            if spec.gpu_memory_gb is not None:
+                estimate = estimate_layout(config, layout_of(config, world), gpu_memory_gb=spec.gpu_memory_gb)
+                if not estimate.fits:
+                    passed_over.append(f"{name}: the estimate is {estimate.total / 2**30:.1f} GiB per GPU, over "
+                                       f"{USABLE_FRACTION:.0%} of {spec.gpu_memory_gb:g} GiB (domino estimate)")
+                    sequence_to_blame |= _fits_without_the_sequence(estimate)
+                    continue
+            pp, dp = config.parallel.pipeline_model_parallel_size, data_parallel_size(config, world)
+            why = f"{pods}: TP {tp}{f' x PP {pp}' if pp > 1 else ''}{f' x CP {cp}' if cp > 1 else ''} x DP {dp}" + (
+                f" ({'; '.join(passed_over)})" if passed_over else "")
+            return DerivedLayout(tp, dp, why, cp)
+        cp *= 2
     if not passed_over:
         passed_over.append(f"{TP_FLAG} {largest} allows none of the sizes that divide {per_pod}")
     raise LaunchSpecError(f"--parallel-layout derive: {pods} cannot hold this run: " + "; ".join(passed_over))
 
 
+def _fits_without_the_sequence(estimate: Estimate) -> bool:
+    """Whether what the sequence length does not change (weights, gradients, optimizer state, buffers) fits:
+    then the activations, logits and attention buffers are what does not, and a larger CP divides them."""
+    fixed = (estimate.weights + estimate.gradients + estimate.optimizer + estimate.buffers + estimate.deepspeed
+             + estimate.step_gradient_copy)
+    return fixed <= USABLE_FRACTION * estimate.gpu_memory_gb * 2**30
+
+
 def layout_flags(spec: JobSpec) -> List[str]:
-    """The pretrain flags that set the derived layout (after the pretrain arguments; argparse keeps the last),
+    """The pretrain flags that set the derived layout (after the pretrain arguments: :func:`derived_flags`),
     none for ``--parallel-layout given``."""
     if spec.parallel_layout != "derive" or spec.command is not None:
         return []
-    return [TP_FLAG, str(derive_layout(spec).tensor_model_parallel_size)]
+    return derived_flags(derive_layout(spec), spec.pretrain_args)
+
+
+def derived_flags(derived: DerivedLayout, pretrain_args: List[str]) -> List[str]:
+    """The flags that set ``derived`` after ``pretrain_args``: the TP size, and the CP size where derive chose
+    another than theirs (argparse keeps the last of a repeated flag)."""
+    flags = [TP_FLAG, str(derived.tensor_model_parallel_size)]
+    if str(derived.context_parallel_size) != (flag_value(list(pretrain_args), CP_FLAG) or "1"):
+        flags += [CP_FLAG, str(derived.context_parallel_size)]
+    return flags

@@ -17,7 +17,7 @@ from typing import Optional
 
 from domino.config import ConfigError, DominoConfig, config_from_args
 from domino.config.estimate import USABLE_FRACTION, describe, estimate_layout, fitting_layouts, layout_of
-from domino.launch.parallel_layout import TP_FLAG, DerivedLayout, derive_layout
+from domino.launch.parallel_layout import DerivedLayout, derive_layout, derived_flags
 from domino.launch.pretrain_flags import parse_pretrain_args
 from domino.launch.render import container_command
 from domino.launch.spec import JobSpec, LaunchSpecError
@@ -51,9 +51,9 @@ def resolve_pretrain(spec: JobSpec) -> ResolvedPretrain:
     if spec.command is not None:
         return ResolvedPretrain(spec, None, None)
     derived = derive_layout(spec) if spec.parallel_layout == "derive" else None
-    if derived is not None:  # argparse keeps the last --tensor-model-parallel-size: the derived one
+    if derived is not None:  # argparse keeps the last --tensor-model-parallel-size: the derived one (and CP's)
         spec = dataclasses.replace(spec, parallel_layout="given", pretrain_args=[
-            *spec.pretrain_args, TP_FLAG, str(derived.tensor_model_parallel_size)])
+            *spec.pretrain_args, *derived_flags(derived, spec.pretrain_args)])
     command = container_command(spec, spec.name)
     args = parse_pretrain_args(command[command.index("pretrain") + 1:])
     try:

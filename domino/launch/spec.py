@@ -217,7 +217,8 @@ class JobSpec:
     """Who picks the layout: ``given`` (the pretrain arguments' ``--tensor-model-parallel-size``, DP the rest)
     or ``derive`` (the launcher picks the smallest tensor-parallel size within one pod that the model admits
     and, with ``gpu_memory_gb``, fits; DP across the pods; a given ``--tensor-model-parallel-size`` is the
-    largest allowed). The checkpoint is layout-free, so a run resubmitted on other pods with ``derive``
+    largest allowed; a larger ``--context-parallel-size`` where only the sequence's memory does not fit). The
+    checkpoint is layout-free, so a run resubmitted on other pods with ``derive``
     continues on the layout those pods hold (docs/cluster.md, "Preemption and another layout")."""
     run_as_user: int = 1000
     """Non-root UID of the training container (the image works under any UID, see the Dockerfile)."""

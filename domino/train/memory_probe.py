@@ -20,11 +20,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from domino.model import GPTModel
 from domino.model.recompute import apply_activation_recompute
 from domino.overlap.schedule import apply_domino
+from domino.parallel.context_split import split_batch
 from domino.overlap.sequence_parallel import apply_sequence_parallel
 from domino.pipeline.gradients import sync_tied_embeddings
 from domino.pipeline.schedule import StageSchedule
 from domino.pipeline.stages import split_model
 from domino.runtime.mesh import ParallelMesh
+from domino.train.parallelize import CONTEXT_PARALLEL_ATTENTION
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -68,12 +70,14 @@ class LiveTensorBytes(TorchDispatchMode):
 
 def measure_training_memory(model_config, vocab_size: int, batch: int, steps: int = 2, seed: int = 0,
                             recompute=None, domino_chunks: int = 1, sequence_parallel: bool = False,
-                            mesh: ParallelMesh = ParallelMesh.single()):
-    """Tensor memory of training a fresh ``GPTModel`` with AdamW (fp32) on this process (one rank of ``mesh.tp``),
-    measured with :class:`LiveTensorBytes`.
+                            mesh: ParallelMesh = ParallelMesh.single(), cp_comm_type: str = "p2p"):
+    """Tensor memory of training a fresh ``GPTModel`` with AdamW (fp32) on this process (one rank of ``mesh.tp``
+    and of ``mesh.cp``, which trains on its ``seq / CP`` tokens of every sample), measured with
+    :class:`LiveTensorBytes`.
 
-    ``recompute`` is a :class:`domino.model.recompute.RecomputePlan` (None: no recompute). The peak starts after
-    the model is built (initialisation draws each sharded weight in full before keeping its slice).
+    ``recompute`` is a :class:`domino.model.recompute.RecomputePlan` (None: no recompute); ``cp_comm_type`` picks
+    the context-parallel attention (p2p: the ring, a2a: the all-to-all). The peak starts after the model is built
+    (initialisation draws each sharded weight in full before keeping its slice).
 
     Returns:
         ``(forward, peak)`` in bytes: what the first forward added (activations, logits, saved copies), and the
@@ -81,8 +85,11 @@ def measure_training_memory(model_config, vocab_size: int, batch: int, steps: in
     """
     torch.manual_seed(seed)
     tokens, labels = (torch.randint(0, vocab_size, (batch, model_config.seq_length)) for _ in range(2))
+    local = split_batch(dict(tokens=tokens, labels=labels, position_ids=None), mesh.cp)
     with LiveTensorBytes() as mode:
-        model = GPTModel(model_config, vocab_size, tp=mesh.tp)
+        model = GPTModel(model_config, vocab_size, tp=mesh.tp, cp=mesh.cp)
+        for layer in model.layers:
+            layer.attention.context_parallel_attention = CONTEXT_PARALLEL_ATTENTION[cp_comm_type]
         if sequence_parallel:
             apply_sequence_parallel(model)
         model = apply_activation_recompute(apply_domino(model, domino_chunks), recompute)
@@ -91,7 +98,7 @@ def measure_training_memory(model_config, vocab_size: int, batch: int, steps: in
         forward = None
         for _ in range(steps):
             before = mode.live
-            loss = model(tokens, labels=labels)
+            loss = model(local["tokens"], local["position_ids"], labels=local["labels"])
             forward = forward if forward is not None else mode.live - before
             loss.mean().backward()
             del loss

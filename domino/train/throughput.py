@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from domino.config import ModelConfig, estimate
+from domino.config import ModelConfig, memory_formulas
 
 #: Dense bf16/fp16 peak TFLOP/s per device for GPUs we recognise by name (vendor data sheets, SXM parts).
 KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "V100": 125.0}
@@ -26,7 +26,7 @@ def training_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
     ``72 L h^2 (1 + s/6h + V/12Lh)`` per token divided by s. The count is ``domino estimate``'s, so it follows the
     architecture fields (SwiGLU's third matrix, grouped-query attention's smaller K and V).
     """
-    return estimate.training_flops_per_token(model, vocab_size)
+    return memory_formulas.training_flops_per_token(model, vocab_size)
 
 
 def detect_peak_tflops(fp8: bool = False) -> Optional[float]:

@@ -54,3 +54,52 @@ def test_the_bytes_each_exchange_sends_per_step():
                                    "--recompute-num-layers", "1"]), 8, 2)
     assert recomputed.cp_bytes_per_step == per_step * 14 * block  # the forward's block once more
     assert a2a.to_json()["context_parallel_gb_per_step"] == round(a2a.cp_bytes_per_step / 2**30, 4)
+
+
+def test_the_ring_counts_one_blocks_scores_on_gpus_and_its_buffers_everywhere():
+    """On GPUs the ring's blocks run the textbook softmax (the kernel table's ``ring_blocks_fused``): backward holds
+    five fp32 copies of a ``[b, H/t, s, s]`` block of scores at once (s = 16,384 local tokens, 2 heads per TP rank),
+    beside the key/value blocks (held and arriving, bf16), the fp32 query gradient and the two fp32 key/value
+    gradients (in flight and arriving) and nothing else of the block: no GQA here. The peak holds the larger of
+    that and the logits, which are freed before the first attention backward runs."""
+    est = _at(parse_config(LONG), 8, 2)
+    s, heads, d = 16384, 2, 128  # 16 heads of 128 over TP 8
+    query, kv = heads * s * d, 2 * heads * s * d
+    scores = 4 * heads * s * s
+    assert est.attention == 2 * kv * 2 + 4 * query + 8 * kv + 5 * scores
+    assert est.attention > est.logits
+    at_work = dataclasses.replace(est, attention=0.0)
+    assert est.total - at_work.total == est.attention - est.logits
+    assert _at(parse_config(LONG), 8, 1).attention == 0  # CP 1: SDPA's own kernels, what they save counted
+
+
+def test_the_fused_cpu_blocks_and_the_all_to_all_hold_no_scores():
+    """On CPU without attention dropout the ring's blocks are the fused kernel: the buffers only, linear in the
+    tokens; the all-to-all holds its exchange buffers (q, k, v sent and received, and the output's), and with
+    attention dropout on CPU (the math path) the scores of the whole sequence, for 1 / CP of the heads."""
+    from domino.config.estimate import Layout, estimate_layout
+
+    def attention(comm, seq, dropout=0.0, cp=2):
+        config = parse_config(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                               "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--cp-comm-type",
+                               comm, "--attention-dropout", str(dropout)])
+        layout = Layout(micro_batch_size=2, zero_stage=0, context_parallel_size=cp)
+        return estimate_layout(config, layout, device="cpu").attention
+
+    assert attention("p2p", 2048) == 2 * attention("p2p", 1024)
+    query = 2 * 4 * 512 * 16 * 4  # b H s d fp32 at 512 local tokens
+    assert attention("a2a", 1024) == 2 * (3 * query) + 2 * query
+    assert attention("a2a", 1024, 0.1) == 2 * (3 * query) + 4 * 2 * (4 / 2) * 1024 ** 2
+    assert attention("p2p", 1024, 0.1) > 4 * attention("p2p", 1024)  # the math blocks' scores
+
+
+def test_the_estimates_kernel_choice_is_the_kernel_tables():
+    from domino.config.memory_formulas import RING_BLOCKS_FUSED
+    from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS
+    assert RING_BLOCKS_FUSED == {"cpu": CPU_KERNELS.ring_blocks_fused, "gpu": CUDA_KERNELS.ring_blocks_fused}
+
+
+def test_validation_names_what_was_measured_of_context_parallelism():
+    from domino.config.deepspeed_memory import VALIDATION
+    assert "context parallelism at CP 2 and 4" in VALIDATION["validated"]
+    assert "not counted" not in VALIDATION["not_validated"].split("context parallelism")[-1].split("(")[0]

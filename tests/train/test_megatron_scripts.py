@@ -302,3 +302,23 @@ def test_every_flag_of_the_scripts_is_in_the_megatron_guide():
     guide = (Path(__file__).resolve().parents[2] / "docs" / "megatron.md").read_text()
     flags = {token for script in SCRIPTS.values() for token in script.flags.split() if token.startswith("--")}
     assert flags and not [flag for flag in sorted(flags) if flag not in guide]
+
+
+def test_megatron_pretrain_gpt_runs_with_context_parallel_size_2(tmp_path, corpus_prefix, gpt2_files):
+    """The 2023 example with Megatron's ``--context-parallel-size 2`` (``_add_distributed_args``,
+    megatron/training/arguments.py; the Llama 3 examples set it through their CP_SIZE) on 2 gloo processes:
+    each rank trains on two of the sequence's four chunks, TP 1 x CP 2 x DP 1, and the run trains, evaluates and
+    saves as at CP 1. Megatron's other ``--cp-comm-type`` values are refused in one line naming the flag."""
+    script = SCRIPTS["megatron-pretrain-gpt"]
+    metrics = tmp_path / "metrics.jsonl"
+    argv = [*without_fp16(script.argv(_variables(tmp_path, corpus_prefix, gpt2_files))), *SIZE_OVERRIDES,
+            "--tensor-model-parallel-size", "1", "--context-parallel-size", "2"]
+    for comm in ("allgather", "a2a+p2p"):
+        with pytest.raises(ConfigError, match=rf"^--cp-comm-type {re.escape(comm)}: must be one of p2p, a2a$"):
+            _parse([*argv, "--cp-comm-type", comm], world_size=2)
+    proc = run_pretrain([*argv, "--metrics-file", str(metrics)], nproc=2, timeout=600)
+    assert "global batch 4 (micro 2 x DP 1 x accumulation 2), TP 1, CP 2," in proc.stderr, proc.stderr[-3000:]
+    losses = train_losses(metrics)
+    assert sorted(losses) == [1, 2, 3] and all(math.isfinite(v) for v in losses.values())
+    assert any(r.get("eval") == "valid" for r in read_metrics(metrics))
+    assert (tmp_path / "checkpoints" / "latest").is_file()
