@@ -140,7 +140,8 @@ class ParallelConfig:
     stops the run after this long (on NCCL through TORCH_NCCL_ASYNC_ERROR_HANDLING, set to 3 unless given)."""
     hang_timeout_s: Optional[float] = None
     """Seconds a rank may make no progress in training steps before the ranks it holds name it (host, pid, iteration),
-    dump their stacks and exit 142; default: 10x the slowest recent step, at least 180 s; 0: off."""
+    dump their stacks and exit 142; default: 10x the slowest recent step, at least 180 s and at most half the
+    collective timeout; 0: off. Must be shorter than --distributed-timeout-minutes."""
     local_rank: Optional[int] = None
     """Set by the deepspeed launcher (also --local_rank); ignored: the LOCAL_RANK environment variable is used."""
 

@@ -149,6 +149,12 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
            f"--distributed-timeout-minutes must be >= 1, got {p.distributed_timeout_minutes}")
     _check(problems, p.hang_timeout_s is None or (math.isfinite(p.hang_timeout_s) and p.hang_timeout_s >= 0),
            f"--hang-timeout-s must be a number >= 0 (0: off), got {p.hang_timeout_s}")
+    # torch's collective timeout would end the run first, naming no rank (domino/runtime/hang_watch.py).
+    _check(problems, not p.hang_timeout_s or not math.isfinite(p.hang_timeout_s)
+           or p.hang_timeout_s < 60 * p.distributed_timeout_minutes,
+           f"--hang-timeout-s {p.hang_timeout_s:g} must be shorter than --distributed-timeout-minutes "
+           f"{p.distributed_timeout_minutes} ({60 * p.distributed_timeout_minutes} s), whose collective timeout would "
+           f"end the run first without naming the hung rank" if p.hang_timeout_s else "")
 
     _check(problems, t.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {t.micro_batch_size}")
     _check(problems, not (t.fp16 and t.bf16), "--fp16 and --bf16 are mutually exclusive")

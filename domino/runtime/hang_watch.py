@@ -92,10 +92,12 @@ class HangWatch:
 
     @property
     def timeout_s(self) -> float:
-        """The step timeout now (fixed, or derived from the recent steps)."""
+        """The step timeout now: fixed, or derived from the recent steps, and then at most half the collective
+        timeout, so that the watch names the hung rank before torch's timeout ends the run naming none."""
         if self.fixed_timeout_s is not None:
             return self.fixed_timeout_s
-        return max(AUTO_FLOOR_S, AUTO_STEPS * max(self.recent_steps, default=0.0))
+        derived = max(AUTO_FLOOR_S, AUTO_STEPS * max(self.recent_steps, default=0.0))
+        return min(derived, self.long_phase_timeout_s / 2)
 
     def progress(self, iteration: int, phase: str = "step") -> None:
         """Called by the training thread at each step boundary and phase change (sets attributes only)."""

@@ -49,7 +49,17 @@ def _check_nccl_error_handling(environ) -> None:
     group's timeout; 0 (NoHandling) and 2 (CleanUpOnly) leave it running (torch 2.13
     ``csrc/distributed/c10d/ProcessGroupNCCL.hpp``, ``ErrorHandlingMode``). An explicit 0 or 2 is kept,
     with a warning.
+
+    The watchdog's own timeout is the collective's (``--distributed-timeout-minutes``); ``--hang-timeout-s`` names
+    the hung rank before it (:mod:`domino.runtime.hang_watch`, which dumps the flight recorder itself). Where the
+    watchdog is what fires (a hang in a save or an evaluation, or the watch off), ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``
+    makes it write the flight recorder's record of the collectives in flight first (to ``TORCH_FR_DUMP_TEMP_FILE``,
+    ``/tmp/nccl_trace_rank_`` by default), as torchtitan's ``init_distributed`` sets it
+    (``torchtitan/distributed/utils.py``); the recorder keeps ``TORCH_FR_BUFFER_SIZE`` entries (2000 by default,
+    ``FlightRecorder.hpp``) and dumps only in modes 3 and 1 (pytorch issue #121055). Both are read when the NCCL
+    group is made (torch's "ProcessGroupNCCL Environment Variables" page). Untested here: no NCCL on CPU.
     """
+    environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     value = environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", environ.get("NCCL_ASYNC_ERROR_HANDLING", "3"))
     if value in ("0", "2"):
         logger.warning("TORCH_NCCL_ASYNC_ERROR_HANDLING=%s: a hung NCCL collective will not end the process "

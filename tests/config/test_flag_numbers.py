@@ -24,11 +24,24 @@ BASE = ["--preset", "tiny", "--mock-data", "--vocab-size", "256", "--train-iters
     (["--min-lr", "nan"], "--min-lr must be a finite number, got nan"),
     (["--adam-eps", "nan"], "--adam-eps must be a finite number, got nan"),
     (["--clip-grad=-inf"], "--clip-grad must be a finite number, got -inf"),
+    (["--hang-timeout-s", "600"], "--hang-timeout-s 600 must be shorter than --distributed-timeout-minutes 10 (600 s), "
+                                  "whose collective timeout would end the run first without naming the hung rank"),
 ])
 def test_numbers_that_are_not_finite_or_negative_are_refused_naming_the_flag(flags, message):
     with pytest.raises(ConfigError) as error:
         parse_config([*BASE, *flags], world_size=1)
     assert str(error.value).split("; ") == [message]  # one problem, not the same one twice
+
+
+def test_a_hang_timeout_inside_the_collective_timeout_is_accepted_and_the_derived_one_kept_inside_it():
+    parse_config([*BASE, "--hang-timeout-s", "599"], world_size=1)
+    parse_config([*BASE, "--hang-timeout-s", "0", "--distributed-timeout-minutes", "1"], world_size=1)  # off
+    from domino.runtime.hang_watch import HangWatch
+
+    watch = HangWatch(None, long_phase_timeout_s=60.0)  # no process group: a no-op that still derives its timeout
+    watch.recent_steps = [1.0]
+    assert watch.timeout_s == 30.0  # 180 s floor, capped at half of the 60 s collective timeout
+    assert HangWatch(None, long_phase_timeout_s=3600.0).timeout_s == 180.0
 
 
 def test_a_dataset_of_weight_zero_is_left_out_with_one_line(tmp_path, corpus_prefix):

@@ -108,7 +108,10 @@ def test_nccl_async_error_handling_is_switched_on_unless_the_user_chose(caplog):
 
     environ = {}
     _check_nccl_error_handling(environ)
-    assert environ == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    assert environ == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
     legacy = {"NCCL_ASYNC_ERROR_HANDLING": "0"}
     _check_nccl_error_handling(legacy)
     assert legacy["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and "will not end the process" in caplog.text
+    chosen = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+    _check_nccl_error_handling(chosen)
+    assert chosen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"  # the user's choice is kept
