@@ -1,6 +1,6 @@
 """--hang-timeout-s: a rank stopped with SIGSTOP is named by its peer within the timeout, with its host and pid.
 
-Real torchrun (torch 2.13), two ranks (TP 2), ``--distributed-timeout-minutes 1``: without the watch the peer would
+Real torchrun (torch 2.13), two ranks (TP 2, or PP 2 with asynchronous saves), ``--distributed-timeout-minutes 1``: without the watch the peer would
 wait the full minute in its collective and the error would name no rank (checked: with ``--hang-timeout-s 0`` the
 job is still running 30 s after the SIGSTOP).
 """
@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from domino.launch.processes import alive, children, process_tree, signal_tree
 from domino.runtime.hang_watch import HANG_EXIT_CODE, culprits, hang_report
 from train.train_helpers import child_env, pretrain_command, rank_of, read_metrics
@@ -22,10 +24,14 @@ ARGS = ["--preset", "tiny", "--seed", "7", "--mock-data", "--vocab-size", "256",
         "--eval-interval", "0", "--distributed-timeout-minutes", "1", "--hang-timeout-s", "3"]
 
 
-def test_a_stopped_rank_is_named_by_its_peer_within_the_timeout(tmp_path):
+@pytest.mark.parametrize("layout", [[], ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+                                         "--micro-batch-size", "2", "--global-batch-size", "4", "--async-save", "--save-interval", "3"]], ids=["tp2", "pp2-async-save"])
+def test_a_stopped_rank_is_named_by_its_peer_within_the_timeout(tmp_path, layout):
+    """TP 2: the peer waits in a TP collective. PP 2 with asynchronous saves every 3 steps: the peer waits for a
+    stage's activations or gradients, with a save's writer thread possibly running beside it."""
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.Popen(pretrain_command([*ARGS, "--metrics-file", str(metrics), "--save", str(tmp_path / "ckpt")],
-                                             nproc=2),
+    proc = subprocess.Popen(pretrain_command([*ARGS, *layout, "--metrics-file", str(metrics),
+                                              "--save", str(tmp_path / "ckpt")], nproc=2),
                             env=child_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"}), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
