@@ -18,7 +18,8 @@ Three ways to run it, chosen per device by :mod:`domino.parallel.kernels` (``Ker
   kernel, ``aten::_flash_attention_forward`` / ``_flash_attention_backward`` with ``cum_seq_q = cum_seq_k =
   cu_seqlens`` (torch 2.13 ``torchgen/packaged/ATen/native/native_functions.yaml``; flash-attn's
   ``flash_attn_varlen_func``); grouped-query keys go in unexpanded, as flash takes them. **It has not run on a GPU**:
-  its packing and gradients are tested on CPU with a CPU stand-in for the two flash ops. It reads the number of
+  its packing and gradients are tested on CPU with a CPU stand-in for the two flash ops. FlashAttention takes
+  fp16 and bf16 only: fp32 inputs take the segmented way on CUDA too (SDPA picks its kernel per document). It reads the number of
   documents and the longest one on the host once per batch (kept on the starts tensor, which every layer is
   given), where a ``cu_seqlens`` built with the batch on the host would read nothing.
 
@@ -85,10 +86,10 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts
     """
     _check(q, starts)
     choice = kernels_for(q.device).document_attention
-    if choice == "segmented":
-        return segmented_attention(q, k, v, starts, dropout, scale)
-    if choice == "varlen":
+    if choice == "varlen" and q.dtype in VARLEN_DTYPES:
         return varlen_attention(q, k, v, starts, dropout, scale)
+    if choice != "dense":  # segmented, or varlen's inputs in a dtype FlashAttention does not take (fp32)
+        return segmented_attention(q, k, v, starts, dropout, scale)
     steps = torch.arange(q.shape[2], device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attend_mask_of(starts, steps, steps), dropout_p=dropout,
                                           scale=scale, enable_gqa=k.shape[1] != q.shape[1])
@@ -108,6 +109,10 @@ def segmented_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start
             F.scaled_dot_product_attention(a, b, c, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa)
             for a, b, c in zip(qs.split(sizes, 2), ks.split(sizes, 2), vs.split(sizes, 2))], dim=2))
     return torch.cat(samples)
+
+
+#: The dtypes FlashAttention's kernels take (fp32 goes the segmented way, through SDPA's other CUDA kernels).
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def flash_varlen_ops() -> Tuple[Callable, Callable]:

@@ -78,6 +78,7 @@ def test_document_attention_equals_the_dense_mask(monkeypatch, kernels, groups):
     """Outputs and q, k, v gradients of each choice equal SDPA under the dense mask (fails if a document is cut in
     the wrong place, a piece's gradient lands elsewhere, or cu_seqlens miss a sample's first document)."""
     monkeypatch.setattr(D, "flash_varlen_ops", lambda: (_flash_forward_on_cpu, _flash_backward_on_cpu))
+    monkeypatch.setattr(D, "VARLEN_DTYPES", (torch.float32,))  # the stand-ins take fp32, as the tests compare
     q, k, v = _qkv(1, groups=groups)
     starts = _starts(3, 24)
     assert len(set(starts[0].tolist())) > 2 and set(starts[-1].tolist()) == {0}
@@ -94,13 +95,20 @@ def test_document_attention_equals_the_dense_mask(monkeypatch, kernels, groups):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_each_device_takes_its_document_kernel_and_bad_starts_are_refused():
+def test_each_device_takes_its_document_kernel_and_bad_starts_are_refused(monkeypatch):
+    def no_flash():
+        raise AssertionError("fp32 reached FlashAttention")
+
+    monkeypatch.setattr(D, "flash_varlen_ops", no_flash)
+    q, k, v = _qkv(0)
+    with forced_kernels(CUDA_KERNELS):  # FlashAttention takes no fp32: those inputs go the segmented way
+        torch.testing.assert_close(D.document_attention(q, k, v, _starts(3, 24)),
+                                   _dense_reference(q, k, v, _starts(3, 24)), rtol=1e-5, atol=1e-5)
     assert kernels_for(torch.device("cuda")).document_attention == "varlen"
     assert kernels_for(torch.device("cpu")).document_attention == "segmented"
-    assert PLAIN_KERNELS.document_attention == "dense"
+    assert PLAIN_KERNELS.document_attention == "dense" and torch.float32 not in D.VARLEN_DTYPES
     cu, longest = D.cu_seqlens(torch.tensor([[0, 0, 2, 2, 2], [0, 1, 1, 1, 4]]))
     assert cu.tolist() == [0, 2, 5, 6, 9, 10] and longest == 3
-    q, k, v = _qkv(0)
     with pytest.raises(ValueError, match=r"document starts of shape \(3, 12\) for a batch of 3 sequences of 24"):
         D.document_attention(q, k, v, _starts(3, 12))
 

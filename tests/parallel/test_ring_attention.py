@@ -148,8 +148,9 @@ def test_ring_attention_equals_unsplit_attention_forward_and_backward(world_size
         assert max(errors) < 1e-5, errors
 
 
-def _dropout_body(rank, world_size, p=0.3):
-    """The ring with dropout against unsplit attention given the same masks: the ones the ring drew (recorded)."""
+def _dropout_body(rank, world_size, p=0.3, documents=False):
+    """The ring with dropout against unsplit attention given the same masks: the ones the ring drew (recorded);
+    with ``documents``, under each rank's document starts (the sub-blocks take their parts of the block's masks)."""
     cp = ParallelMesh.build(1, context_parallel_size=world_size).cp
     q, k, v = _qkv(5, s=8 * world_size)
     b, heads, total, _ = q.shape
@@ -157,8 +158,13 @@ def _dropout_body(rank, world_size, p=0.3):
     drawn, draw = [], R._keep_mask
     R._keep_mask = lambda *args: drawn.append(draw(*args)) or drawn[-1]
     local = [t.index_select(2, index).requires_grad_(True) for t in (q, k, v)]
+    hidden = torch.ones(total, total, dtype=torch.bool).triu(1)
+    starts = None
+    if documents:
+        whole = _document_starts(b, total)
+        hidden, starts = dense_document_mask(whole), whole.index_select(1, index)
     torch.manual_seed(100 + rank)
-    out = R.ring_attention(*local, cp, dropout=p)
+    out = R.ring_attention(*local, cp, attend_mask=starts, dropout=p)
     after_forward = torch.get_rng_state()
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
     grads = torch.autograd.grad(out, local, dout.index_select(2, index))
@@ -173,7 +179,7 @@ def _dropout_body(rank, world_size, p=0.3):
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     fq, fk, fv = full[0], *(t.repeat_interleave(2, dim=1) for t in full[1:])
     scores = (fq @ fk.transpose(-1, -2)) * fq.shape[-1] ** -0.5
-    probs = scores.masked_fill(torch.ones(total, total, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
     ref = (probs * kept / (1 - p)) @ fv
     ref_grads = torch.autograd.grad(ref, full, dout)
     want = [ref.detach().index_select(2, index)] + [g.index_select(2, index) for g in ref_grads]
@@ -182,13 +188,14 @@ def _dropout_body(rank, world_size, p=0.3):
     return errors, replayed, torch.equal(after_forward, torch.get_rng_state()), dropped
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_ring_dropout_equals_unsplit_attention_with_the_same_masks(world_size):
+@pytest.mark.parametrize("world_size,documents", [(2, False), (4, False), (2, True)])
+def test_ring_dropout_equals_unsplit_attention_with_the_same_masks(world_size, documents):
     """Dropout block by block, rescaled by the merge, is unsplit dropout: output and gradients equal unsplit
     attention given the masks the ring drew; backward draws the same masks again and leaves the generator as
     forward left it. Fails if a block's probabilities are dropped before the merge's rescaling is right, the
-    backward draws other masks, or the dropped probabilities' gradient is not scaled."""
-    for errors, replayed, generator_kept, dropped in run_distributed(_dropout_body, world_size):
+    backward draws other masks, or the dropped probabilities' gradient is not scaled. Under document starts too
+    (per-document sub-blocks, each taking its part of its block's mask)."""
+    for errors, replayed, generator_kept, dropped in run_distributed(_dropout_body, world_size, 0.3, documents):
         assert max(errors) < 1e-5, errors
         assert replayed and generator_kept
         assert 0.2 < dropped < 0.4, dropped
