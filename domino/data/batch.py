@@ -1,4 +1,4 @@
-"""Turning a batch of samples into model inputs: tokens, labels, loss mask, attention mask, positions.
+"""Turning a batch of samples into model inputs: tokens, labels, loss mask, document starts, positions.
 
 ``get_batch`` follows Megatron's ``pretrain_gpt.get_batch``: the first rank of each tensor-parallel
 group reads the next batch and broadcasts it to the rest of its group (the others may pass a ``None``
@@ -29,9 +29,12 @@ def get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int, reset_po
         eod_mask_loss: no loss on end-of-document tokens.
 
     Returns:
-        ``(attention_mask, loss_mask, position_ids)``: ``attention_mask`` is bool ``[batch, 1, seq, seq]``
-        with True = masked when ``reset_attention_mask``, else None meaning plain causal (the model takes
-        its fast causal path); ``loss_mask`` float ``[batch, seq]``; ``position_ids`` int64 ``[batch, seq]``.
+        ``(attention_mask, loss_mask, position_ids)``: ``attention_mask`` is the *document starts* when
+        ``reset_attention_mask``, int64 ``[batch, seq]``: the position where each token's document begins (a token
+        attends to the keys from its document's start to itself; :mod:`domino.parallel.document_attention`), the
+        ``[batch, seq]`` value from which :func:`dense_document_mask` builds Megatron's ``[batch, 1, seq, seq]``
+        mask, never built here; else None, meaning plain causal (the model takes its fast causal path).
+        ``loss_mask`` float ``[batch, seq]``; ``position_ids`` int64 ``[batch, seq]``.
     """
     batch, length = data.shape
     is_eod = data == eod_token
@@ -42,20 +45,25 @@ def get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int, reset_po
     position_ids = steps.unsqueeze(0).expand(batch, length)
     attention_mask = None
     if reset_position_ids or reset_attention_mask:
-        # A document starts after each end-of-document token: segment[t] = number of eods before t.
+        # A document starts after each end-of-document token: its start is the last such position up to t.
         after_eod = torch.zeros_like(is_eod)
         after_eod[:, 1:] = is_eod[:, :-1]
+        starts = torch.cummax(torch.where(after_eod, steps, torch.zeros_like(steps)), dim=1).values
         if reset_position_ids:
-            starts = torch.where(after_eod, steps, torch.zeros_like(steps))
-            position_ids = steps - torch.cummax(starts, dim=1).values
+            position_ids = steps - starts
         if reset_attention_mask:
-            segment = torch.cumsum(after_eod.long(), dim=1)
-            future = steps.view(1, length) > steps.view(length, 1)  # key after query
-            other_document = segment.unsqueeze(2) != segment.unsqueeze(1)
-            attention_mask = (future.unsqueeze(0) | other_document).unsqueeze(1)
+            attention_mask = starts
     else:
         position_ids = position_ids.clone()
     return attention_mask, loss_mask, position_ids
+
+
+def dense_document_mask(starts: torch.Tensor) -> torch.Tensor:
+    """Megatron's ``[batch, 1, seq, seq]`` bool mask (True = masked) of document ``starts`` ``[batch, seq]``: a key
+    is hidden when it follows the query or precedes the query's document. The ``s^2`` reference, for tests and
+    for callers that pass a dense mask."""
+    steps = torch.arange(starts.shape[1], device=starts.device)
+    return ((steps.view(1, 1, -1) > steps.view(1, -1, 1)) | (steps.view(1, 1, -1) < starts.unsqueeze(-1))).unsqueeze(1)
 
 
 def _check_shape(text: torch.Tensor, shape: Optional[Tuple[int, int]]) -> None:
@@ -106,7 +114,8 @@ def broadcast_text(text: Optional[torch.Tensor], tp: MeshGroup, shape: Optional[
 
 def get_batch(data_iterator: Optional[Iterator], data_config: DataConfig, eod_token: int,
               shape: Optional[Tuple[int, int]] = None, tp: MeshGroup = SINGLE):
-    """The next batch as ``(tokens, labels, loss_mask, attention_mask, position_ids)``.
+    """The next batch as ``(tokens, labels, loss_mask, attention_mask, position_ids)`` (``attention_mask``: the
+    document starts under ``--reset-attention-mask``, else None; :func:`get_ltor_masks_and_position_ids`).
 
     Tensor-parallel rank 0 reads ``next(data_iterator)`` (a dict with ``"text"`` ``[b, s + 1]``) and
     broadcasts it to its group; other TP ranks may pass ``None``. ``tokens = text[:, :-1]``,

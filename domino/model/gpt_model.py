@@ -57,6 +57,7 @@ from domino.parallel import fp8
 from domino.parallel.collectives import gather_from_tp_region
 from domino.parallel.context_split import local_token_indices
 from domino.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
+from domino.parallel.document_attention import is_document_starts
 from domino.parallel.kernels import kernels_for
 from domino.parallel.layers import VocabParallelEmbedding
 from domino.parallel.linear_ops import GradSlot, linear
@@ -141,7 +142,10 @@ class GPTModel(nn.Module):
         Args:
             tokens: ``[b, s]`` int64 token ids (``[s, b, h]`` hidden states when ``pre_process=False``).
             position_ids: ``[b or 1, s]``; default ``arange`` (continuing after the cached tokens).
-            attention_mask: None for causal attention; else bool ``[b or 1, 1, s, s_total]``, True = masked.
+            attention_mask: None for causal attention; int ``[b, s]`` document starts (``--reset-attention-mask``:
+                the position where each token's document begins; each token attends to its document's earlier
+                tokens, :mod:`domino.parallel.document_attention`; under context parallelism this rank's chunks'); or
+                a dense bool ``[b or 1, 1, s, s_total]`` mask, True = masked (Megatron's; the reference).
             labels: ``[b, s]`` int64 targets; when given, per-token losses are returned instead of logits.
             kv_cache: cache of past keys/values (generation); grows by ``s`` tokens; runs the synchronous stack.
 
@@ -155,7 +159,9 @@ class GPTModel(nn.Module):
         stack = self.stack.select(batch, kv_cache)  # generation and unsplittable batches: synchronous
         hidden = stack.embed(tokens, position_ids)  # [s, b, h] (or what the stack finishes: a slice, a partial)
         rotary = self._rotary(position_ids, hidden.dtype)  # None without rope
-        attend_mask = None if attention_mask is None else ~attention_mask  # SDPA: True = may attend; made once
+        attend_mask = attention_mask  # None, or document starts: as they are
+        if attention_mask is not None and not is_document_starts(attention_mask):
+            attend_mask = ~attention_mask  # SDPA: True = may attend; made once
         hidden, grad_slot = stack(hidden, position_ids, attend_mask, rotary, kv_cache)  # [s, b, h] after the norm
         if not self.post_process:
             return hidden

@@ -25,6 +25,7 @@ from torch import nn
 from domino.model.kv_cache import KVCache
 from domino.model.rotary import RotaryTables
 from domino.parallel.collectives import comm_site, copy_to_tp_region
+from domino.parallel.document_attention import is_document_starts
 from domino.parallel.kernels import kernels_for, run_compiled_block
 from domino.parallel.linear_ops import GradSlot
 from domino.parallel.recompute import checkpoint
@@ -83,7 +84,8 @@ def run_layers(layers: Sequence[nn.Module], units: Sequence[Unit], hidden: torch
     Domino's stacks never call a whole layer (they run its parts around their async launches and waits), so a
     compiled graph never swallows a collective; those keep the compiled elementwise islands of their choice."""
     kernels = kernels_for(hidden.device)
-    whole = kernels.compile_blocks is not None and tp_size == 1
+    # Per-document attention reads its documents on the host: no whole-block graph holds it.
+    whole = kernels.compile_blocks is not None and tp_size == 1 and not is_document_starts(attend_mask)
     for start, end, checkpointed in units:
         def group(h: torch.Tensor, start: int = start, end: int = end) -> torch.Tensor:
             for layer in layers[start:end]:

@@ -38,6 +38,7 @@ from domino.model.mlp import build_mlp
 from domino.model.qkv_projection import qkv_projection
 from domino.model.rotary import RotaryTables
 from domino.parallel.collectives import copy_to_tp_region
+from domino.parallel.document_attention import document_attention, is_document_starts
 from domino.parallel.kernels import compiled, kernels_for
 from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from domino.parallel.linear_ops import GradSlot
@@ -118,8 +119,10 @@ class ParallelSelfAttention(nn.Module):
 
         Args:
             q, k, v: outputs of :meth:`qkv`.
-            attend_mask: None for plain causal attention, else bool ``[b or 1, 1, s, s_total]``, True = may
-                attend (SDPA's convention; :meth:`GPTModel.forward` inverts Megatron's mask once per batch).
+            attend_mask: None for plain causal attention; int ``[b, s]`` document starts (per-document causal
+                attention without an ``s x s`` mask, :mod:`domino.parallel.document_attention`); else bool
+                ``[b or 1, 1, s, s_total]``, True = may attend (SDPA's convention; :meth:`GPTModel.forward` inverts
+                Megatron's mask once per batch).
             kv_cache: when given, the new keys/values are appended and attention spans all cached tokens.
             rotary: the rotary tables of the new tokens' positions (--position-embedding-type rope), else None.
         """
@@ -133,6 +136,12 @@ class ParallelSelfAttention(nn.Module):
                 raise ValueError("context-parallel attention is training attention: no KV cache")
             return self.context_parallel_attention(q, k, v, self.cp, attend_mask=attend_mask, dropout=dropout).permute(
                 2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+        if is_document_starts(attend_mask):
+            if kv_cache is not None:
+                raise ValueError("per-document attention (document starts) is training attention: no KV cache")
+            with tp_region_rng(dropout > 0):  # as SDPA's dropout below: the TP stream
+                ctx = document_attention(q, k, v, attend_mask, dropout)
+            return ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         past = 0
         if kv_cache is not None:
             past = kv_cache.length

@@ -7,7 +7,8 @@ keys and values in one buffer: one collective, and GQA key heads split into the 
 ``h`` still meets key head ``h // (H / G)``). The ``2N`` chunks received are put in position order, attention runs
 as it does at CP 1 (causal SDPA over the whole sequence, any kernel the device has), the output is put back in the
 ranks' chunk order and a second all-to-all returns to every rank its own tokens, all heads (a per-document mask of
-the whole sequence, ``--reset-attention-mask``, applies as it does at CP 1, and so does attention dropout).
+the whole sequence, ``--reset-attention-mask``, applies as it does at CP 1, and so does attention dropout; the
+batch's document starts of this rank's chunks are all-gathered into the whole sequence's first, ``b S`` integers).
 Backward is autograd's: an all-to-all is its own adjoint (:func:`domino.parallel.collectives.all_to_all_region`).
 
 Transformer Engine's ``AttnFuncWithCPAndQKVOA2A`` (Megatron-LM's ``--cp-comm-type a2a``;
@@ -28,9 +29,11 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from domino.parallel.collectives import all_to_all_region
+from domino.parallel.document_attention import document_attention, is_document_starts
 from domino.parallel.random import tp_region_rng
 from domino.runtime.mesh import MeshGroup
 
@@ -43,6 +46,18 @@ def chunk_orders(n: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tens
     to_positions = torch.where(k < n, 2 * k, 4 * n - 1 - 2 * k)  # chunk k < N is rank k's first, else 2N-1-k's second
     to_ranks = torch.where(k % 2 == 0, k // 2, 2 * n - 1 - k // 2)
     return to_positions, to_ranks
+
+
+def whole_starts(starts: torch.Tensor, cp: MeshGroup) -> torch.Tensor:
+    """The document starts ``[b, S]`` of the whole sequence in position order, from every rank's chunks' ``[b, s]``
+    (one all-gather of ``b s`` integers a rank, no gradient: positions are not learned)."""
+    n = cp.size
+    pieces = [torch.empty_like(starts) for _ in range(n)]
+    dist.all_gather(pieces, starts.contiguous(), group=cp.process_group)
+    b, s = starts.shape
+    to_positions, _ = chunk_orders(n, starts.device)
+    chunks = torch.stack(pieces).view(n, b, 2, s // 2).transpose(1, 2).reshape(2 * n, b, s // 2)
+    return chunks.index_select(0, to_positions).permute(1, 0, 2).reshape(b, n * s)
 
 
 def _by_head_group(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -63,8 +78,9 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
         k, v: ``[b, G, s, d]`` keys (rotated) and values of the same tokens (``G`` divides ``H``: GQA).
         cp: the context-parallel group; ``H`` and ``G`` must be divisible by its size.
         scale: the score scale (default ``1 / sqrt(d)``).
-        attend_mask: None for plain causal attention, else bool ``[b or 1, 1, S, S]`` of the whole sequence in
-            position order, True = may attend (per-document masks: each rank sees the whole sequence here).
+        attend_mask: None for plain causal attention; int ``[b, s]`` document starts of this rank's tokens
+            (gathered into the whole sequence's, :func:`whole_starts`); or bool ``[b or 1, 1, S, S]`` of the whole
+            sequence in position order, True = may attend (each rank sees the whole sequence here).
         dropout: attention dropout, drawn from the TP stream (:func:`domino.parallel.random.tp_region_rng`),
             which differs per TP and CP rank: each rank's head group draws its own masks.
 
@@ -74,8 +90,11 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
     n = cp.size
     heads, groups = q.shape[1], k.shape[1]
     causal = attend_mask is None
+    documents = is_document_starts(attend_mask)
     if n == 1:
         with tp_region_rng(dropout > 0):
+            if documents:
+                return document_attention(q, k, v, attend_mask, dropout, scale)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attend_mask, dropout_p=dropout, is_causal=causal,
                                                   scale=scale, enable_gqa=groups != heads)
     b, _, s, d = q.shape
@@ -93,8 +112,11 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
     hq, hg = heads // n, groups // n
     q_all, k_all, v_all = (t.permute(1, 2, 0, 3) for t in whole.split([hq, hg, hg], dim=2))
     with tp_region_rng(dropout > 0):  # this rank's heads: the TP stream (its seed differs per TP and CP rank)
-        out = F.scaled_dot_product_attention(q_all, k_all, v_all, attn_mask=attend_mask, dropout_p=dropout,
-                                             is_causal=causal, scale=scale, enable_gqa=hg != hq)
+        if documents:  # as at CP 1 (its device's kernel), over the whole sequence's starts
+            out = document_attention(q_all, k_all, v_all, whole_starts(attend_mask, cp), dropout, scale)
+        else:
+                out = F.scaled_dot_product_attention(q_all, k_all, v_all, attn_mask=attend_mask, dropout_p=dropout,
+                                                 is_causal=causal, scale=scale, enable_gqa=hg != hq)
     # [b, H/N, S, d] -> the ranks' chunk order [N, s, b, H/N, d] -> piece i back to rank i.
     back = out.permute(2, 0, 1, 3).reshape(2 * n, s // 2, b, hq, d).index_select(0, to_ranks)
     mine = all_to_all_region(back.view(n, s, b, hq, d), cp)  # piece j: this rank's tokens, head group j

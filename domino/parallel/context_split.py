@@ -44,9 +44,9 @@ def split_batch(batch: Dict[str, Optional[torch.Tensor]], cp: MeshGroup) -> Dict
     """This rank's chunks of a ``[b, s]`` batch's tensors (tokens, labels, loss mask, position ids).
 
     Positions are filled in as ``0 .. s - 1`` where the batch has none, so the chunks keep their true positions.
-    The batch is returned as it is at CP 1. An attention mask (per-document, ``[b, 1, s, s]``) stays whole: it
-    is of the whole sequence, which the all-to-all attention sees after its exchange (the ring computes plain
-    causal blocks and refuses one; the config refuses ``--reset-attention-mask`` with it earlier).
+    The batch is returned as it is at CP 1. Document starts (``--reset-attention-mask``'s ``attention_mask``,
+    ``[b, s]``) are cut as the tokens are: each rank holds its chunks' (their values stay positions in the whole
+    sequence); a dense ``[b, 1, s, s]`` mask stays whole, being of the whole sequence.
     """
     if cp.size == 1:
         return batch
@@ -54,7 +54,11 @@ def split_batch(batch: Dict[str, Optional[torch.Tensor]], cp: MeshGroup) -> Dict
     seq = tokens.shape[1]
     index = local_token_indices(seq, cp, tokens.device)
     out = dict(batch)
-    for name in ("tokens", "labels", "loss_mask", "position_ids"):
+    names = ("tokens", "labels", "loss_mask", "position_ids")
+    mask = out.get("attention_mask")
+    if mask is not None and mask.dtype != torch.bool:  # document starts: per token
+        names += ("attention_mask",)
+    for name in names:
         if out.get(name) is not None:
             out[name] = out[name].index_select(1, index)
     if out.get("position_ids") is None:  # the default positions 0 .. s - 1, at this rank's tokens: the indices

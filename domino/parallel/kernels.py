@@ -1,6 +1,6 @@
 """Which implementation of an op runs on which device: the one place that decides.
 
-Six ops have more than one implementation of the same maths: one tuned for CPUs (measured in
+Seven ops have more than one implementation of the same maths: one tuned for CPUs (measured in
 ``benchmarks/model_step.py``), one for CUDA GPUs, and the plain one to read first (``PLAIN_KERNELS``: the textbook
 formula of every op, no buffer tricks, nothing compiled; ``DOMINO_KERNELS=plain`` runs it on every device). Each op
 asks :func:`kernels_for` with its input's device at its one call site and takes the branch it is told:
@@ -34,11 +34,17 @@ output layer + loss         all tokens' logits in one kept buffer (the   row chu
 (``chunked_cross_entropy``) buffer becomes softmax, then gradient)       recomputed in backward: the ``[tokens, V]``
                                                                          logits never exist whole (9 GiB at 1.3B,
                                                                          micro-batch 16)
+per-document attention      ``segmented``: each document's slice        ``varlen``: the samples packed as one THD
+(``document_attention``)    through causal SDPA (its fused CPU kernel);  sequence through FlashAttention's varlen
+                            memory linear in the sequence, no ``s x s``  kernel with ``cu_seqlens`` (as Megatron-LM's
+                            mask (``benchmarks/document_masks.py``)      packed sequences); not yet run on a GPU
 ==========================  ===========================================  =============================================
 
 The plain choice takes the textbook form of every op: one QKV GEMM over the stored weight, ``F.gelu`` then fc2,
 bias + dropout + residual eagerly, the loss as ``logsumexp - target logit``, and the logits computed by a linear
-before a separate vocab-parallel cross-entropy (no fused output layer + loss, no kept or chunked buffer).
+before a separate vocab-parallel cross-entropy (no fused output layer + loss, no kept or chunked buffer), and
+per-document attention (``--reset-attention-mask``) through the dense ``[b, 1, s, s]`` mask built from the documents'
+starts, Megatron's mask, handed to SDPA (:mod:`domino.parallel.document_attention`).
 
 Attention's backend is left to torch on both sides, on purpose: on CUDA, SDPA already prefers cuDNN attention on
 Hopper and Blackwell where the bundled cuDNN is one its developers trust (``check_prefer_cudnn_attention`` in
@@ -109,12 +115,16 @@ class Kernels:
     """Context parallelism's attention blocks through SDPA's fused CPU kernel, which returns the log-sum-exp the
     ring merges by (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward); else the textbook
     softmax (:mod:`domino.parallel.ring_attention`)."""
+    document_attention: str = "dense"
+    """How attention follows the documents of ``--reset-attention-mask`` (:mod:`domino.parallel.document_attention`):
+    ``dense`` (the ``[b, 1, s, s]`` mask, the reference), ``segmented`` (per-document SDPA, and per-document
+    sub-blocks in the ring) or ``varlen`` (FlashAttention's varlen kernel over ``cu_seqlens``, CUDA)."""
 
 
 CPU_KERNELS = Kernels(split_qkv=True, keep_logits_buffer=True, fused_gelu_fc2=True, compile_backend=None,
-                      loss_from_softmax=True, ring_blocks_fused=True)
+                      loss_from_softmax=True, ring_blocks_fused=True, document_attention="segmented")
 CUDA_KERNELS = Kernels(split_qkv=False, keep_logits_buffer=False, fused_gelu_fc2=False, compile_backend="inductor",
-                       loss_from_softmax=False, loss_chunk_bytes=2**30)
+                       loss_from_softmax=False, loss_chunk_bytes=2**30, document_attention="varlen")
 #: CUDA on a machine without a C compiler (:func:`c_compiler`): the same, but the fusions run eagerly.
 CUDA_KERNELS_WITHOUT_COMPILER = dataclasses.replace(CUDA_KERNELS, compile_backend=None)
 #: The textbook form of every op: read it first; ``DOMINO_KERNELS=plain`` runs it everywhere.

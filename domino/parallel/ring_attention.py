@@ -27,8 +27,13 @@ over the same SDPA kernels where they return their log-sum-exp (:mod:`domino.par
 Every key/value transfer of step ``i + 1`` is in flight while block ``i`` is computed (forward and backward), and
 every gradient transfer while the next block's gradient is computed.
 
-A per-document mask (``--reset-attention-mask``) is causal, so the same visibility holds and each block reads its
-rows and columns of the whole mask; a row a block hides whole contributes nothing (``lse = -inf``). Attention
+A per-document mask (``--reset-attention-mask``) is causal, so the same visibility holds. The batch gives each rank
+its chunks' document starts only (:mod:`domino.parallel.document_attention`): documents are contiguous, so a block
+splits into per-document sub-blocks (a document's rows times its keys in the block: a causal square on the diagonal,
+a whole rectangle elsewhere), each run by the block kernel and written into the block's output and log-sum-exp; no
+mask is built (the plain choice builds the block's part of the dense mask from the starts, the reference). A dense
+whole-sequence mask is still taken: each block reads its rows and columns of it. A row a block hides whole
+contributes nothing (``lse = -inf``). Attention
 dropout is applied block by block to the probabilities the block's own log-sum-exp normalises: the merge rescales
 them to the whole row's softmax, so every kept probability ends up scaled as unsplit dropout scales it. The masks
 are drawn from the TP stream in forward and drawn again, in the same order, from the generator state forward
@@ -44,6 +49,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from domino.parallel.context_split import local_token_indices
+from domino.parallel.document_attention import (Pieces, attend_mask_of, block_documents, document_attention,
+                                                documents_backward, documents_forward, is_document_starts)
 from domino.parallel.kernels import kernels_for
 from domino.parallel.random import device_rng_state, replaying_rng, tp_region_rng
 from domino.runtime.mesh import MeshGroup
@@ -195,7 +203,9 @@ def _block_of(step: int, cp: MeshGroup, half: int) -> Tuple[int, bool, slice, sl
 
 class _Block(NamedTuple):
     """What one step computes: the held block's part that this rank's query rows ``rows`` see (key positions
-    ``keys``), its inputs, its part of the mask and its dropout mask (None without)."""
+    ``keys``), its inputs, its part of the mask, its dropout mask (None without), and with document starts and
+    the segmented choice, its per-document sub-blocks instead of a mask
+    (:func:`domino.parallel.document_attention.block_documents`)."""
     causal: bool
     rows: slice
     keys: slice
@@ -204,6 +214,7 @@ class _Block(NamedTuple):
     v: torch.Tensor
     mask: Optional[torch.Tensor]
     keep: Optional[torch.Tensor]
+    pieces: Optional[Pieces] = None
 
 
 def _block(step: int, cp: MeshGroup, q: torch.Tensor, held: torch.Tensor, rows_mask: Optional[torch.Tensor],
@@ -213,13 +224,34 @@ def _block(step: int, cp: MeshGroup, q: torch.Tensor, held: torch.Tensor, rows_m
     owner, causal, rows, keys = _block_of(step, cp, half)
     bq, bk, bv = q[:, :, rows], held[0][:, :, keys], held[1][:, :, keys]
     keep = _keep_mask((*bq.shape[:3], bk.shape[2]), dropout, q.device) if dropout > 0 else None
+    if is_document_starts(rows_mask):  # this rank's chunks' document starts: the block's from positions
+        starts = rows_mask[:, rows]
+        q_pos = _positions(cp.rank, cp, half, q.device)[rows]
+        k_pos = _positions(owner, cp, half, q.device)[keys]
+        if kernels_for(q.device).document_attention == "dense":  # the reference: the block's part of the mask
+            return _Block(causal, rows, keys, bq, bk, bv, attend_mask_of(starts, q_pos, k_pos), keep)
+        return _Block(causal, rows, keys, bq, bk, bv, None, keep, block_documents(starts, q_pos, k_pos))
     return _Block(causal, rows, keys, bq, bk, bv, _mask_block(rows_mask, owner, cp, half, rows, keys), keep)
 
 
+def _positions(rank: int, cp: MeshGroup, half: int, device: torch.device) -> torch.Tensor:
+    """The positions in the whole sequence of the two chunks rank ``rank`` of ``cp`` holds (chunks of ``half``)."""
+    return local_token_indices(2 * cp.size * half, MeshGroup.shapes_only(cp.size, rank), device)
+
+
+def _block_forward(forward, block: _Block, scale: float, dropout: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The block kernel's ``(out, lse)`` on the block, or on each of its per-document sub-blocks."""
+    if block.pieces is not None:
+        return documents_forward(forward, block.q, block.k, block.v, block.causal, scale, block.pieces, block.keep,
+                                 dropout)
+    return forward(block.q, block.k, block.v, block.causal, scale, block.mask, block.keep, dropout)
+
+
 def _mask_rows(attend_mask: Optional[torch.Tensor], cp: MeshGroup, half: int) -> Optional[torch.Tensor]:
-    """The rows of this rank's two chunks of a whole-sequence mask ``[b or 1, 1, S, S]``: ``[b or 1, 1, s, S]``."""
-    if attend_mask is None:
-        return None
+    """The rows of this rank's two chunks of a whole-sequence mask ``[b or 1, 1, S, S]``: ``[b or 1, 1, s, S]``;
+    document starts (already this rank's chunks', ``[b, s]``) as they are."""
+    if attend_mask is None or is_document_starts(attend_mask):
+        return attend_mask
     r, last = cp.rank, 2 * cp.size - 1
     return torch.cat((attend_mask[:, :, r * half:(r + 1) * half],
                       attend_mask[:, :, (last - r) * half:(last - r + 1) * half]), dim=2)
@@ -258,8 +290,7 @@ class _RingAttention(torch.autograd.Function):
             # Launch: the next step's block in flight while this one is computed; waited at the end of the step.
             incoming, requests = _shift(held, cp, KV_TAG) if step + 1 < cp.size else (None, None)
             block = _block(step, cp, q, held, rows_mask, dropout)
-            block_out, block_lse = forward(block.q, block.k, block.v, block.causal, scale, block.mask, block.keep,
-                                           dropout)
+            block_out, block_lse = _block_forward(forward, block, scale, dropout)
             if block.causal:
                 out, lse = block_out.float(), block_lse
             else:
@@ -287,8 +318,12 @@ class _RingAttention(torch.autograd.Function):
                 incoming, requests = _shift(held, cp, KV_TAG) if step + 1 < cp.size else (None, None)
                 block = _block(step, cp, q, held, rows_mask, dropout)
                 rows, keys = block.rows, block.keys
-                bdq, bdk, bdv = backward(dout[:, :, rows], block.q, block.k, block.v, out[:, :, rows],
-                                         lse[:, :, rows], block.causal, scale, block.mask, block.keep, dropout)
+                given = (dout[:, :, rows], block.q, block.k, block.v, out[:, :, rows], lse[:, :, rows], block.causal,
+                         scale)
+                if block.pieces is not None:
+                    bdq, bdk, bdv = documents_backward(backward, *given, block.pieces, block.keep, dropout)
+                else:
+                    bdq, bdk, bdv = backward(*given, block.mask, block.keep, dropout)
                 dq[:, :, rows] += bdq
                 _wait(grad_requests)  # wait: the gradient so far of the block held has arrived from the previous rank
                 if grads is None:  # the first step: the block's gradient starts here
@@ -315,9 +350,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGr
         k, v: ``[b, G, s, d]`` keys (rotated) and values of the same tokens (``G`` divides ``H``: GQA).
         cp: the context-parallel group; at size 1 this is plain causal SDPA.
         scale: the score scale (default ``1 / sqrt(d)``).
-        attend_mask: None for plain causal attention, else bool ``[b or 1, 1, S, S]`` of the whole sequence in
-            position order, True = may attend; it must be causal (per-document masks are): each block reads the
-            part of it its queries and keys cover.
+        attend_mask: None for plain causal attention; int ``[b, s]`` document starts of this rank's tokens (each
+            block is cut into per-document sub-blocks; the plain choice builds the block's part of the dense mask
+            from them instead); or bool ``[b or 1, 1, S, S]`` of the whole sequence in position order, True = may
+            attend; it must be causal (per-document masks are): each block reads the part of it its queries and
+            keys cover.
         dropout: attention dropout, drawn block by block from the TP stream
             (:func:`domino.parallel.random.tp_region_rng`, which differs per TP and CP rank) and replayed in
             backward; the blocks then run the math kernel (SDPA's fused CPU kernel has no dropout).
@@ -327,6 +364,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGr
     """
     if cp.size == 1:
         with tp_region_rng(dropout > 0):
+            if is_document_starts(attend_mask):
+                return document_attention(q, k, v, attend_mask, dropout, scale)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attend_mask, dropout_p=dropout,
                                                   is_causal=attend_mask is None, scale=scale,
                                                   enable_gqa=k.shape[1] != q.shape[1])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from domino.config import DataConfig
-from domino.data.batch import get_batch, get_ltor_masks_and_position_ids
+from domino.data.batch import dense_document_mask, get_batch, get_ltor_masks_and_position_ids
 from domino.data.errors import DataError
 from domino.data.loader import MegatronPretrainingSampler, build_pretraining_data_loader
 from domino.data.mock import MockGPTDataset
@@ -65,7 +65,9 @@ def test_hand_worked_masks(reset_position_ids, reset_attention_mask, eod_mask_lo
     expected_positions = RESET_POSITIONS if reset_position_ids else [list(range(6))] * 2
     assert positions.tolist() == expected_positions and positions.dtype == torch.long
     assert loss.tolist() == (EOD_LOSS if eod_mask_loss else [[1] * 6] * 2) and loss.dtype == torch.float
-    if reset_attention_mask:
+    if reset_attention_mask:  # document starts [b, s], never the [b, 1, s, s] mask
+        assert mask.dtype == torch.long and mask.shape == (2, 6)
+        mask = dense_document_mask(mask)
         assert mask.dtype == torch.bool and mask.shape == (2, 1, 6, 6)
         assert (~mask[0, 0]).int().tolist() == ALLOWED_ROW0
         assert (~mask[1, 0]).int().tolist() == CAUSAL
@@ -84,7 +86,7 @@ def test_matches_megatron_on_random_batches(reset_position_ids, reset_attention_
                                                            eod_mask_loss)
     assert torch.equal(positions, ref_positions) and torch.equal(loss, ref_loss)
     if reset_attention_mask:
-        assert torch.equal(mask, ref_mask)
+        assert mask.shape == (3, 17) and torch.equal(dense_document_mask(mask), ref_mask)
     else:
         assert mask is None and torch.equal(ref_mask[0, 0], ~torch.ones(17, 17, dtype=torch.bool).tril())
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed_helpers import run_distributed
+from domino.data.batch import dense_document_mask, get_ltor_masks_and_position_ids
 from domino.parallel import ring_attention as R
 from domino.parallel.all_to_all_attention import all_to_all_attention, chunk_orders
 from domino.parallel.context_split import local_token_indices
@@ -94,18 +95,33 @@ def _document_mask(b, s):
     return (causal & (segment.unsqueeze(2) == segment.unsqueeze(1))).unsqueeze(1)
 
 
+def _document_starts(b, s):
+    """``[b, s]`` document starts (documents ending at random places; the last row one document) as the batch
+    gives them, for ``--reset-attention-mask`` without a dense mask."""
+    g = torch.Generator().manual_seed(13)
+    tokens = 1 + torch.randint(0, 5, (b, s), generator=g)
+    tokens[:-1][torch.rand(b - 1, s, generator=g) < 0.2] = 0
+    return get_ltor_masks_and_position_ids(tokens, 0, False, True, False)[0]
+
+
 def _ring_body(rank, world_size, plain, comm_type="p2p", heads=4, groups=2, documents=False):
+    """``documents``: False (causal), True (a dense mask of the whole sequence) or "starts" (each rank's chunks'
+    document starts, the batch's form; compared with SDPA under the dense mask they stand for)."""
     cp = ParallelMesh.build(1, context_parallel_size=world_size).cp
     attention = R.ring_attention if comm_type == "p2p" else all_to_all_attention
     q, k, v = _qkv(7, s=8 * world_size, heads=heads, groups=groups)  # the whole sequence, the same on every rank
+    index = local_token_indices(q.shape[2], cp)
     mask = _document_mask(q.shape[0], q.shape[2]) if documents else None
-    if mask is not None:
+    if documents == "starts":
+        starts = _document_starts(q.shape[0], q.shape[2])
+        mask = ~dense_document_mask(starts)
+        attention = partial(attention, attend_mask=starts.index_select(1, index))
+    elif mask is not None:
         attention = partial(attention, attend_mask=mask)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=mask is None, enable_gqa=heads != groups)
     ref_grads = torch.autograd.grad(ref, full, dout)
-    index = local_token_indices(q.shape[2], cp)
     local = [t.index_select(2, index).requires_grad_(True) for t in (q, k, v)]
     if plain:
         with forced_kernels(PLAIN_KERNELS):
@@ -119,17 +135,22 @@ def _ring_body(rank, world_size, plain, comm_type="p2p", heads=4, groups=2, docu
 
 
 @pytest.mark.parametrize("world_size,plain,documents", [(2, False, False), (4, False, False), (2, True, False),
-                                                        (2, False, True), (4, False, True), (2, True, True)])
+                                                        (2, False, True), (4, False, True), (2, True, True),
+                                                        (2, False, "starts"),
+                                                        (2, True, "starts")])
 def test_ring_attention_equals_unsplit_attention_forward_and_backward(world_size, plain, documents):
     """Each rank's output and its q, k and v gradients equal unsplit SDPA's at its tokens, plain causal and with
     per-document masks, with either block kernel: fails if the chunk order, the per-step visibility, a block's
-    part of the mask, the log-sum-exp merge or the key/value gradients' trip home is wrong."""
+    part of the mask, the log-sum-exp merge or the key/value gradients' trip home is wrong. With each rank's
+    document starts (no dense mask): the per-document sub-blocks (segmented) and the block masks built from the
+    starts (plain) equal SDPA under the dense mask."""
     for errors in run_distributed(_ring_body, world_size, plain, "p2p", 4, 2, documents):
         assert max(errors) < 1e-5, errors
 
 
-def _dropout_body(rank, world_size, p=0.3):
-    """The ring with dropout against unsplit attention given the same masks: the ones the ring drew (recorded)."""
+def _dropout_body(rank, world_size, p=0.3, documents=False):
+    """The ring with dropout against unsplit attention given the same masks: the ones the ring drew (recorded);
+    with ``documents``, under each rank's document starts (the sub-blocks take their parts of the block's masks)."""
     cp = ParallelMesh.build(1, context_parallel_size=world_size).cp
     q, k, v = _qkv(5, s=8 * world_size)
     b, heads, total, _ = q.shape
@@ -137,8 +158,13 @@ def _dropout_body(rank, world_size, p=0.3):
     drawn, draw = [], R._keep_mask
     R._keep_mask = lambda *args: drawn.append(draw(*args)) or drawn[-1]
     local = [t.index_select(2, index).requires_grad_(True) for t in (q, k, v)]
+    hidden = torch.ones(total, total, dtype=torch.bool).triu(1)
+    starts = None
+    if documents:
+        whole = _document_starts(b, total)
+        hidden, starts = dense_document_mask(whole), whole.index_select(1, index)
     torch.manual_seed(100 + rank)
-    out = R.ring_attention(*local, cp, dropout=p)
+    out = R.ring_attention(*local, cp, attend_mask=starts, dropout=p)
     after_forward = torch.get_rng_state()
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
     grads = torch.autograd.grad(out, local, dout.index_select(2, index))
@@ -153,7 +179,7 @@ def _dropout_body(rank, world_size, p=0.3):
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     fq, fk, fv = full[0], *(t.repeat_interleave(2, dim=1) for t in full[1:])
     scores = (fq @ fk.transpose(-1, -2)) * fq.shape[-1] ** -0.5
-    probs = scores.masked_fill(torch.ones(total, total, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
     ref = (probs * kept / (1 - p)) @ fv
     ref_grads = torch.autograd.grad(ref, full, dout)
     want = [ref.detach().index_select(2, index)] + [g.index_select(2, index) for g in ref_grads]
@@ -162,23 +188,25 @@ def _dropout_body(rank, world_size, p=0.3):
     return errors, replayed, torch.equal(after_forward, torch.get_rng_state()), dropped
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_ring_dropout_equals_unsplit_attention_with_the_same_masks(world_size):
+@pytest.mark.parametrize("world_size,documents", [(2, False), (4, False), (2, True)])
+def test_ring_dropout_equals_unsplit_attention_with_the_same_masks(world_size, documents):
     """Dropout block by block, rescaled by the merge, is unsplit dropout: output and gradients equal unsplit
     attention given the masks the ring drew; backward draws the same masks again and leaves the generator as
     forward left it. Fails if a block's probabilities are dropped before the merge's rescaling is right, the
-    backward draws other masks, or the dropped probabilities' gradient is not scaled."""
-    for errors, replayed, generator_kept, dropped in run_distributed(_dropout_body, world_size):
+    backward draws other masks, or the dropped probabilities' gradient is not scaled. Under document starts too
+    (per-document sub-blocks, each taking its part of its block's mask)."""
+    for errors, replayed, generator_kept, dropped in run_distributed(_dropout_body, world_size, 0.3, documents):
         assert max(errors) < 1e-5, errors
         assert replayed and generator_kept
         assert 0.2 < dropped < 0.4, dropped
 
 
 @pytest.mark.parametrize("world_size,heads,groups,documents", [(2, 4, 2, False), (4, 4, 4, False), (4, 8, 4, False),
-                                                                (2, 4, 2, True)])
+                                                                (2, 4, 2, True), (2, 4, 2, "starts")])
 def test_all_to_all_attention_equals_unsplit_attention_forward_and_backward(world_size, heads, groups, documents):
     """The head exchange (``--cp-comm-type a2a``): each rank's output and gradients equal unsplit SDPA's at its
-    tokens (GQA and MHA; and with per-document masks of the whole sequence); fails if the chunks are put in the
+    tokens (GQA and MHA; and with per-document masks of the whole sequence, or each rank's chunks' document
+    starts, gathered); fails if the chunks are put in the
     wrong order or a head group goes to the wrong rank."""
     for errors in run_distributed(_ring_body, world_size, False, "a2a", heads, groups, documents):
         assert max(errors) < 1e-5, errors

@@ -20,6 +20,10 @@ RUN = ["--preset", "tiny", "--mock-data", "--vocab-size", "512", "--num-workers"
 #: (domino/parallel/cross_entropy.py), once per micro-batch; the CUDA choice reads nothing there
 #: (tests/model/test_model_kernels.py::test_tp1_loss_without_host_read_equals_the_softmax_shortcut).
 KNOWN_ELSEWHERE = ("domino/parallel/cross_entropy.py:", "_loss_from_softmax")
+#: The CPU choice of per-document attention (--reset-attention-mask) reads each sample's document lengths on the
+#: host, every layer (domino/parallel/document_attention.py: the tensor is in host memory, so the read waits on
+#: nothing); the CUDA choice reads its cu_seqlens once a batch.
+DOCUMENTS_ON_CPU = "domino/parallel/document_attention.py:"
 #: DeepSpeed 0.19.8's ZeRO-1/2 step reads its overflow decision once, and re-checks the norm once per parameter
 #: group (two: with and without weight decay) in unscale_and_clip_grads (deepspeed/runtime/zero/stage_1_and_2.py).
 DEEPSPEED_ZERO_READS_PER_ITERATION = 3
@@ -61,7 +65,8 @@ def test_tp2_domino_iterations_read_nothing_on_the_host(tmp_path):
                                       "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
                                       "--exit-signal-handler"])
     for events in ranks:
-        assert _step_reads(events, "domino") == []
+        ours = _step_reads(events, "domino")
+        assert [e for e in ours if not e["where"].startswith(DOCUMENTS_ON_CPU)] == [] and ours, ours
         # The probe sees the interval's reads: the device sums come back once per log interval.
         reads = [e for e in events if e["phase"] == "log" and "interval_stats.py" in e["where"]]
         assert sum(e["count"] for e in reads) == ITERS // 3
