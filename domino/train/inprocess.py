@@ -6,8 +6,9 @@ Megatron-LM wraps its training function in nvidia-resiliency-ext's ``inprocess.W
 a fault every rank aborts its communicators, meets the others at a store barrier, and calls the training function
 again, which resumes from the newest checkpoint. :func:`train_with_restarts` is that loop for ``domino pretrain``:
 
-1. the rank whose step raised leaves its groups at once (:func:`domino.runtime.restart.leave`: destroyed, and freed),
-   which makes the peers blocked in a collective with it raise "Connection closed by peer" (reported as a
+1. the rank whose step raised leaves its groups at once (:func:`domino.runtime.restart.leave`: destroyed, and
+   freed; after its ``--async-save`` writer, if one is writing, has ended: step 2), which makes the peers
+   blocked in a collective with it raise "Connection closed by peer" (reported as a
    :class:`~domino.runtime.agreement.PeerLostError`, without waiting: the leaving rank checked in as alive);
 2. each peer leaves its groups in turn; every rank's trainer has closed its hang watch and SIGTERM group, ended
    its goodput attempt as failed, waited for its ``--async-save`` writer and kept that save

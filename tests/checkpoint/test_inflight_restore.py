@@ -91,3 +91,17 @@ def test_the_holders_sweep_spares_its_own_temporary_directories(tmp_path):
     (tmp_path / ".tmp-iter_0000004.deadbeef").mkdir()
     assert leftovers.sweep(tmp_path, TOKEN) == [".tmp-iter_0000004.deadbeef"]
     assert leftovers.sweep(tmp_path) == [f".tmp-iter_0000004.{TOKEN}"]  # a fresh holder's: every one goes
+
+
+def test_a_lost_peer_report_says_an_in_process_restart_may_resume_the_save_in_flight(tmp_path):
+    from domino.checkpoint import checkpointing, on_disk
+    from domino.config import parse_config
+
+    config = _config(tmp_path)
+    _checkpoint(tmp_path / on_disk.checkpoint_tag(2), config, 2)
+    on_disk.write_latest(tmp_path, on_disk.checkpoint_tag(2))
+    assert checkpointing.resume_hint(config) == (
+        f"`latest` in {tmp_path} names iter_0000002: a restart resumes from it (an in-process restart: from the "
+        "save in flight, if every rank wrote its part)")
+    plain = parse_config(["--preset", "tiny", "--mock-data", "--save", str(tmp_path), "--async-save"])
+    assert checkpointing.resume_hint(plain) == f"`latest` in {tmp_path} names iter_0000002: a restart resumes from it"
