@@ -19,7 +19,10 @@ asynchronous saver moves the write off the critical path:
 At most one save is in flight: the next save, SIGTERM and the end of training wait for it. A crash at any
 moment leaves ``latest`` naming the previous complete checkpoint (nothing is renamed before every part is
 durable). A run that fails otherwise abandons the save in flight (its writer thread is a daemon): the
-temporary directory stays uncommitted and the next run sweeps it at its start (:mod:`domino.checkpoint.leftovers`).
+temporary directory stays uncommitted and the next run sweeps it at its start (:mod:`domino.checkpoint.leftovers`);
+with ``--inprocess-restart`` each rank waits for its writer instead (:meth:`AsyncCheckpointSaver.park`) and the
+restarted attempt commits and resumes that save when every rank's part was written
+(:mod:`domino.checkpoint.inflight`).
 
 Why a thread and not DCP's ``async_save`` (torch 2.13 ``state_dict_saver.py``, marked experimental): that
 covers only DCP's files (here the optimizer state), while the model's safetensors shards, the RNG files and the
@@ -43,7 +46,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from domino.checkpoint import checkpointing, on_disk
+from domino.checkpoint import checkpointing, inflight, on_disk
 from domino.config import DominoConfig
 from domino.runtime.mesh import ParallelMesh, collective_device
 from domino.runtime.agreement import AgreedFailure, agree
@@ -76,6 +79,9 @@ class CheckpointSaver:
         """Waits for the save in flight and commits it (none here)."""
         return None
 
+    def park(self) -> None:
+        """After a failed attempt, before an in-process restart: keeps the save in flight (none here)."""
+
 
 class _Pending:
     """A save being written by this rank's background thread."""
@@ -86,6 +92,7 @@ class _Pending:
         self.step = f"saving checkpoint {snapshot.tag}"
         self.error: Optional[BaseException] = None
         self.started = time.perf_counter()
+        self.thread: Optional[threading.Thread] = None
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -146,9 +153,11 @@ class AsyncCheckpointSaver(CheckpointSaver):
             raise checkpointing.discard(snapshot or checkpointing.empty_snapshot(self.config, iteration, self.writer),
                                         failure, self.config) from None
         self._pending = _Pending(snapshot)
-        # Launch: this rank's files written in the background; waited for in poll() (all ranks done) or wait().
-        threading.Thread(target=self._write, args=(self._pending,), name=f"domino-save-{snapshot.tag}",
-                         daemon=True).start()
+        self._pending.thread = threading.Thread(target=self._write, args=(self._pending,), daemon=True,
+                                                name=f"domino-save-{snapshot.tag}")
+        # Launch: this rank's files written in the background; waited for in poll() (all ranks done), wait() or
+        # park().
+        self._pending.thread.start()
         return snapshot.final
 
     def _write(self, pending: _Pending) -> None:
@@ -188,6 +197,23 @@ class AsyncCheckpointSaver(CheckpointSaver):
             return None
         self._pending.done.wait()  # wait: this rank's background writer
         return self._finish()
+
+    def park(self) -> None:
+        """After a failed attempt, before an in-process restart leaves the process groups: waits for this rank's
+        writer to end and keeps what it wrote for the restarted attempt (:mod:`domino.checkpoint.inflight`)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        timeout = 60.0 * self.config.parallel.distributed_timeout_minutes
+        # Wait: the writer's collectives run on its own group, which every rank still holds, so every rank's
+        # writer ends; joined, not only done: the thread holds this saver, and so the mesh's groups.
+        pending.thread.join(timeout)
+        written = not pending.thread.is_alive() and pending.error is None
+        inflight.park(inflight.Parked(str(self.config.checkpoint.save), pending.snapshot.iteration, self.writer,
+                                      written))
+        logger.warning("kept the save of iteration %d in flight at the failure for the restart (%s)",
+                       pending.snapshot.iteration, "this rank's part written" if written else
+                       f"this rank's part not written: {pending.error or 'its writer did not end'}")
 
     def _finish(self) -> Path:
         pending, self._pending = self._pending, None

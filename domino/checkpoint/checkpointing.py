@@ -375,7 +375,9 @@ def resume_hint(config: DominoConfig) -> str:
         latest = None
     if latest is None:
         return f"no checkpoint in {save} yet: a restart begins again"
-    return f"`latest` in {save} names {latest.name}: a restart resumes from it"
+    kept = config.train.inprocess_restart and config.checkpoint.async_save  # domino.checkpoint.inflight
+    return (f"`latest` in {save} names {latest.name}: a restart resumes from it"
+            + (" (an in-process restart: from the save in flight, if every rank wrote its part)" if kept else ""))
 
 
 def _prune(root: Path, keep_last: Optional[int], keep: str, iteration: int) -> None:

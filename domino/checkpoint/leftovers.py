@@ -8,7 +8,9 @@ checkpoint, and no later save reuses it (the next run has another token).
 
 Deleting one is safe only when no live process writes into it, and that is what the exclusive lock on
 ``DIR/.save.lock`` proves: the run that holds it (taken at start-up, before it writes anything) removes every
-``.tmp-iter_*`` in the root, with a log line (:meth:`domino.checkpoint.save_root.SaveRootLock.acquire`). A file
+``.tmp-iter_*`` in the root, with a log line (:meth:`domino.checkpoint.save_root.SaveRootLock.acquire`), but its
+own: an in-process restart carries the failed attempt's writer token over, and with it the save in flight at
+the failure, which the restarted attempt commits or removes (:mod:`domino.checkpoint.inflight`). A file
 system without record locks is never swept.
 
 Only ``.tmp-iter_*`` and ``.trash-iter_*`` directories are removed: never a checkpoint under its final name,
@@ -30,19 +32,25 @@ LEFTOVER_GLOB = ".tmp-iter_*"
 TRASH_GLOB = ".trash-iter_*"
 
 
-def _remove_directories(root: Path, pattern: str) -> List[str]:
+def _remove_directories(root: Path, pattern: str, spare: str = "") -> List[str]:
     removed = []
     for path in sorted(root.glob(pattern)) if root.is_dir() else ():
-        if path.is_dir() and not path.is_symlink():
+        if path.is_dir() and not path.is_symlink() and not (spare and path.name.endswith(spare)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
     return removed
 
 
-def sweep(root: Path) -> List[str]:
+def sweep(root: Path, own_token: str = "") -> List[str]:
     """Removes every interrupted save's temporary directory in ``root``; call only while holding the root
-    (no other live run writes there). Returns the names removed."""
-    removed = _remove_directories(root, LEFTOVER_GLOB)
+    (no other live run writes there). Returns the names removed.
+
+    Args:
+        own_token: the holder's writer token: its own temporary directories stay (an in-process restart's
+            holder carries the failed attempt's token over, for the save in flight then:
+            :mod:`domino.checkpoint.inflight`; a fresh token names none).
+    """
+    removed = _remove_directories(root, LEFTOVER_GLOB, f".{own_token}" if own_token else "")
     if removed:
         logger.warning("removed %d temporary director%s of interrupted saves from %s: %s", len(removed),
                        "y" if len(removed) == 1 else "ies", root, ", ".join(removed))

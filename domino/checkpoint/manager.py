@@ -3,10 +3,11 @@
 The training loop asks one object instead of calling the discovery, resume and save modules itself:
 
 1. :meth:`CheckpointManager.open` takes ``--save`` for this run (:mod:`domino.checkpoint.save_root`: one writer per
-   save root, a predecessor still saving waited for) and then decides, on every rank together, what the run
-   starts from (its own checkpoint
-   under ``--save`` first, else ``--load``, else an older intact one when the newest is damaged:
-   :func:`domino.checkpoint.discovery.find_checkpoint`) and checks that checkpoint against the run
+   save root, a predecessor still saving waited for), commits an in-process restart's save in flight at the
+   failure where every rank's part of it was written (:mod:`domino.checkpoint.inflight`), and then decides, on
+   every rank together, what the run starts from (its own checkpoint under ``--save`` first, else ``--load``,
+   else an older intact one when the newest is damaged: :func:`domino.checkpoint.discovery.find_checkpoint`)
+   and checks that checkpoint against the run
    (:func:`domino.checkpoint.resume.check_resumable`), before anything is built;
 2. :meth:`fit` settles what the model is built with (the checkpoint's padded vocabulary, its ZeRO stage);
 3. :meth:`load` restores the built engine (weights, optimizer, RNG) and returns where to continue;
@@ -26,7 +27,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from domino.checkpoint import async_save, discovery, resume, save_root
+from domino.checkpoint import async_save, discovery, inflight, resume, save_root
 from domino.checkpoint.on_disk import Checkpoint
 from domino.checkpoint.save_root import SaveRootLock
 from domino.config import DominoConfig
@@ -47,6 +48,8 @@ class CheckpointManager:
         warm_start: take only ``resume_from``'s weights (``--finetune``), starting at iteration 0.
         writer: this run's writer token, naming its temporary directories under ``--save``.
         root_lock: rank 0's lock on ``--save`` (None on other ranks and without ``--save``).
+        inflight: the iteration of the save in flight at an in-process restart's failure, committed by
+            :meth:`open` (None when there was none, or not every rank held it complete).
     """
 
     config: DominoConfig
@@ -55,14 +58,19 @@ class CheckpointManager:
     warm_start: bool = False
     writer: str = ""
     root_lock: Optional[SaveRootLock] = None
+    inflight: Optional[int] = None
 
     @classmethod
     def open(cls, config: DominoConfig, mesh: ParallelMesh) -> "CheckpointManager":
         """Decides what the run resumes and checks it against the run (collective: each step ends in an agreement,
         so a rank that fails stops every rank with the same one-line error, before anything is built). ``--save``
         is taken first: a predecessor finishing its last save commits it before this run chooses."""
-        writer, root_lock = save_root.hold(config)
+        c = config.checkpoint
+        keeps = config.train.inprocess_restart and c.async_save and bool(c.save)  # the same on every rank
+        writer, root_lock = save_root.hold(config, inflight.parked_writer(config) if keeps else None)
         try:
+            # Before choosing: a save every rank kept complete is committed, and so the newest checkpoint.
+            kept = inflight.settle(config) if keeps else None
             resume_from, warm_start = agree("choosing the checkpoint to resume",
                                             lambda: discovery.find_checkpoint(config))
             agree("checking the checkpoint against this run", lambda: resume.check_resumable(
@@ -71,7 +79,7 @@ class CheckpointManager:
             if root_lock is not None:
                 root_lock.release()
             raise
-        return cls(config, mesh, resume_from, warm_start, writer, root_lock)
+        return cls(config, mesh, resume_from, warm_start, writer, root_lock, kept)
 
     def fit(self, padded_vocab_size: int) -> int:
         """The padded vocabulary the model is built with (the checkpoint's, where it differs), the ZeRO stage

@@ -71,10 +71,12 @@ class SaveRootLock:
     Args:
         root: the save root (``--save``).
         token: this run's writer token, recorded beside the host and pid (its temporary directories carry it).
+        carried: ``token`` is a failed attempt's of this process (an in-process restart): the sweep spares its
+            temporary directories, the save in flight then (:mod:`domino.checkpoint.inflight`).
     """
 
-    def __init__(self, root: os.PathLike, token: str) -> None:
-        self.root, self.token = Path(root), token
+    def __init__(self, root: os.PathLike, token: str, carried: bool = False) -> None:
+        self.root, self.token, self.carried = Path(root), token, carried
         self._descriptor: Optional[int] = None
         self._waiting = False
 
@@ -132,7 +134,8 @@ class SaveRootLock:
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         atomic_write_text(str(self.root / HOLDER_FILE), json.dumps(
             {"host": socket.gethostname(), "pid": os.getpid(), "started": started, "token": self.token}) + "\n")
-        leftovers.sweep(self.root)  # alone: every temporary directory here is a dead run's
+        # Alone: every temporary directory here is a dead run's, or a carried token's own save in flight.
+        leftovers.sweep(self.root, self.token if self.carried else "")
         leftovers.sweep_trash(self.root)
 
     def release(self) -> None:
@@ -142,9 +145,12 @@ class SaveRootLock:
             self._descriptor = None
 
 
-def hold(config: DominoConfig) -> Tuple[str, Optional[SaveRootLock]]:
+def hold(config: DominoConfig, token: Optional[str] = None) -> Tuple[str, Optional[SaveRootLock]]:
     """Takes ``--save`` for this run (collective). Returns ``(token, lock)``: the writer token every rank names its
     temporary directories with, and rank 0's :class:`SaveRootLock` (None elsewhere, and without ``--save``).
+
+    ``token`` (rank 0's counts): the writer token to carry on, an in-process restart's failed attempt's, whose
+    save in flight is kept from the sweep (:mod:`domino.checkpoint.inflight`); default a new one.
 
     The wait is a series of short agreed rounds (rank 0 tries, every rank learns the outcome), so no rank waits in a
     collective for longer than a try, whatever ``--save-lock-timeout-s`` and ``--distributed-timeout-minutes`` are.
@@ -156,7 +162,7 @@ def hold(config: DominoConfig) -> Tuple[str, Optional[SaveRootLock]]:
     if not c.save:
         return "", None
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    lock = SaveRootLock(c.save, uuid.uuid4().hex[:8]) if rank0 else None
+    lock = SaveRootLock(c.save, token or uuid.uuid4().hex[:8], carried=bool(token)) if rank0 else None
     deadline = time.monotonic() + c.save_lock_timeout_s  # rank 0's clock decides
     shared = dist.is_initialized() and dist.get_world_size() > 1
     while True:

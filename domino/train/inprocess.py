@@ -6,14 +6,17 @@ Megatron-LM wraps its training function in nvidia-resiliency-ext's ``inprocess.W
 a fault every rank aborts its communicators, meets the others at a store barrier, and calls the training function
 again, which resumes from the newest checkpoint. :func:`train_with_restarts` is that loop for ``domino pretrain``:
 
-1. the rank whose step raised leaves its groups at once (:func:`domino.runtime.restart.leave`: destroyed, and freed),
-   which makes the peers blocked in a collective with it raise "Connection closed by peer" (reported as a
+1. the rank whose step raised leaves its groups at once (:func:`domino.runtime.restart.leave`: destroyed, and
+   freed; after its ``--async-save`` writer, if one is writing, has ended: step 2), which makes the peers
+   blocked in a collective with it raise "Connection closed by peer" (reported as a
    :class:`~domino.runtime.agreement.PeerLostError`, without waiting: the leaving rank checked in as alive);
 2. each peer leaves its groups in turn; every rank's trainer has closed its hang watch and SIGTERM group, ended
-   its goodput attempt as failed, and released ``--save`` on the way out of ``pretrain``;
+   its goodput attempt as failed, waited for its ``--async-save`` writer and kept that save
+   (:mod:`domino.checkpoint.inflight`), and released ``--save`` on the way out of ``pretrain``;
 3. all ranks meet on the first rendezvous's store (:func:`~domino.runtime.restart.meet`), form torch.distributed
    and the mesh again under a prefix of the generation (:func:`~domino.runtime.restart.generation_store`), and
-   train again: ``pretrain`` loads the newest checkpoint of ``--load`` and starts a new goodput attempt.
+   train again: ``pretrain`` commits the kept save when every rank's part of it was written, loads the newest
+   checkpoint of ``--load`` (that save, then), logs which state it resumed, and starts a new goodput attempt.
 
 Not restarted: failures every rank agreed on (:class:`~domino.config.ConfigError`, a bad flag or file: the same
 again), a diverged loss, and a rank that does not come to the barrier within the distributed timeout (a dead

@@ -67,7 +67,7 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
                                                          for_training=True))
     # Fail on a garbage --load before building anything.
     checkpoints = CheckpointManager.open(config, mesh)  # first of all: holds --save until the run ends
-    engine = None
+    engine = trainer = None
     try:
         schedule = agree("checking the schedules against the checkpoint", lambda: schedule_check.resumed_schedule(
             checkpoints.resume_from, config, mesh.dp.size, checkpoints.warm_start))
@@ -82,10 +82,19 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
         iteration, consumed = checkpoints.load(engine, padded_vocab_size)
         ledger = Ledger(config.checkpoint.save, enabled=dist.get_rank() == 0)
         ledger.start(origin or AttemptOrigin.new_process(), runtime_ready, model_built, time.time() - model_built, iteration)
+        if origin is not None and origin.inprocess_restart and dist.get_rank() == 0:
+            logger.warning("in-process restart %d resumed from iteration %d: %s", origin.inprocess_restart, iteration,
+                           "the save in flight at the failure" if checkpoints.inflight == iteration else
+                           "the newest checkpoint" if checkpoints.resume_from is not None else "no checkpoint yet")
         trainer = Trainer(config, mesh, checkpoints, engine, dataset_builder, forward_step, padded_vocab_size,
                           tokenizer, get_batch, schedule, ledger)
         return trainer.run(iteration, consumed, checkpoints.own_checkpoint(iteration))
-    except BaseException:
+    except BaseException as error:
+        if trainer is not None and config.train.inprocess_restart and isinstance(error, Exception):
+            try:
+                trainer.saver.park()  # before the groups are left: the save in flight, for the restart to resume
+            except Exception:  # noqa: BLE001  the failure being raised is the one to report; the restart falls back
+                logger.exception("could not keep the save in flight for the in-process restart")
         # ZeRO's gradient hooks live in autograd's C++ side, so the cycle parameter -> hook -> optimizer -> parameter
         # (and the process groups on it) is never collected; DeepSpeed's destroy() removes them (deepspeed 0.19.8
         # runtime/engine.py destroy -> zero/stage_1_and_2.py destroy), so an in-process restart can free the groups.

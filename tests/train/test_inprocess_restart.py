@@ -1,7 +1,9 @@
 """In-process restart (``--inprocess-restart``) with real processes under real torchrun: an exception raised in
 one rank's step (``DOMINO_FAULT_INJECT=raise-in-step@5:1``) while its peer waits in the step's first TP
 collective is survived by the same two processes under ``--max-restarts 0``, and the run ends with the
-uninterrupted run's losses; without the flag the same fault ends the job."""
+uninterrupted run's losses; without the flag the same fault ends the job. With ``--async-save`` the fault comes
+right after the save of iteration 4 began (its commit would come at the next step boundary), and the restart
+resumes that save, not iteration 2's (``domino.checkpoint.inflight``)."""
 
 from __future__ import annotations
 
@@ -34,12 +36,13 @@ def _torchrun(tmp_path, name, extra=(), env=None, timeout=240, tp=2, max_restart
     return subprocess.run(command, env=child_env(env), capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2-zero1-workers"])
+@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2-zero1-workers-async-save"])
 def test_a_step_that_raises_on_one_rank_is_survived_by_the_same_processes(tmp_path, tp):
-    """TP 2: rank 0 waits in the step's first TP broadcast. DP 2 (ZeRO 1, two loader workers per rank): rank 0
-    waits in the gradient reduction, and the failed try's ZeRO hooks must go (DeepSpeed's engine.destroy())."""
-    workers = [] if tp == 2 else ["--num-workers", "2"]
-    plain = _torchrun(tmp_path, "plain", workers, tp=tp)
+    """TP 2: rank 0 waits in the step's first TP broadcast. DP 2 (ZeRO 1, two loader workers per rank,
+    ``--async-save``): rank 0 waits in the gradient reduction, the failed try's ZeRO hooks must go (DeepSpeed's
+    engine.destroy()), and the save of iteration 4, still uncommitted at the fault, is the one resumed."""
+    workers = [] if tp == 2 else ["--num-workers", "2", "--async-save"]
+    plain = _torchrun(tmp_path, "plain", workers[:2], tp=tp)  # saved synchronously: the same losses
     assert plain.returncode == 0, plain.stderr[-3000:]
     proc = _torchrun(tmp_path, "faulted", ["--inprocess-restart", *workers], FAULT, tp=tp)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -56,7 +59,9 @@ def test_a_step_that_raises_on_one_rank_is_survived_by_the_same_processes(tmp_pa
     woken = re.search(r"\[rank 0\] WARNING .*in-process restart 1 of 3 after: PeerLostError: (.*)", log)
     assert woken and "every rank still answers" in woken.group(1), log[-4000:]
     assert "rank 0 saw: Connection closed by peer" in woken.group(1), log[-4000:]
-    assert "resumed from" in log and "iter_0000004" in log
+    assert re.search(r"resumed from \S*iter_0000004 at iteration 4", log), log[-4000:]
+    kept = "the save in flight at the failure" if tp == 1 else "the newest checkpoint"
+    assert f"in-process restart 1 resumed from iteration 4: {kept}" in log, log[-4000:]
     losses, expected = train_losses(tmp_path / "faulted.jsonl"), train_losses(tmp_path / "plain.jsonl")
     assert sorted(losses) == list(range(1, 9))
     assert [losses[i] for i in range(5, 9)] == [expected[i] for i in range(5, 9)]
@@ -66,6 +71,7 @@ def test_a_step_that_raises_on_one_rank_is_survived_by_the_same_processes(tmp_pa
     starts = [e for e in events if e["event"] == "start"]
     assert [e["pid"] for e in starts] == [int(formed["0"])] * 2
     assert [e.get("inprocess_restart", 0) for e in starts] == [0, 1]
+    assert [e["loaded_iteration"] for e in starts] == [0, 4]
     failed_end = next(e["t"] for e in events if e["event"] == "end")
     assert starts[0]["process_start"] < starts[1]["process_start"] <= failed_end + 1  # began at the failure
     report = account(events)
