@@ -55,9 +55,16 @@ def _run_child(mode: str) -> subprocess.CompletedProcess:
 
 
 def test_the_control_child_aborts_when_finalization_meets_a_gloo_worker():
-    proc = _run_child("control")
-    assert "leaving through sys.exit" in proc.stdout
-    assert proc.returncode == -signal.SIGABRT, (proc.returncode, proc.stderr[-2000:])
+    """The hazard is a race the child only makes likely: on a loaded machine the worker can wake after the
+    interpreter is gone (about one run in five here at load 4), so the control gets three tries to show it."""
+    runs = []
+    for _ in range(3):
+        proc = _run_child("control")
+        assert "leaving through sys.exit" in proc.stdout
+        runs.append(proc.returncode)
+        if proc.returncode == -signal.SIGABRT:
+            break
+    assert runs[-1] == -signal.SIGABRT, (runs, proc.stderr[-2000:])
 
 
 def test_the_domino_command_line_leaves_cleanly_after_torch_distributed():
