@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from train.train_helpers import child_env, run_pretrain
+from train.train_helpers import run_pretrain
 
 from domino.checkpoint import distributed_io, fragment_io, model_shards, sharding
 from domino.checkpoint.on_disk import Checkpoint
@@ -19,9 +18,17 @@ ARGS = ["--preset", "tiny", "--mock-data", "--vocab-size", "256", "--log-interva
         "--seed", "7", "--train-iters", "2", "--eval-iters", "0", "--eval-interval", "0", "--zero-stage", "1"]
 
 
-def _domino(*args):
-    return subprocess.run([sys.executable, "-m", "domino", "checkpoint", *args], env=child_env(),
-                          capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def domino(capsys):
+    """``domino checkpoint ARGS`` in this process (no interpreter start per call), as a completed process."""
+    from domino.cli.main import main
+
+    def run(*args) -> subprocess.CompletedProcess:
+        with pytest.raises(SystemExit) as done:
+            main(["checkpoint", *args])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(["domino", "checkpoint", *args], done.value.code or 0, out.out, out.err)
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +38,8 @@ def saved(tmp_path_factory):
     return root
 
 
-def test_inspect_reports_the_checkpoint_and_finds_a_flipped_byte(saved, tmp_path):
-    proc = _domino("inspect", "--load", str(saved), "--json", "--no-progress")
+def test_inspect_reports_the_checkpoint_and_finds_a_flipped_byte(saved, tmp_path, domino):
+    proc = domino("inspect", "--load", str(saved), "--json", "--no-progress")
     assert proc.returncode == 0, proc.stderr[-2000:]
     found = json.loads(proc.stdout)
     assert (found["iteration"], found["format_version"], found["optimizer"]) == (2, 2, "by-name")
@@ -48,12 +55,12 @@ def test_inspect_reports_the_checkpoint_and_finds_a_flipped_byte(saved, tmp_path
     data = bytearray(target.read_bytes())
     data[-1] ^= 0xFF
     target.write_bytes(bytes(data))
-    proc = _domino("inspect", "--load", str(damaged), "--no-progress")
+    proc = domino("inspect", "--load", str(damaged), "--no-progress")
     assert proc.returncode == 1 and "integrity: DAMAGED:" in proc.stdout and target.name in proc.stdout
 
 
-def test_convert_cuts_the_model_for_another_tp_size_and_writes_one_file_per_tensor(saved, tmp_path):
-    proc = _domino("convert", "--load", str(saved), "--tensor-model-parallel-size", "2",
+def test_convert_cuts_the_model_for_another_tp_size_and_writes_one_file_per_tensor(saved, tmp_path, domino):
+    proc = domino("convert", "--load", str(saved), "--tensor-model-parallel-size", "2",
                    "--output", str(tmp_path / "tp2"), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-2000:]
     full = model_shards.load_full_state_dict(saved / "iter_0000002")
@@ -63,9 +70,9 @@ def test_convert_cuts_the_model_for_another_tp_size_and_writes_one_file_per_tens
         expected = sharding.shard_state_dict(full, rank, 2)
         assert sorted(shard) == sorted(expected) and all(torch.equal(shard[k], expected[k]) for k in shard)
     # Its own manifest holds.
-    assert _domino("inspect", "--load", str(tmp_path / "tp2"), "--no-progress").returncode == 0
+    assert domino("inspect", "--load", str(tmp_path / "tp2"), "--no-progress").returncode == 0
 
-    proc = _domino("convert", "--load", str(saved), "--per-tensor", "--output", str(tmp_path / "flat"),
+    proc = domino("convert", "--load", str(saved), "--per-tensor", "--output", str(tmp_path / "flat"),
                    "--no-progress")
     assert proc.returncode == 0, proc.stderr[-2000:]
     optimizer = fragment_io.read_state(Checkpoint.read(saved / "iter_0000002"))
@@ -74,5 +81,5 @@ def test_convert_cuts_the_model_for_another_tp_size_and_writes_one_file_per_tens
     name = "exp_avg_sq.layers.0.attention.query_key_value.weight"
     assert torch.equal(load_file(str(tmp_path / "flat" / "optimizer" / f"{name}.safetensors"))[name], optimizer[name])
 
-    again = _domino("convert", "--load", str(saved), "--per-tensor", "--output", str(tmp_path / "flat"))
+    again = domino("convert", "--load", str(saved), "--per-tensor", "--output", str(tmp_path / "flat"))
     assert again.returncode == 2 and "is not empty" in again.stderr
