@@ -7,6 +7,8 @@ Every collective of :mod:`domino.parallel.collectives` starts here, in :func:`la
   synchronously inside ``wait()``, :mod:`domino.runtime.network_emulator`);
 * sleeps whatever remains of the emulated link's time for it (none without ``DOMINO_SIMULATED_NETWORK``);
 * adds the host time it blocked to its group's :class:`CommTimer`, under the site label of its launch;
+* leaves the group's timer knowing the last collective entered and those launched but not yet waited for (what
+  ``--hang-timeout-s`` reports, :mod:`domino.runtime.hang_watch`);
 * keeps the collective's send buffer alive until then.
 
 The counters are an object each mesh group carries, not module state: the training loop reads and resets its
@@ -41,6 +43,10 @@ class CommTimer:
         self._label: Optional[str] = None
         # CUDA: ``(site, start event, end event)`` of the waits since the last pop, resolved into the counts then.
         self._device_waits: List[Tuple[str, object, object]] = []
+        #: The site of the last collective launched, and the launched ones not yet waited for (by handle id): what
+        #: the hang watch reports (read from its thread; plain attribute and dict operations, atomic under the GIL).
+        self.entered: Optional[str] = None
+        self.in_flight: Dict[int, str] = {}
 
     @contextlib.contextmanager
     def site(self, name: Optional[str]) -> Iterator[None]:
@@ -141,6 +147,7 @@ class CommHandle:
             return True
         finally:
             self.timer.count(time.perf_counter() - started, self.site)
+            self.timer.in_flight.pop(id(self), None)
             self.source, self.started = None, None
 
     def _wait_on_device(self) -> bool:
@@ -148,6 +155,7 @@ class CommHandle:
         start = self.started_event or _device_event(self.source)
         self.work.wait()  # orders the current stream after the collective: the stream stalls, the host does not
         self.timer.add_device_wait(self.site, start, _device_event(self.source))
+        self.timer.in_flight.pop(id(self), None)
         self.source, self.started, self.started_event = None, None, None
         return True
 
@@ -195,7 +203,11 @@ def launch(collective: Callable[[bool], object], wire_bytes: float, source: torc
     link, timer = group.link, group.timer
     due = link.launch(wire_bytes) if link is not None else None
     site = timer.current_site(kind)
+    timer.entered = site
     if link is not None and link.spec.transfer == "wait":  # gloo moves the data in wait(), after the others' work
-        return CommHandle(None, lambda: collective(False), link, due, timer, site, source, started)
-    # Async launch: the caller computes meanwhile and reads the result only after the handle's wait().
-    return CommHandle(collective(True), None, link, due, timer, site, source, started, started_event)
+        handle = CommHandle(None, lambda: collective(False), link, due, timer, site, source, started)
+    else:
+        # Async launch: the caller computes meanwhile and reads the result only after the handle's wait().
+        handle = CommHandle(collective(True), None, link, due, timer, site, source, started, started_event)
+    timer.in_flight[id(handle)] = site
+    return handle

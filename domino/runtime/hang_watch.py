@@ -44,6 +44,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from domino.runtime.comm_timing import CommTimer
+
 logger = logging.getLogger(__name__)
 
 #: The exit status of a rank that found a hung peer: 128 + SIGALRM (14), retryable under ``ExitCode``.
@@ -65,12 +67,16 @@ class HangWatch:
         long_phase_timeout_s: the same for other phases (the first step, saves, evaluation).
         on_hang: called with the report line before the process exits (the goodput ledger's last record).
         store: the rendezvous store (default: the default group's).
+        timers: the mesh groups' comm timers by name (``{"tp": ..., "cp": ...}``): the last collective each rank
+            entered goes into its heartbeat, and a stalled rank dumps its collectives in flight.
     """
 
     def __init__(self, timeout_s: Optional[float], long_phase_timeout_s: float,
-                 on_hang: Optional[Callable[[str], None]] = None, store=None) -> None:
+                 on_hang: Optional[Callable[[str], None]] = None, store=None,
+                 timers: Optional[Dict[str, CommTimer]] = None) -> None:
         self.fixed_timeout_s, self.long_phase_timeout_s = timeout_s, long_phase_timeout_s
         self.on_hang = on_hang
+        self.timers = timers or {}
         self.iteration, self.phase = 0, "first step"
         self.progressed_at = time.time()
         self.recent_steps: List[float] = []  # seconds, the last 20 steps
@@ -117,7 +123,7 @@ class HangWatch:
     def _beat(self) -> None:
         self.store.set(KEY.format(restart=self.restart, rank=self.rank), json.dumps({
             "t": time.time(), "iteration": self.iteration, "phase": self.phase, "host": self.host, "pid": self.pid,
-            "progressed_at": self.progressed_at}))
+            "progressed_at": self.progressed_at, "collective": last_collective(self.timers)}))
 
     def _watch(self) -> None:
         while not self._stop.wait(self.beat_s):
@@ -145,7 +151,8 @@ class HangWatch:
                 for r, key in zip([r for r in range(self.world) if r != self.rank], keys)}
 
     def _report_and_exit(self, stalled: float, limit: float, peers: Dict[int, Optional[dict]]) -> None:
-        line = hang_report(self.rank, self.iteration, self.phase, stalled, limit, peers, time.time(), self.silent_s)
+        line = hang_report(self.rank, self.iteration, self.phase, stalled, limit, peers, time.time(), self.silent_s,
+                           last_collective(self.timers))
         logger.error("%s", line)
         if self.on_hang is not None:
             try:
@@ -155,9 +162,22 @@ class HangWatch:
         for handler in logging.getLogger().handlers:
             handler.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)  # where this rank waits
+        sys.stderr.write(f"collectives in flight on rank {self.rank} (domino's comm records): "
+                         f"{collectives_in_flight(self.timers) or 'none'}\n")
         _dump_flight_recorder()
         sys.stderr.flush()
         os._exit(HANG_EXIT_CODE)  # the training thread is blocked in C++: only the process can end here
+
+
+def last_collective(timers: Dict[str, CommTimer]) -> Optional[str]:
+    """The collective this rank entered last, with its group (``"tp: fwd attention, mid layer, chunk 0"``)."""
+    entered = [f"{name}: {timer.entered}" for name, timer in timers.items() if timer.entered]
+    return "; ".join(entered) or None
+
+
+def collectives_in_flight(timers: Dict[str, CommTimer]) -> str:
+    """The collectives launched and not yet waited for, by group: gloo keeps no flight recorder, these do."""
+    return "; ".join(f"{name}: {site}" for name, timer in timers.items() for site in list(timer.in_flight.values()))
 
 
 def culprits(iteration: int, peers: Dict[int, Optional[dict]], now: float, silent_s: float) -> List[int]:
@@ -171,11 +191,13 @@ def culprits(iteration: int, peers: Dict[int, Optional[dict]], now: float, silen
 
 
 def hang_report(rank: int, iteration: int, phase: str, stalled: float, limit: float,
-                peers: Dict[int, Optional[dict]], now: float, silent_s: float) -> str:
-    """The one line a stalled rank logs before it exits."""
+                peers: Dict[int, Optional[dict]], now: float, silent_s: float,
+                collective: Optional[str] = None) -> str:
+    """The one line a stalled rank logs before it exits (``collective``: the last one this rank entered)."""
     found = culprits(iteration, peers, now, silent_s)
+    waits = f", last collective entered {collective}" if collective else ""
     head = (f"no progress on rank {rank} for {stalled:.0f} s (limit {limit:g} s, --hang-timeout-s) after iteration "
-            f"{iteration} in '{phase}': ")
+            f"{iteration} in '{phase}'{waits}: ")
     if not found:
         return head + ("every rank waits at the same point (a collective that does not complete: the network, or a "
                        f"device); exiting {HANG_EXIT_CODE}")
@@ -188,8 +210,9 @@ def hang_report(rank: int, iteration: int, phase: str, stalled: float, limit: fl
         silent = now - float(hb["t"])
         why = (f"its heartbeat stopped {silent:.0f} s ago: the process is stopped or frozen" if silent > silent_s
                else "it is behind the others")
+        entered = f", last collective entered {hb['collective']}" if hb.get("collective") else ""
         named.append(f"rank {r} (host {hb['host']}, pid {hb['pid']}, last iteration {hb['iteration']} in "
-                     f"'{hb['phase']}'; {why})")
+                     f"'{hb['phase']}'{entered}; {why})")
     return head + "held by " + "; ".join(named) + f"; exiting {HANG_EXIT_CODE}"
 
 

@@ -282,7 +282,8 @@ class Trainer:
         self.stop = StopSignal(self.config.train.exit_signal_handler, self.config.parallel.distributed_timeout_minutes)
         p = self.config.parallel
         self.hang = HangWatch(p.hang_timeout_s, 60.0 * p.distributed_timeout_minutes, on_hang=lambda line: (
-            self.ledger.record("end", how="hung", iteration=self.completed, loop_end=self.hang.progressed_at)))
+            self.ledger.record("end", how="hung", iteration=self.completed, loop_end=self.hang.progressed_at)),
+            timers={"tp": self.mesh.tp.timer, "cp": self.mesh.cp.timer})
         if dist.get_rank() == 0:
             for warning in startup_warnings(self.config, self.engine):
                 logger.warning("%s", warning)

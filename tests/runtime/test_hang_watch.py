@@ -14,9 +14,10 @@ import sys
 import time
 
 import pytest
+import torch
 
 from domino.launch.processes import alive, children, process_tree, signal_tree
-from domino.runtime.hang_watch import HANG_EXIT_CODE, culprits, hang_report
+from domino.runtime.hang_watch import HANG_EXIT_CODE, collectives_in_flight, culprits, hang_report, last_collective
 from train.train_helpers import child_env, pretrain_command, rank_of, read_metrics
 
 ARGS = ["--preset", "tiny", "--seed", "7", "--mock-data", "--vocab-size", "256", "--num-workers", "0",
@@ -61,6 +62,9 @@ def test_a_stopped_rank_is_named_by_its_peer_within_the_timeout(tmp_path, layout
     assert "[rank 0] ERROR" in line and f"pid {stopped}" in line and "its heartbeat stopped" in line, line
     assert f"exiting {HANG_EXIT_CODE}" in line
     assert "Stack (most recent call first)" in output or "Current thread" in output  # faulthandler's dump
+    assert "collectives in flight on rank 0 (domino's comm records): " in output
+    if not layout:  # TP 2: rank 0 names the TP collective it waits in (a pipeline without TP has none of ours)
+        assert ", last collective entered tp: " in line.split("held by", 1)[0], line
     ledger = json.loads(subprocess.run([sys.executable, "-m", "domino", "goodput", "--load", str(tmp_path / "ckpt"),
                                         "--json"], capture_output=True, text=True, check=True).stdout)
     assert [a["how"] for a in ledger["per_attempt"]] == ["hung"]  # the goodput ledger's record of it
@@ -83,3 +87,25 @@ def test_the_culprit_is_the_silent_rank_else_the_rank_behind_else_none():
     assert "held by rank 1 (host n1, pid 42, last iteration 6 in 'step'; it is behind the others)" in line
     assert "every rank waits at the same point" in hang_report(0, 7, "step", 61, 30, {1: _hb(99.5, 7)}, now, 5)
     assert json.dumps(_hb(1, 2))  # heartbeats are plain JSON in the store
+    behind = dict(_hb(99.5, 6), collective="tp: fwd mlp, last layer, chunk 0")
+    line = hang_report(0, 7, "step", 31, 30, {1: behind}, now, 5, "tp: fwd attention, first layer, chunk 1")
+    assert "after iteration 7 in 'step', last collective entered tp: fwd attention, first layer, chunk 1: " in line
+    assert "last iteration 6 in 'step', last collective entered tp: fwd mlp, last layer, chunk 0; it is behind" in line
+
+
+def test_the_comm_records_know_the_collective_entered_and_those_in_flight():
+    from domino.runtime.comm_timing import comm_site, launch
+    from domino.runtime.mesh import MeshGroup
+
+    class Work:  # a torch.distributed work that is done
+        def wait(self):
+            return True
+
+    group = MeshGroup.shapes_only(1)
+    with comm_site("fwd attention, first layer, chunk 0", group):
+        handle = launch(lambda async_op: Work(), 8.0, torch.ones(2), group)
+    assert collectives_in_flight({"tp": group.timer}) == "tp: fwd attention, first layer, chunk 0"
+    timers = {"tp": group.timer}
+    assert last_collective(timers) == "tp: fwd attention, first layer, chunk 0"
+    handle.wait()  # waited: no longer in flight
+    assert collectives_in_flight(timers) == ""
