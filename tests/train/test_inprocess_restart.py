@@ -79,14 +79,16 @@ def test_a_step_that_raises_on_one_rank_is_survived_by_the_same_processes(tmp_pa
     assert "in-process restarts (--inprocess-restart): 1, recovering in" in format_report(report)
 
 
-def test_a_torchrun_worker_restart_forms_the_groups_again_on_the_agents_shared_store(tmp_path):
-    """Without --inprocess-restart, under `torchrun --max-restarts 1 --master-addr ... --master-port ...` (its
-    static rendezvous: one TCPStore, the agent's, for every round): torchrun restarts both workers, which resume
-    from iteration 4. Before the round's prefix (domino.runtime.state.restarted_round_store) the restarted ranks
-    read the first round's keys and waited in init_process_group until the test's timeout."""
-    proc = _torchrun(tmp_path, "faulted", env=FAULT, max_restarts=1, timeout=120)
+def test_a_dead_rank_takes_torchruns_worker_restart_which_forms_the_groups_again_on_the_shared_store(tmp_path):
+    """Rank 1 dies in its step 5 (SIGKILL) under --inprocess-restart and `torchrun --max-restarts 1 --master-addr
+    ... --master-port ...` (its static rendezvous: one TCPStore, the agent's, for every round). No process can
+    come back in-process: torchrun sees the dead worker and restarts both (rank 0 may be losing its peer, or
+    waiting for it at the restart barrier), which resume from iteration 4. Before the round's prefix (domino.runtime.state.restarted_round_store) the restarted
+    ranks read the first round's keys and waited in init_process_group until the test's timeout."""
+    proc = _torchrun(tmp_path, "faulted", ["--inprocess-restart"], {"DOMINO_FAULT_INJECT": "kill-in-step@5:1"},
+                     max_restarts=1, timeout=120)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    assert "fault injection: rank 1" in proc.stderr and "in-process restart" not in proc.stderr
+    assert "fault injection: rank 1" in proc.stderr and "dies in its step 5" in proc.stderr
     assert "resumed from" in proc.stderr and "iter_0000004" in proc.stderr
     assert "shares its agent's TCPStore" not in proc.stderr  # one node: no line
     assert sorted(train_losses(tmp_path / "faulted.jsonl")) == list(range(1, 9))
