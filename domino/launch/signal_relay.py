@@ -24,6 +24,10 @@ signal's number when a relayed signal ended a failing command (143 for SIGTERM: 
 ``ExitCode`` restart policy, as a container killed by SIGTERM is). ``--grace-period-s`` is exported to the ranks
 as ``DOMINO_GRACE_PERIOD_S``: the time they really have after a SIGTERM (:func:`domino.train.preemption.
 grace_period_s`). It imports nothing but the standard library and :mod:`domino.launch.processes`.
+
+A torchrun that runs ``-m domino`` is started as ``python -m domino.cli.torchrun`` with the same arguments: the same
+torchrun, with the ranks forked from an agent that imported torch, DeepSpeed and domino once
+(:func:`warm_torchrun`; ``DOMINO_WARM_RANKS=0`` keeps plain torchrun).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from domino.launch.processes import alive, children, container_exit_code, signal_tree
 
@@ -45,9 +49,10 @@ POLL_S = 0.1
 
 
 def is_torchrun(command: List[str]) -> bool:
-    """Whether ``command`` starts torchrun (``torchrun ...`` or ``python -m torch.distributed.run ...``)."""
-    return bool(command) and (os.path.basename(command[0]) == "torchrun" or command[1:3] == [
-        "-m", "torch.distributed.run"])
+    """Whether ``command`` starts torchrun (``torchrun ...``, ``python -m torch.distributed.run ...``, or its warm
+    form ``python -m domino.cli.torchrun ...``)."""
+    return bool(command) and (os.path.basename(command[0]) == "torchrun" or command[1:3] in (
+        ["-m", "torch.distributed.run"], ["-m", "domino.cli.torchrun"]))
 
 
 #: torchrun's options that take no value (torch 2.13 ``distributed/run.py``, ``get_args_parser``).
@@ -55,18 +60,42 @@ _TORCHRUN_FLAGS = {"-m", "--module", "--no-python", "--no_python", "--standalone
                    "--virtual-local-rank", "--virtual_local_rank"}
 
 
+def _torchrun_options(command: List[str]) -> Tuple[int, Dict[str, str], int]:
+    """Where torchrun's own arguments start in ``command``, its options (``{name: value}``, ``""`` for a flag), and
+    the index of the program it runs (``len(command)`` when none follows)."""
+    start = 1 if os.path.basename(command[0]) == "torchrun" else 3
+    options: Dict[str, str] = {}
+    i = start
+    while i < len(command) and command[i].startswith("-"):  # torchrun's options, up to the program
+        name, equals, value = command[i].partition("=")
+        if equals or name in _TORCHRUN_FLAGS:
+            options[name], i = value, i + 1
+        else:
+            options[name], i = (command[i + 1] if i + 1 < len(command) else ""), i + 2
+    return start, options, i
+
+
 def torchrun_max_restarts(command: List[str]) -> int:
     """torchrun's ``--max-restarts`` (``--max_restarts``) in ``command``: 0 when absent or not torchrun."""
     if not is_torchrun(command):
         return 0
-    i = 1 if os.path.basename(command[0]) == "torchrun" else 3
-    while i < len(command) and command[i].startswith("-"):  # torchrun's options, up to the program
-        name, equals, value = command[i].partition("=")
-        if name in ("--max-restarts", "--max_restarts"):
-            value = value if equals else (command[i + 1] if i + 1 < len(command) else "")
-            return int(value) if value.isdigit() else 0
-        i += 1 if equals or name in _TORCHRUN_FLAGS else 2
-    return 0
+    _, options, _ = _torchrun_options(command)
+    value = options.get("--max-restarts", options.get("--max_restarts", "0"))
+    return int(value) if value.isdigit() else 0
+
+
+def warm_torchrun(command: List[str], env: dict) -> List[str]:
+    """``command``, or for torchrun running ``-m domino`` the same arguments to ``python -m domino.cli.torchrun``,
+    which forks the ranks from an agent that imported torch, DeepSpeed and domino once (unless ``env`` has
+    ``DOMINO_WARM_RANKS=0``)."""
+    if not is_torchrun(command) or env.get("DOMINO_WARM_RANKS") == "0":
+        return command
+    start, options, program = _torchrun_options(command)
+    module = "-m" in options or "--module" in options
+    if not module or program >= len(command) or command[program] != "domino" or {
+            "--no-python", "--no_python", "--run-path", "--run_path"} & options.keys():
+        return command
+    return [sys.executable, "-m", "domino.cli.torchrun", *command[start:]]
 
 
 def command_environment(command: List[str], env: dict) -> dict:
@@ -133,7 +162,7 @@ def run(command: List[str], grace_period_s: Optional[int] = None) -> int:
     env = dict(os.environ)
     if grace_period_s is not None:
         env[GRACE_PERIOD_ENV] = str(grace_period_s)
-    relay = Relay(command, command_environment(command, env))
+    relay = Relay(warm_torchrun(command, env), command_environment(command, env))
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, relay.on_signal)
     while True:

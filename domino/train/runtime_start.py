@@ -40,7 +40,7 @@ def untested_deepspeed(version: str) -> Optional[str]:
             f"{TESTED_DEEPSPEED} only (pip install deepspeed=={TESTED_DEEPSPEED})")
 
 
-def _import_deepspeed_without_its_autotuners_mlflow() -> None:
+def import_deepspeed() -> None:
     """Imports DeepSpeed, hiding MLflow from its autotuner for the length of the import.
 
     deepspeed 0.19.8 imports ``autotuning/autotuner.py`` with the package, which tries ``import mlflow`` at
@@ -69,7 +69,7 @@ def _skip_shared_memory_op() -> None:
     if torch.cuda.is_available():
         return
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    _import_deepspeed_without_its_autotuners_mlflow()
+    import_deepspeed()
     import deepspeed.comm.torch  # noqa: F401  (make sure the module object exists)
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *args, **kwargs: None
@@ -119,7 +119,7 @@ def initialize_runtime(config: DominoConfig, store: Optional[torch.distributed.S
     _skip_shared_memory_op()
     # Only now, with DS_ACCELERATOR set: DeepSpeed picks its accelerator once, at import (deepspeed 0.19.8
     # runtime/utils.py calls get_accelerator() at module level; accelerator/real_accelerator.py caches it).
-    _import_deepspeed_without_its_autotuners_mlflow()
+    import_deepspeed()
     import deepspeed
 
     line = untested_deepspeed(deepspeed.__version__)

@@ -104,7 +104,7 @@ def test_deepspeed_is_imported_without_mlflow_which_stays_importable_after():
     import sys
 
     code = ("import sys; from domino.train import runtime_start; "
-            "runtime_start._import_deepspeed_without_its_autotuners_mlflow(); "
+            "runtime_start.import_deepspeed(); "
             "from deepspeed.autotuning import autotuner; print('mlflow' in sys.modules, autotuner.has_mlflow); "
             "import mlflow; print(mlflow.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
