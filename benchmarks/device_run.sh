@@ -5,8 +5,8 @@
 #
 #   1. install what the machine lacks from .gpu-bundle (offline; refuses a torch outside pyproject's range)  40 s
 #   2. the smoke stage in its own process: versions, one-rank NCCL, GEMM and SDPA ceilings, one compile      75 s
-#   3. the training stages (search, main, chunks_2, llama), each in its SIGALRM time box inside            335 s
-#      (--budget-s 320: 274 s of boxes, the rest for imports and engine set-up)
+#   3. the training stages (search, main, chunks_2, llama, cp_2), each in its SIGALRM time box inside      335 s
+#      (--budget-s 320: 256 s of boxes, the rest for imports and engine set-up)
 # 450 s of boxes, plus at most 10 s per step between timeout's TERM and KILL: 480 s at most.
 #
 # Each stage writes $OUT/<stage>.json as it ends (gpu_check_stages.run_stage), so a later failure, a hang
@@ -37,5 +37,5 @@ if [[ " $* " != *" --dry-run "* ]]; then
   export PYTHONPATH="$PWD/.gpu-bundle/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 step smoke 75 "$PY" benchmarks/gpu_check.py --stages smoke "$@" > "$OUT/smoke_stdout.json"
-step training 335 "$PY" benchmarks/gpu_check.py --stages search,main,chunks_2,llama --budget-s 320 "$@" > "$OUT/training_stdout.json"
+step training 335 "$PY" benchmarks/gpu_check.py --stages search,main,chunks_2,llama,cp_2 --budget-s 320 "$@" > "$OUT/training_stdout.json"
 exit $status

@@ -17,14 +17,16 @@ the device-decided step of ``domino.train.bf16_step``, torch AdamW), at TP=1 on 
   made from Python numbers (host-to-device copies the host waits for);
 * ``loss_curve``: 20 steps from initialisation on the fixed batch, which a working step must memorise: the
   script exits 1 when the loss does not fall;
+* ``cp_2``: ring attention at CP 2 over 32k tokens through the device's fused blocks against unsplit SDPA
+  (``gpu_check_cp``: both ranks as threads on the one device);
 * ``llama``: the same loss curve, tokens/s and MFU at micro-batch 1 for a LLaMA-architecture preset (rotary
   positions, RMSNorm, SwiGLU, grouped-query attention, untied output layer), ``--llama-preset`` (default
   ``llama2-7b``, its own 32,000-token vocabulary) cut to ``--llama-layers`` layers (default 4, about 1.1B
   parameters), at TP=1 whatever the preset says (the vocabulary padded for TP=1).
 
-The check runs in stages (``STAGE_BOXES``: ``smoke``, ``search``, ``main``, ``chunks_2``, ``llama``; ``--stages``
-picks some): each in a time box (its share of ``--budget-s``), each writing ``$OUT/<stage>.json`` the moment it
-ends and catching its own error in one line (``errors`` in the JSON; ``gpu_check_stages.run_stage``), so a
+The check runs in stages (``STAGE_BOXES``: ``smoke``, ``search``, ``main``, ``chunks_2``, ``llama``, ``cp_2``;
+``--stages`` picks some): each in a time box (its share of ``--budget-s``), each writing ``$OUT/<stage>.json``
+the moment it ends and catching its own error in one line (``errors`` in the JSON; ``gpu_check_stages.run_stage``), so a
 late NCCL, compile or cuBLAS error keeps the stages that finished. The ``smoke`` stage (versions, one-rank
 NCCL, GEMM and SDPA ceilings, one compile: ``gpu_check_stages.smoke``) runs first. Every stage that builds an
 engine halves its micro-batch and retries on out-of-memory (``oom_retries``); a stage that cannot fit at
@@ -69,6 +71,7 @@ from domino.parallel.kernels import c_compiler, kernels_for  # noqa: E402
 from domino.train import engine as engine_setup, runtime_start  # noqa: E402
 from domino.train.host_syncs import syncs_per_step  # noqa: E402
 from domino.train.throughput import detect_peak_tflops, training_flops_per_token  # noqa: E402
+from gpu_check_cp import cp_2_stage  # noqa: E402
 from gpu_check_stages import LOSS_STEPS, STAGE_BOXES, check_result, run_stage, smoke, write_json  # noqa: E402,F401
 
 OutOfMemory = torch.cuda.OutOfMemoryError
@@ -307,6 +310,10 @@ def measure(args, report: Dict[str, Any]) -> Dict[str, Any]:
     if llama is None:
         llama = {"error": report["errors"]["llama"]} if "llama" in report["errors"] else {
             "skipped": report["skipped"].get("llama", "?")}
+    cp_2 = _stage(args, "cp_2", lambda: cp_2_stage(device, args.dry_run), report)  # the ring's fused blocks
+    if cp_2 is None:
+        cp_2 = {"error": report["errors"]["cp_2"]} if "cp_2" in report["errors"] else {
+            "skipped": report["skipped"].get("cp_2", "?")}
     peak = detect_peak_tflops()
     tflops = main["flops_per_token"] * tokens_per_s["chunks_1"] / 1e12
     return {
@@ -320,7 +327,7 @@ def measure(args, report: Dict[str, Any]) -> Dict[str, Any]:
         "tflops_per_device": tflops, "peak_tflops": peak, "mfu": tflops / peak if peak else None,
         "peak_memory_gb": main["memory"]["allocated"], "peak_reserved_gb": main["memory"]["reserved"],
         "syncs_per_iteration": main["syncs"]["per_iteration"], "syncs": main["syncs"],
-        "loss_curve": main["losses"], "loss_falls": _loss_falls(main["losses"]), "llama": llama,
+        "loss_curve": main["losses"], "loss_falls": _loss_falls(main["losses"]), "llama": llama, "cp_2": cp_2,
         "compile_backend": kernels_for(device).compile_backend, "c_compiler": c_compiler(),
         "cudnn_version": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),

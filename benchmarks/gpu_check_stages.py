@@ -31,7 +31,7 @@ import torch
 #: Training steps of each loss curve (a working step must make the loss fall over them).
 LOSS_STEPS = 20
 #: Each stage's time box in seconds (``device_run.sh``'s ``timeout`` adds the process start to these).
-STAGE_BOXES = {"smoke": 60, "search": 60, "main": 150, "chunks_2": 60, "llama": 90}
+STAGE_BOXES = {"smoke": 60, "search": 60, "main": 150, "chunks_2": 60, "llama": 90, "cp_2": 30}
 
 
 class StageTimeout(Exception):

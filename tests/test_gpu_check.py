@@ -36,7 +36,10 @@ def test_dry_run_prints_one_valid_json_object_retries_out_of_memory_and_the_loss
                                                              "correct": True}
     assert result["smoke"] == smoke["result"] and smoke["result"]["gemm_bf16_tflops"] > 0
     assert {p.name for p in tmp_path.glob("*.json")} == {
-        "smoke.json", "search.json", "main.json", "chunks_2.json", "llama.json", "gpu_check.json"}
+        "smoke.json", "search.json", "main.json", "chunks_2.json", "llama.json", "cp_2.json", "gpu_check.json"}
+    cp_2 = result["cp_2"]  # the ring at CP 2 through the CPU's fused blocks, equal to unsplit SDPA
+    assert cp_2["kind"] == cp_2["expected_kind"] == "cpu_flash" and cp_2["max_rel_error"] < 1e-4
+    assert cp_2["dropout_finite"] and cp_2["dropout_changes_output"]
     _gpu_check_module().check_result(result)
     assert result["dry_run"] is True and result["device"] == "cpu" and result["precision"] == "bf16"
     assert result["micro_batch"] == {"largest_that_fits": 4, "tried": {"1": True, "2": True, "4": True},
@@ -68,7 +71,8 @@ def test_a_stage_failing_after_another_finished_keeps_the_first_ones_result(tmp_
                      "error": "RuntimeError: simulated error in stage llama (--simulate-error)"}
     result = json.loads(proc.stdout)
     assert result["llama"] == {"error": llama["error"]} and result["errors"] == {"llama": llama["error"]}
-    assert result["skipped"] == {"search": "not in --stages", "chunks_2": "micro-batch 1 cannot be split into 2 chunks"}
+    assert result["skipped"] == {"search": "not in --stages", "chunks_2": "micro-batch 1 cannot be split into 2 chunks",
+                                 "cp_2": "not in --stages"}
     _gpu_check_module().check_result(result)
     assert "stage llama failed" in proc.stderr and not (tmp_path / "smoke.json").exists()
 
@@ -163,7 +167,7 @@ def test_device_run_keeps_to_eight_minutes_and_rehearses_on_cpu(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "benchmarks" / "device_run.sh"), "--dry-run"], cwd="/", env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for stage in ("smoke", "search", "main", "chunks_2", "llama"):
+    for stage in ("smoke", "search", "main", "chunks_2", "llama", "cp_2"):
         assert json.loads((tmp_path / f"{stage}.json").read_text())["ok"], stage
     assert json.loads((tmp_path / "gpu_check.json").read_text())["skipped"] == {}
     log = (tmp_path / "device_run.log").read_text()

@@ -262,10 +262,13 @@ def context_parallel_bytes_per_layer(local: ModelShape, layout: Layout, comm_typ
     return (forward_passes + 1) * (n - 1) * kv * act_bytes + n * kv * 4
 
 
-#: Whether the ring's blocks run the fused kernel that returns the log-sum-exp, by device (without attention
-#: dropout; with it they run the textbook softmax): ``ring_blocks_fused`` of ``domino.parallel.kernels``' CPU and
-#: CUDA tables (a test keeps them equal).
-RING_BLOCKS_FUSED = {"cpu": True, "gpu": False}
+#: Whether the ring's blocks run a fused kernel that returns the log-sum-exp, by device, without attention dropout
+#: and with it (CPUs' fused kernel has no dropout: the textbook softmax then): ``ring_blocks_fused`` and
+#: ``ring_blocks_fuse_dropout`` of ``domino.parallel.kernels``' CPU and CUDA tables (a test keeps them equal). On
+#: GPUs the fused blocks are FlashAttention or memory-efficient attention where they take the inputs (bf16 and
+#: fp16 runs; counted so), not yet run on a GPU.
+RING_BLOCKS_FUSED = {"cpu": True, "gpu": True}
+RING_BLOCKS_FUSE_DROPOUT = {"cpu": False, "gpu": True}
 
 
 def attention_transient_bytes(local: ModelShape, layout: Layout, comm_type: str, act_bytes: int,
@@ -278,8 +281,9 @@ def attention_transient_bytes(local: ModelShape, layout: Layout, comm_type: str,
     * ``p2p`` (:mod:`domino.parallel.ring_attention`): the key/value block held and the one arriving (``2`` blocks
       of ``2 b G s d``); forward the fp32 running output and the block's output, backward the fp32 query gradient,
       the fp32 key/value gradient in flight and the one arriving, and the block's ``dq, dk, dv``; with GQA the
-      block's keys and values expanded to ``H`` heads. A block of the textbook softmax (on GPUs, and on CPUs with
-      attention dropout: :data:`RING_BLOCKS_FUSED`) holds ``3`` (forward) or ``5`` (backward) fp32 copies of its
+      block's keys and values expanded to ``H`` heads (memory-efficient attention's and the CPU kernel's; an upper
+      bound for FlashAttention, which takes them unexpanded). A block of the textbook softmax (on CPUs with
+      attention dropout: :data:`RING_BLOCKS_FUSED`, :data:`RING_BLOCKS_FUSE_DROPOUT`) holds ``3`` (forward) or ``5`` (backward) fp32 copies of its
       ``b H s s`` scores at once, ``1.25`` more with dropout (the kept mask and the dropped probabilities).
     * ``a2a`` (:mod:`domino.parallel.all_to_all_attention`): the exchange's send and receive buffers of queries,
       keys and values (forward and, with their gradients, backward) and of the output (forward); the textbook
@@ -305,7 +309,7 @@ def attention_transient_bytes(local: ModelShape, layout: Layout, comm_type: str,
     if gqa:  # the block's keys and values repeated to every query head (and their gradients summed back)
         forward += 2 * query * act_bytes
         backward += 2 * query * act_bytes + 4 * kv
-    if dropout or not RING_BLOCKS_FUSED[device]:
+    if not RING_BLOCKS_FUSED[device] or (dropout and not RING_BLOCKS_FUSE_DROPOUT[device]):
         scores = 4 * b * heads * s * s
         extra = 1.25 * scores if dropout else 0.0
         forward = blocks + 4 * query + 3 * scores + extra

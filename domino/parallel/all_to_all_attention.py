@@ -2,14 +2,16 @@
 
 Each of the ``N`` ranks of a context-parallel group holds its two load-balanced chunks of every sequence, ``r`` and
 ``2N - 1 - r`` (:mod:`domino.parallel.context_split`), for all of its heads. One all-to-all trades that for the
-whole sequence of ``1 / N`` of the heads: rank ``j`` receives head group ``j`` of every rank's tokens (queries,
-keys and values in one buffer: one collective, and GQA key heads split into the same ``N`` groups, so query head
-``h`` still meets key head ``h // (H / G)``). The ``2N`` chunks received are put in position order, attention runs
-as it does at CP 1 (causal SDPA over the whole sequence, any kernel the device has), the output is put back in the
-ranks' chunk order and a second all-to-all returns to every rank its own tokens, all heads (a per-document mask of
-the whole sequence, ``--reset-attention-mask``, applies as it does at CP 1, and so does attention dropout; the
-batch's document starts of this rank's chunks are all-gathered into the whole sequence's first, ``b S`` integers).
-Backward is autograd's: an all-to-all is its own adjoint (:func:`domino.parallel.collectives.all_to_all_region`).
+whole sequence of ``1 / N`` of the heads: rank ``j`` receives head group ``j`` of every rank's tokens (queries, keys
+and values in one buffer: one collective, and GQA key heads split into the same ``N`` groups, so query head ``h``
+still meets key head ``h // (H / G)``). The ``2N`` chunks received are put in position order, attention runs as it
+does at CP 1 (causal SDPA over the whole sequence, any kernel the device has: on CUDA FlashAttention or
+memory-efficient attention, dropout included; on CPU its fused kernel, or with dropout the math one), the output is
+put back in the ranks' chunk order and a second all-to-all returns to every rank its own tokens, all heads (a
+per-document mask of the whole sequence, ``--reset-attention-mask``, applies as it does at CP 1, and so does
+attention dropout; the batch's document starts of this rank's chunks are all-gathered into the whole sequence's
+first, ``b S`` integers). Backward is autograd's: an all-to-all is its own adjoint
+(:func:`domino.parallel.collectives.all_to_all_region`).
 
 Transformer Engine's ``AttnFuncWithCPAndQKVOA2A`` (Megatron-LM's ``--cp-comm-type a2a``;
 ``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``: ``flash_attn_a2a_communicate``

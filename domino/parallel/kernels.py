@@ -1,6 +1,6 @@
 """Which implementation of an op runs on which device: the one place that decides.
 
-Seven ops have more than one implementation of the same maths: one tuned for CPUs (measured in
+Eight ops have more than one implementation of the same maths: one tuned for CPUs (measured in
 ``benchmarks/model_step.py``), one for CUDA GPUs, and the plain one to read first (``PLAIN_KERNELS``: the textbook
 formula of every op, no buffer tricks, nothing compiled; ``DOMINO_KERNELS=plain`` runs it on every device). Each op
 asks :func:`kernels_for` with its input's device at its one call site and takes the branch it is told:
@@ -38,13 +38,21 @@ per-document attention      ``segmented``: each document's slice        ``varlen
 (``document_attention``)    through causal SDPA (its fused CPU kernel);  sequence through FlashAttention's varlen
                             memory linear in the sequence, no ``s x s``  kernel with ``cu_seqlens`` (as Megatron-LM's
                             mask (``benchmarks/document_masks.py``)      packed sequences); not yet run on a GPU
+ring attention's blocks     SDPA's fused CPU kernel through its ATen op  FlashAttention's op (fp16/bf16, GQA keys
+(``ring_blocks``,           (``..._flash_attention_for_cpu``), which     unexpanded), else memory-efficient attention's
+``attention_blocks``)       returns the log-sum-exp the ring merges      (keys expanded), as torch's checks allow,
+                            by; with attention dropout, which it         dropout included (each block's RNG state
+                            lacks, the textbook softmax                  handed back to its backward); a dense mask
+                                                                         or neither: the textbook softmax; not yet
+                                                                         run on a GPU
 ==========================  ===========================================  =============================================
 
 The plain choice takes the textbook form of every op: one QKV GEMM over the stored weight, ``F.gelu`` then fc2,
 bias + dropout + residual eagerly, the loss as ``logsumexp - target logit``, and the logits computed by a linear
 before a separate vocab-parallel cross-entropy (no fused output layer + loss, no kept or chunked buffer), and
 per-document attention (``--reset-attention-mask``) through the dense ``[b, 1, s, s]`` mask built from the documents'
-starts, Megatron's mask, handed to SDPA (:mod:`domino.parallel.document_attention`).
+starts, Megatron's mask, handed to SDPA (:mod:`domino.parallel.document_attention`), and the ring's blocks through
+the textbook softmax.
 
 Attention's backend is left to torch on both sides, on purpose: on CUDA, SDPA already prefers cuDNN attention on
 Hopper and Blackwell where the bundled cuDNN is one its developers trust (``check_prefer_cudnn_attention`` in
@@ -59,9 +67,11 @@ dropout flag, so Megatron's defaults, ``--attention-dropout 0.1 --hidden-dropout
 both to 0 (``examples/llama/train_llama3_8b_h100_fp8.sh`` at 157006d).
 
 Ring attention's blocks (context parallelism) need each block's log-sum-exp, which ``F.scaled_dot_product_attention``
-does not return: on CPU they run SDPA's fused CPU kernel through its ATen op, which does; elsewhere the textbook
-softmax (CUDA's flash and memory-efficient ops return it too, with their own calling conventions: wiring them is
-a device check's work, not done blind).
+does not return: they call the ATen ops under it (:mod:`domino.parallel.attention_blocks`), one kernel for all of
+a call's blocks (:func:`ring_block_kernel`); on CUDA, whether FlashAttention or memory-efficient attention takes the
+inputs is torch's own check (:func:`cuda_attention_fits`). The plain choice runs the textbook softmax, the
+reference. The CUDA blocks are tested on CPU with stand-ins for the ops; ``benchmarks/gpu_check.py``'s ``cp_2``
+stage is their first run on a GPU.
 
 Every choice computes the same values (``tests/model/test_model_kernels.py`` forces the CUDA and the plain choices
 on CPU tensors and compares outputs and gradients). Devices other than ``cuda`` take the CPU choices.
@@ -111,20 +121,33 @@ class Kernels:
     compile_blocks: Optional[str] = None
     """``torch.compile`` backend for each whole transformer block with ``fullgraph=True`` where the block holds no
     collective (:func:`compiled_block`); None runs the blocks eagerly (``DOMINO_KERNELS=compiled`` sets it)."""
-    ring_blocks_fused: bool = False
-    """Context parallelism's attention blocks through SDPA's fused CPU kernel, which returns the log-sum-exp the
-    ring merges by (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward); else the textbook
-    softmax (:mod:`domino.parallel.ring_attention`)."""
+    ring_blocks: str = "math"
+    """How context parallelism's ring runs its attention blocks (:mod:`domino.parallel.attention_blocks`, chosen
+    per call by :func:`ring_block_kernel`): ``cpu`` (SDPA's fused CPU kernel, which returns the log-sum-exp the ring
+    merges by; the textbook softmax with dropout, which it lacks), ``cuda`` (FlashAttention where it takes the
+    inputs, else memory-efficient attention, dropout included; else the textbook softmax) or ``math`` (the
+    textbook softmax, the reference)."""
     document_attention: str = "dense"
     """How attention follows the documents of ``--reset-attention-mask`` (:mod:`domino.parallel.document_attention`):
     ``dense`` (the ``[b, 1, s, s]`` mask, the reference), ``segmented`` (per-document SDPA, and per-document
     sub-blocks in the ring) or ``varlen`` (FlashAttention's varlen kernel over ``cu_seqlens``, CUDA)."""
 
+    @property
+    def ring_blocks_fused(self) -> bool:
+        """Whether the ring's blocks run a fused kernel (without attention dropout)."""
+        return self.ring_blocks != "math"
+
+    @property
+    def ring_blocks_fuse_dropout(self) -> bool:
+        """Whether the ring's blocks run a fused kernel with attention dropout too (the CUDA kernels draw it)."""
+        return self.ring_blocks == "cuda"
+
 
 CPU_KERNELS = Kernels(split_qkv=True, keep_logits_buffer=True, fused_gelu_fc2=True, compile_backend=None,
-                      loss_from_softmax=True, ring_blocks_fused=True, document_attention="segmented")
+                      loss_from_softmax=True, ring_blocks="cpu", document_attention="segmented")
 CUDA_KERNELS = Kernels(split_qkv=False, keep_logits_buffer=False, fused_gelu_fc2=False, compile_backend="inductor",
-                       loss_from_softmax=False, loss_chunk_bytes=2**30, document_attention="varlen")
+                       loss_from_softmax=False, loss_chunk_bytes=2**30, ring_blocks="cuda",
+                       document_attention="varlen")
 #: CUDA on a machine without a C compiler (:func:`c_compiler`): the same, but the fusions run eagerly.
 CUDA_KERNELS_WITHOUT_COMPILER = dataclasses.replace(CUDA_KERNELS, compile_backend=None)
 #: The textbook form of every op: read it first; ``DOMINO_KERNELS=plain`` runs it everywhere.
@@ -176,6 +199,36 @@ def kernels_for(device: torch.device) -> Kernels:
     else:
         auto = CUDA_KERNELS if c_compiler() is not None else CUDA_KERNELS_WITHOUT_COMPILER
     return with_compiled_blocks(auto) if _CHOSEN == COMPILED and c_compiler() is not None else auto
+
+
+def ring_block_kernel(kernels: Kernels, q: torch.Tensor, k: torch.Tensor, dropout: float, masked: bool) -> str:
+    """The kernel of one ring call's blocks (:class:`domino.parallel.attention_blocks.BlockKernels`): ``cpu_flash``,
+    ``flash``, ``efficient`` or ``math``, from ``kernels.ring_blocks`` and the call's ``[b, H, s, d]`` queries,
+    ``[b, G, s, d]`` keys, attention dropout and whether its blocks carry a dense mask. One kernel for all the
+    call's blocks: the math blocks' dropout masks come from the generator the CUDA kernels draw from too, and
+    backward replays them from the forward's state only if nothing else drew in between."""
+    if kernels.ring_blocks == "cpu" and dropout == 0:
+        return "cpu_flash"
+    if kernels.ring_blocks == "cuda" and not masked:  # a dense mask: the textbook blocks (the reference path)
+        for kind in ("flash", "efficient"):
+            if cuda_attention_fits(kind, q, k, dropout):
+                return kind
+    return "math"
+
+
+def cuda_attention_fits(kind: str, q: torch.Tensor, k: torch.Tensor, dropout: float) -> bool:
+    """Whether torch's ``kind`` (``flash`` or ``efficient``) SDPA kernel takes a causal block of these inputs, by
+    torch's own checks (``torch.backends.cuda.can_use_flash_attention`` / ``can_use_efficient_attention``: device
+    capability, dtype, head size, GQA); shapes and properties only, no host sync. Head sizes that are not a
+    multiple of 8 are left to the textbook blocks: SDPA pads those before calling the ops, the ring does not.
+    False on a build without CUDA."""
+    from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
+
+    if q.device.type != "cuda" or q.shape[-1] % 8:
+        return False
+    if kind == "flash":  # FlashAttention takes fewer key heads than query heads
+        return can_use_flash_attention(SDPAParams(q, k, k, None, dropout, True, k.shape[1] != q.shape[1]))
+    return can_use_efficient_attention(SDPAParams(q, q, q, None, dropout, True, False))  # keys expanded to q's heads
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,7 +22,9 @@ gradient travels with its block back to the rank that owns it.
 Why not torch's ``context_parallel``: it dispatches on the CUDA SDPA ops only (flash, memory-efficient, cuDNN; not
 ``_scaled_dot_product_flash_attention_for_cpu``), takes a DTensor ``DeviceMesh`` and shards buffers in place by
 its own load balancer; domino's model runs SDPA on CPU and GPU under one mesh value, so the ring is written here,
-over the same SDPA kernels where they return their log-sum-exp (:mod:`domino.parallel.kernels`).
+over the same SDPA kernels where they return their log-sum-exp: SDPA's fused CPU kernel, on CUDA FlashAttention or
+memory-efficient attention, else the textbook softmax (:mod:`domino.parallel.attention_blocks`, chosen by
+:func:`domino.parallel.kernels.ring_block_kernel`; the CUDA blocks have not yet run on a GPU).
 
 Every key/value transfer of step ``i + 1`` is in flight while block ``i`` is computed (forward and backward), and
 every gradient transfer while the next block's gradient is computed.
@@ -37,7 +39,8 @@ contributes nothing (``lse = -inf``). Attention
 dropout is applied block by block to the probabilities the block's own log-sum-exp normalises: the merge rescales
 them to the whole row's softmax, so every kept probability ends up scaled as unsplit dropout scales it. The masks
 are drawn from the TP stream in forward and drawn again, in the same order, from the generator state forward
-started with (flash attention keeps a seed and offset for the same purpose).
+started with; the CUDA blocks draw their own (philox, from the same stream) and each block's backward is handed
+the RNG state its forward returned (:class:`domino.parallel.attention_blocks.BlockKernels`).
 """
 
 from __future__ import annotations
@@ -52,122 +55,22 @@ import torch.nn.functional as F
 from domino.parallel.context_split import local_token_indices
 from domino.parallel.document_attention import (Pieces, attend_mask_of, block_documents, document_attention,
                                                 documents_backward, documents_forward, is_document_starts)
-from domino.parallel.kernels import kernels_for
+from domino.parallel.attention_blocks import BlockKernels
+from domino.parallel.kernels import kernels_for, ring_block_kernel
 from domino.parallel.random import device_rng_state, replaying_rng, tp_region_rng
 from domino.runtime.mesh import MeshGroup
 
 KV_TAG, GRAD_TAG = 0, 1  # the two transfers may be in flight at once between the same pair of ranks
 
 
-def _hidden(mask: Optional[torch.Tensor], causal: bool, s: int, t: int, device: torch.device
-            ) -> Optional[torch.Tensor]:
-    """Which scores of a block are hidden (True), broadcastable to ``[b, G, n, s, t]``: ``~mask`` of a
-    ``[b or 1, 1, s, t]`` block of the attention mask, else the causal triangle, else none."""
-    if mask is not None:
-        return ~mask.unsqueeze(2)
-    return torch.ones(s, t, dtype=torch.bool, device=device).triu(1) if causal else None
-
-
-def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                  mask: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None, dropout: float = 0.0
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Textbook attention of ``[b, H, s, d]`` queries over ``[b, G, t, d]`` keys/values (GQA: key head ``j`` serves
-    query heads ``j n .. j n + n - 1``): ``(out [b, H, s, d], lse [b, H, s] fp32)``.
-
-    ``mask`` (bool ``[b or 1, 1, s, t]``, True = may attend) replaces the causal triangle; a row it hides whole gets
-    ``lse = -inf`` and a zero output, so the merge ignores it. ``keep`` (bool ``[b, H, s, t]``) is the block's
-    dropout mask: the probabilities it keeps are scaled by ``1 / (1 - dropout)``, the log-sum-exp is the undropped
-    one (what the merge and the backward need, as flash attention's)."""
-    b, heads, s, d = q.shape
-    groups, t = k.shape[1], k.shape[2]
-    qg = q.float().reshape(b, groups, heads // groups, s, d)
-    scores = torch.matmul(qg, k.float().unsqueeze(2).transpose(-1, -2)) * scale  # [b, G, n, s, t]
-    hidden = _hidden(mask, causal, s, t, q.device)
-    if hidden is not None:
-        scores = scores.masked_fill(hidden, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1))  # a wholly hidden row: all zeros
-    if keep is not None:
-        probs = probs * keep.reshape(probs.shape) / (1 - dropout)
-    out = torch.matmul(probs, v.float().unsqueeze(2))
-    return out.reshape(b, heads, s, d).to(q.dtype), lse.reshape(b, heads, s)
-
-
-def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, causal: bool, scale: float, mask: Optional[torch.Tensor] = None,
-                   keep: Optional[torch.Tensor] = None, dropout: float = 0.0) -> Tuple[torch.Tensor, ...]:
-    """Gradients of one block given the merged ``out`` and ``lse`` of the whole rows: ``(dq, dk, dv)`` in fp32.
-
-    With dropout (``keep`` as in :func:`_math_forward`) the rows' correction term is still ``sum(dout * out)`` of
-    the dropped output: the kept probabilities' gradient is scaled as they were."""
-    b, heads, s, d = q.shape
-    groups, n = k.shape[1], heads // k.shape[1]
-
-    def grouped(x: torch.Tensor) -> torch.Tensor:
-        return x.float().reshape(b, groups, n, *x.shape[2:])
-
-    qg, dog, og, lg = grouped(q), grouped(dout), grouped(out), grouped(lse)
-    kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
-    scores = torch.matmul(qg, kf.transpose(-1, -2)) * scale
-    hidden = _hidden(mask, causal, s, k.shape[2], q.device)
-    if hidden is not None:
-        scores = scores.masked_fill(hidden, float("-inf"))
-    probs = torch.exp(scores - lg.unsqueeze(-1))  # the whole row's softmax, on this block's keys
-    dprobs = torch.matmul(dog, vf.transpose(-1, -2))
-    if keep is not None:
-        kept = keep.reshape(probs.shape) / (1 - dropout)
-        dv = torch.matmul((probs * kept).transpose(-1, -2), dog).sum(2)
-        dprobs = dprobs * kept
-    else:
-        dv = torch.matmul(probs.transpose(-1, -2), dog).sum(2)
-    dscores = probs * (dprobs - (dog * og).sum(-1, keepdim=True)) * scale
-    dq = torch.matmul(dscores, kf).reshape(b, heads, s, d)
-    dk = torch.matmul(dscores.transpose(-1, -2), qg).sum(2)
-    return dq, dk, dv
-
-
-def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def _additive(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """The fused CPU kernel takes a mask as scores to add, in the query's dtype."""
-    if mask is None:
-        return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-
-
-def _fused_cpu_forward(q, k, v, causal, scale, mask=None, keep=None, dropout=0.0):
-    """SDPA's fused CPU kernel, which returns the block's log-sum-exp (GQA keys expanded to the query heads). It
-    has no dropout (``keep`` must be None), and gives a row a mask hides whole ``lse = 0``: set to ``-inf`` here,
-    as the math kernel's, so that the merge ignores the row."""
-    assert keep is None, "SDPA's fused CPU kernel has no dropout: the ring picks the math blocks for it"
-    heads = q.shape[1]
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, _expand(k, heads), _expand(v, heads), 0.0, causal and mask is None, attn_mask=_additive(mask, q.dtype),
-        scale=scale)
-    if mask is not None:
-        lse = lse.masked_fill(~mask.any(-1), float("-inf"))
-    return out, lse
-
-
-def _fused_cpu_backward(dout, q, k, v, out, lse, causal, scale, mask=None, keep=None, dropout=0.0):
-    assert keep is None, "SDPA's fused CPU kernel has no dropout: the ring picks the math blocks for it"
-    heads, groups = q.shape[1], k.shape[1]
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, _expand(k, heads), _expand(v, heads), out, lse, 0.0, causal and mask is None,
-        attn_mask=_additive(mask, q.dtype), scale=scale)
-    if groups != heads:  # each key head's gradient is the sum over the query heads it served
-        dk, dv = (g.reshape(g.shape[0], groups, heads // groups, *g.shape[2:]).sum(2) for g in (dk, dv))
-    return dq.float(), dk.float(), dv.float()
-
-
-def _block_kernels(device: torch.device, dropout: float = 0.0):
-    """``(forward, backward)`` of one block on ``device``: the one place they are chosen (dropout: the math
-    blocks, which take the ring's own masks)."""
-    if kernels_for(device).ring_blocks_fused and dropout == 0:
-        return _fused_cpu_forward, _fused_cpu_backward
-    return _math_forward, _math_backward
+def _block_kernels(q: torch.Tensor, k: torch.Tensor, attend_mask: Optional[torch.Tensor],
+                   dropout: float) -> BlockKernels:
+    """The kernel of this call's blocks, as :func:`domino.parallel.kernels.ring_block_kernel` chooses it (the one
+    place): whether the blocks carry a dense mask follows from the mask and the document-attention choice."""
+    kernels = kernels_for(q.device)
+    masked = attend_mask is not None and (not is_document_starts(attend_mask)
+                                          or kernels.document_attention == "dense")
+    return BlockKernels(ring_block_kernel(kernels, q, k, dropout, masked))
 
 
 def _keep_mask(shape: Tuple[int, ...], dropout: float, device: torch.device) -> torch.Tensor:
@@ -218,12 +121,13 @@ class _Block(NamedTuple):
 
 
 def _block(step: int, cp: MeshGroup, q: torch.Tensor, held: torch.Tensor, rows_mask: Optional[torch.Tensor],
-           dropout: float) -> _Block:
-    """Step ``step``'s block, forward and backward alike (backward draws the same dropout masks, in order)."""
+           dropout: float, draws_masks: bool) -> _Block:
+    """Step ``step``'s block, forward and backward alike (backward draws the same dropout masks, in order; with
+    ``draws_masks`` False the block kernel draws its own)."""
     half = q.shape[2] // 2
     owner, causal, rows, keys = _block_of(step, cp, half)
     bq, bk, bv = q[:, :, rows], held[0][:, :, keys], held[1][:, :, keys]
-    keep = _keep_mask((*bq.shape[:3], bk.shape[2]), dropout, q.device) if dropout > 0 else None
+    keep = _keep_mask((*bq.shape[:3], bk.shape[2]), dropout, q.device) if dropout > 0 and draws_masks else None
     if is_document_starts(rows_mask):  # this rank's chunks' document starts: the block's from positions
         starts = rows_mask[:, rows]
         q_pos = _positions(cp.rank, cp, half, q.device)[rows]
@@ -281,16 +185,17 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGroup, scale: float,
                 attend_mask: Optional[torch.Tensor], dropout: float):
-        forward, _ = _block_kernels(q.device, dropout)
+        kernels = _block_kernels(q, k, attend_mask, dropout)
+        draws = dropout > 0 and kernels.draws_masks
         rows_mask = _mask_rows(attend_mask, cp, q.shape[2] // 2)
-        rng = device_rng_state(q.device) if dropout > 0 else None  # backward replays the blocks' dropout masks
+        rng = device_rng_state(q.device) if draws else None  # backward replays the blocks' dropout masks
         held = torch.stack((k, v))  # [2, b, G, s, d]: one contiguous buffer travels the ring
         out = lse = None
         for step in range(cp.size):
             # Launch: the next step's block in flight while this one is computed; waited at the end of the step.
             incoming, requests = _shift(held, cp, KV_TAG) if step + 1 < cp.size else (None, None)
-            block = _block(step, cp, q, held, rows_mask, dropout)
-            block_out, block_lse = _block_forward(forward, block, scale, dropout)
+            block = _block(step, cp, q, held, rows_mask, dropout, draws)
+            block_out, block_lse = _block_forward(kernels.forward, block, scale, dropout)
             if block.causal:
                 out, lse = block_out.float(), block_lse
             else:
@@ -299,14 +204,15 @@ class _RingAttention(torch.autograd.Function):
             held = incoming
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, attend_mask, rng)
-        ctx.cp, ctx.scale, ctx.dropout = cp, scale, dropout
+        ctx.cp, ctx.scale, ctx.dropout, ctx.kernels = cp, scale, dropout, kernels
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse, attend_mask, rng = ctx.saved_tensors
-        cp, scale, dropout = ctx.cp, ctx.scale, ctx.dropout
-        _, backward = _block_kernels(q.device, dropout)
+        cp, scale, dropout, kernels = ctx.cp, ctx.scale, ctx.dropout, ctx.kernels
+        kernels.start_backward()  # the fused blocks' dropout: each block's RNG state, in the forward's order
+        backward = kernels.backward
         rows_mask = _mask_rows(attend_mask, cp, q.shape[2] // 2)
         dout = dout.contiguous()
         held = torch.stack((k, v))
@@ -316,7 +222,7 @@ class _RingAttention(torch.autograd.Function):
             for step in range(cp.size):
                 # Launch: the next step's block in flight while this one's gradient is computed.
                 incoming, requests = _shift(held, cp, KV_TAG) if step + 1 < cp.size else (None, None)
-                block = _block(step, cp, q, held, rows_mask, dropout)
+                block = _block(step, cp, q, held, rows_mask, dropout, rng is not None)
                 rows, keys = block.rows, block.keys
                 given = (dout[:, :, rows], block.q, block.k, block.v, out[:, :, rows], lse[:, :, rows], block.causal,
                          scale)
@@ -357,7 +263,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGr
             keys cover.
         dropout: attention dropout, drawn block by block from the TP stream
             (:func:`domino.parallel.random.tp_region_rng`, which differs per TP and CP rank) and replayed in
-            backward; the blocks then run the math kernel (SDPA's fused CPU kernel has no dropout).
+            backward (on CPU the blocks then run the textbook softmax: SDPA's fused CPU kernel has no dropout; the
+            CUDA blocks draw it themselves and replay it from their RNG states).
 
     Returns:
         ``[b, H, s, d]`` attention output in ``q``'s dtype, as SDPA's.

@@ -56,20 +56,20 @@ def test_the_bytes_each_exchange_sends_per_step():
     assert a2a.to_json()["context_parallel_gb_per_step"] == round(a2a.cp_bytes_per_step / 2**30, 4)
 
 
-def test_the_ring_counts_one_blocks_scores_on_gpus_and_its_buffers_everywhere():
-    """On GPUs the ring's blocks run the textbook softmax (the kernel table's ``ring_blocks_fused``): backward holds
-    five fp32 copies of a ``[b, H/t, s, s]`` block of scores at once (s = 16,384 local tokens, 2 heads per TP rank),
-    beside the key/value blocks (held and arriving, bf16), the fp32 query gradient and the two fp32 key/value
-    gradients (in flight and arriving) and nothing else of the block: no GQA here. The peak holds the larger of
-    that and the logits, which are freed before the first attention backward runs."""
+def test_the_ring_counts_its_buffers_and_no_scores_on_gpus_dropout_included():
+    """On GPUs the ring's blocks run a fused kernel (the kernel table's ``ring_blocks_fused``, with dropout too:
+    ``ring_blocks_fuse_dropout``): backward holds the key/value blocks (held and arriving, bf16), the fp32 query
+    gradient, the two fp32 key/value gradients (in flight and arriving) and the block's ``dq, dk, dv`` (bf16), and
+    no ``[b, H/t, s, s]`` scores (s = 16,384 local tokens, 2 heads per TP rank; no GQA); with attention dropout the
+    same. The peak holds the larger of that and the logits, which are freed before the first attention backward
+    runs."""
     est = _at(parse_config(LONG), 8, 2)
     s, heads, d = 16384, 2, 128  # 16 heads of 128 over TP 8
     query, kv = heads * s * d, 2 * heads * s * d
-    scores = 4 * heads * s * s
-    assert est.attention == 2 * kv * 2 + 4 * query + 8 * kv + 5 * scores
-    assert est.attention > est.logits
-    at_work = dataclasses.replace(est, attention=0.0)
-    assert est.total - at_work.total == est.attention - est.logits
+    assert est.attention == 2 * kv * 2 + 4 * query + 8 * kv + 3 * query * 2
+    dropped = _at(parse_config([*LONG, "--attention-dropout", "0.1"]), 8, 2)
+    assert dropped.attention == est.attention
+    assert est.total - dataclasses.replace(est, attention=0.0).total == max(0.0, est.attention - est.logits)
     assert _at(parse_config(LONG), 8, 1).attention == 0  # CP 1: SDPA's own kernels, what they save counted
 
 
@@ -94,9 +94,11 @@ def test_the_fused_cpu_blocks_and_the_all_to_all_hold_no_scores():
 
 
 def test_the_estimates_kernel_choice_is_the_kernel_tables():
-    from domino.config.memory_formulas import RING_BLOCKS_FUSED
+    from domino.config.memory_formulas import RING_BLOCKS_FUSE_DROPOUT, RING_BLOCKS_FUSED
     from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS
     assert RING_BLOCKS_FUSED == {"cpu": CPU_KERNELS.ring_blocks_fused, "gpu": CUDA_KERNELS.ring_blocks_fused}
+    assert RING_BLOCKS_FUSE_DROPOUT == {"cpu": CPU_KERNELS.ring_blocks_fuse_dropout,
+                                        "gpu": CUDA_KERNELS.ring_blocks_fuse_dropout}
 
 
 def test_validation_names_what_was_measured_of_context_parallelism():

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from distributed_helpers import run_distributed
 from domino.data.batch import dense_document_mask, get_ltor_masks_and_position_ids
+from domino.parallel import attention_blocks as B
 from domino.parallel import ring_attention as R
 from domino.parallel.all_to_all_attention import all_to_all_attention, chunk_orders
 from domino.parallel.context_split import local_token_indices
@@ -45,7 +46,7 @@ def test_block_kernels_equal_sdpa_and_each_other(causal, groups):
     dout = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
     scale = q.shape[-1] ** -0.5
-    for forward, backward in ((R._math_forward, R._math_backward), (R._fused_cpu_forward, R._fused_cpu_backward)):
+    for forward, backward in ((B.math_forward, B.math_backward), (B.cpu_flash_forward, B.cpu_flash_backward)):
         out, lse = forward(q.detach(), k.detach(), v.detach(), causal, scale)
         torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-5)
         assert lse.shape == q.shape[:3]
@@ -69,7 +70,7 @@ def test_block_kernels_take_a_mask_and_give_rows_it_hides_nothing():
     dout[:, :, :3] = 0
     ref_grads = torch.autograd.grad(ref, seen, dout[:, :, 3:])
     scale = q.shape[-1] ** -0.5
-    for forward, backward in ((R._math_forward, R._math_backward), (R._fused_cpu_forward, R._fused_cpu_backward)):
+    for forward, backward in ((B.math_forward, B.math_backward), (B.cpu_flash_forward, B.cpu_flash_backward)):
         out, lse = forward(q, k, v, False, scale, mask)
         torch.testing.assert_close(out[:, :, 3:], ref.detach(), rtol=1e-5, atol=1e-5)
         assert (out[:, :, :3] == 0).all() and torch.isneginf(lse[:, :, :3]).all()
