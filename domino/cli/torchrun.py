@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import sys
 import traceback
 from typing import List, Optional, Sequence
@@ -88,6 +89,12 @@ def rank_main(argv: List[str]) -> None:
     command's status."""
     from domino.cli.main import leave_process, main as domino_main
 
+    # A fork inherits the agent's handlers: torchrun's raise SignalException for SIGTERM, SIGINT, SIGHUP and SIGQUIT
+    # (torch 2.13 elastic/multiprocessing/api.py ``PContext.start``, before the fork). A rank starts with the
+    # handlers a fresh interpreter has, as an exec'd rank does; domino installs its own where it needs them.
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = ["domino", *argv]
     try:
         domino_main(argv)

@@ -6,6 +6,7 @@ rank makes torchrun exit 1 as it does for the processes it starts itself (tests/
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +18,13 @@ from train.train_helpers import child_env, read_metrics
 
 ARGS = ["-m", "domino", "pretrain", "--preset", "tiny", "--mock-data", "--vocab-size", "256", "--num-workers", "0",
         "--log-interval", "1", "--tensor-model-parallel-size", "2", "--eval-iters", "0", "--eval-interval", "0"]
+
+
+def _caught(pid: int) -> set:
+    """The signals ``pid`` has a handler for (``SigCgt`` of /proc/PID/status, proc(5))."""
+    mask = int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if line.startswith("SigCgt:")).split()[1], 16)
+    return {signal.Signals(n) for n in range(1, 32) if mask >> (n - 1) & 1 and n in signal.Signals._value2member_map_}
 
 
 def _cmdline(pid: int) -> list:
@@ -48,6 +56,9 @@ def test_the_ranks_are_forks_of_the_warm_agent_and_train(tmp_path):
         ranks = children(proc.pid)
         assert len(ranks) == 2 and all(_cmdline(pid) == _cmdline(proc.pid) for pid in ranks), (
             [_cmdline(pid) for pid in ranks], _cmdline(proc.pid))  # forked: no exec of `python -m domino`
+        for pid in ranks:  # torchrun's handlers (SignalException) are not inherited: a fresh interpreter's instead
+            assert not _caught(pid) & {signal.SIGHUP, signal.SIGQUIT}, _caught(pid)
+        assert {signal.SIGHUP, signal.SIGQUIT} <= _caught(proc.pid)  # the agent's own, from torchrun
         _, err = proc.communicate(timeout=180)
     finally:
         proc.kill()
