@@ -289,9 +289,15 @@ class FakeCluster(AdmissionState):
             self.compacted_below = self.rv + 1
 
     def wait_for(self, predicate, timeout: float = 10.0) -> None:
+        """Waits until ``predicate()`` holds, looking again at every change and at least every 0.1 s: not every
+        change notifies (a request is only appended to :attr:`requests`)."""
+        deadline = time.monotonic() + timeout
         with self.cond:
-            if not self.cond.wait_for(predicate, timeout):
-                raise AssertionError("fake cluster: condition not reached in time")
+            while not predicate():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError("fake cluster: condition not reached in time")
+                self.cond.wait(min(0.1, remaining))
 
     def verbs(self) -> set:
         return set(self.requests)
