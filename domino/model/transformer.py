@@ -307,11 +307,18 @@ class TransformerLayer(nn.Module):
             B  output projection; its reduction           E  GeLU (or SwiGLU) + fc2; its reduction
             C  its sum; residual add; LN2                 F  its sum; residual add
 
-        ``reducer`` decides when the communication happens: :data:`SYNCHRONOUS` reduces where it is asked (the
-        plain forward), the overlapped stacks launch at B and E and wait at C and F, after the other chunks'
-        steps, and place their gradient guards (or sequence-parallel gathers) at the column inputs. With sequence
-        parallelism ``hidden`` is this rank's sequence slice; the norms and residual adds run on the slice.
-        ``kv_cache`` (generation) only with the synchronous reducer.
+        Args:
+            hidden: ``[s, b, h]``, or with sequence parallelism this rank's ``[s/tp, b, h]`` slice (the norms and
+                residual adds then run on the slice).
+            attend_mask, rotary: as in :meth:`ParallelSelfAttention.context` (a batch chunk's, under Domino).
+            reducer: when the communication happens: :data:`SYNCHRONOUS` reduces where it is asked (the plain
+                forward); the overlapped stacks launch at B and E and wait at C and F, after the other chunks'
+                steps, and place their gradient guards (or sequence-parallel gathers) at the column inputs.
+            site: the layer and chunk, for the labels of the reducer's collectives (None: unlabelled).
+            kv_cache: generation's cache; only with the synchronous reducer.
+
+        Returns:
+            A generator that yields between the steps and returns the layer's output (``run_to_end`` runs it).
         """
         attention, mlp = self.attention, self.mlp
         ready = reducer.column_input(self.input_layernorm(hidden), "attention", site)
@@ -320,7 +327,7 @@ class TransformerLayer(nn.Module):
         del ready  # with SP it holds the gathered sequence: the linear kept only its slice
         yield
         pending = reducer.reduce(attention.dense, attention.dense.product(ctx), "attention", site)  # B
-        del ctx
+        del ctx  # this frame lives until F: without autograd nothing else would keep the context
         yield
         hidden, normed = pending.finish_norm(hidden, self, self.post_attention_layernorm)  # C
         ready = reducer.column_input(normed, "mlp", site)
@@ -329,6 +336,6 @@ class TransformerLayer(nn.Module):
         del ready
         yield
         pending = reducer.reduce(mlp.dense_4h_to_h, mlp.product(inner), "mlp", site)  # E
-        del inner
+        del inner  # as ctx above
         yield
         return pending.finish(hidden, self)  # F
