@@ -1,13 +1,14 @@
 """The two MLPs of a transformer layer, interchangeable: GPT's GeLU MLP and LLaMA's SwiGLU MLP.
 
 Both are ``fc2(act(fc1(x)))`` with fc1 column-parallel (each TP rank owns a slice of the inner width) and fc2
-row-parallel (partial sums, all-reduced). They expose the same three pieces, so the synchronous layer and
-the overlapped stacks (:mod:`domino.overlap.steps`) drive either without knowing which it is:
+row-parallel (partial sums, all-reduced). They expose the same two pieces, so the layer's steps
+(:meth:`domino.model.transformer.TransformerLayer.steps`) drive either without knowing which it is:
 
 * ``inner(x, slot)``: fc1 (step D). Without ``slot`` the input gradient is all-reduced synchronously; with
   a slot (:class:`~domino.parallel.linear_ops.GradSlot`) the backward launches that reduction asynchronously.
-* ``partial(inner)``: the activation and this rank's un-reduced fc2 product (step E).
-* ``forward(x)``: the synchronous layer, returning ``(output, bias)`` with the bias left for bias-dropout-add.
+* ``product(inner)``: the activation and this rank's fc2 product, as a function of the bias its GEMM may add
+  (step E; the layer's reducer all-reduces it, or launches its reduction).
+They have no ``forward`` of their own: the layer's steps are the one place they are run.
 
 SwiGLU (Shazeer 2020; Megatron-LM ``--swiglu``, ``transformers``' ``LlamaMLP``): ``fc2(silu(x W_gate) * x W_up)``.
 Its fc1 is one fused parameter whose rows alternate ``[ffn index, (gate, up)]``, so a contiguous split over TP
@@ -26,12 +27,9 @@ from domino.config import ModelConfig
 from domino.model.qkv_projection import grouped_projection
 from domino.parallel.collectives import copy_to_tp_region
 from domino.parallel.kernels import island
-from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from domino.parallel.layers import ColumnParallelLinear, Product, RowParallelLinear
 from domino.parallel.linear_ops import GradSlot, linear
 from domino.runtime.mesh import SINGLE, MeshGroup
-
-Output = Tuple[torch.Tensor, Optional[torch.Tensor]]
-
 
 class ParallelMLP(nn.Module):
     """``fc2(gelu(fc1(x)))`` with exact (erf) GeLU; the inner width is split across the ranks of ``tp``."""
@@ -50,14 +48,10 @@ class ParallelMLP(nn.Module):
         fc1 = self.dense_h_to_4h
         return fc1(x) if slot is None else linear(x, fc1.weight, fc1.bias, grad_slot=slot)
 
-    def partial(self, inner: torch.Tensor) -> torch.Tensor:
-        """``gelu(inner) W2_r^T``, un-reduced (GeLU fused into the product's autograd node)."""
-        return self.dense_4h_to_h.partial_of_gelu(inner)
-
-    def forward(self, x: torch.Tensor) -> Output:
-        """Returns ``(output, bias)`` like :meth:`ParallelSelfAttention.forward`."""
+    def product(self, inner: torch.Tensor) -> Product:
+        """``gelu(inner) W2_r^T`` (+ the bias given), un-reduced."""
         # GeLU runs inside fc2's product: its backward then needs no extra buffers.
-        return self.dense_4h_to_h.forward_gelu(self.inner(x))
+        return self.dense_4h_to_h.product_of_gelu(inner)
 
 
 class SwiGLUMLP(nn.Module):
@@ -80,15 +74,10 @@ class SwiGLUMLP(nn.Module):
             x = copy_to_tp_region(x, self.tp)
         return grouped_projection(x, fc1.weight, fc1.bias, fc1.weight.shape[0] // 2, (1, 1), slot)
 
-    def partial(self, inner: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``(silu(gate) * up) W2_r^T``, un-reduced."""
+    def product(self, inner: Tuple[torch.Tensor, torch.Tensor]) -> Product:
+        """``(silu(gate) * up) W2_r^T`` (+ the bias given), un-reduced."""
         gate, up = inner
-        return self.dense_4h_to_h.partial(swiglu(gate, up))
-
-    def forward(self, x: torch.Tensor) -> Output:
-        """Returns ``(output, bias)`` like :meth:`ParallelSelfAttention.forward`."""
-        gate, up = self.inner(x)
-        return self.dense_4h_to_h(swiglu(gate, up))
+        return self.dense_4h_to_h.product(swiglu(gate, up))
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

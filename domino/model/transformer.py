@@ -14,9 +14,13 @@ fused QKV holds; without biases (``--disable-bias-linear``) every linear simply 
 Tensor parallelism lives in the layer classes: the fused QKV (computed as separate q, k, v products on CPU by
 :mod:`domino.model.qkv_projection`) and the MLP's first linear are column-parallel
 (each rank computes its own heads / its slice of the inner width), the attention output projection and the
-MLP's second linear are row-parallel (their partial sums are all-reduced). The pieces (``qkv``, ``context``,
-``partial`` ...) are exposed so that the overlapped stacks of :mod:`domino.overlap` can run the same parameters
-on their schedules.
+MLP's second linear are row-parallel (their partial sums are all-reduced).
+
+The layer's maths is written once, as a step program (:meth:`TransformerLayer.steps`: a generator that yields
+between its steps) that takes a :class:`Reducer`, what places the tensor-parallel communication around the steps.
+The plain forward runs it to its end with :data:`SYNCHRONOUS` (every all-reduce waited where it is issued); the
+overlapped stacks of :mod:`domino.overlap` pass themselves as the reducer (launch now, wait one step later) and
+interleave the steps of several batch chunks.
 
 Fused QKV layout: output rows are ordered ``[group, (q_1 .. q_n, k, v), head_dim]`` (Megatron-LM's layout; one
 query per group without GQA), so a contiguous split of the rows across TP ranks hands each rank whole query groups
@@ -26,7 +30,7 @@ with their keys and values.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Callable, Generator, Optional, Protocol, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +44,7 @@ from domino.model.rotary import RotaryTables
 from domino.parallel.collectives import copy_to_tp_region
 from domino.parallel.document_attention import document_attention, is_document_starts
 from domino.parallel.kernels import compiled, kernels_for
-from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from domino.parallel.layers import ColumnParallelLinear, Product, RowParallelLinear
 from domino.parallel.linear_ops import GradSlot
 from domino.parallel.random import tp_region_rng
 from domino.parallel.ring_attention import ring_attention
@@ -157,13 +161,6 @@ class ParallelSelfAttention(nn.Module):
                                                  enable_gqa=self.groups_per_rank != self.heads_per_rank)
         return ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
 
-    def forward(self, x: torch.Tensor, attend_mask: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None,
-                rotary: Optional[RotaryTables] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Returns ``(output, bias)``: the bias is added later with dropout and the residual (None at TP=1, where
-        the GEMM already added it, or without biases). ``attend_mask`` as in :meth:`context` (True = may attend)."""
-        return self.dense(self.context(*self.qkv(x), attend_mask, kv_cache, rotary))
-
 
 def _bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
                       training: bool) -> torch.Tensor:
@@ -211,6 +208,78 @@ def bias_dropout_add_norm(x: torch.Tensor, bias: Optional[torch.Tensor], residua
                                                      isinstance(norm, nn.RMSNorm))
 
 
+#: A step program: yields between steps, returns the layer's (or the chunk's) output.
+Steps = Generator[None, None, torch.Tensor]
+
+
+class Pending(Protocol):
+    """A row-parallel sum on its way (reduced, or its reduction in flight) and what follows it."""
+
+    def finish(self, residual: torch.Tensor, layer: "TransformerLayer") -> torch.Tensor:
+        """``residual + dropout(sum + bias)``, once the sum is there."""
+
+    def finish_norm(self, residual: torch.Tensor, layer: "TransformerLayer",
+                    norm: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`finish` and ``norm`` of its result, as one island: ``(hidden, norm(hidden))``."""
+
+
+class Reducer(Protocol):
+    """Where a layer's tensor-parallel communication happens: the two places its steps hand over to.
+
+    ``kind`` is ``"attention"`` or ``"mlp"``; ``site`` names the layer and chunk in the comm-wait breakdown.
+    """
+
+    def column_input(self, x: torch.Tensor, kind: str, site: Optional[str]
+                     ) -> Callable[[], Tuple[torch.Tensor, Optional[GradSlot]]]:
+        """A norm's output made ready for a column-parallel linear: ``ready``, called when the linear runs, returns
+        ``(input, gradient slot)`` (slot None: the linear all-reduces its input gradient itself)."""
+
+    def reduce(self, row: RowParallelLinear, product: Product, kind: str, site: Optional[str]) -> Pending:
+        """The sum over ``tp`` of the row-parallel ``product`` (:meth:`RowParallelLinear.product`) of ``row``."""
+
+
+class _Reduced:
+    """A synchronous sum: already all-reduced, the bias left for bias-dropout-add (None at TP=1: in the GEMM)."""
+
+    __slots__ = ("out", "bias")
+
+    def __init__(self, out: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        self.out, self.bias = out, bias
+
+    def finish(self, residual: torch.Tensor, layer: "TransformerLayer") -> torch.Tensor:
+        return bias_dropout_add(self.out, self.bias, residual, layer.hidden_dropout, layer.training)
+
+    def finish_norm(self, residual: torch.Tensor, layer: "TransformerLayer",
+                    norm: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
+        return bias_dropout_add_norm(self.out, self.bias, residual, layer.hidden_dropout, layer.training, norm)
+
+
+class SynchronousReducer:
+    """Plain tensor parallelism: the linears' own synchronous collectives (``copy_to_tp_region`` in the column-
+    parallel ones, :meth:`RowParallelLinear.reduce`), so the row-parallel bias rides in the GEMM at TP=1."""
+
+    def column_input(self, x: torch.Tensor, kind: str, site: Optional[str]
+                     ) -> Callable[[], Tuple[torch.Tensor, None]]:
+        return lambda: (x, None)
+
+    def reduce(self, row: RowParallelLinear, product: Product, kind: str, site: Optional[str]) -> _Reduced:
+        out, bias = row.reduce(product)
+        return _Reduced(out, bias)
+
+
+#: The reducer of the plain forward.
+SYNCHRONOUS = SynchronousReducer()
+
+
+def run_to_end(steps: Steps) -> torch.Tensor:
+    """Runs a step program one step after the other; returns its output."""
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        return done.value
+
+
 class TransformerLayer(nn.Module):
     """Pre-norm block: norm -> attention -> residual; norm -> MLP -> residual (split over ``tp``)."""
 
@@ -226,9 +295,47 @@ class TransformerLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, attend_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None, rotary: Optional[RotaryTables] = None) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]`` with synchronous tensor-parallel all-reduces (``attend_mask``: True = may
-        attend, as in :meth:`ParallelSelfAttention.context`)."""
-        out, bias = self.attention(self.input_layernorm(hidden), attend_mask, kv_cache, rotary)
-        hidden, normed = bias_dropout_add_norm(out, bias, hidden, self.hidden_dropout, self.training,
-                                               self.post_attention_layernorm)
-        out, bias = self.mlp(normed)
-        return bias_dropout_add(out, bias, hidden, self.hidden_dropout, self.training)
+        attend, as in :meth:`ParallelSelfAttention.context`): :meth:`steps` run to their end."""
+        return run_to_end(self.steps(hidden, attend_mask, rotary, SYNCHRONOUS, kv_cache=kv_cache))
+
+    def steps(self, hidden: torch.Tensor, attend_mask: Optional[torch.Tensor], rotary: Optional[RotaryTables],
+              reducer: Reducer, site: Optional[str] = None, kv_cache: Optional[KVCache] = None) -> Steps:
+        """The layer's maths, once: LN1 and its column input, then six steps, yielding between them; returns the
+        output. The steps are those Domino's schedule interleaves (names from the reference schedule)::
+
+            A  QKV (column-parallel) + attention          D  fc1 (column-parallel)
+            B  output projection; its reduction           E  GeLU (or SwiGLU) + fc2; its reduction
+            C  its sum; residual add; LN2                 F  its sum; residual add
+
+        Args:
+            hidden: ``[s, b, h]``, or with sequence parallelism this rank's ``[s/tp, b, h]`` slice (the norms and
+                residual adds then run on the slice).
+            attend_mask, rotary: as in :meth:`ParallelSelfAttention.context` (a batch chunk's, under Domino).
+            reducer: when the communication happens: :data:`SYNCHRONOUS` reduces where it is asked (the plain
+                forward); the overlapped stacks launch at B and E and wait at C and F, after the other chunks'
+                steps, and place their gradient guards (or sequence-parallel gathers) at the column inputs.
+            site: the layer and chunk, for the labels of the reducer's collectives (None: unlabelled).
+            kv_cache: generation's cache; only with the synchronous reducer.
+
+        Returns:
+            A generator that yields between the steps and returns the layer's output (``run_to_end`` runs it).
+        """
+        attention, mlp = self.attention, self.mlp
+        ready = reducer.column_input(self.input_layernorm(hidden), "attention", site)
+        yield
+        ctx = attention.context(*attention.qkv(*ready()), attend_mask, kv_cache, rotary)  # A
+        del ready  # with SP it holds the gathered sequence: the linear kept only its slice
+        yield
+        pending = reducer.reduce(attention.dense, attention.dense.product(ctx), "attention", site)  # B
+        del ctx  # this frame lives until F: without autograd nothing else would keep the context
+        yield
+        hidden, normed = pending.finish_norm(hidden, self, self.post_attention_layernorm)  # C
+        ready = reducer.column_input(normed, "mlp", site)
+        yield
+        inner = mlp.inner(*ready())  # D
+        del ready
+        yield
+        pending = reducer.reduce(mlp.dense_4h_to_h, mlp.product(inner), "mlp", site)  # E
+        del inner  # as ctx above
+        yield
+        return pending.finish(hidden, self)  # F

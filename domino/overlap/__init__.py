@@ -4,7 +4,8 @@
   every tensor-parallel collective of one chunk hidden behind the other chunks' steps;
 * :mod:`~domino.overlap.sequence_parallel` - :func:`~domino.overlap.sequence_parallel.apply_sequence_parallel`:
   the residual stream split along the sequence (Megatron's sequence parallelism), with or without Domino;
-* :mod:`~domino.overlap.steps` - one chunk's steps A-F through the layers, shared by both;
+* :mod:`~domino.overlap.steps` - one chunk's way through the layers' own steps
+  (:meth:`~domino.model.transformer.TransformerLayer.steps`), and the asynchronous reducer they hand over to;
 * :mod:`~domino.overlap.slots` - the gradient slots the column-parallel linears launch their input gradient's
   reduction into (they implement :class:`domino.parallel.linear_ops.GradSlot`), and the nodes that wait for it;
 * :mod:`~domino.overlap.sequence_collectives` - the split-phase sequence regions (launch now, wait later).

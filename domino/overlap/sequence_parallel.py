@@ -30,6 +30,7 @@ import torch
 from domino.model.kv_cache import KVCache
 from domino.model.rotary import RotaryTables
 from domino.model.stack import LayerStack, StackOutput
+from domino.model.transformer import run_to_end
 from domino.overlap.steps import StepStack
 from domino.parallel.collectives import MeshGroup, all_reduce_sum_
 
@@ -53,12 +54,7 @@ class SequenceParallelStack(StepStack):
                  rotary: Optional[RotaryTables], kv_cache: Optional[KVCache] = None) -> StackOutput:
         """This rank's ``[s/tp, b, h]`` slice of the embeddings -> the final norm's output, gathered for the output
         layer (the gather's backward reduce-scatters the input gradient)."""
-        steps = self.chunk_steps(lambda: hidden, attend_mask, rotary, 0)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return self.output(done.value)
+        return self.output(run_to_end(self.chunk_steps(lambda: hidden, attend_mask, rotary, 0)))
 
 
 def _sum_over(tp: MeshGroup):

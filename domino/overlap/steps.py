@@ -1,7 +1,9 @@
-"""One batch chunk's way through the layers as a step program: the steps A-F that the Domino schedule interleaves
-and the sequence-parallel stack runs in order.
+"""One batch chunk's way through the layers as a step program, and the asynchronous reducer its steps hand over to.
 
-Each layer is six steps per chunk (the names follow the reference schedule in the project notes)::
+Each layer's steps A-F are the layer's own (:meth:`domino.model.transformer.TransformerLayer.steps`, the steps the
+plain forward runs with synchronous reductions); :class:`StepStack` chains them through the layers and is their
+:class:`~domino.model.transformer.Reducer`: it launches each row-parallel reduction at B and E and waits for it at
+C and F, and guards (or, with sequence parallelism, all-gathers) the column-parallel inputs::
 
     A  QKV (column-parallel) + attention          D  fc1 (column-parallel)
     B  output projection; launch its reduction    E  GeLU (or SwiGLU) + fc2; launch its reduction
@@ -19,22 +21,21 @@ reduction into its slot (:mod:`domino.overlap.slots`) and a no-op node created o
 
 from __future__ import annotations
 
-from typing import Callable, Generator, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from domino.model.rotary import RotaryTables
 from domino.model.stack import StackOutput, Unit, embed_tokens
-from domino.model.transformer import TransformerLayer, bias_dropout_add, bias_dropout_add_norm
+from domino.model.transformer import Steps, TransformerLayer, bias_dropout_add, bias_dropout_add_norm
 from domino.overlap.sequence_collectives import gather_from_sequence_region_async, reduce_scatter_to_sequence_async
 from domino.overlap.slots import GradGatherSlot, GradReduceScatterSlot, guard_input_grad, wait_for_input_grad
 from domino.parallel.collectives import (
     MeshGroup, all_reduce_async, comm_site, gather_from_sequence_region, scatter_to_sequence_region,
 )
+from domino.parallel.layers import Product, RowParallelLinear
 from domino.parallel.random import tp_region_rng
 from domino.parallel.recompute import replay, run_recorded
-
-Steps = Generator[None, None, torch.Tensor]
 
 
 class _Pending:
@@ -92,7 +93,8 @@ class _PendingScatter:
 
 
 class StepStack:
-    """What the stacks that run step programs share: the programs, the embedding and the output's preparation.
+    """What the stacks that run step programs share: the programs, the layers' asynchronous reducer, the embedding
+    and the output's preparation.
 
     Not an ``nn.Module``: it owns no parameters, it only drives the model's own layers, so parameter names
     and checkpoints are the same with and without it.
@@ -130,9 +132,9 @@ class StepStack:
             return StackOutput(gather_from_sequence_region(hidden, self.tp), None)
         return StackOutput(hidden, grad_slot)
 
-    def _column_input(self, x: torch.Tensor, site: str) -> Callable[[], tuple]:
-        """A norm's output made ready for a column-parallel linear: ``ready``, whose call, when the linear runs,
-        returns ``(input, gradient slot)``.
+    def column_input(self, x: torch.Tensor, kind: str, site: str) -> Callable[[], tuple]:
+        """A norm's output made ready for a column-parallel linear (the reducer's first half): ``ready``, whose
+        call, when the linear runs, returns ``(input, gradient slot)``.
 
         Plain TP: the output with its gradient guard (the linear launches the input-gradient all-reduce into the
         slot, created now so that its wait runs after the other chunks' backward). Sequence parallelism: the
@@ -141,6 +143,7 @@ class StepStack:
         backward waits for it), and keeps the slot's slice of its input instead of the gathered sequence
         (Megatron's choice: the norm outputs cost ``sbh / t``; :meth:`GradReduceScatterSlot.keep`).
         """
+        site = f"bwd {kind} input grad, {site}"
         if self.sequence_parallel:
             slot = GradReduceScatterSlot(x, self.tp, site)
             # Async launch: ready() waits for it right before the linear reads it, after the other chunks' step.
@@ -154,51 +157,25 @@ class StepStack:
         guarded = guard_input_grad(x, self.tp, site)
         return lambda: guarded
 
-    def _reduce(self, partial: torch.Tensor, bias: Optional[torch.Tensor], site: str):
-        """Launches the reduction of a row-parallel partial sum: an all-reduce, or (SP) a reduce-scatter."""
-        with comm_site(site, self.tp):
-            if self.sequence_parallel:
-                # "fwd attention, <where>" -> "bwd attention output grad, <where>": the backward all-gather's label.
-                kind, where = site.split(", ", 1)
-                return _PendingScatter(partial, bias, self.tp,
-                                       f"{kind.replace('fwd', 'bwd', 1)} output grad, {where}")
-            return _Pending(partial, bias, self.tp)
+    def reduce(self, row: RowParallelLinear, product: Product, kind: str, site: str):
+        """Launches the reduction of a row-parallel partial sum (the reducer's second half): an all-reduce, or
+        (SP) a reduce-scatter; the bias is added after it, at the residual add."""
+        partial = product(None)  # this rank's partial sum; the bias is added once, after the sum
+        with comm_site(f"fwd {kind}, {site}", self.tp):
+            if self.sequence_parallel:  # the backward all-gather's label names the output's gradient
+                return _PendingScatter(partial, row.bias, self.tp, f"bwd {kind} output grad, {site}")
+            return _Pending(partial, row.bias, self.tp)
 
     def _site(self, index: int, chunk: int) -> str:
         """``"<first|mid|last> layer, chunk c"``: the label of a layer's waits in the comm-wait breakdown."""
         where = "first" if index == 0 else "last" if index == len(self.layers) - 1 else "mid"
         return f"{where} layer, chunk {chunk}"
 
-    def _layer_steps(self, layer: TransformerLayer, h: torch.Tensor, mask: Optional[torch.Tensor],
-                     rotary: Optional[RotaryTables], site: str) -> Steps:
-        """One chunk's steps through one layer (LN1 + guard, then A-F); yields between steps, returns the output.
-
-        F of layer i and LN1 of layer i+1 share a tick (no yield between them), as in the reference order. With
-        sequence parallelism ``h`` is this rank's sequence slice: the norms run on the slice, their outputs are
-        all-gathered, and the row-parallel sums are reduce-scattered (async, overlapped like the all-reduces).
-        """
-        attention, mlp = layer.attention, layer.mlp
-        ready = self._column_input(layer.input_layernorm(h), f"bwd attention input grad, {site}")
-        yield
-        ctx = attention.context(*attention.qkv(*ready()), mask, rotary=rotary)  # A
-        del ready  # with SP it holds the gathered sequence: the linear kept only its slice
-        yield
-        pending = self._reduce(attention.dense.partial(ctx), attention.dense.bias, f"fwd attention, {site}")  # B
-        yield
-        h, normed = pending.finish_norm(h, layer, layer.post_attention_layernorm)  # C
-        ready = self._column_input(normed, f"bwd mlp input grad, {site}")
-        yield
-        inner = mlp.inner(*ready())  # D
-        del ready
-        yield
-        pending = self._reduce(mlp.partial(inner), mlp.dense_4h_to_h.bias, f"fwd mlp, {site}")  # E
-        yield
-        return pending.finish(h, layer)  # F
-
     def _group_steps(self, start: int, end: int, h: torch.Tensor, mask: Optional[torch.Tensor],
                      rotary: Optional[RotaryTables], chunk: int) -> Steps:
         for index in range(start, end):
-            h = yield from self._layer_steps(self.layers[index], h, mask, rotary, self._site(index, chunk))
+            # F of layer i and LN1 of layer i+1 share a tick (no yield between them), as in the reference order.
+            h = yield from self.layers[index].steps(h, mask, rotary, self, self._site(index, chunk))
         return h
 
     def chunk_steps(self, start: Callable[[], torch.Tensor], mask: Optional[torch.Tensor],

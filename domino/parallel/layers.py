@@ -20,7 +20,7 @@ same seed and device, the default generator ends in the same state whatever the 
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,10 @@ from domino.parallel import fp8
 from domino.parallel.kernels import kernels_for
 from domino.parallel.linear_ops import gelu_linear
 from domino.runtime.mesh import SINGLE, MeshGroup
+
+
+#: A row-parallel linear's partial product as a function of the bias its GEMM adds (None: no bias).
+Product = Callable[[Optional[torch.Tensor]], torch.Tensor]
 
 
 def set_tensor_model_parallel_attributes(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
@@ -213,30 +217,31 @@ class RowParallelLinear(nn.Module):
         # Replicated: deliberately no tensor_model_parallel attribute (grad-norm must count it once).
         self.bias = nn.Parameter(torch.zeros(output_size)) if bias else None
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's un-reduced partial sum ``X_r A_r^T`` (Domino reduces it asynchronously)."""
-        return fp8.linear(x, self.weight)
+    def product(self, x: torch.Tensor) -> Product:
+        """``X_r A_r^T`` as a function of the bias the GEMM may add: this rank's partial sum, un-reduced, left to
+        whoever reduces it (:meth:`reduce` here; Domino's stacks launch the reduction themselves, with no bias)."""
+        return lambda bias: fp8.linear(x, self.weight, bias)
 
-    def partial_of_gelu(self, pre_activation: torch.Tensor) -> torch.Tensor:
-        """``gelu(pre_activation) A_r^T`` un-reduced, GeLU fused into the product's autograd node.
-
-        Same maths as ``partial(F.gelu(pre_activation))``; on CPU the fused backward reuses the activation's
-        buffer for its gradients (:func:`domino.parallel.linear_ops.gelu_linear`).
-        """
-        return _gelu_then_linear(pre_activation, self.weight, None)
+    def product_of_gelu(self, pre_activation: torch.Tensor) -> Product:
+        """:meth:`product` of ``F.gelu(pre_activation)``, GeLU fused into the product's autograd node: on CPU the
+        fused backward reuses the activation's buffer for its gradients
+        (:func:`domino.parallel.linear_ops.gelu_linear`)."""
+        return lambda bias: _gelu_then_linear(pre_activation, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """Synchronous TP: the partial sums are all-reduced before the bias is added."""
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp)
-        return self._reduce_then_bias(lambda bias: fp8.linear(x, self.weight, bias))
+        return self.reduce(self.product(x))
 
     def forward_gelu(self, pre_activation: torch.Tensor
                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        """``forward(F.gelu(pre_activation))`` (input already parallel), GeLU fused as in :meth:`partial_of_gelu`."""
-        return self._reduce_then_bias(lambda bias: _gelu_then_linear(pre_activation, self.weight, bias))
+        """``forward(F.gelu(pre_activation))`` (input already parallel), GeLU fused as in :meth:`product_of_gelu`."""
+        return self.reduce(self.product_of_gelu(pre_activation))
 
-    def _reduce_then_bias(self, product) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    def reduce(self, product: Product) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """The synchronous layer's output from a :meth:`product`: all-reduced, then the bias (or ``(y, bias)``
+        with ``skip_bias_add``, the bias None when the GEMM added it)."""
         # With one TP rank the all-reduce is an identity, so the bias can ride in the GEMM (addmm): one
         # elementwise pass over the output fewer. Otherwise it is added once, after the reduction.
         bias_in_product = self.bias is not None and self.tp.size == 1
