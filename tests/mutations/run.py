@@ -150,7 +150,7 @@ MUTATIONS: List[Mutation] = [
              "            held = try_lock_descriptor(self._descriptor) or True",
              ["tests/checkpoint/test_save_root_lock.py", "tests/checkpoint/test_leftover_sweep.py"]),
     Mutation("holder-never-sweeps", "domino/checkpoint/save_root.py",
-             "        leftovers.sweep(self.root)  # alone: every temporary directory here is a dead run's",
+             "        leftovers.sweep(self.root, self.token if self.carried else \"\")",
              "        pass",
              ["tests/checkpoint/test_checkpoint_commit.py", "tests/checkpoint/test_leftover_sweep.py"]),
     Mutation("live-read-never-rereads", "domino/checkpoint/live_reads.py",
