@@ -683,8 +683,10 @@ class FakeKubeServer:
         handler = type("Handler", (_Handler,), {"cluster": self.cluster})
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
+        self.httpd.block_on_close = False  # a watch or log stream still open must not hold the test's exit
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # serve_forever looks for shutdown() every poll interval (0.5 s by default): each test's exit waited for it
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
     def __enter__(self) -> "FakeKubeServer":
         self.thread.start()
