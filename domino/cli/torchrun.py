@@ -13,8 +13,11 @@ Only a ``-m domino`` program is forked, and only while nothing initialised CUDA 
 cannot use a CUDA context its parent created): torch is told to check for CUDA through NVML
 (``PYTORCH_NVML_BASED_CUDA_CHECK=1``, torch's documented setting for forked workers), and if CUDA was
 initialised anyway the ranks start as torchrun starts them, with one line saying why. Anything else goes to plain
-torchrun. The signal relay (:mod:`domino.launch.signal_relay`) starts torchrun this way for ``-m domino``
-commands; ``DOMINO_WARM_RANKS=0`` in the container's environment keeps plain torchrun.
+torchrun. With ``DOMINO_WARM_RANKS=1`` in the container's environment the signal relay
+(:mod:`domino.launch.signal_relay`) starts torchrun this way for ``-m domino`` commands. Opt-in for now: on a
+2-core CPU machine with one rank per pod it saved 0-15 % of a preemption (the ranks' imports, less a slower
+exit of the larger agent and a slower first checkpoint read in the forked rank; benchmarks/RESULTS.md), the
+saving grows with the ranks per node, and the fork has not run on a GPU node.
 
 A rank leaves as ``domino`` does: a failure with its status and without interpreter finalization
 (:func:`domino.cli.main.leave_process`); a success by returning, which torchrun's function entry points must
@@ -34,7 +37,7 @@ from typing import List, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
-#: ``DOMINO_WARM_RANKS=0``: the relay starts plain torchrun.
+#: ``DOMINO_WARM_RANKS=1``: the relay starts torchrun through this module.
 WARM_RANKS_ENV = "DOMINO_WARM_RANKS"
 #: What a rank imports before its first step, beyond torch and DeepSpeed (torch's optimizers import ``torch._dynamo``
 #: when the first one is built; the checkpoints import torch's distributed checkpoint).

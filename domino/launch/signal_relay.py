@@ -25,9 +25,9 @@ signal's number when a relayed signal ended a failing command (143 for SIGTERM: 
 as ``DOMINO_GRACE_PERIOD_S``: the time they really have after a SIGTERM (:func:`domino.train.preemption.
 grace_period_s`). It imports nothing but the standard library and :mod:`domino.launch.processes`.
 
-A torchrun that runs ``-m domino`` is started as ``python -m domino.cli.torchrun`` with the same arguments: the same
-torchrun, with the ranks forked from an agent that imported torch, DeepSpeed and domino once
-(:func:`warm_torchrun`; ``DOMINO_WARM_RANKS=0`` keeps plain torchrun).
+With ``DOMINO_WARM_RANKS=1`` a torchrun that runs ``-m domino`` is started as ``python -m domino.cli.torchrun``
+with the same arguments: the same torchrun, with the ranks forked from an agent that imported torch, DeepSpeed
+and domino once (:func:`warm_torchrun`).
 """
 
 from __future__ import annotations
@@ -85,10 +85,11 @@ def torchrun_max_restarts(command: List[str]) -> int:
 
 
 def warm_torchrun(command: List[str], env: dict) -> List[str]:
-    """``command``, or for torchrun running ``-m domino`` the same arguments to ``python -m domino.cli.torchrun``,
-    which forks the ranks from an agent that imported torch, DeepSpeed and domino once (unless ``env`` has
-    ``DOMINO_WARM_RANKS=0``)."""
-    if not is_torchrun(command) or env.get("DOMINO_WARM_RANKS") == "0":
+    """``command``, or, with ``DOMINO_WARM_RANKS=1`` in ``env``, for torchrun running ``-m domino`` the same
+    arguments to ``python -m domino.cli.torchrun``, which forks the ranks from an agent that imported torch,
+    DeepSpeed and domino once. Opt-in: on this repository's CPU machine it saved 0-15 % of a preemption's cost with
+    one rank per pod (benchmarks/RESULTS.md), and the fork has not run on a GPU node yet."""
+    if not is_torchrun(command) or env.get("DOMINO_WARM_RANKS") != "1":
         return command
     start, options, program = _torchrun_options(command)
     module = "-m" in options or "--module" in options

@@ -1,5 +1,5 @@
 """``python -m domino.cli.torchrun``: torchrun whose ``-m domino`` ranks are forks of an agent that imported torch,
-DeepSpeed and domino once; the signal relay starts torchrun this way. Real torchrun (torch 2.13) and real ranks:
+DeepSpeed and domino once; the signal relay starts torchrun this way with ``DOMINO_WARM_RANKS=1``. Real torchrun (torch 2.13) and real ranks:
 the ranks are forks (no exec: their command line is the agent's), they train as torchrun's ranks do, and a failing
 rank makes torchrun exit 1 as it does for the processes it starts itself (tests/launch/test_torchrun_exit_codes.py).
 """
@@ -32,15 +32,16 @@ def _cmdline(pid: int) -> list:
 
 
 def test_the_relay_starts_torchrun_warm_only_for_domino():
+    on = {"DOMINO_WARM_RANKS": "1"}
     warm = [sys.executable, "-m", "domino.cli.torchrun", "--nproc-per-node", "2", "-m", "domino", "pretrain"]
-    assert warm_torchrun(["torchrun", "--nproc-per-node", "2", "-m", "domino", "pretrain"], {}) == warm
+    assert warm_torchrun(["torchrun", "--nproc-per-node", "2", "-m", "domino", "pretrain"], on) == warm
     assert warm_torchrun([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "domino",
-                          "pretrain"], {}) == warm
+                          "pretrain"], on) == warm
     for command in (["torchrun", "--nproc-per-node", "2", "train.py", "-m", "domino"],  # a script of its own
                     ["torchrun", "--no-python", "-m", "domino"], ["python", "-m", "domino", "pretrain"]):
-        assert warm_torchrun(command, {}) == command
+        assert warm_torchrun(command, on) == command
     cold = ["torchrun", "-m", "domino", "pretrain"]
-    assert warm_torchrun(cold, {"DOMINO_WARM_RANKS": "0"}) == cold
+    assert warm_torchrun(cold, {}) == cold and warm_torchrun(cold, {"DOMINO_WARM_RANKS": "0"}) == cold  # opt-in
 
 
 def test_the_ranks_are_forks_of_the_warm_agent_and_train(tmp_path):
