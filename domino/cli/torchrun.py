@@ -37,8 +37,6 @@ from typing import List, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
-#: ``DOMINO_WARM_RANKS=1``: the relay starts torchrun through this module.
-WARM_RANKS_ENV = "DOMINO_WARM_RANKS"
 #: What a rank imports before its first step, beyond torch and DeepSpeed (torch's optimizers import ``torch._dynamo``
 #: when the first one is built; the checkpoints import torch's distributed checkpoint).
 WARM_MODULES = ("torch._dynamo", "torch.distributed.checkpoint", "domino.cli.main", "domino.train.gpt_recipe",
