@@ -1,6 +1,6 @@
 """What an (asynchronous) save's snapshot blocks the training thread for: the optimizer state gathered whole over
 data parallelism (DeepSpeed's ``safe_get_full_*``, the way before ``fragment_io``) vs each rank copying its own
-ZeRO fragments (:func:`domino.checkpoint.optimizer_state.local_fragments`), on a state of >= 1 GB.
+ZeRO fragments (:func:`domino.optim.state.local_fragments`), on a state of >= 1 GB.
 
 Two gloo processes, DP 2 x ZeRO-1, a GPT of 2 layers at hidden 2048 (vocabulary 8192): 117 M parameters, so the
 fp32 master weights and both Adam moments are 1.41 GB across the two ranks. Adam's state is created as a resume
@@ -35,11 +35,12 @@ def _rank(rank: int, world: int, port: int, hidden: int, repeats: int, out: str)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from domino.checkpoint import optimizer_state
     from domino.checkpoint.async_save import host_copy
     from domino.config import parse_config
     from domino.runtime.mesh import collective_device
-    from domino.train import engine as engine_setup, runtime_start
+    from domino.optim import state as optimizer_state
+    from domino.optim.deepspeed_optimizer import build_optimizer
+    from domino.train import runtime_start
     from domino.train.gpt_recipe import GPTRecipe
 
     config = parse_config(["--num-layers", "2", "--hidden-size", str(hidden), "--num-attention-heads", "16",
@@ -50,7 +51,7 @@ def _rank(rank: int, world: int, port: int, hidden: int, repeats: int, out: str)
     recipe = GPTRecipe(config)
     with collective_device(mesh.tp.process_group):
         model = recipe.model_builder(config, mesh)
-    engine = engine_setup.build_engine(model, config, mesh)
+    engine = build_optimizer(model, config, mesh)
     optimizer_state.prepare(engine, optimizer_state.Scalars(step=1))  # Adam's state, as after a step or a resume
     params = sum(p.numel() for p in engine.module.parameters())
     dp, dp_rank = mesh.dp_cp.size, mesh.dp_cp.rank

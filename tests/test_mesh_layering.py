@@ -18,7 +18,7 @@ MESH_PASSED = ("domino.parallel", "domino.model", "domino.overlap", "domino.pipe
 ENTRY_POINTS = {"domino.train.pretrain", "domino.train.runtime_start", "domino.eval.runtime", "domino.runtime",
                 "domino.runtime.restart"}
 #: Modules below the entry points that still read the shim (the list only shrinks; empty now: DeepSpeed's engine is
-#: built over the mesh too, ``domino.train.deepspeed_mpu``).
+#: built over the mesh too, ``domino.optim.deepspeed_mpu``).
 STILL_READING: set = set()
 
 

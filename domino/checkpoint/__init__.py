@@ -6,7 +6,7 @@
 * :mod:`~domino.checkpoint.model_loading`: building a model from a checkpoint (its metadata checked against the
   shards first);
 * :mod:`~domino.checkpoint.sharding`: splitting and merging tensor-parallel shards (resharding);
-* :mod:`~domino.checkpoint.optimizer_state` and :mod:`~domino.checkpoint.distributed_io`: the optimizer state by
+* :mod:`~domino.optim.state` and :mod:`~domino.checkpoint.distributed_io`: the optimizer state by
   parameter name and global shape, written and read on any layout (``torch.distributed.checkpoint``);
 * :mod:`~domino.checkpoint.per_rank_state`: what one rank reads back itself (RNG streams, format 1's optimizer);
 * :mod:`~domino.checkpoint.manifest`: sizes and CRC-32 of every file, verified before use;

@@ -64,10 +64,10 @@ class CheckpointSaver:
     def __init__(self, config: DominoConfig, mesh: ParallelMesh, writer: str) -> None:
         self.config, self.mesh, self.writer = config, mesh, writer
 
-    def save(self, engine, iteration: int, consumed_samples: int, padded_vocab_size: int, tokenizer=None,
+    def save(self, optimizer, iteration: int, consumed_samples: int, padded_vocab_size: int, tokenizer=None,
              global_batch_size: Optional[int] = None, schedule: Optional[dict] = None) -> Path:
         """Saves checkpoint ``iter_{iteration}`` (collective); returns its final directory."""
-        return checkpointing.save_checkpoint(engine, self.config, self.mesh, iteration, consumed_samples,
+        return checkpointing.save_checkpoint(optimizer, self.config, self.mesh, iteration, consumed_samples,
                                              padded_vocab_size, self.writer, tokenizer,
                                              global_batch_size=global_batch_size, schedule=schedule)
 
@@ -131,17 +131,17 @@ class AsyncCheckpointSaver(CheckpointSaver):
             self._write_group = dist.new_group(backend="gloo", timeout=timeout)
             self._agree_group = dist.new_group(backend="gloo", timeout=timeout)
 
-    def save(self, engine, iteration: int, consumed_samples: int, padded_vocab_size: int, tokenizer=None,
+    def save(self, optimizer, iteration: int, consumed_samples: int, padded_vocab_size: int, tokenizer=None,
              global_batch_size: Optional[int] = None, schedule: Optional[dict] = None) -> Path:
         """Waits for the previous save, snapshots this one and starts writing it (collective); returns the
         directory it will have once committed."""
         self.wait()  # at most one save in flight
-        checkpointing.prepare(self.config, iteration, engine, self.writer, group=self._agree_group)
+        checkpointing.prepare(self.config, iteration, optimizer, self.writer, group=self._agree_group)
         snapshot = None
 
         def take():
             nonlocal snapshot
-            snapshot = checkpointing.take_snapshot(engine, self.config, self.mesh, iteration, consumed_samples,
+            snapshot = checkpointing.take_snapshot(optimizer, self.config, self.mesh, iteration, consumed_samples,
                                                    padded_vocab_size, self.writer, tokenizer, global_batch_size,
                                                    schedule, host_copy)
             snapshot.copied = _copies_landed()

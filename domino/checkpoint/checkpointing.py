@@ -6,7 +6,7 @@ Layout of a save root (model weights and ``checkpoint.json`` are ``domino.checkp
     DIR/iter_0000100/checkpoint.json   iteration, consumed samples, TP size, padded vocab, resolved config
     DIR/iter_0000100/model/            safetensors files by TP rank and pipeline stage (model_shards)
     DIR/iter_0000100/optimizer/        the optimizer state by parameter name and global shape, any layout
-                                       reads it (domino.checkpoint.optimizer_state, distributed_io)
+                                       reads it (domino.optim.state, distributed_io)
     DIR/iter_0000100/rng/rank_00003.pt     this rank's RNG states
     DIR/iter_0000100/tokenizer/        the tokenizer, so the checkpoint is self-contained
 
@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from domino.atomic_files import atomic_write, fsync_directory
 from domino.checkpoint import (discovery, distributed_io, fault_hooks, fragment_io, manifest, model_shards,
-                               on_disk, optimizer_state, per_rank_state)
+                               on_disk, per_rank_state)
+from domino.optim import state as optimizer_state, state_dict
 from domino.config import DominoConfig, config_to_dict
 from domino.pipeline.stages import stored_name
 from domino.runtime.mesh import ParallelMesh
@@ -138,10 +139,10 @@ def empty_snapshot(config: DominoConfig, iteration: int, writer: str) -> Snapsho
     return Snapshot(tag, tmp, final, iteration, {})
 
 
-def prepare(config: DominoConfig, iteration: int, engine, writer: str, group=None) -> None:
+def prepare(config: DominoConfig, iteration: int, optimizer, writer: str, group=None) -> None:
     """Rank 0 creates the empty temporary directory of ``iter_{iteration}`` for the run ``writer`` (agreed)."""
     root, tag, tmp, _ = _paths(config, iteration, writer)
-    by_name = optimizer_state.supports(engine)
+    by_name = optimizer_state.supports(optimizer)
 
     def make() -> None:
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -153,7 +154,7 @@ def prepare(config: DominoConfig, iteration: int, engine, writer: str, group=Non
     agree(f"saving checkpoint {tag} (preparing {tmp})", make, group=group)
 
 
-def take_snapshot(engine, config: DominoConfig, mesh: ParallelMesh, iteration: int, consumed_samples: int,
+def take_snapshot(optimizer, config: DominoConfig, mesh: ParallelMesh, iteration: int, consumed_samples: int,
                   padded_vocab_size: int, writer: str, tokenizer=None, global_batch_size: Optional[int] = None,
                   schedule: Optional[dict] = None, to_host: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
                   ) -> Snapshot:
@@ -182,18 +183,18 @@ def take_snapshot(engine, config: DominoConfig, mesh: ParallelMesh, iteration: i
             failed.append(error)
             return tensor
 
-    if optimizer_state.holds_fragments(engine):  # each rank copies its own: no collective
-        snapshot.fragments, scalars = optimizer_state.local_fragments(engine, to_host=copy)
-    elif optimizer_state.supports(engine):
+    if optimizer_state.holds_fragments(optimizer):  # each rank copies its own: no collective
+        snapshot.fragments, scalars = optimizer_state.local_fragments(optimizer, to_host=copy)
+    elif optimizer_state.supports(optimizer):
         # Each replica (data x context parallel) writes (and holds on the host) every n-th parameter's state.
         dp, dp_rank = mesh.dp_cp.size, mesh.dp_cp.rank
-        snapshot.optimizer, scalars = optimizer_state.gather(engine, keep=lambda i: i % dp == dp_rank, to_host=copy)
+        snapshot.optimizer, scalars = optimizer_state.gather(optimizer, keep=lambda i: i % dp == dp_rank, to_host=copy)
     else:
-        snapshot.per_rank_optimizer = per_rank_state.optimizer_snapshot(engine)
+        snapshot.per_rank_optimizer = state_dict.optimizer_snapshot(optimizer)
         if to_host is not None:
             snapshot.per_rank_optimizer = _map_tensors(snapshot.per_rank_optimizer, copy)
     if mesh.dp_cp.rank == 0:  # one replica of each TP rank and stage writes its weights
-        model = _own_weights(engine.module, mesh)
+        model = _own_weights(optimizer.module, mesh)
         snapshot.model = model if to_host is None else {k: copy(v) for k, v in model.items()}
         snapshot.model_is_copy = to_host is not None
     if failed:
@@ -290,7 +291,7 @@ def commit(snapshot: Snapshot, config: DominoConfig, group=None) -> Path:
     return snapshot.final
 
 
-def save_checkpoint(engine, config: DominoConfig, mesh: ParallelMesh, iteration: int, consumed_samples: int,
+def save_checkpoint(optimizer, config: DominoConfig, mesh: ParallelMesh, iteration: int, consumed_samples: int,
                     padded_vocab_size: int, writer: str, tokenizer=None, global_batch_size: Optional[int] = None,
                     schedule: Optional[dict] = None) -> Path:
     """Writes checkpoint ``iter_{iteration:07d}`` under ``--save`` from every rank (collective).
@@ -313,11 +314,11 @@ def save_checkpoint(engine, config: DominoConfig, mesh: ParallelMesh, iteration:
     snapshot = empty_snapshot(config, iteration, writer)
     tag = snapshot.tag
     try:
-        prepare(config, iteration, engine, writer)
+        prepare(config, iteration, optimizer, writer)
 
         def snapshot_and_write_optimizer():
             nonlocal snapshot
-            snapshot = take_snapshot(engine, config, mesh, iteration, consumed_samples, padded_vocab_size, writer,
+            snapshot = take_snapshot(optimizer, config, mesh, iteration, consumed_samples, padded_vocab_size, writer,
                                      tokenizer, global_batch_size, schedule=schedule)
             return write_optimizer(snapshot)
 

@@ -2,7 +2,7 @@
 
 Under ZeRO 1/2 (and DeepSpeed's BF16_Optimizer) a data-parallel rank holds, of each parameter's fp32 master
 weight and Adam moments, a fragment: a range of the flattened TP-local slice, cut wherever the flat partition
-boundary falls (:func:`domino.checkpoint.optimizer_state.local_fragments`). Storing whole slices by global shape
+boundary falls (:func:`domino.optim.state.local_fragments`). Storing whole slices by global shape
 (:mod:`domino.checkpoint.distributed_io`) needs every fragment gathered first: an all-reduce of three tensors per
 parameter over the group, on the training thread, before an asynchronous save can return. Here each rank writes
 its fragments as they are, so the snapshot is a local copy.
@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from domino.checkpoint import distributed_io
 from domino.checkpoint.model_loading import merged_header_shapes
 from domino.checkpoint.on_disk import META_FILE, OPTIMIZER_DIR, CheckpointError
-from domino.checkpoint.optimizer_state import Fragment
+from domino.optim.state import Fragment
 from domino.checkpoint.sharding import shard_state_dict
 from domino.runtime.mesh import ParallelMesh
 

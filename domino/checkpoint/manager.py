@@ -10,7 +10,7 @@ The training loop asks one object instead of calling the discovery, resume and s
    and checks that checkpoint against the run
    (:func:`domino.checkpoint.resume.check_resumable`), before anything is built;
 2. :meth:`fit` settles what the model is built with (the checkpoint's padded vocabulary, its ZeRO stage);
-3. :meth:`load` restores the built engine (weights, optimizer, RNG) and returns where to continue;
+3. :meth:`load` restores the built model and optimizer (weights, optimizer state, RNG) and returns where to continue;
 4. :meth:`saver` writes checkpoints on the run's mesh (synchronously or with ``--async-save``), and
    :meth:`own_checkpoint` names the checkpoint of the resumed iteration, which the loop does not write again;
 5. :meth:`close` releases ``--save`` at the end of the run (the kernel does, should the process die first).
@@ -86,14 +86,14 @@ class CheckpointManager:
         settled into the config (:func:`domino.checkpoint.resume.fit_run_to`)."""
         return resume.fit_run_to(self.resume_from, self.config, padded_vocab_size, self.warm_start, self.mesh.dp.size)
 
-    def load(self, engine, padded_vocab_size: int) -> Tuple[int, int]:
-        """Restores ``engine`` from :attr:`resume_from` (collective); ``(iteration, consumed samples)`` to continue
+    def load(self, optimizer, padded_vocab_size: int) -> Tuple[int, int]:
+        """Restores ``optimizer`` (and its model) from :attr:`resume_from` (collective); ``(iteration, consumed samples)`` to continue
         from, ``(0, 0)`` for a fresh start or a warm start."""
         if self.resume_from is None:
             if self.config.checkpoint.load:
                 logger.info("--load %s holds no checkpoint yet: starting from scratch", self.config.checkpoint.load)
             return 0, 0
-        return resume.load_checkpoint(engine, self.config, self.mesh, self.resume_from, padded_vocab_size,
+        return resume.load_checkpoint(optimizer, self.config, self.mesh, self.resume_from, padded_vocab_size,
                                       weights_only=self.warm_start)
 
     def own_checkpoint(self, iteration: int) -> Optional[str]:

@@ -16,11 +16,12 @@ from typing import Any, Dict, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from domino.checkpoint import (distributed_io, fragment_io, manifest, model_shards, on_disk, optimizer_state,
+from domino.checkpoint import (distributed_io, fragment_io, manifest, model_shards, on_disk,
                                per_rank_state)
 from domino.checkpoint.checkpointing import collective
 from domino.checkpoint.discovery import fall_back
 from domino.checkpoint.on_disk import Checkpoint
+from domino.optim import state as optimizer_state, state_dict
 from domino.config import ConfigError, DominoConfig
 from domino.config.validate import resolve_zero_stage
 from domino.config.batch_schedule import batch_schedule
@@ -279,13 +280,13 @@ def _check_per_rank(ckpt: Checkpoint, config: DominoConfig, mesh: ParallelMesh) 
             f"{saved_stage} (or without --zero-stage), or use --no-load-optim to take the weights only.")
 
 
-def _read_state(ckpt: Checkpoint, engine, config: DominoConfig, padded_vocab_size: int, weights_only: bool,
+def _read_state(ckpt: Checkpoint, optimizer, config: DominoConfig, padded_vocab_size: int, weights_only: bool,
                 mesh: ParallelMesh) -> Tuple[Dict[str, torch.Tensor], Optional[dict], Optional[dict]]:
     """This rank's model weights, per-rank optimizer state and RNG state from ``ckpt`` (nothing applied; the
     optimizer state by name is read afterwards, by all ranks together)."""
     meta, kind = ckpt.meta, ckpt.optimizer_format
     check_compatible(meta, config, ckpt.path)
-    weights = _model_weights(ckpt, engine.module, padded_vocab_size, mesh)
+    weights = _model_weights(ckpt, optimizer.module, padded_vocab_size, mesh)
     if weights_only or kind is None:
         return weights, None, None
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -294,7 +295,7 @@ def _read_state(ckpt: Checkpoint, engine, config: DominoConfig, padded_vocab_siz
         _check_per_rank(ckpt, config, mesh)
         optim = torch.load(ckpt.path / on_disk.LEGACY_OPTIMIZER_DIR / f"rank_{rank:05d}.pt", map_location="cpu",
                            weights_only=True)
-    elif not c.no_load_optim and not optimizer_state.supports(engine):
+    elif not c.no_load_optim and not optimizer_state.supports(optimizer):
         raise ConfigError(f"--load {ckpt}: this run's optimizer (--fp16 without ZeRO) cannot take an optimizer "
                           "state stored by name; resume with --zero-stage 1, or use --no-load-optim")
     elif not c.no_load_optim:
@@ -309,7 +310,7 @@ def _read_state(ckpt: Checkpoint, engine, config: DominoConfig, padded_vocab_siz
 READ_BATCH_BYTES = 1 << 30
 
 
-def _repadded_vocab_state(ckpt: Checkpoint, engine, rows: int, mesh: ParallelMesh) -> Dict[str, torch.Tensor]:
+def _repadded_vocab_state(ckpt: Checkpoint, optimizer, rows: int, mesh: ParallelMesh) -> Dict[str, torch.Tensor]:
     """This TP rank's optimizer state of the vocabulary parameters re-padded to ``rows`` rows (nothing when the
     run keeps the checkpoint's rows). Read whole in each process: a re-pad happens only at a TP that does not
     divide the checkpoint's rows (:func:`keep_padded_vocab`), and DCP reads only slices of a tensor's own shape."""
@@ -317,23 +318,23 @@ def _repadded_vocab_state(ckpt: Checkpoint, engine, rows: int, mesh: ParallelMes
 
     if ckpt.meta["padded_vocab_size"] == rows:
         return {}
-    names = [f"{key}.{name}" for name, _ in optimizer_state.trainable(engine) if name in VOCAB_ROWS
+    names = [f"{key}.{name}" for name, _ in optimizer_state.trainable(optimizer) if name in VOCAB_ROWS
              for key in optimizer_state.STATE_KEYS]
     whole = fragment_io.read_state(ckpt, names) if names else {}
     return sharding.shard_state_dict({name: repad(t, rows) for name, t in whole.items()}, mesh.tp.rank,
                                      mesh.tp.size)
 
 
-def _load_optimizer_by_name(ckpt: Checkpoint, engine, rows: int, mesh: ParallelMesh) -> None:
+def _load_optimizer_by_name(ckpt: Checkpoint, optimizer, rows: int, mesh: ParallelMesh) -> None:
     """Reads every rank's slices of the optimizer state stored by name and sets them, a batch of parameters at a
     time (each read is collective: DCP plans and reads together; the host holds one batch)."""
-    optimizer_state.prepare(engine, optimizer_state.Scalars.from_json(ckpt.meta["optimizer"], str(ckpt)))
+    optimizer_state.prepare(optimizer, optimizer_state.Scalars.from_json(ckpt.meta["optimizer"], str(ckpt)))
     directory = ckpt.path / on_disk.OPTIMIZER_DIR
     distributed_io.stored_tensors(directory)  # every header checked once, before the first read
-    repadded = _repadded_vocab_state(ckpt, engine, rows, mesh)
-    optimizer_state.fill(engine, repadded)
+    repadded = _repadded_vocab_state(ckpt, optimizer, rows, mesh)
+    optimizer_state.fill(optimizer, repadded)
     groups = [kept for kept in ([n for n in names if f"fp32.{n}" not in repadded]
-                                for names in optimizer_state.batches(engine, READ_BATCH_BYTES)) if kept]
+                                for names in optimizer_state.batches(optimizer, READ_BATCH_BYTES)) if kept]
     if mesh.pp.size > 1:
         # Each read is collective over the world; stages hold different parameters: as many reads on every rank.
         count = torch.tensor([len(groups)], device=collective_device())
@@ -341,15 +342,15 @@ def _load_optimizer_by_name(ckpt: Checkpoint, engine, rows: int, mesh: ParallelM
         groups += [[] for _ in range(int(count.item()) - len(groups))]
     saved_tp = fragment_io.fragments_tp(ckpt.meta, str(ckpt.path / on_disk.META_FILE))
     for names in groups:
-        tensors = optimizer_state.empty_like_state(engine, names)
+        tensors = optimizer_state.empty_like_state(optimizer, names)
         if saved_tp is None:
             distributed_io.load(directory, tensors, mesh)
         else:
             fragment_io.load(directory, tensors, mesh, saved_tp)
-        optimizer_state.fill(engine, tensors)
+        optimizer_state.fill(optimizer, tensors)
 
 
-def load_checkpoint(engine, config: DominoConfig, mesh: ParallelMesh, ckpt: Checkpoint, padded_vocab_size: int,
+def load_checkpoint(optimizer, config: DominoConfig, mesh: ParallelMesh, ckpt: Checkpoint, padded_vocab_size: int,
                     weights_only: bool = False) -> Tuple[int, int]:
     """Checks that ``ckpt`` fits this run, then restores model, optimizer and RNG state into this rank.
 
@@ -366,13 +367,12 @@ def load_checkpoint(engine, config: DominoConfig, mesh: ParallelMesh, ckpt: Chec
     Returns:
         ``(iteration, consumed_samples)`` to continue from; ``(0, 0)`` for a warm start.
     """
-    ckpt = _verified(ckpt, config, weights_only, mesh, stored_names(engine.module, mesh))
+    ckpt = _verified(ckpt, config, weights_only, mesh, stored_names(optimizer.module, mesh))
     meta, kind = ckpt.meta, ckpt.optimizer_format
     weights, optim, rng = agree(f"reading checkpoint {ckpt}", lambda: _read_state(
-        ckpt, engine, config, padded_vocab_size, weights_only, mesh))
-    engine.module.load_state_dict(weights, strict=True)
-    if hasattr(engine.optimizer, "refresh_fp32_params"):
-        engine.optimizer.refresh_fp32_params()  # ZeRO keeps its own fp32 master copy of the weights
+        ckpt, optimizer, config, padded_vocab_size, weights_only, mesh))
+    optimizer.module.load_state_dict(weights, strict=True)
+    optimizer.weights_loaded()  # ZeRO keeps its own fp32 master copy of the weights
     if weights_only:
         logger.info("warm start from %s (weights only, iteration 0)", ckpt)
         return 0, 0
@@ -382,9 +382,9 @@ def load_checkpoint(engine, config: DominoConfig, mesh: ParallelMesh, ckpt: Chec
     if kind == "by-name" and not config.checkpoint.no_load_optim:
         # After the weights: the master weights are the checkpoint's, not copies of the rounded model weights.
         collective(f"reading the optimizer state of {ckpt}",
-                   lambda: _load_optimizer_by_name(ckpt, engine, padded_vocab_size, mesh))
+                   lambda: _load_optimizer_by_name(ckpt, optimizer, padded_vocab_size, mesh))
     if optim is not None:
-        per_rank_state.restore_optimizer(engine, optim, mesh.dp_cp)
+        state_dict.restore_optimizer(optimizer, optim, mesh.dp_cp)
     if rng is not None:
         per_rank_state.restore_rng(rng)
     logger.info("resumed from %s at iteration %d (%d samples consumed)", ckpt, meta["iteration"],

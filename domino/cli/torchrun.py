@@ -51,10 +51,10 @@ def _warm_imports() -> Optional[str]:
     import torch
 
     if not torch.cuda.is_available():  # NVML-based: no CUDA context is created by asking
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as domino.train.runtime_start sets it before the import
-    from domino.train import runtime_start
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as domino.optim.deepspeed_runtime sets it before the import
+    from domino.optim import deepspeed_runtime
 
-    runtime_start.import_deepspeed()
+    deepspeed_runtime.import_deepspeed()
     for module in WARM_MODULES:
         importlib.import_module(module)
 

@@ -1,7 +1,7 @@
 """DeepSpeed's own allocations beyond the ZeRO paper's accounting, and what of the estimate has been measured.
 
 The ZeRO paper counts 2 + 2 + 12 bytes per parameter in mixed precision (:mod:`domino.config.estimate`). The
-engines DeepSpeed 0.19.8 builds for domino's config (``domino/train/engine.py``) keep more, read from its source:
+engines DeepSpeed 0.19.8 builds for domino's config (``domino/optim/deepspeed_config.py``) keep more, read from its source:
 
 * **bf16, ZeRO 1** (``BF16_Optimizer``, ``deepspeed/runtime/bf16_optimizer.py`` ``_setup_for_real_optimizer``):
   ``fp32_groups_gradients_flat``, an fp32 gradient buffer the size of *all* this rank's parameters (``zeros_like``

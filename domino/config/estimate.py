@@ -57,7 +57,7 @@ __all__ = ["DEVICES", "Estimate", "Layout", "USABLE_FRACTION", "candidate_layout
 DEFAULT_VOCAB = 50257
 #: Share of a GPU's memory a layout may plan for: the rest is the CUDA context, NCCL and allocator fragmentation.
 USABLE_FRACTION = 0.9
-#: DeepSpeed bucket sizes (elements) domino configures (``deepspeed_config`` in domino/train/engine.py).
+#: DeepSpeed bucket sizes (elements) domino configures (``deepspeed_config`` in domino/optim/deepspeed_config.py).
 ZERO_BUCKET_ELEMENTS = 5e7
 #: Pipeline sizes the layout search tries (each must also divide --num-layers, domino.config.validate).
 PIPELINE_SIZES = (1, 2, 4, 8, 16)

@@ -38,7 +38,7 @@ def data_parallel_size(config: DominoConfig, world_size: int) -> int:
 
 def zero_reduces_in_backward(config: DominoConfig) -> bool:
     """Whether domino asks DeepSpeed's ZeRO optimizer to reduce each gradient bucket during backward
-    (``overlap_comm`` and ``contiguous_gradients``, ``domino.train.engine.zero_optimization``); its step then
+    (``overlap_comm`` and ``contiguous_gradients``, ``domino.optim.deepspeed_config.zero_optimization``); its step then
     all-gathers the updated weights. Both make ZeRO hook every gradient and reduce it inside backward (deepspeed
     0.19.8 ``stage_1_and_2.py``, ``create_gradient_handling_hooks``), so neither with a pipeline (there after every
     micro-batch of the schedule: without them the step's ``allreduce_gradients`` reduces the accumulated gradients
@@ -106,7 +106,7 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
     if t.fp16 and p.zero_stage == 0:
         # fp16 at ZeRO 0 is DeepSpeed's FP16_UnfusedOptimizer, whose overflow check reads the host and spans one
         # stage (deepspeed 0.19.8 runtime/fp16/unfused_optimizer.py `step`); the ZeRO-1 optimizer's step is
-        # decided on the device and agreed over the stages (domino.train.zero_step).
+        # decided on the device and agreed over the stages (domino.optim.zero_step).
         problems.append(f"--fp16 with --pipeline-model-parallel-size {pp} needs --zero-stage 1 (got 0: DeepSpeed's "
                         "fp16 optimizer at stage 0 decides overflow on the host, for its own stage only)")
     ramped = t.rampup_batch_size is not None or t.step_batch_size_schedule is not None  # checked with the ramp

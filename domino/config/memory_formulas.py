@@ -20,7 +20,7 @@ Memory per GPU is the sum of seven parts, each a closed form in the architecture
   (Korthikanti's ``2 s b h L``) plus one recomputed unit.
 * **logits**: the vocabulary-parallel cross-entropy keeps an fp32 softmax ``[s, b, V/t]`` (plus the 16-bit logits);
   on GPUs one row chunk of it at a time (the chunked loss of ``domino/parallel/chunked_cross_entropy.py``).
-* **buffers**: DeepSpeed's ZeRO reduce/all-gather buckets (sizes from ``domino/train/engine.py``), the per-layer
+* **buffers**: DeepSpeed's ZeRO reduce/all-gather buckets (sizes from ``domino/optim/deepspeed_config.py``), the per-layer
   regrouped QKV weight copy of :mod:`domino.model.qkv_projection` and full recompute's RNG snapshots.
 * **deepspeed**: what DeepSpeed's optimizers keep beyond the paper's count (the fp32 gradient buffer of bf16 ZeRO 1,
   fp32 gradient partitions, the engine's flattening all-reduce buffer): :mod:`domino.config.deepspeed_memory`,

@@ -68,7 +68,7 @@ def zero_stage_for(config: DominoConfig, data_parallel_size: int) -> int:
     only through its ZeRO or BF16 optimizers (see :func:`validate`). So does fp16: at stage 0 DeepSpeed wraps the
     optimizer in its ``FP16_UnfusedOptimizer`` (``deepspeed/runtime/engine.py``, ``_configure_fp16_optimizer``:
     our torch AdamW is not its FusedAdam), whose step decides overflow on the host, where the ZeRO optimizer's is
-    decided on the device (:mod:`domino.train.zero_step`).
+    decided on the device (:mod:`domino.optim.zero_step`).
     """
     return config.parallel.zero_stage if config.parallel.zero_stage is not None else (
         0 if data_parallel_size == 1 and not (config.train.bf16 or config.train.fp16) else 1)

@@ -6,7 +6,7 @@ one use's share, so the two are summed over the embedding group (Megatron-LM's `
 ``megatron/core/distributed/finalize_model_grads.py``, run after the schedule and before the data-parallel
 reduction's step). Both copies then hold the same gradient and take the same update.
 
-The data-parallel reduction itself stays DeepSpeed's (:mod:`domino.train.engine`): it reads ``.grad`` at the step.
+The data-parallel reduction itself stays DeepSpeed's (:mod:`domino.optim.deepspeed_config`): it reads ``.grad`` at the step.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ wakes the others.
   once ("Connection closed by peer", gloo's ``transport/tcp/pair.cc`` in torch 2.13) instead of waiting for the
   group's timeout. ``destroy_process_group`` while the failed try's traceback still held the groups, without
   the ``gc.collect()`` that frees the engine's reference cycles, or with ZeRO's gradient hooks left in place
-  (:func:`domino.train.pretrain.pretrain` calls DeepSpeed's ``engine.destroy()`` on a failure) left the peer
+  (:func:`domino.train.pretrain.pretrain` calls the optimizer's ``destroy()`` on a failure) left the peer
   waiting the whole timeout in our runs (tests/train/test_inprocess_restart.py fails each way); ``ProcessGroup.abort()`` on a gloo group followed
   by its destruction ended the process with SIGABRT, so nvidia-resiliency-ext's abort step is not taken here (on
   NCCL it is ``ncclCommAbort``; this path is tested on gloo only).
@@ -30,6 +30,7 @@ import datetime
 import gc
 import logging
 import os
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -50,22 +51,23 @@ def _prefix(generation: int) -> str:
     return f"domino/inprocess/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{generation}"
 
 
-def leave() -> None:
+def leave(destroy_groups: Callable[[], None] = dist.destroy_process_group) -> None:
     """Destroys every process group of this process and forgets the mesh (no collective: peers blocked with this
     rank raise instead). Call it with no reference to a group left (the failed try's frames gone); safe to call
-    when the groups are already gone."""
+    when the groups are already gone.
+
+    Args:
+        destroy_groups: destroys the default group and every other (a training run passes DeepSpeed's, which
+            also drops DeepSpeed's own references to them: :func:`domino.optim.deepspeed_runtime.stop_comm`).
+    """
     state.destroy_model_parallel()
     if dist.is_initialized():
         try:
             check_in()
         except Exception as error:  # noqa: BLE001  the store is unreachable: the peers find that out themselves
             logger.debug("in-process restart: could not check in: %s", error)
-        # deepspeed.comm's destroy also drops DeepSpeed's own references to the groups (deepspeed 0.19.8
-        # comm/comm.py destroy_process_group -> utils/groups.py _release_process_group_references).
-        import deepspeed.comm
-
-        deepspeed.comm.destroy_process_group()
-    gc.collect()  # the failed try's engine and model sit in reference cycles: their groups go with them now
+        destroy_groups()
+    gc.collect()  # the failed try's optimizer and model sit in reference cycles: their groups go with them now
 
 
 def meet(store: dist.Store, generation: int, world_size: int, timeout: datetime.timedelta) -> None:

@@ -3,7 +3,7 @@
 :func:`start` builds the run's :class:`~domino.runtime.mesh.ParallelMesh` once and returns it; code below the entry
 points receives that value (or one of its groups) as an argument. The getters at the end answer from the mesh
 :func:`start` built, for the entry points and tests (DeepSpeed gets the mesh itself behind its ``mpu`` interface,
-:mod:`domino.train.deepspeed_mpu`). When nothing is initialised every getter answers as a single process (rank 0,
+:mod:`domino.optim.deepspeed_mpu`). When nothing is initialised every getter answers as a single process (rank 0,
 size 1, group ``None``).
 """
 

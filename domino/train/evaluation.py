@@ -20,7 +20,7 @@ def evaluate(forward_step: Callable, make_iterator: Callable[[], Optional[Iterab
     Args:
         forward_step: ``forward_step(data_iterator, model) -> (output, loss_fn)``.
         make_iterator: returns a new iterator over the split (``None`` on ranks that receive broadcasts).
-        model: the engine or module to run in eval mode.
+        model: the model to run in eval mode.
         eval_iters: batches to average.
     """
     was_training = model.training

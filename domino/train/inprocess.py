@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from domino.config import ConfigError, DominoConfig
 from domino.goodput.ledger import AttemptOrigin
+from domino.optim import deepspeed_runtime
 from domino.runtime import restart
 from domino.runtime.agreement import PeerLostError
 from domino.runtime.mesh import ParallelMesh
@@ -78,10 +79,10 @@ def train_with_restarts(config: DominoConfig, train: Callable[[ParallelMesh, Att
             origin = AttemptOrigin(time.time(), inprocess_restart=generation)
             logger.warning("in-process restart %d of %d after: %s: %s", generation, MAX_INPROCESS_RESTARTS,
                            type(error).__name__, " ".join(str(error).split())[:300])
-        # Out of the except block: the traceback, which holds the failed try's frames (trainer, engine, model
+        # Out of the except block: the traceback, which holds the failed try's frames (trainer, optimizer, model
         # and their groups), is gone, so leave() can drop the last reference to each group.
         mesh = None
-        restart.leave()
+        restart.leave(deepspeed_runtime.stop_comm)
         restart.meet(store, generation, world_size, timeout)
         mesh = initialize_runtime(config, store=restart.generation_store(store, generation))
         logger.warning("in-process restart %d: process groups formed again in %.2f s (pid %d)", generation,

@@ -29,7 +29,7 @@ class IntervalReading:
     last_finite_loss: Optional[float]
     """The loss of the last iteration with a finite loss, if any."""
     optimizer_skips: int
-    """Updates skipped by domino's own overflow flag since the run started (see ``engine.flag_overflow``)."""
+    """Updates skipped by domino's own overflow flag since the run started (see ``domino.optim.clipping.flag_overflow``)."""
 
 
 class IntervalStats:

@@ -1,15 +1,15 @@
 """One optimizer step of a pipelined run: the 1F1B (or interleaved 1F1B) schedule, the gradients made whole,
-DeepSpeed's step.
+the optimizer's step.
 
 With ``--pipeline-model-parallel-size`` > 1 the schedule of :mod:`domino.pipeline.schedule` runs every forward and
 backward of the step, so DeepSpeed never sees a loss: the engine is built with one "micro-batch" per step (the
-step's micro-batches together, :func:`domino.train.engine.deepspeed_config`) and its hooks that reduce gradients
+step's micro-batches together, :func:`domino.optim.deepspeed_config.deepspeed_config`) and its hooks that reduce gradients
 inside its own backward off, and here, after the schedule, in this order:
 
 1. the tied embeddings' gradient is summed over the first and last stage
    (:func:`domino.pipeline.gradients.sync_tied_embeddings`);
 2. the gradients are averaged over the data-parallel replicas, so the norm is that of the step's gradient;
-3. domino clips them with the norm over every stage (:func:`domino.train.engine.clip_gradients`);
+3. domino clips them with the norm over every stage (:func:`domino.optim.clipping.clip_gradients`);
 4. ZeRO-1 moves them into its partitions (``engine.allreduce_gradients``: DeepSpeed's ``reduce_gradients``, the
    call its own PipelineEngine makes, ``_exec_reduce_grads`` in deepspeed 0.19.8 ``runtime/pipe/engine.py``;
    the replicas' gradients are already equal, so its averaging changes nothing), and the optimizer steps.
@@ -24,7 +24,7 @@ With ``--bf16`` the same steps run on the fp32 gradient buffers of DeepSpeed's B
 per-gradient hooks added each micro-batch's bf16 gradient during the schedule's backward (:meth:`_bf16_step`);
 the buffers are the step's gradients, so ``allreduce_gradients`` is not called (BF16_Optimizer reduces only those
 buffers there, already averaged). With ``--fp16`` (ZeRO-1: DeepSpeed's ZeRO optimizer, whose step
-:mod:`domino.train.zero_step` decides on the device) the last stage multiplies each micro-batch's loss by the
+:mod:`domino.optim.zero_step` decides on the device) the last stage multiplies each micro-batch's loss by the
 dynamic loss scale inside the schedule (:attr:`domino.pipeline.schedule.StageSchedule.loss_scale`) and
 :meth:`_fp16_step` clips the still-scaled gradients by the unscaled norm; the overflow is agreed over every stage
 (the pipeline-group max of the skip flag in the ZeRO step, after DeepSpeed's over DP and TP), so every stage skips
@@ -45,7 +45,8 @@ from domino.pipeline.grad_overlap import OverlappedGradReduce
 from domino.pipeline.gradients import sync_tied_embeddings, tied_embedding_weight
 from domino.pipeline.schedule import StageSchedule
 from domino.runtime.mesh import ParallelMesh
-from domino.train import bf16_step, engine as engine_setup
+from domino.optim.clipping import clip_gradients
+from domino.optim.interface import TrainingOptimizer
 from domino.parallel.context_split import sum_over_context
 from domino.train.gpt_recipe import average_across_data_parallel_group
 
@@ -79,22 +80,21 @@ def stage_reads_batches(config: DominoConfig, first: bool, last: bool) -> bool:
     return first or last or d.reset_position_ids or d.reset_attention_mask
 
 
-def fp16_loss_scale(config: DominoConfig, engine) -> Optional[torch.Tensor]:
-    """Under ``--fp16`` the 0-d device tensor of the ZeRO optimizer's dynamic loss scale (its
-    :class:`domino.train.device_loss_scale.DeviceLossScaler`, which updates it in place), else None.
+def fp16_loss_scale(config: DominoConfig, optimizer: TrainingOptimizer) -> Optional[torch.Tensor]:
+    """Under ``--fp16`` the 0-d device tensor of the optimizer's dynamic loss scale (updated in place by each
+    step), else None.
 
     Raises:
-        ConfigError: fp16 whose optimizer does not decide its step on the device (only the ZeRO optimizer
-            agrees its skip over the stages, :mod:`domino.train.zero_step`).
+        ConfigError: fp16 whose optimizer does not keep its scale on the device (only DeepSpeed's ZeRO optimizer,
+            as :mod:`domino.optim.zero_step` runs it, agrees its skip over the stages).
     """
     if not config.train.fp16:
         return None
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
-    scale = getattr(scaler, "cur_scale", None)
-    if not isinstance(scale, torch.Tensor):
+    scale = optimizer.device_loss_scale()
+    if scale is None:
         raise ConfigError("--fp16 with --pipeline-model-parallel-size > 1 needs --zero-stage 1 and a loss scale "
-                          "DeepSpeed's ZeRO optimizer keeps on the device (domino.train.zero_step); got "
-                          f"{type(engine.optimizer).__name__}")
+                          "DeepSpeed's ZeRO optimizer keeps on the device (domino.optim.zero_step); got "
+                          f"{type(optimizer.inner).__name__}")
     return scale
 
 
@@ -104,26 +104,26 @@ class PipelineStep:
     Args:
         config: the run's configuration.
         mesh: the run's parallel layout (this rank's pipeline, data-parallel and embedding groups).
-        engine: the DeepSpeed engine around this rank's stage.
+        optimizer: the optimizer of this rank's stage.
         get_batch: ``get_batch(data_iterator) -> {tokens, labels, loss_mask, attention_mask, position_ids}`` for one
             micro-batch (:meth:`domino.train.gpt_recipe.GPTRecipe.batch`).
     """
 
-    def __init__(self, config: DominoConfig, mesh: ParallelMesh, engine,
+    def __init__(self, config: DominoConfig, mesh: ParallelMesh, optimizer: TrainingOptimizer,
                  get_batch: Optional[Callable[..., Dict[str, torch.Tensor]]], micro_batches: int) -> None:
         if get_batch is None:
             raise ConfigError("--pipeline-model-parallel-size > 1 needs pretrain(get_batch=...): the pipeline "
                               "schedule, not forward_step, runs the stages")
-        self.config, self.mesh, self.engine, self.get_batch = config, mesh, engine, get_batch
+        self.config, self.mesh, self.optimizer, self.get_batch = config, mesh, optimizer, get_batch
+        self.module = optimizer.module
         self.micro_batches = micro_batches
         #: bf16: each parameter's fp32 main gradient (DeepSpeed's BF16_Optimizer buffers), else None.
-        self.main_grads = (bf16_step.main_gradients(engine.optimizer)
-                           if bf16_step.is_bf16_optimizer(engine.optimizer) else None)
+        self.main_grads = optimizer.main_gradients()
         #: fp16: the optimizer's dynamic loss scale, a 0-d device tensor updated in place each step, else None.
-        self.loss_scale = fp16_loss_scale(config, engine)
+        self.loss_scale = fp16_loss_scale(config, optimizer)
         #: --overlap-grad-reduce: the buckets whose DP mean the backward launches (domino.pipeline.grad_overlap).
-        self.overlap = (OverlappedGradReduce(list(engine.module.parameters()), mesh.dp,
-                                             exclude=tied_embedding_weight(engine.module, mesh),
+        self.overlap = (OverlappedGradReduce(list(self.module.parameters()), mesh.dp,
+                                             exclude=tied_embedding_weight(self.module, mesh),
                                              main_grad=self.main_grads.__getitem__ if self.main_grads else None,
                                              replicas=mesh.dp_cp)
                         if config.parallel.overlap_grad_reduce else None)
@@ -148,10 +148,10 @@ class PipelineStep:
         if micro_batches not in self._schedules:
             m, t = self.config.model, self.config.train
             self._schedules[micro_batches] = StageSchedule(
-                self.engine.module, self.mesh.pp, num_microbatches=micro_batches, micro_batch_size=t.micro_batch_size,
+                self.module, self.mesh.pp, num_microbatches=micro_batches, micro_batch_size=t.micro_batch_size,
                 seq_length=m.seq_length, hidden_size=m.hidden_size,
                 sequence_parallel=self.config.parallel.sequence_parallel,
-                dtype=next(self.engine.module.parameters()).dtype, scale_grads=self.overlap is None)
+                dtype=next(self.module.parameters()).dtype, scale_grads=self.overlap is None)
         return self._schedules[micro_batches]
 
     def _step_batch(self, data_iterator, count: Optional[int] = None) -> Dict[str, Optional[torch.Tensor]]:
@@ -178,7 +178,7 @@ class PipelineStep:
                                                         batch["position_ids"], batch["attention_mask"])
         timers.stop("forward-backward")
         timers.start("optimizer")
-        module = self.engine.module
+        module = self.module
         if self.main_grads is not None:
             return self._bf16_step(loss, micro_batches, timers)
         if self.overlap is not None:
@@ -189,21 +189,9 @@ class PipelineStep:
         else:
             sync_tied_embeddings(module, self.mesh)
             average_over_data_parallel([p.grad for p in module.parameters() if p.grad is not None], self.mesh)
-        grad_norm = engine_setup.clip_gradients(self.engine, self.mesh, self.config.train.clip_grad,
-                                                loss_scale=self.loss_scale)
-        skipped = None
-        if engine_setup.zero_stage(self.config, self.mesh.dp.size) == 0:
-            skipped = engine_setup.flag_overflow(self.engine, grad_norm)  # fused AdamW skips on the device
-        else:
-            # DeepSpeed's reduction sums these (already reduced, equal) gradients over DP x CP and divides by DP
-            # (engine.py `_reduce_non_expert_gradients`): handed a CP-th of them it leaves them as they are.
-            if self.mesh.cp.size > 1:
-                grads = [p.grad for p in module.parameters() if p.grad is not None]
-                torch._foreach_mul_(grads, 1 / self.mesh.cp.size)
-            self.engine.allreduce_gradients()
-        self.engine.step()
-        if skipped is None:  # the ZeRO optimizer's own skip, decided on the device (domino.train.zero_step)
-            skipped = engine_setup.device_skip_flag(self.engine)
+        grad_norm = clip_gradients(module.parameters(), self.mesh, self.config.train.clip_grad,
+                                   loss_scale=self.loss_scale)
+        skipped = self.optimizer.step_reduced(grad_norm)
         timers.stop("optimizer")
         return self._logged(loss), grad_norm, skipped
 
@@ -218,26 +206,22 @@ class PipelineStep:
         the BF16_Optimizer's fp32 buffers (its hooks; the bf16 ``.grad`` is freed, so torch's ``scale_grads``
         found nothing to divide). Here they become the mean over the micro-batches, the tied copies' sum, the
         mean over the replicas, are clipped by the norm over every stage (NaN everywhere when that norm is not
-        finite, so every stage skips) and DeepSpeed's step (:mod:`domino.train.bf16_step`) applies them."""
-        optimizer = self.engine.optimizer
-        buffers = bf16_step.main_gradient_buffers(optimizer)
+        finite, so every stage skips) and DeepSpeed's step (:mod:`domino.optim.bf16_step`) applies them."""
+        buffers = self.optimizer.main_gradient_buffers()
         # Scaling the fp32 sums after the backward is DeepSpeed's unstaged division of the loss by the micro-batch
         # count moved past the backward: the same numbers wherever the count is a power of two.
         if self.overlap is not None:
             self.overlap.finish()  # every bucket's DP mean, launched from the backward, waited for here
-            sync_tied_embeddings(self.engine.module, self.mesh, self.main_grads)
-            tied = tied_embedding_weight(self.engine.module, self.mesh)
+            sync_tied_embeddings(self.module, self.mesh, self.main_grads)
+            tied = tied_embedding_weight(self.module, self.mesh)
             average_over_data_parallel([self.main_grads[tied]] if tied is not None else [], self.mesh)
         else:
             torch._foreach_mul_(buffers, 1.0 / micro_batches)
-            sync_tied_embeddings(self.engine.module, self.mesh, self.main_grads)
+            sync_tied_embeddings(self.module, self.mesh, self.main_grads)
             average_over_data_parallel(buffers, self.mesh)
-        for flags in optimizer.fp32_groups_has_gradients:  # the norm and step of DeepSpeed read every buffer
-            flags[:] = [True] * len(flags)
-        grad_norm = engine_setup.clip_gradients(self.engine, self.mesh, self.config.train.clip_grad,
-                                                grad_of=self.main_grads.get, poison_overflow=True)
-        self.engine.step()
-        skipped = engine_setup.device_skip_flag(self.engine)
+        grad_norm = clip_gradients(self.module.parameters(), self.mesh, self.config.train.clip_grad,
+                                   grad_of=self.main_grads.get, poison_overflow=True)
+        skipped = self.optimizer.step_reduced(grad_norm)
         timers.stop("optimizer")
         return self._logged(loss), grad_norm, skipped
 
@@ -246,7 +230,7 @@ class PipelineStep:
         """The mean loss of ``eval_iters`` micro-batches of a fresh iterator, averaged over the replicas: the number
         :func:`domino.train.evaluation.evaluate` gives at one stage. Runs them a step's worth at a time (whatever is
         left in the last group)."""
-        module = self.engine.module
+        module = self.module
         was_training = module.training
         module.eval()
         iterator, total, done = make_iterator(), None, 0

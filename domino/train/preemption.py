@@ -77,14 +77,14 @@ def grace_period_s() -> Optional[float]:
     return float(os.environ.get(SHUTDOWN_TIMEOUT_ENV, TORCHRUN_DEFAULT_SHUTDOWN_S))
 
 
-def estimated_save_s(engine) -> float:
+def estimated_save_s(optimizer) -> float:
     """A rough time for one rank's save: its parameters' bytes plus optimizer state, at the assumed rate."""
-    params = [p for p in engine.module.parameters()]
+    params = [p for p in optimizer.module.parameters()]
     size = sum(p.numel() * (p.element_size() + OPTIMIZER_BYTES_PER_PARAM) for p in params)
     return size / ASSUMED_WRITE_BYTES_PER_S
 
 
-def startup_warnings(config: DominoConfig, engine) -> List[str]:
+def startup_warnings(config: DominoConfig, optimizer) -> List[str]:
     """The one-line warnings for a run that a SIGTERM could cost its progress (logged by rank 0)."""
     out = []
     wanted = os.environ.get(SHUTDOWN_TIMEOUT_ENV)
@@ -95,7 +95,7 @@ def startup_warnings(config: DominoConfig, engine) -> List[str]:
                    "pytorch/pytorch#172596): a save after SIGTERM must fit in 30 s")
     grace = grace_period_s()
     if config.train.exit_signal_handler and config.checkpoint.save and grace is not None:
-        estimate = estimated_save_s(engine)
+        estimate = estimated_save_s(optimizer)
         if estimate > grace:
             out.append(f"--exit-signal-handler: a save is estimated at {estimate:.0f} s (at "
                        f"{ASSUMED_WRITE_BYTES_PER_S / 1e6:.0f} MB/s), longer than the {grace:.0f} s left after "

@@ -1,7 +1,7 @@
 """``pretrain(config, model_builder, dataset_builder, forward_step)``: the training loop.
 
-Distributed initialisation, the DeepSpeed engine (ZeRO data parallelism around tensor parallelism with
-Domino), the learning-rate schedule, checkpoint save/resume, periodic evaluation and logging. The three
+Distributed initialisation, the optimizer (:mod:`domino.optim`: ZeRO data parallelism around tensor parallelism
+with Domino), the learning-rate schedule, checkpoint save/resume, periodic evaluation and logging. The three
 callables follow Megatron-LM's contracts, so a user can swap in their own model or data:
 
 - ``model_builder(config, mesh) -> torch.nn.Module`` (``mesh``: the run's :class:`~domino.runtime.mesh.ParallelMesh`)
@@ -25,7 +25,8 @@ from domino.parallel import random as tp_random
 from domino.runtime import state
 from domino.runtime.agreement import agree
 from domino.runtime.mesh import ParallelMesh, collective_device
-from domino.train import engine as engine_setup, schedule_check
+from domino.optim.deepspeed_optimizer import build_optimizer
+from domino.train import schedule_check
 from domino.train.trainer import Trainer, TrainingDivergedError, TrainingResult
 
 __all__ = ["pretrain", "TrainingDivergedError", "TrainingResult"]
@@ -67,7 +68,7 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
                                                          for_training=True))
     # Fail on a garbage --load before building anything.
     checkpoints = CheckpointManager.open(config, mesh)  # first of all: holds --save until the run ends
-    engine = trainer = None
+    optimizer = trainer = None
     try:
         schedule = agree("checking the schedules against the checkpoint", lambda: schedule_check.resumed_schedule(
             checkpoints.resume_from, config, mesh.dp.size, checkpoints.warm_start))
@@ -77,16 +78,16 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
         # Parameters created and initialised on their device, shard by shard.
         with collective_device(mesh.tp.process_group):
             model = model_builder(config, mesh)
-        engine = engine_setup.build_engine(model, config, mesh)
+        optimizer = build_optimizer(model, config, mesh)
         model_built = time.time()
-        iteration, consumed = checkpoints.load(engine, padded_vocab_size)
+        iteration, consumed = checkpoints.load(optimizer, padded_vocab_size)
         ledger = Ledger(config.checkpoint.save, enabled=dist.get_rank() == 0)
         ledger.start(origin or AttemptOrigin.new_process(), runtime_ready, model_built, time.time() - model_built, iteration)
         if origin is not None and origin.inprocess_restart and dist.get_rank() == 0:
             logger.warning("in-process restart %d resumed from iteration %d: %s", origin.inprocess_restart, iteration,
                            "the save in flight at the failure" if checkpoints.inflight == iteration else
                            "the newest checkpoint" if checkpoints.resume_from is not None else "no checkpoint yet")
-        trainer = Trainer(config, mesh, checkpoints, engine, dataset_builder, forward_step, padded_vocab_size,
+        trainer = Trainer(config, mesh, checkpoints, optimizer, dataset_builder, forward_step, padded_vocab_size,
                           tokenizer, get_batch, schedule, ledger)
         return trainer.run(iteration, consumed, checkpoints.own_checkpoint(iteration))
     except BaseException as error:
@@ -96,13 +97,13 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
             except Exception:  # noqa: BLE001  the failure being raised is the one to report; the restart falls back
                 logger.exception("could not keep the save in flight for the in-process restart")
         # ZeRO's gradient hooks live in autograd's C++ side, so the cycle parameter -> hook -> optimizer -> parameter
-        # (and the process groups on it) is never collected; DeepSpeed's destroy() removes them (deepspeed 0.19.8
-        # runtime/engine.py destroy -> zero/stage_1_and_2.py destroy), so an in-process restart can free the groups.
-        if engine is not None:
+        # (and the process groups on it) is never collected; destroy() removes them, so an in-process restart can
+        # free the groups.
+        if optimizer is not None:
             try:
-                engine.destroy()
+                optimizer.destroy()
             except Exception:  # noqa: BLE001  the failure being raised is the one to report
-                logger.exception("DeepSpeed's engine.destroy() failed after a failed run")
+                logger.exception("the optimizer's destroy() failed after a failed run")
         raise
     finally:
         checkpoints.close()  # --save is free for the next run (after the last save was committed)

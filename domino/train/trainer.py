@@ -24,7 +24,9 @@ from domino.runtime.comm_timing import pop_modelled_comm_seconds
 from domino.runtime.hang_watch import HangWatch
 from domino.runtime.mesh import ParallelMesh, collective_device
 from domino.runtime.agreement import agree, hosts, is_lost_peer_error, lost_peer_error
-from domino.train import engine as engine_setup, schedule_check
+from domino.optim.deepspeed_config import pipelined
+from domino.optim.interface import TrainingOptimizer
+from domino.train import schedule_check
 from domino.train.evaluation import evaluate, perplexity
 from domino.train.fault_injection import maybe_raise_in_step
 from domino.train.interval_stats import IntervalReading, IntervalStats
@@ -57,19 +59,15 @@ class TrainingResult:
     """True when ``--exit-signal-handler`` stopped the run early on SIGTERM (after saving)."""
 
 
-def _set_lr(engine, lr: float) -> None:
-    for group in engine.optimizer.param_groups:
-        group["lr"] = lr
-
-
 class Trainer:
     """The loop of one run: steps, NaN accounting, interval logging, evaluation and saving."""
 
-    def __init__(self, config: DominoConfig, mesh: ParallelMesh, checkpoints: CheckpointManager, engine,
+    def __init__(self, config: DominoConfig, mesh: ParallelMesh, checkpoints: CheckpointManager,
+                 optimizer: TrainingOptimizer,
                  dataset_builder: Callable, forward_step: Callable, padded_vocab_size: int, tokenizer,
                  get_batch: Optional[Callable] = None, schedule: Optional[LearningRateSchedule] = None,
                  ledger: Optional[Ledger] = None) -> None:
-        self.config, self.engine, self.forward_step = config, engine, forward_step
+        self.config, self.optimizer, self.forward_step = config, optimizer, forward_step
         self.ledger = ledger or Ledger(None, enabled=False)
         self.mesh = mesh
         self.tp_link = mesh.tp.link  # the emulated TP link (DOMINO_SIMULATED_NETWORK), whose time is logged
@@ -78,11 +76,11 @@ class Trainer:
         t, lg = config.train, config.logging
         self.batches = batch_schedule(config, mesh.dp.size)  # the batch of each iteration
         self.pipeline = None
-        if engine_setup.pipelined(config):
+        if pipelined(config):
             # Imported only here: a run without stages never needs torch.distributed.pipelining and its schedules.
             from domino.train.pipeline_step import PipelineStep
 
-            self.pipeline = PipelineStep(config, mesh, engine, get_batch, self.batches.micro_batches_per_step)
+            self.pipeline = PipelineStep(config, mesh, optimizer, get_batch, self.batches.micro_batches_per_step)
         self.gbs = self.batches.global_batch_size
         self.train_iters = t.train_iters if t.train_iters is not None else self.batches.train_iters(t.train_samples)
         self.schedule = schedule or LearningRateSchedule.from_config(t, self.train_iters, self.gbs)
@@ -121,10 +119,10 @@ class Trainer:
 
         Nothing here reads a tensor value on the host (each read would wait for the device to drain): a
         non-finite loss makes non-finite gradients, and the optimizer skips that update by itself: DeepSpeed's
-        from a device flag (:mod:`~domino.train.bf16_step`, :mod:`~domino.train.zero_step`; fp16 at ZeRO 0 from
-        its ``overflow``), the plain fused AdamW from ``found_inf`` (:func:`engine.flag_overflow`).
+        from a device flag (:mod:`~domino.optim.bf16_step`, :mod:`~domino.optim.zero_step`; fp16 at ZeRO 0 from
+        its ``overflow``), the plain fused AdamW from ``found_inf`` (:func:`domino.optim.clipping.flag_overflow`).
         """
-        engine, timers = self.engine, self.timers
+        optimizer, timers = self.optimizer, self.timers
         self.batch = batch  # Megatron logs the batch of the iteration at the log point as batch-size
         per_micro_batch = self.batches.micro_batch_size * self.batches.data_parallel_size
         if self.pipeline is not None:  # the schedule runs every micro-batch (domino.train.pipeline_step)
@@ -134,36 +132,23 @@ class Trainer:
             return loss
         iteration_loss = torch.zeros((), device=self.device)
         timers.start("forward-backward")
-        for last in engine_setup.accumulate(engine, batch, per_micro_batch):
+        for last in optimizer.micro_batches(batch, per_micro_batch):
             timers.start("forward")
-            output, loss_fn = self.forward_step(train_iter, engine)
+            output, loss_fn = self.forward_step(train_iter, optimizer.module)
             loss, stats = loss_fn(output)
             timers.stop("forward")
             iteration_loss += stats["lm loss"].detach()  # the DP average, identical on every rank
             timers.start("backward")
-            engine.backward(loss)
+            optimizer.backward(loss)
             timers.stop("backward")
-            if last:
-                timers.stop("forward-backward")
-                timers.start("optimizer")
-                if engine_setup.clips_itself(self.config, self.mesh.dp.size):
-                    self.grad_norm = engine_setup.clip_gradients(engine, self.mesh, self.config.train.clip_grad)
-                    self._flag_overflow(self.grad_norm)
-            engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
-        skipped = engine_setup.device_skip_flag(engine)
-        if skipped is not None:  # skipped on the device: counted with the interval's numbers
-            self.stats.add_optimizer_skip(skipped)
+        timers.stop("forward-backward")
+        timers.start("optimizer")
+        outcome = optimizer.step()
+        self.grad_norm = outcome.grad_norm
+        if outcome.skipped is not None:  # skipped on the device: counted with the interval's numbers
+            self.stats.add_optimizer_skip(outcome.skipped)
         timers.stop("optimizer")
         return iteration_loss / (batch // per_micro_batch)
-
-    def _flag_overflow(self, grad_norm: torch.Tensor) -> None:
-        flag = engine_setup.flag_overflow(self.engine, grad_norm)
-        if flag is not None:
-            self.stats.add_optimizer_skip(flag)
-        elif not torch.isfinite(grad_norm):  # torch < 2.4 on CPU (no fused AdamW): a host read, no device sync
-            self.stats.add_optimizer_skip(torch.ones((), device=self.device))
-            _set_lr(self.engine, 0.0)
-            self.engine.module.zero_grad(set_to_none=False)
 
     def _check_nan_streak(self, iteration: int, iterations: int, reading: IntervalReading) -> None:
         if reading.non_finite:
@@ -182,7 +167,7 @@ class Trainer:
         Raises:
             TrainingDivergedError: when the loss stayed non-finite for ``--max-nan-steps`` iterations.
         """
-        t, engine = self.config.train, self.engine
+        optimizer = self.optimizer
         reading = self.stats.read()
         if reading.last_finite_loss is not None:
             self.last_train_loss = reading.last_finite_loss
@@ -191,16 +176,13 @@ class Trainer:
         blocked = self.comm.pop_seconds()  # host time blocked in TP collectives (sync ones, Domino's waits)
         tokens_per_s = samples / max(iterations, 1) * self.config.model.seq_length / iter_time
         tflops = self.flops_per_token * tokens_per_s / dist.get_world_size() / 1e12
-        if not engine_setup.clips_itself(self.config, self.mesh.dp.size):
-            self.grad_norm = engine.get_global_grad_norm()
-        scaler = getattr(engine.optimizer, "loss_scaler", None)
         record = {
             "iteration": iteration, "consumed_samples": consumed, "batch_size": self.batch,
             "lm_loss": reading.mean_loss,
             "lr": lr, "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
-            "loss_scale": float(scaler.cur_scale) if scaler is not None and t.fp16 else None,
+            "loss_scale": optimizer.loss_scale(),
             # DeepSpeed's wrappers count their own skips (after their own host read of the overflow flag).
-            "skipped_iterations": reading.optimizer_skips + int(engine.skipped_steps),
+            "skipped_iterations": reading.optimizer_skips + optimizer.host_skipped_steps,
             "iteration_time_s": iter_time, "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
             "mfu": tflops / self.peak if self.peak else None, "memory_gb": memory_gb(),
             "eta_s": iter_time * (self.train_iters - iteration),
@@ -234,7 +216,7 @@ class Trainer:
         started, training_comm = time.perf_counter(), self.comm.pop_seconds()
         training_modelled, training_sites = pop_modelled_comm_seconds(self.tp_link), self.comm.pop_by_site()
         make_iterator, iters = lambda: self._loader(dataset, 0, 0), self.config.train.eval_iters
-        loss = (evaluate(self.forward_step, make_iterator, self.engine, iters) if self.pipeline is None
+        loss = (evaluate(self.forward_step, make_iterator, self.optimizer.module, iters) if self.pipeline is None
                 else self.pipeline.evaluate(make_iterator, iters))
         self.comm.pop_seconds(), pop_modelled_comm_seconds(self.tp_link), self.comm.pop_by_site()  # not training's
         self.timers.add("comm-wait", training_comm)
@@ -253,7 +235,7 @@ class Trainer:
     def _save(self, iteration: int, consumed: int) -> str:
         self.hang.progress(iteration, "save")
         started = time.perf_counter()
-        path = self.saver.save(self.engine, iteration, consumed, self.padded_vocab_size, self.tokenizer, self.gbs,
+        path = self.saver.save(self.optimizer, iteration, consumed, self.padded_vocab_size, self.tokenizer, self.gbs,
                                schedule_check.record(self.schedule, self.config, self.train_iters,
                                                      self.mesh.dp.size))
         self.paused += time.perf_counter() - started
@@ -285,7 +267,7 @@ class Trainer:
             self.ledger.record("end", how="hung", iteration=self.completed, loop_end=self.hang.progressed_at)),
             timers={"tp": self.mesh.tp.timer, "cp": self.mesh.cp.timer})
         if dist.get_rank() == 0:
-            for warning in startup_warnings(self.config, self.engine):
+            for warning in startup_warnings(self.config, self.optimizer):
                 logger.warning("%s", warning)
         how = "failed"
         self.loop_end: Optional[float] = None  # when the last step ended, for the ledger
@@ -328,7 +310,7 @@ class Trainer:
                     "Domino chunks %d, ZeRO %d", self.train_iters, self.batches.global_batch_size_at(consumed),
                     t.micro_batch_size, self.mesh.dp.size, self.batches.num_micro_batches_at(consumed),
                     self.mesh.tp.size, self.mesh.cp.size, config.parallel.domino_chunks, config.parallel.zero_stage)
-        self.engine.train()
+        self.optimizer.module.train()
         # Set-up collectives are not part of any interval.
         self.comm.pop_seconds(), pop_modelled_comm_seconds(self.tp_link), self.comm.pop_by_site()
         run_start, start_iteration = time.perf_counter(), iteration
@@ -340,7 +322,7 @@ class Trainer:
         while iteration < self.train_iters:
             batch = self.batches.global_batch_size_at(consumed)
             lr = self.schedule.lr_at_samples(consumed)
-            _set_lr(self.engine, lr)
+            self.optimizer.set_lr(lr)
             maybe_raise_in_step(iteration + 1, dist.get_rank())  # DOMINO_FAULT_INJECT=raise-in-step@N:R only
             self.stats.add(self._step(train_iter, batch), iteration + 1)
             iteration += 1

@@ -14,12 +14,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from domino.checkpoint import discovery, optimizer_state, resume, sharding
+from domino.checkpoint import discovery, resume, sharding
 from domino.cli.main import build_parser
 from domino.config import config_from_args
 from domino.parallel import random as tp_random
 from domino.runtime.mesh import collective_device
-from domino.train import engine as engine_setup, runtime_start
+from domino.optim import state as optimizer_state
+from domino.optim.deepspeed_optimizer import build_optimizer
+from domino.train import runtime_start
 from domino.train.gpt_recipe import GPTRecipe
 
 
@@ -34,10 +36,10 @@ def main(out: str, argv) -> None:
     tp_random.model_parallel_seed(config.train.seed, mesh.tp.rank)
     with collective_device(mesh.tp.process_group):
         model = recipe.model_builder(config, mesh)
-    engine = engine_setup.build_engine(model, config, mesh)
+    optimizer = build_optimizer(model, config, mesh)
     resume.READ_BATCH_BYTES = 1  # every parameter its own collective read: the batched path is what is compared
-    resume.load_checkpoint(engine, config, mesh, ckpt, padded)
-    local, scalars = optimizer_state.gather(engine)
+    resume.load_checkpoint(optimizer, config, mesh, ckpt, padded)
+    local, scalars = optimizer_state.gather(optimizer)
     shards = [None] * mesh.tp.size
     dist.all_gather_object(shards, local, group=mesh.tp.process_group)
     if dist.get_rank() == 0:

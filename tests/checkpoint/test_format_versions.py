@@ -2,7 +2,7 @@
 the layout that wrote them; on another layout they are refused in one line that says how to convert them.
 
 The format-1 checkpoint is written by the code that still writes it (DeepSpeed's fp16 optimizer without ZeRO has no
-state by name, ``domino.checkpoint.optimizer_state.supports``), with its ``checkpoint.json`` reduced to what
+state by name, ``domino.optim.state.supports``), with its ``checkpoint.json`` reduced to what
 format 1 held. Everything runs in one real gloo process, ``pretrain()`` called in-process.
 """
 
@@ -44,7 +44,7 @@ def _as_format_1(ckpt: Path) -> None:
 def _old_and_new(rank, world_size, out_dir):
     import pytest
 
-    from domino.checkpoint import optimizer_state
+    from domino.optim import state as optimizer_state
     from domino.config import ConfigError
 
     from domino.config import parse_config
@@ -55,7 +55,7 @@ def _old_and_new(rank, world_size, out_dir):
     reference = _train(out, "reference", 6)
     old = out / "old"
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(optimizer_state, "supports", lambda engine: False)
+        monkeypatch.setattr(optimizer_state, "supports", lambda optimizer: False)
         _train(out, "old", 6, "--save", str(old), "--exit-interval", "4")  # the schedule of 6 iterations
     _as_format_1(old / "iter_0000004")
     layout = {"per_rank_files": sorted(p.name for p in (old / "iter_0000004" / "optim").iterdir())}

@@ -16,7 +16,7 @@ import torch
 
 from domino.checkpoint import fragment_io
 from domino.checkpoint.on_disk import CheckpointError
-from domino.checkpoint.optimizer_state import Fragment
+from domino.optim.state import Fragment
 from domino.checkpoint.sharding import shard_state_dict
 from domino.runtime.mesh import MeshGroup, ParallelMesh
 

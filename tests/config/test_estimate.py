@@ -219,13 +219,14 @@ def test_candidate_layouts_are_the_layouts_domino_pretrain_accepts():
 
 def _bf16_zero1_buffers(rank, world_size, flags):
     from domino.model import GPTModel
-    from domino.train import engine as engine_setup, runtime_start
+    from domino.optim.deepspeed_optimizer import build_optimizer
+    from domino.train import runtime_start
 
     config = parse_config(flags)
     mesh = runtime_start.initialize_runtime(config)
     model = GPTModel(config.model, 256, tp=mesh.tp)
-    engine = engine_setup.build_engine(model, config, mesh)
-    fp32_gradients = sum(t.numel() * t.element_size() for t in engine.optimizer.fp32_groups_gradients_flat)
+    optimizer = build_optimizer(model, config, mesh)
+    fp32_gradients = sum(t.numel() * t.element_size() for t in optimizer.inner.fp32_groups_gradients_flat)
     return fp32_gradients, sum(p.numel() for p in model.parameters())
 
 

@@ -5,7 +5,7 @@ The model of :data:`pipeline_runs.TIED_TINY` (tied embeddings, clipped every ste
 micro-batches per step, an initial loss scale of 256 (2^32, the default, overflows this model's first steps): the
 last stage multiplies each micro-batch's loss by the ZeRO optimizer's device loss scale inside the schedule, the
 norm over every stage is taken of the still-scaled gradients and divided by it, and the ZeRO step unscales and
-agrees the overflow over the stages (:mod:`domino.train.pipeline_step`, :mod:`domino.train.zero_step`). Compared
+agrees the overflow over the stages (:mod:`domino.train.pipeline_step`, :mod:`domino.optim.zero_step`). Compared
 with the one-stage fp16 run within the bf16 tests' bounds (:func:`test_pipeline_bf16._tracks`).
 
 Measured here (loss, gradient norm at iterations 1-4; TIED_TINY fp16, scale 256): one stage (6.2492795, 1.095180),

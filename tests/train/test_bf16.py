@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from domino.config import ConfigError, parse_config, validate
-from domino.train.engine import deepspeed_config
+from domino.optim.deepspeed_config import deepspeed_config
 from train_helpers import run_pretrain, read_metrics
 
 BF16 = ["--preset", "tiny", "--log-interval", "1", "--num-workers", "0", "--seed", "7", "--mock-data",

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from domino.config import ConfigError, parse_config
-from domino.train.engine import deepspeed_config
+from domino.optim.deepspeed_config import deepspeed_config
 
 
 def _config(tmp_path, overrides, *flags):
@@ -103,8 +103,8 @@ def test_deepspeed_is_imported_without_mlflow_which_stays_importable_after():
     import subprocess
     import sys
 
-    code = ("import sys; from domino.train import runtime_start; "
-            "runtime_start.import_deepspeed(); "
+    code = ("import sys; from domino.optim import deepspeed_runtime; "
+            "deepspeed_runtime.import_deepspeed(); "
             "from deepspeed.autotuning import autotuner; print('mlflow' in sys.modules, autotuner.has_mlflow); "
             "import mlflow; print(mlflow.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -9,7 +9,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from domino.train.runtime_start import TESTED_DEEPSPEED, untested_deepspeed
+from domino.optim.deepspeed_runtime import TESTED_DEEPSPEED, untested_deepspeed
 from train.train_helpers import TINY, child_env
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,10 +1,10 @@
 """DeepSpeed's mixed-precision optimizer steps decided on the device equal DeepSpeed's own bit for bit at TP=2,
 read nothing on the host, and with one data-parallel replica reduce no gradient over the one-rank group:
 
-* bf16 ZeRO 1, ``BF16_Optimizer`` (``domino.train.bf16_step``; deepspeed 0.19.8 ``runtime/bf16_optimizer.py``):
+* bf16 ZeRO 1, ``BF16_Optimizer`` (``domino.optim.bf16_step``; deepspeed 0.19.8 ``runtime/bf16_optimizer.py``):
   clipped on every step, or never;
-* bf16 ZeRO 2, fp32 ZeRO 1 and fp16 ZeRO 1, ``DeepSpeedZeroOptimizer`` (``domino.train.zero_step``;
-  ``runtime/zero/stage_1_and_2.py``), fp16 with the device loss scaler (``domino.train.device_loss_scale``;
+* bf16 ZeRO 2, fp32 ZeRO 1 and fp16 ZeRO 1, ``DeepSpeedZeroOptimizer`` (``domino.optim.zero_step``;
+  ``runtime/zero/stage_1_and_2.py``), fp16 with the device loss scaler (``domino.optim.device_loss_scale``;
   ``runtime/fp16/loss_scaler.py``) through hysteresis, halving and growth.
 
 Each run steps two engines per rank built from the same weights, ours and one with DeepSpeed's classes, on the
@@ -35,7 +35,7 @@ RUNS = [
      [1.0, INF, INF, 1.0, 1.0, 1.0]),
 ]
 #: The step whose update doubles the fp16 scale: DeepSpeed unscales with the doubled scale there
-#: (domino.train.zero_step), so only that step's results differ, by the clip factor's 1e-6 term.
+#: (domino.optim.zero_step), so only that step's results differ, by the clip factor's 1e-6 term.
 GROWTH_STEP = {"fp16-zero1": 5}
 
 
@@ -50,15 +50,16 @@ def _flags(flags, ds_config):
 def _engine(config, ours):
     from domino.model import GPTModel
     from domino.runtime import state
-    from domino.train import bf16_step, engine as engine_setup, zero_step
+    from domino.optim import bf16_step, zero_step
+    from domino.optim.deepspeed_optimizer import build_optimizer
 
     mesh = state.current_mesh()
     torch.manual_seed(3)  # the same initial weights for both engines
     if ours:
-        return engine_setup.build_engine(GPTModel(config.model, VOCAB, tp=mesh.tp), config, mesh)
+        return build_optimizer(GPTModel(config.model, VOCAB, tp=mesh.tp), config, mesh).engine
     never = lambda engine: False  # noqa: E731  (DeepSpeed's own classes, for the reference)
     with mock.patch.object(bf16_step, "install", never), mock.patch.object(zero_step, "install", never):
-        return engine_setup.build_engine(GPTModel(config.model, VOCAB, tp=mesh.tp), config, mesh)
+        return build_optimizer(GPTModel(config.model, VOCAB, tp=mesh.tp), config, mesh).engine
 
 
 def _fp32_partitions(optimizer):
@@ -105,7 +106,7 @@ class _OneRankReductions:
 
 def _run(flags, factors, ds_config):
     from domino.config import parse_config
-    from domino.train import engine as engine_setup
+    from domino.optim import bf16_step, zero_step
     from domino.train.host_syncs import HostSyncProbe
 
     config = parse_config(_flags(flags, ds_config))
@@ -123,7 +124,8 @@ def _run(flags, factors, ds_config):
             result["reads"][index] += probe.count()
             result["reductions"][index] += one_rank.count
         result["steps"].append({"ours": _snapshot(ours), "theirs": _snapshot(theirs),
-                                "flag": float(engine_setup.device_skip_flag(ours)),
+                                "flag": float(bf16_step.skip_flag(ours) if bf16_step.skip_flag(ours) is not None
+                                              else zero_step.skip_flag(ours)),
                                 "deepspeed_skips": theirs.skipped_steps})
     return result
 

@@ -1,4 +1,4 @@
-"""fp16's dynamic loss scale updated on the device (domino.train.device_loss_scale) follows DeepSpeed 0.19.8's
+"""fp16's dynamic loss scale updated on the device (domino.optim.device_loss_scale) follows DeepSpeed 0.19.8's
 ``DynamicLossScaler.update_scale`` (``deepspeed/runtime/fp16/loss_scaler.py``) step for step, for both hysteresis
 modes and at the minimum scale, and its fields survive the checkpoint code's save-by-name and restore-by-name."""
 
@@ -9,8 +9,8 @@ from unittest import mock
 import pytest
 import torch
 
-from domino.checkpoint.optimizer_state import loss_scaler_fields
-from domino.train import device_loss_scale
+from domino.optim.state import loss_scaler_fields
+from domino.optim import device_loss_scale
 
 
 def _scaler(consecutive_hysteresis):

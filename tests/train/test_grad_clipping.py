@@ -1,8 +1,7 @@
 """Gradient norm and clipping at TP=2 x DP=2 equal the unsharded model's: tensor-parallel shards add up,
 replicated parameters (LayerNorms, row-parallel biases) are counted once, and data-parallel replicas (which
-hold the same, already reduced gradients) do not multiply the norm (domino.train.engine.clip_gradients)."""
+hold the same, already reduced gradients) do not multiply the norm (domino.optim.clipping.clip_gradients)."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,8 +36,8 @@ def _backward(model, batch):
 def _clip_body(rank, world_size, full_sd, batch, max_norm):
     import deepspeed
 
-    from domino.train.engine import clip_gradients
-    from domino.train.runtime_start import _skip_shared_memory_op
+    from domino.optim.clipping import clip_gradients
+    from domino.optim.deepspeed_runtime import _skip_shared_memory_op
 
     _skip_shared_memory_op()  # as pretrain's initialize_runtime: DeepSpeed's comm layer over our gloo group
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
@@ -46,7 +45,7 @@ def _clip_body(rank, world_size, full_sd, batch, max_norm):
     model = GPTModel(tiny_config(), VOCAB, tp=mesh.tp)
     model.load_state_dict(shard_state_dict(full_sd, state.get_tensor_model_parallel_rank(), 2))
     _backward(model, batch)
-    norm = clip_gradients(SimpleNamespace(module=model), mesh, max_norm)
+    norm = clip_gradients(model.parameters(), mesh, max_norm)
     return norm, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 

@@ -90,7 +90,7 @@ def test_half_precision_zero1_tp2_domino_and_stages_read_and_wait_for_nothing(tm
     DeepSpeed's ZeRO optimizer with domino's device-decided step): no host read and
     no explicit synchronize inside iterations on any rank, by any owner. DeepSpeed's own step read overflow and the
     clip decision (2 per iteration) and its ThroughputTimer synchronised twice per micro-batch;
-    domino.train.bf16_step and the engine's config remove both; the staged step (domino.train.pipeline_step)
+    domino.optim.bf16_step and the engine's config remove both; the staged step (domino.train.pipeline_step)
     scales, reduces, clips and agrees on a skip with tensors only."""
     ranks = _probed_run(tmp_path, 2, [*precision, "--zero-stage", "1", *layout, "--vocab-size", "256"],
                         fp16_on_cpu="--fp16" in precision)
@@ -111,7 +111,7 @@ def test_half_precision_zero1_tp2_domino_and_stages_read_and_wait_for_nothing(tm
 def test_bf16_zero2_dp2_iterations_read_and_copy_nothing(tmp_path):
     """bf16 ZeRO 2 at DP=2 (DeepSpeed's ZeRO optimizer): neither a host read nor a device tensor made from a
     Python number inside iterations. DeepSpeed's get_grad_norm_direct built ``torch.tensor(-1.0, device=...)``
-    once per parameter group (2 per iteration); domino.train.zero_step's norm builds none. The plain kernels
+    once per parameter group (2 per iteration); domino.optim.zero_step's norm builds none. The plain kernels
     take the loss's CUDA formula, so the CPU choice's one read per micro-batch (KNOWN_ELSEWHERE) is not there."""
     ranks = _probed_run(tmp_path, 2, ["--bf16", "--zero-stage", "2", "--vocab-size", "256"],
                         env={"DOMINO_KERNELS": "plain"})

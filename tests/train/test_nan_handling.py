@@ -15,10 +15,11 @@ def _train_with_poisoned_steps(rank, world_size, prefix, out_dir, poisoned, max_
     import torch
 
     from domino.config import parse_config
-    from domino.train import engine, runtime_start
+    from domino.optim import deepspeed_optimizer
+    from domino.train import runtime_start
 
     if not fused:  # as on torch < 2.4, whose CPU AdamW has no fused kernel (and so no found_inf)
-        engine.fused_optimizer_supported = lambda device: False
+        deepspeed_optimizer.fused_optimizer_supported = lambda device: False
     from domino.train.gpt_recipe import GPTRecipe
     from domino.train.pretrain import TrainingDivergedError, pretrain
 
@@ -61,7 +62,7 @@ def test_nan_steps_are_skipped_and_counted(tmp_path, corpus_prefix, flags, fused
     """ZeRO 1: DeepSpeed's optimizer skips from its overflow flag; ZeRO 0 (fp32, domino clips): the fused AdamW
     skips from the ``found_inf`` flag domino sets on the device (without a fused AdamW, domino decides on the
     host and zeroes the update); bf16 ZeRO 1: DeepSpeed's BF16_Optimizer with the step of
-    ``domino.train.bf16_step``, which skips on the device too and hands its flag to the interval's count."""
+    ``domino.optim.bf16_step``, which skips on the device too and hands its flag to the interval's count."""
     import torch
 
     error, = run_distributed(_train_with_poisoned_steps, 1, corpus_prefix, str(tmp_path), {3, 4}, 3, flags, fused)

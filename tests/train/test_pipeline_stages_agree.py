@@ -4,7 +4,7 @@ gradients are not finite, and a checkpoint snapshot failing on one stage fails o
 DeepSpeed 0.19.8's ZeRO optimizer reduces its norm and overflow over the data-parallel group and its ``mpu``'s
 model-parallel group (``_model_parallel_all_reduce``, ``runtime/zero/stage_1_and_2.py``), which is domino's
 tensor-parallel group: alone, a stage with finite gradients would step while the stage with an overflow skips,
-and their weights and Adam step counts would part for the rest of the run (``domino.train.zero_step``). A
+and their weights and Adam step counts would part for the rest of the run (``domino.optim.zero_step``). A
 snapshot's host copy that fails on one rank (pinned host memory exhausted) must not leave the collectives after it
 (the first stage gathering the whole model) waiting for that rank (``domino.checkpoint.checkpointing``).
 
@@ -23,7 +23,9 @@ def _body(rank, world_size, save):
     from domino.checkpoint import checkpointing
     from domino.config import parse_config
     from domino.runtime.agreement import AgreedFailure
-    from domino.train import engine as engine_setup, runtime_start
+    from domino.optim import zero_step
+    from domino.optim.deepspeed_optimizer import build_optimizer
+    from domino.train import runtime_start
 
     config = parse_config(["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
                            "--seq-length", "4", "--max-position-embeddings", "4", "--vocab-size", "16",
@@ -33,7 +35,8 @@ def _body(rank, world_size, save):
                            "--distributed-timeout-minutes", "1"])  # a hang fails the test within a minute
     mesh = runtime_start.initialize_runtime(config)
     torch.manual_seed(rank)
-    engine = engine_setup.build_engine(torch.nn.Linear(4, 4), config, mesh)
+    optimizer = build_optimizer(torch.nn.Linear(4, 4), config, mesh)
+    engine = optimizer.engine  # DeepSpeed's, driven by hand: the stages' agreement is its optimizer's
     steps = []
     for factor in (1.0, float("inf") if rank == 1 else 1.0):
         loss = engine.module(torch.ones(2, 4)).sum() * factor
@@ -42,7 +45,7 @@ def _body(rank, world_size, save):
         before = [p.detach().clone() for p in engine.module.parameters()]
         engine.step()
         steps.append({"changed": any(not torch.equal(a, p) for a, p in zip(before, engine.module.parameters())),
-                      "skipped": float(engine_setup.device_skip_flag(engine))})
+                      "skipped": float(zero_step.skip_flag(engine))})
 
     def to_host(tensor):
         if rank == 1:
@@ -51,7 +54,7 @@ def _body(rank, world_size, save):
 
     try:
         checkpointing.collective("saving checkpoint iter_0000002 (copying its state)", lambda: (
-            checkpointing.take_snapshot(engine, config, mesh, 2, 2, 16, "test", to_host=to_host)))
+            checkpointing.take_snapshot(optimizer, config, mesh, 2, 2, 16, "test", to_host=to_host)))
         snapshot_error = None
     except AgreedFailure as failure:
         snapshot_error = str(failure)

@@ -3,7 +3,7 @@
 With one replica ZeRO 1 has nothing to shard (``domino.config.validate.zero_stage_for``), so the default is the
 plain optimizer; these runs check that the choice does not change the maths, that a resumed run keeps its
 checkpoint's stage unless told otherwise, and that another stage reads the same state (it is stored by parameter
-name: ``domino/checkpoint/optimizer_state.py``).
+name: ``domino/optim/state.py``).
 
 The learning rate is constant (no warm-up, no decay) so a run that stops at iteration 4 and one that goes on to
 6 follow the same schedule: a resumed run's losses can then be compared with an uninterrupted one's.

@@ -66,25 +66,25 @@ class Scalars:
         return cls(step, scaler)
 
 
-def _zero_like(engine) -> bool:
-    return any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
+def _zero_like(training) -> bool:
+    return any(hasattr(p, "_hp_mapping") for p in training.module.parameters())
 
 
-def supports(engine) -> bool:
+def supports(training) -> bool:
     """Whether this run's optimizer state can be stored by name (ZeRO 1/2, BF16_Optimizer or plain AdamW)."""
-    return _zero_like(engine) or isinstance(engine.optimizer, torch.optim.Optimizer)
+    return _zero_like(training) or isinstance(training.inner, torch.optim.Optimizer)
 
 
-def trainable(engine) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+def trainable(training) -> Iterator[Tuple[str, torch.nn.Parameter]]:
     """The parameters the optimizer updates, by state-dict name, in the model's order (the same on every rank of a
     pipeline stage); a last pipeline stage's copy of the tied embeddings goes by the embeddings' name (its state
     is theirs: :func:`domino.pipeline.stages.stored_name`)."""
-    return ((stored_name(name, p), p) for name, p in engine.module.named_parameters() if p.requires_grad)
+    return ((stored_name(name, p), p) for name, p in training.module.named_parameters() if p.requires_grad)
 
 
-def _base_optimizer(engine) -> torch.optim.Optimizer:
+def _base_optimizer(training) -> torch.optim.Optimizer:
     """The torch optimizer doing the update: ZeRO's and BF16_Optimizer's inner one, or the plain AdamW."""
-    return engine.optimizer.optimizer if _zero_like(engine) else engine.optimizer
+    return training.inner.optimizer if _zero_like(training) else training.inner
 
 
 def _step_count(optimizer: torch.optim.Optimizer) -> int:
@@ -96,7 +96,7 @@ def _step_count(optimizer: torch.optim.Optimizer) -> int:
 
 def loss_scaler_fields(scaler) -> Dict[str, float]:
     """A loss scaler's numbers by field name (``{}`` for None): DeepSpeed's keep Python numbers, domino's device
-    scaler 0-d tensors (:mod:`domino.train.device_loss_scale`), read here once per save. Assigning them back by
+    scaler 0-d tensors (:mod:`domino.optim.device_loss_scale`), read here once per save. Assigning them back by
     name restores either kind."""
     fields: Dict[str, float] = {}
     for key, value in (vars(scaler).items() if scaler is not None else ()):
@@ -107,11 +107,11 @@ def loss_scaler_fields(scaler) -> Dict[str, float]:
     return fields
 
 
-def _loss_scaler_fields(engine) -> Dict[str, float]:
-    return loss_scaler_fields(getattr(engine.optimizer, "loss_scaler", None))
+def _loss_scaler_fields(training) -> Dict[str, float]:
+    return loss_scaler_fields(getattr(training.inner, "loss_scaler", None))
 
 
-def _link_stepped_groups(engine) -> Dict[int, bool]:
+def _link_stepped_groups(training) -> Dict[int, bool]:
     """Points every parameter's fragment at Adam's moments; returns, by ``id(param)``, whether it has any.
 
     DeepSpeed 0.19.8's ZeRO links the fragments once, after stepping the first parameter group only
@@ -120,7 +120,7 @@ def _link_stepped_groups(engine) -> Dict[int, bool]:
     and norms) never see their moments through ``safe_get_full_optimizer_state``. Linking again once every group
     has its state mends that; BF16_Optimizer steps all groups at once and links them all anyway.
     """
-    zero = engine.optimizer
+    zero = training.inner
     base = zero.optimizer
     groups = getattr(zero, "bit16_groups", None) or zero.bf16_groups
     stepped = [all("exp_avg" in base.state.get(p, {}) for p in group["params"]) for group in base.param_groups]
@@ -135,7 +135,7 @@ def copy_to_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", torch.float32, copy=True)
 
 
-def gather(engine, keep: Callable[[int], bool] = lambda index: True,
+def gather(training, keep: Callable[[int], bool] = lambda index: True,
            to_host: Callable[[torch.Tensor], torch.Tensor] = copy_to_cpu) -> Tuple[TensorsByName, Scalars]:
     """The optimizer state of the parameters this rank keeps, each as its whole TP-local slices, on the host.
 
@@ -149,12 +149,12 @@ def gather(engine, keep: Callable[[int], bool] = lambda index: True,
     :func:`local_fragments`, and the gathering path stays as the independent reader of what an optimizer holds
     (the resume tests' probe) and as ``benchmarks/snapshot.py``'s baseline.
     """
-    optimizer, tensors = _base_optimizer(engine), {}
-    zero = _zero_like(engine)
-    stepped = _link_stepped_groups(engine) if zero else {}
+    optimizer, tensors = _base_optimizer(training), {}
+    zero = _zero_like(training)
+    stepped = _link_stepped_groups(training) if zero else {}
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    for index, (name, param) in enumerate(trainable(engine)):
+    for index, (name, param) in enumerate(trainable(training)):
         if zero:
             values = [safe_get_full_fp32_param(param)]
             for key in STATE_KEYS[1:]:
@@ -168,7 +168,7 @@ def gather(engine, keep: Callable[[int], bool] = lambda index: True,
         if keep(index):
             for key, value in zip(STATE_KEYS, values):
                 tensors[f"{key}.{name}"] = to_host(value.detach().to(torch.float32))
-    return tensors, Scalars(_step_count(optimizer), _loss_scaler_fields(engine))
+    return tensors, Scalars(_step_count(optimizer), _loss_scaler_fields(training))
 
 
 @dataclass(frozen=True)
@@ -181,12 +181,12 @@ class Fragment:
     shape: Tuple[int, ...]
 
 
-def holds_fragments(engine) -> bool:
+def holds_fragments(training) -> bool:
     """Whether each data-parallel rank holds only fragments of the state (ZeRO 1/2, BF16_Optimizer)."""
-    return _zero_like(engine)
+    return _zero_like(training)
 
 
-def local_fragments(engine, to_host: Callable[[torch.Tensor], torch.Tensor] = copy_to_cpu
+def local_fragments(training, to_host: Callable[[torch.Tensor], torch.Tensor] = copy_to_cpu
                     ) -> Tuple[Dict[str, Fragment], Scalars]:
     """This rank's own fragments of the optimizer state (ZeRO runs: :func:`holds_fragments`), by ``KEY.NAME``, each
     copied to the host by ``to_host``; nothing is collective.
@@ -198,9 +198,9 @@ def local_fragments(engine, to_host: Callable[[torch.Tensor], torch.Tensor] = co
     with no elements in this rank's partition has no fragment here, nor has a last pipeline stage's copy of the
     tied embeddings (its stage's partition cuts it elsewhere than the first stage's, whose fragments are kept).
     """
-    stepped = _link_stepped_groups(engine)
+    stepped = _link_stepped_groups(training)
     fragments: Dict[str, Fragment] = {}
-    for name, param in engine.module.named_parameters():
+    for name, param in training.module.named_parameters():
         mapping = getattr(param, "_hp_mapping", None)
         if not param.requires_grad or mapping is None or mapping.lp_fragment_address.numel == 0:
             continue
@@ -213,24 +213,24 @@ def local_fragments(engine, to_host: Callable[[torch.Tensor], torch.Tensor] = co
             else:  # a group never stepped: zero moments, as torch's Adam creates them
                 value = torch.zeros(numel, dtype=torch.float32)
             fragments[f"{key}.{name}"] = Fragment(value, start, tuple(param.shape))
-    return fragments, Scalars(_step_count(_base_optimizer(engine)), _loss_scaler_fields(engine))
+    return fragments, Scalars(_step_count(_base_optimizer(training)), _loss_scaler_fields(training))
 
 
-def empty_like_state(engine, names: Optional[Iterable[str]] = None) -> TensorsByName:
+def empty_like_state(training, names: Optional[Iterable[str]] = None) -> TensorsByName:
     """CPU fp32 tensors of the shapes :func:`gather` returns (for the parameters ``names``, default all), to be
     filled by a checkpoint read."""
     wanted = None if names is None else set(names)
     return {f"{key}.{name}": torch.zeros(param.shape, dtype=torch.float32)
-            for name, param in trainable(engine) if wanted is None or name in wanted for key in STATE_KEYS}
+            for name, param in trainable(training) if wanted is None or name in wanted for key in STATE_KEYS}
 
 
-def batches(engine, max_bytes: int) -> List[List[str]]:
+def batches(training, max_bytes: int) -> List[List[str]]:
     """The trainable parameters' names in consecutive groups of at most ``max_bytes`` of state (or one parameter),
     the same on every rank of the run (the same model order and TP-local shapes), so each group is one collective
     read whose host memory stays bounded."""
     groups: List[List[str]] = [[]]
     size = 0
-    for name, param in trainable(engine):
+    for name, param in trainable(training):
         nbytes = len(STATE_KEYS) * param.numel() * 4
         if groups[-1] and size + nbytes > max_bytes:
             groups.append([])
@@ -257,29 +257,29 @@ def _create_state(optimizer: torch.optim.Optimizer, step: int) -> None:
                                       "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
 
 
-def prepare(engine, scalars: Scalars) -> None:
+def prepare(training, scalars: Scalars) -> None:
     """Gives the optimizer fresh Adam state at the checkpoint's step and the loss scaler its fields; :func:`fill`
     then sets the tensors. Call after the model's weights are loaded (ZeRO's ``refresh_fp32_params`` would
     overwrite the master weights with the rounded model weights otherwise)."""
-    _create_state(_base_optimizer(engine), scalars.step)
-    if _zero_like(engine):
-        engine.optimizer._hp_optimizer_states_linked = False
-        engine.optimizer._lazy_init_hp_params_optimizer_state()  # points each fragment at the new moments
-    scaler: Optional[object] = getattr(engine.optimizer, "loss_scaler", None)
+    _create_state(_base_optimizer(training), scalars.step)
+    if _zero_like(training):
+        training.inner._hp_optimizer_states_linked = False
+        training.inner._lazy_init_hp_params_optimizer_state()  # points each fragment at the new moments
+    scaler: Optional[object] = getattr(training.inner, "loss_scaler", None)
     if scaler is not None:
         for key, value in scalars.loss_scaler.items():
             if hasattr(scaler, key):
                 setattr(scaler, key, value)
 
 
-def fill(engine, tensors: TensorsByName) -> None:
+def fill(training, tensors: TensorsByName) -> None:
     """Loads the slices :func:`gather` produced (possibly on another layout) for the parameters ``tensors`` holds
     into this run's optimizer, after :func:`prepare`. Nothing here is collective."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    optimizer, zero = _base_optimizer(engine), _zero_like(engine)
+    optimizer, zero = _base_optimizer(training), _zero_like(training)
     with torch.no_grad():
-        for name, param in trainable(engine):
+        for name, param in trainable(training):
             if f"fp32.{name}" not in tensors:
                 continue
             fp32, exp_avg, exp_avg_sq = (tensors[f"{key}.{name}"].to(param.device) for key in STATE_KEYS)

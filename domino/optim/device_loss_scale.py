@@ -16,13 +16,13 @@ scaler with those three numbers as 0-d tensors on the device and the same rule w
 Powers of two are exact in fp32, so the scale sequence and the scaled loss are DeepSpeed's bit for bit
 (``tests/train/test_device_loss_scale.py`` against ``DynamicLossScaler`` step for step,
 ``tests/train/test_device_decided_steps.py`` through an engine), and so are the unscaled gradients except on a
-step whose update grows the scale: DeepSpeed unscales them with the grown scale, :mod:`domino.train.zero_step`
+step whose update grows the scale: DeepSpeed unscales them with the grown scale, :mod:`domino.optim.zero_step`
 with the one they were computed with. Another difference: at ``min_scale`` an overflow
 makes DeepSpeed raise ``Current loss scale already at minimum`` (``raise_error_at_min_scale``); the device
 cannot raise, so the scale stays at the minimum and the step is skipped like any other (the interval's
-statistics count it, ``domino.train.zero_step.skip_flag``).
+statistics count it, ``domino.optim.zero_step.skip_flag``).
 
-The checkpoint code saves a scaler's fields by name (``domino.checkpoint.optimizer_state.loss_scaler_fields``
+The checkpoint code saves a scaler's fields by name (``domino.optim.state.loss_scaler_fields``
 reads these tensors as numbers at save time) and assigns them back by name on load: a number assigned to a
 device field is copied into its tensor.
 """

@@ -2,7 +2,7 @@
 
 DeepSpeed 0.19.8 wraps our torch AdamW in ``DeepSpeedZeroOptimizer`` (``deepspeed/runtime/zero/stage_1_and_2.py``)
 at ZeRO 1 and 2 for fp16 and fp32, and at ZeRO 2 for bf16 (bf16 ZeRO 1 is ``BF16_Optimizer``:
-:mod:`domino.train.bf16_step`). Its ``step`` reads on the host, every step:
+:mod:`domino.optim.bf16_step`). Its ``step`` reads on the host, every step:
 
 * ``has_overflow`` (fp16 and bf16, ``check_grad_overflow``): the inf/NaN count of the gradient partitions,
   all-reduced, then ``overflow_gpu[0].item()``;
@@ -17,7 +17,7 @@ else of DeepSpeed's class (gradient partitions and buckets, fp32 master partitio
 * the skip is torch's fused AdamW's own: with the optimizer attribute ``found_inf`` non-zero it leaves
   parameters, moments and step count unchanged (``torch/optim/adam.py`` ``_fused_adam``, torch 2.13), so the
   copy of the unchanged fp32 master partition into the 16-bit weights that follows changes nothing either;
-* the scale update is :class:`domino.train.device_loss_scale.DeviceLossScaler` (fp16 dynamic scaling);
+* the scale update is :class:`domino.optim.device_loss_scale.DeviceLossScaler` (fp16 dynamic scaling);
 * with pipeline stages the skip is the same on every stage: DeepSpeed reduces the overflow and the norm over DP
   and its ``mpu``'s model-parallel group (TP) only, so a stage with finite gradients would step while another
   skips;
@@ -47,7 +47,7 @@ from typing import Optional
 
 import torch
 
-from domino.train import device_loss_scale
+from domino.optim import device_loss_scale
 
 
 def _zero_optimizer_class():
@@ -85,7 +85,7 @@ def _device_decided_step(self, closure=None):
             dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=self.dp_process_group)
         self._model_parallel_all_reduce(tensor=overflow, op=dist.ReduceOp.MAX)
         invalid = invalid | overflow.reshape(()).bool()
-    pp = self.mpu.mesh.pp  # the engine's mpu is the mesh's (domino.train.deepspeed_mpu), kept by the optimizer
+    pp = self.mpu.mesh.pp  # the engine's mpu is the mesh's (domino.optim.deepspeed_mpu), kept by the optimizer
     if pp.size > 1:
         # DeepSpeed's norm and overflow span DP and TP only (its mpu's model-parallel group is TP); every stage
         # skips when any stage's gradients are not finite, as domino's clipping norm spans the stages.
