@@ -46,6 +46,10 @@ class DeepSpeedOptimizer:
     def __init__(self, engine, config: DominoConfig, mesh: ParallelMesh) -> None:
         self.engine, self.config, self.mesh = engine, config, mesh
         self.module: nn.Module = engine.module
+        # The engine's forward, not the module's: it registers the hooks on the outputs that run its backward
+        # prologue (deepspeed 0.19.8 runtime/engine.py ``forward`` -> ``register_output_backward_hooks``), and
+        # clears the ZeRO optimizer's backward-seen flag; a loss from the bare module is accumulated otherwise.
+        self.forward_model = engine
         self._clips = clips_itself(config, mesh.dp.size)
         self._last = True
         #: bf16 with BF16_Optimizer: each parameter's fp32 main gradient (a view into its flat buffers).

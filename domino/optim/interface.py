@@ -9,7 +9,7 @@ no module outside ``domino/optim/`` imports DeepSpeed (``tests/test_layering.py`
 A step, unpipelined::
 
     for last in optimizer.micro_batches(batch, samples_per_micro_batch):
-        loss = loss_of(optimizer.module(...))
+        loss = loss_of(optimizer.forward_model(...))
         optimizer.backward(loss)
     outcome = optimizer.step()
 
@@ -44,6 +44,9 @@ class TrainingOptimizer(Protocol):
 
     module: nn.Module
     """The model (this stage's) whose parameters it updates."""
+    forward_model: nn.Module
+    """What a micro-batch's forward calls: :attr:`module`, or a wrapper around it whose backward needs to have seen
+    the forward (DeepSpeed's engine registers hooks on the outputs there)."""
     inner: object
     """The object holding the optimizer's state (for :mod:`domino.optim.state` only)."""
 

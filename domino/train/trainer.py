@@ -134,7 +134,7 @@ class Trainer:
         timers.start("forward-backward")
         for last in optimizer.micro_batches(batch, per_micro_batch):
             timers.start("forward")
-            output, loss_fn = self.forward_step(train_iter, optimizer.module)
+            output, loss_fn = self.forward_step(train_iter, optimizer.forward_model)
             loss, stats = loss_fn(output)
             timers.stop("forward")
             iteration_loss += stats["lm loss"].detach()  # the DP average, identical on every rank
@@ -216,7 +216,7 @@ class Trainer:
         started, training_comm = time.perf_counter(), self.comm.pop_seconds()
         training_modelled, training_sites = pop_modelled_comm_seconds(self.tp_link), self.comm.pop_by_site()
         make_iterator, iters = lambda: self._loader(dataset, 0, 0), self.config.train.eval_iters
-        loss = (evaluate(self.forward_step, make_iterator, self.optimizer.module, iters) if self.pipeline is None
+        loss = (evaluate(self.forward_step, make_iterator, self.optimizer.forward_model, iters) if self.pipeline is None
                 else self.pipeline.evaluate(make_iterator, iters))
         self.comm.pop_seconds(), pop_modelled_comm_seconds(self.tp_link), self.comm.pop_by_site()  # not training's
         self.timers.add("comm-wait", training_comm)
