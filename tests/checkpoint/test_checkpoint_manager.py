@@ -18,7 +18,7 @@ def _config(*flags):
 def test_an_empty_save_folder_is_a_fresh_start(tmp_path):
     checkpoints = CheckpointManager.open(_config("--save", str(tmp_path / "ckpt")), ParallelMesh.single())
     assert checkpoints.resume_from is None and not checkpoints.warm_start
-    assert checkpoints.load(engine=None, padded_vocab_size=512) == (0, 0)  # nothing read, no engine touched
+    assert checkpoints.load(optimizer=None, padded_vocab_size=512) == (0, 0)  # nothing read or touched
     assert checkpoints.own_checkpoint(0) is None
 
 
