@@ -69,9 +69,12 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     checkpoints = CheckpointManager.open(config, mesh)  # first of all: holds --save until the run ends
     engine = trainer = None
     try:
-        schedule = agree("checking the schedules against the checkpoint", lambda: schedule_check.resumed_schedule(
-            checkpoints.resume_from, config, mesh.dp.size, checkpoints.warm_start))
-        padded_vocab_size = checkpoints.fit(padded_vocab_size)  # the checkpoint's vocabulary padding, its ZeRO stage
+        schedule, config = agree("checking the schedules against the checkpoint",
+                                 lambda: schedule_check.resumed_schedule(checkpoints.resume_from, config, mesh.dp.size,
+                                                                         checkpoints.warm_start))
+        # The checkpoint's vocabulary padding and ZeRO stage: from here on the run's config is the settled one.
+        checkpoints, padded_vocab_size = checkpoints.fit(config, padded_vocab_size)
+        config = checkpoints.config
         tp_random.model_parallel_seed(config.train.seed, mesh.tp.rank, mesh.cp.rank, mesh.tp.size)
 
         # Parameters created and initialised on their device, shard by shard.
