@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 
 
 def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Callable, forward_step: Callable,
-             padded_vocab_size: int, tokenizer=None, get_batch: Optional[Callable] = None,
-             mesh: Optional[ParallelMesh] = None, origin: Optional[AttemptOrigin] = None) -> TrainingResult:
+             padded_vocab_size: int, tokenizer=None, get_batch: Optional[Callable] = None, *,
+             mesh: ParallelMesh, origin: Optional[AttemptOrigin] = None) -> TrainingResult:
     """Trains according to ``config`` (call it on every rank, after
     :func:`domino.train.runtime_start.initialize_runtime`).
 
@@ -49,7 +49,8 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
         tokenizer: saved into every checkpoint when given.
         get_batch: one micro-batch's tensors by name from a data iterator; pipelined runs need it, as the pipeline
             schedule, not ``forward_step``, runs the stages (:mod:`domino.train.pipeline_step`).
-        mesh: the run's layout, as ``initialize_runtime`` returned it (default: the one it built).
+        mesh: the run's layout, as ``initialize_runtime`` returned it: a value passed down from here, so nothing
+            below reads a process-wide one.
         origin: where this attempt began, for the goodput ledger (default: this process's start; an in-process
             restart passes its failure's time and number).
 
@@ -59,8 +60,7 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     """
     if not state.model_parallel_is_initialized():
         raise RuntimeError("pretrain(): call domino.train.runtime_start.initialize_runtime(config) first, "
-                           "once per process")
-    mesh = mesh or state.current_mesh()  # the layout start() built: passed down from here, not read below
+                           "once per process, and pass the mesh it returns")
     runtime_ready = time.time()
     # Each check ends in an agreement: a rank that fails stops every rank with the same one-line error.
     agree("checking the configuration", lambda: validate(config, world_size=dist.get_world_size(),

@@ -29,7 +29,7 @@ def main(out: str, argv) -> None:
     mesh = runtime_start.initialize_runtime(config)
     ckpt, warm = discovery.find_checkpoint(config)
     config, _ = resume.choose_zero_stage(ckpt, config, warm, mesh.dp.size)
-    recipe = GPTRecipe(config)
+    recipe = GPTRecipe(config, mesh)
     config, padded, _ = resume.keep_padded_vocab(ckpt, config, recipe.padded_vocab_size, warm)
     tp_random.model_parallel_seed(config.train.seed, mesh.tp.rank)
     with collective_device(mesh.tp.process_group):

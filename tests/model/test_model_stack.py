@@ -75,7 +75,7 @@ def test_the_training_recipe_applies_what_the_config_asks_for(chunks, sp, stack)
     config = DominoConfig().replace(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
                                     mock_data=True, domino_chunks=chunks, sequence_parallel=sp,
                                     recompute_granularity="full", recompute_method="uniform")
-    model = GPTRecipe(config).model_builder(config, ParallelMesh.single())
+    model = GPTRecipe(config, ParallelMesh.single()).model_builder(config, ParallelMesh.single())
     assert type(model.stack).__name__ == stack
     assert model.stack.units == [(0, 1, True), (1, 2, True)]  # recompute reached the stack that runs
 
