@@ -36,6 +36,7 @@ def _train(config_args: List[str], iters: int, save_at: Optional[int], mode: str
     from domino.checkpoint import async_save
     from domino.config import parse_config
     from domino.train.gpt_recipe import GPTRecipe
+    from domino.runtime.state import current_mesh
     from domino.train.pretrain import pretrain
 
     args = [*config_args, "--train-iters", str(iters)]
@@ -44,7 +45,8 @@ def _train(config_args: List[str], iters: int, save_at: Optional[int], mode: str
         if mode == "async":
             args.append("--async-save")
     config = parse_config(args)
-    recipe = GPTRecipe(config)
+    mesh = current_mesh()  # the one main's initialize_runtime built for every run of this process
+    recipe = GPTRecipe(config, mesh)
     starts: List[float] = []
 
     def forward_step(data_iterator, model):
@@ -68,7 +70,8 @@ def _train(config_args: List[str], iters: int, save_at: Optional[int], mode: str
         setattr(async_save.AsyncCheckpointSaver, name, timed(fn))
     async_save.CheckpointSaver.save = timed(real_sync)
     try:
-        pretrain(config, recipe.model_builder, recipe.dataset_builder, forward_step, recipe.padded_vocab_size)
+        pretrain(config, recipe.model_builder, recipe.dataset_builder, forward_step, recipe.padded_vocab_size,
+                 mesh=mesh)
     finally:
         for name, fn in real.items():
             setattr(async_save.AsyncCheckpointSaver, name, fn)
@@ -86,7 +89,7 @@ def _state_mb(config_args: List[str]) -> float:
     from domino.train.gpt_recipe import GPTRecipe
 
     config = parse_config([*config_args, "--train-iters", "1"])
-    model = GPTRecipe(config).model_builder(config, ParallelMesh.single())
+    model = GPTRecipe(config, ParallelMesh.single()).model_builder(config, ParallelMesh.single())
     params = sum(p.numel() for p in model.parameters())
     return params * 4 * 4 / 1e6  # the weights, and the fp32 master weights and both Adam moments
 

@@ -62,10 +62,9 @@ RECOMPUTE = {"none": None, "selective": RecomputePlan("selective"),
 
 def check(layers, hidden, heads, seq, batch, vocab, hidden_dropout, attention_dropout, plan=None, tp=1, chunks=1,
           sp=False, mesh=ParallelMesh.single()) -> dict:
-    config = DominoConfig()
-    config.model = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq,
-                               vocab_size=vocab, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
-                               make_vocab_size_divisible_by=1)
+    config = DominoConfig(model=ModelConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq, vocab_size=vocab,
+        hidden_dropout=hidden_dropout, attention_dropout=attention_dropout, make_vocab_size_divisible_by=1))
     forward, peak = measure_training_memory(config.model, vocab, batch, recompute=plan, domino_chunks=chunks,
                                             sequence_parallel=sp, mesh=mesh)
     layout = Layout(tensor_model_parallel_size=tp, micro_batch_size=batch, zero_stage=0, sequence_parallel=sp,
@@ -114,10 +113,9 @@ PIPELINE_RUNS = [(2, 4), (4, 2), (1, 8)]
 def pipeline_rows(measured) -> list:
     """Per PP run and stage: the measured peak against the estimate's stage total."""
     rows = []
-    config = DominoConfig()
-    config.model = ModelConfig(**PIPELINE_MODEL)
     for run, (micro, count) in enumerate(PIPELINE_RUNS):
-        config.train.micro_batch_size, config.train.global_batch_size = micro, micro * count
+        config = DominoConfig(model=ModelConfig(**PIPELINE_MODEL)).replace(micro_batch_size=micro,
+                                                                           global_batch_size=micro * count)
         est = estimate_layout(config, Layout(micro_batch_size=micro, zero_stage=0, pipeline_model_parallel_size=2),
                               device="cpu")
         for stage in range(2):
@@ -159,8 +157,7 @@ def _cp_worker(rank, port, out_dir, cp):
         model = ModelConfig(**CP_MODEL, attention_dropout=drop, group_query_attention=groups < 4,
                             num_query_groups=groups)
         forward, peak = measure_training_memory(model, model.vocab_size, 2, mesh=mesh, cp_comm_type=comm)
-        config = DominoConfig()
-        config.model, config.parallel.cp_comm_type = model, comm
+        config = DominoConfig(model=model).replace(cp_comm_type=comm)
         est = estimate_layout(config, Layout(micro_batch_size=2, zero_stage=0, context_parallel_size=cp),
                               device="cpu")
         rows.append({"config": f"CP{cp} {comm}, attention dropout {drop}, {groups} KV heads",

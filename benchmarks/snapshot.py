@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, port: int, hidden: int, repeats: int, out: str)
                            "--micro-batch-size", "1", "--global-batch-size", str(world), "--mock-data",
                            "--zero-stage", "1", "--train-iters", "1"], world_size=world)
     mesh = runtime_start.initialize_runtime(config)
-    recipe = GPTRecipe(config)
+    recipe = GPTRecipe(config, mesh)
     with collective_device(mesh.tp.process_group):
         model = recipe.model_builder(config, mesh)
     engine = build_optimizer(model, config, mesh)

@@ -12,6 +12,7 @@ checkpoint that ``domino pretrain --load DIR --finetune`` can warm-start from.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -266,15 +267,14 @@ def import_hf(input_dir: PathLike, output: PathLike, tokenizer_spec: Optional[st
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise ConfigError(f"{config_path}: model_type {model_type!r} is not one of {', '.join(FAMILIES)}")
-    config = DominoConfig()
-    config.model = family.model_config(hf_config, str(config_path))
-    config.model.make_vocab_size_divisible_by = make_vocab_size_divisible_by
+    config = DominoConfig(model=dataclasses.replace(family.model_config(hf_config, str(config_path)),
+                                                    make_vocab_size_divisible_by=make_vocab_size_divisible_by))
     try:  # the relations between the fields (the width a multiple of the heads...), before the model is sized
         validate(config)
     except ConfigError as error:
         raise ConfigError(f"{config_path}: {error}") from None
     has_tokenizer = (input_dir / "tokenizer.json").is_file() or (input_dir / "vocab.json").is_file()
-    config.data.tokenizer = tokenizer_spec or (str(input_dir) if has_tokenizer else "gpt2")
+    config = config.replace(tokenizer=tokenizer_spec or (str(input_dir) if has_tokenizer else "gpt2"))
     from domino.data.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(config.data.tokenizer)

@@ -24,6 +24,7 @@ its async modes), as here.
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -81,10 +82,13 @@ class CheckpointManager:
             raise
         return cls(config, mesh, resume_from, warm_start, writer, root_lock, kept)
 
-    def fit(self, padded_vocab_size: int) -> int:
-        """The padded vocabulary the model is built with (the checkpoint's, where it differs), the ZeRO stage
-        settled into the config (:func:`domino.checkpoint.resume.fit_run_to`)."""
-        return resume.fit_run_to(self.resume_from, self.config, padded_vocab_size, self.warm_start, self.mesh.dp.size)
+    def fit(self, config: DominoConfig, padded_vocab_size: int) -> Tuple["CheckpointManager", int]:
+        """This manager over ``config`` (the run's, as settled so far) with what the resume takes settled into it,
+        the ZeRO stage and the vocabulary padding, and the padded vocabulary the model is built with (the
+        checkpoint's, where it differs: :func:`domino.checkpoint.resume.fit_run_to`)."""
+        config, padded = resume.fit_run_to(self.resume_from, config, padded_vocab_size, self.warm_start,
+                                           self.mesh.dp.size)
+        return dataclasses.replace(self, config=config), padded
 
     def load(self, optimizer, padded_vocab_size: int) -> Tuple[int, int]:
         """Restores ``optimizer`` (and its model) from :attr:`resume_from` (collective); ``(iteration, consumed samples)`` to continue

@@ -117,8 +117,7 @@ def build_model_from_checkpoint(
 
     ckpt = Checkpoint.open(path)
     ckpt_dir, meta = ckpt.path, ckpt.meta
-    config = config_from_dict(meta["config"])
-    config.parallel.tensor_model_parallel_size = tp.size
+    config = config_from_dict(meta["config"]).replace(tensor_model_parallel_size=tp.size)
     check_checkpoint_fits(ckpt_dir, meta, config, tp.size)
     state_dict = load_model_shard(ckpt, tp.rank, tp.size)
     model = GPTModel(config.model, meta["padded_vocab_size"], parallel_output=parallel_output, tp=tp)

@@ -221,12 +221,9 @@ def write_weights_only_checkpoint(save_root: PathLike, config, full_state_dict: 
     Returns:
         The checkpoint directory.
     """
-    import copy
-
     from domino.config import config_to_dict
 
-    config = copy.deepcopy(config)
-    config.parallel.tensor_model_parallel_size = 1
+    config = config.replace(tensor_model_parallel_size=1)
     ckpt_dir = Path(save_root) / checkpoint_tag(iteration)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     save_model_shard(ckpt_dir, full_state_dict, 0)

@@ -56,8 +56,8 @@ def check_compatible(meta: Dict[str, Any], config: DominoConfig, where: Path) ->
 
 
 def keep_padded_vocab(ckpt: Optional[Checkpoint], config: DominoConfig, padded_vocab_size: int,
-                      weights_only: bool) -> Tuple[int, Optional[str]]:
-    """The padded vocabulary a resumed run builds its model with, and the one-line note saying so.
+                      weights_only: bool) -> Tuple[DominoConfig, int, Optional[str]]:
+    """The config and the padded vocabulary a resumed run builds its model with, and the one-line note saying so.
 
     The padding rows are part of the model being continued: they take part in the softmax (Megatron trains
     them: Megatron-LM d98e8a64 ``megatron/core/tokenizers/utils/build_tokenizer.py`` ``vocab_size_with_padding``
@@ -70,17 +70,17 @@ def keep_padded_vocab(ckpt: Optional[Checkpoint], config: DominoConfig, padded_v
     ``domino import-hf`` pads). A warm start (``--finetune``) keeps the run's own padding.
     """
     if ckpt is None or weights_only or ckpt.meta["padded_vocab_size"] == padded_vocab_size:
-        return padded_vocab_size, None
+        return config, padded_vocab_size, None
     saved, tp = ckpt.meta["padded_vocab_size"], config.parallel.tensor_model_parallel_size
     if saved % tp:
-        return padded_vocab_size, (f"padded vocabulary: the checkpoint's {saved} rows cannot be split over TP={tp}: "
-                                   f"re-padded to this run's {padded_vocab_size} (real rows and their optimizer "
-                                   "state unchanged, padding rows zero)")
+        return config, padded_vocab_size, (
+            f"padded vocabulary: the checkpoint's {saved} rows cannot be split over TP={tp}: re-padded to this run's "
+            f"{padded_vocab_size} (real rows and their optimizer state unchanged, padding rows zero)")
     # Any vocabulary up to ``saved`` pads to exactly ``saved`` rows with this multiple.
     divisor = saved // tp
-    config.model.make_vocab_size_divisible_by = divisor
-    return saved, (f"padded vocabulary: keeping the checkpoint's {saved} rows at TP={tp} "
-                   f"(--make-vocab-size-divisible-by {divisor}; this run's padding alone gives {padded_vocab_size})")
+    kept = config.replace(make_vocab_size_divisible_by=divisor)
+    return kept, saved, (f"padded vocabulary: keeping the checkpoint's {saved} rows at TP={tp} "
+                         f"(--make-vocab-size-divisible-by {divisor}; this run's padding alone gives {padded_vocab_size})")
 
 
 #: Parameters with one row per vocabulary entry (the output layer exists only in a last pipeline stage).
@@ -212,27 +212,28 @@ def resumed_zero_stage(ckpt: Optional[Checkpoint], config: DominoConfig, weights
 
 
 def choose_zero_stage(ckpt: Optional[Checkpoint], config: DominoConfig, weights_only: bool,
-                      data_parallel_size: int) -> Optional[str]:
-    """Fills in ``--zero-stage`` when it was not given (:func:`resumed_zero_stage`); returns the one-line note."""
+                      data_parallel_size: int) -> Tuple[DominoConfig, Optional[str]]:
+    """``config`` with ``--zero-stage`` filled in when it was not given (:func:`resumed_zero_stage`), and the
+    one-line note."""
     kept = resumed_zero_stage(ckpt, config, weights_only, data_parallel_size)
-    note = resolve_zero_stage(config, data_parallel_size, kept)
+    config, note = resolve_zero_stage(config, data_parallel_size, kept)
     saved = (ckpt.meta["config"].get("parallel") or {}).get("zero_stage") if ckpt is not None else None
     if note and kept is None and saved is not None and saved != config.parallel.zero_stage:
         note += (f"; the checkpoint's ZeRO {saved} was for DP {ckpt.meta.get('data_parallel_size')}, this DP's "
                  "default is what `domino estimate` and --parallel-layout derive assume")
-    return note
+    return config, note
 
 
 def fit_run_to(ckpt: Optional[Checkpoint], config: DominoConfig, padded_vocab_size: int, weights_only: bool,
-               data_parallel_size: int) -> int:
+               data_parallel_size: int) -> Tuple[DominoConfig, int]:
     """Settles what a resume takes from ``ckpt`` before the model is built: the padded vocabulary
-    (:func:`keep_padded_vocab`, returned) and the ZeRO stage at ``data_parallel_size`` (:func:`choose_zero_stage`),
-    each said in one line."""
-    padded, vocab_note = keep_padded_vocab(ckpt, config, padded_vocab_size, weights_only)
-    zero_note = choose_zero_stage(ckpt, config, weights_only, data_parallel_size)
+    (:func:`keep_padded_vocab`) and the ZeRO stage at ``data_parallel_size`` (:func:`choose_zero_stage`), each
+    said in one line; returns the config with both settled and the padded vocabulary."""
+    config, padded, vocab_note = keep_padded_vocab(ckpt, config, padded_vocab_size, weights_only)
+    config, zero_note = choose_zero_stage(ckpt, config, weights_only, data_parallel_size)
     for note in (n for n in (vocab_note, zero_note) if n and (not dist.is_initialized() or dist.get_rank() == 0)):
         logger.info("%s", note)
-    return padded
+    return config, padded
 
 
 def check_resumable(ckpt: Optional[Checkpoint], config: DominoConfig, data_parallel_size: int,

@@ -25,7 +25,7 @@ def _run(args: argparse.Namespace) -> int:
 
     def train(mesh, origin):
         # torch.distributed first: a data or tokenizer check that fails on one rank then stops every rank.
-        recipe = agree("checking the data and the tokenizer", lambda: GPTRecipe(config))
+        recipe = agree("checking the data and the tokenizer", lambda: GPTRecipe(config, mesh))
         return pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step,
                         recipe.padded_vocab_size, recipe.tokenizer, get_batch=recipe.batch, mesh=mesh,
                         origin=origin)

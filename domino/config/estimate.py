@@ -31,7 +31,6 @@ allocations) are in :mod:`domino.config.memory_formulas`, the pipeline schedule'
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
@@ -243,8 +242,7 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
             (:func:`~domino.config.pipeline_schedule.layer_split_problems`, ``microbatch_problems``).
     """
     padded = padded_vocab_size(vocab or config.model.vocab_size or DEFAULT_VOCAB,
-                               dataclasses.replace(config, parallel=dataclasses.replace(
-                                   config.parallel, tensor_model_parallel_size=layout.tensor_model_parallel_size)))
+                               config.replace(tensor_model_parallel_size=layout.tensor_model_parallel_size))
     shape = ModelShape.of(config.model, padded)
     # Context parallelism: every activation holds this rank's seq / CP tokens (the FLOPs stay the whole sequence's).
     local = dataclasses.replace(shape, s=shape.s // layout.context_parallel_size)
@@ -274,8 +272,7 @@ def estimate_layout(config: DominoConfig, layout: Layout, vocab: Optional[int] =
         compute = m * layout.data_parallel_size * layout.micro_batch_size * shape.s * train_flops / flop_s
         weight_bytes = 2 if config.train.bf16 or config.train.fp16 else 4
         zero_optimizer = layout.zero_stage >= 1 and not (config.train.bf16 and layout.zero_stage == 1)
-        asked = config_with_layout(config, layout)
-        asked.parallel.domino_chunks = layout.domino_chunks
+        asked = config_with_layout(config, layout).replace(domino_chunks=layout.domino_chunks)
         in_backward = zero_optimizer and zero_reduces_in_backward(asked)
         traffic = step_traffic(local, layout, m, act, stages[worst].weights / weight_bytes, cp_bytes,
                                config.parallel.cp_comm_type, in_backward, compute, flop_s / gpus)
@@ -308,21 +305,16 @@ def layout_of(config: DominoConfig, gpus: int) -> Layout:
 def config_with_layout(config: DominoConfig, layout: Layout) -> DominoConfig:
     """A copy of ``config`` that asks for ``layout`` (the inverse of :func:`layout_of`), Domino's chunks left to
     domino's default for that TP size and micro-batch (:func:`domino.config.validate.resolve_domino_chunks`)."""
-    out = copy.deepcopy(config)
-    p, t = out.parallel, out.train
-    p.tensor_model_parallel_size, p.zero_stage = layout.tensor_model_parallel_size, layout.zero_stage
-    p.pipeline_model_parallel_size = layout.pipeline_model_parallel_size
-    p.context_parallel_size = layout.context_parallel_size
-    p.virtual_pipeline_model_parallel_size = layout.virtual_pipeline_model_parallel_size
-    p.sequence_parallel, p.domino_chunks = layout.sequence_parallel, None
-    t.micro_batch_size = layout.micro_batch_size
-    t.recompute_activations = False
-    t.recompute_granularity = None if layout.recompute == "none" else layout.recompute
     full = layout.recompute == "full"
-    t.recompute_method = layout.recompute_method if full else None
-    t.recompute_num_layers = layout.recompute_num_layers if full else None
-    resolve_domino_chunks(out)
-    return out
+    return resolve_domino_chunks(config.replace(
+        tensor_model_parallel_size=layout.tensor_model_parallel_size, zero_stage=layout.zero_stage,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        context_parallel_size=layout.context_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+        sequence_parallel=layout.sequence_parallel, domino_chunks=None, micro_batch_size=layout.micro_batch_size,
+        recompute_activations=False, recompute_granularity=None if layout.recompute == "none" else layout.recompute,
+        recompute_method=layout.recompute_method if full else None,
+        recompute_num_layers=layout.recompute_num_layers if full else None))[0]
 
 
 def candidate_layouts(config: DominoConfig, gpus: int) -> List[Layout]:

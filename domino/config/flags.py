@@ -242,10 +242,11 @@ def _fits(value: Any, kind: Any) -> bool:
     return isinstance(value, kind)
 
 
-def apply_overrides(config: DominoConfig, overrides: Dict[str, Any], source: str) -> None:
-    """Sets flat ``{field: value}`` overrides on ``config``; an unknown key, or a value not of its field's type
+def apply_overrides(config: DominoConfig, overrides: Dict[str, Any], source: str) -> DominoConfig:
+    """``config`` with flat ``{field: value}`` overrides set; an unknown key, or a value not of its field's type
     (a preset or a checkpoint's config is untyped JSON), is a :class:`ConfigError`."""
     owners = _owner_of_fields()
+    fields = {}
     for key, value in overrides.items():
         key = key.replace("-", "_")
         key = RENAMED_FIELDS.get(key, key)
@@ -255,7 +256,8 @@ def apply_overrides(config: DominoConfig, overrides: Dict[str, Any], source: str
         if not _fits(value, kind):
             shown = str(kind).replace("typing.", "").replace("<class '", "").replace("'>", "")
             raise ConfigError(f"{source}: setting '{key}' must be {shown}, got {value!r:.80}")
-        setattr(getattr(config, owners[key]), key, value)
+        fields[key] = value
+    return config.replace(**fields)
 
 
 def config_from_args(
@@ -266,16 +268,16 @@ def config_from_args(
     values = vars(args)
     preset = values.get("preset")
     if preset is not None:
-        apply_overrides(config, preset_store.load(preset), f"preset '{preset}'")
-        config.preset = preset
+        config = dataclasses.replace(apply_overrides(config, preset_store.load(preset), f"preset '{preset}'"),
+                                     preset=preset)
     owners = _owner_of_fields()
     explicit = {k: v for k, v in values.items() if k in owners}
     renamed, notes = legacy_flags.translate(values, explicit)
-    apply_overrides(config, {**explicit, **renamed}, "command line")
+    config = apply_overrides(config, {**explicit, **renamed}, "command line")
     if values.get(LAYERS_PER_VIRTUAL_STAGE) is not None:
-        config.parallel.virtual_pipeline_model_parallel_size = virtual_stages_from_layers(
-            config, values[LAYERS_PER_VIRTUAL_STAGE], "virtual_pipeline_model_parallel_size" in explicit)
-    chosen = resolve_domino_chunks(config)
+        config = config.replace(virtual_pipeline_model_parallel_size=virtual_stages_from_layers(
+            config, values[LAYERS_PER_VIRTUAL_STAGE], "virtual_pipeline_model_parallel_size" in explicit))
+    config, chosen = resolve_domino_chunks(config)
     if check:
         validate(config, world_size=world_size, for_training=for_training)
         if os.environ.get("RANK", "0") == "0":  # one copy of each note, not one per process
@@ -306,9 +308,8 @@ def config_from_dict(data: Dict[str, Any]) -> DominoConfig:
     """Inverse of :func:`config_to_dict`; unknown keys are rejected with a clear error."""
     config = DominoConfig(preset=data.get("preset"))
     for group in DominoConfig.GROUPS:
-        apply_overrides(config, data.get(group, {}), f"config group '{group}'")
-    resolve_domino_chunks(config)
-    return config
+        config = apply_overrides(config, data.get(group, {}), f"config group '{group}'")
+    return resolve_domino_chunks(config)[0]
 
 
 def config_to_argv(config: DominoConfig, groups: Iterable[str] = DominoConfig.GROUPS) -> List[str]:

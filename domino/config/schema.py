@@ -3,16 +3,18 @@
 Each field carries a one-line docstring directly below it; ``domino.config.flags`` reads those
 docstrings to build the ``--help`` text of the matching Megatron-style flag (``num_layers`` ->
 ``--num-layers``, :mod:`domino.config.field_docs`), so the documentation lives in exactly one place. Validation lives in
-``domino.config.validate``; nothing here checks values.
+``domino.config.validate``; nothing here checks values. Frozen: resolving a default makes a new value
+(:meth:`DominoConfig.replace`), so what was validated is what runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape and regularisation of the GPT model."""
 
@@ -100,7 +102,7 @@ class ModelConfig:
         return self.max_position_embeddings or self.seq_length
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     """How the model and the data are spread over processes."""
 
@@ -146,7 +148,7 @@ class ParallelConfig:
     """Set by the deepspeed launcher (also --local_rank); ignored: the LOCAL_RANK environment variable is used."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     """Optimisation, schedule and precision."""
 
@@ -237,7 +239,7 @@ class TrainConfig:
     """Full recompute: layers per group (uniform) or recomputed layers (block), 1 to --num-layers."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """Where training data comes from and how batches are built."""
 
@@ -280,7 +282,7 @@ class DataConfig:
     """Data-loader worker processes."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Saving and resuming."""
 
@@ -318,7 +320,7 @@ class CheckpointConfig:
     waits that long plus a minute; 0 refuses at once."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     """What a run reports."""
 
@@ -346,7 +348,7 @@ class LoggingConfig:
     """Name of a new MLflow run (default: the pipeline run id, else MLflow's); a resumed run keeps its run."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class KernelConfig:
     """Megatron-LM kernel and fusion switches: accepted so launch scripts run unchanged; no effect here."""
 
@@ -372,7 +374,7 @@ class KernelConfig:
     """No effect: DeepSpeed-Domino's switch for a causal mask, which GPT always uses."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DominoConfig:
     """Everything a run needs, grouped by concern."""
 
@@ -387,3 +389,11 @@ class DominoConfig:
     """Name of the preset the run started from, for the record."""
 
     GROUPS = ("model", "parallel", "train", "data", "checkpoint", "logging", "kernels")
+
+    def replace(self, **fields: Any) -> "DominoConfig":
+        """A copy with ``fields`` (flat names, each of one group: ``zero_stage=1``) changed; KeyError for others."""
+        owners = {name: g for g in self.GROUPS for name in getattr(self, g).__dataclass_fields__}
+        groups: dict = {}
+        for name, value in fields.items():
+            groups.setdefault(owners[name], {})[name] = value
+        return dataclasses.replace(self, **{g: dataclasses.replace(getattr(self, g), **c) for g, c in groups.items()})

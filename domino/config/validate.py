@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from domino.config.batch_schedule import batch_schedule_problems, check_batch_flags
 from domino.config.bounds import bound_problems
@@ -37,8 +37,9 @@ def _check(problems: List[str], ok: bool, message: str) -> None:
         problems.append(message)
 
 
-def resolve_domino_chunks(config: DominoConfig) -> Optional[str]:
-    """Fills in ``--domino-chunks`` when it was not given; returns the start-up note saying what was chosen.
+def resolve_domino_chunks(config: DominoConfig) -> Tuple[DominoConfig, Optional[str]]:
+    """``config`` with ``--domino-chunks`` filled in when it was not given, and the start-up note saying what was
+    chosen (``None`` when it was given).
 
     DeepSpeed-Domino always splits each micro-batch in two (``intra_partitions = 2`` in
     ``training/DeepSpeed-Domino/domino/language_model.py``, microsoft/DeepSpeedExamples commit faa04205), so a
@@ -47,15 +48,14 @@ def resolve_domino_chunks(config: DominoConfig) -> Optional[str]:
     """
     p, t = config.parallel, config.train
     if p.domino_chunks is not None:
-        return None
+        return config, None
     tp = p.tensor_model_parallel_size
     if tp > 1 and t.micro_batch_size % 2 == 0:
-        p.domino_chunks = 2
-        return (f"--domino-chunks not given: 2 (Domino overlap, as DeepSpeed-Domino; --tensor-model-parallel-size {tp} "
-                f"> 1 and --micro-batch-size {t.micro_batch_size} is even)")
-    p.domino_chunks = 1
+        return config.replace(domino_chunks=2), (
+            f"--domino-chunks not given: 2 (Domino overlap, as DeepSpeed-Domino; --tensor-model-parallel-size {tp} "
+            f"> 1 and --micro-batch-size {t.micro_batch_size} is even)")
     reason = "--tensor-model-parallel-size 1" if tp <= 1 else f"--micro-batch-size {t.micro_batch_size} is odd"
-    return f"--domino-chunks not given: 1 (plain tensor parallelism: {reason})"
+    return config.replace(domino_chunks=1), f"--domino-chunks not given: 1 (plain tensor parallelism: {reason})"
 
 
 def zero_stage_for(config: DominoConfig, data_parallel_size: int) -> int:
@@ -75,26 +75,27 @@ def zero_stage_for(config: DominoConfig, data_parallel_size: int) -> int:
 
 
 def resolve_zero_stage(config: DominoConfig, data_parallel_size: int,
-                       checkpoint_stage: Optional[int] = None) -> Optional[str]:
-    """Fills in ``--zero-stage`` when it was not given; returns the start-up note saying what was chosen.
+                       checkpoint_stage: Optional[int] = None) -> Tuple[DominoConfig, Optional[str]]:
+    """``config`` with ``--zero-stage`` filled in when it was not given, and the start-up note saying what was
+    chosen (``None`` when it was given).
 
     Resuming a checkpoint's optimizer state keeps that checkpoint's stage (``checkpoint_stage``): ZeRO saves its
     state as flat fp32 partitions, a plain optimizer per parameter (:mod:`domino.checkpoint.resume`). Otherwise
     the default of :func:`zero_stage_for`.
     """
-    p = config.parallel
-    if p.zero_stage is not None:
-        return None
+    if config.parallel.zero_stage is not None:
+        return config, None
     if checkpoint_stage is not None:
-        p.zero_stage = checkpoint_stage
-        return f"--zero-stage not given: {checkpoint_stage} (the stage of the checkpoint whose optimizer state is resumed)"
-    p.zero_stage = zero_stage_for(config, data_parallel_size)
-    if p.zero_stage == 0:
-        return ("--zero-stage not given: 0 (one data-parallel replica: ZeRO would shard nothing, only copy gradients "
-                "and weights between flat buffers)")
+        return config.replace(zero_stage=checkpoint_stage), (f"--zero-stage not given: {checkpoint_stage} (the stage "
+                                                             "of the checkpoint whose optimizer state is resumed)")
+    stage = zero_stage_for(config, data_parallel_size)
+    if stage == 0:
+        return config.replace(zero_stage=0), (
+            "--zero-stage not given: 0 (one data-parallel replica: ZeRO would shard nothing, only copy gradients "
+            "and weights between flat buffers)")
     reason = ("--bf16" if config.train.bf16 else "--fp16" if config.train.fp16
               else f"{data_parallel_size} data-parallel replicas")
-    return f"--zero-stage not given: 1 ({reason})"
+    return config.replace(zero_stage=stage), f"--zero-stage not given: 1 ({reason})"
 
 
 def validate(config: DominoConfig, world_size: Optional[int] = None, for_training: bool = False) -> None:

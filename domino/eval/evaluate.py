@@ -154,11 +154,9 @@ def evaluate_checkpoint(
     if not 1 <= seq <= config.model.num_positions:
         raise ConfigError(f"--seq-length {seq} must be in [1, {config.model.num_positions}] "
                           "(the checkpoint's position embeddings)")
-    data_config = dataclasses.replace(config.data)
-    for name, value in (("eod_mask_loss", eod_mask_loss), ("reset_position_ids", reset_position_ids),
-                        ("reset_attention_mask", reset_attention_mask)):
-        if value is not None:
-            setattr(data_config, name, value)
+    data_config = dataclasses.replace(config.data, **{
+        name: value for name, value in (("eod_mask_loss", eod_mask_loss), ("reset_position_ids", reset_position_ids),
+                                        ("reset_attention_mask", reset_attention_mask)) if value is not None})
     selection, what = _data_selection(config, data_prefix, split)
     if max_tokens is not None and _is_blend(selection):
         # A blend is exactly as long as asked for: the budget is its length.

@@ -53,7 +53,6 @@ from domino.model.kv_cache import KVCache
 from domino.model.rotary import RotaryTables
 from domino.model.stack import LayerStack, SynchronousStack
 from domino.model.transformer import TransformerLayer, build_norm
-from domino.parallel import fp8
 from domino.parallel.collectives import gather_from_tp_region
 from domino.parallel.context_split import local_token_indices
 from domino.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
@@ -208,8 +207,8 @@ class GPTModel(nn.Module):
             # One node: the logits' buffer becomes the softmax, then the gradient (domino.parallel.kernels).
             return vocab_parallel_linear_cross_entropy(hidden, weight, labels, self.tp,
                                                        grad_slot=grad_slot).t().contiguous()
-        with fp8.high_precision():  # the output layer stays out of FP8 (Megatron-LM's FP8 keeps it in bf16)
-            logits = F.linear(hidden, weight) if grad_slot is None else linear(hidden, weight, grad_slot=grad_slot)
+        # No FP8 recipe: the output layer stays in high precision (Megatron-LM's FP8 keeps it in bf16).
+        logits = F.linear(hidden, weight) if grad_slot is None else linear(hidden, weight, grad_slot=grad_slot)
         if labels is not None:
             return vocab_parallel_cross_entropy(logits, labels, self.tp).t().contiguous()
         return (logits if self.parallel_output else gather_from_tp_region(logits, self.tp)).transpose(0, 1)

@@ -46,7 +46,7 @@ class ParallelMLP(nn.Module):
     def inner(self, x: torch.Tensor, slot: Optional[GradSlot] = None) -> torch.Tensor:
         """fc1: ``[s, b, h]`` -> ``[s, b, f/tp]`` pre-activations."""
         fc1 = self.dense_h_to_4h
-        return fc1(x) if slot is None else linear(x, fc1.weight, fc1.bias, grad_slot=slot)
+        return fc1(x) if slot is None else linear(x, fc1.weight, fc1.bias, grad_slot=slot, rec=fc1.fp8)
 
     def product(self, inner: torch.Tensor) -> Product:
         """``gelu(inner) W2_r^T`` (+ the bias given), un-reduced."""
@@ -72,7 +72,7 @@ class SwiGLUMLP(nn.Module):
         fc1 = self.dense_h_to_4h
         if slot is None:
             x = copy_to_tp_region(x, self.tp)
-        return grouped_projection(x, fc1.weight, fc1.bias, fc1.weight.shape[0] // 2, (1, 1), slot)
+        return grouped_projection(x, fc1.weight, fc1.bias, fc1.weight.shape[0] // 2, (1, 1), slot, fc1.fp8)
 
     def product(self, inner: Tuple[torch.Tensor, torch.Tensor]) -> Product:
         """``(silu(gate) * up) W2_r^T`` (+ the bias given), un-reduced."""

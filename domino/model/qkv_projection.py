@@ -51,11 +51,11 @@ def _join_rows(parts: Sequence[torch.Tensor], groups: int, widths: Tuple[int, ..
 
 class _GroupedProjection(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, groups, widths, slot):
+    def forward(ctx, x, weight, bias, groups, widths, slot, rec):
         w = _split_rows(weight, groups, widths)
         b = _split_rows(bias, groups, widths) if bias is not None else None
         x2 = x.reshape(-1, x.shape[-1])
-        ctx.fp8 = rec = fp8.active()  # backward's GEMMs follow the forward's precision
+        ctx.fp8 = rec  # backward's GEMMs follow the forward's precision
         if rec is None:
             outs = tuple((torch.addmm(b[i], x2, w[i].t()) if b is not None else x2.mm(w[i].t()))
                          .view(*x.shape[:-1], w[i].shape[0]) for i in range(len(w)))
@@ -89,11 +89,12 @@ class _GroupedProjection(torch.autograd.Function):
         x2 = x().reshape(-1, ctx.input_shape[-1])
         grad_w = _join_rows([fp8.grad_weight_gemm(g, x2, ctx.fp8) for g in grads], ctx.groups, ctx.widths)
         grad_b = _join_rows([g.sum(dim=0) for g in grads], ctx.groups, ctx.widths) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def grouped_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int,
-                       widths: Tuple[int, ...], slot: Optional[GradSlot] = None) -> Tuple[torch.Tensor, ...]:
+                       widths: Tuple[int, ...], slot: Optional[GradSlot] = None,
+                       rec: Optional[fp8.Recipe] = None) -> Tuple[torch.Tensor, ...]:
     """``F.linear(x, weight, bias)`` whose rows are ``[group, part, width]``, returned as one dense output per part.
 
     Computed as one GEMM per part over a regrouped copy of the weight (the CPU choice for the QKV projection;
@@ -106,17 +107,19 @@ def grouped_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         groups: row groups in ``weight`` (this rank's).
         widths: rows of each part within a group.
         slot: a :class:`~domino.parallel.linear_ops.GradSlot`: the input gradient's reduction is launched into it.
+        rec: the FP8 recipe of the GEMMs (the linear's ``fp8``), or None for high precision.
 
     Returns:
         One ``[..., groups * widths[i]]`` tensor per part.
     """
     if weight.shape[0] != groups * sum(widths):
         raise ValueError(f"projection weight rows {weight.shape[0]} are not {groups} groups x {sum(widths)} rows")
-    return _GroupedProjection.apply(x, weight, bias, groups, tuple(widths), slot)
+    return _GroupedProjection.apply(x, weight, bias, groups, tuple(widths), slot, rec)
 
 
 def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int,
-                   slot: Optional[GradSlot] = None, queries_per_group: int = 1) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   slot: Optional[GradSlot] = None, queries_per_group: int = 1, rec: Optional[fp8.Recipe] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``F.linear(x, weight, bias)`` split into its q, k and v columns, per head.
 
     Args:
@@ -127,6 +130,7 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         groups: key/value heads (query groups) in ``weight`` (this rank's); the attention heads without GQA.
         slot: a :class:`~domino.parallel.linear_ops.GradSlot`: the input gradient's reduction is launched into it.
         queries_per_group: query heads sharing one key/value head (1 without GQA).
+        rec: the FP8 recipe of the GEMMs (the linear's ``fp8``), or None for high precision.
 
     Returns:
         ``q`` ``[..., groups * queries_per_group, head_dim]``, ``k`` and ``v`` ``[..., groups, head_dim]``: dense
@@ -139,9 +143,9 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     d = weight.shape[0] // (per_group * groups)
     lead = x.shape[:-1]
     if kernels_for(x.device).split_qkv:
-        q, k, v = grouped_projection(x, weight, bias, groups, (queries_per_group * d, d, d), slot)
+        q, k, v = grouped_projection(x, weight, bias, groups, (queries_per_group * d, d, d), slot, rec)
         return q.view(*lead, groups * queries_per_group, d), k.view(*lead, groups, d), v.view(*lead, groups, d)
-    mixed = linear(x, weight, bias, grad_slot=slot).view(*lead, groups, per_group, d)
+    mixed = linear(x, weight, bias, grad_slot=slot, rec=rec).view(*lead, groups, per_group, d)
     # One split, not three indexings: its backward concatenates the three gradients into the product's gradient
     # (one [.., 3h] write), where each index's backward would zero-fill a [.., 3h] tensor and add its slice.
     q, k, v = torch.split(mixed, (queries_per_group, 1, 1), dim=-2)

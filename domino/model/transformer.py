@@ -109,7 +109,7 @@ class ParallelSelfAttention(nn.Module):
         if slot is None:
             x = copy_to_tp_region(x, self.tp)
         return qkv_projection(x, layer.weight, layer.bias, self.groups_per_rank, slot,
-                              queries_per_group=self.heads_per_rank // self.groups_per_rank)
+                              queries_per_group=self.heads_per_rank // self.groups_per_rank, rec=layer.fp8)
 
     def context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attend_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None,

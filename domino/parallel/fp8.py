@@ -17,18 +17,19 @@ computes a DTensor's amax over the mesh because its float8 all-gather ships one 
 domino gathers in high precision, so a shard's own amax is exact for its GEMM. The amax and scale stay on the
 device (no host read).
 
-Enabled per process by :func:`configure` (``domino.train.runtime_start.check_this_device``, from ``--fp8-format``,
-before any work); :func:`linear` and the three GEMM helpers are the tensor-parallel linears' GEMMs (the
-synchronous ones in ``domino.parallel.layers``, Domino's in ``linear_ops``, the grouped QKV/SwiGLU
-projection), plain ``F.linear``/``matmul`` while FP8 is off. The output layer stays in high precision
-(:func:`high_precision`), as Megatron-LM's FP8 leaves it to bf16.
+The recipe is a value held by each tensor-parallel linear (its ``fp8`` attribute), given to it when the model is
+parallelized (:func:`domino.train.parallelize.parallelize`, from ``--fp8-format``; ``check_this_device`` refuses a
+device that can run neither real nor emulated FP8 before any work), so two models of different numerics can live
+in one process. :func:`linear` and the three GEMM helpers take it: they are the linears' GEMMs (the synchronous
+ones in ``domino.parallel.layers``, Domino's in ``linear_ops``, the grouped QKV/SwiGLU projection), plain
+``F.linear``/``matmul`` for no recipe. The output layer is given none: it stays in high precision, as
+Megatron-LM's FP8 leaves it to bf16.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -48,9 +49,6 @@ class Recipe:
     """Output gradients in backward (``hybrid``: e5m2, the larger range)."""
     emulate: bool
     """torchao's emulation: float8 casts, fp32 GEMM (CPU, or a GPU without FP8 tensor cores in tests)."""
-
-
-_ACTIVE: Optional[Recipe] = None
 
 
 def _torchao():
@@ -83,29 +81,6 @@ def recipe(fmt: str, device: torch.device) -> Recipe:
     return Recipe(forward_dtype=torch.float8_e4m3fn, grad_dtype=grad, emulate=emulate)
 
 
-def configure(fmt: Optional[str], device: torch.device) -> Optional[Recipe]:
-    """Turns FP8 GEMMs on in this process for ``fmt`` (None: off); returns the recipe."""
-    global _ACTIVE
-    _ACTIVE = None if fmt is None else recipe(fmt, device)
-    return _ACTIVE
-
-
-@contextlib.contextmanager
-def enabled(fmt: Optional[str], device: torch.device = torch.device("cpu")) -> Iterator[Optional[Recipe]]:
-    """:func:`configure` for the block only (tests)."""
-    global _ACTIVE
-    saved = _ACTIVE
-    try:
-        yield configure(fmt, device)
-    finally:
-        _ACTIVE = saved
-
-
-def active() -> Optional[Recipe]:
-    """The recipe in force, or None."""
-    return _ACTIVE
-
-
 def scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """torchao's tensorwise scale of ``t`` for ``dtype`` (a 0-d fp32 device tensor: no host read)."""
     from torchao.float8.float8_utils import tensor_to_scale
@@ -119,18 +94,6 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, role_name: str, rec: Recipe):
     mm_config = training.LinearMMConfig(config, config, config)
     role = getattr(training.GemmInputRole, role_name)
     return scaling.hp_tensor_and_scale_to_float8(t, scale(t, dtype), dtype, mm_config, role)
-
-
-@contextlib.contextmanager
-def high_precision() -> Iterator[None]:
-    """No FP8 for the linears whose forward runs in the block (the output layer, as Megatron-LM keeps it);
-    their backward follows the forward's choice (:func:`mm`'s ``rec`` is saved with the node)."""
-    global _ACTIVE
-    saved, _ACTIVE = _ACTIVE, None
-    try:
-        yield
-    finally:
-        _ACTIVE = saved
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, a_role: str, b_role: str, rec: Optional[Recipe]) -> torch.Tensor:
@@ -187,8 +150,9 @@ class _FP8Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, its GEMMs in float8 while a recipe is active."""
-    if _ACTIVE is None:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           rec: Optional[Recipe] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, its GEMMs in float8 per ``rec`` (plain ``F.linear`` for None)."""
+    if rec is None:
         return F.linear(x, weight, bias)
-    return _FP8Linear.apply(x, weight, bias, _ACTIVE)
+    return _FP8Linear.apply(x, weight, bias, rec)

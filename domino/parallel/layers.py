@@ -102,13 +102,13 @@ def _sharded_normal(shape: Tuple[int, int], std: float, dim: int, tp: MeshGroup)
     return param
 
 
-def _gelu_then_linear(pre_activation: torch.Tensor, weight: torch.Tensor,
-                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _gelu_then_linear(pre_activation: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      rec: Optional[fp8.Recipe]) -> torch.Tensor:
     """``F.linear(F.gelu(pre_activation), weight, bias)``: one buffer-reusing node on CPU, two plain ops on CUDA
-    (:mod:`domino.parallel.kernels`)."""
-    if kernels_for(pre_activation.device).fused_gelu_fc2 and fp8.active() is None:
+    (:mod:`domino.parallel.kernels`); the GEMMs in float8 per ``rec``."""
+    if kernels_for(pre_activation.device).fused_gelu_fc2 and rec is None:
         return gelu_linear(pre_activation, weight, bias)
-    return fp8.linear(F.gelu(pre_activation), weight, bias)
+    return fp8.linear(F.gelu(pre_activation), weight, bias, rec)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -160,12 +160,15 @@ class ColumnParallelLinear(nn.Module):
         init_std: standard deviation of the weight's normal initialisation (biases start at zero).
         skip_bias_add: return ``(Y_without_bias, bias)`` so the caller can fuse the bias add.
         tp: the tensor-parallel group the weight is split over (one process by default).
+
+    Attributes:
+        fp8: the FP8 recipe of its GEMMs (:mod:`domino.parallel.fp8`), given by ``parallelize``; None: high precision.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False,
                  init_std: float = 0.02, skip_bias_add: bool = False, tp: MeshGroup = SINGLE) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.fp8 = tp, None
         world = tp.size
         self.input_size = input_size
         self.output_size = output_size
@@ -183,7 +186,7 @@ class ColumnParallelLinear(nn.Module):
         """Synchronous TP: the input gradient is all-reduced inside backward."""
         x = copy_to_tp_region(x, self.tp)
         bias = None if self.skip_bias_add else self.bias
-        y = fp8.linear(x, self.weight, bias)
+        y = fp8.linear(x, self.weight, bias, self.fp8)
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp)
         return (y, self.bias) if self.skip_bias_add else y
@@ -201,12 +204,15 @@ class RowParallelLinear(nn.Module):
         skip_bias_add: return ``(Y_without_bias, bias)`` so the caller can fuse the bias add; with a single TP
             rank the bias is already in ``Y`` (added by the GEMM) and ``(Y, None)`` is returned.
         tp: the tensor-parallel group the weight is split over (one process by default).
+
+    Attributes:
+        fp8: the FP8 recipe of its GEMMs (:mod:`domino.parallel.fp8`), given by ``parallelize``; None: high precision.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = True,
                  init_std: float = 0.02, skip_bias_add: bool = False, tp: MeshGroup = SINGLE) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.fp8 = tp, None
         world = tp.size
         self.input_size = input_size
         self.output_size = output_size
@@ -220,13 +226,13 @@ class RowParallelLinear(nn.Module):
     def product(self, x: torch.Tensor) -> Product:
         """``X_r A_r^T`` as a function of the bias the GEMM may add: this rank's partial sum, un-reduced, left to
         whoever reduces it (:meth:`reduce` here; Domino's stacks launch the reduction themselves, with no bias)."""
-        return lambda bias: fp8.linear(x, self.weight, bias)
+        return lambda bias: fp8.linear(x, self.weight, bias, self.fp8)
 
     def product_of_gelu(self, pre_activation: torch.Tensor) -> Product:
         """:meth:`product` of ``F.gelu(pre_activation)``, GeLU fused into the product's autograd node: on CPU the
         fused backward reuses the activation's buffer for its gradients
         (:func:`domino.parallel.linear_ops.gelu_linear`)."""
-        return lambda bias: _gelu_then_linear(pre_activation, self.weight, bias)
+        return lambda bias: _gelu_then_linear(pre_activation, self.weight, bias, self.fp8)
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """Synchronous TP: the partial sums are all-reduced before the bias is added."""
@@ -250,3 +256,12 @@ class RowParallelLinear(nn.Module):
         if self.skip_bias_add:
             return y, bias
         return y if bias is None else y + bias
+
+
+def apply_fp8(module: nn.Module, recipe: Optional[fp8.Recipe]) -> nn.Module:
+    """Gives every tensor-parallel linear inside ``module`` the FP8 recipe of its GEMMs (None: high precision);
+    returns ``module``. The output layer is no such linear (an embedding's weight), so it keeps high precision."""
+    for linear in module.modules():
+        if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
+            linear.fp8 = recipe
+    return module

@@ -61,12 +61,12 @@ def full_input(saved: torch.Tensor, slot: Optional[GradSlot]) -> Callable[[], to
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, slot):
+    def forward(ctx, x, weight, bias, slot, rec):
         ctx.save_for_backward(saved_input(x, slot), weight)
         ctx.has_bias = bias is not None
         ctx.slot = slot
-        ctx.fp8 = fp8.active()  # backward's GEMMs follow the forward's precision
-        return fp8.forward_gemm(x, weight, bias, ctx.fp8)
+        ctx.fp8 = rec  # backward's GEMMs follow the forward's precision
+        return fp8.forward_gemm(x, weight, bias, rec)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -81,11 +81,11 @@ class _Linear(torch.autograd.Function):
         g2 = _rows(grad_out)
         grad_weight = fp8.grad_weight_gemm(g2, _rows(x()), ctx.fp8) if ctx.needs_input_grad[1] else None
         grad_bias = g2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_input, grad_weight, grad_bias, None
+        return grad_input, grad_weight, grad_bias, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           grad_slot: Optional[GradSlot] = None) -> torch.Tensor:
+           grad_slot: Optional[GradSlot] = None, rec: Optional[fp8.Recipe] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose backward may launch the input-gradient reduction asynchronously.
 
     Args:
@@ -94,8 +94,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         bias: ``[out]`` or None.
         grad_slot: None (the caller handles the input gradient, e.g. with ``copy_to_tp_region``), or the
             :class:`GradSlot` whose ``launch(grad)`` starts the TP reduction of the input gradient.
+        rec: the FP8 recipe of the GEMMs (the linear's ``fp8``), or None for high precision.
     """
-    return _Linear.apply(x, weight, bias, grad_slot)
+    return _Linear.apply(x, weight, bias, grad_slot, rec)
 
 
 class _GeLULinear(torch.autograd.Function):

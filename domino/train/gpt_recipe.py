@@ -67,17 +67,18 @@ def check_data_prefixes(config: DominoConfig) -> None:
 
 
 class GPTRecipe:
-    """Tokenizer-aware builders for a GPT run of ``config``.
+    """Tokenizer-aware builders for a GPT run of ``config`` on ``mesh``.
 
     Attributes:
+        mesh: the run's layout: the model is split over it and the batches are broadcast over its TP group.
         tokenizer: the run's tokenizer (``None`` with ``--mock-data`` and an explicit ``--vocab-size``).
         vocab_size: the vocabulary the datasets' token ids are checked against.
         padded_vocab_size: the vocabulary padded as Megatron's ``--make-vocab-size-divisible-by`` does.
         eod: the end-of-document token id.
     """
 
-    def __init__(self, config: DominoConfig) -> None:
-        self.config = config
+    def __init__(self, config: DominoConfig, mesh: ParallelMesh) -> None:
+        self.config, self.mesh = config, mesh
         check_data_prefixes(config)
         self.tokenizer = None
         null = config.data.tokenizer_type == "NullTokenizer"
@@ -94,14 +95,15 @@ class GPTRecipe:
         self.vocab_size = vocab  # the datasets' token ids must lie below it
         self.padded_vocab_size = padded_vocab_size(vocab, config)
         self.eod = self.tokenizer.eod if self.tokenizer is not None else vocab - 1
-        #: The layout :meth:`model_builder` built the model for; the batches are broadcast over its TP group.
-        self.mesh = ParallelMesh.single()
 
     def model_builder(self, config: DominoConfig, mesh: ParallelMesh) -> torch.nn.Module:
         """A ``GPTModel`` of ``config``'s shape split over ``mesh.tp``, made this rank's part of the run by
         :func:`domino.train.parallelize.parallelize` (its pipeline stage or interleaved chunks, with the sequence
-        parallelism, Domino chunks and activation recompute of ``config``)."""
-        self.mesh = mesh
+        parallelism, Domino chunks and activation recompute of ``config``). ``mesh`` is ``pretrain``'s, which is
+        the recipe's: the batches it reads are broadcast over the TP group the model is split over."""
+        if mesh != self.mesh:
+            raise ValueError("GPTRecipe.model_builder: the mesh differs from the recipe's (the batches would be "
+                             "broadcast over another TP group than the model's)")
         # From ``config``: a resume may keep its checkpoint's padding (domino.checkpoint.resume.keep_padded_vocab).
         model = GPTModel(config.model, padded_vocab_size(self.vocab_size, config), tp=mesh.tp, cp=mesh.cp)
         return parallelize(model, mesh, config)

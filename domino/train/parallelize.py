@@ -10,7 +10,9 @@ everything else a run's layout asks for is applied here, from outside the model,
 3. Domino's overlapped schedule (:mod:`domino.overlap.schedule`);
 4. activation recompute (:mod:`domino.model.recompute`), which marks the layer groups of whichever stack runs;
 5. context-parallel attention's communication (``--cp-comm-type``): the ring each layer is built with, or the
-   all-to-all over heads (:mod:`domino.parallel.all_to_all_attention`).
+   all-to-all over heads (:mod:`domino.parallel.all_to_all_attention`);
+6. the numerics: the FP8 recipe of ``--fp8-format`` (:mod:`domino.parallel.fp8`) given to every tensor-parallel
+   linear of the layers, a value each holds (the output layer, an embedding's weight, keeps high precision).
 
 torchtitan applies its parallelisms the same way, from one function per model family in a fixed order over a
 model built on the meta device (``parallelize_llama`` in ``torchtitan/models/llama3/infra/parallelize.py``: TP,
@@ -23,6 +25,8 @@ from __future__ import annotations
 from torch import nn
 
 from domino.config import DominoConfig
+from domino.parallel import fp8
+from domino.parallel.layers import apply_fp8
 from domino.config.layout import virtual_stages
 from domino.model.recompute import RecomputePlan, apply_activation_recompute
 from domino.overlap.schedule import apply_domino
@@ -56,6 +60,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: DominoConfig) -> n
     model = split_model(model, mesh.pp.rank, mesh.pp.size, virtual_stages(config))
     plan = RecomputePlan.from_config(config.train)
     attention = CONTEXT_PARALLEL_ATTENTION[config.parallel.cp_comm_type]
+    fmt = config.train.fp8_format
+    recipe = fp8.recipe(fmt, next(model.parameters()).device) if fmt else None  # the device the shards live on
     for chunk in model_chunks(model):
         if config.parallel.sequence_parallel:
             apply_sequence_parallel(chunk)
@@ -63,4 +69,5 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: DominoConfig) -> n
         apply_activation_recompute(chunk, plan)
         for layer in chunk.layers:
             layer.attention.context_parallel_attention = attention
+        apply_fp8(chunk, recipe)
     return model

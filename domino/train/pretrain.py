@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 
 def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Callable, forward_step: Callable,
-             padded_vocab_size: int, tokenizer=None, get_batch: Optional[Callable] = None,
-             mesh: Optional[ParallelMesh] = None, origin: Optional[AttemptOrigin] = None) -> TrainingResult:
+             padded_vocab_size: int, tokenizer=None, get_batch: Optional[Callable] = None, *,
+             mesh: ParallelMesh, origin: Optional[AttemptOrigin] = None) -> TrainingResult:
     """Trains according to ``config`` (call it on every rank, after
     :func:`domino.train.runtime_start.initialize_runtime`).
 
@@ -50,7 +50,8 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
         tokenizer: saved into every checkpoint when given.
         get_batch: one micro-batch's tensors by name from a data iterator; pipelined runs need it, as the pipeline
             schedule, not ``forward_step``, runs the stages (:mod:`domino.train.pipeline_step`).
-        mesh: the run's layout, as ``initialize_runtime`` returned it (default: the one it built).
+        mesh: the run's layout, as ``initialize_runtime`` returned it: a value passed down from here, so nothing
+            below reads a process-wide one.
         origin: where this attempt began, for the goodput ledger (default: this process's start; an in-process
             restart passes its failure's time and number).
 
@@ -60,8 +61,7 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     """
     if not state.model_parallel_is_initialized():
         raise RuntimeError("pretrain(): call domino.train.runtime_start.initialize_runtime(config) first, "
-                           "once per process")
-    mesh = mesh or state.current_mesh()  # the layout start() built: passed down from here, not read below
+                           "once per process, and pass the mesh it returns")
     runtime_ready = time.time()
     # Each check ends in an agreement: a rank that fails stops every rank with the same one-line error.
     agree("checking the configuration", lambda: validate(config, world_size=dist.get_world_size(),
@@ -70,9 +70,12 @@ def pretrain(config: DominoConfig, model_builder: Callable, dataset_builder: Cal
     checkpoints = CheckpointManager.open(config, mesh)  # first of all: holds --save until the run ends
     optimizer = trainer = None
     try:
-        schedule = agree("checking the schedules against the checkpoint", lambda: schedule_check.resumed_schedule(
-            checkpoints.resume_from, config, mesh.dp.size, checkpoints.warm_start))
-        padded_vocab_size = checkpoints.fit(padded_vocab_size)  # the checkpoint's vocabulary padding, its ZeRO stage
+        schedule, config = agree("checking the schedules against the checkpoint",
+                                 lambda: schedule_check.resumed_schedule(checkpoints.resume_from, config, mesh.dp.size,
+                                                                         checkpoints.warm_start))
+        # The checkpoint's vocabulary padding and ZeRO stage: from here on the run's config is the settled one.
+        checkpoints, padded_vocab_size = checkpoints.fit(config, padded_vocab_size)
+        config = checkpoints.config
         tp_random.model_parallel_seed(config.train.seed, mesh.tp.rank, mesh.cp.rank, mesh.tp.size)
 
         # Parameters created and initialised on their device, shard by shard.

@@ -51,9 +51,10 @@ def check_this_device(config: DominoConfig) -> None:
         except Exception:  # older torch builds lack the op: DeepSpeed then reports no fp16 either
             cpu_fp16 = False
     check_device(config, cuda=cuda, cpu_fp16=cpu_fp16)
-    # FP8 GEMMs for this process's linears, or one line saying why neither real nor emulated FP8 runs here.
-    fp8.configure(config.train.fp8_format, torch.device("cuda", torch.cuda.current_device()) if cuda
-                  else torch.device("cpu"))
+    if config.train.fp8_format:  # one line saying why neither real nor emulated FP8 runs here (parallelize gives
+        # the linears their recipe)
+        fp8.recipe(config.train.fp8_format, torch.device("cuda", torch.cuda.current_device()) if cuda
+                   else torch.device("cpu"))
 
 
 def initialize_runtime(config: DominoConfig, store: Optional[torch.distributed.Store] = None) -> ParallelMesh:

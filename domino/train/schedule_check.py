@@ -120,12 +120,14 @@ def _plain(value: Any) -> Any:
 
 
 def resumed_schedule(ckpt: Optional[Checkpoint], config: DominoConfig, data_parallel_size: int,
-                     weights_only: bool) -> LearningRateSchedule:
-    """The learning-rate schedule this run continues ``ckpt`` with; refuses a changed one in one line.
+                     weights_only: bool) -> Tuple[LearningRateSchedule, DominoConfig]:
+    """The learning-rate schedule this run continues ``ckpt`` with, and ``config`` with the batch ramp it continues;
+    refuses a changed one in one line.
 
     With ``--use-checkpoint-opt_param-scheduler`` the checkpoint's schedule and batch ramp are taken (the ramp
-    into ``config``, whose batch schedule the loop builds afterwards); with ``--override-opt_param-scheduler``
-    this run's, said in one line. A warm start (``--finetune``) begins a schedule of its own.
+    into the config returned, whose batch schedule the loop builds afterwards); with
+    ``--override-opt_param-scheduler`` this run's, said in one line. A warm start (``--finetune``) begins a schedule
+    of its own.
 
     Raises:
         ConfigError: naming each changed value with the checkpoint's and this run's, and the two flags.
@@ -135,19 +137,18 @@ def resumed_schedule(ckpt: Optional[Checkpoint], config: DominoConfig, data_para
     if stored is None:
         if ckpt is not None and not weights_only:
             logger.info("%s records no learning-rate schedule (saved before the record): not checked", ckpt)
-        return schedule
+        return schedule, config
     diffs = _differences(stored, schedule, config, data_parallel_size)
     c = config.checkpoint
     if not diffs:
-        return schedule
+        return schedule, config
     if c.override_opt_param_scheduler:
         logger.info("%s: this run's schedule replaces the checkpoint's (%s)", OVERRIDE, "; ".join(diffs))
-        return schedule
+        return schedule, config
     if c.use_checkpoint_opt_param_scheduler:
         logger.info("%s: the checkpoint's schedule replaces this run's (%s)", USE_CHECKPOINT, "; ".join(diffs))
-        for name in RAMP_FIELDS:
-            setattr(config.train, name, stored["ramp_flags"][name])
-        return dataclasses.replace(schedule, **stored["lr"])
+        ramp = {name: stored["ramp_flags"][name] for name in RAMP_FIELDS}
+        return dataclasses.replace(schedule, **stored["lr"]), config.replace(**ramp)
     raise ConfigError(f"--load {ckpt}: the learning-rate schedule or batch ramp differs from the checkpoint's "
                       f"({'; '.join(diffs)}); resume with the checkpoint's values, or give {USE_CHECKPOINT} to take "
                       f"them or {OVERRIDE} to take this run's")

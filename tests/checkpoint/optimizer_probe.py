@@ -30,9 +30,9 @@ def main(out: str, argv) -> None:
     config = config_from_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")), for_training=True)
     mesh = runtime_start.initialize_runtime(config)
     ckpt, warm = discovery.find_checkpoint(config)
-    resume.choose_zero_stage(ckpt, config, warm, mesh.dp.size)
-    recipe = GPTRecipe(config)
-    padded, _ = resume.keep_padded_vocab(ckpt, config, recipe.padded_vocab_size, warm)
+    config, _ = resume.choose_zero_stage(ckpt, config, warm, mesh.dp.size)
+    recipe = GPTRecipe(config, mesh)
+    config, padded, _ = resume.keep_padded_vocab(ckpt, config, recipe.padded_vocab_size, warm)
     tp_random.model_parallel_seed(config.train.seed, mesh.tp.rank)
     with collective_device(mesh.tp.process_group):
         model = recipe.model_builder(config, mesh)

@@ -96,14 +96,16 @@ def _install_fault(point: str, monkeypatch) -> None:
 def _train(out: Path, name: str, extra=()) -> None:
     from domino.config import parse_config
     from domino.train.gpt_recipe import GPTRecipe
+    from domino.runtime.state import current_mesh
     from domino.train.pretrain import pretrain
 
     save = out / name
     config = parse_config([*ARGS, "--save", str(save), "--load", str(save),
                            "--metrics-file", str(out / f"{name}.jsonl"), *extra])
-    recipe = GPTRecipe(config)
+    mesh = current_mesh()  # the one initialize_runtime built for every run of this process
+    recipe = GPTRecipe(config, mesh)
     pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step, recipe.padded_vocab_size,
-             recipe.tokenizer)
+             recipe.tokenizer, mesh=mesh)
 
 
 class _Log(logging.Handler):

@@ -22,13 +22,15 @@ ARGS = ["--preset", "tiny", "--mock-data", "--vocab-size", "256", "--log-interva
 def _train(out: Path, name: str, iters: int, *extra: str) -> dict:
     from domino.config import parse_config
     from domino.train.gpt_recipe import GPTRecipe
+    from domino.runtime.state import current_mesh
     from domino.train.pretrain import pretrain
 
     metrics = out / f"{name}.jsonl"
     config = parse_config([*ARGS, "--train-iters", str(iters), "--metrics-file", str(metrics), *extra])
-    recipe = GPTRecipe(config)
+    mesh = current_mesh()  # the one initialize_runtime built for every run of this process
+    recipe = GPTRecipe(config, mesh)
     pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step, recipe.padded_vocab_size,
-             recipe.tokenizer)
+             recipe.tokenizer, mesh=mesh)
     return {r["iteration"]: r["lm_loss"] for r in map(json.loads, metrics.read_text().splitlines())}
 
 

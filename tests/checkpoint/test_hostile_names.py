@@ -55,8 +55,7 @@ def test_checkpoints_past_ten_million_iterations_order_by_number(tmp_path):
     # (as a string it is above "iter_10000001" and was passed over).
     (root / "latest").write_text("iter_10000001\n")
     os.replace(root / "iter_10000000" / "checkpoint.json", tmp_path / "aside.json")
-    config.checkpoint.load = str(root)
-    found, _ = discovery.find_checkpoint(config)
+    found, _ = discovery.find_checkpoint(config.replace(load=str(root)))
     assert found.path.name == "iter_9999999"
     os.replace(tmp_path / "aside.json", root / "iter_10000000" / "checkpoint.json")
     checkpointing._prune(root, 1, keep="iter_10000000", iteration=10_000_000)

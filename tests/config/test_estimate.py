@@ -30,8 +30,7 @@ FORWARD_TOLERANCE, PEAK_TOLERANCE = 0.06, 0.04
 def test_estimate_matches_measured_cpu_memory(shape):
     shape = dict(shape)
     batch = shape.pop("batch")
-    config = DominoConfig()
-    config.model = ModelConfig(**shape, make_vocab_size_divisible_by=1)
+    config = DominoConfig(model=ModelConfig(**shape, make_vocab_size_divisible_by=1))
     forward, peak = measure_training_memory(config.model, config.model.vocab_size, batch)
     est = estimate_layout(config, Layout(micro_batch_size=batch, zero_stage=0), device="cpu")
     assert est.activations + est.logits + est.buffers == pytest.approx(forward, rel=FORWARD_TOLERANCE)
@@ -41,9 +40,8 @@ def test_estimate_matches_measured_cpu_memory(shape):
 @pytest.mark.parametrize("plan", [RecomputePlan("selective"), RecomputePlan("full", "uniform", 2),
                                   RecomputePlan("full", "block", 1)], ids=str)
 def test_estimate_matches_measured_cpu_peak_with_recompute(plan):
-    config = DominoConfig()
-    config.model = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=512,
-                               make_vocab_size_divisible_by=1)  # dropout 0.1 on both: SDPA's math path
+    config = DominoConfig(model=ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=128,
+                                            vocab_size=512, make_vocab_size_divisible_by=1))  # dropout 0.1: SDPA's math
     _, peak = measure_training_memory(config.model, 512, 4, recompute=plan)
     layout = Layout(micro_batch_size=4, zero_stage=0, recompute=plan.granularity,
                     recompute_method=plan.method or "uniform", recompute_num_layers=plan.num_layers or 1)
@@ -79,28 +77,23 @@ def test_estimate_matches_measured_peak_per_rank_at_tp2_and_per_stage_at_pp2():
     cases = [(False, None), (True, None), (False, RecomputePlan("full", "uniform", 1))]
     per_rank = run_distributed(_tp2_peaks, 2, cases)
     peaks = per_rank[0][0]
-    pipeline = DominoConfig()
-    pipeline.model = ModelConfig(**PIPELINE_MODEL)
     for run, (micro, count) in enumerate(PIPELINE_RUNS):
-        pipeline.train.micro_batch_size, pipeline.train.global_batch_size = micro, micro * count
+        pipeline = DominoConfig(model=ModelConfig(**PIPELINE_MODEL)).replace(micro_batch_size=micro,
+                                                                             global_batch_size=micro * count)
         stages = estimate_layout(pipeline, Layout(micro_batch_size=micro, zero_stage=0, pipeline_model_parallel_size=2),
                                  device="cpu").stage_totals
         measured = [per_rank[rank][1][run] for rank in range(2)]
         assert stages == pytest.approx(measured, rel=0.06), (micro, count)
-    config = DominoConfig()
-    config.model = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=512,
-                               make_vocab_size_divisible_by=1)
+    config = DominoConfig(model=ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=128,
+                                            vocab_size=512, make_vocab_size_divisible_by=1))
     for (sp, plan), peak in zip(cases, peaks):
         layout = Layout(2, 1, 0, 4, "full" if plan else "none", sequence_parallel=sp, domino_chunks=2)
         assert estimate_layout(config, layout, device="cpu").total == pytest.approx(peak, rel=0.10), (sp, plan)
 
 
 def _gpt(**model) -> DominoConfig:
-    config = DominoConfig()
-    config.model = ModelConfig(**{"num_layers": 4, "hidden_size": 1024, "num_attention_heads": 16,
-                                  "seq_length": 2048, **model})
-    config.train.bf16 = True
-    return config
+    return DominoConfig(model=ModelConfig(**{"num_layers": 4, "hidden_size": 1024, "num_attention_heads": 16,
+                                             "seq_length": 2048, **model})).replace(bf16=True)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])

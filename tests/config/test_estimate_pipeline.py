@@ -81,8 +81,7 @@ def test_world_is_tp_x_pp_x_dp():
         check_tensor_parallel_size(8, 2, 3)
     with pytest.raises(ConfigError, match="^world size 6 is not divisible by --tensor-model-parallel-size 4$"):
         check_tensor_parallel_size(6, 4)
-    config = _tiny()
-    config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size = 2, 2
+    config = _tiny().replace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     assert data_parallel_size(config, 8) == 2
     layout = layout_of(config, 8)
     assert (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
@@ -91,12 +90,10 @@ def test_world_is_tp_x_pp_x_dp():
 
 def _tiny(untied: bool = False) -> DominoConfig:
     """fp32, no dropout: h 64, 4 heads, 4 layers, s 32, vocabulary 128 (already a multiple of 128)."""
-    config = DominoConfig()
-    config.model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128,
-                               hidden_dropout=0.0, attention_dropout=0.0,
-                               untie_embeddings_and_output_weights=untied)
-    config.train.micro_batch_size, config.train.global_batch_size = 2, 8  # 4 micro-batches per step
-    return config
+    config = DominoConfig(model=ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+                                            vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0,
+                                            untie_embeddings_and_output_weights=untied))
+    return config.replace(micro_batch_size=2, global_batch_size=8)  # 4 micro-batches per step
 
 
 def test_per_stage_memory_by_hand():
@@ -142,8 +139,7 @@ def test_per_stage_memory_by_hand():
 
 
 def test_interleaved_first_stage_holds_p_plus_p_minus_1_over_v_micro_batches():
-    config = _tiny()
-    config.model.num_layers, config.train.global_batch_size = 8, 16  # 8 micro-batches of 2
+    config = _tiny().replace(num_layers=8, global_batch_size=16)  # 8 micro-batches of 2
     plain = estimate_layout(config, Layout(zero_stage=0, micro_batch_size=2, pipeline_model_parallel_size=4),
                             device="cpu")
     interleaved = estimate_layout(config, Layout(zero_stage=0, micro_batch_size=2, pipeline_model_parallel_size=4,
@@ -168,7 +164,7 @@ def test_pipeline_brings_a_model_that_does_not_fit_under_the_launchers_memory_ch
     alone = estimate_layout(config, layout_of(config, 8), gpu_memory_gb=80.0)
     with pytest.raises(LaunchSpecError, match="TP 8 x DP 1, ZeRO 1, micro-batch 1, recompute selective"):
         check_memory_fits(config, 8, 80.0)
-    config.parallel.pipeline_model_parallel_size = 2  # 16 GPUs: TP 8 x PP 2 x DP 1
+    config = config.replace(pipeline_model_parallel_size=2)  # 16 GPUs: TP 8 x PP 2 x DP 1
     staged = estimate_layout(config, layout_of(config, 16), gpu_memory_gb=80.0)
     assert staged.fits and staged.layout.data_parallel_size == 1 and staged.stage == 0
     assert staged.optimizer == pytest.approx(alone.optimizer / 2, rel=0.02)  # half, and the embedding
@@ -181,8 +177,7 @@ def test_layouts_rank_by_time_per_token_so_a_pipeline_comes_before_recompute_onl
     passes, with 2 (bubble 1/3) more; with neither lever the plain layout comes first."""
     from domino.config.estimate import rank_key
 
-    config = _tiny()
-    config.train.global_batch_size = 16
+    config = _tiny().replace(global_batch_size=16)
     layouts = {"plain": Layout(micro_batch_size=2, zero_stage=0),
                "pp2, 8 micro-batches": Layout(micro_batch_size=2, zero_stage=0, pipeline_model_parallel_size=2),
                "full recompute": Layout(micro_batch_size=2, zero_stage=0, recompute="full"),
@@ -222,8 +217,7 @@ def test_cli_lists_a_pipeline_first_where_every_one_stage_layout_needs_full_reco
 def test_a_pipelined_step_with_replicas_holds_the_gradients_twice():
     """domino averages a pipelined stage's gradients over the data-parallel replicas through one flat copy
     (domino/train/pipeline_step.py) after the schedule: with small activations that is the stage's peak."""
-    config = _tiny()
-    config.model.seq_length, config.train.micro_batch_size = 4, 1
+    config = _tiny().replace(seq_length=4, micro_batch_size=1)
     layout = Layout(data_parallel_size=2, zero_stage=0, micro_batch_size=1, pipeline_model_parallel_size=2)
     est = estimate_layout(config, layout, device="cpu")
     assert est.gradients > est.activations

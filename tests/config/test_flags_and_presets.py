@@ -102,7 +102,7 @@ def test_unknown_key_in_saved_config_is_named():
 def test_padded_vocab_follows_megatron():
     config = DominoConfig()
     assert padded_vocab_size(50257, config) == 50304
-    config.parallel.tensor_model_parallel_size = 2
+    config = config.replace(tensor_model_parallel_size=2)
     assert padded_vocab_size(50257, config) == 50432
 
 

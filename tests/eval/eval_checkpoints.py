@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 from typing import Optional
@@ -12,7 +11,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from domino.config import DominoConfig, config_to_dict, padded_vocab_size
+from domino.config import DominoConfig, ModelConfig, config_to_dict, padded_vocab_size
 from domino.data.tokenizer import Tokenizer
 from domino.model import GPTModel
 from domino.checkpoint import on_disk as wio
@@ -37,19 +36,9 @@ def tiny_tokenizer(directory: Path) -> Tokenizer:
 
 def tiny_config(tokenizer_spec: str = "gpt2", **model) -> DominoConfig:
     """Two layers, hidden 32, 4 heads, 32 positions, no dropout, vocab padded to a multiple of 8 x TP."""
-    config = DominoConfig()
-    config.model.num_layers = 2
-    config.model.hidden_size = 32
-    config.model.num_attention_heads = 4
-    config.model.seq_length = 16
-    config.model.max_position_embeddings = 32
-    config.model.hidden_dropout = 0.0
-    config.model.attention_dropout = 0.0
-    config.model.make_vocab_size_divisible_by = 8
-    config.data.tokenizer = tokenizer_spec
-    for key, value in model.items():
-        setattr(config.model, key, value)
-    return config
+    shape = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, max_position_embeddings=32,
+                 hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
+    return DominoConfig(model=ModelConfig(**{**shape, **model})).replace(tokenizer=tokenizer_spec)
 
 
 def tiny_model(config: DominoConfig, vocab_size: int, seed: int = 0, std: float = 0.3) -> GPTModel:
@@ -77,8 +66,7 @@ def save_checkpoint(root: Path, model: GPTModel, config: DominoConfig, tp: int =
         model_shards.save_model_shard(ckpt, full if tp == 1 else shard_state_dict(full, rank, tp), rank)
     if tokenizer is not None:
         tokenizer.save(str(ckpt / wio.TOKENIZER_DIR))
-    saved = copy.deepcopy(config)
-    saved.parallel.tensor_model_parallel_size = tp
+    saved = config.replace(tensor_model_parallel_size=tp)
     wio.write_checkpoint_meta(ckpt, {
         "iteration": iteration, "consumed_samples": 0, "tensor_model_parallel_size": tp,
         "padded_vocab_size": model.vocab_size, "tokenizer": config.data.tokenizer, "config": config_to_dict(saved)})

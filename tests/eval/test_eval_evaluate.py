@@ -19,10 +19,8 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("evaluate")
     tokenizer = tiny_tokenizer(root / "tok")
     prefix = write_token_dataset(root / "data" / "corpus", tokenizer.vocab_size, documents=16, eod=tokenizer.eod)
-    config = tiny_config(str(root / "tok"))
-    config.data.data_path = [prefix]
-    config.data.split = "50,25,25"
-    config.data.data_cache_path = str(root / "cache")
+    config = tiny_config(str(root / "tok")).replace(data_path=[prefix], split="50,25,25",
+                                                   data_cache_path=str(root / "cache"))
     model = tiny_model(config, tokenizer.vocab_size, seed=6)
     ckpts = {"tp1": str(save_checkpoint(root / "tp1", model, config, tp=1)),
              "tp2": str(save_checkpoint(root / "tp2", model, config, tp=2, tokenizer=tokenizer))}

@@ -58,8 +58,7 @@ def _metrics(path, iterations=20, truncated_tail=False):
 
 
 def test_report_renders_everything(tmp_path):
-    config = DominoConfig()
-    config.model.hidden_size = 96
+    config = DominoConfig().replace(hidden_size=96)
     out = write_report(tmp_path / "sub" / "report.html", _metrics(tmp_path / "m.jsonl", truncated_tail=True),
                        eval_results={"loss": 3.25, "ppl": 25.79, "accuracy": 0.31, "tokens": 4096},
                        config=config, samples=[{"prompt": "To be <or>", "completion": " not to be"}])
@@ -84,8 +83,7 @@ def test_report_states_what_ran_and_shows_no_empty_or_none_cell(tmp_path):
     metrics.write_text("".join(json.dumps({"iteration": it, "lm_loss": 5.0 / it, "lr": 1e-3, "tokens_per_s": 900.0,
                                            "mfu": None, "memory_gb": 0.3}) + "\n" for it in (1, 2, 3))
                        + json.dumps({"eval": "valid", "iteration": 3, "lm_loss": 1.5, "ppl": 4.48}) + "\n")
-    config = DominoConfig()  # many optional settings unset (None, empty lists)
-    config.train.lr_warmup_iters = 2
+    config = DominoConfig().replace(lr_warmup_iters=2)  # many optional settings unset (None, empty lists)
     out = write_report(tmp_path / "r.html", metrics, eval_results={"new": {"loss": 1.4, "ppl": 4.06, "accuracy": 0.5,
                                                                            "tokens": 512}},
                        config=config, samples=[{"prompt": "A", "completion": " b"}],

@@ -10,6 +10,7 @@ import torch
 from distributed_helpers import run_distributed
 from domino.config import ConfigError, parse_config
 from domino.parallel import fp8
+from domino.parallel.layers import apply_fp8
 from domino.parallel.random import model_parallel_seed
 from domino.runtime import state
 from model_fixtures import VOCAB, build_model, random_batch, tiny_config
@@ -43,9 +44,9 @@ def test_the_three_gemms_are_within_float8_error_and_fail_without_scales(fmt, mo
 
     def run():
         x.grad = w.grad = b.grad = None
-        with fp8.enabled(fmt) as recipe:
-            y = fp8.linear(x, w, b)
-        y.backward(grad)  # backward after the block: the node keeps its recipe
+        recipe = fp8.recipe(fmt, torch.device("cpu"))
+        y = fp8.linear(x, w, b, recipe)
+        y.backward(grad)  # the node keeps its recipe for backward
         return recipe, (y.detach(), x.grad.clone(), w.grad.clone())
 
     recipe, got = run()
@@ -59,17 +60,18 @@ def test_the_three_gemms_are_within_float8_error_and_fail_without_scales(fmt, mo
 
 
 def _memorise_batch(model, fmt, steps):
-    """AdamW steps on one fixed batch (the model learns it by heart); the losses."""
+    """AdamW steps on one fixed batch (the model learns it by heart), its linears given ``fmt``'s recipe; the
+    losses."""
+    apply_fp8(model, fp8.recipe(fmt, torch.device("cpu")) if fmt else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     batch = random_batch(seed=3, batch=8, seq=8)
     losses = []
-    with fp8.enabled(fmt):
-        for _ in range(steps):
-            optimizer.zero_grad(set_to_none=True)
-            loss = model(batch["tokens"], labels=batch["labels"]).mean()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(batch["tokens"], labels=batch["labels"]).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
     return losses
 
 
@@ -88,6 +90,32 @@ def test_fp8_trains_a_tiny_gpt_with_domino_chunks_like_fp32_and_not_with_wrong_s
     _broken_scales(monkeypatch)
     broken = _memorise("e4m3")
     assert abs(broken[-1] - reference[-1]) / reference[-1] > 5 * TRAIN_REL
+
+
+def test_two_models_of_different_numerics_live_in_one_process():
+    """The recipe is a value each linear holds (issue 55, item 5): an FP8 model and an fp32 one of the same
+    weights, run in turns, each give their own losses and gradients, the fp32 one exactly its twin's."""
+    def model(fmt):
+        torch.manual_seed(7)
+        built = build_model(tiny_config(hidden_size=64, ffn_hidden_size=256), VOCAB, 2)
+        return apply_fp8(built, fp8.recipe(fmt, torch.device("cpu")) if fmt else None)
+
+    batch = random_batch(seed=3, batch=8, seq=8)
+
+    def loss_and_grads(m):
+        m.zero_grad(set_to_none=True)
+        loss = m(batch["tokens"], labels=batch["labels"]).mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in m.parameters()]
+
+    eight, plain, alone = model("e4m3"), model(None), model(None)
+    first = loss_and_grads(eight)
+    mixed = loss_and_grads(plain)  # between two FP8 steps
+    again = loss_and_grads(eight)
+    reference = loss_and_grads(alone)
+    assert torch.equal(mixed[0], reference[0]) and all(map(torch.equal, mixed[1], reference[1]))
+    assert torch.equal(first[0], again[0]) and all(map(torch.equal, first[1], again[1]))
+    assert first[0] != mixed[0] and abs(first[0] - mixed[0]) / mixed[0] < TRAIN_REL
 
 
 def _tp2_body(rank, world_size, fmt, sp):
@@ -118,7 +146,7 @@ def test_where_fp8_cannot_run_one_line_says_so(monkeypatch):
                                 "tensor cores (needs 8.9+: Ada, Hopper, Blackwell); train in --bf16 there")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert fp8.recipe("e4m3", torch.device("cuda", 0)).emulate is False  # H100/H200: real FP8 GEMMs
-    assert fp8.active() is None  # recipe() decides, configure() switches on
+    assert not hasattr(fp8, "_ACTIVE")  # recipe() decides; the linears hold what parallelize gives them
 
 
 def test_the_mfu_line_and_estimate_take_the_fp8_peak(monkeypatch):
@@ -134,3 +162,16 @@ def test_the_mfu_line_and_estimate_take_the_fp8_peak(monkeypatch):
                            "--fp8-format", "hybrid"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "at MFU 0.4 of 1979 TFLOP/s per GPU" in proc.stdout
+
+
+def test_parallelize_gives_every_layer_linear_the_runs_recipe():
+    from domino.model import GPTModel
+    from domino.parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from domino.runtime.mesh import ParallelMesh
+    from domino.train.parallelize import parallelize
+
+    config = parse_config(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                           "--fp8-format", "hybrid"])
+    model = parallelize(GPTModel(config.model, VOCAB), ParallelMesh.single(), config)
+    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    assert len(linears) == 8 and {m.fp8 for m in linears} == {fp8.recipe("hybrid", torch.device("cpu"))}

@@ -171,8 +171,7 @@ def test_sequence_parallel_keeps_less_per_rank_and_trains_with_dropout(tp2):
     from domino.config import DominoConfig
     from domino.config.estimate import Layout, estimate_layout
 
-    config = DominoConfig()
-    config.model = _config()
+    config = DominoConfig(model=_config())
     plain, sp = (estimate_layout(config, Layout(2, 1, 0, 4, sequence_parallel=on), vocab=VOCAB, device="cpu")
                  for on in (False, True))
     saved = plain.activations - sp.activations

@@ -72,12 +72,10 @@ def test_the_training_recipe_applies_what_the_config_asks_for(chunks, sp, stack)
     from domino.runtime.mesh import ParallelMesh
     from domino.train.gpt_recipe import GPTRecipe
 
-    config = DominoConfig()
-    config.model.num_layers, config.model.hidden_size, config.model.num_attention_heads = 2, 32, 4
-    config.model.vocab_size, config.data.mock_data = 64, True
-    config.parallel.domino_chunks, config.parallel.sequence_parallel = chunks, sp
-    config.train.recompute_granularity, config.train.recompute_method = "full", "uniform"
-    model = GPTRecipe(config).model_builder(config, ParallelMesh.single())
+    config = DominoConfig().replace(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                                    mock_data=True, domino_chunks=chunks, sequence_parallel=sp,
+                                    recompute_granularity="full", recompute_method="uniform")
+    model = GPTRecipe(config, ParallelMesh.single()).model_builder(config, ParallelMesh.single())
     assert type(model.stack).__name__ == stack
     assert model.stack.units == [(0, 1, True), (1, 2, True)]  # recompute reached the stack that runs
 

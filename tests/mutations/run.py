@@ -188,7 +188,7 @@ MUTATIONS: List[Mutation] = [
              ["tests/parallel/test_parallel_chunked_cross_entropy.py::"
               "test_chunked_equals_the_one_buffer_loss_and_f_cross_entropy_in_fp32[5]"]),
     Mutation("resume-drops-the-checkpoints-padding", "domino/checkpoint/resume.py",
-             "    config.model.make_vocab_size_divisible_by = divisor\n", "",
+             "    kept = config.replace(make_vocab_size_divisible_by=divisor)\n", "    kept = config\n",
              ["tests/checkpoint/test_vocab_padding_resume.py"]),
     Mutation("schedule-change-not-checked", "domino/train/schedule_check.py",
              "    diffs = _differences(stored, schedule, config, data_parallel_size)", "    diffs = []",

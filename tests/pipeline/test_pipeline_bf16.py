@@ -96,8 +96,8 @@ def _overflow_on_the_last_stage(rank, world_size, out_dir, poisoned_call):
 
     config = parse_config([*TIED_TINY, *BF16, *PP2, "--train-iters", "3", "--save", out_dir, "--save-interval", "1",
                            "--metrics-file", f"{out_dir}/metrics.jsonl"])
-    runtime_start.initialize_runtime(config)
-    recipe = GPTRecipe(config)
+    mesh = runtime_start.initialize_runtime(config)
+    recipe = GPTRecipe(config, mesh)
     calls = []
 
     def model_builder(config, mesh):
@@ -111,7 +111,7 @@ def _overflow_on_the_last_stage(rank, world_size, out_dir, poisoned_call):
         return model
 
     pretrain(config, model_builder, recipe.dataset_builder, recipe.forward_step, recipe.padded_vocab_size,
-             get_batch=recipe.batch)
+             get_batch=recipe.batch, mesh=mesh)
     return len(calls)
 
 

@@ -54,8 +54,8 @@ def _fp16_pretrain(rank, world_size, out_dir, args, poisoned_call: Optional[int]
     CPU_Accelerator.is_fp16_supported = lambda self: True  # module docstring: DeepSpeed's gate, not torch's
     runtime_start.check_this_device = lambda config: None
     config = parse_config([*TIED_TINY, *args, "--metrics-file", f"{out_dir}/metrics.jsonl"])
-    runtime_start.initialize_runtime(config)
-    recipe = GPTRecipe(config)
+    mesh = runtime_start.initialize_runtime(config)
+    recipe = GPTRecipe(config, mesh)
     calls, scales = [], []
 
     def model_builder(config, mesh):
@@ -77,7 +77,7 @@ def _fp16_pretrain(rank, world_size, out_dir, args, poisoned_call: Optional[int]
 
     pipeline_step.PipelineStep.__call__ = recording
     pretrain(config, model_builder, recipe.dataset_builder, recipe.forward_step, recipe.padded_vocab_size,
-             get_batch=recipe.batch)
+             get_batch=recipe.batch, mesh=mesh)
     dist.barrier()
     return scales
 

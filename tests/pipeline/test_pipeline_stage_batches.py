@@ -39,8 +39,8 @@ def _four_stages(rank, world_size, metrics):
     from domino.train.pretrain import pretrain
 
     config = parse_config([*TIED_TINY, *COMMON, "--pipeline-model-parallel-size", "4", "--metrics-file", metrics])
-    runtime_start.initialize_runtime(config)
-    recipe = GPTRecipe(config)
+    mesh = runtime_start.initialize_runtime(config)
+    recipe = GPTRecipe(config, mesh)
     calls = []
 
     def get_batch(data_iterator):
@@ -48,7 +48,7 @@ def _four_stages(rank, world_size, metrics):
         return recipe.batch(data_iterator)
 
     pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step, recipe.padded_vocab_size,
-             get_batch=get_batch)
+             get_batch=get_batch, mesh=mesh)
     return state.get_pipeline_model_parallel_rank(), len(calls), all(calls)
 
 

@@ -30,8 +30,8 @@ def _segment(rank, world_size, save, tp, stop_at_call):
                            "100", "--eval-iters", "0", "--eval-interval", "0", "--num-workers", "0", "--seed", "7",
                            "--tensor-model-parallel-size", str(tp), "--save", save, "--load", save,
                            "--exit-signal-handler"])
-    initialize_runtime(config)
-    recipe = GPTRecipe(config)
+    mesh = initialize_runtime(config)
+    recipe = GPTRecipe(config, mesh)
     reads, calls = [], []
 
     class Recorded(torch.utils.data.Dataset):
@@ -56,7 +56,7 @@ def _segment(rank, world_size, save, tp, stop_at_call):
         calls.append(1)
         return out
 
-    result = pretrain(config, recipe.model_builder, dataset_builder, forward_step, recipe.padded_vocab_size)
+    result = pretrain(config, recipe.model_builder, dataset_builder, forward_step, recipe.padded_vocab_size, mesh=mesh)
     per_step = GLOBAL_BATCH // state.get_data_parallel_world_size()  # micro-batches per step on this rank
     first = result.iteration - len(calls) // per_step
     return result.iteration, result.consumed_samples, [(first + call // per_step, idx) for call, idx in reads]

@@ -280,6 +280,7 @@ def test_megatron_data_flags_fail_clearly(argv, message):
 def test_tokenizer_types(tmp_path, gpt2_files):
     from domino.data.errors import DataError
     from domino.data.tokenizer import build_tokenizer, tokenizer_for_run
+    from domino.runtime.mesh import ParallelMesh
     from domino.train.gpt_recipe import GPTRecipe
 
     gpt2 = build_tokenizer("gpt2")
@@ -292,7 +293,7 @@ def test_tokenizer_types(tmp_path, gpt2_files):
         tokenizer_for_run(DataConfig(vocab_file=gpt2_files["VOCAB_FILE"], merge_file="/nonexistent"))
     # NullTokenizer, as Megatron's _NullTokenizer: ids below --vocab-size, end-of-document = --vocab-size.
     null = GPTRecipe(_parse(["--mock-data", "--train-iters", "1", "--tokenizer-type", "NullTokenizer",
-                             "--vocab-size", "1000"], world_size=1))
+                             "--vocab-size", "1000"], world_size=1), ParallelMesh.single())
     assert null.tokenizer is None and null.eod == 1000 and null.padded_vocab_size == 1024
 
 

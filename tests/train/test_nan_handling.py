@@ -27,8 +27,8 @@ def _train_with_poisoned_steps(rank, world_size, prefix, out_dir, poisoned, max_
                            "--eval-iters", "0", "--eval-interval", "0", "--num-workers", "0", "--save", out_dir,
                            "--save-interval", "1", "--metrics-file", f"{out_dir}/metrics.jsonl",
                            "--max-nan-steps", str(max_nan_steps), *extra])
-    runtime_start.initialize_runtime(config)
-    recipe = GPTRecipe(config)
+    mesh = runtime_start.initialize_runtime(config)
+    recipe = GPTRecipe(config, mesh)
     calls = []
 
     def forward_step(data_iterator, model):
@@ -39,7 +39,8 @@ def _train_with_poisoned_steps(rank, world_size, prefix, out_dir, poisoned, max_
         return output, loss_fn
 
     try:
-        pretrain(config, recipe.model_builder, recipe.dataset_builder, forward_step, recipe.padded_vocab_size)
+        pretrain(config, recipe.model_builder, recipe.dataset_builder, forward_step, recipe.padded_vocab_size,
+                 mesh=mesh)
     except TrainingDivergedError as error:
         return str(error)
     return None

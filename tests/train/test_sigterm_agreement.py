@@ -17,8 +17,8 @@ def _train_signalled(rank, world_size, signal_rank, signal_at_call):
     config = parse_config(["--preset", "tiny", "--mock-data", "--vocab-size", "512", "--train-iters", "8",
                            "--log-interval", "4", "--eval-iters", "0", "--eval-interval", "0", "--num-workers", "0",
                            "--exit-signal-handler"])
-    initialize_runtime(config)
-    recipe = GPTRecipe(config)
+    mesh = initialize_runtime(config)
+    recipe = GPTRecipe(config, mesh)
     calls = []
 
     def forward_step(data_iterator, model):
@@ -27,7 +27,7 @@ def _train_signalled(rank, world_size, signal_rank, signal_at_call):
             os.kill(os.getpid(), signal.SIGTERM)  # the handler only sets a flag
         return recipe.forward_step(data_iterator, model)
 
-    result = pretrain(config, recipe.model_builder, recipe.dataset_builder, forward_step, recipe.padded_vocab_size)
+    result = pretrain(config, recipe.model_builder, recipe.dataset_builder, forward_step, recipe.padded_vocab_size, mesh=mesh)
     return result.iteration, result.interrupted
 
 
