@@ -35,6 +35,7 @@ from domino.parallel.collectives import (
 from domino.parallel import fp8
 from domino.parallel.kernels import kernels_for
 from domino.parallel.linear_ops import gelu_linear
+from domino.parallel.norms import gelu
 from domino.runtime.mesh import SINGLE, MeshGroup
 
 
@@ -104,11 +105,11 @@ def _sharded_normal(shape: Tuple[int, int], std: float, dim: int, tp: MeshGroup)
 
 def _gelu_then_linear(pre_activation: torch.Tensor, weight: torch.Tensor,
                       bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear(F.gelu(pre_activation), weight, bias)``: one buffer-reusing node on CPU, two plain ops on CUDA
-    (:mod:`domino.parallel.kernels`)."""
+    """``F.linear(F.gelu(pre_activation), weight, bias)``: one buffer-reusing node on CPU, two ops on CUDA, GeLU
+    then the linear, the textbook GeLU on the plain choice (:mod:`domino.parallel.kernels`)."""
     if kernels_for(pre_activation.device).fused_gelu_fc2 and fp8.active() is None:
         return gelu_linear(pre_activation, weight, bias)
-    return fp8.linear(F.gelu(pre_activation), weight, bias)
+    return fp8.linear(gelu(pre_activation), weight, bias)
 
 
 class VocabParallelEmbedding(nn.Module):
