@@ -33,7 +33,8 @@ loss at TP=1                ``-log(softmax[target])``: no pass over the  ``logsu
 output layer + loss         all tokens' logits in one kept buffer (the   row chunks of ~1 GiB of fp32 logits,
 (``chunked_cross_entropy``) buffer becomes softmax, then gradient)       recomputed in backward: the ``[tokens, V]``
                                                                          logits never exist whole (9 GiB at 1.3B,
-                                                                         micro-batch 16)
+                                                                         micro-batch 16); one log-softmax pass per
+                                                                         chunk forward, one ``exp`` backward
 LayerNorm, RMSNorm, GeLU    torch's ops: ``native_layer_norm`` and      the same ops, each one kernel; RMSNorm through
 (``parallel/norms``)        ``gelu`` one kernel each; RMSNorm            ``aten::_fused_rms_norm`` (torch 2.13 has it
                             torch's composite (no CPU kernel in torch    for CUDA only)
