@@ -46,6 +46,7 @@ from domino.parallel.document_attention import document_attention, is_document_s
 from domino.parallel.kernels import compiled, kernels_for
 from domino.parallel.layers import ColumnParallelLinear, Product, RowParallelLinear
 from domino.parallel.linear_ops import GradSlot
+from domino.parallel.norms import LayerNorm, RMSNorm
 from domino.parallel.random import tp_region_rng
 from domino.parallel.ring_attention import ring_attention
 from domino.runtime.mesh import SINGLE, MeshGroup
@@ -57,8 +58,9 @@ def output_init_std(config: ModelConfig) -> float:
 
 
 def build_norm(config: ModelConfig) -> nn.Module:
-    """The layer's normalization: ``nn.LayerNorm`` or ``nn.RMSNorm`` (weight only) with --norm-epsilon."""
-    norm = nn.RMSNorm if config.normalization == "RMSNorm" else nn.LayerNorm
+    """The layer's normalization: an ``nn.LayerNorm`` or ``nn.RMSNorm`` (weight only) with --norm-epsilon, run as the
+    kernel choice runs norms (:mod:`domino.parallel.norms`)."""
+    norm = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
     return norm(config.hidden_size, eps=config.norm_epsilon)
 
 

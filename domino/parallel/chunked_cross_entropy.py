@@ -6,17 +6,27 @@ sequence 2048, TP=1. Megatron-LM's ``--cross-entropy-loss-fusion`` (``megatron/c
 fused_cross_entropy.py``) fuses the loss's elementwise passes over those logits into fewer kernels but still
 materialises them. Here they never exist whole:
 
-* forward runs the output GEMM one chunk of ``chunk_rows`` tokens at a time and keeps only each token's
-  log-sum-exp (fp32, one number per token) after computing its loss: per chunk the row max, the sum of
-  ``exp(z - max)`` and the target logit, each all-reduced over the TP group as in the unchunked loss;
+* forward runs the output GEMM one chunk of ``chunk_rows`` tokens at a time and makes one pass over each chunk's
+  logits: the device's log-softmax row kernel, in place (:func:`_log_softmax_`). The loss is ``-log_softmax`` at
+  the target, and the chunk's log-sum-exp, the one number per token kept for backward, is read back from the same
+  column as ``z_j - log_softmax_j``. Over TP ranks each rank's log-sum-exp is merged into the global one by an
+  all-reduced max and sum, and the target logit by an all-reduced sum, as in the unchunked loss;
 * backward recomputes each chunk's logits from the saved ``hidden`` and ``weight`` (one more output-layer GEMM,
-  about a third more output-layer FLOPs), turns them into ``(softmax - one_hot) * grad_loss`` in place (in fp32,
-  so a 16-bit loss scale multiplies before the cast, as in the unchunked loss), and accumulates the input and
-  weight gradients chunk by chunk.
+  about a third more output-layer FLOPs) shifted by the saved log-sum-exp, and makes one pass over them, ``exp``,
+  for this rank's slice of the softmax; minus the one-hot (one element per token) it is ``d loss / d logits``. The
+  per-token factor ``grad_loss`` multiplies the ``[chunk, h]`` operands in fp32, and in 16-bit multiplies in fp32
+  with the cast (a loss scale applies before it, as in the unchunked loss); the input and weight gradients are
+  accumulated chunk by chunk.
+
+The textbook loss passes over the logits once per step of its formula (row max, subtract, ``exp``, sum in
+forward; subtract, ``exp``, scale in backward). Here an fp32 chunk is passed over once each way besides its
+GEMMs; a 16-bit one adds, in backward, the fp32 shift and the scaling cast, and on CPU its conversion to fp32 in
+forward, which CUDA's kernel does as it reads. ``tests/parallel/test_parallel_chunked_cross_entropy.py`` counts
+the passes with a dispatch mode.
 
 The memory of the loss is then one chunk's ``[chunk_rows, V/tp]`` logits (fp32, plus its 16-bit GEMM output)
-instead of all tokens'. The maths is the unchunked loss's, in another order of operations (log-sum-exp instead
-of ``-log softmax``, the weight gradient summed chunk by chunk): equal within fp32 rounding, which
+instead of all tokens'. The maths is the unchunked loss's, in another order of operations (the log-sum-exp
+read back from the log-softmax, the weight gradient summed chunk by chunk): equal within fp32 rounding, which
 ``tests/parallel/test_parallel_chunked_cross_entropy.py`` checks at TP=1 and TP=2. Which devices chunk, and how
 large the chunks are, is :mod:`domino.parallel.kernels`' choice (``loss_chunk_bytes``).
 """
@@ -33,6 +43,31 @@ def _chunks(rows: int, chunk_rows: int):
         yield start, min(rows, start + chunk_rows)
 
 
+def _log_softmax_(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``log_softmax(logits)`` in ``dtype`` by the device's fused row kernel: the one pass over a chunk in forward.
+
+    The kernel finds each row's max, its sum of ``exp(z - max)`` and writes ``z - max - log(sum)`` row by row,
+    reading every element before it writes it (``_vec_log_softmax_lastdim`` in ATen's
+    ``native/cpu/SoftMaxKernel.cpp``; ``cunn_SoftMaxForward`` with its log epilogue in ``native/cuda/SoftMax.cu``),
+    so fp32 logits are overwritten in place; 16-bit logits go to a new fp32 buffer (the kernel's ``half_to_float``
+    on CUDA)."""
+    if logits.dtype == dtype:
+        return torch.ops.aten._log_softmax.out(logits, -1, False, out=logits)
+    return torch.log_softmax(logits, dim=-1, dtype=dtype)
+
+
+def _shifted_logits(chunk_hidden: torch.Tensor, weight: torch.Tensor, log_sum_exp: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T - log_sum_exp`` in fp32 (``log_sum_exp``'s dtype), whose ``exp`` is the softmax.
+
+    fp32: one GEMM starting from ``-log_sum_exp`` (``addmm`` with the column broadcast as its input), so the shift
+    costs no pass of its own. 16-bit: the GEMM in 16 bits, then one subtraction into fp32 (a 16-bit shift would
+    round the log-sum-exp to 3 significant digits)."""
+    shift = log_sum_exp.unsqueeze(-1)
+    if weight.dtype == log_sum_exp.dtype:
+        return torch.addmm(shift.neg(), chunk_hidden, weight.t())
+    return torch.sub(torch.matmul(chunk_hidden, weight.t()), shift)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk_rows: int,
@@ -46,20 +81,23 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         loss = torch.empty(rows, dtype=dtype, device=hidden.device)
         log_sum_exp = torch.empty(rows, dtype=dtype, device=hidden.device)
         for a, b in _chunks(rows, chunk_rows):
-            logits = torch.matmul(flat_hidden[a:b], weight.t()).to(dtype)  # [chunk, V/tp]
+            logits = torch.matmul(flat_hidden[a:b], weight.t())  # [chunk, V/tp]
             local = flat_target[a:b] - start_vocab
             outside = (local < 0) | (local >= per_rank)
-            local = local.masked_fill(outside, 0)
-            target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill_(outside, 0.0)
-            row_max = logits.amax(dim=-1)
-            if world > 1:
-                row_max = all_reduce_max_(row_max, tp)
-                target_logit = all_reduce_sum_(target_logit, tp)
-            sum_exp = logits.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)
-            if world > 1:
-                sum_exp = all_reduce_sum_(sum_exp, tp)
-            log_sum_exp[a:b] = row_max + torch.log(sum_exp)
-            loss[a:b] = log_sum_exp[a:b] - target_logit
+            column = local.masked_fill(outside, 0).unsqueeze(-1)  # the target's column, else any column (0)
+            logit = logits.gather(-1, column).squeeze(-1).to(dtype)  # read before the kernel overwrites it
+            log_prob = _log_softmax_(logits, dtype).gather(-1, column).squeeze(-1)
+            if world == 1:  # -log p(target), as F.cross_entropy computes it
+                loss[a:b] = log_prob.neg()
+                log_sum_exp[a:b] = logit - log_prob
+                continue
+            # This rank's log-sum-exp read back from any column j: z_j - log_softmax_j (exact to the rounding of
+            # |z_j - lse|); the ranks' ones merged as the unchunked loss merges its row maxima and sums.
+            local_lse = logit - log_prob
+            global_max = all_reduce_max_(local_lse.clone(), tp)
+            sum_exp = all_reduce_sum_(torch.exp(local_lse - global_max), tp)
+            log_sum_exp[a:b] = global_max + torch.log(sum_exp)
+            loss[a:b] = log_sum_exp[a:b] - all_reduce_sum_(logit.masked_fill_(outside, 0.0), tp)
         ctx.save_for_backward(hidden, weight, target, log_sum_exp)
         ctx.chunk_rows, ctx.grad_slot, ctx.start_vocab = chunk_rows, grad_slot, start_vocab
         return loss.view(target.shape)
@@ -70,23 +108,30 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         per_rank = weight.shape[0]
         flat_hidden, flat_target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
         flat_grad = grad_loss.reshape(-1).to(log_sum_exp.dtype)
+        # fp32: the per-token factor multiplies the [chunk, h] operand and result instead of the [chunk, V/tp]
+        # gradient (same products, no pass over the logits); 16-bit: it multiplies in fp32 before the cast, where a
+        # loss scale keeps the small probabilities above fp16's smallest subnormal.
+        scale_rows = weight.dtype == log_sum_exp.dtype
         grad_hidden = torch.empty_like(flat_hidden) if ctx.needs_input_grad[0] else None
         grad_weight = (torch.zeros(weight.shape, dtype=log_sum_exp.dtype, device=weight.device)
                        if ctx.needs_input_grad[1] else None)
         for a, b in _chunks(flat_target.numel(), ctx.chunk_rows):
-            chunk_hidden = flat_hidden[a:b]
-            probs = torch.matmul(chunk_hidden, weight.t()).to(log_sum_exp.dtype)
-            probs.sub_(log_sum_exp[a:b].unsqueeze(-1)).exp_()  # this rank's slice of the global softmax
+            chunk_hidden, chunk_grad = flat_hidden[a:b], flat_grad[a:b].unsqueeze(-1)
+            probs = _shifted_logits(chunk_hidden, weight, log_sum_exp[a:b]).exp_()  # this rank's softmax slice
             local = flat_target[a:b] - ctx.start_vocab
             inside = (local >= 0) & (local < per_rank)
             probs.scatter_add_(-1, local.clamp(0, per_rank - 1).unsqueeze(-1),
                                -inside.to(probs.dtype).unsqueeze(-1))  # minus the one-hot
-            probs.mul_(flat_grad[a:b].unsqueeze(-1))  # in fp32: a 16-bit loss scale applies before the cast
-            grad_logits = probs.to(weight.dtype)
+            if scale_rows:
+                grad_logits = probs
+            else:  # scale and cast in one pass
+                grad_logits = torch.mul(probs, chunk_grad, out=torch.empty_like(probs, dtype=weight.dtype))
             if grad_hidden is not None:
                 torch.matmul(grad_logits, weight, out=grad_hidden[a:b])
-            if grad_weight is not None and grad_logits.dtype == grad_weight.dtype:
-                grad_weight.addmm_(grad_logits.t(), chunk_hidden)
+                if scale_rows:
+                    grad_hidden[a:b].mul_(chunk_grad)
+            if grad_weight is not None and scale_rows:
+                grad_weight.addmm_(grad_logits.t(), chunk_hidden * chunk_grad)
             elif grad_weight is not None:  # a 16-bit GEMM (fp32 accumulation inside), summed over chunks in fp32
                 grad_weight.add_(grad_logits.t().matmul(chunk_hidden))
         if grad_hidden is not None:

@@ -1,6 +1,6 @@
 """Which implementation of an op runs on which device: the one place that decides.
 
-Eight ops have more than one implementation of the same maths: one tuned for CPUs (measured in
+Nine ops have more than one implementation of the same maths: one tuned for CPUs (measured in
 ``benchmarks/model_step.py``), one for CUDA GPUs, and the plain one to read first (``PLAIN_KERNELS``: the textbook
 formula of every op, no buffer tricks, nothing compiled; ``DOMINO_KERNELS=plain`` runs it on every device). Each op
 asks :func:`kernels_for` with its input's device at its one call site and takes the branch it is told:
@@ -33,7 +33,12 @@ loss at TP=1                ``-log(softmax[target])``: no pass over the  ``logsu
 output layer + loss         all tokens' logits in one kept buffer (the   row chunks of ~1 GiB of fp32 logits,
 (``chunked_cross_entropy``) buffer becomes softmax, then gradient)       recomputed in backward: the ``[tokens, V]``
                                                                          logits never exist whole (9 GiB at 1.3B,
-                                                                         micro-batch 16)
+                                                                         micro-batch 16); one log-softmax pass per
+                                                                         chunk forward, one ``exp`` backward
+LayerNorm, RMSNorm, GeLU    torch's ops: ``native_layer_norm`` and      the same ops, each one kernel; RMSNorm through
+(``parallel/norms``)        ``gelu`` one kernel each; RMSNorm            ``aten::_fused_rms_norm`` (torch 2.13 has it
+                            torch's composite (no CPU kernel in torch    for CUDA only)
+                            2.13): the textbook ops, in fp32
 per-document attention      ``segmented``: each document's slice        ``varlen``: the samples packed as one THD
 (``document_attention``)    through causal SDPA (its fused CPU kernel);  sequence through FlashAttention's varlen
                             memory linear in the sequence, no ``s x s``  kernel with ``cu_seqlens`` (as Megatron-LM's
@@ -47,8 +52,8 @@ ring attention's blocks     SDPA's fused CPU kernel through its ATen op  FlashAt
                                                                          run on a GPU
 ==========================  ===========================================  =============================================
 
-The plain choice takes the textbook form of every op: one QKV GEMM over the stored weight, ``F.gelu`` then fc2,
-bias + dropout + residual eagerly, the loss as ``logsumexp - target logit``, and the logits computed by a linear
+The plain choice takes the textbook form of every op: one QKV GEMM over the stored weight, the norms and GeLU
+written out formula by formula, GeLU then fc2, bias + dropout + residual eagerly, the loss as ``logsumexp - target logit``, and the logits computed by a linear
 before a separate vocab-parallel cross-entropy (no fused output layer + loss, no kept or chunked buffer), and
 per-document attention (``--reset-attention-mask``) through the dense ``[b, 1, s, s]`` mask built from the documents'
 starts, Megatron's mask, handed to SDPA (:mod:`domino.parallel.document_attention`), and the ring's blocks through
@@ -127,6 +132,9 @@ class Kernels:
     merges by; the textbook softmax with dropout, which it lacks), ``cuda`` (FlashAttention where it takes the
     inputs, else memory-efficient attention, dropout included; else the textbook softmax) or ``math`` (the
     textbook softmax, the reference)."""
+    fused_norms: bool = True
+    """LayerNorm, RMSNorm and GeLU through torch's ops, one kernel each where the device has one
+    (:mod:`domino.parallel.norms`); else their textbook formulas, op by op."""
     document_attention: str = "dense"
     """How attention follows the documents of ``--reset-attention-mask`` (:mod:`domino.parallel.document_attention`):
     ``dense`` (the ``[b, 1, s, s]`` mask, the reference), ``segmented`` (per-document SDPA, and per-document
@@ -152,7 +160,7 @@ CUDA_KERNELS = Kernels(split_qkv=False, keep_logits_buffer=False, fused_gelu_fc2
 CUDA_KERNELS_WITHOUT_COMPILER = dataclasses.replace(CUDA_KERNELS, compile_backend=None)
 #: The textbook form of every op: read it first; ``DOMINO_KERNELS=plain`` runs it everywhere.
 PLAIN_KERNELS = Kernels(split_qkv=False, keep_logits_buffer=False, fused_gelu_fc2=False, compile_backend=None,
-                        loss_from_softmax=False, fused_output_loss=False)
+                        loss_from_softmax=False, fused_output_loss=False, fused_norms=False)
 
 #: The backend ``DOMINO_KERNELS=compiled`` compiles whole blocks with (torchtitan's ``apply_compile`` default).
 BLOCK_BACKEND = "inductor"

@@ -35,6 +35,7 @@ from domino.parallel.collectives import (
 from domino.parallel import fp8
 from domino.parallel.kernels import kernels_for
 from domino.parallel.linear_ops import gelu_linear
+from domino.parallel.norms import gelu
 from domino.runtime.mesh import SINGLE, MeshGroup
 
 
@@ -104,11 +105,12 @@ def _sharded_normal(shape: Tuple[int, int], std: float, dim: int, tp: MeshGroup)
 
 def _gelu_then_linear(pre_activation: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       rec: Optional[fp8.Recipe]) -> torch.Tensor:
-    """``F.linear(F.gelu(pre_activation), weight, bias)``: one buffer-reusing node on CPU, two plain ops on CUDA
-    (:mod:`domino.parallel.kernels`); the GEMMs in float8 per ``rec``."""
+    """``F.linear(F.gelu(pre_activation), weight, bias)``: one buffer-reusing node on CPU, two ops on CUDA, GeLU
+    then the linear, the textbook GeLU on the plain choice (:mod:`domino.parallel.kernels`); the GEMMs in float8
+    per ``rec``."""
     if kernels_for(pre_activation.device).fused_gelu_fc2 and rec is None:
         return gelu_linear(pre_activation, weight, bias)
-    return fp8.linear(F.gelu(pre_activation), weight, bias, rec)
+    return fp8.linear(gelu(pre_activation), weight, bias, rec)
 
 
 class VocabParallelEmbedding(nn.Module):
