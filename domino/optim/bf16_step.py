@@ -10,10 +10,12 @@ the host every step, each of which drains the GPU's queue:
 * ``clip_tensors_by_global_norm`` (same file): ``if clip_coef < 1``, to scale the gradients only when the norm
   exceeds ``gradient_clipping``.
 
-No DeepSpeed setting moves either decision to the device (``bf16`` takes ``enabled`` and
-``immediate_grad_update``; ``gradient_clipping`` only sets the threshold), so :class:`DeviceDecidedBF16Optimizer`
-replaces that one method and keeps everything else of DeepSpeed's class: its fp32 gradient buffers, master
-weights, state dict (checkpoints are unchanged) and parameter all-gather. The two decisions become tensor
+No DeepSpeed setting moves either decision to the device (``bf16`` takes ``enabled``, ``immediate_grad_update``
+and ``check_grad_overflow``; ``gradient_clipping`` only sets the threshold), so
+:class:`~domino.optim.deepspeed_subclasses.DeviceDecidedBF16Optimizer`, the subclass the engine builds in its
+place (:mod:`domino.optim.deepspeed_engine`), replaces that one method with :func:`_device_decided_step` and
+keeps everything else of DeepSpeed's class: its fp32 gradient buffers, master weights, state dict (checkpoints
+are unchanged) and parameter all-gather. The two decisions become tensor
 maths with the same results:
 
 * clipping multiplies every fp32 gradient by ``min(1, max_norm / (norm + 1e-6))``; where DeepSpeed skips the
@@ -22,10 +24,10 @@ maths with the same results:
   parameters, moments and step count unchanged (``torch/optim/adam.py`` ``_fused_adam``, torch 2.13), so the
   copy of the unchanged fp32 master weights into the bf16 weights that follows changes nothing either.
 
-The swap is only made where it is exact: the inner optimizer is a fused torch Adam/AdamW (CUDA; CPU from torch
-2.4) and the model has no MoE layers. The engine's ``skipped_steps`` no longer counts skipped steps (the host
-never learns of one inside the step); :func:`skip_flag` hands the 0/1 device flag to the interval statistics,
-which read it with the rest of the interval's numbers.
+The subclass is only built where it is exact (:func:`unsupported`): the inner optimizer is a fused torch
+Adam/AdamW (CUDA; CPU from torch 2.4) and the model has no MoE layers. The engine's ``skipped_steps`` no longer
+counts skipped steps (the host never learns of one inside the step); :func:`skip_flag` hands the 0/1 device flag
+to the interval statistics, which read it with the rest of the interval's numbers.
 """
 
 from __future__ import annotations
@@ -87,54 +89,35 @@ def _device_decided_step(self, closure=None):
     self.clear_hp_grads()
 
 
-def device_decided_class():
-    """The subclass of DeepSpeed's ``BF16_Optimizer`` whose ``step`` reads nothing on the host (built lazily, so
-    importing this module does not import DeepSpeed)."""
-    global _CLASS
-    if _CLASS is None:
-        base = _bf16_optimizer_class()
-        _CLASS = type("DeviceDecidedBF16Optimizer", (base,), {
-            "__doc__": "DeepSpeed's BF16_Optimizer whose step decides overflow and clipping on the device.",
-            "step": torch.no_grad()(_device_decided_step),
-            "found_inf": None,
-        })
-    return _CLASS
-
-
-_CLASS = None
-
-
 def is_bf16_optimizer(optimizer) -> bool:
     """Whether ``optimizer`` is (a subclass of) DeepSpeed's BF16_Optimizer."""
     return isinstance(optimizer, _bf16_optimizer_class())
 
 
-def can_decide_on_device(optimizer) -> bool:
-    """Whether ``optimizer`` (the engine's) is DeepSpeed's plain BF16_Optimizer over a fused torch Adam(W)
-    with fp32 gradient accumulation and no MoE layers: the case :func:`install` handles exactly."""
-    if type(optimizer) is not _bf16_optimizer_class():
-        return False
-    inner = optimizer.optimizer
-    return (isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) and bool(inner.defaults.get("fused"))
-            and optimizer.grad_acc_dtype is torch.float32 and not optimizer.has_moe_layers
-            and float(optimizer.norm_type) == 2.0
-            and not getattr(optimizer, "_uses_muon", False))
+def fused_torch_adam(optimizer) -> bool:
+    """Whether ``optimizer`` (the basic optimizer DeepSpeed wraps) is torch's Adam or AdamW with its fused kernel,
+    whose ``found_inf`` the device-decided steps skip with."""
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused"))
 
 
-def install(engine) -> bool:
-    """Gives ``engine``'s BF16_Optimizer the device-decided step where :func:`can_decide_on_device`; returns
-    whether it did. The object keeps all its state: only its class (hence ``step``) changes."""
-    if not can_decide_on_device(engine.optimizer):
-        return False
-    engine.optimizer.__class__ = device_decided_class()
-    return True
+def unsupported(optimizer) -> Optional[str]:
+    """What in DeepSpeed's BF16_Optimizer ``optimizer`` the device-decided step does not handle exactly, or None:
+    it needs a fused torch Adam(W) with fp32 gradient accumulation, the 2-norm and no MoE layers."""
+    if not fused_torch_adam(optimizer.optimizer):
+        return f"the inner optimizer {type(optimizer.optimizer).__name__} is not torch's fused Adam(W)"
+    if optimizer.grad_acc_dtype is not torch.float32:
+        return f"gradients accumulate in {optimizer.grad_acc_dtype}"
+    if optimizer.has_moe_layers or float(optimizer.norm_type) != 2.0 or getattr(optimizer, "_uses_muon", False):
+        return "MoE layers, Muon or a norm other than 2"
+    return None
 
 
 def skip_flag(engine) -> Optional[torch.Tensor]:
     """The 0/1 device flag of the last step's on-device skip, or None when the engine's optimizer decides on
     the host (DeepSpeed then counts its skips in ``engine.skipped_steps``)."""
-    return getattr(engine.optimizer, "found_inf", None) if _CLASS is not None and isinstance(
-        engine.optimizer, _CLASS) else None
+    from domino.optim.deepspeed_subclasses import DeviceDecidedBF16Optimizer  # an engine exists: DeepSpeed is in
+
+    return engine.optimizer.found_inf if isinstance(engine.optimizer, DeviceDecidedBF16Optimizer) else None
 
 
 def main_gradients(optimizer) -> Dict[torch.nn.Parameter, torch.Tensor]:

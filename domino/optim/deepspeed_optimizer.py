@@ -4,7 +4,8 @@ optimizers, and domino's device-decided steps for them, seen from outside as one
 DeepSpeed 0.19.8 (the release line ``pyproject.toml`` admits, :mod:`domino.optim.deepspeed_runtime`) builds, from
 the config :func:`domino.optim.deepspeed_config.deepspeed_config` derives: torch's AdamW alone at ZeRO 0 in fp32;
 ``FP16_Optimizer`` for fp16 at ZeRO 0; ``BF16_Optimizer`` for bf16 at ZeRO 1 (:mod:`domino.optim.bf16_step`);
-``DeepSpeedZeroOptimizer`` otherwise (:mod:`domino.optim.zero_step`). Only this module drives the engine.
+``DeepSpeedZeroOptimizer`` otherwise (:mod:`domino.optim.zero_step`); the last two as domino's subclasses, which
+its engine subclass builds (:mod:`domino.optim.deepspeed_engine`). Only this module drives the engine.
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ def build_optimizer(model: torch.nn.Module, config: DominoConfig, mesh: Parallel
     no JIT build; its fused kernel wherever torch has one (:func:`~domino.optim.clipping.fused_optimizer_supported`),
     which also lets a non-finite step be skipped on the device (:func:`~domino.optim.clipping.flag_overflow`).
     """
-    import deepspeed  # after initialize_runtime set DS_ACCELERATOR (DeepSpeed picks its accelerator at import)
+    # Imports DeepSpeed: after initialize_runtime set DS_ACCELERATOR (DeepSpeed picks its accelerator at import).
+    from domino.optim import deepspeed_engine
 
     t = config.train
     device = collective_device(mesh.tp.process_group)
@@ -184,11 +186,11 @@ def build_optimizer(model: torch.nn.Module, config: DominoConfig, mesh: Parallel
     optimizer = torch.optim.AdamW(
         optimizer_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
         eps=t.adam_eps, fused=fused or None, foreach=None if fused else True)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(config, mesh.dp.size),
-                                           mpu=DeepSpeedMpu(mesh))
     # Overflow, loss scale and clipping decided on the device: bf16 ZeRO 1 (BF16_Optimizer), fp16/fp32 ZeRO 1/2 and
-    # bf16 ZeRO 2 (DeepSpeedZeroOptimizer, which also skips its collectives over a one-rank DP group).
-    bf16_step.install(engine) or zero_step.install(engine)
+    # bf16 ZeRO 2 (DeepSpeedZeroOptimizer, which also skips its collectives over a one-rank DP group), subclasses
+    # the engine builds in their place (domino.optim.deepspeed_engine).
+    engine = deepspeed_engine.initialize(model=model, optimizer=optimizer,
+                                         config=deepspeed_config(config, mesh.dp.size), mpu=DeepSpeedMpu(mesh))
     if mesh.dp_cp.size == 1 and (zero_stage(config, 1) == 0 or bf16_step.is_bf16_optimizer(engine.optimizer)):
         # DeepSpeed 0.19.8 (runtime/engine.py, `_backward_epilogue` -> `allreduce_gradients` ->
         # `buffered_allreduce_fallback` -> `allreduce_and_copy`) flattens every gradient into one buffer,

@@ -15,8 +15,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-#: The DeepSpeed release whose source every DeepSpeed detail in domino was read against (the class swaps in
-#: ``bf16_step``, ``device_loss_scale`` and ``zero_step``, the memory formulas, the cited line numbers).
+#: The DeepSpeed release whose source every DeepSpeed detail in domino was read against (the subclasses of
+#: ``deepspeed_engine`` and ``deepspeed_subclasses`` with the steps of ``bf16_step``, ``device_loss_scale`` and
+#: ``zero_step``, the memory formulas, the cited line numbers).
 #: ``pyproject.toml`` admits this release line only; tests/train/test_deepspeed_version.py keeps the two equal.
 TESTED_DEEPSPEED = "0.19.8"
 

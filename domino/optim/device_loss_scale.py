@@ -4,8 +4,10 @@ DeepSpeed 0.19.8's ``DynamicLossScaler`` (``deepspeed/runtime/fp16/loss_scaler.p
 hysteresis and the iteration of the last overflow as Python numbers, so its ``update_scale(overflow)`` needs the
 overflow as a Python ``bool``: every fp16 optimizer of DeepSpeed reads it on the host each step (the ZeRO
 optimizer's ``has_overflow``, ``deepspeed/runtime/zero/stage_1_and_2.py``: ``overflow_gpu[0].item()``; the fp16
-optimizers' ``CheckOverflow.check``, ``deepspeed/runtime/utils.py``). :class:`DeviceLossScaler` is the same
-scaler with those three numbers as 0-d tensors on the device and the same rule written as ``torch.where``:
+optimizers' ``CheckOverflow.check``, ``deepspeed/runtime/utils.py``).
+:class:`~domino.optim.deepspeed_subclasses.DeviceLossScaler` is the same scaler with those three numbers as 0-d
+tensors on the device and the same rule written as ``torch.where`` (:func:`update_scale` here; the class, which
+needs DeepSpeed, is defined with the ZeRO optimizer subclass that builds one in place of DeepSpeed's scaler):
 
 * on an overflow, with hysteresis 1 (or ``delayed_shift`` 1): the scale halves, not below ``min_scale``;
   otherwise the hysteresis drops by one; either way the overflow's iteration is remembered;
@@ -48,7 +50,7 @@ def is_dynamic(scaler) -> bool:
     return isinstance(scaler, _dynamic_loss_scaler_class())
 
 
-def _update_scale(self, overflow) -> None:
+def update_scale(self, overflow) -> None:
     """DeepSpeed's ``DynamicLossScaler.update_scale`` with ``overflow`` a 0-d bool tensor (module docstring)."""
     overflow = torch.as_tensor(overflow, device=self.cur_scale.device).reshape(())
     shrink = overflow & ((self.cur_hysteresis == 1) | (self.delayed_shift == 1))
@@ -65,36 +67,10 @@ def _update_scale(self, overflow) -> None:
     self.cur_iter += 1  # the host counts iterations itself: no value comes back
 
 
-def _setattr(self, name: str, value: Any) -> None:
+def set_field(self, name: str, value: Any) -> None:
     """A number assigned to a device field (a checkpoint being restored) is copied into its tensor."""
     current = self.__dict__.get(name)
     if name in DEVICE_FIELDS and isinstance(current, torch.Tensor) and not isinstance(value, torch.Tensor):
         current.fill_(value)
         return
     object.__setattr__(self, name, value)
-
-
-_CLASS = None
-
-
-def device_loss_scaler_class():
-    """The subclass of DeepSpeed's ``DynamicLossScaler`` whose update stays on the device (built lazily, so
-    importing this module does not import DeepSpeed)."""
-    global _CLASS
-    if _CLASS is None:
-        _CLASS = type("DeviceLossScaler", (_dynamic_loss_scaler_class(),), {
-            "__doc__": "DeepSpeed's DynamicLossScaler with the scale, hysteresis and last overflow on the device.",
-            "update_scale": torch.no_grad()(_update_scale),
-            "__setattr__": _setattr,
-        })
-        globals()["DeviceLossScaler"] = _CLASS  # importable by name, so a pickled optimizer state unpickles
-    return _CLASS
-
-
-def move_to_device(scaler, device: torch.device) -> None:
-    """Turns DeepSpeed's DynamicLossScaler ``scaler`` into a :func:`device_loss_scaler_class` in place: its
-    scale, hysteresis and last overflow become device tensors with the same values."""
-    values = {name: getattr(scaler, name) for name in DEVICE_FIELDS}
-    scaler.__class__ = device_loss_scaler_class()
-    for name, dtype in DEVICE_FIELDS.items():
-        object.__setattr__(scaler, name, torch.tensor(values[name], dtype=dtype, device=device))

@@ -11,13 +11,16 @@ at ZeRO 1 and 2 for fp16 and fp32, and at ZeRO 2 for bf16 (bf16 ZeRO 1 is ``BF16
 * ``unscale_and_clip_grads``: ``if self.clip_grad == 0.0 and self.loss_scale == 1.0``, once per parameter
   group, a read as soon as the scale is a device number.
 
-:class:`DeviceDecidedZeroOptimizer` replaces ``step`` with the same sequence as tensor maths and keeps everything
-else of DeepSpeed's class (gradient partitions and buckets, fp32 master partitions, state dict, all-gather):
+:class:`~domino.optim.deepspeed_subclasses.DeviceDecidedZeroOptimizer`, the subclass the engine builds in its
+place (:mod:`domino.optim.deepspeed_engine`), replaces ``step`` with the same sequence as tensor maths
+(:func:`_device_decided_step`) and keeps everything else of DeepSpeed's class
+(gradient partitions and buckets, fp32 master partitions, state dict, all-gather):
 
 * the skip is torch's fused AdamW's own: with the optimizer attribute ``found_inf`` non-zero it leaves
   parameters, moments and step count unchanged (``torch/optim/adam.py`` ``_fused_adam``, torch 2.13), so the
   copy of the unchanged fp32 master partition into the 16-bit weights that follows changes nothing either;
-* the scale update is :class:`domino.optim.device_loss_scale.DeviceLossScaler` (fp16 dynamic scaling);
+* the scale update is :class:`domino.optim.deepspeed_subclasses.DeviceLossScaler` (fp16 dynamic scaling,
+  :mod:`domino.optim.device_loss_scale`);
 * with pipeline stages the skip is the same on every stage: DeepSpeed reduces the overflow and the norm over DP
   and its ``mpu``'s model-parallel group (TP) only, so a stage with finite gradients would step while another
   skips;
@@ -35,9 +38,9 @@ move gradients into the partition; the subclass does the same copies and casts w
 mean over one replica is the identity; gradient averaging divides by ``world size / sequence-parallel size``,
 1.0, skipped as DeepSpeed's own ``gradient_predivide_factor`` branch skips it).
 
-The swap is only made where it is exact (:func:`can_decide_on_device`): a fused torch Adam/AdamW, no CPU
-offload, MoE, ZenFlow, torch autocast scaler, external loss scale or DeepSpeed sequence parallelism. The
-engine's ``skipped_steps`` no longer counts skips; :func:`skip_flag` hands the 0/1 device flag to the interval
+The subclass is only built where it is exact (:func:`unsupported`): a fused torch Adam/AdamW, no CPU offload,
+MoE, ZenFlow, torch autocast scaler, external loss scale or DeepSpeed sequence parallelism. The engine's
+``skipped_steps`` no longer counts skips; :func:`skip_flag` hands the 0/1 device flag to the interval
 statistics, which read it with the rest of the interval's numbers.
 """
 
@@ -47,7 +50,7 @@ from typing import Optional
 
 import torch
 
-from domino.optim import device_loss_scale
+from domino.optim import bf16_step, device_loss_scale
 
 
 def _zero_optimizer_class():
@@ -203,55 +206,24 @@ def _muon_update_lacks_loss_scale(self, group_index) -> bool:
     return group_index in self.groups_lacking_loss_scale and bool(self.loss_scale != 1.0)
 
 
-_CLASS = None
-
-
-def device_decided_class():
-    """The subclass of DeepSpeed's ``DeepSpeedZeroOptimizer`` whose ``step`` reads nothing on the host (built
-    lazily, so importing this module does not import DeepSpeed)."""
-    global _CLASS
-    if _CLASS is None:
-        _CLASS = type("DeviceDecidedZeroOptimizer", (_zero_optimizer_class(),), {
-            "__doc__": "DeepSpeed's ZeRO 1/2 optimizer whose step decides overflow, loss scale and clipping on "
-                       "the device, and whose reductions over a one-rank group skip the collective.",
-            "step": torch.no_grad()(_device_decided_step),
-            "_unscale_and_clip": _unscale_and_clip,
-            "get_grad_norm_direct": _grad_norm_direct,
-            "allreduce_bucket": _allreduce_bucket,
-            "gradient_reduction_w_predivide": _gradient_reduction_w_predivide,
-            "_muon_update_lacks_loss_scale": _muon_update_lacks_loss_scale,
-            "found_inf": None,
-        })
-    return _CLASS
-
-
-def can_decide_on_device(optimizer) -> bool:
-    """Whether ``optimizer`` (the engine's) is DeepSpeed's plain ZeRO 1/2 optimizer over a fused torch Adam(W)
-    with none of the features :func:`install` does not handle."""
-    if type(optimizer) is not _zero_optimizer_class():
-        return False
-    inner = optimizer.optimizer
-    return (isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) and bool(inner.defaults.get("fused"))
-            and optimizer.compute_grad_norm and not optimizer.cpu_offload
-            and not optimizer.has_moe_layers and not optimizer.zenflow and not optimizer.custom_loss_scaler
-            and optimizer.torch_autocast_gradscaler is None and optimizer.sequence_parallel_size == 1)
-
-
-def install(engine) -> bool:
-    """Gives ``engine``'s ZeRO optimizer the device-decided step (and its loss scaler the device update) where
-    :func:`can_decide_on_device`; returns whether it did. The objects keep their state: only their classes
-    change."""
-    optimizer = engine.optimizer
-    if not can_decide_on_device(optimizer):
-        return False
-    if device_loss_scale.is_dynamic(optimizer.loss_scaler):
-        device_loss_scale.move_to_device(optimizer.loss_scaler, optimizer.single_partition_of_fp32_groups[0].device)
-    optimizer.__class__ = device_decided_class()
-    return True
+def unsupported(optimizer) -> Optional[str]:
+    """What in DeepSpeed's ZeRO 1/2 optimizer ``optimizer`` the device-decided step does not handle exactly, or
+    None: it needs a fused torch Adam(W), the gradient norm computed, and none of CPU offload, MoE, ZenFlow,
+    torch autocast's scaler, an external loss scale or DeepSpeed sequence parallelism."""
+    if not bf16_step.fused_torch_adam(optimizer.optimizer):
+        return f"the inner optimizer {type(optimizer.optimizer).__name__} is not torch's fused Adam(W)"
+    features = {"compute_grad_norm off": not optimizer.compute_grad_norm, "CPU offload": optimizer.cpu_offload,
+                "MoE layers": optimizer.has_moe_layers, "ZenFlow": optimizer.zenflow,
+                "an external loss scale": optimizer.custom_loss_scaler,
+                "torch autocast's GradScaler": optimizer.torch_autocast_gradscaler is not None,
+                "sequence parallelism": optimizer.sequence_parallel_size != 1}
+    present = [name for name, on in features.items() if on]
+    return ", ".join(present) if present else None
 
 
 def skip_flag(engine) -> Optional[torch.Tensor]:
     """The 0/1 device flag of the last step's on-device skip, or None when the engine's optimizer is not the
     device-decided ZeRO optimizer."""
-    return getattr(engine.optimizer, "found_inf", None) if _CLASS is not None and isinstance(
-        engine.optimizer, _CLASS) else None
+    from domino.optim.deepspeed_subclasses import DeviceDecidedZeroOptimizer  # an engine exists: DeepSpeed is in
+
+    return engine.optimizer.found_inf if isinstance(engine.optimizer, DeviceDecidedZeroOptimizer) else None

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from domino.optim.state import loss_scaler_fields
-from domino.optim import device_loss_scale
 
 
 def _scaler(consecutive_hysteresis):
@@ -22,8 +21,9 @@ def _scaler(consecutive_hysteresis):
 
 @pytest.mark.parametrize("consecutive_hysteresis", [False, True])
 def test_the_device_update_follows_deepspeeds_and_restores_by_name(consecutive_hysteresis):
-    theirs, ours = _scaler(consecutive_hysteresis), _scaler(consecutive_hysteresis)
-    device_loss_scale.move_to_device(ours, torch.device("cpu"))
+    from domino.optim.deepspeed_subclasses import DeviceLossScaler
+
+    theirs, ours = _scaler(consecutive_hysteresis), DeviceLossScaler.like(_scaler(consecutive_hysteresis), "cpu")
     assert isinstance(ours.cur_scale, torch.Tensor)
     rng = random.Random(5)
     # Runs of overflows (down to the minimum scale) and of clean steps (long enough to grow).
@@ -38,8 +38,7 @@ def test_the_device_update_follows_deepspeeds_and_restores_by_name(consecutive_h
                 k: getattr(theirs, k) for k in ("cur_scale", "cur_hysteresis", "last_overflow_iter", "cur_iter")}
             seen.add(theirs.cur_scale)
     assert {2.0, 16.0} <= seen and len(seen) >= 3  # the minimum, a halving and a growth all happened
-    restored = _scaler(consecutive_hysteresis)
-    device_loss_scale.move_to_device(restored, torch.device("cpu"))
+    restored = DeviceLossScaler.like(_scaler(consecutive_hysteresis), "cpu")
     scale = restored.cur_scale
     for key, value in loss_scaler_fields(ours).items():  # what domino/checkpoint does on load
         setattr(restored, key, value)
