@@ -113,8 +113,9 @@ class GPTRecipe:
         d, seq = self.config.data, self.config.model.seq_length
         if d.mock_data:
             return tuple(  # type: ignore[return-value]
-                MockGPTDataset(n, seq, padded_vocab_size(self.vocab_size, self.config) if self.tokenizer is None
-                               else self.tokenizer.vocab_size,
+                # Ids of the vocabulary itself, as a tokenizer would give (never the padding rows, whose count a
+                # resume may take from its checkpoint: domino.checkpoint.resume.keep_padded_vocab).
+                MockGPTDataset(n, seq, self.vocab_size if self.tokenizer is None else self.tokenizer.vocab_size,
                                self.config.train.seed + i) if n else None
                 for i, n in enumerate(num_samples))
         return build_train_valid_test_datasets(
