@@ -15,9 +15,10 @@ engines DeepSpeed 0.19.8 builds for domino's config (``domino/optim/deepspeed_co
   fp32 copy ``step`` makes of the flat 16-bit partition): 4 bytes per parameter / DP.
 * **the engine's flattening all-reduce** (``deepspeed/runtime/engine.py`` ``allreduce_gradients`` ->
   ``buffered_allreduce_fallback(elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE)``, 5e8 elements): with more than
-  one data-parallel replica, ZeRO 0 and the BF16_Optimizer flatten the gradients into one buffer of up to 5e8
-  elements per all-reduce (fp32: domino reduces fp32-accumulated gradients in fp32), i.e. up to 1.9 GB. domino
-  turns that all-reduce off at one replica.
+  one data-parallel replica, fp16 at ZeRO 0 and the BF16_Optimizer flatten the gradients into one buffer of up to
+  5e8 elements per all-reduce (fp32: domino reduces fp32-accumulated gradients in fp32), i.e. up to 1.9 GB. domino
+  turns that all-reduce off at one replica. fp32 at ZeRO 0 runs without DeepSpeed: its gradients are reduced in
+  place, in the buckets they live in (``domino/optim/grad_buffer.py``), so it has no such buffer.
 * **ZeRO 1/2 reduction buckets** (``DeepSpeedZeroOptimizer``'s ``ipg_buckets``, two of ``reduce_bucket_size``
   with ``overlap_comm``): counted with the other buffers in :mod:`domino.config.estimate`.
 
@@ -66,7 +67,7 @@ def deepspeed_buffer_bytes(parameters_per_rank: float, data_parallel_size: int, 
         parts["fp32_gradient_accumulation"] = 4 * parameters_per_rank
     elif (bf16 or fp16) and zero_stage >= 1:
         parts["fp32_gradient_accumulation"] = 4 * parameters_per_rank / data_parallel_size
-    if data_parallel_size > 1 and (zero_stage == 0 or (bf16 and zero_stage == 1)):
+    if data_parallel_size > 1 and ((fp16 and zero_stage == 0) or (bf16 and zero_stage == 1)):
         element_bytes = 2 if fp16 else 4  # fp32 gradients, or bf16's fp32 buffers reduced in fp32
         parts["flatten_allreduce"] = min(parameters_per_rank, ENGINE_ALLREDUCE_ELEMENTS) * element_bytes
     return parts

@@ -12,7 +12,7 @@ one fails there), where the device-decided step is exact; elsewhere DeepSpeed's 
 is ``deepspeed.initialize`` (``deepspeed/__init__.py``) for what domino builds: a plain module, no pipeline module,
 no hybrid engine, no ``tp_model_init``, no AutoTP and no DeepSpeed mesh device.
 
-Imports DeepSpeed: imported by :func:`domino.optim.deepspeed_optimizer.build_optimizer` only.
+Imports DeepSpeed: imported by :func:`domino.optim.deepspeed_optimizer.build_deepspeed_optimizer` only.
 """
 
 from __future__ import annotations

@@ -10,28 +10,19 @@ its engine subclass builds (:mod:`domino.optim.deepspeed_engine`). Only this mod
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
 
 from domino.config import DominoConfig
 from domino.optim import bf16_step, zero_step
-from domino.optim.clipping import clip_gradients, flag_overflow, fused_optimizer_supported
+from domino.optim.clipping import clip_gradients, flag_overflow
 from domino.optim.deepspeed_config import clips_itself, deepspeed_config, zero_stage
 from domino.optim.deepspeed_mpu import DeepSpeedMpu
 from domino.optim.interface import StepOutcome
+from domino.optim.torch_optimizer import adamw
 from domino.runtime.mesh import ParallelMesh, collective_device
-
-
-def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
-    """Two AdamW groups: weights with decay; biases and LayerNorm parameters (all 1-D) without."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (no_decay if param.ndim < 2 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
 
 
 class DeepSpeedOptimizer:
@@ -167,25 +158,19 @@ class DeepSpeedOptimizer:
         self.engine.destroy()
 
 
-def build_optimizer(model: torch.nn.Module, config: DominoConfig, mesh: ParallelMesh) -> DeepSpeedOptimizer:
+def build_deepspeed_optimizer(model: torch.nn.Module, config: DominoConfig, mesh: ParallelMesh) -> DeepSpeedOptimizer:
     """Wraps ``model`` in a DeepSpeed engine with torch AdamW, over ``mesh`` (DeepSpeed's ``mpu``:
     :class:`~domino.optim.deepspeed_mpu.DeepSpeedMpu`).
 
     The model is moved to its device first, so the optimizer is built over device parameters (fused AdamW
-    refuses CPU parameters on torch < 2.4). A torch AdamW rather than DeepSpeed's fused Adam, so CPU runs need
-    no JIT build; its fused kernel wherever torch has one (:func:`~domino.optim.clipping.fused_optimizer_supported`),
-    which also lets a non-finite step be skipped on the device (:func:`~domino.optim.clipping.flag_overflow`).
+    refuses CPU parameters on torch < 2.4). torch's AdamW (:func:`~domino.optim.torch_optimizer.adamw`) rather
+    than DeepSpeed's fused Adam, so CPU runs need no JIT build.
     """
     # Imports DeepSpeed: after initialize_runtime set DS_ACCELERATOR (DeepSpeed picks its accelerator at import).
     from domino.optim import deepspeed_engine
 
-    t = config.train
-    device = collective_device(mesh.tp.process_group)
-    model.to(device)
-    fused = fused_optimizer_supported(device)
-    optimizer = torch.optim.AdamW(
-        optimizer_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-        eps=t.adam_eps, fused=fused or None, foreach=None if fused else True)
+    model.to(collective_device(mesh.tp.process_group))
+    optimizer = adamw(model, config)
     # Overflow, loss scale and clipping decided on the device: bf16 ZeRO 1 (BF16_Optimizer), fp16/fp32 ZeRO 1/2 and
     # bf16 ZeRO 2 (DeepSpeedZeroOptimizer, which also skips its collectives over a one-rank DP group), subclasses
     # the engine builds in their place (domino.optim.deepspeed_engine).

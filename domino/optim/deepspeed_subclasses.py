@@ -8,7 +8,7 @@ builds its scaler. The methods themselves are written, with the DeepSpeed source
 :mod:`domino.optim.bf16_step`, :mod:`domino.optim.zero_step` and :mod:`domino.optim.device_loss_scale`.
 
 This module imports DeepSpeed: it is imported only once DeepSpeed may be (``deepspeed_runtime.prepare`` chose its
-accelerator), by :func:`domino.optim.deepspeed_optimizer.build_optimizer` and the objects it built.
+accelerator), by :func:`domino.optim.deepspeed_optimizer.build_deepspeed_optimizer` and the objects it built.
 """
 
 from __future__ import annotations

@@ -43,6 +43,24 @@ from domino.runtime.mesh import MeshGroup
 DEFAULT_BUCKET_ELEMENTS = 40_000_000
 
 
+def backward_order_buckets(params: List[nn.Parameter], data_parallel_size: int,
+                           bucket_elements: Optional[int] = None) -> List[List[nn.Parameter]]:
+    """The trainable ``params`` cut into buckets of about ``bucket_elements`` elements (default: Megatron's
+    :data:`DEFAULT_BUCKET_ELEMENTS` rule at ``data_parallel_size``; at least one parameter each), in reverse
+    registration order: the order the backward makes gradients final."""
+    size = bucket_elements or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * data_parallel_size)
+    buckets: List[List[nn.Parameter]] = []
+    current: List[nn.Parameter] = []
+    elements = 0
+    for param in reversed([p for p in params if p.requires_grad]):
+        if current and elements + param.numel() > size:
+            buckets.append(current)
+            current, elements = [], 0
+        current.append(param)
+        elements += param.numel()
+    return buckets + [current] if current else buckets
+
+
 class OverlappedGradReduce:
     """Buckets of a stage's parameters whose data-parallel mean is launched from the backward.
 
@@ -66,23 +84,13 @@ class OverlappedGradReduce:
                  bucket_elements: Optional[int] = None,
                  main_grad: Optional[Callable[[nn.Parameter], torch.Tensor]] = None,
                  replicas: Optional[MeshGroup] = None) -> None:
-        size = bucket_elements or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * dp.size)
         # Summed over every rank holding these weights (data x context parallel), divided by the data-parallel
         # replicas: context-parallel ranks hold shares of one loss, whose gradients add up.
         self.group = (replicas or dp).process_group
         self.dp = dp.size
         self.main_grad = main_grad
         self.excluded = [p for p in params if p is exclude]
-        self.buckets: List[List[nn.Parameter]] = []
-        current, elements = [], 0
-        for param in reversed([p for p in params if p.requires_grad and p is not exclude]):
-            if current and elements + param.numel() > size:
-                self.buckets.append(current)
-                current, elements = [], 0
-            current.append(param)
-            elements += param.numel()
-        if current:
-            self.buckets.append(current)
+        self.buckets = backward_order_buckets([p for p in params if p is not exclude], dp.size, bucket_elements)
         self._bucket_of: Dict[nn.Parameter, int] = {p: i for i, b in enumerate(self.buckets) for p in b}
         self._counts: Dict[nn.Parameter, int] = {}
         self._pending: List[int] = []

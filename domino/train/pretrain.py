@@ -25,7 +25,7 @@ from domino.parallel import random as tp_random
 from domino.runtime import state
 from domino.runtime.agreement import agree
 from domino.runtime.mesh import ParallelMesh, collective_device
-from domino.optim.deepspeed_optimizer import build_optimizer
+from domino.optim.build import build_optimizer
 from domino.train import schedule_check
 from domino.train.trainer import Trainer, TrainingDivergedError, TrainingResult
 

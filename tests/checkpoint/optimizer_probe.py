@@ -20,7 +20,7 @@ from domino.config import config_from_args
 from domino.parallel import random as tp_random
 from domino.runtime.mesh import collective_device
 from domino.optim import state as optimizer_state
-from domino.optim.deepspeed_optimizer import build_optimizer
+from domino.optim.build import build_optimizer
 from domino.train import runtime_start
 from domino.train.gpt_recipe import GPTRecipe
 

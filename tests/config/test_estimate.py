@@ -212,13 +212,13 @@ def test_candidate_layouts_are_the_layouts_domino_pretrain_accepts():
 
 def _bf16_zero1_buffers(rank, world_size, flags):
     from domino.model import GPTModel
-    from domino.optim.deepspeed_optimizer import build_optimizer
+    from domino.optim.deepspeed_optimizer import build_deepspeed_optimizer
     from domino.train import runtime_start
 
     config = parse_config(flags)
     mesh = runtime_start.initialize_runtime(config)
     model = GPTModel(config.model, 256, tp=mesh.tp)
-    optimizer = build_optimizer(model, config, mesh)
+    optimizer = build_deepspeed_optimizer(model, config, mesh)
     fp32_gradients = sum(t.numel() * t.element_size() for t in optimizer.inner.fp32_groups_gradients_flat)
     return fp32_gradients, sum(p.numel() for p in model.parameters())
 

@@ -8,7 +8,7 @@ read nothing on the host, and with one data-parallel replica reduce no gradient 
   ``runtime/fp16/loss_scaler.py``) through hysteresis, halving and growth.
 
 Each run steps two engines per rank built from the same weights, ours and ``deepspeed.initialize``'s (DeepSpeed's
-engine and optimizer classes, built otherwise as ``build_optimizer`` builds ours), on the
+engine and optimizer classes, built otherwise as ``build_deepspeed_optimizer`` builds ours), on the
 same batches, one of whose gradients is not finite (both must skip it); one launch runs them all. fp16 runs on
 this CPU (torch computes half on CPUs) once DeepSpeed's CPU accelerator is told it may: it answers
 ``torch.ops.mkldnn._is_mkldnn_fp16_supported()`` (``accelerator/cpu_accelerator.py``), False on CPUs without
@@ -54,15 +54,15 @@ def _engine(config, ours):
     import deepspeed
 
     from domino.optim import deepspeed_engine
-    from domino.optim.deepspeed_optimizer import build_optimizer
+    from domino.optim.deepspeed_optimizer import build_deepspeed_optimizer
 
     mesh = state.current_mesh()
     torch.manual_seed(3)  # the same initial weights for both engines
     if ours:
-        return build_optimizer(GPTModel(config.model, VOCAB, tp=mesh.tp), config, mesh).engine
+        return build_deepspeed_optimizer(GPTModel(config.model, VOCAB, tp=mesh.tp), config, mesh).engine
     plain = lambda **kwargs: deepspeed.initialize(**kwargs)[0]  # noqa: E731  (DeepSpeed's own engine and classes)
     with mock.patch.object(deepspeed_engine, "initialize", plain):
-        engine = build_optimizer(GPTModel(config.model, VOCAB, tp=mesh.tp), config, mesh).engine
+        engine = build_deepspeed_optimizer(GPTModel(config.model, VOCAB, tp=mesh.tp), config, mesh).engine
     assert type(engine) is deepspeed.DeepSpeedEngine
     return engine
 

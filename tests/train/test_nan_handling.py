@@ -15,11 +15,11 @@ def _train_with_poisoned_steps(rank, world_size, prefix, out_dir, poisoned, max_
     import torch
 
     from domino.config import parse_config
-    from domino.optim import deepspeed_optimizer
+    from domino.optim import clipping
     from domino.train import runtime_start
 
     if not fused:  # as on torch < 2.4, whose CPU AdamW has no fused kernel (and so no found_inf)
-        deepspeed_optimizer.fused_optimizer_supported = lambda device: False
+        clipping.fused_optimizer_supported = lambda device: False
     from domino.train.gpt_recipe import GPTRecipe
     from domino.train.pretrain import TrainingDivergedError, pretrain
 

@@ -24,7 +24,7 @@ def _body(rank, world_size, save):
     from domino.config import parse_config
     from domino.runtime.agreement import AgreedFailure
     from domino.optim import zero_step
-    from domino.optim.deepspeed_optimizer import build_optimizer
+    from domino.optim.deepspeed_optimizer import build_deepspeed_optimizer
     from domino.train import runtime_start
 
     config = parse_config(["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
@@ -35,7 +35,7 @@ def _body(rank, world_size, save):
                            "--distributed-timeout-minutes", "1"])  # a hang fails the test within a minute
     mesh = runtime_start.initialize_runtime(config)
     torch.manual_seed(rank)
-    optimizer = build_optimizer(torch.nn.Linear(4, 4), config, mesh)
+    optimizer = build_deepspeed_optimizer(torch.nn.Linear(4, 4), config, mesh)
     engine = optimizer.engine  # DeepSpeed's, driven by hand: the stages' agreement is its optimizer's
     steps = []
     for factor in (1.0, float("inf") if rank == 1 else 1.0):

@@ -1,0 +1,110 @@
+"""Gradients in contiguous fp32 buckets, reduced over the data-parallel replicas as the backward finishes them.
+
+Megatron core's ``param_and_grad_buffer.py`` (d98e8a64: ``_ParamAndGradBuffer``, ``_ParamAndGradBucketGroup``) keeps
+every parameter's gradient as a view into a few large buffers, so a bucket is reduced in place with no flatten or
+copy, and launches a bucket's reduction as soon as the backward has produced the last of its gradients
+(``register_grad_ready``), overlapping the data-parallel reduction with the rest of the backward. Here, for fp32
+parameters:
+
+- each parameter's ``.grad`` is a view into its bucket's flat buffer, set once and never set to ``None``: autograd
+  then adds every micro-batch's gradient into it in place (torch 2.13 ``AccumulateGrad``: with ``.grad`` defined and
+  grad mode off it does ``variable_grad += new_grad``; PyTorch DDP's ``gradient_as_bucket_view`` relies on the same);
+- buckets are cut in reverse registration order, the order the backward finishes gradients;
+- on the step's last micro-batch a post-accumulate-grad hook (``Tensor.register_post_accumulate_grad_hook``) counts
+  the bucket's parameters; with the last one the bucket's sum over the replicas is launched asynchronously;
+- :meth:`GradBuckets.finish` waits for each, launching any bucket a parameter without a gradient held back, and
+  scales by ``1 / data-parallel size``: DeepSpeed's ``allreduce_bucket`` arithmetic (``postscale_gradients``: the
+  sum, then ``mul_(1 / dp)``; deepspeed 0.19.8 ``runtime/engine.py``), so gradients equal its ZeRO 0 path's.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from domino.pipeline.grad_overlap import backward_order_buckets
+from domino.runtime.mesh import MeshGroup
+
+
+class GradBuckets:
+    """The fp32 parameters' gradients as views into contiguous buckets, reduced from the backward.
+
+    Args:
+        params: the parameters (fp32, on one device), in registration order.
+        dp: the data-parallel group the mean is taken over (its size divides the sum).
+        replicas: the group the buckets are summed over: data x context parallel (``ParallelMesh.dp_cp``), the
+            ranks holding shares of one loss and copies of these weights.
+        reduce_in_backward: launch each bucket's reduction from the backward (False: the caller reduces, as a
+            pipeline stage does after its schedule).
+        bucket_elements: elements per bucket (default: Megatron's rule,
+            :func:`domino.pipeline.grad_overlap.backward_order_buckets`).
+    """
+
+    def __init__(self, params: List[nn.Parameter], dp: MeshGroup, replicas: MeshGroup,
+                 reduce_in_backward: bool = True, bucket_elements: Optional[int] = None) -> None:
+        trainable = [p for p in params if p.requires_grad]
+        wrong = sorted({str(p.dtype) for p in trainable if p.dtype != torch.float32})
+        if wrong:
+            raise ValueError(f"GradBuckets holds fp32 parameters only, got {', '.join(wrong)}")
+        self.dp, self.group = dp.size, replicas.process_group
+        self.reduces = reduce_in_backward and replicas.size > 1
+        self.buckets = backward_order_buckets(trainable, dp.size, bucket_elements)
+        self.buffers: List[torch.Tensor] = []
+        self._bucket_of: Dict[int, int] = {}
+        for index, bucket in enumerate(self.buckets):
+            buffer = torch.zeros(sum(p.numel() for p in bucket), dtype=torch.float32, device=bucket[0].device)
+            offset = 0
+            for param in bucket:
+                param.grad = buffer[offset:offset + param.numel()].view_as(param)
+                self._bucket_of[id(param)] = index
+                offset += param.numel()
+            self.buffers.append(buffer)
+        self._last = False
+        self._ready = [0] * len(self.buckets)
+        self._handles: List[Optional[dist.Work]] = [None] * len(self.buckets)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b] \
+            if self.reduces else []
+
+    def begin_micro_batch(self, last: bool) -> None:
+        """Call before each micro-batch's backward: on the last one the buckets are reduced as they are final."""
+        self._last = last
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if not self._last:
+            return
+        index = self._bucket_of[id(param)]
+        self._ready[index] += 1
+        if self._ready[index] == len(self.buckets[index]):
+            self._launch(index)
+
+    def _launch(self, index: int) -> None:
+        # Async: the backward of the earlier layers goes on; waited for in finish().
+        self._handles[index] = dist.all_reduce(self.buffers[index], group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        """After the last micro-batch's backward: every bucket's mean over the replicas is in ``.grad``."""
+        if not self.reduces:
+            return
+        for index in range(len(self.buckets)):
+            if self._handles[index] is None:  # a parameter got no gradient this step: its bucket goes now
+                self._launch(index)
+        for index, handle in enumerate(self._handles):
+            handle.wait()  # the wait for the launch in _on_grad (or just above)
+            self.buffers[index].mul_(1.0 / self.dp)
+        self._ready = [0] * len(self.buckets)
+        self._handles = [None] * len(self.buckets)
+        self._last = False
+
+    def zero(self) -> None:
+        """Zeroes every gradient in place (the views stay the parameters' ``.grad``)."""
+        for buffer in self.buffers:
+            buffer.zero_()
+
+    def remove(self) -> None:
+        """Removes the hooks (an in-process restart frees the groups after it)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
