@@ -1,7 +1,7 @@
 """GPU readiness check: bf16 training steps of a GPT preset on one device, reported as one JSON object.
 
 What it measures, on the real training path (``GPTModel`` in a DeepSpeed engine built by
-``domino.optim.deepspeed_optimizer.build_optimizer``: bf16 weights, fp32 gradient accumulation and master weights, ZeRO 1 with
+``domino.optim.deepspeed_optimizer.build_deepspeed_optimizer``: bf16 weights, fp32 gradient accumulation and master weights, ZeRO 1 with
 the device-decided step of ``domino.optim.bf16_step``, torch AdamW), at TP=1 on a fixed synthetic batch:
 
 * ``micro_batch``: the largest power-of-two micro-batch (up to ``--max-micro-batch``) whose training step fits
@@ -68,7 +68,7 @@ from domino.model import GPTModel  # noqa: E402
 from domino.overlap.schedule import apply_domino  # noqa: E402
 from domino.runtime import state  # noqa: E402  (the mesh initialize_runtime built: one process)
 from domino.parallel.kernels import c_compiler, kernels_for  # noqa: E402
-from domino.optim.deepspeed_optimizer import build_optimizer  # noqa: E402
+from domino.optim.deepspeed_optimizer import build_deepspeed_optimizer  # noqa: E402
 from domino.train import runtime_start  # noqa: E402
 from domino.train.host_syncs import syncs_per_step  # noqa: E402
 from domino.train.throughput import detect_peak_tflops, training_flops_per_token  # noqa: E402
@@ -99,7 +99,7 @@ class _Run:
         self.vocab = padded_vocab_size(self.config.model.vocab_size, self.config)
         torch.manual_seed(args.seed)
         model = apply_domino(GPTModel(self.config.model, self.vocab), chunks)
-        self.engine = build_optimizer(model, self.config, state.current_mesh()).engine
+        self.engine = build_deepspeed_optimizer(model, self.config, state.current_mesh()).engine
         self.set_batch(micro_batch)
 
     def set_batch(self, micro_batch: int) -> None:

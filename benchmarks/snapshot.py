@@ -39,7 +39,7 @@ def _rank(rank: int, world: int, port: int, hidden: int, repeats: int, out: str)
     from domino.config import parse_config
     from domino.runtime.mesh import collective_device
     from domino.optim import state as optimizer_state
-    from domino.optim.deepspeed_optimizer import build_optimizer
+    from domino.optim.deepspeed_optimizer import build_deepspeed_optimizer
     from domino.train import runtime_start
     from domino.train.gpt_recipe import GPTRecipe
 
@@ -51,7 +51,7 @@ def _rank(rank: int, world: int, port: int, hidden: int, repeats: int, out: str)
     recipe = GPTRecipe(config, mesh)
     with collective_device(mesh.tp.process_group):
         model = recipe.model_builder(config, mesh)
-    engine = build_optimizer(model, config, mesh)
+    engine = build_deepspeed_optimizer(model, config, mesh)
     optimizer_state.prepare(engine, optimizer_state.Scalars(step=1))  # Adam's state, as after a step or a resume
     params = sum(p.numel() for p in engine.module.parameters())
     dp, dp_rank = mesh.dp_cp.size, mesh.dp_cp.rank

@@ -108,6 +108,9 @@ class DeepSpeedOptimizer:
     def main_gradient_buffers(self) -> Optional[List[torch.Tensor]]:
         return bf16_step.main_gradient_buffers(self.inner) if self._main_grads is not None else None
 
+    def gradient_buckets(self) -> None:
+        return None  # DeepSpeed's optimizers reduce in their own step; a pipeline stage averages before it
+
     def device_loss_scale(self) -> Optional[torch.Tensor]:
         """fp16: the ZeRO optimizer's loss scale when it lives on the device (:mod:`domino.optim.zero_step`)."""
         if not self.config.train.fp16:

@@ -10,11 +10,17 @@ parameters:
   then adds every micro-batch's gradient into it in place (torch 2.13 ``AccumulateGrad``: with ``.grad`` defined and
   grad mode off it does ``variable_grad += new_grad``; PyTorch DDP's ``gradient_as_bucket_view`` relies on the same);
 - buckets are cut in reverse registration order, the order the backward finishes gradients;
-- on the step's last micro-batch a post-accumulate-grad hook (``Tensor.register_post_accumulate_grad_hook``) counts
-  the bucket's parameters; with the last one the bucket's sum over the replicas is launched asynchronously;
+- a post-accumulate-grad hook (``Tensor.register_post_accumulate_grad_hook``) counts each parameter's micro-batches;
+  at the step's count its gradient is final, and with the bucket's last final gradient the bucket's sum over the
+  replicas is launched asynchronously (a pipeline stage's schedule runs every micro-batch's backward in one go: the
+  count is what tells the last one);
 - :meth:`GradBuckets.finish` waits for each, launching any bucket a parameter without a gradient held back, and
   scales by ``1 / data-parallel size``: DeepSpeed's ``allreduce_bucket`` arithmetic (``postscale_gradients``: the
   sum, then ``mul_(1 / dp)``; deepspeed 0.19.8 ``runtime/engine.py``), so gradients equal its ZeRO 0 path's.
+
+A pipeline stage's buckets are divided by the micro-batch count just before their launch, the division torch's
+schedule makes with ``scale_grads=True`` (so the schedule runs with it off); its tied word embeddings are left out
+and reduced after their sum over the first and last stage (:mod:`domino.train.pipeline_step`).
 """
 
 from __future__ import annotations
@@ -37,15 +43,19 @@ class GradBuckets:
         dp: the data-parallel group the mean is taken over (its size divides the sum).
         replicas: the group the buckets are summed over: data x context parallel (``ParallelMesh.dp_cp``), the
             ranks holding shares of one loss and copies of these weights.
-        reduce_in_backward: launch each bucket's reduction from the backward (False: the caller reduces, as a
-            pipeline stage does after its schedule).
+        reduce_in_backward: launch each bucket's reduction from the backward (False: the caller reduces).
+        exclude: a parameter kept out of the buckets (a pipeline stage's tied embeddings), its ``.grad`` autograd's.
+        divide_by_micro_batches: divide each bucket by the step's micro-batch count before its launch (a pipeline
+            stage's schedule, whose loss is not divided by it).
         bucket_elements: elements per bucket (default: Megatron's rule,
             :func:`domino.pipeline.grad_overlap.backward_order_buckets`).
     """
 
     def __init__(self, params: List[nn.Parameter], dp: MeshGroup, replicas: MeshGroup,
-                 reduce_in_backward: bool = True, bucket_elements: Optional[int] = None) -> None:
-        trainable = [p for p in params if p.requires_grad]
+                 reduce_in_backward: bool = True, bucket_elements: Optional[int] = None,
+                 exclude: Optional[nn.Parameter] = None, divide_by_micro_batches: bool = False) -> None:
+        trainable = [p for p in params if p.requires_grad and p is not exclude]
+        self.excluded = [p for p in params if p is exclude]
         wrong = sorted({str(p.dtype) for p in trainable if p.dtype != torch.float32})
         if wrong:
             raise ValueError(f"GradBuckets holds fp32 parameters only, got {', '.join(wrong)}")
@@ -62,18 +72,22 @@ class GradBuckets:
                 self._bucket_of[id(param)] = index
                 offset += param.numel()
             self.buffers.append(buffer)
-        self._last = False
+        self.divide = divide_by_micro_batches
+        self._micro_batches = 1
+        self._counts: Dict[int, int] = {}
         self._ready = [0] * len(self.buckets)
         self._handles: List[Optional[dist.Work]] = [None] * len(self.buckets)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b] \
             if self.reduces else []
 
-    def begin_micro_batch(self, last: bool) -> None:
-        """Call before each micro-batch's backward: on the last one the buckets are reduced as they are final."""
-        self._last = last
+    def begin(self, micro_batches: int) -> None:
+        """Call before a step's first backward: a gradient is final after ``micro_batches`` accumulations."""
+        self._micro_batches = micro_batches
+        self._counts = {}
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        if not self._last:
+        count = self._counts[id(param)] = self._counts.get(id(param), 0) + 1
+        if count != self._micro_batches:
             return
         index = self._bucket_of[id(param)]
         self._ready[index] += 1
@@ -81,6 +95,8 @@ class GradBuckets:
             self._launch(index)
 
     def _launch(self, index: int) -> None:
+        if self.divide:
+            self.buffers[index].div_(self._micro_batches)
         # Async: the backward of the earlier layers goes on; waited for in finish().
         self._handles[index] = dist.all_reduce(self.buffers[index], group=self.group, async_op=True)
 
@@ -94,14 +110,20 @@ class GradBuckets:
         for index, handle in enumerate(self._handles):
             handle.wait()  # the wait for the launch in _on_grad (or just above)
             self.buffers[index].mul_(1.0 / self.dp)
+        for param in self.excluded:  # its mean over the replicas is the caller's, after the tied copies' sum
+            if self.divide and param.grad is not None:
+                param.grad.div_(self._micro_batches)
         self._ready = [0] * len(self.buckets)
         self._handles = [None] * len(self.buckets)
-        self._last = False
+        self._counts = {}
 
     def zero(self) -> None:
         """Zeroes every gradient in place (the views stay the parameters' ``.grad``)."""
         for buffer in self.buffers:
             buffer.zero_()
+        for param in self.excluded:
+            if param.grad is not None:
+                param.grad.zero_()
 
     def remove(self) -> None:
         """Removes the hooks (an in-process restart frees the groups after it)."""

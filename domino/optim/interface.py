@@ -26,6 +26,8 @@ from typing import Dict, Iterator, List, Optional, Protocol, Union
 import torch
 from torch import nn
 
+from domino.optim.grad_buffer import GradBuckets
+
 
 @dataclass(frozen=True)
 class StepOutcome:
@@ -65,6 +67,11 @@ class TrainingOptimizer(Protocol):
 
     def main_gradient_buffers(self) -> Optional[List[torch.Tensor]]:
         """The flat fp32 buffers the main gradients are views of (bf16 runs), else None."""
+
+    def gradient_buckets(self) -> Optional[GradBuckets]:
+        """The buckets whose data-parallel mean this optimizer launches from the backward (a pipeline stage's
+        schedule arms them with ``begin(micro_batches)`` and waits with ``finish()``); None where the caller
+        averages the gradients itself."""
 
     def device_loss_scale(self) -> Optional[torch.Tensor]:
         """fp16: the dynamic loss scale, a 0-d device tensor updated in place by each step; else None."""

@@ -22,6 +22,7 @@ from domino.config import DominoConfig
 from domino.optim import clipping
 from domino.optim.grad_buffer import GradBuckets
 from domino.optim.interface import StepOutcome
+from domino.pipeline.gradients import tied_embedding_weight
 from domino.runtime.mesh import ParallelMesh, collective_device
 
 
@@ -58,7 +59,7 @@ class TorchAdamW:
         model: this rank's model (its stage's), fp32, on its device.
         config: the run's configuration.
         mesh: the run's parallel layout.
-        pipelined: the pipeline step reduces the gradients after its schedule (:meth:`step_reduced`).
+        pipelined: a pipeline stage's: its schedule runs the backward (:meth:`gradient_buckets`, :meth:`step_reduced`).
     """
 
     def __init__(self, model: nn.Module, config: DominoConfig, mesh: ParallelMesh, pipelined: bool = False) -> None:
@@ -66,7 +67,9 @@ class TorchAdamW:
         self.config, self.mesh = config, mesh
         self._broadcast_weights()
         self.inner = adamw(model, config)
-        self.grads = GradBuckets(list(model.parameters()), mesh.dp, mesh.dp_cp, reduce_in_backward=not pipelined)
+        self.grads = GradBuckets(list(model.parameters()), mesh.dp, mesh.dp_cp,
+                                 exclude=tied_embedding_weight(model, mesh) if pipelined else None,
+                                 divide_by_micro_batches=pipelined)
         self._micro_batches = 1
 
     def _broadcast_weights(self) -> None:
@@ -80,10 +83,9 @@ class TorchAdamW:
 
     def micro_batches(self, batch: int, samples_per_micro_batch: int) -> Iterator[bool]:
         self._micro_batches = batch // samples_per_micro_batch
+        self.grads.begin(self._micro_batches)
         for micro in range(self._micro_batches):
-            last = micro == self._micro_batches - 1
-            self.grads.begin_micro_batch(last)
-            yield last
+            yield micro == self._micro_batches - 1
 
     def backward(self, loss: torch.Tensor) -> None:
         """The loss divided by the accumulation steps (DeepSpeed's ``_scale_loss_by_gas``), then its backward."""
@@ -115,6 +117,10 @@ class TorchAdamW:
 
     def device_loss_scale(self) -> Optional[torch.Tensor]:
         return None
+
+    def gradient_buckets(self) -> Optional[GradBuckets]:
+        """The buckets whose reduction the backward launches (None at one replica: nothing to reduce)."""
+        return self.grads if self.grads.reduces else None
 
     def step_reduced(self, grad_norm: torch.Tensor) -> Optional[torch.Tensor]:
         skipped = self._flag_overflow(grad_norm)

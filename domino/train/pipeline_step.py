@@ -15,7 +15,9 @@ inside its own backward off, and here, after the schedule, in this order:
    the replicas' gradients are already equal, so its averaging changes nothing), and the optimizer steps.
 
 With ``--overlap-grad-reduce`` step 2 is launched bucket by bucket from the schedule's backward and only waited
-for here (:mod:`domino.pipeline.grad_overlap`; the tied copy is averaged after step 1, as before).
+for here (:mod:`domino.pipeline.grad_overlap`; the tied copy is averaged after step 1, as before). At ZeRO 0 in
+fp32 it always is, in the optimizer's own gradient buckets (:meth:`domino.optim.interface.TrainingOptimizer.
+gradient_buckets`), the same path a run without stages takes, and step 4 is torch's AdamW alone.
 
 Step 2 costs one more data-parallel all-reduce of the gradients than a run without pipeline stages under ZeRO-1
 (stage 0 reduces only here); it is what lets the norm be taken before ZeRO partitions the gradients.
@@ -121,12 +123,16 @@ class PipelineStep:
         self.main_grads = optimizer.main_gradients()
         #: fp16: the optimizer's dynamic loss scale, a 0-d device tensor updated in place each step, else None.
         self.loss_scale = fp16_loss_scale(config, optimizer)
-        #: --overlap-grad-reduce: the buckets whose DP mean the backward launches (domino.pipeline.grad_overlap).
+        #: The optimizer's own gradient buckets (ZeRO 0 fp32: domino.optim.grad_buffer), whose DP mean the backward
+        #: launches, as in a run without stages; else None.
+        self.buckets = optimizer.gradient_buckets()
+        #: --overlap-grad-reduce for DeepSpeed's optimizers: the buckets whose DP mean the backward launches
+        #: (domino.pipeline.grad_overlap).
         self.overlap = (OverlappedGradReduce(list(self.module.parameters()), mesh.dp,
                                              exclude=tied_embedding_weight(self.module, mesh),
                                              main_grad=self.main_grads.__getitem__ if self.main_grads else None,
                                              replicas=mesh.dp_cp)
-                        if config.parallel.overlap_grad_reduce else None)
+                        if config.parallel.overlap_grad_reduce and self.buckets is None else None)
         self._schedules: Dict[int, StageSchedule] = {}
         self.schedule = self._schedule(micro_batches)
         chunks, indices = self.schedule.chunks, self.schedule.indices
@@ -151,7 +157,8 @@ class PipelineStep:
                 self.module, self.mesh.pp, num_microbatches=micro_batches, micro_batch_size=t.micro_batch_size,
                 seq_length=m.seq_length, hidden_size=m.hidden_size,
                 sequence_parallel=self.config.parallel.sequence_parallel,
-                dtype=next(self.module.parameters()).dtype, scale_grads=self.overlap is None)
+                dtype=next(self.module.parameters()).dtype,
+                scale_grads=self.overlap is None and self.buckets is None)
         return self._schedules[micro_batches]
 
     def _step_batch(self, data_iterator, count: Optional[int] = None) -> Dict[str, Optional[torch.Tensor]]:
@@ -174,6 +181,8 @@ class PipelineStep:
         self._schedule(micro_batches).loss_scale = self.loss_scale
         if self.overlap is not None:
             self.overlap.begin(micro_batches)
+        if self.buckets is not None:
+            self.buckets.begin(micro_batches)
         loss = self._schedule(micro_batches).train_step(batch["tokens"], batch["labels"], batch["loss_mask"],
                                                         batch["position_ids"], batch["attention_mask"])
         timers.stop("forward-backward")
@@ -181,8 +190,8 @@ class PipelineStep:
         module = self.module
         if self.main_grads is not None:
             return self._bf16_step(loss, micro_batches, timers)
-        if self.overlap is not None:
-            self.overlap.finish()  # every bucket's DP mean, launched from the backward, waited for here
+        if self.overlap is not None or self.buckets is not None:
+            (self.overlap or self.buckets).finish()  # every bucket's DP mean, launched from the backward, waited for
             sync_tied_embeddings(module, self.mesh)
             tied = tied_embedding_weight(module, self.mesh)
             average_over_data_parallel([tied.grad] if tied is not None else [], self.mesh)
