@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from domino.config import DominoConfig
-from domino.optim import bf16_step, zero_step
+from domino.optim import bf16_step, deepspeed_runtime, zero_step
 from domino.optim.clipping import clip_gradients, flag_overflow
 from domino.optim.deepspeed_config import clips_itself, deepspeed_config, zero_stage
 from domino.optim.deepspeed_mpu import DeepSpeedMpu
@@ -169,7 +169,9 @@ def build_deepspeed_optimizer(model: torch.nn.Module, config: DominoConfig, mesh
     refuses CPU parameters on torch < 2.4). torch's AdamW (:func:`~domino.optim.torch_optimizer.adamw`) rather
     than DeepSpeed's fused Adam, so CPU runs need no JIT build.
     """
-    # Imports DeepSpeed: after initialize_runtime set DS_ACCELERATOR (DeepSpeed picks its accelerator at import).
+    # DeepSpeed imported with its accelerator chosen (it picks it at import), its comm layer over our groups.
+    deepspeed_runtime.prepare()
+    deepspeed_runtime.start_comm()
     from domino.optim import deepspeed_engine
 
     model.to(collective_device(mesh.tp.process_group))

@@ -6,6 +6,7 @@ Everything domino knows of DeepSpeed's process-wide state lives here, beside the
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -69,8 +70,11 @@ def _skip_shared_memory_op() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda *args, **kwargs: None
 
 
+@functools.lru_cache(maxsize=None)
 def prepare() -> None:
-    """Imports DeepSpeed with its accelerator chosen (plain gloo on CPU) and names an untested release."""
+    """Imports DeepSpeed with its accelerator chosen (plain gloo on CPU) and names an untested release; once per
+    process (an in-process restart builds its optimizer again), and only in a run whose optimizer is DeepSpeed's:
+    a ZeRO 0 fp32 run never imports it (:func:`domino.optim.build.build_optimizer`)."""
     _skip_shared_memory_op()
     # Only now, with DS_ACCELERATOR set: DeepSpeed picks its accelerator once, at import (deepspeed 0.19.8
     # runtime/utils.py calls get_accelerator() at module level; accelerator/real_accelerator.py caches it).
@@ -83,7 +87,8 @@ def prepare() -> None:
 
 
 def start_comm() -> None:
-    """DeepSpeed's comm layer over torch.distributed's world (after the process groups exist)."""
+    """DeepSpeed's comm layer over torch.distributed's world (after the process groups exist; again after an
+    in-process restart formed new ones)."""
     import deepspeed
 
     # DeepSpeed keeps no communicator of its own on top: deepspeed.comm's backend answers is_initialized() from
@@ -94,7 +99,10 @@ def start_comm() -> None:
 def stop_comm() -> None:
     """Destroys every process group through DeepSpeed's comm layer, which also drops DeepSpeed's own references to
     them (deepspeed 0.19.8 comm/comm.py ``destroy_process_group`` -> utils/groups.py
-    ``_release_process_group_references``): an in-process restart's :func:`domino.runtime.restart.leave`."""
-    import deepspeed.comm
-
-    deepspeed.comm.destroy_process_group()
+    ``_release_process_group_references``): an in-process restart's :func:`domino.runtime.restart.leave`. A run
+    that never started DeepSpeed's comm layer (ZeRO 0 in fp32) destroys them through torch alone."""
+    comm = sys.modules.get("deepspeed.comm")
+    if comm is not None and comm.is_initialized():
+        comm.destroy_process_group()
+    else:
+        torch.distributed.destroy_process_group()

@@ -152,7 +152,8 @@ def gather(training, keep: Callable[[int], bool] = lambda index: True,
     optimizer, tensors = _base_optimizer(training), {}
     zero = _zero_like(training)
     stepped = _link_stepped_groups(training) if zero else {}
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    if zero:  # DeepSpeed's own accessors of its fragments (a torch optimizer holds whole tensors)
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     for index, (name, param) in enumerate(trainable(training)):
         if zero:
@@ -275,9 +276,10 @@ def prepare(training, scalars: Scalars) -> None:
 def fill(training, tensors: TensorsByName) -> None:
     """Loads the slices :func:`gather` produced (possibly on another layout) for the parameters ``tensors`` holds
     into this run's optimizer, after :func:`prepare`. Nothing here is collective."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
     optimizer, zero = _base_optimizer(training), _zero_like(training)
+    if zero:  # DeepSpeed's own accessors of its fragments (a torch optimizer holds whole tensors)
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
     with torch.no_grad():
         for name, param in trainable(training):
             if f"fp32.{name}" not in tensors:

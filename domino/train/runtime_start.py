@@ -1,7 +1,7 @@
-"""Starting a training process: the environment CUDA and DeepSpeed read at start, the device checks, and the mesh.
+"""Starting a training process: the environment CUDA reads at start, the device checks, and the mesh.
 
 :func:`initialize_runtime` is the training entry points' start (``domino pretrain``, the benchmarks, the
-multi-process tests): it starts ``torch.distributed`` and DeepSpeed's comm layer, builds the run's
+multi-process tests): it starts ``torch.distributed``, builds the run's
 :class:`~domino.runtime.mesh.ParallelMesh` once and returns it, to be passed down.
 """
 
@@ -15,12 +15,12 @@ import torch
 
 from domino.config import DominoConfig
 from domino.config.validate import check_device
-from domino.optim import deepspeed_runtime
 from domino.parallel import fp8
 from domino.runtime import state
 from domino.runtime.mesh import ParallelMesh
 
 logger = logging.getLogger(__name__)
+
 
 def set_overlap_environment() -> None:
     """Sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the environment already sets it; call before CUDA starts.
@@ -58,18 +58,17 @@ def check_this_device(config: DominoConfig) -> None:
 
 
 def initialize_runtime(config: DominoConfig, store: Optional[torch.distributed.Store] = None) -> ParallelMesh:
-    """Initialises torch.distributed, DeepSpeed's comm layer and the TP x PP x DP groups for ``config``: once per
+    """Initialises torch.distributed and the TP x PP x DP groups for ``config`` (DeepSpeed's comm layer is started
+    by the optimizer that needs it, :func:`domino.optim.deepspeed_optimizer.build_deepspeed_optimizer`): once per
     process, by whoever starts the run (``domino pretrain`` before its agreed data checks), before
     :func:`domino.train.pretrain.pretrain`, and again on ``store`` after an in-process restart tore them down
     (:mod:`domino.train.inprocess`). Returns the run's mesh."""
     set_overlap_environment()
     check_this_device(config)
-    deepspeed_runtime.prepare()
     p = config.parallel
     # lone_process_group: DeepSpeed needs a process group, even for one process.
     mesh = state.start(p.tensor_model_parallel_size, backend=p.distributed_backend,
                        timeout_minutes=p.distributed_timeout_minutes, lone_process_group=True,
                        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
                        context_parallel_size=p.context_parallel_size, store=store)
-    deepspeed_runtime.start_comm()
     return mesh

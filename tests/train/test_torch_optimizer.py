@@ -96,3 +96,23 @@ def test_steps_equal_deepspeeds_zero_0_bit_for_bit(results):
     # the replicas agree: their mean gradient is one
     for a, b in zip(results[0]["ours"][-1]["weights"], results[1]["ours"][-1]["weights"]):
         assert torch.equal(a, b)
+
+
+def test_a_zero_0_fp32_run_saves_and_resumes_with_deepspeed_not_importable(tmp_path):
+    """Nothing of a ZeRO 0 fp32 run needs DeepSpeed: with every ``import deepspeed`` made to fail, ``domino
+    pretrain`` trains, saves its optimizer state by name and resumes from it (the start-up no longer pays
+    DeepSpeed's import, issue 52's restart cost)."""
+    import subprocess
+    import sys
+
+    from train.train_helpers import TINY, child_env
+
+    code = ("import sys; sys.modules['deepspeed'] = None\n"  # any import of DeepSpeed raises ImportError
+            "from domino.cli.main import main; main(sys.argv[1:])")
+    save = str(tmp_path / "ckpt")
+    for stop in (["--exit-interval", "2"], []):  # two iterations, then the third resumed
+        proc = subprocess.run([sys.executable, "-c", code, "pretrain", *TINY, "--mock-data", "--train-iters", "3",
+                               "--save", save, "--load", save, "--save-interval", "1", *stop],
+                              env=child_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout + proc.stderr
