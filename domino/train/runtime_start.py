@@ -19,6 +19,7 @@ from domino.optim import deepspeed_runtime
 from domino.parallel import fp8
 from domino.runtime import state
 from domino.runtime.mesh import ParallelMesh
+from domino.runtime.network_emulator import link_from_environment
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,9 @@ def initialize_runtime(config: DominoConfig, store: Optional[torch.distributed.S
     """Initialises torch.distributed, DeepSpeed's comm layer and the TP x PP x DP groups for ``config``: once per
     process, by whoever starts the run (``domino pretrain`` before its agreed data checks), before
     :func:`domino.train.pretrain.pretrain`, and again on ``store`` after an in-process restart tore them down
-    (:mod:`domino.train.inprocess`). Returns the run's mesh."""
+    (:mod:`domino.train.inprocess`). Returns the run's mesh, its TP link emulated as ``DOMINO_SIMULATED_NETWORK``
+    asks (read here, once per start, before any work: a malformed value fails before a group exists)."""
+    link = link_from_environment()
     set_overlap_environment()
     check_this_device(config)
     deepspeed_runtime.prepare()
@@ -70,6 +73,6 @@ def initialize_runtime(config: DominoConfig, store: Optional[torch.distributed.S
     mesh = state.start(p.tensor_model_parallel_size, backend=p.distributed_backend,
                        timeout_minutes=p.distributed_timeout_minutes, lone_process_group=True,
                        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-                       context_parallel_size=p.context_parallel_size, store=store)
+                       context_parallel_size=p.context_parallel_size, store=store, link=link)
     deepspeed_runtime.start_comm()
     return mesh
