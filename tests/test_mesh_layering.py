@@ -39,3 +39,29 @@ def test_only_the_entry_points_and_the_listed_modules_read_the_global_mesh():
     assert not new, f"new readers of {SHIM} (pass the mesh down instead): {new}"
     gone = sorted(STILL_READING - readers)
     assert not gone, f"these no longer read {SHIM}: take them off STILL_READING: {gone}"
+
+
+#: The run's environment settings, each read by the entry points only and passed down as a value (issue 55,
+#: item 5): the emulated TP link and the kernel choice.
+ENVIRONMENT_READERS = {"link_from_environment": {"domino/train/runtime_start.py"},
+                       "from_environment": {"domino/cli/pretrain.py"}}  # domino.parallel.kernels
+
+
+def test_the_environment_settings_are_read_at_the_entry_points_only():
+    import os
+    import re
+
+    from test_layering import ROOT
+
+    found = {call: set() for call in ENVIRONMENT_READERS}
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+                for call in ENVIRONMENT_READERS:
+                    # A call, not the definition (``def link_from_environment(``).
+                    if re.search(r"(?<!def )\b" + call + r"\(", text):
+                        found[call].add(os.path.relpath(path, os.path.dirname(ROOT)))
+    assert found == ENVIRONMENT_READERS, "read the environment at the entry point and pass the value down"

@@ -12,12 +12,14 @@ from domino.config import add_config_flags, config_from_args
 def _run(args: argparse.Namespace) -> int:
     from domino.train.runtime_start import set_overlap_environment
     from domino.train.host_allocator import keep_step_buffers_in_heap
+    from domino.parallel import kernels
 
     set_overlap_environment()  # before anything touches CUDA
     keep_step_buffers_in_heap()  # before the model and the data allocate
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Every rank checks the flags and the device before torch.distributed, DeepSpeed or the data start.
     config = config_from_args(args, world_size=world_size, for_training=True)
+    kernel_choice = kernels.from_environment()  # DOMINO_KERNELS, read once: a value given to the model
     from domino.runtime.agreement import agree
     from domino.train.gpt_recipe import GPTRecipe
     from domino.train.inprocess import train_with_restarts
@@ -25,7 +27,7 @@ def _run(args: argparse.Namespace) -> int:
 
     def train(mesh, origin):
         # torch.distributed first: a data or tokenizer check that fails on one rank then stops every rank.
-        recipe = agree("checking the data and the tokenizer", lambda: GPTRecipe(config, mesh))
+        recipe = agree("checking the data and the tokenizer", lambda: GPTRecipe(config, mesh, kernel_choice))
         return pretrain(config, recipe.model_builder, recipe.dataset_builder, recipe.forward_step,
                         recipe.padded_vocab_size, recipe.tokenizer, get_batch=recipe.batch, mesh=mesh,
                         origin=origin)

@@ -57,7 +57,7 @@ from domino.parallel.collectives import gather_from_tp_region
 from domino.parallel.context_split import local_token_indices
 from domino.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from domino.parallel.document_attention import is_document_starts
-from domino.parallel.kernels import kernels_for
+from domino.parallel.kernels import Kernels, resolve
 from domino.parallel.layers import VocabParallelEmbedding
 from domino.parallel.linear_ops import GradSlot, linear
 from domino.runtime.mesh import SINGLE, MeshGroup
@@ -113,6 +113,8 @@ class GPTModel(nn.Module):
         self.pre_process = pre_process
         self.post_process = post_process
         self.parallel_output = parallel_output
+        # The kernel choice of its loss and its stack, given by parallelize with its layers' (None: the device's).
+        self.kernels: Optional[Kernels] = None
         if pre_process:
             self.embedding = Embedding(config, vocab_size, tp)
         self.layers = nn.ModuleList(TransformerLayer(config, i, tp, cp) for i in range(config.num_layers))
@@ -203,12 +205,13 @@ class GPTModel(nn.Module):
         weight = self.output_weight()
         if labels is not None:
             labels = labels.t().contiguous()  # [b, s] -> [s, b]
-        if labels is not None and kernels_for(hidden.device).fused_output_loss:
+        kernels = resolve(self.kernels, hidden.device)
+        if labels is not None and kernels.fused_output_loss:
             # One node: the logits' buffer becomes the softmax, then the gradient (domino.parallel.kernels).
             return vocab_parallel_linear_cross_entropy(hidden, weight, labels, self.tp,
-                                                       grad_slot=grad_slot).t().contiguous()
+                                                       grad_slot=grad_slot, kernels=kernels).t().contiguous()
         # No FP8 recipe: the output layer stays in high precision (Megatron-LM's FP8 keeps it in bf16).
         logits = F.linear(hidden, weight) if grad_slot is None else linear(hidden, weight, grad_slot=grad_slot)
         if labels is not None:
-            return vocab_parallel_cross_entropy(logits, labels, self.tp).t().contiguous()
+            return vocab_parallel_cross_entropy(logits, labels, self.tp, kernels).t().contiguous()
         return (logits if self.parallel_output else gather_from_tp_region(logits, self.tp)).transpose(0, 1)

@@ -26,7 +26,7 @@ from torch import nn
 from domino.config import ModelConfig
 from domino.model.qkv_projection import grouped_projection
 from domino.parallel.collectives import copy_to_tp_region
-from domino.parallel.kernels import island
+from domino.parallel.kernels import Kernels, island
 from domino.parallel.layers import ColumnParallelLinear, Product, RowParallelLinear
 from domino.parallel.linear_ops import GradSlot, linear
 from domino.runtime.mesh import SINGLE, MeshGroup
@@ -61,6 +61,7 @@ class SwiGLUMLP(nn.Module):
     def __init__(self, config: ModelConfig, output_std: float, tp: MeshGroup = SINGLE) -> None:
         super().__init__()
         self.tp = tp
+        self.kernels: Optional[Kernels] = None  # the kernel choice of SwiGLU, given by parallelize
         bias = not config.disable_bias_linear
         self.dense_h_to_4h = ColumnParallelLinear(config.hidden_size, 2 * config.ffn_size, bias=bias,
                                                   init_std=config.init_method_std, tp=tp)
@@ -77,17 +78,17 @@ class SwiGLUMLP(nn.Module):
     def product(self, inner: Tuple[torch.Tensor, torch.Tensor]) -> Product:
         """``(silu(gate) * up) W2_r^T`` (+ the bias given), un-reduced."""
         gate, up = inner
-        return self.dense_4h_to_h.product(swiglu(gate, up))
+        return self.dense_4h_to_h.product(swiglu(gate, up, self.kernels))
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, kernels: Optional[Kernels] = None) -> torch.Tensor:
     """``silu(gate) * up``: two kernels and a saved ``silu(gate)`` eagerly; one kernel each way, saving only
-    ``gate`` and ``up``, where the device's kernels compile (Megatron-LM's ``fused_bias_swiglu.py``)."""
-    return island(_swiglu, gate.device)(gate, up)
+    ``gate`` and ``up``, where ``kernels`` (else the device's) compile (Megatron-LM's ``fused_bias_swiglu.py``)."""
+    return island(_swiglu, gate.device, kernels)(gate, up)
 
 
 def build_mlp(config: ModelConfig, output_std: float, tp: MeshGroup = SINGLE) -> nn.Module:

@@ -28,7 +28,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from domino.parallel import fp8
-from domino.parallel.kernels import kernels_for
+from domino.parallel.kernels import Kernels, resolve
 from domino.parallel.linear_ops import GradSlot, full_input, linear, saved_input
 
 
@@ -118,8 +118,8 @@ def grouped_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 
 
 def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int,
-                   slot: Optional[GradSlot] = None, queries_per_group: int = 1, rec: Optional[fp8.Recipe] = None
-                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   slot: Optional[GradSlot] = None, queries_per_group: int = 1, rec: Optional[fp8.Recipe] = None,
+                   kernels: Optional[Kernels] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``F.linear(x, weight, bias)`` split into its q, k and v columns, per head.
 
     Args:
@@ -131,6 +131,7 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         slot: a :class:`~domino.parallel.linear_ops.GradSlot`: the input gradient's reduction is launched into it.
         queries_per_group: query heads sharing one key/value head (1 without GQA).
         rec: the FP8 recipe of the GEMMs (the linear's ``fp8``), or None for high precision.
+        kernels: the attention's kernel choice (given by ``parallelize``), or None for the device's.
 
     Returns:
         ``q`` ``[..., groups * queries_per_group, head_dim]``, ``k`` and ``v`` ``[..., groups, head_dim]``: dense
@@ -142,7 +143,7 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         raise ValueError(f"QKV weight rows {weight.shape[0]} are not {per_group} x {groups} groups x head_dim")
     d = weight.shape[0] // (per_group * groups)
     lead = x.shape[:-1]
-    if kernels_for(x.device).split_qkv:
+    if resolve(kernels, x.device).split_qkv:
         q, k, v = grouped_projection(x, weight, bias, groups, (queries_per_group * d, d, d), slot, rec)
         return q.view(*lead, groups * queries_per_group, d), k.view(*lead, groups, d), v.view(*lead, groups, d)
     mixed = linear(x, weight, bias, grad_slot=slot, rec=rec).view(*lead, groups, per_group, d)

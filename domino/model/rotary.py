@@ -20,7 +20,7 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from domino.parallel.kernels import island
+from domino.parallel.kernels import Kernels, island
 
 #: Llama 3.x rope scaling's fixed parameters: Megatron-LM's ``RotaryEmbedding._apply_scaling`` defaults
 #: (``megatron/core/models/common/embeddings/rotary_pos_embedding.py``) and every Llama 3.1/3.2 ``config.json``.
@@ -73,10 +73,10 @@ class RotaryTables(NamedTuple):
             return [self] * len(sizes)
         return [RotaryTables(c, s) for c, s in zip(self.cos.split(sizes), self.sin.split(sizes))]
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, kernels: Optional[Kernels] = None) -> torch.Tensor:
         """``[b, heads, s, head_dim]`` queries or keys -> the same, the first ``rotated_dims`` of each head rotated
-        (one fused kernel where the device's kernels compile: :func:`domino.parallel.kernels.island`)."""
-        return island(_rotate, x.device)(x, self.cos, self.sin)
+        (one fused kernel where ``kernels``, else the device's, compile: :func:`domino.parallel.kernels.island`)."""
+        return island(_rotate, x.device, kernels)(x, self.cos, self.sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from domino.model.kv_cache import KVCache
 from domino.model.rotary import RotaryTables
 from domino.parallel.collectives import comm_site, copy_to_tp_region
 from domino.parallel.document_attention import is_document_starts
-from domino.parallel.kernels import kernels_for, run_compiled_block
+from domino.parallel.kernels import Kernels, resolve, run_compiled_block
 from domino.parallel.linear_ops import GradSlot
 from domino.parallel.recompute import checkpoint
 
@@ -76,14 +76,15 @@ def embed_tokens(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Ten
 
 def run_layers(layers: Sequence[nn.Module], units: Sequence[Unit], hidden: torch.Tensor,
                attend_mask: Optional[torch.Tensor], rotary: Optional[RotaryTables] = None,
-               tp_size: int = 1) -> torch.Tensor:
+               tp_size: int = 1, kernels: Optional[Kernels] = None) -> torch.Tensor:
     """The synchronous layer loop over ``units``, checkpointing the groups marked so (full recompute).
 
     With ``compile_blocks`` (``DOMINO_KERNELS=compiled``) each layer runs compiled whole, but only at TP=1: there a
     block holds no collective. At TP>1 the synchronous block all-reduces inside its row-parallel linears, and
     Domino's stacks never call a whole layer (they run its parts around their async launches and waits), so a
-    compiled graph never swallows a collective; those keep the compiled elementwise islands of their choice."""
-    kernels = kernels_for(hidden.device)
+    compiled graph never swallows a collective; those keep the compiled elementwise islands of their choice.
+    ``kernels``: the model's choice (given by ``parallelize``), else the device's."""
+    kernels = resolve(kernels, hidden.device)
     # Per-document attention reads its documents on the host: no whole-block graph holds it.
     whole = kernels.compile_blocks is not None and tp_size == 1 and not is_document_starts(attend_mask)
     for start, end, checkpointed in units:
@@ -127,7 +128,7 @@ class SynchronousStack:
         """``[s, b, h] -> [s, b, h]``: every layer, then the final norm; recompute groups only without a cache."""
         model = self.model
         if kv_cache is None:
-            hidden = run_layers(model.layers, self.units, hidden, attend_mask, rotary, model.tp.size)
+            hidden = run_layers(model.layers, self.units, hidden, attend_mask, rotary, model.tp.size, model.kernels)
         else:
             for layer in model.layers:
                 hidden = layer(hidden, attend_mask, kv_cache, rotary)

@@ -43,7 +43,7 @@ from domino.model.qkv_projection import qkv_projection
 from domino.model.rotary import RotaryTables
 from domino.parallel.collectives import copy_to_tp_region
 from domino.parallel.document_attention import document_attention, is_document_starts
-from domino.parallel.kernels import compiled, kernels_for
+from domino.parallel.kernels import Kernels, compiled, resolve
 from domino.parallel.layers import ColumnParallelLinear, Product, RowParallelLinear
 from domino.parallel.linear_ops import GradSlot
 from domino.parallel.norms import LayerNorm, RMSNorm
@@ -76,6 +76,9 @@ class ParallelSelfAttention(nn.Module):
         # How attention reaches the rest of the sequence over ``cp``: the ring by default, or the all-to-all over
         # heads that :func:`domino.train.parallelize.parallelize` sets for --cp-comm-type a2a.
         self.context_parallel_attention = ring_attention
+        # The kernel choice of its ops (QKV, RoPE, per-document and ring attention), given by parallelize;
+        # None: the device's (domino.parallel.kernels).
+        self.kernels: Optional[Kernels] = None
         world = tp.size
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(f"--hidden-size {config.hidden_size} is not divisible by "
@@ -111,7 +114,8 @@ class ParallelSelfAttention(nn.Module):
         if slot is None:
             x = copy_to_tp_region(x, self.tp)
         return qkv_projection(x, layer.weight, layer.bias, self.groups_per_rank, slot,
-                              queries_per_group=self.heads_per_rank // self.groups_per_rank, rec=layer.fp8)
+                              queries_per_group=self.heads_per_rank // self.groups_per_rank, rec=layer.fp8,
+                              kernels=self.kernels)
 
     def context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attend_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None,
@@ -135,18 +139,19 @@ class ParallelSelfAttention(nn.Module):
         s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, heads, d] -> [b, heads, s, d], views
         if rotary is not None:  # before caching: the cache holds rotated keys, as transformers' does
-            q, k = rotary.rotate(q), rotary.rotate(k)
+            q, k = rotary.rotate(q, self.kernels), rotary.rotate(k, self.kernels)
         dropout = self.attention_dropout if self.training else 0.0
         if self.cp.size > 1:
             if kv_cache is not None:
                 raise ValueError("context-parallel attention is training attention: no KV cache")
-            return self.context_parallel_attention(q, k, v, self.cp, attend_mask=attend_mask, dropout=dropout).permute(
+            return self.context_parallel_attention(q, k, v, self.cp, attend_mask=attend_mask, dropout=dropout,
+                                                   kernels=self.kernels).permute(
                 2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         if is_document_starts(attend_mask):
             if kv_cache is not None:
                 raise ValueError("per-document attention (document starts) is training attention: no KV cache")
             with tp_region_rng(dropout > 0):  # as SDPA's dropout below: the TP stream
-                ctx = document_attention(q, k, v, attend_mask, dropout)
+                ctx = document_attention(q, k, v, attend_mask, dropout, kernels=self.kernels)
             return ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         past = 0
         if kv_cache is not None:
@@ -172,12 +177,12 @@ def _bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: t
 
 
 def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
-                     training: bool) -> torch.Tensor:
+                     training: bool, kernels: Optional[Kernels] = None) -> torch.Tensor:
     """``residual + dropout(x + bias)`` (on the replicated stream: default RNG, same mask on all TP ranks).
 
-    Eager on CPU; one compiled kernel on CUDA (:mod:`domino.parallel.kernels`).
+    Eager on CPU; one compiled kernel on CUDA (``kernels``, else the device's: :mod:`domino.parallel.kernels`).
     """
-    backend = kernels_for(x.device).compile_backend
+    backend = resolve(kernels, x.device).compile_backend
     fn = compiled(_bias_dropout_add, backend) if backend is not None else _bias_dropout_add
     return fn(x, bias, residual, p, training)
 
@@ -192,16 +197,17 @@ def _bias_dropout_add_norm(x: torch.Tensor, bias: Optional[torch.Tensor], residu
 
 
 def bias_dropout_add_norm(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
-                          training: bool, norm: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
+                          training: bool, norm: nn.Module, kernels: Optional[Kernels] = None
+                          ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``hidden = residual + dropout(x + bias)`` and ``norm(hidden)``: the residual stream and the next linear's
     input, as :func:`bias_dropout_add` then ``norm``.
 
     Eager on CPU (the same two calls, bit for bit); one compiled island on CUDA (:mod:`domino.parallel.kernels`),
     where the norm reads ``hidden`` from registers instead of from memory: one pass over the ``[s, b, h]``
     stream fewer, forward and backward, as Megatron-LM fuses the residual with the next norm in its Transformer
-    Engine layers.
+    Engine layers. ``kernels``: the layer's choice (else the device's).
     """
-    backend = kernels_for(x.device).compile_backend
+    backend = resolve(kernels, x.device).compile_backend
     if backend is None:
         hidden = _bias_dropout_add(x, bias, residual, p, training)
         return hidden, norm(hidden)
@@ -249,11 +255,12 @@ class _Reduced:
         self.out, self.bias = out, bias
 
     def finish(self, residual: torch.Tensor, layer: "TransformerLayer") -> torch.Tensor:
-        return bias_dropout_add(self.out, self.bias, residual, layer.hidden_dropout, layer.training)
+        return bias_dropout_add(self.out, self.bias, residual, layer.hidden_dropout, layer.training, layer.kernels)
 
     def finish_norm(self, residual: torch.Tensor, layer: "TransformerLayer",
                     norm: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
-        return bias_dropout_add_norm(self.out, self.bias, residual, layer.hidden_dropout, layer.training, norm)
+        return bias_dropout_add_norm(self.out, self.bias, residual, layer.hidden_dropout, layer.training, norm,
+                                     layer.kernels)
 
 
 class SynchronousReducer:
@@ -289,6 +296,7 @@ class TransformerLayer(nn.Module):
                  cp: MeshGroup = SINGLE) -> None:
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
+        self.kernels: Optional[Kernels] = None  # its residual islands' kernel choice, given by parallelize
         self.input_layernorm = build_norm(config)
         self.attention = ParallelSelfAttention(config, layer_number, tp, cp)
         self.post_attention_layernorm = build_norm(config)

@@ -51,12 +51,14 @@ class _Pending:
 
     def finish(self, residual: torch.Tensor, layer: TransformerLayer) -> torch.Tensor:
         self.handle.wait()  # wait for the all-reduce launched in __init__: its sum is read right here
-        return bias_dropout_add(self.partial, self.bias, residual, layer.hidden_dropout, layer.training)
+        return bias_dropout_add(self.partial, self.bias, residual, layer.hidden_dropout, layer.training,
+                                layer.kernels)
 
     def finish_norm(self, residual: torch.Tensor, layer: TransformerLayer, norm: torch.nn.Module):
         """:meth:`finish` and ``norm`` of its result, as one island: ``(hidden, norm(hidden))``."""
         self.handle.wait()  # wait for the all-reduce launched in __init__: its sum is read right here
-        return bias_dropout_add_norm(self.partial, self.bias, residual, layer.hidden_dropout, layer.training, norm)
+        return bias_dropout_add_norm(self.partial, self.bias, residual, layer.hidden_dropout, layer.training, norm,
+                                     layer.kernels)
 
 
 class _PendingScatter:
@@ -82,14 +84,15 @@ class _PendingScatter:
     def finish(self, residual: torch.Tensor, layer: TransformerLayer) -> torch.Tensor:
         self.handle.wait()  # wait for the reduce-scatter launched in __init__: its slice is read right here
         with tp_region_rng(layer.hidden_dropout > 0 and layer.training):
-            return bias_dropout_add(self.result(), self.bias, residual, layer.hidden_dropout, layer.training)
+            return bias_dropout_add(self.result(), self.bias, residual, layer.hidden_dropout, layer.training,
+                                    layer.kernels)
 
     def finish_norm(self, residual: torch.Tensor, layer: TransformerLayer, norm: torch.nn.Module):
         """:meth:`finish` and ``norm`` of its result, as one island: ``(hidden, norm(hidden))``."""
         self.handle.wait()  # wait for the reduce-scatter launched in __init__: its slice is read right here
         with tp_region_rng(layer.hidden_dropout > 0 and layer.training):
             return bias_dropout_add_norm(self.result(), self.bias, residual, layer.hidden_dropout, layer.training,
-                                         norm)
+                                         norm, layer.kernels)
 
 
 class StepStack:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from domino.parallel.collectives import all_to_all_region
 from domino.parallel.document_attention import document_attention, is_document_starts
+from domino.parallel.kernels import Kernels
 from domino.parallel.random import tp_region_rng
 from domino.runtime.mesh import MeshGroup
 
@@ -70,7 +71,7 @@ def _by_head_group(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGroup,
                          scale: Optional[float] = None, attend_mask: Optional[torch.Tensor] = None,
-                         dropout: float = 0.0) -> torch.Tensor:
+                         dropout: float = 0.0, kernels: Optional[Kernels] = None) -> torch.Tensor:
     """Causal attention of this rank's two load-balanced chunks over the whole sequence held by ``cp``, by
     exchanging sequence for heads (module docstring); the interface of
     :func:`domino.parallel.ring_attention.ring_attention`.
@@ -85,6 +86,7 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
             sequence in position order, True = may attend (each rank sees the whole sequence here).
         dropout: attention dropout, drawn from the TP stream (:func:`domino.parallel.random.tp_region_rng`),
             which differs per TP and CP rank: each rank's head group draws its own masks.
+        kernels: the per-document attention's kernel choice (given by ``parallelize``); None: the device's.
 
     Returns:
         ``[b, H, s, d]`` attention output in ``q``'s dtype (a view of ``[s, b, H, d]`` memory).
@@ -96,7 +98,7 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
     if n == 1:
         with tp_region_rng(dropout > 0):
             if documents:
-                return document_attention(q, k, v, attend_mask, dropout, scale)
+                return document_attention(q, k, v, attend_mask, dropout, scale, kernels)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attend_mask, dropout_p=dropout, is_causal=causal,
                                                   scale=scale, enable_gqa=groups != heads)
     b, _, s, d = q.shape
@@ -115,7 +117,8 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: 
     q_all, k_all, v_all = (t.permute(1, 2, 0, 3) for t in whole.split([hq, hg, hg], dim=2))
     with tp_region_rng(dropout > 0):  # this rank's heads: the TP stream (its seed differs per TP and CP rank)
         if documents:  # as at CP 1 (its device's kernel), over the whole sequence's starts
-            out = document_attention(q_all, k_all, v_all, whole_starts(attend_mask, cp), dropout, scale)
+            out = document_attention(q_all, k_all, v_all, whole_starts(attend_mask, cp), dropout, scale,
+                                     kernels)
         else:
                 out = F.scaled_dot_product_attention(q_all, k_all, v_all, attn_mask=attend_mask, dropout_p=dropout,
                                                  is_causal=causal, scale=scale, enable_gqa=hg != hq)

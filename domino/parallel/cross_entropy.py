@@ -32,7 +32,7 @@ import torch
 
 from domino.parallel.chunked_cross_entropy import chunked_linear_cross_entropy
 from domino.parallel.collectives import SINGLE, MeshGroup, all_reduce_max_, all_reduce_sum_
-from domino.parallel.kernels import kernels_for
+from domino.parallel.kernels import Kernels, resolve
 
 
 # A target probability at or above this is a normal fp32 number: -log(p) is then exact to a few ulps.
@@ -40,7 +40,7 @@ _SMALLEST_TRUSTED_PROBABILITY = 1e-30
 
 
 def _softmax_and_loss(logits: torch.Tensor, target: torch.Tensor, in_place: bool,
-                      logits_of_rows: Callable[[torch.Tensor], torch.Tensor], tp: MeshGroup):
+                      logits_of_rows: Callable[[torch.Tensor], torch.Tensor], tp: MeshGroup, kernels: Kernels):
     """Global softmax slice (fp32), per-token loss, and what backward needs to subtract the one-hot.
 
     With ``in_place`` (logits already fp32 or wider) the softmax overwrites ``logits``: no second buffer.
@@ -54,7 +54,7 @@ def _softmax_and_loss(logits: torch.Tensor, target: torch.Tensor, in_place: bool
     start = rank * per_rank
     outside = (target < start) | (target >= start + per_rank)
     local_target = (target - start).masked_fill(outside, 0)
-    if world == 1 and kernels_for(logits.device).loss_from_softmax:
+    if world == 1 and kernels.loss_from_softmax:
         probs = _softmax(logits, in_place, dtype)
         return probs, _loss_from_softmax(probs, target, logits_of_rows, dtype), local_target, outside
     # Read what is needed from the logits before the softmax may overwrite them.
@@ -110,9 +110,10 @@ def _softmax_to_grad_(probs, local_target, outside, grad_loss) -> torch.Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, tp: MeshGroup) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, tp: MeshGroup, kernels: Kernels) -> torch.Tensor:
         probs, loss, local_target, outside = _softmax_and_loss(logits, target, in_place=False,
-                                                               logits_of_rows=lambda rows: logits[rows], tp=tp)
+                                                               logits_of_rows=lambda rows: logits[rows], tp=tp,
+                                                               kernels=kernels)
         ctx.save_for_backward(probs, local_target, outside)
         ctx.input_dtype = logits.dtype
         return loss
@@ -120,7 +121,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         probs, local_target, outside = ctx.saved_tensors
-        return _softmax_to_grad_(probs, local_target, outside, grad_loss).to(ctx.input_dtype), None, None
+        return _softmax_to_grad_(probs, local_target, outside, grad_loss).to(ctx.input_dtype), None, None, None
 
 
 class _LogitsBuffer:
@@ -146,10 +147,10 @@ class _LogitsBuffer:
             return buf
         return torch.empty(shape, dtype=dtype, device=device)
 
-    def give_back(self, buf: torch.Tensor) -> None:
-        """Keeps ``buf`` for the next :meth:`take` where the device's kernels keep it (CPU; on CUDA it is just
+    def give_back(self, buf: torch.Tensor, keep: bool) -> None:
+        """Keeps ``buf`` for the next :meth:`take` where the kernels keep it (``keep``: CPU; on CUDA it is just
         released to the caching allocator); the caller must not read or write it afterwards."""
-        if not kernels_for(buf.device).keep_logits_buffer:
+        if not keep:
             return
         with self._lock:
             self._free = buf
@@ -161,18 +162,19 @@ _LOGITS_BUFFER = _LogitsBuffer()
 class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                graph: bool, grad_slot, tp: MeshGroup) -> torch.Tensor:
+                graph: bool, grad_slot, tp: MeshGroup, kernels: Kernels) -> torch.Tensor:
         # F.linear without bias is matmul(hidden, weight.t()); same GEMM, written into a re-used buffer.
         logits = torch.matmul(hidden, weight.t(),
                               out=_LOGITS_BUFFER.take((*hidden.shape[:-1], weight.shape[0]), hidden.dtype,
                                                       hidden.device))
         probs, loss, local_target, outside = _softmax_and_loss(
             logits, target, in_place=True, logits_of_rows=lambda rows: torch.matmul(hidden[rows], weight.t()),
-            tp=tp)
+            tp=tp, kernels=kernels)
         ctx.save_for_backward(hidden, weight, probs, local_target, outside)
+        ctx.keep_buffer = kernels.keep_logits_buffer
         ctx.buffer_lent = probs is logits and graph
         if not ctx.buffer_lent:  # no backward will come, or (lower precision) the softmax has its own buffer
-            _LOGITS_BUFFER.give_back(logits)
+            _LOGITS_BUFFER.give_back(logits, ctx.keep_buffer)
         ctx.backward_done = False
         ctx.grad_slot = grad_slot
         return loss
@@ -207,8 +209,8 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
             scaled_hidden = (hidden * scale if scale is not None else hidden).reshape(-1, weight.shape[1])
             grad_weight = grad_logits.reshape(-1, weight.shape[0]).t().matmul(scaled_hidden)
         if ctx.buffer_lent:
-            _LOGITS_BUFFER.give_back(probs)
-        return grad_hidden, grad_weight, None, None, None, None
+            _LOGITS_BUFFER.give_back(probs, ctx.keep_buffer)
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _check_shapes(logits_shape, target: torch.Tensor) -> None:
@@ -216,26 +218,27 @@ def _check_shapes(logits_shape, target: torch.Tensor) -> None:
         raise ValueError(f"logits {tuple(logits_shape)} and target {tuple(target.shape)} do not match")
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: MeshGroup = SINGLE
-                                 ) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: MeshGroup = SINGLE,
+                                 kernels: Optional[Kernels] = None) -> torch.Tensor:
     """Per-token cross-entropy of vocab-split logits.
 
     Args:
         logits: ``[..., V / tp]`` this rank's vocabulary columns (rank ``r`` holds ``[r V/tp, (r+1) V/tp)``).
         target: ``[...]`` int64 token ids in ``[0, V)``.
         tp: the tensor-parallel group the vocabulary is split over (one process by default).
+        kernels: the loss's kernel choice (the model's, given by ``parallelize``); None: the device's.
 
     Returns:
         ``[...]`` losses in fp32 (fp64 for fp64 logits), identical on every TP rank; equal to
         ``F.cross_entropy(full_logits, target, reduction="none")``.
     """
     _check_shapes(logits.shape, target)
-    return _VocabParallelCrossEntropy.apply(logits, target, tp)
+    return _VocabParallelCrossEntropy.apply(logits, target, tp, resolve(kernels, logits.device))
 
 
 def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                                         target: torch.Tensor, tp: MeshGroup = SINGLE,
-                                        grad_slot=None) -> torch.Tensor:
+                                        grad_slot=None, kernels: Optional[Kernels] = None) -> torch.Tensor:
     """``vocab_parallel_cross_entropy(F.linear(hidden, weight), target)`` with one logits-sized buffer.
 
     The logits never leave the function, so their buffer becomes the softmax and then the gradient in place
@@ -249,12 +252,14 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
         tp: the tensor-parallel group the vocabulary is split over (one process by default).
         grad_slot: None, or an object whose ``launch(grad)`` starts the TP all-reduce of ``hidden``'s gradient
             (Domino's gradient guard): backward then launches it before computing the weight's gradient.
+        kernels: the loss's kernel choice (the model's, given by ``parallelize``); None: the device's.
     """
     _check_shapes((*hidden.shape[:-1], weight.shape[0]), target)
+    kernels = resolve(kernels, hidden.device)
     graph = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    chunk_bytes = kernels_for(hidden.device).loss_chunk_bytes
+    chunk_bytes = kernels.loss_chunk_bytes
     if chunk_bytes is not None and graph:
         chunk_rows = max(1, chunk_bytes // (4 * weight.shape[0]))  # fp32 logits of chunk_rows tokens
         if chunk_rows < target.numel():
             return chunked_linear_cross_entropy(hidden, weight, target, chunk_rows, tp, grad_slot)
-    return _LinearVocabParallelCrossEntropy.apply(hidden, weight, target, graph, grad_slot, tp)
+    return _LinearVocabParallelCrossEntropy.apply(hidden, weight, target, graph, grad_slot, tp, kernels)

@@ -40,7 +40,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from domino.parallel.kernels import kernels_for
+from domino.parallel.kernels import Kernels, resolve
 
 #: Per sample, the ``(row_begin, row_end, key_begin, key_end)`` sub-blocks of one attention block.
 Pieces = List[List[Tuple[int, int, int, int]]]
@@ -71,8 +71,10 @@ def _check(q: torch.Tensor, starts: torch.Tensor) -> None:
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
-                       dropout: float = 0.0, scale: Optional[float] = None) -> torch.Tensor:
-    """Per-document causal attention of a whole sequence, as its device's kernels choose (module docstring).
+                       dropout: float = 0.0, scale: Optional[float] = None, kernels: Optional[Kernels] = None
+                       ) -> torch.Tensor:
+    """Per-document causal attention of a whole sequence, as ``kernels`` (else its device's) choose (module
+    docstring).
 
     Args:
         q: ``[b, H, s, d]`` queries (rotated).
@@ -80,12 +82,13 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts
         starts: int ``[b, s]``: the position where each token's document begins.
         dropout: attention dropout, drawn from the caller's generator (the TP stream).
         scale: the score scale (default ``1 / sqrt(d)``).
+        kernels: the kernel choice (given by ``parallelize`` to the attention); None: the device's.
 
     Returns:
         ``[b, H, s, d]`` in ``q``'s dtype, as SDPA's with the dense mask.
     """
     _check(q, starts)
-    choice = kernels_for(q.device).document_attention
+    choice = resolve(kernels, q.device).document_attention
     if choice == "varlen" and q.dtype in VARLEN_DTYPES:
         return varlen_attention(q, k, v, starts, dropout, scale)
     if choice != "dense":  # segmented, or varlen's inputs in a dtype FlashAttention does not take (fp32)

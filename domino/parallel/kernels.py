@@ -3,7 +3,8 @@
 Nine ops have more than one implementation of the same maths: one tuned for CPUs (measured in
 ``benchmarks/model_step.py``), one for CUDA GPUs, and the plain one to read first (``PLAIN_KERNELS``: the textbook
 formula of every op, no buffer tricks, nothing compiled; ``DOMINO_KERNELS=plain`` runs it on every device). Each op
-asks :func:`kernels_for` with its input's device at its one call site and takes the branch it is told:
+takes the table of the module that calls it (:func:`resolve`: its module's, else :func:`kernels_for` its input's
+device) at its one call site and takes the branch it is told:
 
 ==========================  ===========================================  =============================================
 op                          CPU (``CPU_KERNELS``)                        CUDA (``CUDA_KERNELS``)
@@ -77,6 +78,12 @@ a call's blocks (:func:`ring_block_kernel`); on CUDA, whether FlashAttention or 
 inputs is torch's own check (:func:`cuda_attention_fits`). The plain choice runs the textbook softmax, the
 reference. The CUDA blocks are tested on CPU with stand-ins for the ops; ``benchmarks/gpu_check.py``'s ``cp_2``
 stage is their first run on a GPU.
+
+The choice is a value: the entry point reads ``DOMINO_KERNELS`` once (:func:`from_environment`),
+:func:`for_device` turns it into the table of the model's device, and ``parallelize`` gives that table to every
+module holding a ``kernels`` attribute (:func:`apply_kernels`), as it gives the FP8 recipe to the linears; each
+op takes its module's table (:func:`resolve`), so two models with different choices live in one process. A module
+given no table takes its device's own choice (:func:`kernels_for`).
 
 Every choice computes the same values (``tests/model/test_model_kernels.py`` forces the CUDA and the plain choices
 on CPU tensors and compares outputs and gradients). Devices other than ``cuda`` take the CPU choices.
@@ -170,9 +177,17 @@ ENV_VAR = "DOMINO_KERNELS"
 COMPILED = "compiled"
 
 
-def _from_environment(environ=os.environ) -> Union[None, str, Kernels]:
+#: What ``DOMINO_KERNELS`` chose: None (the device's choice), :data:`PLAIN_KERNELS`, or :data:`COMPILED`.
+Choice = Union[None, str, Kernels]
+
+
+def from_environment(environ=os.environ) -> Choice:
     """``DOMINO_KERNELS``: ``plain`` (every device), ``compiled`` (the device's choice with whole blocks
-    compiled), or unset / ``auto`` (chosen by device type)."""
+    compiled), or unset / ``auto`` (chosen by device type). Read by the entry points only, once.
+
+    Raises:
+        ConfigError: any other value, naming the variable.
+    """
     value = environ.get(ENV_VAR, "").strip().lower()
     if value in ("", "auto"):
         return None
@@ -183,7 +198,30 @@ def _from_environment(environ=os.environ) -> Union[None, str, Kernels]:
     raise ConfigError(f"{ENV_VAR}={value!r}: expected plain, compiled or auto")
 
 
-_CHOSEN = _from_environment()  # read once, when the process imports the model code
+
+def for_device(choice: Choice, device: torch.device) -> Kernels:
+    """The table ``choice`` (:func:`from_environment`) takes for tensors on ``device``."""
+    if isinstance(choice, Kernels):
+        return choice
+    if device.type != "cuda":
+        auto = CPU_KERNELS
+    else:
+        auto = CUDA_KERNELS if c_compiler() is not None else CUDA_KERNELS_WITHOUT_COMPILER
+    return with_compiled_blocks(auto) if choice == COMPILED and c_compiler() is not None else auto
+
+
+def apply_kernels(module: torch.nn.Module, kernels: Optional[Kernels]) -> torch.nn.Module:
+    """Gives ``kernels`` to ``module`` and every submodule holding a choice (a ``kernels`` attribute: norms,
+    linears, attention, the layers, the model's loss); None gives them back their device's choice."""
+    for sub in module.modules():
+        if hasattr(sub, "kernels"):
+            sub.kernels = kernels
+    return module
+
+
+def resolve(kernels: Optional[Kernels], device: torch.device) -> Kernels:
+    """``kernels`` (a module's table, given by ``parallelize``), else :func:`kernels_for` ``device``."""
+    return kernels if kernels is not None else kernels_for(device)
 
 _forced: contextvars.ContextVar[Optional[Kernels]] = contextvars.ContextVar("domino_forced_kernels", default=None)
 
@@ -194,19 +232,12 @@ _block_kernels: Optional[Kernels] = None
 
 
 def kernels_for(device: torch.device) -> Kernels:
-    """The kernels for tensors on ``device`` (those of :func:`forced_kernels` inside its block)."""
+    """The device's own kernels for tensors on ``device`` (those of :func:`forced_kernels` inside its block), for
+    modules given no table."""
     if _block_kernels is not None and torch.compiler.is_compiling():
         return _block_kernels
     forced = _forced.get()
-    if forced is not None:
-        return forced
-    if isinstance(_CHOSEN, Kernels):
-        return _CHOSEN
-    if device.type != "cuda":
-        auto = CPU_KERNELS
-    else:
-        auto = CUDA_KERNELS if c_compiler() is not None else CUDA_KERNELS_WITHOUT_COMPILER
-    return with_compiled_blocks(auto) if _CHOSEN == COMPILED and c_compiler() is not None else auto
+    return forced if forced is not None else for_device(None, device)
 
 
 def ring_block_kernel(kernels: Kernels, q: torch.Tensor, k: torch.Tensor, dropout: float, masked: bool) -> str:
@@ -262,7 +293,8 @@ def c_compiler() -> Optional[str]:
 
 @contextlib.contextmanager
 def forced_kernels(kernels: Kernels) -> Iterator[None]:
-    """Runs the block with ``kernels`` whatever the device (tests compare the two paths on CPU tensors)."""
+    """Runs the block with ``kernels`` whatever the device, for the modules given no table of their own (tests
+    and benchmarks compare the paths on CPU tensors)."""
     token = _forced.set(kernels)
     try:
         yield
@@ -270,12 +302,12 @@ def forced_kernels(kernels: Kernels) -> Iterator[None]:
         _forced.reset(token)
 
 
-def island(fn: Callable, device: torch.device) -> Callable:
-    """``fn`` as the kernels of ``device`` run it: compiled into fused kernels where they have a compile backend
-    (CUDA with a C compiler), else ``fn`` itself. For the elementwise islands between the GEMMs (bias + dropout +
+def island(fn: Callable, device: torch.device, kernels: Optional[Kernels] = None) -> Callable:
+    """``fn`` as ``kernels`` (else those of ``device``) run it: compiled into fused kernels where they have a
+    compile backend (CUDA with a C compiler), else ``fn`` itself. For the elementwise islands between the GEMMs (bias + dropout +
     residual, SwiGLU, RoPE), as torchtitan compiles its blocks and Megatron-LM ``jit_fuser``-s its
     ``megatron/core/fusions/`` functions."""
-    backend = kernels_for(device).compile_backend
+    backend = resolve(kernels, device).compile_backend
     return compiled(fn, backend) if backend is not None else fn
 
 

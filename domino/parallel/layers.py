@@ -33,7 +33,7 @@ from domino.parallel.collectives import (
     scatter_to_tp_region,
 )
 from domino.parallel import fp8
-from domino.parallel.kernels import kernels_for
+from domino.parallel.kernels import Kernels, resolve
 from domino.parallel.linear_ops import gelu_linear
 from domino.parallel.norms import gelu
 from domino.runtime.mesh import SINGLE, MeshGroup
@@ -104,13 +104,14 @@ def _sharded_normal(shape: Tuple[int, int], std: float, dim: int, tp: MeshGroup)
 
 
 def _gelu_then_linear(pre_activation: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      rec: Optional[fp8.Recipe]) -> torch.Tensor:
+                      rec: Optional[fp8.Recipe], kernels: Optional[Kernels]) -> torch.Tensor:
     """``F.linear(F.gelu(pre_activation), weight, bias)``: one buffer-reusing node on CPU, two ops on CUDA, GeLU
-    then the linear, the textbook GeLU on the plain choice (:mod:`domino.parallel.kernels`); the GEMMs in float8
-    per ``rec``."""
-    if kernels_for(pre_activation.device).fused_gelu_fc2 and rec is None:
+    then the linear, the textbook GeLU on the plain choice (``kernels``, else the device's:
+    :mod:`domino.parallel.kernels`); the GEMMs in float8 per ``rec``."""
+    kernels = resolve(kernels, pre_activation.device)
+    if kernels.fused_gelu_fc2 and rec is None:
         return gelu_linear(pre_activation, weight, bias)
-    return fp8.linear(gelu(pre_activation), weight, bias, rec)
+    return fp8.linear(gelu(pre_activation, kernels=kernels), weight, bias, rec)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -209,12 +210,14 @@ class RowParallelLinear(nn.Module):
 
     Attributes:
         fp8: the FP8 recipe of its GEMMs (:mod:`domino.parallel.fp8`), given by ``parallelize``; None: high precision.
+        kernels: the kernel choice of GeLU + fc2 (:mod:`domino.parallel.kernels`), given by ``parallelize``; None:
+            the device's.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = True,
                  init_std: float = 0.02, skip_bias_add: bool = False, tp: MeshGroup = SINGLE) -> None:
         super().__init__()
-        self.tp, self.fp8 = tp, None
+        self.tp, self.fp8, self.kernels = tp, None, None
         world = tp.size
         self.input_size = input_size
         self.output_size = output_size
@@ -234,7 +237,7 @@ class RowParallelLinear(nn.Module):
         """:meth:`product` of ``F.gelu(pre_activation)``, GeLU fused into the product's autograd node: on CPU the
         fused backward reuses the activation's buffer for its gradients
         (:func:`domino.parallel.linear_ops.gelu_linear`)."""
-        return lambda bias: _gelu_then_linear(pre_activation, self.weight, bias, self.fp8)
+        return lambda bias: _gelu_then_linear(pre_activation, self.weight, bias, self.fp8, self.kernels)
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """Synchronous TP: the partial sums are all-reduced before the bias is added."""

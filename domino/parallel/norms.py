@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from domino.parallel.kernels import kernels_for
+from domino.parallel.kernels import Kernels, resolve
 
 
 def textbook_layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -56,23 +56,24 @@ def textbook_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 
 
 def layer_norm(x: torch.Tensor, shape: Sequence[int], weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-               eps: float) -> torch.Tensor:
-    """LayerNorm over the last dimension (``shape``: its size) as the kernel choice for ``x``'s device runs it."""
-    if kernels_for(x.device).fused_norms:
+               eps: float, kernels: Optional[Kernels] = None) -> torch.Tensor:
+    """LayerNorm over the last dimension (``shape``: its size) as ``kernels`` (else ``x``'s device's) run it."""
+    if resolve(kernels, x.device).fused_norms:
         return F.layer_norm(x, shape, weight, bias, eps)
     return textbook_layer_norm(x, weight, bias, eps)
 
 
-def rms_norm(x: torch.Tensor, shape: Sequence[int], weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension as the kernel choice for ``x``'s device runs it."""
-    if kernels_for(x.device).fused_norms:
+def rms_norm(x: torch.Tensor, shape: Sequence[int], weight: Optional[torch.Tensor], eps: float,
+             kernels: Optional[Kernels] = None) -> torch.Tensor:
+    """RMSNorm over the last dimension as ``kernels`` (else ``x``'s device's) run it."""
+    if resolve(kernels, x.device).fused_norms:
         return F.rms_norm(x, shape, weight, eps)
     return textbook_rms_norm(x, weight, eps)
 
 
-def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """GeLU (``approximate``: ``"none"`` for erf, or ``"tanh"``) as the kernel choice for ``x``'s device runs it."""
-    if kernels_for(x.device).fused_norms:
+def gelu(x: torch.Tensor, approximate: str = "none", kernels: Optional[Kernels] = None) -> torch.Tensor:
+    """GeLU (``approximate``: ``"none"`` for erf, or ``"tanh"``) as ``kernels`` (else ``x``'s device's) run it."""
+    if resolve(kernels, x.device).fused_norms:
         return F.gelu(x, approximate=approximate)
     return textbook_gelu(x, approximate)
 
@@ -80,12 +81,19 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters and state dict) through :func:`layer_norm`."""
 
+    kernels: Optional[Kernels] = None
+    """The kernel choice given by ``parallelize`` (:func:`domino.parallel.kernels.apply_kernels`); None: the
+    device's."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, self.kernels)
 
 
 class RMSNorm(nn.RMSNorm):
     """``nn.RMSNorm`` (same parameters and state dict) through :func:`rms_norm`; ``eps`` must be given."""
 
+    kernels: Optional[Kernels] = None
+    """The kernel choice given by ``parallelize``; None: the device's."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps, self.kernels)

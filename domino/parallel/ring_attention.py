@@ -56,7 +56,7 @@ from domino.parallel.context_split import local_token_indices
 from domino.parallel.document_attention import (Pieces, attend_mask_of, block_documents, document_attention,
                                                 documents_backward, documents_forward, is_document_starts)
 from domino.parallel.attention_blocks import BlockKernels
-from domino.parallel.kernels import kernels_for, ring_block_kernel
+from domino.parallel.kernels import Kernels, resolve, ring_block_kernel
 from domino.parallel.random import device_rng_state, replaying_rng, tp_region_rng
 from domino.runtime.mesh import MeshGroup
 
@@ -64,10 +64,10 @@ KV_TAG, GRAD_TAG = 0, 1  # the two transfers may be in flight at once between th
 
 
 def _block_kernels(q: torch.Tensor, k: torch.Tensor, attend_mask: Optional[torch.Tensor],
-                   dropout: float) -> BlockKernels:
-    """The kernel of this call's blocks, as :func:`domino.parallel.kernels.ring_block_kernel` chooses it (the one
-    place): whether the blocks carry a dense mask follows from the mask and the document-attention choice."""
-    kernels = kernels_for(q.device)
+                   dropout: float, kernels: Kernels) -> BlockKernels:
+    """The kernel of this call's blocks, as :func:`domino.parallel.kernels.ring_block_kernel` chooses it from
+    ``kernels`` (the one place): whether the blocks carry a dense mask follows from the mask and the
+    document-attention choice."""
     masked = attend_mask is not None and (not is_document_starts(attend_mask)
                                           or kernels.document_attention == "dense")
     return BlockKernels(ring_block_kernel(kernels, q, k, dropout, masked))
@@ -121,9 +121,10 @@ class _Block(NamedTuple):
 
 
 def _block(step: int, cp: MeshGroup, q: torch.Tensor, held: torch.Tensor, rows_mask: Optional[torch.Tensor],
-           dropout: float, draws_masks: bool) -> _Block:
+           dropout: float, draws_masks: bool, dense_documents: bool) -> _Block:
     """Step ``step``'s block, forward and backward alike (backward draws the same dropout masks, in order; with
-    ``draws_masks`` False the block kernel draws its own)."""
+    ``draws_masks`` False the block kernel draws its own; with ``dense_documents`` document starts become the
+    block's part of the dense mask, the reference, else per-document sub-blocks)."""
     half = q.shape[2] // 2
     owner, causal, rows, keys = _block_of(step, cp, half)
     bq, bk, bv = q[:, :, rows], held[0][:, :, keys], held[1][:, :, keys]
@@ -132,7 +133,7 @@ def _block(step: int, cp: MeshGroup, q: torch.Tensor, held: torch.Tensor, rows_m
         starts = rows_mask[:, rows]
         q_pos = _positions(cp.rank, cp, half, q.device)[rows]
         k_pos = _positions(owner, cp, half, q.device)[keys]
-        if kernels_for(q.device).document_attention == "dense":  # the reference: the block's part of the mask
+        if dense_documents:  # the reference: the block's part of the mask
             return _Block(causal, rows, keys, bq, bk, bv, attend_mask_of(starts, q_pos, k_pos), keep)
         return _Block(causal, rows, keys, bq, bk, bv, None, keep, block_documents(starts, q_pos, k_pos))
     return _Block(causal, rows, keys, bq, bk, bv, _mask_block(rows_mask, owner, cp, half, rows, keys), keep)
@@ -184,8 +185,9 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGroup, scale: float,
-                attend_mask: Optional[torch.Tensor], dropout: float):
-        kernels = _block_kernels(q, k, attend_mask, dropout)
+                attend_mask: Optional[torch.Tensor], dropout: float, choice: Kernels):
+        kernels = _block_kernels(q, k, attend_mask, dropout, choice)
+        dense = choice.document_attention == "dense"
         draws = dropout > 0 and kernels.draws_masks
         rows_mask = _mask_rows(attend_mask, cp, q.shape[2] // 2)
         rng = device_rng_state(q.device) if draws else None  # backward replays the blocks' dropout masks
@@ -194,7 +196,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp.size):
             # Launch: the next step's block in flight while this one is computed; waited at the end of the step.
             incoming, requests = _shift(held, cp, KV_TAG) if step + 1 < cp.size else (None, None)
-            block = _block(step, cp, q, held, rows_mask, dropout, draws)
+            block = _block(step, cp, q, held, rows_mask, dropout, draws, dense)
             block_out, block_lse = _block_forward(kernels.forward, block, scale, dropout)
             if block.causal:
                 out, lse = block_out.float(), block_lse
@@ -204,7 +206,7 @@ class _RingAttention(torch.autograd.Function):
             held = incoming
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, attend_mask, rng)
-        ctx.cp, ctx.scale, ctx.dropout, ctx.kernels = cp, scale, dropout, kernels
+        ctx.cp, ctx.scale, ctx.dropout, ctx.kernels, ctx.dense = cp, scale, dropout, kernels, dense
         return out
 
     @staticmethod
@@ -222,7 +224,7 @@ class _RingAttention(torch.autograd.Function):
             for step in range(cp.size):
                 # Launch: the next step's block in flight while this one's gradient is computed.
                 incoming, requests = _shift(held, cp, KV_TAG) if step + 1 < cp.size else (None, None)
-                block = _block(step, cp, q, held, rows_mask, dropout, rng is not None)
+                block = _block(step, cp, q, held, rows_mask, dropout, rng is not None, ctx.dense)
                 rows, keys = block.rows, block.keys
                 given = (dout[:, :, rows], block.q, block.k, block.v, out[:, :, rows], lse[:, :, rows], block.causal,
                          scale)
@@ -243,12 +245,12 @@ class _RingAttention(torch.autograd.Function):
                 _wait(requests)  # wait: the next block has arrived
                 held = incoming
         _wait(grad_requests)  # wait: our own block's gradient, summed over every rank's queries, is back
-        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGroup,
                    scale: Optional[float] = None, attend_mask: Optional[torch.Tensor] = None,
-                   dropout: float = 0.0) -> torch.Tensor:
+                   dropout: float = 0.0, kernels: Optional[Kernels] = None) -> torch.Tensor:
     """Causal attention of this rank's two load-balanced chunks over the whole sequence held by ``cp``.
 
     Args:
@@ -265,14 +267,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGr
             (:func:`domino.parallel.random.tp_region_rng`, which differs per TP and CP rank) and replayed in
             backward (on CPU the blocks then run the textbook softmax: SDPA's fused CPU kernel has no dropout; the
             CUDA blocks draw it themselves and replay it from their RNG states).
+        kernels: the attention's kernel choice (given by ``parallelize``); None: the device's.
 
     Returns:
         ``[b, H, s, d]`` attention output in ``q``'s dtype, as SDPA's.
     """
+    kernels = resolve(kernels, q.device)
     if cp.size == 1:
         with tp_region_rng(dropout > 0):
             if is_document_starts(attend_mask):
-                return document_attention(q, k, v, attend_mask, dropout, scale)
+                return document_attention(q, k, v, attend_mask, dropout, scale, kernels)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attend_mask, dropout_p=dropout,
                                                   is_causal=attend_mask is None, scale=scale,
                                                   enable_gqa=k.shape[1] != q.shape[1])
@@ -280,4 +284,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: MeshGr
         raise ValueError(f"ring attention needs an even number of local tokens (two chunks), got {q.shape[2]}")
     with tp_region_rng(dropout > 0):  # the blocks' dropout masks: this rank's stream
         return _RingAttention.apply(q, k, v, cp, scale if scale is not None else q.shape[-1] ** -0.5, attend_mask,
-                                    dropout)
+                                    dropout, kernels)

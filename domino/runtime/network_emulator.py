@@ -23,8 +23,9 @@ transfer runs while its process waits anyway. ``transfer=wait`` removes that art
 when the schedule waits (all ranks wait in the same order, so the collectives still match), then the
 remainder of the modelled time is slept. Its own bias is the opposite one: a fully hidden collective still
 costs its real transfer at the wait, counted as blocked time. The data are gloo's, so
-results are bit-identical with and without the emulator. Read once, when the process groups are created
-(:func:`install_from_environment`); unset, the collectives take their plain path (one ``None`` check).
+results are bit-identical with and without the emulator. Read once, by the entry point before any work
+(:func:`link_from_environment`, called by :func:`domino.train.runtime_start.initialize_runtime`), and given to the
+mesh as a value (``state.start(..., link=...)``); unset, the collectives take their plain path (one ``None`` check).
 
 Data-parallel (ZeRO) collectives are issued by DeepSpeed, not by this layer, and are not emulated.
 """
@@ -141,8 +142,12 @@ class LinkEmulator:
         return seconds
 
 
-def install_from_environment(environ: Optional[dict] = None) -> Optional[LinkEmulator]:
-    """Reads ``DOMINO_SIMULATED_NETWORK`` and returns its emulator (None when unset or empty); logs it loudly."""
+def link_from_environment(environ: Optional[dict] = None) -> Optional[LinkEmulator]:
+    """Reads ``DOMINO_SIMULATED_NETWORK`` and returns its emulator (None when unset or empty); logs it loudly.
+
+    Raises:
+        ConfigError: the value is malformed (naming the variable and the field: :func:`parse_spec`).
+    """
     text = (os.environ if environ is None else environ).get(ENV_VAR, "").strip()
     if not text:
         return None

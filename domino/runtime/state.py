@@ -21,7 +21,7 @@ import torch.distributed as dist
 from domino.config import ConfigError, ParallelConfig
 from domino.config.validate import check_tensor_parallel_size
 from domino.runtime.mesh import ParallelMesh, RankGrid, collective_device  # noqa: F401  (imported from here too)
-from domino.runtime.network_emulator import LinkEmulator, install_from_environment
+from domino.runtime.network_emulator import LinkEmulator
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,8 @@ def _tensor_parallel_options():
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, timeout_minutes: Optional[int] = None,
-                              pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1) -> ParallelMesh:
+                              pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1,
+                              link: Optional[LinkEmulator] = None) -> ParallelMesh:
     """Creates the TP, DP and (at pipeline size > 1) pipeline and embedding groups over the current world and
     returns them as the run's :class:`ParallelMesh` (which the getters below also answer from).
 
@@ -172,14 +173,13 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, timeout_minut
     without a timeout takes torch's default (30 minutes for gloo, 10 for NCCL; torch 2.13
     ``distributed_c10d._new_group_with_tag`` -> ``_get_default_timeout``), not the world group's.
 
-    Also reads ``DOMINO_SIMULATED_NETWORK`` (once, here) and emulates that link
-    for the TP collectives (:mod:`domino.runtime.network_emulator`).
+    ``link``: the emulated interconnect of the TP collectives (:mod:`domino.runtime.network_emulator`), which
+    the entry point reads from ``DOMINO_SIMULATED_NETWORK`` once; None: the real links only.
 
     Raises:
-        ConfigError: when the world size is not divisible by TP x PP, or ``DOMINO_SIMULATED_NETWORK`` is malformed.
+        ConfigError: when the world size is not divisible by TP x PP.
     """
     global _MESH
-    link = install_from_environment()  # before any group exists, so bad values fail early
     options = _tensor_parallel_options() if dist.is_initialized() else None
     _MESH = ParallelMesh.build(tensor_model_parallel_size, pipeline_model_parallel_size, timeout_minutes, link,
                                options, context_parallel_size)
@@ -195,7 +195,7 @@ def launched_world_size() -> int:
 def start(tensor_model_parallel_size: Optional[int] = None, *, backend: Optional[str] = None,
           timeout_minutes: int = ParallelConfig.distributed_timeout_minutes, lone_process_group: bool = False,
           pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1,
-          store: Optional[dist.Store] = None) -> ParallelMesh:
+          store: Optional[dist.Store] = None, link: Optional[LinkEmulator] = None) -> ParallelMesh:
     """The start-up of every entry point (``domino pretrain`` through
     :func:`domino.train.runtime_start.initialize_runtime`, evaluation through :mod:`domino.eval.runtime`): checks the
     layout, starts ``torch.distributed`` and creates the TP x PP x DP groups. Call it once per process.
@@ -209,6 +209,8 @@ def start(tensor_model_parallel_size: Optional[int] = None, *, backend: Optional
         lone_process_group: Start torch.distributed for a lone process too (DeepSpeed needs a process group);
             otherwise a lone process runs without it.
         store: The rendezvous store to start on (an in-process restart's; default: the launcher's environment).
+        link: The emulated link of the TP collectives (``DOMINO_SIMULATED_NETWORK``, read by the entry point:
+            :func:`domino.runtime.network_emulator.link_from_environment`); None: the real links only.
 
     Returns:
         The run's mesh, to pass down.
@@ -222,7 +224,7 @@ def start(tensor_model_parallel_size: Optional[int] = None, *, backend: Optional
     if world > 1 or lone_process_group or dist.is_initialized():
         initialize_distributed(backend, timeout_minutes, store)
     return initialize_model_parallel(tp, timeout_minutes=timeout_minutes, pipeline_model_parallel_size=pp,
-                                     context_parallel_size=cp)
+                                     context_parallel_size=cp, link=link)
 
 
 # Built once: every caller before start() gets the same value, with the same groups and their comm timers.

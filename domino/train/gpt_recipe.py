@@ -20,8 +20,9 @@ from domino.data.dataset_builder import build_train_valid_test_datasets, parse_d
 from domino.data.mock import MockGPTDataset
 from domino.data.tokenizer import tokenizer_for_run
 from domino.model import GPTModel
+from domino.parallel import kernels
 from domino.parallel.context_split import masked_mean_loss, split_batch, sum_over_context
-from domino.runtime.mesh import SINGLE, MeshGroup, ParallelMesh
+from domino.runtime.mesh import SINGLE, MeshGroup, ParallelMesh, collective_device
 from domino.train.parallelize import parallelize
 
 logger = logging.getLogger(__name__)
@@ -75,10 +76,12 @@ class GPTRecipe:
         vocab_size: the vocabulary the datasets' token ids are checked against.
         padded_vocab_size: the vocabulary padded as Megatron's ``--make-vocab-size-divisible-by`` does.
         eod: the end-of-document token id.
+        kernel_choice: the ops' kernel choice (``DOMINO_KERNELS`` as the entry point read it:
+            :func:`domino.parallel.kernels.from_environment`); None: each device's own.
     """
 
-    def __init__(self, config: DominoConfig, mesh: ParallelMesh) -> None:
-        self.config, self.mesh = config, mesh
+    def __init__(self, config: DominoConfig, mesh: ParallelMesh, kernel_choice: kernels.Choice = None) -> None:
+        self.config, self.mesh, self.kernel_choice = config, mesh, kernel_choice
         check_data_prefixes(config)
         self.tokenizer = None
         null = config.data.tokenizer_type == "NullTokenizer"
@@ -106,7 +109,9 @@ class GPTRecipe:
                              "broadcast over another TP group than the model's)")
         # From ``config``: a resume may keep its checkpoint's padding (domino.checkpoint.resume.keep_padded_vocab).
         model = GPTModel(config.model, padded_vocab_size(self.vocab_size, config), tp=mesh.tp, cp=mesh.cp)
-        return parallelize(model, mesh, config)
+        # The device the optimizer's builder moves the model to (it is built on the host).
+        table = kernels.for_device(self.kernel_choice, collective_device(mesh.tp.process_group))
+        return parallelize(model, mesh, config, table)
 
     def dataset_builder(self, num_samples: Tuple[int, int, int]) -> Tuple[Any, Optional[Any], Optional[Any]]:
         """Train/valid/test datasets holding at least ``num_samples`` samples each."""

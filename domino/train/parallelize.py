@@ -12,7 +12,9 @@ everything else a run's layout asks for is applied here, from outside the model,
 5. context-parallel attention's communication (``--cp-comm-type``): the ring each layer is built with, or the
    all-to-all over heads (:mod:`domino.parallel.all_to_all_attention`);
 6. the numerics: the FP8 recipe of ``--fp8-format`` (:mod:`domino.parallel.fp8`) given to every tensor-parallel
-   linear of the layers, a value each holds (the output layer, an embedding's weight, keeps high precision).
+   linear of the layers, a value each holds (the output layer, an embedding's weight, keeps high precision), and
+   the kernel choice (``DOMINO_KERNELS``, read by the entry point: :mod:`domino.parallel.kernels`) given to every
+   module that holds one (norms, linears, attention, the layers, the model's loss and stack).
 
 torchtitan applies its parallelisms the same way, from one function per model family in a fixed order over a
 model built on the meta device (``parallelize_llama`` in ``torchtitan/models/llama3/infra/parallelize.py``: TP,
@@ -22,10 +24,13 @@ activation checkpointing, compile, FSDP), and Megatron core builds each pipeline
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 
 from domino.config import DominoConfig
 from domino.parallel import fp8
+from domino.parallel.kernels import Kernels, apply_kernels
 from domino.parallel.layers import apply_fp8
 from domino.config.layout import virtual_stages
 from domino.model.recompute import RecomputePlan, apply_activation_recompute
@@ -40,13 +45,16 @@ from domino.runtime.mesh import ParallelMesh
 CONTEXT_PARALLEL_ATTENTION = {"p2p": ring_attention, "a2a": all_to_all_attention}
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh, config: DominoConfig) -> nn.Module:
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: DominoConfig,
+                kernels: Optional[Kernels] = None) -> nn.Module:
     """This rank's part of ``model`` laid out as ``config`` and ``mesh`` ask (module docstring); returns it.
 
     Args:
         model: a whole ``GPTModel`` with its synchronous stack, built over ``mesh.tp``.
         mesh: the run's parallel layout (this rank's TP group and pipeline).
         config: the run's configuration (virtual stages, sequence parallelism, Domino chunks, recompute).
+        kernels: the kernel table of every op (:func:`domino.parallel.kernels.for_device` of the entry point's
+            choice); None leaves each op its device's own choice.
 
     Raises:
         ValueError: the model was built over another TP group than ``mesh.tp``, or already parallelized.
@@ -70,4 +78,5 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: DominoConfig) -> n
         for layer in chunk.layers:
             layer.attention.context_parallel_attention = attention
         apply_fp8(chunk, recipe)
+        apply_kernels(chunk, kernels)
     return model

@@ -18,6 +18,7 @@ from domino.config.validate import check_device
 from domino.parallel import fp8
 from domino.runtime import state
 from domino.runtime.mesh import ParallelMesh
+from domino.runtime.network_emulator import link_from_environment
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,9 @@ def initialize_runtime(config: DominoConfig, store: Optional[torch.distributed.S
     by the optimizer that needs it, :func:`domino.optim.deepspeed_optimizer.build_deepspeed_optimizer`): once per
     process, by whoever starts the run (``domino pretrain`` before its agreed data checks), before
     :func:`domino.train.pretrain.pretrain`, and again on ``store`` after an in-process restart tore them down
-    (:mod:`domino.train.inprocess`). Returns the run's mesh."""
+    (:mod:`domino.train.inprocess`). Returns the run's mesh, its TP link emulated as ``DOMINO_SIMULATED_NETWORK``
+    asks (read here, once per start, before any work: a malformed value fails before a group exists)."""
+    link = link_from_environment()
     set_overlap_environment()
     check_this_device(config)
     p = config.parallel
@@ -70,5 +73,5 @@ def initialize_runtime(config: DominoConfig, store: Optional[torch.distributed.S
     mesh = state.start(p.tensor_model_parallel_size, backend=p.distributed_backend,
                        timeout_minutes=p.distributed_timeout_minutes, lone_process_group=True,
                        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-                       context_parallel_size=p.context_parallel_size, store=store)
+                       context_parallel_size=p.context_parallel_size, store=store, link=link)
     return mesh

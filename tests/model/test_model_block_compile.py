@@ -47,9 +47,8 @@ def test_compiled_block_equals_the_eager_block():
 
 
 def test_compiled_choice_from_the_environment(monkeypatch):
-    assert kernel_choice._from_environment({"DOMINO_KERNELS": "compiled"}) == kernel_choice.COMPILED
-    monkeypatch.setattr(kernel_choice, "_CHOSEN", kernel_choice.COMPILED)
-    assert kernel_choice.kernels_for(torch.device("cpu")) == COMPILED_CPU
+    assert kernel_choice.from_environment({"DOMINO_KERNELS": "compiled"}) == kernel_choice.COMPILED
+    assert kernel_choice.for_device(kernel_choice.COMPILED, torch.device("cpu")) == COMPILED_CPU
     # Without a C compiler inductor cannot build the block: the device's eager choice runs.
     monkeypatch.setattr(kernel_choice, "c_compiler", lambda: None)
-    assert kernel_choice.kernels_for(torch.device("cpu")) == CPU_KERNELS
+    assert kernel_choice.for_device(kernel_choice.COMPILED, torch.device("cpu")) == CPU_KERNELS

@@ -47,11 +47,14 @@ def test_choices_by_device_type():
 
 
 def test_plain_choice_from_the_environment():
-    assert kernel_choice._from_environment({}) is None
-    assert kernel_choice._from_environment({"DOMINO_KERNELS": "auto"}) is None
-    assert kernel_choice._from_environment({"DOMINO_KERNELS": " Plain "}) == PLAIN_KERNELS
+    assert kernel_choice.from_environment({}) is None
+    assert kernel_choice.from_environment({"DOMINO_KERNELS": "auto"}) is None
+    assert kernel_choice.from_environment({"DOMINO_KERNELS": " Plain "}) == PLAIN_KERNELS
     with pytest.raises(ConfigError, match="DOMINO_KERNELS='fast': expected plain, compiled or auto"):
-        kernel_choice._from_environment({"DOMINO_KERNELS": "fast"})
+        kernel_choice.from_environment({"DOMINO_KERNELS": "fast"})
+    # The choice is a value: its table for each device, whatever the device.
+    assert kernel_choice.for_device(PLAIN_KERNELS, torch.device("cuda")) == PLAIN_KERNELS
+    assert kernel_choice.for_device(None, torch.device("cpu")) == CPU_KERNELS
 
 
 def test_cuda_runs_the_fusions_eagerly_without_a_c_compiler(monkeypatch, tmp_path):

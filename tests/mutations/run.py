@@ -101,8 +101,10 @@ MUTATIONS: List[Mutation] = [
              ["tests/parallel/test_parallel_collectives.py"]),
     Mutation("domino-reads-sum-before-wait", "domino/overlap/steps.py",
              "        self.handle.wait()  # wait for the all-reduce launched in __init__: its sum is read right here\n"
-             "        return bias_dropout_add(self.partial, self.bias, residual, layer.hidden_dropout, layer.training)",
-             "        out = bias_dropout_add(self.partial, self.bias, residual, layer.hidden_dropout, layer.training)\n"
+             "        return bias_dropout_add(self.partial, self.bias, residual, layer.hidden_dropout, layer.training,\n"
+             "                                layer.kernels)",
+             "        out = bias_dropout_add(self.partial, self.bias, residual, layer.hidden_dropout, layer.training,\n"
+             "                               layer.kernels)\n"
              "        self.handle.wait()\n        return out",
              ["tests/model/test_model_domino_schedule.py::test_every_sum_is_read_only_after_its_wait"]),
     Mutation("sequence-parallel-linear-keeps-the-gathered-sequence", "domino/overlap/slots.py",

@@ -78,7 +78,7 @@ def test_second_backward_is_a_clear_error(fresh_buffer):
 
 
 def test_mismatching_kept_buffer_is_not_used(fresh_buffer):
-    fresh_buffer.give_back(torch.full((3, 16), float("nan")))
+    fresh_buffer.give_back(torch.full((3, 16), float("nan")), keep=True)
     hidden, weight, target = _inputs(6)
     loss = vocab_parallel_linear_cross_entropy(hidden, weight, target)
     torch.testing.assert_close(loss.detach(), _reference(hidden, weight, target)[0], rtol=1e-6, atol=1e-6)

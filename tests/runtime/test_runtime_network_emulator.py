@@ -16,7 +16,7 @@ from domino.parallel import collectives as C
 from domino.runtime import comm_timing, state
 from domino.runtime.comm_timing import CommHandle
 from domino.runtime.network_emulator import (ENV_VAR, LinkEmulator, LinkSpec, all_gather_wire_bytes,
-                                              all_reduce_wire_bytes, install_from_environment, parse_spec)
+                                              all_reduce_wire_bytes, link_from_environment, parse_spec)
 
 
 class FakeClock:
@@ -115,20 +115,35 @@ def test_bad_spec_names_the_variable_and_the_field(text, field):
 
 
 def test_environment_read_and_logged_loudly(caplog):
-    assert install_from_environment({}) is None
-    assert install_from_environment({ENV_VAR: " "}) is None
+    assert link_from_environment({}) is None
+    assert link_from_environment({ENV_VAR: " "}) is None
     with caplog.at_level(logging.WARNING):
-        link = install_from_environment({ENV_VAR: "latency_us=5, gbps=12.5"})
+        link = link_from_environment({ENV_VAR: "latency_us=5, gbps=12.5"})
     assert link.spec == LinkSpec(latency_us=5.0, gbps=12.5)
     assert parse_spec("latency_us=5,gbps=1,transfer=wait") == LinkSpec(latency_us=5.0, gbps=1.0, transfer="wait")
     assert any(ENV_VAR in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 
 def test_bad_environment_fails_when_the_groups_are_created(monkeypatch):
+    """The entry point reads the variable once, before any work: no process group or mesh exists after the error."""
+    from domino.config import parse_config
+    from domino.train import runtime_start
+
     monkeypatch.setenv(ENV_VAR, "latency_us=5,gbps=fast")
     with pytest.raises(ConfigError, match=f"{ENV_VAR}: field gbps"):
-        state.initialize_model_parallel(1)
-    state.destroy_model_parallel()
+        runtime_start.initialize_runtime(parse_config(["--preset", "tiny"]))
+    assert not torch.distributed.is_initialized() and not state.model_parallel_is_initialized()
+
+
+def test_the_link_is_a_value_given_to_the_mesh(monkeypatch):
+    """``initialize_model_parallel`` takes the link it is given and reads no environment."""
+    monkeypatch.setenv(ENV_VAR, "latency_us=5,gbps=fast")  # ignored below the entry point
+    link = LinkEmulator(LinkSpec(latency_us=1.0, gbps=2.0))
+    try:
+        assert state.initialize_model_parallel(1).tp.link is None
+        assert state.initialize_model_parallel(1, link=link).tp.link is link
+    finally:
+        state.destroy_model_parallel()
 
 
 def _fake_clock_body(rank, world_size, transfer):
