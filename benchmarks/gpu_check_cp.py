@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from domino.parallel import ring_attention as R
+from domino.parallel.kernels import kernels_for
 from domino.parallel.context_split import local_token_indices
 from domino.runtime.mesh import MeshGroup
 
@@ -63,7 +64,8 @@ def _rank(rank: int, q, k, v, dout, dropout: float, results: List[Any]) -> None:
     local = [t.index_select(2, index) for t in (q, k, v)]
     ctx = types.SimpleNamespace()
     ctx.save_for_backward = lambda *tensors: setattr(ctx, "saved_tensors", tensors)
-    out = R._RingAttention.forward(ctx, *local, cp, q.shape[-1] ** -0.5, None, dropout)
+    out = R._RingAttention.forward(ctx, *local, cp, q.shape[-1] ** -0.5, None, dropout,
+                                   kernels_for(q.device))  # the device's own choice, as a model given none
     grads = R._RingAttention.backward(ctx, dout.index_select(2, index))[:3]
     results[rank] = (index, ctx.kernels.kind, [out, *grads])
 
