@@ -91,3 +91,21 @@ def flag_overflow(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> 
     found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
     optimizer.found_inf = found_inf
     return found_inf
+
+
+def skip_non_finite(optimizer: torch.optim.Optimizer, model: torch.nn.Module, grad_norm: torch.Tensor
+                    ) -> torch.Tensor:
+    """Makes a plain torch optimizer's coming step skip itself when ``grad_norm`` is NaN/inf; returns the 0/1 flag.
+
+    On the device where the optimizer is fused (:func:`flag_overflow`); elsewhere (torch < 2.4 on CPU) decided on
+    the host: the step then runs at learning rate 0 on zeroed gradients (``model``'s, zeroed in place), which
+    leaves the weights as they are (the loop sets the next step's rate again).
+    """
+    flag = flag_overflow(optimizer, grad_norm)
+    if flag is None:
+        flag = (~torch.isfinite(grad_norm)).to(torch.float32)
+        if bool(flag):  # a host read, only without the fused kernel
+            for group in optimizer.param_groups:
+                group["lr"] = 0.0
+            model.zero_grad(set_to_none=False)
+    return flag

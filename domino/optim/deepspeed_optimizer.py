@@ -17,7 +17,7 @@ from torch import nn
 
 from domino.config import DominoConfig
 from domino.optim import bf16_step, deepspeed_runtime, zero_step
-from domino.optim.clipping import clip_gradients, flag_overflow
+from domino.optim.clipping import clip_gradients, flag_overflow, skip_non_finite
 from domino.optim.deepspeed_config import clips_itself, deepspeed_config, zero_stage
 from domino.optim.deepspeed_mpu import DeepSpeedMpu
 from domino.optim.interface import StepOutcome
@@ -80,22 +80,13 @@ class DeepSpeedOptimizer:
         grad_norm = skipped = None
         if self._clips:
             grad_norm = clip_gradients(self.module.parameters(), self.mesh, self.config.train.clip_grad)
-            skipped = self._flag_overflow(grad_norm)
+            skipped = skip_non_finite(self.inner, self.module, grad_norm)
         self.engine.step()
         if skipped is None:
             skipped = self._device_skip_flag()
         if grad_norm is None:  # DeepSpeed's wrapper computed it: a device tensor for domino's device-decided steps
             grad_norm = self.engine.get_global_grad_norm()
         return StepOutcome(grad_norm, skipped)
-
-    def _flag_overflow(self, grad_norm: torch.Tensor) -> Optional[torch.Tensor]:
-        """Makes torch's AdamW skip a non-finite step: on the device when fused, else decided on the host."""
-        flag = flag_overflow(self.inner, grad_norm)
-        if flag is None and not torch.isfinite(grad_norm):  # torch < 2.4 on CPU (no fused AdamW): a host read
-            self.set_lr(0.0)
-            self.module.zero_grad(set_to_none=False)
-            flag = torch.ones((), device=grad_norm.device)
-        return flag
 
     def _device_skip_flag(self) -> Optional[torch.Tensor]:
         flag = bf16_step.skip_flag(self.engine)

@@ -94,20 +94,10 @@ class TorchAdamW:
     def step(self) -> StepOutcome:
         self.grads.finish()  # the buckets launched during the backward, waited for
         grad_norm = clipping.clip_gradients(self.module.parameters(), self.mesh, self.config.train.clip_grad)
-        skipped = self._flag_overflow(grad_norm)
+        skipped = clipping.skip_non_finite(self.inner, self.module, grad_norm)
         self.inner.step()
         self.grads.zero()
         return StepOutcome(grad_norm, skipped)
-
-    def _flag_overflow(self, grad_norm: torch.Tensor) -> torch.Tensor:
-        """Makes the AdamW step skip a non-finite one: on the device when fused, else decided on the host."""
-        flag = clipping.flag_overflow(self.inner, grad_norm)
-        if flag is None:  # torch < 2.4 on CPU (no fused AdamW): a host read
-            flag = (~torch.isfinite(grad_norm)).to(torch.float32)
-            if bool(flag):
-                self.set_lr(0.0)
-                self.grads.zero()
-        return flag
 
     def main_gradients(self) -> Optional[Dict[nn.Parameter, torch.Tensor]]:
         return None  # the gradients are the parameters' .grad (views into the buckets)
@@ -123,7 +113,7 @@ class TorchAdamW:
         return self.grads if self.grads.reduces else None
 
     def step_reduced(self, grad_norm: torch.Tensor) -> Optional[torch.Tensor]:
-        skipped = self._flag_overflow(grad_norm)
+        skipped = clipping.skip_non_finite(self.inner, self.module, grad_norm)
         self.inner.step()
         self.grads.zero()
         return skipped
