@@ -110,7 +110,8 @@ class DeepSpeedOptimizer:
         return scale if isinstance(scale, torch.Tensor) else None
 
     def step_reduced(self, grad_norm: torch.Tensor) -> Optional[torch.Tensor]:
-        """Pipelined: the gradients are averaged over the replicas and clipped; DeepSpeed's wrapper takes them."""
+        """Pipelined: the gradients are averaged over the replicas and clipped; DeepSpeed's wrapper takes them
+        (ZeRO 1: each rank its partition's slice, :func:`domino.optim.zero_step.take_reduced_gradients`)."""
         if self._main_grads is not None:
             for flags in self.inner.fp32_groups_has_gradients:  # the norm and step of DeepSpeed read every buffer
                 flags[:] = [True] * len(flags)
@@ -120,12 +121,8 @@ class DeepSpeedOptimizer:
         if zero_stage(self.config, self.mesh.dp.size) == 0:
             skipped = flag_overflow(self.inner, grad_norm)  # fused AdamW skips on the device
         else:
-            # DeepSpeed's reduction sums these (already reduced, equal) gradients over DP x CP and divides by DP
-            # (engine.py `_reduce_non_expert_gradients`): handed a CP-th of them it leaves them as they are.
-            if self.mesh.cp.size > 1:
-                grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-                torch._foreach_mul_(grads, 1 / self.mesh.cp.size)
-            self.engine.allreduce_gradients()  # ZeRO 1 moves them into its partitions (DeepSpeed's reduce_gradients)
+            # ZeRO 1 takes its partition of the (already averaged, equal) gradients without reducing them again.
+            zero_step.take_reduced_gradients(self.inner)
         self.engine.step()
         return skipped if skipped is not None else self._device_skip_flag()
 

@@ -132,6 +132,43 @@ def _device_decided_step(self, closure=None):
         self._update_model_bit16_weights(i)
 
 
+def take_reduced_gradients(optimizer) -> None:
+    """Hands DeepSpeed's ZeRO 1 optimizer ``optimizer`` (domino's subclass or DeepSpeed's own class) the gradients
+    in the parameters' ``.grad`` as they are: a pipelined step has averaged them over DP x CP and clipped them
+    already (:mod:`domino.train.pipeline_step`), so each rank keeps its own partition's slice, with no collective.
+
+    DeepSpeed 0.19.8's ``reduce_gradients`` (``engine.allreduce_gradients`` at ZeRO 1; ``runtime/zero/
+    stage_1_and_2.py``) all-reduces every gradient over the optimizer's data-parallel group (DP x CP) and divides by
+    DP (``reduce_independent_p_g_buckets_and_remove_grads`` -> ``reduce_ipg_grads`` -> ``buffered_reduce_fallback``
+    -> ``allreduce_bucket``, in place in ``.grad`` without ``contiguous_gradients``), then its
+    ``independent_gradient_partition_epilogue`` does what this does: ``all_grad_tensors[i]`` from
+    ``get_all_grad_tensors(params_in_partition[i])`` (the ``.grad`` tensors), ``averaged_gradients[i]`` from them by
+    ``finalize_gradient_accumulation_boundary`` (``get_flat_partition``: this rank's slice of each, what the
+    engine's own step finalises where the gradients were reduced in backward), ``.grad`` cleared
+    (``_clear_param_grad_only``). ``step`` reads ``averaged_gradients[i]`` only: the overflow check
+    (``has_overflow_partitioned_grads_serial``), the norm (``scaled_global_norm``) and the flat partition it copies
+    into ``single_partition_of_fp32_groups[i].grad``; fp16's still-scaled gradients reach all three unchanged.
+
+    Raises:
+        RuntimeError: the optimizer reduces in its backward hooks, into compact or offloaded partitions (ZeRO 2,
+            ``overlap_comm``, ``contiguous_gradients``, a separate accumulation dtype, CPU offload), where
+            ``.grad`` is not where its gradients wait.
+    """
+    hooked = {"ZeRO 2": optimizer.partition_gradients, "overlap_comm": optimizer.overlap_comm,
+              "contiguous_gradients": optimizer.contiguous_gradients, "CPU offload": optimizer.cpu_offload,
+              "a separate accumulation dtype": optimizer.use_grad_accum_attribute or any(
+                  optimizer._use_compact_grad_partition_buffer(i) for i in range(len(optimizer.bit16_groups)))}
+    present = [name for name, on in hooked.items() if on]
+    if present:
+        raise RuntimeError(f"the ZeRO optimizer keeps its gradients outside .grad ({', '.join(present)}): a "
+                           "pipelined step hands it .grad only at ZeRO 1 without them")
+    for i in range(len(optimizer.bit16_groups)):
+        optimizer.all_grad_tensors[i] = optimizer.get_all_grad_tensors(
+            optimizer.params_in_partition[i], dtype=optimizer.gradient_accumulation_dtype)
+    optimizer.finalize_gradient_accumulation_boundary()
+    optimizer._clear_param_grad_only()
+
+
 def _grad_norm_direct(self, gradients, params, norm_type=2):
     """DeepSpeed's ``get_grad_norm_direct`` (2-norm; ``deepspeed/runtime/zero/stage_1_and_2.py``, 0.19.8) without
     ``mask_nan_or_inf_with_val_inplace``, which builds ``torch.tensor(-1.0, device=...)`` per parameter group
