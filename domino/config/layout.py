@@ -41,10 +41,10 @@ def zero_reduces_in_backward(config: DominoConfig) -> bool:
     (``overlap_comm`` and ``contiguous_gradients``, ``domino.optim.deepspeed_config.zero_optimization``); its step then
     all-gathers the updated weights. Both make ZeRO hook every gradient and reduce it inside backward (deepspeed
     0.19.8 ``stage_1_and_2.py``, ``create_gradient_handling_hooks``), so neither with a pipeline (there after every
-    micro-batch of the schedule: without them the step's ``allreduce_gradients`` reduces the accumulated gradients
-    once, as DeepSpeed's PipelineEngine does) nor with recomputed Domino chunks (each chunk's backward delivers a
-    weight's gradient once more, and a hook reducing on arrival refuses the second: "Gradient computed twice for
-    this partition", ``reduce_ipg_grads``)."""
+    micro-batch of the schedule: without them ZeRO leaves ``.grad`` alone until the step, whose DP mean it
+    takes into its partitions without reducing again, ``domino.optim.zero_step.take_reduced_gradients``) nor
+    with recomputed Domino chunks (each chunk's backward delivers a weight's gradient once more, and a hook
+    reducing on arrival refuses the second: "Gradient computed twice for this partition", ``reduce_ipg_grads``)."""
     recomputed_chunks = config.train.recompute_granularity == "full" and (config.parallel.domino_chunks or 1) > 1
     return config.parallel.pipeline_model_parallel_size <= 1 and not recomputed_chunks
 

@@ -38,6 +38,10 @@ move gradients into the partition; the subclass does the same copies and casts w
 mean over one replica is the identity; gradient averaging divides by ``world size / sequence-parallel size``,
 1.0, skipped as DeepSpeed's own ``gradient_predivide_factor`` branch skips it).
 
+A pipelined step hands the optimizer gradients it has averaged over the replicas itself:
+:func:`take_reduced_gradients` moves each rank's slice into the partition without DeepSpeed's second reduction
+(for DeepSpeed's own class too, which a CP run builds).
+
 The subclass is only built where it is exact (:func:`unsupported`): a fused torch Adam/AdamW, no CPU offload,
 MoE, ZenFlow, torch autocast scaler, external loss scale or DeepSpeed sequence parallelism. The engine's
 ``skipped_steps`` no longer counts skips; :func:`skip_flag` hands the 0/1 device flag to the interval

@@ -10,22 +10,24 @@ inside its own backward off, and here, after the schedule, in this order:
    (:func:`domino.pipeline.gradients.sync_tied_embeddings`);
 2. the gradients are averaged over the data-parallel replicas, so the norm is that of the step's gradient;
 3. domino clips them with the norm over every stage (:func:`domino.optim.clipping.clip_gradients`);
-4. ZeRO-1 moves them into its partitions (``engine.allreduce_gradients``: DeepSpeed's ``reduce_gradients``, the
-   call its own PipelineEngine makes, ``_exec_reduce_grads`` in deepspeed 0.19.8 ``runtime/pipe/engine.py``;
-   the replicas' gradients are already equal, so its averaging changes nothing), and the optimizer steps.
+4. ZeRO-1 takes its partition of them as they are, with no collective
+   (:func:`domino.optim.zero_step.take_reduced_gradients`: each rank keeps its own slice, where DeepSpeed's
+   ``reduce_gradients``, the call its own PipelineEngine makes, ``_exec_reduce_grads`` in deepspeed 0.19.8
+   ``runtime/pipe/engine.py``, would all-reduce the already equal gradients once more), and the optimizer steps.
 
 With ``--overlap-grad-reduce`` step 2 is launched bucket by bucket from the schedule's backward and only waited
 for here (:mod:`domino.pipeline.grad_overlap`; the tied copy is averaged after step 1, as before). At ZeRO 0 in
 fp32 it always is, in the optimizer's own gradient buckets (:meth:`domino.optim.interface.TrainingOptimizer.
 gradient_buckets`), the same path a run without stages takes, and step 4 is torch's AdamW alone.
 
-Step 2 costs one more data-parallel all-reduce of the gradients than a run without pipeline stages under ZeRO-1
-(stage 0 reduces only here); it is what lets the norm be taken before ZeRO partitions the gradients.
+Step 2 is the step's one data-parallel reduction of the gradients, as in a run without pipeline stages: an
+all-reduce rather than ZeRO-1's reduction into partitions, so the norm is taken over the whole stage before ZeRO
+partitions the gradients, which step 4 then only slices.
 
 With ``--bf16`` the same steps run on the fp32 gradient buffers of DeepSpeed's BF16_Optimizer, into which its
 per-gradient hooks added each micro-batch's bf16 gradient during the schedule's backward (:meth:`_bf16_step`);
-the buffers are the step's gradients, so ``allreduce_gradients`` is not called (BF16_Optimizer reduces only those
-buffers there, already averaged). With ``--fp16`` (ZeRO-1: DeepSpeed's ZeRO optimizer, whose step
+the buffers are the step's gradients, averaged in step 2, and DeepSpeed's step reads them as they are (nothing
+reduces them again). With ``--fp16`` (ZeRO-1: DeepSpeed's ZeRO optimizer, whose step
 :mod:`domino.optim.zero_step` decides on the device) the last stage multiplies each micro-batch's loss by the
 dynamic loss scale inside the schedule (:attr:`domino.pipeline.schedule.StageSchedule.loss_scale`) and
 :meth:`_fp16_step` clips the still-scaled gradients by the unscaled norm; the overflow is agreed over every stage

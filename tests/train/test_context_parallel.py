@@ -138,7 +138,7 @@ def test_attention_dropout_at_cp2_is_drawn_and_replayed_by_recompute(tmp_path, c
 def test_pipeline_stages_with_cp2_train_as_one_process(tmp_path, corpus_prefix):
     """PP 2 x CP 2 (1F1B, ZeRO 1, the DP x CP reduction overlapped with the backward): the middle of the pipeline
     passes each rank's chunks on, the last stage's loss is a CP share, and the stages' gradients are summed over CP
-    before DeepSpeed's own reduction. The reference is PP 2 at CP 1: its ZeRO 1 step is the pipeline's (it matches
+    with their DP mean, which ZeRO 1 takes into its partitions without reducing again. The reference is PP 2 at CP 1: its ZeRO 1 step is the pipeline's (it matches
     one process at ZeRO 0, not at ZeRO 1: the gradient norm of step 2 reads 1.58821 vs 1.58849)."""
     pipelined = [*TINY, "--zero-stage", "1", "--pipeline-model-parallel-size", "2", "--overlap-grad-reduce"]
     reference = _run(tmp_path, corpus_prefix, "pp2", 2, pipelined)
