@@ -9,8 +9,8 @@ snapshot's host copy that fails on one rank (pinned host memory exhausted) must 
 (the first stage gathering the whole model) waiting for that rank (``domino.checkpoint.checkpointing``).
 
 One launch of two real gloo ranks, one per stage, each holding a stage's parameters, stepping as
-``domino.train.pipeline_step`` does (backward, ``allreduce_gradients``, ``step``); the last stage's gradient is
-infinite on the second step; then an asynchronous save's snapshot whose host copies fail on the last stage.
+``domino.train.pipeline_step`` does (backward, ``zero_step.take_reduced_gradients``, ``step``); the last stage's
+gradient is infinite on the second step; then an asynchronous save's snapshot whose host copies fail on the last stage.
 """
 
 import pytest
@@ -41,7 +41,7 @@ def _body(rank, world_size, save):
     for factor in (1.0, float("inf") if rank == 1 else 1.0):
         loss = engine.module(torch.ones(2, 4)).sum() * factor
         loss.backward()
-        engine.allreduce_gradients()
+        zero_step.take_reduced_gradients(engine.optimizer)
         before = [p.detach().clone() for p in engine.module.parameters()]
         engine.step()
         steps.append({"changed": any(not torch.equal(a, p) for a, p in zip(before, engine.module.parameters())),
