@@ -145,3 +145,38 @@ def test_fp16_skips_overflows_and_scales_the_loss_as_deepspeeds_zero(results):
             # Measured: at most 3.3e-5 (DeepSpeed's fp16 sums round small gradients, which Adam's normalised
             # update turns into whole steps of the learning rate, 0.01, on a few elements); bound 1e-4.
             assert mean_gap < 1e-4, (i, float(mean_gap))
+
+
+def test_bf16_resumes_across_deepspeeds_zero_1_and_domino_zero_0_without_deepspeed(tmp_path):
+    """The state by name is layout-free: a bf16 ZeRO 1 checkpoint (DeepSpeed's BF16_Optimizer) resumes at ZeRO 0
+    (given: a resume keeps the checkpoint's stage otherwise) in a process where every ``import deepspeed`` fails, whose own checkpoint resumes at ZeRO 1 again; both legs
+    log the uninterrupted ZeRO 1 run's losses and gradient norms exactly (at one replica the two optimizers do the
+    same arithmetic: no all-reduce, the norm's squares summed in the same order)."""
+    import subprocess
+    import sys
+
+    from train.train_helpers import TINY, child_env, read_metrics, run_pretrain
+
+    flags = [*TINY, "--mock-data", "--vocab-size", "256", "--bf16", "--train-iters", "6", "--eval-iters", "0",
+             "--eval-interval", "0", "--global-batch-size", "8", "--clip-grad", "0.05",
+             "--lr-decay-style", "constant", "--lr-warmup-iters", "0", "--save-interval", "2"]
+
+    def records(path):
+        return {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in read_metrics(path) if "eval" not in r}
+
+    first, second = tmp_path / "zero1", tmp_path / "zero0"
+    run_pretrain([*flags, "--zero-stage", "1", "--save", str(first), "--metrics-file", str(tmp_path / "a.jsonl")])
+    code = ("import sys; sys.modules['deepspeed'] = None\n"  # any import of DeepSpeed raises ImportError
+            "from domino.cli.main import main; main(sys.argv[1:])")
+    proc = subprocess.run([sys.executable, "-c", code, "pretrain", *flags, "--zero-stage", "0",
+                           "--load", str(first / "iter_0000002"),
+                           "--save", str(second), "--exit-interval", "4", "--metrics-file", str(tmp_path / "b.jsonl")],
+                          env=child_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout + proc.stderr
+    run_pretrain([*flags, "--zero-stage", "1", "--load", str(second / "iter_0000004"),
+                  "--metrics-file", str(tmp_path / "c.jsonl")])
+    reference = records(tmp_path / "a.jsonl")
+    assert sorted(reference) == list(range(1, 7))
+    assert records(tmp_path / "b.jsonl") == {i: reference[i] for i in (3, 4)}
+    assert records(tmp_path / "c.jsonl") == {i: reference[i] for i in (5, 6)}
