@@ -8,14 +8,14 @@ engines DeepSpeed 0.19.8 builds for domino's config (``domino/optim/deepspeed_co
   of the flat bf16 group, not partitioned), into which every micro-batch's bf16 gradients are summed: 4 bytes per
   parameter on every rank, beside the 2-byte bf16 gradients backward writes first. At GPT-1.3B and TP=1 that is
   4.9 GiB the paper's figure leaves out.
-* **fp16, ZeRO 0** (``FP16_Optimizer``, ``deepspeed/runtime/fp16/fused_optimizer.py`` ``step``): the 16-bit
-  gradients flattened and cast into one fp32 gradient of the fp32 master weights: 4 bytes per parameter.
+* **fp16/bf16, ZeRO 0** (domino's, no DeepSpeed: ``domino/optim/mixed_precision.py``): the fp32 main
+  gradients, 4 bytes per parameter, reduced in place in their buckets (no flattening buffer).
 * **fp16/bf16, ZeRO 1/2 otherwise** (``DeepSpeedZeroOptimizer``, ``deepspeed/runtime/zero/stage_1_and_2.py``):
   the fp32 gradients of this rank's partition (``averaged_gradients`` in ``gradient_accumulation_dtype``, or the
   fp32 copy ``step`` makes of the flat 16-bit partition): 4 bytes per parameter / DP.
 * **the engine's flattening all-reduce** (``deepspeed/runtime/engine.py`` ``allreduce_gradients`` ->
   ``buffered_allreduce_fallback(elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE)``, 5e8 elements): with more than
-  one data-parallel replica, fp16 at ZeRO 0 and the BF16_Optimizer flatten the gradients into one buffer of up to
+  one data-parallel replica, the BF16_Optimizer flattens the gradients into one buffer of up to
   5e8 elements per all-reduce (fp32: domino reduces fp32-accumulated gradients in fp32), i.e. up to 1.9 GB. domino
   turns that all-reduce off at one replica. fp32 at ZeRO 0 runs without DeepSpeed: its gradients are reduced in
   place, in the buckets they live in (``domino/optim/grad_buffer.py``), so it has no such buffer.
@@ -63,11 +63,11 @@ def deepspeed_buffer_bytes(parameters_per_rank: float, data_parallel_size: int, 
         bf16, fp16: the run's precision (fp32 when neither).
     """
     parts = {"fp32_gradient_accumulation": 0.0, "flatten_allreduce": 0.0}
-    if (bf16 and zero_stage == 1) or (fp16 and zero_stage == 0):
+    if (bf16 and zero_stage == 1) or ((bf16 or fp16) and zero_stage == 0):
+        # ZeRO 0 in 16 bits is domino's fp32 main gradients (domino/optim/mixed_precision.py): 4 bytes too.
         parts["fp32_gradient_accumulation"] = 4 * parameters_per_rank
     elif (bf16 or fp16) and zero_stage >= 1:
         parts["fp32_gradient_accumulation"] = 4 * parameters_per_rank / data_parallel_size
-    if data_parallel_size > 1 and ((fp16 and zero_stage == 0) or (bf16 and zero_stage == 1)):
-        element_bytes = 2 if fp16 else 4  # fp32 gradients, or bf16's fp32 buffers reduced in fp32
-        parts["flatten_allreduce"] = min(parameters_per_rank, ENGINE_ALLREDUCE_ELEMENTS) * element_bytes
+    if data_parallel_size > 1 and bf16 and zero_stage == 1:  # domino's ZeRO 0 reduces its buckets in place
+        parts["flatten_allreduce"] = min(parameters_per_rank, ENGINE_ALLREDUCE_ELEMENTS) * 4  # fp32, reduced in fp32
     return parts

@@ -104,11 +104,10 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
                         "gradients inside DeepSpeed's backward, the pipeline schedule runs its own; "
                         "use --zero-stage 1)")
     if t.fp16 and p.zero_stage == 0:
-        # fp16 at ZeRO 0 is DeepSpeed's FP16_UnfusedOptimizer, whose overflow check reads the host and spans one
-        # stage (deepspeed 0.19.8 runtime/fp16/unfused_optimizer.py `step`); the ZeRO-1 optimizer's step is
-        # decided on the device and agreed over the stages (domino.optim.zero_step).
-        problems.append(f"--fp16 with --pipeline-model-parallel-size {pp} needs --zero-stage 1 (got 0: DeepSpeed's "
-                        "fp16 optimizer at stage 0 decides overflow on the host, for its own stage only)")
+        # The ZeRO-1 optimizer's fp16 step is decided on the device and agreed over the stages
+        # (domino.optim.zero_step); domino's stage 0 fp16 (domino.optim.mixed_precision) is not tested with stages.
+        problems.append(f"--fp16 with --pipeline-model-parallel-size {pp} needs --zero-stage 1 (got 0: its fp32 "
+                        "master weights without DeepSpeed are not tested with pipeline stages)")
     ramped = t.rampup_batch_size is not None or t.step_batch_size_schedule is not None  # checked with the ramp
     if world_size is not None and world_size % (p.tensor_model_parallel_size * pp) == 0 and not ramped:
         dp = data_parallel_size(config, world_size)

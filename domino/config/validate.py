@@ -64,14 +64,16 @@ def zero_stage_for(config: DominoConfig, data_parallel_size: int) -> int:
     With one data-parallel replica ZeRO has nothing to shard, yet DeepSpeed 0.19.8's ZeRO optimizer still
     copies every gradient into its flat fp32 partition and the updated partition back into the weights each step
     (``deepspeed/runtime/zero/stage_1_and_2.py``: ``DeepSpeedZeroOptimizer.reduce_gradients`` and ``step``), so
-    stage 0 does the same maths with less work. bf16 keeps stage 1: DeepSpeed accumulates bf16 gradients in fp32
-    only through its ZeRO or BF16 optimizers (see :func:`validate`). So does fp16: at stage 0 DeepSpeed wraps the
-    optimizer in its ``FP16_UnfusedOptimizer`` (``deepspeed/runtime/engine.py``, ``_configure_fp16_optimizer``:
-    our torch AdamW is not its FusedAdam), whose step decides overflow on the host, where the ZeRO optimizer's is
-    decided on the device (:mod:`domino.optim.zero_step`).
+    stage 0 does the same maths with less work: torch's fused AdamW without DeepSpeed
+    (:func:`domino.optim.torch_optimizer.uses_torch_optimizer`), in bf16 and fp16 with domino's fp32 master
+    weights and fp32 main gradients (:mod:`domino.optim.mixed_precision`: the arithmetic of DeepSpeed's
+    ``BF16_Optimizer``, and fp16's dynamic loss scale decided on the device). fp16 with pipeline stages keeps
+    stage 1, whose ZeRO step agrees the overflow over the stages (:mod:`domino.optim.zero_step`).
     """
-    return config.parallel.zero_stage if config.parallel.zero_stage is not None else (
-        0 if data_parallel_size == 1 and not (config.train.bf16 or config.train.fp16) else 1)
+    if config.parallel.zero_stage is not None:
+        return config.parallel.zero_stage
+    pipelined_fp16 = config.train.fp16 and config.parallel.pipeline_model_parallel_size > 1
+    return 0 if data_parallel_size == 1 and not pipelined_fp16 else 1
 
 
 def resolve_zero_stage(config: DominoConfig, data_parallel_size: int,
@@ -93,8 +95,8 @@ def resolve_zero_stage(config: DominoConfig, data_parallel_size: int,
         return config.replace(zero_stage=0), (
             "--zero-stage not given: 0 (one data-parallel replica: ZeRO would shard nothing, only copy gradients "
             "and weights between flat buffers)")
-    reason = ("--bf16" if config.train.bf16 else "--fp16" if config.train.fp16
-              else f"{data_parallel_size} data-parallel replicas")
+    reason = (f"{data_parallel_size} data-parallel replicas" if data_parallel_size > 1
+              else "--fp16 with pipeline stages")
     return config.replace(zero_stage=stage), f"--zero-stage not given: 1 ({reason})"
 
 
@@ -159,11 +161,8 @@ def validate(config: DominoConfig, world_size: Optional[int] = None, for_trainin
 
     _check(problems, t.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {t.micro_batch_size}")
     _check(problems, not (t.fp16 and t.bf16), "--fp16 and --bf16 are mutually exclusive")
-    # DeepSpeed 0.19.8 accumulates bf16 gradients in fp32 only through its BF16 or ZeRO optimizers; at stage 0
-    # it refuses fp32 accumulation (runtime/engine.py `_do_optimizer_sanity_check`: "unsupported mix").
-    _check(problems, not (t.bf16 and p.zero_stage == 0),
-           "--bf16 needs --zero-stage 1 or 2 (gradients are accumulated in fp32 by DeepSpeed's BF16/ZeRO "
-           "optimizers; at --zero-stage 0 they would be summed in bf16)")
+    # --bf16/--fp16 at --zero-stage 0 is domino's own fp32 master weights and fp32 main gradients, no DeepSpeed
+    # (domino.optim.mixed_precision): DeepSpeed 0.19.8 itself refuses fp32 accumulation at stage 0.
     _check(problems, not (t.train_iters is not None and t.train_samples is not None),
            "--train-iters and --train-samples are mutually exclusive")
     problems.extend(check_batch_flags(config))

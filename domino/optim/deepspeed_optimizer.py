@@ -2,7 +2,8 @@
 optimizers, and domino's device-decided steps for them, seen from outside as one optimizer.
 
 DeepSpeed 0.19.8 (the release line ``pyproject.toml`` admits, :mod:`domino.optim.deepspeed_runtime`) builds, from
-the config :func:`domino.optim.deepspeed_config.deepspeed_config` derives: torch's AdamW alone at ZeRO 0 in fp32;
+the config :func:`domino.optim.deepspeed_config.deepspeed_config` derives (ZeRO 0 runs without it,
+:mod:`domino.optim.build`, but tests still build it as a reference): torch's AdamW alone at ZeRO 0 in fp32;
 ``FP16_Optimizer`` for fp16 at ZeRO 0; ``BF16_Optimizer`` for bf16 at ZeRO 1 (:mod:`domino.optim.bf16_step`);
 ``DeepSpeedZeroOptimizer`` otherwise (:mod:`domino.optim.zero_step`); the last two as domino's subclasses, which
 its engine subclass builds (:mod:`domino.optim.deepspeed_engine`). Only this module drives the engine.

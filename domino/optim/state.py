@@ -21,8 +21,9 @@ Two kinds of optimizer hold them (checked against DeepSpeed 0.19.8 and torch 2.1
   between the fragments and the full slice (``deepspeed/utils/tensor_fragment.py``). Adam's state exists only
   after the first step (``_lazy_init_hp_params_optimizer_state``, ``runtime/zero/stage_1_and_2.py``), so
   loading creates it first, as torch's Adam would.
-* torch AdamW itself (ZeRO stage 0 in fp32): the parameter is its own master weight, the moments live in
-  ``optimizer.state[param]`` (``torch/optim/adam.py``).
+* torch AdamW itself (ZeRO stage 0): in fp32 the parameter is its own master weight; with bf16/fp16 weights
+  the optimizer's ``masters`` maps each to its fp32 master (:mod:`domino.optim.mixed_precision`), and its
+  ``loss_scaler`` is fp16's. The moments live in ``optimizer.state[master]`` (``torch/optim/adam.py``).
 
 DeepSpeed's fp16 optimizer without ZeRO (``FP16_Optimizer``) offers neither: its runs keep the per-rank
 optimizer files of format 1 (:func:`supports`).
@@ -107,8 +108,19 @@ def loss_scaler_fields(scaler) -> Dict[str, float]:
     return fields
 
 
+def _loss_scaler(training) -> Optional[object]:
+    """The optimizer's own loss scaler (domino's ZeRO 0 fp16) or its DeepSpeed wrapper's, else None."""
+    return getattr(training, "loss_scaler", None) or getattr(training.inner, "loss_scaler", None)
+
+
+def _master(training, param: torch.nn.Parameter) -> torch.Tensor:
+    """The fp32 tensor torch's optimizer steps for ``param``: its master (16-bit weights), else itself."""
+    masters = getattr(training, "masters", None)
+    return masters[param] if masters else param
+
+
 def _loss_scaler_fields(training) -> Dict[str, float]:
-    return loss_scaler_fields(getattr(training.inner, "loss_scaler", None))
+    return loss_scaler_fields(_loss_scaler(training))
 
 
 def _link_stepped_groups(training) -> Dict[int, bool]:
@@ -164,8 +176,9 @@ def gather(training, keep: Callable[[int], bool] = lambda index: True,
                 values.append(safe_get_full_optimizer_state(param, key) if stepped[id(param)]
                               else torch.zeros_like(param, dtype=torch.float32))
         else:
-            entry = optimizer.state.get(param, {})
-            values = [param.detach()] + [entry.get(key, torch.zeros_like(param)) for key in STATE_KEYS[1:]]
+            master = _master(training, param)
+            entry = optimizer.state.get(master, {})
+            values = [master.detach()] + [entry.get(key, torch.zeros_like(master)) for key in STATE_KEYS[1:]]
         if keep(index):
             for key, value in zip(STATE_KEYS, values):
                 tensors[f"{key}.{name}"] = to_host(value.detach().to(torch.float32))
@@ -266,7 +279,7 @@ def prepare(training, scalars: Scalars) -> None:
     if _zero_like(training):
         training.inner._hp_optimizer_states_linked = False
         training.inner._lazy_init_hp_params_optimizer_state()  # points each fragment at the new moments
-    scaler: Optional[object] = getattr(training.inner, "loss_scaler", None)
+    scaler = _loss_scaler(training)
     if scaler is not None:
         for key, value in scalars.loss_scaler.items():
             if hasattr(scaler, key):
@@ -290,6 +303,7 @@ def fill(training, tensors: TensorsByName) -> None:
                 safe_set_full_optimizer_state(param, exp_avg, "exp_avg")
                 safe_set_full_optimizer_state(param, exp_avg_sq, "exp_avg_sq")
             else:
-                param.copy_(fp32)
-                optimizer.state[param]["exp_avg"].copy_(exp_avg)
-                optimizer.state[param]["exp_avg_sq"].copy_(exp_avg_sq)
+                master = _master(training, param)  # the 16-bit weights are the checkpoint's already
+                master.copy_(fp32)
+                optimizer.state[master]["exp_avg"].copy_(exp_avg)
+                optimizer.state[master]["exp_avg_sq"].copy_(exp_avg_sq)

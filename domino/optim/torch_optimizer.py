@@ -36,20 +36,32 @@ def optimizer_param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
     return [g for g in groups if g["params"]]
 
 
-def adamw(model: nn.Module, config: DominoConfig) -> torch.optim.AdamW:
-    """torch's AdamW over ``model``'s parameters (already on their device) with the run's settings: its fused
+def adamw(model: nn.Module, config: DominoConfig, groups: Optional[List[dict]] = None) -> torch.optim.AdamW:
+    """torch's AdamW over ``model``'s parameters (already on their device; or over ``groups``, those of
+    :func:`optimizer_param_groups` with other tensors, fp32 masters) with the run's settings: its fused
     kernel wherever torch has one (:func:`~domino.optim.clipping.fused_optimizer_supported`), which also lets a
     non-finite step be skipped on the device (:func:`~domino.optim.clipping.flag_overflow`)."""
     t = config.train
     fused = clipping.fused_optimizer_supported(next(model.parameters()).device)
-    return torch.optim.AdamW(optimizer_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                             eps=t.adam_eps, fused=fused or None, foreach=None if fused else True)
+    return torch.optim.AdamW(groups or optimizer_param_groups(model, t.weight_decay), lr=t.lr,
+                             betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, fused=fused or None,
+                             foreach=None if fused else True)
 
 
 def uses_torch_optimizer(config: DominoConfig, zero_stage: int) -> bool:
-    """Whether the run's step is :class:`TorchAdamW`: ZeRO stage 0 in fp32 (16-bit weights keep DeepSpeed's
-    optimizers, whose fp32 master weights and loss scaling domino does not reimplement yet)."""
-    return zero_stage == 0 and not (config.train.fp16 or config.train.bf16)
+    """Whether the run's step is torch's AdamW without DeepSpeed: ZeRO stage 0, :class:`TorchAdamW` in fp32,
+    :class:`~domino.optim.mixed_precision.MixedPrecisionAdamW` (fp32 masters and main gradients) in bf16/fp16."""
+    return zero_stage == 0
+
+
+def broadcast_weights(model: nn.Module, mesh: ParallelMesh) -> None:
+    """Every replica starts from the first one's weights, as DeepSpeed's engine makes sure at construction
+    (``_broadcast_model``, deepspeed 0.19.8 runtime/engine.py); the seeds already agree, this is the guard."""
+    group = mesh.dp_cp
+    if group.size == 1:
+        return
+    for param in model.parameters():  # synchronous: once, before any step
+        dist.broadcast(param.data, src=group.first_rank, group=group.process_group)
 
 
 class TorchAdamW:
@@ -65,21 +77,12 @@ class TorchAdamW:
     def __init__(self, model: nn.Module, config: DominoConfig, mesh: ParallelMesh, pipelined: bool = False) -> None:
         self.module = self.forward_model = model
         self.config, self.mesh = config, mesh
-        self._broadcast_weights()
+        broadcast_weights(model, mesh)
         self.inner = adamw(model, config)
         self.grads = GradBuckets(list(model.parameters()), mesh.dp, mesh.dp_cp,
                                  exclude=tied_embedding_weight(model, mesh) if pipelined else None,
                                  divide_by_micro_batches=pipelined)
         self._micro_batches = 1
-
-    def _broadcast_weights(self) -> None:
-        """Every replica starts from the first one's weights, as DeepSpeed's engine makes sure at construction
-        (``_broadcast_model``, deepspeed 0.19.8 runtime/engine.py); the seeds already agree, this is the guard."""
-        group = self.mesh.dp_cp
-        if group.size == 1:
-            return
-        for param in self.module.parameters():  # synchronous: once, before any step
-            dist.broadcast(param.data, src=group.first_rank, group=group.process_group)
 
     def micro_batches(self, batch: int, samples_per_micro_batch: int) -> Iterator[bool]:
         self._micro_batches = batch // samples_per_micro_batch
@@ -136,8 +139,14 @@ class TorchAdamW:
         self.grads.remove()
 
 
-def build_torch_optimizer(model: nn.Module, config: DominoConfig, mesh: ParallelMesh) -> TorchAdamW:
-    """:class:`TorchAdamW` over ``model``, moved to its device first (fused AdamW refuses CPU parameters on
+def build_torch_optimizer(model: nn.Module, config: DominoConfig, mesh: ParallelMesh):
+    """:class:`TorchAdamW` over ``model`` (fp32), or :class:`~domino.optim.mixed_precision.MixedPrecisionAdamW`
+    (``--bf16``/``--fp16``), the model moved to its device first (fused AdamW refuses CPU parameters on
     torch < 2.4)."""
     model.to(collective_device(mesh.tp.process_group))
-    return TorchAdamW(model, config, mesh, pipelined=config.parallel.pipeline_model_parallel_size > 1)
+    pipelined = config.parallel.pipeline_model_parallel_size > 1
+    if config.train.bf16 or config.train.fp16:
+        from domino.optim.mixed_precision import MixedPrecisionAdamW
+
+        return MixedPrecisionAdamW(model, config, mesh, pipelined=pipelined)
+    return TorchAdamW(model, config, mesh, pipelined=pipelined)

@@ -27,7 +27,9 @@ partitions the gradients, which step 4 then only slices.
 With ``--bf16`` the same steps run on the fp32 gradient buffers of DeepSpeed's BF16_Optimizer, into which its
 per-gradient hooks added each micro-batch's bf16 gradient during the schedule's backward (:meth:`_bf16_step`);
 the buffers are the step's gradients, averaged in step 2, and DeepSpeed's step reads them as they are (nothing
-reduces them again). With ``--fp16`` (ZeRO-1: DeepSpeed's ZeRO optimizer, whose step
+reduces them again). At ZeRO 0 (:mod:`domino.optim.mixed_precision`) they are the optimizer's fp32
+main-gradient buckets, whose DP mean the backward launches as in fp32. With ``--fp16`` (ZeRO-1: DeepSpeed's ZeRO
+optimizer, whose step
 :mod:`domino.optim.zero_step` decides on the device) the last stage multiplies each micro-batch's loss by the
 dynamic loss scale inside the schedule (:attr:`domino.pipeline.schedule.StageSchedule.loss_scale`) and
 :meth:`_fp16_step` clips the still-scaled gradients by the unscaled norm; the overflow is agreed over every stage
@@ -221,8 +223,10 @@ class PipelineStep:
         buffers = self.optimizer.main_gradient_buffers()
         # Scaling the fp32 sums after the backward is DeepSpeed's unstaged division of the loss by the micro-batch
         # count moved past the backward: the same numbers wherever the count is a power of two.
-        if self.overlap is not None:
-            self.overlap.finish()  # every bucket's DP mean, launched from the backward, waited for here
+        if self.overlap is not None or self.buckets is not None:
+            # Every bucket's DP mean (the optimizer's own at ZeRO 0, already divided by the micro-batch count),
+            # launched from the backward, waited for here.
+            (self.overlap or self.buckets).finish()
             sync_tied_embeddings(self.module, self.mesh, self.main_grads)
             tied = tied_embedding_weight(self.module, self.mesh)
             average_over_data_parallel([self.main_grads[tied]] if tied is not None else [], self.mesh)
@@ -231,7 +235,7 @@ class PipelineStep:
             sync_tied_embeddings(self.module, self.mesh, self.main_grads)
             average_over_data_parallel(buffers, self.mesh)
         grad_norm = clip_gradients(self.module.parameters(), self.mesh, self.config.train.clip_grad,
-                                   grad_of=self.main_grads.get, poison_overflow=True)
+                                   grad_of=self.main_grads.get, poison_overflow=True, loss_scale=self.loss_scale)
         skipped = self.optimizer.step_reduced(grad_norm)
         timers.stop("optimizer")
         return self._logged(loss), grad_norm, skipped

@@ -191,8 +191,8 @@ def test_cli_output_cut_short_by_its_reader_ends_quietly():
 
 def test_candidate_layouts_are_the_layouts_domino_pretrain_accepts():
     """The layout rules live in domino.config.validate alone: every candidate passes them, and the ones they
-    refuse are not proposed (TP dividing the query groups, SP dividing the sequence, the global batch, bf16's
-    ZeRO stage)."""
+    refuse are not proposed (TP dividing the query groups, SP dividing the sequence, the global batch); bf16 at
+    ZeRO 0 is domino's fp32 masters and main gradients (domino.optim.mixed_precision), proposed like the others."""
     from domino.config.estimate import candidate_layouts, config_with_layout
     from domino.config.validate import validate
 
@@ -204,7 +204,7 @@ def test_candidate_layouts_are_the_layouts_domino_pretrain_accepts():
         validate(config_with_layout(config, layout), world_size=4)
     assert {lay.tensor_model_parallel_size for lay in layouts} == {1, 2}  # 2 query groups: not TP 4
     assert not any(lay.sequence_parallel for lay in layouts)  # 63 positions do not split over 2 ranks
-    assert not any(lay.zero_stage == 0 for lay in layouts)  # bf16 needs ZeRO 1 or 2
+    assert {lay.zero_stage for lay in layouts} == {0, 1, 2}
     for lay in layouts:
         assert 8 % (lay.micro_batch_size * lay.data_parallel_size) == 0
         assert lay.domino_chunks == (2 if lay.tensor_model_parallel_size > 1 and lay.micro_batch_size % 2 == 0 else 1)

@@ -152,7 +152,7 @@ def test_interleaved_first_stage_holds_p_plus_p_minus_1_over_v_micro_batches():
 
 def test_pipeline_brings_a_model_that_does_not_fit_under_the_launchers_memory_check():
     """The launcher's --gpu-memory-gb check (domino.launch.pretrain_args.check_memory_fits) estimates the layout
-    the job asks for, PP included: a 30B GPT-3 (48 layers, h 7168) in bf16 at TP 8 needs 80 GiB per GPU (its ZeRO 1
+    the job asks for, PP included: a 30B GPT-3 (48 layers, h 7168) in bf16 at TP 8 needs 80 GiB per GPU (its ZeRO 0
     optimizer state alone 42); at TP 8 x PP 2 each stage holds half the layers and fits in 72 GiB. The first
     stage keeps 2 micro-batches of 24 layers in flight: the activations of the whole model at PP 1."""
     from domino.launch.pretrain_args import check_memory_fits
@@ -162,7 +162,7 @@ def test_pipeline_brings_a_model_that_does_not_fit_under_the_launchers_memory_ch
                            "--seq-length", "2048", "--vocab-size", "50257", "--bf16", "--recompute-activations",
                            "--tensor-model-parallel-size", "8", "--micro-batch-size", "1", "--global-batch-size", "16"])
     alone = estimate_layout(config, layout_of(config, 8), gpu_memory_gb=80.0)
-    with pytest.raises(LaunchSpecError, match="TP 8 x DP 1, ZeRO 1, micro-batch 1, recompute selective"):
+    with pytest.raises(LaunchSpecError, match="TP 8 x DP 1, ZeRO 0, micro-batch 1, recompute selective"):
         check_memory_fits(config, 8, 80.0)
     config = config.replace(pipeline_model_parallel_size=2)  # 16 GPUs: TP 8 x PP 2 x DP 1
     staged = estimate_layout(config, layout_of(config, 16), gpu_memory_gb=80.0)

@@ -140,7 +140,7 @@ def test_megatron_distributed_with_mp_runs_its_two_pipeline_stages_and_sequence_
     proc = run_pretrain([*argv, *SIZE_OVERRIDES, "--distributed-backend", "gloo", "--metrics-file", str(metrics)],
                         nproc=4, timeout=600)
     _check_run(metrics, proc.stderr)
-    assert "--zero-stage not given: 1 (--bf16)" in proc.stderr
+    assert "--zero-stage not given: 0 (one data-parallel replica" in proc.stderr
     assert (tmp_path / "checkpoints" / "latest").is_file()  # its --save, written by the two stages
 
 
@@ -173,7 +173,7 @@ def test_megatron_175b_script_trains_its_ramp_at_tp2_pp2(name, fix, samples, tmp
                         nproc=4, timeout=600)
     _check_run(metrics, proc.stderr)
     assert "global batch 16 (micro 2 x DP 1 x accumulation 8), TP 2" in proc.stderr  # 4 ranks: TP 2 x PP 2
-    assert "--zero-stage not given: 1 (--bf16)" in proc.stderr
+    assert "--zero-stage not given: 0 (one data-parallel replica" in proc.stderr
     records = [r for r in read_metrics(metrics) if "eval" not in r]
     assert [(r["consumed_samples"], r["batch_size"]) for r in records] == [(16, 16), (32, 16), (48, 16)]
     assert all(math.isfinite(r["lm_loss"]) for r in records)
