@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(VENV)/bin/domino pipeline run --output-dir $(DEMO_DIR)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache
