@@ -120,13 +120,15 @@ def test_pretrain_with_overlap_grad_reduce_trains_as_without(tmp_path, precision
         assert (got["lm_loss"], got["grad_norm"]) == (ref["lm_loss"], ref["grad_norm"]), got["iteration"]
 
 
-def test_zero_0_stages_reduce_in_the_optimizers_buckets_as_zero_1_after_the_schedule(tmp_path):
-    """PP 2 x DP 2 in fp32 at ZeRO 0: torch's AdamW whose gradient buckets (``domino.optim.grad_buffer``) the
-    schedule's backward reduces, one path with the unstaged runs; the same losses and norms, bit for bit, as ZeRO 1
-    (DeepSpeed's optimizer, the gradients averaged after the schedule)."""
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_zero_0_stages_reduce_in_the_optimizers_buckets_as_zero_1_after_the_schedule(tmp_path, precision):
+    """PP 2 x DP 2 at ZeRO 0: torch's AdamW whose gradient buckets (``domino.optim.grad_buffer``) the schedule's
+    backward reduces, one path with the unstaged runs; the same losses and norms, bit for bit, as ZeRO 1
+    (DeepSpeed's optimizer, the gradients averaged after the schedule). bf16: domino's fp32 masters and main
+    gradients (``domino.optim.mixed_precision``) against DeepSpeed's BF16_Optimizer's fp32 buffers."""
     from pipeline_runs import run_records
 
-    common = ["--train-iters", "3", "--global-batch-size", "8", "--pipeline-model-parallel-size", "2"]
+    common = ["--train-iters", "3", "--global-batch-size", "8", "--pipeline-model-parallel-size", "2", *precision]
     reference = run_records(tmp_path, "zero1", 4, [*common, "--zero-stage", "1"])
     records = run_records(tmp_path, "zero0", 4, [*common, "--zero-stage", "0"])
     train, ref_train = ([r for r in rs if "eval" not in r] for rs in (records, reference))
