@@ -117,7 +117,8 @@ class Kernels:
     split_qkv: bool
     """QKV as three GEMMs over a regrouped weight copy (else one GEMM over the stored weight)."""
     keep_logits_buffer: bool
-    """The fused loss keeps its logits-sized buffer for the next step (else allocates it every step)."""
+    """The model keeps its fused loss's logits-sized buffer for the next step (``GPTModel.logits_buffer``; else the
+    loss allocates it every step)."""
     fused_gelu_fc2: bool
     """GeLU and fc2 as one autograd node reusing the activation's buffer (else ``F.gelu`` then a linear)."""
     compile_backend: Optional[str]

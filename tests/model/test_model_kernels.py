@@ -8,6 +8,7 @@ machine; the GPU check, ``benchmarks/gpu_check.sh``, runs the real thing).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -22,7 +23,7 @@ from domino.parallel import cross_entropy
 from domino.runtime import state
 from domino.config import ConfigError
 from domino.parallel import kernels as kernel_choice
-from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS, forced_kernels, kernels_for
+from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS, apply_kernels, forced_kernels, kernels_for
 from model_fixtures import VOCAB, assert_close_rel, build_model, random_batch, tiny_config
 
 CUDA_ON_CPU = dataclasses.replace(CUDA_KERNELS, compile_backend="aot_eager")
@@ -98,17 +99,43 @@ def test_qkv_one_gemm_equals_three_gemms(with_bias):
         torch.testing.assert_close(got, want)
 
 
-def test_logits_buffer_is_kept_on_cpu_only(monkeypatch):
-    buffer = cross_entropy._LogitsBuffer()
-    monkeypatch.setattr(cross_entropy, "_LOGITS_BUFFER", buffer)
-    g = torch.Generator().manual_seed(1)
-    hidden, weight = torch.randn(2, 5, 8, generator=g, requires_grad=True), torch.randn(16, 8, generator=g)
-    target = torch.randint(0, 16, (2, 5), generator=g)
-    with forced_kernels(CUDA_ON_CPU):
-        cross_entropy.vocab_parallel_linear_cross_entropy(hidden, weight, target).sum().backward()
-    assert buffer._free is None
-    cross_entropy.vocab_parallel_linear_cross_entropy(hidden, weight, target).sum().backward()
-    assert buffer._free is not None and buffer._free.shape == (2, 5, 16)
+def _model_loss_step(model, seed: int) -> None:
+    batch = random_batch(seed=seed)
+    model(batch["tokens"], labels=batch["labels"]).sum().backward()
+
+
+def test_logits_buffer_is_the_models_and_follows_its_table():
+    """The model keeps its loss's buffer with a table that keeps one (CPU's), none with one that does not (as CUDA's),
+    whichever table ``apply_kernels`` gave it last; the buffer is never part of the state dict."""
+    torch.manual_seed(0)
+    model = GPTModel(tiny_config(), VOCAB)
+    no_kept_buffer = dataclasses.replace(CPU_KERNELS, keep_logits_buffer=False)  # as CUDA's, nothing compiled
+    apply_kernels(model, no_kept_buffer)
+    _model_loss_step(model, 1)
+    assert model.logits_buffer is None
+    apply_kernels(model, None)  # the device's own: CPU's
+    _model_loss_step(model, 1)
+    kept = model.logits_buffer._free
+    assert kept is not None and kept.shape == (8, 4, VOCAB)  # [s, b, V]
+    _model_loss_step(model, 2)
+    assert model.logits_buffer._free is kept  # re-used, and back after the backward
+    apply_kernels(model, no_kept_buffer)
+    _model_loss_step(model, 1)
+    assert model.logits_buffer is None  # dropped with the table that keeps none
+    assert not any("logits" in name for name in model.state_dict())
+
+
+def test_two_models_do_not_share_a_logits_buffer():
+    torch.manual_seed(0)
+    first, second = GPTModel(tiny_config(), VOCAB), GPTModel(tiny_config(), VOCAB)
+    _model_loss_step(first, 1)
+    _model_loss_step(second, 1)
+    assert first.logits_buffer is not second.logits_buffer
+    assert first.logits_buffer._free is not None and second.logits_buffer._free is not None
+    assert first.logits_buffer._free.data_ptr() != second.logits_buffer._free.data_ptr()
+    # A copy of a model gets an empty buffer of its own.
+    copied = copy.deepcopy(first)
+    assert copied.logits_buffer is not first.logits_buffer and copied.logits_buffer._free is None
 
 
 def test_compiled_bias_dropout_add_is_a_dropout_of_bias_plus_x():
