@@ -1,4 +1,4 @@
-"""The CUDA and the plain kernel choices (domino.parallel.kernels), forced on CPU tensors, compute what the CPU
+"""The CUDA and the plain kernel choices (domino.parallel.kernels), given to CPU tensors, compute what the CPU
 choices compute.
 
 The compiled bias-dropout-add is compiled with torch's ``aot_eager`` backend here: the same Dynamo capture and
@@ -23,7 +23,7 @@ from domino.parallel import cross_entropy
 from domino.runtime import state
 from domino.config import ConfigError
 from domino.parallel import kernels as kernel_choice
-from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS, apply_kernels, forced_kernels, kernels_for
+from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS, apply_kernels, kernels_for
 from model_fixtures import VOCAB, assert_close_rel, build_model, random_batch, tiny_config
 
 CUDA_ON_CPU = dataclasses.replace(CUDA_KERNELS, compile_backend="aot_eager")
@@ -33,9 +33,6 @@ REL = 1e-5
 def test_choices_by_device_type():
     assert kernels_for(torch.device("cpu")) == CPU_KERNELS
     assert kernels_for(torch.device("cuda", 3)) == CUDA_KERNELS
-    with forced_kernels(CUDA_ON_CPU):
-        assert kernels_for(torch.device("cpu")) == CUDA_ON_CPU
-    assert kernels_for(torch.device("cpu")) == CPU_KERNELS
     # Every op has more than one implementation among the choices (a field equal in all would decide nothing),
     # and the plain choice takes none of the CPU's fast paths, compiles nothing and chunks nothing.
     for field in dataclasses.fields(CPU_KERNELS):
@@ -89,8 +86,7 @@ def test_qkv_one_gemm_equals_three_gemms(with_bias):
     results = []
     for kernels in (CPU_KERNELS, CUDA_ON_CPU):
         leaves = [t.clone().requires_grad_(True) for t in (x, w, b) if t is not None]
-        with forced_kernels(kernels):
-            outs = qkv_projection(leaves[0], leaves[1], leaves[2] if with_bias else None, heads)
+        outs = qkv_projection(leaves[0], leaves[1], leaves[2] if with_bias else None, heads, kernels=kernels)
         sum((o * u).sum() for o, u in zip(outs, upstream)).backward()
         results.append(([o.detach() for o in outs], [t.grad for t in leaves]))
     (cpu_outs, cpu_grads), (cuda_outs, cuda_grads) = results
@@ -142,8 +138,7 @@ def test_compiled_bias_dropout_add_is_a_dropout_of_bias_plus_x():
     g = torch.Generator().manual_seed(2)
     x, bias, residual = (torch.randn(*shape, generator=g, requires_grad=True) for shape in ((4, 8, 16), (16,),
                                                                                            (4, 8, 16)))
-    with forced_kernels(CUDA_ON_CPU):
-        out = bias_dropout_add(x, bias, residual, 0.25, training=True)
+    out = bias_dropout_add(x, bias, residual, 0.25, training=True, kernels=CUDA_ON_CPU)
     out.sum().backward()
     kept = (out - residual).detach() != 0
     assert 0.6 < kept.float().mean() < 0.9  # ~75% kept
@@ -182,21 +177,19 @@ def test_whole_model_choices_equal_cpu_choices(chunks, architecture, choice):
     model = build_model(tiny_config(**architecture), VOCAB, chunks)
     batch = random_batch(seed=3)
     expected = _step(model, batch, masked=True)
-    with forced_kernels(choice):
-        got = _step(model, batch, masked=True)
+    got = _step(apply_kernels(model, choice), batch, masked=True)
     _compare(got, expected, f"chunks={chunks}")
 
 
 def _tp2_body(rank, world_size, full_sd, batch):
     import dataclasses as dc
 
-    from domino.parallel.kernels import CUDA_KERNELS as cuda, forced_kernels as forced
+    from domino.parallel.kernels import CUDA_KERNELS as cuda, apply_kernels as given
 
     state.initialize_model_parallel(2)
     model = build_model(tiny_config(), VOCAB, 2)
     model.load_state_dict(shard_state_dict(full_sd, rank, 2))
-    with forced(dc.replace(cuda, compile_backend="aot_eager")):
-        return _step(model, batch, masked=False)
+    return _step(given(model, dc.replace(cuda, compile_backend="aot_eager")), batch, masked=False)
 
 
 def test_tp2_domino_with_cuda_choices_equals_tp1_cpu_choices():
@@ -223,8 +216,8 @@ def test_tp1_loss_without_host_read_equals_the_softmax_shortcut():
     results = []
     for kernels in (CPU_KERNELS, CUDA_ON_CPU):
         h = hidden.clone().requires_grad_(True)
-        with forced_kernels(kernels), HostSyncProbe() as probe:
-            loss = cross_entropy.vocab_parallel_linear_cross_entropy(h, weight, target)
+        with HostSyncProbe() as probe:
+            loss = cross_entropy.vocab_parallel_linear_cross_entropy(h, weight, target, kernels=kernels)
         loss.sum().backward()
         results.append((loss.detach(), h.grad, sum(probe.events.values())))
     (cpu_loss, cpu_grad, cpu_reads), (cuda_loss, cuda_grad, cuda_reads) = results
