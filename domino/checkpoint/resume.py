@@ -297,8 +297,8 @@ def _read_state(ckpt: Checkpoint, optimizer, config: DominoConfig, padded_vocab_
         optim = torch.load(ckpt.path / on_disk.LEGACY_OPTIMIZER_DIR / f"rank_{rank:05d}.pt", map_location="cpu",
                            weights_only=True)
     elif not c.no_load_optim and not optimizer_state.supports(optimizer):
-        raise ConfigError(f"--load {ckpt}: this run's optimizer (--fp16 without ZeRO) cannot take an optimizer "
-                          "state stored by name; resume with --zero-stage 1, or use --no-load-optim")
+        raise ConfigError(f"--load {ckpt}: this run's optimizer keeps no state by name, so it cannot take the one "
+                          "stored; resume with --zero-stage 1, or use --no-load-optim")
     elif not c.no_load_optim:
         optimizer_state.Scalars.from_json(meta["optimizer"], str(ckpt.path / on_disk.META_FILE))
         fragment_io.fragments_tp(meta, str(ckpt.path / on_disk.META_FILE))

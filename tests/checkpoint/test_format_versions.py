@@ -1,8 +1,8 @@
 """Checkpoints of format 1 (each rank's optimizer state in ``optim/rank_NNNNN.pt``) still resume, bit for bit, on
 the layout that wrote them; on another layout they are refused in one line that says how to convert them.
 
-The format-1 checkpoint is written by the code that still writes it (DeepSpeed's fp16 optimizer without ZeRO has no
-state by name, ``domino.optim.state.supports``), with its ``checkpoint.json`` reduced to what
+The format-1 checkpoint is written by the code that still can write it (the fallback for an optimizer without a
+state by name, ``domino.optim.state.supports``, patched to say so), with its ``checkpoint.json`` reduced to what
 format 1 held. Everything runs in one real gloo process, ``pretrain()`` called in-process.
 """
 
