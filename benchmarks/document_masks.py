@@ -51,7 +51,7 @@ def one(way: str, s: int, mean: int, threads: int) -> dict:
     """Runs one way at one length in this process; its peak memory above the inputs, its time and documents."""
     from domino.data.batch import dense_document_mask
     from domino.parallel.document_attention import document_attention, document_lengths
-    from domino.parallel.kernels import CPU_KERNELS, PLAIN_KERNELS, forced_kernels
+    from domino.parallel.kernels import CPU_KERNELS, PLAIN_KERNELS
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(1)
@@ -65,8 +65,7 @@ def one(way: str, s: int, mean: int, threads: int) -> dict:
         mask = ~dense_document_mask(starts)
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     else:
-        with forced_kernels(CPU_KERNELS if way == "segmented" else PLAIN_KERNELS):
-            out = document_attention(q, k, v, starts)
+        out = document_attention(q, k, v, starts, kernels=CPU_KERNELS if way == "segmented" else PLAIN_KERNELS)
     out.backward(dout)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux

@@ -34,8 +34,9 @@ import torch.nn.functional as F
 
 from domino.parallel import norms
 from domino.parallel.chunked_cross_entropy import chunked_linear_cross_entropy
-from domino.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
-from domino.parallel.kernels import CPU_KERNELS, PLAIN_KERNELS, forced_kernels
+from domino.parallel.cross_entropy import (LogitsBuffer, vocab_parallel_cross_entropy,
+                                           vocab_parallel_linear_cross_entropy)
+from domino.parallel.kernels import CPU_KERNELS, PLAIN_KERNELS
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEFORE = "74e1b42"  # the last commit with the multi-pass chunked loss
@@ -55,13 +56,13 @@ def _loss_ways(args):
     rows = max(1, args.chunk_mib * 2**20 // (4 * args.vocab))
     before = _before_chunked(args.before)
 
+    buffer = LogitsBuffer()  # kept across calls, as the model keeps its own
+
     def plain(h, w, t):
-        with forced_kernels(PLAIN_KERNELS):
-            return vocab_parallel_cross_entropy(F.linear(h, w), t)
+        return vocab_parallel_cross_entropy(F.linear(h, w), t, kernels=PLAIN_KERNELS)
 
     def one_buffer(h, w, t):
-        with forced_kernels(CPU_KERNELS):
-            return vocab_parallel_linear_cross_entropy(h, w, t)
+        return vocab_parallel_linear_cross_entropy(h, w, t, kernels=CPU_KERNELS, buffer=buffer)
 
     return dict(zip(LOSSES, (plain, one_buffer, lambda h, w, t: before(h, w, t, rows),
                              lambda h, w, t: chunked_linear_cross_entropy(h, w, t, rows)))), rows

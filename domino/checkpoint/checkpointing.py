@@ -10,8 +10,8 @@ Layout of a save root (model weights and ``checkpoint.json`` are ``domino.checkp
     DIR/iter_0000100/rng/rank_00003.pt     this rank's RNG states
     DIR/iter_0000100/tokenizer/        the tokenizer, so the checkpoint is self-contained
 
-(DeepSpeed's fp16 optimizer without ZeRO keeps format 1's ``optim/rank_00003.pt`` instead of ``optimizer/``:
-this rank's state, read back on the same layout only.)
+(An optimizer without a state by name, none that a run builds, would keep format 1's ``optim/rank_00003.pt``
+instead of ``optimizer/``: this rank's state, read back on the same layout only.)
 
 A save is three phases: every rank takes a :class:`Snapshot` of its part (copied to the host: under ZeRO its own
 fragments of the optimizer state, nothing gathered), writes it into ``DIR/.tmp-iter_0000100.<token>`` (the run's
@@ -115,7 +115,7 @@ class Snapshot:
     fragments: Optional[Dict[str, optimizer_state.Fragment]] = None
     """This rank's own fragments of the optimizer state by name (ZeRO: :mod:`domino.checkpoint.fragment_io`)."""
     per_rank_optimizer: Optional[Dict[str, Any]] = None
-    """Format 1's optimizer state of this rank (DeepSpeed's fp16 optimizer without ZeRO)."""
+    """Format 1's optimizer state of this rank (an optimizer without a state by name)."""
     meta: Optional[Dict[str, Any]] = None
     """``checkpoint.json`` (rank 0)."""
     tokenizer: Any = None

@@ -4,7 +4,8 @@ dict: :mod:`domino.optim.state_dict`).
 Both are saved as plain tensors, numbers and strings, so they load with ``torch.load(weights_only=True)``
 (nothing arbitrary is unpickled). RNG streams only mean something on the layout that drew them; the
 optimizer state by parameter name (:mod:`domino.optim.state`) replaced format 1's per-rank
-files, which remain for DeepSpeed's fp16 optimizer without ZeRO and for checkpoints written before.
+files, which remain for checkpoints written before (DeepSpeed's fp16 optimizer without ZeRO, which runs no
+longer build) and for an optimizer without a state by name.
 """
 
 from __future__ import annotations

@@ -279,6 +279,11 @@ def _check_per_rank(ckpt: Checkpoint, config: DominoConfig, mesh: ParallelMesh) 
             f"--load {ckpt}: its optimizer state is from --zero-stage {saved_stage}, this run uses --zero-stage "
             f"{stage} (a plain and a ZeRO optimizer save different per-rank states); resume with --zero-stage "
             f"{saved_stage} (or without --zero-stage), or use --no-load-optim to take the weights only.")
+    if saved_stage == 0 and stage == 0 and meta["config"].get("train", {}).get("fp16"):
+        # fp16 without ZeRO saved per rank only as DeepSpeed's FP16_Optimizer, before domino's own (mixed_precision).
+        raise ConfigError(f"--load {ckpt}: its optimizer state is DeepSpeed's fp16 optimizer's at --zero-stage 0, "
+                          "which domino's own --zero-stage 0 (fp32 masters) cannot take; use --no-load-optim to "
+                          "take its fp16 weights only")
 
 
 def _read_state(ckpt: Checkpoint, optimizer, config: DominoConfig, padded_vocab_size: int, weights_only: bool,
@@ -297,8 +302,8 @@ def _read_state(ckpt: Checkpoint, optimizer, config: DominoConfig, padded_vocab_
         optim = torch.load(ckpt.path / on_disk.LEGACY_OPTIMIZER_DIR / f"rank_{rank:05d}.pt", map_location="cpu",
                            weights_only=True)
     elif not c.no_load_optim and not optimizer_state.supports(optimizer):
-        raise ConfigError(f"--load {ckpt}: this run's optimizer (--fp16 without ZeRO) cannot take an optimizer "
-                          "state stored by name; resume with --zero-stage 1, or use --no-load-optim")
+        raise ConfigError(f"--load {ckpt}: this run's optimizer keeps no state by name, so it cannot take the one "
+                          "stored; resume with --zero-stage 1, or use --no-load-optim")
     elif not c.no_load_optim:
         optimizer_state.Scalars.from_json(meta["optimizer"], str(ckpt.path / on_disk.META_FILE))
         fragment_io.fragments_tp(meta, str(ckpt.path / on_disk.META_FILE))

@@ -85,7 +85,7 @@ def _resumable_on(meta: dict, kind: Optional[str]) -> List[str]:
     return [f"tensor-model-parallel size {', '.join(map(str, tps))} (keep the vocabulary padding: "
             f"--make-vocab-size-divisible-by {multiple} / TP)",
             f"any data-parallel size dividing the global batch of {gbs} (the micro-batch dividing {gbs} / DP), "
-            "any ZeRO stage 0-2 (fp16 without ZeRO: per-rank state only), any --domino-chunks"]
+            "any ZeRO stage 0-2, any --domino-chunks"]
 
 
 def _verify_all(ckpt: Path, meta: dict, progress: Optional[bool]) -> str:

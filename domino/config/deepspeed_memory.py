@@ -1,7 +1,8 @@
-"""DeepSpeed's own allocations beyond the ZeRO paper's accounting, and what of the estimate has been measured.
+"""The fp32 gradients kept beyond the ZeRO paper's accounting, and what of the estimate has been measured.
 
 The ZeRO paper counts 2 + 2 + 12 bytes per parameter in mixed precision (:mod:`domino.config.estimate`). The
-engines DeepSpeed 0.19.8 builds for domino's config (``domino/optim/deepspeed_config.py``) keep more, read from its source:
+optimizers keep more: domino's own at ZeRO 0 and the engines DeepSpeed 0.19.8 builds for domino's config at ZeRO 1/2
+(``domino/optim/deepspeed_config.py``, read from its source). The estimate's ``fp32_grads`` part counts them:
 
 * **bf16, ZeRO 1** (``BF16_Optimizer``, ``deepspeed/runtime/bf16_optimizer.py`` ``_setup_for_real_optimizer``):
   ``fp32_groups_gradients_flat``, an fp32 gradient buffer the size of *all* this rank's parameters (``zeros_like``
@@ -52,9 +53,10 @@ VALIDATION: Dict[str, str] = {
 }
 
 
-def deepspeed_buffer_bytes(parameters_per_rank: float, data_parallel_size: int, zero_stage: int, bf16: bool,
-                           fp16: bool) -> Dict[str, float]:
-    """DeepSpeed's allocations per GPU beyond the ZeRO paper's, in bytes, by name (see the module doc).
+def fp32_gradient_bytes(parameters_per_rank: float, data_parallel_size: int, zero_stage: int, bf16: bool,
+                        fp16: bool) -> Dict[str, float]:
+    """The optimizer's fp32 gradient buffers per GPU beyond the ZeRO paper's count, in bytes, by name (see the
+    module doc).
 
     Args:
         parameters_per_rank: this TP rank's parameters.

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from domino.config import pipeline_schedule as schedule
-from domino.config.deepspeed_memory import VALIDATION, deepspeed_buffer_bytes
+from domino.config.deepspeed_memory import VALIDATION, fp32_gradient_bytes
 from domino.config.layout import virtual_stages, zero_reduces_in_backward
 from domino.config.memory_formulas import (
     DEVICES, RECOMPUTE_CHOICES, Layout, ModelShape, attention_transient_bytes, context_parallel_bytes_per_layer,
@@ -74,7 +74,7 @@ class Estimate:
     logits: float
     buffers: float
     flops_per_token: float
-    deepspeed: float = 0.0
+    fp32_grads: float = 0.0
     attention: float = 0.0
     """One layer's context-parallel attention at work beyond what it saves (the ring's key/value and gradient
     buffers, one block's scores, the all-to-all's exchange buffers:
@@ -112,7 +112,7 @@ class Estimate:
                           self.activations_beside_gradients + self.gradients, self.gradients + self.step_gradient_copy)
         # Attention runs before the loss makes the logits (forward) and after its backward freed them: the larger.
         transient = max(self.logits, self.attention)
-        return self.weights + self.optimizer + transient + self.buffers + self.deepspeed + overlapping
+        return self.weights + self.optimizer + transient + self.buffers + self.fp32_grads + overlapping
 
     @property
     def step_time_s(self) -> Optional[float]:
@@ -131,7 +131,7 @@ class Estimate:
 
     def memory_gb(self) -> Dict[str, float]:
         """The parts in GiB, rounded for printing."""
-        parts = ("weights", "gradients", "optimizer", "activations", "attention", "logits", "buffers", "deepspeed",
+        parts = ("weights", "gradients", "optimizer", "activations", "attention", "logits", "buffers", "fp32_grads",
                  "total")
         return {p: round(getattr(self, p) / GB, 3) for p in parts}
 
@@ -208,10 +208,10 @@ def _stage(config: DominoConfig, layout: Layout, shape: ModelShape, rank: int, m
     def alive(chunks: int) -> float:  # ``chunks`` in flight, the last of them back-propagated
         return (chunks - 1) * stored + peak + embedding * chunks / v + final
 
-    deepspeed = deepspeed_buffer_bytes(params, dp, layout.zero_stage, bool(config.train.bf16),
-                                       bool(config.train.fp16))
+    fp32_grads = fp32_gradient_bytes(params, dp, layout.zero_stage, bool(config.train.bf16),
+                                     bool(config.train.fp16))
     return dict(weights=params * weight_b, gradients=gradients, optimizer=params * optim_b / (
-        dp if layout.zero_stage >= 1 else 1), deepspeed=sum(deepspeed.values()),
+        dp if layout.zero_stage >= 1 else 1), fp32_grads=sum(fp32_grads.values()),
         activations=alive(in_flight), activations_beside_gradients=alive(beside) if beside else 0.0,
         logits=logits_bytes(shape, layout, act, device) if last else 0.0,
         attention=attention_transient_bytes(shape, layout, config.parallel.cp_comm_type, act, device),

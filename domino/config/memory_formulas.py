@@ -22,8 +22,9 @@ Memory per GPU is the sum of seven parts, each a closed form in the architecture
   on GPUs one row chunk of it at a time (the chunked loss of ``domino/parallel/chunked_cross_entropy.py``).
 * **buffers**: DeepSpeed's ZeRO reduce/all-gather buckets (sizes from ``domino/optim/deepspeed_config.py``), the per-layer
   regrouped QKV weight copy of :mod:`domino.model.qkv_projection` and full recompute's RNG snapshots.
-* **deepspeed**: what DeepSpeed's optimizers keep beyond the paper's count (the fp32 gradient buffer of bf16 ZeRO 1,
-  fp32 gradient partitions, the engine's flattening all-reduce buffer): :mod:`domino.config.deepspeed_memory`,
+* **fp32_grads**: the fp32 gradients kept beyond the paper's count (DeepSpeed's fp32 gradient buffer of bf16 ZeRO 1,
+  domino's fp32 main gradients of bf16/fp16 ZeRO 0, the fp32 gradient partitions of 16-bit ZeRO 1/2, the engine's
+  flattening all-reduce buffer): :mod:`domino.config.deepspeed_memory`,
   which also says which of these figures have been measured (:data:`VALIDATION`: none on a GPU yet).
 
 FLOPs per token follow Megatron's count (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on

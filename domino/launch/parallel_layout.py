@@ -123,7 +123,7 @@ def derive_layout(spec: JobSpec) -> DerivedLayout:
 def _fits_without_the_sequence(estimate: Estimate) -> bool:
     """Whether what the sequence length does not change (weights, gradients, optimizer state, buffers) fits:
     then the activations, logits and attention buffers are what does not, and a larger CP divides them."""
-    fixed = (estimate.weights + estimate.gradients + estimate.optimizer + estimate.buffers + estimate.deepspeed
+    fixed = (estimate.weights + estimate.gradients + estimate.optimizer + estimate.buffers + estimate.fp32_grads
              + estimate.step_gradient_copy)
     return fixed <= USABLE_FRACTION * estimate.gpu_memory_gb * 2**30
 

@@ -55,7 +55,8 @@ from domino.model.stack import LayerStack, SynchronousStack
 from domino.model.transformer import TransformerLayer, build_norm
 from domino.parallel.collectives import gather_from_tp_region
 from domino.parallel.context_split import local_token_indices
-from domino.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
+from domino.parallel.cross_entropy import (LogitsBuffer, vocab_parallel_cross_entropy,
+                                           vocab_parallel_linear_cross_entropy)
 from domino.parallel.document_attention import is_document_starts
 from domino.parallel.kernels import Kernels, resolve
 from domino.parallel.layers import VocabParallelEmbedding
@@ -115,6 +116,9 @@ class GPTModel(nn.Module):
         self.parallel_output = parallel_output
         # The kernel choice of its loss and its stack, given by parallelize with its layers' (None: the device's).
         self.kernels: Optional[Kernels] = None
+        # The fused loss's logits-sized buffer kept from step to step, where the kernels the loss runs with keep
+        # one (CPU), else None (:meth:`_logits_buffer`). A plain attribute: no state_dict entry, untouched by .to().
+        self.logits_buffer: Optional[LogitsBuffer] = None
         if pre_process:
             self.embedding = Embedding(config, vocab_size, tp)
         self.layers = nn.ModuleList(TransformerLayer(config, i, tp, cp) for i in range(config.num_layers))
@@ -208,10 +212,23 @@ class GPTModel(nn.Module):
         kernels = resolve(self.kernels, hidden.device)
         if labels is not None and kernels.fused_output_loss:
             # One node: the logits' buffer becomes the softmax, then the gradient (domino.parallel.kernels).
-            return vocab_parallel_linear_cross_entropy(hidden, weight, labels, self.tp,
-                                                       grad_slot=grad_slot, kernels=kernels).t().contiguous()
+            return vocab_parallel_linear_cross_entropy(hidden, weight, labels, self.tp, grad_slot=grad_slot,
+                                                       kernels=kernels,
+                                                       buffer=self._logits_buffer(kernels)).t().contiguous()
         # No FP8 recipe: the output layer stays in high precision (Megatron-LM's FP8 keeps it in bf16).
         logits = F.linear(hidden, weight) if grad_slot is None else linear(hidden, weight, grad_slot=grad_slot)
         if labels is not None:
             return vocab_parallel_cross_entropy(logits, labels, self.tp, kernels).t().contiguous()
         return (logits if self.parallel_output else gather_from_tp_region(logits, self.tp)).transpose(0, 1)
+
+    def _logits_buffer(self, kernels: Kernels) -> Optional[LogitsBuffer]:
+        """The model's :class:`LogitsBuffer` where ``kernels`` (the table this forward resolved) keep one, else
+        None, dropping any kept one: decided per call, so it follows tables given later by ``apply_kernels`` and
+        moves between devices."""
+        if not kernels.keep_logits_buffer:
+            if self.logits_buffer is not None:
+                self.logits_buffer = None
+            return None
+        if self.logits_buffer is None:
+            self.logits_buffer = LogitsBuffer()
+        return self.logits_buffer

@@ -80,9 +80,9 @@ def fused_optimizer_supported(device: torch.device) -> bool:
 def flag_overflow(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> Optional[torch.Tensor]:
     """Makes ``optimizer``'s coming step skip itself on the device when ``grad_norm`` is NaN/inf.
 
-    Only for a plain torch optimizer (ZeRO stage 0, fp32): DeepSpeed's own wrappers (ZeRO, fp16, bf16) keep an
-    ``overflow`` flag and skip by themselves. torch's fused AdamW reads the optimizer attribute ``found_inf``
-    and, when it is non-zero, leaves parameters, moments and step count unchanged (``torch/optim/adam.py``,
+    For a plain torch optimizer (ZeRO stage 0: fp32, or bf16/fp16 on fp32 masters); DeepSpeed's own wrappers
+    (ZeRO, bf16) keep an ``overflow`` flag and skip by themselves. torch's fused AdamW reads the optimizer
+    attribute ``found_inf`` and, when it is non-zero, leaves parameters, moments and step count unchanged (``torch/optim/adam.py``,
     ``_fused_adam``, torch 2.13), so no host read decides the skip. Returns the 0/1 flag, or ``None`` when the
     optimizer is not fused (torch < 2.4 on CPU): the caller then decides on the host.
     """

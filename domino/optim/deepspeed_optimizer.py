@@ -1,12 +1,13 @@
-"""DeepSpeed behind :class:`~domino.optim.interface.TrainingOptimizer`: the engine, its ZeRO 1/2 and 16-bit
-optimizers, and domino's device-decided steps for them, seen from outside as one optimizer.
+"""DeepSpeed behind :class:`~domino.optim.interface.TrainingOptimizer` at ZeRO 1/2: the engine, its ZeRO and
+bf16 optimizers, and domino's device-decided steps for them, seen from outside as one optimizer.
 
 DeepSpeed 0.19.8 (the release line ``pyproject.toml`` admits, :mod:`domino.optim.deepspeed_runtime`) builds, from
-the config :func:`domino.optim.deepspeed_config.deepspeed_config` derives (ZeRO 0 runs without it,
-:mod:`domino.optim.build`, but tests still build it as a reference): torch's AdamW alone at ZeRO 0 in fp32;
-``FP16_Optimizer`` for fp16 at ZeRO 0; ``BF16_Optimizer`` for bf16 at ZeRO 1 (:mod:`domino.optim.bf16_step`);
-``DeepSpeedZeroOptimizer`` otherwise (:mod:`domino.optim.zero_step`); the last two as domino's subclasses, which
-its engine subclass builds (:mod:`domino.optim.deepspeed_engine`). Only this module drives the engine.
+the config :func:`domino.optim.deepspeed_config.deepspeed_config` derives: ``BF16_Optimizer`` for bf16 at ZeRO 1
+(:mod:`domino.optim.bf16_step`) and ``DeepSpeedZeroOptimizer`` otherwise (:mod:`domino.optim.zero_step`), both
+as domino's subclasses, which its engine subclass builds (:mod:`domino.optim.deepspeed_engine`). Runs at ZeRO 0,
+in every precision, take no DeepSpeed (:mod:`domino.optim.build`: torch's AdamW, on fp32 masters in bf16/fp16,
+:mod:`domino.optim.mixed_precision`); tests still build this module at ZeRO 0 as a reference, where DeepSpeed
+takes torch's AdamW alone in fp32 and its ``FP16_Optimizer`` in fp16. Only this module drives the engine.
 """
 
 from __future__ import annotations

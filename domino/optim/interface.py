@@ -2,8 +2,9 @@
 
 The step is decided on the device (the skip of a non-finite step, clipping and the fp16 loss scale are tensors,
 read on the host only at log intervals); gradients accumulate over micro-batches; the state is stored by
-parameter name (:mod:`domino.optim.state`). Which library does the work behind it (DeepSpeed's ZeRO and 16-bit
-optimizers, :class:`domino.optim.deepspeed_optimizer.DeepSpeedOptimizer`) is this package's business alone:
+parameter name (:mod:`domino.optim.state`). Which library does the work behind it (torch's AdamW at ZeRO 0, in
+16 bits on fp32 masters; DeepSpeed's ZeRO and bf16 optimizers at ZeRO 1/2,
+:class:`domino.optim.deepspeed_optimizer.DeepSpeedOptimizer`) is this package's business alone:
 no module outside ``domino/optim/`` imports DeepSpeed (``tests/test_layering.py``).
 
 A step, unpipelined::

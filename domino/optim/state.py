@@ -25,8 +25,8 @@ Two kinds of optimizer hold them (checked against DeepSpeed 0.19.8 and torch 2.1
   the optimizer's ``masters`` maps each to its fp32 master (:mod:`domino.optim.mixed_precision`), and its
   ``loss_scaler`` is fp16's. The moments live in ``optimizer.state[master]`` (``torch/optim/adam.py``).
 
-DeepSpeed's fp16 optimizer without ZeRO (``FP16_Optimizer``) offers neither: its runs keep the per-rank
-optimizer files of format 1 (:func:`supports`).
+An optimizer offering neither (DeepSpeed's fp16 optimizer without ZeRO, ``FP16_Optimizer``, which runs no longer
+build: fp16 at ZeRO 0 is domino's own) would keep the per-rank optimizer files of format 1 (:func:`supports`).
 """
 
 from __future__ import annotations

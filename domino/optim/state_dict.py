@@ -2,7 +2,7 @@
 
 Saved as plain tensors, numbers and strings, so they load with ``torch.load(weights_only=True)`` (nothing
 arbitrary is unpickled). The state by parameter name (:mod:`domino.optim.state`) replaced these files; they
-remain for DeepSpeed's fp16 optimizer without ZeRO and for checkpoints written before.
+remain for checkpoints written before, and for an optimizer without a state by name (none that a run builds).
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ Memory and speed: one fp32 ``[.., V/tp]`` buffer holds the softmax saved for bac
 into the gradient in place (so re-using the loss with ``retain_graph`` is not supported, as in Megatron-LM).
 :func:`vocab_parallel_linear_cross_entropy` also computes the logits itself, so for fp32 the softmax
 overwrites them and the logits' buffer is the only logits-sized allocation of the whole loss; once backward is
-done with it, that buffer is kept for the next step (:class:`_LogitsBuffer`). Backward applies the upstream
-per-token gradient to the ``[.., h]`` operands of its two GEMMs rather than to the ``[.., V/tp]`` gradient.
+done with it, that buffer is kept for the next step in the caller's :class:`LogitsBuffer` (the model's), where it
+gives one. Backward applies the upstream per-token gradient to the ``[.., h]`` operands of its two GEMMs rather
+than to the ``[.., V/tp]`` gradient.
 """
 
 from __future__ import annotations
@@ -124,15 +125,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return _softmax_to_grad_(probs, local_target, outside, grad_loss).to(ctx.input_dtype), None, None, None
 
 
-class _LogitsBuffer:
+class LogitsBuffer:
     """Keeps the last released logits-sized buffer of the fused loss for the next step's forward.
 
     The fused loss needs one ``[tokens, V/tp]`` buffer per step. On CPU a fresh allocation of that size is
     mapped from the OS (and zero-filled page by page) every step, which costs about a tenth of the output
-    layer's GEMM; re-using the buffer avoids it (on CUDA, where the caching allocator already does the same, the
-    buffer is not kept: :mod:`domino.parallel.kernels`). A buffer is
-    lent to one forward at a time and only comes back once its backward has finished with it, so two graphs
-    alive at once (several micro-batches, an evaluation loss with grad enabled) each get their own.
+    layer's GEMM; re-using the buffer avoids it (on CUDA, where the caching allocator already does the same, none
+    is kept: :mod:`domino.parallel.kernels`). The model owns one (``GPTModel.logits_buffer``) and passes it to
+    each loss, so two models never share one. A buffer is lent to one forward at a time and only comes back once
+    its backward has finished with it, so two graphs alive at once (several micro-batches, an evaluation loss
+    with grad enabled) each get their own.
+
+    A copy of the owner (``copy.deepcopy``, pickling) gets an empty buffer: what is kept is scratch memory.
     """
 
     def __init__(self) -> None:
@@ -147,34 +151,37 @@ class _LogitsBuffer:
             return buf
         return torch.empty(shape, dtype=dtype, device=device)
 
-    def give_back(self, buf: torch.Tensor, keep: bool) -> None:
-        """Keeps ``buf`` for the next :meth:`take` where the kernels keep it (``keep``: CPU; on CUDA it is just
-        released to the caching allocator); the caller must not read or write it afterwards."""
-        if not keep:
-            return
+    def give_back(self, buf: torch.Tensor) -> None:
+        """Keeps ``buf`` for the next :meth:`take`; the caller must not read or write it afterwards."""
         with self._lock:
             self._free = buf
 
+    def __deepcopy__(self, memo) -> "LogitsBuffer":
+        return LogitsBuffer()
 
-_LOGITS_BUFFER = _LogitsBuffer()
+    def __reduce__(self):
+        return LogitsBuffer, ()
 
 
 class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                graph: bool, grad_slot, tp: MeshGroup, kernels: Kernels) -> torch.Tensor:
+                graph: bool, grad_slot, tp: MeshGroup, kernels: Kernels,
+                buffer: Optional[LogitsBuffer]) -> torch.Tensor:
         # F.linear without bias is matmul(hidden, weight.t()); same GEMM, written into a re-used buffer.
-        logits = torch.matmul(hidden, weight.t(),
-                              out=_LOGITS_BUFFER.take((*hidden.shape[:-1], weight.shape[0]), hidden.dtype,
-                                                      hidden.device))
+        shape = (*hidden.shape[:-1], weight.shape[0])
+        out = (buffer.take(shape, hidden.dtype, hidden.device) if buffer is not None
+               else torch.empty(shape, dtype=hidden.dtype, device=hidden.device))
+        logits = torch.matmul(hidden, weight.t(), out=out)
         probs, loss, local_target, outside = _softmax_and_loss(
             logits, target, in_place=True, logits_of_rows=lambda rows: torch.matmul(hidden[rows], weight.t()),
             tp=tp, kernels=kernels)
         ctx.save_for_backward(hidden, weight, probs, local_target, outside)
-        ctx.keep_buffer = kernels.keep_logits_buffer
-        ctx.buffer_lent = probs is logits and graph
-        if not ctx.buffer_lent:  # no backward will come, or (lower precision) the softmax has its own buffer
-            _LOGITS_BUFFER.give_back(logits, ctx.keep_buffer)
+        # The buffer to give the logits' memory back to once backward is done with it (None: released).
+        ctx.buffer = buffer if probs is logits and graph else None
+        if buffer is not None and ctx.buffer is None:
+            # No backward will come, or (lower precision) the softmax has its own buffer.
+            buffer.give_back(logits)
         ctx.backward_done = False
         ctx.grad_slot = grad_slot
         return loss
@@ -208,9 +215,9 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             scaled_hidden = (hidden * scale if scale is not None else hidden).reshape(-1, weight.shape[1])
             grad_weight = grad_logits.reshape(-1, weight.shape[0]).t().matmul(scaled_hidden)
-        if ctx.buffer_lent:
-            _LOGITS_BUFFER.give_back(probs, ctx.keep_buffer)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        if ctx.buffer is not None:
+            ctx.buffer.give_back(probs)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def _check_shapes(logits_shape, target: torch.Tensor) -> None:
@@ -238,7 +245,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp:
 
 def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                                         target: torch.Tensor, tp: MeshGroup = SINGLE,
-                                        grad_slot=None, kernels: Optional[Kernels] = None) -> torch.Tensor:
+                                        grad_slot=None, kernels: Optional[Kernels] = None,
+                                        buffer: Optional[LogitsBuffer] = None) -> torch.Tensor:
     """``vocab_parallel_cross_entropy(F.linear(hidden, weight), target)`` with one logits-sized buffer.
 
     The logits never leave the function, so their buffer becomes the softmax and then the gradient in place
@@ -253,6 +261,9 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
         grad_slot: None, or an object whose ``launch(grad)`` starts the TP all-reduce of ``hidden``'s gradient
             (Domino's gradient guard): backward then launches it before computing the weight's gradient.
         kernels: the loss's kernel choice (the model's, given by ``parallelize``); None: the device's.
+        buffer: where the logits' memory is taken from and, once backward is done with it, given back to for the
+            next call (the model's :class:`LogitsBuffer`, kept where its kernels keep one: CPU); None allocates a
+            fresh buffer and releases it.
     """
     _check_shapes((*hidden.shape[:-1], weight.shape[0]), target)
     kernels = resolve(kernels, hidden.device)
@@ -262,4 +273,4 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
         chunk_rows = max(1, chunk_bytes // (4 * weight.shape[0]))  # fp32 logits of chunk_rows tokens
         if chunk_rows < target.numel():
             return chunked_linear_cross_entropy(hidden, weight, target, chunk_rows, tp, grad_slot)
-    return _LinearVocabParallelCrossEntropy.apply(hidden, weight, target, graph, grad_slot, tp, kernels)
+    return _LinearVocabParallelCrossEntropy.apply(hidden, weight, target, graph, grad_slot, tp, kernels, buffer)

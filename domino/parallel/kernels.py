@@ -85,8 +85,8 @@ module holding a ``kernels`` attribute (:func:`apply_kernels`), as it gives the 
 op takes its module's table (:func:`resolve`), so two models with different choices live in one process. A module
 given no table takes its device's own choice (:func:`kernels_for`).
 
-Every choice computes the same values (``tests/model/test_model_kernels.py`` forces the CUDA and the plain choices
-on CPU tensors and compares outputs and gradients). Devices other than ``cuda`` take the CPU choices.
+Every choice computes the same values (``tests/model/test_model_kernels.py`` gives the CUDA and the plain choices
+to models and ops on CPU tensors and compares outputs and gradients). Devices other than ``cuda`` take the CPU choices.
 
 ``DOMINO_KERNELS=compiled`` takes the device's choice and compiles each transformer block whole as well
 (``compile_blocks``; :func:`run_compiled_block`, called from the synchronous stack's layer loop only where a block
@@ -95,15 +95,13 @@ holds no collective: TP=1). On CPU it measured 0.99-1.01x eager (``benchmarks/bl
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import os
 import shutil
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -117,7 +115,8 @@ class Kernels:
     split_qkv: bool
     """QKV as three GEMMs over a regrouped weight copy (else one GEMM over the stored weight)."""
     keep_logits_buffer: bool
-    """The fused loss keeps its logits-sized buffer for the next step (else allocates it every step)."""
+    """The model keeps its fused loss's logits-sized buffer for the next step (``GPTModel.logits_buffer``; else the
+    loss allocates it every step)."""
     fused_gelu_fc2: bool
     """GeLU and fc2 as one autograd node reusing the activation's buffer (else ``F.gelu`` then a linear)."""
     compile_backend: Optional[str]
@@ -223,21 +222,19 @@ def resolve(kernels: Optional[Kernels], device: torch.device) -> Kernels:
     """``kernels`` (a module's table, given by ``parallelize``), else :func:`kernels_for` ``device``."""
     return kernels if kernels is not None else kernels_for(device)
 
-_forced: contextvars.ContextVar[Optional[Kernels]] = contextvars.ContextVar("domino_forced_kernels", default=None)
 
-
-#: The choice of the block :func:`run_compiled_block` is running: what its ops read while Dynamo traces them
-#: (Dynamo cannot trace ``ContextVar.get``; it reads a module global as a guarded constant).
+#: The choice of the block :func:`run_compiled_block` is compiling: what the ops of modules given no table read
+#: while Dynamo traces them. A trace-time constant, not a setting: it is set only around the compiled call and
+#: read only under ``torch.compiler.is_compiling()``. A module global because Dynamo reads one as a guarded
+#: constant, where it cannot trace ``ContextVar.get``.
 _block_kernels: Optional[Kernels] = None
 
 
 def kernels_for(device: torch.device) -> Kernels:
-    """The device's own kernels for tensors on ``device`` (those of :func:`forced_kernels` inside its block), for
-    modules given no table."""
+    """The device's own kernels for tensors on ``device``, for modules and ops given no table."""
     if _block_kernels is not None and torch.compiler.is_compiling():
         return _block_kernels
-    forced = _forced.get()
-    return forced if forced is not None else for_device(None, device)
+    return for_device(None, device)
 
 
 def ring_block_kernel(kernels: Kernels, q: torch.Tensor, k: torch.Tensor, dropout: float, masked: bool) -> str:
@@ -289,17 +286,6 @@ def c_compiler() -> Optional[str]:
         if path is not None:
             return path
     return None
-
-
-@contextlib.contextmanager
-def forced_kernels(kernels: Kernels) -> Iterator[None]:
-    """Runs the block with ``kernels`` whatever the device, for the modules given no table of their own (tests
-    and benchmarks compare the paths on CPU tensors)."""
-    token = _forced.set(kernels)
-    try:
-        yield
-    finally:
-        _forced.reset(token)
 
 
 def island(fn: Callable, device: torch.device, kernels: Optional[Kernels] = None) -> Callable:

@@ -118,9 +118,10 @@ class Trainer:
         """One optimizer step over a ``batch``-sample global batch; returns the mean loss, a 0-d tensor on the device.
 
         Nothing here reads a tensor value on the host (each read would wait for the device to drain): a
-        non-finite loss makes non-finite gradients, and the optimizer skips that update by itself: DeepSpeed's
-        from a device flag (:mod:`~domino.optim.bf16_step`, :mod:`~domino.optim.zero_step`; fp16 at ZeRO 0 from
-        its ``overflow``), the plain fused AdamW from ``found_inf`` (:func:`domino.optim.clipping.flag_overflow`).
+        non-finite loss makes non-finite gradients, and the optimizer skips that update by itself: DeepSpeed's at
+        ZeRO 1/2 from a device flag (:mod:`~domino.optim.bf16_step`, :mod:`~domino.optim.zero_step`), torch's fused
+        AdamW at ZeRO 0 (fp32, or bf16/fp16 on fp32 masters: :mod:`~domino.optim.mixed_precision`) from
+        ``found_inf`` (:func:`domino.optim.clipping.flag_overflow`).
         """
         optimizer, timers = self.optimizer, self.timers
         self.batch = batch  # Megatron logs the batch of the iteration at the log point as batch-size

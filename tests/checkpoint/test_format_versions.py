@@ -1,8 +1,8 @@
 """Checkpoints of format 1 (each rank's optimizer state in ``optim/rank_NNNNN.pt``) still resume, bit for bit, on
 the layout that wrote them; on another layout they are refused in one line that says how to convert them.
 
-The format-1 checkpoint is written by the code that still writes it (DeepSpeed's fp16 optimizer without ZeRO has no
-state by name, ``domino.optim.state.supports``), with its ``checkpoint.json`` reduced to what
+The format-1 checkpoint is written by the code that still can write it (the fallback for an optimizer without a
+state by name, ``domino.optim.state.supports``, patched to say so), with its ``checkpoint.json`` reduced to what
 format 1 held. Everything runs in one real gloo process, ``pretrain()`` called in-process.
 """
 
@@ -86,3 +86,22 @@ def test_a_format_1_checkpoint_resumes_exactly_on_its_layout_and_is_refused_on_a
     assert report["refusal"] and "\n" not in report["refusal"]
     assert ("its optimizer state is per rank (format 1), saved with TP=1 x DP=2, this run is TP=1 x DP=1; resume "
             "it once on its own layout" in report["refusal"]), report["refusal"]
+
+
+def test_deepspeeds_fp16_state_without_zero_is_refused_in_one_line():
+    """fp16 at ZeRO 0 saved per rank only as DeepSpeed's FP16_Optimizer, whose state domino's own ZeRO 0 cannot
+    load: refused before anything is read; fp32 at ZeRO 0 (torch's AdamW then as now) still loads."""
+    import pytest
+
+    from domino.checkpoint.on_disk import Checkpoint
+    from domino.checkpoint.resume import _check_per_rank
+    from domino.config import ConfigError, parse_config
+    from domino.runtime.mesh import ParallelMesh
+
+    meta = {"format_version": 2, "tensor_model_parallel_size": 1, "data_parallel_size": 1,
+            "config": {"parallel": {"zero_stage": 0}, "train": {"fp16": True}}}
+    fp16 = parse_config([*ARGS, "--fp16", "--zero-stage", "0"])
+    with pytest.raises(ConfigError, match="DeepSpeed's fp16 optimizer's at --zero-stage 0.*--no-load-optim"):
+        _check_per_rank(Checkpoint(Path("old"), meta), fp16, ParallelMesh.single())
+    meta["config"]["train"]["fp16"] = False
+    _check_per_rank(Checkpoint(Path("old"), meta), parse_config([*ARGS, "--zero-stage", "0"]), ParallelMesh.single())

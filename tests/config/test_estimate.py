@@ -225,7 +225,7 @@ def _bf16_zero1_buffers(rank, world_size, flags):
 
 def test_bf16_zero1_counts_deepspeeds_fp32_gradient_buffer_as_deepspeed_allocates_it():
     """The BF16_Optimizer's fp32 gradient buffer, read off a real DeepSpeed engine (deepspeed 0.19.8,
-    runtime/bf16_optimizer.py), is what the estimate's ``deepspeed`` part says: 4 bytes per parameter on every rank
+    runtime/bf16_optimizer.py), is what the estimate's ``fp32_grads`` part says: 4 bytes per parameter on every rank
     (the ZeRO paper's 16 bytes per parameter leave it out)."""
     from distributed_helpers import run_distributed
 
@@ -235,22 +235,24 @@ def test_bf16_zero1_counts_deepspeeds_fp32_gradient_buffer_as_deepspeed_allocate
     config = parse_config(flags)
     estimate = estimate_layout(config, Layout(zero_stage=1), vocab=256)
     assert estimate.parameters == parameters
-    assert estimate.deepspeed == pytest.approx(fp32_gradients, rel=1e-3)  # DeepSpeed pads to its alignment
-    assert estimate.deepspeed == 4 * parameters
+    assert estimate.fp32_grads == pytest.approx(fp32_gradients, rel=1e-3)  # DeepSpeed pads to its alignment
+    assert estimate.fp32_grads == 4 * parameters
 
 
-def test_deepspeed_part_by_precision_stage_and_replicas_and_what_is_validated():
+def test_fp32_grads_part_by_precision_stage_and_replicas_and_what_is_validated():
     gpt = parse_config(["--preset", "gpt3-1.3b", "--vocab-size", "50257"])
     bf16 = parse_config(["--preset", "gpt3-1.3b", "--vocab-size", "50257", "--bf16"])
     one = estimate_layout(bf16, Layout(zero_stage=1))
-    assert one.deepspeed == 4 * one.parameters and 4.8 < one.deepspeed / 2**30 < 5.0  # the 4.9 GiB at 1.3B
-    assert estimate_layout(gpt, Layout(zero_stage=1)).deepspeed == 0  # fp32: the paper's count is complete
+    assert one.fp32_grads == 4 * one.parameters and 4.8 < one.fp32_grads / 2**30 < 5.0  # the 4.9 GiB at 1.3B
+    assert estimate_layout(gpt, Layout(zero_stage=1)).fp32_grads == 0  # fp32: the paper's count is complete
+    zero0 = estimate_layout(bf16, Layout(zero_stage=0))
+    assert zero0.fp32_grads == 4 * zero0.parameters  # domino's fp32 main gradients, no DeepSpeed
     zero2 = estimate_layout(bf16, Layout(data_parallel_size=4, zero_stage=2))
-    assert zero2.deepspeed == pytest.approx(4 * zero2.parameters / 4, rel=1e-3)  # the fp32 partition only
+    assert zero2.fp32_grads == pytest.approx(4 * zero2.parameters / 4, rel=1e-3)  # the fp32 partition only
     dp2 = estimate_layout(bf16, Layout(data_parallel_size=2, zero_stage=1))
     # every rank's full fp32 buffer, plus the engine's flattened all-reduce of up to 5e8 fp32 elements
-    assert dp2.deepspeed == pytest.approx(4 * dp2.parameters + 4 * 5e8, rel=1e-3)
+    assert dp2.fp32_grads == pytest.approx(4 * dp2.parameters + 4 * 5e8, rel=1e-3)
     assert dp2.total - one.total == pytest.approx(4 * 5e8 - (one.optimizer - dp2.optimizer), rel=1e-3)
     out = one.to_json()
-    assert "deepspeed" in out["memory_gb_per_gpu"]
+    assert "fp32_grads" in out["memory_gb_per_gpu"] and "deepspeed" not in out["memory_gb_per_gpu"]
     assert "on CPU, fp32" in out["validation"]["validated"] and "GPU" in out["validation"]["not_validated"]

@@ -222,7 +222,7 @@ def test_a_pipelined_step_with_replicas_holds_the_gradients_twice():
     est = estimate_layout(config, layout, device="cpu")
     assert est.gradients > est.activations
     assert est.step_gradient_copy == est.gradients
-    assert est.total == est.weights + est.optimizer + est.logits + est.buffers + est.deepspeed + 2 * est.gradients
+    assert est.total == est.weights + est.optimizer + est.logits + est.buffers + est.fp32_grads + 2 * est.gradients
     one_replica = estimate_layout(config, Layout(zero_stage=0, micro_batch_size=1, pipeline_model_parallel_size=2),
                                   device="cpu")
     no_pipeline = estimate_layout(config, Layout(data_parallel_size=2, zero_stage=0, micro_batch_size=1),

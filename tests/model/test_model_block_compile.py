@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from domino.parallel import kernels as kernel_choice
-from domino.parallel.kernels import CPU_KERNELS, BLOCK_BACKEND, compiled_block, forced_kernels
+from domino.parallel.kernels import CPU_KERNELS, BLOCK_BACKEND, apply_kernels, compiled_block
 from model_fixtures import VOCAB, assert_close_rel, build_model, random_batch, tiny_config
 
 COMPILED_CPU = dataclasses.replace(CPU_KERNELS, compile_blocks=BLOCK_BACKEND)
@@ -34,8 +34,7 @@ def test_compiled_block_equals_the_eager_block():
     torch._dynamo.reset()
     counts_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     expected = _step(model, batch)
-    with forced_kernels(COMPILED_CPU):
-        got = _step(model, batch)
+    got = _step(apply_kernels(model, COMPILED_CPU), batch)
     # One graph for the block, no graph break (fullgraph would have raised on one).
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > counts_before
     assert_close_rel(got[0], expected[0], 1e-5, "losses")

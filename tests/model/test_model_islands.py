@@ -1,5 +1,5 @@
 """The compiled islands between the GEMMs (SwiGLU, RoPE) equal their eager form: compiled by inductor on CPU
-tensors with the CUDA choices forced (a C compiler is on this machine's PATH: ``domino.parallel.kernels.c_compiler``),
+tensors given the CUDA choices (a C compiler is on this machine's PATH: ``domino.parallel.kernels.c_compiler``),
 outputs and gradients within fp32 rounding (inductor may reorder the elementwise maths), and the CPU choice runs
 them eagerly."""
 
@@ -10,15 +10,14 @@ import torch
 from domino.model.mlp import _swiglu, swiglu
 from domino.model.rotary import RotaryTables, _rotate
 from domino.parallel import kernels
-from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, forced_kernels
+from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS
 
 INDUCTOR_ON_CPU = dataclasses.replace(CUDA_KERNELS, compile_backend="inductor")
 
 
 def _compare(fn, eager, *inputs):
     leaves = [t.clone().requires_grad_(True) for t in inputs]
-    with forced_kernels(INDUCTOR_ON_CPU):
-        out = fn(*leaves)
+    out = fn(*leaves, kernels=INDUCTOR_ON_CPU)
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
     grads = torch.autograd.grad((out * upstream).sum(), leaves)
     ref_leaves = [t.clone().requires_grad_(True) for t in inputs]
@@ -34,8 +33,8 @@ def test_swiglu_compiled_by_inductor_equals_eager():
     g = torch.Generator().manual_seed(0)
     gate, up = torch.randn(2, 8, 24, generator=g), torch.randn(2, 8, 24, generator=g)
     _compare(swiglu, _swiglu, gate, up)
-    with forced_kernels(CPU_KERNELS):  # no compile backend: the plain function runs
-        assert torch.equal(swiglu(gate, up), torch.nn.functional.silu(gate) * up)
+    # No compile backend: the plain function runs.
+    assert torch.equal(swiglu(gate, up, CPU_KERNELS), torch.nn.functional.silu(gate) * up)
 
 
 def test_rope_compiled_by_inductor_equals_eager():
@@ -46,12 +45,12 @@ def test_rope_compiled_by_inductor_equals_eager():
     _compare(tables.rotate, lambda t: _rotate(t, tables.cos, tables.sin), x)
 
 
-def _bias_dropout_add_norm_grads(norm, inputs, upstream):
+def _bias_dropout_add_norm_grads(norm, inputs, upstream, kernels):
     from domino.model.transformer import bias_dropout_add_norm
 
     leaves = [t.clone().requires_grad_(True) for t in inputs]
     norm.zero_grad(set_to_none=True)
-    hidden, normed = bias_dropout_add_norm(*leaves[:2], leaves[2], 0.0, True, norm)
+    hidden, normed = bias_dropout_add_norm(*leaves[:2], leaves[2], 0.0, True, norm, kernels)
     grads = torch.autograd.grad((hidden * upstream[0]).sum() + (normed * upstream[1]).sum(),
                                 leaves + list(norm.parameters()))
     return (hidden, normed), grads
@@ -69,15 +68,13 @@ def test_residual_dropout_and_next_norm_compiled_by_inductor_equals_eager():
     # Inductor compiles C++ for each graph (seconds on a CPU): LayerNorm, the GPT norm, through it, RMSNorm
     # through AOT autograd's trace of the same island (what inductor is handed) run eagerly.
     traced = dataclasses.replace(INDUCTOR_ON_CPU, compile_backend="aot_eager")
-    for norm, kernels in ((torch.nn.LayerNorm(16, eps=1e-5), INDUCTOR_ON_CPU), (torch.nn.RMSNorm(16, eps=1e-5), traced)):
+    for norm, table in ((torch.nn.LayerNorm(16, eps=1e-5), INDUCTOR_ON_CPU), (torch.nn.RMSNorm(16, eps=1e-5), traced)):
         with torch.no_grad():
             for p in norm.parameters():
                 p.copy_(torch.randn(p.shape, generator=g))
-        with forced_kernels(kernels):
-            out, grads = _bias_dropout_add_norm_grads(norm, inputs, upstream)
-        with forced_kernels(CPU_KERNELS):
-            ref, ref_grads = _bias_dropout_add_norm_grads(norm, inputs, upstream)
-            hidden = bias_dropout_add(inputs[0], inputs[1], inputs[2], 0.0, True)
-            assert torch.equal(ref[0], hidden) and torch.equal(ref[1], norm(hidden))
+        out, grads = _bias_dropout_add_norm_grads(norm, inputs, upstream, table)
+        ref, ref_grads = _bias_dropout_add_norm_grads(norm, inputs, upstream, CPU_KERNELS)
+        hidden = bias_dropout_add(inputs[0], inputs[1], inputs[2], 0.0, True, CPU_KERNELS)
+        assert torch.equal(ref[0], hidden) and torch.equal(ref[1], norm(hidden))
         for a, b in zip(list(out) + list(grads), list(ref) + list(ref_grads)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -8,7 +8,7 @@ import torch
 
 from domino.config import DominoConfig
 from domino.model import GPTModel
-from domino.parallel.kernels import CPU_KERNELS, PLAIN_KERNELS, apply_kernels, forced_kernels
+from domino.parallel.kernels import CPU_KERNELS, PLAIN_KERNELS, apply_kernels
 from domino.runtime.mesh import ParallelMesh
 from domino.train.gpt_recipe import GPTRecipe
 from domino.train.parallelize import parallelize
@@ -47,10 +47,9 @@ def test_two_models_with_different_choices_each_run_their_own_forms():
         assert_close_rel(grads[name], grad, 1e-5, f"grad {name}")
 
 
-def test_a_models_choice_outranks_the_forced_one_and_none_gives_the_device_back():
+def test_none_gives_a_model_its_devices_choice_back():
     model = _model(PLAIN_KERNELS)
-    with forced_kernels(CPU_KERNELS):  # for models given no choice only
-        assert not {"layer_norm", "gelu"} & _step(model)[2]
+    assert not {"layer_norm", "gelu"} & _step(model)[2]
     apply_kernels(model, None)  # the device's own choice again (the CPU's here)
     assert {"layer_norm", "gelu"} <= _step(model)[2]
 

@@ -1,4 +1,4 @@
-"""The CUDA and the plain kernel choices (domino.parallel.kernels), forced on CPU tensors, compute what the CPU
+"""The CUDA and the plain kernel choices (domino.parallel.kernels), given to CPU tensors, compute what the CPU
 choices compute.
 
 The compiled bias-dropout-add is compiled with torch's ``aot_eager`` backend here: the same Dynamo capture and
@@ -8,6 +8,7 @@ machine; the GPU check, ``benchmarks/gpu_check.sh``, runs the real thing).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -22,7 +23,7 @@ from domino.parallel import cross_entropy
 from domino.runtime import state
 from domino.config import ConfigError
 from domino.parallel import kernels as kernel_choice
-from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS, forced_kernels, kernels_for
+from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS, apply_kernels, kernels_for
 from model_fixtures import VOCAB, assert_close_rel, build_model, random_batch, tiny_config
 
 CUDA_ON_CPU = dataclasses.replace(CUDA_KERNELS, compile_backend="aot_eager")
@@ -32,9 +33,6 @@ REL = 1e-5
 def test_choices_by_device_type():
     assert kernels_for(torch.device("cpu")) == CPU_KERNELS
     assert kernels_for(torch.device("cuda", 3)) == CUDA_KERNELS
-    with forced_kernels(CUDA_ON_CPU):
-        assert kernels_for(torch.device("cpu")) == CUDA_ON_CPU
-    assert kernels_for(torch.device("cpu")) == CPU_KERNELS
     # Every op has more than one implementation among the choices (a field equal in all would decide nothing),
     # and the plain choice takes none of the CPU's fast paths, compiles nothing and chunks nothing.
     for field in dataclasses.fields(CPU_KERNELS):
@@ -88,8 +86,7 @@ def test_qkv_one_gemm_equals_three_gemms(with_bias):
     results = []
     for kernels in (CPU_KERNELS, CUDA_ON_CPU):
         leaves = [t.clone().requires_grad_(True) for t in (x, w, b) if t is not None]
-        with forced_kernels(kernels):
-            outs = qkv_projection(leaves[0], leaves[1], leaves[2] if with_bias else None, heads)
+        outs = qkv_projection(leaves[0], leaves[1], leaves[2] if with_bias else None, heads, kernels=kernels)
         sum((o * u).sum() for o, u in zip(outs, upstream)).backward()
         results.append(([o.detach() for o in outs], [t.grad for t in leaves]))
     (cpu_outs, cpu_grads), (cuda_outs, cuda_grads) = results
@@ -98,25 +95,50 @@ def test_qkv_one_gemm_equals_three_gemms(with_bias):
         torch.testing.assert_close(got, want)
 
 
-def test_logits_buffer_is_kept_on_cpu_only(monkeypatch):
-    buffer = cross_entropy._LogitsBuffer()
-    monkeypatch.setattr(cross_entropy, "_LOGITS_BUFFER", buffer)
-    g = torch.Generator().manual_seed(1)
-    hidden, weight = torch.randn(2, 5, 8, generator=g, requires_grad=True), torch.randn(16, 8, generator=g)
-    target = torch.randint(0, 16, (2, 5), generator=g)
-    with forced_kernels(CUDA_ON_CPU):
-        cross_entropy.vocab_parallel_linear_cross_entropy(hidden, weight, target).sum().backward()
-    assert buffer._free is None
-    cross_entropy.vocab_parallel_linear_cross_entropy(hidden, weight, target).sum().backward()
-    assert buffer._free is not None and buffer._free.shape == (2, 5, 16)
+def _model_loss_step(model, seed: int) -> None:
+    batch = random_batch(seed=seed)
+    model(batch["tokens"], labels=batch["labels"]).sum().backward()
+
+
+def test_logits_buffer_is_the_models_and_follows_its_table():
+    """The model keeps its loss's buffer with a table that keeps one (CPU's), none with one that does not (as CUDA's),
+    whichever table ``apply_kernels`` gave it last; the buffer is never part of the state dict."""
+    torch.manual_seed(0)
+    model = GPTModel(tiny_config(), VOCAB)
+    no_kept_buffer = dataclasses.replace(CPU_KERNELS, keep_logits_buffer=False)  # as CUDA's, nothing compiled
+    apply_kernels(model, no_kept_buffer)
+    _model_loss_step(model, 1)
+    assert model.logits_buffer is None
+    apply_kernels(model, None)  # the device's own: CPU's
+    _model_loss_step(model, 1)
+    kept = model.logits_buffer._free
+    assert kept is not None and kept.shape == (8, 4, VOCAB)  # [s, b, V]
+    _model_loss_step(model, 2)
+    assert model.logits_buffer._free is kept  # re-used, and back after the backward
+    apply_kernels(model, no_kept_buffer)
+    _model_loss_step(model, 1)
+    assert model.logits_buffer is None  # dropped with the table that keeps none
+    assert not any("logits" in name for name in model.state_dict())
+
+
+def test_two_models_do_not_share_a_logits_buffer():
+    torch.manual_seed(0)
+    first, second = GPTModel(tiny_config(), VOCAB), GPTModel(tiny_config(), VOCAB)
+    _model_loss_step(first, 1)
+    _model_loss_step(second, 1)
+    assert first.logits_buffer is not second.logits_buffer
+    assert first.logits_buffer._free is not None and second.logits_buffer._free is not None
+    assert first.logits_buffer._free.data_ptr() != second.logits_buffer._free.data_ptr()
+    # A copy of a model gets an empty buffer of its own.
+    copied = copy.deepcopy(first)
+    assert copied.logits_buffer is not first.logits_buffer and copied.logits_buffer._free is None
 
 
 def test_compiled_bias_dropout_add_is_a_dropout_of_bias_plus_x():
     g = torch.Generator().manual_seed(2)
     x, bias, residual = (torch.randn(*shape, generator=g, requires_grad=True) for shape in ((4, 8, 16), (16,),
                                                                                            (4, 8, 16)))
-    with forced_kernels(CUDA_ON_CPU):
-        out = bias_dropout_add(x, bias, residual, 0.25, training=True)
+    out = bias_dropout_add(x, bias, residual, 0.25, training=True, kernels=CUDA_ON_CPU)
     out.sum().backward()
     kept = (out - residual).detach() != 0
     assert 0.6 < kept.float().mean() < 0.9  # ~75% kept
@@ -155,21 +177,19 @@ def test_whole_model_choices_equal_cpu_choices(chunks, architecture, choice):
     model = build_model(tiny_config(**architecture), VOCAB, chunks)
     batch = random_batch(seed=3)
     expected = _step(model, batch, masked=True)
-    with forced_kernels(choice):
-        got = _step(model, batch, masked=True)
+    got = _step(apply_kernels(model, choice), batch, masked=True)
     _compare(got, expected, f"chunks={chunks}")
 
 
 def _tp2_body(rank, world_size, full_sd, batch):
     import dataclasses as dc
 
-    from domino.parallel.kernels import CUDA_KERNELS as cuda, forced_kernels as forced
+    from domino.parallel.kernels import CUDA_KERNELS as cuda, apply_kernels as given
 
     state.initialize_model_parallel(2)
     model = build_model(tiny_config(), VOCAB, 2)
     model.load_state_dict(shard_state_dict(full_sd, rank, 2))
-    with forced(dc.replace(cuda, compile_backend="aot_eager")):
-        return _step(model, batch, masked=False)
+    return _step(given(model, dc.replace(cuda, compile_backend="aot_eager")), batch, masked=False)
 
 
 def test_tp2_domino_with_cuda_choices_equals_tp1_cpu_choices():
@@ -196,8 +216,8 @@ def test_tp1_loss_without_host_read_equals_the_softmax_shortcut():
     results = []
     for kernels in (CPU_KERNELS, CUDA_ON_CPU):
         h = hidden.clone().requires_grad_(True)
-        with forced_kernels(kernels), HostSyncProbe() as probe:
-            loss = cross_entropy.vocab_parallel_linear_cross_entropy(h, weight, target)
+        with HostSyncProbe() as probe:
+            loss = cross_entropy.vocab_parallel_linear_cross_entropy(h, weight, target, kernels=kernels)
         loss.sum().backward()
         results.append((loss.detach(), h.grad, sum(probe.events.values())))
     (cpu_loss, cpu_grad, cpu_reads), (cuda_loss, cuda_grad, cuda_reads) = results

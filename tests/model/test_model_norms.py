@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from domino.parallel import norms
-from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS, forced_kernels
+from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS, apply_kernels
 from model_fixtures import VOCAB, assert_close_rel, build_model, random_batch, tiny_config
 
 
@@ -70,10 +70,10 @@ class _Calls(TorchFunctionMode):
 
 def _step(config, kernels):
     torch.manual_seed(3)
-    model = build_model(config, VOCAB, 1)
+    model = apply_kernels(build_model(config, VOCAB, 1), kernels)
     batch = random_batch(seed=4)
     calls = _Calls()
-    with forced_kernels(kernels), calls:
+    with calls:
         losses = model(batch["tokens"], labels=batch["labels"])
         (losses * batch["weights"]).sum().backward()
     return losses.detach(), {n: p.grad for n, p in model.named_parameters()}, calls.seen

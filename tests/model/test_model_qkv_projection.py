@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from domino.model.qkv_projection import qkv_projection
-from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, forced_kernels
+from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS
 
 
 def _inputs(with_bias: bool):
@@ -54,7 +54,7 @@ def test_rows_not_divisible_by_three_heads_is_a_clear_error():
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_grouped_query_layout_matches_fused_linear(with_bias, kernels):
     """GQA rows [group, (q_1, q_2, k, v), d]: q holds each group's two query heads in order, k and v one head
-    (both kernel choices: the CUDA one is forced on CPU tensors)."""
+    (both kernel choices: the CUDA one given to CPU tensors)."""
     g = torch.Generator().manual_seed(1)
     groups, per_group, d, hidden = 2, 2, 3, 5
     x = torch.randn(2, 4, hidden, generator=g, dtype=torch.float64)
@@ -64,8 +64,7 @@ def test_grouped_query_layout_matches_fused_linear(with_bias, kernels):
     ref = (fused[..., :per_group, :].reshape(2, 4, -1, d), fused[..., per_group, :], fused[..., per_group + 1, :])
     upstream = [torch.randn_like(r) for r in ref]
     want = torch.autograd.grad(sum((r * u).sum() for r, u in zip(ref, upstream)), [w] + ([b] if with_bias else []))
-    with forced_kernels(kernels):
-        got_out = qkv_projection(x, w, b, groups, queries_per_group=per_group)
+    got_out = qkv_projection(x, w, b, groups, queries_per_group=per_group, kernels=kernels)
     for got, expected in zip(got_out, ref):
         torch.testing.assert_close(got, expected)
     got = torch.autograd.grad(sum((o * u).sum() for o, u in zip(got_out, upstream)), [w] + ([b] if with_bias else []))
@@ -83,8 +82,7 @@ def test_cuda_views_backward_is_one_concatenation_bit_identical_to_indexing(quer
     x = torch.randn(3, 5, hidden, generator=g, requires_grad=True)
     w = torch.randn(groups * per_group * d, hidden, generator=g, requires_grad=True)
     upstream = None
-    with forced_kernels(CUDA_KERNELS):
-        outs = qkv_projection(x, w, None, groups, queries_per_group=queries_per_group)
+    outs = qkv_projection(x, w, None, groups, queries_per_group=queries_per_group, kernels=CUDA_KERNELS)
     upstream = [torch.randn(o.shape, generator=g) for o in outs]
     got = torch.autograd.grad(sum((o * u).sum() for o, u in zip(outs, upstream)), [x, w])
     for out in outs[1:]:  # k and v: a squeeze of one split output

@@ -16,7 +16,7 @@ from domino.parallel import attention_blocks as B
 from domino.parallel import kernels as K
 from domino.parallel import ring_attention as R
 from domino.parallel.context_split import local_token_indices
-from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS, forced_kernels, ring_block_kernel
+from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS, ring_block_kernel
 from domino.runtime.mesh import ParallelMesh
 
 
@@ -111,11 +111,10 @@ def _cuda_dispatch_body(rank, world_size, cases):
 
         def run(kernels):
             local = [t.index_select(2, index).requires_grad_(True) for t in (q, k, v)]
-            with forced_kernels(kernels):
-                torch.manual_seed(100 + rank)
-                out = R.ring_attention(*local, cp, attend_mask=starts, dropout=dropout)
-                ran.append(out.grad_fn.kernels.kind)  # the kernel the ring chose
-                return [out.detach(), *torch.autograd.grad(out, local, dout)]
+            torch.manual_seed(100 + rank)
+            out = R.ring_attention(*local, cp, attend_mask=starts, dropout=dropout, kernels=kernels)
+            ran.append(out.grad_fn.kernels.kind)  # the kernel the ring chose
+            return [out.detach(), *torch.autograd.grad(out, local, dout)]
 
         got = run(CUDA_KERNELS)
         blocks = len(stand.returned)

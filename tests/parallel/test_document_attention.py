@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from domino.data.batch import dense_document_mask, get_ltor_masks_and_position_ids
 from domino.parallel import document_attention as D
-from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS, forced_kernels, kernels_for
+from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS, kernels_for
 
 EOD = 0
 
@@ -85,9 +85,8 @@ def test_document_attention_equals_the_dense_mask(monkeypatch, kernels, groups):
     ref = _dense_reference(q, k, v, starts)
     dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
-    with forced_kernels(kernels):
-        out = D.document_attention(q, k, v, starts)
-        again = D.document_attention(q, k, v, starts)  # the next layer: varlen finds its cu_seqlens kept
+    out = D.document_attention(q, k, v, starts, kernels=kernels)
+    again = D.document_attention(q, k, v, starts, kernels=kernels)  # the next layer: varlen finds its cu_seqlens kept
     grads = torch.autograd.grad(out, (q, k, v), dout)
     assert torch.equal(again, out) and hasattr(starts, D.CU_SEQLENS) == (kernels is CUDA_KERNELS)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -101,9 +100,9 @@ def test_each_device_takes_its_document_kernel_and_bad_starts_are_refused(monkey
 
     monkeypatch.setattr(D, "flash_varlen_ops", no_flash)
     q, k, v = _qkv(0)
-    with forced_kernels(CUDA_KERNELS):  # FlashAttention takes no fp32: those inputs go the segmented way
-        torch.testing.assert_close(D.document_attention(q, k, v, _starts(3, 24)),
-                                   _dense_reference(q, k, v, _starts(3, 24)), rtol=1e-5, atol=1e-5)
+    # FlashAttention takes no fp32: those inputs go the segmented way.
+    torch.testing.assert_close(D.document_attention(q, k, v, _starts(3, 24), kernels=CUDA_KERNELS),
+                               _dense_reference(q, k, v, _starts(3, 24)), rtol=1e-5, atol=1e-5)
     assert kernels_for(torch.device("cuda")).document_attention == "varlen"
     assert kernels_for(torch.device("cpu")).document_attention == "segmented"
     assert PLAIN_KERNELS.document_attention == "dense" and torch.float32 not in D.VARLEN_DTYPES

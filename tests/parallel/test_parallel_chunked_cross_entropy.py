@@ -5,6 +5,7 @@ fp16 with a loss scale (the scale multiplies in fp32 before the cast); it makes 
 in forward and one in backward besides the GEMMs; the kernel choice routes large losses through it on CUDA only."""
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ import torch.nn.functional as F
 from distributed_helpers import run_distributed
 from domino.parallel.chunked_cross_entropy import chunked_linear_cross_entropy
 from domino.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
-from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS, forced_kernels
+from domino.parallel.kernels import CPU_KERNELS, CUDA_KERNELS, PLAIN_KERNELS
+from domino.runtime.mesh import SINGLE
 from torch.utils._python_dispatch import TorchDispatchMode
 
 TOKENS, H, V = (3, 7), 16, 40  # 21 tokens: chunks of 5 leave a short last one
@@ -42,10 +44,8 @@ def _full(hidden, weight, target):
 
 def _plain(hidden, weight, target, tp=None):
     """The reference path: the output layer as a linear, then the vocab-parallel loss, with the plain kernels."""
-    with forced_kernels(PLAIN_KERNELS):
-        logits = F.linear(hidden, weight)
-        return vocab_parallel_cross_entropy(logits, target) if tp is None else vocab_parallel_cross_entropy(
-            logits, target, tp)
+    logits = F.linear(hidden, weight)
+    return vocab_parallel_cross_entropy(logits, target, SINGLE if tp is None else tp, kernels=PLAIN_KERNELS)
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 5, 21, 64])
@@ -131,10 +131,8 @@ def test_the_cuda_choice_chunks_and_the_cpu_choice_keeps_one_buffer():
 
     ce.chunked_linear_cross_entropy = spy
     try:
-        with forced_kernels(small_chunks):
-            chunked = _grads(vocab_parallel_linear_cross_entropy, *inputs)
-        with forced_kernels(CPU_KERNELS):
-            plain = _grads(vocab_parallel_linear_cross_entropy, *inputs)
+        chunked = _grads(partial(vocab_parallel_linear_cross_entropy, kernels=small_chunks), *inputs)
+        plain = _grads(partial(vocab_parallel_linear_cross_entropy, kernels=CPU_KERNELS), *inputs)
     finally:
         ce.chunked_linear_cross_entropy = original
     assert calls == [5] and CPU_KERNELS.loss_chunk_bytes is None and CUDA_KERNELS.loss_chunk_bytes == 2**30

@@ -15,7 +15,7 @@ from domino.parallel import attention_blocks as B
 from domino.parallel import ring_attention as R
 from domino.parallel.all_to_all_attention import all_to_all_attention, chunk_orders
 from domino.parallel.context_split import local_token_indices
-from domino.parallel.kernels import PLAIN_KERNELS, forced_kernels
+from domino.parallel.kernels import PLAIN_KERNELS
 from domino.runtime.mesh import MeshGroup, ParallelMesh
 
 
@@ -124,13 +124,8 @@ def _ring_body(rank, world_size, plain, comm_type="p2p", heads=4, groups=2, docu
     ref = F.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=mask is None, enable_gqa=heads != groups)
     ref_grads = torch.autograd.grad(ref, full, dout)
     local = [t.index_select(2, index).requires_grad_(True) for t in (q, k, v)]
-    if plain:
-        with forced_kernels(PLAIN_KERNELS):
-            out = attention(*local, cp)
-            grads = torch.autograd.grad(out, local, dout.index_select(2, index))
-    else:
-        out = attention(*local, cp)
-        grads = torch.autograd.grad(out, local, dout.index_select(2, index))
+    out = attention(*local, cp, kernels=PLAIN_KERNELS if plain else None)
+    grads = torch.autograd.grad(out, local, dout.index_select(2, index))
     want = [ref.detach().index_select(2, index)] + [g.index_select(2, index) for g in ref_grads]
     return [(got.detach() - w).abs().max().item() for got, w in zip([out, *grads], want)]
 
