@@ -29,7 +29,7 @@ optimizers are stored in, so runs resume across this path and DeepSpeed's ZeRO 1
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ from domino.optim import clipping, device_loss_scale
 from domino.optim.deepspeed_config import deepspeed_config
 from domino.optim.grad_buffer import GradBuckets, gradient
 from domino.optim.interface import StepOutcome
-from domino.optim.torch_optimizer import adamw, broadcast_weights, optimizer_param_groups
+from domino.optim.torch_optimizer import BucketedAdamW, adamw, broadcast_weights, optimizer_param_groups
 from domino.pipeline.gradients import tied_embedding_weight
 from domino.runtime.mesh import ParallelMesh
 
@@ -87,7 +87,7 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
-class MixedPrecisionAdamW:
+class MixedPrecisionAdamW(BucketedAdamW):
     """torch's fused AdamW on fp32 masters of a bf16/fp16 model (module docstring).
 
     Args:
@@ -129,12 +129,6 @@ class MixedPrecisionAdamW:
         #: fp16: the dynamic loss scaler, else None.
         self.loss_scaler = dynamic_loss_scaler(config, mesh, self.params[0].device) if self.fp16 else None
         self._micro_batches = 1
-
-    def micro_batches(self, batch: int, samples_per_micro_batch: int) -> Iterator[bool]:
-        self._micro_batches = batch // samples_per_micro_batch
-        self.grads.begin(self._micro_batches)
-        for micro in range(self._micro_batches):
-            yield micro == self._micro_batches - 1
 
     def backward(self, loss: torch.Tensor) -> None:
         """DeepSpeed's order: the loss divided by the accumulation steps, then (fp16) times the loss scale."""
@@ -180,10 +174,6 @@ class MixedPrecisionAdamW:
     def device_loss_scale(self) -> Optional[torch.Tensor]:
         return self.loss_scaler.cur_scale if self.fp16 else None
 
-    def gradient_buckets(self) -> Optional[GradBuckets]:
-        """The buckets whose reduction the backward launches (None at one replica: nothing to reduce)."""
-        return self.grads if self.grads.reduces else None
-
     def step_reduced(self, grad_norm: torch.Tensor) -> Optional[torch.Tensor]:
         """Pipelined: the main gradients are averaged and clipped (fp16: still scaled, clipped by the unscaled
         ``grad_norm``); fp16 divides them by the scale here."""
@@ -191,22 +181,11 @@ class MixedPrecisionAdamW:
             torch._foreach_mul_(self._main_grads(), 1.0 / self.loss_scaler.cur_scale)
         return self._apply(grad_norm)
 
-    def set_lr(self, lr: float) -> None:
-        for group in self.inner.param_groups:
-            group["lr"] = lr
-
     def loss_scale(self) -> Optional[float]:
         return float(self.loss_scaler.cur_scale) if self.fp16 else None  # a host read: log intervals only
-
-    @property
-    def host_skipped_steps(self) -> int:
-        return 0  # every skip has its device flag
 
     def weights_loaded(self) -> None:
         """The masters widened from the loaded 16-bit weights (the checkpoint's ``fp32.NAME`` then overwrites them
         where the optimizer state is resumed)."""
         with torch.no_grad():
             torch._foreach_copy_(self._hp, self._lp)
-
-    def destroy(self) -> None:
-        self.grads.remove()

@@ -64,7 +64,38 @@ def broadcast_weights(model: nn.Module, mesh: ParallelMesh) -> None:
         dist.broadcast(param.data, src=group.first_rank, group=group.process_group)
 
 
-class TorchAdamW:
+class BucketedAdamW:
+    """What domino's own optimizers share: the gradients in :class:`~domino.optim.grad_buffer.GradBuckets`
+    (``self.grads``), torch's AdamW as ``self.inner``, every skip decided on the device. Subclasses set
+    ``self.grads``, ``self.inner`` and ``self._micro_batches`` in their constructor."""
+
+    grads: GradBuckets
+    inner: torch.optim.Optimizer
+    _micro_batches: int
+
+    def micro_batches(self, batch: int, samples_per_micro_batch: int) -> Iterator[bool]:
+        self._micro_batches = batch // samples_per_micro_batch
+        self.grads.begin(self._micro_batches)
+        for micro in range(self._micro_batches):
+            yield micro == self._micro_batches - 1
+
+    def gradient_buckets(self) -> Optional[GradBuckets]:
+        """The buckets whose reduction the backward launches (None at one replica: nothing to reduce)."""
+        return self.grads if self.grads.reduces else None
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+
+    @property
+    def host_skipped_steps(self) -> int:
+        return 0  # every skip has its device flag
+
+    def destroy(self) -> None:
+        self.grads.remove()
+
+
+class TorchAdamW(BucketedAdamW):
     """torch's AdamW, its gradients in :class:`~domino.optim.grad_buffer.GradBuckets`.
 
     Args:
@@ -83,12 +114,6 @@ class TorchAdamW:
                                  exclude=tied_embedding_weight(model, mesh) if pipelined else None,
                                  divide_by_micro_batches=pipelined)
         self._micro_batches = 1
-
-    def micro_batches(self, batch: int, samples_per_micro_batch: int) -> Iterator[bool]:
-        self._micro_batches = batch // samples_per_micro_batch
-        self.grads.begin(self._micro_batches)
-        for micro in range(self._micro_batches):
-            yield micro == self._micro_batches - 1
 
     def backward(self, loss: torch.Tensor) -> None:
         """The loss divided by the accumulation steps (DeepSpeed's ``_scale_loss_by_gas``), then its backward."""
@@ -111,32 +136,17 @@ class TorchAdamW:
     def device_loss_scale(self) -> Optional[torch.Tensor]:
         return None
 
-    def gradient_buckets(self) -> Optional[GradBuckets]:
-        """The buckets whose reduction the backward launches (None at one replica: nothing to reduce)."""
-        return self.grads if self.grads.reduces else None
-
     def step_reduced(self, grad_norm: torch.Tensor) -> Optional[torch.Tensor]:
         skipped = clipping.skip_non_finite(self.inner, self.module, grad_norm)
         self.inner.step()
         self.grads.zero()
         return skipped
 
-    def set_lr(self, lr: float) -> None:
-        for group in self.inner.param_groups:
-            group["lr"] = lr
-
     def loss_scale(self) -> Optional[float]:
         return None
 
-    @property
-    def host_skipped_steps(self) -> int:
-        return 0  # every skip has its device flag
-
     def weights_loaded(self) -> None:
         pass  # the parameters are the master weights
-
-    def destroy(self) -> None:
-        self.grads.remove()
 
 
 def build_torch_optimizer(model: nn.Module, config: DominoConfig, mesh: ParallelMesh):
