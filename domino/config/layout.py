@@ -103,11 +103,6 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
         problems.append(f"--zero-stage 2 with --pipeline-model-parallel-size {pp}: not supported (ZeRO-2 reduces "
                         "gradients inside DeepSpeed's backward, the pipeline schedule runs its own; "
                         "use --zero-stage 1)")
-    if t.fp16 and p.zero_stage == 0:
-        # The ZeRO-1 optimizer's fp16 step is decided on the device and agreed over the stages
-        # (domino.optim.zero_step); domino's stage 0 fp16 (domino.optim.mixed_precision) is not tested with stages.
-        problems.append(f"--fp16 with --pipeline-model-parallel-size {pp} needs --zero-stage 1 (got 0: its fp32 "
-                        "master weights without DeepSpeed are not tested with pipeline stages)")
     ramped = t.rampup_batch_size is not None or t.step_batch_size_schedule is not None  # checked with the ramp
     if world_size is not None and world_size % (p.tensor_model_parallel_size * pp) == 0 and not ramped:
         dp = data_parallel_size(config, world_size)
@@ -137,7 +132,7 @@ def context_parallel_problems(config: DominoConfig) -> List[str]:
     attention dropout; ``a2a`` splits every TP rank's query and key/value heads over the CP ranks, so both counts
     must divide.
     """
-    p, m, d = config.parallel, config.model, config.data
+    p, m = config.parallel, config.model
     cp = p.context_parallel_size
     problems = [] if p.cp_comm_type in CP_COMM_TYPES else [
         f"--cp-comm-type {p.cp_comm_type}: must be one of {', '.join(CP_COMM_TYPES)}"]

@@ -67,13 +67,13 @@ def zero_stage_for(config: DominoConfig, data_parallel_size: int) -> int:
     stage 0 does the same maths with less work: torch's fused AdamW without DeepSpeed
     (:func:`domino.optim.torch_optimizer.uses_torch_optimizer`), in bf16 and fp16 with domino's fp32 master
     weights and fp32 main gradients (:mod:`domino.optim.mixed_precision`: the arithmetic of DeepSpeed's
-    ``BF16_Optimizer``, and fp16's dynamic loss scale decided on the device). fp16 with pipeline stages keeps
-    stage 1, whose ZeRO step agrees the overflow over the stages (:mod:`domino.optim.zero_step`).
+    ``BF16_Optimizer``, and fp16's dynamic loss scale decided on the device), with pipeline stages too (their
+    norm over every stage, non-finite on all when on one, makes every stage skip and update its scale alike:
+    :mod:`domino.train.pipeline_step`).
     """
     if config.parallel.zero_stage is not None:
         return config.parallel.zero_stage
-    pipelined_fp16 = config.train.fp16 and config.parallel.pipeline_model_parallel_size > 1
-    return 0 if data_parallel_size == 1 and not pipelined_fp16 else 1
+    return 0 if data_parallel_size == 1 else 1
 
 
 def resolve_zero_stage(config: DominoConfig, data_parallel_size: int,
@@ -95,9 +95,8 @@ def resolve_zero_stage(config: DominoConfig, data_parallel_size: int,
         return config.replace(zero_stage=0), (
             "--zero-stage not given: 0 (one data-parallel replica: ZeRO would shard nothing, only copy gradients "
             "and weights between flat buffers)")
-    reason = (f"{data_parallel_size} data-parallel replicas" if data_parallel_size > 1
-              else "--fp16 with pipeline stages")
-    return config.replace(zero_stage=stage), f"--zero-stage not given: 1 ({reason})"
+    return config.replace(zero_stage=stage), (f"--zero-stage not given: {stage} ({data_parallel_size} data-parallel "
+                                              "replicas)")
 
 
 def validate(config: DominoConfig, world_size: Optional[int] = None, for_training: bool = False) -> None:

@@ -25,16 +25,21 @@ all-reduce rather than ZeRO-1's reduction into partitions, so the norm is taken 
 partitions the gradients, which step 4 then only slices.
 
 With ``--bf16`` the same steps run on the fp32 gradient buffers of DeepSpeed's BF16_Optimizer, into which its
-per-gradient hooks added each micro-batch's bf16 gradient during the schedule's backward (:meth:`_bf16_step`);
-the buffers are the step's gradients, averaged in step 2, and DeepSpeed's step reads them as they are (nothing
-reduces them again). At ZeRO 0 (:mod:`domino.optim.mixed_precision`) they are the optimizer's fp32
-main-gradient buckets, whose DP mean the backward launches as in fp32. With ``--fp16`` (ZeRO-1: DeepSpeed's ZeRO
-optimizer, whose step
-:mod:`domino.optim.zero_step` decides on the device) the last stage multiplies each micro-batch's loss by the
-dynamic loss scale inside the schedule (:attr:`domino.pipeline.schedule.StageSchedule.loss_scale`) and
-:meth:`_fp16_step` clips the still-scaled gradients by the unscaled norm; the overflow is agreed over every stage
-(the pipeline-group max of the skip flag in the ZeRO step, after DeepSpeed's over DP and TP), so every stage skips
-and updates its scale alike. Only the first and last stage read batches (:func:`stage_reads_batches`).
+per-gradient hooks added each micro-batch's bf16 gradient during the schedule's backward
+(:meth:`_main_gradient_step`); the buffers are the step's gradients, averaged in step 2, and DeepSpeed's step reads
+them as they are (nothing reduces them again). At ZeRO 0 (:mod:`domino.optim.mixed_precision`, bf16 or fp16) they
+are the optimizer's fp32 main-gradient buckets, whose DP mean the backward launches as in fp32.
+
+With ``--fp16`` the last stage multiplies each micro-batch's loss by the optimizer's dynamic loss scale, a device
+tensor, inside the schedule (:attr:`domino.pipeline.schedule.StageSchedule.loss_scale`: the schedule runs the
+backward, so the optimizer's own ``backward``, which would scale it too, is never called), and the gradients are
+clipped still scaled by the unscaled norm over every stage. At ZeRO 1 (DeepSpeed's ZeRO optimizer, whose step
+:mod:`domino.optim.zero_step` decides on the device) the ZeRO step unscales them and agrees the overflow over
+every stage (the pipeline-group max of the skip flag, after DeepSpeed's over DP and TP). At ZeRO 0 the clipping
+makes every main gradient NaN when that norm is not finite (it is summed over the stages, so it is the same on
+each), :meth:`domino.optim.mixed_precision.MixedPrecisionAdamW.step_reduced` divides them by the scale and the
+fused AdamW skips on the non-finite norm. Either way every stage skips and updates its scale alike. Only the
+first and last stage read batches (:func:`stage_reads_batches`).
 """
 
 from __future__ import annotations
@@ -91,16 +96,17 @@ def fp16_loss_scale(config: DominoConfig, optimizer: TrainingOptimizer) -> Optio
     step), else None.
 
     Raises:
-        ConfigError: fp16 whose optimizer does not keep its scale on the device (only DeepSpeed's ZeRO optimizer,
-            as :mod:`domino.optim.zero_step` runs it, agrees its skip over the stages).
+        ConfigError: fp16 whose optimizer does not keep its scale on the device (the skip must be agreed over
+            the stages without a host read: DeepSpeed's ZeRO optimizer as :mod:`domino.optim.zero_step` runs it,
+            or :class:`domino.optim.mixed_precision.MixedPrecisionAdamW`).
     """
     if not config.train.fp16:
         return None
     scale = optimizer.device_loss_scale()
     if scale is None:
-        raise ConfigError("--fp16 with --pipeline-model-parallel-size > 1 needs --zero-stage 1 and a loss scale "
-                          "DeepSpeed's ZeRO optimizer keeps on the device (domino.optim.zero_step); got "
-                          f"{type(optimizer.inner).__name__}")
+        raise ConfigError("--fp16 with --pipeline-model-parallel-size > 1 needs an optimizer that keeps its loss "
+                          "scale on the device (domino.optim.zero_step at ZeRO 1, domino.optim.mixed_precision at "
+                          f"ZeRO 0); got {type(optimizer.inner).__name__}")
     return scale
 
 
@@ -123,7 +129,8 @@ class PipelineStep:
         self.config, self.mesh, self.optimizer, self.get_batch = config, mesh, optimizer, get_batch
         self.module = optimizer.module
         self.micro_batches = micro_batches
-        #: bf16: each parameter's fp32 main gradient (DeepSpeed's BF16_Optimizer buffers), else None.
+        #: Each parameter's fp32 main gradient (bf16: DeepSpeed's BF16_Optimizer buffers; bf16 and fp16 at ZeRO 0:
+        #: domino.optim.mixed_precision's), else None.
         self.main_grads = optimizer.main_gradients()
         #: fp16: the optimizer's dynamic loss scale, a 0-d device tensor updated in place each step, else None.
         self.loss_scale = fp16_loss_scale(config, optimizer)
@@ -193,7 +200,7 @@ class PipelineStep:
         timers.start("optimizer")
         module = self.module
         if self.main_grads is not None:
-            return self._bf16_step(loss, micro_batches, timers)
+            return self._main_gradient_step(loss, micro_batches, timers)
         if self.overlap is not None or self.buckets is not None:
             (self.overlap or self.buckets).finish()  # every bucket's DP mean, launched from the backward, waited for
             sync_tied_embeddings(module, self.mesh)
@@ -213,13 +220,14 @@ class PipelineStep:
         data-parallel replicas."""
         return average_across_data_parallel_group(sum_over_context(loss, self.mesh.cp), self.mesh.dp)
 
-    def _bf16_step(self, loss: torch.Tensor, micro_batches: int, timers
-                   ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """The optimizer part of a bf16 step: the schedule's backward left each micro-batch's gradient summed in
-        the BF16_Optimizer's fp32 buffers (its hooks; the bf16 ``.grad`` is freed, so torch's ``scale_grads``
-        found nothing to divide). Here they become the mean over the micro-batches, the tied copies' sum, the
-        mean over the replicas, are clipped by the norm over every stage (NaN everywhere when that norm is not
-        finite, so every stage skips) and DeepSpeed's step (:mod:`domino.optim.bf16_step`) applies them."""
+    def _main_gradient_step(self, loss: torch.Tensor, micro_batches: int, timers
+                            ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The optimizer part of a step on fp32 main gradients (bf16; fp16 at ZeRO 0): the schedule's backward
+        left each micro-batch's gradient summed in them (the optimizer's hooks; the 16-bit ``.grad`` is freed, so
+        torch's ``scale_grads`` found nothing to divide). Here they become the mean over the micro-batches, the
+        tied copies' sum, the mean over the replicas, are clipped by the norm over every stage (fp16: still
+        scaled, by the unscaled norm; NaN everywhere when that norm is not finite, so every stage skips) and the
+        optimizer's ``step_reduced`` (fp16: unscaling them) applies them."""
         buffers = self.optimizer.main_gradient_buffers()
         # Scaling the fp32 sums after the backward is DeepSpeed's unstaged division of the loss by the micro-batch
         # count moved past the backward: the same numbers wherever the count is a power of two.

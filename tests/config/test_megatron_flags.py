@@ -119,8 +119,6 @@ def test_every_kernel_flag_is_documented():
     (["--pipeline-model-parallel-size", "2", "--zero-stage", "2"],
      "--zero-stage 2 with --pipeline-model-parallel-size 2: not supported (ZeRO-2 reduces gradients inside"),
     (["--overlap-grad-reduce"], "--overlap-grad-reduce needs --pipeline-model-parallel-size > 1"),
-    (["--pipeline-model-parallel-size", "2", "--fp16", "--zero-stage", "0"],
-     "--fp16 with --pipeline-model-parallel-size 2 needs --zero-stage 1 (got 0"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "3"],
      "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
     (["--position-embedding-type", "alibi"], "--position-embedding-type must be learned_absolute or rope"),

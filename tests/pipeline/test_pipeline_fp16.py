@@ -1,12 +1,15 @@
 """fp16 pipeline stages train the model the unstaged fp16 run trains, with one loss scale on every stage, and an
 overflow on one stage skips the step and lowers the scale on every stage.
 
-The model of :data:`pipeline_runs.TIED_TINY` (tied embeddings, clipped every step) in fp16 at ZeRO-1, 4
-micro-batches per step, an initial loss scale of 256 (2^32, the default, overflows this model's first steps): the
-last stage multiplies each micro-batch's loss by the ZeRO optimizer's device loss scale inside the schedule, the
-norm over every stage is taken of the still-scaled gradients and divided by it, and the ZeRO step unscales and
-agrees the overflow over the stages (:mod:`domino.train.pipeline_step`, :mod:`domino.optim.zero_step`). Compared
-with the one-stage fp16 run within the bf16 tests' bounds (:func:`test_pipeline_bf16._tracks`).
+The model of :data:`pipeline_runs.TIED_TINY` (tied embeddings, clipped every step) in fp16, 4 micro-batches per
+step, an initial loss scale of 256 (2^32, the default, overflows this model's first steps): the last stage
+multiplies each micro-batch's loss by the optimizer's device loss scale inside the schedule, the norm over every
+stage is taken of the still-scaled gradients and divided by it, and the step unscales them and skips alike on
+every stage (:mod:`domino.train.pipeline_step`). At ZeRO-1 the ZeRO step agrees the overflow over the stages
+(:mod:`domino.optim.zero_step`); at ZeRO 0 (:mod:`domino.optim.mixed_precision`, fp32 main gradients) the norm,
+non-finite on every stage when it is on one, poisons every stage's gradients and its fused AdamW skips. Compared
+with the one-stage fp16 run (ZeRO 0, its default at one replica) within the bf16 tests' bounds
+(:func:`test_pipeline_bf16._tracks`).
 
 Measured here (loss, gradient norm at iterations 1-4; TIED_TINY fp16, scale 256): one stage (6.2492795, 1.095180),
 (6.2522640, 0.727398), (6.2630272, 0.476313), (6.2577724, 0.445293); two stages 1F1B and interleaved alike
@@ -41,7 +44,8 @@ _RUNS: Dict[str, List[dict]] = {}
 
 def _fp16_pretrain(rank, world_size, out_dir, args, poisoned_call: Optional[int] = None):
     """`pretrain` of TIED_TINY ARGS in fp16; with ``poisoned_call`` the last stage's final-norm gradient is infinite
-    in that micro-batch (counted over the run). Returns this rank's loss scale after each step."""
+    in that micro-batch (counted over the run). Returns this rank's loss scale after each step, and the sum of
+    squares of its Adam first moments (DeepSpeed's or torch's) after each step."""
     import torch.distributed as dist
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
@@ -56,7 +60,7 @@ def _fp16_pretrain(rank, world_size, out_dir, args, poisoned_call: Optional[int]
     config = parse_config([*TIED_TINY, *args, "--metrics-file", f"{out_dir}/metrics.jsonl"])
     mesh = runtime_start.initialize_runtime(config)
     recipe = GPTRecipe(config, mesh)
-    calls, scales = [], []
+    calls, scales, moments = [], [], []
 
     def model_builder(config, mesh):
         model = recipe.model_builder(config, mesh)
@@ -73,13 +77,15 @@ def _fp16_pretrain(rank, world_size, out_dir, args, poisoned_call: Optional[int]
     def recording(self, *args, **kwargs):
         out = step(self, *args, **kwargs)
         scales.append(float(self.loss_scale))  # a test-only host read after the step
+        adam = getattr(self.optimizer.inner, "optimizer", self.optimizer.inner)  # DeepSpeed ZeRO's wraps torch's
+        moments.append(sum(float(s["exp_avg"].double().pow(2).sum()) for s in adam.state.values()))
         return out
 
     pipeline_step.PipelineStep.__call__ = recording
     pretrain(config, model_builder, recipe.dataset_builder, recipe.forward_step, recipe.padded_vocab_size,
              get_batch=recipe.batch, mesh=mesh)
     dist.barrier()
-    return scales
+    return scales, moments
 
 
 def fp16_records(tmp_path, name: str, nproc: int, args: List[str]) -> List[dict]:
@@ -105,10 +111,23 @@ def _tracks_in_fp16(reference: List[dict], records: List[dict]) -> None:
     assert [r.get("loss_scale") for r in records] == [r["loss_scale"] for r in reference] == [256.0] * 3, "scale"
 
 
+ZERO_1, ZERO_0 = ["--zero-stage", "1"], ["--zero-stage", "0"]
+
+
+def test_fp16_stages_at_one_replica_default_to_zero_0():
+    from domino.config import parse_config
+    from domino.config.validate import zero_stage_for
+
+    assert zero_stage_for(parse_config([*TIED_TINY, *FP16, *PP2]), 1) == 0
+    assert zero_stage_for(parse_config([*TIED_TINY, *FP16, *PP2]), 2) == 1
+
+
 @pytest.mark.parametrize("name,nproc,layout", [
-    ("fp16pp2", 2, PP2),
-    ("fp16interleaved", 2, [*PP2, "--num-layers-per-virtual-pipeline-stage", "1"]),
-    ("fp16pp2dp2", 4, [*PP2, "--zero-stage", "1"]),
+    ("fp16pp2", 2, [*PP2, *ZERO_1]),
+    ("fp16interleaved", 2, [*PP2, *ZERO_1, "--num-layers-per-virtual-pipeline-stage", "1"]),
+    ("fp16pp2dp2", 4, [*PP2, *ZERO_1]),
+    # domino's fp32 masters and main gradients (domino.optim.mixed_precision) in place of DeepSpeed's ZeRO-1.
+    ("fp16pp2zero0", 2, [*PP2, *ZERO_0]),
 ])
 def test_fp16_stages_track_the_unstaged_fp16_run(tmp_path_factory, name, nproc, layout):
     reference = _records(tmp_path_factory, "fp16pp1", 1, FP16)
@@ -125,7 +144,7 @@ def test_fp16_stages_track_the_unstaged_fp16_run(tmp_path_factory, name, nproc, 
 def test_fp16_stages_with_tp2_domino_sequence_parallel_and_recompute_track_tp2(tmp_path_factory):
     reference = _records(tmp_path_factory, "fp16tp2", 2, [*FP16, *TP2_DOMINO])
     records = _records(tmp_path_factory, "fp16pp2tp2", 4, [
-        *FP16, *PP2, *TP2_DOMINO, "--sequence-parallel", "--recompute-granularity", "full",
+        *FP16, *PP2, *ZERO_1, *TP2_DOMINO, "--sequence-parallel", "--recompute-granularity", "full",
         "--recompute-method", "uniform", "--recompute-num-layers", "1"])
     _tracks_in_fp16(reference, records)
 
@@ -138,20 +157,30 @@ def test_the_fp16_comparison_fails_for_fp32_stages(tmp_path_factory):
         _tracks_in_fp16(reference, _train(tmp_path_factory, "fp32pp2", 2, [*COMMON, *PP2]))
 
 
-def test_an_fp16_overflow_on_one_stage_skips_the_step_and_halves_the_scale_on_every_stage(tmp_path):
+@pytest.mark.parametrize("zero", [ZERO_1, ZERO_0], ids=["zero1", "zero0"])
+def test_an_fp16_overflow_on_one_stage_skips_the_step_and_halves_the_scale_on_every_stage(tmp_path, zero):
     """Only the last stage's gradients overflow (micro-batch 2 of step 2); both stages skip step 2 (the checkpoint
     after it holds step 1's weights on both) and halve their scale (hysteresis 1), and step 3 trains again with
-    the halved one."""
+    the halved one. At ZeRO 0 each stage's optimizer sees only its own gradients: the first stage skips because
+    the norm over both stages is infinite.
+
+    Step 1 (norm about 1.1, clipped to 0.05) also shows the gradients unscaled exactly once: Adam's first moment
+    after one step is (1 - beta1) x the clipped gradient, whose norm over both stages is 0.1 x 0.05 (the tied
+    embedding's copy on each stage counted twice at most). Losses cannot show it, Adam's update being the same
+    for the gradient times any constant but for its epsilon; a gradient still carrying the scale 256 (or divided
+    by it twice) moves the moments' squares by 2^16."""
     import torch
 
     from domino.checkpoint import model_shards
 
     ds_config = tmp_path / "ds.json"
     ds_config.write_text(json.dumps({"fp16": {"hysteresis": 1}}))
-    args = [*FP16, *PP2, "--train-iters", "3", "--save", str(tmp_path), "--save-interval", "1",
+    args = [*FP16, *PP2, *zero, "--train-iters", "3", "--save", str(tmp_path), "--save-interval", "1",
             "--deepspeed-config", str(ds_config)]
-    scales = run_distributed(_fp16_pretrain, 2, str(tmp_path), args, 6)
-    assert scales == [[256.0, 128.0, 128.0]] * 2
+    results = run_distributed(_fp16_pretrain, 2, str(tmp_path), args, 6)
+    assert [scales for scales, _ in results] == [[256.0, 128.0, 128.0]] * 2
+    first_moments = sum(moments[0] for _, moments in results) / (0.1 * 0.05) ** 2
+    assert 1.0 - 1e-3 <= first_moments <= 2.0, first_moments
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_iterations"] for r in records if "eval" not in r] == [0, 1, 1]
     weights = [model_shards.load_full_state_dict(tmp_path / f"iter_{i:07d}") for i in (1, 2, 3)]
