@@ -205,7 +205,8 @@ class TrainConfig:
     fp16: bool = False
     """Train in fp16 with dynamic loss scaling."""
     bf16: bool = False
-    """Train in bf16 (GPUs) with fp32 master weights and fp32 gradient accumulation (needs --zero-stage 1 or 2)."""
+    """Train in bf16 (GPUs) with fp32 master weights and fp32 gradient accumulation (ZeRO 0: domino's own; 1 or 2:
+    DeepSpeed's)."""
     fp8_format: Optional[str] = None
     """FP8 GEMMs in the tensor-parallel linears (Megatron-LM's flag): e4m3, or hybrid (e5m2 output gradients);
     torchao's tensorwise recipe, emulated on CPU, real on GPUs of compute capability 8.9+ (domino.parallel.fp8)."""

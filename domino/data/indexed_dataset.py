@@ -268,7 +268,14 @@ def _validate_arrays(path: str, dtype: np.dtype, sizes: np.ndarray, pointers: np
         raise DataError(f"{path}: field document_index ends at {int(document_index[-1])}, expected the sequence "
                         f"count {count}")
     for first in range(0, len(document_index) - 1, _VALIDATION_BLOCK):
-        if bool((np.diff(document_index[first:first + _VALIDATION_BLOCK + 1]) < 0).any()):
+        block = document_index[first:first + _VALIDATION_BLOCK + 1]
+        # The range first: a difference of int64 values far apart wraps around and could pass as non-negative.
+        outside = np.flatnonzero((block < 0) | (block > count))
+        if len(outside):
+            i = first + int(outside[0])
+            raise DataError(f"{path}: field document_index[{i}] = {int(document_index[i])} is outside [0, {count}] "
+                            f"(the sequence count)")
+        if bool((np.diff(block) < 0).any()):
             raise DataError(f"{path}: field document_index is not non-decreasing")
 
 

@@ -106,6 +106,9 @@ def _corrupt(tmp_path, offset, data):
     (34 + 48, struct.pack("<q", 1), "document_index starts at 1"),
     (34 + 48 + 32, struct.pack("<q", 9), "document_index ends at 9"),
     (34 + 48 + 8, struct.pack("<q", 3), "not non-decreasing"),
+    # Differences that wrap around in int64 look non-decreasing (found by the fuzz test below).
+    (34 + 48 + 8, struct.pack("<qq", 0x7000000000000000, -0x7000000000000000),
+     "document_index\\[1\\] = 8070450532247928832 is outside \\[0, 4\\]"),
 ])
 def test_corrupt_index_fields_are_named(tmp_path, offset, data, message):
     prefix = _corrupt(tmp_path, offset, data)
