@@ -22,11 +22,11 @@ import numpy as np
 
 from domino.atomic_files import commit, fsync_directory, open_owned_temporary, remove_quietly
 from domino.data.errors import DataError
+from domino.data.index_checks import validate_index_arrays
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = 34  # magic (9) + version (8) + dtype code (1) + sequence count (8) + document-index length (8)
-_VALIDATION_BLOCK = 1 << 22  # sequences checked per step when opening an index
 
 #: dtype code in the ``.idx`` header -> numpy dtype of the tokens in ``.bin``.
 DTYPES: Dict[int, np.dtype] = {
@@ -235,48 +235,8 @@ def read_index(path: str, bin_size: Optional[int] = None) -> dict:
     pointers = np.frombuffer(buffer, dtype="<i8", count=count, offset=HEADER_SIZE + 4 * count)
     document_index = np.frombuffer(buffer, dtype="<i8", count=doc_count, offset=HEADER_SIZE + 12 * count)
     dtype = DTYPES[code]
-    _validate_arrays(path, dtype, sizes, pointers, document_index, bin_size)
+    validate_index_arrays(path, dtype, sizes, pointers, document_index, bin_size)
     return {"dtype": dtype, "sizes": sizes, "pointers": pointers, "document_index": document_index}
-
-
-def _validate_arrays(path: str, dtype: np.dtype, sizes: np.ndarray, pointers: np.ndarray,
-                     document_index: np.ndarray, bin_size: Optional[int]) -> None:
-    count = len(sizes)
-    start_byte = 0  # checked in blocks so that opening a huge index needs little memory
-    for first in range(0, count, _VALIDATION_BLOCK):
-        block = np.asarray(sizes[first:first + _VALIDATION_BLOCK], dtype=np.int64)
-        if int(block.min()) < 0:
-            raise DataError(f"{path}: field sizes holds a negative sequence length at sequence "
-                            f"{first + int(np.argmin(block))}")
-        expected = np.empty(len(block), dtype=np.int64)
-        expected[0] = start_byte
-        np.cumsum(block[:-1] * dtype.itemsize, out=expected[1:])
-        expected[1:] += start_byte
-        wrong = np.flatnonzero(pointers[first:first + len(block)] != expected)
-        if len(wrong):
-            i = first + int(wrong[0])
-            raise DataError(f"{path}: field pointers[{i}] = {int(pointers[i])} but the sequences before it end at "
-                            f"byte {int(expected[wrong[0]])}")
-        start_byte = int(expected[-1]) + int(block[-1]) * dtype.itemsize
-    total = (int(pointers[-1]) + int(sizes[-1]) * dtype.itemsize) if count else 0
-    if bin_size is not None and bin_size != total:
-        raise DataError(f"{path}: the pointers and sizes describe {total} bytes of tokens, but the .bin file has "
-                        f"{bin_size} bytes")
-    if int(document_index[0]) != 0:
-        raise DataError(f"{path}: field document_index starts at {int(document_index[0])}, expected 0")
-    if int(document_index[-1]) != count:
-        raise DataError(f"{path}: field document_index ends at {int(document_index[-1])}, expected the sequence "
-                        f"count {count}")
-    for first in range(0, len(document_index) - 1, _VALIDATION_BLOCK):
-        block = document_index[first:first + _VALIDATION_BLOCK + 1]
-        # The range first: a difference of int64 values far apart wraps around and could pass as non-negative.
-        outside = np.flatnonzero((block < 0) | (block > count))
-        if len(outside):
-            i = first + int(outside[0])
-            raise DataError(f"{path}: field document_index[{i}] = {int(document_index[i])} is outside [0, {count}] "
-                            f"(the sequence count)")
-        if bool((np.diff(block) < 0).any()):
-            raise DataError(f"{path}: field document_index is not non-decreasing")
 
 
 class IndexedDataset:

@@ -198,9 +198,9 @@ def test_pickles_by_path_not_by_content(tmp_path):
 
 @pytest.mark.parametrize("block", [1, 2, 3])
 def test_blockwise_validation(tmp_path, monkeypatch, block):
-    from domino.data import indexed_dataset
+    from domino.data import index_checks
 
-    monkeypatch.setattr(indexed_dataset, "_VALIDATION_BLOCK", block)
+    monkeypatch.setattr(index_checks, "VALIDATION_BLOCK", block)
     docs = [[1] * n for n in (3, 1, 4, 1, 5, 9, 2)]
     prefix = write_dataset(str(tmp_path / "b"), docs, np.uint16)
     assert [len(IndexedDataset(prefix)[i]) for i in range(7)] == [3, 1, 4, 1, 5, 9, 2]
