@@ -226,8 +226,7 @@ class GPTModel(nn.Module):
         None, dropping any kept one: decided per call, so it follows tables given later by ``apply_kernels`` and
         moves between devices."""
         if not kernels.keep_logits_buffer:
-            if self.logits_buffer is not None:
-                self.logits_buffer = None
+            self.logits_buffer = None
             return None
         if self.logits_buffer is None:
             self.logits_buffer = LogitsBuffer()

@@ -43,8 +43,7 @@ class DeviceLossScaler(DynamicLossScaler):
                  raise_error_at_min_scale=True, dtype=torch.half, device=None) -> None:
         super().__init__(init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis,
                          raise_error_at_min_scale=raise_error_at_min_scale, dtype=dtype)
-        for name, field_dtype in device_loss_scale.DEVICE_FIELDS.items():
-            object.__setattr__(self, name, torch.tensor(getattr(self, name), dtype=field_dtype, device=device))
+        device_loss_scale.fields_to_device(self, device)
 
     update_scale = torch.no_grad()(device_loss_scale.update_scale)
     __setattr__ = device_loss_scale.set_field

@@ -67,6 +67,13 @@ def update_scale(self, overflow) -> None:
     self.cur_iter += 1  # the host counts iterations itself: no value comes back
 
 
+def fields_to_device(scaler, device) -> None:
+    """Turns ``scaler``'s :data:`DEVICE_FIELDS`, plain numbers so far, into 0-d tensors of their dtypes on
+    ``device`` (what both device scalers hold; :func:`set_field` copies numbers into them afterwards)."""
+    for name, dtype in DEVICE_FIELDS.items():
+        object.__setattr__(scaler, name, torch.tensor(getattr(scaler, name), dtype=dtype, device=device))
+
+
 def set_field(self, name: str, value: Any) -> None:
     """A number assigned to a device field (a checkpoint being restored) is copied into its tensor."""
     current = self.__dict__.get(name)

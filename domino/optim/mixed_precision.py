@@ -55,17 +55,18 @@ class DeviceDynamicLossScaler:
 
     def __init__(self, init_scale: float, scale_window: int, min_scale: float, delayed_shift: int,
                  device: torch.device, consecutive_hysteresis: bool = False) -> None:
-        self.cur_scale = torch.tensor(float(init_scale), dtype=torch.float32, device=device)
+        self.cur_scale = float(init_scale)
         self.dynamic = True
         self.cur_iter = 0
-        self.last_overflow_iter = torch.tensor(-1, dtype=torch.int64, device=device)
+        self.last_overflow_iter = -1
         self.scale_factor = 2.0
         self.scale_window = scale_window
         self.min_scale = min_scale
         self.delayed_shift = delayed_shift
-        self.cur_hysteresis = torch.tensor(delayed_shift, dtype=torch.int64, device=device)
+        self.cur_hysteresis = delayed_shift
         self.consecutive_hysteresis = consecutive_hysteresis
         self.raise_error_at_min_scale = True
+        device_loss_scale.fields_to_device(self, device)
 
     update_scale = torch.no_grad()(device_loss_scale.update_scale)
     __setattr__ = device_loss_scale.set_field
