@@ -13,7 +13,8 @@ def load_benchmark(name: str):
 
     Some scripts put ``benchmarks/`` on ``sys.path`` to import their siblings. Left there, anywhere, it would
     shadow the tests' own folders for the rest of the session: ``tests/train`` is a namespace package, and the
-    import system takes a plain module (``benchmarks/train.py``) from any entry before a namespace portion, also
+    import system takes a plain module (``benchmarks/train.py``) from any entry before a namespace portion (PEP 420,
+    "Specification": portions are recorded and used only when no regular package or module is found), also
     in every rank forked later, which inherits ``sys.path``. So ``sys.path`` is restored once the script is loaded.
     """
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
