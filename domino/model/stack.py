@@ -82,8 +82,8 @@ def run_layers(layers: Sequence[nn.Module], units: Sequence[Unit], hidden: torch
     With ``compile_blocks`` (``DOMINO_KERNELS=compiled``) each layer runs compiled whole, but only at TP=1: there a
     block holds no collective. At TP>1 the synchronous block all-reduces inside its row-parallel linears, and
     Domino's stacks never call a whole layer (they run its parts around their async launches and waits), so a
-    compiled graph never swallows a collective; those keep the compiled elementwise islands of their choice.
-    ``kernels``: the model's choice (given by ``parallelize``), else the device's."""
+    compiled graph never swallows a collective: those layers compile their segments between collectives instead
+    (:mod:`domino.model.segments`). ``kernels``: the model's choice (given by ``parallelize``), else the device's."""
     kernels = resolve(kernels, hidden.device)
     # Per-document attention reads its documents on the host: no whole-block graph holds it.
     whole = kernels.compile_blocks is not None and tp_size == 1 and not is_document_starts(attend_mask)
@@ -91,7 +91,8 @@ def run_layers(layers: Sequence[nn.Module], units: Sequence[Unit], hidden: torch
         def group(h: torch.Tensor, start: int = start, end: int = end) -> torch.Tensor:
             for layer in layers[start:end]:
                 if whole:
-                    h = run_compiled_block(layer, kernels, h, attend_mask, rotary=rotary)
+                    h = run_compiled_block(layer, kernels, h, attend_mask, rotary=rotary,
+                                           tp_dropout=layer.attention.attention_dropout > 0 and layer.training)
                 else:
                     h = layer(h, attend_mask, rotary=rotary)
             return h

@@ -90,7 +90,9 @@ to models and ops on CPU tensors and compares outputs and gradients). Devices ot
 
 ``DOMINO_KERNELS=compiled`` takes the device's choice and compiles each transformer block whole as well
 (``compile_blocks``; :func:`run_compiled_block`, called from the synchronous stack's layer loop only where a block
-holds no collective: TP=1). On CPU it measured 0.99-1.01x eager (``benchmarks/block_compile.py``).
+holds no collective: TP=1), and elsewhere (TP>1, Domino) each layer's segments between collectives
+(:func:`compiled_segment`, :mod:`domino.model.segments`). On CPU whole blocks measured 0.99-1.01x eager
+(``benchmarks/block_compile.py``).
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from domino.config import ConfigError
+from domino.parallel.random import tp_region_rng
 
 
 @dataclass(frozen=True)
@@ -304,7 +307,7 @@ def compiled(fn: Callable, backend: str) -> Callable:
     return torch.compile(fn, backend=backend)
 
 
-_BLOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 def compiled_block(block: torch.nn.Module, backend: str) -> Callable:
@@ -314,17 +317,38 @@ def compiled_block(block: torch.nn.Module, backend: str) -> Callable:
     Applied from outside: the block is wrapped, not replaced (``torch.compile(module)`` returns a wrapper sharing its
     parameters), so parameter names and checkpoints stay those of the eager model. Kept in a weak map, not on the
     module: an ``nn.Module`` attribute would register the wrapper as a submodule and rename the state dict."""
-    per_block = _BLOCKS.setdefault(block, {})
-    if backend not in per_block:
-        per_block[backend] = torch.compile(block, backend=backend, fullgraph=True)
-    return per_block[backend]
+    per_module = _COMPILED.setdefault(block, {})
+    if backend not in per_module:
+        per_module[backend] = torch.compile(block, backend=backend, fullgraph=True)
+    return per_module[backend]
 
 
-def run_compiled_block(block: torch.nn.Module, kernels: Kernels, *args, **kwargs):
-    """``block(*args, **kwargs)`` compiled whole with ``kernels.compile_blocks``, its ops reading ``kernels``."""
+@functools.lru_cache(maxsize=None)
+def compiled_segment(segment: Callable, backend: str) -> Callable:
+    """``segment`` (a function of a module and tensors) compiled with ``fullgraph=True``, built once per function
+    and backend: a layer's computation between two collectives (:mod:`domino.model.segments`). The module is an
+    argument, not bound into the compiled function, so every layer shares one graph (Dynamo lifts a module's
+    parameters to graph inputs and guards on its structure, not on which layer it is)."""
+    return torch.compile(segment, backend=backend, fullgraph=True)
+
+
+def run_compiled(fn: Callable, kernels: Kernels, *args, tp_dropout: bool = False, **kwargs):
+    """``fn(*args, **kwargs)``, a compiled block or segment, its ops reading ``kernels`` while Dynamo traces them.
+
+    ``tp_dropout``: the region draws attention dropout, which eager code draws from the TP stream
+    (:func:`domino.parallel.random.tp_region_rng`); a graph cannot swap generators, so the fork is made here,
+    around the call, and the graph seeds its random numbers from the TP stream's state.
+    """
     global _block_kernels
     _block_kernels = kernels
     try:
-        return compiled_block(block, kernels.compile_blocks)(*args, **kwargs)
+        with tp_region_rng(tp_dropout):
+            return fn(*args, **kwargs)
     finally:
         _block_kernels = None
+
+
+def run_compiled_block(block: torch.nn.Module, kernels: Kernels, *args, tp_dropout: bool = False, **kwargs):
+    """``block(*args, **kwargs)`` compiled whole with ``kernels.compile_blocks`` (:func:`run_compiled`)."""
+    return run_compiled(compiled_block(block, kernels.compile_blocks), kernels, *args, tp_dropout=tp_dropout,
+                        **kwargs)

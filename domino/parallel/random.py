@@ -120,8 +120,11 @@ def tp_region_rng(active: bool = True) -> Iterator[None]:
     """``fork()`` of the TP state when it exists and ``active``; otherwise a no-op context.
 
     Lets modules without dropout (or processes that never seeded the tracker, e.g. inference) run unchanged.
+    While Dynamo traces, a no-op too: a graph cannot swap generator states, so whoever calls a compiled region that
+    draws the TP stream's dropout forks around the whole call (:func:`domino.parallel.kernels.run_compiled`; the
+    compiled graph seeds its random numbers from the generator current when it runs).
     """
-    if active and MODEL_PARALLEL_RNG in _TRACKER._states:
+    if active and MODEL_PARALLEL_RNG in _TRACKER._states and not torch.compiler.is_compiling():
         with _TRACKER.fork():
             yield
     else:

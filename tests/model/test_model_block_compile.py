@@ -51,3 +51,24 @@ def test_compiled_choice_from_the_environment(monkeypatch):
     # Without a C compiler inductor cannot build the block: the device's eager choice runs.
     monkeypatch.setattr(kernel_choice, "c_compiler", lambda: None)
     assert kernel_choice.for_device(kernel_choice.COMPILED, torch.device("cpu")) == CPU_KERNELS
+
+
+def test_compiled_block_with_attention_dropout_draws_the_tp_stream():
+    """Training seeds the TP stream and GPT keeps attention dropout: the block compiles (a graph cannot swap
+    generators: the fork is made around the call) and draws from the TP stream, the default generator untouched
+    (no hidden dropout here: the embedding's draws from the default generator, outside the block)."""
+    from domino.parallel import random as tp_random
+
+    tp_random.model_parallel_seed(1234)
+    torch.manual_seed(5)
+    model = apply_kernels(build_model(tiny_config(num_layers=1, attention_dropout=0.1), VOCAB, 1),
+                          COMPILED_CPU)
+    model.train()
+    batch = random_batch(seed=2)
+    default_before, tp_before = torch.get_rng_state(), tp_random.capture_rng_states()["tracker"]
+    losses = model(batch["tokens"], labels=batch["labels"])
+    losses.sum().backward()
+    tp_after = tp_random.capture_rng_states()["tracker"]
+    assert torch.isfinite(losses).all()
+    assert torch.equal(torch.get_rng_state(), default_before)
+    assert any(not torch.equal(tp_before[k], tp_after[k]) for k in tp_before)
