@@ -172,14 +172,19 @@ def stored_tensors(directory: Path) -> Dict[str, StoredTensor]:
     return out
 
 
-def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh) -> None:
+def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh,
+         stored: Optional[Dict[str, StoredTensor]] = None) -> None:
     """Fills every rank's TP-local ``targets`` (sliced as ``mesh`` lays them out) from ``directory``, whatever
     layout wrote it (collective).
+
+    Args:
+        stored: ``directory``'s :func:`stored_tensors`, when the caller read them already (a resume reads the
+            optimizer state a batch at a time: each batch would parse every file's header again); None reads them.
 
     Raises:
         CheckpointError: when a tensor is missing or has another global shape (before any data is read).
     """
-    stored, tp = stored_tensors(directory), mesh.tp.size
+    stored, tp = stored_tensors(directory) if stored is None else stored, mesh.tp.size
     for name, local in targets.items():
         want = global_shape(name, local, tp)
         if name not in stored:

@@ -88,11 +88,12 @@ def save(directory: Path, fragments: Dict[str, Fragment], mesh: ParallelMesh,
     return distributed_io.files_this_rank_wrote(directory, before)
 
 
-def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh, saved_tp: int) -> None:
+def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh, saved_tp: int,
+         stored: Optional[Dict[str, distributed_io.StoredTensor]] = None) -> None:
     """Fills every rank's TP-local ``targets`` (whole slices, by ``KEY.NAME``) from ``directory`` (collective).
 
     On the writer's TP size each rank reads its row; on another, every rank reads the rows whole
-    (:func:`read_whole`) and cuts its slice.
+    (:func:`read_whole`) and cuts its slice. ``stored``: as :func:`domino.checkpoint.distributed_io.load`'s.
 
     Raises:
         CheckpointError: when a tensor is missing or stored with another shape (before any data is read).
@@ -104,7 +105,7 @@ def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh, 
         for name, sliced in shard_state_dict(whole, mesh.tp.rank, tp).items():
             targets[name].copy_(sliced)
         return
-    stored = distributed_io.stored_tensors(directory)
+    stored = distributed_io.stored_tensors(directory) if stored is None else stored
     device_mesh = distributed_io.replica_device_mesh(mesh)
     views = {}
     for name, local in targets.items():
