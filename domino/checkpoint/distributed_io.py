@@ -196,13 +196,15 @@ def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh,
              storage_reader=HuggingFaceStorageReader(str(directory)))
 
 
-def read_full(directory: Path, names=None) -> Dict[str, torch.Tensor]:
+def read_full(directory: Path, names=None, stored: Optional[Dict[str, StoredTensor]] = None
+              ) -> Dict[str, torch.Tensor]:
     """The whole tensors of a layout-free directory (or those in ``names``), in one process (no process group).
 
-    Each tensor's slices were checked to cover it exactly (:func:`stored_tensors`), and safetensors checks each
-    header against its file's size, so what is allocated here is backed by as many bytes on disk.
+    Each tensor's slices were checked to cover it exactly (:func:`stored_tensors`; ``stored``: as :func:`load`'s),
+    and safetensors checks each header against its file's size, so what is allocated here is backed by as many
+    bytes on disk.
     """
-    stored = stored_tensors(directory)
+    stored = stored_tensors(directory) if stored is None else stored
     wanted = sorted(stored) if names is None else list(names)
     missing = [n for n in wanted if n not in stored]
     if missing:

@@ -101,7 +101,7 @@ def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh, 
     tp = mesh.tp.size
     if saved_tp != tp:
         shapes = {name: distributed_io.global_shape(name, t, tp) for name, t in targets.items()}
-        whole = read_whole(directory, list(targets), saved_tp, shapes)
+        whole = read_whole(directory, list(targets), saved_tp, shapes, stored)
         for name, sliced in shard_state_dict(whole, mesh.tp.rank, tp).items():
             targets[name].copy_(sliced)
         return
@@ -123,15 +123,15 @@ def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh, 
     dcp.load(views, storage_reader=HuggingFaceStorageReader(str(directory)))
 
 
-def read_whole(directory: Path, names: Optional[Sequence[str]], saved_tp: int,
-               shapes: Dict[str, Tuple[int, ...]]) -> Dict[str, torch.Tensor]:
+def read_whole(directory: Path, names: Optional[Sequence[str]], saved_tp: int, shapes: Dict[str, Tuple[int, ...]],
+               stored: Optional[Dict[str, distributed_io.StoredTensor]] = None) -> Dict[str, torch.Tensor]:
     """The whole tensors ``names`` (all for None) of ``directory``, in one process: each stored ``[R, N]`` matrix
     unflattened into its ``R`` TP slices and joined along its split dimension into global shape ``shapes[name]``.
 
     Raises:
         CheckpointError: when a stored matrix does not hold a tensor of that shape cut ``saved_tp`` ways.
     """
-    flat = distributed_io.read_full(directory, names)
+    flat = distributed_io.read_full(directory, names, stored)
     whole = {}
     for name, rows in flat.items():
         shape = shapes.get(name)
