@@ -172,14 +172,19 @@ def stored_tensors(directory: Path) -> Dict[str, StoredTensor]:
     return out
 
 
-def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh) -> None:
+def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh,
+         stored: Optional[Dict[str, StoredTensor]] = None) -> None:
     """Fills every rank's TP-local ``targets`` (sliced as ``mesh`` lays them out) from ``directory``, whatever
     layout wrote it (collective).
+
+    Args:
+        stored: ``directory``'s :func:`stored_tensors`, when the caller read them already (a resume reads the
+            optimizer state a batch at a time: each batch would parse every file's header again); None reads them.
 
     Raises:
         CheckpointError: when a tensor is missing or has another global shape (before any data is read).
     """
-    stored, tp = stored_tensors(directory), mesh.tp.size
+    stored, tp = stored_tensors(directory) if stored is None else stored, mesh.tp.size
     for name, local in targets.items():
         want = global_shape(name, local, tp)
         if name not in stored:
@@ -191,13 +196,15 @@ def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh) 
              storage_reader=HuggingFaceStorageReader(str(directory)))
 
 
-def read_full(directory: Path, names=None) -> Dict[str, torch.Tensor]:
+def read_full(directory: Path, names=None, stored: Optional[Dict[str, StoredTensor]] = None
+              ) -> Dict[str, torch.Tensor]:
     """The whole tensors of a layout-free directory (or those in ``names``), in one process (no process group).
 
-    Each tensor's slices were checked to cover it exactly (:func:`stored_tensors`), and safetensors checks each
-    header against its file's size, so what is allocated here is backed by as many bytes on disk.
+    Each tensor's slices were checked to cover it exactly (:func:`stored_tensors`; ``stored``: as :func:`load`'s),
+    and safetensors checks each header against its file's size, so what is allocated here is backed by as many
+    bytes on disk.
     """
-    stored = stored_tensors(directory)
+    stored = stored_tensors(directory) if stored is None else stored
     wanted = sorted(stored) if names is None else list(names)
     missing = [n for n in wanted if n not in stored]
     if missing:

@@ -88,11 +88,12 @@ def save(directory: Path, fragments: Dict[str, Fragment], mesh: ParallelMesh,
     return distributed_io.files_this_rank_wrote(directory, before)
 
 
-def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh, saved_tp: int) -> None:
+def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh, saved_tp: int,
+         stored: Optional[Dict[str, distributed_io.StoredTensor]] = None) -> None:
     """Fills every rank's TP-local ``targets`` (whole slices, by ``KEY.NAME``) from ``directory`` (collective).
 
     On the writer's TP size each rank reads its row; on another, every rank reads the rows whole
-    (:func:`read_whole`) and cuts its slice.
+    (:func:`read_whole`) and cuts its slice. ``stored``: as :func:`domino.checkpoint.distributed_io.load`'s.
 
     Raises:
         CheckpointError: when a tensor is missing or stored with another shape (before any data is read).
@@ -100,11 +101,11 @@ def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh, 
     tp = mesh.tp.size
     if saved_tp != tp:
         shapes = {name: distributed_io.global_shape(name, t, tp) for name, t in targets.items()}
-        whole = read_whole(directory, list(targets), saved_tp, shapes)
+        whole = read_whole(directory, list(targets), saved_tp, shapes, stored)
         for name, sliced in shard_state_dict(whole, mesh.tp.rank, tp).items():
             targets[name].copy_(sliced)
         return
-    stored = distributed_io.stored_tensors(directory)
+    stored = distributed_io.stored_tensors(directory) if stored is None else stored
     device_mesh = distributed_io.replica_device_mesh(mesh)
     views = {}
     for name, local in targets.items():
@@ -122,15 +123,15 @@ def load(directory: Path, targets: Dict[str, torch.Tensor], mesh: ParallelMesh, 
     dcp.load(views, storage_reader=HuggingFaceStorageReader(str(directory)))
 
 
-def read_whole(directory: Path, names: Optional[Sequence[str]], saved_tp: int,
-               shapes: Dict[str, Tuple[int, ...]]) -> Dict[str, torch.Tensor]:
+def read_whole(directory: Path, names: Optional[Sequence[str]], saved_tp: int, shapes: Dict[str, Tuple[int, ...]],
+               stored: Optional[Dict[str, distributed_io.StoredTensor]] = None) -> Dict[str, torch.Tensor]:
     """The whole tensors ``names`` (all for None) of ``directory``, in one process: each stored ``[R, N]`` matrix
     unflattened into its ``R`` TP slices and joined along its split dimension into global shape ``shapes[name]``.
 
     Raises:
         CheckpointError: when a stored matrix does not hold a tensor of that shape cut ``saved_tp`` ways.
     """
-    flat = distributed_io.read_full(directory, names)
+    flat = distributed_io.read_full(directory, names, stored)
     whole = {}
     for name, rows in flat.items():
         shape = shapes.get(name)

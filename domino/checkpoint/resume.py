@@ -336,7 +336,7 @@ def _load_optimizer_by_name(ckpt: Checkpoint, optimizer, rows: int, mesh: Parall
     time (each read is collective: DCP plans and reads together; the host holds one batch)."""
     optimizer_state.prepare(optimizer, optimizer_state.Scalars.from_json(ckpt.meta["optimizer"], str(ckpt)))
     directory = ckpt.path / on_disk.OPTIMIZER_DIR
-    distributed_io.stored_tensors(directory)  # every header checked once, before the first read
+    stored = distributed_io.stored_tensors(directory)  # every header read and checked once, before the first read
     repadded = _repadded_vocab_state(ckpt, optimizer, rows, mesh)
     optimizer_state.fill(optimizer, repadded)
     groups = [kept for kept in ([n for n in names if f"fp32.{n}" not in repadded]
@@ -350,9 +350,9 @@ def _load_optimizer_by_name(ckpt: Checkpoint, optimizer, rows: int, mesh: Parall
     for names in groups:
         tensors = optimizer_state.empty_like_state(optimizer, names)
         if saved_tp is None:
-            distributed_io.load(directory, tensors, mesh)
+            distributed_io.load(directory, tensors, mesh, stored)
         else:
-            fragment_io.load(directory, tensors, mesh, saved_tp)
+            fragment_io.load(directory, tensors, mesh, saved_tp, stored)
         optimizer_state.fill(optimizer, tensors)
 
 

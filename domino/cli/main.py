@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import traceback
-from typing import List, NoReturn, Optional, Sequence
+from typing import List, NoReturn, Optional, Sequence, Tuple
 
 from domino import __version__
 from domino.config import ConfigError
@@ -35,8 +35,16 @@ VERB_MODULES: List[str] = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full ``domino`` argument parser with every registered sub-command (no abbreviated flags anywhere)."""
+#: The verb modules that register one sub-command, of their own name (``data`` and ``hf`` register others):
+#: ``domino NAME ...`` needs that module's parser alone (tests/test_cli_parser_per_verb.py checks the set).
+SELF_NAMED_VERBS = frozenset(VERB_MODULES) - {"data", "hf"}
+#: The root's flags that take a value (see :func:`build_parser`): what may come before the sub-command.
+_ROOT_FLAGS_WITH_VALUE = ("--log-level", "--local_rank", "--local-rank")
+
+
+def build_parser(verbs: Sequence[str] = tuple(VERB_MODULES)) -> argparse.ArgumentParser:
+    """The ``domino`` argument parser with the sub-commands of the verb modules ``verbs`` (default: every one);
+    no abbreviated flags anywhere."""
     parser = ArgumentParser(
         prog="domino",
         description="GPT pretraining with Domino tensor parallelism, DeepSpeed and Kubeflow Pipelines.",
@@ -48,9 +56,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--local_rank", "--local-rank", dest="launcher_local_rank", type=int, default=None,
                         help="Set by the deepspeed launcher; ignored (LOCAL_RANK is read from the environment).")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in VERB_MODULES:
+    for name in verbs:
         importlib.import_module(f"domino.cli.{name}").register(subparsers)
     return parser
+
+
+def verbs_for(argv: Sequence[str]) -> Tuple[str, ...]:
+    """The verb modules whose parsers ``argv`` needs: only its sub-command's when that is a self-named verb's,
+    else every one (``--help``, ``--version``, a mistyped command: the root's own answers list them all).
+
+    Every rank of a run parses its command line as it starts (again after each preemption); the other verbs'
+    modules (the launchers, evaluation, the kfp layer's flags) and their parsers cost it 0.1-0.2 s and are
+    never used.
+    """
+    index = 0
+    while index < len(argv) and argv[index].startswith("-"):
+        if argv[index].startswith(tuple(f + "=" for f in _ROOT_FLAGS_WITH_VALUE)):
+            index += 1
+        elif (argv[index] in _ROOT_FLAGS_WITH_VALUE and index + 1 < len(argv)
+              and not argv[index + 1].startswith("-")):
+            index += 2
+        else:  # --help, --version, a flag without its value: the whole parser answers, as before
+            return tuple(VERB_MODULES)
+    command = argv[index] if index < len(argv) else None
+    return (command,) if command in SELF_NAMED_VERBS else tuple(VERB_MODULES)
 
 
 def leave_process(code: int) -> NoReturn:
@@ -86,8 +115,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     through :func:`leave_process`, also after an unexpected error (traceback printed, status 1, as Python
     itself would). Called with ``argv`` (in-process, as the tests do) it raises ``SystemExit``.
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(verbs_for(words)).parse_args(words)
     setup_logging(args.log_level)
     try:
         code = args.func(args)

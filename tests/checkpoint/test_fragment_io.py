@@ -73,6 +73,18 @@ def test_fragments_cut_mid_row_read_back_whole(tmp_path, cut):
     assert stored[COLUMN].shape == (2, 12) and stored[ROW].shape == (2, 12) and stored[NORM].shape == (1, 4)
 
 
+def test_read_whole_given_the_headers_parses_none(tmp_path, monkeypatch):
+    """A resume on another TP size reads a batch at a time: each takes the headers parsed before the first."""
+    from domino.checkpoint import distributed_io
+
+    whole = _whole()
+    directory = _write(tmp_path, whole, {COLUMN: 5, ROW: 7, NORM: 1})
+    stored = distributed_io.stored_tensors(directory)
+    monkeypatch.setattr(distributed_io, "stored_tensors", lambda d: pytest.fail(f"{d}'s headers parsed again"))
+    read = fragment_io.read_whole(directory, [ROW, NORM], 2, {n: tuple(whole[n].shape) for n in whole}, stored)
+    assert sorted(read) == sorted([ROW, NORM]) and all(torch.equal(read[n], whole[n]) for n in read)
+
+
 def test_a_stored_matrix_that_does_not_fit_its_tensor_is_refused(tmp_path):
     whole = _whole()
     directory = _write(tmp_path, whole, {COLUMN: 5, ROW: 7, NORM: 1})

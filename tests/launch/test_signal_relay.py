@@ -105,3 +105,15 @@ def test_a_command_that_is_not_torchrun_gets_the_signal_itself_and_its_code_pass
     while (status := trapped.poll()) is None:
         time.sleep(0.01)
     assert marker.exists() and status == 3 and trapped.exit_code(status) == 143
+
+
+def test_the_relay_imports_only_the_standard_library_and_processes():
+    """The relay starts every restart, before torchrun: the package's public names (both backends, the job
+    renderers, domino.config) load only when read, so importing the relay takes none of them; and they still
+    load on first use."""
+    code = ("import sys; import domino.launch.signal_relay; "
+            "ours = sorted(m for m in sys.modules if m.startswith('domino')); "
+            "assert ours == ['domino', 'domino.launch', 'domino.launch.processes', 'domino.launch.signal_relay'], ours; "
+            "from domino.launch import JobSpec, JobResult, LaunchSpecError, Toleration, run_job, naming; "
+            "import domino.launch as launch; assert launch.run_job is run_job and 'domino.launch.api' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
