@@ -1,8 +1,8 @@
 """A layer's computation between its collectives, compiled where a whole block cannot be.
 
-``DOMINO_KERNELS=compiled`` compiles each transformer block whole where the block holds no collective (TP=1, the
-synchronous stack: :func:`domino.model.stack.run_layers`). Elsewhere (TP > 1, and the overlapped stacks, whose
-steps run a layer's parts around asynchronous launches and waits) it compiles the two steps of
+``DOMINO_KERNELS=compiled`` compiles each transformer block whole where the block holds no collective (TP=1 and
+CP=1, the synchronous stack: :func:`domino.model.stack.run_layers`). Elsewhere (TP > 1, CP > 1, and the overlapped
+stacks, whose steps run a layer's parts around asynchronous launches and waits) it compiles the two steps of
 :meth:`~domino.model.transformer.TransformerLayer.steps` that hold more than one op:
 
 * **attention** (step A): the QKV projection, RoPE and attention: a norm's ``[s, b, h]`` output -> this rank's

@@ -76,17 +76,18 @@ def embed_tokens(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Ten
 
 def run_layers(layers: Sequence[nn.Module], units: Sequence[Unit], hidden: torch.Tensor,
                attend_mask: Optional[torch.Tensor], rotary: Optional[RotaryTables] = None,
-               tp_size: int = 1, kernels: Optional[Kernels] = None) -> torch.Tensor:
+               has_collectives: bool = False, kernels: Optional[Kernels] = None) -> torch.Tensor:
     """The synchronous layer loop over ``units``, checkpointing the groups marked so (full recompute).
 
-    With ``compile_blocks`` (``DOMINO_KERNELS=compiled``) each layer runs compiled whole, but only at TP=1: there a
-    block holds no collective. At TP>1 the synchronous block all-reduces inside its row-parallel linears, and
-    Domino's stacks never call a whole layer (they run its parts around their async launches and waits), so a
-    compiled graph never swallows a collective: those layers compile their segments between collectives instead
+    With ``compile_blocks`` (``DOMINO_KERNELS=compiled``) each layer runs compiled whole, but only where a block
+    holds no collective (``has_collectives`` False: TP=1 and CP=1). At TP>1 the synchronous block all-reduces
+    inside its row-parallel linears, at CP>1 its attention exchanges keys and values, and Domino's stacks never
+    call a whole layer (they run its parts around their async launches and waits), so a compiled graph never
+    swallows a collective: those layers compile their segments between collectives instead
     (:mod:`domino.model.segments`). ``kernels``: the model's choice (given by ``parallelize``), else the device's."""
     kernels = resolve(kernels, hidden.device)
     # Per-document attention reads its documents on the host: no whole-block graph holds it.
-    whole = kernels.compile_blocks is not None and tp_size == 1 and not is_document_starts(attend_mask)
+    whole = kernels.compile_blocks is not None and not has_collectives and not is_document_starts(attend_mask)
     for start, end, checkpointed in units:
         def group(h: torch.Tensor, start: int = start, end: int = end) -> torch.Tensor:
             for layer in layers[start:end]:
@@ -129,7 +130,8 @@ class SynchronousStack:
         """``[s, b, h] -> [s, b, h]``: every layer, then the final norm; recompute groups only without a cache."""
         model = self.model
         if kv_cache is None:
-            hidden = run_layers(model.layers, self.units, hidden, attend_mask, rotary, model.tp.size, model.kernels)
+            hidden = run_layers(model.layers, self.units, hidden, attend_mask, rotary,
+                                model.tp.size > 1 or model.cp.size > 1, model.kernels)
         else:
             for layer in model.layers:
                 hidden = layer(hidden, attend_mask, kv_cache, rotary)

@@ -90,7 +90,7 @@ to models and ops on CPU tensors and compares outputs and gradients). Devices ot
 
 ``DOMINO_KERNELS=compiled`` takes the device's choice and compiles each transformer block whole as well
 (``compile_blocks``; :func:`run_compiled_block`, called from the synchronous stack's layer loop only where a block
-holds no collective: TP=1), and elsewhere (TP>1, Domino) each layer's segments between collectives
+holds no collective: TP=1, CP=1), and elsewhere (TP>1, CP>1, Domino) each layer's segments between collectives
 (:func:`compiled_segment`, :mod:`domino.model.segments`). On CPU whole blocks measured 0.99-1.01x eager
 (``benchmarks/block_compile.py``).
 """
@@ -134,7 +134,8 @@ class Kernels:
     """The output layer and the loss as one node sharing the logits' buffer (else a linear, then the loss)."""
     compile_blocks: Optional[str] = None
     """``torch.compile`` backend for each whole transformer block with ``fullgraph=True`` where the block holds no
-    collective (:func:`compiled_block`); None runs the blocks eagerly (``DOMINO_KERNELS=compiled`` sets it)."""
+    collective (:func:`compiled_block`), elsewhere for its segments between collectives (:func:`compiled_segment`);
+    None runs the blocks eagerly (``DOMINO_KERNELS=compiled`` sets it)."""
     ring_blocks: str = "math"
     """How context parallelism's ring runs its attention blocks (:mod:`domino.parallel.attention_blocks`, chosen
     per call by :func:`ring_block_kernel`): ``cpu`` (SDPA's fused CPU kernel, which returns the log-sum-exp the ring
