@@ -234,3 +234,13 @@ def test_the_ramp_flags_parse_as_megatrons():
         parse_config(["--rampup-batch-size", "16", "x", "5"])
     config = parse_config(["--rampup-batch-size", "16", "16", "5859375", "--train-samples", "10"])
     assert config.train.rampup_batch_size == [16, 16, 5859375]
+
+
+def test_a_fixed_global_batch_too_small_for_the_stages_is_said_once():
+    """Without a ramp the first batch is the global batch: one problem names --global-batch-size, not two."""
+    with pytest.raises(ConfigError) as error:
+        validate(parse_config(["--preset", "tiny", "--lr-warmup-iters", "0", "--mock-data", "--micro-batch-size", "4",
+                               "--global-batch-size", "4", "--pipeline-model-parallel-size", "2"]),
+                 world_size=2, for_training=True)
+    assert str(error.value).count("gives 1 micro-batches") == 1, str(error.value)
+    assert "--global-batch-size 4 gives 1 micro-batches" in str(error.value)

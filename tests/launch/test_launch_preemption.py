@@ -139,7 +139,7 @@ def test_derive_keeps_tp_within_a_pod_smallest_that_fits_and_refuses_in_one_line
     # A size the run's other settings refuse is passed over, saying why; a given pipeline size is kept.
     pipeline = [*PRETRAIN, "--pipeline-model-parallel-size", "2"]
     assert derive_layout(_derive(nodes=2, args=pipeline)).why.startswith(
-        "2 pod(s) x 2 process(es): TP 2 x PP 2 x DP 1 (TP 1: the first global batch 8 gives 1 micro-batches")
+        "2 pod(s) x 2 process(es): TP 2 x PP 2 x DP 1 (TP 1: --global-batch-size 8 gives 1 micro-batches")
     # GPU pods: the smallest TP within the 8 GPUs of a pod whose memory estimate fits (domino estimate).
     gpus = dict(nodes=2, nproc=8, args=BIG, gpus_per_node=8)
     assert derive_layout(_derive(**gpus, gpu_memory_gb=24.0)).why.startswith("2 pod(s) x 8 process(es): TP 4 x DP 4")
