@@ -15,7 +15,7 @@ def build_optimizer(model: nn.Module, config: DominoConfig, mesh: ParallelMesh) 
     """ZeRO 0: torch's AdamW with domino's bucketed gradients, no DeepSpeed (:mod:`domino.optim.torch_optimizer`
     in fp32; with bf16/fp16 weights fp32 masters and fp32 main gradients, :mod:`domino.optim.mixed_precision`);
     ZeRO 1/2: DeepSpeed's ZeRO and 16-bit optimizers (:mod:`domino.optim.deepspeed_optimizer`)."""
-    if uses_torch_optimizer(config, zero_stage(config, mesh.dp.size)):
+    if uses_torch_optimizer(zero_stage(config, mesh.dp.size)):
         return build_torch_optimizer(model, config, mesh)
     from domino.optim.deepspeed_optimizer import build_deepspeed_optimizer  # imports DeepSpeed when it runs
 

@@ -48,7 +48,7 @@ def adamw(model: nn.Module, config: DominoConfig, groups: Optional[List[dict]] =
                              foreach=None if fused else True)
 
 
-def uses_torch_optimizer(config: DominoConfig, zero_stage: int) -> bool:
+def uses_torch_optimizer(zero_stage: int) -> bool:
     """Whether the run's step is torch's AdamW without DeepSpeed: ZeRO stage 0, :class:`TorchAdamW` in fp32,
     :class:`~domino.optim.mixed_precision.MixedPrecisionAdamW` (fp32 masters and main gradients) in bf16/fp16."""
     return zero_stage == 0

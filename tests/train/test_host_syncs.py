@@ -77,22 +77,29 @@ def test_tp2_domino_iterations_read_nothing_on_the_host(tmp_path):
 PP2 = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4"]
 
 
-@pytest.mark.parametrize("precision,layout", [
-    (["--bf16"], ["--tensor-model-parallel-size", "2", "--domino-chunks", "2"]),
-    (["--bf16"], PP2),
-    (["--bf16"], [*PP2, "--overlap-grad-reduce"]),  # the buckets launched from the backward read nothing either
+FP16 = ["--fp16", "--initial-loss-scale", "256"]
+
+
+@pytest.mark.parametrize("precision,layout,zero", [
+    (["--bf16"], ["--tensor-model-parallel-size", "2", "--domino-chunks", "2"], "1"),
+    (["--bf16"], PP2, "1"),
+    (["--bf16"], [*PP2, "--overlap-grad-reduce"], "1"),  # the buckets launched from the backward read nothing either
     # fp16 stages: the loss scale multiplies the last stage's loss and divides the norm as a device tensor, and
     # the ZeRO step agrees the overflow over the stages on the device (domino.train.pipeline_step, zero_step).
-    (["--fp16", "--initial-loss-scale", "256"], PP2),
+    (FP16, PP2, "1"),
+    # fp16 stages at ZeRO 0 (domino's MixedPrecisionAdamW, its loss scale on the device), with and without the
+    # data-parallel buckets launched from the backward.
+    (FP16, PP2, "0"),
+    (FP16, [*PP2, "--overlap-grad-reduce"], "0"),
 ])
-def test_half_precision_zero1_tp2_domino_and_stages_read_and_wait_for_nothing(tmp_path, precision, layout):
-    """bf16 ZeRO 1 (DeepSpeed's BF16_Optimizer) at TP=2 with Domino, and in two pipeline stages (fp16 ZeRO 1 too,
-    DeepSpeed's ZeRO optimizer with domino's device-decided step): no host read and
+def test_half_precision_tp2_domino_and_stages_read_and_wait_for_nothing(tmp_path, precision, layout, zero):
+    """bf16 ZeRO 1 (DeepSpeed's BF16_Optimizer) at TP=2 with Domino, and in two pipeline stages (fp16 at ZeRO 1,
+    DeepSpeed's ZeRO optimizer with domino's device-decided step, and at ZeRO 0, domino's own): no host read and
     no explicit synchronize inside iterations on any rank, by any owner. DeepSpeed's own step read overflow and the
     clip decision (2 per iteration) and its ThroughputTimer synchronised twice per micro-batch;
     domino.optim.bf16_step and the engine's config remove both; the staged step (domino.train.pipeline_step)
     scales, reduces, clips and agrees on a skip with tensors only."""
-    ranks = _probed_run(tmp_path, 2, [*precision, "--zero-stage", "1", *layout, "--vocab-size", "256"],
+    ranks = _probed_run(tmp_path, 2, [*precision, "--zero-stage", zero, *layout, "--vocab-size", "256"],
                         fp16_on_cpu="--fp16" in precision)
     for events in ranks:
         step = [e for e in events if e["phase"] == "step"]
