@@ -19,6 +19,10 @@ the device-decided step of ``domino.optim.bf16_step``, torch AdamW), at TP=1 on 
   script exits 1 when the loss does not fall;
 * ``cp_2``: ring attention at CP 2 over 32k tokens through the device's fused blocks against unsplit SDPA
   (``gpu_check_cp``: both ranks as threads on the one device);
+* ``compiled`` (opt-in: ``--stages ...,compiled``; not in ``device_run.sh``'s default): tokens/s and the first
+  step's seconds (the compile) with ``DOMINO_KERNELS=compiled``, at one chunk (each block compiled whole) and at
+  Domino 2 (each layer's segments between collectives, ``domino.model.segments``), beside the eager ``main`` and
+  ``chunks_2`` rates (``over_eager`` where the micro-batches match);
 * ``llama``: the same loss curve, tokens/s and MFU at micro-batch 1 for a LLaMA-architecture preset (rotary
   positions, RMSNorm, SwiGLU, grouped-query attention, untied output layer), ``--llama-preset`` (default
   ``llama2-7b``, its own 32,000-token vocabulary) cut to ``--llama-layers`` layers (default 4, about 1.1B
@@ -67,13 +71,15 @@ from domino.config import padded_vocab_size, parse_config  # noqa: E402
 from domino.model import GPTModel  # noqa: E402
 from domino.overlap.schedule import apply_domino  # noqa: E402
 from domino.runtime import state  # noqa: E402  (the mesh initialize_runtime built: one process)
-from domino.parallel.kernels import c_compiler, kernels_for  # noqa: E402
+from domino.parallel.kernels import COMPILED, apply_kernels, c_compiler, for_device, kernels_for  # noqa: E402
 from domino.optim.deepspeed_optimizer import build_deepspeed_optimizer  # noqa: E402
 from domino.train import runtime_start  # noqa: E402
 from domino.train.host_syncs import syncs_per_step  # noqa: E402
 from domino.train.throughput import detect_peak_tflops, training_flops_per_token  # noqa: E402
 from gpu_check_cp import cp_2_stage  # noqa: E402
-from gpu_check_stages import LOSS_STEPS, STAGE_BOXES, check_result, run_stage, smoke, write_json  # noqa: E402,F401
+from gpu_check_stages import (  # noqa: E402,F401
+    LOSS_STEPS, OPT_IN_BOXES, STAGE_BOXES, check_result, run_stage, smoke, write_json,
+)
 
 OutOfMemory = torch.cuda.OutOfMemoryError
 
@@ -93,12 +99,12 @@ class _Run:
     """One engine at one chunk count, stepping on a fixed batch of ``micro_batch`` samples."""
 
     def __init__(self, args, micro_batch: int, chunks: int, device: torch.device, llama: bool = False,
-                 stage: str = "") -> None:
+                 stage: str = "", kernels=None) -> None:
         self.args, self.device, self.stage = args, device, stage
         self.config = _config(args, micro_batch, chunks, llama)
         self.vocab = padded_vocab_size(self.config.model.vocab_size, self.config)
         torch.manual_seed(args.seed)
-        model = apply_domino(GPTModel(self.config.model, self.vocab), chunks)
+        model = apply_kernels(apply_domino(GPTModel(self.config.model, self.vocab), chunks), kernels)
         self.engine = build_deepspeed_optimizer(model, self.config, state.current_mesh()).engine
         self.set_batch(micro_batch)
 
@@ -244,6 +250,22 @@ def _chunks_2_stage(args, device: torch.device, mb: int) -> float:
         run.close()
 
 
+def _compiled_stage(args, device: torch.device, mb: int) -> Dict[str, Any]:
+    """``DOMINO_KERNELS=compiled`` at ``mb``: tokens/s and first-step seconds at one chunk and at Domino 2."""
+    kernels = for_device(COMPILED, device)  # without a C compiler: the eager choice, said by compile_blocks
+    result: Dict[str, Any] = {"micro_batch": mb, "compile_blocks": kernels.compile_blocks, "tokens_per_s": {},
+                              "first_step_s": {}}
+    for chunks in (1, 2):
+        run = _Run(args, mb, chunks, device, stage="compiled", kernels=kernels)
+        try:
+            result["first_step_s"][f"chunks_{chunks}"] = _timed(run.step, 1)  # traces and compiles
+            _timed(run.step, args.warmup)
+            result["tokens_per_s"][f"chunks_{chunks}"] = run.tokens_per_step / _timed(run.step, args.steps)
+        finally:
+            run.close()
+    return result
+
+
 def _llama_stage(args, device: torch.device, mb: int) -> Dict[str, Any]:
     """Loss curve, tokens/s and MFU of the LLaMA-architecture preset at TP=1, one chunk."""
     run = _Run(args, mb, 1, device, llama=True, stage="llama")
@@ -260,15 +282,16 @@ def _llama_stage(args, device: torch.device, mb: int) -> Dict[str, Any]:
 
 
 def _box(args, stage: str) -> float:
-    """The stage's time box: its share of ``--budget-s`` (420 s: ``STAGE_BOXES`` as they are)."""
-    return STAGE_BOXES[stage] * args.budget_s / sum(STAGE_BOXES.values())
+    """The stage's time box: its share of ``--budget-s`` (420 s: ``STAGE_BOXES`` as they are; an opt-in stage on
+    the same scale)."""
+    return {**STAGE_BOXES, **OPT_IN_BOXES}[stage] * args.budget_s / sum(STAGE_BOXES.values())
 
 
 def _stage(args, name: str, body: Callable[[], Any], report: Dict[str, Any]) -> Any:
     """``body()`` as the check's stage ``name`` (``run_stage``: time box, ``$OUT/<name>.json``, one-line error in
     ``report["errors"]``); None when it failed or is not among ``--stages``."""
     if name not in args.stages:
-        if name != "smoke":  # device_run.sh runs the smoke stage in a process of its own
+        if name != "smoke" and name not in OPT_IN_BOXES:  # device_run.sh runs the smoke stage in its own process
             report["skipped"][name] = "not in --stages"
         return None
 
@@ -315,9 +338,21 @@ def measure(args, report: Dict[str, Any]) -> Dict[str, Any]:
     if cp_2 is None:
         cp_2 = {"error": report["errors"]["cp_2"]} if "cp_2" in report["errors"] else {
             "skipped": report["skipped"].get("cp_2", "?")}
+    extra: Dict[str, Any] = {}
+    if "compiled" in args.stages:
+        compiled = _stage(args, "compiled", lambda: with_halving(
+            "compiled", max(2, main["micro_batch"] - main["micro_batch"] % 2),
+            lambda m: _compiled_stage(args, device, m), report, minimum=2, even=True), report)
+        if compiled is None:
+            compiled = {"error": report["errors"]["compiled"]} if "compiled" in report["errors"] else {
+                "skipped": report["skipped"].get("compiled", "?")}
+        elif compiled["micro_batch"] == main["micro_batch"]:  # chunks_2 ran at main's micro-batch when it was even
+            compiled["over_eager"] = {k: v / tokens_per_s[k] for k, v in compiled["tokens_per_s"].items()
+                                      if k in tokens_per_s}
+        extra["compiled"] = compiled
     peak = detect_peak_tflops()
     tflops = main["flops_per_token"] * tokens_per_s["chunks_1"] / 1e12
-    return {
+    return {**extra,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "dry_run": args.dry_run, "preset": args.preset, "precision": "bf16", "tensor_model_parallel_size": 1,
         "seq_length": main["seq_length"], "padded_vocab_size": main["vocab"],
@@ -355,8 +390,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--simulate-oom", choices=["main", "chunks_2", "llama"],
                         help="with --dry-run: the first step of this stage raises out-of-memory (tests the retry)")
     parser.add_argument("--stages", default=",".join(STAGE_BOXES),
-                        help=f"comma-separated stages to run (default all: {','.join(STAGE_BOXES)})")
-    parser.add_argument("--simulate-error", choices=list(STAGE_BOXES),
+                        help=f"comma-separated stages to run (default: {','.join(STAGE_BOXES)}; also "
+                             f"{','.join(OPT_IN_BOXES)} when named)")
+    parser.add_argument("--simulate-error", choices=[*STAGE_BOXES, *OPT_IN_BOXES],
                         help="with --dry-run: this stage raises an error (tests that the others' results stay)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--dry-run", action="store_true",
@@ -373,9 +409,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("gpu_check: no CUDA device here; use --dry-run to check the script on CPU", file=sys.stderr)
         return 2
     args.stages = [stage.strip() for stage in args.stages.split(",") if stage.strip()]
-    unknown = sorted(set(args.stages) - set(STAGE_BOXES))
+    unknown = sorted(set(args.stages) - set(STAGE_BOXES) - set(OPT_IN_BOXES))
     if unknown:
-        parser.error(f"--stages: unknown stage(s) {', '.join(unknown)}; known: {', '.join(STAGE_BOXES)}")
+        parser.error(f"--stages: unknown stage(s) {', '.join(unknown)}; known: "
+                     f"{', '.join([*STAGE_BOXES, *OPT_IN_BOXES])}")
     report: Dict[str, Any] = {"oom_retries": [], "skipped": {}, "errors": {}}
     # DeepSpeed prints its set-up to stdout: keep stdout for the one JSON object.
     with contextlib.redirect_stdout(sys.stderr):

@@ -32,6 +32,9 @@ import torch
 LOSS_STEPS = 20
 #: Each stage's time box in seconds (``device_run.sh``'s ``timeout`` adds the process start to these).
 STAGE_BOXES = {"smoke": 60, "search": 60, "main": 150, "chunks_2": 60, "llama": 90, "cp_2": 30}
+#: Stages that run only when ``--stages`` names them (not in ``device_run.sh``'s default), boxed on the same scale:
+#: ``compiled``, ``DOMINO_KERNELS=compiled`` (whole blocks at one chunk, the segments between collectives at two).
+OPT_IN_BOXES = {"compiled": 90}
 
 
 class StageTimeout(Exception):
@@ -205,6 +208,11 @@ def check_result(result: Dict[str, Any]) -> None:
             raise ValueError(f"gpu_check result: 'llama' must hold a {LOSS_STEPS}-step 'loss_curve' and 'loss_falls'")
         if not llama.get("tokens_per_s", 0) > 0:
             raise ValueError(f"gpu_check result: 'llama' tokens_per_s must be positive, got {llama.get('tokens_per_s')}")
+    compiled = result.get("compiled")  # an opt-in stage: present only when --stages named it
+    if isinstance(compiled, dict) and "error" not in compiled and "skipped" not in compiled:
+        if not all(compiled.get("tokens_per_s", {}).get(k, 0) > 0 for k in ("chunks_1", "chunks_2")):
+            raise ValueError(f"gpu_check result: 'compiled' tokens_per_s must hold positive chunks_1 and chunks_2, "
+                             f"got {compiled.get('tokens_per_s')}")
     if any(not (v > 0) for v in result["tokens_per_s"].values()):
         raise ValueError(f"gpu_check result: 'tokens_per_s' must be positive, got {result['tokens_per_s']}")
     if torch.cuda.is_available() and result["peak_reserved_gb"] is None:

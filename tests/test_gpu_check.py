@@ -172,3 +172,23 @@ def test_device_run_keeps_to_eight_minutes_and_rehearses_on_cpu(tmp_path):
     assert json.loads((tmp_path / "gpu_check.json").read_text())["skipped"] == {}
     log = (tmp_path / "device_run.log").read_text()
     assert "device_run: smoke exited 0" in log and "device_run: training exited 0" in log
+
+
+def test_the_opt_in_compiled_stage_reports_whole_blocks_and_segments(tmp_path):
+    """``--stages ...,compiled`` (not in device_run.sh's default): DOMINO_KERNELS=compiled at one chunk and at Domino
+    2 on CPU (real inductor), beside the eager rates at the same micro-batch; unnamed, it leaves no trace."""
+    env = dict(os.environ, PYTHON=sys.executable, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", OUT=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run", "--stages",
+                           "search,main,chunks_2,compiled"], cwd="/", env=env, capture_output=True, text=True,
+                          timeout=300)
+    result = json.loads(proc.stdout)
+    assert result["errors"] == {} and "compiled" not in result["skipped"], proc.stderr[-4000:]
+    compiled = result["compiled"]
+    assert compiled["compile_blocks"] == "inductor" and compiled["micro_batch"] == result["micro_batch"]["measured"]
+    assert set(compiled["tokens_per_s"]) == set(compiled["first_step_s"]) == set(compiled["over_eager"]) == {
+        "chunks_1", "chunks_2"}
+    assert all(v > 0 for v in compiled["over_eager"].values())
+    assert json.loads((tmp_path / "compiled.json").read_text())["ok"]
+    _gpu_check_module().check_result(result)
+    _gpu_check_module().check_result({k: v for k, v in result.items() if k != "compiled"})
