@@ -103,18 +103,16 @@ class ParallelSelfAttention(nn.Module):
         self.dense = RowParallelLinear(config.hidden_size, config.hidden_size, bias=bias, input_is_parallel=True,
                                        init_std=output_init_std(config), skip_bias_add=True, tp=tp)
 
-    def qkv(self, x: torch.Tensor, slot: Optional[GradSlot] = None,
-            reduce_input_grad: bool = True) -> Tuple[torch.Tensor, ...]:
+    def qkv(self, x: torch.Tensor, slot: Optional[GradSlot] = None) -> Tuple[torch.Tensor, ...]:
         """This rank's queries ``[s, b, heads/tp, head_dim]``, keys and values ``[s, b, groups/tp, head_dim]`` from
         the fused ``query_key_value`` applied to ``[s, b, h]``.
 
         Without ``slot`` (synchronous TP) the input's gradient is all-reduced inside backward; the overlapped
         stacks pass the slot of their gradient guard and the reduction is launched into it
-        (:mod:`domino.overlap.slots`). ``reduce_input_grad=False``: neither, the caller placed the reduction
-        (a compiled segment's eager input node, :mod:`domino.model.segments`).
+        (:mod:`domino.overlap.slots`).
         """
         layer = self.query_key_value
-        if slot is None and reduce_input_grad:
+        if slot is None:
             x = copy_to_tp_region(x, self.tp)
         return qkv_projection(x, layer.weight, layer.bias, self.groups_per_rank, slot,
                               queries_per_group=self.heads_per_rank // self.groups_per_rank, rec=layer.fp8,
@@ -219,12 +217,11 @@ def bias_dropout_add_norm(x: torch.Tensor, bias: Optional[torch.Tensor], residua
                                                      isinstance(norm, nn.RMSNorm))
 
 
-def qkv_attention(attention: ParallelSelfAttention, x: torch.Tensor, slot: Optional[GradSlot],
-                  reduce_input_grad: bool, attend_mask: Optional[torch.Tensor], kv_cache: Optional[KVCache],
-                  rotary: Optional[RotaryTables]) -> torch.Tensor:
-    """Step A's maths: the QKV projection (``slot``, ``reduce_input_grad``: :meth:`ParallelSelfAttention.qkv`),
-    then attention."""
-    return attention.context(*attention.qkv(x, slot, reduce_input_grad), attend_mask, kv_cache, rotary)
+def attention_context(attention: ParallelSelfAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      attend_mask: Optional[torch.Tensor], kv_cache: Optional[KVCache],
+                      rotary: Optional[RotaryTables]) -> torch.Tensor:
+    """Step A's maths after the QKV projection: RoPE and attention (:meth:`ParallelSelfAttention.context`)."""
+    return attention.context(q, k, v, attend_mask, kv_cache, rotary)
 
 
 def mlp_output(mlp: nn.Module, inner, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -252,10 +249,6 @@ class Reducer(Protocol):
 
     ``kind`` is ``"attention"`` or ``"mlp"``; ``site`` names the layer and chunk in the comm-wait breakdown.
     """
-
-    compiles_segments: bool
-    """Whether steps A and E may run as compiled segments (``DOMINO_KERNELS=compiled``, :mod:`domino.model.segments`):
-    their column input's gradient reduction can move to an eager node at the segment's input."""
 
     def column_input(self, x: torch.Tensor, kind: str, site: Optional[str]
                      ) -> Callable[[], Tuple[torch.Tensor, Optional[GradSlot]]]:
@@ -286,8 +279,6 @@ class _Reduced:
 class SynchronousReducer:
     """Plain tensor parallelism: the linears' own synchronous collectives (``copy_to_tp_region`` in the column-
     parallel ones, :meth:`RowParallelLinear.reduce`), so the row-parallel bias rides in the GEMM at TP=1."""
-
-    compiles_segments = True
 
     def column_input(self, x: torch.Tensor, kind: str, site: Optional[str]
                      ) -> Callable[[], Tuple[torch.Tensor, None]]:
@@ -355,7 +346,9 @@ class TransformerLayer(nn.Module):
         attention, mlp = self.attention, self.mlp
         ready = reducer.column_input(self.input_layernorm(hidden), "attention", site)
         yield
-        ctx = attention_step(qkv_attention, self, *ready(), attend_mask, kv_cache, rotary, reducer)  # A
+        q, k, v = attention.qkv(*ready())  # A: QKV (its backward reduces the input gradient), then attention
+        ctx = attention_step(attention_context, self, q, k, v, attend_mask, kv_cache, rotary)
+        del q, k, v
         del ready  # with SP it holds the gathered sequence: the linear kept only its slice
         yield
         pending = reducer.reduce(attention.dense, attention.dense.product(ctx), "attention", site)  # B
@@ -367,8 +360,7 @@ class TransformerLayer(nn.Module):
         inner = mlp.inner(*ready())  # D
         del ready
         yield
-        pending = reducer.reduce(mlp.dense_4h_to_h, mlp_output_step(mlp_output, self, inner, reducer), "mlp",
-                                 site)  # E
+        pending = reducer.reduce(mlp.dense_4h_to_h, mlp_output_step(mlp_output, self, inner), "mlp", site)  # E
         del inner  # as ctx above
         yield
         return pending.finish(hidden, self)  # F

@@ -119,12 +119,6 @@ class StepStack:
         #: ``(start, end, checkpointed)`` layer groups; full activation recompute sets it (domino.model.recompute).
         self.units: List[Unit] = list(fallback.units)
 
-    @property
-    def compiles_segments(self) -> bool:
-        """Steps A and E compile as segments (``DOMINO_KERNELS=compiled``) without sequence parallelism, whose
-        column-parallel linears keep only their slice of the gathered input (:mod:`domino.model.segments`)."""
-        return not self.sequence_parallel
-
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings; with sequence parallelism this rank's sequence slice of them (after their dropout). A
         later pipeline stage's input is already the slice the previous stage's stack returned."""

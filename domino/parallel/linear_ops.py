@@ -77,18 +77,6 @@ def on_backward(x: torch.Tensor, action: Callable[[torch.Tensor], None]) -> torc
     return _OnBackward.apply(x, action)
 
 
-def launch_on_backward(x: torch.Tensor, slot: GradSlot) -> torch.Tensor:
-    """Identity forward; in backward, launches the reduction of ``x``'s gradient into ``slot``.
-
-    For a column-parallel linear run inside a compiled segment (:mod:`domino.model.segments`), whose graph cannot
-    launch a collective: the launch moves from the linear's backward to this eager node at the segment's input, so
-    it runs after the segment's whole backward (its weight-gradient GEMMs included) instead of before the weight
-    gradient. What runs between the launch and the slot's wait, the other chunks' backward, is unchanged.
-    """
-    # Async launch in backward: the slot's owner waits for it, after the other chunks' backward created in between.
-    return on_backward(x, slot.launch)
-
-
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, slot, rec):

@@ -74,5 +74,5 @@ def test_only_the_layer_steps_compose_the_layer_pieces():
                         for piece in (p for p in PIECES if called.endswith(p)):
                             callers[piece].add(f"{os.path.relpath(path, ROOT)}:{function.name}")
     # Steps A and E are functions of their own, beside the steps that call them (compiled segments share them).
-    own = {"attention.qkv": "qkv_attention", "attention.context": "qkv_attention", "mlp.product": "mlp_output"}
+    own = {"attention.context": "attention_context", "mlp.product": "mlp_output"}
     assert callers == {piece: {f"model/transformer.py:{own.get(piece, 'steps')}"} for piece in PIECES}

@@ -203,10 +203,6 @@ MUTATIONS: List[Mutation] = [
              "n is not None and (below is None or n < below))[::-1]]",
              "n is not None and (below is None or p.name < tag))[::-1]]",
              ["tests/checkpoint/test_hostile_names.py::test_checkpoints_past_ten_million_iterations_order_by_number"]),
-    Mutation("segment-drops-dominos-input-grad-launch", "domino/model/segments.py",
-             "    x = copy_to_tp_region(x, attention.tp) if slot is None else launch_on_backward(x, slot)",
-             "    x = copy_to_tp_region(x, attention.tp) if slot is None else x",
-             ["tests/model/test_model_compiled_segments.py::test_compiled_segments_equal_the_eager_layers_at_tp2"]),
     Mutation("segment-attention-dropout-on-the-default-stream", "domino/model/segments.py",
              "tp_dropout=attention.attention_dropout > 0 and attention.training)", "tp_dropout=False)",
              ["tests/model/test_model_compiled_segments.py::"
