@@ -75,7 +75,7 @@ def apply_activation_recompute(model: torch.nn.Module, plan: Optional[RecomputeP
     """
     if plan is None:
         return model
-    if plan.granularity == "selective":
+    if plan.granularity == "selective":  # an instance attribute: domino.model.segments.checkpoints_attention
         for layer in model.layers:
             attention = layer.attention
             attention.context = functools.partial(_checkpointed_core, attention.context)

@@ -17,7 +17,8 @@ as before. The other steps are a GEMM alone (B's output projection, D's fc1) or 
 choice compiles already (C and F, :func:`~domino.model.transformer.bias_dropout_add_norm`).
 
 Attention stays eager where a graph cannot hold it: a KV cache (generation), per-document attention (its documents
-are read on the host), context parallelism (the ring's transfers run inside attention). FP8 keeps step E eager (its
+are read on the host), context parallelism (the ring's transfers run inside attention), selective recompute (its
+checkpoint reads the generators' states). FP8 keeps step E eager (its
 recipes keep scaling state between steps). Attention dropout draws from the TP stream, as eager attention does: a
 graph cannot swap generators, so :func:`~domino.parallel.kernels.run_compiled` forks around the call, and the graph
 draws its own numbers from that state (not eager's masks).
@@ -44,6 +45,13 @@ def _segment_kernels(layer: nn.Module, device: torch.device) -> Optional[Kernels
     return kernels
 
 
+def checkpoints_attention(attention: nn.Module) -> bool:
+    """Whether selective recompute replaced ``attention``'s context by a checkpointed call
+    (:func:`domino.model.recompute.apply_activation_recompute`), which reads the generators' states: no graph holds
+    it, so neither a whole block nor step A compiles then."""
+    return "context" in vars(attention)
+
+
 def attention_step(step: Callable, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    attend_mask: Optional[torch.Tensor], kv_cache, rotary: Optional[RotaryTables]) -> torch.Tensor:
     """``step(attention, q, k, v, attend_mask, kv_cache, rotary)``, step A's maths after the QKV projection of
@@ -56,10 +64,11 @@ def attention_step(step: Callable, layer: nn.Module, q: torch.Tensor, k: torch.T
     """
     attention = layer.attention
     kernels = _segment_kernels(layer, q.device)
-    if kernels is None or kv_cache is not None or is_document_starts(attend_mask) or attention.cp.size > 1:
+    if (kernels is None or kv_cache is not None or is_document_starts(attend_mask) or attention.cp.size > 1
+            or checkpoints_attention(attention)):
         return step(attention, q, k, v, attend_mask, kv_cache, rotary)
     return run_compiled(compiled_segment(step, kernels.compile_blocks), kernels, attention, q, k, v, attend_mask,
-                        None, rotary, tp_dropout=attention.attention_dropout > 0 and attention.training)
+                        None, rotary, eager=step, tp_dropout=attention.attention_dropout > 0 and attention.training)
 
 
 def mlp_output_step(step: Callable, layer: nn.Module, inner) -> Product:
@@ -75,4 +84,4 @@ def mlp_output_step(step: Callable, layer: nn.Module, inner) -> Product:
     if kernels is None or mlp.dense_4h_to_h.fp8 is not None:
         return lambda bias: step(mlp, inner, bias)
     segment = compiled_segment(step, kernels.compile_blocks)
-    return lambda bias: run_compiled(segment, kernels, mlp, inner, bias)
+    return lambda bias: run_compiled(segment, kernels, mlp, inner, bias, eager=step)

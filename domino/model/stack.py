@@ -24,6 +24,7 @@ from torch import nn
 
 from domino.model.kv_cache import KVCache
 from domino.model.rotary import RotaryTables
+from domino.model.segments import checkpoints_attention
 from domino.parallel.collectives import comm_site, copy_to_tp_region
 from domino.parallel.document_attention import is_document_starts
 from domino.parallel.kernels import Kernels, resolve, run_compiled_block
@@ -86,8 +87,10 @@ def run_layers(layers: Sequence[nn.Module], units: Sequence[Unit], hidden: torch
     swallows a collective: those layers compile their segments between collectives instead
     (:mod:`domino.model.segments`). ``kernels``: the model's choice (given by ``parallelize``), else the device's."""
     kernels = resolve(kernels, hidden.device)
-    # Per-document attention reads its documents on the host: no whole-block graph holds it.
-    whole = kernels.compile_blocks is not None and not has_collectives and not is_document_starts(attend_mask)
+    # Per-document attention reads its documents on the host, selective recompute the generators' states: no
+    # whole-block graph holds them.
+    whole = (kernels.compile_blocks is not None and not has_collectives and not is_document_starts(attend_mask)
+             and not any(checkpoints_attention(layer.attention) for layer in layers))
     for start, end, checkpointed in units:
         def group(h: torch.Tensor, start: int = start, end: int = end) -> torch.Tensor:
             for layer in layers[start:end]:

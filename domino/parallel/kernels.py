@@ -99,9 +99,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import shutil
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -109,6 +109,8 @@ import torch
 
 from domino.config import ConfigError
 from domino.parallel.random import tp_region_rng
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,7 @@ class Kernels:
     """The output layer and the loss as one node sharing the logits' buffer (else a linear, then the loss)."""
     compile_blocks: Optional[str] = None
     """``torch.compile`` backend for each whole transformer block with ``fullgraph=True`` where the block holds no
-    collective (:func:`compiled_block`), elsewhere for its segments between collectives (:func:`compiled_segment`);
+    collective (:func:`run_compiled_block`), elsewhere for its segments between collectives (:func:`compiled_segment`);
     None runs the blocks eagerly (``DOMINO_KERNELS=compiled`` sets it)."""
     ring_blocks: str = "math"
     """How context parallelism's ring runs its attention blocks (:mod:`domino.parallel.attention_blocks`, chosen
@@ -308,48 +310,56 @@ def compiled(fn: Callable, backend: str) -> Callable:
     return torch.compile(fn, backend=backend)
 
 
-_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-
-
-def compiled_block(block: torch.nn.Module, backend: str) -> Callable:
-    """``block`` compiled whole with ``fullgraph=True``, as torchtitan's ``apply_compile`` compiles each
-    ``TransformerBlock`` (``torchtitan/models/llama3/infra/parallelize.py``), built once per block and backend.
-
-    Applied from outside: the block is wrapped, not replaced (``torch.compile(module)`` returns a wrapper sharing its
-    parameters), so parameter names and checkpoints stay those of the eager model. Kept in a weak map, not on the
-    module: an ``nn.Module`` attribute would register the wrapper as a submodule and rename the state dict."""
-    per_module = _COMPILED.setdefault(block, {})
-    if backend not in per_module:
-        per_module[backend] = torch.compile(block, backend=backend, fullgraph=True)
-    return per_module[backend]
-
-
 @functools.lru_cache(maxsize=None)
 def compiled_segment(segment: Callable, backend: str) -> Callable:
     """``segment`` (a function of a module and tensors) compiled with ``fullgraph=True``, built once per function
-    and backend: a layer's computation between two collectives (:mod:`domino.model.segments`). The module is an
-    argument, not bound into the compiled function, so every layer shares one graph (Dynamo lifts a module's
-    parameters to graph inputs and guards on its structure, not on which layer it is)."""
+    and backend: a layer's computation between two collectives (:mod:`domino.model.segments`), or a whole block
+    (:func:`run_compiled_block`). The module is an argument, not bound into the compiled function, so every layer
+    shares one graph (Dynamo lifts a module's parameters to graph inputs and guards on its structure, not on which
+    layer it is), and nothing here keeps a model alive."""
     return torch.compile(segment, backend=backend, fullgraph=True)
 
 
-def run_compiled(fn: Callable, kernels: Kernels, *args, tp_dropout: bool = False, **kwargs):
-    """``fn(*args, **kwargs)``, a compiled block or segment, its ops reading ``kernels`` while Dynamo traces them.
+_RECOMPILE_LIMIT_SAID: set = set()
+
+
+def run_compiled(fn: Callable, kernels: Kernels, *args, eager: Callable, tp_dropout: bool = False, **kwargs):
+    """``fn(*args, **kwargs)``, a compiled block or segment, its ops reading ``kernels`` while Dynamo traces them;
+    ``eager(*args, **kwargs)`` (the same maths uncompiled) where Dynamo refuses another graph of it.
 
     ``tp_dropout``: the region draws attention dropout, which eager code draws from the TP stream
     (:func:`domino.parallel.random.tp_region_rng`); a graph cannot swap generators, so the fork is made here,
     around the call, and the graph seeds its random numbers from the TP stream's state.
+
+    Each new combination of shapes, grad mode and training flag adds a graph of ``fn``; past
+    ``torch._dynamo.config.recompile_limit`` a ``fullgraph`` function fails hard (``FailOnRecompileLimitHit``,
+    "Hard failure due to fullgraph=True": torch 2.13 ``torch/_dynamo/convert_frame.py``) where another one would
+    run eagerly; here it runs eagerly too, said once per function.
     """
     global _block_kernels
-    _block_kernels = kernels
+    outer, _block_kernels = _block_kernels, kernels  # a block run eagerly past the limit runs compiled segments
     try:
         with tp_region_rng(tp_dropout):
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                if eager not in _RECOMPILE_LIMIT_SAID:
+                    _RECOMPILE_LIMIT_SAID.add(eager)
+                    logger.warning("%s: torch.compile's recompile limit reached; its new shapes and modes run "
+                                   "eagerly (TORCH_LOGS=recompiles says why)", getattr(eager, "__qualname__", eager))
+                return eager(*args, **kwargs)
     finally:
-        _block_kernels = None
+        _block_kernels = outer
+
+
+def _run_block(block: torch.nn.Module, *args, **kwargs):
+    return block(*args, **kwargs)
 
 
 def run_compiled_block(block: torch.nn.Module, kernels: Kernels, *args, tp_dropout: bool = False, **kwargs):
-    """``block(*args, **kwargs)`` compiled whole with ``kernels.compile_blocks`` (:func:`run_compiled`)."""
-    return run_compiled(compiled_block(block, kernels.compile_blocks), kernels, *args, tp_dropout=tp_dropout,
-                        **kwargs)
+    """``block(*args, **kwargs)`` compiled whole with ``kernels.compile_blocks``, as torchtitan's ``apply_compile``
+    compiles each ``TransformerBlock`` with ``fullgraph=True`` (``torchtitan/models/llama3/infra/parallelize.py``):
+    applied from outside, so parameter names and checkpoints stay those of the eager model; one graph for every
+    block of the same structure (:func:`compiled_segment`)."""
+    return run_compiled(compiled_segment(_run_block, kernels.compile_blocks), kernels, block, *args,
+                        eager=_run_block, tp_dropout=tp_dropout, **kwargs)

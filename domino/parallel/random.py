@@ -115,20 +115,31 @@ def model_parallel_seed(seed: int, tp_rank: int = 0, cp_rank: int = 0, tp_size: 
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank + tp_size * cp_rank)
 
 
+#: Whether the process runs inside :func:`tp_region_rng`'s fork (the TP stream is current).
+_in_tp_region = False
+
+
 @contextlib.contextmanager
 def tp_region_rng(active: bool = True) -> Iterator[None]:
     """``fork()`` of the TP state when it exists and ``active``; otherwise a no-op context.
 
     Lets modules without dropout (or processes that never seeded the tracker, e.g. inference) run unchanged.
-    While Dynamo traces, a no-op too: a graph cannot swap generator states, so whoever calls a compiled region that
+    Inside another ``tp_region_rng`` a no-op: the TP stream is already current, and an inner fork would give the
+    outer one back the state it started from (the draws in between repeated next time). While Dynamo traces, a
+    no-op too: a graph cannot swap generator states, so whoever calls a compiled region that
     draws the TP stream's dropout forks around the whole call (:func:`domino.parallel.kernels.run_compiled`; the
     compiled graph seeds its random numbers from the generator current when it runs).
     """
-    if active and MODEL_PARALLEL_RNG in _TRACKER._states and not torch.compiler.is_compiling():
+    global _in_tp_region
+    if torch.compiler.is_compiling() or _in_tp_region or not active or MODEL_PARALLEL_RNG not in _TRACKER._states:
+        yield  # already on the TP stream (a nested fork would put back the state the outer one started from)
+        return
+    _in_tp_region = True
+    try:
         with _TRACKER.fork():
             yield
-    else:
-        yield
+    finally:
+        _in_tp_region = False
 
 
 def device_rng_state(device: torch.device) -> torch.Tensor:
