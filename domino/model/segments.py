@@ -18,10 +18,10 @@ choice compiles already (C and F, :func:`~domino.model.transformer.bias_dropout_
 
 Attention stays eager where a graph cannot hold it: a KV cache (generation), per-document attention (its documents
 are read on the host), context parallelism (the ring's transfers run inside attention), selective recompute (its
-checkpoint reads the generators' states). FP8 keeps step E eager (its
-recipes keep scaling state between steps). Attention dropout draws from the TP stream, as eager attention does: a
-graph cannot swap generators, so :func:`~domino.parallel.kernels.run_compiled` forks around the call, and the graph
-draws its own numbers from that state (not eager's masks).
+checkpoint reads the generators' states). FP8 keeps step E eager (its recipes keep scaling state between steps).
+Attention dropout draws from the TP stream, as eager attention does: a graph cannot swap generators, so
+:func:`~domino.parallel.kernels.run_compiled` forks around the call, and the graph draws its own numbers from that
+state (not eager's masks).
 """
 
 from __future__ import annotations

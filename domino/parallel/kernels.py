@@ -229,7 +229,7 @@ def resolve(kernels: Optional[Kernels], device: torch.device) -> Kernels:
     return kernels if kernels is not None else kernels_for(device)
 
 
-#: The choice of the block :func:`run_compiled_block` is compiling: what the ops of modules given no table read
+#: The choice of the block or segment :func:`run_compiled` is running: what the ops of modules given no table read
 #: while Dynamo traces them. A trace-time constant, not a setting: it is set only around the compiled call and
 #: read only under ``torch.compiler.is_compiling()``. A module global because Dynamo reads one as a guarded
 #: constant, where it cannot trace ``ContextVar.get``.
