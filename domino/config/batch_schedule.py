@@ -305,10 +305,10 @@ def batch_schedule_problems(config: DominoConfig, data_parallel_size: int) -> Li
         schedule = batch_schedule(config, data_parallel_size)
     except ConfigError as error:
         return [str(error)]
+    if not config.train.ramps_batch_size:  # a fixed batch: layout.pipeline_problems checks it, naming the flag
+        return []
     pp, first = config.parallel.pipeline_model_parallel_size, schedule.num_micro_batches_at(0)
-    t = config.train
-    ramped = t.rampup_batch_size is not None or t.step_batch_size_schedule is not None
-    if pp > 1 and first < pp and ramped:  # a fixed batch: layout.pipeline_problems says it of --global-batch-size
+    if pp > 1 and first < pp:
         return [f"the first global batch {schedule.global_batch_size_at(0)} gives {first} micro-batches of "
                 f"--micro-batch-size {schedule.micro_batch_size} per data-parallel rank (DP {data_parallel_size}), "
                 f"fewer than --pipeline-model-parallel-size {pp} (the 1F1B schedule needs one per stage)"]

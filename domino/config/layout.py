@@ -103,8 +103,8 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
         problems.append(f"--zero-stage 2 with --pipeline-model-parallel-size {pp}: not supported (ZeRO-2 reduces "
                         "gradients inside DeepSpeed's backward, the pipeline schedule runs its own; "
                         "use --zero-stage 1)")
-    ramped = t.rampup_batch_size is not None or t.step_batch_size_schedule is not None  # checked with the ramp
-    if world_size is not None and world_size % (p.tensor_model_parallel_size * pp) == 0 and not ramped:
+    # A growing batch is checked batch by batch with its schedule (batch_schedule.batch_schedule_problems).
+    if world_size is not None and world_size % (p.tensor_model_parallel_size * pp) == 0 and not t.ramps_batch_size:
         dp = data_parallel_size(config, world_size)
         global_batch = t.global_batch_size or t.micro_batch_size * dp
         micro_batches = global_batch // (t.micro_batch_size * dp)

@@ -236,11 +236,20 @@ def test_the_ramp_flags_parse_as_megatrons():
     assert config.train.rampup_batch_size == [16, 16, 5859375]
 
 
-def test_a_fixed_global_batch_too_small_for_the_stages_is_said_once():
-    """Without a ramp the first batch is the global batch: one problem names --global-batch-size, not two."""
+@pytest.mark.parametrize("flags, said, rule", [
+    (["--micro-batch-size", "4", "--global-batch-size", "4"], "--global-batch-size 4 gives 1 micro-batches",
+     "gives 1 micro-batches"),
+    (["--micro-batch-size", "1", "--global-batch-size", "3", "--num-layers", "4",
+      "--num-layers-per-virtual-pipeline-stage", "1"],
+     "--global-batch-size 3: the interleaved schedule needs the micro-batches per step",
+     "the interleaved schedule needs"),
+], ids=["1f1b", "interleaved"])
+def test_a_fixed_global_batch_that_does_not_fit_the_stages_is_said_once(flags, said, rule):
+    """Without a ramp the global batch is the only batch: one problem names --global-batch-size, not a second one
+    from the batch schedule's own check of the same batch."""
     with pytest.raises(ConfigError) as error:
-        validate(parse_config(["--preset", "tiny", "--lr-warmup-iters", "0", "--mock-data", "--micro-batch-size", "4",
-                               "--global-batch-size", "4", "--pipeline-model-parallel-size", "2"]),
+        validate(parse_config(["--preset", "tiny", "--lr-warmup-iters", "0", "--mock-data",
+                               "--pipeline-model-parallel-size", "2", *flags]),
                  world_size=2, for_training=True)
-    assert str(error.value).count("gives 1 micro-batches") == 1, str(error.value)
-    assert "--global-batch-size 4 gives 1 micro-batches" in str(error.value)
+    assert str(error.value).count(rule) == 1, str(error.value)
+    assert said in str(error.value)
