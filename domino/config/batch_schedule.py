@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from domino.config.errors import ConfigError
-from domino.config.layout import virtual_stages
+from domino.config.layout import ramps_batch_size, virtual_stages
 from domino.config.pipeline_schedule import microbatch_problems
 from domino.config.schema import DominoConfig
 
@@ -305,7 +305,7 @@ def batch_schedule_problems(config: DominoConfig, data_parallel_size: int) -> Li
         schedule = batch_schedule(config, data_parallel_size)
     except ConfigError as error:
         return [str(error)]
-    if not config.train.ramps_batch_size:  # a fixed batch: layout.pipeline_problems checks it, naming the flag
+    if not ramps_batch_size(config):  # a fixed batch: layout.pipeline_problems checks it, naming the flag
         return []
     pp, first = config.parallel.pipeline_model_parallel_size, schedule.num_micro_batches_at(0)
     if pp > 1 and first < pp:

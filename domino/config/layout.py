@@ -81,6 +81,14 @@ def virtual_stages_from_layers(config: DominoConfig, layers_per_virtual_stage: i
     return layers // pp // n
 
 
+def ramps_batch_size(config: DominoConfig) -> bool:
+    """Whether the global batch grows during the run (--rampup-batch-size or --step-batch-size-schedule): each
+    batch it reaches is then checked with its schedule (:func:`domino.config.batch_schedule.batch_schedule_problems`),
+    the fixed one here (:func:`pipeline_problems`)."""
+    t = config.train
+    return t.rampup_batch_size is not None or t.step_batch_size_schedule is not None
+
+
 def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) -> List[str]:
     """What a run with ``--pipeline-model-parallel-size`` > 1 cannot do, one message each (none at one stage).
 
@@ -103,8 +111,8 @@ def pipeline_problems(config: DominoConfig, world_size: Optional[int] = None) ->
         problems.append(f"--zero-stage 2 with --pipeline-model-parallel-size {pp}: not supported (ZeRO-2 reduces "
                         "gradients inside DeepSpeed's backward, the pipeline schedule runs its own; "
                         "use --zero-stage 1)")
-    # A growing batch is checked batch by batch with its schedule (batch_schedule.batch_schedule_problems).
-    if world_size is not None and world_size % (p.tensor_model_parallel_size * pp) == 0 and not t.ramps_batch_size:
+    fixed_batch = not ramps_batch_size(config)
+    if world_size is not None and world_size % (p.tensor_model_parallel_size * pp) == 0 and fixed_batch:
         dp = data_parallel_size(config, world_size)
         global_batch = t.global_batch_size or t.micro_batch_size * dp
         micro_batches = global_batch // (t.micro_batch_size * dp)

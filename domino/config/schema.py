@@ -239,11 +239,6 @@ class TrainConfig:
     recompute_num_layers: Optional[int] = None
     """Full recompute: layers per group (uniform) or recomputed layers (block), 1 to --num-layers."""
 
-    @property
-    def ramps_batch_size(self) -> bool:
-        """Whether the global batch grows during the run (--rampup-batch-size or --step-batch-size-schedule)."""
-        return self.rampup_batch_size is not None or self.step_batch_size_schedule is not None
-
 
 @dataclass(frozen=True)
 class DataConfig:
