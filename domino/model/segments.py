@@ -33,7 +33,7 @@ from torch import nn
 
 from domino.model.rotary import RotaryTables
 from domino.parallel.document_attention import is_document_starts
-from domino.parallel.kernels import Kernels, compiled_segment, resolve, run_compiled
+from domino.parallel.kernels import Kernels, resolve, run_compiled
 from domino.parallel.layers import Product
 
 
@@ -52,6 +52,11 @@ def checkpoints_attention(attention: nn.Module) -> bool:
     return "context" in vars(attention)
 
 
+def draws_tp_dropout(attention: nn.Module) -> bool:
+    """Whether ``attention`` draws dropout now, from the TP stream (what a compiled call around it forks to)."""
+    return attention.attention_dropout > 0 and attention.training
+
+
 def attention_step(step: Callable, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    attend_mask: Optional[torch.Tensor], kv_cache, rotary: Optional[RotaryTables]) -> torch.Tensor:
     """``step(attention, q, k, v, attend_mask, kv_cache, rotary)``, step A's maths after the QKV projection of
@@ -67,8 +72,8 @@ def attention_step(step: Callable, layer: nn.Module, q: torch.Tensor, k: torch.T
     if (kernels is None or kv_cache is not None or is_document_starts(attend_mask) or attention.cp.size > 1
             or checkpoints_attention(attention)):
         return step(attention, q, k, v, attend_mask, kv_cache, rotary)
-    return run_compiled(compiled_segment(step, kernels.compile_blocks), kernels, attention, q, k, v, attend_mask,
-                        None, rotary, eager=step, tp_dropout=attention.attention_dropout > 0 and attention.training)
+    return run_compiled(step, kernels, attention, q, k, v, attend_mask, None, rotary,
+                        tp_dropout=draws_tp_dropout(attention))
 
 
 def mlp_output_step(step: Callable, layer: nn.Module, inner) -> Product:
@@ -83,5 +88,4 @@ def mlp_output_step(step: Callable, layer: nn.Module, inner) -> Product:
     kernels = _segment_kernels(layer, mlp.dense_4h_to_h.weight.device)
     if kernels is None or mlp.dense_4h_to_h.fp8 is not None:
         return lambda bias: step(mlp, inner, bias)
-    segment = compiled_segment(step, kernels.compile_blocks)
-    return lambda bias: run_compiled(segment, kernels, mlp, inner, bias, eager=step)
+    return lambda bias: run_compiled(step, kernels, mlp, inner, bias)

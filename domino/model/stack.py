@@ -24,7 +24,7 @@ from torch import nn
 
 from domino.model.kv_cache import KVCache
 from domino.model.rotary import RotaryTables
-from domino.model.segments import checkpoints_attention
+from domino.model.segments import checkpoints_attention, draws_tp_dropout
 from domino.parallel.collectives import comm_site, copy_to_tp_region
 from domino.parallel.document_attention import is_document_starts
 from domino.parallel.kernels import Kernels, resolve, run_compiled_block
@@ -96,7 +96,7 @@ def run_layers(layers: Sequence[nn.Module], units: Sequence[Unit], hidden: torch
             for layer in layers[start:end]:
                 if whole:
                     h = run_compiled_block(layer, kernels, h, attend_mask, rotary=rotary,
-                                           tp_dropout=layer.attention.attention_dropout > 0 and layer.training)
+                                           tp_dropout=draws_tp_dropout(layer.attention))
                 else:
                     h = layer(h, attend_mask, rotary=rotary)
             return h

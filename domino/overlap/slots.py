@@ -24,7 +24,6 @@ import torch
 from domino.parallel.collectives import (
     MeshGroup, all_gather_sequence_async, all_reduce_async, comm_site, reduce_scatter_sequence_async,
 )
-from domino.parallel.linear_ops import on_backward
 
 
 class GradAllReduceSlot:
@@ -134,10 +133,21 @@ class GradGatherSlot(GradAllReduceSlot):
         return gathered
 
 
+class _WaitInputGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, slot):
+        ctx.slot = slot
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.slot.wait()  # the summed gradient is needed now, by LayerNorm's backward
+        return grad, None
+
+
 def wait_for_input_grad(x: torch.Tensor, slot: GradAllReduceSlot) -> torch.Tensor:
     """Identity forward; in backward, waits for the gradient collective registered in ``slot``."""
-    # The wait in backward: the summed gradient is needed now, by LayerNorm's backward.
-    return on_backward(x, lambda grad: slot.wait())
+    return _WaitInputGrad.apply(x, slot)
 
 
 def guard_input_grad(x: torch.Tensor, group: MeshGroup, site: Optional[str] = None

@@ -323,9 +323,9 @@ def compiled_segment(segment: Callable, backend: str) -> Callable:
 _RECOMPILE_LIMIT_SAID: set = set()
 
 
-def run_compiled(fn: Callable, kernels: Kernels, *args, eager: Callable, tp_dropout: bool = False, **kwargs):
-    """``fn(*args, **kwargs)``, a compiled block or segment, its ops reading ``kernels`` while Dynamo traces them;
-    ``eager(*args, **kwargs)`` (the same maths uncompiled) where Dynamo refuses another graph of it.
+def run_compiled(segment: Callable, kernels: Kernels, *args, tp_dropout: bool = False, **kwargs):
+    """``segment(*args, **kwargs)`` compiled with ``kernels.compile_blocks`` (:func:`compiled_segment`), its ops
+    reading ``kernels`` while Dynamo traces them; ``segment`` itself where Dynamo refuses another graph of it.
 
     ``tp_dropout``: the region draws attention dropout, which eager code draws from the TP stream
     (:func:`domino.parallel.random.tp_region_rng`); a graph cannot swap generators, so the fork is made here,
@@ -341,13 +341,13 @@ def run_compiled(fn: Callable, kernels: Kernels, *args, eager: Callable, tp_drop
     try:
         with tp_region_rng(tp_dropout):
             try:
-                return fn(*args, **kwargs)
+                return compiled_segment(segment, kernels.compile_blocks)(*args, **kwargs)
             except torch._dynamo.exc.FailOnRecompileLimitHit:
-                if eager not in _RECOMPILE_LIMIT_SAID:
-                    _RECOMPILE_LIMIT_SAID.add(eager)
+                if segment not in _RECOMPILE_LIMIT_SAID:
+                    _RECOMPILE_LIMIT_SAID.add(segment)
                     logger.warning("%s: torch.compile's recompile limit reached; its new shapes and modes run "
-                                   "eagerly (TORCH_LOGS=recompiles says why)", getattr(eager, "__qualname__", eager))
-                return eager(*args, **kwargs)
+                                   "eagerly (TORCH_LOGS=recompiles says why)", segment.__qualname__)
+                return segment(*args, **kwargs)
     finally:
         _block_kernels = outer
 
@@ -361,5 +361,4 @@ def run_compiled_block(block: torch.nn.Module, kernels: Kernels, *args, tp_dropo
     compiles each ``TransformerBlock`` with ``fullgraph=True`` (``torchtitan/models/llama3/infra/parallelize.py``):
     applied from outside, so parameter names and checkpoints stay those of the eager model; one graph for every
     block of the same structure (:func:`compiled_segment`)."""
-    return run_compiled(compiled_segment(_run_block, kernels.compile_blocks), kernels, block, *args,
-                        eager=_run_block, tp_dropout=tp_dropout, **kwargs)
+    return run_compiled(_run_block, kernels, block, *args, tp_dropout=tp_dropout, **kwargs)

@@ -59,24 +59,6 @@ def full_input(saved: torch.Tensor, slot: Optional[GradSlot]) -> Callable[[], to
     return (lambda: saved) if slot is None else slot.restore(saved)
 
 
-class _OnBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, action):
-        ctx.action = action
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.action(grad)
-        return grad, None
-
-
-def on_backward(x: torch.Tensor, action: Callable[[torch.Tensor], None]) -> torch.Tensor:
-    """Identity forward; in backward, calls ``action(grad)`` before passing ``x``'s gradient on (it may launch a
-    collective on it, or wait for one)."""
-    return _OnBackward.apply(x, action)
-
-
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, slot, rec):

@@ -204,7 +204,7 @@ MUTATIONS: List[Mutation] = [
              "n is not None and (below is None or p.name < tag))[::-1]]",
              ["tests/checkpoint/test_hostile_names.py::test_checkpoints_past_ten_million_iterations_order_by_number"]),
     Mutation("segment-attention-dropout-on-the-default-stream", "domino/model/segments.py",
-             "tp_dropout=attention.attention_dropout > 0 and attention.training)", "tp_dropout=False)",
+             "tp_dropout=draws_tp_dropout(attention))", "tp_dropout=False)",
              ["tests/model/test_model_compiled_segments.py::"
               "test_attention_dropout_in_a_segment_draws_the_tp_stream"]),
     Mutation("context-parallel-block-compiled-whole", "domino/model/stack.py",
