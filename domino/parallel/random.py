@@ -126,7 +126,8 @@ def tp_region_rng(active: bool = True) -> Iterator[None]:
     Lets modules without dropout (or processes that never seeded the tracker, e.g. inference) run unchanged.
     Inside another ``tp_region_rng`` a no-op: the TP stream is already current, and an inner fork would give the
     outer one back the state it started from (the draws in between repeated next time). While Dynamo traces, a
-    no-op too: a graph cannot swap generator states, so whoever calls a compiled region that
+    no-op too: a graph cannot swap generator states (Dynamo refuses ``torch.get_rng_state``/``set_rng_state``,
+    which AOT autograd would drop: torch 2.13 ``torch/_dynamo/trace_rules.py``), so whoever calls a compiled region that
     draws the TP stream's dropout forks around the whole call (:func:`domino.parallel.kernels.run_compiled`; the
     compiled graph seeds its random numbers from the generator current when it runs).
     """
